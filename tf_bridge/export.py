@@ -256,31 +256,178 @@ def convert_float_twin(twin, opset: int) -> onnx.ModelProto:
     """tf2onnx conversion of the float twin at ``opset`` (inference mode, dynamic batch).
 
     Raises:
-        ExportError: tf2onnx fails (its message shortened, with what to try), or the graph
-            holds fake-quantization ops.
+        ExportError: ``opset`` below 13; tf2onnx fails, leaves TensorFlow ops unconverted or
+            makes a graph the ONNX checker refuses (one line: tf2onnx's message shortened, the
+            ops and their layers, what to try); or the graph holds fake-quantization ops.
     """
     import tensorflow as tf
 
+    if int(opset) < 13:
+        raise ExportError(f"export_onnx: opset {opset} is below 13, the first with per-channel "
+                          f"QuantizeLinear; use opset=13..{_tf2onnx_max_opset()}")
     specs = [tf.TensorSpec((None, *t.shape[1:]), t.dtype, name=t.name.split(":")[0]) for t in twin.inputs]
 
     @tf.function(input_signature=specs)
     def forward(*xs):
         return twin(list(xs) if len(xs) > 1 else xs[0], training=False)
 
-    try:
-        concrete = forward.get_concrete_function(*specs)
-        captured = _captured_constants(concrete)
-        proto = _tf2onnx_without_conv_folding(concrete, [s.name for s in specs], int(opset))
-    except Exception as exc:  # tf2onnx raises many types
-        raise ExportError(f"export_onnx: tf2onnx could not convert model '{twin.name}' at opset {opset}: "
-                          f"{brief(exc)}; try opset=13..18, or replace the layer it names") from None
-    _inline_captured(proto, captured, {s.name for s in specs})
-    found = sorted({n.op_type for n in proto.graph.node if n.op_type in _FAKE_QUANT_OPS})
-    if found:
-        raise ExportError(f"export_onnx: the float graph of '{twin.name}' holds {', '.join(found)}; "
-                          "export the model returned by tf_bridge.quantize_model, "
-                          "not a model with its own fake-quant")
+    with Tf2onnxLog() as log:
+        try:
+            concrete = forward.get_concrete_function(*specs)
+            captured = _captured_constants(concrete)
+            proto = _tf2onnx_without_conv_folding(concrete, [s.name for s in specs], int(opset))
+        except Exception as exc:  # tf2onnx raises many types
+            failed = f" (it could not convert {_describe_ops(log.failures, twin, log.ops)})" \
+                if log.failures else ""
+            raise ExportError(f"export_onnx: tf2onnx {_tf2onnx_version()} could not convert model "
+                              f"'{twin.name}' at opset {opset}: "
+                              f"{brief(exc).replace('make_sure failure: ', '')}{failed}; "
+                              f"{_what_to_try(bool(failed))}") from None
+        _inline_captured(proto, captured, {s.name for s in specs})
+        found = sorted({n.op_type for n in proto.graph.node if n.op_type in _FAKE_QUANT_OPS})
+        if found:
+            raise ExportError(f"export_onnx: the float graph of '{twin.name}' holds {', '.join(found)}; "
+                              "export the model returned by tf_bridge.quantize_model, "
+                              "not a model with its own fake-quant")
+        check_converted(proto, twin, int(opset), log.failures)
     return proto
+
+
+class Tf2onnxLog(logging.Handler):
+    """tf2onnx's warnings and errors during one conversion, held back (``with Tf2onnxLog() as log``).
+
+    tf2onnx logs each op it cannot convert (with a traceback when an op handler fails) and
+    goes on. The records are replayed unchanged when the block ends normally, and only logged
+    at debug level when it raises (the conversion is refused in one line). ``failures`` maps
+    each TensorFlow node tf2onnx could not convert to its reason ("" when it has no handler),
+    ``ops`` the nodes it names with their op types.
+    """
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: List[logging.LogRecord] = []
+        self.failures: dict = {}
+        self.ops: dict = {}
+        self._logger = logging.getLogger("tf2onnx")
+        self._propagate = True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        message, args = (record.msg if isinstance(record.msg, str) else ""), record.args or ()
+        if message.startswith("Failed to convert node") and args:
+            reason = brief(record.exc_info[1], 160, first_line=True) if record.exc_info else ""
+            self.failures[str(args[0])] = reason.replace("make_sure failure: ", "")
+        elif message.startswith("Tensorflow op [") and len(args) == 2:
+            self.failures.setdefault(str(args[0]), "")
+            self.ops[str(args[0])] = str(args[1])
+
+    def __enter__(self) -> "Tf2onnxLog":
+        self._propagate = self._logger.propagate
+        self._logger.addHandler(self)
+        self._logger.propagate = False
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._logger.removeHandler(self)
+        self._logger.propagate = self._propagate
+        for record in self.records:
+            if exc_type is None:
+                logging.getLogger(record.name).handle(record)
+            else:
+                logger.debug("tf2onnx: %s", record.getMessage())
+
+
+def check_converted(proto: onnx.ModelProto, twin, opset: int, failures: Optional[Mapping[str, str]] = None
+                    ) -> None:
+    """Refuse a tf2onnx result that still holds TensorFlow ops or that ``onnx.checker`` refuses.
+
+    tf2onnx keeps an op it cannot convert as a node of its TensorFlow type (``Lgamma``,
+    ``FFT``...) and returns the graph. Every node, subgraphs included, must be a standard ONNX
+    op (domain ``""``, ``ai.onnx`` or ``ai.onnx.ml``) with a schema at the model's opset.
+    ``failures``: tf2onnx's reasons by node name (:class:`Tf2onnxLog`).
+
+    Raises:
+        ExportError: one line naming the ops, their Keras layers and tf2onnx's reasons.
+    """
+    versions = {("" if o.domain in ("", "ai.onnx") else o.domain): o.version for o in proto.opset_import}
+    bad = {n.name: n.op_type for n in _all_nodes(proto.graph) if not _is_standard(n, versions)}
+    if bad:
+        reasons = {name: (failures or {}).get(name, "") for name in bad}
+        raise ExportError(f"export_onnx: tf2onnx {_tf2onnx_version()} left TensorFlow op(s) of model "
+                          f"'{twin.name}' unconverted at opset {opset}: {_describe_ops(reasons, twin, bad)}; "
+                          f"{_what_to_try()}")
+    if proto.ByteSize() < onnx.checker.MAXIMUM_PROTOBUF:
+        try:
+            onnx.checker.check_model(proto)
+        except Exception as exc:  # onnx raises ValidationError and others
+            raise ExportError(f"export_onnx: tf2onnx {_tf2onnx_version()} made an invalid ONNX model of "
+                              f"'{twin.name}' at opset {opset}: {brief(exc, 160, first_line=True)}; "
+                              f"{_what_to_try()}") from None
+
+
+def _all_nodes(graph):
+    """Every node of ``graph`` and of its subgraphs (If/Loop/Scan bodies), in order."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _all_nodes(sub)
+
+
+def _is_standard(node, versions: Mapping[str, int]) -> bool:
+    """A node of a standard ONNX domain with a schema at the model's opset for that domain."""
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    if domain not in ("", "ai.onnx.ml") or domain not in versions:
+        return False
+    try:
+        onnx.defs.get_schema(node.op_type, versions[domain], domain)
+    except onnx.defs.SchemaError:
+        return False
+    return True
+
+
+def _describe_ops(reasons: Mapping[str, str], twin, op_types: Optional[Mapping[str, str]] = None) -> str:
+    """``Lgamma in layer 'special'; FFT in layer 'spectrum' (reason)``: sorted, at most three."""
+    import re
+
+    layers = _layer_names(twin)
+    parts = []
+    for name in sorted(reasons):
+        op = (op_types or {}).get(name) or name.rsplit("/", 1)[-1]
+        scopes = [re.sub(r"_\d+$", "", c) if c not in layers else c for c in name.split("/")[:-1]]
+        layer = next((c for c in reversed(scopes) if c in layers), None)
+        text = op + (f" in layer '{layer}'" if layer else f" (node '{name}')")
+        text += f" ({reasons[name]})" if reasons[name] else ""
+        if text not in parts:
+            parts.append(text)
+    return "; ".join(parts[:3]) + (f"; and {len(parts) - 3} more" if len(parts) > 3 else "")
+
+
+def _layer_names(model) -> set:
+    """The names of every layer of ``model`` and of its nested models."""
+    names = set()
+    for layer in getattr(model, "layers", ()):
+        names.add(layer.name)
+        names |= _layer_names(layer)
+    return names
+
+
+def _tf2onnx_version() -> str:
+    import tf2onnx
+
+    return tf2onnx.__version__
+
+
+def _tf2onnx_max_opset() -> int:
+    from tf2onnx import constants
+
+    return max(constants.OPSET_TO_IR_VERSION)
+
+
+def _what_to_try(layer: bool = True) -> str:
+    replace = "replace that layer with built-in Keras layers, " if layer else ""
+    return (f"nothing was written; try another opset (13..{_tf2onnx_max_opset()}), {replace}or export the "
+            "float model to ONNX another way and quantize it with `onnx-qat quantize`")
 
 
 #: Grappler passes the frozen graph gets: ``tf2onnx.tf_loader.tf_optimize`` minus ``constfold``, whose
