@@ -144,19 +144,72 @@ def _rule_key(rule: str):
 
 
 # -- a read-only index of one graph --------------------------------------------------------------
+#: NumPy types of the tensor element types whose raw bytes :meth:`_Graph.array` reads directly.
+_RAW_DTYPES = {1: "<f4", 2: "u1", 3: "i1", 4: "<u2", 5: "<i2", 6: "<i4", 7: "<i8", 10: "<f2", 11: "<f8",
+               12: "<u4", 13: "<u8"}
+
+
+class _Types:
+    """Declared and (on demand) inferred element types and shapes of one graph's tensors.
+
+    Declared value infos (graph inputs, outputs, ``value_info``) are read when first asked
+    for; onnx shape inference runs only when a rule asks about a tensor whose declaration
+    is missing or incomplete (no element type, or a shape with unknown dimensions), and
+    then at most once. A complete declaration is trusted as it is.
+    """
+
+    def __init__(self, graph, infer: Optional[Callable[[], list]]):
+        self._graph = graph
+        self._infer = infer
+        self._declared: Optional[dict] = None
+        self._inferred: Optional[dict] = None
+
+    def _find(self, tensor: str, complete: Callable) -> Optional[object]:
+        """The tensor type of ``tensor``: the declared one when ``complete`` accepts it, else the
+        inferred one, else the declared one (or None)."""
+        if self._declared is None:
+            g = self._graph
+            self._declared = {vi.name: vi for part in (g.input, g.output, g.value_info) for vi in part}
+        declared = _tensor_type(self._declared.get(tensor))
+        if declared is not None and complete(declared):
+            return declared
+        if self._inferred is None:
+            self._inferred = {vi.name: vi for vi in self._infer()} if self._infer is not None else {}
+        inferred = _tensor_type(self._inferred.get(tensor))
+        return inferred if inferred is not None and complete(inferred) else declared or inferred
+
+    def elem_type(self, tensor: str) -> Optional[int]:
+        tt = self._find(tensor, lambda t: t.elem_type != 0)
+        return tt.elem_type if tt is not None and tt.elem_type else None
+
+    def shape(self, tensor: str) -> Optional[Tuple[Optional[int], ...]]:
+        tt = self._find(tensor, lambda t: t.HasField("shape") and all(d.HasField("dim_value")
+                                                                       for d in t.shape.dim))
+        if tt is None or not tt.HasField("shape"):
+            return None
+        return tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+
+
+def _tensor_type(value_info):
+    if value_info is None or not value_info.type.HasField("tensor_type"):
+        return None
+    return value_info.type.tensor_type
+
+
 @dataclass
 class _Graph:
     """Producers, consumers, constants and types of one (sub)graph, read from the protobuf."""
 
     nodes: list
     names: List[str]
+    ops: List[str]
     producer: Dict[str, int]
     consumers: Dict[str, List[Tuple[int, int]]]
     constants: Dict[str, object]          # name -> onnx.TensorProto (converted lazily)
-    elem_types: Dict[str, int]
-    shapes: Dict[str, Tuple[Optional[int], ...]]
+    types: _Types
     outputs: frozenset
     opset: Optional[int]
+    qdq: List[Tuple[object, str]] = field(default_factory=list)   # (node, name) of every Q/DQ node
     _arrays: Dict[str, object] = field(default_factory=dict)
 
     def array(self, name: str):
@@ -164,11 +217,7 @@ class _Graph:
         if name not in self.constants:
             return None
         if name not in self._arrays:
-            from onnx import numpy_helper
-            try:
-                self._arrays[name] = numpy_helper.to_array(self.constants[name])
-            except Exception:  # external data not loaded, corrupt tensor...
-                self._arrays[name] = None
+            self._arrays[name] = _to_array(self.constants[name])
         return self._arrays[name]
 
     def producer_node(self, tensor: str):
@@ -179,8 +228,8 @@ class _Graph:
         return [(self.nodes[i], self.names[i], k) for i, k in self.consumers.get(tensor, ())]
 
     def producer_op(self, tensor: str) -> Optional[str]:
-        node = self.producer_node(tensor)
-        return None if node is None else node.op_type
+        idx = self.producer.get(tensor)
+        return None if idx is None else self.ops[idx]
 
     def name_of_producer(self, tensor: str) -> str:
         idx = self.producer.get(tensor)
@@ -214,12 +263,27 @@ class _Graph:
     def elem_type(self, tensor: str) -> Optional[int]:
         if tensor in self.constants:
             return self.constants[tensor].data_type
-        return self.elem_types.get(tensor)
+        return self.types.elem_type(tensor)
 
     def shape(self, tensor: str) -> Optional[Tuple[Optional[int], ...]]:
         if tensor in self.constants:
             return tuple(int(d) for d in self.constants[tensor].dims)
-        return self.shapes.get(tensor)
+        return self.types.shape(tensor)
+
+
+def _to_array(tensor):
+    """A TensorProto's value as a numpy array (raw little-endian bytes read directly), or None
+    when it cannot be read (external data not loaded, corrupt tensor...)."""
+    import numpy as np
+    dtype = _RAW_DTYPES.get(tensor.data_type)
+    try:
+        if dtype is not None and tensor.HasField("raw_data") and tensor.data_location == 0:
+            dims = tuple(tensor.dims)
+            return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(dims).astype(dtype[-2:], copy=False)
+        from onnx import numpy_helper
+        return numpy_helper.to_array(tensor)
+    except Exception:  # external data not loaded, corrupt tensor...
+        return None
 
 
 def _node_name(node, index: int, prefix: str) -> str:
@@ -241,47 +305,56 @@ def _constant_tensor(node):
     return None
 
 
-def _index_graph(graph, value_types, outer_constants, opset, prefix) -> _Graph:
+def _index_graph(graph, infer, outer_constants, opset, prefix) -> _Graph:
+    """One pass over ``graph``'s nodes: names, op types, producers, consumers, constants, Q/DQ nodes."""
     constants = dict(outer_constants)
     for init in graph.initializer:
         constants[init.name] = init
-    producer, consumers, names = {}, {}, []
-    for i, node in enumerate(graph.node):
-        names.append(_node_name(node, i, prefix))
-        for out in node.output:
+    nodes = list(graph.node)
+    producer, consumers, names, ops, qdq = {}, {}, [], [], []
+    for i, node in enumerate(nodes):
+        op = node.op_type
+        name = prefix + (node.name or f"<{op} #{i}>")
+        names.append(name)
+        ops.append(op)
+        outputs = node.output
+        for out in outputs:
             if out:
                 producer[out] = i
         for k, inp in enumerate(node.input):
             if inp:
-                consumers.setdefault(inp, []).append((i, k))
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+                found = consumers.get(inp)
+                if found is None:
+                    consumers[inp] = [(i, k)]
+                else:
+                    found.append((i, k))
+        if op == "QuantizeLinear" or op == "DequantizeLinear":
+            qdq.append((node, name))
+        elif op == "Constant" and node.domain in ("", "ai.onnx") and outputs:
             tensor = _constant_tensor(node)
             if tensor is not None:
-                constants[node.output[0]] = tensor
-    elem_types, shapes = {}, {}
-    for vi in list(graph.input) + list(graph.output) + list(graph.value_info) + list(value_types):
-        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
-        if tt is None:
-            continue
-        if tt.elem_type:
-            elem_types[vi.name] = tt.elem_type
-        if tt.HasField("shape"):
-            shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
-    return _Graph(list(graph.node), names, producer, consumers, constants, elem_types, shapes,
-                  frozenset(o.name for o in graph.output), opset)
+                constants[outputs[0]] = tensor
+    return _Graph(nodes, names, ops, producer, consumers, constants, _Types(graph, infer),
+                  frozenset(o.name for o in graph.output), opset, qdq)
 
 
-def _all_graphs(model, opset, value_types) -> List[_Graph]:
-    """The main graph and every If/Loop/Scan body, each indexed, outer constants visible inside."""
+def _all_graphs(model, opset, infer) -> List[_Graph]:
+    """The main graph and every If/Loop/Scan body, each indexed, outer constants visible inside
+    (``infer``: shape inference of the main graph, run only if a rule needs it)."""
     from onnx import AttributeProto
     result = []
 
     def walk(graph, outer, prefix):
-        index = _index_graph(graph, value_types if not prefix else (), outer, opset, prefix)
+        index = _index_graph(graph, infer if not prefix else None, outer, opset, prefix)
         result.append(index)
-        for i, node in enumerate(graph.node):
+        for i, node in enumerate(index.nodes):
             for attr in node.attribute:
-                subs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)
+                if attr.type == AttributeProto.GRAPH:
+                    subs = [attr.g]
+                elif attr.type == AttributeProto.GRAPHS:
+                    subs = list(attr.graphs)
+                else:
+                    continue
                 for sub in subs:
                     walk(sub, index.constants, f"{_node_name(node, i, prefix)}/{attr.name}/")
 
@@ -465,6 +538,39 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
                 yield Finding("C4", ERROR, name, f"zero point {zp!r} is not all zero (e.g. "
                               f"{int(values.reshape(-1)[(values.reshape(-1) != 0).argmax()])}); "
                               "TensorRT needs symmetric quantization")
+
+
+def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
+    """C4 for the ``ort-cpu`` target (error): zero points constant, int8 zeros or uint8 0 / 128.
+
+    The ort-cpu form (:mod:`onnx_qat.ort_cpu`) stores activations as uint8 with zero point 128 (or 0
+    where they are non-negative) and some weights as uint8 ``q + 128``: the same values as int8 with
+    zero point 0. Any other zero point is not a form that target writes.
+    """
+    import numpy as np
+    from onnx import TensorProto
+    for g in graphs:
+        for node, name in _qdq_nodes(g):
+            zp = _input(node, 2)
+            if (_is_dq(node) and g.elem_type(_input(node, 0)) == TensorProto.INT32) or not zp:
+                continue  # C3 reports a quantized bias; no zero point means uint8 zero point 0
+            if not g.is_constant(zp):
+                yield Finding("C4", ERROR, name, f"zero point {zp!r} is not a constant")
+                continue
+            dtype, values = g.elem_type(zp), g.array(zp)
+            allowed = {TensorProto.INT8: (0,), TensorProto.UINT8: (0, 128)}.get(dtype)
+            if allowed is None or (values is not None and not np.isin(values, allowed).all()):
+                yield Finding("C4", ERROR, name, f"zero point {zp!r} is not int8 0 or uint8 0/128, "
+                              "the zero points of the ort-cpu form")
+
+
+#: Rules the ``ort-cpu`` target replaces (rule function) or leaves out (None), with the reason.
+ORT_CPU_RULES: Dict[str, Tuple[Optional[Callable], str]] = {
+    "C4": (rule_c4_ort_cpu_zero_points, "uint8 activations with zero point 128 or 0 (same values)"),
+    "C11": (None, "the Conv output feeding a residual Add is a requantization point (CPU1): "
+                  "onnxruntime forms QLinearConv only with a QuantizeLinear on the Conv output"),
+    "C14": (None, "a Q/DQ between Conv and Relu is a requantization point (CPU1), for QLinearConv"),
+}
 
 
 def rule_c5_scales(model, graphs) -> Iterator[Finding]:
@@ -791,12 +897,24 @@ def _inferred_value_info(model):
         return []
 
 
-def check(model) -> CheckReport:
+def _rules_for(target) -> Tuple[Callable, ...]:
+    """The rule functions :func:`check` runs for ``target`` (a target name, or None for tensorrt)."""
+    from .targets import get_target
+
+    name = get_target(target).name
+    replaced = ORT_CPU_RULES if name == "ort-cpu" else {}
+    rules = (replaced[rule_id][0] if rule_id in replaced else rule for rule_id, _, _, rule in RULES)
+    return tuple(rule for rule in rules if rule is not None)
+
+
+def check(model, *, target: Optional[str] = None) -> CheckReport:
     """Check a Q/DQ ONNX model for TensorRT explicit-quantization readiness.
 
     Args:
         model: a path (loaded without opset upgrade, so an old opset is reported)
             or an ``onnx.ModelProto`` (read only, never modified).
+        target: ``None``/``"tensorrt"`` (every rule), or ``"ort-cpu"``: the rules that apply to
+            that form, with :data:`ORT_CPU_RULES` replacing C4 and leaving out C11 and C14.
 
     Returns:
         A :class:`CheckReport`; ``bool(report)`` is True when no rule found an
@@ -805,11 +923,12 @@ def check(model) -> CheckReport:
     Raises:
         ModelError: the model cannot be read.
     """
+    rules = _rules_for(target)
     proto, label = _load(model)
     opset = _default_opset(proto)
     graphs = _all_graphs(proto, opset, _inferred_value_info(proto))
     findings = []
-    for _rule_id, _severity, _what, rule in RULES:
+    for rule in rules:
         findings.extend(rule(proto, graphs))
     num_q = sum(1 for g in graphs for n in g.nodes if _is_q(n))
     num_dq = sum(1 for g in graphs for n in g.nodes if _is_dq(n))
@@ -818,4 +937,4 @@ def check(model) -> CheckReport:
     return CheckReport(tuple(findings), num_q, num_dq, label, opset)
 
 
-__all__ = ["check", "CheckReport", "Finding", "RULES", "ERROR", "WARNING"]
+__all__ = ["check", "CheckReport", "Finding", "RULES", "ORT_CPU_RULES", "ERROR", "WARNING"]

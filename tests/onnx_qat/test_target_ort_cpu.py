@@ -209,6 +209,28 @@ def test_check_differs_by_the_uint8_zero_points_and_the_requantization_points():
     assert {f.rule for f in report.findings if f.severity == "warning"} == {"C11", "C14"}
 
 
+def test_check_for_the_ort_cpu_target_passes_with_no_findings(cnn):
+    """``check(..., target="ort-cpu")`` replaces C4 by the form's zero points (int8 0, uint8 0/128) and
+    leaves out C11/C14 (the requantization points): the ort-cpu model has no finding at all."""
+    model = folded_residual()
+    result = onnx_qat.quantize(model, scales=B.amax_table(model, _feeds(model, 1)), target="ort-cpu",
+                               progress=False)
+    report = onnx_qat.check(result.model, target="ort-cpu")
+    assert report.passed and report.findings == ()
+    assert onnx_qat.check(cnn[2].model, target="ort-cpu").passed  # a tensorrt model is a valid ort-cpu form
+
+
+def test_check_for_the_ort_cpu_target_still_refuses_other_zero_points(cnn):
+    model = onnx.ModelProto()
+    model.CopyFrom(cnn[3].model)
+    zp = next(i for i in model.graph.initializer if i.name == "input_zero_point")
+    zp.CopyFrom(onnx.numpy_helper.from_array(np.array(100, np.uint8), zp.name))
+    findings = onnx_qat.check(model, target="ort-cpu").findings
+    assert [f.rule for f in findings] == ["C4", "C4"] and "input_zero_point" in findings[0].message
+    with pytest.raises(onnx_qat.errors.ConfigError, match="target 'gpu'"):
+        onnx_qat.check(model, target="gpu")
+
+
 def test_cli_report_lists_the_requantization_points(tmp_path, capsys):
     model = folded_residual()
     src, scales = tmp_path / "m.onnx", tmp_path / "s.json"
