@@ -7,9 +7,10 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
   point 0, scale = amax / 127; activations clamp to [-128, 127], weights are stored in
   [-127, 127]).
 * ``"ort-cpu"``: the same placement and scales for onnxruntime's CPU execution provider:
-  activations uint8 with zero point 128 (bit-identical values, faster x86 kernels) and
-  requantization points on quantized Conv outputs so onnxruntime forms ``QLinearConv``
-  (see :mod:`onnx_qat.ort_cpu`).
+  activations uint8 with zero point 128 (bit-identical values, faster x86 kernels), or 0 where
+  they are non-negative, and requantization points on quantized Conv outputs so onnxruntime
+  forms ``QLinearConv`` (see :mod:`onnx_qat.ort_cpu`; ``onnx_qat.check(model, target="ort-cpu")``
+  checks the rules that apply to this form).
 
 Targets are registered in :data:`_TARGETS`; the inserter reads every dtype and zero point
 from the target, never from constants of its own. A target's optional ``form`` adjusts the
@@ -96,8 +97,8 @@ def _ort_cpu_form():
 
 ORT_CPU = Target(
     name="ort-cpu",
-    description="onnxruntime CPU: uint8 activations with zero point 128 (same values and scales), "
-                "int8 per-channel weights, Conv outputs requantized for QLinearConv",
+    description="onnxruntime CPU: uint8 activations with zero point 128, or 0 where non-negative (same "
+                "scales), int8 per-channel weights, Conv outputs requantized for QLinearConv",
     activation_dtype=np.uint8,
     activation_zero_point=128,
     weight_dtype=np.int8,
