@@ -279,7 +279,8 @@ def _to_array(tensor):
     try:
         if dtype is not None and tensor.HasField("raw_data") and tensor.data_location == 0:
             dims = tuple(tensor.dims)
-            return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(dims).astype(dtype[-2:], copy=False)
+            values = np.frombuffer(tensor.raw_data, dtype=dtype).reshape(dims)
+            return values.astype(values.dtype.newbyteorder("="), copy=False)
         from onnx import numpy_helper
         return numpy_helper.to_array(tensor)
     except Exception:  # external data not loaded, corrupt tensor...
@@ -400,9 +401,8 @@ def _is_dq(node) -> bool:
 
 
 def _qdq_nodes(g: _Graph):
-    for i, node in enumerate(g.nodes):
-        if _is_q(node) or _is_dq(node):
-            yield node, g.names[i]
+    """``(node, name)`` of every QuantizeLinear/DequantizeLinear node of ``g``, in graph order."""
+    return g.qdq
 
 
 def _fed_by_dq(g: _Graph, tensor: str, through_movement: bool = False) -> bool:
@@ -897,6 +897,18 @@ def _inferred_value_info(model):
         return []
 
 
+def _lazy_inference(model) -> Callable[[], list]:
+    """:func:`_inferred_value_info` of ``model``, run the first time it is called (if ever)."""
+    done: list = []
+
+    def infer() -> list:
+        if not done:
+            done.append(_inferred_value_info(model))
+        return done[0]
+
+    return infer
+
+
 def _rules_for(target) -> Tuple[Callable, ...]:
     """The rule functions :func:`check` runs for ``target`` (a target name, or None for tensorrt)."""
     from .targets import get_target
@@ -926,12 +938,12 @@ def check(model, *, target: Optional[str] = None) -> CheckReport:
     rules = _rules_for(target)
     proto, label = _load(model)
     opset = _default_opset(proto)
-    graphs = _all_graphs(proto, opset, _inferred_value_info(proto))
+    graphs = _all_graphs(proto, opset, _lazy_inference(proto))
     findings = []
     for rule in rules:
         findings.extend(rule(proto, graphs))
-    num_q = sum(1 for g in graphs for n in g.nodes if _is_q(n))
-    num_dq = sum(1 for g in graphs for n in g.nodes if _is_dq(n))
+    num_q = sum(1 for g in graphs for n, _ in g.qdq if _is_q(n))
+    num_dq = sum(1 for g in graphs for n, _ in g.qdq if _is_dq(n))
     for finding in findings:
         logger.debug("check %s", finding)
     return CheckReport(tuple(findings), num_q, num_dq, label, opset)
