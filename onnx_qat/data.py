@@ -3,8 +3,8 @@
 The ``.npz`` format: one array per graph input, keyed by the input name, whose
 first axis counts samples (``x: float32[N, 3, 32, 32]`` for an input
 ``x: float32[batch, 3, 32, 32]``). A single-input model accepts one array under any
-key. Files are read with ``np.load(allow_pickle=False)``: object arrays are refused
-and never unpickled.
+key. Files are read by :mod:`onnx_qat.npz` a batch at a time, never whole and never
+unpickled: object arrays are refused from their header.
 
 Contract:
 
@@ -14,9 +14,9 @@ Contract:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import zipfile
 from pathlib import Path
 from types import MappingProxyType
 from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
@@ -24,6 +24,7 @@ from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .errors import DataError, ModelError, brief
+from .npz import MemberReader, NpzMember, read_members
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,86 @@ logger = logging.getLogger(__name__)
 MAX_NPZ_BYTES = 16 * 1024 ** 3
 
 
+class _ArrayColumn:
+    """One input's samples held in memory (already in the model's dtype)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return self.array.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def head(self, n: int) -> "_ArrayColumn":
+        return _ArrayColumn(self.array[:n])
+
+    def open(self) -> "_ArrayReader":
+        return _ArrayReader(self.array)
+
+
+class _ArrayReader(contextlib.AbstractContextManager):
+    """Rows of an in-memory array in order (views, no copies)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.position = array, 0
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+    def read(self, count: int) -> np.ndarray:
+        rows = self.array[self.position:self.position + count]
+        self.position += rows.shape[0]
+        return rows
+
+
+class _FileColumn:
+    """One input's samples in an ``.npz`` member, read a batch at a time; the first ``rows`` of them."""
+
+    __slots__ = ("member", "rows")
+
+    def __init__(self, member: NpzMember, rows: Optional[int] = None):
+        self.member = member
+        self.rows = member.shape[0] if rows is None else rows
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return (self.rows,) + self.member.shape[1:]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.member.dtype
+
+    def head(self, n: int) -> "_FileColumn":
+        return _FileColumn(self.member, min(n, self.rows))
+
+    def open(self) -> MemberReader:
+        return self.member.open()
+
+
+def _column(value) -> "_ArrayColumn | _FileColumn":
+    return value if isinstance(value, (_ArrayColumn, _FileColumn)) else _ArrayColumn(np.asarray(value))
+
+
+def _read_only(column):
+    if isinstance(column, _FileColumn):
+        return column
+    view = column.array.view()
+    view.flags.writeable = False
+    return _ArrayColumn(view)
+
+
 class Dataset:
     """Validated model inputs: one array per graph input, first axis = samples.
 
-    Build it with :func:`load_data` or :func:`generate_data`; arrays are read-only.
+    Build it with :func:`load_data` or :func:`generate_data`. Data from an ``.npz`` file
+    stays in the file: :meth:`batches` reads one batch at a time, so memory does not grow
+    with the number of samples. In-memory arrays are read-only.
 
     Attributes:
         num_samples: the number of samples (the first axis of every array).
@@ -42,22 +119,21 @@ class Dataset:
         source: where the data came from (for messages).
     """
 
-    __slots__ = ("_arrays", "input_names", "num_samples", "source", "_unbatched", "_fixed_batch")
+    __slots__ = ("_columns", "_dtypes", "input_names", "num_samples", "source", "_unbatched", "_fixed_batch")
 
     def __init__(self, arrays: Mapping[str, np.ndarray], *, source: str = "data",
-                 unbatched: Sequence[str] = (), fixed_batch: Optional[int] = None):
+                 unbatched: Sequence[str] = (), fixed_batch: Optional[int] = None,
+                 dtypes: Optional[Mapping[str, np.dtype]] = None):
         names = tuple(arrays)
         if not names:
             raise DataError(f"{source} holds no arrays")
-        counts = {int(np.shape(a)[0]) if np.ndim(a) else 0 for a in arrays.values()}
+        columns = {name: _read_only(_column(value)) for name, value in arrays.items()}
+        counts = {int(c.shape[0]) if len(c.shape) else 0 for c in columns.values()}
         if len(counts) != 1:
             raise DataError(f"{source}: arrays have different sample counts {sorted(counts)}")
-        frozen = {}
-        for name, arr in arrays.items():
-            view = np.asarray(arr).view()
-            view.flags.writeable = False
-            frozen[name] = view
-        self._arrays = MappingProxyType(frozen)
+        dtypes = dtypes or {}
+        self._columns = MappingProxyType(columns)
+        self._dtypes = MappingProxyType({n: np.dtype(dtypes.get(n, c.dtype)) for n, c in columns.items()})
         self.input_names = names
         self.num_samples = counts.pop()
         self.source = source
@@ -66,8 +142,24 @@ class Dataset:
 
     @property
     def arrays(self) -> Mapping[str, np.ndarray]:
-        """Input name -> read-only array (first axis = samples)."""
-        return self._arrays
+        """Input name -> read-only array (first axis = samples).
+
+        Data streamed from an ``.npz`` file is read into memory whole here; :meth:`batches`
+        is the bounded way to go through it.
+        """
+        arrays = {}
+        for name, column in self._columns.items():
+            with column.open() as reader:
+                array = _to_dtype(reader.read(column.shape[0]), self._dtypes[name])
+            if isinstance(column, _FileColumn):
+                array.flags.writeable = False
+            arrays[name] = array
+        return MappingProxyType(arrays)
+
+    @property
+    def streamed(self) -> bool:
+        """True when at least one input is read from a file batch by batch."""
+        return any(isinstance(c, _FileColumn) for c in self._columns.values())
 
     @property
     def unbatched(self) -> bool:
@@ -78,7 +170,7 @@ class Dataset:
         return self.num_samples
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self._arrays.items())
+        shapes = ", ".join(f"{k}: {self._dtypes[k]}{list(c.shape)}" for k, c in self._columns.items())
         return f"Dataset({self.num_samples} samples; {shapes})"
 
     def batch_size_for(self, batch_size: int) -> int:
@@ -92,14 +184,20 @@ class Dataset:
         return int(batch_size)
 
     def batches(self, batch_size: int) -> Iterator[Dict[str, np.ndarray]]:
-        """Yield feeds ready for onnxruntime, ``batch_size`` samples each (the last may be smaller)."""
+        """Yield feeds ready for onnxruntime, ``batch_size`` samples each (the last may be smaller).
+
+        Data from an ``.npz`` file is read here, one batch at a time.
+        """
         size = self.batch_size_for(batch_size)
-        for start in range(0, self.num_samples, size):
-            feed = {}
-            for name, arr in self._arrays.items():
-                chunk = arr[start:start + size]
-                feed[name] = np.ascontiguousarray(chunk[0] if name in self._unbatched else chunk)
-            yield feed
+        with contextlib.ExitStack() as stack:
+            readers = {name: stack.enter_context(c.open()) for name, c in self._columns.items()}
+            for start in range(0, self.num_samples, size):
+                count = min(size, self.num_samples - start)
+                feed = {}
+                for name, reader in readers.items():
+                    chunk = _to_dtype(reader.read(count), self._dtypes[name])
+                    feed[name] = np.ascontiguousarray(chunk[0] if name in self._unbatched else chunk)
+                yield feed
 
     def num_batches(self, batch_size: int) -> int:
         """How many feeds :meth:`batches` yields."""
@@ -113,13 +211,30 @@ class Dataset:
         n = min(int(n), self.num_samples)
         if self._fixed_batch and n % self._fixed_batch:
             n = max(self._fixed_batch, n - n % self._fixed_batch)
-        return Dataset({k: v[:n] for k, v in self._arrays.items()}, source=self.source,
-                       unbatched=tuple(self._unbatched), fixed_batch=self._fixed_batch)
+        return Dataset({k: c.head(n) for k, c in self._columns.items()}, source=self.source,
+                       unbatched=tuple(self._unbatched), fixed_batch=self._fixed_batch, dtypes=self._dtypes)
+
+    def _raw_columns(self) -> Dict[str, "_ArrayColumn | _FileColumn"]:
+        """The columns as stored (files in their own dtype), for validating against other inputs."""
+        return dict(self._columns)
+
+
+def _to_dtype(values: np.ndarray, want: np.dtype) -> np.ndarray:
+    """``values`` in dtype ``want`` (already checked to convert safely)."""
+    if values.dtype == want:
+        return values
+    with np.errstate(over="ignore", invalid="ignore"):
+        return values.astype(want)
 
 
 # --------------------------------------------------------------------------- loading
 def load_data(source, model_or_specs, *, what: str = "data") -> Dataset:
     """Load and validate model inputs.
+
+    An ``.npz`` file is not read into memory: its headers are checked, its values are
+    checked in one pass of a few megabytes at a time, and the returned dataset reads it
+    again batch by batch (:meth:`Dataset.batches`), so memory does not grow with the
+    number of samples. Arrays stored column-major (Fortran order) are read whole.
 
     Args:
         source: a path to an ``.npz`` file (keys = graph input names, first axis =
@@ -132,25 +247,26 @@ def load_data(source, model_or_specs, *, what: str = "data") -> Dataset:
 
     Raises:
         DataError: one line naming the file and key: missing or extra keys, sample
-            counts that differ, shapes or dtypes that do not fit the model, NaN/Inf,
-            zero samples, object arrays, unreadable files.
+            counts that differ, shapes or dtypes that do not fit the model, NaN/Inf
+            (with the first sample holding one), zero samples, object arrays,
+            unreadable files.
     """
     specs = _specs(model_or_specs)
     if isinstance(source, Dataset):
-        arrays, label = dict(source.arrays), source.source
+        columns, label = source._raw_columns(), source.source
     elif isinstance(source, (str, os.PathLike)):
         label = f"{what} {source}"
-        arrays = _read_npz(Path(source), label)
+        columns = _read_npz(Path(source), label)
     elif isinstance(source, np.ndarray):
-        label, arrays = what, {"<array>": source}
+        label, columns = what, {"<array>": source}
     elif isinstance(source, Mapping):
-        label, arrays = what, dict(source)
+        label, columns = what, dict(source)
     elif isinstance(source, (list, tuple)) and source and all(isinstance(b, Mapping) for b in source):
-        label, arrays = what, _concat_batches(source, what)
+        label, columns = what, _concat_batches(source, what)
     else:
         raise DataError(f"{what} must be an .npz path, a dict of arrays, an array or a Dataset; "
                         f"got {type(source).__name__}")
-    return _validate(arrays, specs, label)
+    return _validate(columns, specs, label)
 
 
 def _specs(model_or_specs):
@@ -165,7 +281,8 @@ def _specs(model_or_specs):
     return specs
 
 
-def _read_npz(path: Path, label: str) -> Dict[str, np.ndarray]:
+def _read_npz(path: Path, label: str) -> Dict[str, _FileColumn]:
+    """The archive's members as streamed columns (headers checked, no values read yet)."""
     if not path.exists():
         raise DataError(f"{label} does not exist")
     if path.is_dir():
@@ -184,26 +301,7 @@ def _read_npz(path: Path, label: str) -> Dict[str, np.ndarray]:
             raise DataError(f"{label} holds pickled data, which is never loaded; save plain numeric arrays "
                             f"with np.savez")
         raise DataError(f"{label} is not an .npz archive; save the arrays with np.savez")
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            return {key: _read_member(npz, key, label) for key in npz.files}
-    except DataError:
-        raise
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise DataError(f"{label} is not a readable .npz archive ({brief(exc, first_line=True)})") from None
-
-
-def _read_member(npz, key: str, label: str) -> np.ndarray:
-    try:
-        arr = npz[key]
-    except ValueError as exc:
-        if "pickle" in str(exc).lower() or "object" in str(exc).lower():
-            raise DataError(f"{label}: key {key!r} is an object (pickled) array, which is never loaded; "
-                            f"save plain numeric arrays") from None
-        raise DataError(f"{label}: key {key!r} cannot be read ({brief(exc, first_line=True)})") from None
-    except (OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise DataError(f"{label}: key {key!r} cannot be read ({brief(exc, first_line=True)})") from None
-    return arr
+    return {key: _FileColumn(member) for key, member in read_members(path, label).items()}
 
 
 def _concat_batches(batches, what: str) -> Dict[str, np.ndarray]:
@@ -218,36 +316,39 @@ def _concat_batches(batches, what: str) -> Dict[str, np.ndarray]:
 
 
 # --------------------------------------------------------------------------- validation
-def _match_keys(arrays: Dict[str, np.ndarray], specs, label: str) -> Dict[str, np.ndarray]:
+#: Bytes of stored values checked at a time when an ``.npz`` file is validated.
+CHECK_CHUNK_BYTES = 4 * 1024 ** 2
+
+
+def _match_keys(columns: Dict[str, object], specs, label: str) -> Dict[str, object]:
     names = [s.name for s in specs]
-    if not arrays:
+    if not columns:
         raise DataError(f"{label} holds no arrays; expected {', '.join(repr(n) for n in names)}")
-    if len(specs) == 1 and len(arrays) == 1:
-        return {names[0]: next(iter(arrays.values()))}
-    extra = [k for k in arrays if k not in names]
+    if len(specs) == 1 and len(columns) == 1:
+        return {names[0]: next(iter(columns.values()))}
+    extra = [k for k in columns if k not in names]
     if extra:
         raise DataError(f"{label}: key {extra[0]!r} is not a model input (inputs: {', '.join(names)})")
-    missing = [n for n in names if n not in arrays]
+    missing = [n for n in names if n not in columns]
     if missing:
-        keys = ", ".join(arrays) or "none"
+        keys = ", ".join(columns) or "none"
         raise DataError(f"{label}: model input {missing[0]!r} is missing (keys: {keys})")
-    return {n: arrays[n] for n in names}
+    return {n: columns[n] for n in names}
 
 
-def _validate(arrays: Dict[str, np.ndarray], specs, label: str) -> Dataset:
-    matched = _match_keys(arrays, specs, label)
-    checked, unbatched, fixed = {}, [], set()
+def _validate(columns: Dict[str, object], specs, label: str) -> Dataset:
+    """Headers first (keys, dtypes, shapes, counts), then the values of every input."""
+    matched = {k: _column(v) for k, v in _match_keys(columns, specs, label).items()}
+    unbatched, fixed = [], set()
     for spec in specs:
-        key = spec.name
-        arr = _cast(np.asarray(matched[key]), spec, label)
-        mode = _fit_shape(arr, spec, label)
+        column = matched[spec.name]
+        _check_dtype(column.dtype, spec, label)
+        mode = _fit_shape(column.shape, spec, label)
         if mode == "unbatched":
-            unbatched.append(key)
+            unbatched.append(spec.name)
         elif spec.shape and spec.shape[0] is not None:
             fixed.add(spec.shape[0])
-        _check_finite(arr, key, label)
-        checked[key] = arr
-    counts = {k: a.shape[0] for k, a in checked.items()}
+    counts = {k: c.shape[0] for k, c in matched.items()}
     if len(set(counts.values())) != 1:
         detail = ", ".join(f"{k}: {n}" for k, n in counts.items())
         raise DataError(f"{label}: inputs have different sample counts ({detail})")
@@ -255,7 +356,9 @@ def _validate(arrays: Dict[str, np.ndarray], specs, label: str) -> Dataset:
     if count == 0:
         raise DataError(f"{label} has zero samples; give at least one")
     fixed_batch = _fixed_batch(fixed, unbatched, count, label)
-    return Dataset(checked, source=label, unbatched=unbatched, fixed_batch=fixed_batch)
+    checked = {spec.name: _check_values(matched[spec.name], spec, label) for spec in specs}
+    dtypes = {spec.name: np.dtype(spec.dtype) for spec in specs}
+    return Dataset(checked, source=label, unbatched=unbatched, fixed_batch=fixed_batch, dtypes=dtypes)
 
 
 def _fixed_batch(fixed: set, unbatched: list, count: int, label: str) -> Optional[int]:
@@ -269,11 +372,22 @@ def _fixed_batch(fixed: set, unbatched: list, count: int, label: str) -> Optiona
     return size
 
 
-def _cast(arr: np.ndarray, spec, label: str) -> np.ndarray:
+def _check_values(column, spec, label: str):
+    """An in-memory column converted to the model's dtype; a file column checked in chunks, left in place."""
+    want = np.dtype(spec.dtype)
+    if isinstance(column, _ArrayColumn):
+        return _convert(column.array, want, spec.name, label, 0)
+    rows = max(1, CHECK_CHUNK_BYTES // max(1, column.member.row_nbytes))
+    with column.open() as reader:
+        for start in range(0, column.shape[0], rows):
+            _convert(reader.read(rows), want, spec.name, label, start)
+    return column
+
+
+def _check_dtype(have: np.dtype, spec, label: str) -> None:
     key, want = spec.name, np.dtype(spec.dtype)
-    have = arr.dtype
     if have == want:
-        return arr
+        return
     if have.kind in "OUSVMm" or have.hasobject:
         raise DataError(f"{label}: key {key!r} has dtype {have}, the model input needs {want}")
     ok = np.can_cast(have, want, "same_kind") or (have.kind in "biu" and want.kind in "fc")
@@ -282,28 +396,34 @@ def _cast(arr: np.ndarray, spec, label: str) -> np.ndarray:
     if not ok:
         raise DataError(f"{label}: key {key!r} has dtype {have}, which does not convert safely to the "
                         f"model's {want}; save it as {want}")
-    if have.kind in "iu" and want.kind in "iu" and arr.size:
+
+
+def _convert(values: np.ndarray, want: np.dtype, key: str, label: str, first: int) -> np.ndarray:
+    """``values`` (samples ``first``...) in the model's dtype, after the range and finiteness checks."""
+    if values.dtype.kind in "iu" and want.kind in "iu" and values.size and values.dtype != want:
         info = np.iinfo(want)
-        if arr.min() < info.min or arr.max() > info.max:
+        if values.min() < info.min or values.max() > info.max:
             raise DataError(f"{label}: key {key!r} has values outside the range of the model's {want}")
-    with np.errstate(over="ignore", invalid="ignore"):
-        return arr.astype(want)
+    converted = _to_dtype(values, want)
+    _check_finite(converted, key, label, first)
+    return converted
 
 
-def _fit_shape(arr: np.ndarray, spec, label: str) -> str:
+def _fit_shape(shape: Tuple[int, ...], spec, label: str) -> str:
     """'batched' (first axis = the model's batch axis) or 'unbatched' (model has no sample axis)."""
+    shape = tuple(shape)
     if spec.shape is None:
-        if arr.ndim < 1:
+        if len(shape) < 1:
             raise DataError(f"{label}: key {spec.name!r} needs a first axis of samples")
         return "batched"
     want = spec.shape
-    if want and arr.ndim == len(want) and _dims_fit(arr.shape[1:], want[1:]):
+    if want and len(shape) == len(want) and _dims_fit(shape[1:], want[1:]):
         return "batched"
-    if arr.ndim == len(want) + 1 and _dims_fit(arr.shape[1:], want):
+    if len(shape) == len(want) + 1 and _dims_fit(shape[1:], want):
         return "unbatched"
     expected = ",".join("N" if d is None else str(d) for d in want[1:])
     expected = f"[N{',' if expected else ''}{expected}]" if want else "[N]"
-    raise DataError(f"{label}: key {spec.name!r} has shape {list(arr.shape)}, the model input "
+    raise DataError(f"{label}: key {spec.name!r} has shape {list(shape)}, the model input "
                     f"{spec.name!r} needs {expected} (first axis = samples)")
 
 
@@ -311,15 +431,21 @@ def _dims_fit(have: Tuple[int, ...], want: Tuple[Optional[int], ...]) -> bool:
     return len(have) == len(want) and all(w is None or h == w for h, w in zip(have, want))
 
 
-def _check_finite(arr: np.ndarray, key: str, label: str) -> None:
+def _check_finite(arr: np.ndarray, key: str, label: str, first: int = 0) -> None:
+    """One line naming the key and the first sample (counted from ``first``) holding NaN or Inf."""
     if arr.dtype.kind not in "fc" or arr.size == 0:
         return
     finite = np.isfinite(arr)
-    if not finite.all():
-        bad = int(arr.size - np.count_nonzero(finite))
-        nan = int(np.count_nonzero(np.isnan(arr)))
-        kinds = "NaN" if nan == bad else ("Inf" if nan == 0 else "NaN/Inf")
-        raise DataError(f"{label}: key {key!r} has {bad} {kinds} value(s); give finite numbers")
+    if finite.all():
+        return
+    per_sample = finite.reshape(finite.shape[0], -1) if finite.ndim else finite.reshape(1, -1)
+    index = int(np.argmin(per_sample.all(axis=1)))
+    sample = np.asarray(arr[index] if arr.ndim else arr)
+    bad = int(sample.size - np.count_nonzero(per_sample[index]))
+    nan = int(np.count_nonzero(np.isnan(sample)))
+    kinds = "NaN" if nan == bad else ("Inf" if nan == 0 else "NaN/Inf")
+    raise DataError(f"{label}: key {key!r} has {bad} {kinds} value(s) in sample {first + index}; "
+                    f"give finite numbers")
 
 
 # --------------------------------------------------------------------------- generation

@@ -189,3 +189,101 @@ def test_generate_data_deterministic_and_valid():
     specs = (InputSpec("z", np.dtype(np.float32), (2, None, 5)),)
     c = generate_data(specs, num_samples=3)
     assert c.arrays["z"].shape == (4, 1, 5)  # rounded up to the fixed batch of 2
+
+
+# --------------------------------------------------------------------------- streamed .npz files
+def test_npz_is_streamed_and_batches_equal_the_arrays(tmp_path):
+    arrays = _good(7)
+    arrays["x"] = arrays["x"].astype(np.float64)  # cast to the model's float32 batch by batch
+    path = _save(tmp_path, arrays)
+    data = load_data(path, _two_input_model())
+    assert data.streamed and data.num_samples == 7
+    batches = list(data.batches(3))
+    assert [b["x"].shape[0] for b in batches] == [3, 3, 1]
+    assert all(b["x"].dtype == np.float32 and b["x"].flags.c_contiguous for b in batches)
+    np.testing.assert_array_equal(np.concatenate([b["x"] for b in batches]), arrays["x"].astype(np.float32))
+    np.testing.assert_array_equal(np.concatenate([b["mask"] for b in batches]), arrays["mask"])
+    assert data.arrays["ids"].dtype == np.int64 and not data.arrays["ids"].flags.writeable
+    head = data.take(4)
+    assert head.streamed and [b["ids"].shape[0] for b in head.batches(3)] == [3, 1]
+    np.testing.assert_array_equal(np.concatenate([b["ids"] for b in head.batches(3)]), arrays["ids"][:4])
+    again = load_data(data, _two_input_model())  # a Dataset re-validated stays in its file
+    assert again.streamed and again.num_samples == 7
+
+
+def test_compressed_and_column_major_members(tmp_path):
+    arrays = _good(6)
+    arrays["x"] = np.asfortranarray(arrays["x"])
+    path = tmp_path / "c.npz"
+    np.savez_compressed(path, **arrays)
+    data = load_data(path, _two_input_model())
+    got = {k: np.concatenate([b[k] for b in data.batches(4)]) for k in data.input_names}
+    for key, value in arrays.items():
+        np.testing.assert_array_equal(got[key], value)
+
+
+def test_nonfinite_error_names_key_and_first_sample(tmp_path):
+    x = np.random.default_rng(1).standard_normal((40, 3, 4)).astype(np.float32)
+    x[23, 1, 2] = np.nan
+    x[31] = np.inf
+    path = _save(tmp_path, {"inp": x})
+    with pytest.raises(DataError) as info:
+        load_data(path, _single_input_model())
+    msg = str(info.value)
+    assert "\n" not in msg and str(path) in msg and "'inp'" in msg
+    assert "1 NaN value(s) in sample 23" in msg, msg
+
+
+def test_nonfinite_found_in_a_later_check_chunk(tmp_path, monkeypatch):
+    import onnx_qat.data as data_module
+
+    monkeypatch.setattr(data_module, "CHECK_CHUNK_BYTES", 3 * 4 * 4 * 2)  # two samples per check
+    x = np.ones((9, 3, 4), np.float32)
+    x[7, 0, 0] = -np.inf
+    with pytest.raises(DataError, match=r"1 Inf value\(s\) in sample 7"):
+        load_data(_save(tmp_path, {"inp": x}), _single_input_model())
+    with pytest.raises(DataError, match=r"1 Inf value\(s\) in sample 7"):
+        load_data(x, _single_input_model())  # the same line for arrays in memory
+
+
+def test_truncated_member_and_foreign_member_are_data_errors(tmp_path):
+    import zipfile
+
+    x = np.ones((4, 3, 4), np.float32)
+    npy = tmp_path / "x.npy"
+    np.save(npy, x)
+    short = tmp_path / "short.npz"
+    with zipfile.ZipFile(short, "w") as archive:
+        archive.writestr("inp.npy", npy.read_bytes()[:-20])
+    with pytest.raises(DataError, match="'inp' is truncated") as info:
+        load_data(short, _single_input_model())
+    assert str(short) in str(info.value)
+    foreign = tmp_path / "foreign.npz"
+    with zipfile.ZipFile(foreign, "w") as archive:
+        archive.writestr("notes.txt", "hello")
+    with pytest.raises(DataError, match="'notes.txt' is not an .npy array"):
+        load_data(foreign, _single_input_model())
+
+
+def test_streamed_batches_hold_one_batch_in_memory(tmp_path):
+    import tracemalloc
+
+    x = np.random.default_rng(2).standard_normal((512, 3, 64, 64)).astype(np.float32)  # 24 MiB
+    path = _save(tmp_path, {"inp": x})
+    model = _single_input_model(shape=("N", 3, 64, 64))
+    del x
+    tracemalloc.start()
+    try:
+        data = load_data(path, model)
+        _, load_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        total = 0.0
+        for batch in data.batches(8):
+            total += float(batch["inp"][:, 0, 0, 0].sum())
+        _, run_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    batch_bytes = 8 * 3 * 64 * 64 * 4
+    assert load_peak < 3 * 4 * 1024 ** 2, load_peak  # the check pass reads a few MiB at a time
+    assert run_peak < 4 * batch_bytes, run_peak
+    assert np.isfinite(total)
