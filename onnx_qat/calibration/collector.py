@@ -26,6 +26,14 @@ class RangeCollector(abc.ABC):
     def update(self, magnitudes: np.ndarray) -> None:
         """Add a batch of finite, non-negative values (any shape)."""
 
+    def update_values(self, values: np.ndarray, peak: float) -> None:
+        """Add a batch of finite values of any sign whose largest magnitude ``peak`` is known.
+
+        The runner's path: a collector that needs only the peak (``max``) never builds
+        the array of magnitudes. By default ``update(np.abs(values))``.
+        """
+        self.update(np.abs(values))
+
     @abc.abstractmethod
     def amax(self) -> float:
         """The range chosen from everything seen so far (0.0 when everything was zero)."""
@@ -37,6 +45,10 @@ class RangeCollector(abc.ABC):
     def describe(self) -> str:
         """Options of this collector, for the ScaleTable's producer/metadata."""
         return self.method
+
+
+#: Below ``this * num_bins`` a top's bin scale no longer fits a float32 (it would overflow).
+_FLOAT32_SCALE_FLOOR = 1e-37
 
 
 class AbsHistogram:
@@ -61,12 +73,12 @@ class AbsHistogram:
         self.max_seen = 0.0
         self._pending_zeros = 0
 
-    def update(self, magnitudes: np.ndarray) -> None:
-        """Add finite, non-negative values."""
+    def update(self, magnitudes: np.ndarray, *, peak: "float | None" = None) -> None:
+        """Add finite, non-negative values (``peak``: their maximum, when already known)."""
         values = np.asarray(magnitudes).ravel()
         if values.size == 0:
             return
-        batch_max = float(values.max())
+        batch_max = float(values.max()) if peak is None else float(peak)
         if batch_max <= 0.0:
             if self.top == 0.0:
                 self._pending_zeros += values.size
@@ -80,10 +92,15 @@ class AbsHistogram:
             self._pending_zeros = 0
         elif batch_max > self.top:
             self._grow(batch_max)
-        # divide before scaling: num_bins / top would overflow for denormal tops
-        position = values.astype(np.float64) / self.top * self.num_bins
-        index = np.minimum(position.astype(np.int64), self.num_bins - 1)
-        self.counts += np.bincount(index, minlength=self.num_bins)
+        self.counts += np.bincount(self._bin_index(values), minlength=self.num_bins)
+
+    def _bin_index(self, values: np.ndarray) -> np.ndarray:
+        """The bin of each value (values at or above ``top`` go to the last bin)."""
+        if values.dtype == np.float32 and self.top > _FLOAT32_SCALE_FLOOR * self.num_bins:
+            index = (values * np.float32(self.num_bins / self.top)).astype(np.intp)  # one float32 pass
+        else:  # divide before scaling: num_bins / top would overflow for denormal tops
+            index = (values.astype(np.float64) / self.top * self.num_bins).astype(np.intp)
+        return np.minimum(index, self.num_bins - 1, out=index)
 
     def _grow(self, new_max: float) -> None:
         top, doublings = self.top, 0
@@ -159,6 +176,9 @@ class HistogramCollector(RangeCollector):
 
     def update(self, magnitudes: np.ndarray) -> None:
         self.hist.update(magnitudes)
+
+    def update_values(self, values: np.ndarray, peak: float) -> None:
+        self.hist.update(np.abs(values), peak=peak)
 
     def state_nbytes(self) -> int:
         return self.hist.nbytes()

@@ -24,6 +24,9 @@ class MaxCollector(RangeCollector):
         if values.size:
             self._max = max(self._max, float(values.max()))
 
+    def update_values(self, values: np.ndarray, peak: float) -> None:
+        self._max = max(self._max, float(peak))
+
     def amax(self) -> float:
         return self._max
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..errors import ConfigError, DataError, PlacementError
+from ..errors import ConfigError, DataError, ModelError, PlacementError, brief
 from ..scales import ScaleTable
 from .collector import RangeCollector
 from .entropy import EntropyCollector
@@ -55,18 +56,28 @@ class TensorObserver:
         self.ignored = 0
 
     def update(self, values: np.ndarray) -> None:
-        """Reduce one batch of the tensor into the running statistics."""
+        """Reduce one batch of the tensor into the running statistics.
+
+        The usual batch costs two reading passes (its min and max); only a batch holding
+        NaN, Inf or masking magnitudes is filtered value by value.
+        """
         values = np.asarray(values)
         if values.dtype.kind not in "fiub":
             raise DataError(f"tensor {self.name!r} has dtype {values.dtype}; only numeric tensors can be "
                             f"calibrated")
-        magnitudes = np.abs(values.astype(np.float32, copy=False) if values.dtype.kind != "f" else values)
-        self.seen += magnitudes.size
-        keep = magnitudes < MASK_MAGNITUDE  # False for NaN and Inf too
-        if not keep.all():
-            self.ignored += int(magnitudes.size - np.count_nonzero(keep))
-            magnitudes = magnitudes[keep]
-        self.collector.update(magnitudes)
+        if values.dtype.kind != "f":
+            values = values.astype(np.float32)
+        if values.size == 0:
+            return
+        self.seen += values.size
+        peak = max(-float(values.min()), float(values.max()))  # NaN when any value is NaN
+        if peak < MASK_MAGNITUDE:  # False for NaN and Inf too
+            self.collector.update_values(values, peak)
+            return
+        magnitudes = np.abs(values)
+        keep = magnitudes < MASK_MAGNITUDE
+        self.ignored += int(magnitudes.size - np.count_nonzero(keep))
+        self.collector.update(magnitudes[keep])
 
     def result(self) -> float:
         """The final amax (finite, > 0)."""
@@ -138,7 +149,7 @@ def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, nu
     from ..data import load_data
     from ..fileio import check_output_path
     from ..model_io import load_model
-    from ..runtime import make_session, run_batches
+    from ..runtime import make_session
 
     _check_options(method, percentile, num_bins, batch_size)
     if output is not None:
@@ -151,18 +162,37 @@ def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, nu
                  for n in names}
     fetched = [n for n in names if n not in graph_inputs]
     session = make_session(proto, extra_outputs=fetched, copy=False)  # proto is this function's own copy
-    batches = run_batches(session, dataset, batch_size=batch_size, outputs=fetched, progress=progress,
-                          desc=f"calibrate ({method})")
-    for feed, outputs in zip(dataset.batches(batch_size), batches):
-        for name, observer in observers.items():
-            observer.update(outputs[name] if name in outputs else feed[name])
-        del outputs
+    del proto  # the session holds the weights now
+    _observe(session, dataset, observers, fetched, batch_size, progress, f"calibrate ({method})")
     amax = {name: observer.result() for name, observer in observers.items()}
     table = ScaleTable(amax, producer=f"onnx_qat.calibrate(method={_describe(method, percentile)})",
                        metadata=_metadata(method, percentile, num_bins, dataset.num_samples))
     if output is not None:
         table.save(output)
     return table
+
+
+def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, batch_size: int,
+             progress: bool, desc: str) -> None:
+    """Run every batch once and reduce each observed tensor into its observer (fed inputs from the feed).
+
+    When only graph inputs are observed the model is not run at all.
+    """
+    feeds = dataset.batches(batch_size)
+    if progress:
+        from tqdm import tqdm
+
+        feeds = tqdm(feeds, total=dataset.num_batches(batch_size), desc=desc, unit="batch", file=sys.stderr,
+                     leave=False, dynamic_ncols=True)
+    for index, feed in enumerate(feeds):
+        try:
+            values = dict(zip(fetched, session.run(fetched, feed))) if fetched else {}
+        except Exception as exc:
+            raise ModelError(f"onnxruntime failed on batch {index} of {dataset.source}: "
+                             f"{brief(exc, 300)}") from None
+        for name, observer in observers.items():
+            observer.update(values.pop(name) if name in values else feed[name])
+        del values, feed
 
 
 def _tensors_to_observe(proto, tensors, config, placement_options) -> Tuple[str, ...]:

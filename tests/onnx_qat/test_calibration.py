@@ -241,3 +241,24 @@ def test_int64_and_bool_inputs_feed_calibration():
     table_out = calibrate(model, {"ids": ids, "mask": mask}, tensors=("emb", "y"), progress=False)
     assert table_out.activations["emb"] == 20.0  # row 0 holds -20
     assert table_out.activations["y"] == pytest.approx(float(np.abs(table[ids] * mask[..., None]).max()))
+
+
+@pytest.mark.parametrize("method", ["max", "entropy"])
+def test_npz_file_streamed_gives_the_table_of_the_arrays(tmp_path, method):
+    data = _data(20, seed=4)
+    path = tmp_path / "calib.npz"
+    np.savez_compressed(path, **data)
+    from_file = calibrate(_conv_model(), str(path), method=method, batch_size=6, progress=False)
+    from_arrays = calibrate(_conv_model(), data, method=method, batch_size=6, progress=False)
+    assert from_file.activations == from_arrays.activations
+    assert from_file.metadata["calibration_samples"] == "20"
+
+
+def test_nan_in_npz_refused_before_onnxruntime_runs(tmp_path):
+    data = _data(10)
+    data["x"][6, 1, 2, 3] = np.nan
+    path = tmp_path / "calib.npz"
+    np.savez(path, **data)
+    with pytest.raises(DataError, match=r"'x' has 1 NaN value\(s\) in sample 6") as info:
+        calibrate(_conv_model(), str(path), progress=False)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)

@@ -212,3 +212,32 @@ def test_extreme_magnitudes_stay_finite(method):
     collector.update(np.abs(np.random.default_rng(7).standard_normal(1000)) * 1e6)
     amax = collector.amax()
     assert np.isfinite(amax) and 0 < amax <= collector.hist.max_seen
+
+
+@pytest.mark.parametrize("method", ["max", "percentile", "entropy", "mse"])
+def test_observer_signed_batches_match_collector_on_magnitudes(method):
+    """The runner's path (signed values, peak from min/max) gives the range of the plain |x| path."""
+    rng = np.random.default_rng(8)
+    batches = [(rng.standard_normal((4, 16, 5, 5)) * scale).astype(np.float32) for scale in (0.5, 3.0, 1.0)]
+    batches.append(rng.integers(-20, 20, (4, 7)).astype(np.int64))  # integer tensors go through float32
+    observer = TensorObserver("t", make_collector(method))
+    reference = make_collector(method)
+    for batch in batches:
+        observer.update(batch)
+        reference.update(np.abs(batch.astype(np.float64)))
+    assert observer.ignored == 0 and observer.seen == sum(b.size for b in batches)
+    assert observer.result() == pytest.approx(reference.amax(), rel=2e-3)
+    if method == "max":
+        assert observer.result() == float(max(np.abs(b).max() for b in batches))
+
+
+def test_float32_and_float64_bins_agree():
+    values = np.abs(np.random.default_rng(9).standard_normal(50_000)).astype(np.float32)
+    single, double = AbsHistogram(1024), AbsHistogram(1024)
+    single.update(values)
+    double.update(values.astype(np.float64))
+    assert single.total == double.total == values.size
+    assert int(np.abs(single.counts - double.counts).sum()) <= 4  # values on a bin edge may move
+    tiny = AbsHistogram(1024)
+    tiny.update(np.array([0.0, 1e-40, 3e-41], np.float32))  # a top whose float32 bin scale overflows
+    assert tiny.total == 3 and tiny.counts[-1] == 1
