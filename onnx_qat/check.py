@@ -23,6 +23,7 @@ modified (shape inference runs on a copy).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -196,6 +197,26 @@ def _tensor_type(value_info):
     return value_info.type.tensor_type
 
 
+class _Node:
+    """One node's name, type and tensor names read from the protobuf once: the rules read them
+    many times, and each protobuf field read builds new Python objects."""
+
+    __slots__ = ("proto", "op_type", "name", "domain", "input", "output")
+
+    def __init__(self, proto):
+        self.proto = proto
+        self.op_type = proto.op_type
+        self.name = proto.name
+        self.domain = proto.domain
+        self.input = tuple(proto.input)
+        self.output = tuple(proto.output)
+
+    @property
+    def attribute(self):
+        """The node's attributes (the protobuf's)."""
+        return self.proto.attribute
+
+
 @dataclass
 class _Graph:
     """Producers, consumers, constants and types of one (sub)graph, read from the protobuf."""
@@ -211,6 +232,7 @@ class _Graph:
     opset: Optional[int]
     qdq: List[Tuple[object, str]] = field(default_factory=list)   # (node, name) of every Q/DQ node
     _arrays: Dict[str, object] = field(default_factory=dict)
+    _memo: Dict[str, dict] = field(default_factory=dict)
 
     def array(self, name: str):
         """The numpy value of a constant tensor, or None."""
@@ -219,6 +241,14 @@ class _Graph:
         if name not in self._arrays:
             self._arrays[name] = _to_array(self.constants[name])
         return self._arrays[name]
+
+    def memo(self, key: str, tensor: str, judge: Callable):
+        """``judge(self.array(tensor))``, computed once per ``(key, tensor)``: a Q and its DQ
+        share their scale and zero point, and a rule judges each constant once."""
+        cache = self._memo.setdefault(key, {})
+        if tensor not in cache:
+            cache[tensor] = judge(self.array(tensor))
+        return cache[tensor]
 
     def producer_node(self, tensor: str):
         idx = self.producer.get(tensor)
@@ -311,7 +341,7 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> _Graph:
     constants = dict(outer_constants)
     for init in graph.initializer:
         constants[init.name] = init
-    nodes = list(graph.node)
+    nodes = [_Node(n) for n in graph.node]
     producer, consumers, names, ops, qdq = {}, {}, [], [], []
     for i, node in enumerate(nodes):
         op = node.op_type
@@ -533,11 +563,22 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
                 yield Finding("C4", ERROR, name, f"zero point {zp!r} is {_type_name(dtype)}; "
                               "TensorRT needs int8 (symmetric quantization, zero point 0)")
                 continue
-            values = g.array(zp)
-            if values is not None and values.size and (values != 0).any():
-                yield Finding("C4", ERROR, name, f"zero point {zp!r} is not all zero (e.g. "
-                              f"{int(values.reshape(-1)[(values.reshape(-1) != 0).argmax()])}); "
+            nonzero = g.memo("C4", zp, _first_nonzero)
+            if nonzero is not None:
+                yield Finding("C4", ERROR, name, f"zero point {zp!r} is not all zero (e.g. {nonzero}); "
                               "TensorRT needs symmetric quantization")
+
+
+def _first_nonzero(values) -> Optional[int]:
+    """The first non-zero value of a zero-point array, or None (also for an unreadable one)."""
+    if values is None or not values.size:
+        return None
+    flat = values.reshape(-1)
+    if flat.size == 1:
+        value = int(flat[0])
+        return value if value else None
+    nonzero = flat != 0
+    return int(flat[nonzero.argmax()]) if nonzero.any() else None
 
 
 def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
@@ -579,7 +620,6 @@ def rule_c5_scales(model, graphs) -> Iterator[Finding]:
     Source: [TRT-EQ] "the scale must be a build-time constant"; [ONNX-TRT]
     QuantizeLinear/DequantizeLinear: scale must be an initializer or constant.
     """
-    import numpy as np
     for g in graphs:
         for node, name in _qdq_nodes(g):
             scale = _input(node, 1)
@@ -587,15 +627,26 @@ def rule_c5_scales(model, graphs) -> Iterator[Finding]:
                 yield Finding("C5", ERROR, name, f"scale {scale!r} is not a constant (initializer or "
                               "Constant node); TensorRT needs build-time scales")
                 continue
-            values = g.array(scale)
-            if values is None:
-                continue
-            values = np.asarray(values, dtype=np.float64)
-            if not np.isfinite(values).all():
-                yield Finding("C5", ERROR, name, f"scale {scale!r} holds a NaN or infinite value")
-            elif (values <= 0).any():
-                yield Finding("C5", ERROR, name, f"scale {scale!r} holds a value <= 0 "
-                              f"(min {values.min():.3g}); scales must be > 0")
+            problem = g.memo("C5", scale, _scale_problem)
+            if problem:
+                yield Finding("C5", ERROR, name, f"scale {scale!r} {problem}")
+
+
+def _scale_problem(values) -> str:
+    """What is wrong with a scale array (``""`` when it is finite and > 0, or unreadable)."""
+    import numpy as np
+    if values is None:
+        return ""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 1:
+        value = float(values.reshape(-1)[0])
+        if math.isfinite(value) and value > 0:
+            return ""
+    if not np.isfinite(values).all():
+        return "holds a NaN or infinite value"
+    if (values <= 0).any():
+        return f"holds a value <= 0 (min {values.min():.3g}); scales must be > 0"
+    return ""
 
 
 def _quantized_source(g: _Graph, node) -> str:
@@ -919,7 +970,7 @@ def _rules_for(target) -> Tuple[Callable, ...]:
     return tuple(rule for rule in rules if rule is not None)
 
 
-def check(model, *, target: Optional[str] = None) -> CheckReport:
+def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
     """Check a Q/DQ ONNX model for TensorRT explicit-quantization readiness.
 
     Args:
@@ -927,6 +978,8 @@ def check(model, *, target: Optional[str] = None) -> CheckReport:
             or an ``onnx.ModelProto`` (read only, never modified).
         target: ``None``/``"tensorrt"`` (every rule), or ``"ort-cpu"``: the rules that apply to
             that form, with :data:`ORT_CPU_RULES` replacing C4 and leaving out C11 and C14.
+        path: the file an in-memory ``model`` was read from or written to, named in the
+            report (:attr:`CheckReport.model`); default: ``model`` itself when it is a path.
 
     Returns:
         A :class:`CheckReport`; ``bool(report)`` is True when no rule found an
@@ -937,6 +990,8 @@ def check(model, *, target: Optional[str] = None) -> CheckReport:
     """
     rules = _rules_for(target)
     proto, label = _load(model)
+    if path is not None:
+        label = str(path)
     opset = _default_opset(proto)
     graphs = _all_graphs(proto, opset, _lazy_inference(proto))
     findings = []

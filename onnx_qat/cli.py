@@ -352,14 +352,13 @@ def cmd_quantize(args) -> int:
                    [args.model, args.data, args.scales])
     if args.report is not None and _same_path(args.report, args.output):
         raise UsageError("--report and --output name the same file")
-    from .check import check
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=args.data,
                       progress=_progress(args), **calib, **_placement_keywords(args))
     _say(args, _quantize_summary(args, result))
     report = None
     if result.target == "tensorrt":  # check's rules are TensorRT's; other targets use other forms
-        report = check(args.output)
+        report = _check_written(result.model, args.output)
         if not args.quiet:
             for finding in report.findings:
                 print(f"  {finding}")
@@ -372,6 +371,17 @@ def cmd_quantize(args) -> int:
         write_json(args.report, _finite({**result.to_report(), **extra}))
         _say(args, f"wrote {args.report}")
     return EXIT_OK if report is None or report else EXIT_PROBLEMS
+
+
+def _check_written(model, output):
+    """``check`` of the model ``quantize`` just wrote to ``output``: the very ModelProto it
+    serialized there, validated with ``onnx.checker`` and then checked by the TensorRT rules,
+    without reading the file back (which would parse it and hold a second copy)."""
+    from .check import check
+    from .model_io import validate_model
+
+    validate_model(model, f"output model {output}")
+    return check(model, path=output)
 
 
 def _quantize_summary(args, result) -> str:

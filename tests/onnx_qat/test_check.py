@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 
 import numpy as np
@@ -455,3 +456,39 @@ def test_damaged_graphs_never_crash_the_checker():
         except ModelError:
             continue
         assert isinstance(report, CheckReport) and str(report)
+
+
+# -- cost: shape inference only when needed; the label of an in-memory model ---------------------------
+def _declare_every_tensor(model):
+    """Declare the type (and shape, where inference knows it) of every intermediate tensor."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    model.graph.value_info.extend(inferred.graph.value_info)
+    return model
+
+
+def test_shape_inference_runs_only_when_a_rule_needs_an_undeclared_type(monkeypatch):
+    check_module = importlib.import_module("onnx_qat.check")  # the module, not the function
+    calls = []
+    real = check_module._inferred_value_info
+    monkeypatch.setattr(check_module, "_inferred_value_info", lambda m: calls.append(1) or real(m))
+    declared = _declare_every_tensor(good_block().model())
+    assert check(declared).findings == () and calls == []
+    b = Builder()  # a DQ without zero point: its integer type is only known from inference
+    b.output(b.add("Relu", [b.dq(b.q("x", "x_q", with_zp=False), "x_dq", with_zp=False)], "relu"))
+    report = check(b.model())
+    assert calls == [1]
+    assert "uint8" in assert_found(report, "C4", "x_dq").message
+
+
+def test_declared_and_inferred_types_give_the_same_findings():
+    b = good_block()
+    zp = [i.name for i in b.inits].index("x_q_zp")
+    b.inits[zp] = numpy_helper.from_array(np.array(3, np.uint8), "x_q_zp")
+    bare = b.model()
+    assert check(_declare_every_tensor(b.model())).findings == check(bare).findings != ()
+
+
+def test_path_names_the_file_of_an_in_memory_model():
+    report = check(good_block().model(), path="out/q.onnx")
+    assert report.model == "out/q.onnx" and "| out/q.onnx |" in report.summary()
+    assert check(good_block().model()).model == ""

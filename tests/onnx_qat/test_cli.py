@@ -333,6 +333,22 @@ def test_quantize_from_scales_then_check(float_cnn, tmp_path, capsys):
 
 
 @needs_quantize
+def test_quantize_post_write_check_equals_check_of_the_written_file(float_cnn, tmp_path, capsys):
+    from onnx_qat.check import check
+    from tests.builders import amax_table
+    model, _ = float_cnn
+    proto = onnx.load(str(model))
+    scales, out, report = tmp_path / "s.json", tmp_path / "q.onnx", tmp_path / "r.json"
+    amax_table(proto, random_inputs(proto, num=1, seed=2)).save(scales)
+    assert main(["quantize", str(model), "-o", str(out), "--scales", str(scales), "--report", str(report),
+                 "--no-progress"]) == EXIT_OK
+    printed = capsys.readouterr().out.splitlines()
+    from_file = check(str(out))
+    assert json.loads(report.read_text())["check"] == from_file.to_dict()
+    assert f"check: {from_file.summary()}" in printed and str(out) in from_file.summary()
+
+
+@needs_quantize
 def test_quantize_is_byte_identical_across_processes(float_cnn, tmp_path):
     from tests.builders import amax_table
     model, _ = float_cnn

@@ -375,3 +375,37 @@ def test_public_api_names():
 
     assert onnx_qat.load_model is load_model and onnx_qat.save_model is save_model
     assert onnx_qat.load_data is load_data and onnx_qat.calibrate is calibrate and onnx_qat.compare is compare
+
+
+def test_release_graph_frees_nodes_and_tensors_without_a_garbage_collection():
+    import gc
+    import weakref
+
+    from onnx_qat.model_io import release_graph
+
+    model = load_model(_conv_model())
+    enabled = gc.isenabled()
+    gc.disable()  # only reference counting may free them
+    try:
+        graph = to_graph(model)
+        refs = [weakref.ref(obj) for obj in [graph, *graph.nodes, *graph.tensors().values()]]
+        assert len(refs) > 10
+        out = from_graph(graph, model)
+        release_graph(graph)
+        del graph
+        assert [r for r in refs if r() is not None] == []
+    finally:
+        if enabled:
+            gc.enable()
+    np.testing.assert_allclose(_run(out, X), _run(model, X), rtol=1e-6)  # the export stands alone
+
+
+def test_validate_model_names_the_model_in_one_line():
+    from onnx_qat.model_io import validate_model
+
+    model = load_model(_conv_model())
+    validate_model(model, "output model q.onnx")
+    model.graph.node[0].input[0] = "nowhere"
+    with pytest.raises(ModelError, match=r"^output model q.onnx is not a valid ONNX model: ") as info:
+        validate_model(model, "output model q.onnx")
+    assert "\n" not in str(info.value)

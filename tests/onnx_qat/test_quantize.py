@@ -216,3 +216,25 @@ def test_public_functions_stay_functions_after_importing_their_modules():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_garbage_collector_state_is_restored_after_quantize_and_after_errors():
+    import gc
+
+    from onnx_qat.quantize import cyclic_gc_paused
+
+    model = B.residual_block_model()
+    enabled = gc.isenabled()
+    try:
+        gc.enable()
+        onnx_qat.quantize(model, scales=_table(model), progress=False)
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError), cyclic_gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("stop")
+        assert gc.isenabled()
+        gc.disable()  # a caller who turned it off keeps it off
+        onnx_qat.quantize(model, scales=_table(model), progress=False)
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if enabled else gc.disable)()
