@@ -988,15 +988,18 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
     Raises:
         ModelError: the model cannot be read.
     """
+    from .model_io import cyclic_gc_paused
+
     rules = _rules_for(target)
     proto, label = _load(model)
     if path is not None:
         label = str(path)
     opset = _default_opset(proto)
-    graphs = _all_graphs(proto, opset, _lazy_inference(proto))
     findings = []
-    for rule in rules:
-        findings.extend(rule(proto, graphs))
+    with cyclic_gc_paused():  # the index of a large model is ~10^6 live objects, none of them garbage
+        graphs = _all_graphs(proto, opset, _lazy_inference(proto))
+        for rule in rules:
+            findings.extend(rule(proto, graphs))
     num_q = sum(1 for g in graphs for n, _ in g.qdq if _is_q(n))
     num_dq = sum(1 for g in graphs for n, _ in g.qdq if _is_dq(n))
     for finding in findings:

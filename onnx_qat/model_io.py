@@ -14,6 +14,7 @@ Every problem a user can cause is a :class:`~onnx_qat.errors.ModelError` (or
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -551,6 +552,26 @@ def from_graph(graph, template_model: onnx.ModelProto) -> onnx.ModelProto:
     return exported
 
 
+@contextlib.contextmanager
+def cyclic_gc_paused():
+    """Pause Python's cyclic garbage collector for the block (its previous state restored after).
+
+    Importing, rewriting and exporting a graphsurgeon graph (or indexing a large model) allocates
+    millions of objects that all stay alive until the work is done; each burst of allocations
+    makes the collector rescan every live object, which on a 50k-node model cost more than the
+    rewrite itself (the rewrite took about twice as long with the collector on). Nothing
+    allocated there becomes cyclic garbage before :func:`release_graph` frees the graph by
+    reference counting, so pausing the collector holds back no memory.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def release_graph(graph) -> None:
     """Free an onnx-graphsurgeon graph now instead of at the next full garbage collection.
 
@@ -611,7 +632,8 @@ def _input_spec(value_info: onnx.ValueInfoProto) -> InputSpec:
 
 
 __all__ = [
-    "InputSpec", "load_model", "save_model", "to_graph", "from_graph", "release_graph", "validate_model",
+    "InputSpec", "load_model", "save_model", "to_graph", "from_graph", "release_graph",
+    "cyclic_gc_paused", "validate_model",
     "model_input_specs",
     "target_ir_version", "default_opset", "safe_external_path", "MIN_OPSET", "MAX_IR_VERSION",
     "EXTERNAL_DATA_THRESHOLD",

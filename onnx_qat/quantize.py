@@ -6,8 +6,6 @@ The caller's model object and input file are never changed.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -287,32 +285,12 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None):
     from .insertion import insert_qdq_pairs
 
     io = _io()
-    with cyclic_gc_paused():
+    with io.cyclic_gc_paused():
         graph = io.to_graph(model)
         inserted = insert_qdq_pairs(graph, placement, table, target, progress=progress, **dict(storage or {}))
         exported = io.from_graph(graph, model)
         io.release_graph(graph)
     return exported, inserted
-
-
-@contextlib.contextmanager
-def cyclic_gc_paused():
-    """Pause Python's cyclic garbage collector for the block (its previous state restored after).
-
-    Importing, rewriting and exporting a graphsurgeon graph allocates millions of objects that
-    all stay alive until the graph is released; each burst of allocations makes the collector
-    rescan every live object, which on a 50k-node model cost more than the rewrite itself (the
-    rewrite took about twice as long with the collector on). Nothing allocated there becomes
-    cyclic garbage before :func:`~onnx_qat.model_io.release_graph` frees the graph by reference
-    counting, so pausing the collector holds back no memory.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _summary(placement: Placement, inserted) -> dict:

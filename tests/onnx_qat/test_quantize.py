@@ -221,7 +221,7 @@ def test_public_functions_stay_functions_after_importing_their_modules():
 def test_garbage_collector_state_is_restored_after_quantize_and_after_errors():
     import gc
 
-    from onnx_qat.quantize import cyclic_gc_paused
+    from onnx_qat.model_io import cyclic_gc_paused
 
     model = B.residual_block_model()
     enabled = gc.isenabled()
