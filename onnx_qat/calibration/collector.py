@@ -73,8 +73,14 @@ class AbsHistogram:
         self.max_seen = 0.0
         self._pending_zeros = 0
 
-    def update(self, magnitudes: np.ndarray, *, peak: "float | None" = None) -> None:
-        """Add finite, non-negative values (``peak``: their maximum, when already known)."""
+    def update(self, magnitudes: np.ndarray, *, peak: "float | None" = None, signed: bool = False) -> None:
+        """Add finite, non-negative values (``peak``: their maximum, when already known).
+
+        With ``signed=True`` the values may have any sign and their magnitudes are counted
+        (``peak`` must then be the largest magnitude): no separate array of |x| is built.
+        """
+        if signed and peak is None:
+            raise ValueError("signed values need their peak magnitude")
         values = np.asarray(magnitudes).ravel()
         if values.size == 0:
             return
@@ -92,14 +98,19 @@ class AbsHistogram:
             self._pending_zeros = 0
         elif batch_max > self.top:
             self._grow(batch_max)
-        self.counts += np.bincount(self._bin_index(values), minlength=self.num_bins)
+        self.counts += np.bincount(self._bin_index(values, signed), minlength=self.num_bins)
 
-    def _bin_index(self, values: np.ndarray) -> np.ndarray:
-        """The bin of each value (values at or above ``top`` go to the last bin)."""
+    def _bin_index(self, values: np.ndarray, signed: bool) -> np.ndarray:
+        """The bin of each |value| (values at or above ``top`` go to the last bin)."""
         if values.dtype == np.float32 and self.top > _FLOAT32_SCALE_FLOOR * self.num_bins:
-            index = (values * np.float32(self.num_bins / self.top)).astype(np.intp)  # one float32 pass
+            position = values * np.float32(self.num_bins / self.top)  # float32 throughout
         else:  # divide before scaling: num_bins / top would overflow for denormal tops
-            index = (values.astype(np.float64) / self.top * self.num_bins).astype(np.intp)
+            position = values.astype(np.float64)
+            position /= self.top
+            position *= self.num_bins
+        if signed:
+            np.abs(position, out=position)
+        index = position.astype(np.intp)
         return np.minimum(index, self.num_bins - 1, out=index)
 
     def _grow(self, new_max: float) -> None:
@@ -178,7 +189,7 @@ class HistogramCollector(RangeCollector):
         self.hist.update(magnitudes)
 
     def update_values(self, values: np.ndarray, peak: float) -> None:
-        self.hist.update(np.abs(values), peak=peak)
+        self.hist.update(values, peak=peak, signed=True)
 
     def state_nbytes(self) -> int:
         return self.hist.nbytes()

@@ -36,9 +36,16 @@ class MseCollector(HistogramCollector):
 
 
 def quantization_mse(centers: np.ndarray, counts: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-    """Expected squared error of symmetric int8 fake quantization for each threshold."""
-    t = thresholds[:, None]
-    scale = t / 127.0
-    quantized = np.minimum(np.round(centers[None, :] / scale), 127.0) * scale
-    err = (centers[None, :] - quantized) ** 2
-    return (err * counts[None, :]).sum(axis=1) / max(counts.sum(), 1.0)
+    """Expected squared error of symmetric int8 fake quantization for each threshold.
+
+    Errors are computed in quantization steps (one scratch matrix, updated in place) and
+    weighted by the counts with one matrix-vector product.
+    """
+    scale = np.asarray(thresholds, dtype=np.float64) / 127.0
+    steps = np.asarray(centers, dtype=np.float64)[None, :] / scale[:, None]
+    error = np.round(steps)
+    np.minimum(error, 127.0, out=error)  # beyond the threshold: clipped to it
+    np.subtract(steps, error, out=error)
+    np.square(error, out=error)
+    counts = np.asarray(counts, dtype=np.float64)
+    return (error @ counts) * scale ** 2 / max(float(counts.sum()), 1.0)
