@@ -3,7 +3,8 @@ calibrators on the same model and data (time and peak RSS), and our peak RSS at 
 
 Each calibration runs alone in a child process (``python -m tools.bench.calibration --worker ...``): the
 child reports the seconds spent calibrating (model load and data read included, interpreter start not),
-the parent reads the child's own peak RSS; the least disturbed of 2 runs counts. Both sides use batches
+the parent reads the child's own peak RSS. The two sides of each ratio run in turn (A B A B), and the
+least disturbed of 2 runs of each counts. Both sides use batches
 of 8 and their default settings (onnxruntime's calibrators observe every float tensor, as
 ``quantize_static`` has them do; ours observe the tensors placement quantizes).
 """
@@ -81,14 +82,21 @@ def _data(workdir: Path, name: str, num: int, size: int, quick: bool) -> Path:
     return path
 
 
-def _one(workdir: Path, tool: str, method: str, model: Path, data: Path, repeats: int = 1):
-    """Seconds and peak RSS (MiB) of one calibration, the least disturbed of ``repeats`` runs."""
-    runs = []
+def _one(workdir: Path, tool: str, method: str, model: Path, data: Path):
+    """Seconds and peak RSS (MiB) of one calibration in its own child process."""
+    run = run_process(python_module("tools.bench.calibration", "--worker", tool, method, str(model),
+                                    str(data), str(workdir)))
+    return json.loads(run.stdout.strip().splitlines()[-1])["seconds"], run.peak_rss_mib
+
+
+def _pair(workdir: Path, first, second, model: Path, data: Path, repeats: int):
+    """Two calibrations ``(tool, method)`` run in turn (A B A B ...), so load on the machine hits both
+    alike; for each, the least disturbed run: (seconds, MiB) of ``first``, then of ``second``."""
+    runs = {0: [], 1: []}
     for _ in range(repeats):
-        run = run_process(python_module("tools.bench.calibration", "--worker", tool, method, str(model),
-                                        str(data), str(workdir)))
-        runs.append((json.loads(run.stdout.strip().splitlines()[-1])["seconds"], run.peak_rss_mib))
-    return min(r[0] for r in runs), min(r[1] for r in runs)
+        for index, (tool, method) in enumerate((first, second)):
+            runs[index].append(_one(workdir, tool, method, model, data))
+    return tuple((min(r[0] for r in runs[i]), min(r[1] for r in runs[i])) for i in (0, 1))
 
 
 def run(workdir: Path, *, quick: bool = False) -> List[Row]:
@@ -110,13 +118,14 @@ def run(workdir: Path, *, quick: bool = False) -> List[Row]:
             f"best of {repeats}")
     rows = []
     for ours_method, ort_method in PAIRS:
-        t_ours, rss_ours = _one(workdir, "ours", ours_method, model, small, repeats)
         if ort_method is None:
-            t_ref, _ = _one(workdir, "ours", "max", model, small, repeats)
+            (t_ours, _), (t_ref, _) = _pair(workdir, ("ours", ours_method), ("ours", "max"), model, small,
+                                            repeats)
             rows.append(Row(NAME, f"{ours_method} time / our max time", ratio(t_ours, t_ref), None,
-                            f"{what}; onnxruntime has no MSE calibrator; {t_ours:.1f} s"))
+                            f"{what}; onnxruntime has no MSE calibrator; {t_ours:.1f} s vs {t_ref:.1f} s"))
             continue
-        t_ort, rss_ort = _one(workdir, "ort", ort_method, model, small, repeats)
+        (t_ours, rss_ours), (t_ort, rss_ort) = _pair(workdir, ("ours", ours_method), ("ort", ort_method),
+                                                     model, small, repeats)
         rows.append(Row(NAME, f"{ours_method} time / onnxruntime {ort_method}", ratio(t_ours, t_ort),
                         Goal("<=", 1.0), f"{what}; {t_ours:.1f} s vs {t_ort:.1f} s"))
         rows.append(Row(NAME, f"{ours_method} peak RSS / onnxruntime {ort_method}", ratio(rss_ours, rss_ort),
