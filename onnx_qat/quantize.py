@@ -158,10 +158,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         adapted = form.adapt(index, placement, table)
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
+    del index  # placement is decided; freeing its index lowers the rewrite's memory peak
     qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage)
     # The float weights are not needed to save the Q/DQ model (_rewrite released the graphsurgeon
     # graph that referenced them). Freeing them first keeps peak memory within 2x the weights.
-    del float_model, index
+    del float_model
     summary = _summary(placement, inserted)
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization))
