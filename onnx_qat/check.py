@@ -145,11 +145,6 @@ def _rule_key(rule: str):
 
 
 # -- a read-only index of one graph --------------------------------------------------------------
-#: NumPy types of the tensor element types whose raw bytes :meth:`_Graph.array` reads directly.
-_RAW_DTYPES = {1: "<f4", 2: "u1", 3: "i1", 4: "<u2", 5: "<i2", 6: "<i4", 7: "<i8", 10: "<f2", 11: "<f8",
-               12: "<u4", 13: "<u8"}
-
-
 class _Types:
     """Declared and (on demand) inferred element types and shapes of one graph's tensors.
 
@@ -302,17 +297,11 @@ class _Graph:
 
 
 def _to_array(tensor):
-    """A TensorProto's value as a numpy array (raw little-endian bytes read directly), or None
-    when it cannot be read (external data not loaded, corrupt tensor...)."""
-    import numpy as np
-    dtype = _RAW_DTYPES.get(tensor.data_type)
+    """A TensorProto's value as a numpy array, or None when it cannot be read (external data
+    not loaded, corrupt tensor...)."""
+    from .model_io import tensor_array
     try:
-        if dtype is not None and tensor.HasField("raw_data") and tensor.data_location == 0:
-            dims = tuple(tensor.dims)
-            values = np.frombuffer(tensor.raw_data, dtype=dtype).reshape(dims)
-            return values.astype(values.dtype.newbyteorder("="), copy=False)
-        from onnx import numpy_helper
-        return numpy_helper.to_array(tensor)
+        return tensor_array(tensor)
     except Exception:  # external data not loaded, corrupt tensor...
         return None
 

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
-from onnx import numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .errors import ScalesError
+from .model_io import tensor_array
 from .placement.marks import ActivationMark, Placement, WeightMark
 from .scales import ScaleTable
 from .targets import Target, get_target
@@ -340,17 +339,8 @@ def _uncached_values(constant: gs.Constant) -> np.ndarray:
     """
     lazy = getattr(constant, "_values", None)
     if isinstance(lazy, LazyValues):
-        return _tensor_values(lazy.tensor)
+        return tensor_array(lazy.tensor)  # float32 raw bytes read in place
     return np.asarray(constant.values)
-
-
-def _tensor_values(tensor: onnx.TensorProto) -> np.ndarray:
-    """A TensorProto's value; float32 raw bytes are read in place (one copy fewer than
-    ``onnx.numpy_helper.to_array``, and without its per-call overhead on many small weights)."""
-    if (tensor.data_type == onnx.TensorProto.FLOAT and tensor.data_location == onnx.TensorProto.DEFAULT
-            and tensor.HasField("raw_data")):
-        return np.frombuffer(tensor.raw_data, dtype="<f4").reshape(tuple(tensor.dims))
-    return numpy_helper.to_array(tensor)
 
 
 def _constant_values(tensor) -> Tuple[np.ndarray, List[gs.Node]]:

@@ -15,7 +15,6 @@ from typing import Mapping, Optional, Tuple
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from .config import QuantizeConfig
 from .errors import ConfigError, ModelError, PlacementError, ScalesError
@@ -210,7 +209,7 @@ def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str
         proto = index.constant_proto(tensor)
         if proto is None:
             continue
-        values = numpy_helper.to_array(proto)
+        values = _io().tensor_array(proto)
         if values.dtype.kind == "f" and not np.all(np.isfinite(values)):
             bad = int(np.count_nonzero(~np.isfinite(values)))
             raise ModelError(f"{what}: weight {tensor!r} holds {bad} NaN or infinite value(s); "

@@ -409,3 +409,21 @@ def test_validate_model_names_the_model_in_one_line():
     with pytest.raises(ModelError, match=r"^output model q.onnx is not a valid ONNX model: ") as info:
         validate_model(model, "output model q.onnx")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64,
+                                   np.float16, np.float64, np.uint32, np.uint64, bool])
+def test_tensor_array_equals_numpy_helper_for_raw_and_typed_fields(dtype):
+    from onnx_qat.model_io import tensor_array
+
+    values = (np.random.default_rng(3).standard_normal((3, 4)) * 50).astype(dtype)
+    raw = numpy_helper.from_array(values, "t")
+    typed = helper.make_tensor("t", helper.np_dtype_to_tensor_dtype(values.dtype), values.shape,
+                               values.reshape(-1).tolist())
+    for tensor in (raw, typed):
+        got = tensor_array(tensor)
+        assert got.dtype == values.dtype and got.shape == values.shape
+        np.testing.assert_array_equal(got, numpy_helper.to_array(tensor))
+        np.testing.assert_array_equal(got, values)
+    scalar = numpy_helper.from_array(np.array(0.25, np.float32), "s")
+    assert tensor_array(scalar).shape == () and float(tensor_array(scalar)) == 0.25
