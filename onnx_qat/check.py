@@ -159,6 +159,7 @@ class _Types:
         self._infer = infer
         self._declared: Optional[dict] = None
         self._inferred: Optional[dict] = None
+        self._elem_types: Dict[str, Optional[int]] = {}
 
     def _find(self, tensor: str, complete: Callable) -> Optional[object]:
         """The tensor type of ``tensor``: the declared one when ``complete`` accepts it, else the
@@ -175,8 +176,10 @@ class _Types:
         return inferred if inferred is not None and complete(inferred) else declared or inferred
 
     def elem_type(self, tensor: str) -> Optional[int]:
-        tt = self._find(tensor, lambda t: t.elem_type != 0)
-        return tt.elem_type if tt is not None and tt.elem_type else None
+        if tensor not in self._elem_types:  # rules C3 and C4 ask about every DQ input
+            tt = self._find(tensor, _has_elem_type)
+            self._elem_types[tensor] = tt.elem_type if tt is not None and tt.elem_type else None
+        return self._elem_types[tensor]
 
     def shape(self, tensor: str) -> Optional[Tuple[Optional[int], ...]]:
         tt = self._find(tensor, lambda t: t.HasField("shape") and all(d.HasField("dim_value")
@@ -184,6 +187,10 @@ class _Types:
         if tt is None or not tt.HasField("shape"):
             return None
         return tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+
+
+def _has_elem_type(tensor_type) -> bool:
+    return tensor_type.elem_type != 0
 
 
 def _tensor_type(value_info):
