@@ -11,6 +11,7 @@ Public API (names users of NVIDIA's ``tensorflow_quantization`` know):
 * :class:`ActivationQuantizer`, :class:`QuantizeWrapper` — the Keras layers
   (registered serializable, so ``.keras`` files load with ``safe_mode=True``).
 * :func:`fake_quant`, :func:`fake_quant_reference` — the numerics contract.
+* :func:`load_model` — a ``.keras`` archive, always with Keras's safe mode (one-line errors).
 * :func:`export_onnx` — Q/DQ ONNX with the learned scales, proven equal in onnxruntime
   (:class:`ExportReport`).
 """
@@ -22,6 +23,7 @@ from .cases import CustomQDQInsertionCase
 from .describe import QuantizerRecord, describe, quantizer_records
 from .export import ExportReport, export_onnx
 from .fake_quant import fake_quant, fake_quant_reference
+from .loading import load_model
 from .quantizers import ActivationQuantizer, QuantizeWrapper, UncalibratedQuantizerWarning
 from .spec import QuantizationSpec
 from .wrap import float_model, quantize_model
@@ -30,5 +32,5 @@ __all__ = [
     "quantize_model", "float_model", "QuantizationSpec", "CustomQDQInsertionCase", "custom_qdq_cases",
     "calibrate", "CalibrationResult", "UntrainedBatchNormWarning", "describe", "quantizer_records", "QuantizerRecord",
     "ActivationQuantizer", "QuantizeWrapper", "UncalibratedQuantizerWarning",
-    "fake_quant", "fake_quant_reference", "export_onnx", "ExportReport",
+    "fake_quant", "fake_quant_reference", "export_onnx", "ExportReport", "load_model",
 ]
