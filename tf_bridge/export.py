@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import List, Mapping, Optional, Sequence, Tuple
@@ -53,13 +53,25 @@ RATIO_LIMIT = 0.10
 TOP1_LIMIT = 0.99
 #: Deep models: |Q/DQ - Keras QAT| <= SENSITIVITY_FACTOR * rounding sensitivity of the Q/DQ model.
 SENSITIVITY_FACTOR = 3.0
+#: Other targets (``ort-cpu``), run as deployed: |target - tensorrt form| <= DEPLOYED_FACTOR * |tensorrt form - float|.
+DEPLOYED_FACTOR = 2.0
 GENERATED_SAMPLES = 8
 _FAKE_QUANT_OPS = ("QuantizeLinear", "DequantizeLinear", "QuantizeAndDequantizeV4", "FakeQuantWithMinMaxVars")
 
 
 @dataclass(frozen=True)
 class OutputParity:
-    """Parity of one model output: max abs differences from the Keras QAT model and top-1 agreement."""
+    """Parity of one model output: max abs differences from the Keras QAT model and top-1 agreement.
+
+    ``reference`` says which run of the Keras QAT model ``max_abs_qdq``, ``max_abs_float`` and
+    ``ratio`` were measured against: ``"tensorflow"`` (the model called in TensorFlow) or
+    ``"onnxruntime"`` (the Keras QAT model's own graph, fake quantization included, converted by
+    tf2onnx and run in onnxruntime, whose convolutions round their sums as the Q/DQ model's do).
+    ``max_abs_tf`` is the Q/DQ model's difference from the model run in TensorFlow, and
+    ``max_abs_engine`` (``"onnxruntime"`` reference only) the difference between the two runs of
+    the Keras QAT model. ``bound`` is ``"float"`` (the 10% bound held), ``"rounding"`` (only the
+    rounding-sensitivity fallback held) or ``""``.
+    """
 
     name: str
     max_abs_qdq: float
@@ -69,14 +81,24 @@ class OutputParity:
     passed: bool
     sensitivity: float = float("nan")
     bound: str = ""
+    reference: str = "tensorflow"
+    max_abs_tf: float = float("nan")
+    max_abs_engine: float = float("nan")
 
     def __str__(self) -> str:
         top1 = "" if self.top1 is None else f" | top-1 {100 * self.top1:.1f}%"
-        head = (f"{'PASSED' if self.passed else 'FAILED'} | output '{self.name}' | Q/DQ vs Keras QAT max abs "
-                f"{self.max_abs_qdq:.3g} = {100 * self.ratio:.3g}% of float vs Keras QAT "
+        where = " (its graph in onnxruntime)" if self.reference == "onnxruntime" else ""
+        head = (f"{'PASSED' if self.passed else 'FAILED'} | output '{self.name}' | Q/DQ vs Keras QAT{where} "
+                f"max abs {self.max_abs_qdq:.3g} = {100 * self.ratio:.3g}% of float vs Keras QAT "
                 f"{self.max_abs_float:.3g} "
                 f"(limit {100 * RATIO_LIMIT:.0f}%)")
-        if self.bound != "float" and np.isfinite(self.sensitivity):
+        if self.reference == "onnxruntime":
+            op = "<=" if self.passed or np.isnan(self.sensitivity) or (
+                self.max_abs_engine <= SENSITIVITY_FACTOR * self.sensitivity) else ">"
+            head += (f"; vs Keras QAT in TensorFlow {self.max_abs_tf:.3g} (the two runs of the Keras model "
+                     f"differ by {self.max_abs_engine:.3g} {op} {SENSITIVITY_FACTOR:g} x rounding "
+                     f"sensitivity {self.sensitivity:.3g})")
+        elif self.bound != "float" and np.isfinite(self.sensitivity):
             op = "<=" if self.bound == "rounding" else ">"
             head += (f"; deep model: {self.max_abs_qdq:.3g} {op} {SENSITIVITY_FACTOR:g} x "
                      "rounding sensitivity "
@@ -97,17 +119,53 @@ class LayerDiff:
 
 
 @dataclass(frozen=True)
+class DeployedParity:
+    """A target other than ``tensorrt`` (``ort-cpu``), run as deployed, for one output.
+
+    onnxruntime runs such a model with its integer kernels (graph optimisations on), whose
+    arithmetic differs from Q/DQ's by design (requantized convolution outputs, integer sums,
+    rounded biases). The reference is the TensorRT form of the same mapping and scales, which
+    passed the export's own parity, run with optimisations off (Q/DQ by definition):
+    ``max_abs_deployed`` (target vs that form) must stay within ``DEPLOYED_FACTOR`` times
+    ``max_abs_quant`` (that form vs the float model, the size of quantization itself), and the
+    target's top-1 agreement with the Keras QAT model (run in TensorFlow) must be >= ``TOP1_LIMIT``.
+    """
+
+    name: str
+    target: str
+    max_abs_deployed: float
+    max_abs_quant: float
+    ratio: float
+    top1: Optional[float]
+    passed: bool
+
+    def __str__(self) -> str:
+        top1 = "" if self.top1 is None else f" | top-1 vs Keras QAT {100 * self.top1:.1f}%"
+        return (f"{'PASSED' if self.passed else 'FAILED'} | output '{self.name}' | {self.target} as deployed "
+                f"vs the tensorrt form max abs {self.max_abs_deployed:.3g} = {self.ratio:.3g} x the tensorrt "
+                f"form's quantization error {self.max_abs_quant:.3g} (limit {DEPLOYED_FACTOR:g} x)" + top1)
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"name": self.name, "target": self.target, "max_abs_deployed": self.max_abs_deployed,
+                "max_abs_quant": self.max_abs_quant, "ratio": self.ratio, "top1": self.top1,
+                "passed": self.passed}
+
+
+@dataclass(frozen=True)
 class Parity:
-    """The parity verdict: one :class:`OutputParity` per output, the worst layers on failure."""
+    """The parity verdict: one :class:`OutputParity` per output, the worst layers on failure, and
+    for a target other than ``tensorrt`` one :class:`DeployedParity` per output (``deployed``)."""
 
     outputs: Tuple[OutputParity, ...]
     samples: int
     generated_inputs: bool
     worst_layers: Tuple[LayerDiff, ...] = ()
+    deployed: Tuple[DeployedParity, ...] = ()
 
     @property
     def passed(self) -> bool:
-        return all(o.passed for o in self.outputs)
+        return all(o.passed for o in self.outputs) and all(d.passed for d in self.deployed)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -117,9 +175,11 @@ class Parity:
         return {"passed": self.passed, "samples": self.samples, "generated_inputs": self.generated_inputs,
                 "ratio_limit": RATIO_LIMIT, "top1_limit": TOP1_LIMIT,
                 "outputs": [{"name": o.name, "max_abs_qdq": o.max_abs_qdq, "max_abs_float": o.max_abs_float,
-                             "ratio": o.ratio, "top1": o.top1,
+                             "ratio": o.ratio, "top1": o.top1, "reference": o.reference,
+                             "max_abs_tf": o.max_abs_tf, "max_abs_engine": o.max_abs_engine,
                              "sensitivity": o.sensitivity, "bound": o.bound, "passed": o.passed}
                             for o in self.outputs],
+                "deployed": [d.to_dict() for d in self.deployed],
                 "worst_layers": [{"quantizer": w.quantizer, "onnx_tensor": w.onnx_tensor,
                                   "rel_error": w.rel_error} for w in self.worst_layers]}
 
@@ -177,6 +237,7 @@ class ExportReport:
                  f"activation Q/DQ pair(s), {self.summary.get('weights', 0)} weight(s); opset {self.opset}, "
                  f"target {self.target}"]
         lines += [f"  parity: {o}" for o in self.parity.outputs]
+        lines += [f"  deployed: {d}" for d in self.parity.deployed]
         lines += [f"  worst layer: {w}" for w in self.parity.worst_layers]
         lines.append(f"  check: {self.check.summary()}" if self.check is not None else
                      f"  check: skipped (its rules are TensorRT's; target is {self.target})")
@@ -520,20 +581,105 @@ def _top1(a: np.ndarray, b: np.ndarray) -> Optional[float]:
 def output_parity(names: Sequence[str], keras_qat: Sequence[np.ndarray], qdq: Sequence[np.ndarray],
                   float_onnx: Sequence[np.ndarray], sensitivity: Optional[Sequence[float]] = None
                   ) -> Tuple[OutputParity, ...]:
-    """One :class:`OutputParity` per output (the criterion of the module docstring); with
-    ``sensitivity`` (one value per output) the rounding bound is tried where the 10% one fails."""
+    """One :class:`OutputParity` per output against the Keras QAT model run in TensorFlow (the
+    criterion of the module docstring); with ``sensitivity`` (one value per output) the rounding
+    bound is tried where the 10% one fails."""
     result = []
     sensitivity = [float("nan")] * len(names) if sensitivity is None else list(sensitivity)
     for name, k, q, f, sens in zip(names, keras_qat, qdq, float_onnx, sensitivity):
         k, q, f = (np.asarray(v, np.float64).reshape(np.shape(k)) for v in (k, q, f))
         d_q, d_f = float(np.max(np.abs(q - k))), float(np.max(np.abs(f - k)))
-        ratio = d_q / d_f if d_f > 0 else (0.0 if d_q == 0 else float("inf"))
+        ratio = _ratio(d_q, d_f)
         top1 = _top1(q, k)
         bound = "float" if ratio <= RATIO_LIMIT else (
             "rounding" if sens > 0 and d_q <= SENSITIVITY_FACTOR * sens else "")
         passed = bool(bound) and (top1 is None or top1 >= TOP1_LIMIT)
-        result.append(OutputParity(name, d_q, d_f, ratio, top1, passed, sens, bound))
+        result.append(OutputParity(name, d_q, d_f, ratio, top1, passed, sens, bound, max_abs_tf=d_q))
     return tuple(result)
+
+
+def split_parity(names: Sequence[str], keras_tf: Sequence[np.ndarray], keras_ort: Sequence[np.ndarray],
+                 qdq: Sequence[np.ndarray], float_onnx: Sequence[np.ndarray],
+                 sensitivity: Sequence[float]) -> Tuple[OutputParity, ...]:
+    """Parity in two parts, for when the comparison with the model run in TensorFlow misses the
+    10% bound (see :func:`keras_qat_in_onnxruntime`):
+
+    * the export: the Q/DQ model against the Keras QAT model's own graph run in onnxruntime
+      (``keras_ort``), the 10% bound and top-1 agreement, on equal arithmetic;
+    * the engines: that run against the run in TensorFlow (``keras_tf``) within the 10% bound or
+      ``SENSITIVITY_FACTOR`` times the rounding sensitivity, and the Q/DQ model's top-1
+      agreement with the run in TensorFlow.
+    """
+    result = []
+    for name, k, r, q, f, sens in zip(names, keras_tf, keras_ort, qdq, float_onnx, sensitivity):
+        k, r, q, f = (np.asarray(v, np.float64).reshape(np.shape(k)) for v in (k, r, q, f))
+        d_q, d_f = float(np.max(np.abs(q - r))), float(np.max(np.abs(f - r)))
+        d_tf, d_e = float(np.max(np.abs(q - k))), float(np.max(np.abs(r - k)))
+        ratio = _ratio(d_q, d_f)
+        agreements = [a for a in (_top1(q, r), _top1(q, k)) if a is not None]
+        top1 = min(agreements) if agreements else None
+        engines = (_ratio(d_e, float(np.max(np.abs(f - k)))) <= RATIO_LIMIT
+                   or (sens > 0 and d_e <= SENSITIVITY_FACTOR * sens))
+        passed = ratio <= RATIO_LIMIT and engines and (top1 is None or top1 >= TOP1_LIMIT)
+        result.append(OutputParity(name, d_q, d_f, ratio, top1, passed, sens,
+                                   "float" if ratio <= RATIO_LIMIT and engines else "", "onnxruntime",
+                                   d_tf, d_e))
+    return tuple(result)
+
+
+def _ratio(d_q: float, d_f: float) -> float:
+    return d_q / d_f if d_f > 0 else (0.0 if d_q == 0 else float("inf"))
+
+
+def deployed_parity(target: str, model: onnx.ModelProto, tensorrt_form: onnx.ModelProto, feeds,
+                    names: Sequence[str], keras_tf: Sequence[np.ndarray],
+                    float_out: Sequence[np.ndarray]) -> Tuple[DeployedParity, ...]:
+    """:class:`DeployedParity` of ``model`` (the ``target`` form) run by onnxruntime as deployed
+    (default graph optimisations, its integer kernels) against ``tensorrt_form`` run with
+    optimisations off; it reads no detail of how the target form was made."""
+    from onnx_qat.errors import QatError
+    from onnx_qat.runtime import make_session
+
+    reference = run_with_tensors(tensorrt_form, feeds)
+    try:
+        session = make_session(model, optimize=True)
+    except QatError as exc:
+        raise ExportError(f"export_onnx: the {target} model: {exc}") from None
+    values = dict(zip([o.name for o in session.get_outputs()], session.run(None, dict(feeds))))
+    result = []
+    for name, k, f in zip(names, keras_tf, float_out):
+        t, r = (np.asarray(v[name], np.float64).reshape(np.shape(k)) for v in (values, reference))
+        d_t = float(np.max(np.abs(t - r)))
+        d_quant = float(np.max(np.abs(r - np.asarray(f, np.float64).reshape(np.shape(k)))))
+        ratio = _ratio(d_t, d_quant)
+        top1 = _top1(t, np.asarray(k, np.float64))
+        passed = ratio <= DEPLOYED_FACTOR and (top1 is None or top1 >= TOP1_LIMIT)
+        result.append(DeployedParity(name, target, d_t, d_quant, ratio, top1, passed))
+    return tuple(result)
+
+
+def keras_qat_in_onnxruntime(q_model, opset: int, inputs: Sequence[np.ndarray]) -> Optional[List[np.ndarray]]:
+    """The Keras QAT model's outputs computed by onnxruntime: its whole graph, fake quantization
+    included (``Div``, ``Round``, ``Clip``, ``Mul``: :mod:`tf_bridge.fake_quant` op for op),
+    converted by tf2onnx like the float twin. None (logged) when tf2onnx cannot convert it.
+
+    TensorFlow and onnxruntime add the products of a convolution in different orders; their sums
+    differ in the last bit (most outputs of any convolution wider than 1x1), and where such a sum
+    feeds a quantizer at a rounding boundary the two runs pick neighbouring integers, which deeper
+    layers carry on. Run in onnxruntime, the Keras model and the Q/DQ model share that arithmetic,
+    so any difference between them is the export's own.
+    """
+    from onnx_qat.model_io import load_model
+
+    try:
+        proto = load_model(convert_float_twin(q_model, opset))
+    except ExportError as exc:
+        logger.warning("export_onnx: the Keras QAT graph could not be run in onnxruntime (%s); "
+                       "parity is measured against TensorFlow only", exc)
+        return None
+    feeds = {i.name: a for i, a in zip(proto.graph.input, inputs)}
+    values = run_with_tensors(proto, feeds)
+    return [values[o.name] for o in proto.graph.output]
 
 
 def rounding_sensitivity(qdq_model: onnx.ModelProto, feeds, names: Sequence[str],
@@ -675,16 +821,15 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     step("parity in onnxruntime")
     keras_out = q_model(inputs if len(inputs) > 1 else inputs[0], training=False)
     keras_tf = [np.asarray(v) for v in _outputs(keras_out)]
-    qdq_values = run_with_tensors(result.model, feeds)
-    names = [o.name for o in float_model.graph.output]
-    qdq_out, float_out = [qdq_values[n] for n in names], [float_values[n] for n in names]
-    outputs = output_parity(names, keras_tf, qdq_out, float_out)
-    if not all(o.passed for o in outputs):
-        sensitivity = rounding_sensitivity(result.model, feeds, names, qdq_out)
-        outputs = output_parity(names, keras_tf, qdq_out, float_out, sensitivity)
-    worst = () if all(o.passed for o in outputs) else worst_layers(
-        q_model, mapping, result.model, result.inserted, feeds, inputs)
-    parity = Parity(outputs, int(inputs[0].shape[0]), generated, worst)
+    reference = result if result.target == "tensorrt" else _quantize(quantize, float_model, mapping,
+                                                                      "tensorrt")[0]
+    parity = _parity(q_model, mapping, reference, float_model, float_values, feeds, inputs, keras_tf, opset,
+                     generated)
+    if reference is not result:
+        names = [o.name for o in float_model.graph.output]
+        parity = replace(parity, deployed=deployed_parity(
+            result.target, result.model, reference.model, feeds, names, keras_tf,
+            [float_values[n] for n in names]))
     if not parity.passed:
         _fail_loudly(parity, strict)
     step("write")
@@ -708,6 +853,26 @@ def _outputs(value) -> list:
     return list(keras.tree.flatten(value))
 
 
+def _parity(q_model, mapping: KerasOnnxMapping, result, float_model, float_values, feeds, inputs,
+            keras_tf: List[np.ndarray], opset: int, generated: bool) -> Parity:
+    """The parity verdict of a TensorRT-form ``result`` (see the module docstring): against the
+    Keras QAT model run in TensorFlow; when that misses the 10% bound, against its own graph run in
+    onnxruntime (:func:`split_parity`), or, when that graph cannot be converted, on the rounding
+    bound alone. The worst layers are named on failure."""
+    qdq_values = run_with_tensors(result.model, feeds)
+    names = [o.name for o in float_model.graph.output]
+    qdq_out, float_out = [qdq_values[n] for n in names], [float_values[n] for n in names]
+    outputs = output_parity(names, keras_tf, qdq_out, float_out)
+    if not all(o.passed for o in outputs):
+        sensitivity = rounding_sensitivity(result.model, feeds, names, qdq_out)
+        keras_ort = keras_qat_in_onnxruntime(q_model, opset, inputs)
+        outputs = (output_parity(names, keras_tf, qdq_out, float_out, sensitivity) if keras_ort is None
+                   else split_parity(names, keras_tf, keras_ort, qdq_out, float_out, sensitivity))
+    worst = () if all(o.passed for o in outputs) else worst_layers(
+        q_model, mapping, result.model, result.inserted, feeds, inputs)
+    return Parity(outputs, int(inputs[0].shape[0]), generated, worst)
+
+
 def _quantize(quantize, float_model, mapping: KerasOnnxMapping, target: str):
     """Quantize with the Keras placement; use the default placement when it is the same one,
     so that ``onnx-qat quantize --scales`` reproduces the model byte for byte."""
@@ -729,7 +894,7 @@ def _marks(placement) -> tuple:
 
 
 def _fail_loudly(parity: Parity, strict: bool) -> None:
-    failed = "; ".join(str(o) for o in parity.outputs if not o.passed)
+    failed = "; ".join(str(o) for o in (*parity.outputs, *parity.deployed) if not o.passed)
     worst = "; ".join(str(w) for w in parity.worst_layers[:3])
     message = (f"export_onnx: parity with the Keras QAT model failed: {failed}; "
                f"worst layers: {worst or 'none'}")
