@@ -77,10 +77,12 @@ class _FileColumn:
 
     def __init__(self, member: NpzMember, rows: Optional[int] = None):
         self.member = member
-        self.rows = member.shape[0] if rows is None else rows
+        self.rows = (member.shape[0] if member.shape else 0) if rows is None else rows
 
     @property
     def shape(self) -> Tuple[int, ...]:
+        if not self.member.shape:
+            return ()  # a 0-d array: refused by the shape check
         return (self.rows,) + self.member.shape[1:]
 
     @property
@@ -196,7 +198,7 @@ class Dataset:
                 feed = {}
                 for name, reader in readers.items():
                     chunk = _to_dtype(reader.read(count), self._dtypes[name])
-                    feed[name] = np.ascontiguousarray(chunk[0] if name in self._unbatched else chunk)
+                    feed[name] = np.require(chunk[0] if name in self._unbatched else chunk, requirements="C")
                 yield feed
 
     def num_batches(self, batch_size: int) -> int:

@@ -26,6 +26,8 @@ from numpy.lib import format as npy_format
 
 from .errors import DataError, brief
 
+#: Reads larger than this go piece by piece, so a header claiming more than the file holds costs nothing.
+_PIECE_BYTES = 64 * 1024 ** 2
 #: ``.npy`` header versions whose header this reader parses (3.0 only adds UTF-8 field names).
 _HEADER_READERS = {(1, 0): npy_format.read_array_header_1_0, (2, 0): npy_format.read_array_header_2_0}
 
@@ -117,14 +119,22 @@ class MemberReader:
     def _read_rows(self, count: int) -> np.ndarray:
         member = self.member
         size = count * member.row_nbytes
-        buffer = bytearray(size)
         try:
-            got = self._stream.readinto(buffer) if size else 0
+            if size <= _PIECE_BYTES:
+                buffer = bytearray(size)
+                got = self._stream.readinto(buffer) if size else 0
+            else:  # memory follows the bytes really there, not what a header claims
+                buffer = bytearray()
+                while len(buffer) < size:
+                    piece = self._stream.read(min(_PIECE_BYTES, size - len(buffer)))
+                    if not piece:
+                        break
+                    buffer += piece
+                got = len(buffer)
         except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
             raise _unreadable(member.label, member.key, exc) from None
         if got != size:
-            raise DataError(f"{member.label}: key {member.key!r} is truncated: its header promises "
-                            f"{member.shape[0]} samples of shape {list(member.shape[1:])}")
+            raise _truncated(member.label, member.key, member.shape)
         return np.frombuffer(buffer, dtype=member.dtype).reshape((count,) + member.shape[1:])
 
     def _whole_array(self) -> np.ndarray:
@@ -163,9 +173,11 @@ def _describe(archive: zipfile.ZipFile, path: Path, name: str, label: str) -> Np
     key = _key(name)
     if not name.endswith(".npy"):
         raise DataError(f"{label}: key {key!r} is not an .npy array; save the arrays with np.savez")
+    info = archive.getinfo(name)
     try:
-        with archive.open(name) as stream:
+        with archive.open(info) as stream:
             shape, fortran_order, dtype = _read_header(stream)
+            data_bytes = info.file_size - stream.tell()
     except DataError as exc:
         raise DataError(f"{label}: key {key!r} {exc}") from None
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
@@ -173,6 +185,8 @@ def _describe(archive: zipfile.ZipFile, path: Path, name: str, label: str) -> Np
     if dtype.hasobject:
         raise DataError(f"{label}: key {key!r} is an object (pickled) array, which is never loaded; "
                         f"save plain numeric arrays")
+    if math.prod(shape) * dtype.itemsize > data_bytes:
+        raise _truncated(label, key, shape)
     return NpzMember(Path(path), name, key, shape, dtype, fortran_order, label)
 
 
@@ -187,6 +201,11 @@ def _read_header(stream) -> Tuple[Tuple[int, ...], bool, np.dtype]:
     if any(d < 0 for d in shape):
         raise ValueError(f"negative dimension in shape {shape}")
     return tuple(int(d) for d in shape), bool(fortran_order), np.dtype(dtype)
+
+
+def _truncated(label: str, key: str, shape: Tuple[int, ...]) -> DataError:
+    return DataError(f"{label}: key {key!r} is truncated: its header promises {shape[0] if shape else 1} "
+                     f"samples of shape {list(shape[1:])}")
 
 
 def _unreadable(label: str, key: str, exc: BaseException) -> DataError:

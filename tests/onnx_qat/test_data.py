@@ -287,3 +287,46 @@ def test_streamed_batches_hold_one_batch_in_memory(tmp_path):
     assert load_peak < 3 * 4 * 1024 ** 2, load_peak  # the check pass reads a few MiB at a time
     assert run_peak < 4 * batch_bytes, run_peak
     assert np.isfinite(total)
+
+
+def test_header_claiming_more_than_the_file_holds_costs_no_memory(tmp_path):
+    import io
+    import tracemalloc
+    import zipfile
+
+    npy = io.BytesIO()
+    np.lib.format.write_array_header_1_0(npy, {"descr": "<f4", "fortran_order": False,
+                                               "shape": (4, 3, 4 * 10 ** 8)})
+    npy.write(b"\0" * 64)
+    path = tmp_path / "liar.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("inp.npy", npy.getvalue())
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match="'inp' is truncated"):
+            load_data(path, _single_input_model(shape=("N", 3, "M")))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 * 1024 ** 2, peak
+
+
+def test_reads_larger_than_a_piece_are_joined_exactly(tmp_path, monkeypatch):
+    import onnx_qat.npz as npz_module
+
+    monkeypatch.setattr(npz_module, "_PIECE_BYTES", 100)  # every batch read in several pieces
+    x = np.random.default_rng(3).standard_normal((10, 3, 4)).astype(np.float32)
+    data = load_data(_save(tmp_path, {"inp": x}), _single_input_model())
+    np.testing.assert_array_equal(np.concatenate([b["inp"] for b in data.batches(4)]), x)
+
+
+def test_scalar_input_feeds_are_zero_dimensional(tmp_path):
+    specs = (InputSpec("s", np.dtype(np.int64), ()),)
+    for source in (np.arange(5, dtype=np.int32), _save(tmp_path, {"s": np.arange(5, dtype=np.int32)})):
+        data = load_data(source, specs)
+        feeds = [b["s"] for b in data.batches(3)]
+        assert data.unbatched and [f.shape for f in feeds] == [()] * 5
+        assert [int(f) for f in feeds] == [0, 1, 2, 3, 4] and feeds[0].dtype == np.int64
+    np.savez(tmp_path / "zero_d.npz", s=np.int64(3))
+    with pytest.raises(DataError, match="has shape \\[\\]"):
+        load_data(tmp_path / "zero_d.npz", specs)
