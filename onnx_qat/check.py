@@ -252,6 +252,35 @@ class _Graph:
             cache[tensor] = judge(self.array(tensor))
         return cache[tensor]
 
+    def prejudge(self, key: str, tensors, data_type: int, dtype: str, accept: Callable, verdict) -> None:
+        """Settle :meth:`memo` ``(key, tensor)`` as ``verdict`` for every tensor among ``tensors``
+        (constants of element type ``data_type``, NumPy ``dtype``, stored as raw bytes) whose
+        elements all pass ``accept`` (a vectorized test), in one NumPy pass over all of them.
+        The others are left to the rule's own per-tensor judgement, which gives ``verdict`` for
+        exactly the tensors accepted here."""
+        import numpy as np
+
+        cache = self._memo.setdefault(key, {})
+        itemsize = np.dtype(dtype).itemsize
+        names, raws, counts = [], [], []
+        for tensor in dict.fromkeys(tensors):
+            proto = self.constants.get(tensor)
+            if (tensor in cache or proto is None or proto.data_type != data_type or proto.data_location
+                    or not proto.HasField("raw_data")):
+                continue
+            raw, count = proto.raw_data, math.prod(proto.dims)
+            if count and len(raw) == count * itemsize:  # well-formed and not empty
+                names.append(tensor)
+                raws.append(raw)
+                counts.append(count)
+        if not names:
+            return
+        passed = accept(np.frombuffer(b"".join(raws), dtype=dtype))
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        for tensor, ok in zip(names, np.logical_and.reduceat(passed, starts)):
+            if ok:
+                cache[tensor] = verdict
+
     def producer_node(self, tensor: str):
         idx = self.producer.get(tensor)
         return None if idx is None else self.nodes[idx]
@@ -540,6 +569,7 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
     """
     from onnx import TensorProto
     for g in graphs:
+        g.prejudge("C4", (_input(n, 2) for n, _ in _qdq_nodes(g)), TensorProto.INT8, "i1", _is_zero, None)
         for node, name in _qdq_nodes(g):
             zp = _input(node, 2)
             if _is_dq(node) and g.elem_type(_input(node, 0)) == TensorProto.INT32:
@@ -563,6 +593,15 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
             if nonzero is not None:
                 yield Finding("C4", ERROR, name, f"zero point {zp!r} is not all zero (e.g. {nonzero}); "
                               "TensorRT needs symmetric quantization")
+
+
+def _is_zero(values):
+    return values == 0
+
+
+def _finite_positive(values):
+    import numpy as np
+    return np.isfinite(values) & (values > 0)
 
 
 def _first_nonzero(values) -> Optional[int]:
@@ -616,7 +655,10 @@ def rule_c5_scales(model, graphs) -> Iterator[Finding]:
     Source: [TRT-EQ] "the scale must be a build-time constant"; [ONNX-TRT]
     QuantizeLinear/DequantizeLinear: scale must be an initializer or constant.
     """
+    from onnx import TensorProto
     for g in graphs:
+        g.prejudge("C5", (_input(n, 1) for n, _ in _qdq_nodes(g)), TensorProto.FLOAT, "<f4",
+                   _finite_positive, "")
         for node, name in _qdq_nodes(g):
             scale = _input(node, 1)
             if not scale or not g.is_constant(scale):
@@ -665,7 +707,10 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
     """
     for g in graphs:
         for node, name in _qdq_nodes(g):
-            scale = g.array(_input(node, 1)) if g.is_constant(_input(node, 1)) else None
+            proto = g.constants.get(_input(node, 1))
+            if proto is None or math.prod(proto.dims) <= 1:  # per-tensor: read no values
+                continue
+            scale = g.array(_input(node, 1))
             if scale is None or scale.size <= 1:
                 continue
             data = _input(node, 0)

@@ -492,3 +492,39 @@ def test_path_names_the_file_of_an_in_memory_model():
     report = check(good_block().model(), path="out/q.onnx")
     assert report.model == "out/q.onnx" and "| out/q.onnx |" in report.summary()
     assert check(good_block().model()).model == ""
+
+
+def test_many_scales_and_zero_points_each_judged_right():
+    """C4/C5 judge all the model's scalar and per-channel constants in one pass: the findings
+    name exactly the bad ones, wherever they sit among good ones (one has malformed bytes)."""
+    rng = np.random.default_rng(5)
+    b = Builder()
+    bad_scale, bad_zp, t = {}, {}, "x"
+    for i in range(60):
+        per_channel = i % 3 == 0
+        scale = np.full(4, 0.1, np.float32) if per_channel else np.float32(0.1)
+        zp = 0
+        if rng.random() < 0.2:
+            value = rng.choice([0.0, -1.0, np.nan, np.inf])
+            if per_channel:
+                scale = scale.copy()
+                scale[rng.integers(4)] = value
+            else:
+                scale = np.float32(value)
+            bad_scale[f"p{i}_q"] = "infinite" if not np.isnan(value) and np.isinf(value) else \
+                "NaN" if np.isnan(value) else "<= 0"
+        elif rng.random() < 0.2:
+            zp, bad_zp[f"p{i}_q"] = 3, True
+        t = b.qdq(t, f"p{i}", scale=scale, zp=zp, axis=1 if per_channel else None)
+    b.output(b.add("Relu", [t], "relu"))
+    model = b.model()
+    broken = next(i for i in model.graph.initializer if i.name == "p1_q_scale")
+    broken.raw_data = broken.raw_data[:2]  # malformed: 2 bytes for one float32
+    report = check(model)
+    c5 = {f.node: f.message for f in report.findings if f.rule == "C5"}
+    assert set(c5) == {n for n in bad_scale} | {n.replace("_q", "_dq") for n in bad_scale}
+    for node, words in bad_scale.items():
+        assert words in c5[node], (node, c5[node])
+    c4 = {f.node for f in report.findings if f.rule == "C4"}
+    assert c4 == set(bad_zp) | {n.replace("_q", "_dq") for n in bad_zp}
+    assert bad_scale and bad_zp and "p1_q" not in c5  # unreadable values: no C5 finding, as before
