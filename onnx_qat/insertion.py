@@ -157,14 +157,18 @@ def insert_qdq_pairs(graph: gs.Graph, placement: Placement, scales: ScaleTable, 
 
     Raises:
         ScalesError: a quantized activation has no range in ``scales``, or a weight range
-            does not fit its weight.
+            does not fit its weight. The graph then holds the nodes inserted until then.
     """
     missing = missing_activations(placement, scales)
     if missing:
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"ScaleTable has no range for {len(missing)} quantized tensor(s): {shown}")
     inserter = _Inserter(graph, get_target(target), zero_points, unsigned_weights)
-    return inserter.run(placement, scales, progress)
+    try:
+        return inserter.run(placement, scales, progress)
+    except BaseException:  # keep the nodes made so far in the graph, so whoever releases it frees them
+        graph.nodes = inserter.ordered()
+        raise
 
 
 class _Inserter:

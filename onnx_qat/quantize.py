@@ -287,9 +287,12 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None):
     io = _io()
     with io.cyclic_gc_paused():
         graph = io.to_graph(model)
-        inserted = insert_qdq_pairs(graph, placement, table, target, progress=progress, **dict(storage or {}))
-        exported = io.from_graph(graph, model)
-        io.release_graph(graph)
+        try:
+            inserted = insert_qdq_pairs(graph, placement, table, target, progress=progress,
+                                        **dict(storage or {}))
+            exported = io.from_graph(graph, model)
+        finally:  # also on errors: nothing is left for the paused collector
+            io.release_graph(graph)
     return exported, inserted
 
 
