@@ -316,13 +316,76 @@ def test_rounding_sensitivity_is_small_for_a_shallow_model(residual_export):
     assert 0.0 <= sens < report.parity.outputs[0].max_abs_float
 
 
-def test_ort_cpu_target_keeps_parity_and_skips_tensorrt_check(tmp_path):
-    keras.utils.set_random_seed(6)
-    inp = keras.Input((8, 8, 3))
-    out = L.Dense(4)(L.Flatten()(L.Conv2D(16, 3, activation="relu")(inp)))
-    x = np.random.default_rng(0).normal(size=(8, 8, 8, 3)).astype("f")
-    q = _qat(keras.Model(inp, out), x)
+def test_split_parity_separates_the_export_from_the_engines():
+    """Measured against the Keras QAT graph run in onnxruntime, the export must meet the 10% bound;
+    the two runs of the Keras model may differ only within the rounding bound."""
+    from tf_bridge.export import split_parity
+    k = np.array([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
+    f = k + 1.0
+    engine = k + 0.3  # the Keras QAT model run in onnxruntime: a rounding cascade away from TensorFlow
+    ok = split_parity(["y"], [k], [engine], [engine + 1e-6], [f], [0.2])[0]
+    assert ok.passed and ok.bound == "float" and ok.reference == "onnxruntime" and ok.ratio < 1e-5
+    assert abs(ok.max_abs_tf - 0.3) < 1e-5 and abs(ok.max_abs_engine - 0.3) < 1e-12
+    assert "its graph in onnxruntime" in str(ok) and "in TensorFlow" in str(ok)
+    assert not split_parity(["y"], [k], [engine], [engine + 0.5], [f], [0.2])[0].passed  # the export's own
+    assert not split_parity(["y"], [k], [engine], [engine], [f], [0.05])[0].passed  # engines too far apart
+    flipped = split_parity(["y"], [k], [engine], [np.roll(engine, 1, axis=1)], [f], [10.0])[0]
+    assert flipped.top1 == 0.0 and not flipped.passed
+
+
+def _trained_conv_relu_net(seed=5):
+    """Conv-ReLU layers without BatchNorm (each Conv output reaches a quantizer through commuting
+    ops only, so the ort-cpu form requantizes it) trained on blobs; returns the QAT model and data."""
+    keras.utils.set_random_seed(seed)
+    x, y = blobs(256, (12, 12, 3))
+    inp = keras.Input((12, 12, 3))
+    h = L.Conv2D(16, 3, padding="same", activation="relu")(inp)
+    h = L.Conv2D(16, 3, padding="same", activation="relu")(h)
+    h = L.Conv2D(32, 3, padding="same", activation="relu")(L.MaxPooling2D()(h))
+    model = keras.Model(inp, L.Dense(4)(L.GlobalAveragePooling2D()(h)))
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, epochs=3, batch_size=32, verbose=0)
+    return _qat(model, x[:64]), x[64:128]
+
+
+def test_ort_cpu_target_is_checked_as_deployed_against_the_tensorrt_form(tmp_path):
+    from tf_bridge.export import DEPLOYED_FACTOR
+    q, x = _trained_conv_relu_net()
     report = tf_bridge.export_onnx(q, tmp_path / "cpu.onnx", target="ort-cpu", sample_data=x)
-    assert report.target == "ort-cpu" and report.check is None and report.passed
-    assert report.parity.outputs[0].ratio <= 0.10
-    assert "check: skipped" in str(report) and report.to_dict()["check"] is None
+    assert report.target == "ort-cpu" and report.check is None and report.passed, str(report)
+    (strict,) = report.parity.outputs  # the tensorrt form of the same mapping, against Keras
+    assert strict.bound == "float" and strict.ratio <= 0.10
+    (deployed,) = report.parity.deployed
+    assert deployed.target == "ort-cpu" and deployed.passed and deployed.top1 >= 0.99
+    assert deployed.max_abs_quant > 0 and deployed.ratio <= DEPLOYED_FACTOR
+    assert "check: skipped" in str(report) and "ort-cpu as deployed" in str(report)
+    data = report.to_dict()
+    assert data["check"] is None and data["parity"]["deployed"][0]["target"] == "ort-cpu"
+    ort_model = onnx.load(report.path)
+    assert any(n.op_type == "QuantizeLinear" for n in ort_model.graph.node)
+
+
+def test_deployed_parity_fails_for_a_wrong_scale(tmp_path):
+    """The deployed check can fail: the ort-cpu model with one dequantization scale 25% off."""
+    from onnx_qat.quantize import quantize
+    from tf_bridge.export import deployed_parity
+    from tf_bridge.onnx_values import run_with_tensors
+    q, x = _trained_conv_relu_net()
+    report = tf_bridge.export_onnx(q, tmp_path / "cpu.onnx", target="ort-cpu", sample_data=x, save_float=True)
+    reference = quantize(onnx.load(report.float_path), scales=str(report.scales_path), target="tensorrt",
+                         progress=False).model
+    bad = onnx.load(report.path)
+    first_dq = next(n for n in bad.graph.node if n.op_type == "DequantizeLinear"
+                    and n.input[0] in {m.output[0] for m in bad.graph.node if m.op_type == "QuantizeLinear"})
+    scale = next(t for t in bad.graph.initializer if t.name == first_dq.input[1])
+    bad.graph.initializer.append(onnx.numpy_helper.from_array(
+        onnx.numpy_helper.to_array(scale) * np.float32(1.25), "wrong_scale"))
+    first_dq.input[1] = "wrong_scale"
+    feeds = {bad.graph.input[0].name: x}
+    names = [o.name for o in bad.graph.output]
+    float_out = [run_with_tensors(onnx.load(report.float_path), feeds)[n] for n in names]
+    keras_out = [np.asarray(q(x, training=False))]
+    good = deployed_parity("ort-cpu", onnx.load(report.path), reference, feeds, names, keras_out, float_out)
+    wrong = deployed_parity("ort-cpu", bad, reference, feeds, names, keras_out, float_out)
+    assert good[0].passed and not wrong[0].passed and wrong[0].ratio > good[0].ratio, (good, wrong)
+    assert "FAILED" in str(wrong[0])

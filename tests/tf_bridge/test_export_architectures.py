@@ -60,10 +60,12 @@ ARCHITECTURES = {
 #: Without residual paths the signal of these random networks vanishes before the logits
 #: (~1e-12); their BatchNorm statistics are set from data first.
 SETTLE = {"mobilenetv2", "efficientnetb0"}
-#: These match the Keras QAT model to float precision (the 10% bound, by orders of magnitude: the
-#: export keeps each BatchNorm's Mul/Add beside its Conv, as Keras computes it); the others pass on
-#: the rounding bound (a last-bit difference elsewhere cascades through their depth).
-EXACT = {"resnet50", "resnet50v2", "mobilenetv2", "efficientnetb0"}
+#: Every architecture meets the 10% bound by orders of magnitude (each BatchNorm's Mul/Add is kept
+#: beside its Conv, as Keras computes it). InceptionV3 and DenseNet121 meet it against the Keras QAT
+#: graph run in onnxruntime: at their sizes TensorFlow's and onnxruntime's convolution sums, which
+#: differ in the last bit, put a few quantizer inputs on opposite sides of a rounding boundary and
+#: the run in TensorFlow parts from both onnxruntime runs by a rounding cascade (bounded separately).
+ENGINE_CASCADE = {"inceptionv3", "densenet121"}
 
 
 def _export(name, tmp_path):
@@ -86,10 +88,12 @@ def test_architecture_round_trip(name, tmp_path):
     assert report.passed, str(report)
     for out in report.parity.outputs:
         assert out.max_abs_float > 0, "quantization must change the logits, or parity proves nothing"
-        assert out.ratio <= 0.10 or out.bound == "rounding"
-        if name in EXACT:
-            assert out.bound == "float" and out.ratio < 1e-3, str(out)
+        assert out.bound == "float" and out.ratio < 1e-3, str(out)
         assert out.top1 is None or out.top1 >= 0.99
+        if out.reference == "onnxruntime":  # the TensorFlow run: within the rounding bound
+            assert out.max_abs_engine <= 3.0 * out.sensitivity, str(out)
+        if name in ENGINE_CASCADE:
+            assert out.reference == "onnxruntime", str(out)
     assert {e.quantizer for e in report.mapping} == {r.path for r in tf_bridge.quantizer_records(q)}
     assert report.check.passed and not report.check.errors
     qdq = onnx.load(report.path)
