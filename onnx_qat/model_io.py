@@ -197,7 +197,7 @@ def _initializer_bytes(model: onnx.ModelProto) -> int:
 
 
 def _without_initializer_data(model: onnx.ModelProto) -> onnx.ModelProto:
-    light = _copy_except_initializers(model)
+    light = copy_except_initializers(model)
     for init in model.graph.initializer:
         stub = _tensor_stub(init)
         stub.dims[:] = [0]  # an empty tensor of the same type: valid for the checker, no data copied
@@ -426,7 +426,7 @@ def _serialize(model: onnx.ModelProto) -> bytes:
         raise ModelError(f"model cannot be serialized: {str(exc).strip() or type(exc).__name__}") from None
 
 
-def _copy_except_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+def copy_except_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` whose main graph has no initializers (no tensor data copied)."""
     copy = onnx.ModelProto()
     for field, value in model.ListFields():
@@ -461,7 +461,7 @@ def _tensor_stub(tensor: onnx.TensorProto) -> onnx.TensorProto:
 
 def _split_external(model: onnx.ModelProto, location: str, handle) -> onnx.ModelProto:
     """Write large tensors' bytes to ``handle``; return a light copy referring to ``location``."""
-    light = _copy_except_initializers(model)
+    light = copy_except_initializers(model)
     offset = 0
     for tensor in model.graph.initializer:
         raw = _tensor_bytes(tensor)

@@ -8,20 +8,16 @@
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import sys
-import tempfile
 from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from .data import Dataset, load_data
 from .errors import ConfigError, ModelError, brief
-from .model_io import (
-    EXTERNAL_DATA_THRESHOLD, InputSpec, load_model, model_byte_size, save_model, target_ir_version,
-)
+from .model_io import InputSpec, copy_except_initializers, load_model, target_ir_version
 
 logger = logging.getLogger(__name__)
 
@@ -75,23 +71,43 @@ def make_session(model, *, threads: Optional[int] = None,
             raise ConfigError(f"threads must be a whole number >= 1, got {threads!r}")
         options.intra_op_num_threads = threads
     try:
-        if model_byte_size(proto) < EXTERNAL_DATA_THRESHOLD:
-            return ort.InferenceSession(proto.SerializeToString(), options, providers=list(providers))
-        return _session_from_files(ort, proto, options, providers)
+        return _session_weights_in_memory(ort, proto, options, providers)
     except (ModelError, ConfigError):
         raise
     except Exception as exc:
         raise ModelError(f"onnxruntime cannot load the model: {brief(exc, 300)}") from None
 
 
-def _session_from_files(ort, proto: onnx.ModelProto, options, providers):
-    """Over 2 GB a session must read the model from a file with external data."""
-    tmp = tempfile.mkdtemp(prefix="onnx-qat-session-")
-    try:
-        path = save_model(proto, os.path.join(tmp, "model.onnx"))
-        return ort.InferenceSession(str(path), options, providers=list(providers))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+#: Initializers of at least this many bytes reach onnxruntime as arrays instead of serialized bytes.
+IN_MEMORY_WEIGHT_BYTES = 1024
+
+
+def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers):
+    """A session whose large weights reach onnxruntime as arrays (``add_external_initializers``).
+
+    Only the graph is serialized: the weights are neither copied into protobuf bytes nor parsed
+    again by onnxruntime, and no 2 GB limit applies (no temporary file for large models). The
+    session keeps the arrays alive (onnxruntime reads the weights from their buffers).
+    """
+    light = copy_except_initializers(proto)
+    names, values = [], []
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.DEFAULT and tensor.HasField("raw_data"):
+            array = numpy_helper.to_array(tensor)
+            if array.nbytes >= IN_MEMORY_WEIGHT_BYTES:
+                names.append(tensor.name)
+                values.append(ort.OrtValue.ortvalue_from_numpy(array))
+                stub = light.graph.initializer.add(name=tensor.name, dims=tensor.dims,
+                                                   data_type=tensor.data_type,
+                                                   data_location=onnx.TensorProto.EXTERNAL)
+                stub.external_data.add(key="location", value="in-memory")
+                continue
+        light.graph.initializer.append(tensor)
+    if names:
+        options.add_external_initializers(names, values)
+    session = ort.InferenceSession(light.SerializeToString(), options, providers=list(providers))
+    session._onnx_qat_weights = values
+    return session
 
 
 def with_outputs(model: onnx.ModelProto, names: Iterable[str], *, copy: bool = True) -> onnx.ModelProto:
