@@ -167,6 +167,9 @@ def _add_check(sub) -> None:
                                    "explicit-quantization "
                                    "rules (C1-C14). Exit 1 when a rule finds an error.")
     p.add_argument("model", metavar="MODEL", help="Q/DQ ONNX model")
+    p.add_argument("--target", choices=TARGETS, default=None,
+                   help="the form to check: tensorrt (default: every rule) or ort-cpu (the rules that "
+                        "apply to the CPU form)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_check)
@@ -356,32 +359,28 @@ def cmd_quantize(args) -> int:
     result = quantize(args.model, output=args.output, scales=args.scales, data=args.data,
                       progress=_progress(args), **calib, **_placement_keywords(args))
     _say(args, _quantize_summary(args, result))
-    report = None
-    if result.target == "tensorrt":  # check's rules are TensorRT's; other targets use other forms
-        report = _check_written(result.model, args.output)
-        if not args.quiet:
-            for finding in report.findings:
-                print(f"  {finding}")
-            print(f"check: {report.summary()}")
-    else:
-        _say(args, f"check: skipped (its rules are TensorRT's; target is {result.target})")
+    report = _check_written(result.model, args.output, result.target)
+    if not args.quiet:
+        for finding in report.findings:
+            print(f"  {finding}")
+        print(f"check: {report.summary()}" if result.target == "tensorrt"
+              else f"check ({result.target} rules): {report.summary()}")
     if args.report is not None:
         from .fileio import write_json
-        extra = {"check": report.to_dict()} if report is not None else {}
-        write_json(args.report, _finite({**result.to_report(), **extra}))
+        write_json(args.report, _finite({**result.to_report(), "check": report.to_dict()}))
         _say(args, f"wrote {args.report}")
-    return EXIT_OK if report is None or report else EXIT_PROBLEMS
+    return EXIT_OK if report else EXIT_PROBLEMS
 
 
-def _check_written(model, output):
+def _check_written(model, output, target):
     """``check`` of the model ``quantize`` just wrote to ``output``: the very ModelProto it
-    serialized there, validated with ``onnx.checker`` and then checked by the TensorRT rules,
-    without reading the file back (which would parse it and hold a second copy)."""
+    serialized there, validated with ``onnx.checker`` and then checked by the rules of its
+    ``target``, without reading the file back (which would parse it and hold a second copy)."""
     from .check import check
     from .model_io import validate_model
 
     validate_model(model, f"output model {output}")
-    return check(model, path=output)
+    return check(model, target=target, path=output)
 
 
 def _quantize_summary(args, result) -> str:
@@ -397,7 +396,7 @@ def cmd_check(args) -> int:
     """``onnx-qat check``: :func:`onnx_qat.check`; exit 1 when it finds an error."""
     _check_inputs(("model", args.model, "ModelError"))
     from .check import check
-    report = check(args.model)
+    report = check(args.model, target=args.target)
     if args.json:
         _print_json(report.to_dict())
     elif not args.quiet:

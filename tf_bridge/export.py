@@ -203,8 +203,8 @@ class ExportReport:
         opset, target: as requested.
         mapping: one :class:`~tf_bridge.mapping.MappingEntry` per Keras quantizer.
         parity: the :class:`Parity` verdict against the Keras QAT model.
-        check: the :class:`onnx_qat.check.CheckReport` of the Q/DQ model (None for a target
-            other than ``"tensorrt"``, whose rules it does not follow).
+        check: the :class:`onnx_qat.check.CheckReport` of the Q/DQ model under the rules of
+            its ``target`` (``onnx_qat.check(model, target=...)``).
         summary: counts from :func:`onnx_qat.quantize`.
         cli_reproducible: True when ``onnx-qat quantize <float> --scales <json>`` (the default
             placement) gives this very model; False when the Keras placement differs from the
@@ -226,7 +226,7 @@ class ExportReport:
 
     @property
     def passed(self) -> bool:
-        """Parity passed and the TensorRT check found no error."""
+        """Parity passed and the check of the target's rules found no error."""
         return self.parity.passed and (self.check is None or bool(self.check))
 
     def mapping_table(self) -> str:
@@ -247,8 +247,9 @@ class ExportReport:
         lines += [f"  parity: {o}" for o in self.parity.outputs]
         lines += [f"  deployed: {d}" for d in self.parity.deployed]
         lines += [f"  worst layer: {w}" for w in self.parity.worst_layers]
-        lines.append(f"  check: {self.check.summary()}" if self.check is not None else
-                     f"  check: skipped (its rules are TensorRT's; target is {self.target})")
+        label = "check" if self.target == "tensorrt" else f"check ({self.target} rules)"
+        lines.append(f"  {label}: {self.check.summary()}" if self.check is not None else
+                     f"  {label}: not run")
         if self.scales_path is not None:
             lines.append(f"  scales: {self.scales_path}" + (
                 " (onnx-qat quantize <float model> --scales reproduces the model)"
@@ -846,7 +847,7 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     if scales_path is not None:
         mapping.scales.save(scales_path)
     save_model(result.model, out)
-    verdict = check(result.model) if result.target == "tensorrt" else None
+    verdict = check(result.model, target=result.target)
     step.done()
     report = ExportReport(out, scales_path, float_path, int(opset), result.target, mapping.entries, parity,
                           verdict, MappingProxyType(dict(result.summary)),

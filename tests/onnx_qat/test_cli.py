@@ -378,7 +378,7 @@ def _target_ready(name: str) -> bool:
 
 @needs_quantize
 @pytest.mark.skipif(not _target_ready("ort-cpu"), reason="the ort-cpu target is not available yet")
-def test_quantize_for_ort_cpu_skips_the_tensorrt_check(float_cnn, tmp_path, capsys):
+def test_quantize_for_ort_cpu_runs_the_ort_cpu_check(float_cnn, tmp_path, capsys):
     from tests.builders import amax_table
     model, _ = float_cnn
     proto = onnx.load(str(model))
@@ -387,10 +387,14 @@ def test_quantize_for_ort_cpu_skips_the_tensorrt_check(float_cnn, tmp_path, caps
     assert main(["quantize", str(model), "-o", str(out), "--scales", str(scales), "--target", "ort-cpu",
                  "--no-progress"]) == EXIT_OK
     text = capsys.readouterr().out
-    assert "target ort-cpu" in text and "check: skipped" in text
-    # The CPU form uses uint8 activations on purpose: TensorRT's check refuses it (rule C4).
+    assert "target ort-cpu" in text and "check (ort-cpu rules): PASSED" in text
+    # The CPU form uses uint8 activations on purpose: TensorRT's check refuses it (rule C4) ...
     assert main(["check", str(out), "--json"]) == EXIT_PROBLEMS
     assert "C4" in {f["rule"] for f in json.loads(capsys.readouterr().out)["findings"]}
+    # ... and the rules that apply to the CPU form find no error.
+    assert main(["check", str(out), "--target", "ort-cpu", "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and not [f for f in report["findings"] if f["severity"] == "error"]
 
 
 @needs_quantize

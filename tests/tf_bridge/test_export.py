@@ -352,15 +352,16 @@ def test_ort_cpu_target_is_checked_as_deployed_against_the_tensorrt_form(tmp_pat
     from tf_bridge.export import DEPLOYED_FACTOR
     q, x = _trained_conv_relu_net()
     report = tf_bridge.export_onnx(q, tmp_path / "cpu.onnx", target="ort-cpu", sample_data=x)
-    assert report.target == "ort-cpu" and report.check is None and report.passed, str(report)
+    assert report.target == "ort-cpu" and report.passed, str(report)
+    assert report.check is not None and bool(report.check)  # the rules that apply to the CPU form
     (strict,) = report.parity.outputs  # the tensorrt form of the same mapping, against Keras
     assert strict.bound == "float" and strict.ratio <= 0.10
     (deployed,) = report.parity.deployed
     assert deployed.target == "ort-cpu" and deployed.passed and deployed.top1 >= 0.99
     assert deployed.max_abs_quant > 0 and deployed.ratio <= DEPLOYED_FACTOR
-    assert "check: skipped" in str(report) and "ort-cpu as deployed" in str(report)
+    assert "check (ort-cpu rules): PASSED" in str(report) and "ort-cpu as deployed" in str(report)
     data = report.to_dict()
-    assert data["check"] is None and data["parity"]["deployed"][0]["target"] == "ort-cpu"
+    assert data["check"]["passed"] and data["parity"]["deployed"][0]["target"] == "ort-cpu"
     ort_model = onnx.load(report.path)
     assert any(n.op_type == "QuantizeLinear" for n in ort_model.graph.node)
 
