@@ -159,6 +159,17 @@ def _session_and_data(model_or_session, data, threads=None):
     return session, dataset
 
 
+def feeds_with_progress(dataset: Dataset, batch_size: int, progress: bool, desc: str):
+    """``dataset.batches(batch_size)``, wrapped in a tqdm bar on stderr when ``progress`` is true."""
+    feeds = dataset.batches(batch_size)
+    if not progress:
+        return feeds
+    from tqdm import tqdm
+
+    return tqdm(feeds, total=dataset.num_batches(batch_size), desc=desc, unit="batch", file=sys.stderr,
+                leave=False, dynamic_ncols=True)
+
+
 def run_batches(session, dataset: Dataset, *, batch_size: int = 16, outputs: Optional[Sequence[str]] = None,
                 progress: bool = False, desc: str = "onnxruntime") -> Iterator[Dict[str, np.ndarray]]:
     """Run ``session`` on ``dataset`` batch by batch and yield ``{output name: array}`` per batch.
@@ -170,13 +181,7 @@ def run_batches(session, dataset: Dataset, *, batch_size: int = 16, outputs: Opt
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ModelError(f"the model has no output {unknown[0]!r} (outputs: {', '.join(sorted(known))})")
-    feeds = dataset.batches(batch_size)
-    if progress:
-        from tqdm import tqdm
-
-        feeds = tqdm(feeds, total=dataset.num_batches(batch_size), desc=desc, unit="batch", file=sys.stderr,
-                     leave=False, dynamic_ncols=True)
-    for index, feed in enumerate(feeds):
+    for index, feed in enumerate(feeds_with_progress(dataset, batch_size, progress, desc)):
         try:
             values = session.run(names, feed)
         except Exception as exc:

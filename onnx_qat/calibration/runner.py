@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
@@ -178,13 +177,9 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
 
     When only graph inputs are observed the model is not run at all.
     """
-    feeds = dataset.batches(batch_size)
-    if progress:
-        from tqdm import tqdm
+    from ..runtime import feeds_with_progress
 
-        feeds = tqdm(feeds, total=dataset.num_batches(batch_size), desc=desc, unit="batch", file=sys.stderr,
-                     leave=False, dynamic_ncols=True)
-    for index, feed in enumerate(feeds):
+    for index, feed in enumerate(feeds_with_progress(dataset, batch_size, progress, desc)):
         try:
             values = dict(zip(fetched, session.run(fetched, feed))) if fetched else {}
         except Exception as exc:
