@@ -47,14 +47,26 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    * when the table has no range for it, no point is added: that Conv keeps a float output
      (correct, slower) and the report lists it under ``not requantized``.
 
-Every learned scale is kept unchanged; each requantization point is listed in
-:meth:`onnx_qat.quantize.QuantizeResult.to_report` under ``requantization``.
+5. *scale folds* (rule CPU2): a quantized Conv whose output only feeds a Mul by a constant
+   per-channel (or scalar) vector ``k``, optionally followed by an Add of a constant per-channel
+   vector ``b`` (a BatchNormalization kept unfolded, as ``tf_bridge.export_onnx`` writes it), gets
+   them folded in after its weight is quantized: weight integers ``sign(k[c]) * q[c]`` (0 where
+   ``k[c] == 0``), weight scale ``scale[c] * |k[c]|``, bias ``bias * k + b``. The dequantized
+   weight is ``k[c]`` times the old one, exactly up to the float32 rounding of the scale product,
+   and the Conv output is the old Add (or Mul) output, which then takes the requantization point
+   of 4. Without the fold no QuantizeLinear sits on the Conv output and it runs in float.
+
+Every learned scale is kept unchanged; each requantization point and each fold is listed in
+:meth:`onnx_qat.quantize.QuantizeResult.to_report` under ``requantization`` (folds with rule
+``CPU2``, status ``folded``, just before the point of the same Conv).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
+
+import numpy as np
 
 from .placement.graph_index import GraphIndex
 from .placement.marks import ActivationMark, Placement
@@ -71,6 +83,11 @@ EXACT_OPS = ("Relu", "MaxPool", "GlobalMaxPool", "Reshape", "Flatten", "Transpos
 #: How far a requantization point looks forward through :data:`EXACT_OPS` for a quantized tensor.
 _MAX_LOOKAHEAD = 8
 RULE = "CPU1"
+#: Rule name of a per-channel Mul/Add folded into the quantized Conv before it (see :class:`ScaleFold`).
+FOLD_RULE = "CPU2"
+#: Largest and smallest non-zero ``|k|`` a fold accepts (the weight scale is multiplied by it).
+_FOLD_K_RANGE = (1e-20, 1e20)
+_FLOAT = 1  # onnx.TensorProto.FLOAT (onnx is not imported at module level)
 
 
 #: Ops whose output is non-negative when their (first) input is.
@@ -79,15 +96,55 @@ SIGN_PRESERVING_OPS = ("MaxPool", "GlobalMaxPool", "AveragePool", "GlobalAverage
 
 
 @dataclass(frozen=True)
+class ScaleFold:
+    """A per-channel Mul (and Add) after a quantized Conv, folded into the Conv (rule CPU2).
+
+    Attributes:
+        node: the Conv's name; ``weight`` its weight tensor; ``bias`` its bias initializer or "".
+        mul: the Mul's name; ``add`` the Add's name, or None when the Mul is folded alone.
+        output: the tensor the Conv writes after the fold (the Add's output, else the Mul's).
+        k: the Mul's factor per output channel (float32, length C); ``b`` the Add's term (zeros
+            without an Add).
+    """
+
+    node: str
+    weight: str
+    bias: str
+    mul: str
+    add: Optional[str]
+    output: str
+    k: np.ndarray = field(compare=False, repr=False)
+    b: np.ndarray = field(compare=False, repr=False)
+
+    def record(self) -> dict:
+        """The report record of this fold (listed under ``requantization``)."""
+        ops = [self.mul] + ([self.add] if self.add else [])
+        shown = " and ".join(repr(o) for o in ops)
+        return {"tensor": self.output, "node": self.node, "op_type": "Conv", "rule": FOLD_RULE,
+                "status": "folded", "folded": ops, "channels": int(self.k.size),
+                "negative_k": int(np.count_nonzero(self.k < 0)), "zero_k": int(np.count_nonzero(self.k == 0)),
+                "reason": f"per-channel {shown} after Conv {self.node!r} folded into its quantized weight "
+                          "(integers x sign(k), scale x |k|) and bias, so its output can be requantized "
+                          "for QLinearConv"}
+
+
+@dataclass(frozen=True)
 class Adapted:
-    """The ort-cpu placement, ScaleTable, requantization records, per-tensor zero points and the
-    weights stored as uint8 with zero point 128."""
+    """The ort-cpu placement, ScaleTable, report records (requantization points and folds), per-tensor
+    zero points, the weights stored as uint8 with zero point 128, and the scale folds to apply to the
+    graph after Q/DQ insertion (:meth:`finish`)."""
 
     placement: Placement
     table: ScaleTable
     requantization: Tuple[dict, ...]
     zero_points: Dict[str, int]
     unsigned_weights: Tuple[str, ...] = ()
+    folds: Tuple[ScaleFold, ...] = ()
+
+    def finish(self, graph) -> Tuple[str, ...]:
+        """Apply :attr:`folds` to ``graph`` (an onnx-graphsurgeon graph the caller owns, after
+        :func:`~onnx_qat.insertion.insert_qdq_pairs`); the names of the Convs folded."""
+        return fold_scale_ops(graph, self.folds)
 
 
 @dataclass(frozen=True)
@@ -112,15 +169,25 @@ class RequantPoint:
 class OrtCpuForm:
     """The ort-cpu adjustments to a TensorRT placement: uint8 activations and requantization points."""
 
-    def points(self, index: GraphIndex, placement: Placement) -> Tuple[RequantPoint, ...]:
-        """The requantization points for ``placement``, in graph order (see the module docstring)."""
+    def folds(self, index: GraphIndex, placement: Placement) -> Tuple[ScaleFold, ...]:
+        """The per-channel Mul/Add chains to fold into quantized Convs (rule CPU2), in graph order."""
+        marked = {m.tensor for m in placement.activations}
+        weights = {(w.node, w.input_index): w for w in placement.weights}
+        found = (_scale_fold(node, index, weights, marked) for node in index.nodes if node.op_type == "Conv")
+        return tuple(f for f in found if f is not None)
+
+    def points(self, index: GraphIndex, placement: Placement,
+               folds: Optional[Tuple[ScaleFold, ...]] = None) -> Tuple[RequantPoint, ...]:
+        """The requantization points for ``placement``, in graph order (see the module docstring); a
+        Conv with a fold (``folds``, by default :meth:`folds`) has its point on the fold's output."""
         marked = {m.tensor for m in placement.activations}
         weighted = {w.node for w in placement.weights}
+        folded = {f.node: f.output for f in (self.folds(index, placement) if folds is None else folds)}
         points = []
         for node in index.nodes:
             if node.op_type not in REQUANT_OPS or node.name not in weighted or not node.outputs:
                 continue
-            out = node.outputs[0]
+            out = folded.get(node.name, node.outputs[0])
             if not out or out in index.graph_outputs or not index.consumers(out):
                 continue
             scale_from = _exact_downstream(out, index, marked)
@@ -140,15 +207,17 @@ class OrtCpuForm:
 
     def adapt(self, index: GraphIndex, placement: Placement, table: ScaleTable) -> Adapted:
         """The placement with the requantization points added, the table with their ranges, the zero
-        point of every quantized activation, and one report record per point (``status`` "added",
-        "extended", "already quantized" or "not requantized")."""
+        point of every quantized activation, the scale folds, and one report record per point
+        (``status`` "added", "extended", "already quantized" or "not requantized") and per fold
+        (rule CPU2, ``status`` "folded", just before its Conv's point)."""
         from .insertion import group_amax
 
         amaxes = group_amax(placement, table)
         marks: Dict[str, ActivationMark] = {m.tensor: m for m in placement.activations}
         added: Dict[str, float] = {}
         notes = list(placement.notes)
-        points = self.points(index, placement)
+        folds = self.folds(index, placement)
+        points = self.points(index, placement, folds)
         records = tuple(self._apply(point, index, marks, amaxes, table, added, notes) for point in points)
         order = index.production_order()
         activations = tuple(sorted(marks.values(), key=lambda m: (order.get(m.tensor, len(order)), m.tensor)))
@@ -158,7 +227,7 @@ class OrtCpuForm:
         new_table = table if not added else table.merged(
             ScaleTable(added, producer=table.producer, metadata=dict(table.metadata)))
         unsigned = _unsigned_weights(placement, activations, zero_points)
-        return Adapted(new_placement, new_table, records, zero_points, unsigned)
+        return Adapted(new_placement, new_table, _with_folds(records, folds), zero_points, unsigned, folds)
 
     def _apply(self, point: RequantPoint, index: GraphIndex, marks: Dict[str, ActivationMark], amaxes,
                table: ScaleTable, added: Dict[str, float], notes: List[str]) -> dict:
@@ -280,4 +349,218 @@ def _exact_downstream(tensor: str, index: GraphIndex, marked) -> Optional[str]:
     return None
 
 
-__all__ = ["OrtCpuForm", "Adapted", "RequantPoint", "REQUANT_OPS", "EXACT_OPS"]
+# --------------------------------------------------------------------------- scale folds (CPU2)
+def _with_folds(records: Tuple[dict, ...], folds: Tuple[ScaleFold, ...]) -> Tuple[dict, ...]:
+    """The point records with each fold's record just before the record of the same Conv."""
+    by_node = {f.node: f for f in folds}
+    merged = []
+    for record in records:
+        fold = by_node.pop(record["node"], None)
+        merged += [fold.record(), record] if fold is not None else [record]
+    merged += [f.record() for f in folds if f.node in by_node]  # a fold without a point (output unused)
+    return tuple(merged)
+
+
+def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]:
+    """The fold for Conv ``node`` (see :class:`ScaleFold`), or None when something does not fit:
+    the weight is not a float32 initializer quantized per output channel (or per tensor) read by this
+    Conv only; the bias is not a float32 ``[C]`` initializer read by this Conv only; the output does
+    not feed exactly one Mul by a constant per-channel vector; a tensor in between is quantized."""
+    mark = weights.get((node.name, 1))
+    if not node.standard or mark is None or mark.axis not in (0, None) or len(node.inputs) < 2:
+        return None
+    weight = node.inputs[1]
+    proto = index.constant_proto(weight)
+    if proto is None or proto.data_type != _FLOAT or len(proto.dims) < 3 or len(index.consumers(weight)) != 1:
+        return None
+    channels, rank = int(proto.dims[0]), len(proto.dims)
+    bias = node.inputs[2] if len(node.inputs) > 2 else ""
+    if bias and not _own_bias(node, bias, index, weights, channels):
+        return None
+    step = _single_consumer(node.outputs[0], "Mul", index, marked)
+    k = None if step is None else _channel_vector(step[0], step[1], index, channels, rank)
+    if k is None or not _usable_factors(k):
+        return None
+    mul = step[0]
+    tail, add, b = mul, None, np.zeros(channels, np.float32)
+    step = _single_consumer(mul.outputs[0], "Add", index, marked)
+    found = None if step is None else _channel_vector(step[0], step[1], index, channels, rank)
+    if found is not None:
+        tail, add, b = step[0], step[0].name, found
+    return ScaleFold(node.name, weight, bias, mul.name, add, tail.outputs[0], k, b)
+
+
+
+def _own_bias(node, bias: str, index: GraphIndex, weights, channels: int) -> bool:
+    """True when ``bias`` is a float32 ``[C]`` initializer that only ``node`` reads, not quantized."""
+    proto = index.initializers.get(bias)
+    return (proto is not None and proto.data_type == _FLOAT and tuple(proto.dims) == (channels,)
+            and len(index.consumers(bias)) == 1 and (node.name, 2) not in weights)
+
+
+def _single_consumer(tensor: str, op_type: str, index: GraphIndex, marked):
+    """``(node, position)`` of the only consumer of ``tensor`` when it is a standard two-input
+    ``op_type`` and ``tensor`` is neither quantized nor a graph output; else None."""
+    consumers = index.consumers(tensor)
+    if not tensor or tensor in marked or tensor in index.graph_outputs or len(consumers) != 1:
+        return None
+    node, position = consumers[0]
+    if node.op_type != op_type or not node.standard or len(node.inputs) != 2 or len(node.outputs) != 1 \
+            or node.inputs[0] == node.inputs[1]:
+        return None
+    return node, position
+
+
+def _channel_vector(node, position: int, index: GraphIndex, channels: int, rank: int) -> Optional[np.ndarray]:
+    """The other input of ``node`` as a float32 vector of length ``channels``, when it is a finite
+    float32 initializer or Constant output that broadcasts against a rank-``rank`` NCHW... tensor along
+    the channel axis only (scalar, ``[1, C, 1, 1]``, ``[C, 1, 1]``...); else None. ONNX broadcasting
+    aligns shapes on the right, so a ``[C]`` vector runs along the last axis and does not fit."""
+    other = node.inputs[1 - position]
+    producer = index.producer.get(other)
+    if other not in index.initializers and (producer is None or producer.op_type != "Constant"):
+        return None
+    proto = index.constant_proto(other)
+    if proto is None or proto.data_type != _FLOAT or len(proto.dims) > rank:
+        return None
+    padded = (1,) * (rank - len(proto.dims)) + tuple(int(d) for d in proto.dims)
+    if any(d != 1 for axis, d in enumerate(padded) if axis != 1) or padded[1] not in (1, channels):
+        return None
+    from onnx import numpy_helper
+
+    values = numpy_helper.to_array(proto).astype(np.float32).reshape(-1)
+    if not np.all(np.isfinite(values)):
+        return None
+    return np.ascontiguousarray(np.broadcast_to(values, (channels,)))
+
+
+def _usable_factors(k: np.ndarray) -> bool:
+    """True when every non-zero ``|k|`` is within :data:`_FOLD_K_RANGE` (the weight scale is multiplied
+    by it and must stay a positive finite float32)."""
+    magnitude = np.abs(k[k != 0]).astype(np.float64)
+    return bool(np.all((magnitude >= _FOLD_K_RANGE[0]) & (magnitude <= _FOLD_K_RANGE[1])))
+
+
+def fold_scale_ops(graph, folds) -> Tuple[str, ...]:
+    """Fold each :class:`ScaleFold` into its Conv in ``graph`` (an onnx-graphsurgeon graph after Q/DQ
+    insertion, edited in place): new weight integers, weight scales and bias; the Mul/Add (and Constant
+    nodes only they read) removed; the Conv writes the fold's output tensor. A fold whose Conv does not
+    have the expected ``DequantizeLinear`` weight is left out with a warning. Returns the Convs folded."""
+    if not folds:
+        return ()
+    by_name = {n.name: n for n in graph.nodes}
+    names = set(graph.tensors())
+    dropped: List[object] = []
+    done = tuple(f.node for f in folds if _fold_one(f, by_name, names, dropped))
+    drop = {id(n) for n in dropped}
+    graph.nodes = [n for n in graph.nodes if id(n) not in drop]
+    return done
+
+
+def _fold_one(fold: ScaleFold, by_name, names, dropped: list) -> bool:
+    """Apply one fold (see :func:`fold_scale_ops`); False (graph unchanged) when it does not fit."""
+    import onnx_graphsurgeon as gs
+
+    conv, mul = by_name.get(fold.node), by_name.get(fold.mul)
+    add = by_name.get(fold.add) if fold.add else None
+    parts = _fold_parts(conv, mul, add, fold)
+    folded = None if parts is None else _folded_weight(parts[0], fold.k)
+    if folded is None:
+        logger.warning("ort-cpu: Conv %r keeps its scale ops (its weight is not the expected "
+                       "per-channel DequantizeLinear)", fold.node)
+        return False
+    dq, bias_c = parts
+    (q, scale, zero), per_tensor = folded
+    dq.inputs[0] = gs.Constant(dq.inputs[0].name, q)
+    dq.inputs[1] = gs.Constant(dq.inputs[1].name, scale)
+    dq.inputs[2] = gs.Constant(dq.inputs[2].name, zero)
+    if per_tensor:
+        dq.attrs["axis"] = 0
+    bias = np.zeros(fold.k.size) if bias_c is None else np.asarray(bias_c.values, np.float64)
+    new_bias = (bias * fold.k.astype(np.float64) + fold.b.astype(np.float64)).astype(np.float32)
+    bias_name = _fresh(f"{fold.node}_folded_bias", names)
+    if len(conv.inputs) > 2:
+        conv.inputs[2] = gs.Constant(bias_name, new_bias)
+    else:
+        conv.inputs.append(gs.Constant(bias_name, new_bias))
+    _unlink(conv, mul, add, dropped)
+    return True
+
+
+def _fold_parts(conv, mul, add, fold: ScaleFold):
+    """``(weight DequantizeLinear, bias Constant or None)`` when the graph still has the fold's chain
+    ``DQ(w) -> Conv -> Mul [-> Add]`` with constant DQ inputs and single consumers; else None."""
+    import onnx_graphsurgeon as gs
+
+    if conv is None or mul is None or (fold.add and add is None) or len(conv.inputs) < 2:
+        return None
+    weight, out = conv.inputs[1], conv.outputs[0]
+    dq = weight.inputs[0] if len(weight.inputs) == 1 else None
+    tail = add if add is not None else mul
+    chain = (len(weight.outputs) == 1 and len(out.outputs) == 1 and out.outputs[0] is mul
+             and (add is None or (len(mul.outputs[0].outputs) == 1 and mul.outputs[0].outputs[0] is add))
+             and tail.outputs[0].name == fold.output)
+    if dq is None or dq.op != "DequantizeLinear" or len(dq.inputs) != 3 or not chain \
+            or not all(isinstance(t, gs.Constant) for t in dq.inputs):
+        return None
+    bias = conv.inputs[2] if len(conv.inputs) > 2 else None
+    if bias is not None and not isinstance(bias, gs.Constant):
+        return None
+    return dq, bias
+
+
+def _folded_weight(dq, k: np.ndarray):
+    """``((q', scale', zero_point'), was_per_tensor)`` for the weight DequantizeLinear ``dq`` folded
+    with ``k``: ``q' - zp = sign(k) * (q - zp)``, ``scale' = scale * |k|`` (unchanged where k is 0);
+    None when its layout is not per output channel (axis 0) or per tensor, or a value would not fit."""
+    q = np.asarray(dq.inputs[0].values)
+    scale = np.asarray(dq.inputs[1].values, np.float32)
+    zero = np.asarray(dq.inputs[2].values)
+    channels = k.size
+    per_tensor = scale.size == 1 and zero.size == 1 and (scale.ndim == 0 or "axis" not in dq.attrs)
+    if per_tensor:
+        scale = np.full(channels, scale.reshape(()), np.float32)
+        zero = np.full(channels, zero.reshape(()), zero.dtype)
+    elif int(dq.attrs.get("axis", 1)) != 0 or scale.shape != (channels,) or zero.shape != (channels,):
+        return None
+    if q.ndim < 1 or q.shape[0] != channels or q.dtype.kind not in "iu":
+        return None
+    shape = (channels,) + (1,) * (q.ndim - 1)
+    sign = np.sign(k).astype(np.int64).reshape(shape)
+    zp = zero.astype(np.int64).reshape(shape)
+    new_q = (q.astype(np.int64) - zp) * sign + zp
+    wide = scale.astype(np.float64)
+    new_scale = np.where(k == 0, wide, wide * np.abs(k.astype(np.float64))).astype(np.float32)
+    info = np.iinfo(q.dtype)
+    if new_q.min() < info.min or new_q.max() > info.max or not np.all(np.isfinite(new_scale)) \
+            or not np.all(new_scale > 0):
+        return None
+    return (new_q.astype(q.dtype), new_scale, zero), per_tensor
+
+
+def _fresh(base: str, names: set) -> str:
+    """``base``, or ``base_1``, ``base_2``... the first not in ``names`` (which it joins)."""
+    name, n = base, 1
+    while name in names:
+        name, n = f"{base}_{n}", n + 1
+    names.add(name)
+    return name
+
+
+def _unlink(conv, mul, add, dropped: list) -> None:
+    """Make ``conv`` write the chain's last output and detach the Mul/Add (and the Constant nodes
+    that only they read), listing the detached nodes in ``dropped``."""
+    tail = add if add is not None else mul
+    out = tail.outputs[0]
+    for node in (mul, add):
+        if node is None:
+            continue
+        sources = [t.inputs[0] for t in node.inputs if len(t.inputs) == 1 and t.inputs[0].op == "Constant"]
+        node.outputs.clear()
+        node.inputs.clear()
+        dropped.append(node)
+        dropped.extend(s for s in sources if all(not t.outputs for t in s.outputs))
+    conv.outputs[0] = out
+
+
+__all__ = ["OrtCpuForm", "Adapted", "RequantPoint", "ScaleFold", "fold_scale_ops", "REQUANT_OPS", "EXACT_OPS"]

@@ -142,13 +142,14 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
             placement.activation_tensors() + form.calibration_tensors(index, placement)))}
     table = _ranges(float_model, index, placement, scales, data, method, config, calib_kw, progress)
-    requantization, storage = (), {}
+    requantization, storage, finish = (), {}, None
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = form.adapt(index, placement, table)
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
+        finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
-    qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage)
+    qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage, finish)
     # The float weights are not needed to save the Q/DQ model (_rewrite released the graphsurgeon
     # graph that referenced them). Freeing them first keeps peak memory within 2x the weights.
     del float_model
@@ -293,9 +294,10 @@ def _check_complete(table: ScaleTable, placement: Placement, source: str) -> Sca
     return table
 
 
-def _rewrite(model, placement, table, target: Target, progress, storage=None):
+def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None):
     """Insert the Q/DQ nodes on a graphsurgeon copy and export it (``storage``: the target form's
-    ``zero_points``/``unsigned_weights`` for :func:`~onnx_qat.insertion.insert_qdq_pairs`)."""
+    ``zero_points``/``unsigned_weights`` for :func:`~onnx_qat.insertion.insert_qdq_pairs`; ``finish``:
+    the form's edits of the graph after insertion, e.g. :meth:`onnx_qat.ort_cpu.Adapted.finish`)."""
     from .insertion import insert_qdq_pairs
 
     io = _io()
@@ -304,6 +306,8 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None):
         try:
             inserted = insert_qdq_pairs(graph, placement, table, target, progress=progress,
                                         **dict(storage or {}))
+            if finish is not None:
+                finish(graph)
             exported = io.from_graph(graph, model)
         finally:  # also on errors: nothing is left for the paused collector
             io.release_graph(graph)
