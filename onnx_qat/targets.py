@@ -9,12 +9,15 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
 * ``"ort-cpu"``: the same placement and scales for onnxruntime's CPU execution provider:
   activations uint8 with zero point 128 (bit-identical values, faster x86 kernels), or 0 where
   they are non-negative, and requantization points on quantized Conv outputs so onnxruntime
-  forms ``QLinearConv`` (see :mod:`onnx_qat.ort_cpu`; ``onnx_qat.check(model, target="ort-cpu")``
-  checks the rules that apply to this form).
+  forms ``QLinearConv``; a per-channel Mul/Add after a quantized Conv (an unfolded
+  BatchNormalization) is folded into the Conv's quantized weight and bias first (see
+  :mod:`onnx_qat.ort_cpu`; ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that
+  apply to this form).
 
 Targets are registered in :data:`_TARGETS`; the inserter reads every dtype and zero point
 from the target, never from constants of its own. A target's optional ``form`` adjusts the
-placement and ScaleTable after ranges are known (``calibration_tensors`` and ``adapt``).
+placement and ScaleTable after ranges are known (``calibration_tensors`` and ``adapt``), and
+may edit the graph after Q/DQ insertion (``adapt``'s result's ``finish(graph)``).
 """
 from __future__ import annotations
 
@@ -40,7 +43,9 @@ class Target:
         policy: a zero-argument callable returning the placement policy.
         form: None, or a zero-argument callable returning an object with
             ``calibration_tensors(index, placement)`` and ``adapt(index, placement, table)``
-            (see :class:`onnx_qat.ort_cpu.OrtCpuForm`).
+            (see :class:`onnx_qat.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
+            ``finish(graph)`` method, which ``onnx_qat.quantize`` calls on the graphsurgeon graph
+            after Q/DQ insertion (see :meth:`onnx_qat.ort_cpu.Adapted.finish`).
     """
 
     name: str
@@ -98,7 +103,8 @@ def _ort_cpu_form():
 ORT_CPU = Target(
     name="ort-cpu",
     description="onnxruntime CPU: uint8 activations with zero point 128, or 0 where non-negative (same "
-                "scales), int8 per-channel weights, Conv outputs requantized for QLinearConv",
+                "scales), int8 per-channel weights, Conv outputs requantized for QLinearConv (per-channel "
+                "Mul/Add after a Conv folded into it first)",
     activation_dtype=np.uint8,
     activation_zero_point=128,
     weight_dtype=np.int8,
