@@ -162,7 +162,7 @@ def test_folded_conv_matches_the_unfolded_arithmetic(forms):
     steps = {r["tensor"]: r["amax"] / 127 for r in cpu.requantization if r["rule"] == "CPU1"}
     for name in names:
         worst = np.abs(got[name] - ref[name]).max() / steps[name]
-        assert worst < 1e-4, (name, worst)
+        assert worst < 1e-3, (name, worst)  # measured 5e-5 to 1e-4 steps (float32 rounding of sums)
     trt_error = np.abs(ref["output"] - B.run(model, feeds)[0]).max()
     assert np.abs(got["output"] - ref["output"]).max() < 1e-3 * trt_error
 
@@ -262,3 +262,40 @@ def test_no_fold_unless_the_factor_is_a_constant_per_channel_vector(variant):
     assert {"mul", "add"} <= {n.name for n in cpu.model.graph.node}
     point = {r["node"]: r for r in cpu.requantization}["c1"]
     assert point["tensor"] == "c1_out" and point["amax_source"] == "scale table (its own range)"
+
+
+def test_per_tensor_and_uint8_weights_fold_exactly():
+    """A per-tensor uint8 weight (zero point 128) becomes per channel (axis 0) with the same values."""
+    import onnx_graphsurgeon as gs
+
+    from onnx_qat.ort_cpu import _folded_weight
+
+    rng = np.random.default_rng(0)
+    q = (rng.integers(-127, 128, (4, 2, 3, 3)) + 128).astype(np.uint8)
+    inputs = [gs.Constant("q", q), gs.Constant("s", np.array(0.02, np.float32)),
+              gs.Constant("z", np.array(128, np.uint8))]
+    dq = gs.Node("DequantizeLinear", "dq", inputs=inputs, outputs=[gs.Variable("w", np.float32)])
+    k = np.array([1.5, -0.25, 0.0, -2.0], np.float32)
+    (new_q, scale, zero), per_tensor = _folded_weight(dq, k)
+    assert per_tensor and new_q.dtype == np.uint8 and zero.shape == (4,) and (zero == 128).all()
+    before = (q.astype(np.float64) - 128) * 0.02 * k.reshape(-1, 1, 1, 1)
+    after = (new_q.astype(np.float64) - 128) * scale.astype(np.float64).reshape(-1, 1, 1, 1)
+    assert np.abs(after - before).max() <= 1e-7 * np.abs(before).max()
+    assert (new_q[2] == 128).all() and scale[2] == np.float32(0.02)  # k = 0: value 0, scale kept
+
+
+def test_a_fold_the_graph_does_not_fit_is_left_out(caplog):
+    """``fold_scale_ops`` on a graph without the expected weight DequantizeLinear (here the float model)
+    changes nothing and says so."""
+    import onnx_graphsurgeon as gs
+
+    from onnx_qat.ort_cpu import OrtCpuForm, fold_scale_ops
+    from onnx_qat.placement.graph_index import GraphIndex
+
+    model = bn_net(True)
+    folds = OrtCpuForm().folds(GraphIndex(model), onnx_qat.place(model))
+    assert [f.node for f in folds] == ["c1", "c2"]
+    graph = gs.import_onnx(model)
+    assert fold_scale_ops(graph, folds) == ()
+    assert {"mul1", "add1", "mul2", "add2"} <= {n.name for n in graph.nodes}
+    assert "keeps its scale ops" in caplog.text
