@@ -390,7 +390,6 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
     return ScaleFold(node.name, weight, bias, mul.name, add, tail.outputs[0], k, b)
 
 
-
 def _own_bias(node, bias: str, index: GraphIndex, weights, channels: int) -> bool:
     """True when ``bias`` is a float32 ``[C]`` initializer that only ``node`` reads, not quantized."""
     proto = index.initializers.get(bias)
