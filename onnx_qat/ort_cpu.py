@@ -364,7 +364,7 @@ def _with_folds(records: Tuple[dict, ...], folds: Tuple[ScaleFold, ...]) -> Tupl
 def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]:
     """The fold for Conv ``node`` (see :class:`ScaleFold`), or None when something does not fit:
     the weight is not a float32 initializer quantized per output channel (or per tensor) read by this
-    Conv only; the bias is not a float32 ``[C]`` initializer read by this Conv only; the output does
+    Conv only; the bias is not a float32 ``[C]`` initializer; the output does
     not feed exactly one Mul by a constant per-channel vector; a tensor in between is quantized."""
     mark = weights.get((node.name, 1))
     if not node.standard or mark is None or mark.axis not in (0, None) or len(node.inputs) < 2:
@@ -391,10 +391,12 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
 
 
 def _own_bias(node, bias: str, index: GraphIndex, weights, channels: int) -> bool:
-    """True when ``bias`` is a float32 ``[C]`` initializer that only ``node`` reads, not quantized."""
+    """True when ``bias`` is a float32 ``[C]`` initializer, not quantized. Other Convs may read it too
+    (an exporter may share one zero bias between Convs of the same width): the fold gives its Conv
+    a bias of its own and leaves the shared one as it is."""
     proto = index.initializers.get(bias)
     return (proto is not None and proto.data_type == _FLOAT and tuple(proto.dims) == (channels,)
-            and len(index.consumers(bias)) == 1 and (node.name, 2) not in weights)
+            and (node.name, 2) not in weights)
 
 
 def _single_consumer(tensor: str, op_type: str, index: GraphIndex, marked):

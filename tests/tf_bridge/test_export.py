@@ -366,6 +366,38 @@ def test_ort_cpu_target_is_checked_as_deployed_against_the_tensorrt_form(tmp_pat
     assert any(n.op_type == "QuantizeLinear" for n in ort_model.graph.node)
 
 
+def _optimized_op_types(model_path, tmp_path):
+    """Op types of the graph onnxruntime's CPU provider runs (all graph optimizations on)."""
+    import onnxruntime as ort
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+    return [n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node]
+
+
+def test_ort_cpu_export_of_a_batchnorm_net_runs_every_conv_as_qlinearconv(tmp_path):
+    """The export keeps each BatchNormalization as Mul/Add (parity with Keras); the ort-cpu form folds
+    them into the Conv (rule CPU2) so onnxruntime still runs every Conv on its integer kernel."""
+    keras.utils.set_random_seed(7)
+    x, y = blobs(256, (12, 12, 3))
+    inp = keras.Input((12, 12, 3))
+    h = inp
+    for filters in (16, 16, 32):
+        h = L.ReLU()(L.BatchNormalization()(L.Conv2D(filters, 3, padding="same", use_bias=False)(h)))
+    model = keras.Model(inp, L.Dense(4)(L.GlobalAveragePooling2D()(h)))
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    q = _qat(model, x[:64])
+    report = tf_bridge.export_onnx(q, tmp_path / "cpu.onnx", target="ort-cpu", sample_data=x[64:128])
+    assert report.passed and bool(report.check), str(report)
+    (deployed,) = report.parity.deployed
+    assert deployed.passed and deployed.top1 >= 0.99
+    ops = _optimized_op_types(report.path, tmp_path)
+    assert ops.count("QLinearConv") == 3 and "Conv" not in ops, ops
+    assert "Mul" not in [n.op_type for n in onnx.load(report.path).graph.node]
+
+
 def test_deployed_parity_fails_for_a_wrong_scale(tmp_path):
     """The deployed check can fail: the ort-cpu model with one dequantization scale 25% off."""
     from onnx_qat.quantize import quantize
