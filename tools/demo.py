@@ -300,6 +300,26 @@ def export_model(q_model, models_dir: Path, name: str, data: Splits, progress: b
                     scales=None if rep.scales_path is None else Path(rep.scales_path), report=rep)
 
 
+def export_cpu_form(q_model, models_dir: Path, data: Splits, progress: bool = True):
+    """The QAT model exported again in the ``ort-cpu`` form (uint8 activations, requantization
+    points, BatchNorm scales folded into the Convs) that onnxruntime's CPU provider runs on its integer
+    kernels; the export checks it as deployed against the TensorRT form. Returns ``(path, report)``."""
+    import tf_bridge
+
+    path = models_dir / "qat_cpu.onnx"
+    print(f"      qat (ort-cpu form) -> {path}", flush=True)
+    rep = tf_bridge.export_onnx(q_model, path, opset=17, target="ort-cpu", sample_data=data.x_val,
+                                save_scales=False, save_float=False, strict=False, progress=progress)
+    return path, rep
+
+
+def export_all(ptq, qat, float_model, models_dir: Path, data: Splits, progress: bool):
+    """PTQ and QAT exports (TensorRT form), the QAT model in the ort-cpu form, and the FP32 baseline."""
+    exported = {k: export_model(m, models_dir, k, data, progress) for k, m in (("ptq", ptq), ("qat", qat))}
+    cpu = export_cpu_form(qat, models_dir, data, progress)
+    return exported, cpu, export_float(float_model, models_dir)
+
+
 def export_float(float_model, models_dir: Path) -> Path:
     """The trained float Keras model itself, converted with the same tf2onnx path as the exports.
 
@@ -435,7 +455,8 @@ def parity_of(rep) -> Dict[str, object]:
     """``{"summary", "passed", "figures", "outputs", "mapping"}`` from an export report.
 
     The verdict is the report's parity verdict (``rep.parity``) when it has one, else its own
-    ``passed``; a report with neither never counts as a pass.
+    ``passed``; a report with neither never counts as a pass. ``"deployed"``: the verdict lines of a
+    target other than tensorrt run as deployed (empty for the tensorrt form).
     """
     verdict = getattr(rep, "parity", rep)
     if hasattr(verdict, "passed"):
@@ -459,6 +480,7 @@ def parity_of(rep) -> Dict[str, object]:
               "mapping": mapping_table() if callable(mapping_table) else ""}
     if hasattr(rep, "cli_reproducible"):
         result["cli_reproducible"] = bool(rep.cli_reproducible)
+    result["deployed"] = "; ".join(str(d) for d in getattr(verdict, "deployed", ()) or ())
     return result
 
 
@@ -474,12 +496,15 @@ class Evaluation:
 
 
 def evaluate(models: Dict[str, object], exported: Dict[str, Exported], float_path: Path,
-             data: Splits) -> Evaluation:
-    """Test accuracy in onnxruntime (the float model, PTQ and QAT Q/DQ) and in Keras; check;
+             data: Splits, cpu_path: Optional[Path] = None) -> Evaluation:
+    """Test accuracy in onnxruntime (the float model, PTQ and QAT Q/DQ, and the QAT model's ort-cpu
+    form when ``cpu_path`` is given) and in Keras; check (the ort-cpu form by its own rules);
     per-layer SQNR (each Q/DQ model against its own float twin)."""
     from onnx_qat.check import check
 
     paths = {"float": float_path, "ptq": exported["ptq"].qdq, "qat": exported["qat"].qdq}
+    if cpu_path is not None:
+        paths["qat_cpu"] = cpu_path
     predictions = {k: onnx_predictions(p, data.x_test) for k, p in paths.items()}
     onnx_acc = {k: round(float(np.mean(v == data.y_test) * 100.0), 3) for k, v in predictions.items()}
     keras_acc = {k: round(keras_accuracy(m, data.x_test, data.y_test), 3) for k, m in models.items()}
@@ -490,6 +515,9 @@ def evaluate(models: Dict[str, object], exported: Dict[str, Exported], float_pat
     for key in ("ptq", "qat"):
         rep = check(exported[key].qdq)
         checks[key] = dict(rep.to_dict(), summary=rep.summary())
+    if cpu_path is not None:
+        rep = check(cpu_path, target="ort-cpu")
+        checks["qat_cpu"] = dict(rep.to_dict(), summary=rep.summary())
     return Evaluation(onnx_acc, keras_acc, confusion_matrix(data.y_test, predictions["qat"]), errors, checks)
 
 
@@ -513,6 +541,12 @@ def criteria(ev: Evaluation, parity: Dict[str, dict], total_s: float,
         result.append(report.Criterion(
             f"{report.MODEL_LABELS[key]} export parity vs the Keras model",
             parity[key]["summary"] or "no summary", "export report passes", bool(parity[key]["passed"])))
+    if "qat_cpu" in parity and "qat_cpu" in ev.checks:
+        chk, par = ev.checks["qat_cpu"], parity["qat_cpu"]
+        result.append(report.Criterion(
+            "QAT INT8 ort-cpu form: check by its rules and parity as deployed",
+            f"check {chk['num_errors']} error(s); {par['deployed'] or par['summary'] or 'no summary'}",
+            "0 errors, export report passes", bool(chk["passed"]) and bool(par["passed"])))
     result.append(report.Criterion(
         "whole demo under 5 minutes", f"{total_s:.0f} s", f"< {TIME_BUDGET_S:.0f} s", total_s < TIME_BUDGET_S,
         gating=not quick))
@@ -546,12 +580,15 @@ def stack_versions() -> str:
     return ", ".join(parts)
 
 
-LATENCY_NOTE = ("The INT8 models are in TensorRT's explicit-quantization form (signed INT8 activations, "
-                "QuantizeLinear/DequantizeLinear around each weighted op). onnxruntime's CPU provider runs "
-                "that form with extra quantize/dequantize work and is not expected to be faster than FP32 "
-                "here; on a model this small the Q/DQ overhead dominates. The figures are what they are on "
-                "this machine. A CPU deployment needs the ort-cpu target form (unsigned INT8 activations), "
-                "which is separate work; TensorRT runs this form on a GPU (tools/deploy_tensorrt.py).")
+LATENCY_NOTE = ("PTQ INT8 and QAT INT8 are in TensorRT's explicit-quantization form (signed INT8 "
+                "activations, QuantizeLinear/DequantizeLinear around each weighted op): onnxruntime's CPU "
+                "provider runs that form on float kernels with extra quantize/dequantize work, so it is "
+                "slower than FP32 here; TensorRT runs it on a GPU (tools/deploy_tensorrt.py). QAT INT8 "
+                "ort-cpu is the same QAT model exported with target=\"ort-cpu\" (unsigned INT8 activations, "
+                "Conv outputs requantized, BatchNorm scales folded into the Convs), which onnxruntime runs "
+                "on its integer kernels. On a network this small (8x8 inputs) per-node overhead weighs "
+                "more than arithmetic, so the figures say little about larger models; see README, "
+                "Performance, for a ResNet50.")
 
 
 def _meta(opts: DemoOptions, stages: Stages) -> Dict[str, object]:
@@ -566,8 +603,9 @@ def _meta(opts: DemoOptions, stages: Stages) -> Dict[str, object]:
     }
 
 
-def _files(out: Path, exported: Dict[str, Exported], float_path: Path) -> Dict[str, str]:
+def _files(out: Path, exported: Dict[str, Exported], float_path: Path, cpu_path: Path) -> Dict[str, str]:
     files = {"float_onnx": float_path, "ptq_onnx": exported["ptq"].qdq, "qat_onnx": exported["qat"].qdq,
+             "qat_cpu_onnx": cpu_path,
              "ptq_float_twin_onnx": exported["ptq"].float_onnx,
              "qat_float_twin_onnx": exported["qat"].float_onnx}
     for key in ("ptq", "qat"):
@@ -590,17 +628,17 @@ def run_demo(opts: DemoOptions) -> Tuple[report.DemoResults, Dict[str, Path]]:
     qat, qat_hist = stages.run(
         "qat", f"QAT: quantize_model + calibrate + {opts.qat_epochs}-epoch fine-tune", quantize_qat,
         float_model, data, opts)
-    exported, float_path = stages.run(
-        "export", "exporting the float model, and PTQ and QAT with tf_bridge.export_onnx",
-        lambda: ({k: export_model(m, models_dir, k, data, opts.progress)
-                  for k, m in (("ptq", ptq), ("qat", qat))}, export_float(float_model, models_dir)))
+    exported, (cpu_path, cpu_report), float_path = stages.run(
+        "export", "exporting the float model, PTQ and QAT (and QAT in the ort-cpu form) with "
+        "tf_bridge.export_onnx", export_all, ptq, qat, float_model, models_dir, data, opts.progress)
     ev = stages.run("evaluate", "accuracy, per-layer error and onnx_qat.check in onnxruntime", evaluate,
-                    {"float": float_model, "ptq": ptq, "qat": qat}, exported, float_path, data)
-    paths = {"float": float_path, "ptq": exported["ptq"].qdq, "qat": exported["qat"].qdq}
+                    {"float": float_model, "ptq": ptq, "qat": qat}, exported, float_path, data, cpu_path)
+    paths = {"float": float_path, "ptq": exported["ptq"].qdq, "qat": exported["qat"].qdq, "qat_cpu": cpu_path}
     latency = stages.run("latency", f"onnxruntime CPU latency, {opts.latency_rounds} interleaved rounds",
                          measure_latency, paths, data.x_test, opts.latency_batches, opts.latency_rounds,
                          opts.threads)
     parity = {k: parity_of(e.report) for k, e in exported.items()}
+    parity["qat_cpu"] = parity_of(cpu_report)
     results = report.DemoResults(
         meta=_meta(opts, stages), onnx_accuracy=ev.onnx_accuracy, keras_accuracy=ev.keras_accuracy,
         dataset=dict(data.sizes(), shape="8x8x1", classes=CLASSES), latency=latency, checks=ev.checks,
@@ -608,7 +646,7 @@ def run_demo(opts: DemoOptions) -> Tuple[report.DemoResults, Dict[str, Path]]:
         activation_amax={"ptq": activation_amax(ptq), "qat": activation_amax(qat)}, confusion=ev.confusion,
         history={"float": float_hist, "qat": qat_hist},
         criteria=criteria(ev, parity, stages.elapsed(), opts.quick),
-        files=_files(opts.out, exported, float_path),
+        files=_files(opts.out, exported, float_path, cpu_path),
         notes=(LATENCY_NOTE,))
     written = stages.run("report", f"writing the report to {opts.out}/", report.write_report, opts.out,
                          results)
@@ -622,7 +660,7 @@ def print_summary(results: report.DemoResults, written: Dict[str, Path]) -> None
     print("  " + " | ".join(f"{report.MODEL_LABELS[k]} {acc[k]:.2f}%"
                             for k in report.MODEL_LABELS if k in acc))
     for r in results.latency:
-        print(f"  latency batch {r.batch:<3} {report.MODEL_LABELS[r.model]:<13} median {r.median_ms:.3f} ms")
+        print(f"  latency batch {r.batch:<3} {report.MODEL_LABELS[r.model]:<16} median {r.median_ms:.3f} ms")
     for c in results.criteria:
         print(f"  {c}")
     print(f"\nreport: {Path(written['report']).resolve()}")

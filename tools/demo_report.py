@@ -17,8 +17,9 @@ import numpy as np
 from onnx_qat.fileio import atomic_write_bytes, atomic_write_text, write_json
 
 #: Display names of the three models, in report order.
-MODEL_LABELS = {"float": "float (FP32)", "ptq": "PTQ INT8", "qat": "QAT INT8"}
-COLORS = {"float": "#4c72b0", "ptq": "#dd8452", "qat": "#55a868"}
+MODEL_LABELS = {"float": "float (FP32)", "ptq": "PTQ INT8", "qat": "QAT INT8",
+                "qat_cpu": "QAT INT8 ort-cpu"}
+COLORS = {"float": "#4c72b0", "ptq": "#dd8452", "qat": "#55a868", "qat_cpu": "#8172b2"}
 PLOTS = {
     "accuracy": "accuracy.png",
     "latency": "latency.png",
@@ -35,7 +36,7 @@ class LatencyResult:
     """onnxruntime CPU latency of one model at one batch size.
 
     Attributes:
-        model: ``"float"``, ``"ptq"`` or ``"qat"``.
+        model: ``"float"``, ``"ptq"``, ``"qat"`` or ``"qat_cpu"`` (the QAT model in the ort-cpu form).
         batch: samples per run.
         median_ms / p10_ms / p90_ms: per-run latency over the interleaved rounds.
         rounds: interleaved rounds; runs_per_round: runs averaged within one round.
@@ -80,7 +81,8 @@ class DemoResults:
     Attributes:
         meta: date, machine, versions, options, stage timings.
         dataset: split sizes, image shape, classes.
-        onnx_accuracy: ``{"float"|"ptq"|"qat": %}`` measured in onnxruntime on the exported models.
+        onnx_accuracy: ``{"float"|"ptq"|"qat"|"qat_cpu": %}`` measured in onnxruntime on the exported
+            models (``qat_cpu``: the QAT export in the ort-cpu form).
         keras_accuracy: the same models in Keras (float, fake-quantized PTQ and QAT).
         latency: one :class:`LatencyResult` per model and batch size.
         checks: ``{"ptq"|"qat": onnx_qat.check report as dict, plus "summary"}``.
@@ -379,11 +381,12 @@ def _section_accuracy(results: DemoResults) -> List[str]:
 
 def _section_check(results: DemoResults) -> List[str]:
     lines = ["## TensorRT readiness (`onnx_qat.check`)", ""]
-    for key in ("ptq", "qat"):
+    for key in ("ptq", "qat", "qat_cpu"):
         rep = results.checks.get(key)
         if rep is None:
             continue
-        lines.append(f"- **{MODEL_LABELS[key]}**: `{rep.get('summary', '')}`")
+        rules = " (the rules of the ort-cpu form: `check(model, target=\"ort-cpu\")`)" if key == "qat_cpu" else ""
+        lines.append(f"- **{MODEL_LABELS[key]}**{rules}: `{rep.get('summary', '')}`")
         for f in rep.get("findings", []):
             lines.append(f"  - {f.get('severity', '').upper()} {f.get('rule', '')} {f.get('node', '')}: "
                          f"{f.get('message', '')}")

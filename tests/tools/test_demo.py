@@ -199,7 +199,7 @@ def test_parity_of_reads_verdict_and_figures():
     par = demo.parity_of(Rep(1e-4, 1.0, True))
     assert par == {"summary": "PASSED | max abs 1e-4", "passed": True,
                    "figures": {"max_abs_vs_qat": 0.0001, "top1": 1.0, "passed": True}, "outputs": [],
-                   "mapping": ""}
+                   "mapping": "", "deployed": ""}
     assert demo.parity_of(Rep(1.0, 0.5, False))["passed"] is False
     assert demo.parity_of(object())["passed"] is False  # no verdict: never counted as a pass
 
@@ -274,7 +274,7 @@ def test_quick_demo_end_to_end(tmp_path):
     data = json.loads((out / "results.json").read_text())
     # the exit code follows the gating criteria (in quick mode: check and export parity)
     gating = [c for c in data["criteria"] if c["gating"]]
-    assert len(gating) == 4 and proc.returncode == (0 if all(c["passed"] for c in gating) else 1)
+    assert len(gating) == 5 and proc.returncode == (0 if all(c["passed"] for c in gating) else 1)
     assert ("FAIL  " in proc.stdout) == (proc.returncode == 1)
     for key in ("float", "ptq", "qat"):
         assert 80.0 <= data["onnx_accuracy"][key] <= 100.0, data["onnx_accuracy"]
@@ -290,7 +290,13 @@ def test_quick_demo_end_to_end(tmp_path):
         assert data["parity"][key]["figures"]["samples"] == 288
         assert len(data["layer_error"][key]) == 5  # four Conv and the Dense, all named
         assert all(v is None or v > 10.0 for _, v in data["layer_error"][key])
-    assert {r["model"] for r in data["latency"]} == {"float", "ptq", "qat"}
+    # the QAT model in the ort-cpu form: its own check rules, parity as deployed, accuracy like QAT's
+    assert data["checks"]["qat_cpu"]["passed"] and data["parity"]["qat_cpu"]["passed"]
+    assert "ort-cpu as deployed" in data["parity"]["qat_cpu"]["deployed"]
+    assert abs(data["onnx_accuracy"]["qat_cpu"] - data["onnx_accuracy"]["qat"]) <= 1.0
+    cpu_ops = {n.op_type for n in onnx.load(out / data["files"]["qat_cpu_onnx"]).graph.node}
+    assert "QuantizeLinear" in cpu_ops and "Mul" not in cpu_ops  # BatchNorm scales folded into the Convs
+    assert {r["model"] for r in data["latency"]} == {"float", "ptq", "qat", "qat_cpu"}
     assert all(r["median_ms"] > 0 for r in data["latency"])
     md = (out / "report.md").read_text()
     for name in report.PLOTS.values():
