@@ -113,6 +113,7 @@ class GraphIndex:
         for name, init in self.initializers.items():
             self.dtypes[name] = init.data_type
         self._is_constant: Dict[str, bool] = {}
+        self._sorted: Optional[bool] = None
 
     # -- structure ------------------------------------------------------------------
     def consumers(self, tensor: str) -> List[Tuple[NodeInfo, int]]:
@@ -137,6 +138,15 @@ class GraphIndex:
             for out in node.outputs:
                 order.setdefault(out, len(order))
         return order
+
+    def is_topologically_sorted(self) -> bool:
+        """True when every node comes after the producers of all its inputs (as ONNX requires);
+        then every ancestor of a tensor is produced by an earlier node. Computed once, linear."""
+        if self._sorted is None:
+            producer = self.producer
+            self._sorted = all(producer[t].position < node.position
+                               for node in self.nodes for t in node.inputs if t in producer)
+        return self._sorted
 
     # -- constants ------------------------------------------------------------------
     def constant_source(self, tensor: str) -> Optional[str]:

@@ -265,7 +265,34 @@ def _through_epilogue(tensor: str, ctx: PlacementContext,
 def _computed_from(tensor: str, sources: Set[str], ctx: PlacementContext) -> bool:
     """True when ``tensor`` is computed from one of ``sources`` within a bounded backward walk
     (the "skip" of an elementwise expression such as ``x + 0.044715 * x**3`` inside a GELU is
-    computed from the weighted branch itself; a real shortcut is not)."""
+    computed from the weighted branch itself; a real shortcut is not).
+
+    In a topologically sorted graph the walk only reaches ``tensor`` and tensors made by earlier
+    nodes, so when every source is made by a later node than ``tensor`` the answer is False
+    without walking (the usual case: a shortcut is made before its block's weighted branch).
+    A tensor no node makes (a graph input) is computed from nothing but itself.
+    """
+    idx = ctx.index
+    if tensor not in idx.producer:
+        return tensor in sources
+    if _made_after(sources, tensor, idx):
+        return False
+    return _computed_from_walk(tensor, sources, ctx)
+
+
+def _made_after(sources: Set[str], tensor: str, idx: GraphIndex) -> bool:
+    """True when the graph is topologically sorted, ``tensor`` has a producer and every source is
+    made by a node placed after it, so no backward walk from ``tensor`` can reach a source."""
+    start = idx.producer.get(tensor)
+    if start is None or not sources or not idx.is_topologically_sorted():
+        return False
+    made = [idx.producer.get(s) for s in sources]
+    return all(node is not None and node.position > start.position for node in made)
+
+
+def _computed_from_walk(tensor: str, sources: Set[str], ctx: PlacementContext) -> bool:
+    """The bounded backward walk behind :func:`_computed_from`: depth-first over non-constant
+    inputs, stopping at quantized weighted ops, at most ``_MAX_BRANCH_WALK`` tensors."""
     idx = ctx.index
     frontier, seen = [tensor], {tensor}
     for _ in range(_MAX_BRANCH_WALK):
