@@ -203,15 +203,19 @@ class _Node:
     """One node's name, type and tensor names read from the protobuf once: the rules read them
     many times, and each protobuf field read builds new Python objects."""
 
-    __slots__ = ("proto", "op_type", "name", "domain", "input", "output")
+    __slots__ = ("proto", "op_type", "name", "input", "output")
 
     def __init__(self, proto):
         self.proto = proto
         self.op_type = proto.op_type
         self.name = proto.name
-        self.domain = proto.domain
         self.input = tuple(proto.input)
         self.output = tuple(proto.output)
+
+    @property
+    def domain(self) -> str:
+        """The node's domain (read when asked: only Q/DQ and Constant nodes need it)."""
+        return self.proto.domain
 
     @property
     def attribute(self):
@@ -280,6 +284,20 @@ class _Graph:
         for tensor, ok in zip(names, np.logical_and.reduceat(passed, starts)):
             if ok:
                 cache[tensor] = verdict
+
+    def value_shape(self, name: str) -> Optional[Tuple[int, ...]]:
+        """The shape of constant ``name``'s value, None when it is no constant or cannot be read:
+        its dims when its raw bytes are well formed (no array built), else the array's shape."""
+        proto = self.constants.get(name)
+        if proto is None:
+            return None
+        from .model_io import _RAW_DTYPES
+        dims, dtype = tuple(proto.dims), _RAW_DTYPES.get(proto.data_type)
+        if (dtype is not None and not proto.data_location and proto.HasField("raw_data")
+                and len(proto.raw_data) == math.prod(dims) * int(dtype[-1])):  # "<f4": 4 bytes
+            return dims
+        value = self.array(name)
+        return None if value is None else tuple(value.shape)
 
     def producer_node(self, tensor: str):
         idx = self.producer.get(tensor)
@@ -366,9 +384,10 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> _Graph:
     constants = dict(outer_constants)
     for init in graph.initializer:
         constants[init.name] = init
-    nodes = [_Node(n) for n in graph.node]
-    producer, consumers, names, ops, qdq = {}, {}, [], [], []
-    for i, node in enumerate(nodes):
+    nodes, producer, consumers, names, ops, qdq = [], {}, {}, [], [], []
+    for i, proto in enumerate(graph.node):
+        node = _Node(proto)
+        nodes.append(node)
         op = node.op_type
         name = prefix + (node.name or f"<{op} #{i}>")
         names.append(name)
@@ -626,6 +645,9 @@ def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
     import numpy as np
     from onnx import TensorProto
     for g in graphs:
+        zero_points = [_input(n, 2) for n, _ in _qdq_nodes(g)]
+        g.prejudge("C4-ort-cpu", zero_points, TensorProto.INT8, "i1", _is_zero, False)
+        g.prejudge("C4-ort-cpu", zero_points, TensorProto.UINT8, "u1", _is_zero_or_128, False)
         for node, name in _qdq_nodes(g):
             zp = _input(node, 2)
             if (_is_dq(node) and g.elem_type(_input(node, 0)) == TensorProto.INT32) or not zp:
@@ -633,11 +655,19 @@ def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
             if not g.is_constant(zp):
                 yield Finding("C4", ERROR, name, f"zero point {zp!r} is not a constant")
                 continue
-            dtype, values = g.elem_type(zp), g.array(zp)
-            allowed = {TensorProto.INT8: (0,), TensorProto.UINT8: (0, 128)}.get(dtype)
-            if allowed is None or (values is not None and not np.isin(values, allowed).all()):
+            allowed = _ORT_CPU_ZERO_POINTS.get(g.elem_type(zp))
+            if allowed is None or g.memo("C4-ort-cpu", zp, lambda values: values is not None
+                                         and not np.isin(values, allowed).all()):
                 yield Finding("C4", ERROR, name, f"zero point {zp!r} is not int8 0 or uint8 0/128, "
                               "the zero points of the ort-cpu form")
+
+
+#: Element type -> the zero-point values the ort-cpu form writes (int8 0; uint8 0 or 128).
+_ORT_CPU_ZERO_POINTS = {3: (0,), 2: (0, 128)}
+
+
+def _is_zero_or_128(values):
+    return (values == 0) | (values == 128)
 
 
 #: Rules the ``ort-cpu`` target replaces (rule function) or leaves out (None), with the reason.
@@ -710,9 +740,10 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
             proto = g.constants.get(_input(node, 1))
             if proto is None or math.prod(proto.dims) <= 1:  # per-tensor: read no values
                 continue
-            scale = g.array(_input(node, 1))
-            if scale is None or scale.size <= 1:
+            scale_shape = g.value_shape(_input(node, 1))
+            if scale_shape is None or math.prod(scale_shape) <= 1:
                 continue
+            scale_size = math.prod(scale_shape)
             data = _input(node, 0)
             shape = g.shape(data) or g.shape(_quantized_source(g, node))
             axis = _int_attr(node, "axis", 1)
@@ -721,9 +752,9 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
                 continue
             zp = _input(node, 2)
             zp_shape = g.shape(zp) if zp else None
-            if zp_shape is not None and tuple(zp_shape) != tuple(scale.shape):
+            if zp_shape is not None and tuple(zp_shape) != scale_shape:
                 yield Finding("C6", ERROR, name, f"zero point shape {list(zp_shape)} differs from scale "
-                              f"shape {list(scale.shape)}")
+                              f"shape {list(scale_shape)}")
             if shape is not None:
                 rank = len(shape)
                 if not -rank <= axis < rank:
@@ -731,12 +762,12 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
                                   f"axis {axis} is out of range for {data!r} of rank {rank}")
                     continue
                 channels = shape[axis]
-                if channels is not None and channels != scale.size:
-                    yield Finding("C6", ERROR, name, f"{scale.size} scales for {channels} channels of "
+                if channels is not None and channels != scale_size:
+                    yield Finding("C6", ERROR, name, f"{scale_size} scales for {channels} channels of "
                                   f"{data!r} on axis {axis}")
             if not g.is_constant_source(data):
                 yield Finding("C6", WARNING, name, f"activation {data!r} is quantized per channel "
-                              f"({scale.size} scales); TensorRT quantizes activations per tensor")
+                              f"({scale_size} scales); TensorRT quantizes activations per tensor")
 
 
 def rule_c7_q_without_dq(model, graphs) -> Iterator[Finding]:
