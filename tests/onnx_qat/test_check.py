@@ -264,11 +264,14 @@ def test_c5_accepts_constant_node_scales():
     assert check(b.model()).findings == ()
 
 
-def test_c6_per_channel_length_must_match_channels():
+@pytest.mark.parametrize("raw", [True, False])
+def test_c6_per_channel_length_must_match_channels(raw):
+    """Scales stored as raw bytes (sizes read from dims) or as float_data (read as arrays) alike."""
     b = good_block()
     for name in ("w2_q", "w2_dq"):
         idx = [i.name for i in b.inits].index(f"{name}_scale")
-        b.inits[idx] = numpy_helper.from_array(np.full(4, 0.01, np.float32), f"{name}_scale")
+        b.inits[idx] = (numpy_helper.from_array(np.full(4, 0.01, np.float32), f"{name}_scale") if raw else
+                        helper.make_tensor(f"{name}_scale", TensorProto.FLOAT, [4], [0.01] * 4))
         b.inits[idx + 1] = numpy_helper.from_array(np.zeros(4, np.int8), f"{name}_zp")
     report = check(b.model())
     assert "4 scales for 8 channels" in assert_found(report, "C6", "w2_q").message
