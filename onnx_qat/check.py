@@ -416,25 +416,29 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> _Graph:
 def _all_graphs(model, opset, infer) -> List[_Graph]:
     """The main graph and every If/Loop/Scan body, each indexed, outer constants visible inside
     (``infer``: shape inference of the main graph, run only if a rule needs it)."""
-    from onnx import AttributeProto
-    result = []
-
-    def walk(graph, outer, prefix):
-        index = _index_graph(graph, infer if not prefix else None, outer, opset, prefix)
-        result.append(index)
-        for i, node in enumerate(index.nodes):
-            for attr in node.attribute:
-                if attr.type == AttributeProto.GRAPH:
-                    subs = [attr.g]
-                elif attr.type == AttributeProto.GRAPHS:
-                    subs = list(attr.graphs)
-                else:
-                    continue
-                for sub in subs:
-                    walk(sub, index.constants, f"{_node_name(node, i, prefix)}/{attr.name}/")
-
-    walk(model.graph, {}, "")
+    result: List[_Graph] = []
+    _walk(model.graph, {}, "", opset, infer, result)
     return result
+
+
+def _walk(graph, outer, prefix, opset, infer, result) -> None:
+    """Index ``graph`` into ``result``, then its subgraphs (depth first, in node and attribute order).
+
+    A module-level function, not a closure: a recursive closure is a reference cycle that would keep
+    the whole index alive until the next cyclic collection."""
+    from onnx import AttributeProto
+    index = _index_graph(graph, infer if not prefix else None, outer, opset, prefix)
+    result.append(index)
+    for i, node in enumerate(index.nodes):
+        for attr in node.attribute:
+            if attr.type == AttributeProto.GRAPH:
+                subs = [attr.g]
+            elif attr.type == AttributeProto.GRAPHS:
+                subs = list(attr.graphs)
+            else:
+                continue
+            for sub in subs:
+                _walk(sub, index.constants, f"{_node_name(node, i, prefix)}/{attr.name}/", opset, None, result)
 
 
 # -- helpers shared by rules ---------------------------------------------------------------------
@@ -1072,8 +1076,9 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
         graphs = _all_graphs(proto, opset, _lazy_inference(proto))
         for rule in rules:
             findings.extend(rule(proto, graphs))
-    num_q = sum(1 for g in graphs for n, _ in g.qdq if _is_q(n))
-    num_dq = sum(1 for g in graphs for n, _ in g.qdq if _is_dq(n))
+        num_q = sum(1 for g in graphs for n, _ in g.qdq if _is_q(n))
+        num_dq = sum(1 for g in graphs for n, _ in g.qdq if _is_dq(n))
+        del graphs  # freed by reference counting while the collector is paused
     for finding in findings:
         logger.debug("check %s", finding)
     return CheckReport(tuple(findings), num_q, num_dq, label, opset)
