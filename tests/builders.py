@@ -366,6 +366,30 @@ def run(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> List[np.ndarray
     return sess.run(None, feeds)
 
 
+def run_optimized(model: onnx.ModelProto, feeds: Dict[str, np.ndarray]) -> np.ndarray:
+    """First output of ``model`` run as deployed: onnxruntime CPU, all graph optimizations on, 1 thread."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[0]
+
+
+def optimized_ops(model, tmp_path) -> List[str]:
+    """Op types of the graph onnxruntime's CPU provider actually runs (all optimizations on) for
+    ``model`` (a ModelProto or a path), read from ``SessionOptions.optimized_model_filepath``."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+    return [n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node]
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     """Cosine similarity of two arrays, flattened."""
     a = np.asarray(a, np.float64).ravel()

@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
@@ -54,21 +53,7 @@ def bn_net(bias: bool, seed: int = 0) -> onnx.ModelProto:
     return b.build()
 
 
-def _optimized_ops(model: onnx.ModelProto, tmp_path) -> list:
-    """Op types of the graph onnxruntime's CPU provider actually runs (all optimizations on)."""
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return [n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node]
 
-
-def _run_optimized(model, feeds):
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.intra_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(
-        None, feeds)[0]
 
 
 def _with_outputs(model, names):
@@ -112,10 +97,10 @@ def forms(request):
 
 def test_every_conv_runs_as_qlinearconv(forms, tmp_path):
     model, _, trt, cpu = forms
-    ops = _optimized_ops(cpu.model, tmp_path)
+    ops = B.optimized_ops(cpu.model, tmp_path)
     assert ops.count("QLinearConv") == 2, ops
     assert not {"Conv", "FusedConv", "Mul"} & set(ops), ops
-    assert "QLinearConv" not in _optimized_ops(trt.model, tmp_path)
+    assert "QLinearConv" not in B.optimized_ops(trt.model, tmp_path)
     assert {n.name for n in cpu.model.graph.node}.isdisjoint({"mul1", "add1", "mul2", "add2", "k2_const"})
 
 
@@ -177,7 +162,7 @@ def test_outputs_close_to_the_tensorrt_target(forms):
     model, _, trt, cpu = forms
     feeds = B.random_inputs(model, num=1, seed=7)
     ref, got_trt = B.run(model, feeds)[0], B.run(trt.model, feeds)[0]
-    got_cpu = _run_optimized(cpu.model, feeds)
+    got_cpu = B.run_optimized(cpu.model, feeds)
     trt_error = np.abs(got_trt - ref).max()
     assert trt_error > 0
     assert np.abs(got_cpu - got_trt).max() <= 0.5 * trt_error
@@ -218,7 +203,7 @@ def test_deployed_output_equals_the_net_folded_in_float(forms):
     twin_cpu = onnx_qat.quantize(twin, scales=ScaleTable(kept, producer="test"), target="ort-cpu",
                                  progress=False)
     feeds = B.random_inputs(model, num=1, seed=7)
-    assert np.array_equal(_run_optimized(cpu.model, feeds), _run_optimized(twin_cpu.model, feeds))
+    assert np.array_equal(B.run_optimized(cpu.model, feeds), B.run_optimized(twin_cpu.model, feeds))
 
 
 def test_tensorrt_form_keeps_the_scale_ops(forms):

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 import onnx_qat
@@ -50,21 +49,7 @@ def _feeds(model, seed):
     return B.random_inputs(model, num=1, seed=seed)
 
 
-def _optimized_ops(model: onnx.ModelProto, tmp_path) -> list:
-    """Op types of the graph onnxruntime's CPU provider actually runs (all optimizations on)."""
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return [n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node]
 
-
-def _run_optimized(model, feeds):
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)[0]
 
 
 @pytest.fixture(scope="module")
@@ -133,10 +118,10 @@ def test_values_above_the_amax_are_kept_where_zero_point_is_0(cnn):
 
 def test_onnxruntime_forms_integer_kernels(cnn, tmp_path):
     _, _, trt, cpu = cnn
-    ops = _optimized_ops(cpu.model, tmp_path)
+    ops = B.optimized_ops(cpu.model, tmp_path)
     assert ops.count("QLinearConv") == 2, ops
     assert not {"Conv", "FusedConv"} & set(ops), ops
-    assert "QLinearConv" not in _optimized_ops(trt.model, tmp_path)  # the TensorRT form has no output Q
+    assert "QLinearConv" not in B.optimized_ops(trt.model, tmp_path)  # the TensorRT form has no output Q
     # c1 -> Q -> DQ -> r1 -> MaxPool -> Q (one scale, zero point 0): onnxruntime drops the Relu and the
     # DQ -> Q pair, so the first QLinearConv writes the second one's input directly
     first, last = ops.index("QLinearConv"), len(ops) - 1 - ops[::-1].index("QLinearConv")
@@ -151,7 +136,7 @@ def test_outputs_close_to_the_tensorrt_target(cnn):
     model, _, trt, cpu = cnn
     feeds = _feeds(model, 7)
     ref, got_trt = B.run(model, feeds)[0], B.run(trt.model, feeds)[0]
-    got_cpu = _run_optimized(cpu.model, feeds)
+    got_cpu = B.run_optimized(cpu.model, feeds)
     trt_error = np.abs(got_trt - ref).max()
     assert trt_error > 0
     assert np.abs(got_cpu - got_trt).max() <= 0.25 * trt_error
@@ -169,7 +154,7 @@ def test_residual_conv_uses_its_own_range_when_the_table_has_it(tmp_path):
     assert points["conv2"]["amax_source"] == "scale table (its own range)"
     assert points["conv2"]["amax"] == pytest.approx(table.activations["conv2_out"])
     assert points["stem"]["amax_source"] == "scale of 'stem_relu_out'"
-    assert _optimized_ops(result.model, tmp_path).count("QLinearConv") == 3
+    assert B.optimized_ops(result.model, tmp_path).count("QLinearConv") == 3
 
 
 def test_missing_range_leaves_the_conv_float_and_says_so(tmp_path):
@@ -180,7 +165,7 @@ def test_missing_range_leaves_the_conv_float_and_says_so(tmp_path):
     points = {p["node"]: p for p in result.requantization}
     assert points["conv2"]["status"] == "not requantized" and points["conv2"]["amax"] is None
     assert any("conv2" in n and "float output" in n for n in result.to_report()["notes"])
-    ops = _optimized_ops(result.model, tmp_path)
+    ops = B.optimized_ops(result.model, tmp_path)
     assert ops.count("QLinearConv") == 2 and {"Conv", "FusedConv"} & set(ops), ops
 
 

@@ -366,16 +366,6 @@ def test_ort_cpu_target_is_checked_as_deployed_against_the_tensorrt_form(tmp_pat
     assert any(n.op_type == "QuantizeLinear" for n in ort_model.graph.node)
 
 
-def _optimized_op_types(model_path, tmp_path):
-    """Op types of the graph onnxruntime's CPU provider runs (all graph optimizations on)."""
-    import onnxruntime as ort
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
-    return [n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node]
-
-
 def test_ort_cpu_export_of_a_batchnorm_net_runs_every_conv_as_qlinearconv(tmp_path):
     """The export keeps each BatchNormalization as Mul/Add (parity with Keras); the ort-cpu form folds
     them into the Conv (rule CPU2) so onnxruntime still runs every Conv on its integer kernel."""
@@ -393,7 +383,7 @@ def test_ort_cpu_export_of_a_batchnorm_net_runs_every_conv_as_qlinearconv(tmp_pa
     assert report.passed and bool(report.check), str(report)
     (deployed,) = report.parity.deployed
     assert deployed.passed and deployed.top1 >= 0.99
-    ops = _optimized_op_types(report.path, tmp_path)
+    ops = B.optimized_ops(report.path, tmp_path)
     assert ops.count("QLinearConv") == 3 and "Conv" not in ops, ops
     assert "Mul" not in [n.op_type for n in onnx.load(report.path).graph.node]
 
