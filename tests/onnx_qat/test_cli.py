@@ -309,13 +309,18 @@ def test_logging_is_routed_and_restored(monkeypatch, good_qdq, capsys):
 
 
 # -- end to end (needs the rewriter, calibration, placement and compare) ------------------------------
+def _save_scales(model, path, seed: int) -> None:
+    """A ScaleTable JSON at ``path`` with the amax of every tensor of ``model`` on one random input."""
+    from tests.builders import amax_table
+    proto = onnx.load(str(model))
+    amax_table(proto, random_inputs(proto, num=1, seed=seed)).save(path)
+
+
 @needs_quantize
 def test_quantize_from_scales_then_check(float_cnn, tmp_path, capsys):
-    from tests.builders import amax_table
     model, _ = float_cnn
-    proto = onnx.load(str(model))
     scales, out, report = tmp_path / "s.json", tmp_path / "q.onnx", tmp_path / "r.json"
-    amax_table(proto, random_inputs(proto, num=1, seed=2)).save(scales)
+    _save_scales(model, scales, seed=2)
     before = (sha(model), sha(scales))
     code = main(["quantize", str(model), "-o", str(out), "--scales", str(scales), "--report", str(report),
                  "--no-progress"])
@@ -335,11 +340,9 @@ def test_quantize_from_scales_then_check(float_cnn, tmp_path, capsys):
 @needs_quantize
 def test_quantize_post_write_check_equals_check_of_the_written_file(float_cnn, tmp_path, capsys):
     from onnx_qat.check import check
-    from tests.builders import amax_table
     model, _ = float_cnn
-    proto = onnx.load(str(model))
     scales, out, report = tmp_path / "s.json", tmp_path / "q.onnx", tmp_path / "r.json"
-    amax_table(proto, random_inputs(proto, num=1, seed=2)).save(scales)
+    _save_scales(model, scales, seed=2)
     assert main(["quantize", str(model), "-o", str(out), "--scales", str(scales), "--report", str(report),
                  "--no-progress"]) == EXIT_OK
     printed = capsys.readouterr().out.splitlines()
@@ -350,11 +353,9 @@ def test_quantize_post_write_check_equals_check_of_the_written_file(float_cnn, t
 
 @needs_quantize
 def test_quantize_is_byte_identical_across_processes(float_cnn, tmp_path):
-    from tests.builders import amax_table
     model, _ = float_cnn
-    proto = onnx.load(str(model))
     scales = tmp_path / "s.json"
-    amax_table(proto, random_inputs(proto, num=1, seed=3)).save(scales)
+    _save_scales(model, scales, seed=3)
     hashes = []
     for run, seed in enumerate(("1", "2")):
         out, rep = tmp_path / f"q{run}.onnx", tmp_path / f"r{run}.json"
@@ -379,11 +380,9 @@ def _target_ready(name: str) -> bool:
 @needs_quantize
 @pytest.mark.skipif(not _target_ready("ort-cpu"), reason="the ort-cpu target is not available yet")
 def test_quantize_for_ort_cpu_runs_the_ort_cpu_check(float_cnn, tmp_path, capsys):
-    from tests.builders import amax_table
     model, _ = float_cnn
-    proto = onnx.load(str(model))
     scales, out = tmp_path / "s.json", tmp_path / "q.onnx"
-    amax_table(proto, random_inputs(proto, num=1, seed=2)).save(scales)
+    _save_scales(model, scales, seed=2)
     assert main(["quantize", str(model), "-o", str(out), "--scales", str(scales), "--target", "ort-cpu",
                  "--no-progress"]) == EXIT_OK
     text = capsys.readouterr().out
