@@ -29,6 +29,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .errors import ModelError
 
+_UINT8 = 2  # onnx.TensorProto.UINT8: what a QuantizeLinear without a zero point writes
+
 logger = logging.getLogger(__name__)
 
 ERROR = "error"
@@ -342,7 +344,26 @@ class _Graph:
     def elem_type(self, tensor: str) -> Optional[int]:
         if tensor in self.constants:
             return self.constants[tensor].data_type
-        return self.types.elem_type(tensor)
+        known = self._qdq_output_type(tensor)
+        return known if known is not None else self.types.elem_type(tensor)
+
+    def _qdq_output_type(self, tensor: str) -> Optional[int]:
+        """The element type of a QuantizeLinear / DequantizeLinear output, read from the node itself
+        (ONNX: a QuantizeLinear writes its zero point's type, a DequantizeLinear its scale's, unless an
+        ``output_dtype`` attribute says otherwise), so a model without value_info needs no shape
+        inference for the rules asking about Q/DQ tensors. None when the node does not tell."""
+        node = self.producer_node(tensor)
+        if node is None or node.domain not in ("", "ai.onnx") or not node.output or node.output[0] != tensor:
+            return None
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            return None
+        if any(a.name == "output_dtype" for a in node.attribute):
+            return None  # opset 21+: leave it to the declared or inferred type
+        source = _input(node, 2) if node.op_type == "QuantizeLinear" else _input(node, 1)
+        proto = self.constants.get(source)
+        if proto is None:
+            return _UINT8 if node.op_type == "QuantizeLinear" and not source else None
+        return proto.data_type
 
     def shape(self, tensor: str) -> Optional[Tuple[Optional[int], ...]]:
         if tensor in self.constants:

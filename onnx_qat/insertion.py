@@ -1,7 +1,7 @@
 """The one inserter: placement marks + a ScaleTable -> QuantizeLinear/DequantizeLinear nodes.
 
-Works on an onnx-graphsurgeon graph (protobuf only at the load/save edges). Every
-node it creates has a readable name derived from the tensor it quantizes:
+Works on a :class:`~onnx_qat.graph_edit.GraphEdit` of the model's protobuf. Every node it
+creates has a readable name derived from the tensor it quantizes:
 
 * activation ``t``: ``t_QuantizeLinear`` -> ``t_DequantizeLinear`` with initializers
   ``t_scale`` (float32 scalar) and ``t_zero_point`` (the target's type, scalar);
@@ -20,11 +20,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .errors import ScalesError
-from .model_io import tensor_array
+from .graph_edit import GraphEdit, make_node
 from .placement.marks import ActivationMark, Placement, WeightMark
 from .scales import ScaleTable
 from .targets import Target, get_target
@@ -100,21 +98,6 @@ def quantize_weight(values: np.ndarray, axis: Optional[int], amax: Optional[Sequ
     return q, scale
 
 
-# --------------------------------------------------------------------------- names
-class _Names:
-    """Fresh, readable tensor/node names that collide with nothing in the graph."""
-
-    def __init__(self, used):
-        self.used = set(used)
-
-    def fresh(self, base: str) -> str:
-        name, k = base, 1
-        while name in self.used:
-            name, k = f"{base}_{k}", k + 1
-        self.used.add(name)
-        return name
-
-
 # --------------------------------------------------------------------------- scales
 def group_amax(placement: Placement, scales: ScaleTable) -> Dict[str, float]:
     """Activation tensor -> amax to use: its own, or its scale group's largest (rule 7)."""
@@ -139,13 +122,14 @@ def missing_activations(placement: Placement, scales: ScaleTable) -> Tuple[str, 
 
 
 # --------------------------------------------------------------------------- insertion
-def insert_qdq_pairs(graph: gs.Graph, placement: Placement, scales: ScaleTable, target="tensorrt", *,
+def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, target="tensorrt", *,
                      progress: bool = False, zero_points: Optional[Dict[str, int]] = None,
                      unsigned_weights=()) -> InsertionResult:
-    """Insert every Q/DQ the placement asks for into ``graph`` (changed in place).
+    """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
+    :meth:`~onnx_qat.graph_edit.GraphEdit.commit`).
 
     Args:
-        graph: an onnx-graphsurgeon graph whose node names are the ones placement used.
+        edit: a :class:`~onnx_qat.graph_edit.GraphEdit` of the model whose node names placement used.
         placement: the marks from :func:`onnx_qat.place`.
         scales: activation amax per tensor; optional weight amax (otherwise from the weights).
         target: a :class:`~onnx_qat.targets.Target` or its name.
@@ -157,36 +141,24 @@ def insert_qdq_pairs(graph: gs.Graph, placement: Placement, scales: ScaleTable, 
 
     Raises:
         ScalesError: a quantized activation has no range in ``scales``, or a weight range
-            does not fit its weight. The graph then holds the nodes inserted until then.
+            does not fit its weight. The edit is then incomplete: do not commit it.
     """
     missing = missing_activations(placement, scales)
     if missing:
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"ScaleTable has no range for {len(missing)} quantized tensor(s): {shown}")
-    inserter = _Inserter(graph, get_target(target), zero_points, unsigned_weights)
-    try:
-        return inserter.run(placement, scales, progress)
-    except BaseException:  # keep the nodes made so far in the graph, so whoever releases it frees them
-        graph.nodes = inserter.ordered()
-        raise
+    return _Inserter(edit, get_target(target), zero_points, unsigned_weights).run(placement, scales, progress)
 
 
 class _Inserter:
-    """One insertion run over one graph: lookups built once, new nodes queued per consumer."""
+    """One insertion run over one graph edit."""
 
-    def __init__(self, graph: gs.Graph, target: Target, zero_points: Optional[Dict[str, int]] = None,
+    def __init__(self, edit: GraphEdit, target: Target, zero_points: Optional[Dict[str, int]] = None,
                  unsigned_weights=()):
-        self.graph = graph
+        self.edit = edit
         self.target = target
         self.zero_points = zero_points
         self.unsigned_weights = frozenset(unsigned_weights)
-        self.tensors = graph.tensors()
-        self.nodes = list(graph.nodes)
-        self.position = {id(n): i for i, n in enumerate(self.nodes)}
-        self.by_name = {n.name: n for n in self.nodes}
-        self.names = _Names(_subgraph_names(self.nodes) | set(self.tensors) | {n.name for n in self.nodes})
-        self.before: Dict[int, List[gs.Node]] = {}
-        self.dead_chains: List[gs.Node] = []
 
     def run(self, placement: Placement, scales: ScaleTable, progress: bool) -> InsertionResult:
         amaxes = group_amax(placement, scales)
@@ -204,50 +176,31 @@ class _Inserter:
             records_w.append(self.weight(tensor, base, axis, marks, scales))
             bar.update(len(marks))
         bar.close()
-        self.graph.nodes = self.ordered()
         return InsertionResult(tuple(records_a), tuple(records_w))
 
-    # -- helpers
-    def consumers(self, pairs) -> List[Tuple[gs.Node, int]]:
-        found = []
-        for name, index in pairs:
-            node = self.by_name.get(name)
-            if node is None:
-                raise ValueError(f"placement names node {name!r}, which the graph does not have")
-            found.append((node, index))
-        return found
-
-    def rewire(self, new_nodes: List[gs.Node], consumers, tensor: gs.Variable) -> None:
-        """Point every consumer at ``tensor``; queue ``new_nodes`` before the first consumer."""
+    def rewire(self, new_nodes, consumers, tensor: str) -> None:
+        """Point every consumer ``(node, input index)`` at ``tensor``; queue ``new_nodes`` before
+        the first of them."""
         for node, index in consumers:
-            node.inputs[index] = tensor
-        first = min((n for n, _ in consumers), key=lambda n: self.position[id(n)])
-        self.before.setdefault(id(first), []).extend(new_nodes)
-
-    def constant(self, base: str, values) -> gs.Constant:
-        return gs.Constant(self.names.fresh(base), np.asarray(values))
-
-    def variable(self, base: str, dtype, shape) -> gs.Variable:
-        return gs.Variable(self.names.fresh(base), dtype=dtype, shape=shape)
+            node.input[index] = tensor
+        self.edit.insert(new_nodes, [n for n, _ in consumers])
 
     # -- the two kinds of insertion
     def activation(self, mark: ActivationMark, amax: float) -> dict:
         """One QuantizeLinear -> DequantizeLinear pair on ``mark.tensor`` for its listed consumers."""
-        source = self.tensors[mark.tensor]
-        consumers = self.consumers(mark.consumers)
-        base, target = mark.tensor, self.target
+        edit, target, base = self.edit, self.target, mark.tensor
+        consumers = [(edit.node(n), i) for n, i in mark.consumers]
         scale = activation_scale(amax, target)
-        scale_c = self.constant(f"{base}_scale", np.array(scale, np.float32))
         zero_point = target.activation_zero_point if self.zero_points is None else \
             self.zero_points.get(mark.tensor, target.activation_zero_point)
-        zp_c = self.constant(f"{base}_zero_point", np.array(zero_point, target.activation_dtype))
-        shape = getattr(source, "shape", None)
-        q_out = self.variable(f"{base}_QuantizeLinear_Output", target.activation_dtype, shape)
-        dq_out = self.variable(f"{base}_DequantizeLinear_Output", np.float32, shape)
-        q = gs.Node("QuantizeLinear", self.names.fresh(f"{base}_QuantizeLinear"),
-                    inputs=[source, scale_c, zp_c], outputs=[q_out])
-        dq = gs.Node("DequantizeLinear", self.names.fresh(f"{base}_DequantizeLinear"),
-                     inputs=[q_out, scale_c, zp_c], outputs=[dq_out])
+        scale_name = edit.add_initializer(f"{base}_scale", np.array(scale, np.float32))
+        zp_name = edit.add_initializer(f"{base}_zero_point", np.array(zero_point, target.activation_dtype))
+        q_out = edit.fresh(f"{base}_QuantizeLinear_Output")
+        dq_out = edit.fresh(f"{base}_DequantizeLinear_Output")
+        q = make_node("QuantizeLinear", edit.fresh(f"{base}_QuantizeLinear"), [mark.tensor, scale_name, zp_name],
+                      [q_out])
+        dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"), [q_out, scale_name, zp_name],
+                       [dq_out])
         self.rewire([q, dq], consumers, dq_out)
         record = {"kind": "activation", "tensor": mark.tensor, "quantize_node": q.name,
                   "dequantize_node": dq.name, "amax": float(amax), "scale": float(scale),
@@ -260,8 +213,9 @@ class _Inserter:
     def weight(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],
                scales: ScaleTable) -> dict:
         """An int8 initializer + DequantizeLinear for one constant weight, for the marked inputs."""
-        values, chain = _constant_values(self.tensors[tensor])
-        consumers = self.consumers([(m.node, m.input_index) for m in marks])
+        edit = self.edit
+        values, proto, chain = edit.constant(tensor)
+        consumers = [(edit.node(m.node), m.input_index) for m in marks]
         table_amax, table_axis = _weight_range(scales, tensor, axis, values)
         use_axis = axis if table_amax is None else table_axis
         own_amax = weight_amax(values, use_axis)  # once: for the scale (unless the table has one), the record
@@ -273,52 +227,23 @@ class _Inserter:
             q, zero = (q.astype(np.int16) + 128).astype(np.uint8), np.full(zp_shape, 128, np.uint8)
         else:
             zero = np.zeros(zp_shape, self.target.weight_dtype)
-        q_c = self.constant(f"{base}_quantized", q)
-        scale_c = self.constant(f"{base}_scale", scale if per_channel else scale.reshape(()))
-        zp_c = self.constant(f"{base}_zero_point", zero)
-        dq_out = self.variable(f"{base}_DequantizeLinear_Output", np.float32, list(values.shape))
-        dq = gs.Node("DequantizeLinear", self.names.fresh(f"{base}_DequantizeLinear"),
-                     attrs={"axis": int(use_axis)} if per_channel else {},
-                     inputs=[q_c, scale_c, zp_c], outputs=[dq_out])
-        self.rewire([dq], consumers, dq_out)
-        self.dead_chains.extend(chain)
+        q_name = edit.add_initializer(f"{base}_quantized", q)
+        scale_name = edit.add_initializer(f"{base}_scale", scale if per_channel else scale.reshape(()))
+        zp_name = edit.add_initializer(f"{base}_zero_point", zero)
+        dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"), [q_name, scale_name, zp_name],
+                       [edit.fresh(f"{base}_DequantizeLinear_Output")],
+                       axis=int(use_axis) if per_channel else None)
+        self.rewire([dq], consumers, dq.output[0])
+        # the float weight (and the Constant/Identity nodes making it) go once nothing else reads them
+        edit.release_if_unread(initializers=[proto.name] if not chain else
+                               [t for t in chain[-1].input if edit.initializer(t) is not None],
+                               nodes=chain)
         return {"kind": "weight", "tensor": tensor, "nodes": [f"{m.node}:{m.input_index}" for m in marks],
-                "dequantize_node": dq.name, "initializer": q_c.name, "axis": use_axis,
+                "dequantize_node": dq.name, "initializer": q_name, "axis": use_axis,
                 "channels": int(scale.size), "zero_channels": int(np.count_nonzero(own_amax == 0)),
                 "amax_source": "weights" if table_amax is None else "scale table",
                 "rule": marks[0].rule, "reason": marks[0].reason,
                 **({"zero_point": 128} if tensor in self.unsigned_weights else {})}
-
-    def ordered(self) -> List[gs.Node]:
-        """The node list with new nodes just before their first consumer, and the Constant/Identity
-        nodes that produced replaced weights dropped once nothing reads them."""
-        outputs = {id(t) for t in self.graph.outputs}
-        dead = set()
-        for node in self.dead_chains:  # each chain runs from the weight back to its source
-            if all(not t.outputs and id(t) not in outputs for t in node.outputs):
-                dead.add(id(node))
-                node.inputs.clear()
-        ordered = []
-        for node in self.nodes:
-            ordered.extend(self.before.get(id(node), ()))
-            if id(node) not in dead:
-                ordered.append(node)
-        return ordered
-
-
-def _subgraph_names(nodes) -> set:
-    """Tensor and node names used inside the subgraphs of ``nodes`` (If/Loop/Scan bodies), so new
-    names never shadow or collide with them."""
-    names, stack = set(), [a for n in nodes for a in n.attrs.values()]
-    while stack:
-        attr = stack.pop()
-        graphs = attr if isinstance(attr, (list, tuple)) else [attr]
-        for graph in graphs:
-            if isinstance(graph, gs.Graph):
-                names.update(graph.tensors())
-                names.update(n.name for n in graph.nodes)
-                stack.extend(a for n in graph.nodes for a in n.attrs.values())
-    return names
 
 
 def _progress(total: int, enabled: bool):
@@ -333,36 +258,6 @@ def _weight_groups(weights) -> Dict[Tuple[str, Optional[int]], List[WeightMark]]
     for mark in weights:
         groups.setdefault((mark.tensor, mark.axis), []).append(mark)
     return groups
-
-
-def _uncached_values(constant: gs.Constant) -> np.ndarray:
-    """A constant's value, read without caching it on the graphsurgeon tensor.
-
-    ``Constant.values`` keeps a lazily loaded array for the tensor's lifetime, so every float
-    weight replaced by its int8 copy would stay in memory (as much again as the model's weights).
-    """
-    lazy = getattr(constant, "_values", None)
-    if isinstance(lazy, LazyValues):
-        return tensor_array(lazy.tensor)  # float32 raw bytes read in place
-    return np.asarray(constant.values)
-
-
-def _constant_values(tensor) -> Tuple[np.ndarray, List[gs.Node]]:
-    """The value of a constant weight tensor and the Constant/Identity nodes that produce it."""
-    chain = []
-    for _ in range(8):
-        if isinstance(tensor, gs.Constant):
-            return _uncached_values(tensor), chain
-        producer = tensor.inputs[0] if tensor.inputs else None
-        if producer is None:
-            break
-        chain.append(producer)
-        if producer.op == "Constant" and isinstance(producer.attrs.get("value"), gs.Constant):
-            return _uncached_values(producer.attrs["value"]), chain
-        if producer.op != "Identity":
-            break
-        tensor = producer.inputs[0]
-    raise ValueError(f"weight {tensor.name!r} is not a constant")
 
 
 def _weight_range(scales: ScaleTable, tensor: str, axis: Optional[int], values: np.ndarray):

@@ -141,10 +141,10 @@ class Adapted:
     unsigned_weights: Tuple[str, ...] = ()
     folds: Tuple[ScaleFold, ...] = ()
 
-    def finish(self, graph) -> Tuple[str, ...]:
-        """Apply :attr:`folds` to ``graph`` (an onnx-graphsurgeon graph the caller owns, after
+    def finish(self, edit) -> Tuple[str, ...]:
+        """Apply :attr:`folds` to ``edit`` (the :class:`~onnx_qat.graph_edit.GraphEdit` after
         :func:`~onnx_qat.insertion.insert_qdq_pairs`); the names of the Convs folded."""
-        return fold_scale_ops(graph, self.folds)
+        return fold_scale_ops(edit, self.folds)
 
 
 @dataclass(frozen=True)
@@ -442,87 +442,95 @@ def _usable_factors(k: np.ndarray) -> bool:
     return bool(np.all((magnitude >= _FOLD_K_RANGE[0]) & (magnitude <= _FOLD_K_RANGE[1])))
 
 
-def fold_scale_ops(graph, folds) -> Tuple[str, ...]:
-    """Fold each :class:`ScaleFold` into its Conv in ``graph`` (an onnx-graphsurgeon graph after Q/DQ
-    insertion, edited in place): new weight integers, weight scales and bias; the Mul/Add (and Constant
-    nodes only they read) removed; the Conv writes the fold's output tensor. A fold whose Conv does not
-    have the expected ``DequantizeLinear`` weight is left out with a warning. Returns the Convs folded."""
+def fold_scale_ops(edit, folds) -> Tuple[str, ...]:
+    """Fold each :class:`ScaleFold` into its Conv, as edits of ``edit`` (a
+    :class:`~onnx_qat.graph_edit.GraphEdit` after Q/DQ insertion): new weight integers, weight scales
+    and bias; the Mul/Add (and Constant nodes only they read) removed; the Conv writes the fold's
+    output tensor. A fold whose Conv does not have the expected ``DequantizeLinear`` weight is left
+    out with a warning. Returns the Convs folded."""
     if not folds:
         return ()
-    by_name = {n.name: n for n in graph.nodes}
-    names = set(graph.tensors())
-    dropped: List[object] = []
-    done = tuple(f.node for f in folds if _fold_one(f, by_name, names, dropped))
-    drop = {id(n) for n in dropped}
-    graph.nodes = [n for n in graph.nodes if id(n) not in drop]
-    return done
+    readers = edit.readers()
+    return tuple(f.node for f in folds if _fold_one(f, edit, readers))
 
 
-def _fold_one(fold: ScaleFold, by_name, names, dropped: list) -> bool:
+def _fold_one(fold: ScaleFold, edit, readers) -> bool:
     """Apply one fold (see :func:`fold_scale_ops`); False (graph unchanged) when it does not fit."""
-    import onnx_graphsurgeon as gs
-
-    conv, mul = by_name.get(fold.node), by_name.get(fold.mul)
-    add = by_name.get(fold.add) if fold.add else None
-    parts = _fold_parts(conv, mul, add, fold)
-    folded = None if parts is None else _folded_weight(parts[0], fold.k)
+    conv, mul = edit.by_name.get(fold.node), edit.by_name.get(fold.mul)
+    add = edit.by_name.get(fold.add) if fold.add else None
+    parts = _fold_parts(conv, mul, add, fold, edit, readers)
+    folded = None if parts is None else _folded_weight(*parts[1], fold.k)
     if folded is None:
         logger.warning("ort-cpu: Conv %r keeps its scale ops (its weight is not the expected "
                        "per-channel DequantizeLinear)", fold.node)
         return False
-    dq, bias_c = parts
+    dq, _, bias = parts
     (q, scale, zero), per_tensor = folded
-    dq.inputs[0] = gs.Constant(dq.inputs[0].name, q)
-    dq.inputs[1] = gs.Constant(dq.inputs[1].name, scale)
-    dq.inputs[2] = gs.Constant(dq.inputs[2].name, zero)
+    for name, values in zip(dq.input, (q, scale, zero)):
+        edit.replace_initializer(name, values)
     if per_tensor:
-        dq.attrs["axis"] = 0
-    bias = np.zeros(fold.k.size) if bias_c is None else np.asarray(bias_c.values, np.float64)
-    new_bias = (bias * fold.k.astype(np.float64) + fold.b.astype(np.float64)).astype(np.float32)
-    bias_name = _fresh(f"{fold.node}_folded_bias", names)
-    if len(conv.inputs) > 2:
-        conv.inputs[2] = gs.Constant(bias_name, new_bias)
+        dq.attribute.append(_axis_zero())
+    old = np.zeros(fold.k.size) if bias is None else bias.astype(np.float64)
+    new_bias = (old * fold.k.astype(np.float64) + fold.b.astype(np.float64)).astype(np.float32)
+    bias_name = edit.add_initializer(f"{fold.node}_folded_bias", new_bias)
+    if len(conv.input) > 2:
+        edit.release_if_unread(initializers=[conv.input[2]])
+        conv.input[2] = bias_name
     else:
-        conv.inputs.append(gs.Constant(bias_name, new_bias))
-    _unlink(conv, mul, add, dropped)
+        conv.input.append(bias_name)
+    _unlink(conv, mul, add, edit)
     return True
 
 
-def _fold_parts(conv, mul, add, fold: ScaleFold):
-    """``(weight DequantizeLinear, bias Constant or None)`` when the graph still has the fold's chain
-    ``DQ(w) -> Conv -> Mul [-> Add]`` with constant DQ inputs and single consumers; else None."""
-    import onnx_graphsurgeon as gs
+def _axis_zero():
+    import onnx
 
-    if conv is None or mul is None or (fold.add and add is None) or len(conv.inputs) < 2:
+    return onnx.AttributeProto(name="axis", type=onnx.AttributeProto.INT, i=0)
+
+
+def _fold_parts(conv, mul, add, fold: ScaleFold, edit, readers):
+    """``(weight DequantizeLinear, (q, scale, zero point, axis or None), bias values or None)`` when
+    the graph still has the fold's chain ``DQ(w) -> Conv -> Mul [-> Add]`` with initializer DQ inputs
+    and single readers; else None."""
+    if conv is None or mul is None or (fold.add and add is None) or len(conv.input) < 2:
         return None
-    weight, out = conv.inputs[1], conv.outputs[0]
-    dq = weight.inputs[0] if len(weight.inputs) == 1 else None
+    weight, out = conv.input[1], conv.output[0]
+    dq = edit.producer.get(weight)
     tail = add if add is not None else mul
-    chain = (len(weight.outputs) == 1 and len(out.outputs) == 1 and out.outputs[0] is mul
-             and (add is None or (len(mul.outputs[0].outputs) == 1 and mul.outputs[0].outputs[0] is add))
-             and tail.outputs[0].name == fold.output)
-    if dq is None or dq.op != "DequantizeLinear" or len(dq.inputs) != 3 or not chain \
-            or not all(isinstance(t, gs.Constant) for t in dq.inputs):
+
+    def only_reader(tensor, node):
+        found = readers.get(tensor, [])
+        return len(found) == 1 and found[0][0] is node and tensor not in edit.graph_outputs
+
+    chain = (len(readers.get(weight, [])) == 1 and only_reader(out, mul)
+             and (add is None or only_reader(mul.output[0], add)) and tail.output[0] == fold.output)
+    if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) != 3 or not chain:
         return None
-    bias = conv.inputs[2] if len(conv.inputs) > 2 else None
-    if bias is not None and not isinstance(bias, gs.Constant):
+    protos = [edit.initializer(t) for t in dq.input]
+    bias = conv.input[2] if len(conv.input) > 2 and conv.input[2] else None
+    bias_proto = None if bias is None else edit.initializer(bias)
+    if any(p is None for p in protos) or (bias is not None and bias_proto is None):
         return None
-    return dq, bias
+    from .model_io import tensor_array
+
+    axis = next((a.i for a in dq.attribute if a.name == "axis"), None)
+    q, scale, zero = (tensor_array(p) for p in protos)
+    return dq, (q, scale, zero, axis), None if bias_proto is None else tensor_array(bias_proto)
 
 
-def _folded_weight(dq, k: np.ndarray):
-    """``((q', scale', zero_point'), was_per_tensor)`` for the weight DequantizeLinear ``dq`` folded
-    with ``k``: ``q' - zp = sign(k) * (q - zp)``, ``scale' = scale * |k|`` (unchanged where k is 0);
-    None when its layout is not per output channel (axis 0) or per tensor, or a value would not fit."""
-    q = np.asarray(dq.inputs[0].values)
-    scale = np.asarray(dq.inputs[1].values, np.float32)
-    zero = np.asarray(dq.inputs[2].values)
+def _folded_weight(q, scale, zero, axis, k: np.ndarray):
+    """``((q', scale', zero_point'), was_per_tensor)`` for a weight DequantizeLinear with integers ``q``,
+    ``scale``, ``zero`` and attribute ``axis`` (None when absent) folded with ``k``:
+    ``q' - zp = sign(k) * (q - zp)``, ``scale' = scale * |k|`` (unchanged where k is 0); None when its
+    layout is not per output channel (axis 0) or per tensor, or a value would not fit."""
+    q, zero = np.asarray(q), np.asarray(zero)
+    scale = np.asarray(scale, np.float32)
     channels = k.size
-    per_tensor = scale.size == 1 and zero.size == 1 and (scale.ndim == 0 or "axis" not in dq.attrs)
+    per_tensor = scale.size == 1 and zero.size == 1 and (scale.ndim == 0 or axis is None)
     if per_tensor:
         scale = np.full(channels, scale.reshape(()), np.float32)
         zero = np.full(channels, zero.reshape(()), zero.dtype)
-    elif int(dq.attrs.get("axis", 1)) != 0 or scale.shape != (channels,) or zero.shape != (channels,):
+    elif (1 if axis is None else int(axis)) != 0 or scale.shape != (channels,) or zero.shape != (channels,):
         return None
     if q.ndim < 1 or q.shape[0] != channels or q.dtype.kind not in "iu":
         return None
@@ -539,29 +547,21 @@ def _folded_weight(dq, k: np.ndarray):
     return (new_q.astype(q.dtype), new_scale, zero), per_tensor
 
 
-def _fresh(base: str, names: set) -> str:
-    """``base``, or ``base_1``, ``base_2``... the first not in ``names`` (which it joins)."""
-    name, n = base, 1
-    while name in names:
-        name, n = f"{base}_{n}", n + 1
-    names.add(name)
-    return name
-
-
-def _unlink(conv, mul, add, dropped: list) -> None:
-    """Make ``conv`` write the chain's last output and detach the Mul/Add (and the Constant nodes
-    that only they read), listing the detached nodes in ``dropped``."""
+def _unlink(conv, mul, add, edit) -> None:
+    """Make ``conv`` write the chain's last output and remove the Mul/Add; their constant inputs (and
+    the Constant nodes making them) go once nothing else reads them."""
     tail = add if add is not None else mul
-    out = tail.outputs[0]
+    out = tail.output[0]
     for node in (mul, add):
         if node is None:
             continue
-        sources = [t.inputs[0] for t in node.inputs if len(t.inputs) == 1 and t.inputs[0].op == "Constant"]
-        node.outputs.clear()
-        node.inputs.clear()
-        dropped.append(node)
-        dropped.extend(s for s in sources if all(not t.outputs for t in s.outputs))
-    conv.outputs[0] = out
+        edit.remove(node)
+        constants = [t for t in node.input if t and t not in (conv.output[0], mul.output[0])]
+        edit.release_if_unread(initializers=[t for t in constants if edit.initializer(t) is not None],
+                               nodes=[edit.producer[t] for t in constants
+                                      if t in edit.producer and edit.producer[t].op_type == "Constant"])
+    conv.output[0] = out
+    edit.producer[out] = conv
 
 
 __all__ = ["OrtCpuForm", "Adapted", "RequantPoint", "ScaleFold", "fold_scale_ops", "REQUANT_OPS", "EXACT_OPS"]

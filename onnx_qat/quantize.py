@@ -1,7 +1,7 @@
 """``onnx_qat.quantize``: float ONNX + ranges -> TensorRT-ready Q/DQ ONNX.
 
-The pipeline is load (protobuf) -> place (marks only) -> ranges (given ScaleTable or
-calibration) -> insert (onnx-graphsurgeon) -> export (protobuf) -> optional save and report.
+The pipeline is load -> place (marks only) -> ranges (given ScaleTable or calibration) ->
+insert (edits of the protobuf, :mod:`onnx_qat.graph_edit`) -> optional save and report.
 The caller's model object and input file are never changed.
 """
 from __future__ import annotations
@@ -150,8 +150,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
     qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage, finish)
-    # The float weights are not needed to save the Q/DQ model (_rewrite released the graphsurgeon
-    # graph that referenced them). Freeing them first keeps peak memory within 2x the weights.
+    # The float weights are not needed to save the Q/DQ model (a new ModelProto, which holds only
+    # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
     summary = _summary(placement, inserted)
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
@@ -295,23 +295,19 @@ def _check_complete(table: ScaleTable, placement: Placement, source: str) -> Sca
 
 
 def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None):
-    """Insert the Q/DQ nodes on a graphsurgeon copy and export it (``storage``: the target form's
-    ``zero_points``/``unsigned_weights`` for :func:`~onnx_qat.insertion.insert_qdq_pairs`; ``finish``:
-    the form's edits of the graph after insertion, e.g. :meth:`onnx_qat.ort_cpu.Adapted.finish`)."""
+    """Insert the Q/DQ nodes as edits of ``model`` (which this call owns) and commit them to a new
+    ModelProto (``storage``: the target form's ``zero_points``/``unsigned_weights`` for
+    :func:`~onnx_qat.insertion.insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
+    :meth:`onnx_qat.ort_cpu.Adapted.finish`)."""
+    from .graph_edit import GraphEdit
     from .insertion import insert_qdq_pairs
 
-    io = _io()
-    with io.cyclic_gc_paused():
-        graph = io.to_graph(model)
-        try:
-            inserted = insert_qdq_pairs(graph, placement, table, target, progress=progress,
-                                        **dict(storage or {}))
-            if finish is not None:
-                finish(graph)
-            exported = io.from_graph(graph, model)
-        finally:  # also on errors: nothing is left for the paused collector
-            io.release_graph(graph)
-    return exported, inserted
+    with _io().cyclic_gc_paused():  # ~10^5 new protobuf objects, none of them in reference cycles
+        edit = GraphEdit(model)
+        inserted = insert_qdq_pairs(edit, placement, table, target, progress=progress, **dict(storage or {}))
+        if finish is not None:
+            finish(edit)
+        return edit.commit(), inserted
 
 
 def _summary(placement: Placement, inserted) -> dict:

@@ -17,7 +17,7 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
 Targets are registered in :data:`_TARGETS`; the inserter reads every dtype and zero point
 from the target, never from constants of its own. A target's optional ``form`` adjusts the
 placement and ScaleTable after ranges are known (``calibration_tensors`` and ``adapt``), and
-may edit the graph after Q/DQ insertion (``adapt``'s result's ``finish(graph)``).
+may edit the graph after Q/DQ insertion (``adapt``'s result's ``finish(edit)``).
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ class Target:
         form: None, or a zero-argument callable returning an object with
             ``calibration_tensors(index, placement)`` and ``adapt(index, placement, table)``
             (see :class:`onnx_qat.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
-            ``finish(graph)`` method, which ``onnx_qat.quantize`` calls on the graphsurgeon graph
-            after Q/DQ insertion (see :meth:`onnx_qat.ort_cpu.Adapted.finish`).
+            ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
+            :class:`~onnx_qat.graph_edit.GraphEdit` after Q/DQ insertion (see :meth:`onnx_qat.ort_cpu.Adapted.finish`).
     """
 
     name: str

@@ -3,11 +3,11 @@ import logging
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
 import pytest
 from onnx import numpy_helper
 
 import onnx_qat
+from onnx_qat.graph_edit import GraphEdit
 from onnx_qat.insertion import ZERO_CHANNEL_SCALE, insert_qdq_pairs, quantize_weight
 from onnx_qat.placement.graph_index import GraphIndex
 from onnx_qat.placement.policy import TensorRTPolicy
@@ -31,12 +31,15 @@ def _reference(w, axis):
 
 def _insert(model, table, **options):
     placement = TensorRTPolicy().place(GraphIndex(model), onnx_qat.QuantizeConfig(**options))
-    graph = gs.import_onnx(model)
-    result = insert_qdq_pairs(graph, placement, table)
-    out = gs.export_onnx(graph)
-    out.opset_import[0].version = model.opset_import[0].version
-    out.ir_version = model.ir_version
-    return out, result
+    edit = GraphEdit(_copy(model))
+    result = insert_qdq_pairs(edit, placement, table)
+    return edit.commit(), result
+
+
+def _copy(model):
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
 
 
 @pytest.mark.parametrize("axis", [0, 1])
@@ -200,9 +203,10 @@ def test_insertion_time_grows_linearly_with_graph_size():
         model = residual_chain_model(blocks)
         placement = TensorRTPolicy().place(GraphIndex(model), onnx_qat.QuantizeConfig())
         table = ScaleTable({t: 1.0 for t in placement.activation_tensors()})
-        graph = gs.import_onnx(model)
+        edit = GraphEdit(model)
         start = time.perf_counter()
-        result = insert_qdq_pairs(graph, placement, table)
+        result = insert_qdq_pairs(edit, placement, table)
+        edit.commit()
         elapsed = time.perf_counter() - start
         assert result.num_quantize == len(placement.activations)
         return elapsed

@@ -251,17 +251,13 @@ def test_no_fold_unless_the_factor_is_a_constant_per_channel_vector(variant):
 
 def test_per_tensor_and_uint8_weights_fold_exactly():
     """A per-tensor uint8 weight (zero point 128) becomes per channel (axis 0) with the same values."""
-    import onnx_graphsurgeon as gs
-
     from onnx_qat.ort_cpu import _folded_weight
 
     rng = np.random.default_rng(0)
     q = (rng.integers(-127, 128, (4, 2, 3, 3)) + 128).astype(np.uint8)
-    inputs = [gs.Constant("q", q), gs.Constant("s", np.array(0.02, np.float32)),
-              gs.Constant("z", np.array(128, np.uint8))]
-    dq = gs.Node("DequantizeLinear", "dq", inputs=inputs, outputs=[gs.Variable("w", np.float32)])
     k = np.array([1.5, -0.25, 0.0, -2.0], np.float32)
-    (new_q, scale, zero), per_tensor = _folded_weight(dq, k)
+    (new_q, scale, zero), per_tensor = _folded_weight(q, np.array(0.02, np.float32), np.array(128, np.uint8),
+                                                      None, k)
     assert per_tensor and new_q.dtype == np.uint8 and zero.shape == (4,) and (zero == 128).all()
     before = (q.astype(np.float64) - 128) * 0.02 * k.reshape(-1, 1, 1, 1)
     after = (new_q.astype(np.float64) - 128) * scale.astype(np.float64).reshape(-1, 1, 1, 1)
@@ -272,15 +268,14 @@ def test_per_tensor_and_uint8_weights_fold_exactly():
 def test_a_fold_the_graph_does_not_fit_is_left_out(caplog):
     """``fold_scale_ops`` on a graph without the expected weight DequantizeLinear (here the float model)
     changes nothing and says so."""
-    import onnx_graphsurgeon as gs
-
+    from onnx_qat.graph_edit import GraphEdit
     from onnx_qat.ort_cpu import OrtCpuForm, fold_scale_ops
     from onnx_qat.placement.graph_index import GraphIndex
 
     model = bn_net(True)
     folds = OrtCpuForm().folds(GraphIndex(model), onnx_qat.place(model))
     assert [f.node for f in folds] == ["c1", "c2"]
-    graph = gs.import_onnx(model)
-    assert fold_scale_ops(graph, folds) == ()
-    assert {"mul1", "add1", "mul2", "add2"} <= {n.name for n in graph.nodes}
+    edit = GraphEdit(model)
+    assert fold_scale_ops(edit, folds) == ()
+    assert {"mul1", "add1", "mul2", "add2"} <= {n.name for n in edit.commit().graph.node}
     assert "keeps its scale ops" in caplog.text

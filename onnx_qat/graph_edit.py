@@ -1,0 +1,276 @@
+"""One editing session over a model's main graph, done on its protobuf.
+
+The rewrite of a model is a set of local edits: new QuantizeLinear/DequantizeLinear nodes,
+consumers pointed at their outputs, float weights replaced by integer initializers, and (for
+the ``ort-cpu`` form) a few nodes folded away. :class:`GraphEdit` makes these edits on the
+``onnx.ModelProto`` the caller owns, with lookups built once, and :meth:`GraphEdit.commit`
+writes the result as a new ModelProto in one pass:
+
+* every new node goes just before the first node that reads its output (the order of the
+  original nodes is kept, so a topologically sorted graph stays sorted and the output is
+  deterministic);
+* nodes removed by the edit are left out, and so are the initializers and the Constant /
+  Identity nodes whose value an edit replaced once nothing reads them any more (a tensor read
+  inside a subgraph or listed as a graph output counts as read). Initializers the input model
+  had without readers are kept as they were;
+* graph inputs, outputs, value_info and every model-level field are copied unchanged.
+
+Working on the protobuf directly costs a fraction of importing the graph into an object model
+and exporting it again (measured on a 50,000-node model: 3.3 s against 11.3 s for
+onnx-graphsurgeon import, insertion and export); see README "Performance".
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import onnx
+
+from .model_io import target_ir_version, tensor_array
+
+_NP_TO_ONNX = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int8): onnx.TensorProto.INT8,
+               np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.int32): onnx.TensorProto.INT32,
+               np.dtype(np.int64): onnx.TensorProto.INT64, np.dtype(np.float64): onnx.TensorProto.DOUBLE,
+               np.dtype(np.float16): onnx.TensorProto.FLOAT16}
+_GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+def make_tensor(name: str, values: np.ndarray) -> onnx.TensorProto:
+    """A TensorProto holding ``values`` as little-endian raw bytes (types of :data:`_NP_TO_ONNX`)."""
+    values = np.asarray(values)
+    data_type = _NP_TO_ONNX.get(values.dtype)
+    if data_type is None:
+        return onnx.numpy_helper.from_array(values, name)
+    little = values.astype(values.dtype.newbyteorder("<"), copy=False)
+    return onnx.TensorProto(name=name, data_type=data_type, dims=values.shape,
+                            raw_data=np.ascontiguousarray(little).tobytes())
+
+
+def make_node(op_type: str, name: str, inputs: Sequence[str], outputs: Sequence[str],
+              axis: Optional[int] = None) -> onnx.NodeProto:
+    """A default-domain NodeProto, with an ``axis`` attribute when one is given."""
+    node = onnx.NodeProto(op_type=op_type, name=name, input=list(inputs), output=list(outputs))
+    if axis is not None:
+        node.attribute.append(onnx.AttributeProto(name="axis", type=onnx.AttributeProto.INT, i=int(axis)))
+    return node
+
+
+class GraphEdit:
+    """Edits of ``model``'s main graph, applied by :meth:`commit`.
+
+    Args:
+        model: an ``onnx.ModelProto`` the caller owns, with unique node names (as
+            :func:`onnx_qat.placement.graph_index.assign_node_names` gives). Its nodes are changed
+            in place by the edits (inputs rewired, attributes set); :meth:`commit` builds the
+            result as a new ModelProto, so the caller can free ``model`` afterwards.
+    """
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        graph = model.graph
+        self.nodes: List[onnx.NodeProto] = list(graph.node)
+        self.position: Dict[int, int] = {id(n): i for i, n in enumerate(self.nodes)}
+        self.by_name: Dict[str, onnx.NodeProto] = {n.name: n for n in self.nodes}
+        self.initializers: Dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
+        self.producer: Dict[str, onnx.NodeProto] = {}
+        for node in self.nodes:
+            for out in node.output:
+                if out:
+                    self.producer[out] = node
+        self.graph_outputs = frozenset(o.name for o in graph.output)
+        self._used: Optional[Set[str]] = None
+        self._before: Dict[int, List[onnx.NodeProto]] = {}
+        self._tail: List[onnx.NodeProto] = []
+        self._removed: Set[int] = set()
+        self._new_initializers: Dict[str, onnx.TensorProto] = {}
+        self._maybe_unread: List[str] = []
+        self._maybe_dead: List[onnx.NodeProto] = []
+
+    # -- names ---------------------------------------------------------------------
+    def _names(self) -> Set[str]:
+        if self._used is None:
+            graph = self.model.graph
+            used = set(self.by_name) | set(self.initializers) | {i.name for i in graph.input}
+            used.update(o.name for o in graph.output)
+            for node in self.nodes:
+                used.update(node.input)
+                used.update(node.output)
+            used.update(subgraph_names(self.nodes))
+            self._used = used
+        return self._used
+
+    def fresh(self, base: str) -> str:
+        """``base``, or ``base_1``, ``base_2``... : a tensor/node name used nowhere in the model yet."""
+        used = self._names()
+        name, k = base, 1
+        while name in used:
+            name, k = f"{base}_{k}", k + 1
+        used.add(name)
+        return name
+
+    # -- reading -------------------------------------------------------------------
+    def node(self, name: str) -> onnx.NodeProto:
+        """The node named ``name``; ValueError when the graph has none."""
+        found = self.by_name.get(name)
+        if found is None:
+            raise ValueError(f"placement names node {name!r}, which the graph does not have")
+        return found
+
+    def constant(self, tensor: str) -> Tuple[np.ndarray, onnx.TensorProto, List[onnx.NodeProto]]:
+        """``(value, its TensorProto, the Constant/Identity nodes producing it)`` of a constant tensor
+        (an initializer or a ``Constant`` output, possibly through Identity nodes); ValueError when
+        ``tensor`` is not constant. The value is read in place (no copy of raw data)."""
+        chain: List[onnx.NodeProto] = []
+        name = tensor
+        for _ in range(8):
+            proto = self.initializer(name)
+            if proto is not None:
+                return tensor_array(proto), proto, chain
+            producer = self.producer.get(name)
+            if producer is None:
+                break
+            chain.append(producer)
+            if producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+                value = next((a.t for a in producer.attribute if a.name == "value"), None)
+                if value is not None:
+                    return tensor_array(value), value, chain
+                break
+            if producer.op_type != "Identity" or not producer.input:
+                break
+            name = producer.input[0]
+        raise ValueError(f"weight {tensor!r} is not a constant")
+
+    def initializer(self, name: str) -> Optional[onnx.TensorProto]:
+        """The initializer (original or added by this edit) named ``name``, or None."""
+        found = self._new_initializers.get(name)
+        return found if found is not None else self.initializers.get(name)
+
+    def readers(self) -> Dict[str, List[Tuple[onnx.NodeProto, int]]]:
+        """Tensor -> ``(node, input index)`` of every live node reading it, as the graph is now."""
+        found: Dict[str, List[Tuple[onnx.NodeProto, int]]] = {}
+        for node in self.live_nodes():
+            for i, tensor in enumerate(node.input):
+                if tensor:
+                    found.setdefault(tensor, []).append((node, i))
+        return found
+
+    def live_nodes(self) -> Iterable[onnx.NodeProto]:
+        """The nodes of the result, in order (queued new nodes before their first reader)."""
+        for node in self.nodes:
+            yield from self._before.get(id(node), ())
+            if id(node) not in self._removed:
+                yield node
+        yield from self._tail
+
+    # -- editing -------------------------------------------------------------------
+    def add_initializer(self, base: str, values) -> str:
+        """A new initializer with a fresh name from ``base``; returns its name."""
+        name = self.fresh(base)
+        self._new_initializers[name] = make_tensor(name, values)
+        return name
+
+    def replace_initializer(self, name: str, values) -> None:
+        """Give the initializer ``name`` new values (and type/shape)."""
+        if name not in self._new_initializers and name not in self.initializers:
+            raise ValueError(f"no initializer {name!r}")
+        self._new_initializers[name] = make_tensor(name, values)
+        self.initializers.pop(name, None)
+
+    def insert(self, nodes: Sequence[onnx.NodeProto], readers: Sequence[onnx.NodeProto]) -> None:
+        """Queue new ``nodes`` just before the first of ``readers`` (at the end without readers)."""
+        for node in nodes:
+            for out in node.output:
+                self.producer[out] = node
+        if not readers:
+            self._tail.extend(nodes)
+            return
+        first = min(readers, key=lambda n: self.position[id(n)])
+        self._before.setdefault(id(first), []).extend(nodes)
+
+    def remove(self, node: onnx.NodeProto) -> None:
+        """Leave ``node`` out of the result."""
+        self._removed.add(id(node))
+        for out in node.output:
+            if self.producer.get(out) is node:
+                del self.producer[out]
+
+    def release_if_unread(self, initializers: Iterable[str] = (), nodes: Iterable[onnx.NodeProto] = ()) -> None:
+        """At :meth:`commit`, drop these initializers and Constant/Identity nodes if nothing reads
+        them then (nodes are checked in the order given: list a chain from its reader's end)."""
+        self._maybe_unread.extend(initializers)
+        self._maybe_dead.extend(nodes)
+
+    # -- result --------------------------------------------------------------------
+    def commit(self) -> onnx.ModelProto:
+        """The edited model as a new ModelProto (see the module docstring)."""
+        reads = self._read_counts()
+        for node in self._maybe_dead:
+            if id(node) in self._removed or any(reads.get(o, 0) for o in node.output):
+                continue
+            self._removed.add(id(node))
+            for tensor in node.input:
+                if tensor:
+                    reads[tensor] -= 1
+        drop = {name for name in self._maybe_unread if not reads.get(name, 0)}
+        source = self.model
+        out = onnx.ModelProto()
+        for descriptor, value in source.ListFields():
+            if descriptor.name != "graph":
+                _assign(out, descriptor, value)
+        graph = out.graph
+        for descriptor, value in source.graph.ListFields():
+            if descriptor.name not in ("node", "initializer"):
+                _assign(graph, descriptor, value)
+        graph.node.extend(self.live_nodes())
+        graph.initializer.extend(t for t in source.graph.initializer
+                                 if t.name not in drop and t.name in self.initializers)
+        graph.initializer.extend(t for name, t in self._new_initializers.items() if name not in drop)
+        out.ir_version = target_ir_version(out)
+        return out
+
+    def _read_counts(self) -> Dict[str, int]:
+        counts: Dict[str, int] = {}
+        for node in self.live_nodes():
+            for tensor in node.input:
+                if tensor:
+                    counts[tensor] = counts.get(tensor, 0) + 1
+        for name in self.graph_outputs:
+            counts[name] = counts.get(name, 0) + 1
+        for name in subgraph_names(self.nodes):  # outer-scope names a subgraph may read
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
+
+def _assign(message, descriptor, value) -> None:
+    if _repeated(descriptor):
+        getattr(message, descriptor.name).extend(value)
+    elif descriptor.message_type is not None:
+        getattr(message, descriptor.name).CopyFrom(value)
+    else:
+        setattr(message, descriptor.name, value)
+
+
+def _repeated(descriptor) -> bool:
+    repeated = getattr(descriptor, "is_repeated", None)  # protobuf >= 5; older ones have ``label``
+    return bool(repeated) if repeated is not None else descriptor.label == descriptor.LABEL_REPEATED
+
+
+def subgraph_names(nodes: Iterable[onnx.NodeProto]) -> Set[str]:
+    """Tensor and node names used inside the subgraphs of ``nodes`` (If/Loop/Scan bodies, nested)."""
+    names: Set[str] = set()
+    stack = [a for n in nodes for a in n.attribute if a.type in _GRAPH_ATTRS]
+    while stack:
+        attr = stack.pop()
+        for graph in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            names.update(t.name for t in graph.initializer)
+            names.update(i.name for i in graph.input)
+            names.update(o.name for o in graph.output)
+            for node in graph.node:
+                names.add(node.name)
+                names.update(node.input)
+                names.update(node.output)
+                stack.extend(a for a in node.attribute if a.type in _GRAPH_ATTRS)
+    return names
+
+
+__all__ = ["GraphEdit", "make_tensor", "make_node", "subgraph_names"]
