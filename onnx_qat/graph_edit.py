@@ -38,12 +38,13 @@ _GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 def make_tensor(name: str, values: np.ndarray) -> onnx.TensorProto:
     """A TensorProto holding ``values`` as little-endian raw bytes (types of :data:`_NP_TO_ONNX`)."""
     values = np.asarray(values)
-    data_type = _NP_TO_ONNX.get(values.dtype)
+    dtype = values.dtype
+    data_type = _NP_TO_ONNX.get(dtype)
     if data_type is None:
         return onnx.numpy_helper.from_array(values, name)
-    little = values.astype(values.dtype.newbyteorder("<"), copy=False)
-    return onnx.TensorProto(name=name, data_type=data_type, dims=values.shape,
-                            raw_data=np.ascontiguousarray(little).tobytes())
+    if dtype.byteorder == ">":
+        values = values.astype(dtype.newbyteorder("<"))
+    return onnx.TensorProto(name=name, data_type=data_type, dims=values.shape, raw_data=values.tobytes())
 
 
 def make_node(op_type: str, name: str, inputs: Sequence[str], outputs: Sequence[str],
@@ -169,6 +170,16 @@ class GraphEdit:
         self._new_initializers[name] = make_tensor(name, values)
         return name
 
+    def add_scalar(self, base: str, value: np.generic) -> str:
+        """:meth:`add_initializer` for one NumPy scalar (a 0-d tensor), without array overhead."""
+        name = self.fresh(base)
+        data_type = _NP_TO_ONNX.get(value.dtype)
+        if data_type is None or value.dtype.byteorder == ">":
+            self._new_initializers[name] = make_tensor(name, np.asarray(value))
+        else:
+            self._new_initializers[name] = onnx.TensorProto(name=name, data_type=data_type, raw_data=value.tobytes())
+        return name
+
     def replace_initializer(self, name: str, values) -> None:
         """Give the initializer ``name`` new values (and type/shape)."""
         if name not in self._new_initializers and name not in self.initializers:
@@ -209,7 +220,7 @@ class GraphEdit:
                 continue
             self._removed.add(id(node))
             for tensor in node.input:
-                if tensor:
+                if tensor in reads:
                     reads[tensor] -= 1
         drop = {name for name in self._maybe_unread if not reads.get(name, 0)}
         source = self.model
@@ -229,15 +240,22 @@ class GraphEdit:
         return out
 
     def _read_counts(self) -> Dict[str, int]:
-        counts: Dict[str, int] = {}
+        """How often each tensor that :meth:`release_if_unread` asks about (and the inputs of the
+        nodes it lists) is read by a live node, a graph output or a subgraph."""
+        wanted = set(self._maybe_unread)
+        for node in self._maybe_dead:
+            wanted.update(node.output)
+            wanted.update(node.input)
+        wanted.discard("")
+        counts = dict.fromkeys(wanted, 0)
+        if not wanted:
+            return counts
         for node in self.live_nodes():
             for tensor in node.input:
-                if tensor:
-                    counts[tensor] = counts.get(tensor, 0) + 1
-        for name in self.graph_outputs:
-            counts[name] = counts.get(name, 0) + 1
-        for name in subgraph_names(self.nodes):  # outer-scope names a subgraph may read
-            counts[name] = counts.get(name, 0) + 1
+                if tensor in counts:
+                    counts[tensor] += 1
+        for name in wanted & (self.graph_outputs | subgraph_names(self.nodes)):
+            counts[name] += 1  # a graph output, or an outer-scope name a subgraph may read
         return counts
 
 

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 #: scale maps it to 0 exactly; this one is tiny but far from float32 underflow.
 ZERO_CHANNEL_SCALE = 1e-8
 _TINY = float(np.finfo(np.float32).tiny)
+_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,16 @@ def activation_scale(amax: float, target: Target) -> np.float32:
 
 def weight_amax(values: np.ndarray, axis: Optional[int]) -> np.ndarray:
     """max |w| per channel along ``axis`` (a one-element array when ``axis`` is None)."""
-    mags = np.abs(values.astype(np.float32, copy=False))
+    values = values.astype(np.float32, copy=False)
     if axis is None:
-        return np.array([mags.max() if mags.size else 0.0], np.float32)
-    other = tuple(a for a in range(values.ndim) if a != axis)
-    return mags.max(axis=other).astype(np.float32) if other else mags.astype(np.float32)
+        return np.array([np.abs(values).max() if values.size else 0.0], np.float32)
+    if values.ndim == 1:
+        return np.abs(values)
+    rows = values.reshape(values.shape[0], -1) if axis == 0 else \
+        np.moveaxis(values, axis, 0).reshape(values.shape[axis], -1)
+    if rows.shape[1] == 0:
+        return np.zeros(values.shape[axis], np.float32)
+    return np.maximum(rows.max(axis=1), -rows.min(axis=1))  # max |w| without an |w| copy
 
 
 def quantize_weight(values: np.ndarray, axis: Optional[int], amax: Optional[Sequence[float]] = None,
@@ -83,8 +89,9 @@ def quantize_weight(values: np.ndarray, axis: Optional[int], amax: Optional[Sequ
     values = np.asarray(values, np.float32)
     amax_values = weight_amax(values, axis) if amax is None else np.asarray(amax, np.float32)
     scale = (amax_values.astype(np.float64) / float(qrange[1])).astype(np.float32)
-    bad = ~(scale >= _TINY) | ~np.isfinite(scale)
-    if bad.any():
+    usable = (scale >= _TINY) & (scale <= _MAX)  # False for zero, subnormal, inf and NaN
+    if not usable.all():
+        bad = ~usable
         logger.info("weight %r: %d channel(s) with zero range get scale %g",
                     name, int(bad.sum()), ZERO_CHANNEL_SCALE)
         scale = np.where(bad, np.float32(ZERO_CHANNEL_SCALE), scale).astype(np.float32)
@@ -94,8 +101,66 @@ def quantize_weight(values: np.ndarray, axis: Optional[int], amax: Optional[Sequ
         shape = [1] * values.ndim
         shape[axis] = -1
         broadcast = scale.reshape(shape)
-    q = np.clip(np.rint(values / broadcast), qrange[0], qrange[1]).astype(np.int8)
-    return q, scale
+    q = np.divide(values, broadcast)
+    np.rint(q, out=q)
+    np.clip(q, qrange[0], qrange[1], out=q)
+    return q.astype(np.int8), scale
+
+
+#: Weights of at most this many values are quantized in batches of the same shape and axis
+#: (:func:`quantize_small_weights`); a batch holds at most :data:`_BATCH_VALUES` values.
+SMALL_WEIGHT = 4096
+_BATCH_VALUES = 1 << 22
+
+
+def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int] = (-127, 127)):
+    """``(tensor, axis) -> (q, scale, amax)`` for the small float32 weights among ``keys`` whose range
+    comes from their values (no ScaleTable entry), quantized with one NumPy call per batch of equal
+    shapes: the same numbers as :func:`quantize_weight` one by one, without its per-call cost, which
+    dominates for the 10^4-10^5 tiny weights of a large graph. Other weights are left out."""
+    buckets: Dict[tuple, list] = {}
+    for key in keys:
+        tensor, axis = key
+        if tensor in scales.weights:
+            continue
+        try:
+            values = edit.constant(tensor)[0]
+        except ValueError:
+            continue  # weight() reports it
+        if values.dtype != np.float32 or not 0 < values.size <= SMALL_WEIGHT or values.ndim == 0 \
+                or (axis is not None and not 0 <= axis < values.ndim):
+            continue
+        buckets.setdefault((values.shape, axis), []).append((key, values))
+    ready = {}
+    for (shape, axis), items in buckets.items():
+        step = max(1, _BATCH_VALUES // int(np.prod(shape)))
+        for start in range(0, len(items), step) if len(items) > 1 else ():
+            chunk = items[start:start + step]
+            results = _quantize_batch(np.stack([v for _, v in chunk]), axis, qrange)
+            for ((tensor, _), _), (q, scale, amax) in zip(chunk, results):
+                if not ((scale >= _TINY) & (scale <= _MAX)).all():  # zero-range channels: one by one
+                    q, scale = quantize_weight(edit.constant(tensor)[0], axis, amax, qrange, name=tensor)
+                ready[(tensor, axis)] = (q, scale, amax)
+    return ready
+
+
+def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange):
+    """:func:`quantize_weight` of each ``stack[i]`` (no ScaleTable range): ``[(q, scale, amax)]``."""
+    count = stack.shape[0]
+    if axis is None:
+        rows = stack.reshape(count, 1, -1)
+        shape = (count,) + (1,) * (stack.ndim - 1)
+    else:
+        rows = np.moveaxis(stack, axis + 1, 1).reshape(count, stack.shape[axis + 1], -1)
+        shape = [count] + [1] * (stack.ndim - 1)
+        shape[axis + 1] = -1
+    amax = np.maximum(rows.max(axis=2), -rows.min(axis=2)).astype(np.float32)  # [count, channels]
+    scale = (amax.astype(np.float64) / float(qrange[1])).astype(np.float32)
+    q = np.divide(stack, np.where(scale > 0, scale, 1).reshape(shape))
+    np.rint(q, out=q)
+    np.clip(q, qrange[0], qrange[1], out=q)
+    q = q.astype(np.int8)
+    return [(q[i], scale[i], amax[i]) for i in range(count)]
 
 
 # --------------------------------------------------------------------------- scales
@@ -171,9 +236,10 @@ class _Inserter:
         axes_per_tensor: Dict[str, int] = {}
         for tensor, _ in groups:
             axes_per_tensor[tensor] = axes_per_tensor.get(tensor, 0) + 1
+        ready = quantize_small_weights(self.edit, list(groups), scales, self.target.weight_range)
         for (tensor, axis), marks in groups.items():
             base = tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
-            records_w.append(self.weight(tensor, base, axis, marks, scales))
+            records_w.append(self.weight(tensor, base, axis, marks, scales, ready.pop((tensor, axis), None)))
             bar.update(len(marks))
         bar.close()
         return InsertionResult(tuple(records_a), tuple(records_w))
@@ -193,8 +259,8 @@ class _Inserter:
         scale = activation_scale(amax, target)
         zero_point = target.activation_zero_point if self.zero_points is None else \
             self.zero_points.get(mark.tensor, target.activation_zero_point)
-        scale_name = edit.add_initializer(f"{base}_scale", np.array(scale, np.float32))
-        zp_name = edit.add_initializer(f"{base}_zero_point", np.array(zero_point, target.activation_dtype))
+        scale_name = edit.add_scalar(f"{base}_scale", np.float32(scale))
+        zp_name = edit.add_scalar(f"{base}_zero_point", target.activation_dtype(zero_point))
         q_out = edit.fresh(f"{base}_QuantizeLinear_Output")
         dq_out = edit.fresh(f"{base}_DequantizeLinear_Output")
         q = make_node("QuantizeLinear", edit.fresh(f"{base}_QuantizeLinear"), [mark.tensor, scale_name, zp_name],
@@ -211,16 +277,21 @@ class _Inserter:
         return record
 
     def weight(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],
-               scales: ScaleTable) -> dict:
-        """An int8 initializer + DequantizeLinear for one constant weight, for the marked inputs."""
+               scales: ScaleTable, ready=None) -> dict:
+        """An int8 initializer + DequantizeLinear for one constant weight, for the marked inputs
+        (``ready``: its ``(q, scale, amax)`` from :func:`quantize_small_weights`, or None)."""
         edit = self.edit
         values, proto, chain = edit.constant(tensor)
         consumers = [(edit.node(m.node), m.input_index) for m in marks]
-        table_amax, table_axis = _weight_range(scales, tensor, axis, values)
-        use_axis = axis if table_amax is None else table_axis
-        own_amax = weight_amax(values, use_axis)  # once: for the scale (unless the table has one), the record
-        q, scale = quantize_weight(values, use_axis, own_amax if table_amax is None else table_amax,
-                                   self.target.weight_range, name=tensor)
+        if ready is not None:
+            table_amax, use_axis = None, axis
+            q, scale, own_amax = ready
+        else:
+            table_amax, table_axis = _weight_range(scales, tensor, axis, values)
+            use_axis = axis if table_amax is None else table_axis
+            own_amax = weight_amax(values, use_axis)  # once: for the scale (unless the table has one), the record
+            q, scale = quantize_weight(values, use_axis, own_amax if table_amax is None else table_amax,
+                                       self.target.weight_range, name=tensor)
         per_channel = use_axis is not None
         zp_shape = scale.shape if per_channel else ()
         if tensor in self.unsigned_weights:  # same values as uint8 with zero point 128

@@ -178,21 +178,23 @@ def model_byte_size(model: onnx.ModelProto) -> int:
         return 2 ** 31 + estimate
 
 
+def _itemsize(data_type: int) -> int:
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).itemsize
+    except Exception:
+        return 1
+
+
+#: Bytes per element of each ONNX element type (0 for strings and undefined: not counted).
+_ITEMSIZES = {t: (0 if t in (0, onnx.TensorProto.STRING) else _itemsize(t))
+              for t in onnx.TensorProto.DataType.values()}
+
+
 def _initializer_bytes(model: onnx.ModelProto) -> int:
-    total, itemsizes = 0, {}
+    total, sizes, prod = 0, _ITEMSIZES, math.prod
     for tensor in model.graph.initializer:  # plain Python per tensor: this runs on every load and save
-        data_type = tensor.data_type
-        if data_type in (0, onnx.TensorProto.STRING):
-            continue
-        itemsize = itemsizes.get(data_type)
-        if itemsize is None:
-            try:
-                itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).itemsize
-            except Exception:
-                itemsize = 1
-            itemsizes[data_type] = itemsize
         dims = tensor.dims
-        total += math.prod(dims) * itemsize if dims else itemsize
+        total += (prod(dims) if dims else 1) * sizes.get(tensor.data_type, 1)
     return total
 
 
@@ -286,7 +288,8 @@ def _all_tensors(model: onnx.ModelProto):
             yield sparse.values
             yield sparse.indices
         for node in graph.node:
-            yield from node_tensors(node)
+            if node.attribute:  # most nodes have none: no generator for them
+                yield from node_tensors(node)
 
     def node_tensors(node):
         for attr in node.attribute:

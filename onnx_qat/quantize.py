@@ -218,17 +218,38 @@ def _describe(model) -> str:
 def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str = "the model") -> None:
     """Raise ModelError when a weight placement quantizes holds NaN or infinite values.
 
-    No int8 scale can represent them; the float model itself is broken there.
+    No int8 scale can represent them; the float model itself is broken there. Small float32
+    weights are checked in batches (one NumPy call for many of them); a batch with a bad value
+    is then searched weight by weight for the message.
     """
+    small: list = []
+    size = 0
     for tensor in placement.weight_tensors():
         proto = index.constant_proto(tensor)
         if proto is None:
             continue
         values = _io().tensor_array(proto)
-        if values.dtype.kind == "f" and not np.all(np.isfinite(values)):
-            bad = int(np.count_nonzero(~np.isfinite(values)))
-            raise ModelError(f"{what}: weight {tensor!r} holds {bad} NaN or infinite value(s); "
-                             "fix the float model before quantizing it")
+        if values.dtype.kind != "f":
+            continue
+        if values.dtype == np.float32 and values.size <= 4096:
+            small.append((tensor, values))
+            size += values.size
+            if size >= 1 << 20:
+                _refuse_non_finite(small, what)
+                small, size = [], 0
+        else:
+            _refuse_non_finite([(tensor, values)], what)
+    _refuse_non_finite(small, what)
+
+
+def _refuse_non_finite(weights, what: str) -> None:
+    if not weights or np.isfinite(np.concatenate([v.reshape(-1) for _, v in weights])).all():
+        return
+    for tensor, values in weights:
+        finite = np.isfinite(values)
+        if not finite.all():
+            raise ModelError(f"{what}: weight {tensor!r} holds {int(np.count_nonzero(~finite))} NaN or "
+                             "infinite value(s); fix the float model before quantizing it")
 
 
 def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
@@ -260,16 +281,17 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
     if scales is None:
         return _check_complete(_calibrated(model, placement, data, method, config, calib_kw, progress),
                                placement, "calibrated ScaleTable")
-    if isinstance(scales, ScaleTable):
-        source, table = "ScaleTable", scales
-    else:
-        source, table = f"ScaleTable {scales}", ScaleTable.load(scales)
-    try:
-        table.check_names(index.all_tensor_names(), index.constant_shapes())
-    except ScalesError as exc:
-        if source == "ScaleTable":
-            raise
-        raise ScalesError(f"{source}: {exc}") from None
+    with _io().cyclic_gc_paused():  # a table of 10^4-10^5 ranges; the index and placement stay alive
+        if isinstance(scales, ScaleTable):
+            source, table = "ScaleTable", scales
+        else:
+            source, table = f"ScaleTable {scales}", ScaleTable.load(scales)
+        try:
+            table.check_names(index.all_tensor_names(), index.constant_shapes())
+        except ScalesError as exc:
+            if source == "ScaleTable":
+                raise
+            raise ScalesError(f"{source}: {exc}") from None
     return _check_complete(table, placement, source)
 
 

@@ -476,8 +476,14 @@ def test_shape_inference_runs_only_when_a_rule_needs_an_undeclared_type(monkeypa
     monkeypatch.setattr(check_module, "_inferred_value_info", lambda m: calls.append(1) or real(m))
     declared = _declare_every_tensor(good_block().model())
     assert check(declared).findings == () and calls == []
-    b = Builder()  # a DQ without zero point: its integer type is only known from inference
+    b = Builder()  # a Q without zero point writes uint8: read from the Q node, no inference needed
     b.output(b.add("Relu", [b.dq(b.q("x", "x_q", with_zp=False), "x_dq", with_zp=False)], "relu"))
+    report = check(b.model())
+    assert calls == []
+    assert "uint8" in assert_found(report, "C4", "x_dq").message
+    b = Builder()  # a DQ reading a Cast's output: its integer type is only known from inference
+    b.output(b.add("Relu", [b.dq(b.add("Cast", ["x"], "x_u8", to=TensorProto.UINT8), "x_dq", with_zp=False)],
+                   "relu"))
     report = check(b.model())
     assert calls == [1]
     assert "uint8" in assert_found(report, "C4", "x_dq").message
