@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED = {
     "cpu_latency": ("ort-cpu target speed-up over FP32", "ort-cpu target time / onnxruntime uint8 asymmetric",
-                    "ort-cpu vs tensorrt target: max diff / tensorrt target error"),
+                    "ort-cpu vs tensorrt target: max diff / tensorrt target error",
+                    "integer Conv kernels alone: float Conv / QLinearConv kernel time"),
     "rewrite_speed": ("per-node cost growth",),
     "calibration": ("max time / onnxruntime MinMax", "entropy time / onnxruntime Entropy",
                     "max: peak RSS at"),
