@@ -11,8 +11,8 @@ writes the result as a new ModelProto in one pass:
   deterministic);
 * nodes removed by the edit are left out, and so are the initializers and the Constant /
   Identity nodes whose value an edit replaced once nothing reads them any more (a tensor read
-  inside a subgraph or listed as a graph output counts as read). Initializers the input model
-  had without readers are kept as they were;
+  inside a subgraph or listed as a graph output or input counts as read). Initializers the input
+  model had without readers are kept as they were;
 * graph inputs, outputs, value_info and every model-level field are copied unchanged.
 
 Working on the protobuf directly costs a fraction of importing the graph into an object model
@@ -254,8 +254,9 @@ class GraphEdit:
             for tensor in node.input:
                 if tensor in counts:
                     counts[tensor] += 1
-        for name in wanted & (self.graph_outputs | subgraph_names(self.nodes)):
-            counts[name] += 1  # a graph output, or an outer-scope name a subgraph may read
+        inputs = {i.name for i in self.model.graph.input}  # an initializer also listed as an input stays
+        for name in wanted & (self.graph_outputs | inputs | subgraph_names(self.nodes)):
+            counts[name] += 1  # a graph output or input, or an outer-scope name a subgraph may read
         return counts
 
 

@@ -111,6 +111,16 @@ def test_a_weight_read_inside_a_subgraph_is_kept():
     assert "w2" in {t.name for t in edit.commit().graph.initializer}
 
 
+def test_a_replaced_weight_also_listed_as_a_graph_input_is_kept():
+    """An initializer listed among the graph inputs (old exporters do this) may be fed at run time:
+    dropping it would turn it into a required input."""
+    model = _two_convs()
+    model.graph.input.append(helper.make_tensor_value_info("w2", TensorProto.FLOAT, [4, 4, 1, 1]))
+    edit = GraphEdit(model)
+    _replace_weight(edit, "w2", "conv2")
+    assert "w2" in {t.name for t in edit.commit().graph.initializer}
+
+
 def test_fresh_names_avoid_every_name_in_the_model_and_its_subgraphs():
     model = _two_convs()
     model.graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.float32), "w2_scale"))
