@@ -13,7 +13,8 @@ writes the result as a new ModelProto in one pass:
   Identity nodes whose value an edit replaced once nothing reads them any more (a tensor read
   inside a subgraph or listed as a graph output or input counts as read). Initializers the input
   model had without readers are kept as they were;
-* graph inputs, outputs, value_info and every model-level field are copied unchanged.
+* graph inputs, outputs, value_info (less the entries of tensors no node makes any more) and
+  every model-level field are copied unchanged.
 
 Working on the protobuf directly costs a fraction of importing the graph into an object model
 and exporting it again (measured on a 50,000-node model: 3.3 s against 11.3 s for
@@ -236,6 +237,13 @@ class GraphEdit:
         graph.initializer.extend(t for t in source.graph.initializer
                                  if t.name not in drop and t.name in self.initializers)
         graph.initializer.extend(t for name, t in self._new_initializers.items() if name not in drop)
+        if self._removed and graph.value_info:  # no value_info for tensors no node makes any more
+            made = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+            made.update(t.name for t in graph.initializer)
+            kept = [vi for vi in graph.value_info if vi.name in made]
+            if len(kept) < len(graph.value_info):
+                del graph.value_info[:]
+                graph.value_info.extend(kept)
         out.ir_version = target_ir_version(out)
         return out
 

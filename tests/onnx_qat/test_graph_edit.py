@@ -121,6 +121,19 @@ def test_a_replaced_weight_also_listed_as_a_graph_input_is_kept():
     assert "w2" in {t.name for t in edit.commit().graph.initializer}
 
 
+def test_value_info_of_a_tensor_no_node_makes_any_more_is_left_out():
+    model = _two_convs()
+    model.graph.value_info.extend([helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, 4, 2, 2]),
+                                   helper.make_tensor_value_info("c", TensorProto.FLOAT, [1, 4, 2, 2])])
+    edit = GraphEdit(model)
+    edit.node("conv2").input[0] = "c"
+    edit.remove(edit.node("relu"))
+    out = edit.commit()
+    assert [vi.name for vi in out.graph.value_info] == ["c"]
+    assert [n.name for n in out.graph.node] == ["conv", "conv2"]
+    onnx.checker.check_model(out, full_check=True)
+
+
 def test_fresh_names_avoid_every_name_in_the_model_and_its_subgraphs():
     model = _two_convs()
     model.graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.float32), "w2_scale"))
