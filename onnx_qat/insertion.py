@@ -89,7 +89,7 @@ def quantize_weight(values: np.ndarray, axis: Optional[int], amax: Optional[Sequ
     values = np.asarray(values, np.float32)
     amax_values = weight_amax(values, axis) if amax is None else np.asarray(amax, np.float32)
     scale = (amax_values.astype(np.float64) / float(qrange[1])).astype(np.float32)
-    usable = (scale >= _TINY) & (scale <= _MAX)  # False for zero, subnormal, inf and NaN
+    usable = _usable_scales(scale)
     if not usable.all():
         bad = ~usable
         logger.info("weight %r: %d channel(s) with zero range get scale %g",
@@ -101,10 +101,20 @@ def quantize_weight(values: np.ndarray, axis: Optional[int], amax: Optional[Sequ
         shape = [1] * values.ndim
         shape[axis] = -1
         broadcast = scale.reshape(shape)
-    q = np.divide(values, broadcast)
+    return _to_grid(values, broadcast, qrange), scale
+
+
+def _usable_scales(scale: np.ndarray) -> np.ndarray:
+    """True where a float32 scale is usable: False for zero, subnormal, inf and NaN."""
+    return (scale >= _TINY) & (scale <= _MAX)
+
+
+def _to_grid(values: np.ndarray, scale: np.ndarray, qrange: Tuple[int, int]) -> np.ndarray:
+    """``clip(round_half_to_even(values / scale), qrange)`` as int8 (``scale`` broadcasts)."""
+    q = np.divide(values, scale)
     np.rint(q, out=q)
     np.clip(q, qrange[0], qrange[1], out=q)
-    return q.astype(np.int8), scale
+    return q.astype(np.int8)
 
 
 #: Weights of at most this many values are quantized in batches of the same shape and axis
@@ -138,7 +148,7 @@ def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tu
             chunk = items[start:start + step]
             results = _quantize_batch(np.stack([v for _, v in chunk]), axis, qrange)
             for ((tensor, _), _), (q, scale, amax) in zip(chunk, results):
-                if not ((scale >= _TINY) & (scale <= _MAX)).all():  # zero-range channels: one by one
+                if not _usable_scales(scale).all():  # zero-range channels: one by one
                     q, scale = quantize_weight(edit.constant(tensor)[0], axis, amax, qrange, name=tensor)
                 ready[(tensor, axis)] = (q, scale, amax)
     return ready
@@ -156,10 +166,7 @@ def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange):
         shape[axis + 1] = -1
     amax = np.maximum(rows.max(axis=2), -rows.min(axis=2)).astype(np.float32)  # [count, channels]
     scale = (amax.astype(np.float64) / float(qrange[1])).astype(np.float32)
-    q = np.divide(stack, np.where(scale > 0, scale, 1).reshape(shape))
-    np.rint(q, out=q)
-    np.clip(q, qrange[0], qrange[1], out=q)
-    q = q.astype(np.int8)
+    q = _to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
     return [(q[i], scale[i], amax[i]) for i in range(count)]
 
 

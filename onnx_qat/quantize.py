@@ -222,6 +222,8 @@ def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str
     weights are checked in batches (one NumPy call for many of them); a batch with a bad value
     is then searched weight by weight for the message.
     """
+    from .insertion import SMALL_WEIGHT
+
     small: list = []
     size = 0
     for tensor in placement.weight_tensors():
@@ -231,7 +233,7 @@ def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str
         values = _io().tensor_array(proto)
         if values.dtype.kind != "f":
             continue
-        if values.dtype == np.float32 and values.size <= 4096:
+        if values.dtype == np.float32 and values.size <= SMALL_WEIGHT:
             small.append((tensor, values))
             size += values.size
             if size >= 1 << 20:
