@@ -81,6 +81,7 @@ class GraphEdit:
                     self.producer[out] = node
         self.graph_outputs = frozenset(o.name for o in graph.output)
         self._used: Optional[Set[str]] = None
+        self._subgraph_names: Optional[Set[str]] = None
         self._before: Dict[int, List[onnx.NodeProto]] = {}
         self._tail: List[onnx.NodeProto] = []
         self._removed: Set[int] = set()
@@ -97,9 +98,15 @@ class GraphEdit:
             for node in self.nodes:
                 used.update(node.input)
                 used.update(node.output)
-            used.update(subgraph_names(self.nodes))
+            used.update(self._inner_names())
             self._used = used
         return self._used
+
+    def _inner_names(self) -> Set[str]:
+        """:func:`subgraph_names` of the original nodes, walked once (edits never touch subgraphs)."""
+        if self._subgraph_names is None:
+            self._subgraph_names = subgraph_names(self.nodes)
+        return self._subgraph_names
 
     def fresh(self, base: str) -> str:
         """``base``, or ``base_1``, ``base_2``... : a tensor/node name used nowhere in the model yet."""
@@ -263,7 +270,7 @@ class GraphEdit:
                 if tensor in counts:
                     counts[tensor] += 1
         inputs = {i.name for i in self.model.graph.input}  # an initializer also listed as an input stays
-        for name in wanted & (self.graph_outputs | inputs | subgraph_names(self.nodes)):
+        for name in wanted & (self.graph_outputs | inputs | self._inner_names()):
             counts[name] += 1  # a graph output or input, or an outer-scope name a subgraph may read
         return counts
 
