@@ -390,6 +390,19 @@ def optimized_ops(model, tmp_path) -> List[str]:
     return [n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node]
 
 
+def assert_deployed_close(model: onnx.ModelProto, tensorrt_model: onnx.ModelProto, cpu_model: onnx.ModelProto,
+                          feeds: Dict[str, np.ndarray], bound: float) -> None:
+    """The ort-cpu model run as deployed (:func:`run_optimized`) differs from the tensorrt-form model
+    in reference Q/DQ arithmetic (:func:`run`) by at most ``bound`` x that model's own max error versus
+    the float ``model``, and agrees with it on top-1 for >= 99% of rows."""
+    ref, got_trt = run(model, feeds)[0], run(tensorrt_model, feeds)[0]
+    got_cpu = run_optimized(cpu_model, feeds)
+    trt_error = np.abs(got_trt - ref).max()
+    assert trt_error > 0
+    assert np.abs(got_cpu - got_trt).max() <= bound * trt_error
+    assert (got_cpu.argmax(1) == got_trt.argmax(1)).mean() >= 0.99
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     """Cosine similarity of two arrays, flattened."""
     a = np.asarray(a, np.float64).ravel()

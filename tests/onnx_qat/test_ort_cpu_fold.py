@@ -160,13 +160,7 @@ def test_outputs_close_to_the_tensorrt_target(forms):
     ratio measures 0.16-0.73 over builder seeds 0-5 (its 0.25 bound holds at seed 0); tf_bridge's
     deployed check allows 2x."""
     model, _, trt, cpu = forms
-    feeds = B.random_inputs(model, num=1, seed=7)
-    ref, got_trt = B.run(model, feeds)[0], B.run(trt.model, feeds)[0]
-    got_cpu = B.run_optimized(cpu.model, feeds)
-    trt_error = np.abs(got_trt - ref).max()
-    assert trt_error > 0
-    assert np.abs(got_cpu - got_trt).max() <= 0.5 * trt_error
-    assert (got_cpu.argmax(1) == got_trt.argmax(1)).mean() >= 0.99
+    B.assert_deployed_close(model, trt.model, cpu.model, B.random_inputs(model, num=1, seed=7), 0.5)
 
 
 def _folded_in_float(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -134,13 +134,7 @@ def test_outputs_close_to_the_tensorrt_target(cnn):
     difference is at most 25% of the TensorRT target's own error versus FP32, and the top-1 class agrees.
     (With zero point 128 on Relu outputs onnxruntime's 16-bit sums saturate on AVX2: 2x that error.)"""
     model, _, trt, cpu = cnn
-    feeds = _feeds(model, 7)
-    ref, got_trt = B.run(model, feeds)[0], B.run(trt.model, feeds)[0]
-    got_cpu = B.run_optimized(cpu.model, feeds)
-    trt_error = np.abs(got_trt - ref).max()
-    assert trt_error > 0
-    assert np.abs(got_cpu - got_trt).max() <= 0.25 * trt_error
-    assert (got_cpu.argmax(1) == got_trt.argmax(1)).mean() >= 0.99
+    B.assert_deployed_close(model, trt.model, cpu.model, _feeds(model, 7), 0.25)
 
 
 # --------------------------------------------------------------------------- requantization points
