@@ -100,7 +100,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
 
     Args:
         model: path to a float ONNX model, or an ``onnx.ModelProto`` (never mutated).
-        output: where to write the Q/DQ model (atomically), or None to only return it.
+        output: where to write the Q/DQ model (atomically, after ``onnx.checker`` passed on the
+            bytes to write), or None to only return it.
         scales: a :class:`~onnx_qat.scales.ScaleTable` or the path of its JSON file.
         data: calibration data (anything :func:`onnx_qat.load_data` accepts); ranges are then
             computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``.
@@ -121,7 +122,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         PlacementError: the model is already quantized, or nothing in it can be quantized,
             or a given ``placement`` names tensors or nodes the model does not have.
         ScalesError: the ScaleTable names unknown tensors or lacks a quantized activation.
-        ModelError, DataError, OutputError, ConfigError: bad model, data, paths or options.
+        ModelError, DataError, OutputError, ConfigError: bad model, data, paths or options
+            (ModelError also when ``onnx.checker`` refuses the model to write: nothing is written).
     """
     config = QuantizeConfig.from_options(config, target=target, exclude_nodes=exclude_nodes,
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
@@ -157,7 +159,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization))
     if out_path is not None:
-        io.save_model(qdq_model, out_path, inputs=inputs)
+        # validated on the very bytes written (nothing is written when onnx.checker refuses them)
+        io.save_model(qdq_model, out_path, inputs=inputs, ir_version=qdq_model.ir_version, validate=True)
         logger.info("wrote %s", out_path)
     if report is not None:
         write_json(report, result.to_report())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -365,6 +366,49 @@ def test_external_data_left_unloaded_on_request(tmp_path):
     with pytest.raises(ModelError, match="external data that was not loaded"):
         save_model(model, tmp_path / "copy.onnx")
     assert not (tmp_path / "copy.onnx").exists()
+
+
+def test_save_refuses_a_constant_node_with_unloaded_external_data(tmp_path):
+    """External data outside the main graph's initializers (here a Constant node's value) is found too."""
+    model = load_model(_conv_model())
+    value = numpy_helper.from_array(np.ones(4, np.float32), "c")
+    value.data_location = TensorProto.EXTERNAL
+    entry = value.external_data.add()
+    entry.key, entry.value = "location", "c.bin"
+    value.ClearField("raw_data")
+    model.graph.node.append(helper.make_node("Constant", [], ["unused_c"], name="const", value=value))
+    with pytest.raises(ModelError, match="external data that was not loaded"):
+        save_model(model, tmp_path / "c.onnx")
+    assert not (tmp_path / "c.onnx").exists()
+
+
+def test_save_with_validate_writes_nothing_for_an_invalid_model(tmp_path):
+    """validate=True runs onnx.checker on the bytes to write: an invalid model leaves no file (and no
+    temporary file) behind, a one-line ModelError names the output; a valid one is written unchanged."""
+    model = load_model(_conv_model())
+    good = save_model(model, tmp_path / "good.onnx", validate=True)
+    assert onnx.load(str(good)).SerializeToString() == model.SerializeToString()
+    model.graph.node[0].input[0] = "nowhere"
+    target = tmp_path / "bad.onnx"
+    with pytest.raises(ModelError, match=rf"^output model {re.escape(str(target))} is not a valid ONNX model: ") \
+            as info:
+        save_model(model, target, validate=True)
+    assert "\n" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.onnx"]
+    save_model(model, target)  # without validate the same model is written as it is
+    assert target.exists()
+
+
+def test_load_checks_the_file_bytes_and_names_the_file(tmp_path):
+    """An invalid model file is refused when loaded, the message naming the file, in one line."""
+    model = _conv_model()
+    model.graph.node[0].input[0] = "nowhere"
+    path = tmp_path / "broken.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(ModelError, match=rf"^model {re.escape(str(path))} is not a valid ONNX model: ") as info:
+        load_model(path)
+    assert "\n" not in str(info.value)
+    assert load_model(path, check=False).graph.node[0].input[0] == "nowhere"
 
 
 def test_public_api_names():
