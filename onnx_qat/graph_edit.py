@@ -110,7 +110,7 @@ class GraphEdit:
 
     def fresh(self, base: str) -> str:
         """``base``, or ``base_1``, ``base_2``... : a tensor/node name used nowhere in the model yet."""
-        used = self._names()
+        used = self._used if self._used is not None else self._names()
         name, k = base, 1
         while name in used:
             name, k = f"{base}_{k}", k + 1
@@ -188,6 +188,16 @@ class GraphEdit:
             self._new_initializers[name] = onnx.TensorProto(name=name, data_type=data_type, raw_data=value.tobytes())
         return name
 
+    def add_raw_initializer(self, base: str, dtype: np.dtype, raw: bytes, dims: Sequence[int] = ()) -> str:
+        """A new initializer of NumPy type ``dtype`` (one of :data:`_NP_TO_ONNX`) and shape ``dims``
+        holding ``raw``, its little-endian bytes, with a fresh name from ``base``; returns its name.
+        For callers that made the bytes already (of many scalars at once, or shared by many
+        initializers): :meth:`add_scalar` costs a NumPy scalar per call."""
+        name = self.fresh(base)
+        self._new_initializers[name] = onnx.TensorProto(name=name, data_type=_NP_TO_ONNX[np.dtype(dtype)],
+                                                        dims=dims, raw_data=raw)
+        return name
+
     def replace_initializer(self, name: str, values) -> None:
         """Give the initializer ``name`` new values (and type/shape)."""
         if name not in self._new_initializers and name not in self.initializers:
@@ -203,7 +213,7 @@ class GraphEdit:
         if not readers:
             self._tail.extend(nodes)
             return
-        first = min(readers, key=lambda n: self.position[id(n)])
+        first = readers[0] if len(readers) == 1 else min(readers, key=lambda n: self.position[id(n)])
         self._before.setdefault(id(first), []).extend(nodes)
 
     def remove(self, node: onnx.NodeProto) -> None:
@@ -241,9 +251,11 @@ class GraphEdit:
             if descriptor.name not in ("node", "initializer"):
                 _assign(graph, descriptor, value)
         graph.node.extend(self.live_nodes())
-        graph.initializer.extend(t for t in source.graph.initializer
-                                 if t.name not in drop and t.name in self.initializers)
-        graph.initializer.extend(t for name, t in self._new_initializers.items() if name not in drop)
+        kept = [t for t in source.graph.initializer if t.name not in drop and t.name in self.initializers]
+        added = [t for name, t in self._new_initializers.items() if name not in drop]
+        data_types = {t.data_type for t in kept} | {t.data_type for t in added}
+        graph.initializer.extend(kept)
+        graph.initializer.extend(added)
         if self._removed and graph.value_info:  # no value_info for tensors no node makes any more
             made = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
             made.update(t.name for t in graph.initializer)
@@ -251,7 +263,7 @@ class GraphEdit:
             if len(kept) < len(graph.value_info):
                 del graph.value_info[:]
                 graph.value_info.extend(kept)
-        out.ir_version = target_ir_version(out)
+        out.ir_version = target_ir_version(out, data_types)  # the types read here, not in one more walk
         return out
 
     def _read_counts(self) -> Dict[str, int]:

@@ -29,6 +29,8 @@ from .targets import Target, get_target
 
 logger = logging.getLogger(__name__)
 
+_FLOAT32 = np.dtype(np.float32)
+
 #: Scale used for a weight channel whose amax is zero (all-zero channel): any positive
 #: scale maps it to 0 exactly; this one is tiny but far from float32 underflow.
 ZERO_CHANNEL_SCALE = 1e-8
@@ -55,10 +57,23 @@ class InsertionResult:
 # --------------------------------------------------------------------------- numerics
 def activation_scale(amax: float, target: Target) -> np.float32:
     """Rule 2: symmetric per-tensor scale ``amax / 127`` as float32 (finite, > 0)."""
-    scale = np.float32(float(amax) / 127.0)
+    with np.errstate(over="ignore"):  # an amax beyond float32 is reported below, not warned about
+        scale = np.float32(float(amax) / 127.0)
     if not np.isfinite(scale) or scale < _TINY:
         raise ScalesError(f"activation amax {amax} gives an unusable scale {scale}")
     return scale
+
+
+def activation_scales(amaxes: Sequence[float], target: Target) -> np.ndarray:
+    """:func:`activation_scale` of every amax in one NumPy pass (the same float32 values); the
+    first unusable one raises its ScalesError."""
+    with np.errstate(over="ignore"):
+        scales = (np.asarray(amaxes, dtype=np.float64) / 127.0).astype(np.float32)
+    bad = ~(np.isfinite(scales) & (scales >= _TINY))
+    if bad.any():
+        first = int(np.argmax(bad))
+        activation_scale(amaxes[first], target)  # raises with the one-value message
+    return scales
 
 
 def weight_amax(values: np.ndarray, axis: Optional[int]) -> np.ndarray:
@@ -128,34 +143,42 @@ def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tu
     comes from their values (no ScaleTable entry), quantized with one NumPy call per batch of equal
     shapes: the same numbers as :func:`quantize_weight` one by one, without its per-call cost, which
     dominates for the 10^4-10^5 tiny weights of a large graph. Other weights are left out."""
+    return {key: found[:3] for key, found in _quantize_small(edit, keys, scales, qrange).items()}
+
+
+def _quantize_small(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int]):
+    """:func:`quantize_small_weights`, each entry with the weight's :meth:`GraphEdit.constant` as a
+    fourth item (so the inserter does not read the weight again)."""
     buckets: Dict[tuple, list] = {}
     for key in keys:
         tensor, axis = key
         if tensor in scales.weights:
             continue
         try:
-            values = edit.constant(tensor)[0]
+            constant = edit.constant(tensor)
         except ValueError:
             continue  # weight() reports it
+        values = constant[0]
         if values.dtype != np.float32 or not 0 < values.size <= SMALL_WEIGHT or values.ndim == 0 \
                 or (axis is not None and not 0 <= axis < values.ndim):
             continue
-        buckets.setdefault((values.shape, axis), []).append((key, values))
+        buckets.setdefault((values.shape, axis), []).append((key, constant))
     ready = {}
     for (shape, axis), items in buckets.items():
         step = max(1, _BATCH_VALUES // int(np.prod(shape)))
         for start in range(0, len(items), step) if len(items) > 1 else ():
             chunk = items[start:start + step]
-            results = _quantize_batch(np.stack([v for _, v in chunk]), axis, qrange)
-            for ((tensor, _), _), (q, scale, amax) in zip(chunk, results):
-                if not _usable_scales(scale).all():  # zero-range channels: one by one
-                    q, scale = quantize_weight(edit.constant(tensor)[0], axis, amax, qrange, name=tensor)
-                ready[(tensor, axis)] = (q, scale, amax)
+            results = _quantize_batch(np.stack([c[0] for _, c in chunk]), axis, qrange)
+            for ((tensor, _), constant), (q, scale, amax, usable) in zip(chunk, results):
+                if not usable:  # zero-range channels: one by one
+                    q, scale = quantize_weight(constant[0], axis, amax, qrange, name=tensor)
+                ready[(tensor, axis)] = (q, scale, amax, constant)
     return ready
 
 
 def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange):
-    """:func:`quantize_weight` of each ``stack[i]`` (no ScaleTable range): ``[(q, scale, amax)]``."""
+    """:func:`quantize_weight` of each ``stack[i]`` (no ScaleTable range): ``[(q, scale, amax, usable)]``,
+    ``usable`` False when a channel's scale is not (zero range: :func:`quantize_weight` handles it)."""
     count = stack.shape[0]
     if axis is None:
         rows = stack.reshape(count, 1, -1)
@@ -167,7 +190,8 @@ def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange):
     amax = np.maximum(rows.max(axis=2), -rows.min(axis=2)).astype(np.float32)  # [count, channels]
     scale = (amax.astype(np.float64) / float(qrange[1])).astype(np.float32)
     q = _to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
-    return [(q[i], scale[i], amax[i]) for i in range(count)]
+    usable = _usable_scales(scale).all(axis=1).tolist()
+    return [(q[i], scale[i], amax[i], usable[i]) for i in range(count)]
 
 
 # --------------------------------------------------------------------------- scales
@@ -231,25 +255,52 @@ class _Inserter:
         self.target = target
         self.zero_points = zero_points
         self.unsigned_weights = frozenset(unsigned_weights)
+        self._activation_zp: Dict[int, tuple] = {}  # zero point -> (dtype, raw bytes)
+        self._weight_zp: Dict[tuple, tuple] = {}  # (shape, zero point) -> (dtype, raw bytes, shape)
 
     def run(self, placement: Placement, scales: ScaleTable, progress: bool) -> InsertionResult:
         amaxes = group_amax(placement, scales)
         bar = _progress(len(placement.activations) + len(placement.weights), progress)
         records_a, records_w = [], []
-        for mark in placement.activations:
-            records_a.append(self.activation(mark, amaxes[mark.tensor]))
-            bar.update(1)
+        marks = placement.activations
+        # every activation scale at once: float values for the records, raw float32 bytes for the
+        # initializers (per-tensor NumPy scalars would cost more than the rest of a pair's insertion)
+        act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.target)
+        raw = _le_bytes(act_scales)
+        for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
+            records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4]))
+            if i & 255 == 255:
+                bar.update(256)
+        bar.update(len(marks) & 255)
         groups = _weight_groups(placement.weights)
         axes_per_tensor: Dict[str, int] = {}
         for tensor, _ in groups:
             axes_per_tensor[tensor] = axes_per_tensor.get(tensor, 0) + 1
-        ready = quantize_small_weights(self.edit, list(groups), scales, self.target.weight_range)
+        ready = _quantize_small(self.edit, list(groups), scales, self.target.weight_range)
         for (tensor, axis), marks in groups.items():
             base = tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
             records_w.append(self.weight(tensor, base, axis, marks, scales, ready.pop((tensor, axis), None)))
             bar.update(len(marks))
         bar.close()
         return InsertionResult(tuple(records_a), tuple(records_w))
+
+    def _zero_point_bytes(self, zero_point: int) -> Tuple[np.dtype, bytes]:
+        """``(NumPy type, raw bytes)`` of an activation zero point of the target's type."""
+        found = self._activation_zp.get(zero_point)
+        if found is None:
+            value = np.asarray(self.target.activation_dtype(zero_point))
+            found = self._activation_zp[zero_point] = (value.dtype, _le_bytes(value))
+        return found
+
+    def _weight_zero_point(self, shape: Tuple[int, ...], value: int) -> Tuple[np.dtype, bytes, Tuple[int, ...]]:
+        """``(NumPy type, raw bytes, shape)`` of a weight zero point filled with ``value``: the
+        target's weight type for 0, uint8 for 128 (made once per shape and value)."""
+        key = (shape, value)
+        found = self._weight_zp.get(key)
+        if found is None:
+            zero = np.full(shape, value, np.uint8 if value else self.target.weight_dtype)
+            found = self._weight_zp[key] = (zero.dtype, _le_bytes(zero), shape)
+        return found
 
     def rewire(self, new_nodes, consumers, tensor: str) -> None:
         """Point every consumer ``(node, input index)`` at ``tensor``; queue ``new_nodes`` before
@@ -259,15 +310,17 @@ class _Inserter:
         self.edit.insert(new_nodes, [n for n, _ in consumers])
 
     # -- the two kinds of insertion
-    def activation(self, mark: ActivationMark, amax: float) -> dict:
-        """One QuantizeLinear -> DequantizeLinear pair on ``mark.tensor`` for its listed consumers."""
+    def activation(self, mark: ActivationMark, amax: float, scale: float, scale_raw: bytes) -> dict:
+        """One QuantizeLinear -> DequantizeLinear pair on ``mark.tensor`` for its listed consumers
+        (``scale``: its float32 scale from :func:`activation_scales` as a float, ``scale_raw``: as
+        4 little-endian bytes)."""
         edit, target, base = self.edit, self.target, mark.tensor
         consumers = [(edit.node(n), i) for n, i in mark.consumers]
-        scale = activation_scale(amax, target)
         zero_point = target.activation_zero_point if self.zero_points is None else \
             self.zero_points.get(mark.tensor, target.activation_zero_point)
-        scale_name = edit.add_scalar(f"{base}_scale", np.float32(scale))
-        zp_name = edit.add_scalar(f"{base}_zero_point", target.activation_dtype(zero_point))
+        zp_type, zp_raw = self._zero_point_bytes(zero_point)
+        scale_name = edit.add_raw_initializer(f"{base}_scale", _FLOAT32, scale_raw)
+        zp_name = edit.add_raw_initializer(f"{base}_zero_point", zp_type, zp_raw)
         q_out = edit.fresh(f"{base}_QuantizeLinear_Output")
         dq_out = edit.fresh(f"{base}_DequantizeLinear_Output")
         q = make_node("QuantizeLinear", edit.fresh(f"{base}_QuantizeLinear"), [mark.tensor, scale_name, zp_name],
@@ -276,7 +329,7 @@ class _Inserter:
                        [dq_out])
         self.rewire([q, dq], consumers, dq_out)
         record = {"kind": "activation", "tensor": mark.tensor, "quantize_node": q.name,
-                  "dequantize_node": dq.name, "amax": float(amax), "scale": float(scale),
+                  "dequantize_node": dq.name, "amax": float(amax), "scale": scale,
                   "scale_group": mark.scale_group, "consumers": [f"{n}:{i}" for n, i in mark.consumers],
                   "rule": mark.rule, "reason": mark.reason}
         if self.zero_points is not None:
@@ -286,14 +339,14 @@ class _Inserter:
     def weight(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],
                scales: ScaleTable, ready=None) -> dict:
         """An int8 initializer + DequantizeLinear for one constant weight, for the marked inputs
-        (``ready``: its ``(q, scale, amax)`` from :func:`quantize_small_weights`, or None)."""
+        (``ready``: its ``(q, scale, amax, constant)`` from :func:`_quantize_small`, or None)."""
         edit = self.edit
-        values, proto, chain = edit.constant(tensor)
         consumers = [(edit.node(m.node), m.input_index) for m in marks]
         if ready is not None:
             table_amax, use_axis = None, axis
-            q, scale, own_amax = ready
+            q, scale, own_amax, (values, proto, chain) = ready
         else:
+            values, proto, chain = edit.constant(tensor)
             table_amax, table_axis = _weight_range(scales, tensor, axis, values)
             use_axis = axis if table_amax is None else table_axis
             own_amax = weight_amax(values, use_axis)  # once: for the scale (unless the table has one), the record
@@ -302,12 +355,12 @@ class _Inserter:
         per_channel = use_axis is not None
         zp_shape = scale.shape if per_channel else ()
         if tensor in self.unsigned_weights:  # same values as uint8 with zero point 128
-            q, zero = (q.astype(np.int16) + 128).astype(np.uint8), np.full(zp_shape, 128, np.uint8)
+            q, zero = (q.astype(np.int16) + 128).astype(np.uint8), self._weight_zero_point(zp_shape, 128)
         else:
-            zero = np.zeros(zp_shape, self.target.weight_dtype)
+            zero = self._weight_zero_point(zp_shape, 0)
         q_name = edit.add_initializer(f"{base}_quantized", q)
         scale_name = edit.add_initializer(f"{base}_scale", scale if per_channel else scale.reshape(()))
-        zp_name = edit.add_initializer(f"{base}_zero_point", zero)
+        zp_name = edit.add_raw_initializer(f"{base}_zero_point", *zero)
         dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"), [q_name, scale_name, zp_name],
                        [edit.fresh(f"{base}_DequantizeLinear_Output")],
                        axis=int(use_axis) if per_channel else None)
@@ -322,6 +375,11 @@ class _Inserter:
                 "amax_source": "weights" if table_amax is None else "scale table",
                 "rule": marks[0].rule, "reason": marks[0].reason,
                 **({"zero_point": 128} if tensor in self.unsigned_weights else {})}
+
+
+def _le_bytes(values: np.ndarray) -> bytes:
+    """The little-endian bytes of an array (ONNX raw data)."""
+    return values.astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
 def _progress(total: int, enabled: bool):

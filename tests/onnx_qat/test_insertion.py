@@ -8,7 +8,10 @@ from onnx import numpy_helper
 
 import onnx_qat
 from onnx_qat.graph_edit import GraphEdit
-from onnx_qat.insertion import ZERO_CHANNEL_SCALE, insert_qdq_pairs, quantize_weight
+from onnx_qat.errors import ScalesError
+from onnx_qat.insertion import (ZERO_CHANNEL_SCALE, activation_scale, activation_scales, insert_qdq_pairs,
+                                  quantize_weight)
+from onnx_qat.targets import get_target
 from onnx_qat.placement.graph_index import GraphIndex
 from onnx_qat.placement.policy import TensorRTPolicy
 from onnx_qat.scales import ScaleTable, WeightRange
@@ -215,3 +218,21 @@ def test_insertion_time_grows_linearly_with_graph_size():
     # least disturbed of three runs each, so a busy machine does not decide the ratio
     small, large = min(seconds(250) for _ in range(3)), min(seconds(1000) for _ in range(3))
     assert large < 10 * small + 0.5, (small, large)  # 4x the nodes; quadratic work would be ~16x
+
+
+def test_activation_scales_equal_one_by_one_and_refuse_the_first_bad_amax():
+    """The vectorized scales are the float32 values of activation_scale per amax (floats, NumPy
+    float32 and odd magnitudes alike); a zero, negative, NaN or overflowing amax raises the
+    one-value message of that amax."""
+    target = get_target("tensorrt")
+    rng = np.random.default_rng(11)
+    amaxes = [float(a) for a in rng.uniform(1e-3, 50, 200)] + [np.float32(3.3), 1e-30, 1e30, 127.0, 0.1]
+    got = activation_scales(amaxes, target)
+    assert got.dtype == np.float32
+    assert got.tolist() == [float(activation_scale(a, target)) for a in amaxes]
+    for bad in (0.0, -1.0, float("nan"), 1e300):
+        with pytest.raises(ScalesError) as info:
+            activation_scales([1.0, bad, 2.0], target)
+        with pytest.raises(ScalesError) as single:
+            activation_scale(bad, target)
+        assert str(info.value) == str(single.value)
