@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from itertools import compress
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from .errors import ModelError
 
@@ -201,46 +202,57 @@ def _tensor_type(value_info):
     return value_info.type.tensor_type
 
 
-class _Node:
-    """One node's name, type and tensor names read from the protobuf once: the rules read them
-    many times, and each protobuf field read builds new Python objects."""
+class _QDQ(NamedTuple):
+    """One QuantizeLinear/DequantizeLinear node with the fields the rules read, taken from the
+    protobuf once by the index: most rules visit every Q/DQ node, and each protobuf field read
+    builds new Python objects. Absent inputs and outputs are ``""``."""
 
-    __slots__ = ("proto", "op_type", "name", "input", "output")
+    pos: int        # position in the graph's node list
+    name: str       # display name (prefixed inside subgraphs, ``<Op #i>`` when unnamed)
+    is_q: bool      # QuantizeLinear (else DequantizeLinear)
+    data: str       # input 0
+    scale: str      # input 1
+    zp: str         # input 2
+    out: str        # output 0
+    domain: str
+    attrs: tuple    # the node's AttributeProto messages
 
-    def __init__(self, proto):
-        self.proto = proto
-        self.op_type = proto.op_type
-        self.name = proto.name
-        self.input = tuple(proto.input)
-        self.output = tuple(proto.output)
 
-    @property
-    def domain(self) -> str:
-        """The node's domain (read when asked: only Q/DQ and Constant nodes need it)."""
-        return self.proto.domain
-
-    @property
-    def attribute(self):
-        """The node's attributes (the protobuf's)."""
-        return self.proto.attribute
+_QUANTIZE, _DEQUANTIZE = "QuantizeLinear", "DequantizeLinear"
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+_INT, _GRAPH, _GRAPHS = 2, 5, 10  # onnx.AttributeProto.INT / GRAPH / GRAPHS
 
 
 @dataclass
 class _Graph:
-    """Producers, consumers, constants and types of one (sub)graph, read from the protobuf."""
+    """Producers, consumers, constants and types of one (sub)graph, read from the protobuf.
 
-    nodes: list
+    Nodes are held as parallel lists indexed by their position (op type, display name, input
+    and output names), not as one object per node: on a 10^5-node model the per-node objects
+    cost more to build and to free than all the rules that read them. Only the Q/DQ nodes get
+    a record (:class:`_QDQ`), since they are what most rules visit.
+    """
+
     names: List[str]
     ops: List[str]
+    node_inputs: List[List[str]]
+    node_outputs: List[List[str]]
     producer: Dict[str, int]
-    consumers: Dict[str, List[Tuple[int, int]]]
+    #: node indices reading each Q/DQ output (one entry per reading input): only the rules about
+    #: Q/DQ outputs (C7, C12, C14) ask who reads a tensor, so no other tensor is listed.
+    consumers: Dict[str, List[int]]
     constants: Dict[str, object]          # name -> onnx.TensorProto (converted lazily)
     types: _Types
     outputs: frozenset
     opset: Optional[int]
-    qdq: List[Tuple[object, str]] = field(default_factory=list)   # (node, name) of every Q/DQ node
+    qdq: List[_QDQ] = field(default_factory=list)   # every Q/DQ node, in graph order
+    qdq_at: Dict[int, _QDQ] = field(default_factory=dict)  # node index -> its Q/DQ record
     _arrays: Dict[str, object] = field(default_factory=dict)
     _memo: Dict[str, dict] = field(default_factory=dict)
+    _elem_types: Dict[str, Optional[int]] = field(default_factory=dict)
+    _dims: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    _stored: Dict[str, Tuple[int, Optional[bytes]]] = field(default_factory=dict)
+    _residual_adds: Optional[List[int]] = None
 
     def array(self, name: str):
         """The numpy value of a constant tensor, or None."""
@@ -258,34 +270,66 @@ class _Graph:
             cache[tensor] = judge(self.array(tensor))
         return cache[tensor]
 
-    def prejudge(self, key: str, tensors, data_type: int, dtype: str, accept: Callable, verdict) -> None:
+    def prejudge(self, key: str, tensors, data_type: int, dtype: str, accept: Callable, verdict) -> frozenset:
         """Settle :meth:`memo` ``(key, tensor)`` as ``verdict`` for every tensor among ``tensors``
         (constants of element type ``data_type``, NumPy ``dtype``, stored as raw bytes) whose
-        elements all pass ``accept`` (a vectorized test), in one NumPy pass over all of them.
-        The others are left to the rule's own per-tensor judgement, which gives ``verdict`` for
-        exactly the tensors accepted here."""
+        elements all pass ``accept`` (a vectorized test), in one NumPy pass over all of them, and
+        return the names so settled. The others are left to the rule's own per-tensor judgement,
+        which gives ``verdict`` for exactly the tensors accepted here.
+
+        The raw bytes are judged without reading the tensor's dims (a costly field on many small
+        tensors): the per-tensor judgement reads the same bytes as an array of these dims, or
+        finds them unreadable (a length that does not match the dims) and then also gives
+        ``verdict``; so a tensor whose every element passes gets ``verdict`` either way."""
         import numpy as np
 
         cache = self._memo.setdefault(key, {})
         itemsize = np.dtype(dtype).itemsize
-        names, raws, counts = [], [], []
+        stored = self._stored
+        names, raws = [], []
         for tensor in dict.fromkeys(tensors):
-            proto = self.constants.get(tensor)
-            if (tensor in cache or proto is None or proto.data_type != data_type or proto.data_location
-                    or not proto.HasField("raw_data")):
+            if tensor in cache:
                 continue
-            raw, count = proto.raw_data, math.prod(proto.dims)
-            if count and len(raw) == count * itemsize:  # well-formed and not empty
+            info = stored[tensor] if tensor in stored else self.stored(tensor)
+            if info is None or info[0] != data_type:
+                continue
+            raw = info[1]
+            if raw and not len(raw) % itemsize:  # raw bytes, not empty, whole elements
                 names.append(tensor)
                 raws.append(raw)
-                counts.append(count)
         if not names:
-            return
+            return frozenset()
         passed = accept(np.frombuffer(b"".join(raws), dtype=dtype))
+        counts = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws)) // itemsize
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        for tensor, ok in zip(names, np.logical_and.reduceat(passed, starts)):
-            if ok:
-                cache[tensor] = verdict
+        settled = frozenset(compress(names, np.logical_and.reduceat(passed, starts).tolist()))
+        cache.update(dict.fromkeys(settled, verdict))
+        return settled
+
+    def stored(self, name: str) -> Optional[Tuple[int, Optional[bytes]]]:
+        """``(element type, raw bytes)`` of constant ``name``, read once (a Q and its DQ share their
+        scale and zero point, and rules C4, C5 and C6 read them); the bytes are None when the value
+        is stored otherwise (typed fields, external data). None when ``name`` is no constant."""
+        if name in self._stored:
+            return self._stored[name]
+        proto = self.constants.get(name)
+        info = None
+        if proto is not None:
+            raw = None
+            if not proto.data_location:
+                raw = proto.raw_data
+                if not raw and not proto.HasField("raw_data"):
+                    raw = None
+            info = (proto.data_type, raw)
+        self._stored[name] = info
+        return info
+
+    def dims(self, name: str) -> Tuple[int, ...]:
+        """The declared dims of constant ``name`` (read once; a Q and its DQ share constants)."""
+        dims = self._dims.get(name)
+        if dims is None:
+            dims = self._dims[name] = tuple(self.constants[name].dims[:])
+        return dims
 
     def value_shape(self, name: str) -> Optional[Tuple[int, ...]]:
         """The shape of constant ``name``'s value, None when it is no constant or cannot be read:
@@ -293,20 +337,12 @@ class _Graph:
         proto = self.constants.get(name)
         if proto is None:
             return None
-        from .model_io import _RAW_DTYPES
-        dims, dtype = tuple(proto.dims), _RAW_DTYPES.get(proto.data_type)
-        if (dtype is not None and not proto.data_location and proto.HasField("raw_data")
-                and len(proto.raw_data) == math.prod(dims) * int(dtype[-1])):  # "<f4": 4 bytes
+        dims, (data_type, raw) = self.dims(name), self.stored(name)
+        size = _itemsizes().get(data_type)
+        if size and raw is not None and len(raw) == math.prod(dims) * size:
             return dims
         value = self.array(name)
         return None if value is None else tuple(value.shape)
-
-    def producer_node(self, tensor: str):
-        idx = self.producer.get(tensor)
-        return None if idx is None else self.nodes[idx]
-
-    def consumer_nodes(self, tensor: str):
-        return [(self.nodes[i], self.names[i], k) for i, k in self.consumers.get(tensor, ())]
 
     def producer_op(self, tensor: str) -> Optional[str]:
         idx = self.producer.get(tensor)
@@ -318,16 +354,18 @@ class _Graph:
 
     def is_constant(self, tensor: str) -> bool:
         """Initializer or Constant output, possibly through shape-only ops (Transpose, Cast...)."""
+        constants, producer = self.constants, self.producer
         seen = 0
         while tensor and seen < 16:
-            if tensor in self.constants:
+            if tensor in constants:
                 return True
-            node = self.producer_node(tensor)
-            if node is None or node.op_type not in _CONST_PASS:
+            idx = producer.get(tensor)
+            if idx is None or self.ops[idx] not in _CONST_PASS:
                 return False
-            if any(i and i not in self.constants for i in node.input[1:]):
+            inputs = self.node_inputs[idx]
+            if any(i and i not in constants for i in inputs[1:]):
                 return False
-            tensor, seen = _input(node, 0), seen + 1
+            tensor, seen = (inputs[0] if inputs else ""), seen + 1
         return False
 
     def is_constant_source(self, tensor: str) -> bool:
@@ -335,40 +373,73 @@ class _Graph:
         for _ in range(4):
             if self.is_constant(tensor):
                 return True
-            node = self.producer_node(tensor)
-            if node is None or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            idx = self.producer.get(tensor)
+            if idx is None or self.ops[idx] not in (_QUANTIZE, _DEQUANTIZE):
                 return False
-            tensor = _input(node, 0)
+            inputs = self.node_inputs[idx]
+            tensor = inputs[0] if inputs else ""
         return False
 
     def elem_type(self, tensor: str) -> Optional[int]:
-        if tensor in self.constants:
-            return self.constants[tensor].data_type
-        known = self._qdq_output_type(tensor)
-        return known if known is not None else self.types.elem_type(tensor)
+        """The element type of ``tensor`` (computed once per tensor: rules C3 and C4 ask about
+        every DQ input)."""
+        if tensor in self._elem_types:
+            return self._elem_types[tensor]
+        proto = self.constants.get(tensor)
+        if proto is not None:
+            known = proto.data_type
+        else:
+            known = self._qdq_output_type(tensor)
+            if known is None:
+                known = self.types.elem_type(tensor)
+        self._elem_types[tensor] = known
+        return known
 
     def _qdq_output_type(self, tensor: str) -> Optional[int]:
         """The element type of a QuantizeLinear / DequantizeLinear output, read from the node itself
         (ONNX: a QuantizeLinear writes its zero point's type, a DequantizeLinear its scale's, unless an
         ``output_dtype`` attribute says otherwise), so a model without value_info needs no shape
         inference for the rules asking about Q/DQ tensors. None when the node does not tell."""
-        node = self.producer_node(tensor)
-        if node is None or node.domain not in ("", "ai.onnx") or not node.output or node.output[0] != tensor:
+        node = self.qdq_at.get(self.producer.get(tensor, -1))
+        if node is None or node.domain not in _DEFAULT_DOMAINS or not node.out or node.out != tensor:
             return None
-        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
-            return None
-        if any(a.name == "output_dtype" for a in node.attribute):
+        if any(a.name == "output_dtype" for a in node.attrs):
             return None  # opset 21+: leave it to the declared or inferred type
-        source = _input(node, 2) if node.op_type == "QuantizeLinear" else _input(node, 1)
+        source = node.zp if node.is_q else node.scale
         proto = self.constants.get(source)
         if proto is None:
-            return _UINT8 if node.op_type == "QuantizeLinear" and not source else None
+            return _UINT8 if node.is_q and not source else None
         return proto.data_type
 
     def shape(self, tensor: str) -> Optional[Tuple[Optional[int], ...]]:
-        if tensor in self.constants:
-            return tuple(int(d) for d in self.constants[tensor].dims)
+        proto = self.constants.get(tensor)
+        if proto is not None:
+            return tuple(proto.dims[:])
         return self.types.shape(tensor)
+
+    def indices_of(self, ops) -> List[int]:
+        """Indices of the nodes whose op type is among ``ops``, in graph order."""
+        return [i for i, op in enumerate(self.ops) if op in ops]
+
+    def residual_adds(self) -> List[int]:
+        """Indices of the Add nodes with two non-constant inputs (rules C10 and C11 both visit them)."""
+        if self._residual_adds is None:
+            inputs = self.node_inputs
+            self._residual_adds = [i for i in self.indices_of(("Add",)) if len(inputs[i]) == 2
+                                   and not any(self.is_constant(t) for t in inputs[i])]
+        return self._residual_adds
+
+
+_ITEMSIZES: Dict[int, int] = {}
+
+
+def _itemsizes() -> Dict[int, int]:
+    """Element type -> bytes per element, for the types whose raw bytes :func:`_to_array` reads in
+    place (``model_io.tensor_array``); built on first use (``model_io`` imports onnx)."""
+    if not _ITEMSIZES:
+        from .model_io import _RAW_DTYPES
+        _ITEMSIZES.update({data_type: int(dtype[-1]) for data_type, dtype in _RAW_DTYPES.items()})  # "<f4": 4
+    return _ITEMSIZES
 
 
 def _to_array(tensor):
@@ -379,10 +450,6 @@ def _to_array(tensor):
         return tensor_array(tensor)
     except Exception:  # external data not loaded, corrupt tensor...
         return None
-
-
-def _node_name(node, index: int, prefix: str) -> str:
-    return prefix + (node.name or f"<{node.op_type} #{index}>")
 
 
 def _constant_tensor(node):
@@ -400,38 +467,56 @@ def _constant_tensor(node):
     return None
 
 
-def _index_graph(graph, infer, outer_constants, opset, prefix) -> _Graph:
-    """One pass over ``graph``'s nodes: names, op types, producers, consumers, constants, Q/DQ nodes."""
+def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, list]:
+    """One pass over ``graph``'s nodes: names, op types, inputs, outputs, producers, constants,
+    Q/DQ nodes; then the readers of the Q/DQ outputs. Also returns ``(node index, attribute)`` of
+    every graph-valued attribute, in node and attribute order, for :func:`_walk`.
+
+    Each node's fields are read from the protobuf once (``[:]`` of a repeated string field is the
+    cheapest copy). Every node's attributes are looked at, since any node may carry a subgraph;
+    those of Q/DQ nodes are kept for the rules (``axis``, ``output_dtype``)."""
     constants = dict(outer_constants)
     for init in graph.initializer:
         constants[init.name] = init
-    nodes, producer, consumers, names, ops, qdq = [], {}, {}, [], [], []
+    names, ops, node_inputs, node_outputs, producer, qdq, subgraphs = [], [], [], [], {}, [], []
     for i, proto in enumerate(graph.node):
-        node = _Node(proto)
-        nodes.append(node)
-        op = node.op_type
-        name = prefix + (node.name or f"<{op} #{i}>")
+        op = proto.op_type
+        inputs = proto.input[:]
+        outputs = proto.output[:]
+        name = proto.name or f"<{op} #{i}>"
+        if prefix:
+            name = prefix + name
         names.append(name)
         ops.append(op)
-        outputs = node.output
+        node_inputs.append(inputs)
+        node_outputs.append(outputs)
         for out in outputs:
-            if out:
-                producer[out] = i
-        for k, inp in enumerate(node.input):
-            if inp:
-                found = consumers.get(inp)
-                if found is None:
-                    consumers[inp] = [(i, k)]
-                else:
-                    found.append((i, k))
-        if op == "QuantizeLinear" or op == "DequantizeLinear":
-            qdq.append((node, name))
-        elif op == "Constant" and node.domain in ("", "ai.onnx") and outputs:
-            tensor = _constant_tensor(node)
+            producer[out] = i
+        attrs = proto.attribute
+        if op == _QUANTIZE or op == _DEQUANTIZE:
+            attrs = tuple(attrs)
+            n = len(inputs)
+            qdq.append(_QDQ(i, name, op == _QUANTIZE, inputs[0] if n else "", inputs[1] if n > 1 else "",
+                            inputs[2] if n > 2 else "", outputs[0] if outputs else "", proto.domain, attrs))
+        elif op == "Constant" and outputs and proto.domain in _DEFAULT_DOMAINS:
+            tensor = _constant_tensor(proto)
             if tensor is not None:
                 constants[outputs[0]] = tensor
-    return _Graph(nodes, names, ops, producer, consumers, constants, _Types(graph, infer),
-                  frozenset(o.name for o in graph.output), opset, qdq)
+        if attrs:
+            for attr in attrs:
+                kind = attr.type
+                if kind == _GRAPH or kind == _GRAPHS:
+                    subgraphs.append((i, attr))
+    producer.pop("", None)  # an absent output is nobody's tensor
+    consumers: Dict[str, List[int]] = {node.out: [] for node in qdq if node.out}
+    if consumers:
+        for i, inputs in enumerate(node_inputs):
+            for inp in inputs:
+                if inp in consumers:
+                    consumers[inp].append(i)
+    index = _Graph(names, ops, node_inputs, node_outputs, producer, consumers, constants, _Types(graph, infer),
+                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq})
+    return index, subgraphs
 
 
 def _all_graphs(model, opset, infer) -> List[_Graph]:
@@ -447,27 +532,23 @@ def _walk(graph, outer, prefix, opset, infer, result) -> None:
 
     A module-level function, not a closure: a recursive closure is a reference cycle that would keep
     the whole index alive until the next cyclic collection."""
-    from onnx import AttributeProto
-    index = _index_graph(graph, infer if not prefix else None, outer, opset, prefix)
+    index, subgraphs = _index_graph(graph, infer if not prefix else None, outer, opset, prefix)
     result.append(index)
-    for i, node in enumerate(index.nodes):
-        for attr in node.attribute:
-            if attr.type == AttributeProto.GRAPH:
-                subs = [attr.g]
-            elif attr.type == AttributeProto.GRAPHS:
-                subs = list(attr.graphs)
-            else:
-                continue
-            for sub in subs:
-                _walk(sub, index.constants, f"{_node_name(node, i, prefix)}/{attr.name}/", opset, None, result)
+    for i, attr in subgraphs:
+        subs = [attr.g] if attr.type == _GRAPH else list(attr.graphs)
+        for sub in subs:
+            _walk(sub, index.constants, f"{index.names[i]}/{attr.name}/", opset, None, result)
 
 
 # -- helpers shared by rules ---------------------------------------------------------------------
-def _attr(node, name, default=None):
-    """Attribute ``name`` of ``node``; ``default`` when absent, None when unreadable."""
-    from onnx import helper
-    for attr in node.attribute:
+def _attr(attrs, name, default=None):
+    """Attribute ``name`` among ``attrs`` (AttributeProto messages); ``default`` when absent,
+    None when unreadable."""
+    for attr in attrs:
         if attr.name == name:
+            if attr.type == _INT and not attr.ref_attr_name:
+                return attr.i  # what onnx.helper.get_attribute_value returns for it
+            from onnx import helper
             try:
                 return helper.get_attribute_value(attr)
             except Exception:  # an attribute without a valid type
@@ -475,71 +556,60 @@ def _attr(node, name, default=None):
     return default
 
 
-def _int_attr(node, name, default):
+def _int_attr(attrs, name, default):
     """An integer attribute, ``default`` when absent, None when it is not an integer."""
-    value = _attr(node, name, default)
+    value = _attr(attrs, name, default) if attrs else default
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _input(node, k: int) -> str:
-    """Name of input ``k`` of ``node``, or ``""`` when absent (also for malformed nodes)."""
-    return node.input[k] if len(node.input) > k else ""
+def _input(inputs, k: int) -> str:
+    """Input name ``k`` of a node's ``inputs``, or ``""`` when absent (also for malformed nodes)."""
+    return inputs[k] if len(inputs) > k else ""
 
 
-def _output(node) -> str:
-    """Name of the first output of ``node``, or ``""``."""
-    return node.output[0] if len(node.output) else ""
-
-
-def _is_q(node) -> bool:
-    return node.op_type == "QuantizeLinear"
-
-
-def _is_dq(node) -> bool:
-    return node.op_type == "DequantizeLinear"
-
-
-def _qdq_nodes(g: _Graph):
-    """``(node, name)`` of every QuantizeLinear/DequantizeLinear node of ``g``, in graph order."""
+def _qdq_nodes(g: _Graph) -> List[_QDQ]:
+    """Every QuantizeLinear/DequantizeLinear node of ``g``, in graph order."""
     return g.qdq
 
 
 def _fed_by_dq(g: _Graph, tensor: str, through_movement: bool = False) -> bool:
     """True when ``tensor`` is a DequantizeLinear output (optionally through data-movement ops)."""
+    producer, ops = g.producer, g.ops
     for _ in range(16):
-        node = g.producer_node(tensor)
-        if node is None:
+        idx = producer.get(tensor)
+        if idx is None:
             return False
-        if _is_dq(node):
+        op = ops[idx]
+        if op == _DEQUANTIZE:
             return True
-        if not through_movement or node.op_type not in _DATA_MOVEMENT:
+        if not through_movement or op not in _DATA_MOVEMENT:
             return False
-        tensor = _input(node, 0)
+        tensor = _input(g.node_inputs[idx], 0)
     return False
 
 
-def _weight_input(g: _Graph, node) -> Optional[int]:
-    """Index of the constant weight input of a weighted op, or None when it has none."""
-    if node.op_type in ("Conv", "ConvTranspose"):
-        return 1 if g.is_constant_source(_input(node, 1)) else None
-    if node.op_type in ("Gemm", "MatMul"):
+def _weight_input(g: _Graph, idx: int) -> Optional[int]:
+    """Index of the constant weight input of weighted op ``idx`` (a node index), or None when it has none."""
+    op, inputs = g.ops[idx], g.node_inputs[idx]
+    if op in ("Conv", "ConvTranspose"):
+        return 1 if g.is_constant_source(_input(inputs, 1)) else None
+    if op in ("Gemm", "MatMul"):
         for k in (1, 0):
-            if g.is_constant_source(_input(node, k)):
+            if g.is_constant_source(_input(inputs, k)):
                 return k
     return None
 
 
-def _weighted_producer(g: _Graph, tensor: str):
-    """``(node, name)`` of the weighted op producing ``tensor`` directly or through one
+def _weighted_producer(g: _Graph, tensor: str) -> Optional[int]:
+    """Node index of the weighted op producing ``tensor`` directly or through one
     BatchNormalization, or None."""
     idx = g.producer.get(tensor)
-    if idx is not None and g.nodes[idx].op_type == "BatchNormalization":
-        idx = g.producer.get(_input(g.nodes[idx], 0))
+    if idx is not None and g.ops[idx] == "BatchNormalization":
+        idx = g.producer.get(_input(g.node_inputs[idx], 0))
     if idx is None:
         return None
-    node = g.nodes[idx]
-    if node.op_type in WEIGHTED_OPS and _weight_input(g, node) is not None:
-        return node, g.names[idx]
+    if g.ops[idx] in WEIGHTED_OPS and _weight_input(g, idx) is not None:
+        return idx
     return None
 
 
@@ -567,6 +637,10 @@ def rule_c1_opset(model, graphs) -> Iterator[Finding]:
                       f"opset {opset} is below 13; upgrade it (onnx.version_converter) before quantizing")
 
 
+def _is_forbidden(op: str) -> bool:
+    return op.startswith("QLinear") or op in FORBIDDEN_OPS
+
+
 def rule_c2_forbidden_ops(model, graphs) -> Iterator[Finding]:
     """C2 (error): no QLinear*, ConvInteger, MatMulInteger, DynamicQuantizeLinear (or kin).
 
@@ -576,15 +650,19 @@ def rule_c2_forbidden_ops(model, graphs) -> Iterator[Finding]:
     Source: [TRT-EQ] "ONNX Support"; [ONNX-TRT] operator support list.
     """
     for g in graphs:
-        for i, node in enumerate(g.nodes):
-            if node.op_type.startswith("QLinear") or node.op_type in FORBIDDEN_OPS:
+        if any(_is_forbidden(op) for op in set(g.ops)):
+            visits = [(i, op, g.qdq_at.get(i)) for i, op in enumerate(g.ops)]
+        else:  # only a Q/DQ node outside the default domain can be reported
+            visits = [(node.pos, _QUANTIZE if node.is_q else _DEQUANTIZE, node) for node in g.qdq
+                      if node.domain not in _DEFAULT_DOMAINS]
+        for i, op, node in visits:
+            if _is_forbidden(op):
                 yield Finding("C2", ERROR, g.names[i],
-                              f"{node.op_type} is not supported by TensorRT; export QuantizeLinear/"
+                              f"{op} is not supported by TensorRT; export QuantizeLinear/"
                               "DequantizeLinear (QDQ format) instead")
-            elif (node.op_type in ("QuantizeLinear", "DequantizeLinear")
-                  and node.domain not in ("", "ai.onnx")):
+            elif node is not None and node.domain not in _DEFAULT_DOMAINS:
                 yield Finding("C2", ERROR, g.names[i],
-                              f"{node.op_type} of domain {node.domain!r} is not the ONNX operator TensorRT "
+                              f"{op} of domain {node.domain!r} is not the ONNX operator TensorRT "
                               "imports; use the default-domain op")
 
 
@@ -595,12 +673,12 @@ def rule_c3_int32_bias(model, graphs) -> Iterator[Finding]:
     float; an int32 bias DQ is onnxruntime's QDQ bias form.
     Source: [TRT-EQ] (INT8 Q/DQ only); [ONNX-TRT] DequantizeLinear input types.
     """
-    from onnx import TensorProto
+    int32 = 6  # onnx.TensorProto.INT32
     for g in graphs:
-        for node, name in _qdq_nodes(g):
-            if _is_dq(node) and g.elem_type(_input(node, 0)) == TensorProto.INT32:
-                yield Finding("C3", ERROR, name,
-                              f"dequantizes int32 tensor {_input(node, 0)!r} (a quantized bias); "
+        for node in _qdq_nodes(g):
+            if not node.is_q and g.elem_type(node.data) == int32:
+                yield Finding("C3", ERROR, node.name,
+                              f"dequantizes int32 tensor {node.data!r} (a quantized bias); "
                               "keep biases in float for TensorRT")
 
 
@@ -613,14 +691,17 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
     """
     from onnx import TensorProto
     for g in graphs:
-        g.prejudge("C4", (_input(n, 2) for n, _ in _qdq_nodes(g)), TensorProto.INT8, "i1", _is_zero, None)
-        for node, name in _qdq_nodes(g):
-            zp = _input(node, 2)
-            if _is_dq(node) and g.elem_type(_input(node, 0)) == TensorProto.INT32:
+        # A constant int8 all-zero zero point is fine whatever else the node is: judged in one batch.
+        good = g.prejudge("C4", [node.zp for node in _qdq_nodes(g) if node.zp], TensorProto.INT8, "i1", _is_zero, None)
+        for node in _qdq_nodes(g):
+            zp, name = node.zp, node.name
+            if zp in good:
+                continue
+            if not node.is_q and g.elem_type(node.data) == TensorProto.INT32:
                 continue  # a quantized bias: rule C3 reports it
             if not zp:
-                dtype = (_int_attr(node, "output_dtype", 0) or TensorProto.UINT8) if _is_q(node) \
-                    else g.elem_type(_input(node, 0))
+                dtype = (_int_attr(node.attrs, "output_dtype", 0) or TensorProto.UINT8) if node.is_q \
+                    else g.elem_type(node.data)
                 if dtype not in (None, TensorProto.INT8):
                     yield Finding("C4", ERROR, name, f"has no zero point, so its integer type is "
                                   f"{_type_name(dtype)}; TensorRT needs an int8 zero point of 0")
@@ -670,12 +751,14 @@ def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
     import numpy as np
     from onnx import TensorProto
     for g in graphs:
-        zero_points = [_input(n, 2) for n, _ in _qdq_nodes(g)]
-        g.prejudge("C4-ort-cpu", zero_points, TensorProto.INT8, "i1", _is_zero, False)
-        g.prejudge("C4-ort-cpu", zero_points, TensorProto.UINT8, "u1", _is_zero_or_128, False)
-        for node, name in _qdq_nodes(g):
-            zp = _input(node, 2)
-            if (_is_dq(node) and g.elem_type(_input(node, 0)) == TensorProto.INT32) or not zp:
+        zero_points = [node.zp for node in _qdq_nodes(g) if node.zp]
+        good = g.prejudge("C4-ort-cpu", zero_points, TensorProto.INT8, "i1", _is_zero, False) | \
+            g.prejudge("C4-ort-cpu", zero_points, TensorProto.UINT8, "u1", _is_zero_or_128, False)
+        for node in _qdq_nodes(g):
+            zp, name = node.zp, node.name
+            if zp in good:
+                continue  # a constant of an allowed type and values: no finding, whatever the node
+            if (not node.is_q and g.elem_type(node.data) == TensorProto.INT32) or not zp:
                 continue  # C3 reports a quantized bias; no zero point means uint8 zero point 0
             if not g.is_constant(zp):
                 yield Finding("C4", ERROR, name, f"zero point {zp!r} is not a constant")
@@ -712,10 +795,12 @@ def rule_c5_scales(model, graphs) -> Iterator[Finding]:
     """
     from onnx import TensorProto
     for g in graphs:
-        g.prejudge("C5", (_input(n, 1) for n, _ in _qdq_nodes(g)), TensorProto.FLOAT, "<f4",
-                   _finite_positive, "")
-        for node, name in _qdq_nodes(g):
-            scale = _input(node, 1)
+        good = g.prejudge("C5", [node.scale for node in _qdq_nodes(g) if node.scale], TensorProto.FLOAT, "<f4",
+                          _finite_positive, "")
+        for node in _qdq_nodes(g):
+            scale, name = node.scale, node.name
+            if scale in good:
+                continue  # a constant, finite and > 0
             if not scale or not g.is_constant(scale):
                 yield Finding("C5", ERROR, name, f"scale {scale!r} is not a constant (initializer or "
                               "Constant node); TensorRT needs build-time scales")
@@ -742,14 +827,27 @@ def _scale_problem(values) -> str:
     return ""
 
 
-def _quantized_source(g: _Graph, node) -> str:
+def _quantized_source(g: _Graph, node: _QDQ) -> str:
     """The float tensor a Q/DQ node stands for (the Q input for a DQ fed by a Q)."""
-    data = _input(node, 0)
-    if _is_dq(node):
-        producer = g.producer_node(data)
-        if producer is not None and _is_q(producer):
-            return _input(producer, 0)
-    return data
+    if not node.is_q:
+        idx = g.producer.get(node.data)
+        if idx is not None and g.ops[idx] == _QUANTIZE:
+            return _input(g.node_inputs[idx], 0)
+    return node.data
+
+
+def _may_be_per_channel(g: _Graph, scale: str, sizes: Dict[int, int]) -> bool:
+    """False when rule C6 passes over a node with this scale whatever the node: the scale is no
+    constant, or it declares at most one element, or its raw bytes (``sizes``: bytes per element
+    of the types read in place) hold one element; then :meth:`_Graph.value_shape` is a shape of one
+    element or None, both left alone, so its dims need not be read."""
+    info = g.stored(scale)
+    if info is None:
+        return False
+    data_type, raw = info
+    if raw is not None and len(raw) == sizes.get(data_type, -1):
+        return False
+    return math.prod(g.dims(scale)) > 1
 
 
 def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
@@ -760,22 +858,25 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
     Source: [TRT-EQ] "per-tensor quantization for activations, per-channel for weights";
     [ONNX-TRT] QuantizeLinear/DequantizeLinear ``axis``.
     """
+    sizes = _itemsizes()
     for g in graphs:
-        for node, name in _qdq_nodes(g):
-            proto = g.constants.get(_input(node, 1))
-            if proto is None or math.prod(proto.dims) <= 1:  # per-tensor: read no values
+        scales = {node.scale for node in _qdq_nodes(g)}
+        per_channel = {scale for scale in scales if _may_be_per_channel(g, scale, sizes)}
+        for node in _qdq_nodes(g):
+            if node.scale not in per_channel:
                 continue
-            scale_shape = g.value_shape(_input(node, 1))
+            name = node.name
+            scale_shape = g.value_shape(node.scale)
             if scale_shape is None or math.prod(scale_shape) <= 1:
                 continue
             scale_size = math.prod(scale_shape)
-            data = _input(node, 0)
+            data = node.data
             shape = g.shape(data) or g.shape(_quantized_source(g, node))
-            axis = _int_attr(node, "axis", 1)
+            axis = _int_attr(node.attrs, "axis", 1)
             if axis is None:
                 yield Finding("C6", ERROR, name, "its axis attribute is not an integer")
                 continue
-            zp = _input(node, 2)
+            zp = node.zp
             zp_shape = g.shape(zp) if zp else None
             if zp_shape is not None and tuple(zp_shape) != scale_shape:
                 yield Finding("C6", ERROR, name, f"zero point shape {list(zp_shape)} differs from scale "
@@ -803,21 +904,21 @@ def rule_c7_q_without_dq(model, graphs) -> Iterator[Finding]:
     Source: [TRT-EQ] "Q/DQ layers are processed in pairs" and Q/DQ propagation.
     """
     for g in graphs:
-        for node, name in _qdq_nodes(g):
-            if not _is_q(node):
+        ops, names = g.ops, g.names
+        for node in _qdq_nodes(g):
+            out = node.out
+            if not node.is_q or not out:
                 continue
-            out = _output(node)
-            if not out:
-                continue
-            others = sorted({cname for cnode, cname, _ in g.consumer_nodes(out) if not _is_dq(cnode)})
+            readers = g.consumers[out]
+            others = sorted({names[i] for i in readers if ops[i] != _DEQUANTIZE})
             if out in g.outputs:
-                yield Finding("C7", ERROR, name,
+                yield Finding("C7", ERROR, node.name,
                               f"its int8 output {out!r} is a graph output; add a DequantizeLinear")
             if others:
-                yield Finding("C7", ERROR, name, f"its int8 output {out!r} feeds {', '.join(others)} "
+                yield Finding("C7", ERROR, node.name, f"its int8 output {out!r} feeds {', '.join(others)} "
                               "without a DequantizeLinear")
-            if not g.consumers.get(out) and out not in g.outputs:
-                yield Finding("C7", WARNING, name, f"its output {out!r} is never used")
+            if not readers and out not in g.outputs:
+                yield Finding("C7", WARNING, node.name, f"its output {out!r} is never used")
 
 
 def rule_c8_dq_source(model, graphs) -> Iterator[Finding]:
@@ -830,15 +931,15 @@ def rule_c8_dq_source(model, graphs) -> Iterator[Finding]:
     required between the weights and the linear operator").
     """
     for g in graphs:
-        for node, name in _qdq_nodes(g):
-            if not _is_dq(node):
+        for node in _qdq_nodes(g):
+            if node.is_q:
                 continue
-            data = _input(node, 0)
-            producer = g.producer_node(data)
-            if g.is_constant(data) or (producer is not None and _is_q(producer)):
+            data = node.data
+            idx = g.producer.get(data)
+            if (idx is not None and g.ops[idx] == _QUANTIZE) or g.is_constant(data):
                 continue
-            origin = f"node {g.name_of_producer(data)!r}" if producer is not None else "a graph input"
-            yield Finding("C8", WARNING, name, f"dequantizes {data!r} from {origin}, not from a "
+            origin = f"node {g.names[idx]!r}" if idx is not None else "a graph input"
+            yield Finding("C8", WARNING, node.name, f"dequantizes {data!r} from {origin}, not from a "
                           "QuantizeLinear or an int8 constant")
 
 
@@ -852,34 +953,24 @@ def rule_c9_weighted_ops(model, graphs) -> Iterator[Finding]:
     Transposed Convolution and GEMM)".
     """
     for g in graphs:
-        for i, node in enumerate(g.nodes):
-            if node.op_type not in WEIGHTED_OPS:
-                continue
-            w = _weight_input(g, node)
+        for i in g.indices_of(WEIGHTED_OPS):
+            w = _weight_input(g, i)
             if w is None:
                 continue
-            act = 1 - w if node.op_type in ("Gemm", "MatMul") else 0
-            act_q = _fed_by_dq(g, _input(node, act), through_movement=True)
-            w_q = _fed_by_dq(g, _input(node, w), through_movement=True)
+            inputs = g.node_inputs[i]
+            act = 1 - w if g.ops[i] in ("Gemm", "MatMul") else 0
+            act_q = _fed_by_dq(g, _input(inputs, act), through_movement=True)
+            w_q = _fed_by_dq(g, _input(inputs, w), through_movement=True)
             if act_q != w_q:
                 which, other = ("weight", "activation") if w_q else ("activation", "weight")
-                tensor = _input(node, act if w_q else w)
+                tensor = _input(inputs, act if w_q else w)
                 yield Finding("C9", ERROR, g.names[i], f"only its {which} is quantized; quantize the "
                               f"{other} {tensor!r} too, or neither")
 
 
-def _residual_adds(g: _Graph):
-    for i, node in enumerate(g.nodes):
-        if node.op_type != "Add" or len(node.input) != 2:
-            continue
-        if any(g.is_constant(t) for t in node.input):
-            continue
-        yield i, node
-
-
-def _is_quantized_op(g: _Graph, node) -> bool:
-    act = 0 if node.op_type in ("Conv", "ConvTranspose") else 1 - _weight_input(g, node)
-    return _fed_by_dq(g, _input(node, act), through_movement=True)
+def _is_quantized_op(g: _Graph, idx: int) -> bool:
+    act = 0 if g.ops[idx] in ("Conv", "ConvTranspose") else 1 - _weight_input(g, idx)
+    return _fed_by_dq(g, _input(g.node_inputs[idx], act), through_movement=True)
 
 
 def rule_c10_residual_float_skip(model, graphs) -> Iterator[Finding]:
@@ -891,16 +982,17 @@ def rule_c10_residual_float_skip(model, graphs) -> Iterator[Finding]:
     Source: [TRT-PL] "Q/DQ placement for residual (element-wise addition) fusion".
     """
     for g in graphs:
-        for i, node in _residual_adds(g):
-            if any(_fed_by_dq(g, t) for t in node.input):
+        for i in g.residual_adds():
+            inputs = g.node_inputs[i]
+            if any(_fed_by_dq(g, t) for t in inputs):
                 continue
-            convs = [_weighted_producer(g, t) for t in node.input]
-            convs = [c for c in convs if c is not None and _is_quantized_op(g, c[0])]
+            convs = [_weighted_producer(g, t) for t in inputs]
+            convs = [c for c in convs if c is not None and _is_quantized_op(g, c)]
             if convs:
-                skip = [t for t in node.input if _weighted_producer(g, t) is None] or [node.input[1]]
-                conv, conv_name = convs[0]
+                skip = [t for t in inputs if _weighted_producer(g, t) is None] or [inputs[1]]
+                conv = convs[0]
                 yield Finding("C10", WARNING, g.names[i], f"both inputs are float; quantize the skip input "
-                              f"{skip[0]!r} so TensorRT can fuse the Add into {conv.op_type} {conv_name!r}")
+                              f"{skip[0]!r} so TensorRT can fuse the Add into {g.ops[conv]} {g.names[conv]!r}")
 
 
 def rule_c11_residual_conv_branch_quantized(model, graphs) -> Iterator[Finding]:
@@ -912,19 +1004,25 @@ def rule_c11_residual_conv_branch_quantized(model, graphs) -> Iterator[Finding]:
     convolution that feeds the element-wise addition").
     """
     for g in graphs:
-        for i, node in _residual_adds(g):
-            if not all(_fed_by_dq(g, t) for t in node.input):
+        for i in g.residual_adds():
+            inputs = g.node_inputs[i]
+            if not all(_fed_by_dq(g, t) for t in inputs):
                 continue
-            for t in node.input:
-                dq = g.producer_node(t)
-                q = g.producer_node(_input(dq, 0))
-                source = _input(q, 0) if q is not None and _is_q(q) else None
+            for t in inputs:
+                dq = g.producer[t]  # a DequantizeLinear: every input is fed by one
+                q = g.producer.get(_input(g.node_inputs[dq], 0))
+                source = _input(g.node_inputs[q], 0) if q is not None and g.ops[q] == _QUANTIZE else None
                 conv = _weighted_producer(g, source) if source else None
                 if conv is not None:
                     yield Finding("C11", WARNING, g.names[i], f"both inputs are quantized and {t!r} comes "
-                                  f"straight from {conv[0].op_type} {conv[1]!r}; leave that input float "
+                                  f"straight from {g.ops[conv]} {g.names[conv]!r}; leave that input float "
                                   "so TensorRT can fuse the Add into it")
                     break
+
+
+def _dq_readers(g: _Graph, tensor: str) -> List[_QDQ]:
+    """The DequantizeLinear nodes reading Q/DQ output ``tensor`` (once per reading input)."""
+    return [g.qdq_at[i] for i in g.consumers[tensor] if g.ops[i] == _DEQUANTIZE]
 
 
 def rule_c12_pad_conv(model, graphs) -> Iterator[Finding]:
@@ -935,14 +1033,13 @@ def rule_c12_pad_conv(model, graphs) -> Iterator[Finding]:
     Source: [TRT-PL] commuting layers; DESIGN rule 8.
     """
     for g in graphs:
-        for node, name in _qdq_nodes(g):
-            if not _is_q(node) or g.producer_op(_input(node, 0)) != "Pad":
+        for node in _qdq_nodes(g):
+            if not node.is_q or g.producer_op(node.data) != "Pad" or not node.out:
                 continue
-            for dq, _, _ in g.consumer_nodes(_output(node)):
-                if _is_dq(dq) and any(c.op_type in ("Conv", "ConvTranspose")
-                                      for c, _, _ in g.consumer_nodes(_output(dq))):
-                    yield Finding("C12", ERROR, name, f"quantizes the output of Pad "
-                                  f"{g.name_of_producer(_input(node, 0))!r} feeding a Conv; put the Q/DQ "
+            for dq in _dq_readers(g, node.out):
+                if dq.out and any(g.ops[c] in ("Conv", "ConvTranspose") for c in g.consumers[dq.out]):
+                    yield Finding("C12", ERROR, node.name, f"quantizes the output of Pad "
+                                  f"{g.name_of_producer(node.data)!r} feeding a Conv; put the Q/DQ "
                                   "before the Pad")
                     break
 
@@ -951,6 +1048,7 @@ _FUSIBLE_AFTER_WEIGHTED = frozenset({
     "BatchNormalization", "Relu", "LeakyRelu", "PRelu", "Clip", "Sigmoid", "Tanh", "Elu", "Selu",
     "HardSigmoid", "HardSwish",
 })
+_WEIGHTED_OR_BN = frozenset(WEIGHTED_OPS + ("BatchNormalization",))
 
 
 def rule_c14_qdq_inside_fusion(model, graphs) -> Iterator[Finding]:
@@ -965,20 +1063,20 @@ def rule_c14_qdq_inside_fusion(model, graphs) -> Iterator[Finding]:
     and layer fusion; DESIGN rules 4 and 5.
     """
     for g in graphs:
-        for node, name in _qdq_nodes(g):
-            if not _is_q(node):
+        ops = g.ops
+        for node in _qdq_nodes(g):
+            if not node.is_q:
                 continue
-            source = g.producer_node(_input(node, 0))
-            if source is None or source.op_type not in WEIGHTED_OPS + ("BatchNormalization",):
+            source = g.producer.get(node.data)
+            if source is None or ops[source] not in _WEIGHTED_OR_BN:
                 continue
-            if source.op_type != "BatchNormalization" and _weight_input(g, source) is None:
+            if ops[source] != "BatchNormalization" and _weight_input(g, source) is None:
                 continue
-            dqs = [dq for dq, _, _ in g.consumer_nodes(_output(node)) if _is_dq(dq)]
-            fused = sorted({c.op_type for dq in dqs for c, _, _ in g.consumer_nodes(_output(dq))
-                            if c.op_type in _FUSIBLE_AFTER_WEIGHTED})
+            dqs = _dq_readers(g, node.out) if node.out else []
+            fused = sorted({ops[c] for dq in dqs if dq.out for c in g.consumers[dq.out]
+                            if ops[c] in _FUSIBLE_AFTER_WEIGHTED})
             if fused:
-                source_name = g.name_of_producer(_input(node, 0))
-                yield Finding("C14", WARNING, name, f"sits between {source.op_type} {source_name!r} and "
+                yield Finding("C14", WARNING, node.name, f"sits between {ops[source]} {g.names[source]!r} and "
                               f"{'/'.join(fused)}, which TensorRT fuses into it; remove this Q/DQ")
 
 
@@ -989,7 +1087,7 @@ def rule_c13_not_quantized(model, graphs) -> Iterator[Finding]:
     Source: [TRT-EQ] "When TensorRT detects Q/DQ layers in a network, it builds an
     engine using explicit quantization".
     """
-    if not any(True for g in graphs for _ in _qdq_nodes(g)):
+    if not any(g.qdq for g in graphs):
         yield Finding("C13", WARNING, MODEL_NODE, "not quantized: the model has no QuantizeLinear/"
                       "DequantizeLinear nodes")
 
@@ -1097,8 +1195,8 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
         graphs = _all_graphs(proto, opset, _lazy_inference(proto))
         for rule in rules:
             findings.extend(rule(proto, graphs))
-        num_q = sum(1 for g in graphs for n, _ in g.qdq if _is_q(n))
-        num_dq = sum(1 for g in graphs for n, _ in g.qdq if _is_dq(n))
+        num_q = sum(node.is_q for g in graphs for node in g.qdq)
+        num_dq = sum(not node.is_q for g in graphs for node in g.qdq)
         del graphs  # freed by reference counting while the collector is paused
     for finding in findings:
         logger.debug("check %s", finding)
