@@ -22,26 +22,45 @@ _MAX_IDENTITY_HOPS = 8
 def unique_node_names(nodes: Iterable[onnx.NodeProto]) -> List[str]:
     """Stable, unique names for ``nodes`` in order: the node's own name, or ``<op_type>_<position>``
     when it has none; a repeated name gets ``_1``, ``_2``... appended."""
+    nodes = list(nodes)
+    return _unique_names([n.name for n in nodes], [n.op_type for n in nodes])
+
+
+def _unique_names(names: List[str], op_types: List[str]) -> List[str]:
+    """:func:`unique_node_names` from the names and op types already read from the nodes.
+
+    A model whose nodes all have distinct non-empty names (every model ``onnx_qat.quantize``
+    indexes, after :func:`assign_node_names`) keeps them as they are, checked with one set.
+    """
+    if all(names) and len(set(names)) == len(names):
+        return list(names)
     used = set()
-    names = []
-    for position, node in enumerate(nodes):
-        base = node.name or f"{node.op_type}_{position}"
+    unique = []
+    for position, (own, op_type) in enumerate(zip(names, op_types)):
+        base = own or f"{op_type}_{position}"
         name, k = base, 1
         while name in used:
             name, k = f"{base}_{k}", k + 1
         used.add(name)
-        names.append(name)
-    return names
+        unique.append(name)
+    return unique
 
 
 def assign_node_names(model: onnx.ModelProto) -> None:
     """Give every node of ``model``'s main graph the name :func:`unique_node_names` chooses (in place).
 
     Use only on a model you own (``onnx_qat.quantize`` calls it on its private copy) so that
-    placement marks and the inserted graph name the same nodes.
+    placement marks and the inserted graph name the same nodes. Only names that change are
+    written.
     """
-    for node, name in zip(model.graph.node, unique_node_names(model.graph.node)):
-        node.name = name
+    nodes = list(model.graph.node)
+    own = [n.name for n in nodes]
+    for node, before, name in zip(nodes, own, _unique_names(own, [n.op_type for n in nodes])):
+        if name != before:
+            node.name = name
+
+
+_GRAPH_ATTRIBUTE_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,20 @@ class NodeInfo:
     inputs: Tuple[str, ...]
     outputs: Tuple[str, ...]
     proto: onnx.NodeProto = field(repr=False, compare=False)
+
+    def __init__(self, position: int, name: str, op_type: str, domain: str, inputs: Tuple[str, ...],
+                 outputs: Tuple[str, ...], proto: onnx.NodeProto):
+        # The same fields the generated __init__ sets, stored straight into the instance dict
+        # (the generated one of a frozen dataclass calls object.__setattr__ once per field,
+        # twice as slow; the index makes one NodeInfo per node).
+        fields = self.__dict__
+        fields["position"] = position
+        fields["name"] = name
+        fields["op_type"] = op_type
+        fields["domain"] = domain
+        fields["inputs"] = inputs
+        fields["outputs"] = outputs
+        fields["proto"] = proto
 
     def attr(self, name: str, default=None):
         """The value of attribute ``name`` (decoded), or ``default``."""
@@ -71,8 +104,7 @@ class NodeInfo:
     @property
     def has_subgraphs(self) -> bool:
         """True for control-flow nodes (If, Loop, Scan...) that hold graphs."""
-        graph_types = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-        return any(a.type in graph_types for a in self.proto.attribute)
+        return any(a.type in _GRAPH_ATTRIBUTE_TYPES for a in self.proto.attribute)
 
     def data_inputs(self) -> Tuple[Tuple[int, str], ...]:
         """``(index, tensor)`` of the non-empty inputs."""
@@ -82,62 +114,88 @@ class NodeInfo:
 class GraphIndex:
     """Producer/consumer maps, constants and dtypes of a model's main graph.
 
+    Each protobuf field of a node is read once, while indexing (every read of a protobuf field
+    builds new Python objects); the consumer map and the set of nodes holding subgraphs are
+    built on first use, as only some callers need them.
+
     Args:
         model: the ModelProto (read, never changed).
     """
 
     def __init__(self, model: onnx.ModelProto):
         graph = model.graph
-        names = unique_node_names(graph.node)
+        protos = list(graph.node)
+        # ``field[:]`` copies a repeated string field to a list faster than iterating it.
+        own = [n.name for n in protos]
+        op_types = [n.op_type for n in protos]
+        names = _unique_names(own, op_types)
         self.nodes: Tuple[NodeInfo, ...] = tuple(
-            NodeInfo(i, names[i], n.op_type, n.domain, tuple(n.input), tuple(n.output), n)
-            for i, n in enumerate(graph.node))
+            NodeInfo(i, name, op_type, n.domain, tuple(n.input[:]), tuple(n.output[:]), n)
+            for i, (name, op_type, n) in enumerate(zip(names, op_types, protos)))
         self.by_name: Dict[str, NodeInfo] = {n.name: n for n in self.nodes}
-        self.producer: Dict[str, NodeInfo] = {}
-        consumers: Dict[str, List[Tuple[NodeInfo, int]]] = defaultdict(list)
-        for node in self.nodes:
-            for out in node.outputs:
-                if out:
-                    self.producer[out] = node
-            for i, t in enumerate(node.inputs):
-                if t:
-                    consumers[t].append((node, i))
-        self._consumers = dict(consumers)
+        self.producer: Dict[str, NodeInfo] = {out: node for node in self.nodes for out in node.outputs if out}
+        self._consumers: Optional[Dict[str, List[Tuple[NodeInfo, int]]]] = None
         self.initializers: Dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
         self.graph_inputs = tuple(i.name for i in graph.input)
         self.graph_outputs = frozenset(o.name for o in graph.output)
-        self.dtypes: Dict[str, int] = {}
+        #: Element types declared by graph inputs, outputs and value_info (an initializer's own
+        #: type, read when asked, comes first: see :meth:`dtype`).
+        self.declared_dtypes: Dict[str, int] = {}
         for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
             if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                self.dtypes[vi.name] = vi.type.tensor_type.elem_type
-        for name, init in self.initializers.items():
-            self.dtypes[name] = init.data_type
-        self._is_constant: Dict[str, bool] = {}
+                self.declared_dtypes[vi.name] = vi.type.tensor_type.elem_type
+        self._constants = self._constant_names()
+        self._subgraph_nodes: Optional[frozenset] = None
         self._sorted: Optional[bool] = None
+
+    def _constant_names(self) -> frozenset:
+        """Every tensor name :meth:`constant_source` resolves: the initializers, and outputs of
+        Constant and Identity nodes that resolve (no other tensor can), so that
+        :meth:`is_constant` is one set lookup."""
+        names = set(self.initializers)
+        for node in self.nodes:
+            if node.op_type in ("Constant", "Identity"):
+                names.update(t for t in node.outputs if self.constant_source(t) is not None)
+        return frozenset(names)
 
     # -- structure ------------------------------------------------------------------
     def consumers(self, tensor: str) -> List[Tuple[NodeInfo, int]]:
         """``(node, input index)`` pairs reading ``tensor`` (main graph only)."""
+        if self._consumers is None:
+            consumers: Dict[str, List[Tuple[NodeInfo, int]]] = defaultdict(list)
+            for node in self.nodes:
+                for i, t in enumerate(node.inputs):
+                    if t:
+                        consumers[t].append((node, i))
+            self._consumers = dict(consumers)
         return self._consumers.get(tensor, [])
+
+    @property
+    def subgraph_nodes(self) -> frozenset:
+        """Names of the nodes holding subgraphs (If, Loop, Scan...: :attr:`NodeInfo.has_subgraphs`);
+        found on first use by reading the attributes of the nodes that have any."""
+        if self._subgraph_nodes is None:
+            found = []
+            for node in self.nodes:
+                attributes = node.proto.attribute
+                if attributes and any(a.type in _GRAPH_ATTRIBUTE_TYPES for a in attributes):
+                    found.append(node.name)
+            self._subgraph_nodes = frozenset(found)
+        return self._subgraph_nodes
 
     def all_tensor_names(self) -> Tuple[str, ...]:
         """Every tensor name of the main graph (inputs, outputs, initializers, node inputs/outputs)."""
         names = dict.fromkeys(self.graph_inputs)
         names.update(dict.fromkeys(self.initializers))
-        for node in self.nodes:
-            names.update(dict.fromkeys(t for t in node.inputs + node.outputs if t))
+        names.update(dict.fromkeys(t for node in self.nodes for t in node.inputs + node.outputs if t))
         names.update(dict.fromkeys(sorted(self.graph_outputs)))
         return tuple(names)
 
     def production_order(self) -> Dict[str, int]:
         """Tensor name -> the order in which the graph makes it (graph inputs first, then node outputs)."""
-        order: Dict[str, int] = {}
-        for name in self.graph_inputs:
-            order.setdefault(name, len(order))
-        for node in self.nodes:
-            for out in node.outputs:
-                order.setdefault(out, len(order))
-        return order
+        made = dict.fromkeys(self.graph_inputs)
+        made.update(dict.fromkeys(out for node in self.nodes for out in node.outputs))
+        return {name: i for i, name in enumerate(made)}
 
     def is_topologically_sorted(self) -> bool:
         """True when every node comes after the producers of all its inputs (as ONNX requires);
@@ -169,18 +227,15 @@ class GraphIndex:
         return None
 
     def is_constant(self, tensor: str) -> bool:
-        """True when ``tensor`` is an initializer or a Constant (possibly through Identity); memoized,
-        as placement asks about the same tensors many times."""
-        known = self._is_constant.get(tensor)
-        if known is None:
-            known = self._is_constant[tensor] = self.constant_source(tensor) is not None
-        return known
+        """True when ``tensor`` is an initializer or a Constant (possibly through Identity)."""
+        return tensor in self._constants
 
     def constant_proto(self, tensor: str) -> Optional[onnx.TensorProto]:
         """The TensorProto holding ``tensor``'s value (initializer or Constant ``value``), or None."""
+        found = self.initializers.get(tensor)
+        if found is not None or tensor not in self._constants:
+            return found
         source = self.constant_source(tensor)
-        if source is None:
-            return None
         if source in self.initializers:
             return self.initializers[source]
         return self.producer[source].attr("value")
@@ -188,11 +243,11 @@ class GraphIndex:
     def constant_shape(self, tensor: str) -> Optional[Tuple[int, ...]]:
         """The shape of a constant tensor (read from its dims; no data is decoded), or None."""
         proto = self.constant_proto(tensor)
-        return None if proto is None else tuple(int(d) for d in proto.dims)
+        return None if proto is None else tuple(proto.dims[:])  # int64 dims read as Python ints, copied at once
 
     def constant_shapes(self) -> Dict[str, Tuple[int, ...]]:
         """Shape of every constant tensor name (initializers, Constant outputs, Identity of those)."""
-        shapes = {name: tuple(int(d) for d in t.dims) for name, t in self.initializers.items()}
+        shapes = {name: tuple(t.dims[:]) for name, t in self.initializers.items()}
         for node in self.nodes:
             if node.op_type in ("Constant", "Identity") and node.outputs:
                 shape = self.constant_shape(node.outputs[0])
@@ -201,8 +256,12 @@ class GraphIndex:
         return shapes
 
     def dtype(self, tensor: str) -> Optional[int]:
-        """The ONNX element type of ``tensor`` when the model declares it, else None."""
-        known = self.dtypes.get(tensor)
+        """The ONNX element type of ``tensor`` when the model declares it, else None: an initializer's
+        own type, else the type the graph declares for it, else a Constant's value type."""
+        init = self.initializers.get(tensor)
+        if init is not None:
+            return init.data_type
+        known = self.declared_dtypes.get(tensor)
         if known is not None:
             return known
         proto = self.constant_proto(tensor)
@@ -210,5 +269,5 @@ class GraphIndex:
 
     def is_float_or_unknown(self, tensor: str) -> bool:
         """True unless the model declares ``tensor`` with a type other than float32."""
-        dtype = self.dtype(tensor)
+        dtype = self.dtype(tensor) if tensor in self._constants else self.declared_dtypes.get(tensor)
         return dtype is None or dtype == onnx.TensorProto.FLOAT
