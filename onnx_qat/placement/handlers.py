@@ -55,6 +55,15 @@ class NodeResult:
     weights: Tuple[WeightMark, ...] = ()
     shares: Tuple[Tuple[str, str], ...] = ()
 
+    def __init__(self, decision: Decision, activations: Tuple[ActivationMark, ...] = (),
+                 weights: Tuple[WeightMark, ...] = (), shares: Tuple[Tuple[str, str], ...] = ()):
+        # fields stored straight into the instance dict, as for the marks (see onnx_qat.placement.marks)
+        fields = self.__dict__
+        fields["decision"] = decision
+        fields["activations"] = activations
+        fields["weights"] = weights
+        fields["shares"] = shares
+
 
 @dataclass
 class PlacementContext:
@@ -66,20 +75,21 @@ class PlacementContext:
     marked: Dict[str, List[ActivationMark]] = field(default_factory=dict)
 
     def record(self, result: NodeResult) -> None:
+        marked = self.marked
         for mark in result.activations:
-            self.marked.setdefault(mark.tensor, []).append(mark)
+            found = marked.get(mark.tensor)
+            if found is None:
+                marked[mark.tensor] = [mark]
+            else:
+                found.append(mark)
         if result.weights:
             self.quantized_weighted.add(result.decision.node)
 
 
-def _decide(node: NodeInfo, action: str, rule: str, reason: str) -> Decision:
-    return Decision(node.name, node.op_type, action, rule, reason)
-
-
-def _result(node: NodeInfo, action: str, rule: str, reason: str, activations=(), weights=(),
-            shares=()) -> NodeResult:
-    """A NodeResult with its Decision (a short form for the handlers)."""
-    return NodeResult(_decide(node, action, rule, reason), tuple(activations), tuple(weights), tuple(shares))
+def _result(node: NodeInfo, action: str, rule: str, reason: str, activations: Tuple[ActivationMark, ...] = (),
+            weights: Tuple[WeightMark, ...] = (), shares: Tuple[Tuple[str, str], ...] = ()) -> NodeResult:
+    """A NodeResult with its Decision (a short form for the handlers; marks and shares given as tuples)."""
+    return NodeResult(Decision(node.name, node.op_type, action, rule, reason), activations, weights, shares)
 
 
 # --------------------------------------------------------------------------- rule 3
@@ -175,12 +185,13 @@ class WeightedOpHandler:
 
     def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
         idx = ctx.index
-        if len(node.inputs) < 2 or not node.inputs[0] or not node.inputs[1]:
+        inputs = node.inputs
+        if len(inputs) < 2 or not inputs[0] or not inputs[1]:
             return _result(node, "skip", "R9", "missing activation or weight input")
-        x, w = node.inputs[0], node.inputs[1]
-        if node.op_type == "MatMul" and not idx.is_constant(w):
-            return self._activation_matmul(node, ctx)
+        x, w = inputs[0], inputs[1]
         if not idx.is_constant(w):
+            if node.op_type == "MatMul":
+                return self._activation_matmul(node, ctx)
             return _result(node, "skip", "R9", f"weight {w!r} is not a constant")
         if idx.is_constant(x):
             return _result(node, "skip", "R9", f"input {x!r} is a constant, not an activation")
@@ -255,8 +266,8 @@ def _through_epilogue(tensor: str, ctx: PlacementContext,
         if node.op_type == "BatchNormalization":
             tensor = node.inputs[0]
         elif node.op_type in ("Add", "Mul") and len(node.inputs) == 2 and \
-                sum(idx.is_constant(t) for t in node.inputs) == 1:
-            tensor = next(t for t in node.inputs if not idx.is_constant(t))
+                idx.is_constant(node.inputs[0]) != idx.is_constant(node.inputs[1]):  # exactly one constant
+            tensor = node.inputs[1] if idx.is_constant(node.inputs[0]) else node.inputs[0]
         else:
             return None
     return None
@@ -286,8 +297,11 @@ def _made_after(sources: Set[str], tensor: str, idx: GraphIndex) -> bool:
     start = idx.producer.get(tensor)
     if start is None or not sources or not idx.is_topologically_sorted():
         return False
-    made = [idx.producer.get(s) for s in sources]
-    return all(node is not None and node.position > start.position for node in made)
+    for source in sources:
+        node = idx.producer.get(source)
+        if node is None or node.position <= start.position:
+            return False
+    return True
 
 
 def _computed_from_walk(tensor: str, sources: Set[str], ctx: PlacementContext) -> bool:
@@ -349,13 +363,15 @@ class ResidualAddHandler:
 
     def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
         idx = ctx.index
-        if len(node.inputs) != 2 or any(not t or idx.is_constant(t) for t in node.inputs):
+        if len(node.inputs) != 2:
             return _result(node, "none", "R6", "Add with a constant input (bias): left in float")
         a, b = node.inputs
+        if not a or not b or idx.is_constant(a) or idx.is_constant(b):
+            return _result(node, "none", "R6", "Add with a constant input (bias): left in float")
         if a == b:
             return _result(node, "none", "R6", "Add of a tensor with itself: left in float")
         paths: List[List[str]] = [[], []]
-        producers = [_through_epilogue(t, ctx, p) for t, p in zip((a, b), paths)]
+        producers = [_through_epilogue(a, ctx, paths[0]), _through_epilogue(b, ctx, paths[1])]
         if producers[0] is None and producers[1] is None:
             return _result(node, "none", "R6",
                            "no input comes from a quantized weighted op: not a fusable residual Add")

@@ -14,7 +14,7 @@ import onnx
 
 from ..config import QuantizeConfig
 from ..errors import ModelError
-from .graph_index import GraphIndex, NodeInfo
+from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
 from .handlers import (
     COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
     FusedEpilogueHandler, NodeResult, NotQuantizedHandler, PlacementContext, PoolingInputHandler,
@@ -58,33 +58,45 @@ class TensorRTPolicy:
     def place(self, index: GraphIndex, config: QuantizeConfig) -> Placement:
         """Decide every Q/DQ for the graph behind ``index``."""
         ctx = PlacementContext(index, config)
-        results: Dict[str, NodeResult] = {}
+        results: List[Optional[NodeResult]] = [None] * len(index.nodes)  # by node position
         notes: List[str] = []
-        phases: Dict[int, List[NodeInfo]] = {1: [], 2: [], 3: []}
+        phases: Dict[int, List[Tuple[NodeInfo, object]]] = {1: [], 2: [], 3: []}
+        dispatch: Dict[str, Tuple[object, int]] = {}  # op type -> (handler, phase), asked once per op type
+        # Only a node of another domain, holding subgraphs or matching an exclusion can get a decision
+        # before any rule (_pre_decision); the others skip building its helpers.
+        subgraphs, excluded_ops, check_names = index.subgraph_nodes, config.exclude_op_types, bool(config.exclude_nodes)
         for node in index.nodes:
-            early = _pre_decision(node, config)
-            if early is not None:
-                results[node.name] = NodeResult(early)
-                if node.has_subgraphs and early.rule == "subgraph":
-                    notes.append(f"{node.op_type} node {node.name!r} holds subgraphs; "
-                                 "they were left untouched (not quantized)")
-                    logger.warning("%s node %r holds subgraphs; leaving them untouched",
-                                   node.op_type, node.name)
-                continue
-            phases[getattr(self.handler(node.op_type), "phase", 1)].append(node)
+            if (check_names or node.domain not in DEFAULT_DOMAINS or node.name in subgraphs
+                    or node.op_type in excluded_ops):
+                early = _pre_decision(node, config)
+                if early is not None:
+                    results[node.position] = NodeResult(early)
+                    if node.has_subgraphs and early.rule == "subgraph":
+                        notes.append(f"{node.op_type} node {node.name!r} holds subgraphs; "
+                                     "they were left untouched (not quantized)")
+                        logger.warning("%s node %r holds subgraphs; leaving them untouched",
+                                       node.op_type, node.name)
+                    continue
+            found = dispatch.get(node.op_type)
+            if found is None:
+                handler = self.handler(node.op_type)
+                found = dispatch[node.op_type] = (handler, getattr(handler, "phase", 1))
+            phases[found[1]].append((node, found[0]))
+        record = ctx.record
         for phase, nodes in sorted(phases.items()):
-            for node in (reversed(nodes) if phase == 3 else nodes):
-                result = self.handler(node.op_type)(node, ctx)
-                ctx.record(result)
-                results[node.name] = result
-        ordered = [results[n.name] for n in index.nodes]
-        for result in ordered:
-            d = result.decision
-            logger.debug("placement %s %r (%s): %s [%s] %s", d.action, d.node, d.op_type, d.rule, d.reason,
-                         "".join(f"; Q/DQ on {m.tensor!r}" for m in result.activations))
-        activations = rule10_merge(ordered, index)
-        weights = tuple(w for r in ordered for w in r.weights)
-        return Placement(activations, weights, tuple(r.decision for r in ordered), tuple(notes))
+            for node, handler in (reversed(nodes) if phase == 3 else nodes):
+                result = handler(node, ctx)
+                if result.activations or result.weights:  # else recording it changes nothing
+                    record(result)
+                results[node.position] = result
+        if logger.isEnabledFor(logging.DEBUG):
+            for result in results:
+                d = result.decision
+                logger.debug("placement %s %r (%s): %s [%s] %s", d.action, d.node, d.op_type, d.rule, d.reason,
+                             "".join(f"; Q/DQ on {m.tensor!r}" for m in result.activations))
+        activations = rule10_merge(results, index)
+        weights = tuple([w for r in results if r.weights for w in r.weights])
+        return Placement(activations, weights, tuple([r.decision for r in results]), tuple(notes))
 
 
 def _pre_decision(node: NodeInfo, config: QuantizeConfig) -> Optional[Decision]:
@@ -115,11 +127,20 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
     Source: TensorRT Developer Guide, Q/DQ placement (a tensor quantized once can feed
     several INT8 consumers).
     """
-    results = list(results)
     by_tensor: Dict[str, List[ActivationMark]] = {}
-    for result in results:
-        for mark in result.activations:
-            by_tensor.setdefault(mark.tensor, []).append(mark)
+    shares: List[Tuple[str, str]] = []
+    grouped = False
+    for result in results:  # one pass: most results have no marks and no shares
+        if result.activations:
+            for mark in result.activations:
+                found = by_tensor.get(mark.tensor)
+                if found is None:
+                    by_tensor[mark.tensor] = [mark]
+                else:
+                    found.append(mark)
+                grouped = grouped or bool(mark.scale_group)
+        if result.shares:
+            shares.extend(result.shares)
     parent: Dict[str, str] = {}
 
     def find(g: str) -> str:
@@ -134,34 +155,40 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
             parent[max(ra, rb)] = min(ra, rb)
 
     tensor_group: Dict[str, str] = {}
-    for marks in by_tensor.values():
-        for mark in marks:
-            if mark.scale_group:
-                if mark.tensor in tensor_group:
-                    union(tensor_group[mark.tensor], mark.scale_group)
-                tensor_group.setdefault(mark.tensor, mark.scale_group)
-    for result in results:
-        for tensor, group in result.shares:
-            if tensor in by_tensor:
-                if tensor in tensor_group:
-                    union(tensor_group[tensor], group)
-                tensor_group.setdefault(tensor, group)
+    if grouped:
+        for marks in by_tensor.values():
+            for mark in marks:
+                if mark.scale_group:
+                    if mark.tensor in tensor_group:
+                        union(tensor_group[mark.tensor], mark.scale_group)
+                    tensor_group.setdefault(mark.tensor, mark.scale_group)
+    for tensor, group in shares:
+        if tensor in by_tensor:
+            if tensor in tensor_group:
+                union(tensor_group[tensor], group)
+            tensor_group.setdefault(tensor, group)
+    by_name = index.by_name
+
+    def graph_order(consumer: Tuple[str, int]) -> Tuple[int, int]:
+        node = by_name.get(consumer[0])
+        return -1 if node is None else node.position, consumer[1]
+
     order = index.production_order()
+    unknown = len(order)
     merged = []
-    for tensor in sorted(by_tensor, key=lambda t: (order.get(t, len(order)), t)):
+    for _, tensor in sorted((order.get(t, unknown), t) for t in by_tensor):
         marks = by_tensor[tensor]
-        consumers = sorted({c for m in marks for c in m.consumers},
-                           key=lambda c: (_position(index, c[0]), c[1]))
+        group = find(tensor_group[tensor]) if tensor in tensor_group else None
+        mark = marks[0]
+        if len(marks) == 1 and type(mark.consumers) is tuple and len(mark.consumers) == 1 \
+                and mark.scale_group == group:
+            merged.append(mark)  # the usual case: a lone mark with one consumer is already its merged form
+            continue
+        consumers = sorted({c for m in marks for c in m.consumers}, key=graph_order)
         rules = ",".join(sorted({m.rule for m in marks}))
         reason = "; ".join(dict.fromkeys(m.reason for m in marks))
-        group = find(tensor_group[tensor]) if tensor in tensor_group else None
         merged.append(ActivationMark(tensor, tuple(consumers), rules, reason, scale_group=group))
     return tuple(merged)
-
-
-def _position(index: GraphIndex, node: str) -> int:
-    found = index.by_name.get(node)
-    return -1 if found is None else found.position
 
 
 def policy_for(target: str):
