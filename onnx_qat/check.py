@@ -208,7 +208,6 @@ class _QDQ(NamedTuple):
     builds new Python objects. Absent inputs and outputs are ``""``."""
 
     pos: int        # position in the graph's node list
-    name: str       # display name (prefixed inside subgraphs, ``<Op #i>`` when unnamed)
     is_q: bool      # QuantizeLinear (else DequantizeLinear)
     data: str       # input 0
     scale: str      # input 1
@@ -227,20 +226,19 @@ _INT, _GRAPH, _GRAPHS = 2, 5, 10  # onnx.AttributeProto.INT / GRAPH / GRAPHS
 class _Graph:
     """Producers, consumers, constants and types of one (sub)graph, read from the protobuf.
 
-    Nodes are held as parallel lists indexed by their position (op type, display name, input
-    and output names), not as one object per node: on a 10^5-node model the per-node objects
-    cost more to build and to free than all the rules that read them. Only the Q/DQ nodes get
-    a record (:class:`_QDQ`), since they are what most rules visit.
+    Nodes are held as parallel lists indexed by their position (op type, input names), not as
+    one object per node: on a 10^5-node model the per-node objects cost more to build and to free
+    than all the rules that read them. Only the Q/DQ nodes get a record (:class:`_QDQ`), since
+    they are what most rules visit. Node names are read when a finding names a node (:meth:`name`).
     """
 
-    names: List[str]
+    graph: object                         # the onnx.GraphProto
+    prefix: str                           # of node names: ``parent/attribute/`` inside subgraphs
     ops: List[str]
     node_inputs: List[List[str]]
-    node_outputs: List[List[str]]
     producer: Dict[str, int]
-    #: node indices reading each Q/DQ output (one entry per reading input): only the rules about
-    #: Q/DQ outputs (C7, C12, C14) ask who reads a tensor, so no other tensor is listed.
-    consumers: Dict[str, List[int]]
+    #: node indices reading each QuantizeLinear output (one entry per reading input), see :meth:`readers`
+    q_readers: Dict[str, List[int]]
     constants: Dict[str, object]          # name -> onnx.TensorProto (converted lazily)
     types: _Types
     outputs: frozenset
@@ -249,10 +247,10 @@ class _Graph:
     qdq_at: Dict[int, _QDQ] = field(default_factory=dict)  # node index -> its Q/DQ record
     _arrays: Dict[str, object] = field(default_factory=dict)
     _memo: Dict[str, dict] = field(default_factory=dict)
-    _elem_types: Dict[str, Optional[int]] = field(default_factory=dict)
-    _dims: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     _stored: Dict[str, Tuple[int, Optional[bytes]]] = field(default_factory=dict)
     _residual_adds: Optional[List[int]] = None
+    _weight_inputs: Dict[int, Optional[int]] = field(default_factory=dict)
+    _qdq_readers: Optional[Dict[str, List[int]]] = None
 
     def array(self, name: str):
         """The numpy value of a constant tensor, or None."""
@@ -324,25 +322,65 @@ class _Graph:
         self._stored[name] = info
         return info
 
-    def dims(self, name: str) -> Tuple[int, ...]:
-        """The declared dims of constant ``name`` (read once; a Q and its DQ share constants)."""
-        dims = self._dims.get(name)
-        if dims is None:
-            dims = self._dims[name] = tuple(self.constants[name].dims[:])
-        return dims
-
     def value_shape(self, name: str) -> Optional[Tuple[int, ...]]:
         """The shape of constant ``name``'s value, None when it is no constant or cannot be read:
         its dims when its raw bytes are well formed (no array built), else the array's shape."""
         proto = self.constants.get(name)
         if proto is None:
             return None
-        dims, (data_type, raw) = self.dims(name), self.stored(name)
+        dims, (data_type, raw) = tuple(proto.dims[:]), self.stored(name)
         size = _itemsizes().get(data_type)
         if size and raw is not None and len(raw) == math.prod(dims) * size:
             return dims
         value = self.array(name)
         return None if value is None else tuple(value.shape)
+
+    def multi_element_shapes(self, tensors) -> Dict[str, Tuple[int, ...]]:
+        """``name -> value_shape(name)`` for the constants among ``tensors`` whose declared dims and
+        value both hold more than one element (rule C6's per-channel scales), each read once.
+
+        Raw bytes of exactly one element are passed over without reading the dims (a costly field
+        on many small tensors): the value then has one element, or cannot be read, whatever the
+        dims say, so :meth:`value_shape` is a one-element shape or None."""
+        sizes, stored = _itemsizes(), self._stored
+        shapes = {}
+        for name in tensors:
+            info = stored[name] if name in stored else self.stored(name)
+            if info is None:
+                continue
+            data_type, raw = info
+            size = sizes.get(data_type)
+            if size and raw is not None and len(raw) == size:
+                continue
+            dims = tuple(self.constants[name].dims[:])
+            count = math.prod(dims)
+            if count <= 1:
+                continue
+            if size and raw is not None and len(raw) == count * size:
+                shapes[name] = dims  # what value_shape gives, without reading the fields again
+                continue
+            shape = self.value_shape(name)
+            if shape is not None and math.prod(shape) > 1:
+                shapes[name] = shape
+        return shapes
+
+    def name(self, idx: int) -> str:
+        """Display name of node ``idx``: its name (``<Op #i>`` when unnamed), prefixed inside subgraphs."""
+        return self.prefix + (self.graph.node[idx].name or f"<{self.ops[idx]} #{idx}>")
+
+    def readers(self, tensor: str) -> List[int]:
+        """Indices of the nodes reading ``tensor``, a Q/DQ output (once per reading input).
+
+        Only the rules about Q/DQ outputs ask who reads a tensor: rule C7 about every Q output
+        (listed by the index), C12 and C14 about the DQ outputs after some Q nodes (after a Pad or
+        a weighted op: none in most models). So the readers of the DQ outputs are listed, in one
+        more pass over the node inputs, only when first asked for."""
+        found = self.q_readers.get(tensor)
+        if found is None:
+            if self._qdq_readers is None:
+                self._qdq_readers = _readers_of({node.out for node in self.qdq if node.out}, self.node_inputs)
+            found = self._qdq_readers.get(tensor, [])
+        return found
 
     def producer_op(self, tensor: str) -> Optional[str]:
         idx = self.producer.get(tensor)
@@ -350,7 +388,7 @@ class _Graph:
 
     def name_of_producer(self, tensor: str) -> str:
         idx = self.producer.get(tensor)
-        return "" if idx is None else self.names[idx]
+        return "" if idx is None else self.name(idx)
 
     def is_constant(self, tensor: str) -> bool:
         """Initializer or Constant output, possibly through shape-only ops (Transpose, Cast...)."""
@@ -370,6 +408,11 @@ class _Graph:
 
     def is_constant_source(self, tensor: str) -> bool:
         """A constant, or a Q/DQ chain whose data input is a constant (a quantized weight)."""
+        idx = self.producer.get(tensor)
+        if idx is not None and self.ops[idx] in (_QUANTIZE, _DEQUANTIZE):  # the usual case, in short
+            inputs = self.node_inputs[idx]
+            if inputs and inputs[0] and inputs[0] in self.constants:
+                return True
         for _ in range(4):
             if self.is_constant(tensor):
                 return True
@@ -381,19 +424,11 @@ class _Graph:
         return False
 
     def elem_type(self, tensor: str) -> Optional[int]:
-        """The element type of ``tensor`` (computed once per tensor: rules C3 and C4 ask about
-        every DQ input)."""
-        if tensor in self._elem_types:
-            return self._elem_types[tensor]
         proto = self.constants.get(tensor)
         if proto is not None:
-            known = proto.data_type
-        else:
-            known = self._qdq_output_type(tensor)
-            if known is None:
-                known = self.types.elem_type(tensor)
-        self._elem_types[tensor] = known
-        return known
+            return proto.data_type
+        known = self._qdq_output_type(tensor)
+        return known if known is not None else self.types.elem_type(tensor)
 
     def _qdq_output_type(self, tensor: str) -> Optional[int]:
         """The element type of a QuantizeLinear / DequantizeLinear output, read from the node itself
@@ -403,7 +438,7 @@ class _Graph:
         node = self.qdq_at.get(self.producer.get(tensor, -1))
         if node is None or node.domain not in _DEFAULT_DOMAINS or not node.out or node.out != tensor:
             return None
-        if any(a.name == "output_dtype" for a in node.attrs):
+        if node.attrs and any(a.name == "output_dtype" for a in node.attrs):
             return None  # opset 21+: leave it to the declared or inferred type
         source = node.zp if node.is_q else node.scale
         proto = self.constants.get(source)
@@ -424,9 +459,12 @@ class _Graph:
     def residual_adds(self) -> List[int]:
         """Indices of the Add nodes with two non-constant inputs (rules C10 and C11 both visit them)."""
         if self._residual_adds is None:
-            inputs = self.node_inputs
-            self._residual_adds = [i for i in self.indices_of(("Add",)) if len(inputs[i]) == 2
-                                   and not any(self.is_constant(t) for t in inputs[i])]
+            adds = []
+            for i in self.indices_of(("Add",)):
+                inputs = self.node_inputs[i]
+                if len(inputs) == 2 and not self.is_constant(inputs[0]) and not self.is_constant(inputs[1]):
+                    adds.append(i)
+            self._residual_adds = adds
         return self._residual_adds
 
 
@@ -478,25 +516,22 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
     constants = dict(outer_constants)
     for init in graph.initializer:
         constants[init.name] = init
-    names, ops, node_inputs, node_outputs, producer, qdq, subgraphs = [], [], [], [], {}, [], []
+    ops, node_inputs, producer, qdq, subgraphs = [], [], {}, [], []
+    op_types: Dict[str, str] = {}
     for i, proto in enumerate(graph.node):
         op = proto.op_type
+        op = op_types.setdefault(op, op)  # one string per op type: less to keep, faster to compare
         inputs = proto.input[:]
         outputs = proto.output[:]
-        name = proto.name or f"<{op} #{i}>"
-        if prefix:
-            name = prefix + name
-        names.append(name)
         ops.append(op)
         node_inputs.append(inputs)
-        node_outputs.append(outputs)
         for out in outputs:
             producer[out] = i
         attrs = proto.attribute
         if op == _QUANTIZE or op == _DEQUANTIZE:
             attrs = tuple(attrs)
             n = len(inputs)
-            qdq.append(_QDQ(i, name, op == _QUANTIZE, inputs[0] if n else "", inputs[1] if n > 1 else "",
+            qdq.append(_QDQ(i, op == _QUANTIZE, inputs[0] if n else "", inputs[1] if n > 1 else "",
                             inputs[2] if n > 2 else "", outputs[0] if outputs else "", proto.domain, attrs))
         elif op == "Constant" and outputs and proto.domain in _DEFAULT_DOMAINS:
             tensor = _constant_tensor(proto)
@@ -508,15 +543,21 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
                 if kind == _GRAPH or kind == _GRAPHS:
                     subgraphs.append((i, attr))
     producer.pop("", None)  # an absent output is nobody's tensor
-    consumers: Dict[str, List[int]] = {node.out: [] for node in qdq if node.out}
-    if consumers:
-        for i, inputs in enumerate(node_inputs):
-            for inp in inputs:
-                if inp in consumers:
-                    consumers[inp].append(i)
-    index = _Graph(names, ops, node_inputs, node_outputs, producer, consumers, constants, _Types(graph, infer),
+    q_readers = _readers_of({node.out for node in qdq if node.out and node.is_q}, node_inputs)
+    index = _Graph(graph, prefix, ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
                    frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq})
     return index, subgraphs
+
+
+def _readers_of(tensors, node_inputs) -> Dict[str, List[int]]:
+    """``tensor -> indices of the nodes reading it`` (once per reading input) for each of ``tensors``."""
+    readers: Dict[str, List[int]] = {tensor: [] for tensor in tensors}
+    if readers:
+        for i, inputs in enumerate(node_inputs):
+            for inp in inputs:
+                if inp in readers:
+                    readers[inp].append(i)
+    return readers
 
 
 def _all_graphs(model, opset, infer) -> List[_Graph]:
@@ -537,7 +578,7 @@ def _walk(graph, outer, prefix, opset, infer, result) -> None:
     for i, attr in subgraphs:
         subs = [attr.g] if attr.type == _GRAPH else list(attr.graphs)
         for sub in subs:
-            _walk(sub, index.constants, f"{index.names[i]}/{attr.name}/", opset, None, result)
+            _walk(sub, index.constants, f"{index.name(i)}/{attr.name}/", opset, None, result)
 
 
 # -- helpers shared by rules ---------------------------------------------------------------------
@@ -589,15 +630,19 @@ def _fed_by_dq(g: _Graph, tensor: str, through_movement: bool = False) -> bool:
 
 
 def _weight_input(g: _Graph, idx: int) -> Optional[int]:
-    """Index of the constant weight input of weighted op ``idx`` (a node index), or None when it has none."""
+    """Index of the constant weight input of weighted op ``idx`` (a node index), or None when it has
+    none (computed once per node: rules C9, C10, C11 and C14 ask)."""
+    known = g._weight_inputs
+    if idx in known:
+        return known[idx]
     op, inputs = g.ops[idx], g.node_inputs[idx]
+    weight = None
     if op in ("Conv", "ConvTranspose"):
-        return 1 if g.is_constant_source(_input(inputs, 1)) else None
-    if op in ("Gemm", "MatMul"):
-        for k in (1, 0):
-            if g.is_constant_source(_input(inputs, k)):
-                return k
-    return None
+        weight = 1 if g.is_constant_source(_input(inputs, 1)) else None
+    elif op in ("Gemm", "MatMul"):
+        weight = next((k for k in (1, 0) if g.is_constant_source(_input(inputs, k))), None)
+    known[idx] = weight
+    return weight
 
 
 def _weighted_producer(g: _Graph, tensor: str) -> Optional[int]:
@@ -657,11 +702,11 @@ def rule_c2_forbidden_ops(model, graphs) -> Iterator[Finding]:
                       if node.domain not in _DEFAULT_DOMAINS]
         for i, op, node in visits:
             if _is_forbidden(op):
-                yield Finding("C2", ERROR, g.names[i],
+                yield Finding("C2", ERROR, g.name(i),
                               f"{op} is not supported by TensorRT; export QuantizeLinear/"
                               "DequantizeLinear (QDQ format) instead")
             elif node is not None and node.domain not in _DEFAULT_DOMAINS:
-                yield Finding("C2", ERROR, g.names[i],
+                yield Finding("C2", ERROR, g.name(i),
                               f"{op} of domain {node.domain!r} is not the ONNX operator TensorRT "
                               "imports; use the default-domain op")
 
@@ -677,7 +722,7 @@ def rule_c3_int32_bias(model, graphs) -> Iterator[Finding]:
     for g in graphs:
         for node in _qdq_nodes(g):
             if not node.is_q and g.elem_type(node.data) == int32:
-                yield Finding("C3", ERROR, node.name,
+                yield Finding("C3", ERROR, g.name(node.pos),
                               f"dequantizes int32 tensor {node.data!r} (a quantized bias); "
                               "keep biases in float for TensorRT")
 
@@ -694,9 +739,10 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
         # A constant int8 all-zero zero point is fine whatever else the node is: judged in one batch.
         good = g.prejudge("C4", [node.zp for node in _qdq_nodes(g) if node.zp], TensorProto.INT8, "i1", _is_zero, None)
         for node in _qdq_nodes(g):
-            zp, name = node.zp, node.name
+            zp = node.zp
             if zp in good:
                 continue
+            name = g.name(node.pos)
             if not node.is_q and g.elem_type(node.data) == TensorProto.INT32:
                 continue  # a quantized bias: rule C3 reports it
             if not zp:
@@ -755,9 +801,10 @@ def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
         good = g.prejudge("C4-ort-cpu", zero_points, TensorProto.INT8, "i1", _is_zero, False) | \
             g.prejudge("C4-ort-cpu", zero_points, TensorProto.UINT8, "u1", _is_zero_or_128, False)
         for node in _qdq_nodes(g):
-            zp, name = node.zp, node.name
+            zp = node.zp
             if zp in good:
                 continue  # a constant of an allowed type and values: no finding, whatever the node
+            name = g.name(node.pos)
             if (not node.is_q and g.elem_type(node.data) == TensorProto.INT32) or not zp:
                 continue  # C3 reports a quantized bias; no zero point means uint8 zero point 0
             if not g.is_constant(zp):
@@ -798,16 +845,16 @@ def rule_c5_scales(model, graphs) -> Iterator[Finding]:
         good = g.prejudge("C5", [node.scale for node in _qdq_nodes(g) if node.scale], TensorProto.FLOAT, "<f4",
                           _finite_positive, "")
         for node in _qdq_nodes(g):
-            scale, name = node.scale, node.name
+            scale = node.scale
             if scale in good:
                 continue  # a constant, finite and > 0
             if not scale or not g.is_constant(scale):
-                yield Finding("C5", ERROR, name, f"scale {scale!r} is not a constant (initializer or "
+                yield Finding("C5", ERROR, g.name(node.pos), f"scale {scale!r} is not a constant (initializer or "
                               "Constant node); TensorRT needs build-time scales")
                 continue
             problem = g.memo("C5", scale, _scale_problem)
             if problem:
-                yield Finding("C5", ERROR, name, f"scale {scale!r} {problem}")
+                yield Finding("C5", ERROR, g.name(node.pos), f"scale {scale!r} {problem}")
 
 
 def _scale_problem(values) -> str:
@@ -836,20 +883,6 @@ def _quantized_source(g: _Graph, node: _QDQ) -> str:
     return node.data
 
 
-def _may_be_per_channel(g: _Graph, scale: str, sizes: Dict[int, int]) -> bool:
-    """False when rule C6 passes over a node with this scale whatever the node: the scale is no
-    constant, or it declares at most one element, or its raw bytes (``sizes``: bytes per element
-    of the types read in place) hold one element; then :meth:`_Graph.value_shape` is a shape of one
-    element or None, both left alone, so its dims need not be read."""
-    info = g.stored(scale)
-    if info is None:
-        return False
-    data_type, raw = info
-    if raw is not None and len(raw) == sizes.get(data_type, -1):
-        return False
-    return math.prod(g.dims(scale)) > 1
-
-
 def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
     """C6 (error): per-channel scales need an axis in range and one scale per channel.
 
@@ -858,41 +891,37 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
     Source: [TRT-EQ] "per-tensor quantization for activations, per-channel for weights";
     [ONNX-TRT] QuantizeLinear/DequantizeLinear ``axis``.
     """
-    sizes = _itemsizes()
     for g in graphs:
-        scales = {node.scale for node in _qdq_nodes(g)}
-        per_channel = {scale for scale in scales if _may_be_per_channel(g, scale, sizes)}
+        # Per-tensor scales (one element) need no further look: the shapes are judged once per scale.
+        scale_shapes = g.multi_element_shapes({node.scale for node in _qdq_nodes(g)})
         for node in _qdq_nodes(g):
-            if node.scale not in per_channel:
-                continue
-            name = node.name
-            scale_shape = g.value_shape(node.scale)
-            if scale_shape is None or math.prod(scale_shape) <= 1:
+            scale_shape = scale_shapes.get(node.scale)
+            if scale_shape is None:
                 continue
             scale_size = math.prod(scale_shape)
             data = node.data
             shape = g.shape(data) or g.shape(_quantized_source(g, node))
             axis = _int_attr(node.attrs, "axis", 1)
             if axis is None:
-                yield Finding("C6", ERROR, name, "its axis attribute is not an integer")
+                yield Finding("C6", ERROR, g.name(node.pos), "its axis attribute is not an integer")
                 continue
             zp = node.zp
             zp_shape = g.shape(zp) if zp else None
             if zp_shape is not None and tuple(zp_shape) != scale_shape:
-                yield Finding("C6", ERROR, name, f"zero point shape {list(zp_shape)} differs from scale "
+                yield Finding("C6", ERROR, g.name(node.pos), f"zero point shape {list(zp_shape)} differs from scale "
                               f"shape {list(scale_shape)}")
             if shape is not None:
                 rank = len(shape)
                 if not -rank <= axis < rank:
-                    yield Finding("C6", ERROR, name,
+                    yield Finding("C6", ERROR, g.name(node.pos),
                                   f"axis {axis} is out of range for {data!r} of rank {rank}")
                     continue
                 channels = shape[axis]
                 if channels is not None and channels != scale_size:
-                    yield Finding("C6", ERROR, name, f"{scale_size} scales for {channels} channels of "
+                    yield Finding("C6", ERROR, g.name(node.pos), f"{scale_size} scales for {channels} channels of "
                                   f"{data!r} on axis {axis}")
             if not g.is_constant_source(data):
-                yield Finding("C6", WARNING, name, f"activation {data!r} is quantized per channel "
+                yield Finding("C6", WARNING, g.name(node.pos), f"activation {data!r} is quantized per channel "
                               f"({scale_size} scales); TensorRT quantizes activations per tensor")
 
 
@@ -904,21 +933,21 @@ def rule_c7_q_without_dq(model, graphs) -> Iterator[Finding]:
     Source: [TRT-EQ] "Q/DQ layers are processed in pairs" and Q/DQ propagation.
     """
     for g in graphs:
-        ops, names = g.ops, g.names
+        ops = g.ops
         for node in _qdq_nodes(g):
             out = node.out
             if not node.is_q or not out:
                 continue
-            readers = g.consumers[out]
-            others = sorted({names[i] for i in readers if ops[i] != _DEQUANTIZE})
+            readers = g.readers(out)
+            others = sorted({g.name(i) for i in readers if ops[i] != _DEQUANTIZE})
             if out in g.outputs:
-                yield Finding("C7", ERROR, node.name,
+                yield Finding("C7", ERROR, g.name(node.pos),
                               f"its int8 output {out!r} is a graph output; add a DequantizeLinear")
             if others:
-                yield Finding("C7", ERROR, node.name, f"its int8 output {out!r} feeds {', '.join(others)} "
+                yield Finding("C7", ERROR, g.name(node.pos), f"its int8 output {out!r} feeds {', '.join(others)} "
                               "without a DequantizeLinear")
             if not readers and out not in g.outputs:
-                yield Finding("C7", WARNING, node.name, f"its output {out!r} is never used")
+                yield Finding("C7", WARNING, g.name(node.pos), f"its output {out!r} is never used")
 
 
 def rule_c8_dq_source(model, graphs) -> Iterator[Finding]:
@@ -938,8 +967,8 @@ def rule_c8_dq_source(model, graphs) -> Iterator[Finding]:
             idx = g.producer.get(data)
             if (idx is not None and g.ops[idx] == _QUANTIZE) or g.is_constant(data):
                 continue
-            origin = f"node {g.names[idx]!r}" if idx is not None else "a graph input"
-            yield Finding("C8", WARNING, node.name, f"dequantizes {data!r} from {origin}, not from a "
+            origin = f"node {g.name(idx)!r}" if idx is not None else "a graph input"
+            yield Finding("C8", WARNING, g.name(node.pos), f"dequantizes {data!r} from {origin}, not from a "
                           "QuantizeLinear or an int8 constant")
 
 
@@ -964,7 +993,7 @@ def rule_c9_weighted_ops(model, graphs) -> Iterator[Finding]:
             if act_q != w_q:
                 which, other = ("weight", "activation") if w_q else ("activation", "weight")
                 tensor = _input(inputs, act if w_q else w)
-                yield Finding("C9", ERROR, g.names[i], f"only its {which} is quantized; quantize the "
+                yield Finding("C9", ERROR, g.name(i), f"only its {which} is quantized; quantize the "
                               f"{other} {tensor!r} too, or neither")
 
 
@@ -991,8 +1020,8 @@ def rule_c10_residual_float_skip(model, graphs) -> Iterator[Finding]:
             if convs:
                 skip = [t for t in inputs if _weighted_producer(g, t) is None] or [inputs[1]]
                 conv = convs[0]
-                yield Finding("C10", WARNING, g.names[i], f"both inputs are float; quantize the skip input "
-                              f"{skip[0]!r} so TensorRT can fuse the Add into {g.ops[conv]} {g.names[conv]!r}")
+                yield Finding("C10", WARNING, g.name(i), f"both inputs are float; quantize the skip input "
+                              f"{skip[0]!r} so TensorRT can fuse the Add into {g.ops[conv]} {g.name(conv)!r}")
 
 
 def rule_c11_residual_conv_branch_quantized(model, graphs) -> Iterator[Finding]:
@@ -1014,15 +1043,15 @@ def rule_c11_residual_conv_branch_quantized(model, graphs) -> Iterator[Finding]:
                 source = _input(g.node_inputs[q], 0) if q is not None and g.ops[q] == _QUANTIZE else None
                 conv = _weighted_producer(g, source) if source else None
                 if conv is not None:
-                    yield Finding("C11", WARNING, g.names[i], f"both inputs are quantized and {t!r} comes "
-                                  f"straight from {g.ops[conv]} {g.names[conv]!r}; leave that input float "
+                    yield Finding("C11", WARNING, g.name(i), f"both inputs are quantized and {t!r} comes "
+                                  f"straight from {g.ops[conv]} {g.name(conv)!r}; leave that input float "
                                   "so TensorRT can fuse the Add into it")
                     break
 
 
 def _dq_readers(g: _Graph, tensor: str) -> List[_QDQ]:
     """The DequantizeLinear nodes reading Q/DQ output ``tensor`` (once per reading input)."""
-    return [g.qdq_at[i] for i in g.consumers[tensor] if g.ops[i] == _DEQUANTIZE]
+    return [g.qdq_at[i] for i in g.readers(tensor) if g.ops[i] == _DEQUANTIZE]
 
 
 def rule_c12_pad_conv(model, graphs) -> Iterator[Finding]:
@@ -1037,8 +1066,8 @@ def rule_c12_pad_conv(model, graphs) -> Iterator[Finding]:
             if not node.is_q or g.producer_op(node.data) != "Pad" or not node.out:
                 continue
             for dq in _dq_readers(g, node.out):
-                if dq.out and any(g.ops[c] in ("Conv", "ConvTranspose") for c in g.consumers[dq.out]):
-                    yield Finding("C12", ERROR, node.name, f"quantizes the output of Pad "
+                if dq.out and any(g.ops[c] in ("Conv", "ConvTranspose") for c in g.readers(dq.out)):
+                    yield Finding("C12", ERROR, g.name(node.pos), f"quantizes the output of Pad "
                                   f"{g.name_of_producer(node.data)!r} feeding a Conv; put the Q/DQ "
                                   "before the Pad")
                     break
@@ -1073,10 +1102,10 @@ def rule_c14_qdq_inside_fusion(model, graphs) -> Iterator[Finding]:
             if ops[source] != "BatchNormalization" and _weight_input(g, source) is None:
                 continue
             dqs = _dq_readers(g, node.out) if node.out else []
-            fused = sorted({ops[c] for dq in dqs if dq.out for c in g.consumers[dq.out]
+            fused = sorted({ops[c] for dq in dqs if dq.out for c in g.readers(dq.out)
                             if ops[c] in _FUSIBLE_AFTER_WEIGHTED})
             if fused:
-                yield Finding("C14", WARNING, node.name, f"sits between {ops[source]} {g.names[source]!r} and "
+                yield Finding("C14", WARNING, g.name(node.pos), f"sits between {ops[source]} {g.name(source)!r} and "
                               f"{'/'.join(fused)}, which TensorRT fuses into it; remove this Q/DQ")
 
 
