@@ -125,13 +125,13 @@ class GraphIndex:
     def __init__(self, model: onnx.ModelProto):
         graph = model.graph
         protos = list(graph.node)
-        # ``field[:]`` copies a repeated string field to a list faster than iterating it.
-        own = [n.name for n in protos]
         op_types = [n.op_type for n in protos]
-        names = _unique_names(own, op_types)
-        self.nodes: Tuple[NodeInfo, ...] = tuple(
-            NodeInfo(i, name, op_type, n.domain, tuple(n.input[:]), tuple(n.output[:]), n)
-            for i, (name, op_type, n) in enumerate(zip(names, op_types, protos)))
+        names = _unique_names([n.name for n in protos], op_types)
+        # One comprehension per field, and NodeInfo mapped over the columns (no generator frame per
+        # node); ``field[:]`` copies a repeated string field to a list faster than iterating it.
+        self.nodes: Tuple[NodeInfo, ...] = tuple(map(
+            NodeInfo, range(len(protos)), names, op_types, [n.domain for n in protos],
+            [tuple(n.input[:]) for n in protos], [tuple(n.output[:]) for n in protos], protos))
         self.by_name: Dict[str, NodeInfo] = {n.name: n for n in self.nodes}
         self.producer: Dict[str, NodeInfo] = {out: node for node in self.nodes for out in node.outputs if out}
         self._consumers: Optional[Dict[str, List[Tuple[NodeInfo, int]]]] = None
