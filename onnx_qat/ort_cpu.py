@@ -367,7 +367,12 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
     Conv only; the bias is not a float32 ``[C]`` initializer; the output does
     not feed exactly one Mul by a constant per-channel vector; a tensor in between is quantized."""
     mark = weights.get((node.name, 1))
-    if not node.standard or mark is None or mark.axis not in (0, None) or len(node.inputs) < 2:
+    if not node.standard or mark is None or mark.axis not in (0, None) or len(node.inputs) < 2 or not node.outputs:
+        return None
+    # The output feeding a single Mul is checked first: most Convs have none, and then no weight
+    # or bias TensorProto is read.
+    step = _single_consumer(node.outputs[0], "Mul", index, marked)
+    if step is None:
         return None
     weight = node.inputs[1]
     proto = index.constant_proto(weight)
@@ -377,8 +382,7 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
     bias = node.inputs[2] if len(node.inputs) > 2 else ""
     if bias and not _own_bias(node, bias, index, weights, channels):
         return None
-    step = _single_consumer(node.outputs[0], "Mul", index, marked)
-    k = None if step is None else _channel_vector(step[0], step[1], index, channels, rank)
+    k = _channel_vector(step[0], step[1], index, channels, rank)
     if k is None or not _usable_factors(k):
         return None
     mul = step[0]
