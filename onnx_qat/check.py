@@ -737,7 +737,8 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
     from onnx import TensorProto
     for g in graphs:
         # A constant int8 all-zero zero point is fine whatever else the node is: judged in one batch.
-        good = g.prejudge("C4", [node.zp for node in _qdq_nodes(g) if node.zp], TensorProto.INT8, "i1", _is_zero, None)
+        zero_points = [node.zp for node in _qdq_nodes(g) if node.zp]
+        good = g.prejudge("C4", zero_points, TensorProto.INT8, "i1", _is_zero, None)
         for node in _qdq_nodes(g):
             zp = node.zp
             if zp in good:
@@ -842,15 +843,15 @@ def rule_c5_scales(model, graphs) -> Iterator[Finding]:
     """
     from onnx import TensorProto
     for g in graphs:
-        good = g.prejudge("C5", [node.scale for node in _qdq_nodes(g) if node.scale], TensorProto.FLOAT, "<f4",
-                          _finite_positive, "")
+        scales = [node.scale for node in _qdq_nodes(g) if node.scale]
+        good = g.prejudge("C5", scales, TensorProto.FLOAT, "<f4", _finite_positive, "")
         for node in _qdq_nodes(g):
             scale = node.scale
             if scale in good:
                 continue  # a constant, finite and > 0
             if not scale or not g.is_constant(scale):
-                yield Finding("C5", ERROR, g.name(node.pos), f"scale {scale!r} is not a constant (initializer or "
-                              "Constant node); TensorRT needs build-time scales")
+                yield Finding("C5", ERROR, g.name(node.pos), f"scale {scale!r} is not a constant "
+                              "(initializer or Constant node); TensorRT needs build-time scales")
                 continue
             problem = g.memo("C5", scale, _scale_problem)
             if problem:
@@ -908,8 +909,8 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
             zp = node.zp
             zp_shape = g.shape(zp) if zp else None
             if zp_shape is not None and tuple(zp_shape) != scale_shape:
-                yield Finding("C6", ERROR, g.name(node.pos), f"zero point shape {list(zp_shape)} differs from scale "
-                              f"shape {list(scale_shape)}")
+                yield Finding("C6", ERROR, g.name(node.pos), f"zero point shape {list(zp_shape)} differs "
+                              f"from scale shape {list(scale_shape)}")
             if shape is not None:
                 rank = len(shape)
                 if not -rank <= axis < rank:
@@ -918,11 +919,11 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
                     continue
                 channels = shape[axis]
                 if channels is not None and channels != scale_size:
-                    yield Finding("C6", ERROR, g.name(node.pos), f"{scale_size} scales for {channels} channels of "
-                                  f"{data!r} on axis {axis}")
+                    yield Finding("C6", ERROR, g.name(node.pos), f"{scale_size} scales for {channels} "
+                                  f"channels of {data!r} on axis {axis}")
             if not g.is_constant_source(data):
-                yield Finding("C6", WARNING, g.name(node.pos), f"activation {data!r} is quantized per channel "
-                              f"({scale_size} scales); TensorRT quantizes activations per tensor")
+                yield Finding("C6", WARNING, g.name(node.pos), f"activation {data!r} is quantized per "
+                              f"channel ({scale_size} scales); TensorRT quantizes activations per tensor")
 
 
 def rule_c7_q_without_dq(model, graphs) -> Iterator[Finding]:
@@ -944,8 +945,8 @@ def rule_c7_q_without_dq(model, graphs) -> Iterator[Finding]:
                 yield Finding("C7", ERROR, g.name(node.pos),
                               f"its int8 output {out!r} is a graph output; add a DequantizeLinear")
             if others:
-                yield Finding("C7", ERROR, g.name(node.pos), f"its int8 output {out!r} feeds {', '.join(others)} "
-                              "without a DequantizeLinear")
+                yield Finding("C7", ERROR, g.name(node.pos), f"its int8 output {out!r} feeds "
+                              f"{', '.join(others)} without a DequantizeLinear")
             if not readers and out not in g.outputs:
                 yield Finding("C7", WARNING, g.name(node.pos), f"its output {out!r} is never used")
 
@@ -1105,8 +1106,9 @@ def rule_c14_qdq_inside_fusion(model, graphs) -> Iterator[Finding]:
             fused = sorted({ops[c] for dq in dqs if dq.out for c in g.readers(dq.out)
                             if ops[c] in _FUSIBLE_AFTER_WEIGHTED})
             if fused:
-                yield Finding("C14", WARNING, g.name(node.pos), f"sits between {ops[source]} {g.name(source)!r} and "
-                              f"{'/'.join(fused)}, which TensorRT fuses into it; remove this Q/DQ")
+                yield Finding("C14", WARNING, g.name(node.pos), f"sits between {ops[source]} "
+                              f"{g.name(source)!r} and {'/'.join(fused)}, which TensorRT fuses into it; "
+                              "remove this Q/DQ")
 
 
 def rule_c13_not_quantized(model, graphs) -> Iterator[Finding]:

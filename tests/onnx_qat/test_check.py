@@ -537,3 +537,90 @@ def test_many_scales_and_zero_points_each_judged_right():
     c4 = {f.node for f in report.findings if f.rule == "C4"}
     assert c4 == set(bad_zp) | {n.replace("_q", "_dq") for n in bad_zp}
     assert bad_scale and bad_zp and "p1_q" not in c5  # unreadable values: no C5 finding, as before
+
+
+def _typed(tensor):
+    """The same constant stored in its typed field (float_data, int32_data) instead of raw bytes."""
+    value = numpy_helper.to_array(tensor)
+    return helper.make_tensor(tensor.name, tensor.data_type, list(value.shape), value.reshape(-1).tolist())
+
+
+@pytest.mark.parametrize("target", [None, "ort-cpu"])
+def test_batched_and_per_tensor_judgements_give_the_same_findings(target):
+    """Scales and zero points stored as raw bytes are judged in one batch; stored in their typed
+    fields they are judged one by one. Both give the same findings, bad constants among good ones."""
+    rng = np.random.default_rng(11)
+    b, t, bad = Builder(), "x", set()
+    for i in range(40):
+        per_channel = i % 4 == 0
+        scale = np.full(4, 0.1, np.float32) if per_channel else np.float32(0.1)
+        zp, zp_dtype = (128, np.uint8) if target and i % 3 == 0 else (0, np.int8)
+        roll = rng.random()
+        if roll < 0.15:
+            scale = np.array(scale)
+            scale.reshape(-1)[rng.integers(scale.size)] = rng.choice([-2.0, 0.0, np.nan])
+            bad.add(f"p{i}_q")
+        elif roll < 0.3:
+            zp = int(rng.choice([1, 7, 100]))
+            bad.add(f"p{i}_q")
+        t = b.qdq(t, f"p{i}", scale=scale, zp=zp, zp_dtype=zp_dtype, axis=1 if per_channel else None)
+    b.output(b.add("Relu", [t], "relu"))
+    raw = b.model()
+    typed = onnx.ModelProto()
+    typed.CopyFrom(raw)
+    for k, init in enumerate(typed.graph.initializer):
+        typed.graph.initializer[k].CopyFrom(_typed(init))
+    assert not any(i.HasField("raw_data") for i in typed.graph.initializer)
+    batched, one_by_one = check(raw, target=target), check(typed, target=target)
+    assert batched.findings == one_by_one.findings
+    assert {f.node for f in batched.errors} == bad | {n.replace("_q", "_dq") for n in bad}
+
+
+def test_raw_bytes_that_disagree_with_the_dims_are_unreadable_whatever_they_hold():
+    """A scale or zero point whose raw bytes do not fill its dims cannot be read: no C4, C5 or C6
+    finding about its values, whether its bytes look good or bad (and however they are batched)."""
+    b = Builder()
+    t = "x"
+    cases = {  # name: (raw bytes, dims) of the scale, or of the zero point
+        "a": ("scale", np.float32(0.1).tobytes(), [4]),             # one float, four declared
+        "b": ("scale", np.float32(-1.0).tobytes(), [4]),
+        "c": ("scale", np.full(4, 0.1, np.float32).tobytes(), []),   # four floats, one declared
+        "d": ("scale", np.array([0.1, -1, 0.1, 0.1], np.float32).tobytes(), [1]),
+        "e": ("zp", np.zeros(2, np.int8).tobytes(), []),
+        "f": ("zp", np.array([0, 9], np.int8).tobytes(), [1]),
+    }
+    for name in cases:
+        t = b.qdq(t, name)
+    t = b.qdq(t, "bad", zp=3)  # a readable bad zero point still found among them
+    b.output(b.add("Relu", [t], "relu"))
+    model = b.model()
+    inits = {i.name: i for i in model.graph.initializer}
+    for name, (which, raw, dims) in cases.items():
+        for node in (f"{name}_q", f"{name}_dq"):
+            tensor = inits[f"{node}_{which}"]
+            tensor.raw_data = raw
+            del tensor.dims[:]
+            tensor.dims.extend(dims)
+    report = check(model)
+    assert {(f.rule, f.node) for f in report.findings} == {("C4", "bad_q"), ("C4", "bad_dq")}
+
+
+def test_unnamed_nodes_are_named_by_op_and_position_also_inside_subgraphs():
+    b = Builder()
+    body = Builder()
+    q = body.q("x", "", zp=2)
+    body.dq(q, "inner_dq", zp=2)
+    sub = helper.make_graph(body.nodes, "body", [], [helper.make_tensor_value_info("inner_dq_out",
+                                                                                TensorProto.FLOAT, None)],
+                            body.inits)
+    b.nodes.append(helper.make_node("If", [b.init("cond", np.array(True))], ["y"], then_branch=sub,
+                                    else_branch=sub))
+    q = b.q("y", "outer_q", zp=4)
+    b.nodes[-1].name = ""
+    b.output(b.add("Relu", [b.dq(q, "outer_dq")], "relu"))
+    report = check(b.model())
+    c4 = [f.node for f in report.findings if f.rule == "C4"]
+    assert c4 == ["<QuantizeLinear #1>",  # the main graph first, then each body in attribute order
+                  "<If #0>/else_branch/<QuantizeLinear #0>", "<If #0>/else_branch/inner_dq",
+                  "<If #0>/then_branch/<QuantizeLinear #0>", "<If #0>/then_branch/inner_dq"]
+    assert report.num_q == 3 and report.num_dq == 3
