@@ -367,7 +367,8 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
     Conv only; the bias is not a float32 ``[C]`` initializer; the output does
     not feed exactly one Mul by a constant per-channel vector; a tensor in between is quantized."""
     mark = weights.get((node.name, 1))
-    if not node.standard or mark is None or mark.axis not in (0, None) or len(node.inputs) < 2 or not node.outputs:
+    if not node.standard or mark is None or mark.axis not in (0, None) or len(node.inputs) < 2 \
+            or not node.outputs:
         return None
     # The output feeding a single Mul is checked first: most Convs have none, and then no weight
     # or bias TensorProto is read.

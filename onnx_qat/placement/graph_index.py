@@ -243,7 +243,8 @@ class GraphIndex:
     def constant_shape(self, tensor: str) -> Optional[Tuple[int, ...]]:
         """The shape of a constant tensor (read from its dims; no data is decoded), or None."""
         proto = self.constant_proto(tensor)
-        return None if proto is None else tuple(proto.dims[:])  # int64 dims read as Python ints, copied at once
+        # dims[:] copies the int64 dims as Python ints in one call
+        return None if proto is None else tuple(proto.dims[:])
 
     def constant_shapes(self) -> Dict[str, Tuple[int, ...]]:
         """Shape of every constant tensor name (initializers, Constant outputs, Identity of those)."""

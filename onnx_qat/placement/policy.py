@@ -64,7 +64,8 @@ class TensorRTPolicy:
         dispatch: Dict[str, Tuple[object, int]] = {}  # op type -> (handler, phase), asked once per op type
         # Only a node of another domain, holding subgraphs or matching an exclusion can get a decision
         # before any rule (_pre_decision); the others skip building its helpers.
-        subgraphs, excluded_ops, check_names = index.subgraph_nodes, config.exclude_op_types, bool(config.exclude_nodes)
+        subgraphs, excluded_ops = index.subgraph_nodes, config.exclude_op_types
+        check_names = bool(config.exclude_nodes)
         for node in index.nodes:
             if (check_names or node.domain not in DEFAULT_DOMAINS or node.name in subgraphs
                     or node.op_type in excluded_ops):
@@ -92,8 +93,8 @@ class TensorRTPolicy:
         if logger.isEnabledFor(logging.DEBUG):
             for result in results:
                 d = result.decision
-                logger.debug("placement %s %r (%s): %s [%s] %s", d.action, d.node, d.op_type, d.rule, d.reason,
-                             "".join(f"; Q/DQ on {m.tensor!r}" for m in result.activations))
+                logger.debug("placement %s %r (%s): %s [%s] %s", d.action, d.node, d.op_type, d.rule,
+                             d.reason, "".join(f"; Q/DQ on {m.tensor!r}" for m in result.activations))
         activations = rule10_merge(results, index)
         weights = tuple([w for r in results if r.weights for w in r.weights])
         return Placement(activations, weights, tuple([r.decision for r in results]), tuple(notes))
@@ -186,7 +187,7 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
             continue
         consumers = sorted({c for m in marks for c in m.consumers}, key=graph_order)
         rules = ",".join(sorted({m.rule for m in marks}))
-        reason = "; ".join(dict.fromkeys(m.reason for m in marks))
+        reason = "; ".join(dict.fromkeys([m.reason for m in marks]))
         merged.append(ActivationMark(tensor, tuple(consumers), rules, reason, scale_group=group))
     return tuple(merged)
 

@@ -212,7 +212,8 @@ def test_rule10_merge_equals_the_plain_merge_on_random_marks(seed):
                                         f"R{int(rng.integers(4, 8))}", f"reason {int(rng.integers(3))}",
                                         scale_group=group))
         shares = ((tensors[int(rng.integers(len(tensors)))], "concat:c"),) if rng.random() < 0.1 else ()
-        results.append(NodeResult(Decision(node.name, node.op_type, "none", "-", ""), tuple(marks), (), shares))
+        decision = Decision(node.name, node.op_type, "none", "-", "")
+        results.append(NodeResult(decision, tuple(marks), (), shares))
     merged = rule10_merge(results, index)
     assert merged == _plain_rule10(results, index)
     assert any(len(m.consumers) > 1 for m in merged) and any(len(m.consumers) == 1 for m in merged)
