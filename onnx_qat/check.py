@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from sys import intern
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
@@ -517,10 +518,9 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
     for init in graph.initializer:
         constants[init.name] = init
     ops, node_inputs, producer, qdq, subgraphs = [], [], {}, [], []
-    op_types: Dict[str, str] = {}
+    new_record = tuple.__new__  # _QDQ(*fields) without the Python-level __new__ of a named tuple
     for i, proto in enumerate(graph.node):
-        op = proto.op_type
-        op = op_types.setdefault(op, op)  # one string per op type: less to keep, faster to compare
+        op = intern(proto.op_type)  # one string per op type: less to keep, compared by identity
         inputs = proto.input[:]
         outputs = proto.output[:]
         ops.append(op)
@@ -529,10 +529,11 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
             producer[out] = i
         attrs = proto.attribute
         if op == _QUANTIZE or op == _DEQUANTIZE:
-            attrs = tuple(attrs)
+            attrs = tuple(attrs) if attrs else ()
             n = len(inputs)
-            qdq.append(_QDQ(i, op == _QUANTIZE, inputs[0] if n else "", inputs[1] if n > 1 else "",
-                            inputs[2] if n > 2 else "", outputs[0] if outputs else "", proto.domain, attrs))
+            qdq.append(new_record(_QDQ, (i, op == _QUANTIZE, inputs[0] if n else "",
+                                         inputs[1] if n > 1 else "", inputs[2] if n > 2 else "",
+                                         outputs[0] if outputs else "", proto.domain, attrs)))
         elif op == "Constant" and outputs and proto.domain in _DEFAULT_DOMAINS:
             tensor = _constant_tensor(proto)
             if tensor is not None:
