@@ -721,8 +721,12 @@ def rule_c3_int32_bias(model, graphs) -> Iterator[Finding]:
     """
     int32 = 6  # onnx.TensorProto.INT32
     for g in graphs:
+        constants = g.constants
         for node in _qdq_nodes(g):
-            if not node.is_q and g.elem_type(node.data) == int32:
+            if node.is_q:
+                continue
+            proto = constants.get(node.data)  # a constant (a weight, a bias): its type, in short
+            if (proto.data_type if proto is not None else g.elem_type(node.data)) == int32:
                 yield Finding("C3", ERROR, g.name(node.pos),
                               f"dequantizes int32 tensor {node.data!r} (a quantized bias); "
                               "keep biases in float for TensorRT")
@@ -941,11 +945,12 @@ def rule_c7_q_without_dq(model, graphs) -> Iterator[Finding]:
             if not node.is_q or not out:
                 continue
             readers = g.readers(out)
-            others = sorted({g.name(i) for i in readers if ops[i] != _DEQUANTIZE})
+            others = [i for i in readers if ops[i] != _DEQUANTIZE]
             if out in g.outputs:
                 yield Finding("C7", ERROR, g.name(node.pos),
                               f"its int8 output {out!r} is a graph output; add a DequantizeLinear")
             if others:
+                others = sorted({g.name(i) for i in others})
                 yield Finding("C7", ERROR, g.name(node.pos), f"its int8 output {out!r} feeds "
                               f"{', '.join(others)} without a DequantizeLinear")
             if not readers and out not in g.outputs:
@@ -966,6 +971,8 @@ def rule_c8_dq_source(model, graphs) -> Iterator[Finding]:
             if node.is_q:
                 continue
             data = node.data
+            if data and data in g.constants:  # is_constant(data), in short
+                continue
             idx = g.producer.get(data)
             if (idx is not None and g.ops[idx] == _QUANTIZE) or g.is_constant(data):
                 continue
