@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import logging
 import math
-from sys import intern
 from dataclasses import dataclass, field
 from itertools import compress
+from sys import intern
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from .errors import ModelError
@@ -507,9 +507,9 @@ def _constant_tensor(node):
 
 
 def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, list]:
-    """One pass over ``graph``'s nodes: names, op types, inputs, outputs, producers, constants,
-    Q/DQ nodes; then the readers of the Q/DQ outputs. Also returns ``(node index, attribute)`` of
-    every graph-valued attribute, in node and attribute order, for :func:`_walk`.
+    """One pass over ``graph``'s nodes: op types, inputs, producers, constants, Q/DQ nodes; then
+    the readers of the QuantizeLinear outputs. Also returns ``(node index, attribute)`` of every
+    graph-valued attribute, in node and attribute order, for :func:`_walk`.
 
     Each node's fields are read from the protobuf once (``[:]`` of a repeated string field is the
     cheapest copy). Every node's attributes are looked at, since any node may carry a subgraph;
