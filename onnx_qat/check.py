@@ -409,10 +409,13 @@ class _Graph:
 
     def is_constant_source(self, tensor: str) -> bool:
         """A constant, or a Q/DQ chain whose data input is a constant (a quantized weight)."""
+        constants = self.constants
+        if tensor and tensor in constants:  # the usual cases first, in short: a constant,
+            return True
         idx = self.producer.get(tensor)
-        if idx is not None and self.ops[idx] in (_QUANTIZE, _DEQUANTIZE):  # the usual case, in short
+        if idx is not None and self.ops[idx] in (_QUANTIZE, _DEQUANTIZE):  # a Q/DQ of a constant
             inputs = self.node_inputs[idx]
-            if inputs and inputs[0] and inputs[0] in self.constants:
+            if inputs and inputs[0] and inputs[0] in constants:
                 return True
         for _ in range(4):
             if self.is_constant(tensor):
@@ -1021,8 +1024,8 @@ def rule_c10_residual_float_skip(model, graphs) -> Iterator[Finding]:
     """
     for g in graphs:
         for i in g.residual_adds():
-            inputs = g.node_inputs[i]
-            if any(_fed_by_dq(g, t) for t in inputs):
+            inputs = g.node_inputs[i]  # two of them
+            if _fed_by_dq(g, inputs[0]) or _fed_by_dq(g, inputs[1]):
                 continue
             convs = [_weighted_producer(g, t) for t in inputs]
             convs = [c for c in convs if c is not None and _is_quantized_op(g, c)]
