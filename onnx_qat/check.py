@@ -457,8 +457,8 @@ class _Graph:
         return self.types.shape(tensor)
 
     def indices_of(self, ops) -> List[int]:
-        """Indices of the nodes whose op type is among ``ops``, in graph order."""
-        return [i for i, op in enumerate(self.ops) if op in ops]
+        """Indices of the nodes whose op type is among ``ops``, in graph order (one C-level pass)."""
+        return list(compress(range(len(self.ops)), map(frozenset(ops).__contains__, self.ops)))
 
     def residual_adds(self) -> List[int]:
         """Indices of the Add nodes with two non-constant inputs (rules C10 and C11 both visit them)."""
