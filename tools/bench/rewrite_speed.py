@@ -47,7 +47,7 @@ def _measure(workdir: Path, nodes: int, repeats: int):
 def run(workdir: Path, *, quick: bool = False, sizes: Sequence[int] = ()) -> List[Row]:
     """Measure and return the rewrite_speed rows."""
     sizes = tuple(sizes) or ((400, 2000) if quick else (10_000, 50_000))
-    repeats = 1 if quick else 2
+    repeats = 1 if quick else 3
     results = {n: _measure(Path(workdir), n, repeats) for n in sizes}
     small, large = sizes[0], sizes[-1]
     rows = []
