@@ -292,7 +292,7 @@ class _Inserter:
             found = self._activation_zp[zero_point] = (value.dtype, _le_bytes(value))
         return found
 
-    def _weight_zero_point(self, shape: Tuple[int, ...], value: int) -> Tuple[np.dtype, bytes, Tuple[int, ...]]:
+    def _weight_zero_point(self, shape: Tuple[int, ...], value: int) -> tuple:
         """``(NumPy type, raw bytes, shape)`` of a weight zero point filled with ``value``: the
         target's weight type for 0, uint8 for 128 (made once per shape and value)."""
         key = (shape, value)

@@ -325,7 +325,8 @@ def safe_external_path(base_dir: Path, location: str, label: str = "model", tens
 
 #: Attribute types that can hold a TensorProto (directly, or inside a subgraph); UNDEFINED too,
 #: so a malformed attribute is still searched.
-_TENSOR_ATTRS = frozenset((onnx.AttributeProto.UNDEFINED, onnx.AttributeProto.TENSOR, onnx.AttributeProto.TENSORS,
+_TENSOR_ATTRS = frozenset((onnx.AttributeProto.UNDEFINED,
+                           onnx.AttributeProto.TENSOR, onnx.AttributeProto.TENSORS,
                            onnx.AttributeProto.SPARSE_TENSOR, onnx.AttributeProto.SPARSE_TENSORS,
                            onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS))
 

@@ -390,8 +390,8 @@ def test_save_with_validate_writes_nothing_for_an_invalid_model(tmp_path):
     assert onnx.load(str(good)).SerializeToString() == model.SerializeToString()
     model.graph.node[0].input[0] = "nowhere"
     target = tmp_path / "bad.onnx"
-    with pytest.raises(ModelError, match=rf"^output model {re.escape(str(target))} is not a valid ONNX model: ") \
-            as info:
+    message = rf"^output model {re.escape(str(target))} is not a valid ONNX model: "
+    with pytest.raises(ModelError, match=message) as info:
         save_model(model, target, validate=True)
     assert "\n" not in str(info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.onnx"]
@@ -405,7 +405,8 @@ def test_load_checks_the_file_bytes_and_names_the_file(tmp_path):
     model.graph.node[0].input[0] = "nowhere"
     path = tmp_path / "broken.onnx"
     path.write_bytes(model.SerializeToString())
-    with pytest.raises(ModelError, match=rf"^model {re.escape(str(path))} is not a valid ONNX model: ") as info:
+    message = rf"^model {re.escape(str(path))} is not a valid ONNX model: "
+    with pytest.raises(ModelError, match=message) as info:
         load_model(path)
     assert "\n" not in str(info.value)
     assert load_model(path, check=False).graph.node[0].input[0] == "nowhere"
