@@ -6,13 +6,11 @@ The index never copies weight data and never mutates the model.
 """
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import onnx
 from onnx import helper
-
-from .marks import frozen_record
 
 #: Domains that mean the standard ONNX operator set.
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -64,7 +62,7 @@ def assign_node_names(model: onnx.ModelProto) -> None:
 _GRAPH_ATTRIBUTE_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
-@frozen_record  # one per node: the faster __init__ (see onnx_qat.placement.marks)
+@dataclass(frozen=True)
 class NodeInfo:
     """One node of the main graph, as placement sees it."""
 
@@ -75,6 +73,20 @@ class NodeInfo:
     inputs: Tuple[str, ...]
     outputs: Tuple[str, ...]
     proto: onnx.NodeProto = field(repr=False, compare=False)
+
+    def __init__(self, position: int, name: str, op_type: str, domain: str, inputs: Tuple[str, ...],
+                 outputs: Tuple[str, ...], proto: onnx.NodeProto):
+        # The same fields the generated __init__ sets, stored straight into the instance dict
+        # (the generated one of a frozen dataclass calls object.__setattr__ once per field,
+        # twice as slow; the index makes one NodeInfo per node).
+        fields = self.__dict__
+        fields["position"] = position
+        fields["name"] = name
+        fields["op_type"] = op_type
+        fields["domain"] = domain
+        fields["inputs"] = inputs
+        fields["outputs"] = outputs
+        fields["proto"] = proto
 
     def attr(self, name: str, default=None):
         """The value of attribute ``name`` (decoded), or ``default``."""

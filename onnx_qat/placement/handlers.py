@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from ..config import QuantizeConfig
 from .graph_index import GraphIndex, NodeInfo
-from .marks import ActivationMark, Decision, WeightMark, frozen_record
+from .marks import ActivationMark, Decision, WeightMark
 
 #: Weighted ops: TensorRT runs them in INT8 when both the activation and the weight are quantized.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -42,7 +42,7 @@ _MAX_BRANCH_WALK = 64
 _MAX_CONCAT_LOOKAHEAD = 8
 
 
-@frozen_record
+@dataclass(frozen=True)
 class NodeResult:
     """What a handler decided for one node: marks plus its :class:`Decision`.
 
@@ -55,6 +55,14 @@ class NodeResult:
     weights: Tuple[WeightMark, ...] = ()
     shares: Tuple[Tuple[str, str], ...] = ()
 
+    def __init__(self, decision: Decision, activations: Tuple[ActivationMark, ...] = (),
+                 weights: Tuple[WeightMark, ...] = (), shares: Tuple[Tuple[str, str], ...] = ()):
+        # fields stored straight into the instance dict, as for the marks (see onnx_qat.placement.marks)
+        fields = self.__dict__
+        fields["decision"] = decision
+        fields["activations"] = activations
+        fields["weights"] = weights
+        fields["shares"] = shares
 
 
 @dataclass

@@ -4,52 +4,18 @@ Handlers only produce these marks; :mod:`onnx_qat.insertion` is the one place
 that turns marks plus a ScaleTable into QuantizeLinear/DequantizeLinear nodes.
 
 The records made once per node or per mark (:class:`ActivationMark`, :class:`WeightMark`,
-:class:`Decision`, and the handlers' ``NodeResult`` and the index's ``NodeInfo``) are declared
-with :func:`frozen_record`: frozen dataclasses whose ``__init__`` stores the fields straight into
-the new instance's ``__dict__``. It makes the same object as the generated one, which calls
-``object.__setattr__`` once per field (the price of ``frozen``) and takes twice as long; a
-50,000-node model makes ~10^5 of these records.
+:class:`Decision`) are frozen dataclasses with a written-out ``__init__`` that stores the fields
+straight into the new instance's ``__dict__``. It makes the same object as the generated one,
+which calls ``object.__setattr__`` once per field (the price of ``frozen``) and takes twice as
+long; a 50,000-node model makes ~10^5 of these records.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 
-def frozen_record(cls):
-    """``@dataclass(frozen=True)`` with a faster ``__init__`` of the same signature.
-
-    The generated ``__init__`` of a frozen dataclass sets each field with ``object.__setattr__``;
-    this one writes the fields into the instance's ``__dict__`` (what that call ends up doing),
-    with the same parameters and defaults. Fields with a ``default_factory`` and a
-    ``__post_init__`` are not supported.
-    """
-    if hasattr(cls, "__post_init__"):
-        raise TypeError(f"frozen_record {cls.__name__}: __post_init__ is not supported")
-    cls = dataclass(frozen=True)(cls)
-    params, lines, defaults = [], [], {}
-    for f in dataclasses.fields(cls):
-        if f.default_factory is not dataclasses.MISSING:
-            raise TypeError(f"frozen_record {cls.__name__}.{f.name}: default_factory is not supported")
-        if f.default is dataclasses.MISSING:
-            params.append(f.name)
-        else:
-            defaults[f"_default_{f.name}"] = f.default
-            params.append(f"{f.name}=_default_{f.name}")
-        lines.append(f"    fields[{f.name!r}] = {f.name}")
-    header = f"def __init__(self, {', '.join(params)}):\n    fields = self.__dict__\n"
-    source = header + "\n".join(lines) + "\n"
-    namespace: dict = {}
-    exec(source, defaults, namespace)  # noqa: S102 (built from the field names only, as dataclasses does)
-    init = namespace["__init__"]
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
-    init.__module__ = cls.__module__
-    cls.__init__ = init
-    return cls
-
-
-@frozen_record
+@dataclass(frozen=True)
 class ActivationMark:
     """Quantize activation ``tensor`` once (per tensor) for the listed consumers.
 
@@ -68,8 +34,17 @@ class ActivationMark:
     reason: str
     scale_group: Optional[str] = None
 
+    def __init__(self, tensor: str, consumers: Tuple[Tuple[str, int], ...], rule: str, reason: str,
+                 scale_group: Optional[str] = None):
+        fields = self.__dict__  # see the module docstring
+        fields["tensor"] = tensor
+        fields["consumers"] = consumers
+        fields["rule"] = rule
+        fields["reason"] = reason
+        fields["scale_group"] = scale_group
 
-@frozen_record
+
+@dataclass(frozen=True)
 class WeightMark:
     """Quantize constant weight ``tensor`` of ``node`` (input ``input_index``).
 
@@ -83,8 +58,17 @@ class WeightMark:
     rule: str
     reason: str
 
+    def __init__(self, tensor: str, node: str, input_index: int, axis: Optional[int], rule: str, reason: str):
+        fields = self.__dict__  # see the module docstring
+        fields["tensor"] = tensor
+        fields["node"] = node
+        fields["input_index"] = input_index
+        fields["axis"] = axis
+        fields["rule"] = rule
+        fields["reason"] = reason
 
-@frozen_record
+
+@dataclass(frozen=True)
 class Decision:
     """The placement decision for one node, for ``onnx-qat inspect`` and debug logs.
 
@@ -97,6 +81,14 @@ class Decision:
     action: str
     rule: str
     reason: str
+
+    def __init__(self, node: str, op_type: str, action: str, rule: str, reason: str):
+        fields = self.__dict__  # see the module docstring
+        fields["node"] = node
+        fields["op_type"] = op_type
+        fields["action"] = action
+        fields["rule"] = rule
+        fields["reason"] = reason
 
 
 @dataclass(frozen=True)

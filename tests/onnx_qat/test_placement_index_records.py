@@ -233,37 +233,3 @@ def test_assign_node_names_names_the_unnamed_and_keeps_the_rest():
     assert [n.name for n in model.graph.node] == expected == ["r", "Relu_1", "r_1"]
     assign_node_names(model)  # already unique: unchanged
     assert [n.name for n in model.graph.node] == expected
-
-
-def test_frozen_record_makes_the_objects_a_frozen_dataclass_makes():
-    """The faster __init__ keeps the dataclass's signature, defaults, equality, hash and frozenness;
-    fields it cannot set the same way are refused when the class is declared."""
-    import dataclasses
-
-    from onnx_qat.placement.marks import frozen_record
-
-    @frozen_record
-    class Fast:
-        a: int
-        b: tuple = ()
-        c: str = "x"
-
-    @dataclasses.dataclass(frozen=True)
-    class Plain:
-        a: int
-        b: tuple = ()
-        c: str = "x"
-
-    for args, kwargs in [((1,), {}), ((1, (2,)), {"c": "y"}), ((), {"a": 3, "c": "z"})]:
-        fast, plain = Fast(*args, **kwargs), Plain(*args, **kwargs)
-        assert dataclasses.astuple(fast) == dataclasses.astuple(plain)
-        assert fast == Fast(*args, **kwargs) and hash(fast) == hash(Fast(*args, **kwargs))
-        assert repr(fast).split("Fast", 1)[1] == repr(plain).split("Plain", 1)[1]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        Fast(1).a = 2
-    with pytest.raises(TypeError):
-        Fast()  # a is required
-    with pytest.raises(TypeError, match="default_factory"):
-        @frozen_record
-        class Bad:
-            items: list = dataclasses.field(default_factory=list)
