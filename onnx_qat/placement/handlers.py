@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from ..config import QuantizeConfig
 from .graph_index import GraphIndex, NodeInfo
-from .marks import ActivationMark, Decision, WeightMark
+from .marks import ActivationMark, Decision, WeightMark, group_by_tensor
 
 #: Weighted ops: TensorRT runs them in INT8 when both the activation and the weight are quantized.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -75,13 +75,8 @@ class PlacementContext:
     marked: Dict[str, List[ActivationMark]] = field(default_factory=dict)
 
     def record(self, result: NodeResult) -> None:
-        marked = self.marked
-        for mark in result.activations:
-            found = marked.get(mark.tensor)
-            if found is None:
-                marked[mark.tensor] = [mark]
-            else:
-                found.append(mark)
+        if result.activations:
+            group_by_tensor(result.activations, self.marked)
         if result.weights:
             self.quantized_weighted.add(result.decision.node)
 

@@ -12,7 +12,7 @@ long; a 50,000-node model makes ~10^5 of these records.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,17 @@ class Decision:
         fields["action"] = action
         fields["rule"] = rule
         fields["reason"] = reason
+
+
+def group_by_tensor(marks, into: Dict[str, List[ActivationMark]]) -> None:
+    """Append each activation mark to ``into[mark.tensor]`` (the marks asked for each tensor, in
+    the order given)."""
+    for mark in marks:
+        found = into.get(mark.tensor)
+        if found is None:
+            into[mark.tensor] = [mark]
+        else:
+            found.append(mark)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from .handlers import (
     FusedEpilogueHandler, NodeResult, NotQuantizedHandler, PlacementContext, PoolingInputHandler,
     ResidualAddHandler, SkippedOpHandler, WeightedOpHandler,
 )
-from .marks import ActivationMark, Decision, Placement
+from .marks import ActivationMark, Decision, Placement, group_by_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +133,8 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
     grouped = False
     for result in results:  # one pass: most results have no marks and no shares
         if result.activations:
-            for mark in result.activations:
-                found = by_tensor.get(mark.tensor)
-                if found is None:
-                    by_tensor[mark.tensor] = [mark]
-                else:
-                    found.append(mark)
-                grouped = grouped or bool(mark.scale_group)
+            group_by_tensor(result.activations, by_tensor)
+            grouped = grouped or any(mark.scale_group for mark in result.activations)
         if result.shares:
             shares.extend(result.shares)
     parent: Dict[str, str] = {}
