@@ -178,21 +178,11 @@ class GraphEdit:
         self._new_initializers[name] = make_tensor(name, values)
         return name
 
-    def add_scalar(self, base: str, value: np.generic) -> str:
-        """:meth:`add_initializer` for one NumPy scalar (a 0-d tensor), without array overhead."""
-        name = self.fresh(base)
-        data_type = _NP_TO_ONNX.get(value.dtype)
-        if data_type is None or value.dtype.byteorder == ">":
-            self._new_initializers[name] = make_tensor(name, np.asarray(value))
-        else:
-            self._new_initializers[name] = onnx.TensorProto(name=name, data_type=data_type, raw_data=value.tobytes())
-        return name
-
     def add_raw_initializer(self, base: str, dtype: np.dtype, raw: bytes, dims: Sequence[int] = ()) -> str:
         """A new initializer of NumPy type ``dtype`` (one of :data:`_NP_TO_ONNX`) and shape ``dims``
         holding ``raw``, its little-endian bytes, with a fresh name from ``base``; returns its name.
         For callers that made the bytes already (of many scalars at once, or shared by many
-        initializers): :meth:`add_scalar` costs a NumPy scalar per call."""
+        initializers): :meth:`add_initializer` costs a NumPy array per call."""
         name = self.fresh(base)
         self._new_initializers[name] = onnx.TensorProto(name=name, data_type=_NP_TO_ONNX[np.dtype(dtype)],
                                                         dims=dims, raw_data=raw)

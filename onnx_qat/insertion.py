@@ -255,8 +255,7 @@ class _Inserter:
         self.target = target
         self.zero_points = zero_points
         self.unsigned_weights = frozenset(unsigned_weights)
-        self._activation_zp: Dict[int, tuple] = {}  # zero point -> (dtype, raw bytes)
-        self._weight_zp: Dict[tuple, tuple] = {}  # (shape, zero point) -> (dtype, raw bytes, shape)
+        self._zero_points: Dict[tuple, tuple] = {}  # see _zero_point
 
     def run(self, placement: Placement, scales: ScaleTable, progress: bool) -> InsertionResult:
         amaxes = group_amax(placement, scales)
@@ -284,22 +283,15 @@ class _Inserter:
         bar.close()
         return InsertionResult(tuple(records_a), tuple(records_w))
 
-    def _zero_point_bytes(self, zero_point: int) -> Tuple[np.dtype, bytes]:
-        """``(NumPy type, raw bytes)`` of an activation zero point of the target's type."""
-        found = self._activation_zp.get(zero_point)
+    def _zero_point(self, shape: Tuple[int, ...], value: int, dtype) -> tuple:
+        """``(NumPy type, raw bytes, shape)`` of a zero point of ``dtype`` and ``shape`` filled with
+        ``value``, for :meth:`~onnx_qat.graph_edit.GraphEdit.add_raw_initializer` (made once per
+        shape, value and type: every pair and weight of a kind shares them)."""
+        key = (shape, value, dtype)
+        found = self._zero_points.get(key)
         if found is None:
-            value = np.asarray(self.target.activation_dtype(zero_point))
-            found = self._activation_zp[zero_point] = (value.dtype, _le_bytes(value))
-        return found
-
-    def _weight_zero_point(self, shape: Tuple[int, ...], value: int) -> tuple:
-        """``(NumPy type, raw bytes, shape)`` of a weight zero point filled with ``value``: the
-        target's weight type for 0, uint8 for 128 (made once per shape and value)."""
-        key = (shape, value)
-        found = self._weight_zp.get(key)
-        if found is None:
-            zero = np.full(shape, value, np.uint8 if value else self.target.weight_dtype)
-            found = self._weight_zp[key] = (zero.dtype, _le_bytes(zero), shape)
+            zero = np.full(shape, value, dtype)
+            found = self._zero_points[key] = (zero.dtype, _le_bytes(zero), shape)
         return found
 
     def rewire(self, new_nodes, consumers, tensor: str) -> None:
@@ -318,9 +310,9 @@ class _Inserter:
         consumers = [(edit.node(n), i) for n, i in mark.consumers]
         zero_point = target.activation_zero_point if self.zero_points is None else \
             self.zero_points.get(mark.tensor, target.activation_zero_point)
-        zp_type, zp_raw = self._zero_point_bytes(zero_point)
         scale_name = edit.add_raw_initializer(f"{base}_scale", _FLOAT32, scale_raw)
-        zp_name = edit.add_raw_initializer(f"{base}_zero_point", zp_type, zp_raw)
+        zp_name = edit.add_raw_initializer(f"{base}_zero_point",
+                                           *self._zero_point((), zero_point, target.activation_dtype))
         q_out = edit.fresh(f"{base}_QuantizeLinear_Output")
         dq_out = edit.fresh(f"{base}_DequantizeLinear_Output")
         q = make_node("QuantizeLinear", edit.fresh(f"{base}_QuantizeLinear"), [mark.tensor, scale_name, zp_name],
@@ -355,9 +347,10 @@ class _Inserter:
         per_channel = use_axis is not None
         zp_shape = scale.shape if per_channel else ()
         if tensor in self.unsigned_weights:  # same values as uint8 with zero point 128
-            q, zero = (q.astype(np.int16) + 128).astype(np.uint8), self._weight_zero_point(zp_shape, 128)
+            q = (q.astype(np.int16) + 128).astype(np.uint8)
+            zero = self._zero_point(zp_shape, 128, np.uint8)
         else:
-            zero = self._weight_zero_point(zp_shape, 0)
+            zero = self._zero_point(zp_shape, 0, self.target.weight_dtype)
         q_name = edit.add_initializer(f"{base}_quantized", q)
         scale_name = edit.add_initializer(f"{base}_scale", scale if per_channel else scale.reshape(()))
         zp_name = edit.add_raw_initializer(f"{base}_zero_point", *zero)

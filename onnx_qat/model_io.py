@@ -116,11 +116,6 @@ def load_model(source: ModelSource, *, upgrade_opset: bool = True, min_opset: in
     return model
 
 
-def _read_model_file(source: PathLike) -> Tuple[onnx.ModelProto, str, Path]:
-    data, label, base_dir = _read_model_bytes(source)
-    return _parse(data, label), label, base_dir
-
-
 def _read_model_bytes(source: PathLike) -> Tuple[bytes, str, Path]:
     """The bytes of the model file ``source``, its label for messages and its directory."""
     path = Path(source)
@@ -235,10 +230,6 @@ def _initializer_facts(model: onnx.ModelProto) -> _InitializerFacts:
     return _InitializerFacts(total, frozenset(types), external)
 
 
-def _initializer_bytes(model: onnx.ModelProto) -> int:
-    return _initializer_facts(model).bytes
-
-
 def _without_initializer_data(model: onnx.ModelProto) -> onnx.ModelProto:
     light = copy_except_initializers(model)
     for init in model.graph.initializer:
@@ -333,20 +324,10 @@ _TENSOR_ATTRS = frozenset((onnx.AttributeProto.UNDEFINED,
 
 def _has_external_outside_initializers(model: onnx.ModelProto) -> bool:
     """Whether a tensor other than a main-graph initializer (a sparse initializer, a Constant's
-    value, a subgraph's or a function's tensor) keeps its data in an external file. Nodes whose
-    attributes cannot hold tensors (most of them: Q/DQ ``axis``, Conv ``pads``...) are skipped."""
+    value, a subgraph's or a function's tensor) keeps its data in an external file (the main
+    graph's initializers are tested in :func:`_initializer_facts`' pass)."""
     external = onnx.TensorProto.EXTERNAL
-    graph = model.graph
-    if any(t.data_location == external for s in graph.sparse_initializer for t in (s.values, s.indices)):
-        return True
-    for nodes in [graph.node] + [f.node for f in model.functions]:
-        for node in nodes:
-            if node.attribute:
-                for attr in node.attribute:
-                    if attr.type in _TENSOR_ATTRS and any(
-                            t.data_location == external for t in _attribute_tensors(attr)):
-                        return True
-    return False
+    return any(t.data_location == external for t in _all_tensors(model, main_initializers=False))
 
 
 def _attribute_tensors(attr):
@@ -360,9 +341,12 @@ def _attribute_tensors(attr):
         yield from _all_graph_tensors(sub)
 
 
-def _all_graph_tensors(graph):
-    """Every TensorProto of ``graph``: initializers, sparse initializers, attribute tensors."""
-    yield from graph.initializer
+def _all_graph_tensors(graph, initializers: bool = True):
+    """Every TensorProto of ``graph``: initializers (unless ``initializers`` is False), sparse
+    initializers, attribute tensors. Nodes whose attributes cannot hold tensors (most of them:
+    Q/DQ ``axis``, Conv ``pads``...) are passed over."""
+    if initializers:
+        yield from graph.initializer
     for sparse in graph.sparse_initializer:
         yield sparse.values
         yield sparse.indices
@@ -373,9 +357,10 @@ def _all_graph_tensors(graph):
                     yield from _attribute_tensors(attr)
 
 
-def _all_tensors(model: onnx.ModelProto):
-    """Every TensorProto of the model: initializers and attribute tensors, subgraphs included."""
-    yield from _all_graph_tensors(model.graph)
+def _all_tensors(model: onnx.ModelProto, main_initializers: bool = True):
+    """Every TensorProto of the model: initializers and attribute tensors, subgraphs included
+    (the main graph's initializers left out when ``main_initializers`` is False)."""
+    yield from _all_graph_tensors(model.graph, main_initializers)
     for func in model.functions:
         for node in func.node:
             for attr in node.attribute:
