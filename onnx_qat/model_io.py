@@ -86,16 +86,20 @@ def load_model(source: ModelSource, *, upgrade_opset: bool = True, min_opset: in
         min_opset: the lowest default-domain opset accepted without upgrade.
         load_external_data: read external tensor data from the model's directory.
             Locations that are absolute, contain ``..`` or resolve outside that
-            directory are refused.
+            directory are refused. A ``ModelProto`` has no directory: one whose external
+            data was not loaded (``onnx.load(path, load_external_data=False)``) is refused,
+            unless this is False.
         check: run ``onnx.checker`` (``full_check=False``).
 
     Raises:
         ModelError: the path is missing, a directory, empty, not an ONNX protobuf,
-            the model is invalid, refers to unsafe or missing external data, or
-            cannot be upgraded.
+            the model is invalid, refers to unsafe or missing external data (or, given as a
+            ``ModelProto``, to external data not loaded), or cannot be upgraded.
     """
     data = None
     if isinstance(source, onnx.ModelProto):
+        if load_external_data:
+            _refuse_unloaded_external(source)
         model = onnx.ModelProto()
         model.CopyFrom(source)
         label, base_dir = "model", None
@@ -254,12 +258,36 @@ def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
     Raw little-endian bytes of the common numeric types are read in place: one copy fewer than
     ``onnx.numpy_helper.to_array`` and without its per-call cost, which dominates on many small
     tensors (scales, zero points, the weights of a 10^5-node model). Other forms go through
-    ``numpy_helper``. Raises what ``numpy_helper`` raises for external data that was not loaded.
+    ``numpy_helper``.
+
+    Raises:
+        ModelError: the tensor's data is external and was not loaded (it is never looked for
+            relative to the current directory).
     """
     dtype = _RAW_DTYPES.get(tensor.data_type)
-    if dtype is not None and tensor.data_location == onnx.TensorProto.DEFAULT and tensor.HasField("raw_data"):
+    location = tensor.data_location
+    if dtype is not None and location == onnx.TensorProto.DEFAULT and tensor.HasField("raw_data"):
         return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(tuple(tensor.dims))
+    if location == onnx.TensorProto.EXTERNAL:
+        raise ModelError(f"tensor {tensor.name!r}: its data is stored in {_external_location(tensor)} and was "
+                         "not loaded")
     return numpy_helper.to_array(tensor)
+
+
+def _external_location(tensor: onnx.TensorProto) -> str:
+    location = next((entry.value for entry in tensor.external_data if entry.key == "location"), "")
+    return repr(location) if location else "an external file"
+
+
+def _refuse_unloaded_external(model: onnx.ModelProto) -> None:
+    """Raise ModelError when an in-memory model keeps tensor data in external files: a
+    ``ModelProto`` has no directory to read them from."""
+    external = onnx.TensorProto.EXTERNAL
+    tensors = [t for t in _all_tensors(model) if t.data_location == external]
+    if tensors:
+        raise ModelError(f"model: the data of {len(tensors)} tensor(s) (first: {tensors[0].name!r}, in "
+                         f"{_external_location(tensors[0])}) was not loaded; give the model's path, or load "
+                         f"it with onnx.load(path), which reads external data")
 
 
 # --------------------------------------------------------------------------- external data

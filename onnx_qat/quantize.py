@@ -102,7 +102,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         model: path to a float ONNX model, or an ``onnx.ModelProto`` (never mutated).
         output: where to write the Q/DQ model (atomically, after ``onnx.checker`` passed on the
             bytes to write), or None to only return it.
-        scales: a :class:`~onnx_qat.scales.ScaleTable` or the path of its JSON file.
+        scales: a :class:`~onnx_qat.scales.ScaleTable`, the path of its JSON file, or a mapping
+            ``{activation tensor: amax}`` (made into a ScaleTable of activation ranges; weights
+            then take their own max).
         data: calibration data (anything :func:`onnx_qat.load_data` accepts); ranges are then
             computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``.
         method: calibration method when ``data`` is given (``max``, ``percentile``, ``entropy``, ``mse``).
@@ -196,6 +198,9 @@ def _check_sources(scales, data, method, calib_kw) -> None:
     if (scales is None) == (data is None):
         raise ConfigError("give exactly one of scales (a ScaleTable or its JSON path) "
                           "and data (calibration data)")
+    if scales is not None and not isinstance(scales, (ScaleTable, Mapping, str, os.PathLike)):
+        raise ConfigError(f"scales must be a ScaleTable, the path of its JSON file or a mapping of activation "
+                          f"tensor names to amax values, not {type(scales).__name__}")
     if scales is not None and (calib_kw or method != "max"):
         raise ConfigError("calibration options (method, calibration_options...) apply only with data, "
                           "not with scales")
@@ -289,6 +294,8 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
     with _io().cyclic_gc_paused():  # a table of 10^4-10^5 ranges; the index and placement stay alive
         if isinstance(scales, ScaleTable):
             source, table = "ScaleTable", scales
+        elif isinstance(scales, Mapping):  # {activation tensor: amax}
+            source, table = "ScaleTable", ScaleTable(scales, producer="mapping")
         else:
             source, table = f"ScaleTable {scales}", ScaleTable.load(scales)
         try:

@@ -368,6 +368,36 @@ def test_external_data_left_unloaded_on_request(tmp_path):
     assert not (tmp_path / "copy.onnx").exists()
 
 
+def test_in_memory_model_with_unloaded_external_data_refused_whatever_the_cwd(tmp_path, monkeypatch):
+    """A ModelProto has no directory: its unloaded external data is never looked for relative to the
+    current directory (here the directory that holds the data file). Loading it, quantizing it and
+    reading one of its tensors give one-line ModelErrors; check() still reads its graph."""
+    import onnx_qat
+    from onnx_qat.model_io import tensor_array
+
+    save_model(load_model(_conv_model(channels=16)), tmp_path / "e.onnx", external_data_threshold=0)
+    model = onnx.load(str(tmp_path / "e.onnx"), load_external_data=False)
+    before = model.SerializeToString()
+    monkeypatch.chdir(tmp_path)
+    message = r"^model: the data of \d+ tensor\(s\) \(first: '\w+', in '[\w.]+'\) was not loaded; give the model's path"
+    with pytest.raises(ModelError, match=message) as info:
+        load_model(model)
+    assert "\n" not in str(info.value)
+    scales = {t: 1.0 for t in onnx_qat.place(model).activation_tensors()}
+    with pytest.raises(ModelError, match=message):
+        onnx_qat.quantize(model, tmp_path / "q.onnx", scales=scales, progress=False)
+    assert not (tmp_path / "q.onnx").exists()
+    external = next(t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL)
+    with pytest.raises(ModelError, match=rf"^tensor '{external.name}': its data is stored in '\S+' and was not "
+                                         r"loaded$"):
+        tensor_array(external)
+    assert load_model(model, load_external_data=False).graph.initializer[0].data_location == TensorProto.EXTERNAL
+    assert onnx_qat.check(model).num_q == 0
+    assert model.SerializeToString() == before
+    loaded = load_model(tmp_path / "e.onnx")  # from its path the data is read from the model's directory
+    assert not any(t.data_location == TensorProto.EXTERNAL for t in loaded.graph.initializer)
+
+
 def test_save_refuses_a_constant_node_with_unloaded_external_data(tmp_path):
     """External data outside the main graph's initializers (here a Constant node's value) is found too."""
     model = load_model(_conv_model())

@@ -114,6 +114,23 @@ def test_exactly_one_source_of_ranges():
         onnx_qat.quantize(model, scales=_table(model), method="entropy", progress=False)
 
 
+def test_scales_as_a_mapping_of_amax_equal_the_scale_table_and_other_types_are_refused():
+    """A plain {activation tensor: amax} mapping gives the same model bytes as the ScaleTable of those
+    ranges; a list or a number is a one-line ConfigError."""
+    model = B.residual_block_model()
+    table = _table(model)
+    amaxes = {t: table.activations[t] for t in onnx_qat.place(model).activation_tensors()}
+    from_table = onnx_qat.quantize(model, scales=ScaleTable(amaxes), progress=False)
+    from_dict = onnx_qat.quantize(model, scales=dict(amaxes), progress=False)
+    assert from_dict.model.SerializeToString() == from_table.model.SerializeToString()
+    assert dict(from_dict.scales.activations) == amaxes
+    with pytest.raises(onnx_qat.ScalesError, match="amax"):
+        onnx_qat.quantize(model, scales={**amaxes, next(iter(amaxes)): -1.0}, progress=False)
+    for bad in ([1.0], 3.0):
+        with pytest.raises(onnx_qat.ConfigError, match=rf"^scales must be a ScaleTable.*not {type(bad).__name__}$"):
+            onnx_qat.quantize(model, scales=bad, progress=False)
+
+
 def test_output_paths_checked_before_any_work(tmp_path):
     model = B.conv_bn_relu_model()
     src = tmp_path / "m.onnx"
