@@ -11,8 +11,10 @@ shows the subgraph that breaks it.
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter, defaultdict
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -315,6 +317,36 @@ def opset9_model(channels: int = 16, size: int = 8, classes: int = 10, seed: int
     for init in b.initializers:
         b.inputs.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     return b.build(opset=9, ir_version=4)
+
+
+def lines_executed(fn: Callable[[], object], package: str = "onnx_qat") -> Tuple[object, int]:
+    """``(fn(), number of Python lines executed in the files of ``package`` while it ran)``.
+
+    A deterministic measure of work for scaling tests (``sys.settrace``; no clock involved): a
+    per-node Python loop over the whole graph shows as lines growing with the square of the graph
+    size. Work done inside C functions (``list.index``, ``x in some_list``) is not counted.
+    """
+    import importlib
+
+    root = str(Path(importlib.import_module(package).__file__).parent)
+    count = 0
+
+    def in_package(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return in_package
+
+    def calls(frame, event, arg):
+        return in_package if frame.f_code.co_filename.startswith(root) else None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        result = fn()
+    finally:
+        sys.settrace(previous)
+    return result, count
 
 
 def residual_chain_model(blocks: int, channels: int = 16) -> onnx.ModelProto:
