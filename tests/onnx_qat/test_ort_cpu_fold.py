@@ -157,8 +157,9 @@ def test_outputs_close_to_the_tensorrt_target(forms):
     optimizations off: top-1 agrees, and the difference is at most half the tensorrt form's own error
     versus FP32 (measured 0.25 and 0.26 here). The difference is the integer kernels' rounding, not the
     fold (the next test): on ``plain_cnn`` of test_target_ort_cpu.py, which has no scale op, the same
-    ratio measures 0.16-0.73 over builder seeds 0-5 (its 0.25 bound holds at seed 0); tf_bridge's
-    deployed check allows 2x."""
+    ratio measures 0.21-0.50 over sets of 32 samples; tf_bridge's deployed check allows 2x. The inputs
+    (seed 7) are among those calibrated on, so no value exceeds its amax (where zero point 0 keeps what
+    the tensorrt form clamps)."""
     model, _, trt, cpu = forms
     B.assert_deployed_close(model, trt.model, cpu.model, B.random_inputs(model, num=1, seed=7), 0.5)
 

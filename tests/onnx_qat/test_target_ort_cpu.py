@@ -49,9 +49,6 @@ def _feeds(model, seed):
     return B.random_inputs(model, num=1, seed=seed)
 
 
-
-
-
 @pytest.fixture(scope="module")
 def cnn():
     model = plain_cnn()
@@ -130,11 +127,23 @@ def test_onnxruntime_forms_integer_kernels(cnn, tmp_path):
 
 def test_outputs_close_to_the_tensorrt_target(cnn):
     """onnxruntime with its integer kernels versus the TensorRT-target model in reference Q/DQ arithmetic
-    (onnxruntime with graph optimizations off, which is what TensorRT computes up to rounding): the
-    difference is at most 25% of the TensorRT target's own error versus FP32, and the top-1 class agrees.
+    (onnxruntime with graph optimizations off, which is what TensorRT computes up to rounding), on 32
+    samples (4 batches of 8): the mean difference is under 25% of the TensorRT target's own mean error
+    versus FP32 (measured 0.08-0.16 over 10 such sets), the max difference under 60% of its max error
+    (0.21-0.50: a value on a rounding boundary rounds the other way), the ort-cpu model's own max error
+    at most 1.25x the TensorRT target's (0.85-1.13), and top-1 agrees on every sample.
     (With zero point 128 on Relu outputs onnxruntime's 16-bit sums saturate on AVX2: 2x that error.)"""
     model, _, trt, cpu = cnn
-    B.assert_deployed_close(model, trt.model, cpu.model, _feeds(model, 7), 0.25)
+    runs = [(B.run(model, f)[0], B.run(trt.model, f)[0], B.run_optimized(cpu.model, f))
+            for f in (_feeds(model, seed) for seed in (7, 8, 9, 10))]
+    ref, got_trt, got_cpu = (np.concatenate(outputs) for outputs in zip(*runs))
+    assert ref.shape == (32, 10)
+    trt_error, diff = np.abs(got_trt - ref), np.abs(got_cpu - got_trt)
+    assert trt_error.max() > 0
+    assert diff.mean() < 0.25 * trt_error.mean(), (diff.mean(), trt_error.mean())
+    assert diff.max() < 0.6 * trt_error.max(), (diff.max(), trt_error.max())
+    assert np.abs(got_cpu - ref).max() <= 1.25 * trt_error.max()
+    assert (got_cpu.argmax(1) == got_trt.argmax(1)).all()
 
 
 # --------------------------------------------------------------------------- requantization points
