@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 
 from .model_io import target_ir_version, tensor_array
+from .placement.graph_index import DEFAULT_DOMAINS, MAX_IDENTITY_HOPS
 
 _NP_TO_ONNX = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int8): onnx.TensorProto.INT8,
                np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.int32): onnx.TensorProto.INT32,
@@ -131,7 +132,7 @@ class GraphEdit:
         ``tensor`` is not constant. The value is read in place (no copy of raw data)."""
         chain: List[onnx.NodeProto] = []
         name = tensor
-        for _ in range(8):
+        for _ in range(MAX_IDENTITY_HOPS):
             proto = self.initializer(name)
             if proto is not None:
                 return tensor_array(proto), proto, chain
@@ -139,7 +140,7 @@ class GraphEdit:
             if producer is None:
                 break
             chain.append(producer)
-            if producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+            if producer.op_type == "Constant" and producer.domain in DEFAULT_DOMAINS:
                 value = next((a.t for a in producer.attribute if a.name == "value"), None)
                 if value is not None:
                     return tensor_array(value), value, chain

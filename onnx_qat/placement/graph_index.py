@@ -14,8 +14,8 @@ from onnx import helper
 
 #: Domains that mean the standard ONNX operator set.
 DEFAULT_DOMAINS = ("", "ai.onnx")
-#: How far :meth:`GraphIndex.constant_source` follows Identity chains.
-_MAX_IDENTITY_HOPS = 8
+#: How many Identity nodes a constant is followed through (here and in ``GraphEdit.constant``).
+MAX_IDENTITY_HOPS = 8
 
 
 def unique_node_names(nodes: Iterable[onnx.NodeProto]) -> List[str]:
@@ -104,10 +104,6 @@ class NodeInfo:
     def has_subgraphs(self) -> bool:
         """True for control-flow nodes (If, Loop, Scan...) that hold graphs."""
         return any(a.type in _GRAPH_ATTRIBUTE_TYPES for a in self.proto.attribute)
-
-    def data_inputs(self) -> Tuple[Tuple[int, str], ...]:
-        """``(index, tensor)`` of the non-empty inputs."""
-        return tuple((i, t) for i, t in enumerate(self.inputs) if t)
 
 
 class GraphIndex:
@@ -219,7 +215,7 @@ class GraphIndex:
         An initializer also listed as a graph input counts as constant (old exporters list every
         initializer as an input; :func:`onnx_qat.model_io.load_model` removes those inputs).
         """
-        for _ in range(_MAX_IDENTITY_HOPS):
+        for _ in range(MAX_IDENTITY_HOPS):
             if tensor in self.initializers:
                 return tensor
             node = self.producer.get(tensor)
