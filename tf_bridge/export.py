@@ -9,7 +9,10 @@ Steps (each checked; nothing is written unless all pass):
    mapped to its ONNX tensor (:mod:`tf_bridge.mapping`: by weight values with the
    BatchNorm fold factor, by tensor values for activations);
 3. :func:`onnx_qat.quantize` inserts exactly those Q/DQ pairs with those ranges (no
-   recalibration);
+   recalibration). A target that needs ranges no Keras quantizer observes (``ort-cpu``:
+   Conv outputs requantized for onnxruntime's integer kernels, typically before a residual
+   Add) gets them from ``sample_data`` when the caller gives it (max |x|, as
+   :func:`onnx_qat.calibrate` computes it); generated samples are never used as ranges;
 4. parity: the Q/DQ model runs in onnxruntime against the Keras QAT model (run in
    TensorFlow); its difference must be at most 10% of the float ONNX model's
    difference from the Keras QAT model, with top-1 agreement >= 99%. A failure names
@@ -47,6 +50,7 @@ import onnx
 
 from onnx_qat.errors import ExportError, brief
 from onnx_qat.fileio import check_output_path
+from onnx_qat.scales import ScaleTable
 
 from .mapping import KerasOnnxMapping, MappingEntry, map_quantizers
 from .onnx_values import float_tensor_names, run_with_tensors, value_error
@@ -210,6 +214,9 @@ class ExportReport:
             placement) gives this very model; False when the Keras placement differs from the
             default one (the Q/DQ model then comes from the Keras placement).
         baked: weights stored fake-quantized in float (their inputs are not quantized).
+        requantization: for a target other than ``tensorrt``, the records of the points it adds
+            (:attr:`onnx_qat.quantize.QuantizeResult.requantization`: tensor, Conv, amax, its
+            source, ``status``); a ``not requantized`` Conv keeps a float output.
     """
 
     path: Path
@@ -223,6 +230,7 @@ class ExportReport:
     summary: Mapping[str, int] = field(default_factory=dict)
     cli_reproducible: bool = False
     baked: Tuple[str, ...] = ()
+    requantization: Tuple[dict, ...] = field(default=(), repr=False)
 
     @property
     def passed(self) -> bool:
@@ -247,6 +255,8 @@ class ExportReport:
         lines += [f"  parity: {o}" for o in self.parity.outputs]
         lines += [f"  deployed: {d}" for d in self.parity.deployed]
         lines += [f"  worst layer: {w}" for w in self.parity.worst_layers]
+        if self.requantization:
+            lines.append(f"  requantization ({self.target}): {self._requantization_summary()}")
         label = "check" if self.target == "tensorrt" else f"check ({self.target} rules)"
         lines.append(f"  {label}: {self.check.summary()}" if self.check is not None else
                      f"  {label}: not run")
@@ -261,6 +271,15 @@ class ExportReport:
             lines.append(f"  baked weights (input not quantized): {', '.join(self.baked)}")
         return "\n".join(lines)
 
+    def _requantization_summary(self) -> str:
+        statuses = [r.get("status", "") for r in self.requantization]
+        counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
+        floats = [r["tensor"] for r in self.requantization if r.get("status") == "not requantized"]
+        if not floats:
+            return counts
+        hint = "give sample_data" if self.parity.generated_inputs else "no range"
+        return f"{counts} (float output, {hint}: {', '.join(floats)})"
+
     def to_dict(self) -> dict:
         """JSON-ready form."""
         return {"path": str(self.path),
@@ -269,7 +288,8 @@ class ExportReport:
                 "target": self.target, "passed": self.passed, "mapping": [e.to_dict() for e in self.mapping],
                 "parity": self.parity.to_dict(),
                 "check": None if self.check is None else self.check.to_dict(), "summary": dict(self.summary),
-                "cli_reproducible": self.cli_reproducible, "baked": list(self.baked)}
+                "cli_reproducible": self.cli_reproducible, "baked": list(self.baked),
+                "requantization": [dict(r) for r in self.requantization]}
 
 
 # --------------------------------------------------------------------------- inputs
@@ -785,8 +805,12 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
         opset: the ONNX opset tf2onnx converts to (>= 13).
         target: the :func:`onnx_qat.quantize` deployment target.
         sample_data: inputs for mapping and parity (an array, or a list with one array per
-            model input); None generates 8 standard-normal samples.
-        save_scales: also write the ScaleTable JSON as ``<name>.scales.json`` beside ``path``.
+            model input); None generates 8 standard-normal samples. With a target that
+            requantizes tensors no quantizer observes (``ort-cpu``), given data also supplies
+            their ranges (max |x|); generated samples do not (those Convs keep a float output).
+        save_scales: also write the ScaleTable JSON as ``<name>.scales.json`` beside ``path``
+            (the learned ranges plus, for ``ort-cpu`` with ``sample_data``, the ranges of its
+            requantization points, so ``onnx-qat quantize --scales`` gets the same model).
         save_float: also write the float ONNX model as ``<name>.float.onnx`` (its quantized
             weights snapped to the Keras int8 grid, so ``onnx-qat quantize`` with the scales
             reproduces the Q/DQ model).
@@ -825,13 +849,14 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     twin_calls, _ = trace_layers(twin, inputs)
     float_values = run_with_tensors(float_model, feeds, float_tensor_names(float_model))
     mapping = map_quantizers(q_model, float_model, twin_calls, float_values)
+    table = mapping.scales if generated else _with_target_ranges(mapping, target, feeds)
     step("insert Q/DQ")
-    result, reproducible = _quantize(quantize, float_model, mapping, target)
+    result, reproducible = _quantize(quantize, float_model, mapping, target, table)
     step("parity in onnxruntime")
     keras_out = q_model(inputs if len(inputs) > 1 else inputs[0], training=False)
     keras_tf = [np.asarray(v) for v in _outputs(keras_out)]
     reference = result if result.target == "tensorrt" else _quantize(quantize, float_model, mapping,
-                                                                      "tensorrt")[0]
+                                                                      "tensorrt", mapping.scales)[0]
     parity = _parity(q_model, mapping, reference, float_model, float_values, feeds, inputs, keras_tf, opset,
                      generated)
     if reference is not result:
@@ -845,13 +870,13 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     if float_path is not None:
         save_model(mapping.model, float_path, inputs=(out,))
     if scales_path is not None:
-        mapping.scales.save(scales_path)
+        table.save(scales_path)
     save_model(result.model, out)
     verdict = check(result.model, target=result.target)
     step.done()
     report = ExportReport(out, scales_path, float_path, int(opset), result.target, mapping.entries, parity,
                           verdict, MappingProxyType(dict(result.summary)),
-                          reproducible and not mapping.baked, mapping.baked)
+                          reproducible and not mapping.baked, mapping.baked, tuple(result.requantization))
     logger.info("%s", report)
     return report
 
@@ -882,16 +907,46 @@ def _parity(q_model, mapping: KerasOnnxMapping, result, float_model, float_value
     return Parity(outputs, int(inputs[0].shape[0]), generated, worst)
 
 
-def _quantize(quantize, float_model, mapping: KerasOnnxMapping, target: str):
-    """Quantize with the Keras placement; use the default placement when it is the same one,
-    so that ``onnx-qat quantize --scales`` reproduces the model byte for byte."""
+def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleTable:
+    """The learned ScaleTable plus the max |x| over ``feeds`` (the caller's sample data) of each
+    tensor ``target``'s form needs a range for and no quantizer observes (ort-cpu: the output of
+    a Conv requantized for ``QLinearConv`` that reaches no quantized tensor through exactly
+    commuting ops). The learned ranges are kept as they are."""
+    from onnx_qat.calibration import calibrate
+    from onnx_qat.errors import QatError
+    from onnx_qat.placement.graph_index import GraphIndex
+    from onnx_qat.targets import get_target
+
+    form = get_target(target).make_form()
+    needed = () if form is None else tuple(
+        t for t in form.calibration_tensors(GraphIndex(mapping.model), mapping.placement)
+        if t not in mapping.scales.activations)
+    if not needed:
+        return mapping.scales
+    try:
+        measured = calibrate(mapping.model, feeds, method="max", tensors=needed, progress=False)
+    except QatError as exc:
+        raise ExportError(f"export_onnx: ranges of the {target} requantization points from sample_data: "
+                          f"{brief(exc)}") from None
+    samples = len(next(iter(feeds.values())))
+    logger.info("%s: %d requantization point(s) take their range from sample_data (max |x|, %d samples)",
+                target, len(needed), samples)
+    return mapping.scales.merged(ScaleTable(
+        measured.activations, producer=mapping.scales.producer,
+        metadata={f"{target}_ranges": f"max |x| over {samples} sample_data samples for {len(needed)} "
+                  "requantization point(s) no quantizer observes"}))
+
+
+def _quantize(quantize, float_model, mapping: KerasOnnxMapping, target: str, table):
+    """Quantize with the Keras placement and ``table``; use the default placement when it is the
+    same one, so that ``onnx-qat quantize --scales`` reproduces the model byte for byte."""
     from onnx_qat.placement.policy import place
 
     default = place(mapping.model, target=target)
     same = not mapping.baked and _marks(default) == _marks(mapping.placement)
     if same:
-        return quantize(mapping.model, scales=mapping.scales, target=target, progress=False), True
-    return quantize(mapping.model, scales=mapping.scales, target=target, placement=mapping.placement,
+        return quantize(mapping.model, scales=table, target=target, progress=False), True
+    return quantize(mapping.model, scales=table, target=target, placement=mapping.placement,
                     progress=False), False
 
 

@@ -388,6 +388,70 @@ def test_ort_cpu_export_of_a_batchnorm_net_runs_every_conv_as_qlinearconv(tmp_pa
     assert "Mul" not in [n.op_type for n in onnx.load(report.path).graph.node]
 
 
+def _trained_residual_net(seed=11):
+    """A Conv-BN-ReLU stem and one residual block (Conv-BN-ReLU, Conv-BN, Add with the stem, ReLU):
+    the second Conv's output reaches a quantizer only through the Add, so no Keras quantizer
+    observes it; returns the QAT model and held-out data."""
+    keras.utils.set_random_seed(seed)
+    x, y = blobs(256, (12, 12, 3))
+    inp = keras.Input((12, 12, 3))
+    stem = L.ReLU()(L.BatchNormalization()(L.Conv2D(16, 3, padding="same", use_bias=False)(inp)))
+    h = L.ReLU()(L.BatchNormalization()(L.Conv2D(16, 3, padding="same", use_bias=False)(stem)))
+    h = L.BatchNormalization()(L.Conv2D(16, 3, padding="same", use_bias=False)(h))
+    h = L.ReLU()(L.Add()([stem, h]))
+    model = keras.Model(inp, L.Dense(4)(L.GlobalAveragePooling2D()(h)))
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    return _qat(model, x[:64], [tf_bridge.custom_qdq_cases.ResidualConnectionQDQCase()]), x[64:128]
+
+
+def test_ort_cpu_export_requantizes_a_residual_branch_with_ranges_from_sample_data(tmp_path):
+    """The residual branch's last Conv needs a range no quantizer learned: with sample_data it is
+    the max |x| of that Conv's output over the data, every Conv runs as QLinearConv, the scales
+    JSON holds the range and the CLI reproduces the model from it."""
+    from onnx_qat.cli import main
+    from tf_bridge.onnx_values import run_with_tensors
+
+    q, x = _trained_residual_net()
+    report = tf_bridge.export_onnx(q, tmp_path / "cpu.onnx", target="ort-cpu", sample_data=x, save_float=True)
+    assert report.passed, str(report)
+    (deployed,) = report.parity.deployed
+    assert deployed.passed and deployed.top1 >= 0.99
+    ops = B.optimized_ops(report.path, tmp_path)
+    assert ops.count("QLinearConv") == 3 and not {"Conv", "FusedConv"} & set(ops), " ".join(ops)
+    learned = {t for entry in report.mapping for t in entry.onnx_tensors}
+    table = json.loads(report.scales_path.read_text())
+    extra = {t: a for t, a in table["activations"].items() if t not in learned}
+    assert len(extra) == 1, extra
+    ((tensor, amax),) = extra.items()
+    float_model = onnx.load(report.float_path)
+    values = run_with_tensors(float_model, {float_model.graph.input[0].name: x}, [tensor])
+    assert amax == pytest.approx(float(np.abs(values[tensor]).max()), rel=1e-6)
+    assert "ort-cpu_ranges" in table["metadata"]
+    (point,) = [r for r in report.requantization if r["tensor"] == tensor and r["rule"] == "CPU1"]
+    assert point["status"] == "added" and point["amax"] == pytest.approx(amax)
+    assert "not requantized" not in str(report) and "requantization (ort-cpu)" in str(report)
+    again = tmp_path / "again.onnx"
+    assert main(["quantize", str(report.float_path), "--scales", str(report.scales_path),
+                 "--target", "ort-cpu", "-o", str(again)]) == 0
+    assert report.cli_reproducible and again.read_bytes() == report.path.read_bytes()
+
+
+def test_ort_cpu_export_with_generated_data_leaves_the_residual_branch_in_float(tmp_path):
+    """Generated samples are never taken as ranges: the same residual Conv keeps a float output."""
+    q, _ = _trained_residual_net()
+    report = tf_bridge.export_onnx(q, tmp_path / "cpu.onnx", target="ort-cpu")
+    assert report.parity.generated_inputs and bool(report.check), str(report)
+    ops = B.optimized_ops(report.path, tmp_path)
+    assert ops.count("QLinearConv") == 2 and {"Conv", "FusedConv"} & set(ops), " ".join(ops)
+    table = json.loads(report.scales_path.read_text())
+    assert "ort-cpu_ranges" not in table.get("metadata", {})
+    (floating,) = [r for r in report.requantization if r["status"] == "not requantized"]
+    assert floating["op_type"] == "Conv" and floating["amax"] is None
+    assert f"float output, give sample_data: {floating['tensor']}" in str(report)
+    assert report.to_dict()["requantization"][0]["status"] in ("added", "folded", "not requantized")
+
+
 def test_deployed_parity_fails_for_a_wrong_scale(tmp_path):
     """The deployed check can fail: the ort-cpu model with one dequantization scale 25% off."""
     from onnx_qat.quantize import quantize
