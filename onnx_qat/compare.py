@@ -105,12 +105,14 @@ class Comparison:
 
     @property
     def passed(self) -> bool:
+        """Every output compared and within its limits (``bool(comparison)``)."""
         return bool(self)
 
     def __str__(self) -> str:
         return "\n".join(str(o) for o in self.outputs)
 
     def to_dict(self) -> dict:
+        """JSON-ready values: verdict, sample count, the two models' labels and one record per output."""
         return {"passed": bool(self), "num_samples": self.num_samples, "reference": self.reference,
                 "candidate": self.candidate, "outputs": [o.to_dict() for o in self.outputs]}
 

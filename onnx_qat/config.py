@@ -75,6 +75,7 @@ class QuantizeConfig:
         return any(p.fullmatch(name or "") for p in self._patterns)
 
     def op_type_excluded(self, op_type: str) -> bool:
+        """``op_type`` is one of ``exclude_op_types`` (nodes of that type stay float)."""
         return op_type in self.exclude_op_types
 
     @classmethod

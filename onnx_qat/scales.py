@@ -67,6 +67,7 @@ class WeightRange:
 
     @property
     def per_channel(self) -> bool:
+        """One amax per channel along ``axis`` (False: one amax for the whole tensor)."""
         return self.axis is not None
 
 

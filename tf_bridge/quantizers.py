@@ -90,6 +90,7 @@ class ActivationQuantizer(keras.layers.Layer):
         self._warned = False
 
     def build(self, input_shape=None):
+        """Create ``amax`` (trainable in ``learnable`` mode) and the ``initialized`` flag."""
         trainable = self.mode == "learnable"
         self.amax = self.add_weight(
             shape=(), initializer="zeros", trainable=trainable, name="amax",
@@ -99,6 +100,8 @@ class ActivationQuantizer(keras.layers.Layer):
             aggregation="only_first_replica")
 
     def call(self, inputs, training=None):
+        """Fake-quantize ``inputs`` with ``amax`` (pass them through while calibrating or before the
+        range is known); in training, first update ``amax`` as the mode says."""
         x = tf.convert_to_tensor(inputs)
         if self._collector is not None and tf.executing_eagerly():
             self._collector.update(x)
@@ -147,9 +150,11 @@ class ActivationQuantizer(keras.layers.Layer):
                       UncalibratedQuantizerWarning, stacklevel=2)
 
     def compute_output_shape(self, input_shape):
+        """The input shape (fake quantization keeps it)."""
         return input_shape
 
     def compute_mask(self, inputs, mask=None):
+        """The input mask, passed on unchanged."""
         return mask
 
     @property
@@ -239,10 +244,14 @@ class QuantizeWrapper(keras.layers.Wrapper):
             raise ValueError(f"layer '{layer.name}' uses LoRA; merge it before quantization")
 
     def build(self, input_shape=None):
+        """Build the wrapped layer (its weights stay the float master copies)."""
         if not self.layer.built:
             self.layer.build(input_shape)
 
     def call(self, inputs, *args, **kwargs):
+        """Run the wrapped layer with each quantized weight replaced by its fake-quantized value
+        (per-channel amax from the current weight, narrow int8 range); gradients reach the float
+        weight straight through."""
         mapping = []
         for rule in self.rules:
             var = getattr(self.layer, rule.attr)
@@ -253,6 +262,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
             return self.layer(inputs, *args, **kwargs)
 
     def compute_output_shape(self, input_shape):
+        """The wrapped layer's output shape."""
         return self.layer.compute_output_shape(input_shape)
 
     def quantized_weights(self):

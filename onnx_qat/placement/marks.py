@@ -116,10 +116,12 @@ class Placement:
         return tuple(sorted({m.tensor for m in self.activations}))
 
     def weight_tensors(self) -> Tuple[str, ...]:
+        """The weight initializers to quantize, sorted, each once."""
         return tuple(sorted({m.tensor for m in self.weights}))
 
     @property
     def empty(self) -> bool:
+        """Nothing is quantized (no activation and no weight mark)."""
         return not self.activations and not self.weights
 
     def counts(self) -> dict:

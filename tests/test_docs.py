@@ -1,0 +1,171 @@
+"""README.md matches the code: every public function, class, CLI option and README link is there.
+
+These tests read the README and the real objects (signatures from :mod:`inspect`, options from the
+real argparse parsers), so a parameter added, renamed or removed without its documentation fails here.
+"""
+import argparse
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import onnx_qat
+from onnx_qat.cli import get_parser as onnx_qat_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+LINES = README.splitlines()
+
+
+def _headings():
+    """(line number, level, text) of every Markdown heading outside fenced code blocks."""
+    found, fenced = [], False
+    for i, line in enumerate(LINES):
+        if line.startswith("```"):
+            fenced = not fenced
+        match = None if fenced else re.match(r"^(#{1,6}) ", line)
+        if match:
+            found.append((i, len(match.group(1)), line))
+    return found
+
+
+HEADINGS = _headings()
+
+
+def section(title_part: str) -> str:
+    """The README text under the first heading starting with ``title_part``, down to the next heading of
+    the same or a higher level (its sub-sections included)."""
+    return _section_from(next(i for i, _, line in HEADINGS if line.startswith(title_part)))
+
+
+def _section_from(line_no: int) -> str:
+    start, level = max(((i, lv) for i, lv, _ in HEADINGS if i <= line_no), default=(0, 1))
+    end = next((i for i, lv, _ in HEADINGS if i > start and lv <= level), len(LINES))
+    return "\n".join(LINES[start:end])
+
+
+def _documenting_sections(full_name: str) -> str:
+    """Sections whose heading names ``full_name`` or holding its signature in bold or code."""
+    hits = [i for i, line in enumerate(LINES)
+            if (line.startswith("#") and f"`{full_name}" in line) or f"`{full_name}(" in line]
+    return "\n".join(_section_from(i) for i in hits)
+
+
+def _public(module):
+    return [(name, getattr(module, name)) for name in module.__all__]
+
+
+def _tf_bridge():
+    pytest.importorskip("tensorflow")
+    import tf_bridge
+
+    return tf_bridge
+
+
+def _check_functions(module) -> list:
+    problems = []
+    for name, obj in _public(module):
+        if not inspect.isfunction(obj):
+            continue
+        full = f"{module.__name__}.{name}"
+        text = _documenting_sections(full)
+        if not text:
+            problems.append(f"{full}: no README heading or signature")
+            continue
+        for param in inspect.signature(obj).parameters.values():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            if not re.search(rf"\b{re.escape(param.name)}\b", text):
+                problems.append(f"{full}: parameter {param.name!r} not in its README section")
+    return problems
+
+
+def _check_docstrings(module) -> list:
+    problems = []
+    for name, obj in _public(module):
+        if not (inspect.getdoc(obj) or "").strip():
+            problems.append(f"{module.__name__}.{name}: no docstring")
+        if f"`{name}" not in README and f".{name}" not in README:
+            problems.append(f"{module.__name__}.{name}: not named in README")
+        if inspect.isclass(obj) and not issubclass(obj, BaseException):
+            for attr, member in vars(obj).items():
+                if attr.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
+                    continue
+                # getattr: a method overriding a documented base-class method (Keras' build, call...)
+                # inherits its docstring
+                doc = member.__doc__ if isinstance(member, property) else inspect.getdoc(getattr(obj, attr))
+                if not (doc or "").strip():
+                    problems.append(f"{module.__name__}.{name}.{attr}: no docstring")
+    return problems
+
+
+def test_every_public_onnx_qat_function_is_documented_with_every_parameter():
+    assert _check_functions(onnx_qat) == []
+
+
+def test_every_public_tf_bridge_function_is_documented_with_every_parameter():
+    assert _check_functions(_tf_bridge()) == []
+
+
+def test_every_public_name_has_a_docstring_and_is_named_in_the_readme():
+    assert _check_docstrings(onnx_qat) + _check_docstrings(_tf_bridge()) == []
+
+
+def _options(parser: argparse.ArgumentParser, path=()):
+    """(subcommand path, option string) for every long option of ``parser`` and its subcommands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, path + (name,))
+        else:
+            yield from ((path, o) for o in action.option_strings if o.startswith("--") and o != "--help")
+
+
+def test_every_onnx_qat_cli_option_is_documented_in_the_tool_section():
+    text = section("## The `onnx-qat` tool")
+    options = list(_options(onnx_qat_parser()))
+    assert len(options) > 20  # the walk reached the subcommands
+    assert [f"{' '.join(p)} {o}" for p, o in options if o not in text] == []
+
+
+def test_every_subcommand_has_its_own_section():
+    subcommands = {p[0] for p, _ in _options(onnx_qat_parser()) if p}
+    assert subcommands >= {"calibrate", "quantize", "check", "compare", "inspect"}
+    assert [s for s in sorted(subcommands) if f"### `onnx-qat {s}`" not in README] == []
+
+
+@pytest.mark.parametrize("module, title", [("tools.deploy_tensorrt", "## Deploy with TensorRT"),
+                                           ("tools.demo", "## The demo"),
+                                           ("tools.bench.__main__", "### Benchmarks")])
+def test_every_tool_option_is_documented_in_its_section(module, title):
+    import importlib
+
+    parser = importlib.import_module(module).get_parser()
+    text = section(title)
+    options = [o for _, o in _options(parser)]
+    assert options and [o for o in options if o not in text] == []
+
+
+def _anchor(heading: str) -> str:
+    """The anchor a Markdown renderer such as GitHub's gives a heading: lower case, punctuation other
+    than hyphens and underscores dropped, each space a hyphen."""
+    text = re.sub(r"^#+ ", "", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_every_readme_link_to_a_section_or_a_file_resolves():
+    anchors = {_anchor(line) for _, _, line in HEADINGS}
+    links = re.findall(r"\]\(([^)\s]+)\)", README)
+    assert len(links) > 10
+    broken = [link for link in links if link.startswith("#") and link[1:] not in anchors]
+    broken += [link for link in links if not link.startswith(("#", "http://", "https://"))
+               and not (ROOT / link.split("#")[0]).exists()]
+    assert broken == []
+
+
+def test_the_make_targets_the_readme_names_exist():
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    named = set(re.findall(r"(?:^|`)make ([\w-]+)", README, re.M))
+    assert {"demo", "test", "bench"} <= named
+    assert [t for t in sorted(named) if not re.search(rf"^{t}:", makefile, re.M)] == []
