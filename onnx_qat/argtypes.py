@@ -34,7 +34,8 @@ def number_in(low: float, high: float, *, low_open: bool = False) -> Callable[[s
         too_low = value <= low if low_open else value < low
         if not math.isfinite(value) or too_low or value > high:
             bracket = "(" if low_open else "["
-            raise argparse.ArgumentTypeError(f"expected a number in {bracket}{low:g}, {high:g}], got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a number in {bracket}{low:g}, {high:g}], got {text!r}")
         return value
     return parse
 

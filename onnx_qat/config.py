@@ -58,7 +58,8 @@ class QuantizeConfig:
             raise ConfigError(f"target must be one of {', '.join(TARGETS)}; got {self.target!r}")
         object.__setattr__(self, "exclude_nodes", _as_str_tuple(self.exclude_nodes, "exclude_nodes"))
         object.__setattr__(self, "exclude_op_types", _as_str_tuple(self.exclude_op_types, "exclude_op_types"))
-        if isinstance(self.min_channels, bool) or not isinstance(self.min_channels, int) or self.min_channels < 0:
+        if (isinstance(self.min_channels, bool) or not isinstance(self.min_channels, int)
+                or self.min_channels < 0):
             raise ConfigError(f"min_channels must be a whole number >= 0, got {self.min_channels!r}")
         if not isinstance(self.include_attention, bool):
             raise ConfigError(f"include_attention must be True or False, got {self.include_attention!r}")
@@ -67,7 +68,8 @@ class QuantizeConfig:
             try:
                 patterns.append(re.compile(pattern))
             except re.error as exc:
-                raise ConfigError(f"exclude_nodes: {pattern!r} is not a valid regular expression ({exc})") from None
+                raise ConfigError(
+                    f"exclude_nodes: {pattern!r} is not a valid regular expression ({exc})") from None
         object.__setattr__(self, "_patterns", tuple(patterns))
 
     def node_excluded(self, name: str) -> bool:
@@ -82,7 +84,8 @@ class QuantizeConfig:
     def from_options(cls, config: "QuantizeConfig | None" = None, **options) -> "QuantizeConfig":
         """Start from ``config`` (or the defaults) and apply keyword ``options``."""
         base = config or cls()
-        unknown = set(options) - {"target", "exclude_nodes", "exclude_op_types", "min_channels", "include_attention"}
+        unknown = set(options) - {"target", "exclude_nodes", "exclude_op_types", "min_channels",
+                                  "include_attention"}
         if unknown:
             raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
         values = {k: getattr(base, k) for k in ("target", "exclude_nodes", "exclude_op_types",

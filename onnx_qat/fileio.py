@@ -51,7 +51,8 @@ def check_output_path(path: PathLike, *, inputs: tuple = (), what: str = "output
         except OSError:
             same = False
         if same or Path(inp).resolve() == out.resolve():
-            raise OutputError(f"{what} path {out} is the input file; choose another name so the input is kept")
+            raise OutputError(
+                f"{what} path {out} is the input file; choose another name so the input is kept")
     return out
 
 
@@ -143,7 +144,8 @@ def write_json(path: PathLike, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-def read_json(path: PathLike, *, what: str = "JSON file", error: type = QatError, max_bytes: int = MAX_JSON_BYTES):
+def read_json(path: PathLike, *, what: str = "JSON file", error: type = QatError,
+              max_bytes: int = MAX_JSON_BYTES):
     """Read a JSON document with a size bound; every failure is ``error`` with one line."""
     p = Path(path)
     if not p.is_file():

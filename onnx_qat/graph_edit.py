@@ -214,7 +214,8 @@ class GraphEdit:
             if self.producer.get(out) is node:
                 del self.producer[out]
 
-    def release_if_unread(self, initializers: Iterable[str] = (), nodes: Iterable[onnx.NodeProto] = ()) -> None:
+    def release_if_unread(self, initializers: Iterable[str] = (),
+                          nodes: Iterable[onnx.NodeProto] = ()) -> None:
         """At :meth:`commit`, drop these initializers and Constant/Identity nodes if nothing reads
         them then (nodes are checked in the order given: list a chain from its reader's end)."""
         self._maybe_unread.extend(initializers)

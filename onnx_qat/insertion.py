@@ -315,10 +315,10 @@ class _Inserter:
                                            *self._zero_point((), zero_point, target.activation_dtype))
         q_out = edit.fresh(f"{base}_QuantizeLinear_Output")
         dq_out = edit.fresh(f"{base}_DequantizeLinear_Output")
-        q = make_node("QuantizeLinear", edit.fresh(f"{base}_QuantizeLinear"), [mark.tensor, scale_name, zp_name],
-                      [q_out])
-        dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"), [q_out, scale_name, zp_name],
-                       [dq_out])
+        q = make_node("QuantizeLinear", edit.fresh(f"{base}_QuantizeLinear"),
+                      [mark.tensor, scale_name, zp_name], [q_out])
+        dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"),
+                       [q_out, scale_name, zp_name], [dq_out])
         self.rewire([q, dq], consumers, dq_out)
         record = {"kind": "activation", "tensor": mark.tensor, "quantize_node": q.name,
                   "dequantize_node": dq.name, "amax": float(amax), "scale": scale,
@@ -341,7 +341,8 @@ class _Inserter:
             values, proto, chain = edit.constant(tensor)
             table_amax, table_axis = _weight_range(scales, tensor, axis, values)
             use_axis = axis if table_amax is None else table_axis
-            own_amax = weight_amax(values, use_axis)  # once: for the scale (unless the table has one), the record
+            # once: for the scale (unless the table has one), the record
+            own_amax = weight_amax(values, use_axis)
             q, scale = quantize_weight(values, use_axis, own_amax if table_amax is None else table_amax,
                                        self.target.weight_range, name=tensor)
         per_channel = use_axis is not None
@@ -354,8 +355,8 @@ class _Inserter:
         q_name = edit.add_initializer(f"{base}_quantized", q)
         scale_name = edit.add_initializer(f"{base}_scale", scale if per_channel else scale.reshape(()))
         zp_name = edit.add_raw_initializer(f"{base}_zero_point", *zero)
-        dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"), [q_name, scale_name, zp_name],
-                       [edit.fresh(f"{base}_DequantizeLinear_Output")],
+        dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"),
+                       [q_name, scale_name, zp_name], [edit.fresh(f"{base}_DequantizeLinear_Output")],
                        axis=int(use_axis) if per_channel else None)
         self.rewire([dq], consumers, dq.output[0])
         # the float weight (and the Constant/Identity nodes making it) go once nothing else reads them

@@ -132,8 +132,8 @@ def _read_model_bytes(source: PathLike) -> Tuple[bytes, str, Path]:
         raise ModelError(f"{label} is a directory; give the .onnx file")
     try:
         if path.stat().st_size >= 2 ** 31:
-            raise ModelError(f"{label} is over 2 GB in one file, which protobuf cannot read; save the weights "
-                             f"as external data")
+            raise ModelError(f"{label} is over 2 GB in one file, which protobuf cannot read; "
+                             f"save the weights as external data")
         data = path.read_bytes()
     except OSError as exc:
         raise ModelError(f"{label} cannot be read: {exc.strerror or exc}") from None
@@ -269,8 +269,8 @@ def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
     if dtype is not None and location == onnx.TensorProto.DEFAULT and tensor.HasField("raw_data"):
         return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(tuple(tensor.dims))
     if location == onnx.TensorProto.EXTERNAL:
-        raise ModelError(f"tensor {tensor.name!r}: its data is stored in {_external_location(tensor)} and was "
-                         "not loaded")
+        raise ModelError(f"tensor {tensor.name!r}: its data is stored in {_external_location(tensor)} "
+                         "and was not loaded")
     return numpy_helper.to_array(tensor)
 
 
@@ -647,7 +647,8 @@ def to_graph(model: ModelSource):
     try:
         return gs.import_onnx(proto)
     except Exception as exc:
-        raise ModelError(f"model cannot be imported into onnx-graphsurgeon: {brief(exc, first_line=True)}") from None
+        raise ModelError(
+            f"model cannot be imported into onnx-graphsurgeon: {brief(exc, first_line=True)}") from None
 
 
 def from_graph(graph, template_model: onnx.ModelProto) -> onnx.ModelProto:

@@ -199,8 +199,8 @@ def _check_sources(scales, data, method, calib_kw) -> None:
         raise ConfigError("give exactly one of scales (a ScaleTable or its JSON path) "
                           "and data (calibration data)")
     if scales is not None and not isinstance(scales, (ScaleTable, Mapping, str, os.PathLike)):
-        raise ConfigError(f"scales must be a ScaleTable, the path of its JSON file or a mapping of activation "
-                          f"tensor names to amax values, not {type(scales).__name__}")
+        raise ConfigError(f"scales must be a ScaleTable, the path of its JSON file or a mapping of "
+                          f"activation tensor names to amax values, not {type(scales).__name__}")
     if scales is not None and (calib_kw or method != "max"):
         raise ConfigError("calibration options (method, calibration_options...) apply only with data, "
                           "not with scales")

@@ -105,7 +105,8 @@ class ScaleTable:
         object.__setattr__(self, "_activations", MappingProxyType(dict(sorted(acts.items()))))
         object.__setattr__(self, "_weights", MappingProxyType(dict(sorted(wts.items()))))
         object.__setattr__(self, "producer", str(producer))
-        object.__setattr__(self, "metadata", MappingProxyType({str(k): str(v) for k, v in dict(metadata or {}).items()}))
+        object.__setattr__(self, "metadata",
+                           MappingProxyType({str(k): str(v) for k, v in dict(metadata or {}).items()}))
 
     def __setattr__(self, key, value):
         raise AttributeError("ScaleTable is immutable; build a new one (see ScaleTable.merged)")
@@ -133,7 +134,8 @@ class ScaleTable:
         return isinstance(other, ScaleTable) and self.to_dict() == other.to_dict()
 
     def __repr__(self) -> str:
-        return f"ScaleTable({len(self._activations)} activations, {len(self._weights)} weights, producer={self.producer!r})"
+        return (f"ScaleTable({len(self._activations)} activations, {len(self._weights)} weights, "
+                f"producer={self.producer!r})")
 
     def merged(self, other: "ScaleTable") -> "ScaleTable":
         """A new table with ``other``'s entries added (``other`` wins on conflicts)."""
@@ -161,7 +163,8 @@ class ScaleTable:
         names = set(tensor_names)
         unknown = [n for n in self._activations if n not in names]
         if unknown:
-            raise ScalesError(f"ScaleTable names {len(unknown)} tensor(s) the model does not have, e.g. {unknown[:3]}")
+            raise ScalesError(
+                f"ScaleTable names {len(unknown)} tensor(s) the model does not have, e.g. {unknown[:3]}")
         for name, rng in self._weights.items():
             if name not in weight_shapes:
                 raise ScalesError(f"ScaleTable weight {name!r} is not a constant weight of the model")
@@ -170,10 +173,12 @@ class ScaleTable:
                 continue
             axis = rng.axis + len(shape) if rng.axis < 0 else rng.axis
             if not 0 <= axis < len(shape):
-                raise ScalesError(f"ScaleTable weight {name!r}: axis {rng.axis} is out of range for shape {list(shape)}")
+                raise ScalesError(f"ScaleTable weight {name!r}: axis {rng.axis} is out of range "
+                                  f"for shape {list(shape)}")
             if shape[axis] != len(rng.amax):
                 raise ScalesError(
-                    f"ScaleTable weight {name!r}: {len(rng.amax)} amax values for {shape[axis]} channels on axis {rng.axis}")
+                    f"ScaleTable weight {name!r}: {len(rng.amax)} amax values for {shape[axis]} channels "
+                    f"on axis {rng.axis}")
 
     # -- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict:

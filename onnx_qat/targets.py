@@ -45,7 +45,8 @@ class Target:
             ``calibration_tensors(index, placement)`` and ``adapt(index, placement, table)``
             (see :class:`onnx_qat.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
             ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
-            :class:`~onnx_qat.graph_edit.GraphEdit` after Q/DQ insertion (see :meth:`onnx_qat.ort_cpu.Adapted.finish`).
+            :class:`~onnx_qat.graph_edit.GraphEdit` after Q/DQ insertion
+            (see :meth:`onnx_qat.ort_cpu.Adapted.finish`).
     """
 
     name: str
