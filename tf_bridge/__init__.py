@@ -30,7 +30,7 @@ from .wrap import float_model, quantize_model
 
 __all__ = [
     "quantize_model", "float_model", "QuantizationSpec", "CustomQDQInsertionCase", "custom_qdq_cases",
-    "calibrate", "CalibrationResult", "UntrainedBatchNormWarning", "describe", "quantizer_records", "QuantizerRecord",
-    "ActivationQuantizer", "QuantizeWrapper", "UncalibratedQuantizerWarning",
+    "calibrate", "CalibrationResult", "UntrainedBatchNormWarning", "describe", "quantizer_records",
+    "QuantizerRecord", "ActivationQuantizer", "QuantizeWrapper", "UncalibratedQuantizerWarning",
     "fake_quant", "fake_quant_reference", "export_onnx", "ExportReport", "load_model",
 ]

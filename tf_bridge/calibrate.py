@@ -178,9 +178,10 @@ def _warn_untrained_batchnorm(q_model) -> None:
             if np.all(mean == 0) and np.all(var == 1):
                 fresh.append(layer.name)
     if fresh:
-        msg = (f"tf_bridge.calibrate: {len(fresh)} BatchNormalization layer(s) (e.g. '{fresh[0]}') still have "
-               "their initial moving statistics, so the measured ranges will not match training; train the "
-               "float model first, or skip calibrate and let the first training batch set the ranges")
+        msg = (f"tf_bridge.calibrate: {len(fresh)} BatchNormalization layer(s) (e.g. '{fresh[0]}') still "
+               "have their initial moving statistics, so the measured ranges will not match training; "
+               "train the float model first, or skip calibrate and let the first training batch set "
+               "the ranges")
         logger.warning(msg)
         warnings.warn(msg, UntrainedBatchNormWarning, stacklevel=3)
 

@@ -145,8 +145,8 @@ class ActivationQuantizer(keras.layers.Layer):
                 else "their inputs pass through unquantized")
         logger.debug("tf_bridge: activation quantizer '%s' has no range yet", self.name)
         # One message text per situation, so Python shows it once, not once per quantizer.
-        warnings.warn(f"tf_bridge: activation quantizers without a range (see tf_bridge.describe) are in use, "
-                      f"so {what}; call tf_bridge.calibrate(q_model, data) first",
+        warnings.warn(f"tf_bridge: activation quantizers without a range (see tf_bridge.describe) are in "
+                      f"use, so {what}; call tf_bridge.calibrate(q_model, data) first",
                       UncalibratedQuantizerWarning, stacklevel=2)
 
     def compute_output_shape(self, input_shape):

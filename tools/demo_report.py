@@ -385,7 +385,8 @@ def _section_check(results: DemoResults) -> List[str]:
         rep = results.checks.get(key)
         if rep is None:
             continue
-        rules = " (the rules of the ort-cpu form: `check(model, target=\"ort-cpu\")`)" if key == "qat_cpu" else ""
+        rules = (" (the rules of the ort-cpu form: `check(model, target=\"ort-cpu\")`)"
+                 if key == "qat_cpu" else "")
         lines.append(f"- **{MODEL_LABELS[key]}**{rules}: `{rep.get('summary', '')}`")
         for f in rep.get("findings", []):
             lines.append(f"  - {f.get('severity', '').upper()} {f.get('rule', '')} {f.get('node', '')}: "

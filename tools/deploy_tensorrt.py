@@ -115,8 +115,8 @@ def parse_shape_spec(text: str):
 
     name, sep, dims_text = str(text).rpartition(":")
     if not sep or not name:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:MIN,OPT,MAX (e.g. input:1x3x224x224,8x3x224x224,"
-                                         f"32x3x224x224)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:MIN,OPT,MAX "
+                                         f"(e.g. input:1x3x224x224,8x3x224x224,32x3x224x224)")
     parts = dims_text.split(",")
     if len(parts) not in (1, 3):
         raise argparse.ArgumentTypeError(f"{text!r}: give one shape or three (min,opt,max), not {len(parts)}")
@@ -155,22 +155,23 @@ def get_parser() -> argparse.ArgumentParser:
                    help="inputs for validation, verification and timing: an .npz whose keys are the model's "
                         "input names, first axis = samples (default: generated random inputs)")
     g.add_argument("--labels", metavar="LABELS",
-                   help="class labels for accuracy: a .npy file of integer labels (or one-hot rows), or the name "
-                        "of an array inside DATA.npz")
+                   help="class labels for accuracy: a .npy file of integer labels (or one-hot rows), or the "
+                        "name of an array inside DATA.npz")
     g.add_argument("--num-samples", type=whole_number(1), default=16, metavar="N",
                    help="number of generated input samples when no --data is given (default 16)")
     g.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
     b = p.add_argument_group("build")
-    b.add_argument("--shapes", type=parse_shape_spec, action="append", default=[], metavar="NAME:MIN,OPT,MAX",
-                   help="optimization-profile shapes of an input with dynamic dimensions, dims joined by 'x', "
-                        "e.g. input:1x3x224x224,8x3x224x224,32x3x224x224 (one shape = static); repeat per input. "
-                        "Runs use the OPT shape's batch")
+    b.add_argument("--shapes", type=parse_shape_spec, action="append", default=[],
+                   metavar="NAME:MIN,OPT,MAX",
+                   help="optimization-profile shapes of an input with dynamic dimensions, dims joined by "
+                        "'x', e.g. input:1x3x224x224,8x3x224x224,32x3x224x224 (one shape = static); "
+                        "repeat per input. Runs use the OPT shape's batch")
     b.add_argument("--batch", type=whole_number(1), metavar="N",
                    help="batch size when only the first dimension is dynamic: profile min 1, opt N, max N "
                         "(default: 1, or the model's fixed batch)")
     b.add_argument("--fp16", action="store_true",
-                   help="let layers left unquantized run in FP16 (TensorRT >= 10: weakly typed build with the "
-                        "INT8+FP16 flags instead of the strongly typed one)")
+                   help="let layers left unquantized run in FP16 (TensorRT >= 10: weakly typed build with "
+                        "the INT8+FP16 flags instead of the strongly typed one)")
     b.add_argument("--workspace", type=whole_number(1), dest="workspace_mib", metavar="MIB",
                    help="builder workspace memory-pool limit in MiB (default: TensorRT's, the GPU's memory)")
     b.add_argument("--timing-cache", type=Path, metavar="CACHE",
@@ -182,7 +183,8 @@ def get_parser() -> argparse.ArgumentParser:
     m.add_argument("--min-top1", type=number_in(0.0, 1.0), default=0.99,
                    help="least top-1 agreement between engine and onnxruntime outputs (default 0.99)")
     m.add_argument("--max-abs", type=positive_number,
-                   help="largest allowed max-abs difference between engine and onnxruntime (default: no limit)")
+                   help="largest allowed max-abs difference between engine and onnxruntime "
+                        "(default: no limit)")
     s = p.add_argument_group("control")
     s.add_argument("--skip-validation", action="store_true",
                    help="skip the onnxruntime run before the build and the engine-vs-onnxruntime comparison "
@@ -285,9 +287,9 @@ class Latency:
         return _plain(dataclasses.asdict(self))
 
     def __str__(self) -> str:
-        return (f"latency (batch {self.batch_size}, {self.iterations} runs after {self.warmup} warm-up): mean "
-                f"{self.mean_ms:.3f} ms | median {self.median_ms:.3f} | p90 {self.p90_ms:.3f} | p99 "
-                f"{self.p99_ms:.3f} | throughput {self.throughput:.1f} samples/s")
+        return (f"latency (batch {self.batch_size}, {self.iterations} runs after {self.warmup} warm-up): "
+                f"mean {self.mean_ms:.3f} ms | median {self.median_ms:.3f} | p90 {self.p90_ms:.3f} | "
+                f"p99 {self.p99_ms:.3f} | throughput {self.throughput:.1f} samples/s")
 
 
 @dataclass(frozen=True)
@@ -309,8 +311,8 @@ class OutputParity:
     def __str__(self) -> str:
         top1 = f" | top-1 {100 * self.top1:.1f}%" if self.top1 is not None else ""
         tail = f" | {self.reason}" if self.reason else ""
-        return (f"{'PASSED' if self.passed else 'FAILED'} | output {self.name!r} | max abs {self.max_abs:.3e} | "
-                f"max rel {self.max_rel:.3e}{top1}{tail}")
+        return (f"{'PASSED' if self.passed else 'FAILED'} | output {self.name!r} | "
+                f"max abs {self.max_abs:.3e} | max rel {self.max_rel:.3e}{top1}{tail}")
 
 
 @dataclass(frozen=True)
@@ -378,9 +380,9 @@ def output_health(name: str, array: np.ndarray) -> OutputHealth:
     values = np.asarray(array)
     as_float = values.astype(np.float64, copy=False) if values.dtype.kind in "fiub" else None
     if as_float is None or as_float.size == 0:
-        return OutputHealth(name, tuple(values.shape), str(values.dtype), math.nan, math.nan, math.nan, math.nan,
-                            0, 0, False, False, ("not numeric or empty",) if as_float is None or not values.size
-                            else ())
+        return OutputHealth(name, tuple(values.shape), str(values.dtype), math.nan, math.nan, math.nan,
+                            math.nan, 0, 0, False, False,
+                            ("not numeric or empty",) if as_float is None or not values.size else ())
     num_nan = int(np.isnan(as_float).sum())
     num_inf = int(np.isinf(as_float).sum())
     finite = as_float[np.isfinite(as_float)]
@@ -425,12 +427,14 @@ def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str,
     for name in reference:
         ref = np.asarray(reference[name], dtype=np.float64)
         if name not in candidate:
-            results.append(OutputParity(name, math.inf, math.inf, math.inf, None, False, "missing from the engine"))
+            results.append(OutputParity(name, math.inf, math.inf, math.inf, None, False,
+                                        "missing from the engine"))
             continue
         got = np.asarray(candidate[name], dtype=np.float64)
         if got.shape != ref.shape:
             results.append(OutputParity(name, math.inf, math.inf, math.inf, None, False,
-                                        f"shape {list(got.shape)} differs from onnxruntime's {list(ref.shape)}"))
+                                        f"shape {list(got.shape)} differs from onnxruntime's "
+                                        f"{list(ref.shape)}"))
             continue
         diff = np.abs(got - ref)
         rel = diff / np.maximum(np.abs(ref), 1e-6)
@@ -478,7 +482,8 @@ def check_paths(opts: DeployOptions) -> None:
     if opts.report is not None:
         check_output_path(opts.report, inputs=inputs + (opts.engine,), what="--report")
     if opts.timing_cache is not None:
-        check_output_path(opts.timing_cache, inputs=inputs + (opts.engine,) + ((opts.report,) if opts.report else ()),
+        check_output_path(opts.timing_cache,
+                          inputs=inputs + (opts.engine,) + ((opts.report,) if opts.report else ()),
                           what="--timing-cache")
 
 
@@ -507,13 +512,15 @@ def resolve_profiles(specs, shapes: Sequence, batch: Optional[int]) -> Tuple[Tup
         dims = spec.shape
         if profile is None and dims is not None and any(d is None for d in dims):
             if any(d is None for d in dims[1:]):
-                raise ConfigError(f"model input {spec.describe()} has dynamic dimensions other than the batch; "
-                                  f"give its shapes with --shapes {spec.name}:MIN,OPT,MAX")
+                raise ConfigError(f"model input {spec.describe()} has dynamic dimensions other than the "
+                                  f"batch; give its shapes with --shapes {spec.name}:MIN,OPT,MAX")
             n = batch or 1
-            profile = ShapeProfile(spec.name, (1,) + tuple(dims[1:]), (n,) + tuple(dims[1:]), (n,) + tuple(dims[1:]))
+            profile = ShapeProfile(spec.name, (1,) + tuple(dims[1:]), (n,) + tuple(dims[1:]),
+                                   (n,) + tuple(dims[1:]))
         elif profile is None and dims is not None and batch is not None and dims and dims[0] != batch:
-            raise ConfigError(f"model input {spec.describe()} has a fixed batch of {dims[0]}; --batch {batch} "
-                              f"cannot change it (export the model with a dynamic batch dimension)")
+            raise ConfigError(f"model input {spec.describe()} has a fixed batch of {dims[0]}; "
+                              f"--batch {batch} cannot change it (export the model with a dynamic batch "
+                              f"dimension)")
         if profile is not None:
             profiles.append(profile)
             run_batch = run_batch or profile.opt[0]
@@ -582,7 +589,8 @@ def _read_npz(path: Path) -> Dict[str, np.ndarray]:
     except FileNotFoundError:
         raise DataError(f"--data {path} does not exist") from None
     except (OSError, ValueError) as exc:
-        raise DataError(f"--data {path} is not a readable .npz file ({str(exc).splitlines()[0][:160]})") from None
+        raise DataError(
+            f"--data {path} is not a readable .npz file ({str(exc).splitlines()[0][:160]})") from None
 
 
 def _load_labels_file(path: Path) -> np.ndarray:
@@ -592,11 +600,13 @@ def _load_labels_file(path: Path) -> np.ndarray:
         if path.suffix == ".npz":
             with np.load(path, allow_pickle=False) as npz:
                 if len(npz.files) != 1:
-                    raise DataError(f"--labels {path} holds {len(npz.files)} arrays; give a .npy or a one-array .npz")
+                    raise DataError(f"--labels {path} holds {len(npz.files)} arrays; "
+                                    f"give a .npy or a one-array .npz")
                 return npz[npz.files[0]]
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
-        raise DataError(f"--labels {path} is not a readable NumPy file ({str(exc).splitlines()[0][:160]})") from None
+        raise DataError(
+            f"--labels {path} is not a readable NumPy file ({str(exc).splitlines()[0][:160]})") from None
 
 
 def _check_labels(labels: Optional[np.ndarray], num_samples: int, what) -> Optional[np.ndarray]:
@@ -669,7 +679,8 @@ def _fixed_batches(dataset, batch_size: int, min_batch: int):
         yield feed, n
 
 
-def run_engine(runner, dataset, batch_size: int, min_batch: int, progress: bool = False) -> Dict[str, np.ndarray]:
+def run_engine(runner, dataset, batch_size: int, min_batch: int,
+               progress: bool = False) -> Dict[str, np.ndarray]:
     """Every engine output on ``dataset``, concatenated over batches in sample order."""
     from tqdm import tqdm
 
@@ -698,7 +709,8 @@ def measure(runner, dataset, batch_size: int, opts: DeployOptions) -> Latency:
 
 def qdq_node_names(model) -> Tuple[str, ...]:
     """Names of the model's QuantizeLinear/DequantizeLinear nodes (main graph)."""
-    return tuple(n.name for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.name)
+    return tuple(n.name for n in model.graph.node
+                 if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.name)
 
 
 # =========================================================================== orchestration
@@ -738,8 +750,8 @@ def run(opts: DeployOptions) -> int:
     except TensorRTUnavailable as exc:
         done = "check done" if opts.skip_validation else "check and onnxruntime validation done"
         return _stop(state.report, opts, "tensorrt-unavailable", EXIT_USAGE,
-                     f"stopped before the build ({done}{', report ' + str(opts.report) if opts.report else ''}): "
-                     f"{exc}")
+                     f"stopped before the build "
+                     f"({done}{', report ' + str(opts.report) if opts.report else ''}): {exc}")
     except QatError as exc:
         _stop(state.report, opts, "failed", EXIT_USAGE, str(exc))
         raise _AlreadyReported() from exc
@@ -776,7 +788,8 @@ def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs) -> int:
         for health in validation.outputs:
             print(f"onnxruntime: {health}")
         if validation.accuracy is not None:
-            print(f"onnxruntime: accuracy {100 * validation.accuracy:.2f}% on {validation.num_samples} samples")
+            print(f"onnxruntime: accuracy {100 * validation.accuracy:.2f}% "
+                  f"on {validation.num_samples} samples")
         if validation.problems and not opts.force:
             return _stop(report, opts, "refused", EXIT_USAGE,
                          f"onnxruntime outputs of {opts.model} are unhealthy ({validation.problems[0]}); "
@@ -789,7 +802,8 @@ def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs) -> int:
     return _measure_and_verify(opts, state, model, dataset, labels, reference, profiles, batch_size)
 
 
-def _measure_and_verify(opts, state: _Progress, model, dataset, labels, reference, profiles, batch_size) -> int:
+def _measure_and_verify(opts, state: _Progress, model, dataset, labels, reference, profiles,
+                        batch_size) -> int:
     from tools import trt_backend
 
     min_batch = min((p.min[0] for p in profiles), default=batch_size)
@@ -802,15 +816,16 @@ def _measure_and_verify(opts, state: _Progress, model, dataset, labels, referenc
                                                           max_abs=opts.max_abs)
     for line in parity:
         print(f"parity: {line}")
-    acc = {"tensorrt": accuracy(outputs, labels), "onnxruntime": (state.report.validation or {}).get("accuracy"),
+    acc = {"tensorrt": accuracy(outputs, labels),
+           "onnxruntime": (state.report.validation or {}).get("accuracy"),
            "num_samples": int(len(labels))} if labels is not None else None
-    print(f"layers: {layers.int8} INT8, {layers.higher} higher precision, {layers.other} other of {layers.total}; "
-          f"Q/DQ not fused: {', '.join(layers.unfused_qdq) or 'none'}")
+    print(f"layers: {layers.int8} INT8, {layers.higher} higher precision, {layers.other} other of "
+          f"{layers.total}; Q/DQ not fused: {', '.join(layers.unfused_qdq) or 'none'}")
     report = state.update(latency=latency.to_dict(), parity=[p.to_dict() for p in parity], accuracy=acc,
                           layers=layers.to_dict())
     if reference is None:
-        return _stop(report, opts, "built", EXIT_OK, f"engine {opts.engine} built; not compared with onnxruntime "
-                                                     f"(--skip-validation)")
+        return _stop(report, opts, "built", EXIT_OK,
+                     f"engine {opts.engine} built; not compared with onnxruntime (--skip-validation)")
     if all(p.passed for p in parity):
         return _stop(report, opts, "verified", EXIT_OK, f"engine {opts.engine} built and verified")
     failed = next(p for p in parity if not p.passed)

@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: One line telling users how to get TensorRT (used in every "missing" message).
 INSTALL_HINT = ('to build the engine, install it on a machine with an NVIDIA GPU and driver: '
-                'pip install "onnx-qat[tensorrt]" (the tensorrt and cuda-python wheels; or from NVIDIA\'s index: '
-                'pip install tensorrt --extra-index-url https://pypi.nvidia.com)')
+                'pip install "onnx-qat[tensorrt]" (the tensorrt and cuda-python wheels; '
+                'or from NVIDIA\'s index: pip install tensorrt --extra-index-url https://pypi.nvidia.com)')
 #: Oldest TensorRT the flag-based build supports (name-based I/O API, explicit quantization).
 MIN_TENSORRT = (8, 6)
 
@@ -140,7 +140,8 @@ def import_tensorrt():
         detail = "" if getattr(exc, "name", None) in ("tensorrt", None) else f" ({exc})"
         raise TensorRTUnavailable(f"TensorRT is not installed{detail}; {INSTALL_HINT}") from None
     except Exception as exc:  # a broken install (missing libnvinfer.so...) raises OSError and others
-        raise TensorRTUnavailable(f"TensorRT cannot be loaded ({brief(exc, None, first_line=True)}); {INSTALL_HINT}") from None
+        raise TensorRTUnavailable(
+            f"TensorRT cannot be loaded ({brief(exc, None, first_line=True)}); {INSTALL_HINT}") from None
     if version_tuple(trt.__version__) < MIN_TENSORRT:
         raise TensorRTUnavailable(f"TensorRT {trt.__version__} is too old; this script needs TensorRT >= 8.6 "
                                   f"(>= 10 recommended); {INSTALL_HINT}")
@@ -158,8 +159,8 @@ def import_cudart():
         from cuda import cudart  # noqa: PLC0415  (cuda-python < 12.6)
         return cudart
     except ImportError as exc:
-        raise TensorRTUnavailable(f"cuda-python is not installed ({exc}); it is needed for GPU memory and timing; "
-                                  f"{INSTALL_HINT}") from None
+        raise TensorRTUnavailable(f"cuda-python is not installed ({exc}); it is needed for GPU memory "
+                                  f"and timing; {INSTALL_HINT}") from None
 
 
 def require_gpu(cudart=None) -> str:
@@ -167,8 +168,8 @@ def require_gpu(cudart=None) -> str:
     cudart = cudart or import_cudart()
     err, count = cudart.cudaGetDeviceCount()
     if _failed(cudart, err) or count < 1:
-        raise TensorRTUnavailable(f"no CUDA GPU is available ({_err_name(err)}); TensorRT engines are built and "
-                                  f"run on an NVIDIA GPU; {INSTALL_HINT}")
+        raise TensorRTUnavailable(f"no CUDA GPU is available ({_err_name(err)}); TensorRT engines are "
+                                  f"built and run on an NVIDIA GPU; {INSTALL_HINT}")
     err, props = cudart.cudaGetDeviceProperties(0)
     if _failed(cudart, err):
         return "cuda:0"
@@ -280,7 +281,8 @@ def _network_flags(trt, mode: str) -> int:
 
 def _parse(parser, model_bytes: Optional[bytes], model_path: str) -> None:
     """Run the ONNX parser; raise ModelError listing its first errors on one line."""
-    ok = parser.parse(model_bytes, model_path) if model_bytes is not None else parser.parse_from_file(model_path)
+    ok = (parser.parse(model_bytes, model_path) if model_bytes is not None
+          else parser.parse_from_file(model_path))
     if ok:
         return
     messages = []
@@ -295,7 +297,8 @@ def _parse(parser, model_bytes: Optional[bytes], model_path: str) -> None:
             node = f"node #{err.node()}"
         messages.append(f"{node + ': ' if node else ''}{' '.join(str(err.desc()).split())}")
     more = f" (+{parser.num_errors - 3} more)" if parser.num_errors > 3 else ""
-    raise ModelError(f"TensorRT's ONNX parser rejected {model_path}: {'; '.join(messages) or 'unknown error'}{more}")
+    raise ModelError(f"TensorRT's ONNX parser rejected {model_path}: "
+                     f"{'; '.join(messages) or 'unknown error'}{more}")
 
 
 def _make_config(trt, builder, network, settings: BuildSettings, mode: str):
@@ -306,8 +309,9 @@ def _make_config(trt, builder, network, settings: BuildSettings, mode: str):
     if mode in (WEAKLY_TYPED, FLAG_BASED):
         for flag in ("INT8",) + (("FP16",) if settings.fp16 else ()):
             if not hasattr(trt.BuilderFlag, flag):
-                raise ConfigError(f"TensorRT {trt.__version__} has no BuilderFlag.{flag}; drop --fp16 and give the "
-                                  f"model FP16 casts instead (strongly typed networks take types from the model)")
+                raise ConfigError(f"TensorRT {trt.__version__} has no BuilderFlag.{flag}; drop --fp16 "
+                                  f"and give the model FP16 casts instead (strongly typed networks take "
+                                  f"types from the model)")
             config.set_flag(getattr(trt.BuilderFlag, flag))
     profile = _make_profile(builder, network, settings.profiles)
     if profile is not None:
@@ -326,7 +330,8 @@ def _make_profile(builder, network, profiles: Sequence[ShapeProfile]):
         spec = given.get(tensor.name)
         if spec is None and any(d < 0 for d in dims):
             raise ConfigError(f"network input {tensor.name!r} has dynamic shape {list(dims)}; give it with "
-                              f"--shapes {tensor.name}:MIN,OPT,MAX (e.g. 1x3x224x224,8x3x224x224,32x3x224x224)")
+                              f"--shapes {tensor.name}:MIN,OPT,MAX "
+                              f"(e.g. 1x3x224x224,8x3x224x224,32x3x224x224)")
         if spec is None:
             continue
         profile.set_shape(tensor.name, spec.min, spec.opt, spec.max)
@@ -398,10 +403,12 @@ class EngineRunner:
         """Set shapes and addresses, copy inputs to the device; return host output arrays."""
         cudart, h2d = self.cudart, self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
         for name in self.inputs:
-            array = np.ascontiguousarray(feed[name], dtype=self.trt.nptype(self.engine.get_tensor_dtype(name)))
+            array = np.ascontiguousarray(feed[name],
+                                         dtype=self.trt.nptype(self.engine.get_tensor_dtype(name)))
             self.context.set_input_shape(name, array.shape)
             pointer = self._device(name, array.nbytes)
-            _check_cuda(cudart, cudart.cudaMemcpyAsync(pointer, array.ctypes.data, array.nbytes, h2d, self.stream),
+            _check_cuda(cudart,
+                        cudart.cudaMemcpyAsync(pointer, array.ctypes.data, array.nbytes, h2d, self.stream),
                         "cudaMemcpyAsync")
             self.context.set_tensor_address(name, pointer)
         host = {}
@@ -423,7 +430,8 @@ class EngineRunner:
         d2h = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
         for name, array in host.items():
             pointer = self._buffers[name][0]
-            _check_cuda(cudart, cudart.cudaMemcpyAsync(array.ctypes.data, pointer, array.nbytes, d2h, self.stream),
+            _check_cuda(cudart,
+                        cudart.cudaMemcpyAsync(array.ctypes.data, pointer, array.nbytes, d2h, self.stream),
                         "cudaMemcpyAsync")
         _check_cuda(cudart, cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
         return host
@@ -468,8 +476,9 @@ class EngineRunner:
 
 # --------------------------------------------------------------------------- layer analysis (pure Python)
 _PRECISION_WORDS = (  # checked in order; the first word found in "Format/Datatype" names the precision
-    ("bfloat16", "BF16"), ("int8", "INT8"), ("uint8", "UINT8"), ("fp8", "FP8"), ("fp16", "FP16"), ("half", "FP16"),
-    ("fp32", "FP32"), ("float", "FP32"), ("int32", "INT32"), ("int64", "INT64"), ("bool", "BOOL"),
+    ("bfloat16", "BF16"), ("int8", "INT8"), ("uint8", "UINT8"), ("fp8", "FP8"), ("fp16", "FP16"),
+    ("half", "FP16"), ("fp32", "FP32"), ("float", "FP32"), ("int32", "INT32"), ("int64", "INT64"),
+    ("bool", "BOOL"),
 )
 _HIGHER = {"FP32", "FP16", "BF16"}
 _QDQ_LAYER_TYPES = {"scale", "quantize", "dequantize", "quantizelinear", "dequantizelinear"}
@@ -477,7 +486,8 @@ _NOOP_TYPES = {"noop", "no-op", "no_op"}
 
 
 def tensor_precision(fmt: str) -> str:
-    """Precision named by an inspector ``Format/Datatype`` string (``'Row major linear FP32'`` -> ``'FP32'``)."""
+    """Precision named by an inspector ``Format/Datatype`` string
+    (``'Row major linear FP32'`` -> ``'FP32'``)."""
     words = re.findall(r"[a-z0-9]+", str(fmt).lower())
     for token, name in _PRECISION_WORDS:
         if token in words:
@@ -531,7 +541,8 @@ def analyse_layers(info_json: str, qdq_nodes: Iterable[str] = ()) -> LayerSummar
     total = sum(counts.values()) if detailed else len(layers)
     int8 = counts.get("INT8", 0)
     higher = sum(counts.get(p, 0) for p in _HIGHER)
-    return LayerSummary(total=total, int8=int8, higher=higher, other=(total - int8 - higher) if detailed else 0,
+    return LayerSummary(total=total, int8=int8, higher=higher,
+                        other=(total - int8 - higher) if detailed else 0,
                         by_precision=counts, higher_precision_layers=tuple(higher_names[:50]),
                         unfused_qdq=tuple(sorted(set(unfused))), detailed=detailed)
 

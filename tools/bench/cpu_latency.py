@@ -81,7 +81,8 @@ def _setup(workdir: Path, quick: bool, size: int = SIZE):
             models.images(32, size, seed=3))
 
 
-def _build(path: Path, name: str, calib: np.ndarray, workdir: Path, only_uint8: bool = False) -> Dict[str, object]:
+def _build(path: Path, name: str, calib: np.ndarray, workdir: Path,
+           only_uint8: bool = False) -> Dict[str, object]:
     """The six models: float path, our two targets (protos) and onnxruntime's three (paths; only its
     uint8 asymmetric one with ``only_uint8``)."""
     from onnxruntime.quantization import QuantType
@@ -160,8 +161,8 @@ def _kernel_row(forms, feeds, workdir: Path, runs: int) -> Row:
     share = cpu / max(sum(conv["ours ort-cpu"].values()), 1e-12)
     return Row(NAME, "integer Conv kernels alone: float Conv / QLinearConv kernel time",
                ratio(fp32, cpu) if cpu else None, None,
-               f"onnxruntime profile, {runs} runs each; QLinearConv is {100 * share:.0f}% of the ort-cpu kernel "
-               "time, so the whole model's speed-up over FP32 stays near this ratio on this CPU")
+               f"onnxruntime profile, {runs} runs each; QLinearConv is {100 * share:.0f}% of the ort-cpu "
+               "kernel time, so the whole model's speed-up over FP32 stays near this ratio on this CPU")
 
 
 def _op_time(model, feeds, prefix: Path, runs: int) -> Dict[str, float]:
@@ -185,8 +186,8 @@ def _op_time(model, feeds, prefix: Path, runs: int) -> Dict[str, float]:
     times: Dict[str, float] = {}
     for event in events:
         args = event.get("args", {})
-        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time") and "op_name" in args \
-                and event.get("ts", 0) >= warm_end:
+        if (event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time")
+                and "op_name" in args and event.get("ts", 0) >= warm_end):
             times[args["op_name"]] = times.get(args["op_name"], 0.0) + float(event.get("dur", 0))
     profile.unlink(missing_ok=True)
     return times
