@@ -28,7 +28,8 @@ def _two_convs(weight_as_constant_node: bool = False):
                  helper.make_node("Identity", ["w_c"], ["w"], name="ident")] + nodes
     else:
         inits.append(w)
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 2, 2])],
+    graph = helper.make_graph(nodes, "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 2, 2])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 2, 2])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="maker",
                               doc_string="doc")
@@ -184,13 +185,14 @@ def _many_weights(blocks: int = 30, channels: int = 16):
     rng = np.random.default_rng(5)
     nodes, inits, x = [], [], "input"
     for i in range(blocks):
-        inits.append(numpy_helper.from_array(rng.standard_normal((channels, channels, 1, 1)).astype(np.float32),
-                                             f"w{i}"))
+        inits.append(numpy_helper.from_array(
+            rng.standard_normal((channels, channels, 1, 1)).astype(np.float32), f"w{i}"))
         nodes += [helper.make_node("Conv", [x, f"w{i}"], [f"c{i}"], name=f"conv{i}"),
                   helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}")]
         x = f"r{i}"
     shape = [1, channels, 2, 2]
-    graph = helper.make_graph(nodes, "many", [helper.make_tensor_value_info("input", TensorProto.FLOAT, shape)],
+    graph = helper.make_graph(nodes, "many",
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, shape)],
                               [helper.make_tensor_value_info(x, TensorProto.FLOAT, shape)], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 

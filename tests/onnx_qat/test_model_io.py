@@ -379,7 +379,8 @@ def test_in_memory_model_with_unloaded_external_data_refused_whatever_the_cwd(tm
     model = onnx.load(str(tmp_path / "e.onnx"), load_external_data=False)
     before = model.SerializeToString()
     monkeypatch.chdir(tmp_path)
-    message = r"^model: the data of \d+ tensor\(s\) \(first: '\w+', in '[\w.]+'\) was not loaded; give the model's path"
+    message = (r"^model: the data of \d+ tensor\(s\) \(first: '\w+', in '[\w.]+'\) was not loaded; "
+               r"give the model's path")
     with pytest.raises(ModelError, match=message) as info:
         load_model(model)
     assert "\n" not in str(info.value)
@@ -388,10 +389,11 @@ def test_in_memory_model_with_unloaded_external_data_refused_whatever_the_cwd(tm
         onnx_qat.quantize(model, tmp_path / "q.onnx", scales=scales, progress=False)
     assert not (tmp_path / "q.onnx").exists()
     external = next(t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL)
-    with pytest.raises(ModelError, match=rf"^tensor '{external.name}': its data is stored in '\S+' and was not "
-                                         r"loaded$"):
+    with pytest.raises(ModelError, match=rf"^tensor '{external.name}': its data is stored in '\S+' "
+                                         r"and was not loaded$"):
         tensor_array(external)
-    assert load_model(model, load_external_data=False).graph.initializer[0].data_location == TensorProto.EXTERNAL
+    assert (load_model(model, load_external_data=False).graph.initializer[0].data_location
+            == TensorProto.EXTERNAL)
     assert onnx_qat.check(model).num_q == 0
     assert model.SerializeToString() == before
     loaded = load_model(tmp_path / "e.onnx")  # from its path the data is read from the model's directory

@@ -10,8 +10,8 @@ from onnx_qat.placement import TensorRTPolicy
 from onnx_qat.placement.graph_index import GraphIndex, unique_node_names
 from onnx_qat.placement.handlers import rule3_weight_axis
 from tests.builders import (
-    GraphBuilder, concat_model, conv_bn_relu_model, lines_executed, residual_block_model, residual_chain_model,
-    transformer_block_model,
+    GraphBuilder, concat_model, conv_bn_relu_model, lines_executed, residual_block_model,
+    residual_chain_model, transformer_block_model,
 )
 
 

@@ -127,7 +127,8 @@ def test_scales_as_a_mapping_of_amax_equal_the_scale_table_and_other_types_are_r
     with pytest.raises(onnx_qat.ScalesError, match="amax"):
         onnx_qat.quantize(model, scales={**amaxes, next(iter(amaxes)): -1.0}, progress=False)
     for bad in ([1.0], 3.0):
-        with pytest.raises(onnx_qat.ConfigError, match=rf"^scales must be a ScaleTable.*not {type(bad).__name__}$"):
+        with pytest.raises(onnx_qat.ConfigError,
+                           match=rf"^scales must be a ScaleTable.*not {type(bad).__name__}$"):
             onnx_qat.quantize(model, scales=bad, progress=False)
 
 

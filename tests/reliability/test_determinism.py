@@ -41,8 +41,8 @@ def _assert_identical(hashes, expected):
 def test_quantize_with_data_is_byte_identical_across_processes(tmp_path):
     model = concat_model()
     feeds = random_inputs(model, num=6, seed=3)
-    args = ["quantize", "model.onnx", "-o", "q.onnx", "--data", "calib.npz", "--method", "entropy", "--report",
-            "report.json"]
+    args = ["quantize", "model.onnx", "-o", "q.onnx", "--data", "calib.npz", "--method", "entropy",
+            "--report", "report.json"]
     hashes = _run_twice(tmp_path, model, feeds, args)
     _assert_identical(hashes, ["q.onnx", "report.json"])
 

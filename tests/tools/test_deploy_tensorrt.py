@@ -97,15 +97,15 @@ def ort_outputs(path: Path, x: np.ndarray) -> np.ndarray:
 def test_help_lists_every_option_in_a_subprocess():
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for option in ("--engine", "--report", "--data", "--labels", "--num-samples", "--seed", "--shapes", "--batch",
-                   "--fp16", "--workspace", "--timing-cache", "--iterations", "--warmup", "--min-top1",
-                   "--max-abs", "--skip-validation", "--force", "--no-progress", "--verbose"):
+    for option in ("--engine", "--report", "--data", "--labels", "--num-samples", "--seed", "--shapes",
+                   "--batch", "--fp16", "--workspace", "--timing-cache", "--iterations", "--warmup",
+                   "--min-top1", "--max-abs", "--skip-validation", "--force", "--no-progress", "--verbose"):
         assert option in out.stdout, option
     assert "tensorrt" not in out.stderr.lower()
 
 
-@pytest.mark.parametrize("shapes", ["input", "input:1x3,8x3", "input:1x3x0", "input:axb", "input:8x3,4x3,16x3",
-                                    "input:1x3,1x3x3,1x3", ":1x3"])
+@pytest.mark.parametrize("shapes", ["input", "input:1x3,8x3", "input:1x3x0", "input:axb",
+                                    "input:8x3,4x3,16x3", "input:1x3,1x3x3,1x3", ":1x3"])
 def test_bad_shapes_string_is_one_line_exit_2(shapes, good_model, tmp_path, capsys):
     code, out, err = run_main([good_model, "--engine", tmp_path / "m.engine", "--shapes", shapes], capsys)
     assert code == 2
@@ -215,7 +215,8 @@ def test_unhealthy_outputs_refused_before_the_build(tmp_path, capsys, no_tensorr
     path = tmp_path / "dead.onnx"
     onnx.save(qdq_conv_model(zero_weights=True), str(path))  # output = relu(bias) whatever the input
     report = tmp_path / "r.json"
-    code, _, err = run_main([path, "--engine", tmp_path / "m.engine", "--report", report, "--no-progress"], capsys)
+    code, _, err = run_main([path, "--engine", tmp_path / "m.engine", "--report", report, "--no-progress"],
+                            capsys)
     assert code == 2 and "unhealthy" in err and "identical for all" in err
     data = json.loads(report.read_text())
     assert data["status"] == "refused" and data["validation"]["healthy"] is False
@@ -241,8 +242,9 @@ def test_shapes_profile_drives_generated_inputs(tmp_path, capsys, no_tensorrt):
     path = tmp_path / "dyn.onnx"
     onnx.save(qdq_conv_model(height="H", width="W"), str(path))
     report = tmp_path / "r.json"
-    code, _, err = run_main([path, "--engine", tmp_path / "m.engine", "--report", report, "--num-samples", "3",
-                             "--shapes", "input:1x4x6x6,2x4x8x8,4x4x12x12", "--no-progress"], capsys)
+    code, _, err = run_main([path, "--engine", tmp_path / "m.engine", "--report", report,
+                             "--num-samples", "3", "--shapes", "input:1x4x6x6,2x4x8x8,4x4x12x12",
+                             "--no-progress"], capsys)
     assert code == 2, err
     data = json.loads(report.read_text())
     assert data["validation"]["batch_size"] == 2
@@ -276,7 +278,8 @@ def test_other_outputs_may_not_overwrite_inputs(option, good_model, tmp_path, ca
 def test_bad_data_file_is_one_line(good_model, tmp_path, capsys):
     np.savez(tmp_path / "data.npz", wrong_name=np.zeros((2, 4, 8, 8), np.float32),
              other=np.zeros((2, 4, 8, 8), np.float32))
-    code, _, err = run_main([good_model, "--engine", tmp_path / "m.engine", "--data", tmp_path / "data.npz"], capsys)
+    code, _, err = run_main([good_model, "--engine", tmp_path / "m.engine", "--data", tmp_path / "data.npz"],
+                            capsys)
     assert code == 2 and "data.npz" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
@@ -294,9 +297,9 @@ def test_missing_tensorrt_stops_with_one_line_in_a_subprocess(good_model, tmp_pa
     (shadow / "tensorrt" / "__init__.py").write_text("raise ImportError('No module named tensorrt')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT)]))
     report = tmp_path / "r.json"
-    out = subprocess.run([sys.executable, str(SCRIPT), str(good_model), "--engine", str(tmp_path / "m.engine"),
-                          "--report", str(report), "--no-progress"], capture_output=True, text=True, env=env,
-                         timeout=120)
+    out = subprocess.run([sys.executable, str(SCRIPT), str(good_model),
+                          "--engine", str(tmp_path / "m.engine"), "--report", str(report), "--no-progress"],
+                         capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
@@ -323,9 +326,9 @@ def test_missing_tensorrt_in_this_environment(good_model, tmp_path, capsys):
 def test_interrupt_during_validation_leaves_no_output(good_model, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     engine, report = tmp_path / "m.engine", tmp_path / "r.json"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(good_model), "--engine", str(engine), "--report",
-                             str(report), "--num-samples", "50000", "--no-progress"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(good_model), "--engine", str(engine),
+                             "--report", str(report), "--num-samples", "50000", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()  # "check: PASSED ..." once the gate is done and validation starts
         assert line.startswith("check:"), line
@@ -400,7 +403,8 @@ INSPECTOR_JSON = json.dumps({"Layers": [
      "Inputs": [_region("input", "Row major linear FP32")],
      "Outputs": [_region("x_q", "Thirty-two wide channel vectorized row major Int8 format")]},
     {"Name": "input_dq + weight_dq + conv + relu", "LayerType": "CaskConvolution",
-     "Metadata": "[ONNX Layer: input_dq]\x1e[ONNX Layer: weight_dq]\x1e[ONNX Layer: conv]\x1e[ONNX Layer: relu]",
+     "Metadata": "[ONNX Layer: input_dq]\x1e[ONNX Layer: weight_dq]\x1e[ONNX Layer: conv]\x1e"
+                 "[ONNX Layer: relu]",
      "Inputs": [_region("x_q", "Thirty-two wide channel vectorized row major Int8 format")],
      "Outputs": [_region("relu_out", "Row major linear FP32")]},
     {"Name": "pool", "LayerType": "CaskPooling", "Inputs": [_region("relu_out", "Row major linear FP32")],
@@ -428,7 +432,8 @@ def test_analyse_layers_without_detailed_verbosity():
 @pytest.mark.parametrize("fmt, precision", [
     ("Row major linear FP32", "FP32"), ("Channel major FP16 format where channel % 8 == 0", "FP16"),
     ("Thirty-two wide channel vectorized row major Int8 format", "INT8"), ("Half", "FP16"),
-    ("Row major linear UInt8 format", "UINT8"), ("Row major linear BFloat16 format", "BF16"), ("Float", "FP32"),
+    ("Row major linear UInt8 format", "UINT8"), ("Row major linear BFloat16 format", "BF16"),
+    ("Float", "FP32"),
 ])
 def test_tensor_precision_from_inspector_formats(fmt, precision):
     assert trt_backend.tensor_precision(fmt) == precision
@@ -611,7 +616,8 @@ class _Engine:
     def __init__(self, trt, model_bytes):
         self.trt, self.model = trt, onnx.load_from_string(model_bytes)
         self.session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
-        self.names = [i.name for i in self.session.get_inputs()] + [o.name for o in self.session.get_outputs()]
+        self.names = ([i.name for i in self.session.get_inputs()]
+                      + [o.name for o in self.session.get_outputs()])
         self.num_inputs = len(self.session.get_inputs())
 
     @property
@@ -622,7 +628,8 @@ class _Engine:
         return self.names[index]
 
     def get_tensor_mode(self, name):
-        return self.trt.TensorIOMode.INPUT if self.names.index(name) < self.num_inputs else self.trt.TensorIOMode.OUTPUT
+        return (self.trt.TensorIOMode.INPUT if self.names.index(name) < self.num_inputs
+                else self.trt.TensorIOMode.OUTPUT)
 
     def get_tensor_dtype(self, name):
         return self.trt.DataType.FLOAT
@@ -642,7 +649,8 @@ class _Context:
         self.shapes[name] = tuple(shape)
         feed = {n: np.zeros(s, np.float32) for n, s in self.shapes.items()}
         if len(feed) == self.engine.num_inputs:
-            for out, value in zip(self.engine.names[self.engine.num_inputs:], self.engine.session.run(None, feed)):
+            for out, value in zip(self.engine.names[self.engine.num_inputs:],
+                                  self.engine.session.run(None, feed)):
                 self.shapes[out] = value.shape
         return True
 
@@ -661,7 +669,8 @@ class _Context:
             size = int(np.prod(shape)) * 4
             feed[name] = np.frombuffer((ctypes.c_char * size).from_address(self.addresses[name]),
                                        np.float32).reshape(shape).copy()
-        for name, value in zip(self.engine.names[self.engine.num_inputs:], self.engine.session.run(None, feed)):
+        for name, value in zip(self.engine.names[self.engine.num_inputs:],
+                               self.engine.session.run(None, feed)):
             value = np.ascontiguousarray(value, np.float32)
             ctypes.memmove(self.addresses[name], value.ctypes.data, value.nbytes)
         return True
@@ -710,12 +719,14 @@ def _standin_cudart():
 
     counter = iter(range(1, 1 << 30))
     return types.SimpleNamespace(
-        cudaError_t=_Enum(cudaSuccess=ok), cudaMemcpyKind=_Enum(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2),
+        cudaError_t=_Enum(cudaSuccess=ok),
+        cudaMemcpyKind=_Enum(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2),
         cudaGetDeviceCount=lambda: (ok, 1),
         cudaGetDeviceProperties=lambda device: (ok, types.SimpleNamespace(name=b"stand-in device\0")),
         cudaStreamCreate=lambda: (ok, 7), cudaStreamSynchronize=lambda stream: (ok,),
         cudaStreamDestroy=lambda stream: (ok,), cudaMalloc=malloc,
-        cudaFree=lambda pointer: (ok,) if memory.pop(pointer, None) is not None else ("cudaErrorInvalidValue",),
+        cudaFree=lambda pointer: ((ok,) if memory.pop(pointer, None) is not None
+                                  else ("cudaErrorInvalidValue",)),
         cudaMemcpyAsync=memcpy, cudaEventCreate=lambda: (ok, next(counter)), cudaEventRecord=record,
         cudaEventSynchronize=lambda event: (ok,), cudaEventDestroy=lambda event: (ok,),
         cudaEventElapsedTime=lambda start, end: (ok, 1000.0 * (events[end] - events[start]) + 0.25),
@@ -745,8 +756,9 @@ def test_standin_strongly_typed_build_time_verify_and_report(good_model, tmp_pat
     labels = ort_outputs(good_model, x).argmax(axis=1)
     np.savez(tmp_path / "data.npz", input=x, labels=labels)
     report, cache, engine = tmp_path / "r.json", tmp_path / "t.cache", tmp_path / "m.engine"
-    code, out, err = run_main([good_model, "--engine", engine, "--report", report, "--data", tmp_path / "data.npz",
-                               "--labels", "labels", "--batch", "4", "--timing-cache", cache, "--workspace", "64",
+    code, out, err = run_main([good_model, "--engine", engine, "--report", report,
+                               "--data", tmp_path / "data.npz", "--labels", "labels", "--batch", "4",
+                               "--timing-cache", cache, "--workspace", "64",
                                "--iterations", "7", "--warmup", "2", "--no-progress"], capsys)
     assert code == 0, err
     assert trt.calls["network_flags"] == [1 << trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED]
@@ -784,8 +796,9 @@ def test_standin_strongly_typed_build_time_verify_and_report(good_model, tmp_pat
 def test_standin_flag_based_builds(version, fp16, flags, mode, good_model, tmp_path, capsys, standin):
     trt, _ = standin(version)
     report = tmp_path / "r.json"
-    code, _, err = run_main([good_model, "--engine", tmp_path / "m.engine", "--report", report, "--iterations", "2"]
-                            + (["--fp16"] if fp16 else []), capsys)  # progress bars on: stderr only
+    # progress bars on: stderr only
+    code, _, err = run_main([good_model, "--engine", tmp_path / "m.engine", "--report", report,
+                             "--iterations", "2"] + (["--fp16"] if fp16 else []), capsys)
     assert code == 0, err
     assert trt.calls["builder_flags"] == [getattr(trt.BuilderFlag, f) for f in flags]
     expected_network = 0 if mode == "weakly-typed" else 1 << trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH
@@ -871,9 +884,9 @@ def _require_tensorrt_and_gpu():
 def test_real_build_measure_and_verify(good_model, tmp_path, capsys):
     _require_tensorrt_and_gpu()
     report, cache = tmp_path / "r.json", tmp_path / "timing.cache"
-    code, out, err = run_main([good_model, "--engine", tmp_path / "m.engine", "--report", report, "--batch", "4",
-                               "--timing-cache", cache, "--iterations", "20", "--warmup", "5", "--no-progress"],
-                              capsys)
+    code, out, err = run_main([good_model, "--engine", tmp_path / "m.engine", "--report", report,
+                               "--batch", "4", "--timing-cache", cache, "--iterations", "20", "--warmup", "5",
+                               "--no-progress"], capsys)
     assert code == 0, err
     data = json.loads(report.read_text())
     assert data["status"] == "verified" and data["build"]["mode"] in (trt_backend.STRONGLY_TYPED,
