@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = {
     "cpu_latency": ("ort-cpu target speed-up over FP32", "ort-cpu target time / onnxruntime uint8 asymmetric",
                     "ort-cpu vs tensorrt target: max diff / tensorrt target error",
-                    "integer Conv kernels alone: float Conv / QLinearConv kernel time"),
+                    "integer Conv kernels alone: float Conv / QLinearConv kernel time",
+                    "ort-cpu target speed-up over FP32, each model alone",
+                    "floor: tensorrt target vs itself with each input one float32 ulp up",
+                    "ort-cpu vs tensorrt target: top-1 agreement on inputs FP32 decides"),
     "rewrite_speed": ("per-node cost growth",),
     "calibration": ("max time / onnxruntime MinMax", "entropy time / onnxruntime Entropy",
                     "max: peak RSS at"),

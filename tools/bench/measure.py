@@ -90,5 +90,22 @@ def interleaved_medians(runs: Mapping[str, Callable[[], object]], *, repeats: in
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def back_to_back_medians(runs: Mapping[str, Callable[[], object]], *, repeats: int,
+                         warmup: int = 1) -> Dict[str, float]:
+    """Median seconds of each callable run alone: its warm-up and all its ``repeats`` in a row, then
+    the next one (A A A B B B ...): no other work between two runs of the same callable."""
+    medians: Dict[str, float] = {}
+    for name, fn in runs.items():
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        medians[name] = statistics.median(times)
+    return medians
+
+
 if __name__ == "__main__":
     sys.exit(_launch(sys.argv[1:]))
