@@ -529,9 +529,15 @@ def _what_to_try(layer: bool = True) -> str:
 GRAPPLER_PASSES = ("function", "dependency")
 
 
-def _tf2onnx_without_conv_folding(concrete, input_names: List[str], opset: int) -> onnx.ModelProto:
+def _tf2onnx_without_conv_folding(concrete, input_names: List[str], opset: int,
+                                  optimizers=None) -> onnx.ModelProto:
     """``tf2onnx.convert.from_function`` for ``concrete``, except that the BatchNorm Mul/Add stay
-    separate from the convolutions (:data:`GRAPPLER_PASSES`); ``input_names`` name the ONNX inputs."""
+    separate from the convolutions (:data:`GRAPPLER_PASSES`); ``input_names`` name the ONNX inputs.
+
+    tf2onnx's ONNX optimizers (``optimizers``: its own table when None) run first without its
+    per-pass recovery, which copies the whole graph, weights included, before every pass (half the
+    conversion time of a ResNet50). Where a pass fails, the graph is converted again and optimized
+    with that recovery, as ``tf2onnx.convert`` does: the failing pass is skipped and logged."""
     import tensorflow as tf
     from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
     from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
@@ -552,11 +558,20 @@ def _tf2onnx_without_conv_folding(concrete, input_names: List[str], opset: int) 
     graph_def = tf_optimizer.OptimizeGraph(config, meta)
     with tf.device("/cpu:0"), tf.Graph().as_default() as tf_graph:
         tf.import_graph_def(graph_def, name="")
-        graph = tfonnx.process_tf_graph(tf_graph, continue_on_error=True, opset=opset,
-                                        input_names=tf_inputs, output_names=tf_outputs,
-                                        tensors_to_rename=dict(zip(tf_inputs, input_names)))
-        _pin_conv_bias(graph)
-        graph = optimizer.optimize_graph(graph, catch_errors=True)
+
+        def convert():
+            graph = tfonnx.process_tf_graph(tf_graph, continue_on_error=True, opset=opset,
+                                            input_names=tf_inputs, output_names=tf_outputs,
+                                            tensors_to_rename=dict(zip(tf_inputs, input_names)))
+            _pin_conv_bias(graph)
+            return graph
+
+        try:
+            graph = optimizer.optimize_graph(convert(), catch_errors=False, optimizers=optimizers)
+        except Exception as exc:  # an optimizer pass failed: convert again, skip that pass
+            logger.debug("tf2onnx optimizer pass failed (%s); converting again with per-pass recovery",
+                         brief(exc))
+            graph = optimizer.optimize_graph(convert(), catch_errors=True, optimizers=optimizers)
         return graph.make_model(f"converted from {concrete.name}")
 
 

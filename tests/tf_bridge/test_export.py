@@ -476,3 +476,43 @@ def test_deployed_parity_fails_for_a_wrong_scale(tmp_path):
     wrong = deployed_parity("ort-cpu", bad, reference, feeds, names, keras_out, float_out)
     assert good[0].passed and not wrong[0].passed and wrong[0].ratio > good[0].ratio, (good, wrong)
     assert "FAILED" in str(wrong[0])
+
+
+def test_a_failing_tf2onnx_optimizer_pass_is_skipped_as_tf2onnx_does():
+    """The conversion runs tf2onnx's optimizers without their per-pass graph copies; a pass that
+    raises makes it convert again with tf2onnx's recovery, which skips that pass. Both conversions
+    compute what Keras computes."""
+    import onnxruntime as ort
+    import tensorflow as tf
+    from tf2onnx import optimizer
+    from tf2onnx.optimizer.optimizer_base import GraphOptimizerBase
+
+    from tf_bridge.export import _tf2onnx_without_conv_folding
+
+    model = _randomize_bn(mixed_cnn((16, 16, 3)))
+    spec = tf.TensorSpec((None, 16, 16, 3), tf.float32, name="image")
+
+    @tf.function(input_signature=[spec])
+    def forward(x):
+        return model(x, training=False)
+
+    calls = []
+
+    class FailingPass(GraphOptimizerBase):
+        def _optimize(self, graph):
+            calls.append(1)
+            raise RuntimeError("this pass always fails")
+
+    concrete = forward.get_concrete_function(spec)
+    table = dict(optimizer._get_optimizers())
+    plain = _tf2onnx_without_conv_folding(concrete, ["image"], 17)
+    recovered = _tf2onnx_without_conv_folding(concrete, ["image"], 17,
+                                              optimizers={"failing_pass": FailingPass, **table})
+    assert len(calls) >= 2, "the failing pass ran once without recovery, then again with it"
+    assert sorted(n.op_type for n in plain.graph.node) == sorted(n.op_type for n in recovered.graph.node)
+    x = blobs(8, (16, 16, 3))[0]
+    expected = model(x, training=False).numpy()
+    for proto in (plain, recovered):
+        got = ort.InferenceSession(proto.SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, {"image": x})[0]
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
