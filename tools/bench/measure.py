@@ -94,17 +94,8 @@ def back_to_back_medians(runs: Mapping[str, Callable[[], object]], *, repeats: i
                          warmup: int = 1) -> Dict[str, float]:
     """Median seconds of each callable run alone: its warm-up and all its ``repeats`` in a row, then
     the next one (A A A B B B ...): no other work between two runs of the same callable."""
-    medians: Dict[str, float] = {}
-    for name, fn in runs.items():
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        medians[name] = statistics.median(times)
-    return medians
+    return {name: interleaved_medians({name: fn}, repeats=repeats, warmup=warmup)[name]
+            for name, fn in runs.items()}
 
 
 if __name__ == "__main__":
