@@ -21,7 +21,9 @@ from .errors import ConfigError, ModelError, PlacementError, ScalesError
 from .fileio import check_output_path, write_json
 from .placement.graph_index import GraphIndex, assign_node_names
 from .placement.marks import ActivationMark, Placement
+from .placement.policy import policy_for
 from .scales import ScaleTable
+from .target_forms import make_form
 from .targets import Target, get_target
 
 logger = logging.getLogger(__name__)
@@ -141,7 +143,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             raise ConfigError("report and output name the same file")
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
-    form = target_obj.make_form()
+    form = make_form(target_obj)
     if form is not None and data is not None and "tensors" not in calib_kw:
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
             placement.activation_tensors() + form.calibration_tensors(index, placement)))}
@@ -185,7 +187,7 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
         assign_node_names(float_model)
         index = GraphIndex(float_model)  # built once: placement, placement checks and name checks share it
         if placement is None:
-            placement = target_obj.make_policy().place(index, config)
+            placement = policy_for(target_obj).place(index, config)
         else:
             _check_placement(placement, index)
         if placement.empty:

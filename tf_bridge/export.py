@@ -930,9 +930,9 @@ def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleT
     from onnx_qat.calibration import calibrate
     from onnx_qat.errors import QatError
     from onnx_qat.placement.graph_index import GraphIndex
-    from onnx_qat.targets import get_target
+    from onnx_qat.target_forms import make_form
 
-    form = get_target(target).make_form()
+    form = make_form(target)
     needed = () if form is None else tuple(
         t for t in form.calibration_tensors(GraphIndex(mapping.model), mapping.placement)
         if t not in mapping.scales.activations)

@@ -187,11 +187,16 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
     return tuple(merged)
 
 
-def policy_for(target: str):
-    """The placement policy of a deployment target (see :mod:`onnx_qat.targets`)."""
+#: Placement policies by the name a :class:`~onnx_qat.targets.Target` gives in its ``policy`` field.
+POLICIES: Mapping[str, type] = MappingProxyType({"tensorrt": TensorRTPolicy})
+
+
+def policy_for(target):
+    """A fresh placement policy of a deployment target (a :class:`~onnx_qat.targets.Target` or
+    its name; see :mod:`onnx_qat.targets`)."""
     from ..targets import get_target
 
-    return get_target(target).make_policy()
+    return POLICIES[get_target(target).policy]()
 
 
 def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Placement:
