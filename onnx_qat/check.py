@@ -29,15 +29,14 @@ from itertools import compress
 from sys import intern
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
+from . import check_formats
 from .errors import ModelError
+from .findings import ERROR, MODEL_NODE, WARNING, Finding
 
 _UINT8 = 2  # onnx.TensorProto.UINT8: what a QuantizeLinear without a zero point writes
 
 logger = logging.getLogger(__name__)
 
-ERROR = "error"
-WARNING = "warning"
-MODEL_NODE = "(model)"
 
 #: Ops that TensorRT's ONNX parser does not import, or that mean a non-Q/DQ integer format.
 FORBIDDEN_OPS = frozenset({
@@ -53,31 +52,6 @@ _CONST_PASS = frozenset({"Identity", "Transpose", "Reshape", "Squeeze", "Unsquee
 
 
 # -- results ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Finding:
-    """One problem found by one rule.
-
-    Attributes:
-        rule: rule id, ``"C1"`` ... (see :data:`RULES` and the README table).
-        severity: ``"error"`` (TensorRT refuses it or computes something else) or
-            ``"warning"`` (it builds, but slower or less accurately than it could).
-        node: name of the offending node (``"(model)"`` for model-level findings).
-        message: one sentence saying what is wrong and what to do.
-    """
-
-    rule: str
-    severity: str
-    node: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.severity.upper():7} {self.rule:<4} {self.node}: {self.message}"
-
-    def to_dict(self) -> dict:
-        """JSON-ready form."""
-        return {"rule": self.rule, "severity": self.severity, "node": self.node, "message": self.message}
-
-
 @dataclass(frozen=True)
 class CheckReport:
     """What :func:`check` found. ``bool(report)`` is True when there is no error.
@@ -749,8 +723,8 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
         good = g.prejudge("C4", zero_points, TensorProto.INT8, "i1", _is_zero, None)
         for node in _qdq_nodes(g):
             zp = node.zp
-            if zp in good:
-                continue
+            if zp in good or check_formats.other_format(g, node):
+                continue  # FP8 and INT4 Q/DQ: their zero points are rules F1 and F5
             name = g.name(node.pos)
             if not node.is_q and g.elem_type(node.data) == TensorProto.INT32:
                 continue  # a quantized bias: rule C3 reports it
@@ -905,8 +879,8 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
         scale_shapes = g.multi_element_shapes({node.scale for node in _qdq_nodes(g)})
         for node in _qdq_nodes(g):
             scale_shape = scale_shapes.get(node.scale)
-            if scale_shape is None:
-                continue
+            if scale_shape is None or check_formats.blocked(node):
+                continue  # per-tensor, or per-block (rule F3)
             scale_size = math.prod(scale_shape)
             data = node.data
             shape = g.shape(data) or g.shape(_quantized_source(g, node))
@@ -1002,7 +976,7 @@ def rule_c9_weighted_ops(model, graphs) -> Iterator[Finding]:
             act = 1 - w if g.ops[i] in ("Gemm", "MatMul") else 0
             act_q = _fed_by_dq(g, _input(inputs, act), through_movement=True)
             w_q = _fed_by_dq(g, _input(inputs, w), through_movement=True)
-            if act_q != w_q:
+            if act_q != w_q and not (w_q and check_formats.weight_only(g, _input(inputs, w))):
                 which, other = ("weight", "activation") if w_q else ("activation", "weight")
                 tensor = _input(inputs, act if w_q else w)
                 yield Finding("C9", ERROR, g.name(i), f"only its {which} is quantized; quantize the "
@@ -1154,7 +1128,7 @@ RULES: Tuple[Tuple[str, str, str, Callable], ...] = (
     ("C13", WARNING, "the model has Q/DQ nodes at all", rule_c13_not_quantized),
     ("C14", WARNING, "no Q/DQ inside a weighted op -> BatchNormalization/activation fusion",
      rule_c14_qdq_inside_fusion),
-)
+) + check_formats.RULES  # F1-F5: FP8 and INT4 forms
 
 
 # -- entry point --------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from .placement.policy import policy_for
 from .scales import ScaleTable
 from .target_forms import make_form
 from .targets import Target, get_target
+from .formats import get_format
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class QuantizeResult:
         inserted: one record per inserted Q/DQ pair or weight DequantizeLinear (rule, reason, scale).
         requantization: one record per requantization point a target adds beyond the placement
             (the ``ort-cpu`` target's Conv outputs; empty for ``tensorrt``).
+        precision: the numeric format (``int8``, ``fp8``, ``int4``).
+        awq: per-weight-group records of the activation-aware scale search (``int4`` with data).
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -59,6 +62,8 @@ class QuantizeResult:
     summary: Mapping[str, int]
     inserted: Tuple[dict, ...] = field(default=(), repr=False)
     requantization: Tuple[dict, ...] = field(default=(), repr=False)
+    precision: str = "int8"
+    awq: Tuple[dict, ...] = field(default=(), repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.model_io.save_model`)."""
@@ -80,6 +85,8 @@ class QuantizeResult:
                         for d in self.placement.decisions if d.action == "skip"],
             "notes": list(self.placement.notes),
             "requantization": [dict(r) for r in self.requantization],
+            **({} if self.precision == "int8" else {"precision": self.precision,
+                                                    "awq": [dict(r) for r in self.awq]}),
         }
 
     def to_dict(self) -> dict:
@@ -88,7 +95,8 @@ class QuantizeResult:
 
     def __str__(self) -> str:
         s = self.summary
-        return (f"QuantizeResult(target={self.target}, {s['activations']} activation Q/DQ pairs, "
+        return (f"QuantizeResult(target={self.target}, precision={self.precision}, "
+                f"{s['activations']} activation Q/DQ pairs, "
                 f"{s['weights']} weights, {s['skipped_nodes']} nodes skipped, output={self.output})")
 
 
@@ -97,8 +105,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
              exclude_op_types=None, min_channels: Optional[int] = None,
              include_attention: Optional[bool] = None, calibration_options: Optional[Mapping] = None,
              report=None, progress: bool = True, placement: Optional[Placement] = None,
+             precision: Optional[str] = None, block_size: Optional[int] = None,
              **calibration_kwargs) -> QuantizeResult:
-    """Insert INT8 QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them.
+    """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
+    numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
     Args:
         model: path to a float ONNX model, or an ``onnx.ModelProto`` (never mutated).
@@ -108,11 +118,14 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             ``{activation tensor: amax}`` (made into a ScaleTable of activation ranges; weights
             then take their own max).
         data: calibration data (anything :func:`onnx_qat.load_data` accepts); ranges are then
-            computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``.
+            computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``
+            (``precision="int4"`` needs neither: without ``data`` its weights are rounded to
+            nearest; with ``data`` an activation-aware scale search runs first, see
+            :mod:`onnx_qat.awq`).
         method: calibration method when ``data`` is given (``max``, ``percentile``, ``entropy``, ``mse``).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; the keywords ``target``,
-            ``exclude_nodes``, ``exclude_op_types``, ``min_channels`` and ``include_attention``
-            override its fields.
+            ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
+            ``precision`` and ``block_size`` override its fields.
         calibration_options: extra keywords for :func:`onnx_qat.calibrate` (e.g. ``batch_size``);
             further keyword arguments (``percentile=...``, ``batch_size=...``) are added to them.
         report: a path: also write :meth:`QuantizeResult.to_report` as JSON (atomically).
@@ -121,6 +134,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             instead of the target policy's (e.g. the one ``tf_bridge.export_onnx`` derives
             from a Keras QAT model). Its node names are the ones :func:`onnx_qat.place`
             uses; the placement options (``exclude_nodes``...) are then not applied.
+        precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ, scale amax / 448, opset >= 19)
+            or ``"int4"`` (blockwise weight-only DequantizeLinear on MatMul/Gemm weights, opset
+            21); see :mod:`onnx_qat.formats`.
+        block_size: values per INT4 weight scale (default 128; ``precision="int4"``).
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -131,10 +148,12 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     """
     config = QuantizeConfig.from_options(config, target=target, exclude_nodes=exclude_nodes,
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
-                                         include_attention=include_attention)
+                                         include_attention=include_attention, precision=precision,
+                                         block_size=block_size)
     target_obj = get_target(config.target)
+    fmt = get_format(config.precision)
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
-    _check_sources(scales, data, method, calib_kw)
+    _check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     inputs = tuple(p for p in (model, scales, data) if isinstance(p, (str, os.PathLike)))
     out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
     if report is not None:
@@ -143,11 +162,21 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             raise ConfigError("report and output name the same file")
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
+    awq_records: tuple = ()
+    if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
+        from .awq import apply_awq
+
+        if data is not None:
+            awq_records = apply_awq(float_model, index, placement, data, config.block_size,
+                                    progress=progress, batch_size=calib_kw.get("batch_size"))
+        data, scales = None, ScaleTable(producer="weights") if scales is None else scales
     form = make_form(target_obj)
     if form is not None and data is not None and "tensors" not in calib_kw:
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
             placement.activation_tensors() + form.calibration_tensors(index, placement)))}
     table = _ranges(float_model, index, placement, scales, data, method, config, calib_kw, progress)
+    if fmt.attention:
+        table = softmax_ranges(index, placement, table) if config.include_attention else table
     requantization, storage, finish = (), {}, None
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = form.adapt(index, placement, table)
@@ -155,13 +184,15 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
+    storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
     qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage, finish)
     # The float weights are not needed to save the Q/DQ model (a new ModelProto, which holds only
     # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
     summary = _summary(placement, inserted)
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
-                            tuple(inserted.activations + inserted.weights), tuple(requantization))
+                            tuple(inserted.activations + inserted.weights), tuple(requantization),
+                            fmt.name, tuple(awq_records))
     if out_path is not None:
         # validated on the very bytes written (nothing is written when onnx.checker refuses them)
         io.save_model(qdq_model, out_path, inputs=inputs, ir_version=qdq_model.ir_version, validate=True)
@@ -182,7 +213,7 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
     """
     io = _io()
     with io.cyclic_gc_paused():
-        float_model = io.load_model(model)
+        float_model = io.load_model(model, min_opset=get_format(config.precision).min_opset)
         refuse_quantized(float_model, _describe(model))
         assign_node_names(float_model)
         index = GraphIndex(float_model)  # built once: placement, placement checks and name checks share it
@@ -196,8 +227,10 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
     return float_model, index, placement
 
 
-def _check_sources(scales, data, method, calib_kw) -> None:
-    if (scales is None) == (data is None):
+def _check_sources(scales, data, method, calib_kw, weight_only: bool = False) -> None:
+    if weight_only and scales is not None and data is not None:
+        raise ConfigError("give at most one of scales and data for a weight-only precision")
+    if (scales is None) == (data is None) and not (weight_only and scales is None):
         raise ConfigError("give exactly one of scales (a ScaleTable or its JSON path) "
                           "and data (calibration data)")
     if scales is not None and not isinstance(scales, (ScaleTable, Mapping, str, os.PathLike)):
@@ -317,6 +350,21 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> S
     if "tensors" in inspect.signature(calibrate).parameters and "tensors" not in calib_kw:
         calib_kw = {**calib_kw, "tensors": placement.activation_tensors()}  # placement is already known
     return calibrate(model, data, method=method, config=config, progress=progress, **calib_kw)
+
+
+#: Softmax outputs lie in [0, 1]: with FP8 their range is fixed, not calibrated (data-independent, as
+#: TensorRT's fused FP8 attention takes it; source: NVIDIA Model Optimizer's FP8 ONNX exporter, which
+#: quantizes Softmax outputs with scale 1/448).
+SOFTMAX_AMAX = 1.0
+
+
+def softmax_ranges(index: GraphIndex, placement: Placement, table: ScaleTable) -> ScaleTable:
+    """``table`` with amax :data:`SOFTMAX_AMAX` for every quantized tensor a Softmax produces."""
+    fixed = {m.tensor: SOFTMAX_AMAX for m in placement.activations
+             if getattr(index.producer.get(m.tensor), "op_type", None) == "Softmax"}
+    if not fixed:
+        return table
+    return table.merged(ScaleTable(fixed, producer=table.producer, metadata=table.metadata))
 
 
 def _check_complete(table: ScaleTable, placement: Placement, source: str) -> ScaleTable:

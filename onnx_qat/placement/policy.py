@@ -14,6 +14,7 @@ import onnx
 
 from ..config import QuantizeConfig
 from ..errors import ModelError
+from .formats import adapt_placement
 from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
 from .handlers import (
     COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
@@ -97,7 +98,8 @@ class TensorRTPolicy:
                              d.reason, "".join(f"; Q/DQ on {m.tensor!r}" for m in result.activations))
         activations = rule10_merge(results, index)
         weights = tuple([w for r in results if r.weights for w in r.weights])
-        return Placement(activations, weights, tuple([r.decision for r in results]), tuple(notes))
+        placement = Placement(activations, weights, tuple([r.decision for r in results]), tuple(notes))
+        return adapt_placement(placement, index, config)  # the marks the numeric format keeps
 
 
 def _pre_decision(node: NodeInfo, config: QuantizeConfig) -> Optional[Decision]:
@@ -207,7 +209,7 @@ def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Place
             :func:`onnx_qat.model_io.load_model`, which upgrades opset < 13).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; ``options`` (its field names:
             ``target``, ``exclude_nodes``, ``exclude_op_types``, ``min_channels``,
-            ``include_attention``) override its fields.
+            ``include_attention``, ``precision``, ``block_size``) override its fields.
 
     Returns:
         A :class:`~onnx_qat.placement.marks.Placement`: the activation and weight marks, one
@@ -216,9 +218,10 @@ def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Place
     """
     config = QuantizeConfig.from_options(config, **options)
     if not isinstance(model, onnx.ModelProto):
+        from ..formats import get_format
         from ..model_io import load_model
 
-        model = load_model(model)
+        model = load_model(model, min_opset=get_format(config.precision).min_opset)
     if not isinstance(model, onnx.ModelProto):
         raise ModelError(f"place() needs an onnx.ModelProto or a path, got {type(model).__name__}")
     return policy_for(config.target).place(GraphIndex(model), config)
