@@ -496,6 +496,9 @@ def _weight_range(scales: ScaleTable, tensor: str, axis: Optional[int], values: 
     rng = scales.weights.get(tensor)
     if rng is None:
         return None, None
+    if getattr(rng, "block_size", None) is not None:
+        raise ScalesError(f"ScaleTable weight {tensor!r} holds block ranges (block_size {rng.block_size}), "
+                          "which only precision int4 uses")
     if rng.axis is None:
         return rng.amax, None
     rng_axis = rng.axis + values.ndim if rng.axis < 0 else rng.axis

@@ -304,3 +304,27 @@ def test_cli_int4_needs_no_data_and_other_precisions_do(tmp_path, capsys):
     assert main(["quantize", src, "--precision", "int4", "-o", str(tmp_path / "o.onnx")]) == 0
     assert main(["quantize", src, "--precision", "fp8", "-o", str(tmp_path / "p.onnx")]) == 2
     assert "--data --scales is required" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- ScaleTable
+def test_scale_table_block_ranges_round_trip_as_version_2_and_version_1_stays(tmp_path):
+    from onnx_qat.scales import ScaleTable, block_ranges
+
+    model = _bert()
+    weight = numpy_helper.to_array(_init(model, "ffn2.weight"))  # [512, 128]
+    table = block_ranges({"ffn2.weight": weight * 0.5}, axis=0, block_size=128)  # half the true ranges
+    table.save(tmp_path / "t.json")
+    loaded = ScaleTable.load(tmp_path / "t.json")
+    assert loaded == table and loaded.to_dict()["version"] == 2
+    ffn2 = loaded.weights["ffn2.weight"]
+    assert ffn2.block_size == 128 and len(ffn2.amax) == 4 * 128
+    assert ScaleTable({"x": 1.0}).to_dict()["version"] == 1  # tables without blocks: as before
+    out = onnx_qat.quantize(model, scales=table, progress=False, precision="int4").model
+    scale = numpy_helper.to_array(_init(out, "ffn2.weight_scale"))
+    assert np.allclose(scale, np.abs(weight.reshape(4, 128, 128)).max(axis=1) * 0.5 / 7)
+    with pytest.raises(onnx_qat.ScalesError, match="block_size 96 does not divide"):
+        onnx_qat.quantize(model, scales=block_ranges({"ffn2.weight": weight[:480]}, 0, 96), progress=False,
+                          precision="int4")
+    with pytest.raises(onnx_qat.ScalesError, match="only precision int4"):
+        ranges = dict.fromkeys(onnx_qat.place(model).activation_tensors(), 1.0)
+        onnx_qat.quantize(model, scales=table.merged(ScaleTable(ranges)), progress=False)
