@@ -660,7 +660,8 @@ def build(model, opts: DeployOptions, profiles):
 
     cache = opts.timing_cache.read_bytes() if opts.timing_cache and opts.timing_cache.is_file() else None
     settings = trt_backend.BuildSettings(
-        precision=trt_backend.model_precision(model), fp16=opts.fp16, workspace_bytes=(opts.workspace_mib << 20) if opts.workspace_mib else None,
+        precision=trt_backend.model_precision(model), fp16=opts.fp16,
+        workspace_bytes=(opts.workspace_mib << 20) if opts.workspace_mib else None,
         profiles=tuple(profiles), timing_cache=cache, verbose=opts.verbose)
     from onnx_qat.model_io import EXTERNAL_DATA_THRESHOLD
 
@@ -800,7 +801,8 @@ def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs) -> int:
     state.update(status="validated").write(opts.report)
     result = build(model, opts, profiles)
     state.update(status="built", build=result.to_dict())
-    print(f"build: {result.mode} {result.precision} engine with TensorRT {result.tensorrt_version} on {result.device} in "
+    print(f"build: {result.mode} {result.precision} engine with TensorRT {result.tensorrt_version} "
+          f"on {result.device} in "
           f"{result.seconds:.1f} s -> {opts.engine}")
     return _measure_and_verify(opts, state, model, dataset, labels, reference, profiles, batch_size)
 
