@@ -1165,8 +1165,13 @@ def _load(model):
         from .model_io import load_model
         return load_model(model, upgrade_opset=False), str(model)
     import onnx
+
+    from .model_io import from_graph, is_graph
+    if is_graph(model):
+        return from_graph(model), ""
     if not isinstance(model, onnx.ModelProto):
-        raise ModelError(f"check() needs a model path or an onnx.ModelProto, got {type(model).__name__}")
+        raise ModelError(f"check() needs a model path, an onnx.ModelProto or an onnx_graphsurgeon.Graph, "
+                         f"got {type(model).__name__}")
     return model, ""
 
 
@@ -1211,8 +1216,9 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
     """Check a Q/DQ ONNX model for TensorRT explicit-quantization readiness.
 
     Args:
-        model: a path (loaded without opset upgrade, so an old opset is reported)
-            or an ``onnx.ModelProto`` (read only, never modified).
+        model: a path (loaded without opset upgrade, so an old opset is reported),
+            an ``onnx.ModelProto`` (read only, never modified) or an ``onnx_graphsurgeon.Graph``
+            (exported with ``gs.export_onnx``, never modified).
         target: ``None``/``"tensorrt"`` (every rule), or ``"ort-cpu"``: the rules that apply to
             that form, with :data:`ORT_CPU_RULES` replacing C4 and leaving out C11 and C14.
         path: the file an in-memory ``model`` was read from or written to, named in the
