@@ -2,7 +2,7 @@
 
 A :class:`Format` says how a quantized tensor is stored and which marks apply; placement
 (:func:`onnx_qat.placement.formats.adapt_placement`), the one inserter
-(:mod:`onnx_qat.insertion`) and the checker (:mod:`onnx_qat.check_formats`) read the same
+(:mod:`onnx_qat.insertion`) and the checker (:mod:`onnx_qat.check.rules_formats`) read the same
 record, so the three never disagree on a format. The :mod:`onnx_qat.targets` Target says how
 the same marks are deployed (TensorRT, onnxruntime CPU); the format says which numbers.
 

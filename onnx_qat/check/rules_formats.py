@@ -1,7 +1,7 @@
-"""Check rules of the FP8 and INT4 forms (F1-F5), run by :func:`onnx_qat.check` after C1-C14.
+"""Rules F1-F5: the FP8 and INT4 forms, run by :func:`onnx_qat.check` after C1-C14.
 
 Each rule reads the same per-graph index as the INT8 rules (the ``graphs`` :func:`onnx_qat.check`
-builds) and yields :class:`~onnx_qat.findings.Finding` records. The INT8 rules leave FP8 and INT4
+builds) and yields :class:`~onnx_qat.check.Finding` records. The INT8 rules leave FP8 and INT4
 Q/DQ to these: C4 skips their zero points (:func:`other_format`), C6 skips blockwise scales
 (:func:`blocked`), C9 accepts a weight-only INT4 weight without an activation Q/DQ
 (:func:`weight_only`).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
-from .findings import ERROR, MODEL_NODE, WARNING, Finding
+from .report import ERROR, MODEL_NODE, WARNING, Finding
 
 _FLOAT, _INT8, _UINT8 = 1, 3, 2
 #: ONNX element types: the float8 family and the 4-bit integers.
