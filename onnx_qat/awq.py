@@ -7,7 +7,9 @@ them finer INT4 steps. The search tries ``s = mean|x|^alpha`` (normalised to a g
 for ``alpha`` in 0, 0.05 ... 1 and keeps the one with the least relative output error
 ``sum_i ||x W_i - (x / s) Q(s W_i)||^2 / ||x W_i||^2`` on the calibration rows (``alpha = 0`` is
 plain round-to-nearest, so the search never does worse than it on those rows). ``s`` multiplies
-the weight rows; ``1 / s`` is folded into the op that produces ``x``:
+the weight rows; then each block's range is shrunk where that lowers its activation-weighted error
+(:func:`search_clip`), and the block ranges go to the inserter through the ScaleTable. ``1 / s``
+is folded into the op that produces ``x``:
 
 * LayerNormalization with constant scale (and bias): both divided by ``s``;
 * MatMul/Gemm with a constant weight (optionally followed by an Add of a constant bias): its
@@ -42,19 +44,24 @@ MAX_ROWS = 1024
 
 
 def apply_awq(model, index: GraphIndex, placement: Placement, data, block_size: int, *,
-              progress: bool = False, batch_size: Optional[int] = None) -> Tuple[dict, ...]:
-    """Search and apply AWQ scales for every foldable group of INT4 weight marks; edits ``model``'s
-    constants in place (``model`` is the private float copy :func:`onnx_qat.quantize` owns).
+              progress: bool = False, batch_size: Optional[int] = None) -> Tuple[Tuple[dict, ...], dict]:
+    """Search and apply AWQ scales for every group of INT4 weight marks; edits ``model``'s constants in
+    place (``model`` is the private float copy :func:`onnx_qat.quantize` owns); then choose each
+    block's clipping range (:func:`search_clip`).
 
-    Returns one record per group: the activation, its weights, the fold target or the reason it
-    kept round-to-nearest, the chosen ``alpha`` and the relative output errors of RTN and AWQ."""
+    Returns ``(records, ranges)``: one record per group (the activation, its weights, where ``1 / s``
+    went and why, the chosen ``alpha``, the relative output errors of round-to-nearest, of the scaled
+    weights and of the scaled and clipped weights on the calibration rows), and the block ranges
+    ``{weight: WeightRange(axis, amax, block_size)}`` for the ScaleTable the inserter reads."""
+    from .scales import WeightRange
+
     groups = _groups(index, placement)
     if not groups:
-        return ()
+        return (), {}
     folds = {x: _fold_target(index, x, nodes) for x, nodes in groups.items()}
     wanted = [x for x, (kind, _) in folds.items() if kind is not None]
     samples = _activation_rows(model, wanted, data, progress, batch_size) if wanted else {}
-    records, muls = [], []
+    records, muls, ranges = [], [], {}
     for x, nodes in groups.items():
         kind, why = folds[x]
         weights = [(n, _weight_matrix(index, n)) for n in nodes]
@@ -73,11 +80,61 @@ def apply_awq(model, index: GraphIndex, placement: Placement, data, block_size: 
                 muls.append((x, [n.name for n in nodes], (1.0 / scale).astype(np.float32)))
             else:
                 _fold_inverse(index, x, kind, 1.0 / scale)
-        logger.info("awq %s: alpha %.2f, relative output error %.3g -> %.3g (%s)", x, alpha,
-                    errors[0.0], errors[alpha], kind)
+        scaled_rows = rows / scale if alpha > 0 else rows
+        clipped, final = [], 0.0
+        for node, matrix in weights:
+            scaled = matrix * scale[:, None] if alpha > 0 else matrix
+            amax = search_clip(scaled, np.mean(scaled_rows ** 2, axis=0), block_size)
+            final += _relative_error(scaled_rows, scaled, amax, block_size) / len(weights)
+            grid = amax.T if node.op_type == "Gemm" and int(node.attr("transB", 0) or 0) else amax
+            axis = 1 if grid is not amax else 0
+            ranges[node.inputs[1]] = WeightRange(axis, tuple(float(v) for v in grid.reshape(-1)), block_size)
+            clipped.append(float(np.mean(amax / np.maximum(_block_max(scaled, block_size), 1e-30))))
+        record.update(clip_error=final, mean_clip=float(np.mean(clipped)))
+        logger.info("awq %s: alpha %.2f, relative output error %.3g -> %.3g, clipped %.3g (%s)", x, alpha,
+                    errors[0.0], errors[alpha], final, kind)
         records.append(record)
     _insert_muls(model, muls)  # last: it rebuilds the node list the index's protos point into
-    return tuple(records)
+    return tuple(records), ranges
+
+
+#: Fractions of a block's max |w| tried as its clipping range (1 keeps the max).
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def _block_max(matrix: np.ndarray, block_size: int) -> np.ndarray:
+    k, n = matrix.shape
+    return np.abs(matrix.reshape(k // block_size, block_size, n)).max(axis=1)
+
+
+def search_clip(matrix: np.ndarray, channel_power: np.ndarray, block_size: int) -> np.ndarray:
+    """Per block of ``matrix [K, N]`` (blocks along K), the clipping range ``r * max|w|`` (``r`` among
+    :data:`CLIP_RATIOS`) with the least activation-weighted error ``sum_k E[x_k^2] (w_k - Q(w_k))^2``,
+    the diagonal of the block's output error; returns the block amax grid ``[K / block_size, N]``.
+
+    Source: Lin et al., AWQ (MLSys 2024), and its reference code's clipping search (a shrunk block
+    range trades clipping of rare large weights for finer steps on the rest)."""
+    k, n = matrix.shape
+    blocks = matrix.reshape(k // block_size, block_size, n).astype(np.float32)
+    power = np.asarray(channel_power, np.float32).reshape(k // block_size, block_size, 1)
+    top = np.abs(blocks).max(axis=1)
+    best_err, best = np.full(top.shape, np.inf, np.float32), top.copy()
+    for ratio in CLIP_RATIOS:
+        amax = top * np.float32(ratio)
+        scale = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)[:, None, :]
+        q = np.clip(np.rint(blocks / scale), -8, 7) * scale
+        err = (power * (q - blocks) ** 2).sum(axis=1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best = np.where(better, amax, best)
+    return np.where(best > 0, best, top)
+
+
+def _relative_error(rows: np.ndarray, matrix: np.ndarray, amax: np.ndarray, block_size: int) -> float:
+    ref = rows @ matrix
+    q, scale = quantize_blocks(matrix, 0, block_size, amax)
+    out = rows @ dequantize_blocks(q, scale, 0, block_size)
+    return float(np.sum((out - ref) ** 2)) / max(float(np.sum(ref * ref)), 1e-30)
 
 
 def search_scale(rows: np.ndarray, matrices: List[np.ndarray], block_size: int):
@@ -264,4 +321,4 @@ def _activation_rows(model, tensors, data, progress: bool,
     return rows
 
 
-__all__ = ["apply_awq", "search_scale", "ALPHAS", "MAX_ROWS"]
+__all__ = ["apply_awq", "search_scale", "search_clip", "ALPHAS", "CLIP_RATIOS", "MAX_ROWS"]

@@ -173,10 +173,13 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
         from .awq import apply_awq
 
+        clip_ranges: dict = {}
         if data is not None:
-            awq_records = apply_awq(float_model, index, placement, data, config.block_size,
-                                    progress=progress, batch_size=calib_kw.get("batch_size"))
-        data, scales = None, ScaleTable(producer="weights") if scales is None else scales
+            awq_records, clip_ranges = apply_awq(float_model, index, placement, data, config.block_size,
+                                                 progress=progress, batch_size=calib_kw.get("batch_size"))
+        if scales is None:
+            scales = ScaleTable(weights=clip_ranges, producer="awq" if clip_ranges else "weights")
+        data = None
     form = make_form(target_obj)
     if form is not None and data is not None and "tensors" not in calib_kw:
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(

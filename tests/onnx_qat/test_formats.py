@@ -328,3 +328,29 @@ def test_scale_table_block_ranges_round_trip_as_version_2_and_version_1_stays(tm
     with pytest.raises(onnx_qat.ScalesError, match="only precision int4"):
         ranges = dict.fromkeys(onnx_qat.place(model).activation_tensors(), 1.0)
         onnx_qat.quantize(model, scales=table.merged(ScaleTable(ranges)), progress=False)
+
+
+def test_awq_clipping_search_never_raises_the_weighted_block_error_and_reaches_the_model():
+    from onnx_qat.awq import search_clip
+
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((256, 32)).astype(np.float32)
+    weight[5, 3] = 12.0  # one large weight: its block's best range is below its max
+    power = rng.uniform(0.5, 2.0, 256).astype(np.float32)
+
+    def weighted_error(amax):
+        q, scale = quantize_blocks(weight, 0, 128, amax)
+        squared = power[:, None] * (dequantize_blocks(q, scale, 0, 128) - weight) ** 2
+        return squared.reshape(2, 128, 32).sum(1)
+
+    top = np.abs(weight.reshape(2, 128, 32)).max(axis=1)
+    clipped = search_clip(weight, power, 128)
+    assert clipped.shape == (2, 32) and (clipped <= top).all() and (clipped < top).any()
+    assert (weighted_error(clipped) <= weighted_error(top) + 1e-6).all()
+    model = _bert()
+    result = onnx_qat.quantize(model, data=_data(model, 4, 1), progress=False, precision="int4")
+    ranges = result.scales.weights
+    assert ranges and all(r.block_size == 128 for r in ranges.values())
+    assert all(rec["clip_error"] <= rec["awq_error"] * 1.05 for rec in result.awq)  # diagonal proxy
+    scale = numpy_helper.to_array(_init(result.model, "ffn1.weight_scale"))
+    assert np.allclose(scale.reshape(-1), np.asarray(ranges["ffn1.weight"].amax) / 7)
