@@ -84,7 +84,7 @@ def apply_awq(model, index: GraphIndex, placement: Placement, data, block_size: 
         clipped, final = [], 0.0
         for node, matrix in weights:
             scaled = matrix * scale[:, None] if alpha > 0 else matrix
-            amax = search_clip(scaled, np.mean(scaled_rows ** 2, axis=0), block_size)
+            amax = search_clip(scaled, scaled_rows, block_size)
             final += _relative_error(scaled_rows, scaled, amax, block_size) / len(weights)
             grid = amax.T if node.op_type == "Gemm" and int(node.attr("transB", 0) or 0) else amax
             axis = 1 if grid is not amax else 0
@@ -107,23 +107,26 @@ def _block_max(matrix: np.ndarray, block_size: int) -> np.ndarray:
     return np.abs(matrix.reshape(k // block_size, block_size, n)).max(axis=1)
 
 
-def search_clip(matrix: np.ndarray, channel_power: np.ndarray, block_size: int) -> np.ndarray:
+def search_clip(matrix: np.ndarray, rows: np.ndarray, block_size: int) -> np.ndarray:
     """Per block of ``matrix [K, N]`` (blocks along K), the clipping range ``r * max|w|`` (``r`` among
-    :data:`CLIP_RATIOS`) with the least activation-weighted error ``sum_k E[x_k^2] (w_k - Q(w_k))^2``,
-    the diagonal of the block's output error; returns the block amax grid ``[K / block_size, N]``.
+    :data:`CLIP_RATIOS`) with the least output error of that block on the activation ``rows [n, K]``,
+    ``E[(x_b . (Q(w_b) - w_b))^2] = e^T C_b e`` with ``C_b`` the block's activation second moments;
+    returns the block amax grid ``[K / block_size, N]``.
 
     Source: Lin et al., AWQ (MLSys 2024), and its reference code's clipping search (a shrunk block
     range trades clipping of rare large weights for finer steps on the rest)."""
     k, n = matrix.shape
-    blocks = matrix.reshape(k // block_size, block_size, n).astype(np.float32)
-    power = np.asarray(channel_power, np.float32).reshape(k // block_size, block_size, 1)
+    groups = k // block_size
+    blocks = matrix.reshape(groups, block_size, n).astype(np.float32)
+    split = np.asarray(rows, np.float32).reshape(len(rows), groups, block_size)
+    moments = np.einsum("rgb,rgc->gbc", split, split) / max(len(rows), 1)  # [groups, B, B]
     top = np.abs(blocks).max(axis=1)
     best_err, best = np.full(top.shape, np.inf, np.float32), top.copy()
     for ratio in CLIP_RATIOS:
         amax = top * np.float32(ratio)
         scale = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)[:, None, :]
-        q = np.clip(np.rint(blocks / scale), -8, 7) * scale
-        err = (power * (q - blocks) ** 2).sum(axis=1)
+        e = np.clip(np.rint(blocks / scale), -8, 7) * scale - blocks
+        err = np.einsum("gbn,gbc,gcn->gn", e, moments, e)
         better = err < best_err
         best_err = np.where(better, err, best_err)
         best = np.where(better, amax, best)
