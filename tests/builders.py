@@ -616,3 +616,15 @@ def assert_no_qdq(model: onnx.ModelProto) -> None:
     ops = count_ops(model)
     if ops["QuantizeLinear"] or ops["DequantizeLinear"]:
         raise AssertionError(f"model holds Q/DQ nodes\n{describe(model)}")
+
+
+def assert_check_clean(model: onnx.ModelProto, target: Optional[str] = None) -> None:
+    """Assert ``onnx_qat.check`` finds 0 errors AND 0 warnings in ``model`` (the rewriter's own
+    output must pass its own check cleanly); on failure, print every finding and the subgraph
+    around the nodes they name."""
+    import onnx_qat
+
+    report = onnx_qat.check(model, target=target)
+    if report.errors or report.warnings:
+        around = [f.node for f in report.findings if f.node]
+        raise AssertionError(f"check is not clean: {report.summary()}\n{report}\n{describe(model, around)}")

@@ -18,7 +18,7 @@ from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
 from .handlers import (
     COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
     FusedEpilogueHandler, NodeResult, NotQuantizedHandler, PlacementContext, PoolingInputHandler,
-    ResidualAddHandler, SkippedOpHandler, WeightedOpHandler,
+    ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, WeightedOpHandler,
 )
 from .marks import ActivationMark, Decision, Placement, group_by_tensor
 
@@ -47,6 +47,7 @@ class TensorRTPolicy:
         pooling = PoolingInputHandler()
         table.update({"AveragePool": pooling, "GlobalAveragePool": pooling})
         table["Add"] = ResidualAddHandler()
+        table["Sum"] = ResidualSumHandler()
         table["Concat"] = ConcatHandler()
         self.table: Mapping[str, object] = MappingProxyType(table)
         self.default = NotQuantizedHandler()
