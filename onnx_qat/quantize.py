@@ -150,7 +150,15 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     requantization, storage, finish = (), {}, None
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = form.adapt(index, placement, table)
+        dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
+        if dropped:  # the form rewrites the main graph only: If branches stay float in it
+            from dataclasses import replace
+
+            note = (f"the {target_obj.name} form quantizes the main graph only; "
+                    f"{len(dropped)} If branch(es) left float")
+            logger.warning("%s", note)
+            placement = replace(placement, notes=placement.notes + (note,))
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
