@@ -53,7 +53,8 @@ def wheel_member(requirement: str, member: str) -> Path:
 
 @pytest.fixture(scope="module")
 def det_model():
-    return wheel_member("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx")
+    return wheel_member("rapidocr-onnxruntime==1.4.4",
+                        "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ def text_image(lines, size=(320, 96)) -> np.ndarray:
 
 
 def test_text_detector_quantized_output_passes_its_own_check_and_stays_close(det_model):
-    calib = np.concatenate([text_image(["Quantize me", "INT8 text 42"]), text_image(["TensorRT ready", "hello"])])
+    calib = np.concatenate([text_image(["Quantize me", "INT8 text 42"]),
+                            text_image(["TensorRT ready", "hello"])])
     result = onnx_qat.quantize(det_model, data={"x": calib}, batch_size=1, progress=False)
     assert_check_clean(result.model)  # was 8 C10 warnings on the residual squeeze-excitation Adds
     assert result.summary["quantize_linear"] >= 70 and result.summary["weights"] >= 60, result.summary
@@ -132,6 +134,7 @@ def test_voice_activity_model_inside_an_if_is_quantized(vad_model):
     assert branches["then_branch"].count("QuantizeLinear") == 6
     assert "QuantizeLinear" not in branches["else_branch"]
     test = voiced(20, seed=1)
-    (p_ref, s_ref), (p_got, s_got) = _stream(onnx_qat.load_model(vad_model), test), _stream(result.model, test)
+    p_ref, s_ref = _stream(onnx_qat.load_model(vad_model), test)
+    p_got, s_got = _stream(result.model, test)
     assert np.abs(p_ref - p_got).max() < 0.02
     assert cosine(s_ref, s_got) > 0.98
