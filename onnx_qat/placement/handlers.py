@@ -18,11 +18,11 @@ Public sources:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ..config import QuantizeConfig
-from .graph_index import GraphIndex, NodeInfo
-from .marks import ActivationMark, Decision, WeightMark, group_by_tensor
+from .graph_index import GraphIndex, NodeInfo, subgraphs_of
+from .marks import ActivationMark, Decision, SubgraphPlacement, WeightMark, group_by_tensor
 
 #: Weighted ops: TensorRT runs them in INT8 when both the activation and the weight are quantized.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -54,15 +54,18 @@ class NodeResult:
     activations: Tuple[ActivationMark, ...] = ()
     weights: Tuple[WeightMark, ...] = ()
     shares: Tuple[Tuple[str, str], ...] = ()
+    subgraphs: Tuple[SubgraphPlacement, ...] = ()
 
     def __init__(self, decision: Decision, activations: Tuple[ActivationMark, ...] = (),
-                 weights: Tuple[WeightMark, ...] = (), shares: Tuple[Tuple[str, str], ...] = ()):
+                 weights: Tuple[WeightMark, ...] = (), shares: Tuple[Tuple[str, str], ...] = (),
+                 subgraphs: Tuple[SubgraphPlacement, ...] = ()):
         # fields stored straight into the instance dict, as for the marks (see onnx_qat.placement.marks)
         fields = self.__dict__
         fields["decision"] = decision
         fields["activations"] = activations
         fields["weights"] = weights
         fields["shares"] = shares
+        fields["subgraphs"] = subgraphs
 
 
 @dataclass
@@ -73,6 +76,8 @@ class PlacementContext:
     config: QuantizeConfig
     quantized_weighted: Set[str] = field(default_factory=set)
     marked: Dict[str, List[ActivationMark]] = field(default_factory=dict)
+    #: ``place_subgraph(graph, outer_index) -> Placement``: the policy placing a subgraph (If branch)
+    place_subgraph: Optional[Callable] = None
 
     def record(self, result: NodeResult) -> None:
         if result.activations:
@@ -536,6 +541,72 @@ class SkippedOpHandler:
 
     def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
         return _result(node, "skip", "R9", f"{node.op_type} is kept in float")
+
+
+# --------------------------------------------------------------------------- subgraph rule
+class IfBranchHandler:
+    """Subgraph rule: each branch of an If is placed by the same rules, as a graph of its own.
+
+    A branch reads outer-scope names (activations, and weights that are outer initializers or
+    Constant outputs) through the enclosing graph's index; rule 10 holds within each branch. The
+    two branches never run together, so a tensor of the If's scope read by both is quantized in
+    each branch that quantizes it. Branches whose tensor names are not unique in the model (a name
+    defined in both branches, or shadowing an outer one) are left untouched: ranges are kept per
+    tensor name. Loop and Scan bodies are not handled here (the policy leaves them untouched:
+    calibration cannot observe a tensor that takes one value per iteration).
+
+    Sources: ONNX IR specification, "Names Within a Graph" (outer-scope names visible in
+    subgraphs); onnx-tensorrt operator support (If: both branches are built as conditional
+    subgraphs, Q/DQ layers inside them included).
+    """
+
+    phase = 1
+
+    def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
+        branches = subgraphs_of(node.proto)
+        defined = [_defined_names(g) for _, _, g in branches]
+        outer = _outer_defined(ctx.index)
+        clash = set()
+        for i, names in enumerate(defined):
+            clash |= names & outer
+            for other in defined[i + 1:]:
+                clash |= names & other
+        if clash:
+            return _result(node, "skip", "subgraph", f"branch tensor names are not unique in the model "
+                           f"(e.g. {sorted(clash)[0]!r}): left untouched")
+        found, counts = [], []
+        for attribute, position, graph in branches:
+            placement = ctx.place_subgraph(graph, ctx.index)
+            counts.append(f"{attribute} {len(placement.all_activations())} activation(s), "
+                          f"{len(placement.all_weights())} weight(s)")
+            if not placement.empty:
+                found.append(SubgraphPlacement(node.name, attribute, position, placement))
+        reason = "If branches placed as graphs of their own: " + "; ".join(counts)
+        action = "quantize" if found else "none"
+        return NodeResult(Decision(node.name, node.op_type, action, "subgraph", reason),
+                          subgraphs=tuple(found))
+
+
+def _defined_names(graph) -> Set[str]:
+    """Every name ``graph`` and its nested subgraphs define (inputs, initializers, node outputs)."""
+    names = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    for node in graph.node:
+        names.update(o for o in node.output if o)
+        if node.attribute:
+            for _, _, sub in subgraphs_of(node):
+                names |= _defined_names(sub)
+    return names
+
+
+def _outer_defined(index: GraphIndex) -> Set[str]:
+    """Names defined by the graph behind ``index`` and every graph enclosing it."""
+    names: Set[str] = set()
+    while index is not None:
+        names.update(index.graph_inputs)
+        names.update(index.initializers)
+        names.update(index.producer)
+        index = index.outer
+    return names
 
 
 class NotQuantizedHandler:

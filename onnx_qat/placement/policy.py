@@ -14,13 +14,13 @@ import onnx
 
 from ..config import QuantizeConfig
 from ..errors import ModelError
-from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo, subgraphs_of
+from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
 from .handlers import (
     COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
-    FusedEpilogueHandler, NodeResult, NotQuantizedHandler, PlacementContext, PoolingInputHandler,
-    ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, WeightedOpHandler,
+    FusedEpilogueHandler, IfBranchHandler, NodeResult, NotQuantizedHandler, PlacementContext,
+    PoolingInputHandler, ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, WeightedOpHandler,
 )
-from .marks import ActivationMark, Decision, Placement, SubgraphPlacement, group_by_tensor
+from .marks import ActivationMark, Decision, Placement, group_by_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class TensorRTPolicy:
         table["Add"] = ResidualAddHandler()
         table["Sum"] = ResidualSumHandler()
         table["Concat"] = ConcatHandler()
+        table["If"] = IfBranchHandler()
         self.table: Mapping[str, object] = MappingProxyType(table)
         self.default = NotQuantizedHandler()
 
@@ -58,7 +59,8 @@ class TensorRTPolicy:
 
     def place(self, index: GraphIndex, config: QuantizeConfig) -> Placement:
         """Decide every Q/DQ for the graph behind ``index``."""
-        ctx = PlacementContext(index, config)
+        ctx = PlacementContext(index, config,
+                               place_subgraph=lambda graph, outer: self.place_subgraph(graph, outer, config))
         results: List[Optional[NodeResult]] = [None] * len(index.nodes)  # by node position
         notes: List[str] = []
         phases: Dict[int, List[Tuple[NodeInfo, object]]] = {1: [], 2: [], 3: []}
@@ -67,14 +69,7 @@ class TensorRTPolicy:
         # before any rule (_pre_decision); the others skip building its helpers.
         subgraphs, excluded_ops = index.subgraph_nodes, config.exclude_op_types
         check_names = bool(config.exclude_nodes)
-        nested: List[SubgraphPlacement] = []
         for node in index.nodes:
-            if node.name in subgraphs and node.op_type == "If" and node.standard \
-                    and _pre_decision(node, config, subgraphs=False) is None:
-                results[node.position], found, note = self._place_branches(node, index, config)
-                nested.extend(found)
-                notes.extend([note] if note else [])
-                continue
             if (check_names or node.domain not in DEFAULT_DOMAINS or node.name in subgraphs
                     or node.op_type in excluded_ops):
                 early = _pre_decision(node, config)
@@ -103,81 +98,29 @@ class TensorRTPolicy:
                 d = result.decision
                 logger.debug("placement %s %r (%s): %s [%s] %s", d.action, d.node, d.op_type, d.rule,
                              d.reason, "".join(f"; Q/DQ on {m.tensor!r}" for m in result.activations))
+        for result in results:
+            d = result.decision
+            if d.rule == "subgraph" and d.action == "skip" and d.op_type == "If":
+                notes.append(f"If node {d.node!r}: {d.reason}")
+                logger.warning("If node %r: %s", d.node, d.reason)
         activations = rule10_merge(results, index)
         weights = tuple([w for r in results if r.weights for w in r.weights])
-        return Placement(activations, weights, tuple([r.decision for r in results]), tuple(notes),
-                         tuple(nested))
+        nested = tuple([s for r in results if r.subgraphs for s in r.subgraphs])
+        return Placement(activations, weights, tuple([r.decision for r in results]), tuple(notes), nested)
 
-    def _place_branches(self, node: NodeInfo, index: GraphIndex, config: QuantizeConfig):
-        """Subgraph rule: each branch of an If is placed as a graph of its own, by the same table.
-
-        A branch reads outer-scope names (activations, and weights that are outer initializers or
-        Constant outputs) through ``index``; rule 10 holds within each branch. The two branches
-        never run together, so a tensor of the If's scope read by both is quantized in each branch
-        that quantizes it (one pair per branch). Branches whose tensor names are not unique in the
-        model (a name defined in both branches, or shadowing an outer one) are left untouched:
-        ranges are kept per tensor name. Returns ``(NodeResult, [SubgraphPlacement], note)``.
-
-        Source: ONNX IR specification, "Names Within a Graph" (outer-scope names visible in
-        subgraphs); onnx-tensorrt operator support (If: both branches are built as conditional
-        subgraphs, Q/DQ layers inside them included).
-        """
-        branches = subgraphs_of(node.proto)
-        defined = [_defined_names(g) for _, _, g in branches]
-        outer = _outer_defined(index)
-        clash = set()
-        for i, names in enumerate(defined):
-            clash |= names & outer
-            for other in defined[i + 1:]:
-                clash |= names & other
-        if clash:
-            reason = (f"branch tensor names are not unique in the model (e.g. {sorted(clash)[0]!r}): "
-                      "left untouched")
-            note = f"If node {node.name!r}: {reason}"
-            logger.warning("%s", note)
-            return NodeResult(Decision(node.name, node.op_type, "skip", "subgraph", reason)), [], note
-        found, counts = [], []
-        for attribute, position, graph in branches:
-            placement = self.place(GraphIndex(graph, outer=index), config)
-            counts.append(f"{attribute} {len(placement.all_activations())} activation(s), "
-                          f"{len(placement.all_weights())} weight(s)")
-            if not placement.empty:
-                found.append(SubgraphPlacement(node.name, attribute, position, placement))
-        action = "quantize" if found else "none"
-        reason = "If branches placed as graphs of their own: " + "; ".join(counts)
-        return NodeResult(Decision(node.name, node.op_type, action, "subgraph", reason)), found, None
+    def place_subgraph(self, graph, outer: GraphIndex, config: QuantizeConfig) -> Placement:
+        """The placement of subgraph ``graph`` (an If branch) whose outer scope is ``outer``."""
+        return self.place(GraphIndex(graph, outer=outer), config)
 
 
-def _defined_names(graph) -> set:
-    """Every name ``graph`` and its nested subgraphs define (inputs, initializers, node outputs)."""
-    names = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    for node in graph.node:
-        names.update(o for o in node.output if o)
-        if node.attribute:
-            for _, _, sub in subgraphs_of(node):
-                names |= _defined_names(sub)
-    return names
-
-
-def _outer_defined(index: GraphIndex) -> set:
-    """Names defined by the graph behind ``index`` and every graph enclosing it."""
-    names = set()
-    while index is not None:
-        names.update(index.graph_inputs)
-        names.update(index.initializers)
-        names.update(index.producer)
-        index = index.outer
-    return names
-
-
-def _pre_decision(node: NodeInfo, config: QuantizeConfig, subgraphs: bool = True) -> Optional[Decision]:
-    """Decisions taken before any rule: subgraphs (unless ``subgraphs`` is False), custom domains,
-    user exclusions."""
+def _pre_decision(node: NodeInfo, config: QuantizeConfig) -> Optional[Decision]:
+    """Decisions taken before any rule: subgraphs other than If branches, custom domains, user
+    exclusions."""
     def decide(action: str, rule: str, reason: str) -> Decision:
         return Decision(node.name, node.op_type, action, rule, reason)
 
-    if subgraphs and node.has_subgraphs:
-        return decide("skip", "subgraph", "holds subgraphs (Loop/Scan body): left untouched")
+    if node.has_subgraphs and not (node.op_type == "If" and node.standard):
+        return decide("skip", "subgraph", "holds subgraphs (a Loop/Scan body): left untouched")
     if not node.standard:
         return decide("none", "domain", f"custom domain {node.domain!r}: left alone")
     if config.op_type_excluded(node.op_type):

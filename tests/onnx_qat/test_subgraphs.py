@@ -102,3 +102,60 @@ def test_branch_runner_refuses_a_tensor_it_cannot_reach():
     model = if_cnn_model()
     with pytest.raises(ModelError, match="neither in the main graph nor in an If branch"):
         BranchRunner(model, ["no_such_tensor"])
+
+
+def _nested_if_model():
+    """:func:`if_cnn_model` whose If ``choose`` sits in the then_branch of an outer If ``gate`` (on a
+    graph input ``use_cnn``); the else_branch passes ``stem_relu_out`` through."""
+    from onnx import TensorProto, helper
+
+    model = if_cnn_model()
+    graph = model.graph
+    inner = next(n for n in graph.node if n.op_type == "If")
+    chosen = inner.output[0]
+    inner.output[0] = "inner_chosen"
+    info = helper.make_tensor_value_info
+    then_g = helper.make_graph([inner], "gate_then", [], [info("inner_chosen", TensorProto.FLOAT, None)])
+    else_g = helper.make_graph([helper.make_node("Identity", ["stem_relu_out"], ["passed"], name="pass")],
+                               "gate_else", [], [info("passed", TensorProto.FLOAT, None)])
+    gate = helper.make_node("If", ["use_cnn"], [chosen], name="gate", then_branch=then_g, else_branch=else_g)
+    nodes = [gate if n is inner else n for n in graph.node]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.input.append(info("use_cnn", TensorProto.BOOL, []))
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_subgraph_rule_nested_ifs_are_calibrated_and_quantized_depth_first():
+    model = _nested_if_model()
+    x = _data([1, -1, 1, -1])
+    calib = {"input": x, "use_cnn": np.ones(4, bool)}
+    result = onnx_qat.quantize(model, data=calib, batch_size=1, progress=False)
+    assert_check_clean(result.model)
+    (outer,) = result.placement.subgraphs
+    assert (outer.node, outer.attribute) == ("gate", "then_branch")
+    assert sorted(s.attribute for s in outer.placement.subgraphs) == ["else_branch", "then_branch"]
+    gate = next(n for n in result.model.graph.node if n.op_type == "If")
+    inner = next(n for a in gate.attribute if a.name == "then_branch" for n in a.g.node if n.op_type == "If")
+    for attribute in inner.attribute:
+        assert "QuantizeLinear" in _ops(attribute.g), attribute.name
+    for k, sign in enumerate([1, -1]):
+        feeds = {"input": _data([sign], seed=20 + k), "use_cnn": np.array(True)}
+        ref, got = run(model, feeds)[0], run(result.model, feeds)[0]
+        assert cosine(ref, got) > 0.99 and np.abs(ref - got).max() < 0.1 * np.abs(ref).max()
+
+
+def test_if_with_a_tensor_name_defined_in_both_branches_is_left_untouched():
+    model = if_cnn_model()
+    node = next(n for n in model.graph.node if n.op_type == "If")
+    branches = {a.name: a.g for a in node.attribute}
+    relu = next(n for n in branches["else_branch"].node if n.name == "b_relu1")
+    renamed = relu.output[0]
+    for n in branches["else_branch"].node:  # b_relu1 now writes 'a_relu1_out', a then_branch name too
+        n.input[:] = ["a_relu1_out" if t == renamed else t for t in n.input]
+    relu.output[0] = "a_relu1_out"
+    placement = onnx_qat.place(model)
+    decision = placement.decision_for("choose")
+    assert decision.action == "skip" and "not unique" in decision.reason
+    assert not placement.subgraphs and any("'choose'" in note for note in placement.notes)
