@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Optional, Tuple
@@ -19,7 +19,7 @@ import onnx
 from .config import QuantizeConfig
 from .errors import ConfigError, ModelError, PlacementError, ScalesError
 from .fileio import check_output_path, write_json
-from .placement.graph_index import GraphIndex, assign_node_names
+from .placement.graph_index import GraphIndex, assign_node_names, subgraphs_of
 from .placement.marks import ActivationMark, Placement
 from .scales import ScaleTable
 from .targets import Target, get_target
@@ -153,8 +153,6 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
         if dropped:  # the form rewrites the main graph only: If branches stay float in it
-            from dataclasses import replace
-
             note = (f"the {target_obj.name} form quantizes the main graph only; "
                     f"{len(dropped)} If branch(es) left float")
             logger.warning("%s", note)
@@ -226,6 +224,14 @@ def _check_placement(placement, index: GraphIndex) -> None:
         if mark.tensor not in tensors or unknown:
             what = f"node {unknown[0]!r}" if unknown else f"tensor {mark.tensor!r}"
             raise PlacementError(f"the given placement names {what}, which the model does not have")
+    for sub in placement.subgraphs:
+        node = index.by_name.get(sub.node)
+        held = {(a, p) for a, p, _ in subgraphs_of(node.proto)} if node is not None else set()
+        if (sub.attribute, sub.position) not in held:
+            raise PlacementError(f"the given placement names subgraph {sub.attribute!r} of node "
+                                 f"{sub.node!r}, which the model does not have")
+    for sub_index, sub_placement in nested_indexes(index, placement):
+        _check_placement(replace(sub_placement, subgraphs=()), sub_index)
 
 
 def _describe(model) -> str:
@@ -277,8 +283,6 @@ def _refuse_non_finite(weights, what: str) -> None:
 def nested_indexes(index: GraphIndex, placement: Placement):
     """``(GraphIndex, Placement)`` of every subgraph ``placement`` quantizes (depth first), each index
     resolving outer-scope names through its parent's."""
-    from .placement.graph_index import subgraphs_of
-
     for sub in placement.subgraphs:
         node = index.by_name[sub.node]
         graph = next(g for name, position, g in subgraphs_of(node.proto)
@@ -289,9 +293,16 @@ def nested_indexes(index: GraphIndex, placement: Placement):
 
 
 def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
-    """Raise PlacementError when ``model`` already holds Q/DQ or integer-quantized ops."""
-    found = sorted({n.op_type for n in model.graph.node
-                    if n.op_type in QUANTIZED_OPS or n.op_type.startswith("QLinear")})
+    """Raise PlacementError when ``model`` already holds Q/DQ or integer-quantized ops (in any graph,
+    If/Loop/Scan bodies included)."""
+    graphs, ops = [model.graph], set()
+    while graphs:
+        graph = graphs.pop()
+        for n in graph.node:
+            ops.add(n.op_type)
+            if n.attribute:
+                graphs.extend(g for _, _, g in subgraphs_of(n))
+    found = sorted(op for op in ops if op in QUANTIZED_OPS or op.startswith("QLinear"))
     if found:
         raise PlacementError(f"{what} is already quantized (it has {', '.join(found)} nodes); "
                              "give the float model instead")
@@ -346,8 +357,6 @@ def without_unreached_branches(placement: Placement, table: ScaleTable) -> Place
     """``placement`` less the subgraph placements (If branches) whose activations ``table`` has no
     range for: calibration observes only the branch each batch takes, so a branch no batch took stays
     float (a note says which)."""
-    from dataclasses import replace
-
     from .insertion import missing_activations
 
     if not placement.subgraphs:

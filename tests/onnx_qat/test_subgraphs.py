@@ -159,3 +159,28 @@ def test_if_with_a_tensor_name_defined_in_both_branches_is_left_untouched():
     decision = placement.decision_for("choose")
     assert decision.action == "skip" and "not unique" in decision.reason
     assert not placement.subgraphs and any("'choose'" in note for note in placement.notes)
+
+
+def test_a_model_quantized_inside_a_branch_is_refused():
+    model = if_cnn_model()
+    options = {"exclude_nodes": ["stem_conv", "head_conv"]}  # Q/DQ only inside the branches
+    table = onnx_qat.ScaleTable({n: 4.0 for n in onnx_qat.place(model, **options).activation_tensors()})
+    once = onnx_qat.quantize(model, scales=table, progress=False, **options).model
+    assert "QuantizeLinear" in _ops(_branch(once, "then_branch"))
+    assert "QuantizeLinear" not in _ops(once.graph)
+    with pytest.raises(onnx_qat.PlacementError, match="already quantized"):
+        onnx_qat.quantize(once, scales=table, progress=False)
+
+
+def test_a_given_placement_naming_a_missing_branch_is_refused():
+    import dataclasses
+
+    model = if_cnn_model()
+    placement = onnx_qat.place(model)
+    sub = dataclasses.replace(placement.subgraphs[0], attribute="body")
+    bad = dataclasses.replace(placement, subgraphs=(sub,))
+    table = onnx_qat.ScaleTable({n: 4.0 for n in placement.activation_tensors()})
+    with pytest.raises(onnx_qat.PlacementError, match="subgraph 'body' of node 'choose'"):
+        onnx_qat.quantize(model, scales=table, placement=bad, progress=False)
+    out = onnx_qat.quantize(model, scales=table, placement=placement, progress=False).model
+    assert "QuantizeLinear" in _ops(_branch(out, "else_branch"))
