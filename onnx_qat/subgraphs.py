@@ -24,6 +24,7 @@ from typing import Dict, List, Mapping, Optional, Set
 
 import onnx
 
+from .graph_edit import subgraph_names
 from .placement.graph_index import subgraphs_of
 from .placement.marks import Placement
 
@@ -44,8 +45,6 @@ def outer_constants(graph: onnx.GraphProto,
 
 def model_names(model: onnx.ModelProto) -> Set[str]:
     """Every tensor and node name of ``model``, in its main graph and all subgraphs."""
-    from .graph_edit import subgraph_names
-
     graph = model.graph
     names = {i.name for i in graph.input} | {o.name for o in graph.output}
     names.update(t.name for t in graph.initializer)
@@ -129,6 +128,12 @@ def inline_branches(model: onnx.ModelProto, choices: Mapping[int, bool]) -> onnx
                                                   name=f"{node.name or 'If'}_{wanted}_output_{i}"))
     del graph.node[:]
     graph.node.extend(kept)
+    # initializers only the branch not taken read are read by nobody now (onnxruntime drops them)
+    read = {t for node in kept for t in node.input} | {o.name for o in graph.output}
+    read |= subgraph_names(kept)
+    unread = [t for t in graph.initializer if t.name not in read]
+    for tensor in unread:
+        graph.initializer.remove(tensor)
     return result
 
 
