@@ -68,11 +68,11 @@ def weight_only_marks(placement: Placement, index: GraphIndex, config: QuantizeC
         if d.node in kept:
             mark, why = kept[d.node]
             decisions.append(Decision(d.node, d.op_type, "quantize" if mark else "skip", "W4", why))
-        elif d.action == "quantize":
+        elif d.action == "quantize" and d.rule != "subgraph":  # an If's branches: placed (and adapted) apart
             decisions.append(Decision(d.node, d.op_type, "none", "W4",
                                       "int4 is weight-only: activations stay float"))
         else:
             decisions.append(d)
     for d in decisions:
         logger.debug("placement (int4) %s %r: %s", d.action, d.node, d.reason)
-    return Placement((), weights, tuple(decisions), placement.notes)
+    return Placement((), weights, tuple(decisions), placement.notes, placement.subgraphs)
