@@ -44,6 +44,10 @@ class ExportError(QatError):
     """A Keras model cannot be exported (tf2onnx failure, an unmapped quantizer...)."""
 
 
+class AccuracyError(QatError):
+    """The requested accuracy (``min_cosine``) cannot be reached within the float-site budget."""
+
+
 class TensorRTUnavailable(QatError):
     """TensorRT or a CUDA GPU is not available on this machine."""
 
@@ -75,5 +79,6 @@ __all__ = [
     "OutputError",
     "ConfigError",
     "ExportError",
+    "AccuracyError",
     "TensorRTUnavailable",
 ]

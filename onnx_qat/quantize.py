@@ -47,6 +47,8 @@ class QuantizeResult:
         inserted: one record per inserted Q/DQ pair or weight DequantizeLinear (rule, reason, scale).
         requantization: one record per requantization point a target adds beyond the placement
             (the ``ort-cpu`` target's Conv outputs; empty for ``tensorrt``).
+        accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
+            (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -57,6 +59,7 @@ class QuantizeResult:
     summary: Mapping[str, int]
     inserted: Tuple[dict, ...] = field(default=(), repr=False)
     requantization: Tuple[dict, ...] = field(default=(), repr=False)
+    accuracy: Optional[Mapping] = field(default=None, repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.model_io.save_model`)."""
@@ -78,6 +81,7 @@ class QuantizeResult:
                         for d in self.placement.decisions if d.action == "skip"],
             "notes": list(self.placement.notes),
             "requantization": [dict(r) for r in self.requantization],
+            **({} if self.accuracy is None else {"mixed_precision": dict(self.accuracy)}),
         }
 
     def to_dict(self) -> dict:
@@ -95,6 +99,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
              exclude_op_types=None, min_channels: Optional[int] = None,
              include_attention: Optional[bool] = None, calibration_options: Optional[Mapping] = None,
              report=None, progress: bool = True, placement: Optional[Placement] = None,
+             min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
              **calibration_kwargs) -> QuantizeResult:
     """Insert INT8 QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them.
 
@@ -119,6 +124,12 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             instead of the target policy's (e.g. the one ``tf_bridge.export_onnx`` derives
             from a Keras QAT model). Its node names are the ones :func:`onnx_qat.place`
             uses; the placement options (``exclude_nodes``...) are then not applied.
+        min_cosine: automatic mixed precision: leave the fewest sites (:mod:`onnx_qat.accuracy.sites`)
+            in float so that the output cosine against the float model reaches this on
+            ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
+            built is measured again. ``QuantizeResult.accuracy`` tells which sites stay float.
+        max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
+        eval_data: with ``min_cosine``: the data the output cosine is measured on.
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -126,6 +137,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         ScalesError: the ScaleTable names unknown tensors or lacks a quantized activation.
         ModelError, DataError, OutputError, ConfigError: bad model, data, paths or options
             (ModelError also when ``onnx.checker`` refuses the model to write: nothing is written).
+        AccuracyError: ``min_cosine`` cannot be reached within ``max_float_sites`` (nothing is written).
     """
     config = QuantizeConfig.from_options(config, target=target, exclude_nodes=exclude_nodes,
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
@@ -133,6 +145,15 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     target_obj = get_target(config.target)
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     _check_sources(scales, data, method, calib_kw)
+    if min_cosine is not None or max_float_sites is not None or eval_data is not None:
+        from .accuracy.mixed import check_options, quantize_mixed
+
+        check_options(min_cosine, max_float_sites)
+        if min_cosine is None or placement is not None:
+            raise ConfigError("eval_data applies with min_cosine; min_cosine does not take a placement")
+        return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
+                              eval_data=eval_data, scales=scales, data=data, method=method, config=config,
+                              calib_kw=calib_kw, report=report, progress=progress)
     inputs = tuple(p for p in (model, scales, data) if isinstance(p, (str, os.PathLike)))
     out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
     if report is not None:
