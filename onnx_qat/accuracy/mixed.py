@@ -3,7 +3,9 @@
 The search runs in the gated session (:mod:`onnx_qat.accuracy.gated`), on ranges calibrated once:
 
 1. every site in INT8; done when that already reaches ``min_cosine``;
-2. each site's gain: the cosine with every site but it in INT8 (one run per site);
+2. each site's gain: the cosine with every site but it in INT8 (one run per site; for more than 16
+   sites by group bisection, :mod:`onnx_qat.accuracy.bisect`, which measures alone only the sites
+   whose group matters);
 3. sites ordered by gain; a bisection over *k* finds the fewest leading sites whose float
    fallback reaches the minimum (within ``max_float_sites``);
 4. pruning: each chosen site whose return to INT8 keeps the minimum goes back to INT8.
@@ -22,6 +24,7 @@ import sys
 from typing import Optional, Sequence, Tuple
 
 from ..errors import AccuracyError, ConfigError, PlacementError
+from . import bisect
 from .prepared import OutputError, Prepared, output_error, prepare
 from .sites import site_exclusions, with_partners
 
@@ -57,19 +60,20 @@ def search(prepared: Prepared, min_cosine: float, budget: int, progress: bool = 
             cache[key] = prepared.error(everything - key)
         return cache[key]
 
-    bar = _bar(n + 1, progress)
+    bar = _bar(n + 1 if n <= bisect.MIN_SITES else None, progress)
     try:
         all_int8 = with_float(())
         bar.update(1)
         if all_int8.cosine >= min_cosine:
             return tuple(range(n)), (), all_int8, all_int8
-        gains = []
-        for k in range(n):
-            gains.append(with_float((k,)))
-            bar.update(1)
+        if n <= bisect.MIN_SITES:
+            found = {k: (with_float((k,)), 1) for k in range(n) if bar.update(1) or True}
+        else:
+            found = bisect.screen(prepared, all_int8, "all_but", on_run=lambda: bar.update(1))
     finally:
         bar.close()
-    order = tuple(sorted(range(n), key=lambda k: (-gains[k].cosine, sites[k].name)))
+    gains = [found[k][0] for k in range(n)]
+    order = tuple(sorted(range(n), key=lambda k: (found[k][1] > 1, -gains[k].cosine, sites[k].name)))
     limit = 0
     while limit < n and len(with_partners(sites, order[:limit + 1])) <= min(budget, n - 1):
         limit += 1

@@ -57,6 +57,10 @@ class SiteSensitivity:
         all_but: output error with every site but this one in INT8.
         tensors: :class:`TensorStats` of the tensors this site quantizes.
         rank: 1 for the most sensitive site.
+        only_group: 1 when ``only`` was measured for this site alone; else the size of the group of
+            sites measured together, whose effect was too small to split (:mod:`onnx_qat.accuracy.bisect`):
+            ``only`` is then the group's error (this site alone loses about that much or less).
+        all_but_group: the same for ``all_but`` (this site alone in float gains about that much or less).
     """
 
     site: Site
@@ -64,6 +68,8 @@ class SiteSensitivity:
     all_but: OutputError
     tensors: Tuple[TensorStats, ...]
     rank: int = 0
+    only_group: int = 1
+    all_but_group: int = 1
 
     @property
     def name(self) -> str:
@@ -71,7 +77,8 @@ class SiteSensitivity:
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, **self.site.to_dict(), "only": self.only.to_dict(),
-                "all_but": self.all_but.to_dict(), "tensors": [t.to_dict() for t in self.tensors]}
+                "all_but": self.all_but.to_dict(), "only_group": self.only_group,
+                "all_but_group": self.all_but_group, "tensors": [t.to_dict() for t in self.tensors]}
 
 
 def _loss(error: OutputError, metric: str) -> float:
@@ -85,8 +92,9 @@ def _loss(error: OutputError, metric: str) -> float:
 
 @dataclass(frozen=True)
 class SensitivityResult:
-    """Every site's sensitivity, most sensitive first (ranked by the ``only`` error in ``metric``,
-    ties by how much leaving the site float recovers).
+    """Every site's sensitivity, most sensitive first: sites measured alone before sites known only
+    through their group, each ranked by the ``only`` error in ``metric``, ties by how much leaving the
+    site float recovers.
 
     Attributes:
         sites: :class:`SiteSensitivity` records, ranked.
@@ -138,11 +146,15 @@ class SensitivityResult:
                  f"{self.runs} runs, {self.seconds:.1f} s", head, "-" * len(head)]
         for s in rows:
             worst = min((t.sqnr_db for t in s.tensors), default=math.inf)
+            only = ("" if s.only_group == 1 else ">") + f"{s.only.cosine:.5f}"
+            all_but = ("" if s.all_but_group == 1 else "<") + f"{s.all_but.cosine:.5f}"
             lines.append(f"{s.rank:>4}  {s.name[:width]:<{width}}  {s.site.op_type[:10]:<10} "
-                         f"{s.site.kind:<9} {s.only.cosine:>10.5f} {_fmt_db(s.only.sqnr_db):>7} "
-                         f"{s.all_but.cosine:>12.5f} {_fmt_db(worst) + ' dB':>13}")
+                         f"{s.site.kind:<9} {only:>10} {_fmt_db(s.only.sqnr_db):>7} "
+                         f"{all_but:>12} {_fmt_db(worst) + ' dB':>13}")
         if top is not None and len(self.sites) > top:
             lines.append(f"... {len(self.sites) - top} more site(s)")
+        if any(s.only_group > 1 or s.all_but_group > 1 for s in rows):
+            lines.append("> / <: figure of a group of sites measured together, too small an effect to split")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -171,7 +183,7 @@ def _json_safe(obj):
 
 
 def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None, metric: str = "cosine",
-                config=None, batch_size: int = 16, progress: bool = True,
+                config=None, batch_size: int = 16, progress: bool = True, exhaustive: bool = False,
                 calibration_options=None, **placement_options) -> SensitivityResult:
     """Measure how much each quantized site costs in output accuracy.
 
@@ -188,6 +200,10 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
             override its fields. Sites are what this placement quantizes.
         batch_size: samples per onnxruntime run.
         progress: show progress bars on stderr.
+        exhaustive: measure every site alone in both settings (``2 n + 1`` runs). By default, for
+            more than 16 sites, group bisection (:mod:`onnx_qat.accuracy.bisect`) measures alone only
+            the sites whose group moves the output cosine by at least 1% of the all-INT8 loss; the
+            others get their group's figures as bounds (``SiteSensitivity.only_group`` > 1).
         calibration_options: further keywords of :func:`onnx_qat.calibrate` (``percentile``, ``num_bins``).
 
     Returns:
@@ -202,26 +218,31 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
     prepared, act_stats = prepare(model, data, scales=scales, method=method, eval_data=eval_data,
                                   config=config, batch_size=batch_size, progress=progress,
                                   calibration_options=calibration_options, activation_stats=None)
+    from . import bisect
+
     sites = prepared.sites
-    everything = range(len(sites))
-    bar = _bar(2 * len(sites) + 1, progress, "sensitivity")
+    exhaustive = exhaustive or len(sites) <= bisect.MIN_SITES
+    bar = _bar(2 * len(sites) + 1 if exhaustive else None, progress, "sensitivity")
     try:
-        all_int8 = prepared.error(everything)
+        all_int8 = prepared.error(range(len(sites)))
         bar.update(1)
-        records = []
-        for k, site in enumerate(sites):
-            only = prepared.error((k,))
-            bar.update(1)
-            all_but = prepared.error(i for i in everything if i != k)
-            bar.update(1)
-            records.append((site, only, all_but))
+        if exhaustive:
+            only = bisect.exhaustive(prepared, "only", lambda: bar.update(1))
+            all_but = bisect.exhaustive(prepared, "all_but", lambda: bar.update(1))
+        else:
+            only = bisect.screen(prepared, all_int8, "only", on_run=lambda: bar.update(1))
+            all_but = bisect.screen(prepared, all_int8, "all_but", on_run=lambda: bar.update(1))
     finally:
         bar.close()
     weights = _weight_stats(prepared)
-    ranked = sorted(records, key=lambda r: (-_loss(r[1], metric), _loss(r[2], metric), r[0].name))
+
+    def key(k):  # sites measured alone first (bisection measures alone the ones that matter)
+        return (only[k][1] > 1, -_loss(only[k][0], metric), _loss(all_but[k][0], metric), sites[k].name)
+
     result_sites = tuple(
-        SiteSensitivity(site, only, all_but, _site_tensors(site, act_stats, weights), rank)
-        for rank, (site, only, all_but) in enumerate(ranked, 1))
+        SiteSensitivity(sites[k], only[k][0], all_but[k][0], _site_tensors(sites[k], act_stats, weights), rank,
+                        only[k][1], all_but[k][1])
+        for rank, k in enumerate(sorted(range(len(sites)), key=key), 1))
     return SensitivityResult(result_sites, metric, all_int8, prepared.method, prepared.evaluation.num_samples,
                              prepared.runner.runs, time.perf_counter() - start)
 

@@ -42,6 +42,16 @@ def test_leaves_exactly_the_sensitive_site_float(hot, seed):
     assert result.to_report()["mixed_precision"]["float_sites"][0]["name"] == hot
 
 
+def test_many_sites_through_group_bisection_leave_exactly_the_sensitive_site_float():
+    model = outlier_channel_model("conv13", convs=24, seed=2, factor=1000.0)
+    result = onnx_qat.quantize(model, data=_inputs(24, 2), min_cosine=0.99, progress=False)
+    info = result.accuracy
+    assert [s["name"] for s in info["float_sites"]] == ["conv13"] and info["sites"] == 26
+    assert info["runs"] < 26, info  # fewer runs than one per site
+    assert info["cosine_after"] >= 0.99 > info["cosine_before"]
+    assert onnx_qat.check(result.model).findings == ()
+
+
 def test_given_eval_data_is_what_the_cosine_is_measured_on():
     model = outlier_channel_model("conv2", seed=1, factor=1000.0)
     result = onnx_qat.quantize(model, data=_inputs(8, 1), eval_data=_inputs(5, 2), min_cosine=0.99,

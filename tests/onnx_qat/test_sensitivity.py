@@ -44,6 +44,25 @@ def test_the_layer_made_sensitive_ranks_first(hot, seed, scale):
     assert result.num_eval_samples == 8  # a quarter of 32 held out
 
 
+@pytest.mark.parametrize("hot,seed", [("conv5", 0), ("conv17", 3)])
+def test_group_bisection_finds_the_sensitive_layer_in_fewer_runs(hot, seed):
+    model = outlier_channel_model(hot, convs=24, seed=seed)
+    data = _inputs(16, seed, "normal")
+    result = onnx_qat.sensitivity(model, data, progress=False)
+    n = len(result)
+    assert n == 26 and result.runs < 0.7 * (2 * n + 1), result.table()
+    first = result.sites[0]
+    assert first.name == hot and first.only_group == 1 and first.all_but_group == 1, result.table()
+    full = onnx_qat.sensitivity(model, data, exhaustive=True, progress=False)
+    assert full.runs == 2 * n + 1 and full.sites[0].name == hot
+    assert first.only.cosine == pytest.approx(full.sites[0].only.cosine, abs=1e-9)
+    exact = {s.name: s for s in full.sites}
+    hot_loss = 1.0 - first.only.cosine
+    for s in result.sites:  # the sites left in a group do not matter on their own
+        if s.only_group > 1:
+            assert 1.0 - exact[s.name].only.cosine < 0.05 * hot_loss, (s.name, full.table())
+
+
 def test_the_gated_session_reproduces_the_quantized_and_the_float_model():
     model = residual_block_model(projection=True, seed=3)
     assign_node_names(model)
