@@ -240,8 +240,8 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
         return (only[k][1] > 1, -_loss(only[k][0], metric), _loss(all_but[k][0], metric), sites[k].name)
 
     result_sites = tuple(
-        SiteSensitivity(sites[k], only[k][0], all_but[k][0], _site_tensors(sites[k], act_stats, weights), rank,
-                        only[k][1], all_but[k][1])
+        SiteSensitivity(sites[k], only[k][0], all_but[k][0], _site_tensors(sites[k], act_stats, weights),
+                        rank, only[k][1], all_but[k][1])
         for rank, k in enumerate(sorted(range(len(sites)), key=key), 1))
     return SensitivityResult(result_sites, metric, all_int8, prepared.method, prepared.evaluation.num_samples,
                              prepared.runner.runs, time.perf_counter() - start)

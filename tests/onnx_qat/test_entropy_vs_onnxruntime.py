@@ -72,7 +72,8 @@ def test_entropy_against_onnxruntime(tmp_path, seed):
     x = np.random.default_rng(seed).standard_normal((64, 16, 8, 8)).astype(np.float32)
     tensors = ["input", "relu1_out", "stem_relu_out"]
     assert set(tensors) <= set(onnx_qat.place(model).activation_tensors())
-    ours = onnx_qat.calibrate(model, {"input": x}, method="entropy", tensors=tensors, progress=False).activations
+    ours = onnx_qat.calibrate(model, {"input": x}, method="entropy", tensors=tensors,
+                              progress=False).activations
     values = _values(model, x, tensors)
     peak = {t: float(np.abs(v).max()) for t, v in values.items()}
     default = _ort_entropy(model, tmp_path, x, tensors)

@@ -235,10 +235,9 @@ def detector(size: int = 320, *, seed: int = 0, classes: int = 80, calib: "np.nd
         both = n.node("Concat", [box, cls], axis=1)
         heads.append(n.node("Reshape", [both, n.const(np.array([0, 64 + classes, -1], np.int64), "shape")]))
     n.nodes.append(helper.make_node("Concat", heads, ["output"], name="head_concat", axis=2))
-    graph = helper.make_graph(n.nodes, "detector",
-                              [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 3, size, size])],
-                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 64 + classes, "A"])],
-                              n.inits)
+    images = helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 3, size, size])
+    output = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 64 + classes, "A"])
+    graph = helper.make_graph(n.nodes, "detector", [images], [output], n.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     if calib is not None:
