@@ -28,10 +28,13 @@ def gate_model(qdq: onnx.ModelProto, float_model: onnx.ModelProto, sites: Sequen
     """
     float_inputs = {n.name: list(n.input) for n in float_model.graph.node}
     float_inits = {t.name: t for t in float_model.graph.initializer}
+    float_constants = {n.output[0]: n for n in float_model.graph.node if n.op_type == "Constant" and n.output}
     gated = onnx.ModelProto()
     gated.CopyFrom(qdq)
     graph = gated.graph
-    have = {t.name for t in graph.initializer}
+    have = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | \
+        {i.name for i in graph.input}
+    constants: List[onnx.NodeProto] = []  # float weights the inserter replaced that were Constant nodes
     edge_gate: Dict[Tuple[str, int], int] = {}
     for k, site in enumerate(sites):
         for edge in site.edges:
@@ -47,8 +50,11 @@ def gate_model(qdq: onnx.ModelProto, float_model: onnx.ModelProto, sites: Sequen
             source = source[index] if index < len(source) else ""
             if not source or source == name:
                 continue
-            if source in float_inits and source not in have:
+            if source not in have and source in float_inits:
                 graph.initializer.append(float_inits[source])
+                have.add(source)
+            elif source not in have and source in float_constants:
+                constants.append(float_constants[source])
                 have.add(source)
             out = f"{name}__{GATE_PREFIX}{k}_{node.name}_{index}"
             gates_before.setdefault(node.name, []).append(
@@ -56,7 +62,7 @@ def gate_model(qdq: onnx.ModelProto, float_model: onnx.ModelProto, sites: Sequen
                                  name=f"{GATE_PREFIX}where_{k}_{node.name}_{index}"))
             node.input[index] = out
             used.add(k)
-    nodes = []
+    nodes = list(constants)
     for node in graph.node:
         nodes.extend(gates_before.get(node.name, ()))
         nodes.append(node)

@@ -3,10 +3,11 @@
 The search runs in the gated session (:mod:`onnx_qat.accuracy.gated`), on ranges calibrated once:
 
 1. every site in INT8; done when that already reaches ``min_cosine``;
-2. each site's gain: the cosine with every site but it in INT8 (one run per site; for more than 16
+2. each site's harm: the output error with only it in INT8 (one run per site; for more than 16
    sites by group bisection, :mod:`onnx_qat.accuracy.bisect`, which measures alone only the sites
-   whose group matters);
-3. sites ordered by gain; a bisection over *k* finds the fewest leading sites whose float
+   whose group matters). Harm adds up across sites far better than the gain of leaving one site
+   float does: with several broken sites, floating any single one gains little;
+3. sites ordered by harm; a bisection over *k* finds the fewest leading sites whose float
    fallback reaches the minimum (within ``max_float_sites``);
 4. pruning: each chosen site whose return to INT8 keeps the minimum goes back to INT8.
 
@@ -45,7 +46,7 @@ def check_options(min_cosine, max_float_sites) -> None:
 
 
 def search(prepared: Prepared, min_cosine: float, budget: int, progress: bool = True):
-    """``(order, chosen, all_int8, estimate)``: the site indices by gain, the indices to leave float
+    """``(order, chosen, all_int8, estimate)``: the site indices by harm, the indices to leave float
     (None when the budget cannot reach ``min_cosine``), the all-INT8 error and the chosen setting's
     estimated error (the best one reached when none is chosen). A site always goes float with its
     partners (:func:`~onnx_qat.accuracy.sites.with_partners`); the budget counts them all."""
@@ -67,13 +68,13 @@ def search(prepared: Prepared, min_cosine: float, budget: int, progress: bool = 
         if all_int8.cosine >= min_cosine:
             return tuple(range(n)), (), all_int8, all_int8
         if n <= bisect.MIN_SITES:
-            found = {k: (with_float((k,)), 1) for k in range(n) if bar.update(1) or True}
+            found = bisect.exhaustive(prepared, "only", lambda: bar.update(1))
         else:
-            found = bisect.screen(prepared, all_int8, "all_but", on_run=lambda: bar.update(1))
+            found = bisect.screen(prepared, all_int8, "only", on_run=lambda: bar.update(1))
     finally:
         bar.close()
-    gains = [found[k][0] for k in range(n)]
-    order = tuple(sorted(range(n), key=lambda k: (found[k][1] > 1, -gains[k].cosine, sites[k].name)))
+    losses = [found[k][0] for k in range(n)]  # output error with only this site in INT8
+    order = tuple(sorted(range(n), key=lambda k: (found[k][1] > 1, losses[k].cosine, sites[k].name)))
     limit = 0
     while limit < n and len(with_partners(sites, order[:limit + 1])) <= min(budget, n - 1):
         limit += 1
@@ -89,7 +90,7 @@ def search(prepared: Prepared, min_cosine: float, budget: int, progress: bool = 
         else:
             low = mid + 1
     chosen = list(order[:high])
-    for k in sorted(chosen, key=lambda k: gains[k].cosine):  # the weakest first
+    for k in sorted(chosen, key=lambda k: -losses[k].cosine):  # the least harmful first
         rest = [i for i in chosen if i != k]
         if rest and with_float(rest).cosine >= min_cosine:
             chosen = rest

@@ -81,6 +81,20 @@ def test_the_gated_session_reproduces_the_quantized_and_the_float_model():
     assert cosine(all_on, all_off) < 1.0  # quantization does change the output
 
 
+def test_weights_held_in_constant_nodes():
+    """Exporters such as paddle2onnx write weights as Constant nodes; the gates find them."""
+    model = outlier_channel_model("conv2", seed=6)
+    constants = [onnx.helper.make_node("Constant", [], [t.name], name=f"const_{t.name}", value=t)
+                 for t in model.graph.initializer]
+    nodes = constants + list(model.graph.node)
+    del model.graph.initializer[:]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    result = onnx_qat.sensitivity(model, _inputs(16, 6, "normal"), progress=False)
+    assert result.sites[0].name == "conv2" and len(result) == 6
+    assert [t.kind for t in result.sites[0].tensors] == ["activation", "weight"]
+
+
 def test_sites_cover_every_mark_once():
     model = concat_model(seed=1)
     placement = onnx_qat.place(model)
