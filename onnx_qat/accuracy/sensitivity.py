@@ -252,8 +252,9 @@ def _weight_stats(prepared) -> dict:
 
     inits = {t.name: t for t in prepared.float_model.graph.initializer}
     for node in prepared.float_model.graph.node:  # weights some exporters keep in Constant nodes
-        if node.op_type == "Constant" and node.output and node.attribute and node.attribute[0].name == "value":
-            inits.setdefault(node.output[0], node.attribute[0].t)
+        value = [a for a in node.attribute if a.name == "value"] if node.op_type == "Constant" else []
+        if value and node.output:
+            inits.setdefault(node.output[0], value[0].t)
     stats = {}
     for mark in prepared.placement.weights:
         if mark.tensor in inits and mark.tensor not in stats:
