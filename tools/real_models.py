@@ -258,8 +258,9 @@ def table(rows: List[dict]) -> str:
         else:
             mixed = (f"{m['cosine']:.4f} | {len(m['float_sites'])} of {m['sites']} | {share(m['int8'])} | "
                      f"{m['seconds']:.0f} s")
+        others = " | ".join(f"{r[k]['cosine']:.4f}" for k in ("percentile", "mse", "entropy"))
         lines.append(f"| {r['model']} | {d['cosine']:.4f} | {share(d['int8'])} | {d['seconds']:.0f} s | "
-                     f"{mixed} | " + " | ".join(f"{r[k]['cosine']:.4f}" for k in ("percentile", "mse", "entropy")) + " |")
+                     f"{mixed} | {others} |")
     return "\n".join(lines)
 
 
