@@ -101,6 +101,8 @@ def _photos(names) -> List[np.ndarray]:
     out = []
     for name in names:
         image = getattr(skimage.data, name)()
+        if isinstance(image, tuple):  # stereo_motorcycle: (left, right, disparity)
+            image = image[0]
         if image.ndim == 2:
             image = np.stack([image] * 3, axis=-1)
         out.append(np.ascontiguousarray(image[..., :3]).astype(np.uint8))
@@ -126,8 +128,10 @@ def _text_image(text: str, height: int, width: int, size: int = 28, angle: int =
 
 def _page(lines, size: int) -> np.ndarray:
     """A ``size`` x ``size`` page of text lines (document-like input for the detector)."""
-    rows = [_text_image(t, size // len(lines), size, size=24) for t in lines]
-    return np.concatenate(rows, axis=0)[:size]
+    rows = np.concatenate([_text_image(t, size // len(lines), size, size=24) for t in lines], axis=0)
+    page = np.full((size, size, 3), 255, np.uint8)
+    page[:rows.shape[0]] = rows[:size]
+    return page
 
 
 def _resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
