@@ -286,8 +286,10 @@ def test_quick_demo_end_to_end(tmp_path):
                           cwd=ROOT)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"report: {(out / 'report.md').resolve()}" in proc.stdout
-    assert "[1/8]" in proc.stdout and "[8/8]" in proc.stdout  # stage lines
+    assert "[1/9]" in proc.stdout and "[9/9]" in proc.stdout  # stage lines
     data = json.loads((out / "results.json").read_text())
+    sites = data["sensitivity"]["sites"]  # the float model's sensitivity, and its chart
+    assert sites and sites[0]["rank"] == 1 and (out / "sensitivity.png").stat().st_size > 5000
     # the exit code follows the gating criteria (in quick mode: check and export parity)
     gating = [c for c in data["criteria"] if c["gating"]]
     assert len(gating) == 5 and proc.returncode == (0 if all(c["passed"] for c in gating) else 1)
