@@ -284,7 +284,11 @@ def main(argv=None) -> int:
             rows.append({"model": name, "skipped": where})
             continue
         print(f"[real-models] {name} ...", file=sys.stderr, flush=True)
-        rows.append(measure(name, where))
+        try:
+            rows.append(measure(name, where))
+        except Exception as exc:  # one model failing must not hide the others
+            rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     text = table(rows)
     print(text)
     if args.out:
