@@ -23,6 +23,7 @@ def sensitivity_chart(result, path, top: int = 20) -> None:
     matplotlib.use("Agg", force=False)
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     from ..fileio import atomic_output
 
@@ -48,6 +49,7 @@ def sensitivity_chart(result, path, top: int = 20) -> None:
     right.axvline(0.0, color="black", linewidth=0.6)
     right.set_xlabel(f"cosine gained when only this site stays float\n(all INT8: {base:.4f})")
     right.grid(axis="x", alpha=0.3)
+    right.xaxis.set_major_locator(MaxNLocator(4))
     kinds = sorted({s.site.kind for s in rows})
     left.legend(handles=[Patch(color=KIND_COLOURS.get(k, KIND_COLOURS["other"]), label=k) for k in kinds],
                 loc="lower right", fontsize=8, title="site kind", title_fontsize=8)

@@ -41,9 +41,11 @@ class OutputError:
     max_abs: float
 
     def value(self, metric: str) -> float:
+        """The figure ``metric`` names (``cosine``, ``sqnr`` or ``max_abs``)."""
         return {"cosine": self.cosine, "sqnr": self.sqnr_db, "max_abs": self.max_abs}[metric]
 
     def to_dict(self) -> dict:
+        """JSON-ready form."""
         return {"cosine": self.cosine, "sqnr_db": self.sqnr_db, "max_abs": self.max_abs}
 
     def __str__(self) -> str:

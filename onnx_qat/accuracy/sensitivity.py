@@ -43,6 +43,7 @@ class TensorStats:
     sqnr_db: float
 
     def to_dict(self) -> dict:
+        """JSON-ready form."""
         return {"tensor": self.tensor, "kind": self.kind, "amax": self.amax, "clipped": self.clipped,
                 "sqnr_db": self.sqnr_db}
 
@@ -76,6 +77,7 @@ class SiteSensitivity:
         return self.site.name
 
     def to_dict(self) -> dict:
+        """JSON-ready form: the site, its two errors, group sizes and tensor statistics."""
         return {"rank": self.rank, **self.site.to_dict(), "only": self.only.to_dict(),
                 "all_but": self.all_but.to_dict(), "only_group": self.only_group,
                 "all_but_group": self.all_but_group, "tensors": [t.to_dict() for t in self.tensors]}
@@ -125,6 +127,8 @@ class SensitivityResult:
         return self.sites[:n]
 
     def to_dict(self) -> dict:
+        """JSON-ready form: format, metric, method, sample and run counts, the all-INT8 error and
+        every site's figures, ranked (what :meth:`save` writes)."""
         return {"format": REPORT_FORMAT, "version": REPORT_VERSION, "metric": self.metric,
                 "method": self.method, "num_eval_samples": self.num_eval_samples, "runs": self.runs,
                 "seconds": round(self.seconds, 3), "all_int8": self.all_int8.to_dict(),

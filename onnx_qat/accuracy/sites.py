@@ -51,6 +51,7 @@ class Site:
     partners: Tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
+        """JSON-ready form (edges left out)."""
         out = {"name": self.name, "op_type": self.op_type, "kind": self.kind,
                "activations": list(self.activations), "weights": list(self.weights)}
         if self.partners:
