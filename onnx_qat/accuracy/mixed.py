@@ -149,14 +149,15 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
 
 def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     """The Q/DQ model with ``chosen`` sites excluded from placement, and its verified error."""
-    from ..quantize import quantize
+    from ..rewrite import quantize_placed
     from ..runtime import make_session
     from .gated import join_flat
 
     names = [prepared.sites[k].name for k in chosen]
     excluded = dataclasses.replace(config, exclude_nodes=tuple(config.exclude_nodes) + site_exclusions(names))
     try:
-        result = quantize(prepared.float_model, scales=prepared.table, config=excluded, progress=False)
+        result = quantize_placed(prepared.float_model, scales=prepared.table, data=None, method="max",
+                                 config=excluded, calib_kw={}, progress=False)
     except PlacementError:  # the partners took every remaining site along
         raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "
                             + ", ".join(names[:8]) + "; nothing was written") from None

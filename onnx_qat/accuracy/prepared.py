@@ -130,15 +130,15 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     from ..config import QuantizeConfig
     from ..model_io import load_model
     from ..placement.graph_index import GraphIndex, assign_node_names
-    from ..quantize import nothing_to_quantize, quantize, refuse_quantized
-    from ..targets import get_target
+    from ..rewrite import nothing_to_quantize, quantize_placed, refuse_quantized
+    from ..placement.policy import policy_for
 
     config = config or QuantizeConfig()
     float_model = load_model(model)
     refuse_quantized(float_model)
     assign_node_names(float_model)
     index = GraphIndex(float_model)
-    placement = get_target(config.target).make_policy().place(index, config)
+    placement = policy_for(config.target).place(index, config)
     if placement.empty:
         raise PlacementError(nothing_to_quantize(placement))
     sites = sites_of(placement, index)
@@ -154,8 +154,8 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
         calib, evaluation = split_data(data, eval_data, float_model)
         table = calibrate(float_model, calib, method=method, tensors=tensors,
                           progress=progress, batch_size=batch_size, **dict(calibration_options or {}))
-    qdq = quantize(float_model, scales=table, placement=placement, config=QuantizeConfig(),
-                   progress=False).model
+    qdq = quantize_placed(float_model, scales=table, data=None, method="max", config=QuantizeConfig(),
+                          calib_kw={}, placement=placement, progress=False).model
     gated = gate_model(qdq, float_model, sites)
     del qdq
     feeds = tuple(evaluation.batches(batch_size))
