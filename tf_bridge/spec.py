@@ -23,6 +23,7 @@ import keras
 
 from onnx_qat.errors import ConfigError
 
+from .custom_layers import registered_quantization
 from .quantizers import weight_rules_for
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,10 @@ def _entry_decision(entry: SpecEntry, layer, source: str) -> LayerDecision:
 def default_decision(layer) -> Optional[LayerDecision]:
     """The default (``"full"`` mode) decision for ``layer``, or None if it is left alone."""
     cls = type(layer).__name__
+    declared = registered_quantization(layer)
+    if declared is not None:
+        return LayerDecision(inputs=declared.inputs, weights=bool(declared.weights),
+                             reason=f"declared layer class {cls}") if declared.default else None
     if cls in DEFAULT_INPUT_AND_WEIGHT and weight_rules_for(layer):
         return LayerDecision(inputs=None, weights=True, reason=f"default policy: {cls} input and weights")
     if cls in DEFAULT_INPUT_ONLY:
