@@ -107,14 +107,17 @@ def register_layer_quantization(layer_class: Union[type, str], *,
                           f"got {layer_class!r}")
     weights = dict(weights or {})
     if not all(isinstance(a, str) and a for a in weights):
-        raise ConfigError(f"register_layer_quantization: weight attributes must be names, got {list(weights)!r}")
+        raise ConfigError("register_layer_quantization: weight attributes must be names, "
+                          f"got {list(weights)!r}")
     if inputs is not None:
         inputs = tuple(inputs)
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in inputs):
-            raise ConfigError(f"register_layer_quantization: inputs must be None or ints >= 0, got {inputs!r}")
+            raise ConfigError(f"register_layer_quantization: inputs must be None or ints >= 0, "
+                              f"got {inputs!r}")
     if not isinstance(default, bool):
         raise ConfigError(f"register_layer_quantization: default must be True or False, got {default!r}")
-    entry = LayerQuantization(name, cls, tuple((a, _axes(a, ax)) for a, ax in weights.items()), inputs, default)
+    rules = tuple((a, _axes(a, ax)) for a, ax in weights.items())
+    entry = LayerQuantization(name, cls, rules, inputs, default)
     if name in _REGISTRY and _REGISTRY[name] != entry:
         logger.info("tf_bridge: the quantization of layer class %s is declared again", name)
     _REGISTRY[name] = entry

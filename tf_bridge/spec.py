@@ -51,6 +51,10 @@ class SpecEntry:
     quantize_weight: bool = True
     quantization_index: Optional[Tuple[int, ...]] = None
 
+    def __post_init__(self):
+        if isinstance(self.quantization_index, list):  # entries built by hand (LayerConfig(...))
+            object.__setattr__(self, "quantization_index", tuple(self.quantization_index))
+
 
 @dataclass(frozen=True)
 class LayerDecision:
