@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CreateAssetsFolders", "Folder", "convert_saved_model_to_onnx", "convert_keras_model_to_onnx",
     "KerasModelTraveller", "find_my_predecessors", "find_my_successors", "FloatModelWarning",
+    "UncalibratedExportWarning",
 ]
 
 _ARTIFACTS = (("fp32", "saved_model"), ("fp32", "original.onnx"), ("int8", "saved_model"),
@@ -94,8 +95,49 @@ def _float_warning(what: str, onnx_model_path) -> None:
                   stacklevel=3)
 
 
+class UncalibratedExportWarning(UserWarning):
+    """A QAT model was converted before calibration or training: its ranges come from the sample data."""
+
+
+UNCALIBRATED = ("calibrate", "raise")
+
+
+def _copy_model(q_model):
+    """An independent copy of a QAT model (configuration and every weight, quantizer ranges included)."""
+    import keras
+
+    from ..loading import _own_objects
+
+    with keras.saving.custom_object_scope(dict(_own_objects())):
+        copy = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(q_model))
+    copy.set_weights(q_model.get_weights())
+    return copy
+
+
+def _export(q_model, onnx_model_path, opset, sample_data, target, uncalibrated, owned: bool):
+    """:func:`tf_bridge.export_onnx`, after calibrating (a copy of) a model whose activation
+    quantizers have no range yet when ``uncalibrated="calibrate"``."""
+    from ..calibrate import calibrate
+    from ..describe import quantizer_records
+    from ..export import _input_arrays, export_onnx
+
+    if uncalibrated not in UNCALIBRATED:
+        raise ExportError(f"uncalibrated must be one of {', '.join(UNCALIBRATED)}, got {uncalibrated!r}")
+    missing = [r.path for r in quantizer_records(q_model) if r.kind == "activation" and r.amax is None]
+    if missing and uncalibrated == "calibrate":
+        inputs, generated = _input_arrays(q_model, sample_data)
+        source = "generated standard-normal inputs" if generated else "sample_data"
+        warnings.warn(f"{len(missing)} activation quantizer(s) of '{q_model.name}' have no range (the model "
+                      f"was neither calibrated nor trained); their ranges are taken from {source}: call "
+                      "tf_bridge.calibrate(q_model, data) with real data first", UncalibratedExportWarning,
+                      stacklevel=4)
+        q_model = q_model if owned else _copy_model(q_model)
+        calibrate(q_model, inputs if len(inputs) > 1 else inputs[0], progress=False)
+    return export_onnx(q_model, onnx_model_path, opset=opset, target=target, sample_data=sample_data)
+
+
 def convert_keras_model_to_onnx(keras_model, onnx_model_path, opset: int = 13, *, sample_data=None,
-                                target: str = "tensorrt"):
+                                target: str = "tensorrt", uncalibrated: str = "calibrate"):
     """Write the ONNX model of an in-memory Keras model.
 
     Args:
@@ -106,6 +148,11 @@ def convert_keras_model_to_onnx(keras_model, onnx_model_path, opset: int = 13, *
         opset: the ONNX opset (>= 13; the toolkit's default 13).
         sample_data: inputs for the export's mapping and parity proof (None: generated).
         target: the deployment target of the Q/DQ model (``"tensorrt"``, ``"ort-cpu"``).
+        uncalibrated: what to do with a QAT model whose activation quantizers have no range
+            yet: ``"calibrate"`` (the toolkit converts such a model: a copy is calibrated on
+            ``sample_data`` or generated inputs, with an :class:`UncalibratedExportWarning`;
+            ``keras_model`` is not modified) or ``"raise"`` (an ``ExportError``, as
+            :func:`tf_bridge.export_onnx` does).
 
     Returns:
         The :class:`tf_bridge.ExportReport` of a QAT model; None for a float model.
@@ -113,10 +160,8 @@ def convert_keras_model_to_onnx(keras_model, onnx_model_path, opset: int = 13, *
     Raises:
         ExportError: see :func:`tf_bridge.export_onnx`.
     """
-    from ..export import export_onnx
-
     if _quantized(keras_model):
-        return export_onnx(keras_model, onnx_model_path, opset=opset, target=target, sample_data=sample_data)
+        return _export(keras_model, onnx_model_path, opset, sample_data, target, uncalibrated, owned=False)
     from onnx_qat.model_io import save_model
 
     from ..export import check_exportable, convert_float_twin
@@ -128,7 +173,7 @@ def convert_keras_model_to_onnx(keras_model, onnx_model_path, opset: int = 13, *
 
 
 def convert_saved_model_to_onnx(saved_model_dir, onnx_model_path, opset: int = 13, *, sample_data=None,
-                                target: str = "tensorrt"):
+                                target: str = "tensorrt", uncalibrated: str = "calibrate"):
     """Write the ONNX model of a SavedModel directory (``model.export(dir)``) or a ``.keras`` file.
 
     A QAT model's SavedModel carries its Keras configuration (:mod:`tf_bridge.saved_model`): the
@@ -141,6 +186,7 @@ def convert_saved_model_to_onnx(saved_model_dir, onnx_model_path, opset: int = 1
         opset: the ONNX opset (>= 13).
         sample_data: inputs for the export's mapping and parity proof (None: generated).
         target: the deployment target of the Q/DQ model.
+        uncalibrated: ``"calibrate"`` or ``"raise"``, as for :func:`convert_keras_model_to_onnx`.
 
     Returns:
         The :class:`tf_bridge.ExportReport` of a QAT model; None for a float model (written with a
@@ -155,16 +201,16 @@ def convert_saved_model_to_onnx(saved_model_dir, onnx_model_path, opset: int = 1
     if source.suffix == ".keras" and source.is_file():
         from ..loading import load_model
 
-        return convert_keras_model_to_onnx(load_model(source, compile=False), onnx_model_path, opset,
-                                           sample_data=sample_data, target=target)
+        model = load_model(source, compile=False)
+        if not _quantized(model):
+            return convert_keras_model_to_onnx(model, onnx_model_path, opset, target=target)
+        return _export(model, onnx_model_path, opset, sample_data, target, uncalibrated, owned=True)
     from ..saved_model import load_saved_model, rebuild_qat_model
 
     loaded = load_saved_model(source)
     q_model = rebuild_qat_model(source, loaded)
     if q_model is not None:
-        from ..export import export_onnx
-
-        return export_onnx(q_model, onnx_model_path, opset=opset, target=target, sample_data=sample_data)
+        return _export(q_model, onnx_model_path, opset, sample_data, target, uncalibrated, owned=True)
     _float_warning(f"SavedModel {source}", onnx_model_path)
     _float_saved_model(source, onnx_model_path, opset)
     return None
