@@ -151,9 +151,10 @@ class BaseQuantizeWrapper:
     :class:`~tf_bridge.QuantizeWrapper` and :class:`~tf_bridge.ActivationQuantizer` apply it.
 
     Class attributes:
-        layer_class: the layer class; when None, the subclass name must be
-            ``"<LayerClass>QuantizeWrapper"`` (the toolkit's convention) and the class is
-            matched by that name.
+        layer_class: the layer class; when None, a subclass named
+            ``"<LayerClass>QuantizeWrapper"`` (the toolkit's convention) declares the class of
+            that name, and a subclass named otherwise declares nothing (an intermediate base
+            class sharing attributes with its subclasses).
         weights: ``{attribute: output-channel axis}`` (see :func:`register_layer_quantization`).
         input_indices: input positions quantized by default (None: all).
         quantize_by_default: quantized by ``quantization_mode="full"``.
@@ -167,11 +168,11 @@ class BaseQuantizeWrapper:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         target = cls.layer_class
+        suffix = "QuantizeWrapper"
         if target is None:
-            suffix = "QuantizeWrapper"
             if not cls.__name__.endswith(suffix) or cls.__name__ == suffix:
-                raise ConfigError(f"{cls.__name__}: set layer_class, or name the class "
-                                  f"'<LayerClass>{suffix}'")
+                logger.debug("tf_bridge: %s declares no layer class (an intermediate base class)", cls.__name__)
+                return
             target = cls.__name__[:-len(suffix)]
         cls.declaration = register_layer_quantization(
             target, weights=cls.weights, inputs=cls.input_indices, default=cls.quantize_by_default)
