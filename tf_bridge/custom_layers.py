@@ -171,7 +171,7 @@ class BaseQuantizeWrapper:
         suffix = "QuantizeWrapper"
         if target is None:
             if not cls.__name__.endswith(suffix) or cls.__name__ == suffix:
-                logger.debug("tf_bridge: %s declares no layer class (an intermediate base class)", cls.__name__)
+                logger.debug("tf_bridge: %s declares no layer class (a shared base class)", cls.__name__)
                 return
             target = cls.__name__[:-len(suffix)]
         cls.declaration = register_layer_quantization(

@@ -140,7 +140,7 @@ def test_b5_partial_mode_quantizes_only_the_named_layers():
 def test_b6_class_entries_in_partial_and_full_mode():
     spec = compat.QuantizationSpec()
     spec.add(name="Conv2D", is_keras_class=True)
-    got = placement(compat.quantize_model(residual_net(), quantization_mode="partial", quantization_spec=spec))
+    got = placement(compat.quantize_model(residual_net(), "partial", spec))
     convs = ("stem", "b1_conv1", "b1_conv2", "b2_conv1", "b2_conv2", "b2_short")
     assert got == {n: ((0,), True) for n in convs}
     spec = compat.QuantizationSpec()
@@ -151,10 +151,12 @@ def test_b6_class_entries_in_partial_and_full_mode():
     assert got["dense"] == ((0,), True)
 
 
-@pytest.mark.parametrize("build, name", [(vgg_like, "conv_0"), (depthwise_net, "dconv_1"), (vgg_like, "dense_1")],
+@pytest.mark.parametrize("build, name",
+                         [(vgg_like, "conv_0"), (depthwise_net, "dconv_1"), (vgg_like, "dense_1")],
                          ids=["Conv2D", "DepthwiseConv2D", "Dense"])
 def test_b7_input_only_and_weight_only(build, name):
-    for kwargs, want in (({"quantize_weight": False}, ((0,), False)), ({"quantize_input": False}, ((), True))):
+    for kwargs, want in (({"quantize_weight": False}, ((0,), False)),
+                         ({"quantize_input": False}, ((), True))):
         spec = compat.QuantizationSpec()
         spec.add(name=name, **kwargs)
         got = placement(compat.quantize_model(build(), quantization_mode="partial", quantization_spec=spec))
@@ -164,18 +166,19 @@ def test_b7_input_only_and_weight_only(build, name):
 def test_b8_input_indices_on_add_and_concatenate():
     spec = compat.QuantizationSpec()
     spec.add(name="add", quantize_input=True, quantize_weight=False, quantization_index=[1])
-    got = placement(compat.quantize_model(residual_net(), quantization_mode="partial", quantization_spec=spec))
+    got = placement(compat.quantize_model(residual_net(), "partial", spec))
     assert got == {"add": ((1,), False)}
     for index, want in (([0], (0,)), ([0, 1], (0, 1))):
         spec = compat.QuantizationSpec()
         spec.add(name="concat", quantize_weight=False, quantization_index=index)
-        got = placement(compat.quantize_model(concat_net(), quantization_mode="partial", quantization_spec=spec))
+        got = placement(compat.quantize_model(concat_net(), "partial", spec))
         assert got == {"concat": (want, False)}, index
 
 
 # --------------------------------------------------------------------------- 9, 10, 13: cases
 def test_b9_custom_cases_are_applied_in_full_mode():
-    got = placement(compat.quantize_model(residual_net(), custom_qdq_cases=[custom_qdq_cases.ResNetV1QDQCase()]))
+    cases = [custom_qdq_cases.ResNetV1QDQCase()]
+    got = placement(compat.quantize_model(residual_net(), custom_qdq_cases=cases))
     assert got["add"] == ((1,), False)  # the identity skip; the Conv-BN branch (input 0) stays float
     assert got["add_1"] == ((1,), False)  # one Conv-BN branch stays float, the other is quantized
     assert got["b1_conv1"] == ((0,), True)

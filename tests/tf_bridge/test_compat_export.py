@@ -71,7 +71,8 @@ def test_b14_seed_basics_example_gives_an_int8_qdq_onnx_that_passes_check(tmp_pa
     q_model.export(assets.example.int8_saved_model, verbose=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", utils.FloatModelWarning)
-        report = utils.convert_saved_model_to_onnx(assets.example.int8_saved_model, assets.example.int8_onnx_model)
+        report = utils.convert_saved_model_to_onnx(assets.example.int8_saved_model,
+                                                   assets.example.int8_onnx_model)
     ops = _ops(assets.example.int8_onnx_model)
     assert (ops["QuantizeLinear"], ops["DequantizeLinear"]) == (2, 4)  # Conv and MatMul: input + weight
     _assert_clean_qdq(report, assets.example.int8_onnx_model, q_model, train_images[:8])
@@ -186,3 +187,46 @@ def test_b18_a_layer_class_of_your_own_goes_end_to_end(tmp_path, seed, scale):
         assert _ops(tmp_path / "m.onnx")["DequantizeLinear"] == 7  # 4 activations + conv, tied, head weights
     finally:
         unregister_layer_quantization(TiedDense)
+
+
+def _preact_net():
+    """A two-block ResNet v2 (pre-activation): projection and max-pool shortcuts, BN after each Add."""
+    L = keras.layers
+
+    def bn_relu(x, name):
+        return L.ReLU(name=f"{name}_relu")(L.BatchNormalization(name=f"{name}_bn")(x))
+
+    inp = keras.Input((16, 16, 3), name="image")
+    x = L.MaxPooling2D(3, strides=2, padding="same", name="pool1_pool")(
+        L.Conv2D(16, 3, padding="same", name="conv1_conv")(inp))
+    p = bn_relu(x, "b1_preact")
+    y = bn_relu(L.Conv2D(16, 1, use_bias=False, name="b1_1_conv")(p), "b1_1")
+    y = L.Conv2D(32, 1, name="b1_3_conv")(y)
+    x = L.Add(name="b1_out")([L.Conv2D(32, 1, name="b1_0_conv")(p), y])
+    p = bn_relu(x, "b2_preact")
+    y = bn_relu(L.Conv2D(16, 1, use_bias=False, name="b2_1_conv")(p), "b2_1")
+    y = L.ZeroPadding2D(1, name="b2_pad")(y)
+    y = bn_relu(L.Conv2D(16, 3, strides=2, use_bias=False, name="b2_2_conv")(y), "b2_2")
+    s = L.MaxPooling2D(1, strides=2, name="b2_pool")(x)
+    x = L.Add(name="b2_out")([s, L.Conv2D(32, 1, name="b2_3_conv")(y)])
+    x = L.GlobalAveragePooling2D(name="avg_pool")(bn_relu(x, "post"))
+    return keras.Model(inp, L.Dense(4, name="predictions")(x), name="preact")
+
+
+def test_b13_resnet_v2_case_entries_export_cleanly(tmp_path):
+    """The toolkit's ResNet v2 entries (pre-activation BNs, MaxPools) pass TensorRT's rules in check."""
+    from tf_bridge.compat.custom_qdq_cases import ResNetV2QDQCase
+
+    rng = np.random.default_rng(4)
+    data = rng.normal(size=(32, 16, 16, 3)).astype("float32")
+    model = _preact_net()
+    model.compile("adam", "mse")
+    model.fit(data, rng.normal(size=(32, 4)).astype("float32"), epochs=1, verbose=0)  # BN statistics move
+    q_model = quantize_model(model, custom_qdq_cases=[ResNetV2QDQCase()])
+    records = tf_bridge.quantizer_records(q_model)
+    consumers = {c for r in records if r.kind == "activation" for c in r.consumers}
+    assert {"b1_preact_bn[0]", "b2_preact_bn[0]", "post_bn[0]", "pool1_pool[0]", "b2_pool[0]"} <= consumers
+    assert {"b1_out[0]", "b2_out[0]"} <= consumers and not {"b1_out[1]", "b2_out[1]"} & consumers
+    tf_bridge.calibrate(q_model, data, progress=False)
+    report = utils.convert_keras_model_to_onnx(q_model, tmp_path / "v2.onnx", sample_data=data[:16])
+    _assert_clean_qdq(report, tmp_path / "v2.onnx", q_model, data[:16])
