@@ -230,3 +230,26 @@ def test_b13_resnet_v2_case_entries_export_cleanly(tmp_path):
     tf_bridge.calibrate(q_model, data, progress=False)
     report = utils.convert_keras_model_to_onnx(q_model, tmp_path / "v2.onnx", sample_data=data[:16])
     _assert_clean_qdq(report, tmp_path / "v2.onnx", q_model, data[:16])
+
+
+def test_b7_weight_only_is_refused_and_input_only_is_written_with_a_check_warning(tmp_path):
+    """The toolkit puts a Q/DQ on the weight (or the input) alone; TensorRT runs the layer in INT8 only with
+    both quantized (check rule C9): a model with only a weight quantized has no INT8 model to write, and an
+    input-only Conv is written with the check's error in a warning."""
+    from tf_bridge.compat import QuantizationSpec
+
+    model, _ = _small_qat_model()
+    spec = QuantizationSpec()
+    spec.add(name="conv", quantize_input=False)
+    q_model = quantize_model(model, "partial", spec)
+    with pytest.raises(ExportError, match=r"no Q/DQ pair to write.*conv\.kernel.*quantize_input=True") as err:
+        utils.convert_keras_model_to_onnx(q_model, tmp_path / "w.onnx")
+    assert "\n" not in str(err.value) and not (tmp_path / "w.onnx").exists()
+    spec = QuantizationSpec()
+    spec.add(name="conv", quantize_weight=False)
+    q_model = quantize_model(model, "partial", spec)
+    tf_bridge.calibrate(q_model, np.random.default_rng(5).normal(size=(8, 8, 8, 3)).astype("float32"),
+                        progress=False)
+    with pytest.warns(utils.CheckFailedWarning, match="C9"):
+        report = utils.convert_keras_model_to_onnx(q_model, tmp_path / "i.onnx")
+    assert report.parity.passed and not report.passed and _ops(tmp_path / "i.onnx")["QuantizeLinear"] == 1

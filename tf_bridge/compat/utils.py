@@ -6,6 +6,8 @@ The two converters never write a float model silently:
   SavedModel of ``q_model.export(dir)``) is exported through :func:`tf_bridge.export_onnx`: the
   TensorRT Q/DQ ONNX model with the learned ranges, its parity with the Keras QAT model proven
   in onnxruntime, and its :func:`onnx_qat.check` verdict in the returned report;
+* a Q/DQ model that breaks a TensorRT rule of :func:`onnx_qat.check` (a spec that quantizes a
+  Conv's input but not its weight, rule C9) is written with a :class:`CheckFailedWarning`;
 * a model without tf_bridge quantizers is converted to a float ONNX model by tf2onnx, with a
   :class:`FloatModelWarning` saying so (the toolkit's workflow converts the FP32 baseline too);
 * a SavedModel that holds quantizer variables but cannot be rebuilt is refused in one line
@@ -30,7 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CreateAssetsFolders", "Folder", "convert_saved_model_to_onnx", "convert_keras_model_to_onnx",
     "KerasModelTraveller", "find_my_predecessors", "find_my_successors", "FloatModelWarning",
-    "UncalibratedExportWarning",
+    "UncalibratedExportWarning", "CheckFailedWarning",
 ]
 
 _ARTIFACTS = (("fp32", "saved_model"), ("fp32", "original.onnx"), ("int8", "saved_model"),
@@ -95,6 +97,10 @@ def _float_warning(what: str, onnx_model_path) -> None:
                   stacklevel=3)
 
 
+class CheckFailedWarning(UserWarning):
+    """The Q/DQ model written breaks a TensorRT rule of :func:`onnx_qat.check` (its report says which)."""
+
+
 class UncalibratedExportWarning(UserWarning):
     """A QAT model was converted before calibration or training: its ranges come from the sample data."""
 
@@ -133,7 +139,12 @@ def _export(q_model, onnx_model_path, opset, sample_data, target, uncalibrated, 
                       stacklevel=4)
         q_model = q_model if owned else _copy_model(q_model)
         calibrate(q_model, inputs if len(inputs) > 1 else inputs[0], progress=False)
-    return export_onnx(q_model, onnx_model_path, opset=opset, target=target, sample_data=sample_data)
+    report = export_onnx(q_model, onnx_model_path, opset=opset, target=target, sample_data=sample_data)
+    if report.check is not None and report.check.errors:
+        errors = report.check.errors
+        warnings.warn(f"{report.path}: written, but onnx-qat check found {len(errors)} error(s), e.g. "
+                      f"{errors[0]}", CheckFailedWarning, stacklevel=4)
+    return report
 
 
 def convert_keras_model_to_onnx(keras_model, onnx_model_path, opset: int = 13, *, sample_data=None,
