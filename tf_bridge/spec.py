@@ -137,6 +137,13 @@ class QuantizationSpec:
         """The entries in the order they were added."""
         return tuple(self._entries)
 
+    @property
+    def layers(self) -> List[SpecEntry]:
+        """The entries as the mutable list NVIDIA's toolkit names ``layers`` (the list :attr:`entries`
+        reads), so a case written for the toolkit can ``spec.layers.extend(other.layers)``; entries
+        put in by hand are checked when the spec is used."""
+        return self._entries
+
     def copy(self) -> "QuantizationSpec":
         """An independent copy."""
         new = QuantizationSpec()

@@ -1,8 +1,8 @@
 """``quantize_model``, ``QuantizationSpec`` and ``LayerConfig`` as ``tensorflow_quantization.quantize``
 has them.
 
-* :class:`QuantizationSpec` is tf_bridge's spec plus ``.layers``: the toolkit's mutable list of
-  entries (the same list as ``.entries`` reads), so cases written for the toolkit that do
+* :class:`QuantizationSpec` is tf_bridge's spec, which has the toolkit's ``.layers``: the mutable
+  list of entries (the same list as ``.entries`` reads), so cases written for the toolkit that do
   ``spec.layers.extend(other.layers)`` keep working.
 * :class:`LayerConfig` is tf_bridge's :class:`~tf_bridge.spec.SpecEntry` (same fields:
   ``name``, ``is_keras_class``, ``quantize_input``, ``quantize_weight``, ``quantization_index``).
@@ -27,6 +27,7 @@ from ..wrap import quantize_model as _quantize_model
 logger = logging.getLogger(__name__)
 
 LayerConfig = _spec.SpecEntry
+QuantizationSpec = _spec.QuantizationSpec
 UNKNOWN_NAMES = ("warn", "raise")
 
 __all__ = ["quantize_model", "QuantizationSpec", "LayerConfig", "UnknownLayerNameWarning"]
@@ -34,21 +35,6 @@ __all__ = ["quantize_model", "QuantizationSpec", "LayerConfig", "UnknownLayerNam
 
 class UnknownLayerNameWarning(UserWarning):
     """A QuantizationSpec entry names no layer of the model; the entry is ignored."""
-
-
-class QuantizationSpec(_spec.QuantizationSpec):
-    """tf_bridge's :class:`~tf_bridge.QuantizationSpec` with the toolkit's ``.layers`` list."""
-
-    @property
-    def layers(self) -> List[_spec.SpecEntry]:
-        """The entries as the toolkit's mutable list (``.entries`` reads the same list as a tuple)."""
-        return self._entries
-
-    def copy(self) -> "QuantizationSpec":
-        """An independent copy."""
-        new = QuantizationSpec()
-        new._entries = list(self._entries)
-        return new
 
 
 def _without_unknown_names(model, spec: _spec.QuantizationSpec) -> _spec.QuantizationSpec:
@@ -74,7 +60,7 @@ def quantize_model(model, quantization_mode: str = "full",
     Args:
         model: a built Functional or Sequential Keras model (not modified).
         quantization_mode: ``"full"`` or ``"partial"``.
-        quantization_spec: a :class:`QuantizationSpec` (either class); copied, never modified.
+        quantization_spec: a :class:`QuantizationSpec`; copied, never modified.
         custom_qdq_cases: a list of :class:`~tf_bridge.CustomQDQInsertionCase`.
         unknown_names: ``"warn"`` (the toolkit's behaviour: a spec entry naming no layer is
             ignored with an :class:`UnknownLayerNameWarning`) or ``"raise"`` (tf_bridge's: a
