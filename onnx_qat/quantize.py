@@ -62,6 +62,12 @@ class QuantizeResult:
         """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.model_io.save_model`)."""
         return _io().save_model(self.model, path)
 
+    def to_graph(self):
+        """The Q/DQ model as a new ``onnx_graphsurgeon.Graph``, ready for further graph surgery
+        (``gs.export_onnx(graph)`` gives the ONNX model back). Each call imports a fresh Graph;
+        editing it leaves :attr:`model` unchanged."""
+        return _io().to_graph(self.model)
+
     def to_report(self) -> dict:
         """A JSON-ready report: summary, every inserted Q/DQ with its rule and reason, skipped nodes
         with their reasons, notes."""
@@ -99,7 +105,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     """Insert INT8 QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them.
 
     Args:
-        model: path to a float ONNX model, or an ``onnx.ModelProto`` (never mutated).
+        model: path to a float ONNX model, an ``onnx.ModelProto`` or an ``onnx_graphsurgeon.Graph``
+            (never mutated; a Graph is exported with ``gs.export_onnx``, e.g. after graph surgery).
         output: where to write the Q/DQ model (atomically, after ``onnx.checker`` passed on the
             bytes to write), or None to only return it.
         scales: a :class:`~onnx_qat.scales.ScaleTable`, the path of its JSON file, or a mapping

@@ -13,7 +13,6 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import onnx
 
 from ..config import QuantizeConfig
-from ..errors import ModelError
 from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
 from .handlers import (
     COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
@@ -198,8 +197,9 @@ def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Place
     """Decide where Q/DQ pairs go in ``model`` for the configured target, without changing it.
 
     Args:
-        model: an ``onnx.ModelProto`` or a path to a model (loaded with
-            :func:`onnx_qat.model_io.load_model`, which upgrades opset < 13).
+        model: an ``onnx.ModelProto``, an ``onnx_graphsurgeon.Graph`` or a path to a model (the
+            last two loaded with :func:`onnx_qat.model_io.load_model`, which upgrades opset < 13;
+            a Graph is exported, never modified).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; ``options`` (its field names:
             ``target``, ``exclude_nodes``, ``exclude_op_types``, ``min_channels``,
             ``include_attention``) override its fields.
@@ -213,7 +213,5 @@ def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Place
     if not isinstance(model, onnx.ModelProto):
         from ..model_io import load_model
 
-        model = load_model(model)
-    if not isinstance(model, onnx.ModelProto):
-        raise ModelError(f"place() needs an onnx.ModelProto or a path, got {type(model).__name__}")
+        model = load_model(model)  # a path or a Graph; any other object: one ModelError line
     return policy_for(config.target).place(GraphIndex(model), config)
