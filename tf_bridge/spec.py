@@ -140,8 +140,8 @@ class QuantizationSpec:
     @property
     def layers(self) -> List[SpecEntry]:
         """The entries as the mutable list NVIDIA's toolkit names ``layers`` (the list :attr:`entries`
-        reads), so a case written for the toolkit can ``spec.layers.extend(other.layers)``; entries
-        put in by hand are checked when the spec is used."""
+        reads), so a case written for the toolkit can ``spec.layers.extend(other.layers)``; the
+        names of entries put in by hand are checked when the spec is used, as :meth:`add`'s are."""
         return self._entries
 
     def copy(self) -> "QuantizationSpec":
