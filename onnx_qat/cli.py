@@ -425,24 +425,28 @@ def _placement_dict(placement) -> dict:
         "weights": [dataclasses.asdict(m) for m in placement.weights],
         "decisions": [dataclasses.asdict(d) for d in placement.decisions],
         "notes": list(placement.notes),
+        "subgraphs": placement.to_dict()["subgraphs"],
     }
 
 
 def format_decisions(placement) -> str:
-    """The ``inspect`` table: one row per decision (node, op, action, rule, reason) and a summary line."""
+    """The ``inspect`` table: one row per decision (node, op, action, rule, reason; the nodes of quantized
+    If branches after the main graph's) and a summary line."""
     header = ("NODE", "OP", "ACTION", "RULE", "REASON")
-    rows = [(d.node, d.op_type, d.action, d.rule, d.reason) for d in placement.decisions]
+    decisions = placement.all_decisions()
+    rows = [(d.node, d.op_type, d.action, d.rule, d.reason) for d in decisions]
     widths = [min(max([len(header[i])] + [len(r[i]) for r in rows]), 48) for i in range(4)]
     lines = ["  ".join(col.ljust(w) for col, w in zip(header[:4], widths)) + "  " + header[4]]
     for row in rows:
         lines.append("  ".join(col.ljust(w) for col, w in zip(row[:4], widths)) + "  " + row[4])
     counts = {}
-    for d in placement.decisions:
+    for d in decisions:
         counts[d.action] = counts.get(d.action, 0) + 1
-    lines.extend(f"note: {note}" for note in placement.notes)
+    lines.extend(f"note: {note}" for p in placement.nested() for note in p.notes)
+    weights = sum(len(p.weight_tensors()) for p in placement.nested())
     lines.append(f"{len(rows)} nodes: " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
                  + f" | {len(placement.activation_tensors())} activation tensors, "
-                 f"{len(placement.weight_tensors())} weights to quantize")
+                 f"{weights} weights to quantize")
     return "\n".join(lines)
 
 

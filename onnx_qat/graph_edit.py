@@ -66,10 +66,17 @@ class GraphEdit:
             :func:`onnx_qat.placement.graph_index.assign_node_names` gives). Its nodes are changed
             in place by the edits (inputs rewired, attributes set); :meth:`commit` builds the
             result as a new ModelProto, so the caller can free ``model`` afterwards.
+        names: for the edit of a subgraph (wrapped in a ModelProto): a set of every name used in
+            the whole model, shared by the edits of all its graphs; new names are added to it, so
+            no two graphs create the same name.
+        outer_constants: for the edit of a subgraph: name -> TensorProto of the constants of the
+            enclosing graphs (initializers and Constant values), read by :meth:`constant`.
     """
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, *, names: Optional[Set[str]] = None,
+                 outer_constants: Optional[Dict[str, onnx.TensorProto]] = None):
         self.model = model
+        self.outer_constants = outer_constants or {}
         graph = model.graph
         self.nodes: List[onnx.NodeProto] = list(graph.node)
         self.position: Dict[int, int] = {id(n): i for i, n in enumerate(self.nodes)}
@@ -89,6 +96,10 @@ class GraphEdit:
         self._new_initializers: Dict[str, onnx.TensorProto] = {}
         self._maybe_unread: List[str] = []
         self._maybe_dead: List[onnx.NodeProto] = []
+        if names is not None:
+            self._used = None
+            names.update(self._names())
+            self._used = names
 
     # -- names ---------------------------------------------------------------------
     def _names(self) -> Set[str]:
@@ -148,6 +159,11 @@ class GraphEdit:
             if producer.op_type != "Identity" or not producer.input:
                 break
             name = producer.input[0]
+        else:
+            name = ""
+        outer = self.outer_constants.get(name) if name and name not in self.producer else None
+        if outer is not None:  # an outer-scope constant (this edit is a subgraph's)
+            return tensor_array(outer), outer, chain
         raise ValueError(f"weight {tensor!r} is not a constant")
 
     def initializer(self, name: str) -> Optional[onnx.TensorProto]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Optional, Tuple
@@ -19,7 +19,7 @@ import onnx
 from .config import QuantizeConfig
 from .errors import ConfigError, ModelError, PlacementError, ScalesError
 from .fileio import check_output_path, write_json
-from .placement.graph_index import GraphIndex, assign_node_names
+from .placement.graph_index import GraphIndex, assign_node_names, subgraphs_of
 from .placement.marks import ActivationMark, Placement
 from .scales import ScaleTable
 from .targets import Target, get_target
@@ -81,7 +81,7 @@ class QuantizeResult:
                        "weights": len(self.scales.weights)},
             "inserted": [dict(r) for r in self.inserted],
             "skipped": [{"node": d.node, "op_type": d.op_type, "rule": d.rule, "reason": d.reason}
-                        for d in self.placement.decisions if d.action == "skip"],
+                        for d in self.placement.all_decisions() if d.action == "skip"],
             "notes": list(self.placement.notes),
             "requantization": [dict(r) for r in self.requantization],
         }
@@ -152,11 +152,18 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     if form is not None and data is not None and "tensors" not in calib_kw:
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
             placement.activation_tensors() + form.calibration_tensors(index, placement)))}
-    table = _ranges(float_model, index, placement, scales, data, method, config, calib_kw, progress)
+    table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
+                               progress)
     requantization, storage, finish = (), {}, None
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = form.adapt(index, placement, table)
+        dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
+        if dropped:  # the form rewrites the main graph only: If branches stay float in it
+            note = (f"the {target_obj.name} form quantizes the main graph only; "
+                    f"{len(dropped)} If branch(es) left float")
+            logger.warning("%s", note)
+            placement = replace(placement, notes=placement.notes + (note,))
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
@@ -224,6 +231,14 @@ def _check_placement(placement, index: GraphIndex) -> None:
         if mark.tensor not in tensors or unknown:
             what = f"node {unknown[0]!r}" if unknown else f"tensor {mark.tensor!r}"
             raise PlacementError(f"the given placement names {what}, which the model does not have")
+    for sub in placement.subgraphs:
+        node = index.by_name.get(sub.node)
+        held = {(a, p) for a, p, _ in subgraphs_of(node.proto)} if node is not None else set()
+        if (sub.attribute, sub.position) not in held:
+            raise PlacementError(f"the given placement names subgraph {sub.attribute!r} of node "
+                                 f"{sub.node!r}, which the model does not have")
+    for sub_index, sub_placement in nested_indexes(index, placement):
+        _check_placement(replace(sub_placement, subgraphs=()), sub_index)
 
 
 def _describe(model) -> str:
@@ -241,8 +256,11 @@ def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str
 
     small: list = []
     size = 0
-    for tensor in placement.weight_tensors():
-        proto = index.constant_proto(tensor)
+    weights = [(index, t) for t in placement.weight_tensors()]
+    weights += [(sub_index, t) for sub_index, sub in nested_indexes(index, placement)
+                for t in sub.weight_tensors()]
+    for graph_index, tensor in weights:
+        proto = graph_index.constant_proto(tensor)
         if proto is None:
             continue
         values = _io().tensor_array(proto)
@@ -269,10 +287,29 @@ def _refuse_non_finite(weights, what: str) -> None:
                              "infinite value(s); fix the float model before quantizing it")
 
 
+def nested_indexes(index: GraphIndex, placement: Placement):
+    """``(GraphIndex, Placement)`` of every subgraph ``placement`` quantizes (depth first), each index
+    resolving outer-scope names through its parent's."""
+    for sub in placement.subgraphs:
+        node = index.by_name[sub.node]
+        graph = next(g for name, position, g in subgraphs_of(node.proto)
+                     if name == sub.attribute and position == sub.position)
+        sub_index = GraphIndex(graph, outer=index)
+        yield sub_index, sub.placement
+        yield from nested_indexes(sub_index, sub.placement)
+
+
 def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
-    """Raise PlacementError when ``model`` already holds Q/DQ or integer-quantized ops."""
-    found = sorted({n.op_type for n in model.graph.node
-                    if n.op_type in QUANTIZED_OPS or n.op_type.startswith("QLinear")})
+    """Raise PlacementError when ``model`` already holds Q/DQ or integer-quantized ops (in any graph,
+    If/Loop/Scan bodies included)."""
+    graphs, ops = [model.graph], set()
+    while graphs:
+        graph = graphs.pop()
+        for n in graph.node:
+            ops.add(n.op_type)
+            if n.attribute:
+                graphs.extend(g for _, _, g in subgraphs_of(n))
+    found = sorted(op for op in ops if op in QUANTIZED_OPS or op.startswith("QLinear"))
     if found:
         raise PlacementError(f"{what} is already quantized (it has {', '.join(found)} nodes); "
                              "give the float model instead")
@@ -281,23 +318,28 @@ def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
 def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
     """The one-line message for a placement with no marks: what was found and what was excluded."""
     ops = {}
-    for d in placement.decisions:
+    for d in placement.all_decisions():
         ops[d.op_type] = ops.get(d.op_type, 0) + 1
     found = ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) or "no nodes"
-    skipped = [d for d in placement.decisions if d.action == "skip"]
+    skipped = [d for d in placement.all_decisions() if d.action == "skip"]
     why = "; ".join(f"{d.node}: {d.reason}" for d in skipped[:5]) + (" ..." if len(skipped) > 5 else "")
     return (f"nothing to quantize in {what}: found {found}; {len(skipped)} node(s) skipped"
             + (f" ({why})" if why else "") + "; check exclude_nodes/exclude_op_types/min_channels")
 
 
 def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress) -> ScaleTable:
-    """The ScaleTable to use: loaded/validated, or calibrated on ``data``.
+    """``(ScaleTable, placement)``: the table loaded/validated, or calibrated on ``data``; when
+    calibrated, the If branches no batch took are dropped from the placement (left float, with a note).
 
     Problems with a ScaleTable given as a file name that file in the message.
     """
     if scales is None:
-        return _check_complete(_calibrated(model, placement, data, method, config, calib_kw, progress),
-                               placement, "calibrated ScaleTable")
+        table = _calibrated(model, placement, data, method, config, calib_kw, progress)
+        placement = without_unreached_branches(placement, table)
+        if placement.empty:
+            raise PlacementError("nothing to quantize: the calibration data took no If branch that placement "
+                                 "quantizes")
+        return _check_complete(table, placement, "calibrated ScaleTable"), placement
     with _io().cyclic_gc_paused():  # a table of 10^4-10^5 ranges; the index and placement stay alive
         if isinstance(scales, ScaleTable):
             source, table = "ScaleTable", scales
@@ -306,12 +348,34 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
         else:
             source, table = f"ScaleTable {scales}", ScaleTable.load(scales)
         try:
-            table.check_names(index.all_tensor_names(), index.constant_shapes())
+            names, shapes = list(index.all_tensor_names()), index.constant_shapes()
+            for sub_index, _ in nested_indexes(index, placement):  # If branches placement quantizes
+                names.extend(sub_index.all_tensor_names())
+                shapes.update(sub_index.constant_shapes())
+            table.check_names(names, shapes)
         except ScalesError as exc:
             if source == "ScaleTable":
                 raise
             raise ScalesError(f"{source}: {exc}") from None
-    return _check_complete(table, placement, source)
+    return _check_complete(table, placement, source), placement
+
+
+def without_unreached_branches(placement: Placement, table: ScaleTable) -> Placement:
+    """``placement`` less the subgraph placements (If branches) whose activations ``table`` has no
+    range for: calibration observes only the branch each batch takes, so a branch no batch took stays
+    float (a note says which)."""
+    from .insertion import missing_activations
+
+    if not placement.subgraphs:
+        return placement
+    kept, notes = [], list(placement.notes)
+    for sub in placement.subgraphs:
+        if missing_activations(sub.placement, table):
+            notes.append(f"If node {sub.node!r}: no calibration batch took its {sub.attribute}; left float")
+            logger.warning("%s", notes[-1])
+        else:
+            kept.append(replace(sub, placement=without_unreached_branches(sub.placement, table)))
+    return replace(placement, subgraphs=tuple(kept), notes=tuple(notes))
 
 
 def _calibrated(model, placement, data, method, config, calib_kw, progress) -> ScaleTable:
@@ -328,7 +392,7 @@ def _check_complete(table: ScaleTable, placement: Placement, source: str) -> Sca
     """Refuse a table without a range for some tensor the placement quantizes (all are listed)."""
     from .insertion import missing_activations
 
-    missing = missing_activations(placement, table)
+    missing = tuple(t for nested in placement.nested() for t in missing_activations(nested, table))
     if missing:
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"{source} has no range for {len(missing)} tensor(s) placement quantizes: {shown}")
@@ -344,10 +408,19 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
     from .insertion import insert_qdq_pairs
 
     with _io().cyclic_gc_paused():  # ~10^5 new protobuf objects, none of them in reference cycles
+        nested = ()
+        if placement.subgraphs:  # If branches first: the main graph's edit then sees their new names
+            from .subgraphs import insert_into_subgraphs
+
+            nested = tuple(insert_into_subgraphs(model, placement, table, target))
         edit = GraphEdit(model)
         inserted = insert_qdq_pairs(edit, placement, table, target, progress=progress, **dict(storage or {}))
         if finish is not None:
             finish(edit)
+        if nested:
+            inserted = type(inserted)(
+                inserted.activations + tuple(r for r in nested if r["kind"] == "activation"),
+                inserted.weights + tuple(r for r in nested if r["kind"] == "weight"))
         return edit.commit(), inserted
 
 
@@ -355,7 +428,7 @@ def _summary(placement: Placement, inserted) -> dict:
     counts = placement.counts()
     return {
         "nodes": counts["nodes"],
-        "activations": len(placement.activations),
+        "activations": counts["activations"],
         "weights": len(inserted.weights),
         "quantized_nodes": counts.get("nodes_quantize", 0),
         "skipped_nodes": counts.get("nodes_skip", 0),

@@ -91,8 +91,14 @@ def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers):
     """
     light = copy_except_initializers(proto)
     names, values = [], []
+    # onnxruntime replaces only initializers main-graph nodes read (it drops unread ones, and hands
+    # those read in subgraphs down to them): the others stay serialized
+    inner = _read_in_subgraphs(proto.graph)
+    read = {t for node in proto.graph.node for t in node.input}
+    read.update(o.name for o in proto.graph.output)
     for tensor in proto.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.DEFAULT and tensor.HasField("raw_data"):
+        if tensor.data_location == onnx.TensorProto.DEFAULT and tensor.HasField("raw_data") \
+                and tensor.name in read and tensor.name not in inner:
             array = numpy_helper.to_array(tensor)
             if array.nbytes >= IN_MEMORY_WEIGHT_BYTES:
                 names.append(tensor.name)
@@ -108,6 +114,23 @@ def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers):
     session = ort.InferenceSession(light.SerializeToString(), options, providers=list(providers))
     session._onnx_qat_weights = values
     return session
+
+
+def _read_in_subgraphs(graph: onnx.GraphProto) -> set:
+    """Names used inside the subgraphs (If/Loop/Scan bodies) of ``graph``; empty without any.
+
+    Only control-flow ops and ops of other domains (onnxruntime's contrib ops) can hold graphs: the
+    attributes of those alone are read (one pass over op types otherwise)."""
+    ops = {n.op_type for n in graph.node}
+    if not ops & {"If", "Loop", "Scan"} and all(n.domain in ("", "ai.onnx") for n in graph.node):
+        return set()
+    holders = [n for n in graph.node if n.attribute and any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)]
+    if not holders:
+        return set()
+    from .graph_edit import subgraph_names
+
+    return subgraph_names(holders)
 
 
 def with_outputs(model: onnx.ModelProto, names: Iterable[str], *, copy: bool = True) -> onnx.ModelProto:

@@ -334,12 +334,15 @@ class _Graph:
         return list(compress(range(len(self.ops)), map(frozenset(ops).__contains__, self.ops)))
 
     def residual_adds(self) -> List[int]:
-        """Indices of the Add nodes with two non-constant inputs (rules C10 and C11 both visit them)."""
+        """Indices of the residual joins: Add nodes with two non-constant inputs, and Sum nodes whose
+        first two inputs are non-constant (TensorRT imports a Sum as a chain of sums whose first link
+        adds inputs 0 and 1; rules C10 and C11 both visit them and look at those two inputs)."""
         if self._residual_adds is None:
             adds = []
-            for i in self.indices_of(("Add",)):
+            for i in self.indices_of(("Add", "Sum")):
                 inputs = self.node_inputs[i]
-                if len(inputs) == 2 and not self.is_constant(inputs[0]) and not self.is_constant(inputs[1]):
+                if (len(inputs) == 2 or len(inputs) > 2 and self.ops[i] == "Sum") and inputs[0] \
+                        and inputs[1] and not self.is_constant(inputs[0]) and not self.is_constant(inputs[1]):
                     adds.append(i)
             self._residual_adds = adds
         return self._residual_adds

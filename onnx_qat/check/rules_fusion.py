@@ -24,21 +24,51 @@ def rule_c10_residual_float_skip(model, graphs) -> Iterator[Finding]:
 
     TensorRT fuses ``Conv + Add`` into one INT8 kernel when the other (skip)
     input comes through Q/DQ; with both inputs float the Add runs separately in
-    float and the Conv writes float output.
+    float and the Conv writes float output. A Sum is checked on its first two inputs
+    (the first link of the chain of sums TensorRT builds for it). Not reported: an Add
+    whose other input is computed from the weighted op's own output (``y + f(y)``, e.g.
+    squeeze-excitation ``y + y*gate``), which no fusion can serve.
     Source: [TRT-PL] "Q/DQ placement for residual (element-wise addition) fusion".
     """
     for g in graphs:
         for i in g.residual_adds():
-            inputs = g.node_inputs[i]  # two of them
+            inputs = g.node_inputs[i][:2]  # the two addends (of a Sum: the first link of its chain)
             if _fed_by_dq(g, inputs[0]) or _fed_by_dq(g, inputs[1]):
                 continue
             convs = [_weighted_producer(g, t) for t in inputs]
             convs = [c for c in convs if c is not None and _is_quantized_op(g, c)]
+            if len(convs) == 1 and _reads_output_of(g, inputs, convs[0]):
+                continue  # y + f(y): no fusion possible, the other addend needs the op's own output
             if convs:
                 skip = [t for t in inputs if _weighted_producer(g, t) is None] or [inputs[1]]
                 conv = convs[0]
                 yield Finding("C10", WARNING, g.name(i), f"both inputs are float; quantize the skip input "
                               f"{skip[0]!r} so TensorRT can fuse the Add into {g.ops[conv]} {g.name(conv)!r}")
+
+
+def _reads_output_of(g, inputs, conv: int, limit: int = 64) -> bool:
+    """True when the addend of ``inputs`` not produced by weighted op ``conv`` (directly or through
+    one BatchNormalization) is computed from that op's output, within a bounded backward walk."""
+    made = {tensor for tensor, idx in g.producer.items() if idx == conv}
+    made.update(t for t in inputs if _weighted_producer(g, t) == conv)
+    others = [t for t in inputs if t not in made]
+    if len(others) != 1:
+        return False
+    frontier, seen = [others[0]], {others[0]}
+    for _ in range(limit):
+        if not frontier:
+            return False
+        tensor = frontier.pop()
+        if tensor in made:
+            return True
+        idx = g.producer.get(tensor)
+        if idx is None:
+            continue
+        for following in g.node_inputs[idx]:
+            if following and following not in seen and not g.is_constant(following):
+                seen.add(following)
+                frontier.append(following)
+    return False
 
 
 def rule_c11_residual_conv_branch_quantized(model, graphs) -> Iterator[Finding]:
@@ -51,7 +81,7 @@ def rule_c11_residual_conv_branch_quantized(model, graphs) -> Iterator[Finding]:
     """
     for g in graphs:
         for i in g.residual_adds():
-            inputs = g.node_inputs[i]
+            inputs = g.node_inputs[i][:2]
             if not all(_fed_by_dq(g, t) for t in inputs):
                 continue
             for t in inputs:

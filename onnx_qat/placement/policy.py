@@ -16,8 +16,8 @@ from ..config import QuantizeConfig
 from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
 from .handlers import (
     COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
-    FusedEpilogueHandler, NodeResult, NotQuantizedHandler, PlacementContext, PoolingInputHandler,
-    ResidualAddHandler, SkippedOpHandler, WeightedOpHandler,
+    FusedEpilogueHandler, IfBranchHandler, NodeResult, NotQuantizedHandler, PlacementContext,
+    PoolingInputHandler, ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, WeightedOpHandler,
 )
 from .marks import ActivationMark, Decision, Placement, group_by_tensor
 
@@ -46,7 +46,9 @@ class TensorRTPolicy:
         pooling = PoolingInputHandler()
         table.update({"AveragePool": pooling, "GlobalAveragePool": pooling})
         table["Add"] = ResidualAddHandler()
+        table["Sum"] = ResidualSumHandler()
         table["Concat"] = ConcatHandler()
+        table["If"] = IfBranchHandler()
         self.table: Mapping[str, object] = MappingProxyType(table)
         self.default = NotQuantizedHandler()
 
@@ -56,7 +58,8 @@ class TensorRTPolicy:
 
     def place(self, index: GraphIndex, config: QuantizeConfig) -> Placement:
         """Decide every Q/DQ for the graph behind ``index``."""
-        ctx = PlacementContext(index, config)
+        ctx = PlacementContext(index, config,
+                               place_subgraph=lambda graph, outer: self.place_subgraph(graph, outer, config))
         results: List[Optional[NodeResult]] = [None] * len(index.nodes)  # by node position
         notes: List[str] = []
         phases: Dict[int, List[Tuple[NodeInfo, object]]] = {1: [], 2: [], 3: []}
@@ -73,7 +76,7 @@ class TensorRTPolicy:
                     results[node.position] = NodeResult(early)
                     if node.has_subgraphs and early.rule == "subgraph":
                         notes.append(f"{node.op_type} node {node.name!r} holds subgraphs; "
-                                     "they were left untouched (not quantized)")
+                                     "they were left untouched (not quantized: only If branches are)")
                         logger.warning("%s node %r holds subgraphs; leaving them untouched",
                                        node.op_type, node.name)
                     continue
@@ -94,18 +97,29 @@ class TensorRTPolicy:
                 d = result.decision
                 logger.debug("placement %s %r (%s): %s [%s] %s", d.action, d.node, d.op_type, d.rule,
                              d.reason, "".join(f"; Q/DQ on {m.tensor!r}" for m in result.activations))
+        for result in results:
+            d = result.decision
+            if d.rule == "subgraph" and d.action == "skip" and d.op_type == "If":
+                notes.append(f"If node {d.node!r}: {d.reason}")
+                logger.warning("If node %r: %s", d.node, d.reason)
         activations = rule10_merge(results, index)
         weights = tuple([w for r in results if r.weights for w in r.weights])
-        return Placement(activations, weights, tuple([r.decision for r in results]), tuple(notes))
+        nested = tuple([s for r in results if r.subgraphs for s in r.subgraphs])
+        return Placement(activations, weights, tuple([r.decision for r in results]), tuple(notes), nested)
+
+    def place_subgraph(self, graph, outer: GraphIndex, config: QuantizeConfig) -> Placement:
+        """The placement of subgraph ``graph`` (an If branch) whose outer scope is ``outer``."""
+        return self.place(GraphIndex(graph, outer=outer), config)
 
 
 def _pre_decision(node: NodeInfo, config: QuantizeConfig) -> Optional[Decision]:
-    """Decisions taken before any rule: subgraphs, custom domains, user exclusions."""
+    """Decisions taken before any rule: subgraphs other than If branches, custom domains, user
+    exclusions."""
     def decide(action: str, rule: str, reason: str) -> Decision:
         return Decision(node.name, node.op_type, action, rule, reason)
 
-    if node.has_subgraphs:
-        return decide("skip", "subgraph", "holds subgraphs (If/Loop/Scan): left untouched")
+    if node.has_subgraphs and not (node.op_type == "If" and node.standard):
+        return decide("skip", "subgraph", "holds subgraphs (a Loop/Scan body): left untouched")
     if not node.standard:
         return decide("none", "domain", f"custom domain {node.domain!r}: left alone")
     if config.op_type_excluded(node.op_type):
