@@ -213,6 +213,7 @@ def _preact_net():
     return keras.Model(inp, L.Dense(4, name="predictions")(x), name="preact")
 
 
+@pytest.mark.slow  # unmarked: test_export_architectures exports Keras's ResNet50V2 with this case
 def test_b13_resnet_v2_case_entries_export_cleanly(tmp_path):
     """The toolkit's ResNet v2 entries (pre-activation BNs, MaxPools) pass TensorRT's rules in check."""
     from tf_bridge.compat.custom_qdq_cases import ResNetV2QDQCase
