@@ -196,13 +196,15 @@ class GraphEdit:
         return name
 
     def add_raw_initializer(self, base: str, dtype: np.dtype, raw: bytes, dims: Sequence[int] = ()) -> str:
-        """A new initializer of NumPy type ``dtype`` (one of :data:`_NP_TO_ONNX`) and shape ``dims``
+        """A new initializer of NumPy type ``dtype`` (one of :data:`_NP_TO_ONNX`, or an ONNX element
+        type number such as ``TensorProto.FLOAT8E4M3FN``, whose raw layout the caller made) and shape ``dims``
         holding ``raw``, its little-endian bytes, with a fresh name from ``base``; returns its name.
         For callers that made the bytes already (of many scalars at once, or shared by many
         initializers): :meth:`add_initializer` costs a NumPy array per call."""
         name = self.fresh(base)
-        self._new_initializers[name] = onnx.TensorProto(name=name, data_type=_NP_TO_ONNX[np.dtype(dtype)],
-                                                        dims=dims, raw_data=raw)
+        data_type = dtype if isinstance(dtype, int) else _NP_TO_ONNX[np.dtype(dtype)]
+        self._new_initializers[name] = onnx.TensorProto(name=name, data_type=data_type, dims=dims,
+                                                        raw_data=raw)
         return name
 
     def replace_initializer(self, name: str, values) -> None:

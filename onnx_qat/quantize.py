@@ -21,8 +21,11 @@ from .errors import ConfigError, ModelError, PlacementError, ScalesError
 from .fileio import check_output_path, write_json
 from .placement.graph_index import GraphIndex, assign_node_names, subgraphs_of
 from .placement.marks import ActivationMark, Placement
+from .placement.policy import policy_for
 from .scales import ScaleTable
+from .target_forms import make_form
 from .targets import Target, get_target
+from .formats import get_format
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,10 @@ class QuantizeResult:
         inserted: one record per inserted Q/DQ pair or weight DequantizeLinear (rule, reason, scale).
         requantization: one record per requantization point a target adds beyond the placement
             (the ``ort-cpu`` target's Conv outputs; empty for ``tensorrt``).
+        precision: the numeric format (``int8``, ``fp8``, ``int4``).
+        awq: per-weight-group records of the activation-aware scale search (``int4`` with data).
+        accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
+            (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -57,6 +64,9 @@ class QuantizeResult:
     summary: Mapping[str, int]
     inserted: Tuple[dict, ...] = field(default=(), repr=False)
     requantization: Tuple[dict, ...] = field(default=(), repr=False)
+    precision: str = "int8"
+    awq: Tuple[dict, ...] = field(default=(), repr=False)
+    accuracy: Optional[Mapping] = field(default=None, repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.model_io.save_model`)."""
@@ -84,6 +94,9 @@ class QuantizeResult:
                         for d in self.placement.all_decisions() if d.action == "skip"],
             "notes": list(self.placement.notes),
             "requantization": [dict(r) for r in self.requantization],
+            **({} if self.precision == "int8" else {"precision": self.precision,
+                                                    "awq": [dict(r) for r in self.awq]}),
+            **({} if self.accuracy is None else {"mixed_precision": dict(self.accuracy)}),
         }
 
     def to_dict(self) -> dict:
@@ -92,7 +105,8 @@ class QuantizeResult:
 
     def __str__(self) -> str:
         s = self.summary
-        return (f"QuantizeResult(target={self.target}, {s['activations']} activation Q/DQ pairs, "
+        return (f"QuantizeResult(target={self.target}, precision={self.precision}, "
+                f"{s['activations']} activation Q/DQ pairs, "
                 f"{s['weights']} weights, {s['skipped_nodes']} nodes skipped, output={self.output})")
 
 
@@ -101,8 +115,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
              exclude_op_types=None, min_channels: Optional[int] = None,
              include_attention: Optional[bool] = None, calibration_options: Optional[Mapping] = None,
              report=None, progress: bool = True, placement: Optional[Placement] = None,
+             precision: Optional[str] = None, block_size: Optional[int] = None,
+             min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
              **calibration_kwargs) -> QuantizeResult:
-    """Insert INT8 QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them.
+    """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
+    numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
     Args:
         model: path to a float ONNX model, an ``onnx.ModelProto`` or an ``onnx_graphsurgeon.Graph``
@@ -113,11 +130,14 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             ``{activation tensor: amax}`` (made into a ScaleTable of activation ranges; weights
             then take their own max).
         data: calibration data (anything :func:`onnx_qat.load_data` accepts); ranges are then
-            computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``.
+            computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``
+            (``precision="int4"`` needs neither: without ``data`` its weights are rounded to
+            nearest; with ``data`` an activation-aware scale search runs first, see
+            :mod:`onnx_qat.awq`).
         method: calibration method when ``data`` is given (``max``, ``percentile``, ``entropy``, ``mse``).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; the keywords ``target``,
-            ``exclude_nodes``, ``exclude_op_types``, ``min_channels`` and ``include_attention``
-            override its fields.
+            ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
+            ``precision`` and ``block_size`` override its fields.
         calibration_options: extra keywords for :func:`onnx_qat.calibrate` (e.g. ``batch_size``);
             further keyword arguments (``percentile=...``, ``batch_size=...``) are added to them.
         report: a path: also write :meth:`QuantizeResult.to_report` as JSON (atomically).
@@ -126,6 +146,17 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             instead of the target policy's (e.g. the one ``tf_bridge.export_onnx`` derives
             from a Keras QAT model). Its node names are the ones :func:`onnx_qat.place`
             uses; the placement options (``exclude_nodes``...) are then not applied.
+        precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ, scale amax / 448, opset >= 19)
+            or ``"int4"`` (blockwise weight-only DequantizeLinear on MatMul/Gemm weights, opset
+            21); see :mod:`onnx_qat.formats`.
+        block_size: values per INT4 weight scale (default 128; ``precision="int4"``).
+        min_cosine: automatic mixed precision: leave the fewest sites (:mod:`onnx_qat.accuracy.sites`)
+            in float so that the output cosine against the float model reaches this on
+            ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
+            built is measured again. ``QuantizeResult.accuracy`` tells which sites stay float.
+            INT8 only (another ``precision`` is a ConfigError).
+        max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
+        eval_data: with ``min_cosine``: the data the output cosine is measured on.
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -133,13 +164,27 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         ScalesError: the ScaleTable names unknown tensors or lacks a quantized activation.
         ModelError, DataError, OutputError, ConfigError: bad model, data, paths or options
             (ModelError also when ``onnx.checker`` refuses the model to write: nothing is written).
+        AccuracyError: ``min_cosine`` cannot be reached within ``max_float_sites`` (nothing is written).
     """
     config = QuantizeConfig.from_options(config, target=target, exclude_nodes=exclude_nodes,
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
-                                         include_attention=include_attention)
+                                         include_attention=include_attention, precision=precision,
+                                         block_size=block_size)
     target_obj = get_target(config.target)
+    fmt = get_format(config.precision)
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
-    _check_sources(scales, data, method, calib_kw)
+    _check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
+    if min_cosine is not None or max_float_sites is not None or eval_data is not None:
+        from .accuracy.mixed import check_options, quantize_mixed
+
+        check_options(min_cosine, max_float_sites)
+        if min_cosine is None or placement is not None:
+            raise ConfigError("eval_data applies with min_cosine; min_cosine does not take a placement")
+        if fmt.name != "int8":
+            raise ConfigError(f"min_cosine works with precision int8 only, not {fmt.name}")
+        return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
+                              eval_data=eval_data, scales=scales, data=data, method=method, config=config,
+                              calib_kw=calib_kw, report=report, progress=progress)
     inputs = tuple(p for p in (model, scales, data) if isinstance(p, (str, os.PathLike)))
     out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
     if report is not None:
@@ -148,12 +193,25 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             raise ConfigError("report and output name the same file")
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
-    form = target_obj.make_form()
+    awq_records: tuple = ()
+    if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
+        from .awq import apply_awq
+
+        clip_ranges: dict = {}
+        if data is not None:
+            awq_records, clip_ranges = apply_awq(float_model, index, placement, data, config.block_size,
+                                                 progress=progress, batch_size=calib_kw.get("batch_size"))
+        if scales is None:
+            scales = ScaleTable(weights=clip_ranges, producer="awq" if clip_ranges else "weights")
+        data = None
+    form = make_form(target_obj)
     if form is not None and data is not None and "tensors" not in calib_kw:
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
             placement.activation_tensors() + form.calibration_tensors(index, placement)))}
     table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
                                progress)
+    if fmt.attention:
+        table = softmax_ranges(index, placement, table) if config.include_attention else table
     requantization, storage, finish = (), {}, None
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = form.adapt(index, placement, table)
@@ -167,13 +225,15 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
+    storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
     qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage, finish)
     # The float weights are not needed to save the Q/DQ model (a new ModelProto, which holds only
     # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
     summary = _summary(placement, inserted)
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
-                            tuple(inserted.activations + inserted.weights), tuple(requantization))
+                            tuple(inserted.activations + inserted.weights), tuple(requantization),
+                            fmt.name, tuple(awq_records))
     if out_path is not None:
         # validated on the very bytes written (nothing is written when onnx.checker refuses them)
         io.save_model(qdq_model, out_path, inputs=inputs, ir_version=qdq_model.ir_version, validate=True)
@@ -194,12 +254,12 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
     """
     io = _io()
     with io.cyclic_gc_paused():
-        float_model = io.load_model(model)
+        float_model = io.load_model(model, min_opset=get_format(config.precision).min_opset)
         refuse_quantized(float_model, _describe(model))
         assign_node_names(float_model)
         index = GraphIndex(float_model)  # built once: placement, placement checks and name checks share it
         if placement is None:
-            placement = target_obj.make_policy().place(index, config)
+            placement = policy_for(target_obj).place(index, config)
         else:
             _check_placement(placement, index)
         if placement.empty:
@@ -208,8 +268,10 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
     return float_model, index, placement
 
 
-def _check_sources(scales, data, method, calib_kw) -> None:
-    if (scales is None) == (data is None):
+def _check_sources(scales, data, method, calib_kw, weight_only: bool = False) -> None:
+    if weight_only and scales is not None and data is not None:
+        raise ConfigError("give at most one of scales and data for a weight-only precision")
+    if (scales is None) == (data is None) and not (weight_only and scales is None):
         raise ConfigError("give exactly one of scales (a ScaleTable or its JSON path) "
                           "and data (calibration data)")
     if scales is not None and not isinstance(scales, (ScaleTable, Mapping, str, os.PathLike)):
@@ -388,6 +450,21 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> S
     return calibrate(model, data, method=method, config=config, progress=progress, **calib_kw)
 
 
+#: Softmax outputs lie in [0, 1]: with FP8 their range is fixed, not calibrated (data-independent, as
+#: TensorRT's fused FP8 attention takes it; source: NVIDIA Model Optimizer's FP8 ONNX exporter, which
+#: quantizes Softmax outputs with scale 1/448).
+SOFTMAX_AMAX = 1.0
+
+
+def softmax_ranges(index: GraphIndex, placement: Placement, table: ScaleTable) -> ScaleTable:
+    """``table`` with amax :data:`SOFTMAX_AMAX` for every quantized tensor a Softmax produces."""
+    fixed = {m.tensor: SOFTMAX_AMAX for m in placement.activations
+             if getattr(index.producer.get(m.tensor), "op_type", None) == "Softmax"}
+    if not fixed:
+        return table
+    return table.merged(ScaleTable(fixed, producer=table.producer, metadata=table.metadata))
+
+
 def _check_complete(table: ScaleTable, placement: Placement, source: str) -> ScaleTable:
     """Refuse a table without a range for some tensor the placement quantizes (all are listed)."""
     from .insertion import missing_activations
@@ -412,7 +489,8 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
         if placement.subgraphs:  # If branches first: the main graph's edit then sees their new names
             from .subgraphs import insert_into_subgraphs
 
-            nested = tuple(insert_into_subgraphs(model, placement, table, target))
+            fmt = {k: v for k, v in dict(storage or {}).items() if k in ("precision", "block_size")}
+            nested = tuple(insert_into_subgraphs(model, placement, table, target, **fmt))
         edit = GraphEdit(model)
         inserted = insert_qdq_pairs(edit, placement, table, target, progress=progress, **dict(storage or {}))
         if finish is not None:

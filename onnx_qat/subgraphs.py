@@ -57,7 +57,8 @@ def model_names(model: onnx.ModelProto) -> Set[str]:
 
 
 def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, target, *,
-                          names: Optional[Set[str]] = None, inherited=None) -> List[dict]:
+                          names: Optional[Set[str]] = None, inherited=None, precision="int8",
+                          block_size: int = 128) -> List[dict]:
     """Insert the Q/DQ of every :class:`~onnx_qat.placement.marks.SubgraphPlacement` of ``placement``
     into the matching branch of ``model`` (a model :func:`onnx_qat.quantize` owns; its If nodes get
     their edited branches in place). Nested Ifs are edited first, then the branch holding them.
@@ -69,6 +70,7 @@ def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, 
         target: the :class:`~onnx_qat.targets.Target` or its name.
         names: every name of the model, shared by all edits (made here when None).
         inherited: internal: constants of the graphs enclosing ``model.graph``.
+        precision, block_size: the numeric format, as :func:`onnx_qat.insertion.insert_qdq_pairs` takes it.
 
     Returns:
         The inserted records (as :class:`~onnx_qat.insertion.InsertionResult` holds them), each with
@@ -84,20 +86,22 @@ def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, 
         node = by_name[sub.node]
         attribute = next(a for a in node.attribute if a.name == sub.attribute)
         graph = attribute.g if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs[sub.position]
-        records.extend(_insert_into_branch(model, node, graph, sub, scales, target, names, visible))
+        records.extend(_insert_into_branch(model, node, graph, sub, scales, target, names, visible,
+                                           {"precision": precision, "block_size": block_size}))
     return records
 
 
-def _insert_into_branch(model, node, graph, sub, scales, target, names, visible) -> List[dict]:
+def _insert_into_branch(model, node, graph, sub, scales, target, names, visible, fmt) -> List[dict]:
     from .graph_edit import GraphEdit
     from .insertion import insert_qdq_pairs
 
     wrapper = onnx.ModelProto(ir_version=model.ir_version)
     wrapper.opset_import.extend(model.opset_import)
     wrapper.graph.CopyFrom(graph)
-    records = insert_into_subgraphs(wrapper, sub.placement, scales, target, names=names, inherited=visible)
+    records = insert_into_subgraphs(wrapper, sub.placement, scales, target, names=names, inherited=visible,
+                                    **fmt)
     edit = GraphEdit(wrapper, names=names, outer_constants=outer_constants(wrapper.graph, visible))
-    inserted = insert_qdq_pairs(edit, sub.placement, scales, target)
+    inserted = insert_qdq_pairs(edit, sub.placement, scales, target, **fmt)
     graph.CopyFrom(edit.commit().graph)
     where = f"{node.name}/{sub.attribute}"
     return [dict(r, subgraph=f"{where}/{r['subgraph']}") for r in records] + \

@@ -34,6 +34,7 @@ from .rules_ops import rule_c13_not_quantized, rule_c1_opset, rule_c2_forbidden_
 from .rules_values import (
     rule_c4_ort_cpu_zero_points, rule_c4_zero_points, rule_c5_scales, rule_c6_per_channel,
 )
+from . import rules_formats
 from .rules_pairs import rule_c7_q_without_dq, rule_c8_dq_source, rule_c9_weighted_ops
 from .rules_fusion import (
     rule_c10_residual_float_skip, rule_c11_residual_conv_branch_quantized, rule_c12_pad_conv,
@@ -76,7 +77,7 @@ RULES: Tuple[Tuple[str, str, str, Callable], ...] = (
     ("C13", WARNING, "the model has Q/DQ nodes at all", rule_c13_not_quantized),
     ("C14", WARNING, "no Q/DQ inside a weighted op -> BatchNormalization/activation fusion",
      rule_c14_qdq_inside_fusion),
-)
+) + rules_formats.RULES  # F1-F5: the FP8 and INT4 forms
 
 
 # -- entry point --------------------------------------------------------------------------------

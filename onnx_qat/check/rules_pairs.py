@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from . import rules_formats
 from .report import ERROR, Finding, WARNING
 from .index import WEIGHTED_OPS, _DEQUANTIZE, _QUANTIZE, _fed_by_dq, _input, _qdq_nodes, _weight_input
 
@@ -79,7 +80,7 @@ def rule_c9_weighted_ops(model, graphs) -> Iterator[Finding]:
             act = 1 - w if g.ops[i] in ("Gemm", "MatMul") else 0
             act_q = _fed_by_dq(g, _input(inputs, act), through_movement=True)
             w_q = _fed_by_dq(g, _input(inputs, w), through_movement=True)
-            if act_q != w_q:
+            if act_q != w_q and not (w_q and rules_formats.weight_only(g, _input(inputs, w))):
                 which, other = ("weight", "activation") if w_q else ("activation", "weight")
                 tensor = _input(inputs, act if w_q else w)
                 yield Finding("C9", ERROR, g.name(i), f"only its {which} is quantized; quantize the "

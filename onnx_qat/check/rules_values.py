@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Iterator, Optional
 
+from . import rules_formats
 from .report import ERROR, Finding, WARNING
 from .index import _Graph, _QDQ, _QUANTIZE, _input, _int_attr, _qdq_nodes, _type_name
 
@@ -25,8 +26,8 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
         good = g.prejudge("C4", zero_points, TensorProto.INT8, "i1", _is_zero, None)
         for node in _qdq_nodes(g):
             zp = node.zp
-            if zp in good:
-                continue
+            if zp in good or rules_formats.other_format(g, node):
+                continue  # FP8 and INT4 Q/DQ: their zero points are rules F1 and F5
             name = g.name(node.pos)
             if not node.is_q and g.elem_type(node.data) == TensorProto.INT32:
                 continue  # a quantized bias: rule C3 reports it
@@ -172,7 +173,7 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
         scale_shapes = g.multi_element_shapes({node.scale for node in _qdq_nodes(g)})
         for node in _qdq_nodes(g):
             scale_shape = scale_shapes.get(node.scale)
-            if scale_shape is None:
+            if scale_shape is None or rules_formats.blocked(node):  # per tensor, or per block (rule F3)
                 continue
             scale_size = math.prod(scale_shape)
             data = node.data

@@ -13,6 +13,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import onnx
 
 from ..config import QuantizeConfig
+from .formats import adapt_placement
 from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
 from .handlers import (
     COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
@@ -105,7 +106,9 @@ class TensorRTPolicy:
         activations = rule10_merge(results, index)
         weights = tuple([w for r in results if r.weights for w in r.weights])
         nested = tuple([s for r in results if r.subgraphs for s in r.subgraphs])
-        return Placement(activations, weights, tuple([r.decision for r in results]), tuple(notes), nested)
+        decisions = tuple([r.decision for r in results])
+        placement = Placement(activations, weights, decisions, tuple(notes), nested)
+        return adapt_placement(placement, index, config)  # the marks the numeric format keeps
 
     def place_subgraph(self, graph, outer: GraphIndex, config: QuantizeConfig) -> Placement:
         """The placement of subgraph ``graph`` (an If branch) whose outer scope is ``outer``."""
@@ -200,11 +203,16 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
     return tuple(merged)
 
 
-def policy_for(target: str):
-    """The placement policy of a deployment target (see :mod:`onnx_qat.targets`)."""
+#: Placement policies by the name a :class:`~onnx_qat.targets.Target` gives in its ``policy`` field.
+POLICIES: Mapping[str, type] = MappingProxyType({"tensorrt": TensorRTPolicy})
+
+
+def policy_for(target):
+    """A fresh placement policy of a deployment target (a :class:`~onnx_qat.targets.Target` or
+    its name; see :mod:`onnx_qat.targets`)."""
     from ..targets import get_target
 
-    return get_target(target).make_policy()
+    return POLICIES[get_target(target).policy]()
 
 
 def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Placement:
@@ -216,7 +224,7 @@ def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Place
             a Graph is exported, never modified).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; ``options`` (its field names:
             ``target``, ``exclude_nodes``, ``exclude_op_types``, ``min_channels``,
-            ``include_attention``) override its fields.
+            ``include_attention``, ``precision``, ``block_size``) override its fields.
 
     Returns:
         A :class:`~onnx_qat.placement.marks.Placement`: the activation and weight marks, one
@@ -225,7 +233,9 @@ def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Place
     """
     config = QuantizeConfig.from_options(config, **options)
     if not isinstance(model, onnx.ModelProto):
+        from ..formats import get_format
         from ..model_io import load_model
 
-        model = load_model(model)  # a path or a Graph; any other object: one ModelError line
+        # a path or a Graph; any other object: one ModelError line
+        model = load_model(model, min_opset=get_format(config.precision).min_opset)
     return policy_for(config.target).place(GraphIndex(model), config)

@@ -24,6 +24,9 @@ EXPECTED = {
     "calibration": ("max time / onnxruntime MinMax", "entropy time / onnxruntime Entropy",
                     "max: peak RSS at"),
     "qat_step": ("QAT train step / float train step",),
+    "formats": ("bert: onnx-qat fp8 cosine to FP32", "bert: onnx-qat int4 AWQ file size / FP32",
+                "cnn: onnx-qat int8 cosine to FP32", "cnn: onnx-qat int4 AWQ quantize time"),
+    "sensitivity": ("sensitivity time, ", "min-cosine time / sensitivity time"),
 }
 
 
@@ -70,6 +73,11 @@ def test_quick_qat_step_writes_its_table(tmp_path):
     assert len(export) == 1 and (export[0]["value"] is None or export[0]["value"] > 0)
 
 
+def test_quick_sensitivity_writes_its_table(tmp_path):
+    stdout, doc, markdown = _bench(tmp_path, "sensitivity")
+    _check_rows(doc, markdown, stdout, "sensitivity")
+
+
 def test_goal_statuses_follow_the_values():
     from tools.bench.table import Goal, Row
 
@@ -79,3 +87,11 @@ def test_goal_statuses_follow_the_values():
     assert Row("b", "f", 1.1, Goal("<=", 1.0, 1.25)).status == "BAR"
     assert Row("b", "f", float("nan"), Goal("<=", 1.0)).status == "SKIP"
     assert Row("b", "f", 0.5, None).status == "INFO"
+
+
+def test_quick_formats_benchmark_writes_its_table(tmp_path):
+    stdout, doc, markdown = _bench(tmp_path, "formats")
+    _check_rows(doc, markdown, stdout, "formats")
+    modelopt = [r for r in doc["rows"] if "ModelOpt" in r["figure"]]
+    assert modelopt and all(r["status"] in ("SKIP", "PASS", "MISS", "INFO") for r in modelopt)
+    assert all(r["detail"] for r in modelopt if r["status"] == "SKIP")  # skipped with a reason
