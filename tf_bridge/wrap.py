@@ -26,6 +26,7 @@ from onnx_qat.errors import ConfigError, ModelError
 from .cases import CustomQDQInsertionCase
 from .quantizers import MODES as RANGE_MODES
 from .quantizers import ActivationQuantizer, QuantizeWrapper
+from .saved_model import attach_rebuild_record
 from .spec import LayerDecision, QuantizationSpec, iter_layers, resolve_plan
 
 logger = logging.getLogger(__name__)
@@ -239,7 +240,9 @@ def quantize_model(model, quantization_mode: str = "full",
     if not plan:
         logger.warning("tf_bridge: nothing to quantize in model '%s' (mode %s)",
                        model.name, quantization_mode)
-    return _Cloner(plan, activation_range, float(ema_momentum)).clone(model)
+    q_model = _Cloner(plan, activation_range, float(ema_momentum)).clone(model)
+    attach_rebuild_record(q_model)  # so that q_model.export(dir) can be rebuilt for the Q/DQ export
+    return q_model
 
 
 class _Stripper:
