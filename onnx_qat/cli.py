@@ -32,7 +32,7 @@ from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
 
 PROG = "onnx-qat"
-METHODS = ("max", "percentile", "entropy", "mse")
+METHODS = ("max", "percentile", "entropy", "mse", "auto")
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -126,7 +126,8 @@ def _calibration_options(parser: argparse.ArgumentParser) -> None:
     """Keywords of onnx_qat.calibrate: method, percentile, batch_size."""
     group = parser.add_argument_group("calibration options (onnx_qat.calibrate)")
     group.add_argument("--method", choices=METHODS, default=None,
-                       help="how activation ranges are chosen from the data (default: max)")
+                       help="how activation ranges are chosen from the data (default: max; auto: per tensor, "
+                            "the max, percentile or mse range with the least quantization error)")
     group.add_argument("--percentile", metavar="P", type=number_in(0.0, 100.0, low_open=True), default=None,
                        help="percentile of |x| kept by --method percentile, in (0, 100] (default 99.99)")
     group.add_argument("--batch-size", metavar="N", type=whole_number(1), default=None,

@@ -44,7 +44,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             (``precision="int4"`` needs neither: without ``data`` its weights are rounded to
             nearest; with ``data`` an activation-aware scale search runs first, see
             :mod:`onnx_qat.awq`).
-        method: calibration method when ``data`` is given (``max``, ``percentile``, ``entropy``, ``mse``).
+        method: calibration method when ``data`` is given (``max``, ``percentile``, ``entropy``, ``mse``,
+            ``auto``; see :func:`onnx_qat.calibrate`).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; the keywords ``target``,
             ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
             ``precision`` and ``block_size`` override its fields.

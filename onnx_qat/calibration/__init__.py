@@ -3,10 +3,12 @@
 * :func:`calibrate` — the runner (batches, progress bar, bounded memory) -> ScaleTable.
 * One collector per method, sharing :class:`~.collector.RangeCollector`:
   :class:`MaxCollector` (``max``), :class:`PercentileCollector` (``percentile``),
-  :class:`EntropyCollector` (``entropy``), :class:`MseCollector` (``mse``).
+  :class:`EntropyCollector` (``entropy``), :class:`MseCollector` (``mse``),
+  :class:`AutoCollector` (``auto``: the best of max / percentile / mse per tensor).
 """
 from __future__ import annotations
 
+from .auto import AutoCollector
 from .collector import AbsHistogram, RangeCollector
 from .entropy import EntropyCollector
 from .max_collector import MaxCollector
@@ -17,4 +19,5 @@ from .runner import METHODS, TensorObserver, calibrate, make_collector
 __all__ = [
     "calibrate", "METHODS", "make_collector", "RangeCollector", "AbsHistogram", "TensorObserver",
     "MaxCollector", "PercentileCollector", "EntropyCollector", "MseCollector",
+    "AutoCollector",
 ]

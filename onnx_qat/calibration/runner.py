@@ -7,8 +7,10 @@ histogram), so memory does not grow with the number of samples.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections import Counter
 from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
@@ -16,6 +18,7 @@ import numpy as np
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
 from ..scales import ScaleTable
 from .branches import make_runner
+from .auto import AutoCollector
 from .collector import RangeCollector
 from .entropy import EntropyCollector
 from .max_collector import MaxCollector
@@ -30,6 +33,7 @@ METHODS: Mapping[str, Callable[..., RangeCollector]] = {
     "percentile": lambda percentile, num_bins: PercentileCollector(percentile, num_bins),
     "entropy": lambda percentile, num_bins: EntropyCollector(num_bins),
     "mse": lambda percentile, num_bins: MseCollector(num_bins),
+    "auto": lambda percentile, num_bins: AutoCollector(num_bins),
 }
 
 #: amax given to a tensor that was zero on every sample (a ScaleTable refuses 0).
@@ -129,7 +133,9 @@ def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, nu
             :class:`~onnx_qat.data.Dataset` (see :func:`onnx_qat.load_data`).
         method: ``"max"`` (max |x|), ``"percentile"`` (the ``percentile``-th
             percentile of |x|), ``"entropy"`` (TensorRT's KL-divergence threshold) or
-            ``"mse"`` (threshold with the least expected quantization error).
+            ``"mse"`` (threshold with the least expected quantization error) or ``"auto"`` (per
+            tensor, whichever of the max, percentile and mse candidates quantizes that tensor with
+            the least error; the metadata key ``auto_choices`` records each tensor's pick).
         percentile: for ``method="percentile"``, in (0, 100].
         num_bins: histogram bins for the histogram methods (a power of two >= 256).
         batch_size: samples per onnxruntime run.
@@ -167,8 +173,14 @@ def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, nu
         logger.warning("%d tensor(s) sit in If branches no calibration batch took (e.g. %r); "
                        "they get no range", len(unreached), unreached[0])
     amax = {name: observer.result() for name, observer in observers.items() if name in reached}
+    meta = _metadata(method, percentile, num_bins, dataset.num_samples)
+    if method == "auto":
+        choices = {name: observers[name].collector.choice for name in amax}
+        meta["auto_choices"] = json.dumps(choices, sort_keys=True, separators=(",", ":"))
+        counts = Counter(choices.values())
+        logger.info("auto calibration: %s", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     table = ScaleTable(amax, producer=f"onnx_qat.calibrate(method={_describe(method, percentile)})",
-                       metadata=_metadata(method, percentile, num_bins, dataset.num_samples))
+                       metadata=meta)
     if output is not None:
         table.save(output)
     return table
@@ -232,6 +244,6 @@ def _metadata(method: str, percentile: float, num_bins: int, num_samples: int) -
     meta = {"calibration_method": method, "calibration_samples": str(num_samples)}
     if method == "percentile":
         meta["percentile"] = f"{percentile:g}"
-    if method in ("percentile", "entropy", "mse"):
+    if method in ("percentile", "entropy", "mse", "auto"):
         meta["num_bins"] = str(num_bins)
     return meta

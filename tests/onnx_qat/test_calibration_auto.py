@@ -1,0 +1,115 @@
+"""``method="auto"``: per tensor, the candidate range with the least quantization error."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import onnx_qat
+from onnx_qat.calibration import AutoCollector, MseCollector, calibrate
+from onnx_qat.calibration.auto import MAX_PREFERENCE
+from onnx_qat.calibration.mse import quantization_mse
+from onnx_qat.cli import get_parser
+from tests import builders
+from tests.onnx_qat.test_calibration import _conv_model, _data
+
+
+def _fed(values: np.ndarray, batch: int = 4096) -> AutoCollector:
+    collector = AutoCollector()
+    for start in range(0, values.size, batch):
+        part = values[start:start + batch]
+        collector.update_values(part, float(np.abs(part).max()))
+    return collector
+
+
+def _true_mse(values: np.ndarray, amax: float) -> float:
+    """Squared INT8 fake-quant error of the values themselves (not of a histogram)."""
+    scale = amax / 127.0
+    q = np.clip(np.round(values / scale), -127, 127) * scale
+    return float(np.mean((values.astype(np.float64) - q) ** 2))
+
+
+def _heavy_outliers(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(200_000)
+    idx = rng.choice(x.size, 20, replace=False)  # 0.01 %, far out
+    x[idx] = rng.uniform(200, 400, idx.size) * rng.choice([-1, 1], idx.size)
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_heavy_outlier_picks_a_clipped_candidate_with_the_least_error(seed):
+    x = _heavy_outliers(seed)
+    collector = _fed(x)
+    amax = collector.amax()
+    peak = float(np.abs(x).max())
+    assert collector.choice != "max" and amax < peak
+    assert set(collector.errors) == {"max", "percentile(99.9)", "percentile(99.99)", "percentile(99.999)",
+                                     "mse"}
+    chosen = _true_mse(x, amax)
+    for name, (candidate, _) in collector.errors.items():
+        assert chosen <= _true_mse(x, candidate) * (1 + 1e-3), name  # measured on the values themselves
+    assert chosen < (1 - MAX_PREFERENCE) * _true_mse(x, peak)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+@pytest.mark.parametrize("scale", [1.0, 255.0])
+def test_uniform_tensor_keeps_max(seed, scale):
+    x = (np.random.default_rng(seed).uniform(-1, 1, 100_000) * scale).astype(np.float32)
+    collector = _fed(x)
+    assert collector.amax() == pytest.approx(float(np.abs(x).max()), rel=0, abs=0)
+    assert collector.choice == "max"
+    assert collector.errors["max"][1] <= (1 + MAX_PREFERENCE) * min(e for _, e in collector.errors.values())
+
+
+def test_deterministic_and_batch_order_barely_matters():
+    x = _heavy_outliers(5)
+    first, second = _fed(x), _fed(x)
+    assert (first.amax(), first.choice) == (second.amax(), second.choice)
+    other = _fed(x[::-1].copy(), batch=1000)
+    assert other.amax() == pytest.approx(first.amax(), rel=0.02)
+
+
+def test_mse_candidate_is_the_mse_method():
+    x = _heavy_outliers(7)
+    collector = _fed(x)
+    mse = MseCollector()
+    mse.update_values(x, float(np.abs(x).max()))
+    assert collector.amax() == collector.errors[collector.choice][0]
+    assert collector.errors["mse"][0] == pytest.approx(mse.amax(), rel=0, abs=0)
+    fine, width = collector.hist.final(collector.num_bins * collector.RESOLUTION)
+    centers = (np.arange(fine.size) + 0.5) * width
+    expected = float(quantization_mse(centers, fine, [mse.amax()])[0])
+    assert collector.errors["mse"][1] == pytest.approx(expected)
+
+
+def test_all_zero_tensor():
+    collector = _fed(np.zeros(100, np.float32))
+    assert collector.amax() == 0.0 and collector.choice == "max"
+
+
+def test_calibrate_auto_records_choices_and_is_repeatable():
+    model, data = _conv_model(), _data(24)
+    table = calibrate(model, data, method="auto", progress=False)
+    assert table.producer == "onnx_qat.calibrate(method=auto)"
+    choices = json.loads(table.metadata["auto_choices"])
+    assert set(choices) == set(table.activations)
+    maxes = calibrate(model, data, progress=False)
+    for name, amax in table.activations.items():
+        assert 0 < amax <= maxes.activations[name] * (1 + 1e-6)
+        if choices[name] == "max":
+            assert amax == pytest.approx(maxes.activations[name], rel=1e-6)
+    again = calibrate(model, data, method="auto", batch_size=5, progress=False)
+    assert json.loads(again.metadata["auto_choices"]) == choices
+    for name in table.activations:
+        assert again.activations[name] == pytest.approx(table.activations[name], rel=0.02)
+
+
+def test_quantize_auto_is_check_clean_and_cli_accepts_it(tmp_path):
+    model, data = _conv_model(), _data(24)
+    result = onnx_qat.quantize(model, data=data, method="auto", progress=False)
+    builders.assert_check_clean(result.model)
+    args = get_parser().parse_args(["quantize", "m.onnx", "-o", "o.onnx", "--data", "d.npz",
+                                    "--method", "auto"])
+    assert args.method == "auto"
