@@ -1,9 +1,10 @@
 """formats: INT8, FP8 and INT4 (RTN and AWQ) on a 4-layer BERT-style encoder and a ResNet-style CNN built
-here: cosine to FP32 on unseen inputs, model file size against FP32, quantize time; NVIDIA ModelOpt's FP8 and
-INT4 modes on the same models and data when it is installed (in its own venv, see :data:`MODELOPT_PYTHON`):
+here (on the encoder also FP8 with the attention products kept float, ``include_attention=False``): cosine
+to FP32 on unseen inputs, model file size against FP32, quantize time; NVIDIA ModelOpt's FP8 and INT4
+modes on the same models and data when it is installed (in its own venv, see :data:`MODELOPT_PYTHON`):
 ``modelopt.onnx.quantization.quantize(quantize_mode="fp8" | "int4")`` on CPU with FP32 kept for the
-unquantized parts, INT4 with ``calibration_method="awq_clip"`` and block size 128 (its ``awq_lite``
-fails on these graphs: "cannot reshape array of size 256 into shape ()", ModelOpt 0.47.0).
+unquantized parts, INT4 with ``calibration_method="awq_clip"`` and block size 128 (its ``awq_lite`` fails
+on these graphs: "cannot reshape array of size 256 into shape ()", ModelOpt 0.47.0).
 
 The encoder is post-LayerNorm BERT (hidden 256, 4 heads, FFN 1024, sequence 64) with a few LayerNorm
 output channels 6x larger than the others, as trained transformers have (Dettmers et al., "LLM.int8()",
