@@ -49,6 +49,10 @@ class ExportError(QatError, ValueError):
     """A Keras model cannot be exported (tf2onnx failure, an unmapped quantizer...)."""
 
 
+class AccuracyError(QatError):
+    """The requested accuracy (``min_cosine``) cannot be reached within the float-site budget."""
+
+
 class TensorRTUnavailable(QatError):
     """TensorRT or a CUDA GPU is not available on this machine."""
 
@@ -80,5 +84,6 @@ __all__ = [
     "OutputError",
     "ConfigError",
     "ExportError",
+    "AccuracyError",
     "TensorRTUnavailable",
 ]

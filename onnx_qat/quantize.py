@@ -52,6 +52,8 @@ class QuantizeResult:
             (the ``ort-cpu`` target's Conv outputs; empty for ``tensorrt``).
         precision: the numeric format (``int8``, ``fp8``, ``int4``).
         awq: per-weight-group records of the activation-aware scale search (``int4`` with data).
+        accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
+            (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -64,6 +66,7 @@ class QuantizeResult:
     requantization: Tuple[dict, ...] = field(default=(), repr=False)
     precision: str = "int8"
     awq: Tuple[dict, ...] = field(default=(), repr=False)
+    accuracy: Optional[Mapping] = field(default=None, repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.model_io.save_model`)."""
@@ -93,6 +96,7 @@ class QuantizeResult:
             "requantization": [dict(r) for r in self.requantization],
             **({} if self.precision == "int8" else {"precision": self.precision,
                                                     "awq": [dict(r) for r in self.awq]}),
+            **({} if self.accuracy is None else {"mixed_precision": dict(self.accuracy)}),
         }
 
     def to_dict(self) -> dict:
@@ -112,6 +116,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
              include_attention: Optional[bool] = None, calibration_options: Optional[Mapping] = None,
              report=None, progress: bool = True, placement: Optional[Placement] = None,
              precision: Optional[str] = None, block_size: Optional[int] = None,
+             min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
              **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
@@ -145,6 +150,13 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             or ``"int4"`` (blockwise weight-only DequantizeLinear on MatMul/Gemm weights, opset
             21); see :mod:`onnx_qat.formats`.
         block_size: values per INT4 weight scale (default 128; ``precision="int4"``).
+        min_cosine: automatic mixed precision: leave the fewest sites (:mod:`onnx_qat.accuracy.sites`)
+            in float so that the output cosine against the float model reaches this on
+            ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
+            built is measured again. ``QuantizeResult.accuracy`` tells which sites stay float.
+            INT8 only (another ``precision`` is a ConfigError).
+        max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
+        eval_data: with ``min_cosine``: the data the output cosine is measured on.
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -152,6 +164,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         ScalesError: the ScaleTable names unknown tensors or lacks a quantized activation.
         ModelError, DataError, OutputError, ConfigError: bad model, data, paths or options
             (ModelError also when ``onnx.checker`` refuses the model to write: nothing is written).
+        AccuracyError: ``min_cosine`` cannot be reached within ``max_float_sites`` (nothing is written).
     """
     config = QuantizeConfig.from_options(config, target=target, exclude_nodes=exclude_nodes,
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
@@ -161,6 +174,17 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     fmt = get_format(config.precision)
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     _check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
+    if min_cosine is not None or max_float_sites is not None or eval_data is not None:
+        from .accuracy.mixed import check_options, quantize_mixed
+
+        check_options(min_cosine, max_float_sites)
+        if min_cosine is None or placement is not None:
+            raise ConfigError("eval_data applies with min_cosine; min_cosine does not take a placement")
+        if fmt.name != "int8":
+            raise ConfigError(f"min_cosine works with precision int8 only, not {fmt.name}")
+        return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
+                              eval_data=eval_data, scales=scales, data=data, method=method, config=config,
+                              calib_kw=calib_kw, report=report, progress=progress)
     inputs = tuple(p for p in (model, scales, data) if isinstance(p, (str, os.PathLike)))
     out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
     if report is not None:
