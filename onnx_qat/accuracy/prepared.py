@@ -131,14 +131,14 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     from ..model_io import load_model
     from ..placement.graph_index import GraphIndex, assign_node_names
     from ..quantize import nothing_to_quantize, quantize, refuse_quantized
-    from ..targets import get_target
+    from ..placement.policy import policy_for
 
     config = config or QuantizeConfig()
     float_model = load_model(model)
     refuse_quantized(float_model)
     assign_node_names(float_model)
     index = GraphIndex(float_model)
-    placement = get_target(config.target).make_policy().place(index, config)
+    placement = policy_for(config.target).place(index, config)
     if placement.empty:
         raise PlacementError(nothing_to_quantize(placement))
     sites = sites_of(placement, index)
