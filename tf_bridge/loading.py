@@ -59,7 +59,9 @@ def load_model(path, *, custom_objects: Optional[Mapping[str, object]] = None, c
         raise ModelError(f"{source}: unsafe deserialization refused: layer '{lambdas[0]}' holds a Python "
                          "lambda (bytecode that would run on loading); rebuild it as a Keras layer "
                          "class registered with keras.saving.register_keras_serializable and save again")
-    objects = dict(_own_objects())
+    from .quantizers import own_objects
+
+    objects = dict(own_objects())
     objects.update(custom_objects or {})
     try:
         model = keras.models.load_model(str(source), custom_objects=objects, compile=compile, safe_mode=True)
@@ -117,19 +119,6 @@ def _lambda_layers(config, layer: str = "?") -> List[str]:
         for value in config:
             found += _lambda_layers(value, layer)
     return found
-
-
-def _own_objects() -> Mapping[str, object]:
-    """tf_bridge's Keras classes by their registered and their plain names."""
-    import keras
-
-    from .quantizers import ActivationQuantizer, QuantizeWrapper
-
-    objects = {}
-    for cls in (ActivationQuantizer, QuantizeWrapper):
-        objects[keras.saving.get_registered_name(cls)] = cls
-        objects[cls.__name__] = cls
-    return objects
 
 
 def _keras_reason(exc: BaseException) -> str:

@@ -284,3 +284,12 @@ class QuantizeWrapper(keras.layers.Wrapper):
         :func:`tf_bridge.fake_quant.per_channel_amax_numpy` for the channel order)."""
         return {attr: per_channel_amax_numpy(var.numpy(), axes)
                 for attr, var, axes in self.quantized_weights()}
+
+
+def own_objects():
+    """tf_bridge's Keras classes by their registered and their plain names (for loading and rebuilding)."""
+    objects = {}
+    for cls in (ActivationQuantizer, QuantizeWrapper):
+        objects[keras.saving.get_registered_name(cls)] = cls
+        objects[cls.__name__] = cls
+    return objects

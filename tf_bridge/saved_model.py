@@ -137,10 +137,10 @@ def rebuild_qat_model(directory, loaded=None):
     if record.get("format") != RECORD_FORMAT:
         raise ExportError(f"{directory}: rebuild record format {record.get('format')!r} is not "
                           f"{RECORD_FORMAT}; export it again with this tf_bridge version")
-    from .loading import _own_objects
+    from .quantizers import own_objects
 
     try:
-        with keras.saving.custom_object_scope(dict(_own_objects())):
+        with keras.saving.custom_object_scope(dict(own_objects())):
             model = keras.saving.deserialize_keras_object(record["model"], safe_mode=True)
     except Exception as exc:  # Keras raises many types
         raise ExportError(f"{directory}: the Keras QAT model cannot be rebuilt from its record: {brief(exc)} "

@@ -112,9 +112,9 @@ def _copy_model(q_model):
     """An independent copy of a QAT model (configuration and every weight, quantizer ranges included)."""
     import keras
 
-    from ..loading import _own_objects
+    from ..quantizers import own_objects
 
-    with keras.saving.custom_object_scope(dict(_own_objects())):
+    with keras.saving.custom_object_scope(dict(own_objects())):
         copy = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(q_model))
     copy.set_weights(q_model.get_weights())
     return copy
