@@ -810,7 +810,7 @@ def worst_layers(q_model, mapping: KerasOnnxMapping, qdq_model: onnx.ModelProto,
 # --------------------------------------------------------------------------- the export
 def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sample_data=None,
                 save_scales: bool = True, save_float: bool = False, strict: bool = True,
-                progress: bool = True) -> ExportReport:
+                progress: bool = True, precision: str = "int8") -> ExportReport:
     """Export a (trained, calibrated) Keras QAT model to a Q/DQ ONNX model with its learned scales.
 
     Args:
@@ -832,6 +832,9 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
         strict: raise when parity fails (nothing written); False writes the files and
             returns a failing report.
         progress: show progress on stderr.
+        precision: ``"int8"`` (default) or ``"fp8"``: the same learned amax written as FP8 E4M3 Q/DQ
+            (``onnx_qat.quantize(precision="fp8")``, target ``tensorrt``), with parity measured
+            against the Keras model run with FP8 fake quantization (``tf_bridge.fake_quant.numerics``).
 
     Returns:
         An :class:`ExportReport` (paths, mapping table, parity, check verdict).
@@ -851,6 +854,11 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     from .trace import trace_layers
     from .wrap import float_model as float_twin
 
+    from .fake_quant import numerics
+
+    if precision not in ("int8", "fp8"):
+        raise ExportError(f"export_onnx: precision must be 'int8' or 'fp8', got {precision!r} (int4 is "
+                          "weight-only: onnx-qat quantize --precision int4 on the float model)")
     check_exportable(q_model)
     check_finite(q_model)
     if not any(True for _ in iter_quantizer_layers(q_model)):
@@ -869,9 +877,10 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     mapping = map_quantizers(q_model, float_model, twin_calls, float_values)
     table = mapping.scales if generated else _with_target_ranges(mapping, target, feeds)
     step("insert Q/DQ")
-    result, reproducible = _quantize(quantize, float_model, mapping, target, table)
+    result, reproducible = _quantize(quantize, float_model, mapping, target, table, precision)
     step("parity in onnxruntime")
-    keras_out = q_model(inputs if len(inputs) > 1 else inputs[0], training=False)
+    with numerics(precision):
+        keras_out = q_model(inputs if len(inputs) > 1 else inputs[0], training=False)
     keras_tf = [np.asarray(v) for v in _outputs(keras_out)]
     reference = result if result.target == "tensorrt" else _quantize(quantize, float_model, mapping,
                                                                       "tensorrt", mapping.scales)[0]
@@ -933,9 +942,9 @@ def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleT
     from onnx_qat.calibration import calibrate
     from onnx_qat.errors import QatError
     from onnx_qat.placement.graph_index import GraphIndex
-    from onnx_qat.targets import get_target
+    from onnx_qat.target_forms import make_form
 
-    form = get_target(target).make_form()
+    form = make_form(target)
     needed = () if form is None else tuple(
         t for t in form.calibration_tensors(GraphIndex(mapping.model), mapping.placement)
         if t not in mapping.scales.activations)
@@ -955,17 +964,20 @@ def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleT
                   "requantization point(s) no quantizer observes"}))
 
 
-def _quantize(quantize, float_model, mapping: KerasOnnxMapping, target: str, table):
+def _quantize(quantize, float_model, mapping: KerasOnnxMapping, target: str, table,
+              precision: str = "int8"):
     """Quantize with the Keras placement and ``table``; use the default placement when it is the
-    same one, so that ``onnx-qat quantize --scales`` reproduces the model byte for byte."""
+    same one, so that ``onnx-qat quantize --scales`` reproduces the model byte for byte. FP8 starts
+    from the float weights (not snapped to the Keras int8 grid, which FP8 would round again)."""
     from onnx_qat.placement.policy import place
 
-    default = place(mapping.model, target=target)
+    source = mapping.model if precision == "int8" else float_model
+    default = place(source, target=target, precision=precision)
     same = not mapping.baked and _marks(default) == _marks(mapping.placement)
     if same:
-        return quantize(mapping.model, scales=table, target=target, progress=False), True
-    return quantize(mapping.model, scales=table, target=target, placement=mapping.placement,
-                    progress=False), False
+        return quantize(source, scales=table, target=target, progress=False, precision=precision), True
+    return quantize(source, scales=table, target=target, placement=mapping.placement,
+                    progress=False, precision=precision), False
 
 
 def _marks(placement) -> tuple:

@@ -15,7 +15,7 @@ import pytest
 
 import onnx_qat
 from onnx_qat.errors import ConfigError, DataError, ModelError, OutputError, QatError, ScalesError
-from tests.builders import cosine, run
+from tests.builders import assert_check_clean, cosine, run
 from tests.reliability import cases, support
 
 
@@ -23,7 +23,7 @@ from tests.reliability import cases, support
 def test_bad_input_api(case, workspace_factory):
     ws = workspace_factory(case)
     before = support.snapshot(ws.dir)
-    with pytest.raises(QatError) as info:
+    with support.raises_input_error(QatError) as info:
         ws.call_api()
     err = info.value
     assert isinstance(err, case.error), f"{type(err).__name__} instead of {case.error.__name__}: {err}"
@@ -55,7 +55,7 @@ def test_in_memory_bad_data_leaves_the_callers_objects_alone(data, words):
     model = support.cnn_model()
     model_before = _proto_bytes(model)
     arrays_before = [v.copy() for v in (data.values() if isinstance(data, dict) else [])]
-    with pytest.raises(DataError) as info:
+    with support.raises_input_error(DataError) as info:
         onnx_qat.quantize(model, data=data, progress=False)
     for word in words:
         assert word in str(info.value)
@@ -77,7 +77,7 @@ def test_in_memory_bad_data_leaves_the_callers_objects_alone(data, words):
 def test_bad_options_are_config_errors(kwargs, error, words):
     model = support.cnn_model()
     before = _proto_bytes(model)
-    with pytest.raises(error) as info:
+    with support.raises_input_error(error) as info:
         onnx_qat.quantize(model, data=support.cnn_data(), progress=False, **kwargs)
     for word in words:
         assert word in str(info.value)
@@ -87,9 +87,9 @@ def test_bad_options_are_config_errors(kwargs, error, words):
 def test_scales_and_data_together_or_neither():
     model = support.cnn_model()
     table = onnx_qat.ScaleTable({"input": 1.0})
-    with pytest.raises(ConfigError, match="exactly one"):
+    with support.raises_input_error(ConfigError, match="exactly one"):
         onnx_qat.quantize(model, scales=table, data=support.cnn_data(), progress=False)
-    with pytest.raises(ConfigError, match="exactly one"):
+    with support.raises_input_error(ConfigError, match="exactly one"):
         onnx_qat.quantize(model, progress=False)
 
 
@@ -98,7 +98,7 @@ def test_scales_and_data_together_or_neither():
 def test_load_model_refuses_non_models(tmp_path, raw):
     path = tmp_path / "m.onnx"
     path.write_bytes(raw)
-    with pytest.raises(ModelError) as info:
+    with support.raises_input_error(ModelError) as info:
         onnx_qat.load_model(path)
     assert "m.onnx" in str(info.value)
     assert path.read_bytes() == raw
@@ -119,7 +119,7 @@ def test_load_model_refuses_non_models(tmp_path, raw):
         "unknown-field"])
 def test_scale_table_validation(table, words):
     data = {"format": "onnx-qat-scales", "version": 1, **table}
-    with pytest.raises(ScalesError) as info:
+    with support.raises_input_error(ScalesError) as info:
         onnx_qat.ScaleTable.from_dict(data, source="ScaleTable t.json")
     message = str(info.value)
     assert message.startswith("ScaleTable t.json") and "\n" not in message
@@ -130,7 +130,7 @@ def test_scale_table_validation(table, words):
 def test_scale_table_file_with_nan_token_is_refused_before_use(tmp_path):
     path = tmp_path / "s.json"
     path.write_text('{"format": "onnx-qat-scales", "version": 1, "activations": {"x": NaN}}')
-    with pytest.raises(ScalesError, match="s.json"):
+    with support.raises_input_error(ScalesError, match="s.json"):
         onnx_qat.ScaleTable.load(path)
 
 
@@ -153,9 +153,9 @@ def test_write_failure_after_the_path_check_is_an_output_error():
     """A directory that passes the access() check but refuses the file (sysfs here; read-only
     mounts, root-squashed NFS or a full disk elsewhere) gives an OutputError naming the output."""
     table = onnx_qat.ScaleTable({"input": 1.0})
-    with pytest.raises(OutputError, match="/sys/scales.json"):
+    with support.raises_input_error(OutputError, match="/sys/scales.json"):
         table.save("/sys/scales.json")
-    with pytest.raises(OutputError, match="/sys/out.onnx"):
+    with support.raises_input_error(OutputError, match="/sys/out.onnx"):
         onnx_qat.save_model(support.cnn_model(), "/sys/out.onnx")
 
 
@@ -176,7 +176,7 @@ def _subgraphs(model, op_type):
 
 
 @pytest.mark.parametrize("op_type,builder", [("If", support.if_model), ("Loop", support.loop_model)])
-def test_control_flow_subgraphs_are_left_untouched_with_a_warning(op_type, builder, caplog):
+def test_control_flow_if_branches_quantized_loop_bodies_left_untouched(op_type, builder, caplog):
     model = builder()
     rng = np.random.default_rng(0)
     data = {"input": rng.standard_normal((4, 16, 8, 8)).astype(np.float32)}
@@ -185,10 +185,16 @@ def test_control_flow_subgraphs_are_left_untouched_with_a_warning(op_type, build
     with caplog.at_level(logging.WARNING, logger="onnx_qat"):
         result = onnx_qat.quantize(model, data=data, progress=False)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert any(op_type.lower() in w.lower() and "untouched" in w for w in warnings), warnings
-    assert _subgraphs(result.model, op_type) == _subgraphs(model, op_type), "a subgraph was changed"
+    if op_type == "Loop":
+        assert any("loop" in w.lower() and "untouched" in w for w in warnings), warnings
+        assert _subgraphs(result.model, op_type) == _subgraphs(model, op_type), "a subgraph was changed"
+    else:  # the then_branch's Conv is quantized inside the branch; the Relu-only else_branch is not changed
+        if_node = next(n for n in result.model.graph.node if n.op_type == "If")
+        branches = {a.name: sorted(n.op_type for n in a.g.node) for a in if_node.attribute}
+        assert branches == {"then_branch": ["Conv", "DequantizeLinear", "DequantizeLinear", "QuantizeLinear"],
+                            "else_branch": ["Relu"]}, branches
     assert result.summary["weights"] >= 1, "the Conv outside the subgraph should still be quantized"
-    assert onnx_qat.check(result.model)
+    assert_check_clean(result.model)
     feeds = {k: v[:1] for k, v in data.items() if k != "cond"}
     for cond in ([True, False] if op_type == "If" else [None]):
         if cond is not None:
@@ -210,7 +216,7 @@ def test_custom_domain_ops_are_left_alone():
 
 
 def test_custom_domain_ops_cannot_be_calibrated_one_line():
-    with pytest.raises(ModelError) as info:
+    with support.raises_input_error(ModelError) as info:
         onnx_qat.quantize(support.custom_domain_model(), data=support.cnn_data(), progress=False)
     assert "MyOp" in str(info.value) and "\n" not in str(info.value)
 
