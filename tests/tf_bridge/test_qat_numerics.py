@@ -227,7 +227,6 @@ def _application_case(arch, px, scale, seed, steps=3):
     q = tf_bridge.quantize_model(model)
     with pytest.warns(tf_bridge.UntrainedBatchNormWarning):
         tf_bridge.calibrate(q, x[:16], batch_size=8, progress=False)
-    assert min(float(aq.amax_value()) for aq in _quantizers(q)) < 1e-3  # degenerate ranges
     return _fit_one_epoch(model, x, y, seed), _fit_one_epoch(q, x, y, seed)
 
 
