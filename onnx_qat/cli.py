@@ -168,8 +168,22 @@ def _add_quantize(sub) -> None:
                    help="also write a JSON report: placement decisions and the check result")
     _calibration_options(p)
     _placement_options(p)
+    _mixed_precision_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_quantize)
+
+
+def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
+    """Keywords of onnx_qat.quantize for automatic mixed precision: min_cosine, max_float_sites, eval_data."""
+    group = parser.add_argument_group("automatic mixed precision (onnx_qat.quantize)")
+    group.add_argument("--min-cosine", metavar="C", type=number_in(0.0, 1.0, low_open=True), default=None,
+                       help="leave the fewest sites in float so the output cosine against the float model "
+                            "reaches C on the evaluation data; exit 2 and write nothing when it cannot")
+    group.add_argument("--max-float-sites", metavar="N", type=whole_number(0), default=None,
+                       help="with --min-cosine: at most N sites in float (default: no limit)")
+    group.add_argument("--eval-data", metavar="NPZ", default=None,
+                       help="with --min-cosine: .npz data the cosine is measured on (default: the last "
+                            "quarter of --data, which calibration then does not see)")
 
 
 def _add_check(sub) -> None:
@@ -222,6 +236,29 @@ def _add_inspect(sub) -> None:
     p.set_defaults(handler=cmd_inspect)
 
 
+def _add_sensitivity(sub) -> None:
+    p = sub.add_parser("sensitivity", help="rank the quantized sites by the output error each one costs",
+                       description="Calibrate MODEL once on --data, then measure for every site placement "
+                                   "quantizes the output error with only that site in INT8 and with every "
+                                   "site but it in INT8, on --eval-data (default: a held-out quarter of "
+                                   "--data). Prints the ranking; see docs/sensitivity.md.")
+    p.add_argument("model", metavar="MODEL", help="float ONNX model")
+    p.add_argument("--data", metavar="NPZ", required=True, help=".npz calibration data (see 'calibrate')")
+    p.add_argument("--eval-data", metavar="NPZ", default=None,
+                   help=".npz evaluation data (default: the last quarter of --data, not calibrated on)")
+    p.add_argument("-o", "--output", metavar="REPORT.json", default=None, help="write the result as JSON")
+    p.add_argument("--plot", metavar="CHART.png", default=None,
+                   help="write a ranked bar chart of the most sensitive sites (needs matplotlib)")
+    p.add_argument("--top", metavar="N", type=whole_number(1), default=20,
+                   help="sites shown in the table and the chart (default 20)")
+    p.add_argument("--metric", choices=("cosine", "sqnr", "max_abs"), default="cosine",
+                   help="what ranks the sites (default cosine; all three are reported)")
+    _calibration_options(p)
+    _placement_options(p)
+    _global_options(p, suppress=True)
+    p.set_defaults(handler=cmd_sensitivity)
+
+
 def get_parser() -> argparse.ArgumentParser:
     """The ``onnx-qat`` argument parser (cheap: imports nothing heavy)."""
     parser = _Parser(prog=PROG, description="Place INT8 QuantizeLinear/DequantizeLinear pairs in ONNX models "
@@ -231,7 +268,7 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     _global_options(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
-    for add in (_add_calibrate, _add_quantize, _add_check, _add_compare, _add_inspect):
+    for add in (_add_calibrate, _add_quantize, _add_check, _add_compare, _add_inspect, _add_sensitivity):
         add(sub)
     return parser
 
@@ -372,10 +409,17 @@ def cmd_quantize(args) -> int:
         raise UsageError("--report and --output name the same file")
     if args.data is None and args.scales is None and getattr(args, "precision", None) != "int4":
         raise UsageError("one of the arguments --data --scales is required")
+    mixed = {k: v for k, v in (("min_cosine", args.min_cosine), ("max_float_sites", args.max_float_sites),
+                               ("eval_data", args.eval_data)) if v is not None}
+    if mixed and args.min_cosine is None:
+        raise UsageError("--max-float-sites and --eval-data apply only with --min-cosine")
+    _check_inputs(("--eval-data", args.eval_data, "DataError"))
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=args.data,
-                      progress=_progress(args), **calib, **_placement_keywords(args))
+                      progress=_progress(args), **calib, **_placement_keywords(args), **mixed)
     _say(args, _quantize_summary(args, result))
+    if result.accuracy is not None:
+        _say(args, _mixed_summary(result.accuracy))
     report = _check_written(result.model, args.output, result.target)
     if not args.quiet:
         for finding in report.findings:
@@ -408,6 +452,17 @@ def _quantize_summary(args, result) -> str:
             f"{s.get('weights', '?')} weights quantized, {s.get('skipped_nodes', '?')} nodes skipped | "
             f"{s.get('quantize_linear', '?')} QuantizeLinear, "
             f"{s.get('dequantize_linear', '?')} DequantizeLinear")
+
+
+def _mixed_summary(info) -> str:
+    """One line for --min-cosine: the sites left float and the output cosine before and after."""
+    names = [site["name"] for site in info["float_sites"]]
+    shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+    return (f"mixed precision: {len(names)} of {info['sites']} site(s) left float"
+            + (f" ({shown})" if names else "")
+            + f" | output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} "
+            f"(min {info['min_cosine']:g}, {info['eval_samples']} eval samples) | "
+            f"{info['int8_weighted_ops']}/{info['weighted_ops']} weighted ops INT8")
 
 
 def cmd_check(args) -> int:
@@ -479,6 +534,30 @@ def cmd_inspect(args) -> int:
         _print_json(_placement_dict(placement))
     else:
         print(format_decisions(placement))
+    return EXIT_OK
+
+
+def cmd_sensitivity(args) -> int:
+    """``onnx-qat sensitivity``: :func:`onnx_qat.sensitivity`, printed as a ranked table."""
+    calib = _calibration_keywords(args)
+    _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"),
+                  ("--eval-data", args.eval_data, "DataError"))
+    _check_outputs([("--output", args.output), ("--plot", args.plot)],
+                   [args.model, args.data, args.eval_data])
+    if args.output is not None and args.plot is not None and _same_path(args.output, args.plot):
+        raise UsageError("--output and --plot name the same file")
+    from .accuracy import sensitivity
+    extra = {"percentile": calib.pop("percentile")} if "percentile" in calib else {}
+    result = sensitivity(args.model, args.data, eval_data=args.eval_data, metric=args.metric,
+                         progress=_progress(args), calibration_options=extra, **calib,
+                         **_placement_keywords(args))
+    _say(args, result.table(top=args.top))
+    if args.output is not None:
+        result.save(args.output)
+        _say(args, f"wrote {args.output}")
+    if args.plot is not None:
+        result.plot(args.plot, top=args.top)
+        _say(args, f"wrote {args.plot}")
     return EXIT_OK
 
 

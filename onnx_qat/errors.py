@@ -49,6 +49,10 @@ class ExportError(QatError, ValueError):
     """A Keras model cannot be exported (tf2onnx failure, an unmapped quantizer...)."""
 
 
+class AccuracyError(QatError):
+    """The requested accuracy (``min_cosine``) cannot be reached within the float-site budget."""
+
+
 class TrainingError(QatError):
     """Quantization-aware training diverged: the loss or a weight became NaN or Inf."""
 
@@ -84,5 +88,6 @@ __all__ = [
     "OutputError",
     "ConfigError",
     "ExportError",
+    "AccuracyError",
     "TensorRTUnavailable",
 ]

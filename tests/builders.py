@@ -663,6 +663,38 @@ def assert_no_qdq(model: onnx.ModelProto) -> None:
         raise AssertionError(f"model holds Q/DQ nodes\n{describe(model)}")
 
 
+def outlier_channel_model(hot: str = "conv2", convs: int = 4, channels: int = 16, size: int = 8,
+                          factor: float = 300.0, seed: int = 0) -> onnx.ModelProto:
+    """A chain input [N, C, S, S] -> ``convs`` x (Conv ``conv{i}`` -> Relu ``relu{i}``) -> GlobalAveragePool
+    ``gap`` -> Flatten ``flat`` -> Gemm ``fc`` -> ``output`` [N, 10], where one layer is made sensitive on
+    purpose: channel 0 of the Conv before ``hot`` is scaled up by ``factor`` and ``hot``'s weights on that
+    input channel down by it. The float function is unchanged (Relu commutes with a positive scale), but
+    ``hot``'s per-tensor activation range is dominated by one outlier channel, so quantizing ``hot``'s
+    input (and its weight, whose input-channel-0 entries become tiny) loses most of the others.
+    ``hot`` is ``conv2`` .. ``conv{convs}``."""
+    b = GraphBuilder("outlier_channel", seed)
+    y = b.input("input", ["N", channels, size, size])
+    for i in range(1, convs + 1):
+        y = b.relu(b.conv(y, channels, channels, f"conv{i}"), f"relu{i}")
+    y = b.node("Flatten", [b.node("GlobalAveragePool", [y], name="gap")], name="flat")
+    w = b.const("fc.weight", (b.rng.standard_normal((channels, 10)) * 0.3).astype(np.float32))
+    b.node("Gemm", [y, w], "output", name="fc")
+    b.output("output")
+    model = b.build()
+    k = int(hot[len("conv"):])
+    if not 2 <= k <= convs:
+        raise ValueError(f"hot must be conv2..conv{convs}, got {hot!r}")
+    inits = {t.name: t for t in model.graph.initializer}
+    arrays = {n: numpy_helper.to_array(inits[n]).copy() for n in
+              (f"conv{k - 1}.weight", f"conv{k - 1}.bias", f"{hot}.weight")}
+    arrays[f"conv{k - 1}.weight"][0] *= factor
+    arrays[f"conv{k - 1}.bias"][0] *= factor
+    arrays[f"{hot}.weight"][:, 0] /= factor
+    for name, array in arrays.items():
+        inits[name].CopyFrom(numpy_helper.from_array(array.astype(np.float32), name))
+    return model
+
+
 def assert_check_clean(model: onnx.ModelProto, target: Optional[str] = None) -> None:
     """Assert ``onnx_qat.check`` finds 0 errors AND 0 warnings in ``model`` (the rewriter's own
     output must pass its own check cleanly); on failure, print every finding and the subgraph

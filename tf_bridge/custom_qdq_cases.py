@@ -7,8 +7,11 @@ Concat; leave Conv -> Sigmoid -> Mul chains unbroken.
 
 * :class:`ResidualConnectionQDQCase` — every ``Add``: skip input(s) quantized,
   the deepest Conv(+BN/Dropout) branch left float.
-* :class:`ResNetV1QDQCase`, :class:`ResNetV2QDQCase`, :class:`MobileNetQDQCase`
-  — the residual rule, checked against the structure those families use.
+* :class:`ResNetV1QDQCase`, :class:`MobileNetQDQCase` — the residual rule, checked against the
+  structure those families use.
+* :class:`ResNetV2QDQCase` — the residual rule plus :class:`BNQDQCase` (the input of every
+  BatchNormalization not fed by a Conv: the pre-activations) and :class:`MaxPoolQDQCase` (the
+  input of every MaxPooling2D), as NVIDIA's toolkit places them for ResNet v2.
 * :class:`EfficientNetQDQCase` — the residual rule plus, in squeeze-excite
   blocks, the feature input of the excite ``Multiply`` (the gate from the
   Conv -> Sigmoid chain stays float).
@@ -23,7 +26,7 @@ import logging
 
 import keras
 
-from .cases import (CustomQDQInsertionCase, GraphDepth, input_tensors, layers_of_class, producer,
+from .cases import (FUSABLE, CustomQDQInsertionCase, GraphDepth, input_tensors, layers_of_class, producer,
                     residual_skip_indices)
 from .spec import QuantizationSpec
 
@@ -31,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CustomQDQInsertionCase", "ResidualConnectionQDQCase", "ResNetV1QDQCase", "ResNetV2QDQCase",
-    "EfficientNetQDQCase", "MobileNetQDQCase", "InceptionQDQCase",
+    "EfficientNetQDQCase", "MobileNetQDQCase", "InceptionQDQCase", "BNQDQCase", "MaxPoolQDQCase",
 ]
 
 
@@ -59,9 +62,43 @@ class ResNetV1QDQCase(ResidualConnectionQDQCase):
     """ResNet v1 (post-activation): each block's Add quantizes its shortcut; Conv-BN branch float."""
 
 
-class ResNetV2QDQCase(ResidualConnectionQDQCase):
+class BNQDQCase(CustomQDQInsertionCase):
+    """BatchNormalization layers not fed by a Conv: their input quantized (a BN after a Conv folds
+    into it and gets nothing; one after an Add, as ResNet v2's pre-activations, runs in INT8)."""
+
+    def case(self, keras_model, qspec):
+        """One input-only entry per BatchNormalization whose producer is not a Conv layer."""
+        spec = QuantizationSpec()
+        for bn in layers_of_class(keras_model, keras.layers.BatchNormalization):
+            tensors = input_tensors(bn)
+            if len(tensors) == 1 and not isinstance(producer(tensors[0])[0], FUSABLE):
+                spec.add(bn.name, quantize_input=True, quantize_weight=False)
+        return spec
+
+
+class MaxPoolQDQCase(CustomQDQInsertionCase):
+    """MaxPooling2D layers: their input quantized (MaxPool commutes with Q/DQ, so TensorRT runs it in
+    INT8 and a residual Add it feeds sees the same scale on its skip input)."""
+
+    def case(self, keras_model, qspec):
+        """One input-only entry per MaxPooling2D."""
+        spec = QuantizationSpec()
+        for pool in layers_of_class(keras_model, keras.layers.MaxPooling2D):
+            spec.add(pool.name, quantize_input=True, quantize_weight=False)
+        return spec
+
+
+class ResNetV2QDQCase(CustomQDQInsertionCase):
     """ResNet v2 (pre-activation): each block's Add quantizes its shortcut (identity, MaxPool or
-    projection Conv), the last Conv of the residual branch stays float."""
+    projection Conv), the last Conv of the residual branch stays float; BatchNormalizations not fed
+    by a Conv (the pre-activations, post_bn) and MaxPooling2D layers quantize their input."""
+
+    def case(self, keras_model, qspec):
+        """The residual, BatchNormalization and MaxPool entries."""
+        spec = _residual_spec(keras_model)
+        for case in (BNQDQCase(), MaxPoolQDQCase()):
+            spec._entries.extend(case.case(keras_model, qspec).entries)
+        return spec
 
 
 class MobileNetQDQCase(ResidualConnectionQDQCase):

@@ -875,6 +875,7 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     twin_calls, _ = trace_layers(twin, inputs)
     float_values = run_with_tensors(float_model, feeds, float_tensor_names(float_model))
     mapping = map_quantizers(q_model, float_model, twin_calls, float_values)
+    _refuse_without_qdq(mapping)
     table = mapping.scales if generated else _with_target_ranges(mapping, target, feeds)
     step("insert Q/DQ")
     result, reproducible = _quantize(quantize, float_model, mapping, target, table, precision)
@@ -906,6 +907,18 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
                           reproducible and not mapping.baked, mapping.baked, tuple(result.requantization))
     logger.info("%s", report)
     return report
+
+
+def _refuse_without_qdq(mapping: KerasOnnxMapping) -> None:
+    """A model whose quantizers give no Q/DQ pair at all (only weights without a quantized input,
+    baked into float): TensorRT runs a Conv/MatMul in INT8 only with both quantized (placement rule
+    4), so no INT8 model can be written; refused rather than written as a float model."""
+    if mapping.placement.activations or mapping.placement.weights:
+        return
+    weights = ", ".join(e.keras for e in mapping.entries)
+    raise ExportError(f"export_onnx: no Q/DQ pair to write: the only quantized tensors are weights whose "
+                      f"layer input is not quantized ({weights}), and TensorRT runs a layer in INT8 only "
+                      "with its input and weight quantized; quantize the inputs too (quantize_input=True)")
 
 
 def _outputs(value) -> list:

@@ -66,6 +66,9 @@ def load_model(path, *, custom_objects: Optional[Mapping[str, object]] = None, c
     except Exception as exc:  # Keras raises ValueError, TypeError, OSError, KeyError...
         raise ModelError(f"{source}: {_keras_reason(exc)}") from None
     logger.debug("loaded %s (%s, %d layers)", source, type(model).__name__, len(model.layers))
+    from .saved_model import attach_rebuild_record
+
+    attach_rebuild_record(model)  # a QAT model's SavedModel (model.export) stays rebuildable
     return model
 
 

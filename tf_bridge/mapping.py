@@ -43,6 +43,7 @@ from onnx_qat.placement.handlers import rule3_weight_axis
 from onnx_qat.placement.marks import ActivationMark, Placement, WeightMark
 from onnx_qat.scales import ScaleTable, WeightRange
 
+from .custom_layers import registered_quantization
 from .describe import QuantizerRecord, iter_quantizer_layers, quantizer_records
 from .onnx_values import SAME_TENSOR_RTOL, value_error
 from .quantizers import QuantizeWrapper
@@ -116,7 +117,7 @@ class KerasOnnxMapping:
 # --------------------------------------------------------------------------- canonical weights
 def _keras_canonical(layer, attr: str, kernel: np.ndarray) -> List[np.ndarray]:
     """``[output channel, rest]`` forms of a Keras kernel (several when the ONNX layout is ambiguous)."""
-    k = np.asarray(kernel, np.float64)
+    k = _declared_layout(layer, attr, np.asarray(kernel, np.float64))
     nd = k.ndim
     spatial = tuple(range(nd - 2))
     L = keras.layers
@@ -131,6 +132,24 @@ def _keras_canonical(layer, attr: str, kernel: np.ndarray) -> List[np.ndarray]:
         return [k.T]
     t = k.transpose((nd - 1, nd - 2) + spatial)  # Conv [O, I, *k]
     return [t.reshape(t.shape[0], -1)]
+
+
+def _declared_layout(layer, attr: str, k: np.ndarray) -> np.ndarray:
+    """A weight of a declared layer class (:mod:`tf_bridge.custom_layers`) with its output-channel
+    axis moved last, the Dense/Conv kernel layout the forms below start from."""
+    declared = registered_quantization(layer)
+    axes = dict(declared.weights).get(attr) if declared is not None else None
+    if not axes or len(axes) != 1:
+        return k
+    return np.moveaxis(k, axes[0] % k.ndim, -1)
+
+
+def _input_weight(layer, attr: str) -> bool:
+    """True for the weight whose ONNX node reads the layer's (quantized) input."""
+    declared = registered_quantization(layer)
+    if declared is not None:
+        return attr == declared.input_weight
+    return attr in ("kernel", "depthwise_kernel")
 
 
 def _onnx_canonical(node: NodeInfo, w: np.ndarray) -> Optional[np.ndarray]:
@@ -253,7 +272,7 @@ class _Mapper:
                 continue
             for wn, (f, grid) in found:
                 hits.append(_WeightHit(rec, wn, f, grid))
-            if rec.tensor in ("kernel", "depthwise_kernel"):
+            if _input_weight(wrapper.layer, rec.tensor):
                 self.layer_nodes[rec.path] = [wn.node.name for wn, _ in found]
         return hits
 

@@ -280,7 +280,13 @@ WEIGHT_RULES: Tuple[Tuple[tuple, Tuple[WeightRule, ...]], ...] = (
 
 
 def weight_rules_for(layer) -> Tuple[WeightRule, ...]:
-    """The weight rules of ``layer`` (empty if tf_bridge cannot quantize its weights)."""
+    """The weight rules of ``layer`` (empty if tf_bridge cannot quantize its weights); a class
+    declared with :func:`tf_bridge.custom_layers.register_layer_quantization` uses its declaration."""
+    from .custom_layers import registered_quantization
+
+    declared = registered_quantization(layer)
+    if declared is not None:
+        return tuple(WeightRule(attr, axes) for attr, axes in declared.weights)
     for classes, rules in WEIGHT_RULES:
         if isinstance(layer, classes):
             return rules
@@ -324,8 +330,12 @@ class QuantizeWrapper(keras.layers.Wrapper):
             return self.layer(inputs, *args, **kwargs)
 
     def compute_output_shape(self, input_shape):
-        """The wrapped layer's output shape."""
-        return self.layer.compute_output_shape(input_shape)
+        """The wrapped layer's output shape (traced when the layer does not implement it)."""
+        try:
+            return self.layer.compute_output_shape(input_shape)
+        except NotImplementedError:
+            specs = keras.tree.map_shape_structure(lambda s: keras.KerasTensor(s), input_shape)
+            return keras.tree.map_structure(lambda t: t.shape, self.layer.compute_output_spec(specs))
 
     def quantized_weights(self):
         """``(attr, variable, channel_axes)`` for each quantized kernel, in rule order."""

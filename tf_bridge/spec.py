@@ -23,6 +23,7 @@ import keras
 
 from onnx_qat.errors import ConfigError
 
+from .custom_layers import registered_quantization
 from .quantizers import weight_rules_for
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ class SpecEntry:
     quantize_input: bool = True
     quantize_weight: bool = True
     quantization_index: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if isinstance(self.quantization_index, list):  # entries built by hand (LayerConfig(...))
+            object.__setattr__(self, "quantization_index", tuple(self.quantization_index))
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,13 @@ class QuantizationSpec:
         """The entries in the order they were added."""
         return tuple(self._entries)
 
+    @property
+    def layers(self) -> List[SpecEntry]:
+        """The entries as the mutable list NVIDIA's toolkit names ``layers`` (the list :attr:`entries`
+        reads), so a case written for the toolkit can ``spec.layers.extend(other.layers)``; the
+        names of entries put in by hand are checked when the spec is used, as :meth:`add`'s are."""
+        return self._entries
+
     def copy(self) -> "QuantizationSpec":
         """An independent copy."""
         new = QuantizationSpec()
@@ -171,6 +183,10 @@ def _entry_decision(entry: SpecEntry, layer, source: str) -> LayerDecision:
 def default_decision(layer) -> Optional[LayerDecision]:
     """The default (``"full"`` mode) decision for ``layer``, or None if it is left alone."""
     cls = type(layer).__name__
+    declared = registered_quantization(layer)
+    if declared is not None:
+        return LayerDecision(inputs=declared.inputs, weights=bool(declared.weights),
+                             reason=f"declared layer class {cls}") if declared.default else None
     if cls in DEFAULT_INPUT_AND_WEIGHT and weight_rules_for(layer):
         return LayerDecision(inputs=None, weights=True, reason=f"default policy: {cls} input and weights")
     if cls in DEFAULT_INPUT_ONLY:

@@ -27,6 +27,7 @@ from .cases import CustomQDQInsertionCase
 from .guard import guarded, unguarded
 from .quantizers import MODES as RANGE_MODES
 from .quantizers import ActivationQuantizer, QuantizeWrapper
+from .saved_model import attach_rebuild_record
 from .spec import LayerDecision, QuantizationSpec, iter_layers, resolve_plan
 
 logger = logging.getLogger(__name__)
@@ -241,7 +242,9 @@ def quantize_model(model, quantization_mode: str = "full",
     if not plan:
         logger.warning("tf_bridge: nothing to quantize in model '%s' (mode %s)",
                        model.name, quantization_mode)
-    return guarded(_Cloner(plan, activation_range, float(ema_momentum)).clone(model))
+    q_model = guarded(_Cloner(plan, activation_range, float(ema_momentum)).clone(model))
+    attach_rebuild_record(q_model)  # so that q_model.export(dir) can be rebuilt for the Q/DQ export
+    return q_model
 
 
 class _Stripper:

@@ -616,7 +616,7 @@ def _files(out: Path, exported: Dict[str, Exported], float_path: Path, cpu_path:
 
 def run_demo(opts: DemoOptions) -> Tuple[report.DemoResults, Dict[str, Path]]:
     """Run every stage; return the results and the files of the report."""
-    stages = Stages(8)
+    stages = Stages(9)
     models_dir = opts.out / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
     data = stages.run("data", "loading scikit-learn's bundled digits (no download)", load_splits, opts.seed)
@@ -637,6 +637,8 @@ def run_demo(opts: DemoOptions) -> Tuple[report.DemoResults, Dict[str, Path]]:
     latency = stages.run("latency", f"onnxruntime CPU latency, {opts.latency_rounds} interleaved rounds",
                          measure_latency, paths, data.x_test, opts.latency_batches, opts.latency_rounds,
                          opts.threads)
+    sensitivity = stages.run("sensitivity", "onnx_qat.sensitivity of the float model (which sites cost "
+                             "accuracy in INT8)", sensitivity_of, float_path, data, opts.progress)
     parity = {k: parity_of(e.report) for k, e in exported.items()}
     parity["qat_cpu"] = parity_of(cpu_report)
     results = report.DemoResults(
@@ -647,10 +649,19 @@ def run_demo(opts: DemoOptions) -> Tuple[report.DemoResults, Dict[str, Path]]:
         history={"float": float_hist, "qat": qat_hist},
         criteria=criteria(ev, parity, stages.elapsed(), opts.quick),
         files=_files(opts.out, exported, float_path, cpu_path),
-        notes=(LATENCY_NOTE,))
+        notes=(LATENCY_NOTE,), sensitivity=sensitivity)
     written = stages.run("report", f"writing the report to {opts.out}/", report.write_report, opts.out,
                          results)
     return results, written
+
+
+def sensitivity_of(float_path: Path, data: Splits, progress: bool = True):
+    """:func:`onnx_qat.sensitivity` of the float ONNX model: calibrated on the training split, judged
+    on the validation split."""
+    import onnx_qat
+
+    return onnx_qat.sensitivity(str(float_path), data.x_train[:512], eval_data=data.x_val,
+                                progress=progress)
 
 
 def print_summary(results: report.DemoResults, written: Dict[str, Path]) -> None:

@@ -28,6 +28,8 @@ PLOTS = {
     "confusion": "confusion_qat.png",
     "training": "training.png",
 }
+#: The sensitivity chart (written when the results hold a sensitivity analysis).
+SENSITIVITY_PLOT = "sensitivity.png"
 
 
 # =========================================================================== results
@@ -94,6 +96,7 @@ class DemoResults:
         criteria: the promises, checked.
         files: ``{what: path relative to the report folder}``.
         notes: extra sentences for the report (e.g. why an INT8 model is slow on CPU).
+        sensitivity: :func:`onnx_qat.sensitivity` of the float model (a ``SensitivityResult``), or None.
     """
 
     meta: Mapping[str, object]
@@ -110,6 +113,7 @@ class DemoResults:
     criteria: Tuple[Criterion, ...]
     files: Mapping[str, str]
     notes: Tuple[str, ...] = ()
+    sensitivity: Optional[object] = field(default=None, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -127,6 +131,7 @@ class DemoResults:
             "confusion_qat": self.confusion.tolist(), "history": _jsonable(self.history),
             "criteria": [dict(asdict(c), verdict=c.verdict) for c in self.criteria],
             "passed": self.passed, "files": dict(self.files), "notes": list(self.notes),
+            **({} if self.sensitivity is None else {"sensitivity": _jsonable(self.sensitivity.to_dict())}),
         }
 
 
@@ -467,6 +472,22 @@ def _section_layers(results: DemoResults) -> List[str]:
             f"![Activation ranges]({PLOTS['activation_ranges']})", ""]
 
 
+def _section_sensitivity(results: DemoResults) -> List[str]:
+    sens = results.sensitivity
+    if sens is None:
+        return []
+    rows = [(s.rank, f"`{s.name}`", s.site.op_type, s.site.kind, f"{s.only.cosine:.5f}",
+             f"{s.all_but.cosine:.5f}") for s in sens.top(5)]
+    return ["## Quantization sensitivity (float model, `onnx_qat.sensitivity`)", "",
+            f"Every site placement quantizes, measured on {sens.num_eval_samples} validation samples: the "
+            f"output cosine against FP32 with only that site in INT8, and with every site but it in INT8 "
+            f"(all sites INT8: cosine {sens.all_int8.cosine:.5f}; {sens.runs} runs, {sens.seconds:.1f} s). "
+            "The most sensitive sites are the first to leave in float "
+            "(`onnx-qat quantize --min-cosine`).", "",
+            *_table(("rank", "site", "op", "kind", "only this site INT8", "all but this site INT8"), rows),
+            "", f"![Sensitivity]({SENSITIVITY_PLOT})", ""]
+
+
 def _section_rest(results: DemoResults) -> List[str]:
     timings = results.meta.get("timings", {})
     files = [f"- {what}: `{path}`" for what, path in results.files.items()]
@@ -497,7 +518,7 @@ def _cli_sentence(results: DemoResults) -> List[str]:
 def render_markdown(results: DemoResults) -> str:
     """The whole ``report.md`` text."""
     parts = (_section_header, _section_summary, _section_accuracy, _section_check, _section_parity,
-             _section_latency, _section_layers, _section_rest)
+             _section_latency, _section_layers, _section_sensitivity, _section_rest)
     return "\n".join(line for part in parts for line in part(results))
 
 
@@ -511,6 +532,9 @@ def write_report(out_dir, results: DemoResults) -> Dict[str, Path]:
     written: Dict[str, Path] = {}
     for name, plotter in PLOTTERS.items():
         written[name] = atomic_write_bytes(out / PLOTS[name], plotter(results))
+    if results.sensitivity is not None:
+        results.sensitivity.plot(out / SENSITIVITY_PLOT, top=12)
+        written["sensitivity"] = out / SENSITIVITY_PLOT
     written["results"] = write_json(out / "results.json", results.to_dict())
     written["report"] = atomic_write_text(out / "report.md", render_markdown(results))
     return written

@@ -31,6 +31,10 @@ def test_input_caused_errors_are_value_errors_under_one_base():
     assert not issubclass(errors.QatError, ValueError)
     assert not issubclass(errors.TensorRTUnavailable, ValueError)
     assert issubclass(errors.TensorRTUnavailable, errors.QatError)
+    # nor is a model that cannot reach the accuracy asked for (min_cosine)
+    assert not issubclass(errors.AccuracyError, ValueError)
+    assert issubclass(errors.AccuracyError, errors.QatError)
+    assert onnx_qat.AccuracyError is errors.AccuracyError
 
 
 def test_except_value_error_catches_a_real_bad_input(tmp_path):

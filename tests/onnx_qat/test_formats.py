@@ -355,3 +355,22 @@ def test_awq_clipping_search_never_raises_the_block_output_error_and_reaches_the
     assert all(rec["clip_error"] <= rec["awq_error"] * 1.05 for rec in result.awq)  # diagonal proxy
     scale = numpy_helper.to_array(_init(result.model, "ffn1.weight_scale"))
     assert np.allclose(scale.reshape(-1), np.asarray(ranges["ffn1.weight"].amax) / 7)
+
+
+def test_awq_edits_keep_the_float_function_of_a_transformer_block():
+    """AWQ's per-input-channel scales multiply weight rows and divide the activation (LayerNorm fold or
+    an inserted Mul): before INT4 rounding the edited float model computes the same outputs."""
+    from onnx_qat.awq import apply_awq
+    from onnx_qat.config import QuantizeConfig
+    from onnx_qat.quantize import _load_and_place
+    from onnx_qat.targets import get_target
+
+    model = _bert(dim=128, seed=3)
+    config = QuantizeConfig(precision="int4", block_size=64)
+    edited, index, placement = _load_and_place(model, None, get_target(config.target), config)
+    calib, test = _data(model, 8, 1, scale=3.0), _data(model, 4, 2, scale=3.0)
+    records, ranges = apply_awq(edited, index, placement, calib, 64)
+    assert any(r["alpha"] > 0 for r in records), records  # scales were applied, so the test tests a fold
+    assert ranges and all(r.block_size == 64 for r in ranges.values())
+    ref, out = _out(model, test), _out(edited, test)
+    assert np.linalg.norm(out - ref) <= 1e-5 * np.linalg.norm(ref), np.abs(out - ref).max()

@@ -26,6 +26,7 @@ EXPECTED = {
     "qat_step": ("QAT train step / float train step",),
     "formats": ("bert: onnx-qat fp8 cosine to FP32", "bert: onnx-qat int4 AWQ file size / FP32",
                 "cnn: onnx-qat int8 cosine to FP32", "cnn: onnx-qat int4 AWQ quantize time"),
+    "sensitivity": ("sensitivity time, ", "min-cosine time / sensitivity time"),
 }
 
 
@@ -70,6 +71,11 @@ def test_quick_qat_step_writes_its_table(tmp_path):
     _check_rows(doc, markdown, stdout, "qat_step")
     export = [r for r in doc["rows"] if r["figure"].startswith("export_onnx time")]
     assert len(export) == 1 and (export[0]["value"] is None or export[0]["value"] > 0)
+
+
+def test_quick_sensitivity_writes_its_table(tmp_path):
+    stdout, doc, markdown = _bench(tmp_path, "sensitivity")
+    _check_rows(doc, markdown, stdout, "sensitivity")
 
 
 def test_goal_statuses_follow_the_values():

@@ -238,6 +238,22 @@ def test_write_report_files_pngs_and_links(tmp_path):
     assert not [p for p in out.iterdir() if p.name.endswith(".partial")]
 
 
+def test_report_shows_the_sensitivity_chart(tmp_path):
+    import onnx_qat
+    from tests.builders import outlier_channel_model
+
+    x = np.random.default_rng(0).standard_normal((16, 16, 8, 8)).astype(np.float32)
+    sens = onnx_qat.sensitivity(outlier_channel_model("conv3"), x[:12], eval_data=x[12:], progress=False)
+    written = report.write_report(tmp_path, sample_results(sensitivity=sens))
+    chart = (tmp_path / report.SENSITIVITY_PLOT).read_bytes()
+    assert chart.startswith(PNG_MAGIC) and len(chart) > 5000 and "sensitivity" in written
+    md = (tmp_path / "report.md").read_text()
+    assert f"]({report.SENSITIVITY_PLOT})" in md and "| 1 | `conv3` | Conv | weighted |" in md
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["sensitivity"]["sites"][0]["name"] == "conv3"
+    assert "sensitivity" not in report.render_markdown(sample_results()).lower()
+
+
 def test_parity_table_shows_the_tensorflow_column_when_it_differs():
     base = sample_results()
     parity = {k: dict(v, outputs=[dict(v["outputs"][0], max_abs_tf=0.0123)]) for k, v in base.parity.items()}
@@ -270,8 +286,10 @@ def test_quick_demo_end_to_end(tmp_path):
                           cwd=ROOT)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"report: {(out / 'report.md').resolve()}" in proc.stdout
-    assert "[1/8]" in proc.stdout and "[8/8]" in proc.stdout  # stage lines
+    assert "[1/9]" in proc.stdout and "[9/9]" in proc.stdout  # stage lines
     data = json.loads((out / "results.json").read_text())
+    sites = data["sensitivity"]["sites"]  # the float model's sensitivity, and its chart
+    assert sites and sites[0]["rank"] == 1 and (out / "sensitivity.png").stat().st_size > 5000
     # the exit code follows the gating criteria (in quick mode: check and export parity)
     gating = [c for c in data["criteria"] if c["gating"]]
     assert len(gating) == 5 and proc.returncode == (0 if all(c["passed"] for c in gating) else 1)

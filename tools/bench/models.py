@@ -9,6 +9,10 @@
 * :func:`tiny_cnn` — a small float CNN (Conv/Relu/MaxPool/residual Add/GlobalAveragePool/Gemm) built
   with ``onnx.helper`` for ``--quick`` runs.
 * :func:`residual_net` — a synthetic residual net of a given node count for the rewrite benchmark.
+* :func:`detector` — a YOLOv8n-shaped one-stage detector (63 Convs with SiLU, C2f blocks with residual
+  Adds and Concats, SPPF, an FPN/PAN neck with Resize, three decoupled heads) with random weights whose
+  activations stay in range (each Conv's output channels normalised on a batch of the benchmark images,
+  as batch normalization after training leaves them), for the sensitivity benchmark.
 """
 from __future__ import annotations
 
@@ -148,6 +152,121 @@ def residual_net(nodes: int, channels: int = 16, seed: int = 0):
     model.ir_version = 8
     acts.pop(x)  # the graph output is never quantized
     return model, ScaleTable(acts, producer="tools.bench.models.residual_net")
+
+
+class _Net:
+    """A tiny graph writer for :func:`detector` (Conv+SiLU with normalised outputs)."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.nodes, self.inits, self.count = [], [], 0
+
+    def node(self, op, inputs, **attrs):
+        from onnx import helper
+
+        self.count += 1
+        name = f"{op.lower()}_{self.count}"
+        outputs = attrs.pop("outputs", 1)
+        outs = [f"{name}_out{i}" if outputs > 1 else f"{name}_out" for i in range(outputs)]
+        self.nodes.append(helper.make_node(op, list(inputs), outs, name=name, **attrs))
+        return outs if outputs > 1 else outs[0]
+
+    def const(self, array, tag="c"):
+        from onnx import numpy_helper
+
+        self.count += 1
+        name = f"{tag}_{self.count}"
+        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def conv(self, x, cin, cout, k=1, s=1, act=True):
+        w = (self.rng.standard_normal((cout, cin, k, k)) * np.sqrt(1.0 / (cin * k * k))).astype(np.float32)
+        y = self.node("Conv", [x, self.const(w, "w"), self.const(np.zeros(cout, np.float32), "b")],
+                      kernel_shape=[k, k], strides=[s, s], pads=[k // 2] * 4)
+        return self.node("Mul", [y, self.node("Sigmoid", [y])]) if act else y
+
+    def c2f(self, x, cin, cout, n, shortcut=True):
+        half = cout // 2
+        y = self.conv(x, cin, cout)
+        a, b = self.node("Split", [y, self.const(np.array([half, half], np.int64), "split")], axis=1,
+                         outputs=2)
+        parts, last = [a, b], b
+        for _ in range(n):
+            z = self.conv(self.conv(last, half, half, 3), half, half, 3)
+            last = self.node("Add", [last, z]) if shortcut else z
+            parts.append(last)
+        return self.conv(self.node("Concat", parts, axis=1), half * (2 + n), cout)
+
+    def up(self, x):
+        scales = self.const(np.array([1, 1, 2, 2], np.float32), "scales")
+        return self.node("Resize", [x, "", scales], mode="nearest")
+
+
+def detector(size: int = 320, *, seed: int = 0, classes: int = 80, calib: "np.ndarray | None" = None):
+    """A YOLOv8n-shaped detector: ``images`` [N, 3, size, size] -> ``output`` [N, 64 + classes, anchors].
+
+    With ``calib`` (NCHW images in [0, 255]) every Conv's weights and bias are rescaled so its output
+    channels have zero mean and unit variance on those images (what trained batch norms do);
+    otherwise random weights give activations that shrink or grow from layer to layer.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    n = _Net(seed)
+    x = n.node("Mul", ["images", n.const(np.array(1 / 255.0, np.float32), "norm")])
+    x = n.conv(n.conv(x, 3, 16, 3, 2), 16, 32, 3, 2)
+    x = n.c2f(x, 32, 32, 1)
+    p3 = n.c2f(n.conv(x, 32, 64, 3, 2), 64, 64, 2)
+    p4 = n.c2f(n.conv(p3, 64, 128, 3, 2), 128, 128, 2)
+    p5 = n.c2f(n.conv(p4, 128, 256, 3, 2), 256, 256, 1)
+    y = n.conv(p5, 256, 128)
+    pools = [y]
+    for _ in range(3):
+        pools.append(n.node("MaxPool", [pools[-1]], kernel_shape=[5, 5], pads=[2, 2, 2, 2]))
+    p5 = n.conv(n.node("Concat", pools, axis=1), 512, 256)
+    h4 = n.c2f(n.node("Concat", [n.up(p5), p4], axis=1), 384, 128, 1, shortcut=False)
+    h3 = n.c2f(n.node("Concat", [n.up(h4), p3], axis=1), 192, 64, 1, shortcut=False)
+    h4 = n.c2f(n.node("Concat", [n.conv(h3, 64, 64, 3, 2), h4], axis=1), 192, 128, 1, shortcut=False)
+    h5 = n.c2f(n.node("Concat", [n.conv(h4, 128, 128, 3, 2), p5], axis=1), 384, 256, 1, shortcut=False)
+    heads = []
+    for feat, ch in ((h3, 64), (h4, 128), (h5, 256)):
+        box = n.conv(n.conv(n.conv(feat, ch, 64, 3), 64, 64, 3), 64, 64, act=False)
+        cls = n.conv(n.conv(n.conv(feat, ch, 80, 3), 80, 80, 3), 80, classes, act=False)
+        both = n.node("Concat", [box, cls], axis=1)
+        heads.append(n.node("Reshape", [both, n.const(np.array([0, 64 + classes, -1], np.int64), "shape")]))
+    n.nodes.append(helper.make_node("Concat", heads, ["output"], name="head_concat", axis=2))
+    images = helper.make_tensor_value_info("images", TensorProto.FLOAT, ["N", 3, size, size])
+    output = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 64 + classes, "A"])
+    graph = helper.make_graph(n.nodes, "detector", [images], [output], n.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    if calib is not None:
+        _normalise_convs(model, calib)
+    onnx.checker.check_model(model)
+    return model
+
+
+def _normalise_convs(model, calib: np.ndarray) -> None:
+    """Rescale each Conv (in graph order) so its output channels are standardised on ``calib``."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    convs = [node for node in model.graph.node if node.op_type == "Conv"]
+    for node in convs:
+        probe = type(model)()
+        probe.CopyFrom(model)
+        del probe.graph.output[:]
+        probe.graph.output.add(name=node.output[0])
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        y = session.run(None, {"images": calib})[0]
+        mean, std = y.mean(axis=(0, 2, 3)), y.std(axis=(0, 2, 3)) + 1e-3
+        w = numpy_helper.to_array(inits[node.input[1]]) / std[:, None, None, None]
+        b = (numpy_helper.to_array(inits[node.input[2]]) - mean) / std
+        inits[node.input[1]].CopyFrom(numpy_helper.from_array(w.astype(np.float32), node.input[1]))
+        inits[node.input[2]].CopyFrom(numpy_helper.from_array(b.astype(np.float32), node.input[2]))
 
 
 def main(argv=None) -> int:

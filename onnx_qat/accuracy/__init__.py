@@ -1,0 +1,15 @@
+"""Accuracy tools built on the same stages as :func:`onnx_qat.quantize`.
+
+* :mod:`.sites` — the *sites* placement quantizes together, read from a Placement's marks.
+* :mod:`.gated` — one onnxruntime session of the Q/DQ model in which every site can be switched
+  between INT8 and float per run (the one inserter's output, each dequantized input behind a gate).
+* :mod:`.sensitivity` — :func:`sensitivity`: per-site output error, ranked, as a typed result.
+* :mod:`.mixed` — automatic mixed precision: the fewest float sites reaching a minimum cosine.
+"""
+from __future__ import annotations
+
+from .sensitivity import SensitivityResult, SiteSensitivity, TensorStats, sensitivity
+from .sites import Site, site_exclusions, sites_of
+
+__all__ = ["sensitivity", "SensitivityResult", "SiteSensitivity", "TensorStats", "Site", "sites_of",
+           "site_exclusions"]

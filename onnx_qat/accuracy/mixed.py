@@ -1,0 +1,208 @@
+"""Automatic mixed precision: the fewest sites left in float so the output cosine reaches a minimum.
+
+The search runs in the gated session (:mod:`onnx_qat.accuracy.gated`), on ranges calibrated once:
+
+1. every site in INT8; done when that already reaches ``min_cosine``;
+2. each site's harm: the output error with only it in INT8 (one run per site; for more than 16
+   sites by group bisection, :mod:`onnx_qat.accuracy.bisect`, which measures alone only the sites
+   whose group matters). Harm adds up across sites far better than the gain of leaving one site
+   float does: with several broken sites, floating any single one gains little;
+3. sites ordered by harm; a bisection over *k* finds the fewest leading sites whose float
+   fallback reaches the minimum (within ``max_float_sites``);
+4. pruning: each chosen site whose return to INT8 keeps the minimum goes back to INT8.
+
+The chosen sites then become exclusions fed to the same placement (which resolves their
+neighbours: a residual Add or Concat next to a float site is re-decided), the Q/DQ model is built
+by the one inserter, and its cosine is measured again on the evaluation data. When the built model
+misses the minimum, the next site in the order is added and the model is built again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from typing import Optional, Sequence, Tuple
+
+from ..errors import AccuracyError, ConfigError, PlacementError
+from . import bisect
+from .prepared import OutputError, Prepared, output_error, prepare
+from .sites import site_exclusions, with_partners
+
+logger = logging.getLogger(__name__)
+
+
+def check_options(min_cosine, max_float_sites) -> None:
+    """Refuse a ``min_cosine`` outside (0, 1] or a budget that is not a whole number >= 0."""
+    if min_cosine is None:
+        if max_float_sites is not None:
+            raise ConfigError("max_float_sites is the budget of min_cosine; give min_cosine too")
+        return
+    if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or not 0 < min_cosine <= 1:
+        raise ConfigError(f"min_cosine must be a number in (0, 1], got {min_cosine!r}")
+    budget = max_float_sites
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ConfigError(f"max_float_sites must be a whole number >= 0, got {max_float_sites!r}")
+
+
+def search(prepared: Prepared, min_cosine: float, budget: int, progress: bool = True):
+    """``(order, chosen, all_int8, estimate)``: the site indices by harm, the indices to leave float
+    (None when the budget cannot reach ``min_cosine``), the all-INT8 error and the chosen setting's
+    estimated error (the best one reached when none is chosen). A site always goes float with its
+    partners (:func:`~onnx_qat.accuracy.sites.with_partners`); the budget counts them all."""
+    sites = prepared.sites
+    n = len(sites)
+    everything = frozenset(range(n))
+    cache = {}
+
+    def with_float(indices) -> OutputError:
+        key = frozenset(with_partners(sites, indices))
+        if key not in cache:
+            cache[key] = prepared.error(everything - key)
+        return cache[key]
+
+    bar = _bar(n + 1 if n <= bisect.MIN_SITES else None, progress)
+    try:
+        all_int8 = with_float(())
+        bar.update(1)
+        if all_int8.cosine >= min_cosine:
+            return tuple(range(n)), (), all_int8, all_int8
+        if n <= bisect.MIN_SITES:
+            found = bisect.exhaustive(prepared, "only", lambda: bar.update(1))
+        else:
+            found = bisect.screen(prepared, all_int8, "only", on_run=lambda: bar.update(1))
+    finally:
+        bar.close()
+    losses = [found[k][0] for k in range(n)]  # output error with only this site in INT8
+    order = tuple(sorted(range(n), key=lambda k: (found[k][1] > 1, losses[k].cosine, sites[k].name)))
+    limit = 0
+    while limit < n and len(with_partners(sites, order[:limit + 1])) <= min(budget, n - 1):
+        limit += 1
+    if limit == 0 or with_float(order[:limit]).cosine < min_cosine:
+        best = max((with_float(order[:k]) for k in range(1, limit + 1)), key=lambda e: e.cosine,
+                   default=all_int8)
+        return order, None, all_int8, best
+    low, high = 1, limit  # with_float(order[:high]) reaches the minimum
+    while low < high:
+        mid = (low + high) // 2
+        if with_float(order[:mid]).cosine >= min_cosine:
+            high = mid
+        else:
+            low = mid + 1
+    chosen = list(order[:high])
+    for k in sorted(chosen, key=lambda k: -losses[k].cosine):  # the least harmful first
+        rest = [i for i in chosen if i != k]
+        if rest and with_float(rest).cosine >= min_cosine:
+            chosen = rest
+    chosen = with_partners(sites, chosen)
+    return order, chosen, all_int8, with_float(chosen)
+
+
+def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optional[int], eval_data, scales,
+                   data, method: str, config, calib_kw: dict, report, progress: bool):
+    """:func:`onnx_qat.quantize` with automatic mixed precision (see the module docstring)."""
+    import time
+
+    from ..fileio import check_output_path, write_json
+    from ..model_io import save_model
+    start = time.perf_counter()
+    inputs = tuple(p for p in (model, scales, data, eval_data) if isinstance(p, (str, os.PathLike)))
+    out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
+    if report is not None:
+        check_output_path(report, inputs=inputs, what="report")
+    if scales is not None and eval_data is None:
+        raise ConfigError("min_cosine with scales needs eval_data to measure the output cosine on")
+    kw = dict(calib_kw)
+    batch_size = kw.pop("batch_size", 16)
+    kw.pop("tensors", None)
+    prepared, _ = prepare(model, data, scales=scales, method=method, eval_data=eval_data, config=config,
+                          batch_size=batch_size, progress=progress, calibration_options=kw)
+    budget = len(prepared.sites) if max_float_sites is None else max_float_sites
+    order, chosen, all_int8, estimate = search(prepared, min_cosine, budget, progress)
+    if chosen is None:
+        if budget >= len(prepared.sites):
+            raise AccuracyError(f"output cosine {min_cosine:g} is reached only with every site in float "
+                                f"(the float model itself): the best with one INT8 site left is "
+                                f"{estimate.cosine:.5f}; nothing was written")
+        raise AccuracyError(_unreached(min_cosine, budget, estimate, prepared))
+    chosen = list(chosen)
+    while True:
+        result, verified = _build(prepared, chosen, config, progress)
+        if verified.cosine >= min_cosine:
+            break
+        more = [k for k in order if k not in chosen]
+        grown = list(with_partners(prepared.sites, chosen + more[:1]))
+        if not more or len(grown) > budget or len(grown) >= len(prepared.sites):
+            raise AccuracyError(_unreached(min_cosine, budget, verified, prepared))
+        logger.info("built model reaches cosine %.5f < %g; leaving %s float too", verified.cosine, min_cosine,
+                    prepared.sites[more[0]].name)
+        chosen = grown
+    info = _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_float_sites, result,
+                    time.perf_counter() - start)
+    result = dataclasses.replace(result, output=out_path, accuracy=info)
+    if out_path is not None:
+        save_model(result.model, out_path, inputs=inputs, ir_version=result.model.ir_version, validate=True)
+    if report is not None:
+        write_json(report, result.to_report())
+    return result
+
+
+def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
+    """The Q/DQ model with ``chosen`` sites excluded from placement, and its verified error."""
+    from ..rewrite import quantize_placed
+    from ..runtime import make_session
+    from .gated import join_flat
+
+    names = [prepared.sites[k].name for k in chosen]
+    excluded = dataclasses.replace(config, exclude_nodes=tuple(config.exclude_nodes) + site_exclusions(names))
+    try:
+        result = quantize_placed(prepared.float_model, scales=prepared.table, data=None, method="max",
+                                 config=excluded, calib_kw={}, progress=False)
+    except PlacementError:  # the partners took every remaining site along
+        raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "
+                            + ", ".join(names[:8]) + "; nothing was written") from None
+    session = make_session(result.model)
+    outputs = list(prepared.reference)
+    parts = {name: [] for name in outputs}
+    for feed in prepared.feeds:
+        for name, value in zip(outputs, session.run(outputs, feed)):
+            parts[name].append(value)
+    return result, output_error(prepared.reference, {k: join_flat(v) for k, v in parts.items()})
+
+
+def _weighted_share(result) -> Tuple[int, int]:
+    """(weighted ops in INT8, weighted ops) of a QuantizeResult's placement."""
+    from ..placement.handlers import WEIGHTED_OPS
+
+    decisions = [d for d in result.placement.decisions if d.op_type in WEIGHTED_OPS]
+    return sum(d.action == "quantize" for d in decisions), len(decisions)
+
+
+def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_float_sites, result,
+             seconds) -> dict:
+    int8, total = _weighted_share(result)
+    return {
+        "min_cosine": min_cosine, "max_float_sites": max_float_sites,
+        "float_sites": [prepared.sites[k].to_dict() for k in chosen],
+        "sites": len(prepared.sites), "eval_samples": prepared.evaluation.num_samples,
+        "cosine_before": all_int8.cosine, "cosine_estimate": estimate.cosine, "cosine_after": verified.cosine,
+        "before": all_int8.to_dict(), "after": verified.to_dict(),
+        "int8_weighted_ops": int8, "weighted_ops": total, "method": prepared.method,
+        "runs": prepared.runner.runs, "seconds": round(seconds, 3),
+    }
+
+
+def _unreached(min_cosine, budget, best: OutputError, prepared) -> str:
+    return (f"output cosine {min_cosine:g} cannot be reached with at most {budget} of "
+            f"{len(prepared.sites)} site(s) left float: the best reached is {best.cosine:.5f} on "
+            f"{prepared.evaluation.num_samples} evaluation sample(s); nothing was written")
+
+
+def _bar(total: int, progress: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="mixed precision", unit="run", file=sys.stderr, leave=False,
+                dynamic_ncols=True, disable=not progress)
+
+
+__all__ = ["search", "quantize_mixed", "check_options"]

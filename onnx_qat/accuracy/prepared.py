@@ -1,0 +1,252 @@
+"""What sensitivity and mixed precision share: one load, one placement, one calibration, one
+gated session, the float model's outputs once.
+
+:func:`prepare` loads the model, decides placement (the target's policy, with the caller's
+exclusions), splits the data into a calibration part and an evaluation part, calibrates once,
+inserts Q/DQ once (the one inserter), puts every site behind a gate, and runs the float model once
+on the evaluation data (its outputs are the reference of every later run).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import onnx
+
+from ..errors import ConfigError, DataError, PlacementError
+from ..scales import ScaleTable
+from .gated import GatedRunner, gate_model, join_flat
+from .sites import Site, sites_of, tensors_to_calibrate
+
+logger = logging.getLogger(__name__)
+
+#: Share of the samples held out for evaluation when no evaluation data is given.
+HOLDOUT = 0.25
+#: Metrics a ranking or a threshold can use.
+METRICS = ("cosine", "sqnr", "max_abs")
+
+
+@dataclass(frozen=True)
+class OutputError:
+    """How far a model's outputs are from the float model's, over the evaluation data.
+
+    The worst output counts: the smallest cosine, the smallest SQNR (dB), the largest max abs.
+    """
+
+    cosine: float
+    sqnr_db: float
+    max_abs: float
+
+    def value(self, metric: str) -> float:
+        """The figure ``metric`` names (``cosine``, ``sqnr`` or ``max_abs``)."""
+        return {"cosine": self.cosine, "sqnr": self.sqnr_db, "max_abs": self.max_abs}[metric]
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"cosine": self.cosine, "sqnr_db": self.sqnr_db, "max_abs": self.max_abs}
+
+    def __str__(self) -> str:
+        return f"cosine {self.cosine:.5f}, SQNR {self.sqnr_db:.1f} dB, max abs {self.max_abs:.3g}"
+
+
+def output_error(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> OutputError:
+    """The worst cosine, SQNR and max abs over the float outputs of two runs (flattened arrays)."""
+    cos, sqnr, mabs = 1.0, math.inf, 0.0
+    for name, ref in reference.items():
+        r = ref.astype(np.float64, copy=False)
+        c = candidate[name].astype(np.float64, copy=False)
+        diff = r - c
+        noise, signal, cc = float(diff @ diff), float(r @ r), float(c @ c)
+        norms = math.sqrt(signal * cc)
+        cos = min(cos, float(r @ c) / norms if norms else (1.0 if noise == 0 else 0.0))
+        sqnr = min(sqnr, math.inf if noise == 0 else (-math.inf if signal == 0
+                                                          else 10 * math.log10(signal / noise)))
+        mabs = max(mabs, float(np.abs(diff).max()) if diff.size else 0.0)
+    return OutputError(cos, sqnr, mabs)
+
+
+@dataclass
+class Prepared:
+    """The shared state of one accuracy run (see the module docstring)."""
+
+    float_model: onnx.ModelProto
+    placement: object
+    sites: Tuple[Site, ...]
+    table: ScaleTable
+    calibration: object  # Dataset the ranges came from (None with given scales)
+    evaluation: object  # Dataset the errors are measured on
+    feeds: Tuple[Dict[str, np.ndarray], ...]
+    reference: Dict[str, np.ndarray]
+    runner: GatedRunner
+    method: str
+
+    def error(self, quantized) -> OutputError:
+        """Output error with exactly the sites ``quantized`` (indices) in INT8, in the gated session."""
+        return output_error(self.reference, self.runner.run(quantized))
+
+
+def split_data(data, eval_data, model: onnx.ModelProto, holdout: float = HOLDOUT):
+    """``(calibration, evaluation)`` Datasets: ``eval_data`` when given, else the last ``holdout``
+    share of ``data`` (at least one sample), which calibration then does not see."""
+    from ..data import Dataset, load_data
+
+    calib = load_data(data, model, what="calibration data")
+    if eval_data is not None:
+        return calib, load_data(eval_data, model, what="evaluation data")
+    n = calib.num_samples
+    if n < 2 or calib.unbatched:
+        raise DataError(f"{calib.source}: {n} sample(s) cannot be split into calibration and evaluation "
+                        "data; give more samples or eval_data (--eval-data)")
+    held = max(1, int(round(n * holdout)))
+    arrays = calib.arrays
+    first = {k: np.ascontiguousarray(v[:n - held]) for k, v in arrays.items()}
+    last = {k: np.ascontiguousarray(v[n - held:]) for k, v in arrays.items()}
+    return (Dataset(first, source=f"{calib.source} (first {n - held} samples)"),
+            Dataset(last, source=f"{calib.source} (last {held} samples, held out)"))
+
+
+def _table(scales) -> ScaleTable:
+    import os
+
+    if isinstance(scales, ScaleTable):
+        return scales
+    if isinstance(scales, Mapping):
+        return ScaleTable(scales, producer="mapping")
+    if isinstance(scales, (str, os.PathLike)):
+        return ScaleTable.load(scales)
+    raise ConfigError(f"scales must be a ScaleTable, its JSON path or a mapping, not {type(scales).__name__}")
+
+
+def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, config=None,
+            batch_size: int = 16, progress: bool = True, calibration_options: Optional[Mapping] = None,
+            activation_stats: Optional[Sequence[str]] = ()) -> Tuple[Prepared, Dict[str, dict]]:
+    """Everything later runs share (see the module docstring), and the statistics (amax, clipped
+    share, quantization SQNR) of the activation tensors ``activation_stats`` on the evaluation data
+    (None: every activation tensor placement quantizes)."""
+    from ..calibration import calibrate
+    from ..config import QuantizeConfig
+    from ..model_io import load_model
+    from ..placement.graph_index import GraphIndex, assign_node_names
+    from ..rewrite import nothing_to_quantize, quantize_placed, refuse_quantized
+    from ..placement.policy import policy_for
+
+    config = config or QuantizeConfig()
+    float_model = load_model(model)
+    refuse_quantized(float_model)
+    assign_node_names(float_model)
+    index = GraphIndex(float_model)
+    placement = policy_for(config.target).place(index, config)
+    if placement.empty:
+        raise PlacementError(nothing_to_quantize(placement))
+    sites = sites_of(placement, index)
+    tensors = tensors_to_calibrate(placement, sites, index)
+    del index
+    if data is None and eval_data is None:
+        raise ConfigError("give data (calibration data) or eval_data")
+    if scales is not None:
+        table = _table(scales)
+        calib = None
+        evaluation = _evaluation_only(eval_data if eval_data is not None else data, float_model)
+    else:
+        calib, evaluation = split_data(data, eval_data, float_model)
+        table = calibrate(float_model, calib, method=method, tensors=tensors,
+                          progress=progress, batch_size=batch_size, **dict(calibration_options or {}))
+    qdq = quantize_placed(float_model, scales=table, data=None, method="max", config=QuantizeConfig(),
+                          calib_kw={}, placement=placement, progress=False).model
+    gated = gate_model(qdq, float_model, sites)
+    del qdq
+    feeds = tuple(evaluation.batches(batch_size))
+    observed = placement.activation_tensors() if activation_stats is None else tuple(activation_stats)
+    reference, stats = _float_run(float_model, feeds, observed, placement, table)
+    runner = GatedRunner(gated, len(sites), feeds, tuple(reference))
+    return Prepared(float_model, placement, sites, table, calib, evaluation, feeds, reference, runner,
+                    method if scales is None else "given"), stats
+
+
+def _evaluation_only(data, model):
+    from ..data import load_data
+
+    return load_data(data, model, what="evaluation data")
+
+
+def _float_run(float_model, feeds, observed: Tuple[str, ...], placement, table):
+    """The float model's float outputs on ``feeds`` (flattened) and the statistics of ``observed``."""
+    from ..insertion import group_amax
+    from ..runtime import make_session
+
+    outputs = [o.name for o in float_model.graph.output
+               if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                                   onnx.TensorProto.DOUBLE)]
+    if not outputs:
+        raise PlacementError("the model has no float output to measure the quantization error on")
+    graph_inputs = {i.name for i in float_model.graph.input}
+    fetched = [t for t in observed if t not in graph_inputs and t not in outputs]
+    session = make_session(float_model, extra_outputs=fetched)
+    amax = group_amax(placement, table)
+    stats = {t: _Accumulator(amax.get(t, table.activations.get(t, 0.0))) for t in observed}
+    parts: Dict[str, list] = {name: [] for name in outputs}
+    for feed in feeds:
+        values = dict(zip(outputs + fetched, session.run(outputs + fetched, feed)))
+        for name in outputs:
+            parts[name].append(values[name])
+        for t, acc in stats.items():
+            acc.update(feed[t] if t in feed else values[t])
+    return {name: join_flat(v) for name, v in parts.items()}, {t: acc.result() for t, acc in stats.items()}
+
+
+class _Accumulator:
+    """Clipped share and quantization SQNR of one activation tensor under INT8 with ``amax``."""
+
+    def __init__(self, amax: float):
+        self.amax = float(amax)
+        self.count = self.clipped = 0
+        self.signal = self.noise = 0.0
+
+    def update(self, values: np.ndarray) -> None:
+        x = np.asarray(values, dtype=np.float32).ravel()
+        if not self.amax > 0:
+            return
+        scale = self.amax / 127.0
+        q = np.clip(np.rint(x / scale), -128, 127)
+        self.clipped += int(np.count_nonzero((x > 127 * scale) | (x < -128 * scale)))
+        self.count += x.size
+        xd = x.astype(np.float64)
+        self.signal += float(xd @ xd)
+        err = xd - q * scale
+        self.noise += float(err @ err)
+
+    def result(self) -> dict:
+        return {"amax": self.amax, "clipped": self.clipped / self.count if self.count else 0.0,
+                "sqnr_db": _db(self.signal, self.noise)}
+
+
+def _db(signal: float, noise: float) -> float:
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def weight_statistics(values: np.ndarray, axis: Optional[int]) -> dict:
+    """amax (largest channel), clipped share (0: weights take their own max) and SQNR of INT8
+    weight quantization, per channel along ``axis`` (per tensor when None), range [-127, 127]."""
+    w = np.asarray(values, dtype=np.float64)
+    if axis is None:
+        amax = np.array(np.abs(w).max())
+        scale = np.maximum(amax, 1e-30) / 127.0
+    else:
+        reduce = tuple(i for i in range(w.ndim) if i != axis)
+        amax = np.abs(w).max(axis=reduce, keepdims=True)
+        scale = np.maximum(amax, 1e-30) / 127.0
+    q = np.clip(np.rint(w / scale), -127, 127) * scale
+    err = w - q
+    return {"amax": float(np.max(amax)), "clipped": 0.0, "sqnr_db": _db(float((w * w).sum()),
+                                                                         float((err * err).sum()))}
+
+
+__all__ = ["prepare", "Prepared", "OutputError", "output_error", "split_data", "weight_statistics",
+           "METRICS", "HOLDOUT"]

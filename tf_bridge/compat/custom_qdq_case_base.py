@@ -1,0 +1,7 @@
+"""``CustomQDQInsertionCase`` where the toolkit keeps it
+(``tensorflow_quantization.custom_qdq_case_base``)."""
+from __future__ import annotations
+
+from ..cases import CustomQDQInsertionCase
+
+__all__ = ["CustomQDQInsertionCase"]
