@@ -61,7 +61,8 @@ def _max_gradient(model, x, y):
 
 @pytest.mark.parametrize("scale,depth,seed", [
     ("normal", 20, 0), ("u255", 30, 1),
-    pytest.param("normal", 20, 1, marks=pytest.mark.slow), pytest.param("u255", 30, 0, marks=pytest.mark.slow)])
+    pytest.param("normal", 20, 1, marks=pytest.mark.slow),
+    pytest.param("u255", 30, 0, marks=pytest.mark.slow)])
 def test_deep_degenerate_range_is_reseeded_and_the_gradient_stays_at_float_scale(scale, depth, seed):
     """The mechanism: deep ranges 1e4 times below the largest clip every training value; the
     straight-through gradient then grows layer by layer (measured 180x to 1e6x the float model's).
