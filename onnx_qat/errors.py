@@ -53,6 +53,10 @@ class AccuracyError(QatError):
     """The requested accuracy (``min_cosine``) cannot be reached within the float-site budget."""
 
 
+class TrainingError(QatError):
+    """Quantization-aware training diverged: the loss or a weight became NaN or Inf."""
+
+
 class TensorRTUnavailable(QatError):
     """TensorRT or a CUDA GPU is not available on this machine."""
 
