@@ -5,9 +5,9 @@ Steps (each checked; nothing is written unless all pass):
 1. the float twin (:func:`tf_bridge.twin.float_twin`: same layers, trained weights,
    inference mode, no quantizers) is converted with tf2onnx at a pinned opset, each
    BatchNormalization kept as a Mul/Add beside its Conv (as Keras computes it);
-2. the twin and the float ONNX model run on sample data, and every Keras quantizer is
-   mapped to its ONNX tensor (:mod:`tf_bridge.mapping`: by weight values with the
-   BatchNorm fold factor, by tensor values for activations);
+2. every Keras quantizer is mapped to its ONNX tensor by structure (:mod:`tf_bridge.mapping`:
+   layer scopes of the tf2onnx node names and the topology of both graphs; weight values with
+   the BatchNorm fold factor confirm each weight);
 3. :func:`onnx_qat.quantize` inserts exactly those Q/DQ pairs with those ranges (no
    recalibration). A target that needs ranges no Keras quantizer observes (``ort-cpu``:
    Conv outputs requantized for onnxruntime's integer kernels, typically before a residual
@@ -53,7 +53,7 @@ from onnx_qat.fileio import check_output_path
 from onnx_qat.scales import ScaleTable
 
 from .mapping import KerasOnnxMapping, MappingEntry, map_quantizers
-from .onnx_values import float_tensor_names, run_with_tensors, value_error
+from .onnx_values import run_with_tensors, value_error
 
 logger = logging.getLogger(__name__)
 
@@ -846,7 +846,6 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     from onnx_qat.quantize import quantize
 
     from .describe import iter_quantizer_layers
-    from .trace import trace_layers
     from .wrap import float_model as float_twin
 
     check_exportable(q_model)
@@ -861,9 +860,8 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     float_model = load_model(convert_float_twin(twin, opset))
     feeds = {i.name: a for i, a in zip(float_model.graph.input, inputs)}
     step("map quantizers")
-    twin_calls, _ = trace_layers(twin, inputs)
-    float_values = run_with_tensors(float_model, feeds, float_tensor_names(float_model))
-    mapping = map_quantizers(q_model, float_model, twin_calls, float_values)
+    float_values = run_with_tensors(float_model, feeds)
+    mapping = map_quantizers(q_model, float_model)
     table = mapping.scales if generated else _with_target_ranges(mapping, target, feeds)
     step("insert Q/DQ")
     result, reproducible = _quantize(quantize, float_model, mapping, target, table)

@@ -231,8 +231,9 @@ def test_uncalibrated_quantizer_is_named_and_nothing_written(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_unmappable_quantizer_is_named_and_nothing_written(tmp_path):
-    """A BatchNormalization input quantized by spec: tf2onnx folds the BN away, so no ONNX tensor holds it."""
+def test_batchnorm_input_quantized_by_spec_maps_to_the_conv_output(tmp_path):
+    """A BatchNormalization input quantized by spec: the BN stays a Mul/Add after the Conv, so
+    its input is the Conv output, found by the layer scopes; the Q/DQ model equals Keras."""
     keras.utils.set_random_seed(4)
     inp = keras.Input((8, 8, 3))
     y = L.BatchNormalization(name="bn")(L.Conv2D(16, 3, use_bias=False, name="conv")(inp))
@@ -240,8 +241,25 @@ def test_unmappable_quantizer_is_named_and_nothing_written(tmp_path):
     spec = tf_bridge.QuantizationSpec().add("bn", quantize_input=True, quantize_weight=False)
     q = tf_bridge.quantize_model(model, quantization_spec=spec)
     tf_bridge.calibrate(q, np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("f"), progress=False)
-    with pytest.raises(ExportError, match=r"could not be mapped.*conv_quant.*'bn'"):
+    report = tf_bridge.export_onnx(q, tmp_path / "x.onnx")
+    entry = next(e for e in report.mapping if e.quantizer == "conv_quant")
+    assert len(entry.onnx_nodes) == 1 and "/bn" in entry.onnx_nodes[0], entry
+    assert entry.onnx_tensors[0].endswith("/convolution:0"), entry
+    assert report.parity.outputs[0].max_abs_qdq <= 1e-6 * report.parity.outputs[0].max_abs_float + 1e-7
+
+
+def test_unmappable_quantizer_is_named_and_nothing_written(tmp_path):
+    """An Identity's input quantized by spec, the Identity being the model output: tf2onnx leaves no
+    node that reads it, so the quantizer and the layer are named in one line."""
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((8, 8, 3))
+    out = L.Identity(name="idn")(L.Conv2D(16, 3, name="conv")(inp))
+    spec = tf_bridge.QuantizationSpec().add("idn", quantize_input=True, quantize_weight=False)
+    q = tf_bridge.quantize_model(keras.Model(inp, out), quantization_spec=spec)
+    tf_bridge.calibrate(q, np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("f"), progress=False)
+    with pytest.raises(ExportError, match=r"could not be mapped.*conv_quant.*Identity layer 'idn'") as err:
         tf_bridge.export_onnx(q, tmp_path / "x.onnx")
+    assert "\n" not in str(err.value)
     assert not list(tmp_path.iterdir())
 
 
