@@ -30,8 +30,12 @@ Steps (each checked; nothing is written unless all pass):
    both (:func:`split_parity`). If that graph cannot be converted, the rounding bound
    alone decides (the fallback). A target other than ``tensorrt`` (``ort-cpu``) is
    checked as deployed against the tensorrt form of the same scales
-   (:func:`deployed_parity`). Which tensors carry which ranges is proven separately,
-   tensor by tensor, by the value checks of :mod:`tf_bridge.mapping`;
+   (:func:`deployed_parity`). Whatever the relative bound says, every output must also be
+   **absolutely** close: the Q/DQ model may differ from the Keras QAT model (both its runs) by at
+   most ``ABS_LIMIT`` (2%) of the Keras output's range over the samples, so a float twin whose own
+   output explodes cannot make a large difference pass. A failure the rounding sensitivity
+   explains is reported as a ``"rounding cascade"`` (a chaotic, typically untrained network),
+   never as PASSED;
 5. the Q/DQ model, its ScaleTable JSON (and optionally the float ONNX model) are
    written atomically, and :func:`onnx_qat.check` gives the TensorRT verdict.
 """
@@ -59,8 +63,13 @@ logger = logging.getLogger(__name__)
 
 #: Parity criterion: |Q/DQ - Keras QAT| <= RATIO_LIMIT * |float ONNX - Keras QAT| (max abs, per output).
 RATIO_LIMIT = 0.10
+#: Parity criterion, absolute: |Q/DQ - Keras QAT| (both the reference run and the run in TensorFlow)
+#: <= ABS_LIMIT * the range (max - min) of the Keras QAT model's output over the samples.
+ABS_LIMIT = 0.02
 #: Parity criterion: top-1 agreement of the Q/DQ model with the Keras QAT model.
 TOP1_LIMIT = 0.99
+#: ``OutputParity.cause`` of a failure the rounding sensitivity explains (a chaotic network).
+ROUNDING_CASCADE = "rounding cascade"
 #: |Keras QAT in onnxruntime - in TensorFlow| (the fallback: |Q/DQ - Keras QAT|)
 #: <= SENSITIVITY_FACTOR * the rounding sensitivity of the Q/DQ model.
 SENSITIVITY_FACTOR = 3.0
@@ -82,7 +91,13 @@ class OutputParity:
     ``max_abs_tf`` is the Q/DQ model's difference from the model run in TensorFlow, and
     ``max_abs_engine`` (``"onnxruntime"`` reference only) the difference between the two runs of
     the Keras QAT model. ``bound`` is ``"float"`` (the 10% bound held), ``"rounding"`` (only the
-    rounding-sensitivity fallback held) or ``""``.
+    rounding-sensitivity fallback held) or ``""``: the bound relative to quantization error.
+    ``output_range`` is the range (max - min) of the Keras QAT output over the samples; every
+    output must also stay within ``ABS_LIMIT`` of it (:attr:`abs_error`), so that a float twin
+    whose own output explodes cannot make any difference look small. ``cause`` explains a
+    failure: ``"rounding cascade"`` when the difference is within ``SENSITIVITY_FACTOR`` times
+    the rounding sensitivity (the network itself turns last-bit differences into large ones:
+    typical of an untrained, chaotic network), otherwise ``""``.
     """
 
     name: str
@@ -96,11 +111,21 @@ class OutputParity:
     reference: str = "tensorflow"
     max_abs_tf: float = float("nan")
     max_abs_engine: float = float("nan")
+    output_range: float = float("nan")
+    cause: str = ""
+
+    @property
+    def abs_error(self) -> float:
+        """The largest of the Q/DQ model's differences (reference run, run in TensorFlow) as a
+        fraction of the output range (nan when the range is unknown)."""
+        worst = max(d for d in (self.max_abs_qdq, self.max_abs_tf) if not np.isnan(d))
+        return _ratio(worst, self.output_range) if np.isfinite(self.output_range) else float("nan")
 
     def __str__(self) -> str:
         top1 = "" if self.top1 is None else f" | top-1 {100 * self.top1:.1f}%"
         where = " (its graph in onnxruntime)" if self.reference == "onnxruntime" else ""
-        head = (f"{'PASSED' if self.passed else 'FAILED'} | output '{self.name}' | Q/DQ vs Keras QAT{where} "
+        verdict = "PASSED" if self.passed else (f"FAILED ({self.cause})" if self.cause else "FAILED")
+        head = (f"{verdict} | output '{self.name}' | Q/DQ vs Keras QAT{where} "
                 f"max abs {self.max_abs_qdq:.3g} = {100 * self.ratio:.3g}% of float vs Keras QAT "
                 f"{self.max_abs_float:.3g} "
                 f"(limit {100 * RATIO_LIMIT:.0f}%)")
@@ -115,6 +140,13 @@ class OutputParity:
             head += (f"; deep model: {self.max_abs_qdq:.3g} {op} {SENSITIVITY_FACTOR:g} x "
                      "rounding sensitivity "
                      f"{self.sensitivity:.3g}")
+        if np.isfinite(self.output_range):
+            op = "<=" if self.abs_error <= ABS_LIMIT else ">"
+            head += (f"; {100 * self.abs_error:.3g}% of the output range {self.output_range:.3g} "
+                     f"{op} {100 * ABS_LIMIT:g}%")
+        if self.cause == ROUNDING_CASCADE:
+            head += ("; the network turns last-bit differences into differences this large (untrained or "
+                     "chaotic: train it, or settle its BatchNorm statistics, before export)")
         return head + top1
 
 
@@ -185,11 +217,13 @@ class Parity:
     def to_dict(self) -> dict:
         """JSON-ready form."""
         return {"passed": self.passed, "samples": self.samples, "generated_inputs": self.generated_inputs,
-                "ratio_limit": RATIO_LIMIT, "top1_limit": TOP1_LIMIT,
+                "ratio_limit": RATIO_LIMIT, "abs_limit": ABS_LIMIT, "top1_limit": TOP1_LIMIT,
                 "outputs": [{"name": o.name, "max_abs_qdq": o.max_abs_qdq, "max_abs_float": o.max_abs_float,
                              "ratio": o.ratio, "top1": o.top1, "reference": o.reference,
                              "max_abs_tf": o.max_abs_tf, "max_abs_engine": o.max_abs_engine,
-                             "sensitivity": o.sensitivity, "bound": o.bound, "passed": o.passed}
+                             "sensitivity": o.sensitivity, "bound": o.bound,
+                             "output_range": o.output_range, "abs_error": o.abs_error, "cause": o.cause,
+                             "passed": o.passed}
                             for o in self.outputs],
                 "deployed": [d.to_dict() for d in self.deployed],
                 "worst_layers": [{"quantizer": w.quantizer, "onnx_tensor": w.onnx_tensor,
@@ -248,7 +282,9 @@ class ExportReport:
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows)
 
     def __str__(self) -> str:
-        lines = [f"export_onnx: {'PASSED' if self.passed else 'FAILED'} | {self.path}",
+        causes = sorted({o.cause for o in self.parity.outputs if o.cause and not o.passed})
+        verdict = "PASSED" if self.passed else "FAILED" + (f" ({', '.join(causes)})" if causes else "")
+        lines = [f"export_onnx: {verdict} | {self.path}",
                  f"  {len(self.mapping)} quantizer(s) mapped; {self.summary.get('activations', 0)} "
                  f"activation Q/DQ pair(s), {self.summary.get('weights', 0)} weight(s); opset {self.opset}, "
                  f"target {self.target}"]
@@ -626,8 +662,9 @@ def output_parity(names: Sequence[str], keras_qat: Sequence[np.ndarray], qdq: Se
                   float_onnx: Sequence[np.ndarray], sensitivity: Optional[Sequence[float]] = None
                   ) -> Tuple[OutputParity, ...]:
     """One :class:`OutputParity` per output against the Keras QAT model run in TensorFlow (the
-    criterion of the module docstring); with ``sensitivity`` (one value per output) the rounding
-    bound is tried where the 10% one fails."""
+    criterion of the module docstring: the 10% bound, ``ABS_LIMIT`` of the output range, top-1);
+    with ``sensitivity`` (one value per output) the rounding bound is tried where the 10% one
+    fails, and a failure within it is reported as a rounding cascade."""
     result = []
     sensitivity = [float("nan")] * len(names) if sensitivity is None else list(sensitivity)
     for name, k, q, f, sens in zip(names, keras_qat, qdq, float_onnx, sensitivity):
@@ -635,11 +672,21 @@ def output_parity(names: Sequence[str], keras_qat: Sequence[np.ndarray], qdq: Se
         d_q, d_f = float(np.max(np.abs(q - k))), float(np.max(np.abs(f - k)))
         ratio = _ratio(d_q, d_f)
         top1 = _top1(q, k)
-        bound = "float" if ratio <= RATIO_LIMIT else (
-            "rounding" if sens > 0 and d_q <= SENSITIVITY_FACTOR * sens else "")
-        passed = bool(bound) and (top1 is None or top1 >= TOP1_LIMIT)
-        result.append(OutputParity(name, d_q, d_f, ratio, top1, passed, sens, bound, max_abs_tf=d_q))
+        cascade = sens > 0 and d_q <= SENSITIVITY_FACTOR * sens
+        bound = "float" if ratio <= RATIO_LIMIT else ("rounding" if cascade else "")
+        span = _output_range(k)
+        absolute = _ratio(d_q, span) <= ABS_LIMIT
+        passed = bool(bound) and absolute and (top1 is None or top1 >= TOP1_LIMIT)
+        cause = ROUNDING_CASCADE if not passed and cascade else ""
+        result.append(OutputParity(name, d_q, d_f, ratio, top1, passed, sens, bound, max_abs_tf=d_q,
+                                   output_range=span, cause=cause))
     return tuple(result)
+
+
+def _output_range(k: np.ndarray) -> float:
+    """max - min of an output over the samples (max |k| for a constant output)."""
+    span = float(np.max(k) - np.min(k)) if k.size else 0.0
+    return span if span > 0 else float(np.max(np.abs(k), initial=0.0))
 
 
 def split_parity(names: Sequence[str], keras_tf: Sequence[np.ndarray], keras_ort: Sequence[np.ndarray],
@@ -652,7 +699,9 @@ def split_parity(names: Sequence[str], keras_tf: Sequence[np.ndarray], keras_ort
       (``keras_ort``), the 10% bound and top-1 agreement, on equal arithmetic;
     * the engines: that run against the run in TensorFlow (``keras_tf``) within the 10% bound or
       ``SENSITIVITY_FACTOR`` times the rounding sensitivity, and the Q/DQ model's top-1
-      agreement with the run in TensorFlow.
+      agreement with the run in TensorFlow;
+    * absolutely: the Q/DQ model within ``ABS_LIMIT`` of the output range of both runs (a
+      failure the rounding bound explains is a rounding cascade).
     """
     result = []
     for name, k, r, q, f, sens in zip(names, keras_tf, keras_ort, qdq, float_onnx, sensitivity):
@@ -662,12 +711,15 @@ def split_parity(names: Sequence[str], keras_tf: Sequence[np.ndarray], keras_ort
         ratio = _ratio(d_q, d_f)
         agreements = [a for a in (_top1(q, r), _top1(q, k)) if a is not None]
         top1 = min(agreements) if agreements else None
-        engines = (_ratio(d_e, float(np.max(np.abs(f - k)))) <= RATIO_LIMIT
-                   or (sens > 0 and d_e <= SENSITIVITY_FACTOR * sens))
-        passed = ratio <= RATIO_LIMIT and engines and (top1 is None or top1 >= TOP1_LIMIT)
+        cascade = sens > 0 and d_e <= SENSITIVITY_FACTOR * sens
+        engines = _ratio(d_e, float(np.max(np.abs(f - k)))) <= RATIO_LIMIT or cascade
+        span = _output_range(k)
+        absolute = _ratio(max(d_q, d_tf), span) <= ABS_LIMIT
+        relative = ratio <= RATIO_LIMIT and engines
+        passed = relative and absolute and (top1 is None or top1 >= TOP1_LIMIT)
+        cause = ROUNDING_CASCADE if not passed and ratio <= RATIO_LIMIT and cascade else ""
         result.append(OutputParity(name, d_q, d_f, ratio, top1, passed, sens,
-                                   "float" if ratio <= RATIO_LIMIT and engines else "", "onnxruntime",
-                                   d_tf, d_e))
+                                   "float" if relative else "", "onnxruntime", d_tf, d_e, span, cause))
     return tuple(result)
 
 

@@ -26,6 +26,8 @@ carry no scope and are walked through.
   (Dropout, the input of a nested model) stands for what it reads
   (:meth:`tf_bridge.scopes.KerasGraph.sources`). No activation value is read, so the mapping is
   the same whatever the activations hold and on every run.
+* A SeparableConv's depthwise output, quantized inside its wrapper, is the activation input of
+  the pointwise Conv its pointwise kernel maps to: both convolutions run in INT8.
 * A quantized weight whose ONNX node gets no quantized activation cannot run in INT8 in
   TensorRT; its fake-quantized values are written into the float weight instead ("baked"),
   so the ONNX model computes exactly what the Keras model computes.
@@ -273,6 +275,7 @@ class _Mapper:
         inputs = [i.name for i in model.graph.input if not self.index.is_constant(i.name)]
         self.graph = KerasGraph(q_model, self.scopes.has_nodes, inputs)
         self.layer_nodes: Dict[str, List[str]] = {}  # keras layer path -> entry ONNX nodes
+        self.pointwise_nodes: Dict[str, List[str]] = {}  # SeparableConv path -> its pointwise Convs
         self.unmapped: List[str] = []
         self.by_values: List[str] = []
 
@@ -318,6 +321,8 @@ class _Mapper:
                 hits.append(_WeightHit(rec, wn, f, grid))
             if rec.tensor in ("kernel", "depthwise_kernel"):
                 self.layer_nodes[rec.path] = [wn.node.name for wn, _ in found]
+            elif rec.tensor == "pointwise_kernel":
+                self.pointwise_nodes[rec.path] = [wn.node.name for wn, _ in found]
         return hits
 
     def _by_input(self, path: str, found):
@@ -343,6 +348,12 @@ class _Mapper:
         """``(ONNX node, input index, keras consumer)`` for every consumer of an activation quantizer:
         the inputs of the consumer layer's nodes that read what the quantizer's producer computes."""
         prefix = rec.path.rsplit("/", 1)[0] + "/" if "/" in rec.path else ""
+        if rec.inside:  # a SeparableConv's depthwise output: the input of its pointwise Conv(s)
+            nodes = self.pointwise_nodes.get(prefix + rec.inside, [])
+            if not nodes:
+                self.unmapped.append(f"{rec.path} (depthwise output of layer '{prefix + rec.inside}': "
+                                     "no pointwise ONNX Conv found)")
+            return [(n, 0, f"{rec.inside}[pointwise]") for n in nodes]
         wanted = self.graph.sources(rec.path)
         found = []
         for consumer in rec.consumers:
@@ -516,7 +527,8 @@ def _map_activations(mapper: _Mapper, collector: _Collector) -> List[MappingEntr
             nodes += n
             notes.add("Concatenate inputs share its scale")
         if tensors:
-            entries.append(MappingEntry(rec.path, "activation", f"{rec.tensor} -> {', '.join(rec.consumers)}",
+            consumers = f"{rec.inside} (pointwise)" if rec.inside else ", ".join(rec.consumers)
+            entries.append(MappingEntry(rec.path, "activation", f"{rec.tensor} -> {consumers}",
                                         tuple(dict.fromkeys(tensors)), tuple(dict.fromkeys(nodes)), amax,
                                         None, "; ".join(sorted(notes))))
     return entries

@@ -23,7 +23,10 @@ import keras
 from onnx_qat.placement.graph_index import GraphIndex, NodeInfo
 
 #: ONNX ops that only move data; a Keras tensor crossing into a layer may pass through them.
-LAYOUT_OPS = frozenset(("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Cast"))
+LAYOUT_OPS = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Cast")
+#: Keras layers whose own computation is a layout op (their nodes end a walk back, see
+#: :meth:`LayerScopes.source`); the layout nodes of any other layer are tf2onnx's adapters.
+LAYOUT_LAYERS = (keras.layers.Reshape, keras.layers.Flatten, keras.layers.Permute)
 #: Graph inputs are scoped as ``INPUT_SCOPE + <graph input name>``.
 INPUT_SCOPE = "input:"
 
@@ -59,6 +62,7 @@ class LayerScopes:
                 keys.setdefault(key, set()).update(paths)
                 self._key_of[node.name] = key
         self._paths = _eliminate(keys)
+        self._layout: Dict[str, bool] = {}
         self._nodes: Dict[str, List[NodeInfo]] = {}
         for node in index.nodes:
             for path in self.paths(node.name):
@@ -90,6 +94,14 @@ class LayerScopes:
             found += deeper or [(path, i)]
         return found
 
+    def _layout_layer(self, path: str) -> bool:
+        if path not in self._layout:
+            layer = self.model
+            for part in path.split("/"):
+                layer = next((x for x in _layers(layer) if x.name == part), None)
+            self._layout[path] = isinstance(layer, LAYOUT_LAYERS)
+        return self._layout[path]
+
     def paths(self, node_name: str) -> FrozenSet[str]:
         """The layer path(s) a node belongs to: one, none (tf2onnx's own nodes), or several
         where its name stays ambiguous."""
@@ -106,8 +118,9 @@ class LayerScopes:
 
     def source(self, tensor: str, within: str) -> Optional[str]:
         """The scope a tensor read by a node of layer ``within`` comes from: walking back through
-        layout ops (:data:`LAYOUT_OPS`) and ``Pad`` that carry no scope or the scope of ``within``,
-        the path of the first node of another layer, ``INPUT_SCOPE + name`` for a graph input,
+        layout ops (:data:`LAYOUT_OPS`: tf2onnx's NHWC adapters, whichever layer's scope they carry,
+        unless that layer is itself a layout layer, :data:`LAYOUT_LAYERS`) and through a ``Pad``
+        of ``within``, the path of the first node of another layer, ``INPUT_SCOPE + name`` for a graph input,
         ``""`` for a tf2onnx node without scope, None for a value made inside ``within``."""
         seen = 0
         while True:
@@ -116,8 +129,9 @@ class LayerScopes:
                 return None if self.index.is_constant(tensor) else INPUT_SCOPE + tensor
             paths = self.paths(node.name)
             inside = within in paths
-            passable = node.op_type in LAYOUT_OPS or (node.op_type == "Pad" and inside)
-            if passable and (inside or not paths) and node.inputs and seen < 64:
+            adapter = node.op_type in LAYOUT_OPS and not any(self._layout_layer(p) for p in paths)
+            passable = adapter or (node.op_type in LAYOUT_OPS + ("Pad",) and inside)
+            if passable and node.inputs and seen < 64:
                 tensor, seen = node.inputs[0], seen + 1
                 continue
             if inside:

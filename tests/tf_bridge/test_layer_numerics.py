@@ -79,14 +79,22 @@ def test_conv2d_transpose_matches_numpy():
     _check(got, want + b)
 
 
-def test_separable_conv2d_quantizes_both_kernels():
+def test_separable_conv2d_quantizes_both_kernels_and_the_depthwise_output():
+    """Both convolutions of a SeparableConv2D run on int8 inputs: the depthwise output is
+    fake-quantized (its own calibrated amax) before the pointwise convolution."""
     x = RNG.normal(0, 1, (2, 9, 9, 3)).astype(np.float32)
     got, model = _quantized_output(keras.layers.SeparableConv2D(4, 3, name="sep"), x)
     dk, pk, b = model.get_layer("sep").get_weights()
     dq, pq, xq = _fq_weight(dk, (-2, -1)), _fq_weight(pk, (-1,)), _fq_input(x)
     win = np.lib.stride_tricks.sliding_window_view(xq.astype(np.float64), (3, 3), axis=(1, 2))
     mid = np.einsum("nhwcab,abcm->nhwcm", win, dq.astype(np.float64)).reshape(2, 7, 7, 3)
-    _check(got, mid @ pq[0, 0].astype(np.float64) + b)
+    # calibration sees every tensor unquantized: the depthwise amax is measured on float inputs
+    win_x = np.lib.stride_tricks.sliding_window_view(x.astype(np.float64), (3, 3), axis=(1, 2))
+    amax = np.abs(np.einsum("nhwcab,abcm->nhwcm", win_x, dq.astype(np.float64))).max()
+    want = fake_quant_reference(mid, amax, narrow_range=False) @ pq[0, 0].astype(np.float64) + b
+    _check(got, want)
+    unquantized_mid = mid @ pq[0, 0].astype(np.float64) + b
+    assert np.abs(got - unquantized_mid).max() > 1e-3  # the depthwise output's quantization shows
 
 
 def test_weight_amax_is_recomputed_every_step():
