@@ -6,14 +6,14 @@ STAMP  := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv demo test test-slow bench clean
+.PHONY: venv demo test test-slow bench docs clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[tf,test,demo]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[tf,test,demo,docs]"
 	$(PY) -c "import tensorflow, keras, tf2onnx, onnx, onnxruntime, onnx_graphsurgeon; print('stack: tensorflow', tensorflow.__version__, '| keras', keras.__version__, '| tf2onnx', tf2onnx.__version__, '| onnx', onnx.__version__, '| onnxruntime', onnxruntime.__version__)"
 	touch $(STAMP)
 
@@ -33,5 +33,9 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m tools.bench
 
+## make docs: the documentation site (MkDocs, strict: a broken link or a missing page fails) into site/
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .hypothesis

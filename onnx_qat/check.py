@@ -58,7 +58,7 @@ class Finding:
     """One problem found by one rule.
 
     Attributes:
-        rule: rule id, ``"C1"`` ... (see :data:`RULES` and the README table).
+        rule: rule id, ``"C1"`` ... (see :data:`RULES` and docs/check-rules.md).
         severity: ``"error"`` (TensorRT refuses it or computes something else) or
             ``"warning"`` (it builds, but slower or less accurately than it could).
         node: name of the offending node (``"(model)"`` for model-level findings).
@@ -1220,7 +1220,7 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
 
     Returns:
         A :class:`CheckReport`; ``bool(report)`` is True when no rule found an
-        error. The rules (C1-C14) are listed in :data:`RULES` and the README.
+        error. The rules (C1-C14) are listed in :data:`RULES` and docs/check-rules.md.
 
     Raises:
         ModelError: the model cannot be read.

@@ -4,6 +4,11 @@ Every problem a user can cause (a bad model, bad data, a bad ScaleTable, a bad
 option or output path) is raised as a subclass of :class:`QatError` whose
 message is one line naming the file or option and what is wrong. The CLI prints
 that line on stderr and exits with code 2; ``--verbose`` adds the traceback.
+
+The errors an input causes (:class:`ModelError`, :class:`DataError`, :class:`ScalesError`,
+:class:`PlacementError`, :class:`OutputError`, :class:`ConfigError`, :class:`ExportError`) are also
+``ValueError`` instances, so ``except ValueError`` catches them as it catches bad input in NumPy, onnx
+or Keras; :class:`TensorRTUnavailable` (the machine, not the input) is not.
 """
 from __future__ import annotations
 
@@ -16,31 +21,31 @@ class QatError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
-class ModelError(QatError):
+class ModelError(QatError, ValueError):
     """The model cannot be read, is not valid ONNX, or cannot be processed."""
 
 
-class DataError(QatError):
+class DataError(QatError, ValueError):
     """Calibration or evaluation data is missing, malformed, or does not fit the model."""
 
 
-class ScalesError(QatError):
+class ScalesError(QatError, ValueError):
     """A ScaleTable is malformed, of an unknown version, or does not fit the model."""
 
 
-class PlacementError(QatError):
+class PlacementError(QatError, ValueError):
     """Quantization cannot be placed: nothing to quantize, already quantized, bad options."""
 
 
-class OutputError(QatError):
+class OutputError(QatError, ValueError):
     """An output path cannot be written (equals the input, is a directory, read-only...)."""
 
 
-class ConfigError(QatError):
+class ConfigError(QatError, ValueError):
     """An option has an invalid value."""
 
 
-class ExportError(QatError):
+class ExportError(QatError, ValueError):
     """A Keras model cannot be exported (tf2onnx failure, an unmapped quantizer...)."""
 
 

@@ -1,7 +1,8 @@
-"""README.md matches the code: every public function, class, CLI option and README link is there.
+"""README.md and the docs pages match the code: every public function, class, CLI option and link is there.
 
-These tests read the README and the real objects (signatures from :mod:`inspect`, options from the
-real argparse parsers), so a parameter added, renamed or removed without its documentation fails here.
+These tests read README.md, the pages under docs/ (those mkdocs.yml lists) and the real objects
+(signatures from :mod:`inspect`, options from the real argparse parsers), so a parameter added, renamed
+or removed without its documentation fails here.
 """
 import argparse
 import inspect
@@ -15,13 +16,31 @@ from onnx_qat.cli import get_parser as onnx_qat_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-LINES = README.splitlines()
+README_LINES = README.splitlines()
 
 
-def _headings():
+def nav_pages() -> list:
+    """The pages mkdocs.yml lists in its ``nav:``, in order, as paths relative to ``docs/``."""
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    nav = config[config.index("\nnav:"):]
+    nav = nav[:re.search(r"\n\S", nav[1:]).start() + 1]
+    return re.findall(r":\s*([\w/.-]+\.md)\s*$", nav, re.M)
+
+
+#: The prose: README, then every docs page of the navigation except the generated API pages.
+PAGES = {"README.md": README}
+PAGES.update({f"docs/{page}": (ROOT / "docs" / page).read_text(encoding="utf-8")
+              for page in nav_pages() if not page.startswith("api/")})
+#: All prose pages one after another; every page starts with a level-1 heading, so a section
+#: never runs into the next page.
+DOCS = "\n".join(PAGES.values())
+LINES = DOCS.splitlines()
+
+
+def _headings(lines=None):
     """(line number, level, text) of every Markdown heading outside fenced code blocks."""
     found, fenced = [], False
-    for i, line in enumerate(LINES):
+    for i, line in enumerate(LINES if lines is None else lines):
         if line.startswith("```"):
             fenced = not fenced
         match = None if fenced else re.match(r"^(#{1,6}) ", line)
@@ -34,8 +53,8 @@ HEADINGS = _headings()
 
 
 def section(title_part: str) -> str:
-    """The README text under the first heading starting with ``title_part``, down to the next heading of
-    the same or a higher level (its sub-sections included)."""
+    """The text under the first heading (of README or a docs page) starting with ``title_part``, down
+    to the next heading of the same or a higher level (its sub-sections included)."""
     return _section_from(next(i for i, _, line in HEADINGS if line.startswith(title_part)))
 
 
@@ -71,13 +90,13 @@ def _check_functions(module) -> list:
         full = f"{module.__name__}.{name}"
         text = _documenting_sections(full)
         if not text:
-            problems.append(f"{full}: no README heading or signature")
+            problems.append(f"{full}: no docs heading or signature")
             continue
         for param in inspect.signature(obj).parameters.values():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 continue
             if not re.search(rf"\b{re.escape(param.name)}\b", text):
-                problems.append(f"{full}: parameter {param.name!r} not in its README section")
+                problems.append(f"{full}: parameter {param.name!r} not in its docs section")
     return problems
 
 
@@ -86,8 +105,8 @@ def _check_docstrings(module) -> list:
     for name, obj in _public(module):
         if not (inspect.getdoc(obj) or "").strip():
             problems.append(f"{module.__name__}.{name}: no docstring")
-        if f"`{name}" not in README and f".{name}" not in README:
-            problems.append(f"{module.__name__}.{name}: not named in README")
+        if f"`{name}" not in DOCS and f".{name}" not in DOCS:
+            problems.append(f"{module.__name__}.{name}: not named in the docs")
         if inspect.isclass(obj) and not issubclass(obj, BaseException):
             for attr, member in vars(obj).items():
                 if attr.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
@@ -108,7 +127,7 @@ def test_every_public_tf_bridge_function_is_documented_with_every_parameter():
     assert _check_functions(_tf_bridge()) == []
 
 
-def test_every_public_name_has_a_docstring_and_is_named_in_the_readme():
+def test_every_public_name_has_a_docstring_and_is_named_in_the_docs():
     assert _check_docstrings(onnx_qat) + _check_docstrings(_tf_bridge()) == []
 
 
@@ -123,7 +142,7 @@ def _options(parser: argparse.ArgumentParser, path=()):
 
 
 def test_every_onnx_qat_cli_option_is_documented_in_the_tool_section():
-    text = section("## The `onnx-qat` tool")
+    text = section("# The `onnx-qat` tool")
     options = list(_options(onnx_qat_parser()))
     assert len(options) > 20  # the walk reached the subcommands
     assert [f"{' '.join(p)} {o}" for p, o in options if o not in text] == []
@@ -132,12 +151,12 @@ def test_every_onnx_qat_cli_option_is_documented_in_the_tool_section():
 def test_every_subcommand_has_its_own_section():
     subcommands = {p[0] for p, _ in _options(onnx_qat_parser()) if p}
     assert subcommands >= {"calibrate", "quantize", "check", "compare", "inspect"}
-    assert [s for s in sorted(subcommands) if f"### `onnx-qat {s}`" not in README] == []
+    assert [s for s in sorted(subcommands) if f"\n## `onnx-qat {s}`" not in DOCS] == []
 
 
-@pytest.mark.parametrize("module, title", [("tools.deploy_tensorrt", "## Deploy with TensorRT"),
-                                           ("tools.demo", "## The demo"),
-                                           ("tools.bench.__main__", "### Benchmarks")])
+@pytest.mark.parametrize("module, title", [("tools.deploy_tensorrt", "# Deploy with TensorRT"),
+                                           ("tools.demo", "# The demo"),
+                                           ("tools.bench.__main__", "## Benchmarks")])
 def test_every_tool_option_is_documented_in_its_section(module, title):
     import importlib
 
@@ -154,18 +173,71 @@ def _anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def test_every_readme_link_to_a_section_or_a_file_resolves():
-    anchors = {_anchor(line) for _, _, line in HEADINGS}
-    links = re.findall(r"\]\(([^)\s]+)\)", README)
-    assert len(links) > 10
-    broken = [link for link in links if link.startswith("#") and link[1:] not in anchors]
-    broken += [link for link in links if not link.startswith(("#", "http://", "https://"))
-               and not (ROOT / link.split("#")[0]).exists()]
-    assert broken == []
+def _page_anchors(text: str) -> set:
+    return {_anchor(line) for _, _, line in _headings(text.splitlines())}
 
 
-def test_the_make_targets_the_readme_names_exist():
+def _broken_links(page: str, text: str) -> list:
+    """Links of ``page`` (a path relative to the repository) that do not resolve: an ``#anchor`` not a
+    heading of the page, a file that does not exist, an anchor not a heading of the page linked, or,
+    from a docs page, a link out of docs/ (the site could not serve it)."""
+    here = (ROOT / page).parent
+    broken = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", text):
+        if link.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (here / path).resolve() if path else ROOT / page
+        if not target.exists() or (page.startswith("docs/") and ROOT / "docs" not in target.parents):
+            broken.append(link)
+        elif anchor and target.suffix == ".md" and anchor not in _page_anchors(
+                target.read_text(encoding="utf-8")):
+            broken.append(link)
+    return broken
+
+
+def test_every_link_to_a_page_a_section_or_a_file_resolves():
+    pages = dict(PAGES)
+    pages.update({f"docs/{p}": (ROOT / "docs" / p).read_text(encoding="utf-8")
+                  for p in nav_pages() if p.startswith("api/")})
+    links = re.findall(r"\]\(([^)\s]+)\)", DOCS)
+    assert len(links) > 40
+    assert {page: _broken_links(page, text) for page, text in pages.items()
+            if _broken_links(page, text)} == {}
+
+
+def test_a_broken_link_or_anchor_is_caught():
+    text = "[a](#no-such-heading), [b](docs/cli.md#no-such-option), [c](docs/missing.md), [d](docs/cli.md)"
+    assert _broken_links("README.md", text) == ["#no-such-heading", "docs/cli.md#no-such-option",
+                                                "docs/missing.md"]
+    assert _broken_links("docs/index.md", "[e](../tools/demo.py), [f](cli.md#global-options)") == [
+        "../tools/demo.py"]
+
+
+def test_every_docs_page_is_in_the_navigation():
+    on_disk = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
+    assert sorted(nav_pages()) == on_disk
+    assert len(on_disk) >= 15
+
+
+def test_the_make_targets_the_docs_name_exist():
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-    named = set(re.findall(r"(?:^|`)make ([\w-]+)", README, re.M))
-    assert {"demo", "test", "bench"} <= named
+    named = set(re.findall(r"(?:^|`)make ([\w-]+)", DOCS, re.M))
+    assert {"demo", "test", "bench", "docs"} <= named
     assert [t for t in sorted(named) if not re.search(rf"^{t}:", makefile, re.M)] == []
+
+
+def test_the_readme_fits_on_a_page_and_keeps_its_two_set_up_commands():
+    assert len(README_LINES) <= 300
+    setup = README[README.index("\n## Set-up\n"):]
+    block = setup[setup.index("```bash\n") + 8:]
+    block = block[:block.index("```")]
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["make demo", "make test"]
+    quickstart = section("## Quickstart")
+    assert "onnx-qat quantize" in quickstart and "tf_bridge.quantize_model" in quickstart
+
+
+def test_the_readme_links_every_docs_page():
+    linked = {link.split("#")[0] for link in re.findall(r"\]\(([^)\s]+)\)", README)}
+    assert [p for p in nav_pages() if f"docs/{p}" not in linked] == []

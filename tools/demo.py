@@ -588,7 +588,7 @@ LATENCY_NOTE = ("PTQ INT8 and QAT INT8 are in TensorRT's explicit-quantization f
                 "Conv outputs requantized, BatchNorm scales folded into the Convs), which onnxruntime runs "
                 "on its integer kernels. On a network this small (8x8 inputs) per-node overhead weighs "
                 "about as much as arithmetic, most of all at batch 1, so the figures say little about "
-                "larger models; see README, Performance, for a ResNet50.")
+                "larger models; see docs/performance.md for a ResNet50.")
 
 
 def _meta(opts: DemoOptions, stages: Stages) -> Dict[str, object]:

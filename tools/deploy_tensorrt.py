@@ -604,6 +604,8 @@ def _load_labels_file(path: Path) -> np.ndarray:
                                     f"give a .npy or a one-array .npz")
                 return npz[npz.files[0]]
         return np.load(path, allow_pickle=False)
+    except DataError:  # a ValueError too: keep its own message
+        raise
     except (OSError, ValueError) as exc:
         raise DataError(
             f"--labels {path} is not a readable NumPy file ({str(exc).splitlines()[0][:160]})") from None

@@ -5,6 +5,7 @@ onnx or onnxruntime.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -14,9 +15,20 @@ from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.builders import GraphBuilder, residual_block_model
+
+
+@contextlib.contextmanager
+def raises_input_error(error: type, match: Optional[str] = None):
+    """``pytest.raises(error, match=match)`` that also asserts the error is a ``ValueError``, as every
+    error a bad input causes is (``except ValueError`` catches ours as it catches NumPy's or onnx's)."""
+    with pytest.raises(error, match=match) as info:
+        yield info
+    err = info.value
+    assert isinstance(err, ValueError), f"{type(err).__name__} is not a ValueError: {err}"
 
 ROOT = Path(__file__).resolve().parents[2]
 ERROR_PREFIX = "onnx-qat: error: "

@@ -23,7 +23,7 @@ from tests.reliability import cases, support
 def test_bad_input_api(case, workspace_factory):
     ws = workspace_factory(case)
     before = support.snapshot(ws.dir)
-    with pytest.raises(QatError) as info:
+    with support.raises_input_error(QatError) as info:
         ws.call_api()
     err = info.value
     assert isinstance(err, case.error), f"{type(err).__name__} instead of {case.error.__name__}: {err}"
@@ -55,7 +55,7 @@ def test_in_memory_bad_data_leaves_the_callers_objects_alone(data, words):
     model = support.cnn_model()
     model_before = _proto_bytes(model)
     arrays_before = [v.copy() for v in (data.values() if isinstance(data, dict) else [])]
-    with pytest.raises(DataError) as info:
+    with support.raises_input_error(DataError) as info:
         onnx_qat.quantize(model, data=data, progress=False)
     for word in words:
         assert word in str(info.value)
@@ -77,7 +77,7 @@ def test_in_memory_bad_data_leaves_the_callers_objects_alone(data, words):
 def test_bad_options_are_config_errors(kwargs, error, words):
     model = support.cnn_model()
     before = _proto_bytes(model)
-    with pytest.raises(error) as info:
+    with support.raises_input_error(error) as info:
         onnx_qat.quantize(model, data=support.cnn_data(), progress=False, **kwargs)
     for word in words:
         assert word in str(info.value)
@@ -87,9 +87,9 @@ def test_bad_options_are_config_errors(kwargs, error, words):
 def test_scales_and_data_together_or_neither():
     model = support.cnn_model()
     table = onnx_qat.ScaleTable({"input": 1.0})
-    with pytest.raises(ConfigError, match="exactly one"):
+    with support.raises_input_error(ConfigError, match="exactly one"):
         onnx_qat.quantize(model, scales=table, data=support.cnn_data(), progress=False)
-    with pytest.raises(ConfigError, match="exactly one"):
+    with support.raises_input_error(ConfigError, match="exactly one"):
         onnx_qat.quantize(model, progress=False)
 
 
@@ -98,7 +98,7 @@ def test_scales_and_data_together_or_neither():
 def test_load_model_refuses_non_models(tmp_path, raw):
     path = tmp_path / "m.onnx"
     path.write_bytes(raw)
-    with pytest.raises(ModelError) as info:
+    with support.raises_input_error(ModelError) as info:
         onnx_qat.load_model(path)
     assert "m.onnx" in str(info.value)
     assert path.read_bytes() == raw
@@ -119,7 +119,7 @@ def test_load_model_refuses_non_models(tmp_path, raw):
         "unknown-field"])
 def test_scale_table_validation(table, words):
     data = {"format": "onnx-qat-scales", "version": 1, **table}
-    with pytest.raises(ScalesError) as info:
+    with support.raises_input_error(ScalesError) as info:
         onnx_qat.ScaleTable.from_dict(data, source="ScaleTable t.json")
     message = str(info.value)
     assert message.startswith("ScaleTable t.json") and "\n" not in message
@@ -130,7 +130,7 @@ def test_scale_table_validation(table, words):
 def test_scale_table_file_with_nan_token_is_refused_before_use(tmp_path):
     path = tmp_path / "s.json"
     path.write_text('{"format": "onnx-qat-scales", "version": 1, "activations": {"x": NaN}}')
-    with pytest.raises(ScalesError, match="s.json"):
+    with support.raises_input_error(ScalesError, match="s.json"):
         onnx_qat.ScaleTable.load(path)
 
 
@@ -153,9 +153,9 @@ def test_write_failure_after_the_path_check_is_an_output_error():
     """A directory that passes the access() check but refuses the file (sysfs here; read-only
     mounts, root-squashed NFS or a full disk elsewhere) gives an OutputError naming the output."""
     table = onnx_qat.ScaleTable({"input": 1.0})
-    with pytest.raises(OutputError, match="/sys/scales.json"):
+    with support.raises_input_error(OutputError, match="/sys/scales.json"):
         table.save("/sys/scales.json")
-    with pytest.raises(OutputError, match="/sys/out.onnx"):
+    with support.raises_input_error(OutputError, match="/sys/out.onnx"):
         onnx_qat.save_model(support.cnn_model(), "/sys/out.onnx")
 
 
@@ -210,7 +210,7 @@ def test_custom_domain_ops_are_left_alone():
 
 
 def test_custom_domain_ops_cannot_be_calibrated_one_line():
-    with pytest.raises(ModelError) as info:
+    with support.raises_input_error(ModelError) as info:
         onnx_qat.quantize(support.custom_domain_model(), data=support.cnn_data(), progress=False)
     assert "MyOp" in str(info.value) and "\n" not in str(info.value)
 

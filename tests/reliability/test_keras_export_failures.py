@@ -19,6 +19,7 @@ keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
 import tf_bridge  # noqa: E402
+from tests.reliability import support  # noqa: E402
 from onnx_qat.errors import ExportError  # noqa: E402
 from tf_bridge.export import check_converted  # noqa: E402
 
@@ -84,7 +85,7 @@ def test_unconverted_tensorflow_op_is_one_export_error_and_nothing_is_written(ki
     handlers, propagate = list(tf2onnx_logger.handlers), tf2onnx_logger.propagate
     capsys.readouterr()
 
-    with pytest.raises(ExportError) as info:
+    with support.raises_input_error(ExportError) as info:
         tf_bridge.export_onnx(q_model, existing, sample_data=x, save_float=True, progress=False)
 
     message = str(info.value)
@@ -113,7 +114,7 @@ def test_tf2onnx_exception_is_one_export_error(tmp_path):
     """tf2onnx itself raises (opset 19 is past what 1.17 supports): its message, shortened."""
     q_model, x = _qat_model("lgamma")
     before = _weights(q_model)
-    with pytest.raises(ExportError) as info:
+    with support.raises_input_error(ExportError) as info:
         tf_bridge.export_onnx(q_model, tmp_path / "m.onnx", sample_data=x, opset=19, save_float=True,
                               progress=False)
     message = str(info.value)
@@ -126,7 +127,8 @@ def test_tf2onnx_exception_is_one_export_error(tmp_path):
 
 def test_opset_below_13_is_refused_before_conversion(tmp_path):
     q_model, x = _qat_model("lgamma")
-    with pytest.raises(ExportError, match=r"^export_onnx: opset 12 is below 13.*use opset=13\.\.18$"):
+    with support.raises_input_error(ExportError,
+                                    match=r"^export_onnx: opset 12 is below 13.*use opset=13\.\.18$"):
         tf_bridge.export_onnx(q_model, tmp_path / "m.onnx", sample_data=x, opset=12, progress=False)
     assert list(tmp_path.iterdir()) == []
 
@@ -154,7 +156,7 @@ def test_check_converted_accepts_standard_onnx():
 def test_check_converted_names_tensorflow_ops_and_layers_with_tf2onnx_reasons():
     model = _model([helper.make_node("Relu", ["x"], ["a"], name="twin_1/fc_1/Relu"),
                     helper.make_node("Lgamma", ["a"], ["y"], name="twin_1/special_1/Lgamma")])
-    with pytest.raises(ExportError) as info:
+    with support.raises_input_error(ExportError) as info:
         check_converted(model, _twin(), 17, {"twin_1/special_1/Lgamma": "no handler (test reason)"})
     message = str(info.value)
     _assert_one_line(message)
@@ -165,11 +167,11 @@ def test_check_converted_names_tensorflow_ops_and_layers_with_tf2onnx_reasons():
 def test_check_converted_refuses_custom_domains_ops_of_a_later_opset_and_subgraphs():
     custom = _model([helper.make_node("Lgamma", ["x"], ["y"], name="twin_1/special_1/Lgamma",
                                       domain="ai.onnx.contrib")], extra_opsets=[("ai.onnx.contrib", 1)])
-    with pytest.raises(ExportError, match="Lgamma in layer 'special'"):
+    with support.raises_input_error(ExportError, match="Lgamma in layer 'special'"):
         check_converted(custom, _twin(), 17)
     # Gelu exists from opset 20 only: at opset 17 it is no ONNX op
     later = _model([helper.make_node("Gelu", ["x"], ["y"], name="twin_1/special_1/Gelu")])
-    with pytest.raises(ExportError, match="Gelu in layer 'special'"):
+    with support.raises_input_error(ExportError, match="Gelu in layer 'special'"):
         check_converted(later, _twin(), 17)
     # an unconverted op inside an If branch
     cond = helper.make_tensor_value_info("c", TensorProto.BOOL, [])
@@ -179,14 +181,14 @@ def test_check_converted_refuses_custom_domains_ops_of_a_later_opset_and_subgrap
     plain = helper.make_graph([helper.make_node("Identity", ["x"], ["y"], name="id")], "else", [], [out])
     model = _model([helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=plain)])
     model.graph.input.append(cond)
-    with pytest.raises(ExportError, match="Erfinv in layer 'special'"):
+    with support.raises_input_error(ExportError, match="Erfinv in layer 'special'"):
         check_converted(model, _twin(), 17)
 
 
 def test_check_converted_refuses_what_onnx_checker_refuses():
     """Standard ops, but a node reads a tensor nothing produces."""
     model = _model([helper.make_node("Add", ["x", "ghost"], ["y"], name="twin_1/fc_1/Add")])
-    with pytest.raises(ExportError) as info:
+    with support.raises_input_error(ExportError) as info:
         check_converted(model, _twin(), 17)
     message = str(info.value)
     _assert_one_line(message)

@@ -20,6 +20,7 @@ keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
 import tf_bridge  # noqa: E402
+from tests.reliability import support  # noqa: E402
 from onnx_qat.errors import ModelError  # noqa: E402
 
 pytestmark = pytest.mark.tf
@@ -81,7 +82,7 @@ def test_the_payload_is_live_when_safe_mode_is_off(payload, tmp_path):
 
 def test_lambda_bytecode_is_refused_without_running(payload, tmp_path):
     digest = _sha(payload)
-    with pytest.raises(ModelError) as info:
+    with support.raises_input_error(ModelError) as info:
         tf_bridge.load_model(payload)
     message = _one_line(info.value, payload)
     assert "unsafe deserialization refused: layer 'evil' holds a Python lambda" in message
@@ -95,7 +96,7 @@ def test_lambda_is_refused_even_with_unsafe_deserialization_enabled_globally(pay
     previous = global_state.get_global_attribute("safe_mode_saving")
     keras.config.enable_unsafe_deserialization()
     try:
-        with pytest.raises(ModelError, match="unsafe deserialization refused"):
+        with support.raises_input_error(ModelError, match="unsafe deserialization refused"):
             tf_bridge.load_model(payload)
     finally:
         global_state.set_global_attribute("safe_mode_saving", previous)
@@ -111,7 +112,7 @@ def test_non_modeling_function_in_the_config_is_refused_by_safe_mode(tmp_path):
                                          "config": "get_file", "registered_name": "get_file"}
 
     path = _rewrite_config(_dense_archive(tmp_path), tmp_path / "gadget.keras", gadget)
-    with pytest.raises(ModelError) as info:
+    with support.raises_input_error(ModelError) as info:
         tf_bridge.load_model(path)
     message = _one_line(info.value, path)
     assert "unsafe deserialization refused (Keras safe mode)" in message
@@ -155,7 +156,7 @@ def _bad_archive(tmp_path, kind):
 def test_not_a_keras_archive_is_one_line(tmp_path, kind):
     path, expected = _bad_archive(tmp_path, kind)
     before = {p.name: (_sha(p) if p.is_file() else None) for p in tmp_path.iterdir()}
-    with pytest.raises(ModelError) as info:
+    with support.raises_input_error(ModelError) as info:
         tf_bridge.load_model(path)
     assert expected in _one_line(info.value, path)
     assert {p.name: (_sha(p) if p.is_file() else None) for p in tmp_path.iterdir()} == before
@@ -172,7 +173,7 @@ def test_unknown_custom_layer_is_named_and_custom_objects_load_it(tmp_path):
     inp = keras.Input((3,), name="x")
     path = tmp_path / "custom.keras"
     keras.Model(inp, Unregistered(name="double")(inp)).save(path)
-    with pytest.raises(ModelError) as info:
+    with support.raises_input_error(ModelError) as info:
         tf_bridge.load_model(path)
     message = _one_line(info.value, path)
     assert "unknown Keras class 'Unregistered'" in message and "custom_objects" in message

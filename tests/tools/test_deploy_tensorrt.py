@@ -290,6 +290,17 @@ def test_labels_of_the_wrong_length_are_refused(good_model, tmp_path, capsys):
     assert code == 2 and "3 labels for 4 samples" in err
 
 
+
+def test_a_labels_file_of_two_arrays_keeps_its_own_message(good_model, tmp_path, capsys):
+    # the DataError raised inside the reading block is a ValueError too: it must not be re-worded
+    np.savez(tmp_path / "data.npz", input=np.zeros((4, 4, 8, 8), np.float32))
+    np.savez(tmp_path / "labels.npz", a=np.arange(4), b=np.arange(4))
+    code, _, err = run_main([good_model, "--engine", tmp_path / "m.engine", "--data", tmp_path / "data.npz",
+                             "--labels", tmp_path / "labels.npz"], capsys)
+    assert code == 2 and "holds 2 arrays; give a .npy or a one-array .npz" in err
+    assert "not a readable NumPy file" not in err
+
+
 # --------------------------------------------------------------------------- missing TensorRT
 def test_missing_tensorrt_stops_with_one_line_in_a_subprocess(good_model, tmp_path):
     shadow = tmp_path / "shadow"
