@@ -88,6 +88,18 @@ def round_trip(name: str, kind: str, calibrate: bool, seed: int, path):
         return None, str(exc)
 
 
+def int8_share(path) -> float:
+    """The fraction of weighted ops (Conv, ConvTranspose, MatMul, Gemm) whose activation input and
+    weight both come from a DequantizeLinear: the ops TensorRT runs in INT8."""
+    import onnx
+
+    model = onnx.load(str(path))
+    dq = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    weighted = [n for n in model.graph.node if n.op_type in ("Conv", "ConvTranspose", "MatMul", "Gemm")]
+    int8 = [n for n in weighted if len(n.input) > 1 and n.input[0] in dq and n.input[1] in dq]
+    return len(int8) / max(len(weighted), 1)
+
+
 def _log(case: dict) -> None:
     target = os.environ.get("ROUND_TRIP_MATRIX_LOG")
     if target:
@@ -103,7 +115,8 @@ def _run_case(name, kind, calibrate, seed, tmp_path):
     if report is not None:
         case.update(result="PASSED" if report.passed else "FAILED",
                     abs_error=max(o.abs_error for o in report.parity.outputs),
-                    errors=len(report.check.errors), warnings=len(report.check.warnings))
+                    errors=len(report.check.errors), warnings=len(report.check.warnings),
+                    int8_share=round(int8_share(report.path), 3))
         _log(case)
         assert report.passed, str(report)
         assert not report.check.errors and not report.check.warnings, report.check.summary()
