@@ -310,6 +310,8 @@ class _Mapper:
                 found = self._by_input(rec.path, self._confirm(rec, forms, self.weighted))
                 if found:
                     self.by_values.append(rec.path)
+                    if not self.scopes.has_nodes(rec.path):  # merged by tf2onnx into an equal layer
+                        self.graph.alias(rec.path, {p for wn, _ in found for p in self.scopes.paths(wn.node.name)})
                     logger.warning("export_onnx: no ONNX node carries the scope of layer '%s'; its %s "
                                    "was found by its values in %s", rec.path, rec.tensor,
                                    ", ".join(wn.node.name for wn, _ in found))
@@ -331,7 +333,7 @@ class _Mapper:
         if len(found) < 2:
             return found
         wanted = {s for p in self.graph.producers(path) for s in self.graph.sources(p)}
-        kept = [(wn, f) for wn, f in found if _source_in(self._node_source(wn.node, 0, path), wanted)]
+        kept = [(wn, f) for wn, f in found if _source_in(self._node_source(wn.node, 0), wanted)]
         if kept:
             return kept
         calls = self.calls.get(path, [])
@@ -339,9 +341,8 @@ class _Mapper:
             c.inputs and self._error(c.inputs[0], wn.node.inputs[0]) < SAME_TENSOR_RTOL for c in calls)]
         return kept or found
 
-    def _node_source(self, node: NodeInfo, j: int, path: str) -> str:
-        own = sorted(self.scopes.paths(node.name))
-        return self.scopes.source(node.inputs[j], own[0] if own else path) or ""
+    def _node_source(self, node: NodeInfo, j: int) -> str:
+        return self.scopes.source(node.inputs[j], node.name) or ""
 
     # -- activations -----------------------------------------------------------------------
     def consumer_inputs(self, rec: QuantizerRecord) -> List[Tuple[str, int, str]]:
@@ -361,7 +362,7 @@ class _Mapper:
             path = prefix + name
             if path in self.layer_nodes:
                 nodes = [self.index.by_name[n] for n in self.layer_nodes[path]]
-                kept = [n for n in nodes if _source_in(self._node_source(n, 0, path), wanted)]
+                kept = [n for n in nodes if _source_in(self._node_source(n, 0), wanted)]
                 found += [(n.name, 0, consumer) for n in (kept or nodes)]
                 continue
             edges = self.edges_into(path, wanted)
@@ -430,7 +431,7 @@ class _Collector:
             raise ExportError(f"export_onnx: quantizers {self.owners[tensor][0]} and {owner} map to the "
                               f"same ONNX tensor '{tensor}' with different ranges "
                               f"({self.amax[tensor]:.6g} vs {amax:.6g})")
-        if self.claimed.get(consumer, owner) != owner:
+        if self.claimed.get(consumer, owner) != owner and tensor not in self.amax:
             raise ExportError(f"export_onnx: quantizers {self.claimed[consumer]} and {owner} both map to "
                               f"input {consumer[1]} of ONNX node '{consumer[0]}'")
         self.claimed[consumer] = owner

@@ -35,11 +35,20 @@ def _layers(model) -> list:
     return list(getattr(model, "layers", ()))
 
 
+def _names(component: str, suffixes: int) -> List[str]:
+    """The layer names a scope component can stand for: itself, and itself without one
+    (``suffixes == 1``) or any number of trailing ``_<n>`` suffixes."""
+    found = [component]
+    while len(found) <= suffixes or suffixes > 1:
+        stripped = re.sub(r"_\d+$", "", found[-1])
+        if stripped == found[-1]:
+            break
+        found.append(stripped)
+    return found[:suffixes + 1] if suffixes == 1 else found
+
+
 def _matches(component: str, name: str, suffixes: int) -> bool:
-    if component == name:
-        return True
-    pattern = re.escape(name) + (r"(_\d+)" + ("?" if suffixes == 1 else "*"))
-    return re.fullmatch(pattern, component) is not None
+    return name in _names(component, suffixes)
 
 
 class LayerScopes:
@@ -55,6 +64,7 @@ class LayerScopes:
         self.index = index
         keys: Dict[str, Set[str]] = {}
         self._key_of: Dict[str, str] = {}
+        self._by_name: Dict[int, dict] = {}
         for node in index.nodes:
             found = self._parse(node.name)
             if found is not None:
@@ -85,8 +95,12 @@ class LayerScopes:
         if i >= len(parts) - 1:  # the last component is the op's own name
             return []
         found = []
-        for layer in _layers(model):
-            if not _matches(parts[i], layer.name, suffixes):
+        by_name = self._by_name.get(id(model))
+        if by_name is None:
+            by_name = self._by_name[id(model)] = {x.name: x for x in _layers(model)}
+        for name in _names(parts[i], suffixes):
+            layer = by_name.get(name)
+            if layer is None:
                 continue
             path = prefix + layer.name
             deeper = self._descend(layer, parts, i + 1, path + "/", suffixes) \
@@ -116,19 +130,21 @@ class LayerScopes:
         """True when some ONNX node carries this layer's scope."""
         return path in self._nodes
 
-    def source(self, tensor: str, within: str) -> Optional[str]:
-        """The scope a tensor read by a node of layer ``within`` comes from: walking back through
-        layout ops (:data:`LAYOUT_OPS`: tf2onnx's NHWC adapters, whichever layer's scope they carry,
-        unless that layer is itself a layout layer, :data:`LAYOUT_LAYERS`) and through a ``Pad``
-        of ``within``, the path of the first node of another layer, ``INPUT_SCOPE + name`` for a graph input,
-        ``""`` for a tf2onnx node without scope, None for a value made inside ``within``."""
+    def source(self, tensor: str, reader: str) -> Optional[str]:
+        """The scope a tensor read by node ``reader`` comes from: walking back through layout ops
+        (:data:`LAYOUT_OPS`: tf2onnx's NHWC adapters, whichever layer's scope they carry, unless
+        that layer is itself a layout layer, :data:`LAYOUT_LAYERS`) and through a ``Pad`` of the
+        same layer call, the path of the first node of another layer call, ``INPUT_SCOPE + name``
+        for a graph input, ``""`` for a tf2onnx node without scope, None for a value made inside
+        the same call (a layer called on its own output is two calls, two scopes)."""
+        call = self._key_of.get(reader)
         seen = 0
         while True:
             node = self.index.producer.get(tensor)
             if node is None:
                 return None if self.index.is_constant(tensor) else INPUT_SCOPE + tensor
             paths = self.paths(node.name)
-            inside = within in paths
+            inside = call is not None and self._key_of.get(node.name) == call
             adapter = node.op_type in LAYOUT_OPS and not any(self._layout_layer(p) for p in paths)
             passable = adapter or (node.op_type in LAYOUT_OPS + ("Pad",) and inside)
             if passable and node.inputs and seen < 64:
@@ -148,7 +164,7 @@ class LayerScopes:
             for j, tensor in enumerate(node.inputs):
                 if not tensor or self.index.is_constant(tensor):
                     continue
-                src = self.source(tensor, path)
+                src = self.source(tensor, node.name)
                 if src is not None:
                     yield node, j, src
 
@@ -182,6 +198,13 @@ class KerasGraph:
         self.has_nodes = has_nodes
         self.input_names = list(input_names)
         self._memo: Dict[str, FrozenSet[str]] = {}
+        self._aliases: Dict[str, FrozenSet[str]] = {}
+
+    def alias(self, path: str, scopes) -> None:
+        """Say that the layer at ``path`` left no node of its own but is computed by the nodes of
+        ``scopes`` (tf2onnx merged two layers with equal weights reading the same tensor)."""
+        self._aliases[path] = frozenset(scopes)
+        self._memo.clear()
 
     def layer(self, path: str):
         """The layer at ``path`` (None when there is none)."""
@@ -235,7 +258,9 @@ class KerasGraph:
         self._memo[path] = frozenset()  # cycles cannot occur; this guards recursion anyway
         layer = self.layer(path)
         found: Set[str] = set()
-        if layer is None:
+        if path in self._aliases:
+            found |= self._aliases[path]
+        elif layer is None:
             pass
         elif isinstance(layer, keras.Model):
             for t in layer.outputs:
