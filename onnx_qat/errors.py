@@ -49,6 +49,10 @@ class ExportError(QatError, ValueError):
     """A Keras model cannot be exported (tf2onnx failure, an unmapped quantizer...)."""
 
 
+class TrainingError(QatError):
+    """Quantization-aware training diverged: the loss or a weight became NaN or Inf."""
+
+
 class TensorRTUnavailable(QatError):
     """TensorRT or a CUDA GPU is not available on this machine."""
 

@@ -12,6 +12,9 @@ Public API (names users of NVIDIA's ``tensorflow_quantization`` know):
   (registered serializable, so ``.keras`` files load with ``safe_mode=True``).
 * :func:`fake_quant`, :func:`fake_quant_reference` — the numerics contract.
 * :func:`load_model` — a ``.keras`` archive, always with Keras's safe mode (one-line errors).
+* :class:`NonFiniteGuard` — the callback a QAT model's ``fit`` adds: one line naming the layer
+  when training diverges (:class:`QATFunctional`, :class:`QATSequential` are the model classes).
+* :func:`check_finite`, :func:`nonfinite_weights` — find NaN/Inf weights and ranges by name.
 * :func:`export_onnx` — Q/DQ ONNX with the learned scales, proven equal in onnxruntime
   (:class:`ExportReport`).
 """
@@ -23,6 +26,8 @@ from .cases import CustomQDQInsertionCase
 from .describe import QuantizerRecord, describe, quantizer_records
 from .export import ExportReport, export_onnx
 from .fake_quant import fake_quant, fake_quant_reference
+from .finite import check_finite, nonfinite_weights
+from .guard import NonFiniteGuard, QATFunctional, QATSequential
 from .loading import load_model
 from .quantizers import ActivationQuantizer, QuantizeWrapper, UncalibratedQuantizerWarning
 from .spec import QuantizationSpec
@@ -33,4 +38,5 @@ __all__ = [
     "calibrate", "CalibrationResult", "UntrainedBatchNormWarning", "describe", "quantizer_records",
     "QuantizerRecord", "ActivationQuantizer", "QuantizeWrapper", "UncalibratedQuantizerWarning",
     "fake_quant", "fake_quant_reference", "export_onnx", "ExportReport", "load_model",
+    "NonFiniteGuard", "QATFunctional", "QATSequential", "check_finite", "nonfinite_weights",
 ]

@@ -150,7 +150,8 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
         An :class:`ExportReport` (paths, mapping table, parity, check verdict).
 
     Raises:
-        ExportError: subclassed model, uncalibrated or unmappable quantizer (named),
+        ExportError: subclassed model, a weight or range that is NaN or Inf (named first),
+            uncalibrated or unmappable quantizer (named),
             tf2onnx failure, or (``strict``) failed parity.
         OutputError: an output path cannot be written.
     """
@@ -159,9 +160,11 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     from onnx_qat.quantize import quantize
 
     from .describe import iter_quantizer_layers
+    from .finite import check_finite
     from .wrap import float_model as float_twin
 
     check_exportable(q_model)
+    check_finite(q_model)
     if not any(True for _ in iter_quantizer_layers(q_model)):
         raise ExportError(f"export_onnx: model '{q_model.name}' has no tf_bridge quantizers; "
                           "quantize it with tf_bridge.quantize_model first")

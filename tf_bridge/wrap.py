@@ -24,6 +24,7 @@ from keras.src.models.functional import Functional
 from onnx_qat.errors import ConfigError, ModelError
 
 from .cases import CustomQDQInsertionCase
+from .guard import guarded, unguarded
 from .quantizers import MODES as RANGE_MODES
 from .quantizers import ActivationQuantizer, QuantizeWrapper
 from .spec import LayerDecision, QuantizationSpec, iter_layers, resolve_plan
@@ -210,8 +211,9 @@ def quantize_model(model, quantization_mode: str = "full",
         ema_momentum: momentum of the ``"ema"`` update, in [0, 1).
 
     Returns:
-        A new model of the same kind (Functional or Sequential), compiled like the
-        original if it was compiled. Call :func:`tf_bridge.calibrate` before use.
+        A new model of the same kind (a :class:`tf_bridge.QATFunctional` or
+        :class:`tf_bridge.QATSequential`: ``fit`` adds a :class:`tf_bridge.NonFiniteGuard`),
+        compiled like the original if it was compiled. Call :func:`tf_bridge.calibrate` before use.
 
     Raises:
         ModelError: subclassed or unbuilt model, or a layer that cannot be copied.
@@ -239,7 +241,7 @@ def quantize_model(model, quantization_mode: str = "full",
     if not plan:
         logger.warning("tf_bridge: nothing to quantize in model '%s' (mode %s)",
                        model.name, quantization_mode)
-    return _Cloner(plan, activation_range, float(ema_momentum)).clone(model)
+    return guarded(_Cloner(plan, activation_range, float(ema_momentum)).clone(model))
 
 
 class _Stripper:
@@ -279,4 +281,4 @@ def float_model(q_model):
     """The float twin of a QAT model: the original layer classes with the current (trained)
     weights, no quantizers, same layer names. ``q_model`` is not modified."""
     _check_model(q_model)
-    return _Stripper().clone(q_model)
+    return unguarded(_Stripper().clone(q_model))
