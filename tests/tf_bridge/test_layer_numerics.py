@@ -107,3 +107,21 @@ def test_weight_amax_is_recomputed_every_step():
     np.testing.assert_allclose(wrapper.weight_amax()["kernel"], np.abs(kernel.numpy()).max(axis=0))
     want = _fq_input(x).astype(np.float64) @ _fq_weight(kernel.numpy(), (-1,)) + wrapper.layer.bias.numpy()
     _check(q_model.predict(x, verbose=0), want)
+
+
+def test_separable_conv2d_depthwise_range_is_saved_and_loaded(tmp_path):
+    """The depthwise output's quantizer lives in the wrapper: describe lists it, a .keras file
+    keeps its range, and the loaded model computes the same numbers."""
+    x = RNG.normal(0, 1, (4, 9, 9, 3)).astype(np.float32)
+    q_model = tf_bridge.quantize_model(single_layer_model(keras.layers.SeparableConv2D(4, 3, name="sep"),
+                                                          x.shape[1:]))
+    tf_bridge.calibrate(q_model, x, progress=False)
+    records = {r.path: r for r in tf_bridge.quantizer_records(q_model)}
+    inner = records["sep_depthwise_quant"]
+    assert inner.kind == "activation" and inner.inside == "sep" and float(inner.amax) > 0
+    assert "sep:depthwise -> sep (pointwise)" in tf_bridge.describe(q_model, print_fn=None)
+    q_model.save(tmp_path / "sep.keras")
+    loaded = tf_bridge.load_model(tmp_path / "sep.keras")
+    again = {r.path: r for r in tf_bridge.quantizer_records(loaded)}["sep_depthwise_quant"]
+    assert float(again.amax) == float(inner.amax)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), q_model.predict(x, verbose=0))

@@ -42,8 +42,9 @@ ARCHITECTURES = {
 INPUTS = ("normal", "uniform255")
 SAMPLES = 16
 BATCH = 8
-#: The representative part that runs in ``make test``.
-FAST = [("mobilenetv3small", "normal", True, 0), ("mobilenetv2", "uniform255", False, 1)]
+#: The representative part that runs in ``make test`` (the smallest architecture; the mapping's
+#: structural hazards have their own fast tests in ``test_mapping.py``).
+FAST = [("mobilenetv3small", "normal", True, 0)]
 
 
 def _data(kind: str, size: int, seed: int):
