@@ -311,7 +311,8 @@ class _Mapper:
                 if found:
                     self.by_values.append(rec.path)
                     if not self.scopes.has_nodes(rec.path):  # merged by tf2onnx into an equal layer
-                        self.graph.alias(rec.path, {p for wn, _ in found for p in self.scopes.paths(wn.node.name)})
+                        scopes = {p for wn, _ in found for p in self.scopes.paths(wn.node.name)}
+                        self.graph.alias(rec.path, scopes)
                     logger.warning("export_onnx: no ONNX node carries the scope of layer '%s'; its %s "
                                    "was found by its values in %s", rec.path, rec.tensor,
                                    ", ".join(wn.node.name for wn, _ in found))
