@@ -124,7 +124,8 @@ def _run_case(name, kind, calibrate, seed, tmp_path):
         assert all(o.abs_error <= 0.02 and o.max_abs_float > 0 for o in report.parity.outputs), str(report)
         return
     diverges = float_diverges(name, kind, seed)
-    case.update(result="float diverges" if diverges else "FAILED", error=error)
+    cause = "rounding cascade" if "FAILED (rounding cascade)" in error else "FAILED"
+    case.update(result="float diverges" if diverges else cause, error=error)
     _log(case)
     assert "\n" not in error, error
     assert diverges, f"the float model trains finite, yet the QAT export failed: {error}"
