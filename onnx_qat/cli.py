@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence
 
 from . import __version__
 from .config import TARGETS
+from .formats import PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
 
@@ -99,7 +100,8 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 
 def _placement_options(parser: argparse.ArgumentParser) -> None:
-    """QuantizeConfig fields (placement): exclude_nodes, exclude_op_types, min_channels, include_attention."""
+    """QuantizeConfig fields (placement): exclude_nodes, exclude_op_types, min_channels, include_attention,
+    precision, block_size."""
     group = parser.add_argument_group("placement options (QuantizeConfig)")
     group.add_argument("--exclude-nodes", metavar="REGEX", nargs="+", action="extend", type=_regex,
                        default=[],
@@ -109,8 +111,15 @@ def _placement_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-channels", metavar="N", type=whole_number(0), default=None,
                        help="leave weighted ops with fewer input or output channels than N in float "
                             "(default: the library default)")
-    group.add_argument("--include-attention", action="store_true", default=None,
-                       help="also quantize attention-score MatMuls (skipped by default)")
+    group.add_argument("--include-attention", action=argparse.BooleanOptionalAction, default=None,
+                       help="also quantize attention-score MatMuls and the Softmax output they read "
+                            "(default: off for int8, on for fp8; --no-include-attention keeps them float)")
+    group.add_argument("--precision", choices=PRECISIONS, default=None,
+                       help="numeric format: int8 (default), fp8 (E4M3 Q/DQ, opset 19) or int4 "
+                            "(weight-only blockwise MatMul/Gemm weights, opset 21)")
+    group.add_argument("--block-size", metavar="N", type=whole_number(2), default=None,
+                       help="values per INT4 weight scale along the reduction axis (default 128; "
+                            "TensorRT documents 64 and 128)")
 
 
 def _calibration_options(parser: argparse.ArgumentParser) -> None:
@@ -147,8 +156,10 @@ def _add_quantize(sub) -> None:
                                    "or read from --scales; then run 'check' on the result.")
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
     p.add_argument("-o", "--output", metavar="OUT.onnx", required=True, help="Q/DQ model to write")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", metavar="NPZ", help=".npz calibration data (see 'calibrate')")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--data", metavar="NPZ", help=".npz calibration data (see 'calibrate'); with "
+                                                      "--precision int4, data for the activation-aware "
+                                                      "weight scales (optional)")
     source.add_argument("--scales", metavar="JSON",
                         help="ScaleTable JSON (from 'calibrate' or your own tool)")
     p.add_argument("--target", choices=TARGETS, default=None,
@@ -235,8 +246,12 @@ def _placement_keywords(args) -> dict:
         kw["exclude_op_types"] = tuple(args.exclude_op_types)
     if getattr(args, "min_channels", None) is not None:
         kw["min_channels"] = args.min_channels
-    if getattr(args, "include_attention", None):
-        kw["include_attention"] = True
+    if getattr(args, "include_attention", None) is not None:
+        kw["include_attention"] = args.include_attention
+    if getattr(args, "precision", None) is not None:
+        kw["precision"] = args.precision
+    if getattr(args, "block_size", None) is not None:
+        kw["block_size"] = args.block_size
     if getattr(args, "target", None) is not None:
         kw["target"] = args.target
     return kw
@@ -355,6 +370,8 @@ def cmd_quantize(args) -> int:
                    [args.model, args.data, args.scales])
     if args.report is not None and _same_path(args.report, args.output):
         raise UsageError("--report and --output name the same file")
+    if args.data is None and args.scales is None and getattr(args, "precision", None) != "int4":
+        raise UsageError("one of the arguments --data --scales is required")
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=args.data,
                       progress=_progress(args), **calib, **_placement_keywords(args))
@@ -384,7 +401,10 @@ def _check_written(model, output, target):
 def _quantize_summary(args, result) -> str:
     """One line: what was written and how much was quantized."""
     s = dict(getattr(result, "summary", {}) or {})
-    return (f"wrote {args.output} | target {result.target} | {s.get('activations', '?')} activations and "
+    precision = getattr(result, "precision", "int8")
+    return (f"wrote {args.output} | target {result.target}"
+            f"{'' if precision == 'int8' else ' | precision ' + precision} | "
+            f"{s.get('activations', '?')} activations and "
             f"{s.get('weights', '?')} weights quantized, {s.get('skipped_nodes', '?')} nodes skipped | "
             f"{s.get('quantize_linear', '?')} QuantizeLinear, "
             f"{s.get('dequantize_linear', '?')} DequantizeLinear")
@@ -425,24 +445,28 @@ def _placement_dict(placement) -> dict:
         "weights": [dataclasses.asdict(m) for m in placement.weights],
         "decisions": [dataclasses.asdict(d) for d in placement.decisions],
         "notes": list(placement.notes),
+        "subgraphs": placement.to_dict()["subgraphs"],
     }
 
 
 def format_decisions(placement) -> str:
-    """The ``inspect`` table: one row per decision (node, op, action, rule, reason) and a summary line."""
+    """The ``inspect`` table: one row per decision (node, op, action, rule, reason; the nodes of quantized
+    If branches after the main graph's) and a summary line."""
     header = ("NODE", "OP", "ACTION", "RULE", "REASON")
-    rows = [(d.node, d.op_type, d.action, d.rule, d.reason) for d in placement.decisions]
+    decisions = placement.all_decisions()
+    rows = [(d.node, d.op_type, d.action, d.rule, d.reason) for d in decisions]
     widths = [min(max([len(header[i])] + [len(r[i]) for r in rows]), 48) for i in range(4)]
     lines = ["  ".join(col.ljust(w) for col, w in zip(header[:4], widths)) + "  " + header[4]]
     for row in rows:
         lines.append("  ".join(col.ljust(w) for col, w in zip(row[:4], widths)) + "  " + row[4])
     counts = {}
-    for d in placement.decisions:
+    for d in decisions:
         counts[d.action] = counts.get(d.action, 0) + 1
-    lines.extend(f"note: {note}" for note in placement.notes)
+    lines.extend(f"note: {note}" for p in placement.nested() for note in p.notes)
+    weights = sum(len(p.weight_tensors()) for p in placement.nested())
     lines.append(f"{len(rows)} nodes: " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
                  + f" | {len(placement.activation_tensors())} activation tensors, "
-                 f"{len(placement.weight_tensors())} weights to quantize")
+                 f"{weights} weights to quantize")
     return "\n".join(lines)
 
 

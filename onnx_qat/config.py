@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Tuple
+from typing import Iterable, Optional, Tuple
 
 from .errors import ConfigError
+from .formats import DEFAULT_BLOCK_SIZE, PRECISIONS, TENSORRT_BLOCK_SIZES, get_format
 
 #: Deployment forms of the same placement: see ``onnx_qat/targets.py``.
 TARGETS = ("tensorrt", "ort-cpu")
@@ -42,27 +43,53 @@ class QuantizeConfig:
         exclude_op_types: ONNX op types left in float (e.g. ``("MatMul",)``).
         min_channels: weighted ops (Conv, ConvTranspose, Gemm, MatMul) with fewer input or
             output channels than this are left in float (0 quantizes all).
-        include_attention: also quantize attention-score MatMuls (Q·Kᵀ and scores·V),
-            which are skipped by default.
+        include_attention: also quantize attention-score MatMuls (Q·Kᵀ and scores·V, so also
+            the Softmax output feeding scores·V). None (the default) takes the precision's
+            choice: skipped for ``int8``, quantized for ``fp8`` (TensorRT's fused FP8 attention
+            wants them); ``False`` keeps them float whatever the precision.
+        precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ) or ``"int4"`` (weight-only,
+            blockwise); see :mod:`onnx_qat.formats`.
+        block_size: values per INT4 weight scale along the reduction axis (``precision="int4"``;
+            TensorRT documents 64 and 128). A weight whose reduction dimension it does not
+            divide stays float.
     """
 
     target: str = "tensorrt"
     exclude_nodes: Tuple[str, ...] = ()
     exclude_op_types: Tuple[str, ...] = ()
     min_channels: int = 0
-    include_attention: bool = False
+    include_attention: Optional[bool] = None
+    precision: str = "int8"
+    block_size: int = DEFAULT_BLOCK_SIZE
     _patterns: Tuple["re.Pattern", ...] = field(default=(), init=False, repr=False, compare=False)
+    _attention_given: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.target not in TARGETS:
             raise ConfigError(f"target must be one of {', '.join(TARGETS)}; got {self.target!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
+        if self.precision != "int8" and self.target != "tensorrt":
+            raise ConfigError(f"precision {self.precision!r} is a TensorRT form; target {self.target!r} "
+                              "takes only int8")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ConfigError(f"block_size must be a whole number >= 2, got {self.block_size!r}")
+        if self.block_size not in TENSORRT_BLOCK_SIZES and self.precision == "int4":
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "block_size %d: TensorRT documents INT4 block sizes %s", self.block_size,
+                ", ".join(map(str, TENSORRT_BLOCK_SIZES)))
         object.__setattr__(self, "exclude_nodes", _as_str_tuple(self.exclude_nodes, "exclude_nodes"))
         object.__setattr__(self, "exclude_op_types", _as_str_tuple(self.exclude_op_types, "exclude_op_types"))
         if (isinstance(self.min_channels, bool) or not isinstance(self.min_channels, int)
                 or self.min_channels < 0):
             raise ConfigError(f"min_channels must be a whole number >= 0, got {self.min_channels!r}")
-        if not isinstance(self.include_attention, bool):
+        if self.include_attention is not None and not isinstance(self.include_attention, bool):
             raise ConfigError(f"include_attention must be True or False, got {self.include_attention!r}")
+        object.__setattr__(self, "_attention_given", self.include_attention is not None)
+        if self.include_attention is None:  # the precision's choice
+            object.__setattr__(self, "include_attention", get_format(self.precision).attention)
         patterns = []
         for pattern in self.exclude_nodes:
             try:
@@ -84,14 +111,18 @@ class QuantizeConfig:
     def from_options(cls, config: "QuantizeConfig | None" = None, **options) -> "QuantizeConfig":
         """Start from ``config`` (or the defaults) and apply keyword ``options``."""
         base = config or cls()
-        unknown = set(options) - {"target", "exclude_nodes", "exclude_op_types", "min_channels",
-                                  "include_attention"}
+        unknown = set(options) - set(_FIELDS)
         if unknown:
             raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
-        values = {k: getattr(base, k) for k in ("target", "exclude_nodes", "exclude_op_types",
-                                               "min_channels", "include_attention")}
+        values = {k: getattr(base, k) for k in _FIELDS}
+        if not base._attention_given:  # the default follows the precision given now
+            values["include_attention"] = None
         values.update({k: v for k, v in options.items() if v is not None})
         return cls(**values)
+
+
+_FIELDS = ("target", "exclude_nodes", "exclude_op_types", "min_channels", "include_attention", "precision",
+           "block_size")
 
 
 def normalize_names(names: Iterable[str]) -> Tuple[str, ...]:

@@ -66,10 +66,17 @@ class GraphEdit:
             :func:`onnx_qat.placement.graph_index.assign_node_names` gives). Its nodes are changed
             in place by the edits (inputs rewired, attributes set); :meth:`commit` builds the
             result as a new ModelProto, so the caller can free ``model`` afterwards.
+        names: for the edit of a subgraph (wrapped in a ModelProto): a set of every name used in
+            the whole model, shared by the edits of all its graphs; new names are added to it, so
+            no two graphs create the same name.
+        outer_constants: for the edit of a subgraph: name -> TensorProto of the constants of the
+            enclosing graphs (initializers and Constant values), read by :meth:`constant`.
     """
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, *, names: Optional[Set[str]] = None,
+                 outer_constants: Optional[Dict[str, onnx.TensorProto]] = None):
         self.model = model
+        self.outer_constants = outer_constants or {}
         graph = model.graph
         self.nodes: List[onnx.NodeProto] = list(graph.node)
         self.position: Dict[int, int] = {id(n): i for i, n in enumerate(self.nodes)}
@@ -89,6 +96,10 @@ class GraphEdit:
         self._new_initializers: Dict[str, onnx.TensorProto] = {}
         self._maybe_unread: List[str] = []
         self._maybe_dead: List[onnx.NodeProto] = []
+        if names is not None:
+            self._used = None
+            names.update(self._names())
+            self._used = names
 
     # -- names ---------------------------------------------------------------------
     def _names(self) -> Set[str]:
@@ -148,6 +159,11 @@ class GraphEdit:
             if producer.op_type != "Identity" or not producer.input:
                 break
             name = producer.input[0]
+        else:
+            name = ""
+        outer = self.outer_constants.get(name) if name and name not in self.producer else None
+        if outer is not None:  # an outer-scope constant (this edit is a subgraph's)
+            return tensor_array(outer), outer, chain
         raise ValueError(f"weight {tensor!r} is not a constant")
 
     def initializer(self, name: str) -> Optional[onnx.TensorProto]:
@@ -180,13 +196,15 @@ class GraphEdit:
         return name
 
     def add_raw_initializer(self, base: str, dtype: np.dtype, raw: bytes, dims: Sequence[int] = ()) -> str:
-        """A new initializer of NumPy type ``dtype`` (one of :data:`_NP_TO_ONNX`) and shape ``dims``
+        """A new initializer of NumPy type ``dtype`` (one of :data:`_NP_TO_ONNX`, or an ONNX element
+        type number such as ``TensorProto.FLOAT8E4M3FN``, whose raw layout the caller made) and shape ``dims``
         holding ``raw``, its little-endian bytes, with a fresh name from ``base``; returns its name.
         For callers that made the bytes already (of many scalars at once, or shared by many
         initializers): :meth:`add_initializer` costs a NumPy array per call."""
         name = self.fresh(base)
-        self._new_initializers[name] = onnx.TensorProto(name=name, data_type=_NP_TO_ONNX[np.dtype(dtype)],
-                                                        dims=dims, raw_data=raw)
+        data_type = dtype if isinstance(dtype, int) else _NP_TO_ONNX[np.dtype(dtype)]
+        self._new_initializers[name] = onnx.TensorProto(name=name, data_type=data_type, dims=dims,
+                                                        raw_data=raw)
         return name
 
     def replace_initializer(self, name: str, values) -> None:

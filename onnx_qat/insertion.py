@@ -8,6 +8,11 @@ creates has a readable name derived from the tensor it quantizes:
 * weight ``w``: int8 initializer ``w_quantized`` -> ``w_DequantizeLinear`` with
   ``w_scale`` / ``w_zero_point`` (1-D per channel with the ``axis`` attribute, or scalars).
 
+The numeric format (:mod:`onnx_qat.formats`) decides the stored types and the scale rule:
+``int8`` (above), ``fp8`` (E4M3FN activations and per-channel weights, zero points of type
+float8e4m3fn and value 0, scale ``amax / 448``) or ``int4`` (weights only: an INT4 initializer
+and a DequantizeLinear with ``axis`` and ``block_size``, one scale per block, ``amax / 7``).
+
 Only QuantizeLinear and DequantizeLinear are ever emitted (opset >= 13): never QLinear*,
 ConvInteger, MatMulInteger or an int32 bias DequantizeLinear. Biases stay float.
 New nodes are placed just before their first consumer, so the node order stays
@@ -20,8 +25,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+import onnx
 
 from .errors import ScalesError
+from .formats import INT8, Format, get_format
 from .graph_edit import GraphEdit, make_node
 from .placement.marks import ActivationMark, Placement, WeightMark
 from .scales import ScaleTable
@@ -55,24 +62,25 @@ class InsertionResult:
 
 
 # --------------------------------------------------------------------------- numerics
-def activation_scale(amax: float, target: Target) -> np.float32:
-    """Rule 2: symmetric per-tensor scale ``amax / 127`` as float32 (finite, > 0)."""
+def activation_scale(amax: float, target: Target, qmax: float = 127.0) -> np.float32:
+    """Rule 2: symmetric per-tensor scale ``amax / 127`` as float32 (finite, > 0); ``amax / qmax``
+    for another format (FP8: 448)."""
     with np.errstate(over="ignore"):  # an amax beyond float32 is reported below, not warned about
-        scale = np.float32(float(amax) / 127.0)
+        scale = np.float32(float(amax) / qmax)
     if not np.isfinite(scale) or scale < _TINY:
         raise ScalesError(f"activation amax {amax} gives an unusable scale {scale}")
     return scale
 
 
-def activation_scales(amaxes: Sequence[float], target: Target) -> np.ndarray:
+def activation_scales(amaxes: Sequence[float], target: Target, qmax: float = 127.0) -> np.ndarray:
     """:func:`activation_scale` of every amax in one NumPy pass (the same float32 values); the
     first unusable one raises its ScalesError."""
     with np.errstate(over="ignore"):
-        scales = (np.asarray(amaxes, dtype=np.float64) / 127.0).astype(np.float32)
+        scales = (np.asarray(amaxes, dtype=np.float64) / qmax).astype(np.float32)
     bad = ~(np.isfinite(scales) & (scales >= _TINY))
     if bad.any():
         first = int(np.argmax(bad))
-        activation_scale(amaxes[first], target)  # raises with the one-value message
+        activation_scale(amaxes[first], target, qmax)  # raises with the one-value message
     return scales
 
 
@@ -220,7 +228,7 @@ def missing_activations(placement: Placement, scales: ScaleTable) -> Tuple[str, 
 # --------------------------------------------------------------------------- insertion
 def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, target="tensorrt", *,
                      progress: bool = False, zero_points: Optional[Dict[str, int]] = None,
-                     unsigned_weights=()) -> InsertionResult:
+                     unsigned_weights=(), precision="int8", block_size: int = 128) -> InsertionResult:
     """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
     :meth:`~onnx_qat.graph_edit.GraphEdit.commit`).
 
@@ -234,6 +242,9 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
             form uses 0 for non-negative tensors); the records then carry ``zero_point``.
         unsigned_weights: weight tensors stored as uint8 ``q + 128`` with zero point 128 instead of
             int8 ``q`` with zero point 0 (the same dequantized values).
+        precision: the numeric format (``"int8"``, ``"fp8"``, ``"int4"`` or a
+            :class:`~onnx_qat.formats.Format`); the target's dtypes apply to ``int8`` only.
+        block_size: values per INT4 weight scale along the mark's axis (``int4``).
 
     Raises:
         ScalesError: a quantized activation has no range in ``scales``, or a weight range
@@ -243,16 +254,19 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
     if missing:
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"ScaleTable has no range for {len(missing)} quantized tensor(s): {shown}")
-    return _Inserter(edit, get_target(target), zero_points, unsigned_weights).run(placement, scales, progress)
+    return _Inserter(edit, get_target(target), zero_points, unsigned_weights, get_format(precision),
+                     block_size).run(placement, scales, progress)
 
 
 class _Inserter:
     """One insertion run over one graph edit."""
 
     def __init__(self, edit: GraphEdit, target: Target, zero_points: Optional[Dict[str, int]] = None,
-                 unsigned_weights=()):
+                 unsigned_weights=(), fmt: Format = INT8, block_size: int = 128):
         self.edit = edit
         self.target = target
+        self.format = fmt
+        self.block_size = block_size
         self.zero_points = zero_points
         self.unsigned_weights = frozenset(unsigned_weights)
         self._zero_points: Dict[tuple, tuple] = {}  # see _zero_point
@@ -264,7 +278,7 @@ class _Inserter:
         marks = placement.activations
         # every activation scale at once: float values for the records, raw float32 bytes for the
         # initializers (per-tensor NumPy scalars would cost more than the rest of a pair's insertion)
-        act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.target)
+        act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.target, self.format.qmax)
         raw = _le_bytes(act_scales)
         for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
             records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4]))
@@ -275,7 +289,8 @@ class _Inserter:
         axes_per_tensor: Dict[str, int] = {}
         for tensor, _ in groups:
             axes_per_tensor[tensor] = axes_per_tensor.get(tensor, 0) + 1
-        ready = _quantize_small(self.edit, list(groups), scales, self.target.weight_range)
+        ready = _quantize_small(self.edit, list(groups), scales, self.target.weight_range) \
+            if self.format is INT8 else {}
         for (tensor, axis), marks in groups.items():
             base = tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
             records_w.append(self.weight(tensor, base, axis, marks, scales, ready.pop((tensor, axis), None)))
@@ -311,8 +326,9 @@ class _Inserter:
         zero_point = target.activation_zero_point if self.zero_points is None else \
             self.zero_points.get(mark.tensor, target.activation_zero_point)
         scale_name = edit.add_raw_initializer(f"{base}_scale", _FLOAT32, scale_raw)
-        zp_name = edit.add_raw_initializer(f"{base}_zero_point",
-                                           *self._zero_point((), zero_point, target.activation_dtype))
+        zp = self._zero_point((), zero_point, target.activation_dtype) if self.format is INT8 else \
+            _zero_bytes(self.format.activation_type, ())
+        zp_name = edit.add_raw_initializer(f"{base}_zero_point", *zp)
         q_out = edit.fresh(f"{base}_QuantizeLinear_Output")
         dq_out = edit.fresh(f"{base}_DequantizeLinear_Output")
         q = make_node("QuantizeLinear", edit.fresh(f"{base}_QuantizeLinear"),
@@ -334,6 +350,8 @@ class _Inserter:
         (``ready``: its ``(q, scale, amax, constant)`` from :func:`_quantize_small`, or None)."""
         edit = self.edit
         consumers = [(edit.node(m.node), m.input_index) for m in marks]
+        if self.format is not INT8:
+            return self.weight_in_format(tensor, base, axis, marks, scales, consumers)
         if ready is not None:
             table_amax, use_axis = None, axis
             q, scale, own_amax, (values, proto, chain) = ready
@@ -371,6 +389,88 @@ class _Inserter:
                 **({"zero_point": 128} if tensor in self.unsigned_weights else {})}
 
 
+    def weight_in_format(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],
+                         scales: ScaleTable, consumers) -> dict:
+        """An FP8 (per channel) or INT4 (per block) weight initializer + DequantizeLinear."""
+        from .blockwise import pack_int4, quantize_blocks, to_fp8
+
+        edit, fmt = self.edit, self.format
+        values, proto, chain = edit.constant(tensor)
+        values = np.asarray(values, np.float32)
+        if fmt.blocked:
+            block_amax = _block_range(scales, tensor, axis, values, self.block_size)
+            q, scale = quantize_blocks(values, axis, self.block_size, block_amax)
+            raw, own_amax = pack_int4(q), scale * np.float32(fmt.qmax)
+            zero = _zero_bytes(fmt.weight_type, scale.shape)
+            source = "weights" if block_amax is None else "scale table"
+        else:
+            table_amax, table_axis = _weight_range(scales, tensor, axis, values)
+            use_axis = axis if table_amax is None else table_axis
+            own_amax = weight_amax(values, use_axis) if table_amax is None else \
+                np.asarray(table_amax, np.float32)
+            scale = (own_amax.astype(np.float64) / fmt.qmax).astype(np.float32)
+            scale = np.where(_usable_scales(scale), scale, np.float32(ZERO_CHANNEL_SCALE)).astype(np.float32)
+            if use_axis is None:
+                scale = scale.reshape(())
+                broadcast = scale
+            else:
+                shape = [1] * values.ndim
+                shape[use_axis] = -1
+                broadcast = scale.reshape(shape)
+            raw, axis = to_fp8(values, broadcast).tobytes(), use_axis
+            zero = _zero_bytes(fmt.weight_type, scale.shape)
+            source = "weights" if table_amax is None else "scale table"
+        q_name = edit.add_raw_initializer(f"{base}_quantized", fmt.weight_type, raw, values.shape)
+        scale_name = edit.add_initializer(f"{base}_scale", scale)
+        zp_name = edit.add_raw_initializer(f"{base}_zero_point", *zero)
+        dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"),
+                       [q_name, scale_name, zp_name], [edit.fresh(f"{base}_DequantizeLinear_Output")],
+                       axis=None if axis is None else int(axis))
+        if fmt.blocked:
+            dq.attribute.append(onnx.helper.make_attribute("block_size", int(self.block_size)))
+        self.rewire([dq], consumers, dq.output[0])
+        edit.release_if_unread(initializers=[proto.name] if not chain else
+                               [t for t in chain[-1].input if edit.initializer(t) is not None],
+                               nodes=chain)
+        record = {"kind": "weight", "tensor": tensor, "nodes": [f"{m.node}:{m.input_index}" for m in marks],
+                  "dequantize_node": dq.name, "initializer": q_name, "axis": axis,
+                  "channels": int(scale.size), "zero_channels": int(np.count_nonzero(own_amax == 0)),
+                  "amax_source": source, "rule": marks[0].rule, "reason": marks[0].reason,
+                  "precision": fmt.name}
+        if fmt.blocked:
+            record["block_size"] = int(self.block_size)
+        return record
+
+
+def _zero_bytes(data_type: int, shape: Tuple[int, ...]) -> tuple:
+    """``(ONNX element type, raw bytes, shape)`` of an all-zero FP8 or INT4 zero point (both encode 0 as
+    zero bits; INT4 packs two values per byte)."""
+    from .formats import ONNX_INT4
+
+    count = int(np.prod(shape, dtype=np.int64))
+    size = (count + 1) // 2 if data_type == ONNX_INT4 else count
+    return data_type, bytes(size), tuple(shape)
+
+
+def _block_range(scales: ScaleTable, tensor: str, axis: int, values: np.ndarray, block_size: int):
+    """Block amax of an INT4 weight from the ScaleTable (an entry with ``block_size``), or None to take it
+    from the weight values."""
+    rng = scales.weights.get(tensor)
+    if rng is None:
+        return None
+    if getattr(rng, "block_size", None) != block_size or rng.axis is None or \
+            (rng.axis + values.ndim if rng.axis < 0 else rng.axis) != axis:
+        raise ScalesError(f"ScaleTable weight {tensor!r}: int4 needs block amax along axis {axis} with "
+                          f"block_size {block_size}")
+    shape = list(values.shape)
+    shape[axis] //= block_size
+    amax = np.asarray(rng.amax, np.float32)
+    if amax.size != int(np.prod(shape)):
+        raise ScalesError(f"ScaleTable weight {tensor!r}: {amax.size} block amax values for a "
+                          f"{shape} block grid")
+    return amax.reshape(shape)
+
+
 def _le_bytes(values: np.ndarray) -> bytes:
     """The little-endian bytes of an array (ONNX raw data)."""
     return values.astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
@@ -396,6 +496,9 @@ def _weight_range(scales: ScaleTable, tensor: str, axis: Optional[int], values: 
     rng = scales.weights.get(tensor)
     if rng is None:
         return None, None
+    if getattr(rng, "block_size", None) is not None:
+        raise ScalesError(f"ScaleTable weight {tensor!r} holds block ranges (block_size {rng.block_size}), "
+                          "which only precision int4 uses")
     if rng.axis is None:
         return rng.amax, None
     rng_axis = rng.axis + values.ndim if rng.axis < 0 else rng.axis

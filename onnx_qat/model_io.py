@@ -5,7 +5,8 @@
   default-domain opsets below 13 and sets an IR version onnxruntime and TensorRT load.
 * :func:`save_model` writes atomically, with one ``<file name>.data`` external-data
   file beside the model when the protobuf would exceed the 2 GB protobuf limit.
-* :func:`to_graph` / :func:`from_graph` are the onnx-graphsurgeon import/export edge.
+* :func:`to_graph` / :func:`from_graph` are the onnx-graphsurgeon edge: a caller's ``gs.Graph`` is
+  accepted wherever a model is (exported, never changed), and a result is given back as one.
 * :func:`model_input_specs` describes the graph inputs a data file must feed.
 
 Every problem a user can cause is a :class:`~onnx_qat.errors.ModelError` (or
@@ -18,6 +19,7 @@ import gc
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Tuple, Union
@@ -32,7 +34,8 @@ from .fileio import atomic_output, check_output_path, make_temp_beside, signals_
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
-ModelSource = Union[PathLike, onnx.ModelProto]
+#: A model as the API accepts it: a path, an ``onnx.ModelProto`` or an ``onnx_graphsurgeon.Graph``.
+ModelSource = Union[PathLike, onnx.ModelProto, "onnx_graphsurgeon.Graph"]  # noqa: F821
 
 #: Default-domain opset every output needs (QuantizeLinear/DequantizeLinear with ``axis``).
 MIN_OPSET = 13
@@ -79,7 +82,8 @@ def load_model(source: ModelSource, *, upgrade_opset: bool = True, min_opset: in
     """Read and validate an ONNX model; return a new ``ModelProto`` the caller owns.
 
     Args:
-        source: a path to an ``.onnx`` file, or a ``ModelProto`` (copied, never mutated).
+        source: a path to an ``.onnx`` file, a ``ModelProto`` (copied, never mutated), or an
+            ``onnx_graphsurgeon.Graph`` (exported with :func:`from_graph`, never mutated).
         upgrade_opset: convert a default-domain opset below ``min_opset`` with
             onnx's version converter (initializers listed as graph inputs are removed
             from the inputs first, as the converter needs).
@@ -92,17 +96,26 @@ def load_model(source: ModelSource, *, upgrade_opset: bool = True, min_opset: in
         check: run ``onnx.checker`` (``full_check=False``).
 
     Raises:
-        ModelError: the path is missing, a directory, empty, not an ONNX protobuf,
+        ModelError: ``source`` is none of the three kinds, the path is missing, a directory, empty,
+            not an ONNX protobuf,
             the model is invalid, refers to unsafe or missing external data (or, given as a
             ``ModelProto``, to external data not loaded), or cannot be upgraded.
     """
     data = None
-    if isinstance(source, onnx.ModelProto):
+    if is_graph(source):
+        model = from_graph(source)  # a new ModelProto: no copy needed
+        if load_external_data:
+            _refuse_unloaded_external(model)
+        label, base_dir = "model", None
+    elif isinstance(source, onnx.ModelProto):
         if load_external_data:
             _refuse_unloaded_external(source)
         model = onnx.ModelProto()
         model.CopyFrom(source)
         label, base_dir = "model", None
+    elif not isinstance(source, (str, os.PathLike)):
+        raise ModelError(f"a model must be a path, an onnx.ModelProto or an onnx_graphsurgeon.Graph, "
+                         f"got {type(source).__name__}")
     else:
         data, label, base_dir = _read_model_bytes(source)
         model = _parse(data, label)
@@ -639,8 +652,22 @@ def _mkstemp_beside(target: Path, registry: list) -> str:
 
 
 # --------------------------------------------------------------------------- graphsurgeon edge
+def is_graph(obj) -> bool:
+    """True when ``obj`` is an ``onnx_graphsurgeon.Graph``.
+
+    Never imports onnx-graphsurgeon: a caller holding a Graph has imported it already, so a
+    module not yet imported means ``obj`` cannot be one (``import onnx_qat`` stays light).
+    """
+    gs = sys.modules.get("onnx_graphsurgeon")
+    return gs is not None and isinstance(obj, gs.Graph)
+
+
 def to_graph(model: ModelSource):
-    """Import a model (``ModelProto``, or a path read with :func:`load_model`) as a graphsurgeon Graph."""
+    """The model as a new ``onnx_graphsurgeon.Graph``, ready for further graph surgery.
+
+    ``model``: a ``ModelProto`` (imported as it is, not changed) or anything :func:`load_model`
+    reads. Raises ModelError when onnx-graphsurgeon cannot import it.
+    """
     import onnx_graphsurgeon as gs
 
     proto = model if isinstance(model, onnx.ModelProto) else load_model(model)
@@ -651,46 +678,27 @@ def to_graph(model: ModelSource):
             f"model cannot be imported into onnx-graphsurgeon: {brief(exc, first_line=True)}") from None
 
 
-def from_graph(graph, template_model: onnx.ModelProto) -> onnx.ModelProto:
-    """Export an onnx-graphsurgeon Graph, keeping ``template_model``'s model-level fields.
-
-    Kept: opset imports (plus any domain the graph added), IR version, producer name
-    and version, domain, model version, doc string, metadata and training info.
-    Model-local functions are exported from the graph.
-    """
+def from_graph(graph) -> onnx.ModelProto:
+    """A new ``ModelProto`` of an ``onnx_graphsurgeon.Graph`` (``gs.export_onnx``; the Graph is read,
+    never changed). Tensors without a known type are allowed here: :func:`load_model` then runs
+    ``onnx.checker`` on the result. Raises ModelError when graphsurgeon cannot export it."""
     import onnx_graphsurgeon as gs
 
     try:
-        exported = gs.export_onnx(graph, do_type_check=False)
+        return gs.export_onnx(graph, do_type_check=False)
     except Exception as exc:
-        raise ModelError(f"graph cannot be exported to ONNX: {brief(exc, first_line=True)}") from None
-    opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version for o in template_model.opset_import}
-    for o in exported.opset_import:
-        domain = o.domain if o.domain != "ai.onnx" else ""
-        opsets[domain] = max(opsets.get(domain, 0), o.version) if domain else opsets.get(domain, o.version)
-    del exported.opset_import[:]
-    exported.opset_import.extend(helper.make_opsetid(d, v) for d, v in sorted(opsets.items()))
-    for name in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
-        setattr(exported, name, getattr(template_model, name))
-    del exported.metadata_props[:]
-    exported.metadata_props.extend(template_model.metadata_props)
-    if not exported.functions and template_model.functions:
-        exported.functions.extend(template_model.functions)
-    exported.ir_version = template_model.ir_version
-    exported.ir_version = target_ir_version(exported)
-    return exported
+        raise ModelError(f"onnx_graphsurgeon.Graph cannot be exported to ONNX: "
+                         f"{brief(exc, first_line=True)}") from None
 
 
 @contextlib.contextmanager
 def cyclic_gc_paused():
     """Pause Python's cyclic garbage collector for the block (its previous state restored after).
 
-    Importing, rewriting and exporting a graphsurgeon graph (or indexing a large model) allocates
-    millions of objects that all stay alive until the work is done; each burst of allocations
-    makes the collector rescan every live object, which on a 50k-node model cost more than the
-    rewrite itself (the rewrite took about twice as long with the collector on). Nothing
-    allocated there becomes cyclic garbage before :func:`release_graph` frees the graph by
-    reference counting, so pausing the collector holds back no memory.
+    Indexing, placing and rewriting a large model allocates millions of objects that all stay
+    alive until the work is done; each burst of allocations makes the collector rescan every
+    live object, which on a 50k-node model cost more than the rewrite itself. Nothing allocated
+    there becomes cyclic garbage, so pausing the collector holds back no memory.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -699,35 +707,6 @@ def cyclic_gc_paused():
     finally:
         if enabled:
             gc.enable()
-
-
-def release_graph(graph) -> None:
-    """Free an onnx-graphsurgeon graph now instead of at the next full garbage collection.
-
-    Each graphsurgeon node and tensor sits in reference cycles (its input/output lists point
-    back to it and to its neighbours), so only Python's cyclic collector frees them, and a full
-    collection over the ~10^6 objects of a 10^5-node graph takes seconds. Clearing the cycles
-    lets reference counting free the graph, and the weights its constants reference, at once.
-    Subgraphs (If/Loop/Scan bodies) are released too. The graph is unusable afterwards.
-    """
-    import onnx_graphsurgeon as gs
-
-    stack = [graph]
-    while stack:
-        current = stack.pop()
-        if not vars(current):  # already released (a function shared by several graphs)
-            continue
-        stack.extend(getattr(current, "functions", ()))
-        for node in current.nodes:
-            for value in node.attrs.values():
-                stack.extend(v for v in (value if isinstance(value, (list, tuple)) else [value])
-                             if isinstance(v, gs.Graph))
-            for tensor in (*node.inputs, *node.outputs):
-                vars(tensor).clear()
-            vars(node).clear()
-        for tensor in (*current.inputs, *current.outputs):
-            vars(tensor).clear()
-        vars(current).clear()
 
 
 # --------------------------------------------------------------------------- inputs
@@ -761,7 +740,7 @@ def _input_spec(value_info: onnx.ValueInfoProto) -> InputSpec:
 
 
 __all__ = [
-    "InputSpec", "load_model", "save_model", "to_graph", "from_graph", "release_graph",
+    "InputSpec", "load_model", "save_model", "is_graph", "to_graph", "from_graph",
     "cyclic_gc_paused", "validate_model", "tensor_array",
     "model_input_specs",
     "target_ir_version", "default_opset", "safe_external_path", "MIN_OPSET", "MAX_IR_VERSION",

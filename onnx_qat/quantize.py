@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Optional, Tuple
@@ -19,10 +19,13 @@ import onnx
 from .config import QuantizeConfig
 from .errors import ConfigError, ModelError, PlacementError, ScalesError
 from .fileio import check_output_path, write_json
-from .placement.graph_index import GraphIndex, assign_node_names
+from .placement.graph_index import GraphIndex, assign_node_names, subgraphs_of
 from .placement.marks import ActivationMark, Placement
+from .placement.policy import policy_for
 from .scales import ScaleTable
+from .target_forms import make_form
 from .targets import Target, get_target
+from .formats import get_format
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,8 @@ class QuantizeResult:
         inserted: one record per inserted Q/DQ pair or weight DequantizeLinear (rule, reason, scale).
         requantization: one record per requantization point a target adds beyond the placement
             (the ``ort-cpu`` target's Conv outputs; empty for ``tensorrt``).
+        precision: the numeric format (``int8``, ``fp8``, ``int4``).
+        awq: per-weight-group records of the activation-aware scale search (``int4`` with data).
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -57,10 +62,18 @@ class QuantizeResult:
     summary: Mapping[str, int]
     inserted: Tuple[dict, ...] = field(default=(), repr=False)
     requantization: Tuple[dict, ...] = field(default=(), repr=False)
+    precision: str = "int8"
+    awq: Tuple[dict, ...] = field(default=(), repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.model_io.save_model`)."""
         return _io().save_model(self.model, path)
+
+    def to_graph(self):
+        """The Q/DQ model as a new ``onnx_graphsurgeon.Graph``, ready for further graph surgery
+        (``gs.export_onnx(graph)`` gives the ONNX model back). Each call imports a fresh Graph;
+        editing it leaves :attr:`model` unchanged."""
+        return _io().to_graph(self.model)
 
     def to_report(self) -> dict:
         """A JSON-ready report: summary, every inserted Q/DQ with its rule and reason, skipped nodes
@@ -75,9 +88,11 @@ class QuantizeResult:
                        "weights": len(self.scales.weights)},
             "inserted": [dict(r) for r in self.inserted],
             "skipped": [{"node": d.node, "op_type": d.op_type, "rule": d.rule, "reason": d.reason}
-                        for d in self.placement.decisions if d.action == "skip"],
+                        for d in self.placement.all_decisions() if d.action == "skip"],
             "notes": list(self.placement.notes),
             "requantization": [dict(r) for r in self.requantization],
+            **({} if self.precision == "int8" else {"precision": self.precision,
+                                                    "awq": [dict(r) for r in self.awq]}),
         }
 
     def to_dict(self) -> dict:
@@ -86,7 +101,8 @@ class QuantizeResult:
 
     def __str__(self) -> str:
         s = self.summary
-        return (f"QuantizeResult(target={self.target}, {s['activations']} activation Q/DQ pairs, "
+        return (f"QuantizeResult(target={self.target}, precision={self.precision}, "
+                f"{s['activations']} activation Q/DQ pairs, "
                 f"{s['weights']} weights, {s['skipped_nodes']} nodes skipped, output={self.output})")
 
 
@@ -95,22 +111,28 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
              exclude_op_types=None, min_channels: Optional[int] = None,
              include_attention: Optional[bool] = None, calibration_options: Optional[Mapping] = None,
              report=None, progress: bool = True, placement: Optional[Placement] = None,
+             precision: Optional[str] = None, block_size: Optional[int] = None,
              **calibration_kwargs) -> QuantizeResult:
-    """Insert INT8 QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them.
+    """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
+    numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
     Args:
-        model: path to a float ONNX model, or an ``onnx.ModelProto`` (never mutated).
+        model: path to a float ONNX model, an ``onnx.ModelProto`` or an ``onnx_graphsurgeon.Graph``
+            (never mutated; a Graph is exported with ``gs.export_onnx``, e.g. after graph surgery).
         output: where to write the Q/DQ model (atomically, after ``onnx.checker`` passed on the
             bytes to write), or None to only return it.
         scales: a :class:`~onnx_qat.scales.ScaleTable`, the path of its JSON file, or a mapping
             ``{activation tensor: amax}`` (made into a ScaleTable of activation ranges; weights
             then take their own max).
         data: calibration data (anything :func:`onnx_qat.load_data` accepts); ranges are then
-            computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``.
+            computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``
+            (``precision="int4"`` needs neither: without ``data`` its weights are rounded to
+            nearest; with ``data`` an activation-aware scale search runs first, see
+            :mod:`onnx_qat.awq`).
         method: calibration method when ``data`` is given (``max``, ``percentile``, ``entropy``, ``mse``).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; the keywords ``target``,
-            ``exclude_nodes``, ``exclude_op_types``, ``min_channels`` and ``include_attention``
-            override its fields.
+            ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
+            ``precision`` and ``block_size`` override its fields.
         calibration_options: extra keywords for :func:`onnx_qat.calibrate` (e.g. ``batch_size``);
             further keyword arguments (``percentile=...``, ``batch_size=...``) are added to them.
         report: a path: also write :meth:`QuantizeResult.to_report` as JSON (atomically).
@@ -119,6 +141,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             instead of the target policy's (e.g. the one ``tf_bridge.export_onnx`` derives
             from a Keras QAT model). Its node names are the ones :func:`onnx_qat.place`
             uses; the placement options (``exclude_nodes``...) are then not applied.
+        precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ, scale amax / 448, opset >= 19)
+            or ``"int4"`` (blockwise weight-only DequantizeLinear on MatMul/Gemm weights, opset
+            21); see :mod:`onnx_qat.formats`.
+        block_size: values per INT4 weight scale (default 128; ``precision="int4"``).
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -129,10 +155,12 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     """
     config = QuantizeConfig.from_options(config, target=target, exclude_nodes=exclude_nodes,
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
-                                         include_attention=include_attention)
+                                         include_attention=include_attention, precision=precision,
+                                         block_size=block_size)
     target_obj = get_target(config.target)
+    fmt = get_format(config.precision)
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
-    _check_sources(scales, data, method, calib_kw)
+    _check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     inputs = tuple(p for p in (model, scales, data) if isinstance(p, (str, os.PathLike)))
     out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
     if report is not None:
@@ -141,25 +169,47 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             raise ConfigError("report and output name the same file")
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
-    form = target_obj.make_form()
+    awq_records: tuple = ()
+    if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
+        from .awq import apply_awq
+
+        clip_ranges: dict = {}
+        if data is not None:
+            awq_records, clip_ranges = apply_awq(float_model, index, placement, data, config.block_size,
+                                                 progress=progress, batch_size=calib_kw.get("batch_size"))
+        if scales is None:
+            scales = ScaleTable(weights=clip_ranges, producer="awq" if clip_ranges else "weights")
+        data = None
+    form = make_form(target_obj)
     if form is not None and data is not None and "tensors" not in calib_kw:
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
             placement.activation_tensors() + form.calibration_tensors(index, placement)))}
-    table = _ranges(float_model, index, placement, scales, data, method, config, calib_kw, progress)
+    table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
+                               progress)
+    if fmt.attention:
+        table = softmax_ranges(index, placement, table) if config.include_attention else table
     requantization, storage, finish = (), {}, None
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = form.adapt(index, placement, table)
+        dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
+        if dropped:  # the form rewrites the main graph only: If branches stay float in it
+            note = (f"the {target_obj.name} form quantizes the main graph only; "
+                    f"{len(dropped)} If branch(es) left float")
+            logger.warning("%s", note)
+            placement = replace(placement, notes=placement.notes + (note,))
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
+    storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
     qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage, finish)
     # The float weights are not needed to save the Q/DQ model (a new ModelProto, which holds only
     # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
     summary = _summary(placement, inserted)
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
-                            tuple(inserted.activations + inserted.weights), tuple(requantization))
+                            tuple(inserted.activations + inserted.weights), tuple(requantization),
+                            fmt.name, tuple(awq_records))
     if out_path is not None:
         # validated on the very bytes written (nothing is written when onnx.checker refuses them)
         io.save_model(qdq_model, out_path, inputs=inputs, ir_version=qdq_model.ir_version, validate=True)
@@ -180,12 +230,12 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
     """
     io = _io()
     with io.cyclic_gc_paused():
-        float_model = io.load_model(model)
+        float_model = io.load_model(model, min_opset=get_format(config.precision).min_opset)
         refuse_quantized(float_model, _describe(model))
         assign_node_names(float_model)
         index = GraphIndex(float_model)  # built once: placement, placement checks and name checks share it
         if placement is None:
-            placement = target_obj.make_policy().place(index, config)
+            placement = policy_for(target_obj).place(index, config)
         else:
             _check_placement(placement, index)
         if placement.empty:
@@ -194,8 +244,10 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
     return float_model, index, placement
 
 
-def _check_sources(scales, data, method, calib_kw) -> None:
-    if (scales is None) == (data is None):
+def _check_sources(scales, data, method, calib_kw, weight_only: bool = False) -> None:
+    if weight_only and scales is not None and data is not None:
+        raise ConfigError("give at most one of scales and data for a weight-only precision")
+    if (scales is None) == (data is None) and not (weight_only and scales is None):
         raise ConfigError("give exactly one of scales (a ScaleTable or its JSON path) "
                           "and data (calibration data)")
     if scales is not None and not isinstance(scales, (ScaleTable, Mapping, str, os.PathLike)):
@@ -217,6 +269,14 @@ def _check_placement(placement, index: GraphIndex) -> None:
         if mark.tensor not in tensors or unknown:
             what = f"node {unknown[0]!r}" if unknown else f"tensor {mark.tensor!r}"
             raise PlacementError(f"the given placement names {what}, which the model does not have")
+    for sub in placement.subgraphs:
+        node = index.by_name.get(sub.node)
+        held = {(a, p) for a, p, _ in subgraphs_of(node.proto)} if node is not None else set()
+        if (sub.attribute, sub.position) not in held:
+            raise PlacementError(f"the given placement names subgraph {sub.attribute!r} of node "
+                                 f"{sub.node!r}, which the model does not have")
+    for sub_index, sub_placement in nested_indexes(index, placement):
+        _check_placement(replace(sub_placement, subgraphs=()), sub_index)
 
 
 def _describe(model) -> str:
@@ -234,8 +294,11 @@ def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str
 
     small: list = []
     size = 0
-    for tensor in placement.weight_tensors():
-        proto = index.constant_proto(tensor)
+    weights = [(index, t) for t in placement.weight_tensors()]
+    weights += [(sub_index, t) for sub_index, sub in nested_indexes(index, placement)
+                for t in sub.weight_tensors()]
+    for graph_index, tensor in weights:
+        proto = graph_index.constant_proto(tensor)
         if proto is None:
             continue
         values = _io().tensor_array(proto)
@@ -262,10 +325,29 @@ def _refuse_non_finite(weights, what: str) -> None:
                              "infinite value(s); fix the float model before quantizing it")
 
 
+def nested_indexes(index: GraphIndex, placement: Placement):
+    """``(GraphIndex, Placement)`` of every subgraph ``placement`` quantizes (depth first), each index
+    resolving outer-scope names through its parent's."""
+    for sub in placement.subgraphs:
+        node = index.by_name[sub.node]
+        graph = next(g for name, position, g in subgraphs_of(node.proto)
+                     if name == sub.attribute and position == sub.position)
+        sub_index = GraphIndex(graph, outer=index)
+        yield sub_index, sub.placement
+        yield from nested_indexes(sub_index, sub.placement)
+
+
 def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
-    """Raise PlacementError when ``model`` already holds Q/DQ or integer-quantized ops."""
-    found = sorted({n.op_type for n in model.graph.node
-                    if n.op_type in QUANTIZED_OPS or n.op_type.startswith("QLinear")})
+    """Raise PlacementError when ``model`` already holds Q/DQ or integer-quantized ops (in any graph,
+    If/Loop/Scan bodies included)."""
+    graphs, ops = [model.graph], set()
+    while graphs:
+        graph = graphs.pop()
+        for n in graph.node:
+            ops.add(n.op_type)
+            if n.attribute:
+                graphs.extend(g for _, _, g in subgraphs_of(n))
+    found = sorted(op for op in ops if op in QUANTIZED_OPS or op.startswith("QLinear"))
     if found:
         raise PlacementError(f"{what} is already quantized (it has {', '.join(found)} nodes); "
                              "give the float model instead")
@@ -274,23 +356,28 @@ def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
 def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
     """The one-line message for a placement with no marks: what was found and what was excluded."""
     ops = {}
-    for d in placement.decisions:
+    for d in placement.all_decisions():
         ops[d.op_type] = ops.get(d.op_type, 0) + 1
     found = ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) or "no nodes"
-    skipped = [d for d in placement.decisions if d.action == "skip"]
+    skipped = [d for d in placement.all_decisions() if d.action == "skip"]
     why = "; ".join(f"{d.node}: {d.reason}" for d in skipped[:5]) + (" ..." if len(skipped) > 5 else "")
     return (f"nothing to quantize in {what}: found {found}; {len(skipped)} node(s) skipped"
             + (f" ({why})" if why else "") + "; check exclude_nodes/exclude_op_types/min_channels")
 
 
 def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress) -> ScaleTable:
-    """The ScaleTable to use: loaded/validated, or calibrated on ``data``.
+    """``(ScaleTable, placement)``: the table loaded/validated, or calibrated on ``data``; when
+    calibrated, the If branches no batch took are dropped from the placement (left float, with a note).
 
     Problems with a ScaleTable given as a file name that file in the message.
     """
     if scales is None:
-        return _check_complete(_calibrated(model, placement, data, method, config, calib_kw, progress),
-                               placement, "calibrated ScaleTable")
+        table = _calibrated(model, placement, data, method, config, calib_kw, progress)
+        placement = without_unreached_branches(placement, table)
+        if placement.empty:
+            raise PlacementError("nothing to quantize: the calibration data took no If branch that placement "
+                                 "quantizes")
+        return _check_complete(table, placement, "calibrated ScaleTable"), placement
     with _io().cyclic_gc_paused():  # a table of 10^4-10^5 ranges; the index and placement stay alive
         if isinstance(scales, ScaleTable):
             source, table = "ScaleTable", scales
@@ -299,12 +386,34 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
         else:
             source, table = f"ScaleTable {scales}", ScaleTable.load(scales)
         try:
-            table.check_names(index.all_tensor_names(), index.constant_shapes())
+            names, shapes = list(index.all_tensor_names()), index.constant_shapes()
+            for sub_index, _ in nested_indexes(index, placement):  # If branches placement quantizes
+                names.extend(sub_index.all_tensor_names())
+                shapes.update(sub_index.constant_shapes())
+            table.check_names(names, shapes)
         except ScalesError as exc:
             if source == "ScaleTable":
                 raise
             raise ScalesError(f"{source}: {exc}") from None
-    return _check_complete(table, placement, source)
+    return _check_complete(table, placement, source), placement
+
+
+def without_unreached_branches(placement: Placement, table: ScaleTable) -> Placement:
+    """``placement`` less the subgraph placements (If branches) whose activations ``table`` has no
+    range for: calibration observes only the branch each batch takes, so a branch no batch took stays
+    float (a note says which)."""
+    from .insertion import missing_activations
+
+    if not placement.subgraphs:
+        return placement
+    kept, notes = [], list(placement.notes)
+    for sub in placement.subgraphs:
+        if missing_activations(sub.placement, table):
+            notes.append(f"If node {sub.node!r}: no calibration batch took its {sub.attribute}; left float")
+            logger.warning("%s", notes[-1])
+        else:
+            kept.append(replace(sub, placement=without_unreached_branches(sub.placement, table)))
+    return replace(placement, subgraphs=tuple(kept), notes=tuple(notes))
 
 
 def _calibrated(model, placement, data, method, config, calib_kw, progress) -> ScaleTable:
@@ -317,11 +426,26 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> S
     return calibrate(model, data, method=method, config=config, progress=progress, **calib_kw)
 
 
+#: Softmax outputs lie in [0, 1]: with FP8 their range is fixed, not calibrated (data-independent, as
+#: TensorRT's fused FP8 attention takes it; source: NVIDIA Model Optimizer's FP8 ONNX exporter, which
+#: quantizes Softmax outputs with scale 1/448).
+SOFTMAX_AMAX = 1.0
+
+
+def softmax_ranges(index: GraphIndex, placement: Placement, table: ScaleTable) -> ScaleTable:
+    """``table`` with amax :data:`SOFTMAX_AMAX` for every quantized tensor a Softmax produces."""
+    fixed = {m.tensor: SOFTMAX_AMAX for m in placement.activations
+             if getattr(index.producer.get(m.tensor), "op_type", None) == "Softmax"}
+    if not fixed:
+        return table
+    return table.merged(ScaleTable(fixed, producer=table.producer, metadata=table.metadata))
+
+
 def _check_complete(table: ScaleTable, placement: Placement, source: str) -> ScaleTable:
     """Refuse a table without a range for some tensor the placement quantizes (all are listed)."""
     from .insertion import missing_activations
 
-    missing = missing_activations(placement, table)
+    missing = tuple(t for nested in placement.nested() for t in missing_activations(nested, table))
     if missing:
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"{source} has no range for {len(missing)} tensor(s) placement quantizes: {shown}")
@@ -337,10 +461,20 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
     from .insertion import insert_qdq_pairs
 
     with _io().cyclic_gc_paused():  # ~10^5 new protobuf objects, none of them in reference cycles
+        nested = ()
+        if placement.subgraphs:  # If branches first: the main graph's edit then sees their new names
+            from .subgraphs import insert_into_subgraphs
+
+            fmt = {k: v for k, v in dict(storage or {}).items() if k in ("precision", "block_size")}
+            nested = tuple(insert_into_subgraphs(model, placement, table, target, **fmt))
         edit = GraphEdit(model)
         inserted = insert_qdq_pairs(edit, placement, table, target, progress=progress, **dict(storage or {}))
         if finish is not None:
             finish(edit)
+        if nested:
+            inserted = type(inserted)(
+                inserted.activations + tuple(r for r in nested if r["kind"] == "activation"),
+                inserted.weights + tuple(r for r in nested if r["kind"] == "weight"))
         return edit.commit(), inserted
 
 
@@ -348,7 +482,7 @@ def _summary(placement: Placement, inserted) -> dict:
     counts = placement.counts()
     return {
         "nodes": counts["nodes"],
-        "activations": len(placement.activations),
+        "activations": counts["activations"],
         "weights": len(inserted.weights),
         "quantized_nodes": counts.get("nodes_quantize", 0),
         "skipped_nodes": counts.get("nodes_skip", 0),

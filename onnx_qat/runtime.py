@@ -32,7 +32,7 @@ _ORT_DTYPES = {
 
 def make_session(model, *, threads: Optional[int] = None,
                  providers: Sequence[str] = ("CPUExecutionProvider",),
-                 extra_outputs: Iterable[str] = (), copy: bool = True, optimize: bool = True):
+                 extra_outputs: Iterable[str] = (), copy: bool = True, optimize: Optional[bool] = None):
     """Create an onnxruntime ``InferenceSession`` with deterministic options.
 
     Args:
@@ -46,7 +46,9 @@ def make_session(model, *, threads: Optional[int] = None,
             given the extra outputs in place, saving a copy of a large model.
         optimize: ``False`` turns onnxruntime's graph optimisations off, so
             QuantizeLinear/DequantizeLinear compute exactly their definition instead of
-            being fused into onnxruntime's own integer kernels.
+            being fused into onnxruntime's own integer kernels. ``None`` (the default): on,
+            except for a model holding FP8 tensors (:func:`needs_exact_qdq`), which onnxruntime
+            1.31's QDQ fusion turns into an invalid ``MatMulIntegerToFloat``.
 
     Raises:
         ModelError: a name in ``extra_outputs`` is not a tensor of the model, or
@@ -59,6 +61,8 @@ def make_session(model, *, threads: Optional[int] = None,
     extra = tuple(dict.fromkeys(extra_outputs))
     if extra or proto.ir_version != target_ir_version(proto):
         proto = with_outputs(proto, extra, copy=copy and not owned)
+    if optimize is None:
+        optimize = not needs_exact_qdq(proto)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -78,6 +82,8 @@ def make_session(model, *, threads: Optional[int] = None,
         raise ModelError(f"onnxruntime cannot load the model: {brief(exc, 300)}") from None
 
 
+#: ONNX element types whose arrays onnxruntime takes as OrtValues (plain NumPy types).
+_NUMPY_TYPES = frozenset({1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13})
 #: Initializers of at least this many bytes reach onnxruntime as arrays instead of serialized bytes.
 IN_MEMORY_WEIGHT_BYTES = 1024
 
@@ -91,8 +97,15 @@ def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers):
     """
     light = copy_except_initializers(proto)
     names, values = [], []
+    # onnxruntime replaces only initializers main-graph nodes read (it drops unread ones, and hands
+    # those read in subgraphs down to them): the others stay serialized
+    inner = _read_in_subgraphs(proto.graph)
+    read = {t for node in proto.graph.node for t in node.input}
+    read.update(o.name for o in proto.graph.output)
     for tensor in proto.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.DEFAULT and tensor.HasField("raw_data"):
+        if tensor.data_location == onnx.TensorProto.DEFAULT and tensor.HasField("raw_data") \
+                and tensor.name in read and tensor.name not in inner \
+                and tensor.data_type in _NUMPY_TYPES:  # not float8/int4: no OrtValue from their arrays
             array = numpy_helper.to_array(tensor)
             if array.nbytes >= IN_MEMORY_WEIGHT_BYTES:
                 names.append(tensor.name)
@@ -108,6 +121,36 @@ def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers):
     session = ort.InferenceSession(light.SerializeToString(), options, providers=list(providers))
     session._onnx_qat_weights = values
     return session
+
+
+#: ONNX element types of FP8 tensors (float8e4m3fn/fnuz, float8e5m2/fnuz).
+_FLOAT8_TYPES = frozenset({17, 18, 19, 20})
+
+
+def needs_exact_qdq(model: onnx.ModelProto) -> bool:
+    """True when ``model`` holds an FP8 initializer (an FP8 Q/DQ model): onnxruntime must run it with
+    graph optimisations off (its QDQ fusion makes an FP8 Q/DQ MatMul an invalid MatMulIntegerToFloat)."""
+    if any(t.data_type in _FLOAT8_TYPES for t in model.graph.initializer):
+        return True
+    return any(a.name == "value" and a.t.data_type in _FLOAT8_TYPES
+               for n in model.graph.node if n.op_type == "Constant" for a in n.attribute)
+
+
+def _read_in_subgraphs(graph: onnx.GraphProto) -> set:
+    """Names used inside the subgraphs (If/Loop/Scan bodies) of ``graph``; empty without any.
+
+    Only control-flow ops and ops of other domains (onnxruntime's contrib ops) can hold graphs: the
+    attributes of those alone are read (one pass over op types otherwise)."""
+    ops = {n.op_type for n in graph.node}
+    if not ops & {"If", "Loop", "Scan"} and all(n.domain in ("", "ai.onnx") for n in graph.node):
+        return set()
+    holders = [n for n in graph.node if n.attribute and any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)]
+    if not holders:
+        return set()
+    from .graph_edit import subgraph_names
+
+    return subgraph_names(holders)
 
 
 def with_outputs(model: onnx.ModelProto, names: Iterable[str], *, copy: bool = True) -> onnx.ModelProto:

@@ -21,6 +21,16 @@ JSON form (version 1)::
   along ``axis`` (one value per channel), or per tensor (``"axis": null`` and a
   one-element list). A weight not listed takes its ranges from its own values.
 * Every amax must be finite and > 0. Unknown keys, versions and formats are refused.
+
+The same amax serves every precision: INT8 divides it by 127, FP8 by 448, INT4 by 7.
+Version 2 adds INT4 block ranges: a weight entry with ``"block_size": B`` holds one amax per
+block of ``B`` values along ``axis``, in C order over the block grid (the weight's shape with
+``shape[axis] / B`` on ``axis``)::
+
+      "weights": {"ffn1.weight": {"axis": 0, "block_size": 128, "amax": [0.12, 0.09, ...]}}
+
+A table is written as version 1 unless it holds a block entry (so version-1 readers still read
+every table without one); both versions are read.
 """
 from __future__ import annotations
 
@@ -33,7 +43,10 @@ from .errors import ScalesError
 from .fileio import PathLike, read_json, write_json
 
 FORMAT = "onnx-qat-scales"
-VERSION = 1
+#: The newest version written (only for tables with block ranges; others are written as version 1).
+VERSION = 2
+#: Versions read.
+VERSIONS = (1, 2)
 _TOP_KEYS = {"format", "version", "producer", "activations", "weights", "metadata"}
 
 
@@ -50,14 +63,22 @@ def _check_amax(value, where: str) -> float:
 
 @dataclass(frozen=True)
 class WeightRange:
-    """Per-channel (``axis`` set) or per-tensor (``axis`` None, one value) weight amax."""
+    """Per-channel (``axis`` set) or per-tensor (``axis`` None, one value) weight amax; with
+    ``block_size``, one amax per block of that many values along ``axis`` (INT4), in C order over
+    the block grid."""
 
     axis: Optional[int]
     amax: Tuple[float, ...]
+    block_size: Optional[int] = None
 
     def __post_init__(self):
         if self.axis is not None and (isinstance(self.axis, bool) or not isinstance(self.axis, int)):
             raise ScalesError(f"weight axis must be an integer or null, got {self.axis!r}")
+        if self.block_size is not None and (isinstance(self.block_size, bool) or
+                                            not isinstance(self.block_size, int) or self.block_size < 1
+                                            or self.axis is None):
+            raise ScalesError(f"weight block_size must be a whole number >= 1 with an axis, "
+                              f"got {self.block_size!r} (axis {self.axis!r})")
         values = tuple(_check_amax(v, f"weight amax[{i}]") for i, v in enumerate(self.amax))
         if not values:
             raise ScalesError("weight amax list is empty")
@@ -175,20 +196,24 @@ class ScaleTable:
             if not 0 <= axis < len(shape):
                 raise ScalesError(f"ScaleTable weight {name!r}: axis {rng.axis} is out of range "
                                   f"for shape {list(shape)}")
-            if shape[axis] != len(rng.amax):
+            if rng.block_size is not None:
+                _check_blocks(name, rng, shape, axis)
+            elif shape[axis] != len(rng.amax):
                 raise ScalesError(
                     f"ScaleTable weight {name!r}: {len(rng.amax)} amax values for {shape[axis]} channels "
                     f"on axis {rng.axis}")
 
     # -- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The JSON-ready form (see module docstring)."""
+        """The JSON-ready form (see module docstring): version 2 when a weight has block ranges, else 1."""
+        blocks = any(w.block_size is not None for w in self._weights.values())
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if blocks else 1,
             "producer": self.producer,
             "activations": dict(self._activations),
-            "weights": {k: {"axis": w.axis, "amax": list(w.amax)} for k, w in self._weights.items()},
+            "weights": {k: {"axis": w.axis, **({} if w.block_size is None else {"block_size": w.block_size}),
+                            "amax": list(w.amax)} for k, w in self._weights.items()},
             "metadata": dict(self.metadata),
         }
 
@@ -200,8 +225,9 @@ class ScaleTable:
         if data.get("format") != FORMAT:
             raise ScalesError(f"{source}: 'format' must be {FORMAT!r}, got {data.get('format')!r}")
         version = data.get("version")
-        if version != VERSION:
-            raise ScalesError(f"{source}: unknown version {version!r}; this onnx-qat reads version {VERSION}")
+        if version not in VERSIONS or isinstance(version, bool):
+            raise ScalesError(f"{source}: unknown version {version!r}; this onnx-qat reads versions "
+                              f"{', '.join(map(str, VERSIONS))}")
         extra = set(data) - _TOP_KEYS
         if extra:
             raise ScalesError(f"{source}: unknown key(s) {sorted(extra)}")
@@ -211,6 +237,8 @@ class ScaleTable:
         for key, val in (("activations", acts), ("weights", wts), ("metadata", meta)):
             if not isinstance(val, Mapping):
                 raise ScalesError(f"{source}: {key!r} must be an object")
+        if version == 1 and any(isinstance(w, Mapping) and "block_size" in w for w in wts.values()):
+            raise ScalesError(f"{source}: block_size needs version 2")
         try:
             return cls(acts, wts, producer=str(data.get("producer", "")), metadata=meta)
         except ScalesError as exc:
@@ -230,17 +258,46 @@ class ScaleTable:
 def _as_weight_range(value, name: str) -> WeightRange:
     if isinstance(value, WeightRange):
         return value
-    if not isinstance(value, Mapping) or set(value) - {"axis", "amax"} or "amax" not in value:
-        raise ScalesError(f"weight {name!r}: expected {{'axis': int|null, 'amax': [numbers]}}")
+    if not isinstance(value, Mapping) or set(value) - {"axis", "amax", "block_size"} or "amax" not in value:
+        raise ScalesError(f"weight {name!r}: expected {{'axis': int|null, 'amax': [numbers]}} "
+                          "(and 'block_size' for block ranges)")
     amax = value["amax"]
     if isinstance(amax, (int, float)) and not isinstance(amax, bool):
         amax = [amax]
     if not isinstance(amax, (list, tuple)):
         raise ScalesError(f"weight {name!r}: 'amax' must be a list of numbers")
     try:
-        return WeightRange(value.get("axis"), tuple(amax))
+        return WeightRange(value.get("axis"), tuple(amax), value.get("block_size"))
     except ScalesError as exc:
         raise ScalesError(f"weight {name!r}: {exc}") from None
 
 
-__all__ = ["ScaleTable", "WeightRange", "FORMAT", "VERSION"]
+def _check_blocks(name: str, rng: WeightRange, shape: Tuple[int, ...], axis: int) -> None:
+    """Refuse block ranges whose block size does not divide the axis or whose count is not the grid's."""
+    if shape[axis] % rng.block_size:
+        raise ScalesError(f"ScaleTable weight {name!r}: block_size {rng.block_size} does not divide "
+                          f"dimension {shape[axis]} (axis {rng.axis})")
+    grid = list(shape)
+    grid[axis] //= rng.block_size
+    count = math.prod(grid)
+    if count != len(rng.amax):
+        raise ScalesError(f"ScaleTable weight {name!r}: {len(rng.amax)} block amax values for a {grid} "
+                          "block grid")
+
+
+def block_ranges(weights: Mapping[str, "object"], axis: int, block_size: int) -> "ScaleTable":
+    """A ScaleTable of INT4 block ranges measured on weight arrays: ``{name: array}`` -> max |w| of
+    each block of ``block_size`` values along ``axis`` (e.g. to edit by hand or to keep with a model)."""
+    from .blockwise import block_amax
+
+    ranges = {}
+    for name, values in weights.items():
+        try:
+            amax = block_amax(values, axis, block_size)
+        except ValueError as exc:
+            raise ScalesError(f"weight {name!r}: {exc}") from None
+        ranges[name] = WeightRange(axis, tuple(float(v) for v in amax.reshape(-1)), block_size)
+    return ScaleTable(weights=ranges, producer="block_ranges")
+
+
+__all__ = ["ScaleTable", "WeightRange", "FORMAT", "VERSION", "VERSIONS", "block_ranges"]

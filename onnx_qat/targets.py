@@ -15,14 +15,17 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
   apply to this form).
 
 Targets are registered in :data:`_TARGETS`; the inserter reads every dtype and zero point
-from the target, never from constants of its own. A target's optional ``form`` adjusts the
-placement and ScaleTable after ranges are known (``calibration_tensors`` and ``adapt``), and
-may edit the graph after Q/DQ insertion (``adapt``'s result's ``finish(edit)``).
+from the target, never from constants of its own. A target is data only: it names its placement
+policy (looked up by :func:`onnx_qat.placement.policy.policy_for`) and its optional form (made by
+:func:`onnx_qat.target_forms.make_form`), and imports neither, so the modules that read a target
+never import back up. A form adjusts the placement and ScaleTable after ranges are known
+(``calibration_tensors`` and ``adapt``), and may edit the graph after Q/DQ insertion (``adapt``'s
+result's ``finish(edit)``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -40,10 +43,11 @@ class Target:
         activation_zero_point: their zero point.
         weight_dtype: integer type of stored weights.
         weight_range: ``(min, max)`` integer range weights are clipped to (symmetric).
-        policy: a zero-argument callable returning the placement policy.
-        form: None, or a zero-argument callable returning an object with
-            ``calibration_tensors(index, placement)`` and ``adapt(index, placement, table)``
-            (see :class:`onnx_qat.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
+        policy: the name of the placement policy (a key of
+            :data:`onnx_qat.placement.policy.POLICIES`).
+        form: None, or the name of the form (a key of :data:`onnx_qat.target_forms.FORMS`): an
+            object with ``calibration_tensors(index, placement)`` and ``adapt(index, placement,
+            table)`` (see :class:`onnx_qat.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
             ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
             :class:`~onnx_qat.graph_edit.GraphEdit` after Q/DQ insertion
             (see :meth:`onnx_qat.ort_cpu.Adapted.finish`).
@@ -55,16 +59,8 @@ class Target:
     activation_zero_point: int
     weight_dtype: type
     weight_range: tuple
-    policy: Callable
-    form: Optional[Callable] = None
-
-    def make_policy(self):
-        """A fresh placement policy for this target."""
-        return self.policy()
-
-    def make_form(self):
-        """The target's placement/scale adjustments (None when it uses the placement as it is)."""
-        return None if self.form is None else self.form()
+    policy: str = "tensorrt"
+    form: Optional[str] = None
 
     def to_dict(self) -> dict:
         """JSON-ready description (used in reports)."""
@@ -78,12 +74,6 @@ class Target:
         }
 
 
-def _tensorrt_policy():
-    from .placement.policy import TensorRTPolicy
-
-    return TensorRTPolicy()
-
-
 TENSORRT = Target(
     name="tensorrt",
     description="TensorRT explicit quantization: symmetric int8 Q/DQ, per-channel weights",
@@ -91,14 +81,8 @@ TENSORRT = Target(
     activation_zero_point=0,
     weight_dtype=np.int8,
     weight_range=(-127, 127),
-    policy=_tensorrt_policy,
+    policy="tensorrt",
 )
-
-
-def _ort_cpu_form():
-    from .ort_cpu import OrtCpuForm
-
-    return OrtCpuForm()
 
 
 ORT_CPU = Target(
@@ -110,8 +94,8 @@ ORT_CPU = Target(
     activation_zero_point=128,
     weight_dtype=np.int8,
     weight_range=(-127, 127),
-    policy=_tensorrt_policy,
-    form=_ort_cpu_form,
+    policy="tensorrt",
+    form="ort-cpu",
 )
 
 #: Registered targets by name.

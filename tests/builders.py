@@ -368,6 +368,51 @@ def residual_chain_model(blocks: int, channels: int = 16) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", DEFAULT_OPSET)], ir_version=8)
 
 
+def if_cnn_model(channels: int = 16, size: int = 8, seed: int = 0) -> onnx.ModelProto:
+    """A small CNN in each branch of an If chosen by the data.
+
+    input [N,3,S,S] -> ``stem_conv`` -> ``stem_relu`` (tensor ``stem``); ``cond`` = ReduceMean(input) > 0.
+    If ``choose``:
+      then: ``a_conv1`` -> ``a_relu1`` -> ``a_conv2`` -> Add ``a_add`` (skip: the outer ``stem``) ->
+            ``a_relu2`` (branch initializers ``a_conv*.weight``);
+      else: ``b_conv1`` (weight ``b_w1`` from a Constant node inside the branch) -> ``b_bn1`` ->
+            ``b_relu1`` -> ``b_conv2`` (weight ``shared_w``, an initializer of the main graph) ->
+            ``b_relu2``.
+    -> ``head_conv`` (1x1) -> output [N,C,S,S].
+    """
+    c = channels
+    b = GraphBuilder("if_cnn", seed)
+    x = b.input("input", ["N", 3, size, size])
+    stem = b.relu(b.conv(x, 3, c, "stem_conv"), "stem_relu")
+    mean = b.node("ReduceMean", [x], name="mean", keepdims=0)
+    cond = b.node("Greater", [mean, b.const("zero", np.float32(0))], name="cond")
+    shared = b.weight("shared_w", [c, c, 3, 3])
+
+    then = GraphBuilder("then", seed + 1)
+    y = then.relu(then.conv(stem, c, c, "a_conv1"), "a_relu1")
+    y = then.node("Add", [then.conv(y, c, c, "a_conv2"), stem], name="a_add")
+    then.node("Relu", [y], "then_out", name="a_relu2")
+
+    other = GraphBuilder("else", seed + 2)
+    w1 = (other.rng.standard_normal([c, c, 3, 3]) * math.sqrt(2.0 / (9 * c))).astype(np.float32)
+    other.node("Constant", [], "b_w1", name="b_w1_const", value=numpy_helper.from_array(w1, "b_w1_value"))
+    y = other.node("Conv", [stem, "b_w1"], name="b_conv1", kernel_shape=[3, 3], pads=[1] * 4)
+    y = other.relu(other.bn(y, c, "b_bn1"), "b_relu1")
+    y = other.node("Conv", [y, shared], name="b_conv2", kernel_shape=[3, 3], pads=[1] * 4)
+    other.node("Relu", [y], "else_out", name="b_relu2")
+
+    def branch(g: GraphBuilder, out: str) -> onnx.GraphProto:
+        info = helper.make_tensor_value_info(out, TensorProto.FLOAT, ["N", c, size, size])
+        return helper.make_graph(g.nodes, g.name, [], [info], g.initializers)
+
+    chosen = b.node("If", [cond], "chosen", name="choose", then_branch=branch(then, "then_out"),
+                    else_branch=branch(other, "else_out"))
+    b.node("Conv", [chosen, b.weight("head.weight", [c, c, 1, 1])], "output", name="head_conv",
+           kernel_shape=[1, 1])
+    b.output("output", ["N", c, size, size])
+    return b.build()
+
+
 # --------------------------------------------------------------------------- running
 def random_inputs(model: onnx.ModelProto, num: int = 1, seed: int = 0) -> Dict[str, np.ndarray]:
     """Seeded float32 feeds for the model's real inputs (initializer-backed inputs are left out).
@@ -616,3 +661,15 @@ def assert_no_qdq(model: onnx.ModelProto) -> None:
     ops = count_ops(model)
     if ops["QuantizeLinear"] or ops["DequantizeLinear"]:
         raise AssertionError(f"model holds Q/DQ nodes\n{describe(model)}")
+
+
+def assert_check_clean(model: onnx.ModelProto, target: Optional[str] = None) -> None:
+    """Assert ``onnx_qat.check`` finds 0 errors AND 0 warnings in ``model`` (the rewriter's own
+    output must pass its own check cleanly); on failure, print every finding and the subgraph
+    around the nodes they name."""
+    import onnx_qat
+
+    report = onnx_qat.check(model, target=target)
+    if report.errors or report.warnings:
+        around = [f.node for f in report.findings if f.node]
+        raise AssertionError(f"check is not clean: {report.summary()}\n{report}\n{describe(model, around)}")

@@ -123,7 +123,7 @@ def _paths(path, save_scales: bool, save_float: bool):
 
 def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sample_data=None,
                 save_scales: bool = True, save_float: bool = False, strict: bool = True,
-                progress: bool = True) -> ExportReport:
+                progress: bool = True, precision: str = "int8") -> ExportReport:
     """Export a (trained, calibrated) Keras QAT model to a Q/DQ ONNX model with its learned scales.
 
     Args:
@@ -145,6 +145,9 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
         strict: raise when parity fails (nothing written); False writes the files and
             returns a failing report.
         progress: show progress on stderr.
+        precision: ``"int8"`` (default) or ``"fp8"``: the same learned amax written as FP8 E4M3 Q/DQ
+            (``onnx_qat.quantize(precision="fp8")``, target ``tensorrt``), with parity measured
+            against the Keras model run with FP8 fake quantization (``tf_bridge.fake_quant.numerics``).
 
     Returns:
         An :class:`ExportReport` (paths, mapping table, parity, check verdict).
@@ -163,6 +166,11 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     from .finite import check_finite
     from .wrap import float_model as float_twin
 
+    from .fake_quant import numerics
+
+    if precision not in ("int8", "fp8"):
+        raise ExportError(f"export_onnx: precision must be 'int8' or 'fp8', got {precision!r} (int4 is "
+                          "weight-only: onnx-qat quantize --precision int4 on the float model)")
     check_exportable(q_model)
     check_finite(q_model)
     if not any(True for _ in iter_quantizer_layers(q_model)):
@@ -180,9 +188,10 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     mapping = map_quantizers(q_model, float_model)
     table = mapping.scales if generated else _with_target_ranges(mapping, target, feeds)
     step("insert Q/DQ")
-    result, reproducible = _quantize(quantize, float_model, mapping, target, table)
+    result, reproducible = _quantize(quantize, float_model, mapping, target, table, precision)
     step("parity in onnxruntime")
-    keras_out = q_model(inputs if len(inputs) > 1 else inputs[0], training=False)
+    with numerics(precision):
+        keras_out = q_model(inputs if len(inputs) > 1 else inputs[0], training=False)
     keras_tf = [np.asarray(v) for v in _outputs(keras_out)]
     reference = result if result.target == "tensorrt" else _quantize(quantize, float_model, mapping,
                                                                       "tensorrt", mapping.scales)[0]

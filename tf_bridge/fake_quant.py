@@ -18,9 +18,15 @@ same thing), so every detail is fixed here:
 Written with plain TensorFlow ops and :func:`tf.custom_gradient`; it does not
 use ``tf.quantization.quantize_and_dequantize_v2``, whose per-axis form fails on
 TensorFlow 2.16-2.21. :func:`fake_quant_reference` is the same formula in NumPy.
+
+Inside ``with numerics("fp8"):`` the same calls compute FP8 E4M3 fake quantization with the same
+amax (:func:`fake_quant_fp8`: ``scale = amax / 448``, ``castToFp8(clip(x / scale, -448, 448))``),
+the reference ``tf_bridge.export_onnx(..., precision="fp8")`` measures its FP8 model against.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Sequence
 
 import numpy as np
@@ -65,7 +71,44 @@ def fake_quant(x: tf.Tensor, amax: tf.Tensor, narrow_range: bool = False) -> tf.
     """
     x = tf.convert_to_tensor(x)
     amax = tf.cast(safe_amax(tf.cast(amax, tf.float32)), x.dtype)
+    if _PRECISION.get() == "fp8":
+        return fake_quant_fp8(x, amax)
     return _fake_quant(x, amax, _qmin(narrow_range))
+
+
+#: The numerics :func:`fake_quant` computes (see :func:`numerics`).
+_PRECISION: contextvars.ContextVar = contextvars.ContextVar("tf_bridge_fake_quant_precision", default="int8")
+#: Largest finite FP8 E4M3 magnitude.
+FP8_MAX = 448.0
+
+
+@contextlib.contextmanager
+def numerics(precision: str):
+    """Within the block, :func:`fake_quant` computes ``precision``'s numerics: ``"int8"`` (the
+    default) or ``"fp8"`` (:func:`fake_quant_fp8` with the same amax). Applies to eager calls and to
+    functions traced inside the block."""
+    if precision not in ("int8", "fp8"):
+        raise ValueError(f"precision must be 'int8' or 'fp8', got {precision!r}")
+    token = _PRECISION.set(precision)
+    try:
+        yield
+    finally:
+        _PRECISION.reset(token)
+
+
+def fake_quant_fp8(x: tf.Tensor, amax: tf.Tensor) -> tf.Tensor:
+    """FP8 E4M3 fake quantization: ``castToFp8(clip(x / s, -448, 448)) * s`` with ``s = amax / 448``
+    (round to nearest, ties to even), straight-through gradient inside the range.
+
+    Source: TensorRT Developer Guide, "Quantization Schemes" (FP8).
+    """
+    import ml_dtypes
+
+    x = tf.convert_to_tensor(x)
+    scale = tf.cast(safe_amax(tf.cast(amax, tf.float32)), x.dtype) / FP8_MAX
+    xs = tf.clip_by_value(x / scale, -FP8_MAX, FP8_MAX)
+    y = tf.cast(tf.cast(xs, tf.dtypes.as_dtype(ml_dtypes.float8_e4m3fn)), x.dtype) * scale
+    return xs * scale + tf.stop_gradient(y - xs * scale)
 
 
 def _fake_quant(x, amax, qmin):

@@ -23,9 +23,9 @@ def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleT
     from onnx_qat.calibration import calibrate
     from onnx_qat.errors import QatError
     from onnx_qat.placement.graph_index import GraphIndex
-    from onnx_qat.targets import get_target
+    from onnx_qat.target_forms import make_form
 
-    form = get_target(target).make_form()
+    form = make_form(target)
     needed = () if form is None else tuple(
         t for t in form.calibration_tensors(GraphIndex(mapping.model), mapping.placement)
         if t not in mapping.scales.activations)
@@ -45,17 +45,20 @@ def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleT
                   "requantization point(s) no quantizer observes"}))
 
 
-def _quantize(quantize, float_model, mapping: KerasOnnxMapping, target: str, table):
+def _quantize(quantize, float_model, mapping: KerasOnnxMapping, target: str, table,
+              precision: str = "int8"):
     """Quantize with the Keras placement and ``table``; use the default placement when it is the
-    same one, so that ``onnx-qat quantize --scales`` reproduces the model byte for byte."""
+    same one, so that ``onnx-qat quantize --scales`` reproduces the model byte for byte. FP8 starts
+    from the float weights (not snapped to the Keras int8 grid, which FP8 would round again)."""
     from onnx_qat.placement.policy import place
 
-    default = place(mapping.model, target=target)
+    source = mapping.model if precision == "int8" else float_model
+    default = place(source, target=target, precision=precision)
     same = not mapping.baked and _marks(default) == _marks(mapping.placement)
     if same:
-        return quantize(mapping.model, scales=table, target=target, progress=False), True
-    return quantize(mapping.model, scales=table, target=target, placement=mapping.placement,
-                    progress=False), False
+        return quantize(source, scales=table, target=target, progress=False, precision=precision), True
+    return quantize(source, scales=table, target=target, placement=mapping.placement,
+                    progress=False, precision=precision), False
 
 
 def _marks(placement) -> tuple:

@@ -10,7 +10,10 @@ Steps (each a small function below, each recorded in the JSON report):
    report the outputs' health (NaN/Inf, constant outputs, value ranges) and the
    accuracy against ``--labels``; refuse an unhealthy model unless ``--force``.
 3. build     — TensorRT >= 10: strongly typed network from the ONNX parser (explicit
-   quantization, no calibrator, no INT8 flag); TensorRT 8.6/9: flag-based build.
+   quantization, no calibrator, no INT8 flag); TensorRT 8.6/9: flag-based build. FP8 and INT4
+   (weight-only) Q/DQ models (``onnx-qat quantize --precision fp8|int4``) build strongly typed
+   only, so they need TensorRT >= 10 and no ``--fp16``. The onnxruntime run of step 2 uses graph
+   optimisations off for FP8 models (onnxruntime 1.31's QDQ fusion refuses FP8 MatMuls).
    Engine and timing cache are written atomically.
 4. measure   — GPU latency (mean, median, p90, p99) and throughput with CUDA events.
 5. verify    — engine outputs vs onnxruntime (max abs/rel difference, top-1
@@ -659,7 +662,8 @@ def build(model, opts: DeployOptions, profiles):
 
     cache = opts.timing_cache.read_bytes() if opts.timing_cache and opts.timing_cache.is_file() else None
     settings = trt_backend.BuildSettings(
-        fp16=opts.fp16, workspace_bytes=(opts.workspace_mib << 20) if opts.workspace_mib else None,
+        precision=trt_backend.model_precision(model), fp16=opts.fp16,
+        workspace_bytes=(opts.workspace_mib << 20) if opts.workspace_mib else None,
         profiles=tuple(profiles), timing_cache=cache, verbose=opts.verbose)
     from onnx_qat.model_io import EXTERNAL_DATA_THRESHOLD
 
@@ -799,7 +803,8 @@ def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs) -> int:
     state.update(status="validated").write(opts.report)
     result = build(model, opts, profiles)
     state.update(status="built", build=result.to_dict())
-    print(f"build: {result.mode} engine with TensorRT {result.tensorrt_version} on {result.device} in "
+    print(f"build: {result.mode} {result.precision} engine with TensorRT {result.tensorrt_version} "
+          f"on {result.device} in "
           f"{result.seconds:.1f} s -> {opts.engine}")
     return _measure_and_verify(opts, state, model, dataset, labels, reference, profiles, batch_size)
 
@@ -821,7 +826,8 @@ def _measure_and_verify(opts, state: _Progress, model, dataset, labels, referenc
     acc = {"tensorrt": accuracy(outputs, labels),
            "onnxruntime": (state.report.validation or {}).get("accuracy"),
            "num_samples": int(len(labels))} if labels is not None else None
-    print(f"layers: {layers.int8} INT8, {layers.higher} higher precision, {layers.other} other of "
+    fp8 = f"{layers.fp8} FP8, " if layers.fp8 else ""
+    print(f"layers: {layers.int8} INT8, {fp8}{layers.higher} higher precision, {layers.other} other of "
           f"{layers.total}; Q/DQ not fused: {', '.join(layers.unfused_qdq) or 'none'}")
     report = state.update(latency=latency.to_dict(), parity=[p.to_dict() for p in parity], accuracy=acc,
                           layers=layers.to_dict())

@@ -74,6 +74,9 @@ class BuildSettings:
 
     fp16: bool = False
     workspace_bytes: Optional[int] = None
+    #: the model's Q/DQ form (``int8``, ``fp8`` or ``int4``, see :func:`model_precision`): FP8 and INT4
+    #: networks are built strongly typed (TensorRT >= 10), their types read from the Q/DQ nodes.
+    precision: str = "int8"
     profiles: Tuple[ShapeProfile, ...] = ()
     timing_cache: Optional[bytes] = None
     verbose: bool = False
@@ -90,10 +93,12 @@ class BuildResult:
     seconds: float
     warnings: Tuple[str, ...] = ()
     device: str = ""
+    precision: str = "int8"
 
     def to_dict(self) -> dict:
         """JSON-ready summary (the engine bytes themselves are written to the engine file)."""
-        return {"mode": self.mode, "tensorrt_version": self.tensorrt_version, "device": self.device,
+        return {"mode": self.mode, "precision": self.precision, "tensorrt_version": self.tensorrt_version,
+                "device": self.device,
                 "seconds": round(self.seconds, 3), "engine_bytes": len(self.engine),
                 "warnings": list(self.warnings[:20])}
 
@@ -105,6 +110,7 @@ class LayerSummary:
     Attributes:
         total: layers counted (no-op layers excluded).
         int8: layers whose first input tensor is INT8.
+        fp8: layers whose first input tensor is FP8.
         higher: layers computing in FP32/FP16/BF16 (higher precision than INT8).
         other: layers on integer/bool tensors (shape arithmetic) or of unknown format.
         by_precision: count per precision name.
@@ -118,6 +124,7 @@ class LayerSummary:
     int8: int
     higher: int
     other: int
+    fp8: int = 0
     by_precision: Dict[str, int] = field(default_factory=dict)
     higher_precision_layers: Tuple[str, ...] = ()
     unfused_qdq: Tuple[str, ...] = ()
@@ -125,7 +132,8 @@ class LayerSummary:
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
-        return {"total": self.total, "int8": self.int8, "higher_precision": self.higher, "other": self.other,
+        return {"total": self.total, "int8": self.int8, "fp8": self.fp8, "higher_precision": self.higher,
+                "other": self.other,
                 "by_precision": dict(sorted(self.by_precision.items())),
                 "higher_precision_layers": list(self.higher_precision_layers),
                 "unfused_qdq": list(self.unfused_qdq), "detailed": self.detailed}
@@ -182,9 +190,22 @@ def version_tuple(text: str) -> Tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", str(text))[:4])
 
 
-def choose_build_mode(version: str, fp16: bool) -> str:
-    """The build mode for a TensorRT version: see the module docstring."""
+def choose_build_mode(version: str, fp16: bool, precision: str = "int8") -> str:
+    """The build mode for a TensorRT version: see the module docstring. FP8 and INT4 Q/DQ models build
+    strongly typed only (TensorRT 10: the FP8/INT4 types come from the network, not from builder flags).
+
+    Raises:
+        ConfigError: FP8/INT4 with ``fp16`` (weakly typed) or with TensorRT < 10.
+    """
     major = version_tuple(version)[0] if version_tuple(version) else 0
+    if precision != "int8":
+        if major < 10:
+            raise ConfigError(f"{precision} Q/DQ models need TensorRT >= 10 (strongly typed network); "
+                              f"found TensorRT {version}")
+        if fp16:
+            raise ConfigError(f"{precision} Q/DQ models build as strongly typed networks, which take no "
+                              "--fp16 flag; drop it (give the model FP16 casts instead)")
+        return STRONGLY_TYPED
     if major >= 10:
         return WEAKLY_TYPED if fp16 else STRONGLY_TYPED
     return FLAG_BASED
@@ -249,7 +270,7 @@ def build_engine(model_bytes: Optional[bytes], model_path: str, settings: BuildS
     """
     trt = import_tensorrt()
     device = require_gpu()
-    mode = choose_build_mode(trt.__version__, settings.fp16)
+    mode = choose_build_mode(trt.__version__, settings.fp16, settings.precision)
     trt_logger = _make_logger(trt, settings.verbose)
     start = time.perf_counter()
     builder = trt.Builder(trt_logger)
@@ -267,7 +288,7 @@ def build_engine(model_bytes: Optional[bytes], model_path: str, settings: BuildS
     cache_bytes = bytes(memoryview(cache.serialize())) if cache is not None else None
     return BuildResult(engine=bytes(memoryview(serialized)), timing_cache=cache_bytes, mode=mode,
                        tensorrt_version=str(trt.__version__), seconds=time.perf_counter() - start,
-                       warnings=tuple(trt_logger.warnings), device=device)
+                       warnings=tuple(trt_logger.warnings), device=device, precision=settings.precision)
 
 
 def _network_flags(trt, mode: str) -> int:
@@ -485,6 +506,19 @@ _QDQ_LAYER_TYPES = {"scale", "quantize", "dequantize", "quantizelinear", "dequan
 _NOOP_TYPES = {"noop", "no-op", "no_op"}
 
 
+#: ONNX element types of the FP8 and 4-bit integer forms.
+_FP8_TYPES, _INT4_TYPES = frozenset({17, 18, 19, 20}), frozenset({21, 22})
+
+
+def model_precision(model) -> str:
+    """``"fp8"`` when the ONNX model holds FP8 initializers (FP8 Q/DQ), ``"int4"`` when it holds INT4
+    weights (weight-only), else ``"int8"``."""
+    types = {t.data_type for t in model.graph.initializer}
+    if types & _FP8_TYPES:
+        return "fp8"
+    return "int4" if types & _INT4_TYPES else "int8"
+
+
 def tensor_precision(fmt: str) -> str:
     """Precision named by an inspector ``Format/Datatype`` string
     (``'Row major linear FP32'`` -> ``'FP32'``)."""
@@ -539,21 +573,21 @@ def analyse_layers(info_json: str, qdq_nodes: Iterable[str] = ()) -> LayerSummar
         if origins and _is_standalone_qdq(kind, origins, qdq, inputs, outputs):
             unfused.extend(o for o in origins if o in qdq or not qdq)
     total = sum(counts.values()) if detailed else len(layers)
-    int8 = counts.get("INT8", 0)
+    int8, fp8 = counts.get("INT8", 0), counts.get("FP8", 0)
     higher = sum(counts.get(p, 0) for p in _HIGHER)
-    return LayerSummary(total=total, int8=int8, higher=higher,
-                        other=(total - int8 - higher) if detailed else 0,
+    return LayerSummary(total=total, int8=int8, higher=higher, fp8=fp8,
+                        other=(total - int8 - fp8 - higher) if detailed else 0,
                         by_precision=counts, higher_precision_layers=tuple(higher_names[:50]),
                         unfused_qdq=tuple(sorted(set(unfused))), detailed=detailed)
 
 
 def _is_standalone_qdq(kind: str, origins: Sequence[str], qdq: set, inputs, outputs) -> bool:
-    """A layer that only carries Q/DQ nodes and converts between INT8 and float."""
+    """A layer that only carries Q/DQ nodes and converts between INT8 (or FP8) and float."""
     only_qdq = all(o in qdq for o in origins) if qdq else kind in _QDQ_LAYER_TYPES
     if not only_qdq or not inputs or not outputs:
         return False
-    int8_in = tensor_precision(inputs[0].get("Format/Datatype", "")) == "INT8"
-    int8_out = tensor_precision(outputs[0].get("Format/Datatype", "")) == "INT8"
+    int8_in = tensor_precision(inputs[0].get("Format/Datatype", "")) in ("INT8", "FP8")
+    int8_out = tensor_precision(outputs[0].get("Format/Datatype", "")) in ("INT8", "FP8")
     return int8_in != int8_out
 
 

@@ -13,8 +13,9 @@ from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..errors import ConfigError, DataError, ModelError, PlacementError, brief
+from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
 from ..scales import ScaleTable
+from .branches import make_runner
 from .collector import RangeCollector
 from .entropy import EntropyCollector
 from .max_collector import MaxCollector
@@ -148,8 +149,6 @@ def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, nu
     from ..data import load_data
     from ..fileio import check_output_path
     from ..model_io import load_model
-    from ..runtime import make_session
-
     _check_options(method, percentile, num_bins, batch_size)
     if output is not None:
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
@@ -160,10 +159,14 @@ def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, nu
     observers = {n: TensorObserver(n, make_collector(method, percentile=percentile, num_bins=num_bins))
                  for n in names}
     fetched = [n for n in names if n not in graph_inputs]
-    session = make_session(proto, extra_outputs=fetched, copy=False)  # proto is this function's own copy
+    session = make_runner(proto, fetched)  # proto is this function's own copy
     del proto  # the session holds the weights now
-    _observe(session, dataset, observers, fetched, batch_size, progress, f"calibrate ({method})")
-    amax = {name: observer.result() for name, observer in observers.items()}
+    reached = _observe(session, dataset, observers, fetched, batch_size, progress, f"calibrate ({method})")
+    unreached = [name for name in names if name not in reached]
+    if unreached:
+        logger.warning("%d tensor(s) sit in If branches no calibration batch took (e.g. %r); "
+                       "they get no range", len(unreached), unreached[0])
+    amax = {name: observer.result() for name, observer in observers.items() if name in reached}
     table = ScaleTable(amax, producer=f"onnx_qat.calibrate(method={_describe(method, percentile)})",
                        metadata=_metadata(method, percentile, num_bins, dataset.num_samples))
     if output is not None:
@@ -172,22 +175,31 @@ def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, nu
 
 
 def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, batch_size: int,
-             progress: bool, desc: str) -> None:
+             progress: bool, desc: str) -> set:
     """Run every batch once and reduce each observed tensor into its observer (fed inputs from the feed).
 
-    When only graph inputs are observed the model is not run at all.
+    When only graph inputs are observed the model is not run at all. ``session`` may be a
+    :class:`~onnx_qat.calibration.branches.BranchRunner`, which gives None for the tensors of If
+    branches a batch does not take. Returns the names observed on at least one batch.
     """
     from ..runtime import feeds_with_progress
 
+    reached = set()
     for index, feed in enumerate(feeds_with_progress(dataset, batch_size, progress, desc)):
         try:
             values = dict(zip(fetched, session.run(fetched, feed))) if fetched else {}
+        except QatError:
+            raise
         except Exception as exc:
             raise ModelError(f"onnxruntime failed on batch {index} of {dataset.source}: "
                              f"{brief(exc, 300)}") from None
         for name, observer in observers.items():
-            observer.update(values.pop(name) if name in values else feed[name])
+            value = values.pop(name) if name in values else feed[name]
+            if value is not None:
+                observer.update(value)
+                reached.add(name)
         del values, feed
+    return reached
 
 
 def _tensors_to_observe(proto, tensors, config, placement_options) -> Tuple[str, ...]:

@@ -8,7 +8,8 @@
 """
 from __future__ import annotations
 
-from .marks import ActivationMark, Decision, Placement, WeightMark
+from .marks import ActivationMark, Decision, Placement, SubgraphPlacement, WeightMark
 from .policy import TensorRTPolicy, place
 
-__all__ = ["place", "Placement", "ActivationMark", "WeightMark", "Decision", "TensorRTPolicy"]
+__all__ = ["place", "Placement", "SubgraphPlacement", "ActivationMark", "WeightMark", "Decision",
+           "TensorRTPolicy"]

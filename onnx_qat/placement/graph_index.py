@@ -45,18 +45,35 @@ def _unique_names(names: List[str], op_types: List[str]) -> List[str]:
     return unique
 
 
-def assign_node_names(model: onnx.ModelProto) -> None:
-    """Give every node of ``model``'s main graph the name :func:`unique_node_names` chooses (in place).
+def assign_node_names(model) -> None:
+    """Give every node of ``model``'s main graph the name :func:`unique_node_names` chooses (in place),
+    and likewise every node of each subgraph (unique within its own graph).
 
     Use only on a model you own (``onnx_qat.quantize`` calls it on its private copy) so that
     placement marks and the inserted graph name the same nodes. Only names that change are
-    written.
+    written. ``model`` may also be a GraphProto.
     """
-    nodes = list(model.graph.node)
+    graph = model.graph if isinstance(model, onnx.ModelProto) else model
+    nodes = list(graph.node)
     own = [n.name for n in nodes]
     for node, before, name in zip(nodes, own, _unique_names(own, [n.op_type for n in nodes])):
         if name != before:
             node.name = name
+        if node.attribute:
+            for sub in subgraphs_of(node):
+                assign_node_names(sub[2])
+
+
+def subgraphs_of(node: onnx.NodeProto) -> List[Tuple[str, int, onnx.GraphProto]]:
+    """``(attribute name, position, graph)`` of every graph ``node`` holds (an If's ``then_branch``
+    and ``else_branch``, a Loop's or Scan's ``body``); position counts within a GRAPHS attribute."""
+    found = []
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            found.append((attribute.name, 0, attribute.g))
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            found.extend((attribute.name, i, g) for i, g in enumerate(attribute.graphs))
+    return found
 
 
 _GRAPH_ATTRIBUTE_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
@@ -107,18 +124,22 @@ class NodeInfo:
 
 
 class GraphIndex:
-    """Producer/consumer maps, constants and dtypes of a model's main graph.
+    """Producer/consumer maps, constants and dtypes of a model's main graph (or of one subgraph).
 
     Each protobuf field of a node is read once, while indexing (every read of a protobuf field
     builds new Python objects); the consumer map and the set of nodes holding subgraphs are
     built on first use, as only some callers need them.
 
     Args:
-        model: the ModelProto (read, never changed).
+        model: the ModelProto (read, never changed), or a GraphProto: a subgraph (an If branch).
+        outer: for a subgraph, the index of the graph holding it. Names the subgraph reads but does
+            not define resolve through it (outer-scope scoping, as ONNX defines it): an outer
+            initializer or Constant output is a constant here too, and outer declared types apply.
     """
 
-    def __init__(self, model: onnx.ModelProto):
-        graph = model.graph
+    def __init__(self, model, outer: Optional["GraphIndex"] = None):
+        graph = model.graph if isinstance(model, onnx.ModelProto) else model
+        self.outer = outer
         protos = list(graph.node)
         op_types = [n.op_type for n in protos]
         names = _unique_names([n.name for n in protos], op_types)
@@ -151,6 +172,10 @@ class GraphIndex:
         for node in self.nodes:
             if node.op_type in ("Constant", "Identity"):
                 names.update(t for t in node.outputs if self.constant_source(t) is not None)
+        if self.outer is not None:  # outer-scope constants this subgraph reads
+            local = set(self.producer) | set(self.graph_inputs)
+            names.update(t for node in self.nodes for t in node.inputs
+                         if t and t not in local and self.outer.is_constant(t))
         return frozenset(names)
 
     # -- structure ------------------------------------------------------------------
@@ -220,7 +245,10 @@ class GraphIndex:
                 return tensor
             node = self.producer.get(tensor)
             if node is None:
-                return None
+                outer = self.outer
+                if outer is None or tensor in self.graph_inputs:
+                    return None
+                return outer.constant_source(tensor)
             if node.op_type == "Constant" and node.standard and node.attr("value") is not None:
                 return tensor
             if node.op_type != "Identity" or not node.inputs:
@@ -240,6 +268,8 @@ class GraphIndex:
         source = self.constant_source(tensor)
         if source in self.initializers:
             return self.initializers[source]
+        if source not in self.producer or source in self.graph_inputs:  # an outer-scope constant
+            return self.outer.constant_proto(source)
         return self.producer[source].attr("value")
 
     def constant_shape(self, tensor: str) -> Optional[Tuple[int, ...]]:
@@ -264,13 +294,21 @@ class GraphIndex:
         init = self.initializers.get(tensor)
         if init is not None:
             return init.data_type
-        known = self.declared_dtypes.get(tensor)
+        known = self._declared(tensor)
         if known is not None:
             return known
         proto = self.constant_proto(tensor)
         return None if proto is None else proto.data_type
 
+    def _declared(self, tensor: str) -> Optional[int]:
+        """The element type declared for ``tensor`` here, else (a name this subgraph does not
+        define) in the outer scope."""
+        known = self.declared_dtypes.get(tensor)
+        if known is None and self.outer is not None and tensor not in self.producer:
+            return self.outer._declared(tensor)
+        return known
+
     def is_float_or_unknown(self, tensor: str) -> bool:
         """True unless the model declares ``tensor`` with a type other than float32."""
-        dtype = self.dtype(tensor) if tensor in self._constants else self.declared_dtypes.get(tensor)
+        dtype = self.dtype(tensor) if tensor in self._constants else self._declared(tensor)
         return dtype is None or dtype == onnx.TensorProto.FLOAT

@@ -18,11 +18,11 @@ Public sources:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ..config import QuantizeConfig
-from .graph_index import GraphIndex, NodeInfo
-from .marks import ActivationMark, Decision, WeightMark, group_by_tensor
+from .graph_index import GraphIndex, NodeInfo, subgraphs_of
+from .marks import ActivationMark, Decision, SubgraphPlacement, WeightMark, group_by_tensor
 
 #: Weighted ops: TensorRT runs them in INT8 when both the activation and the weight are quantized.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -54,15 +54,18 @@ class NodeResult:
     activations: Tuple[ActivationMark, ...] = ()
     weights: Tuple[WeightMark, ...] = ()
     shares: Tuple[Tuple[str, str], ...] = ()
+    subgraphs: Tuple[SubgraphPlacement, ...] = ()
 
     def __init__(self, decision: Decision, activations: Tuple[ActivationMark, ...] = (),
-                 weights: Tuple[WeightMark, ...] = (), shares: Tuple[Tuple[str, str], ...] = ()):
+                 weights: Tuple[WeightMark, ...] = (), shares: Tuple[Tuple[str, str], ...] = (),
+                 subgraphs: Tuple[SubgraphPlacement, ...] = ()):
         # fields stored straight into the instance dict, as for the marks (see onnx_qat.placement.marks)
         fields = self.__dict__
         fields["decision"] = decision
         fields["activations"] = activations
         fields["weights"] = weights
         fields["shares"] = shares
+        fields["subgraphs"] = subgraphs
 
 
 @dataclass
@@ -73,6 +76,8 @@ class PlacementContext:
     config: QuantizeConfig
     quantized_weighted: Set[str] = field(default_factory=set)
     marked: Dict[str, List[ActivationMark]] = field(default_factory=dict)
+    #: ``place_subgraph(graph, outer_index) -> Placement``: the policy placing a subgraph (If branch)
+    place_subgraph: Optional[Callable] = None
 
     def record(self, result: NodeResult) -> None:
         if result.activations:
@@ -347,7 +352,11 @@ class ResidualAddHandler:
     is quantized: the *shorter* branch back to the fork where the two paths split (the
     shortcut, e.g. the 1x1 projection), leaving the longer main branch to take the fused Add;
     on a tie, input 1. Adds with a constant input (bias) and Adds of two activations that no
-    quantized weighted op produces are left in float.
+    quantized weighted op produces are left in float. The skip may come from any producer (a Relu,
+    a hard-swish or squeeze-excitation Mul, another Add...). An Add whose other input is computed
+    from the weighted op's own output (``y + f(y)``: a GELU's ``x + c*x**3``, a squeeze-excitation
+    ``y + y*gate``) is left in float: no fusion is possible there, since the fused kernel would
+    need its own result as its residual input (check rule C10 does not ask for it either).
 
     Sources: TensorRT Developer Guide, Q/DQ layer-placement recommendations (residual Add
     fusion with the convolution); NVIDIA Model Optimizer ONNX rules (quantize the residual,
@@ -357,14 +366,17 @@ class ResidualAddHandler:
     phase = 2
 
     def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
-        idx = ctx.index
         if len(node.inputs) != 2:
             return _result(node, "none", "R6", "Add with a constant input (bias): left in float")
-        a, b = node.inputs
+        return self.join(node, node.inputs[0], node.inputs[1], ctx)
+
+    def join(self, node: NodeInfo, a: str, b: str, ctx: PlacementContext) -> NodeResult:
+        """Rule 6 on the two addends ``a`` (input 0) and ``b`` (input 1) of ``node``."""
+        idx = ctx.index
         if not a or not b or idx.is_constant(a) or idx.is_constant(b):
-            return _result(node, "none", "R6", "Add with a constant input (bias): left in float")
+            return _result(node, "none", "R6", f"{node.op_type} with a constant input (bias): left in float")
         if a == b:
-            return _result(node, "none", "R6", "Add of a tensor with itself: left in float")
+            return _result(node, "none", "R6", f"{node.op_type} of a tensor with itself: left in float")
         paths: List[List[str]] = [[], []]
         producers = [_through_epilogue(a, ctx, paths[0]), _through_epilogue(b, ctx, paths[1])]
         if producers[0] is None and producers[1] is None:
@@ -382,13 +394,49 @@ class ResidualAddHandler:
             if _computed_from(node.inputs[skip], set(paths[1 - skip]), ctx):
                 return _result(node, "none", "R6",
                                "the other input is computed from the weighted branch itself (an elementwise "
-                               "expression such as a GELU, not a shortcut): left in float")
+                               "expression such as a GELU or a squeeze-excitation x*gate, not a shortcut; "
+                               "TensorRT cannot fuse the Add into an op whose output the other addend "
+                               "needs): "
+                               "left in float")
         tensor = node.inputs[skip]
         if not idx.is_float_or_unknown(tensor):
             return _result(node, "none", "R6", "skip input is not float32")
         mark = ActivationMark(tensor, ((node.name, skip),), "R6",
-                              f"skip input {skip} of residual Add {node.name!r}")
+                              f"skip input {skip} of residual {node.op_type} {node.name!r}")
         return _result(node, "quantize", "R6", f"skip input {skip} quantized; {why}", (mark,))
+
+
+class ResidualSumHandler(ResidualAddHandler):
+    """Rule 6 (Sum): a ``Sum`` is a residual join under the rule of Add, on its first two inputs.
+
+    * Two inputs (as old exporters, e.g. Caffe2-converted models, write a residual join): exactly
+      the rule of :class:`ResidualAddHandler`.
+    * More inputs (rule 6b): TensorRT's ONNX parser imports ``Sum`` as a left-to-right chain of
+      element-wise sums, ``((x0 + x1) + x2) + ...``. Only the first link adds two tensors of the
+      graph, so only it can fuse into the weighted op producing ``x0`` or ``x1`` (rule 6 applies to
+      that pair). Every later link adds a graph tensor to an intermediate sum that no Q/DQ in the
+      ONNX graph can reach, so no INT8 fusion is possible there: inputs 2 and up stay float. This
+      is rule 7's choice for non-commuting ops that are not worth quantizing (a Q/DQ there would
+      add rounding error and no INT8 kernel).
+    * One input (an identity): nothing to do.
+
+    Sources: onnx-tensorrt operator support (``Sum``: element-wise sum of all inputs, built as a
+    chain of IElementWiseLayer); TensorRT Developer Guide, Q/DQ layer-placement recommendations
+    (residual Add fusion with the convolution).
+    """
+
+    phase = 2
+
+    def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
+        inputs = node.inputs
+        if len(inputs) < 2:
+            return _result(node, "none", "R6", "Sum of one input (an identity): nothing to quantize")
+        result = self.join(node, inputs[0], inputs[1], ctx)
+        if len(inputs) == 2 or result.decision.action != "quantize":
+            return result
+        d = result.decision
+        rest = f"; inputs 2-{len(inputs) - 1} stay float (rule 6b: later links of TensorRT's sum chain)"
+        return NodeResult(Decision(d.node, d.op_type, d.action, "R6b", d.reason + rest), result.activations)
 
 
 # --------------------------------------------------------------------------- rule 7
@@ -493,6 +541,72 @@ class SkippedOpHandler:
 
     def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
         return _result(node, "skip", "R9", f"{node.op_type} is kept in float")
+
+
+# --------------------------------------------------------------------------- subgraph rule
+class IfBranchHandler:
+    """Subgraph rule: each branch of an If is placed by the same rules, as a graph of its own.
+
+    A branch reads outer-scope names (activations, and weights that are outer initializers or
+    Constant outputs) through the enclosing graph's index; rule 10 holds within each branch. The
+    two branches never run together, so a tensor of the If's scope read by both is quantized in
+    each branch that quantizes it. Branches whose tensor names are not unique in the model (a name
+    defined in both branches, or shadowing an outer one) are left untouched: ranges are kept per
+    tensor name. Loop and Scan bodies are not handled here (the policy leaves them untouched:
+    calibration cannot observe a tensor that takes one value per iteration).
+
+    Sources: ONNX IR specification, "Names Within a Graph" (outer-scope names visible in
+    subgraphs); onnx-tensorrt operator support (If: both branches are built as conditional
+    subgraphs, Q/DQ layers inside them included).
+    """
+
+    phase = 1
+
+    def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
+        branches = subgraphs_of(node.proto)
+        defined = [_defined_names(g) for _, _, g in branches]
+        outer = _outer_defined(ctx.index)
+        clash = set()
+        for i, names in enumerate(defined):
+            clash |= names & outer
+            for other in defined[i + 1:]:
+                clash |= names & other
+        if clash:
+            return _result(node, "skip", "subgraph", f"branch tensor names are not unique in the model "
+                           f"(e.g. {sorted(clash)[0]!r}): left untouched")
+        found, counts = [], []
+        for attribute, position, graph in branches:
+            placement = ctx.place_subgraph(graph, ctx.index)
+            counts.append(f"{attribute} {len(placement.all_activations())} activation(s), "
+                          f"{len(placement.all_weights())} weight(s)")
+            if not placement.empty:
+                found.append(SubgraphPlacement(node.name, attribute, position, placement))
+        reason = "If branches placed as graphs of their own: " + "; ".join(counts)
+        action = "quantize" if found else "none"
+        return NodeResult(Decision(node.name, node.op_type, action, "subgraph", reason),
+                          subgraphs=tuple(found))
+
+
+def _defined_names(graph) -> Set[str]:
+    """Every name ``graph`` and its nested subgraphs define (inputs, initializers, node outputs)."""
+    names = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    for node in graph.node:
+        names.update(o for o in node.output if o)
+        if node.attribute:
+            for _, _, sub in subgraphs_of(node):
+                names |= _defined_names(sub)
+    return names
+
+
+def _outer_defined(index: GraphIndex) -> Set[str]:
+    """Names defined by the graph behind ``index`` and every graph enclosing it."""
+    names: Set[str] = set()
+    while index is not None:
+        names.update(index.graph_inputs)
+        names.update(index.initializers)
+        names.update(index.producer)
+        index = index.outer
+    return names
 
 
 class NotQuantizedHandler:

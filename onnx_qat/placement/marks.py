@@ -104,39 +104,68 @@ def group_by_tensor(marks, into: Dict[str, List[ActivationMark]]) -> None:
 
 @dataclass(frozen=True)
 class Placement:
-    """The full placement decided for a graph, before any node is inserted."""
+    """The full placement decided for a graph, before any node is inserted.
+
+    ``subgraphs`` holds the placement of each subgraph quantized in place (the branches of an If),
+    each a :class:`SubgraphPlacement` whose marks name nodes and tensors of that subgraph. The
+    ``activations``, ``weights`` and ``decisions`` fields are this graph's own; the ``all_*``
+    methods, :meth:`activation_tensors`, :attr:`empty`, :meth:`counts` and :meth:`decision_for`
+    include the subgraphs.
+    """
 
     activations: Tuple[ActivationMark, ...] = ()
     weights: Tuple[WeightMark, ...] = ()
     decisions: Tuple[Decision, ...] = ()
     notes: Tuple[str, ...] = field(default=())
+    subgraphs: Tuple["SubgraphPlacement", ...] = field(default=())
+
+    def nested(self) -> Tuple["Placement", ...]:
+        """This placement and those of its subgraphs (depth first)."""
+        found = [self]
+        for sub in self.subgraphs:
+            found.extend(sub.placement.nested())
+        return tuple(found)
+
+    def all_activations(self) -> Tuple[ActivationMark, ...]:
+        """The activation marks of this graph and of every subgraph."""
+        return tuple(m for p in self.nested() for m in p.activations)
+
+    def all_weights(self) -> Tuple[WeightMark, ...]:
+        """The weight marks of this graph and of every subgraph."""
+        return tuple(m for p in self.nested() for m in p.weights)
+
+    def all_decisions(self) -> Tuple[Decision, ...]:
+        """The decisions of this graph and of every subgraph."""
+        return tuple(d for p in self.nested() for d in p.decisions)
 
     def activation_tensors(self) -> Tuple[str, ...]:
-        """Names of the activation tensors to quantize (sorted, unique)."""
-        return tuple(sorted({m.tensor for m in self.activations}))
+        """Names of the activation tensors to quantize (sorted, unique), subgraphs included."""
+        return tuple(sorted({m.tensor for m in self.all_activations()}))
 
     def weight_tensors(self) -> Tuple[str, ...]:
-        """The weight initializers to quantize, sorted, each once."""
+        """The weight initializers of this graph to quantize, sorted, each once."""
         return tuple(sorted({m.tensor for m in self.weights}))
 
     @property
     def empty(self) -> bool:
-        """Nothing is quantized (no activation and no weight mark)."""
-        return not self.activations and not self.weights
+        """Nothing is quantized (no activation and no weight mark, in any subgraph either)."""
+        return not self.activations and not self.weights and all(s.placement.empty for s in self.subgraphs)
 
     def counts(self) -> dict:
-        """Numbers for summaries: marks, and decisions by action."""
+        """Numbers for summaries: marks, and decisions by action (subgraphs included)."""
         actions = {"quantize": 0, "skip": 0, "none": 0}
-        for d in self.decisions:
+        decisions = self.all_decisions()
+        for d in decisions:
             actions[d.action] = actions.get(d.action, 0) + 1
-        counts = {"activations": len(self.activations), "weights": len(self.weights),
-                  "nodes": len(self.decisions)}
+        counts = {"activations": len(self.all_activations()), "weights": len(self.all_weights()),
+                  "nodes": len(decisions)}
         counts.update({f"nodes_{k}": v for k, v in sorted(actions.items())})
         return counts
 
     def decision_for(self, node: str) -> Optional[Decision]:
-        """The decision taken for ``node`` (None when the graph has no such node)."""
-        for d in self.decisions:
+        """The decision taken for ``node`` (None when no graph has such a node; a subgraph's node is
+        found when this graph has no node of that name)."""
+        for d in self.all_decisions():
             if d.node == node:
                 return d
         return None
@@ -164,6 +193,9 @@ class Placement:
             axis = "per tensor" if w.axis is None else f"axis {w.axis}"
             lines.append(f"  weight {w.tensor} of {w.node} ({axis}, {w.rule})")
         lines += [f"note: {n}" for n in self.notes]
+        for sub in self.subgraphs:
+            lines += ["", f"== subgraph {sub.attribute} of {sub.node} =="]
+            lines.append(sub.placement.table(all_nodes=all_nodes))
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -177,4 +209,17 @@ class Placement:
             "decisions": [{"node": d.node, "op_type": d.op_type, "action": d.action, "rule": d.rule,
                            "reason": d.reason} for d in self.decisions],
             "notes": list(self.notes),
+            "subgraphs": [{"node": sub.node, "attribute": sub.attribute, "position": sub.position,
+                           "placement": sub.placement.to_dict()} for sub in self.subgraphs],
         }
+
+
+@dataclass(frozen=True)
+class SubgraphPlacement:
+    """The placement of one subgraph: graph ``position`` of attribute ``attribute`` (e.g.
+    ``then_branch``) of node ``node`` (in the graph holding it)."""
+
+    node: str
+    attribute: str
+    position: int
+    placement: Placement

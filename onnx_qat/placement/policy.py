@@ -13,12 +13,12 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import onnx
 
 from ..config import QuantizeConfig
-from ..errors import ModelError
+from .formats import adapt_placement
 from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
 from .handlers import (
     COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
-    FusedEpilogueHandler, NodeResult, NotQuantizedHandler, PlacementContext, PoolingInputHandler,
-    ResidualAddHandler, SkippedOpHandler, WeightedOpHandler,
+    FusedEpilogueHandler, IfBranchHandler, NodeResult, NotQuantizedHandler, PlacementContext,
+    PoolingInputHandler, ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, WeightedOpHandler,
 )
 from .marks import ActivationMark, Decision, Placement, group_by_tensor
 
@@ -47,7 +47,9 @@ class TensorRTPolicy:
         pooling = PoolingInputHandler()
         table.update({"AveragePool": pooling, "GlobalAveragePool": pooling})
         table["Add"] = ResidualAddHandler()
+        table["Sum"] = ResidualSumHandler()
         table["Concat"] = ConcatHandler()
+        table["If"] = IfBranchHandler()
         self.table: Mapping[str, object] = MappingProxyType(table)
         self.default = NotQuantizedHandler()
 
@@ -57,7 +59,8 @@ class TensorRTPolicy:
 
     def place(self, index: GraphIndex, config: QuantizeConfig) -> Placement:
         """Decide every Q/DQ for the graph behind ``index``."""
-        ctx = PlacementContext(index, config)
+        ctx = PlacementContext(index, config,
+                               place_subgraph=lambda graph, outer: self.place_subgraph(graph, outer, config))
         results: List[Optional[NodeResult]] = [None] * len(index.nodes)  # by node position
         notes: List[str] = []
         phases: Dict[int, List[Tuple[NodeInfo, object]]] = {1: [], 2: [], 3: []}
@@ -74,7 +77,7 @@ class TensorRTPolicy:
                     results[node.position] = NodeResult(early)
                     if node.has_subgraphs and early.rule == "subgraph":
                         notes.append(f"{node.op_type} node {node.name!r} holds subgraphs; "
-                                     "they were left untouched (not quantized)")
+                                     "they were left untouched (not quantized: only If branches are)")
                         logger.warning("%s node %r holds subgraphs; leaving them untouched",
                                        node.op_type, node.name)
                     continue
@@ -95,18 +98,31 @@ class TensorRTPolicy:
                 d = result.decision
                 logger.debug("placement %s %r (%s): %s [%s] %s", d.action, d.node, d.op_type, d.rule,
                              d.reason, "".join(f"; Q/DQ on {m.tensor!r}" for m in result.activations))
+        for result in results:
+            d = result.decision
+            if d.rule == "subgraph" and d.action == "skip" and d.op_type == "If":
+                notes.append(f"If node {d.node!r}: {d.reason}")
+                logger.warning("If node %r: %s", d.node, d.reason)
         activations = rule10_merge(results, index)
         weights = tuple([w for r in results if r.weights for w in r.weights])
-        return Placement(activations, weights, tuple([r.decision for r in results]), tuple(notes))
+        nested = tuple([s for r in results if r.subgraphs for s in r.subgraphs])
+        decisions = tuple([r.decision for r in results])
+        placement = Placement(activations, weights, decisions, tuple(notes), nested)
+        return adapt_placement(placement, index, config)  # the marks the numeric format keeps
+
+    def place_subgraph(self, graph, outer: GraphIndex, config: QuantizeConfig) -> Placement:
+        """The placement of subgraph ``graph`` (an If branch) whose outer scope is ``outer``."""
+        return self.place(GraphIndex(graph, outer=outer), config)
 
 
 def _pre_decision(node: NodeInfo, config: QuantizeConfig) -> Optional[Decision]:
-    """Decisions taken before any rule: subgraphs, custom domains, user exclusions."""
+    """Decisions taken before any rule: subgraphs other than If branches, custom domains, user
+    exclusions."""
     def decide(action: str, rule: str, reason: str) -> Decision:
         return Decision(node.name, node.op_type, action, rule, reason)
 
-    if node.has_subgraphs:
-        return decide("skip", "subgraph", "holds subgraphs (If/Loop/Scan): left untouched")
+    if node.has_subgraphs and not (node.op_type == "If" and node.standard):
+        return decide("skip", "subgraph", "holds subgraphs (a Loop/Scan body): left untouched")
     if not node.standard:
         return decide("none", "domain", f"custom domain {node.domain!r}: left alone")
     if config.op_type_excluded(node.op_type):
@@ -187,22 +203,28 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
     return tuple(merged)
 
 
-def policy_for(target: str):
-    """The placement policy of a deployment target (see :mod:`onnx_qat.targets`)."""
+#: Placement policies by the name a :class:`~onnx_qat.targets.Target` gives in its ``policy`` field.
+POLICIES: Mapping[str, type] = MappingProxyType({"tensorrt": TensorRTPolicy})
+
+
+def policy_for(target):
+    """A fresh placement policy of a deployment target (a :class:`~onnx_qat.targets.Target` or
+    its name; see :mod:`onnx_qat.targets`)."""
     from ..targets import get_target
 
-    return get_target(target).make_policy()
+    return POLICIES[get_target(target).policy]()
 
 
 def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Placement:
     """Decide where Q/DQ pairs go in ``model`` for the configured target, without changing it.
 
     Args:
-        model: an ``onnx.ModelProto`` or a path to a model (loaded with
-            :func:`onnx_qat.model_io.load_model`, which upgrades opset < 13).
+        model: an ``onnx.ModelProto``, an ``onnx_graphsurgeon.Graph`` or a path to a model (the
+            last two loaded with :func:`onnx_qat.model_io.load_model`, which upgrades opset < 13;
+            a Graph is exported, never modified).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; ``options`` (its field names:
             ``target``, ``exclude_nodes``, ``exclude_op_types``, ``min_channels``,
-            ``include_attention``) override its fields.
+            ``include_attention``, ``precision``, ``block_size``) override its fields.
 
     Returns:
         A :class:`~onnx_qat.placement.marks.Placement`: the activation and weight marks, one
@@ -211,9 +233,9 @@ def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Place
     """
     config = QuantizeConfig.from_options(config, **options)
     if not isinstance(model, onnx.ModelProto):
+        from ..formats import get_format
         from ..model_io import load_model
 
-        model = load_model(model)
-    if not isinstance(model, onnx.ModelProto):
-        raise ModelError(f"place() needs an onnx.ModelProto or a path, got {type(model).__name__}")
+        # a path or a Graph; any other object: one ModelError line
+        model = load_model(model, min_opset=get_format(config.precision).min_opset)
     return policy_for(config.target).place(GraphIndex(model), config)

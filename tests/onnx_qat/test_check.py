@@ -134,7 +134,9 @@ def test_check_does_not_modify_the_callers_model():
 
 def test_every_rule_is_documented_with_a_source():
     ids = [r[0] for r in RULES]
-    assert ids == [f"C{i}" for i in range(1, len(RULES) + 1)]
+    int8 = [i for i in ids if i.startswith("C")]
+    assert int8 == [f"C{i}" for i in range(1, len(int8) + 1)]
+    assert ids[len(int8):] == [f"F{i}" for i in range(1, len(ids) - len(int8) + 1)]  # check_formats
     for rule_id, severity, what, fn in RULES:
         assert severity in ("error", "warning") and what
         assert fn.__doc__.startswith(rule_id) and "Source:" in fn.__doc__
@@ -350,6 +352,26 @@ def test_c10_residual_add_with_float_skip():
     assert report.passed
     finding = assert_found(report, "C10", "add", "warning")
     assert "'relu1_out'" in finding.message and "'conv2'" in finding.message
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_c10_sum_join_is_checked_on_its_first_two_inputs(extra):
+    b = good_block()
+    add = next(n for n in b.nodes if n.name == "add")
+    add.op_type = "Sum"
+    add.input.extend(["relu1_out"] * extra)  # a later link of the sum chain: never asked about
+    assert check(b.model()).findings == ()
+    add.input[1] = "relu1_out"
+    assert "'relu1_out'" in assert_found(check(b.model()), "C10", "add", "warning").message
+
+
+def test_c10_not_reported_for_an_add_of_a_conv_output_and_its_own_scaling():
+    """``y + y * gate(y)`` (residual squeeze-excitation): no fusion can serve it, nothing to report."""
+    b = good_block()
+    add = next(n for n in b.nodes if n.name == "add")
+    gate = b.add("Sigmoid", [b.add("GlobalAveragePool", ["conv2_out"], "se_gap")], "se_gate")
+    add.input[1] = b.add("Mul", ["conv2_out", gate], "se_mul")
+    assert check(b.model()).findings == ()
 
 
 def test_c11_residual_add_with_conv_branch_quantized():

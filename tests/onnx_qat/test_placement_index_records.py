@@ -124,7 +124,7 @@ def test_subgraph_nodes_are_the_nodes_holding_graphs():
     (WeightMark, dict(tensor="w", node="n", input_index=1, axis=0, rule="R3", reason="why")),
     (Decision, dict(node="n", op_type="Conv", action="quantize", rule="R4", reason="why")),
     (NodeResult, dict(decision=Decision("n", "Relu", "none", "R8", "x"), activations=(), weights=(),
-                      shares=(("t", "g"),))),
+                      shares=(("t", "g"),), subgraphs=())),
 ])
 def test_records_behave_as_frozen_dataclasses(record, kwargs):
     a, b = record(**kwargs), record(*kwargs.values())

@@ -10,7 +10,7 @@ from onnx_qat.placement import TensorRTPolicy
 from onnx_qat.placement.graph_index import GraphIndex, unique_node_names
 from onnx_qat.placement.handlers import rule3_weight_axis
 from tests.builders import (
-    GraphBuilder, concat_model, conv_bn_relu_model, lines_executed, residual_block_model,
+    GraphBuilder, assert_check_clean, concat_model, conv_bn_relu_model, lines_executed, residual_block_model,
     residual_chain_model, transformer_block_model,
 )
 
@@ -95,12 +95,15 @@ def test_weights_given_as_constant_nodes(via_identity):
     assert ops.count("DequantizeLinear") == 2
 
 
-def test_if_subgraph_left_untouched_with_warning(caplog):
+def _if_model():
+    """``conv`` (main graph) -> If ``branch``: then ``then_conv`` (reads the outer ``conv_out``, weight a
+    branch initializer), else ``else_relu``."""
     b = GraphBuilder("with_if")
     x = b.input("input", [1, 16, 4, 4])
     cond = b.input("cond", [], dtype=TensorProto.BOOL)
     y = b.conv(x, 16, 16, "conv", k=1)
     branch_w = numpy_helper.from_array(np.ones((16, 16, 1, 1), np.float32), "branch_w")
+
     def out_info(name):
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 16, 4, 4])
 
@@ -110,17 +113,58 @@ def test_if_subgraph_left_untouched_with_warning(caplog):
                                [], [out_info("else_out")])
     b.node("If", [cond], "output", name="branch", then_branch=then_g, else_branch=else_g)
     b.output("output", [1, 16, 4, 4])
+    return b.build()
+
+
+def test_subgraph_rule_if_branch_is_placed_as_a_graph_of_its_own():
+    model = _if_model()
+    placement = onnx_qat.place(model)
+    decision = placement.decision_for("branch")
+    assert decision.action == "quantize" and decision.rule == "subgraph", decision
+    assert placement.decision_for("conv").action == "quantize"
+    (sub,) = placement.subgraphs
+    assert (sub.node, sub.attribute) == ("branch", "then_branch")
+    assert [(m.tensor, m.consumers) for m in sub.placement.activations] == [("conv_out", (("then_conv", 0),))]
+    assert [(w.tensor, w.axis) for w in sub.placement.weights] == [("branch_w", 0)]
+    assert placement.activation_tensors() == ("conv_out", "input")
+    out = onnx_qat.quantize(model, scales=onnx_qat.ScaleTable({"input": 3.0, "conv_out": 4.0}),
+                            progress=False).model
+    if_node = next(n for n in out.graph.node if n.op_type == "If")
+    branches = {a.name: [n.op_type for n in a.g.node] for a in if_node.attribute}
+    assert sorted(branches["then_branch"]) == ["Conv", "DequantizeLinear", "DequantizeLinear",
+                                               "QuantizeLinear"]
+    assert branches["else_branch"] == ["Relu"]
+    assert_check_clean(out)
+
+
+def test_loop_body_left_untouched_with_warning(caplog):
+    b = GraphBuilder("with_loop")
+    x = b.input("input", [1, 16, 4, 4])
+    y = b.conv(x, 16, 16, "conv", k=1)
+    body_w = numpy_helper.from_array(np.ones((16, 16, 1, 1), np.float32), "body_w")
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"], name="body_cond"),
+         helper.make_node("Conv", ["carried", "body_w"], ["carried_out"], name="body_conv")],
+        "body",
+        [helper.make_tensor_value_info("iter", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("carried", TensorProto.FLOAT, [1, 16, 4, 4])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("carried_out", TensorProto.FLOAT, [1, 16, 4, 4])], [body_w])
+    trips = b.const("trips", np.array(2, np.int64))
+    b.node("Loop", [trips, "", y], "output", name="loop", body=body)
+    b.output("output", [1, 16, 4, 4])
     model = b.build()
     with caplog.at_level(logging.WARNING, logger="onnx_qat"):
         placement = onnx_qat.place(model)
-    assert any("branch" in r.getMessage() and "subgraph" in r.getMessage() for r in caplog.records)
-    assert any("'branch'" in note for note in placement.notes)
-    assert placement.decision_for("branch").action == "skip"
+    assert any("'loop'" in r.getMessage() and "subgraph" in r.getMessage() for r in caplog.records)
+    assert any("'loop'" in note for note in placement.notes)
+    assert placement.decision_for("loop").action == "skip"
     assert placement.decision_for("conv").action == "quantize"
+    assert not placement.subgraphs
     out = onnx_qat.quantize(model, scales=onnx_qat.ScaleTable({"input": 3.0}), progress=False).model
-    if_node = next(n for n in out.graph.node if n.op_type == "If")
-    then_ops = [n.op_type for a in if_node.attribute for n in a.g.node]
-    assert sorted(then_ops) == ["Conv", "Relu"]
+    loop = next(n for n in out.graph.node if n.op_type == "Loop")
+    assert sorted(n.op_type for a in loop.attribute for n in a.g.node) == ["Conv", "Identity"]
 
 
 def test_custom_domain_ops_left_alone():

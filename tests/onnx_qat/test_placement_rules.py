@@ -10,8 +10,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qat
 from tests.builders import (
-    GraphBuilder, amax_table, assert_float_input, assert_no_qdq, assert_no_qdq_on, assert_qdq_on,
-    assert_weight_quantized, concat_model, conv_bn_relu_model, count_ops, describe, mlp_model, opset9_model,
+    GraphBuilder, amax_table, assert_check_clean, assert_float_input, assert_no_qdq, assert_no_qdq_on,
+    assert_qdq_on, assert_weight_quantized, concat_model, conv_bn_relu_model, count_ops, describe, mlp_model,
+    opset9_model,
     qdq_pairs, random_inputs, residual_block_model, run, transformer_block_model, weight_dqs,
 )
 
@@ -19,7 +20,10 @@ from tests.builders import (
 def qdq(model, **options):
     """Quantize ``model`` with ranges measured on seeded random inputs."""
     table = amax_table(model, random_inputs(model))
-    return onnx_qat.quantize(model, scales=table, progress=False, **options).model
+    model = onnx_qat.quantize(model, scales=table, progress=False, **options).model
+    if options.get("target", "tensorrt") == "tensorrt":
+        assert_check_clean(model)  # the rewriter's output passes its own check cleanly
+    return model
 
 
 def _initializers(model):
@@ -212,6 +216,97 @@ def test_rule6_add_of_two_plain_activations_left_float():
     assert_float_input(out, "add", 0)
     assert_float_input(out, "add", 1)
     assert_qdq_on(out, "add_out", "conv", 0)
+
+
+def _sum_residual_model(extra: int = 0):
+    """stem -> conv1 -> bn1 -> Sum ``sum`` (input 0 ``bn1_out``, input 1 the skip ``stem_relu_out``,
+    then ``extra`` more inputs: the outputs of 1x1 convs ``side{i}`` of the stem) -> Relu -> conv2."""
+    b = GraphBuilder("sum_residual", seed=4)
+    x = b.input("input", [1, 16, 8, 8])
+    stem = b.relu(b.conv(x, 16, 16, "stem_conv"), "stem_relu")
+    y = b.bn(b.conv(stem, 16, 16, "conv1"), 16, "bn1")
+    sides = [b.conv(stem, 16, 16, f"side{i}", k=1) for i in range(extra)]
+    y = b.relu(b.node("Sum", [y, stem] + sides, name="sum"), "relu")
+    b.node("Conv", [y, b.weight("conv2.weight", [16, 16, 3, 3])], "output", name="conv2",
+           kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    b.output("output")
+    return b.build()
+
+
+def test_rule6_two_input_sum_is_a_residual_join():
+    out = qdq(_sum_residual_model())
+    assert_qdq_on(out, "stem_relu_out", "sum", 1)
+    assert_float_input(out, "sum", 0)
+    assert_no_qdq_on(out, "bn1_out")
+
+
+def test_rule6b_sum_of_three_inputs_joins_its_first_two_and_keeps_the_rest_float():
+    model = _sum_residual_model(extra=1)
+    decision = onnx_qat.place(model).decision_for("sum")
+    assert decision.action == "quantize" and decision.rule == "R6b", decision
+    out = qdq(model)
+    assert_qdq_on(out, "stem_relu_out", "sum", 1)
+    assert_float_input(out, "sum", 0)
+    assert_float_input(out, "sum", 2)
+    assert_no_qdq_on(out, "side0_out")
+    feeds = random_inputs(model, seed=2)
+    ref = run(model, feeds)[0]
+    assert np.abs(run(out, feeds)[0] - ref).max() < 0.1 * np.abs(ref).max()
+
+
+def _hard_swish(b, x, name):
+    """``x * HardSigmoid(x)`` written out as exporters write hard-swish (a Mul of two activations)."""
+    return b.node("Mul", [x, b.node("HardSigmoid", [x], name=f"{name}_gate", alpha=1 / 6, beta=0.5)],
+                  name=name)
+
+
+def test_rule6_skip_from_a_hard_swish_mul_is_quantized():
+    """The skip of a MobileNetV3-style block is a hard-swish Mul: it is quantized for the Add fusion."""
+    b = GraphBuilder("hswish_skip", seed=6)
+    x = b.input("input", [1, 16, 8, 8])
+    h = _hard_swish(b, b.conv(x, 16, 16, "stem_conv"), "hswish")
+    y = b.bn(b.conv(b.relu(b.conv(h, 16, 16, "conv1"), "relu1"), 16, 16, "conv2"), 16, "bn2")
+    b.node("Add", [y, h], "output", name="add")
+    b.output("output")
+    out = qdq(b.build())
+    assert_qdq_on(out, "hswish_out", "add", 1)
+    assert_float_input(out, "add", 0)
+
+
+def test_rule6_skip_from_a_squeeze_excitation_mul_is_quantized():
+    """A block whose output is SE-scaled (``y * sigmoid(fc(gap(y)))``) feeds the next block's Add as
+    its skip: quantized, the next block's conv branch stays float."""
+    b = GraphBuilder("se_skip", seed=7)
+    x = b.input("input", [1, 16, 8, 8])
+    y = b.relu(b.conv(x, 16, 16, "conv0"), "relu0")
+    gate = b.node("GlobalAveragePool", [y], name="gap")
+    fc = b.conv(b.relu(b.conv(gate, 16, 16, "fc1", k=1), "fc_relu"), 16, 16, "fc2", k=1)
+    gate = b.node("Sigmoid", [fc], name="gate")
+    se = b.node("Mul", [y, gate], name="se")
+    z = b.bn(b.conv(b.relu(b.conv(se, 16, 16, "conv1"), "relu1"), 16, 16, "conv2"), 16, "bn2")
+    b.node("Add", [z, se], "output", name="add")
+    b.output("output")
+    out = qdq(b.build())
+    assert_qdq_on(out, "se_out", "add", 1)
+    assert_float_input(out, "add", 0)
+
+
+def test_rule6_add_of_a_conv_output_and_its_own_se_scaling_stays_float():
+    """``y + y * gate(y)`` (PP-OCR's residual squeeze-excitation): the other addend needs the conv's
+    own output, so no Add fusion is possible; both inputs stay float and check stays clean (C10)."""
+    b = GraphBuilder("rse", seed=8)
+    x = b.input("input", [1, 16, 8, 8])
+    y = b.conv(b.relu(b.conv(x, 16, 16, "conv0"), "relu0"), 16, 16, "conv1")
+    gate = b.node("GlobalAveragePool", [y], name="gap")
+    gate = b.node("HardSigmoid", [b.conv(b.relu(b.conv(gate, 16, 16, "fc1", k=1), "fc_relu"), 16, 16, "fc2",
+                                         k=1)], name="gate", alpha=0.2, beta=0.5)
+    b.node("Add", [y, b.node("Mul", [y, gate], name="se")], "output", name="add")
+    b.output("output")
+    model = b.build()
+    assert "computed from the weighted branch" in onnx_qat.place(model).decision_for("add").reason
+    out = qdq(model)  # asserts check is clean
+    assert_float_input(out, "add", 0)
+    assert_float_input(out, "add", 1)
 
 
 # --------------------------------------------------------------------------- rule 7

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 
 import onnx_qat
-from onnx_qat.check import check
-from tests.builders import GraphBuilder, amax_table, cosine, count_ops, describe, random_inputs, run
+from tests.builders import (
+    GraphBuilder, amax_table, assert_check_clean, cosine, count_ops, describe, random_inputs, run,
+)
 
 C = 16
 
@@ -100,8 +101,7 @@ def test_random_cnn_keeps_every_rule(seed):
     model = random_cnn(seed)
     table = amax_table(model, random_inputs(model, seed=seed))
     result = onnx_qat.quantize(model, scales=table, progress=False)
-    report = check(result.model)
-    assert report, f"{report}\n{describe(result.model)}"
+    assert_check_clean(result.model)
     _invariants(result.model)
     assert count_ops(result.model)["QuantizeLinear"] == len(result.placement.activations)
     feeds = random_inputs(model, seed=seed + 100)

@@ -89,3 +89,19 @@ def test_optimize_false_turns_graph_optimisations_off():
     x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
     out = run_model(plain, {"x": x}, progress=False)
     np.testing.assert_allclose(next(iter(out.values())), _expected(x), rtol=1e-5, atol=1e-6)
+
+
+def test_large_initializers_no_node_reads_or_only_a_subgraph_reads_do_not_break_the_session():
+    """onnxruntime drops unread initializers and hands those a subgraph reads down to it; neither can
+    then be given as an in-memory weight: both stay serialized, and the outputs are right."""
+    from tests.builders import conv_bn_relu_model, if_cnn_model, random_inputs, run
+
+    model = conv_bn_relu_model()
+    model.graph.initializer.append(numpy_helper.from_array(np.ones((64, 64), np.float32), "unused_w"))
+    feeds = random_inputs(model)
+    np.testing.assert_allclose(make_session(model).run(None, feeds)[0], run(model, feeds)[0], rtol=1e-5,
+                               atol=1e-5)
+    model = if_cnn_model()  # 'shared_w' (2.3 KiB) is read only inside the else_branch
+    feeds = {"input": -np.abs(random_inputs(model)["input"]) - 1}
+    np.testing.assert_allclose(make_session(model).run(None, feeds)[0], run(model, feeds)[0], rtol=1e-4,
+                               atol=1e-4)

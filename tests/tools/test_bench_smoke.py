@@ -24,6 +24,8 @@ EXPECTED = {
     "calibration": ("max time / onnxruntime MinMax", "entropy time / onnxruntime Entropy",
                     "max: peak RSS at"),
     "qat_step": ("QAT train step / float train step",),
+    "formats": ("bert: onnx-qat fp8 cosine to FP32", "bert: onnx-qat int4 AWQ file size / FP32",
+                "cnn: onnx-qat int8 cosine to FP32", "cnn: onnx-qat int4 AWQ quantize time"),
 }
 
 
@@ -79,3 +81,11 @@ def test_goal_statuses_follow_the_values():
     assert Row("b", "f", 1.1, Goal("<=", 1.0, 1.25)).status == "BAR"
     assert Row("b", "f", float("nan"), Goal("<=", 1.0)).status == "SKIP"
     assert Row("b", "f", 0.5, None).status == "INFO"
+
+
+def test_quick_formats_benchmark_writes_its_table(tmp_path):
+    stdout, doc, markdown = _bench(tmp_path, "formats")
+    _check_rows(doc, markdown, stdout, "formats")
+    modelopt = [r for r in doc["rows"] if "ModelOpt" in r["figure"]]
+    assert modelopt and all(r["status"] in ("SKIP", "PASS", "MISS", "INFO") for r in modelopt)
+    assert all(r["detail"] for r in modelopt if r["status"] == "SKIP")  # skipped with a reason

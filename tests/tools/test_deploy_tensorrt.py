@@ -626,7 +626,10 @@ class _Config:
 class _Engine:
     def __init__(self, trt, model_bytes):
         self.trt, self.model = trt, onnx.load_from_string(model_bytes)
-        self.session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        if trt_backend.model_precision(self.model) == "fp8":  # onnxruntime's QDQ fusion refuses FP8 MatMuls
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        self.session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
         self.names = ([i.name for i in self.session.get_inputs()]
                       + [o.name for o in self.session.get_outputs()])
         self.num_inputs = len(self.session.get_inputs())
@@ -916,3 +919,45 @@ def test_real_build_rejects_a_bad_model_with_the_parser_message(tmp_path, capsys
     onnx.save(model, str(path))
     code, _, err = run_main([path, "--engine", tmp_path / "m.engine", "--skip-validation", "--force"], capsys)
     assert code == 2 and "parser" in err and len(err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- FP8 and INT4 forms
+def _formats_model(tmp_path, precision: str) -> Path:
+    """A 2-layer MLP (MatMul/Gemm) quantized by onnx_qat in ``precision``."""
+    import onnx_qat
+    from tests.builders import mlp_model, random_inputs
+
+    model = mlp_model(features=128, hidden=128, classes=CLASSES, batch=4)
+    result = onnx_qat.quantize(model, data=random_inputs(model, num=4, seed=1), progress=False,
+                               precision=precision)
+    path = tmp_path / f"{precision}.onnx"
+    onnx.save(result.model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int4"])
+def test_standin_fp8_and_int4_build_strongly_typed_and_verify(precision, tmp_path, capsys, standin):
+    trt, _ = standin("10.3.0")
+    model, report = _formats_model(tmp_path, precision), tmp_path / "r.json"
+    code, out, err = run_main([model, "--engine", tmp_path / "m.engine", "--report", report,
+                               "--iterations", "2", "--no-progress"], capsys)
+    assert code == 0, err
+    assert trt.calls["network_flags"] == [1 << trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED]
+    assert trt.calls["builder_flags"] == []
+    data = json.loads(report.read_text())
+    assert data["status"] == "verified" and data["build"]["precision"] == precision
+    assert data["check"]["passed"] and not data["check"]["findings"]  # the gate knows the F rules
+    (parity,) = data["parity"]
+    assert parity["passed"] and parity["max_abs"] < 1e-5  # the gate ran it as the stand-in did
+    assert f"strongly-typed {precision} engine" in out
+
+
+@pytest.mark.parametrize("version, extra, words", [
+    ("10.3.0", ["--fp16"], "drop it"),
+    ("8.6.1", [], "need TensorRT >= 10"),
+])
+def test_standin_fp8_refuses_weakly_typed_builds(version, extra, words, tmp_path, capsys, standin):
+    standin(version)
+    code, _, err = run_main([_formats_model(tmp_path, "fp8"), "--engine", tmp_path / "m.engine",
+                             "--iterations", "2", "--no-progress"] + extra, capsys)
+    assert code == 2 and words in err and "Traceback" not in err

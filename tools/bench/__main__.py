@@ -14,11 +14,11 @@ import time
 import traceback
 from pathlib import Path
 
-from . import calibration, cpu_latency, qat_step, rewrite_speed
+from . import calibration, cpu_latency, formats, qat_step, rewrite_speed
 from .table import Row, format_table, write_results
 
 BENCHMARKS = {"cpu_latency": cpu_latency.run, "rewrite_speed": rewrite_speed.run,
-              "calibration": calibration.run, "qat_step": qat_step.run}
+              "calibration": calibration.run, "qat_step": qat_step.run, "formats": formats.run}
 
 
 def get_parser() -> argparse.ArgumentParser:

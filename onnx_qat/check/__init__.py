@@ -1,0 +1,177 @@
+"""check(model) -> CheckReport: TensorRT-readiness linter for Q/DQ models from any tool.
+
+The rules read a model exported by any tool (this project, onnxruntime's
+``quantize_static``, PyTorch quantization toolkits...) and report what TensorRT's
+explicit-quantization INT8 path will refuse (``error``) or run slower than it
+could (``warning``). Each rule is one small function ``rule_cN_...`` with its
+source in the docstring, in a module per rule family (``rules_*.py``, over the
+per-graph index of ``index.py``); :data:`RULES` below is the one table of rules
+that :func:`check` runs, where every rule is registered.
+
+Sources cited by the rules:
+
+* [TRT-EQ] TensorRT Developer Guide, "Explicit Quantization" (Q/DQ layers,
+  symmetric signed INT8, constant scales, per-tensor activations and per-channel
+  weights).
+* [TRT-PL] TensorRT Developer Guide, "Q/DQ Layer-Placement Recommendations"
+  (quantize the inputs of weighted ops, residual Add fusion, commuting ops).
+* [ONNX-TRT] onnx-tensorrt ``docs/operators.md`` (QuantizeLinear/DequantizeLinear
+  need opset >= 13 for per-axis scales, zero point 0; QLinear* and *Integer ops are
+  not supported).
+
+The checker only reads the model: a ``ModelProto`` given by the caller is never
+modified (shape inference runs on a copy).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, Optional, Tuple
+
+from ..errors import ModelError
+from .report import CheckReport, ERROR, WARNING
+from .index import _all_graphs
+from .rules_ops import rule_c13_not_quantized, rule_c1_opset, rule_c2_forbidden_ops, rule_c3_int32_bias
+from .rules_values import (
+    rule_c4_ort_cpu_zero_points, rule_c4_zero_points, rule_c5_scales, rule_c6_per_channel,
+)
+from . import rules_formats
+from .rules_pairs import rule_c7_q_without_dq, rule_c8_dq_source, rule_c9_weighted_ops
+from .rules_fusion import (
+    rule_c10_residual_float_skip, rule_c11_residual_conv_branch_quantized, rule_c12_pad_conv,
+    rule_c14_qdq_inside_fusion,
+)
+from .report import MODEL_NODE, Finding  # noqa: F401  (re-exported)
+from .index import WEIGHTED_OPS  # noqa: F401  (re-exported)
+from .rules_ops import FORBIDDEN_OPS  # noqa: F401  (re-exported)
+
+
+logger = logging.getLogger(__name__)
+
+
+#: Rules the ``ort-cpu`` target replaces (rule function) or leaves out (None), with the reason.
+ORT_CPU_RULES: Dict[str, Tuple[Optional[Callable], str]] = {
+    "C4": (rule_c4_ort_cpu_zero_points, "uint8 activations with zero point 128 or 0 (same values)"),
+    "C11": (None, "the Conv output feeding a residual Add is a requantization point (CPU1): "
+                  "onnxruntime forms QLinearConv only with a QuantizeLinear on the Conv output"),
+    "C14": (None, "a Q/DQ between Conv and Relu is a requantization point (CPU1), for QLinearConv"),
+}
+
+
+#: (rule id, severity it can report, one-line description, function) in the order they run.
+RULES: Tuple[Tuple[str, str, str, Callable], ...] = (
+    ("C1", ERROR, "default-domain opset >= 13", rule_c1_opset),
+    ("C2", ERROR, "no QLinear*, ConvInteger, MatMulInteger, DynamicQuantizeLinear", rule_c2_forbidden_ops),
+    ("C3", ERROR, "no int32 (bias) DequantizeLinear", rule_c3_int32_bias),
+    ("C4", ERROR, "zero points constant, int8 and all zero", rule_c4_zero_points),
+    ("C5", ERROR, "scales constant, finite and > 0", rule_c5_scales),
+    ("C6", ERROR, "per-channel axis in range, one scale per channel (activations per tensor: warning)",
+     rule_c6_per_channel),
+    ("C7", ERROR, "QuantizeLinear output read only by DequantizeLinear", rule_c7_q_without_dq),
+    ("C8", WARNING, "DequantizeLinear fed by QuantizeLinear or an int8 constant", rule_c8_dq_source),
+    ("C9", ERROR, "weighted ops quantize both activation and weight, or neither", rule_c9_weighted_ops),
+    ("C10", WARNING, "residual Add after a quantized weighted op has a quantized skip input",
+     rule_c10_residual_float_skip),
+    ("C11", WARNING, "residual Add: the branch straight from the weighted op stays float",
+     rule_c11_residual_conv_branch_quantized),
+    ("C12", ERROR, "no Q/DQ between Pad and Conv", rule_c12_pad_conv),
+    ("C13", WARNING, "the model has Q/DQ nodes at all", rule_c13_not_quantized),
+    ("C14", WARNING, "no Q/DQ inside a weighted op -> BatchNormalization/activation fusion",
+     rule_c14_qdq_inside_fusion),
+) + rules_formats.RULES  # F1-F5: the FP8 and INT4 forms
+
+
+# -- entry point --------------------------------------------------------------------------------
+def _load(model):
+    """The ModelProto to read (never a caller's object modified) and its path label."""
+    import os
+    if isinstance(model, (str, os.PathLike)):
+        from ..model_io import load_model
+        return load_model(model, upgrade_opset=False), str(model)
+    import onnx
+
+    from ..model_io import from_graph, is_graph
+    if is_graph(model):
+        return from_graph(model), ""
+    if not isinstance(model, onnx.ModelProto):
+        raise ModelError(f"check() needs a model path, an onnx.ModelProto or an onnx_graphsurgeon.Graph, "
+                         f"got {type(model).__name__}")
+    return model, ""
+
+
+def _default_opset(model) -> Optional[int]:
+    versions = [imp.version for imp in model.opset_import if imp.domain in ("", "ai.onnx")]
+    return max(versions) if versions else None
+
+
+def _inferred_value_info(model):
+    """Value infos from shape inference on a copy; empty when inference fails (big or odd models)."""
+    import onnx
+    try:
+        return list(onnx.shape_inference.infer_shapes(model, strict_mode=False).graph.value_info)
+    except Exception as exc:  # shape inference is best effort: rules fall back to declared types
+        logger.debug("shape inference failed (%s); checking with declared shapes only", exc)
+        return []
+
+
+def _lazy_inference(model) -> Callable[[], list]:
+    """:func:`_inferred_value_info` of ``model``, run the first time it is called (if ever)."""
+    done: list = []
+
+    def infer() -> list:
+        if not done:
+            done.append(_inferred_value_info(model))
+        return done[0]
+
+    return infer
+
+
+def _rules_for(target) -> Tuple[Callable, ...]:
+    """The rule functions :func:`check` runs for ``target`` (a target name, or None for tensorrt)."""
+    from ..targets import get_target
+
+    name = get_target(target).name
+    replaced = ORT_CPU_RULES if name == "ort-cpu" else {}
+    rules = (replaced[rule_id][0] if rule_id in replaced else rule for rule_id, _, _, rule in RULES)
+    return tuple(rule for rule in rules if rule is not None)
+
+
+def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
+    """Check a Q/DQ ONNX model for TensorRT explicit-quantization readiness.
+
+    Args:
+        model: a path (loaded without opset upgrade, so an old opset is reported),
+            an ``onnx.ModelProto`` (read only, never modified) or an ``onnx_graphsurgeon.Graph``
+            (exported with ``gs.export_onnx``, never modified).
+        target: ``None``/``"tensorrt"`` (every rule), or ``"ort-cpu"``: the rules that apply to
+            that form, with :data:`ORT_CPU_RULES` replacing C4 and leaving out C11 and C14.
+        path: the file an in-memory ``model`` was read from or written to, named in the
+            report (:attr:`CheckReport.model`); default: ``model`` itself when it is a path.
+
+    Returns:
+        A :class:`CheckReport`; ``bool(report)`` is True when no rule found an
+        error. The rules (C1-C14) are listed in :data:`RULES` and docs/check-rules.md.
+
+    Raises:
+        ModelError: the model cannot be read.
+    """
+    from ..model_io import cyclic_gc_paused
+
+    rules = _rules_for(target)
+    proto, label = _load(model)
+    if path is not None:
+        label = str(path)
+    opset = _default_opset(proto)
+    findings = []
+    with cyclic_gc_paused():  # the index of a large model is ~10^6 live objects, none of them garbage
+        graphs = _all_graphs(proto, opset, _lazy_inference(proto))
+        for rule in rules:
+            findings.extend(rule(proto, graphs))
+        num_q = sum(node.is_q for g in graphs for node in g.qdq)
+        num_dq = sum(not node.is_q for g in graphs for node in g.qdq)
+        del graphs  # freed by reference counting while the collector is paused
+    for finding in findings:
+        logger.debug("check %s", finding)
+    return CheckReport(tuple(findings), num_q, num_dq, label, opset)
+
+
+__all__ = ["check", "CheckReport", "Finding", "RULES", "ORT_CPU_RULES", "ERROR", "WARNING"]

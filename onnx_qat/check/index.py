@@ -1,0 +1,546 @@
+"""The per-graph index every rule reads (:class:`_Graph`, built once per graph and
+subgraph by :func:`_all_graphs`) and the small helpers the rules share.
+
+Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
+:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import compress
+from sys import intern
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+
+_UINT8 = 2  # onnx.TensorProto.UINT8: what a QuantizeLinear without a zero point writes
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+#: Ops that move data without changing values; Q/DQ commutes with them ([TRT-PL]).
+_DATA_MOVEMENT = frozenset({
+    "Pad", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Slice", "MaxPool",
+})
+_CONST_PASS = frozenset({"Identity", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Cast", "Flatten"})
+
+
+# -- a read-only index of one graph --------------------------------------------------------------
+class _Types:
+    """Declared and (on demand) inferred element types and shapes of one graph's tensors.
+
+    Declared value infos (graph inputs, outputs, ``value_info``) are read when first asked
+    for; onnx shape inference runs only when a rule asks about a tensor whose declaration
+    is missing or incomplete (no element type, or a shape with unknown dimensions), and
+    then at most once. A complete declaration is trusted as it is.
+    """
+
+    def __init__(self, graph, infer: Optional[Callable[[], list]]):
+        self._graph = graph
+        self._infer = infer
+        self._declared: Optional[dict] = None
+        self._inferred: Optional[dict] = None
+        self._elem_types: Dict[str, Optional[int]] = {}
+
+    def _find(self, tensor: str, complete: Callable) -> Optional[object]:
+        """The tensor type of ``tensor``: the declared one when ``complete`` accepts it, else the
+        inferred one, else the declared one (or None)."""
+        if self._declared is None:
+            g = self._graph
+            self._declared = {vi.name: vi for part in (g.input, g.output, g.value_info) for vi in part}
+        declared = _tensor_type(self._declared.get(tensor))
+        if declared is not None and complete(declared):
+            return declared
+        if self._inferred is None:
+            self._inferred = {vi.name: vi for vi in self._infer()} if self._infer is not None else {}
+        inferred = _tensor_type(self._inferred.get(tensor))
+        return inferred if inferred is not None and complete(inferred) else declared or inferred
+
+    def elem_type(self, tensor: str) -> Optional[int]:
+        if tensor not in self._elem_types:  # rules C3 and C4 ask about every DQ input
+            tt = self._find(tensor, _has_elem_type)
+            self._elem_types[tensor] = tt.elem_type if tt is not None and tt.elem_type else None
+        return self._elem_types[tensor]
+
+    def shape(self, tensor: str) -> Optional[Tuple[Optional[int], ...]]:
+        tt = self._find(tensor, lambda t: t.HasField("shape") and all(d.HasField("dim_value")
+                                                                       for d in t.shape.dim))
+        if tt is None or not tt.HasField("shape"):
+            return None
+        return tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+
+
+def _has_elem_type(tensor_type) -> bool:
+    return tensor_type.elem_type != 0
+
+
+def _tensor_type(value_info):
+    if value_info is None or not value_info.type.HasField("tensor_type"):
+        return None
+    return value_info.type.tensor_type
+
+
+class _QDQ(NamedTuple):
+    """One QuantizeLinear/DequantizeLinear node with the fields the rules read, taken from the
+    protobuf once by the index: most rules visit every Q/DQ node, and each protobuf field read
+    builds new Python objects. Absent inputs and outputs are ``""``."""
+
+    pos: int        # position in the graph's node list
+    is_q: bool      # QuantizeLinear (else DequantizeLinear)
+    data: str       # input 0
+    scale: str      # input 1
+    zp: str         # input 2
+    out: str        # output 0
+    domain: str
+    attrs: tuple    # the node's AttributeProto messages
+
+
+_QUANTIZE, _DEQUANTIZE = "QuantizeLinear", "DequantizeLinear"
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+_INT, _GRAPH, _GRAPHS = 2, 5, 10  # onnx.AttributeProto.INT / GRAPH / GRAPHS
+
+
+@dataclass
+class _Graph:
+    """Producers, consumers, constants and types of one (sub)graph, read from the protobuf.
+
+    Nodes are held as parallel lists indexed by their position (op type, input names), not as
+    one object per node: on a 10^5-node model the per-node objects cost more to build and to free
+    than all the rules that read them. Only the Q/DQ nodes get a record (:class:`_QDQ`), since
+    they are what most rules visit. Node names are read when a finding names a node (:meth:`name`).
+    """
+
+    graph: object                         # the onnx.GraphProto
+    prefix: str                           # of node names: ``parent/attribute/`` inside subgraphs
+    ops: List[str]
+    node_inputs: List[List[str]]
+    producer: Dict[str, int]
+    #: node indices reading each QuantizeLinear output (one entry per reading input), see :meth:`readers`
+    q_readers: Dict[str, List[int]]
+    constants: Dict[str, object]          # name -> onnx.TensorProto (converted lazily)
+    types: _Types
+    outputs: frozenset
+    opset: Optional[int]
+    qdq: List[_QDQ] = field(default_factory=list)   # every Q/DQ node, in graph order
+    qdq_at: Dict[int, _QDQ] = field(default_factory=dict)  # node index -> its Q/DQ record
+    _arrays: Dict[str, object] = field(default_factory=dict)
+    _memo: Dict[str, dict] = field(default_factory=dict)
+    _stored: Dict[str, Tuple[int, Optional[bytes]]] = field(default_factory=dict)
+    _residual_adds: Optional[List[int]] = None
+    _weight_inputs: Dict[int, Optional[int]] = field(default_factory=dict)
+    _qdq_readers: Optional[Dict[str, List[int]]] = None
+
+    def array(self, name: str):
+        """The numpy value of a constant tensor, or None."""
+        if name not in self.constants:
+            return None
+        if name not in self._arrays:
+            self._arrays[name] = _to_array(self.constants[name])
+        return self._arrays[name]
+
+    def memo(self, key: str, tensor: str, judge: Callable):
+        """``judge(self.array(tensor))``, computed once per ``(key, tensor)``: a Q and its DQ
+        share their scale and zero point, and a rule judges each constant once."""
+        cache = self._memo.setdefault(key, {})
+        if tensor not in cache:
+            cache[tensor] = judge(self.array(tensor))
+        return cache[tensor]
+
+    def prejudge(self, key: str, tensors, data_type: int, dtype: str, accept: Callable, verdict) -> frozenset:
+        """Settle :meth:`memo` ``(key, tensor)`` as ``verdict`` for every tensor among ``tensors``
+        (constants of element type ``data_type``, NumPy ``dtype``, stored as raw bytes) whose
+        elements all pass ``accept`` (a vectorized test), in one NumPy pass over all of them, and
+        return the names so settled. The others are left to the rule's own per-tensor judgement,
+        which gives ``verdict`` for exactly the tensors accepted here.
+
+        The raw bytes are judged without reading the tensor's dims (a costly field on many small
+        tensors): the per-tensor judgement reads the same bytes as an array of these dims, or
+        finds them unreadable (a length that does not match the dims) and then also gives
+        ``verdict``; so a tensor whose every element passes gets ``verdict`` either way."""
+        import numpy as np
+
+        cache = self._memo.setdefault(key, {})
+        itemsize = np.dtype(dtype).itemsize
+        stored = self._stored
+        names, raws = [], []
+        for tensor in dict.fromkeys(tensors):
+            if tensor in cache:
+                continue
+            info = stored[tensor] if tensor in stored else self.stored(tensor)
+            if info is None or info[0] != data_type:
+                continue
+            raw = info[1]
+            if raw and not len(raw) % itemsize:  # raw bytes, not empty, whole elements
+                names.append(tensor)
+                raws.append(raw)
+        if not names:
+            return frozenset()
+        passed = accept(np.frombuffer(b"".join(raws), dtype=dtype))
+        counts = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws)) // itemsize
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        settled = frozenset(compress(names, np.logical_and.reduceat(passed, starts).tolist()))
+        cache.update(dict.fromkeys(settled, verdict))
+        return settled
+
+    def stored(self, name: str) -> Optional[Tuple[int, Optional[bytes]]]:
+        """``(element type, raw bytes)`` of constant ``name``, read once (a Q and its DQ share their
+        scale and zero point, and rules C4, C5 and C6 read them); the bytes are None when the value
+        is stored otherwise (typed fields, external data). None when ``name`` is no constant."""
+        if name in self._stored:
+            return self._stored[name]
+        proto = self.constants.get(name)
+        info = None
+        if proto is not None:
+            raw = None
+            if not proto.data_location:
+                raw = proto.raw_data
+                if not raw and not proto.HasField("raw_data"):
+                    raw = None
+            info = (proto.data_type, raw)
+        self._stored[name] = info
+        return info
+
+    def value_shape(self, name: str) -> Optional[Tuple[int, ...]]:
+        """The shape of constant ``name``'s value, None when it is no constant or cannot be read:
+        its dims when its raw bytes are well formed (no array built), else the array's shape."""
+        proto = self.constants.get(name)
+        if proto is None:
+            return None
+        dims, (data_type, raw) = tuple(proto.dims[:]), self.stored(name)
+        size = _itemsizes().get(data_type)
+        if size and raw is not None and len(raw) == math.prod(dims) * size:
+            return dims
+        value = self.array(name)
+        return None if value is None else tuple(value.shape)
+
+    def multi_element_shapes(self, tensors) -> Dict[str, Tuple[int, ...]]:
+        """``name -> value_shape(name)`` for the constants among ``tensors`` whose declared dims and
+        value both hold more than one element (rule C6's per-channel scales), each read once.
+
+        Raw bytes of exactly one element are passed over without reading the dims (a costly field
+        on many small tensors): the value then has one element, or cannot be read, whatever the
+        dims say, so :meth:`value_shape` is a one-element shape or None."""
+        sizes, stored = _itemsizes(), self._stored
+        shapes = {}
+        for name in tensors:
+            info = stored[name] if name in stored else self.stored(name)
+            if info is None:
+                continue
+            data_type, raw = info
+            size = sizes.get(data_type)
+            if size and raw is not None and len(raw) == size:
+                continue
+            dims = tuple(self.constants[name].dims[:])
+            count = math.prod(dims)
+            if count <= 1:
+                continue
+            if size and raw is not None and len(raw) == count * size:
+                shapes[name] = dims  # what value_shape gives, without reading the fields again
+                continue
+            shape = self.value_shape(name)
+            if shape is not None and math.prod(shape) > 1:
+                shapes[name] = shape
+        return shapes
+
+    def name(self, idx: int) -> str:
+        """Display name of node ``idx``: its name (``<Op #i>`` when unnamed), prefixed inside subgraphs."""
+        return self.prefix + (self.graph.node[idx].name or f"<{self.ops[idx]} #{idx}>")
+
+    def readers(self, tensor: str) -> List[int]:
+        """Indices of the nodes reading ``tensor``, a Q/DQ output (once per reading input).
+
+        Only the rules about Q/DQ outputs ask who reads a tensor: rule C7 about every Q output
+        (listed by the index), C12 and C14 about the DQ outputs after some Q nodes (after a Pad or
+        a weighted op: none in most models). So the readers of the DQ outputs are listed, in one
+        more pass over the node inputs, only when first asked for."""
+        found = self.q_readers.get(tensor)
+        if found is None:
+            if self._qdq_readers is None:
+                self._qdq_readers = _readers_of({node.out for node in self.qdq if node.out}, self.node_inputs)
+            found = self._qdq_readers.get(tensor, [])
+        return found
+
+    def producer_op(self, tensor: str) -> Optional[str]:
+        idx = self.producer.get(tensor)
+        return None if idx is None else self.ops[idx]
+
+    def name_of_producer(self, tensor: str) -> str:
+        idx = self.producer.get(tensor)
+        return "" if idx is None else self.name(idx)
+
+    def is_constant(self, tensor: str) -> bool:
+        """Initializer or Constant output, possibly through shape-only ops (Transpose, Cast...)."""
+        constants, producer = self.constants, self.producer
+        seen = 0
+        while tensor and seen < 16:
+            if tensor in constants:
+                return True
+            idx = producer.get(tensor)
+            if idx is None or self.ops[idx] not in _CONST_PASS:
+                return False
+            inputs = self.node_inputs[idx]
+            if any(i and i not in constants for i in inputs[1:]):
+                return False
+            tensor, seen = (inputs[0] if inputs else ""), seen + 1
+        return False
+
+    def is_constant_source(self, tensor: str) -> bool:
+        """A constant, or a Q/DQ chain whose data input is a constant (a quantized weight)."""
+        constants = self.constants
+        if tensor and tensor in constants:  # the usual cases first, in short: a constant,
+            return True
+        idx = self.producer.get(tensor)
+        if idx is not None and self.ops[idx] in (_QUANTIZE, _DEQUANTIZE):  # a Q/DQ of a constant
+            inputs = self.node_inputs[idx]
+            if inputs and inputs[0] and inputs[0] in constants:
+                return True
+        for _ in range(4):
+            if self.is_constant(tensor):
+                return True
+            idx = self.producer.get(tensor)
+            if idx is None or self.ops[idx] not in (_QUANTIZE, _DEQUANTIZE):
+                return False
+            inputs = self.node_inputs[idx]
+            tensor = inputs[0] if inputs else ""
+        return False
+
+    def elem_type(self, tensor: str) -> Optional[int]:
+        proto = self.constants.get(tensor)
+        if proto is not None:
+            return proto.data_type
+        known = self._qdq_output_type(tensor)
+        return known if known is not None else self.types.elem_type(tensor)
+
+    def _qdq_output_type(self, tensor: str) -> Optional[int]:
+        """The element type of a QuantizeLinear / DequantizeLinear output, read from the node itself
+        (ONNX: a QuantizeLinear writes its zero point's type, a DequantizeLinear its scale's, unless an
+        ``output_dtype`` attribute says otherwise), so a model without value_info needs no shape
+        inference for the rules asking about Q/DQ tensors. None when the node does not tell."""
+        node = self.qdq_at.get(self.producer.get(tensor, -1))
+        if node is None or node.domain not in _DEFAULT_DOMAINS or not node.out or node.out != tensor:
+            return None
+        if node.attrs and any(a.name == "output_dtype" for a in node.attrs):
+            return None  # opset 21+: leave it to the declared or inferred type
+        source = node.zp if node.is_q else node.scale
+        proto = self.constants.get(source)
+        if proto is None:
+            return _UINT8 if node.is_q and not source else None
+        return proto.data_type
+
+    def shape(self, tensor: str) -> Optional[Tuple[Optional[int], ...]]:
+        proto = self.constants.get(tensor)
+        if proto is not None:
+            return tuple(proto.dims[:])
+        return self.types.shape(tensor)
+
+    def indices_of(self, ops) -> List[int]:
+        """Indices of the nodes whose op type is among ``ops``, in graph order (one C-level pass)."""
+        return list(compress(range(len(self.ops)), map(frozenset(ops).__contains__, self.ops)))
+
+    def residual_adds(self) -> List[int]:
+        """Indices of the residual joins: Add nodes with two non-constant inputs, and Sum nodes whose
+        first two inputs are non-constant (TensorRT imports a Sum as a chain of sums whose first link
+        adds inputs 0 and 1; rules C10 and C11 both visit them and look at those two inputs)."""
+        if self._residual_adds is None:
+            adds = []
+            for i in self.indices_of(("Add", "Sum")):
+                inputs = self.node_inputs[i]
+                if (len(inputs) == 2 or len(inputs) > 2 and self.ops[i] == "Sum") and inputs[0] \
+                        and inputs[1] and not self.is_constant(inputs[0]) and not self.is_constant(inputs[1]):
+                    adds.append(i)
+            self._residual_adds = adds
+        return self._residual_adds
+
+
+_ITEMSIZES: Dict[int, int] = {}
+
+
+def _itemsizes() -> Dict[int, int]:
+    """Element type -> bytes per element, for the types whose raw bytes :func:`_to_array` reads in
+    place (``model_io.tensor_array``); built on first use (``model_io`` imports onnx)."""
+    if not _ITEMSIZES:
+        from ..model_io import _RAW_DTYPES
+        _ITEMSIZES.update({data_type: int(dtype[-1]) for data_type, dtype in _RAW_DTYPES.items()})  # "<f4": 4
+    return _ITEMSIZES
+
+
+def _to_array(tensor):
+    """A TensorProto's value as a numpy array, or None when it cannot be read (external data
+    not loaded, corrupt tensor...)."""
+    from ..model_io import tensor_array
+    try:
+        return tensor_array(tensor)
+    except Exception:  # external data not loaded, corrupt tensor...
+        return None
+
+
+def _constant_tensor(node):
+    """The TensorProto a Constant node produces, or None for exotic forms."""
+    from onnx import helper
+    for attr in node.attribute:
+        if attr.name == "value":
+            return attr.t
+        if attr.name in ("value_float", "value_floats", "value_int", "value_ints"):
+            import numpy as np
+            value = helper.get_attribute_value(attr)
+            dtype = np.float32 if "float" in attr.name else np.int64
+            from onnx import numpy_helper
+            return numpy_helper.from_array(np.asarray(value, dtype=dtype))
+    return None
+
+
+def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, list]:
+    """One pass over ``graph``'s nodes: op types, inputs, producers, constants, Q/DQ nodes; then
+    the readers of the QuantizeLinear outputs. Also returns ``(node index, attribute)`` of every
+    graph-valued attribute, in node and attribute order, for :func:`_walk`.
+
+    Each node's fields are read from the protobuf once (``[:]`` of a repeated string field is the
+    cheapest copy). Every node's attributes are looked at, since any node may carry a subgraph;
+    those of Q/DQ nodes are kept for the rules (``axis``, ``output_dtype``)."""
+    constants = dict(outer_constants)
+    for init in graph.initializer:
+        constants[init.name] = init
+    ops, node_inputs, producer, qdq, subgraphs = [], [], {}, [], []
+    new_record = tuple.__new__  # _QDQ(*fields) without the Python-level __new__ of a named tuple
+    for i, proto in enumerate(graph.node):
+        op = intern(proto.op_type)  # one string per op type: less to keep, compared by identity
+        inputs = proto.input[:]
+        outputs = proto.output[:]
+        ops.append(op)
+        node_inputs.append(inputs)
+        for out in outputs:
+            producer[out] = i
+        attrs = proto.attribute
+        if op == _QUANTIZE or op == _DEQUANTIZE:
+            attrs = tuple(attrs) if attrs else ()
+            n = len(inputs)
+            qdq.append(new_record(_QDQ, (i, op == _QUANTIZE, inputs[0] if n else "",
+                                         inputs[1] if n > 1 else "", inputs[2] if n > 2 else "",
+                                         outputs[0] if outputs else "", proto.domain, attrs)))
+        elif op == "Constant" and outputs and proto.domain in _DEFAULT_DOMAINS:
+            tensor = _constant_tensor(proto)
+            if tensor is not None:
+                constants[outputs[0]] = tensor
+        if attrs:
+            for attr in attrs:
+                kind = attr.type
+                if kind == _GRAPH or kind == _GRAPHS:
+                    subgraphs.append((i, attr))
+    producer.pop("", None)  # an absent output is nobody's tensor
+    q_readers = _readers_of({node.out for node in qdq if node.out and node.is_q}, node_inputs)
+    index = _Graph(graph, prefix, ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
+                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq})
+    return index, subgraphs
+
+
+def _readers_of(tensors, node_inputs) -> Dict[str, List[int]]:
+    """``tensor -> indices of the nodes reading it`` (once per reading input) for each of ``tensors``."""
+    readers: Dict[str, List[int]] = {tensor: [] for tensor in tensors}
+    if readers:
+        for i, inputs in enumerate(node_inputs):
+            for inp in inputs:
+                if inp in readers:
+                    readers[inp].append(i)
+    return readers
+
+
+def _all_graphs(model, opset, infer) -> List[_Graph]:
+    """The main graph and every If/Loop/Scan body, each indexed, outer constants visible inside
+    (``infer``: shape inference of the main graph, run only if a rule needs it)."""
+    result: List[_Graph] = []
+    _walk(model.graph, {}, "", opset, infer, result)
+    return result
+
+
+def _walk(graph, outer, prefix, opset, infer, result) -> None:
+    """Index ``graph`` into ``result``, then its subgraphs (depth first, in node and attribute order).
+
+    A module-level function, not a closure: a recursive closure is a reference cycle that would keep
+    the whole index alive until the next cyclic collection."""
+    index, subgraphs = _index_graph(graph, infer if not prefix else None, outer, opset, prefix)
+    result.append(index)
+    for i, attr in subgraphs:
+        subs = [attr.g] if attr.type == _GRAPH else list(attr.graphs)
+        for sub in subs:
+            _walk(sub, index.constants, f"{index.name(i)}/{attr.name}/", opset, None, result)
+
+
+# -- helpers shared by rules ---------------------------------------------------------------------
+def _attr(attrs, name, default=None):
+    """Attribute ``name`` among ``attrs`` (AttributeProto messages); ``default`` when absent,
+    None when unreadable."""
+    for attr in attrs:
+        if attr.name == name:
+            if attr.type == _INT and not attr.ref_attr_name:
+                return attr.i  # what onnx.helper.get_attribute_value returns for it
+            from onnx import helper
+            try:
+                return helper.get_attribute_value(attr)
+            except Exception:  # an attribute without a valid type
+                return None
+    return default
+
+
+def _int_attr(attrs, name, default):
+    """An integer attribute, ``default`` when absent, None when it is not an integer."""
+    value = _attr(attrs, name, default) if attrs else default
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _input(inputs, k: int) -> str:
+    """Input name ``k`` of a node's ``inputs``, or ``""`` when absent (also for malformed nodes)."""
+    return inputs[k] if len(inputs) > k else ""
+
+
+def _qdq_nodes(g: _Graph) -> List[_QDQ]:
+    """Every QuantizeLinear/DequantizeLinear node of ``g``, in graph order."""
+    return g.qdq
+
+
+def _fed_by_dq(g: _Graph, tensor: str, through_movement: bool = False) -> bool:
+    """True when ``tensor`` is a DequantizeLinear output (optionally through data-movement ops)."""
+    producer, ops = g.producer, g.ops
+    for _ in range(16):
+        idx = producer.get(tensor)
+        if idx is None:
+            return False
+        op = ops[idx]
+        if op == _DEQUANTIZE:
+            return True
+        if not through_movement or op not in _DATA_MOVEMENT:
+            return False
+        tensor = _input(g.node_inputs[idx], 0)
+    return False
+
+
+def _weight_input(g: _Graph, idx: int) -> Optional[int]:
+    """Index of the constant weight input of weighted op ``idx`` (a node index), or None when it has
+    none (computed once per node: rules C9, C10, C11 and C14 ask)."""
+    known = g._weight_inputs
+    if idx in known:
+        return known[idx]
+    op, inputs = g.ops[idx], g.node_inputs[idx]
+    weight = None
+    if op in ("Conv", "ConvTranspose"):
+        weight = 1 if g.is_constant_source(_input(inputs, 1)) else None
+    elif op in ("Gemm", "MatMul"):
+        weight = next((k for k in (1, 0) if g.is_constant_source(_input(inputs, k))), None)
+    known[idx] = weight
+    return weight
+
+
+def _weighted_producer(g: _Graph, tensor: str) -> Optional[int]:
+    """Node index of the weighted op producing ``tensor`` directly or through one
+    BatchNormalization, or None."""
+    idx = g.producer.get(tensor)
+    if idx is not None and g.ops[idx] == "BatchNormalization":
+        idx = g.producer.get(_input(g.node_inputs[idx], 0))
+    if idx is None:
+        return None
+    if g.ops[idx] in WEIGHTED_OPS and _weight_input(g, idx) is not None:
+        return idx
+    return None
+
+
+_TYPE_NAMES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64",
+               10: "float16", 11: "float64", 16: "bfloat16", 17: "float8e4m3fn", 21: "uint4", 22: "int4"}
+
+
+def _type_name(elem_type) -> str:
+    return _TYPE_NAMES.get(elem_type, f"type {elem_type}")

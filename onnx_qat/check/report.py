@@ -1,0 +1,109 @@
+"""What :func:`onnx_qat.check` returns: :class:`CheckReport` (and its findings).
+
+Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
+:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+
+ERROR = "error"
+WARNING = "warning"
+MODEL_NODE = "(model)"
+
+
+# -- results ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Finding:
+    """One problem found by one rule.
+
+    Attributes:
+        rule: rule id, ``"C1"`` ... (see :data:`RULES` and docs/check-rules.md).
+        severity: ``"error"`` (TensorRT refuses it or computes something else) or
+            ``"warning"`` (it builds, but slower or less accurately than it could).
+        node: name of the offending node (``"(model)"`` for model-level findings).
+        message: one sentence saying what is wrong and what to do.
+    """
+
+    rule: str
+    severity: str
+    node: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity.upper():7} {self.rule:<4} {self.node}: {self.message}"
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"rule": self.rule, "severity": self.severity, "node": self.node, "message": self.message}
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What :func:`check` found. ``bool(report)`` is True when there is no error.
+
+    Attributes:
+        findings: every finding, ordered by rule id then node order in the graph.
+        num_q: number of QuantizeLinear nodes (all graphs, subgraphs included).
+        num_dq: number of DequantizeLinear nodes.
+        model: the model's path when given one, else ``""``.
+        opset: the default-domain opset version (None when the model imports none).
+    """
+
+    findings: Tuple[Finding, ...] = ()
+    num_q: int = 0
+    num_dq: int = 0
+    model: str = ""
+    opset: Optional[int] = None
+
+    @property
+    def errors(self) -> Tuple[Finding, ...]:
+        """Findings of severity ``"error"``."""
+        return tuple(f for f in self.findings if f.severity == ERROR)
+
+    @property
+    def warnings(self) -> Tuple[Finding, ...]:
+        """Findings of severity ``"warning"``."""
+        return tuple(f for f in self.findings if f.severity == WARNING)
+
+    @property
+    def passed(self) -> bool:
+        """True when there is no error (warnings allowed)."""
+        return not self.errors
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def rules(self) -> Tuple[str, ...]:
+        """The ids of the rules that found something (sorted, unique)."""
+        return tuple(sorted({f.rule for f in self.findings}, key=_rule_key))
+
+    def summary(self) -> str:
+        """One line: verdict, counts of errors/warnings, counts of Q and DQ nodes."""
+        verdict = "PASSED" if self.passed else "FAILED"
+        where = f" | {self.model}" if self.model else ""
+        n_err, n_warn = len(self.errors), len(self.warnings)
+        return (f"{verdict}{where} | {n_err} error{'s' if n_err != 1 else ''}, "
+                f"{n_warn} warning{'s' if n_warn != 1 else ''} | "
+                f"{self.num_q} QuantizeLinear, {self.num_dq} DequantizeLinear")
+
+    def __str__(self) -> str:
+        return "\n".join([str(f) for f in self.findings] + [self.summary()])
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (what ``onnx-qat check --json`` prints)."""
+        return {
+            "passed": self.passed,
+            "model": self.model,
+            "opset": self.opset,
+            "num_q": self.num_q,
+            "num_dq": self.num_dq,
+            "num_errors": len(self.errors),
+            "num_warnings": len(self.warnings),
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+def _rule_key(rule: str):
+    return (len(rule), rule)

@@ -1,0 +1,87 @@
+"""C7-C9: how Q/DQ nodes pair up, what feeds a DequantizeLinear, weighted ops quantized
+on both inputs or neither.
+
+Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
+:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+from __future__ import annotations
+
+from typing import Iterator
+
+from . import rules_formats
+from .report import ERROR, Finding, WARNING
+from .index import WEIGHTED_OPS, _DEQUANTIZE, _QUANTIZE, _fed_by_dq, _input, _qdq_nodes, _weight_input
+
+
+def rule_c7_q_without_dq(model, graphs) -> Iterator[Finding]:
+    """C7 (error): every QuantizeLinear output must be read by DequantizeLinear only.
+
+    An int8 tensor reaching a float op or a graph output is not the explicit
+    Q -> DQ pair TensorRT fuses; the network would compute on int8 values.
+    Source: [TRT-EQ] "Q/DQ layers are processed in pairs" and Q/DQ propagation.
+    """
+    for g in graphs:
+        ops = g.ops
+        for node in _qdq_nodes(g):
+            out = node.out
+            if not node.is_q or not out:
+                continue
+            readers = g.readers(out)
+            others = [i for i in readers if ops[i] != _DEQUANTIZE]
+            if out in g.outputs:
+                yield Finding("C7", ERROR, g.name(node.pos),
+                              f"its int8 output {out!r} is a graph output; add a DequantizeLinear")
+            if others:
+                others = sorted({g.name(i) for i in others})
+                yield Finding("C7", ERROR, g.name(node.pos), f"its int8 output {out!r} feeds "
+                              f"{', '.join(others)} without a DequantizeLinear")
+            if not readers and out not in g.outputs:
+                yield Finding("C7", WARNING, g.name(node.pos), f"its output {out!r} is never used")
+
+
+def rule_c8_dq_source(model, graphs) -> Iterator[Finding]:
+    """C8 (warning): a DequantizeLinear should be fed by a QuantizeLinear or an int8 constant.
+
+    A DQ of another tensor (an int8 graph input, the output of another op) is
+    accepted by TensorRT only for int8 network inputs; everywhere else it means a
+    broken pair. Warning, not error, because int8 inputs are legitimate.
+    Source: [TRT-EQ] Q/DQ pairs and quantized weights ("an IDequantizeLayer is
+    required between the weights and the linear operator").
+    """
+    for g in graphs:
+        for node in _qdq_nodes(g):
+            if node.is_q:
+                continue
+            data = node.data
+            if data and data in g.constants:  # is_constant(data), in short
+                continue
+            idx = g.producer.get(data)
+            if (idx is not None and g.ops[idx] == _QUANTIZE) or g.is_constant(data):
+                continue
+            origin = f"node {g.name(idx)!r}" if idx is not None else "a graph input"
+            yield Finding("C8", WARNING, g.name(node.pos), f"dequantizes {data!r} from {origin}, not from a "
+                          "QuantizeLinear or an int8 constant")
+
+
+def rule_c9_weighted_ops(model, graphs) -> Iterator[Finding]:
+    """C9 (error): Conv, ConvTranspose, Gemm, MatMul (constant weight): both or neither input quantized.
+
+    TensorRT runs a weighted op in INT8 only when its activation and weight both
+    come through Q/DQ; with one side alone it falls back to float around a useless
+    Q/DQ (and some versions refuse the network).
+    Source: [TRT-PL] "quantize all inputs of weighted operations (Convolution,
+    Transposed Convolution and GEMM)".
+    """
+    for g in graphs:
+        for i in g.indices_of(WEIGHTED_OPS):
+            w = _weight_input(g, i)
+            if w is None:
+                continue
+            inputs = g.node_inputs[i]
+            act = 1 - w if g.ops[i] in ("Gemm", "MatMul") else 0
+            act_q = _fed_by_dq(g, _input(inputs, act), through_movement=True)
+            w_q = _fed_by_dq(g, _input(inputs, w), through_movement=True)
+            if act_q != w_q and not (w_q and rules_formats.weight_only(g, _input(inputs, w))):
+                which, other = ("weight", "activation") if w_q else ("activation", "weight")
+                tensor = _input(inputs, act if w_q else w)
+                yield Finding("C9", ERROR, g.name(i), f"only its {which} is quantized; quantize the "
+                              f"{other} {tensor!r} too, or neither")

@@ -1,0 +1,202 @@
+"""C4-C6: zero points, scales and per-channel axes of every Q/DQ node.
+
+Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
+:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+from . import rules_formats
+from .report import ERROR, Finding, WARNING
+from .index import _Graph, _QDQ, _QUANTIZE, _input, _int_attr, _qdq_nodes, _type_name
+
+
+def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
+    """C4 (error): zero points must be constant int8 zeros (symmetric signed INT8).
+
+    A QuantizeLinear without a zero point (and no ``output_dtype``) produces uint8.
+    Source: [TRT-EQ] "TensorRT supports only symmetric ... signed INT8", zero point 0;
+    [ONNX-TRT] QuantizeLinear/DequantizeLinear: "zero point must be 0".
+    """
+    from onnx import TensorProto
+    for g in graphs:
+        # A constant int8 all-zero zero point is fine whatever else the node is: judged in one batch.
+        zero_points = [node.zp for node in _qdq_nodes(g) if node.zp]
+        good = g.prejudge("C4", zero_points, TensorProto.INT8, "i1", _is_zero, None)
+        for node in _qdq_nodes(g):
+            zp = node.zp
+            if zp in good or rules_formats.other_format(g, node):
+                continue  # FP8 and INT4 Q/DQ: their zero points are rules F1 and F5
+            name = g.name(node.pos)
+            if not node.is_q and g.elem_type(node.data) == TensorProto.INT32:
+                continue  # a quantized bias: rule C3 reports it
+            if not zp:
+                dtype = (_int_attr(node.attrs, "output_dtype", 0) or TensorProto.UINT8) if node.is_q \
+                    else g.elem_type(node.data)
+                if dtype not in (None, TensorProto.INT8):
+                    yield Finding("C4", ERROR, name, f"has no zero point, so its integer type is "
+                                  f"{_type_name(dtype)}; TensorRT needs an int8 zero point of 0")
+                continue
+            if not g.is_constant(zp):
+                yield Finding("C4", ERROR, name, f"zero point {zp!r} is not a constant")
+                continue
+            dtype = g.elem_type(zp)
+            if dtype != TensorProto.INT8:
+                yield Finding("C4", ERROR, name, f"zero point {zp!r} is {_type_name(dtype)}; "
+                              "TensorRT needs int8 (symmetric quantization, zero point 0)")
+                continue
+            nonzero = g.memo("C4", zp, _first_nonzero)
+            if nonzero is not None:
+                yield Finding("C4", ERROR, name, f"zero point {zp!r} is not all zero (e.g. {nonzero}); "
+                              "TensorRT needs symmetric quantization")
+
+
+def _is_zero(values):
+    return values == 0
+
+
+def _finite_positive(values):
+    import numpy as np
+    return np.isfinite(values) & (values > 0)
+
+
+def _first_nonzero(values) -> Optional[int]:
+    """The first non-zero value of a zero-point array, or None (also for an unreadable one)."""
+    if values is None or not values.size:
+        return None
+    flat = values.reshape(-1)
+    if flat.size == 1:
+        value = int(flat[0])
+        return value if value else None
+    nonzero = flat != 0
+    return int(flat[nonzero.argmax()]) if nonzero.any() else None
+
+
+def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
+    """C4 for the ``ort-cpu`` target (error): zero points constant, int8 zeros or uint8 0 / 128.
+
+    The ort-cpu form (:mod:`onnx_qat.ort_cpu`) stores activations as uint8 with zero point 128 (or 0
+    where they are non-negative) and some weights as uint8 ``q + 128``: the same values as int8 with
+    zero point 0. Any other zero point is not a form that target writes.
+    """
+    import numpy as np
+    from onnx import TensorProto
+    for g in graphs:
+        zero_points = [node.zp for node in _qdq_nodes(g) if node.zp]
+        good = g.prejudge("C4-ort-cpu", zero_points, TensorProto.INT8, "i1", _is_zero, False) | \
+            g.prejudge("C4-ort-cpu", zero_points, TensorProto.UINT8, "u1", _is_zero_or_128, False)
+        for node in _qdq_nodes(g):
+            zp = node.zp
+            if zp in good:
+                continue  # a constant of an allowed type and values: no finding, whatever the node
+            name = g.name(node.pos)
+            if (not node.is_q and g.elem_type(node.data) == TensorProto.INT32) or not zp:
+                continue  # C3 reports a quantized bias; no zero point means uint8 zero point 0
+            if not g.is_constant(zp):
+                yield Finding("C4", ERROR, name, f"zero point {zp!r} is not a constant")
+                continue
+            allowed = _ORT_CPU_ZERO_POINTS.get(g.elem_type(zp))
+            if allowed is None or g.memo("C4-ort-cpu", zp, lambda values: values is not None
+                                         and not np.isin(values, allowed).all()):
+                yield Finding("C4", ERROR, name, f"zero point {zp!r} is not int8 0 or uint8 0/128, "
+                              "the zero points of the ort-cpu form")
+
+
+#: Element type -> the zero-point values the ort-cpu form writes (int8 0; uint8 0 or 128).
+_ORT_CPU_ZERO_POINTS = {3: (0,), 2: (0, 128)}
+
+
+def _is_zero_or_128(values):
+    return (values == 0) | (values == 128)
+
+
+def rule_c5_scales(model, graphs) -> Iterator[Finding]:
+    """C5 (error): scales must be constants (initializer or Constant), finite and > 0.
+
+    Source: [TRT-EQ] "the scale must be a build-time constant"; [ONNX-TRT]
+    QuantizeLinear/DequantizeLinear: scale must be an initializer or constant.
+    """
+    from onnx import TensorProto
+    for g in graphs:
+        scales = [node.scale for node in _qdq_nodes(g) if node.scale]
+        good = g.prejudge("C5", scales, TensorProto.FLOAT, "<f4", _finite_positive, "")
+        for node in _qdq_nodes(g):
+            scale = node.scale
+            if scale in good:
+                continue  # a constant, finite and > 0
+            if not scale or not g.is_constant(scale):
+                yield Finding("C5", ERROR, g.name(node.pos), f"scale {scale!r} is not a constant "
+                              "(initializer or Constant node); TensorRT needs build-time scales")
+                continue
+            problem = g.memo("C5", scale, _scale_problem)
+            if problem:
+                yield Finding("C5", ERROR, g.name(node.pos), f"scale {scale!r} {problem}")
+
+
+def _scale_problem(values) -> str:
+    """What is wrong with a scale array (``""`` when it is finite and > 0, or unreadable)."""
+    import numpy as np
+    if values is None:
+        return ""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 1:
+        value = float(values.reshape(-1)[0])
+        if math.isfinite(value) and value > 0:
+            return ""
+    if not np.isfinite(values).all():
+        return "holds a NaN or infinite value"
+    if (values <= 0).any():
+        return f"holds a value <= 0 (min {values.min():.3g}); scales must be > 0"
+    return ""
+
+
+def _quantized_source(g: _Graph, node: _QDQ) -> str:
+    """The float tensor a Q/DQ node stands for (the Q input for a DQ fed by a Q)."""
+    if not node.is_q:
+        idx = g.producer.get(node.data)
+        if idx is not None and g.ops[idx] == _QUANTIZE:
+            return _input(g.node_inputs[idx], 0)
+    return node.data
+
+
+def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
+    """C6 (error): per-channel scales need an axis in range and one scale per channel.
+
+    Also warns about per-channel quantization of an activation: TensorRT quantizes
+    activations per tensor and weights per channel.
+    Source: [TRT-EQ] "per-tensor quantization for activations, per-channel for weights";
+    [ONNX-TRT] QuantizeLinear/DequantizeLinear ``axis``.
+    """
+    for g in graphs:
+        # Per-tensor scales (one element) need no further look: the shapes are judged once per scale.
+        scale_shapes = g.multi_element_shapes({node.scale for node in _qdq_nodes(g)})
+        for node in _qdq_nodes(g):
+            scale_shape = scale_shapes.get(node.scale)
+            if scale_shape is None or rules_formats.blocked(node):  # per tensor, or per block (rule F3)
+                continue
+            scale_size = math.prod(scale_shape)
+            data = node.data
+            shape = g.shape(data) or g.shape(_quantized_source(g, node))
+            axis = _int_attr(node.attrs, "axis", 1)
+            if axis is None:
+                yield Finding("C6", ERROR, g.name(node.pos), "its axis attribute is not an integer")
+                continue
+            zp = node.zp
+            zp_shape = g.shape(zp) if zp else None
+            if zp_shape is not None and tuple(zp_shape) != scale_shape:
+                yield Finding("C6", ERROR, g.name(node.pos), f"zero point shape {list(zp_shape)} differs "
+                              f"from scale shape {list(scale_shape)}")
+            if shape is not None:
+                rank = len(shape)
+                if not -rank <= axis < rank:
+                    yield Finding("C6", ERROR, g.name(node.pos),
+                                  f"axis {axis} is out of range for {data!r} of rank {rank}")
+                    continue
+                channels = shape[axis]
+                if channels is not None and channels != scale_size:
+                    yield Finding("C6", ERROR, g.name(node.pos), f"{scale_size} scales for {channels} "
+                                  f"channels of {data!r} on axis {axis}")
+            if not g.is_constant_source(data):
+                yield Finding("C6", WARNING, g.name(node.pos), f"activation {data!r} is quantized per "
+                              f"channel ({scale_size} scales); TensorRT quantizes activations per tensor")

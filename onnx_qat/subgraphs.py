@@ -1,0 +1,144 @@
+"""If branches as graphs of their own: Q/DQ insertion inside them, and branch inlining for calibration.
+
+Placement places each branch of an If with the same handler table as the main graph
+(:meth:`onnx_qat.placement.policy.TensorRTPolicy.place`; the marks of a branch sit in
+:attr:`onnx_qat.placement.marks.Placement.subgraphs`). This module does the two things that differ
+for a subgraph:
+
+* :func:`insert_into_subgraphs` runs the one inserter (:func:`onnx_qat.insertion.insert_qdq_pairs`)
+  on each branch, wrapped in a ModelProto, with outer-scope constants readable (a branch's weight may
+  be an initializer or Constant of an enclosing graph) and names unique across the whole model; the
+  edited branch replaces the original in its If node.
+* :func:`inline_branches` makes a copy of a model in which chosen If nodes are replaced by the nodes
+  of one of their branches. onnxruntime cannot return a tensor of a subgraph as a graph output; in
+  the inlined copy it is a main-graph tensor. Calibration
+  (:class:`onnx_qat.calibration.branches.BranchRunner`) runs the original model to learn which
+  branch each If takes on a batch, then the copy with that branch inlined.
+
+Loop and Scan bodies are not quantized: their tensors take one value per iteration, which neither
+output exposure nor inlining can observe without unrolling the loop.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Set
+
+import onnx
+
+from .graph_edit import subgraph_names
+from .placement.graph_index import subgraphs_of
+from .placement.marks import Placement
+
+
+def outer_constants(graph: onnx.GraphProto,
+                    inherited: Mapping[str, onnx.TensorProto]) -> Dict[str, onnx.TensorProto]:
+    """Name -> TensorProto of every constant a subgraph of ``graph`` can read: ``inherited`` (those
+    of the graphs enclosing ``graph``), then ``graph``'s initializers and Constant values."""
+    found = dict(inherited)
+    found.update((t.name, t) for t in graph.initializer)
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            if value is not None:
+                found[node.output[0]] = value
+    return found
+
+
+def model_names(model: onnx.ModelProto) -> Set[str]:
+    """Every tensor and node name of ``model``, in its main graph and all subgraphs."""
+    graph = model.graph
+    names = {i.name for i in graph.input} | {o.name for o in graph.output}
+    names.update(t.name for t in graph.initializer)
+    for node in graph.node:
+        names.add(node.name)
+        names.update(node.input)
+        names.update(node.output)
+    names.update(subgraph_names(graph.node))
+    return names
+
+
+def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, target, *,
+                          names: Optional[Set[str]] = None, inherited=None, precision="int8",
+                          block_size: int = 128) -> List[dict]:
+    """Insert the Q/DQ of every :class:`~onnx_qat.placement.marks.SubgraphPlacement` of ``placement``
+    into the matching branch of ``model`` (a model :func:`onnx_qat.quantize` owns; its If nodes get
+    their edited branches in place). Nested Ifs are edited first, then the branch holding them.
+
+    Args:
+        model: the ModelProto whose main graph ``placement`` describes.
+        placement: the main graph's placement.
+        scales: the :class:`~onnx_qat.scales.ScaleTable` (ranges of branch tensors included).
+        target: the :class:`~onnx_qat.targets.Target` or its name.
+        names: every name of the model, shared by all edits (made here when None).
+        inherited: internal: constants of the graphs enclosing ``model.graph``.
+        precision, block_size: the numeric format, as :func:`onnx_qat.insertion.insert_qdq_pairs` takes it.
+
+    Returns:
+        The inserted records (as :class:`~onnx_qat.insertion.InsertionResult` holds them), each with
+        ``"subgraph"``: ``"<If node>/<attribute>"``.
+    """
+    if not placement.subgraphs:
+        return []
+    names = model_names(model) if names is None else names
+    visible = outer_constants(model.graph, inherited or {})
+    by_name = {n.name: n for n in model.graph.node}
+    records: List[dict] = []
+    for sub in placement.subgraphs:
+        node = by_name[sub.node]
+        attribute = next(a for a in node.attribute if a.name == sub.attribute)
+        graph = attribute.g if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs[sub.position]
+        records.extend(_insert_into_branch(model, node, graph, sub, scales, target, names, visible,
+                                           {"precision": precision, "block_size": block_size}))
+    return records
+
+
+def _insert_into_branch(model, node, graph, sub, scales, target, names, visible, fmt) -> List[dict]:
+    from .graph_edit import GraphEdit
+    from .insertion import insert_qdq_pairs
+
+    wrapper = onnx.ModelProto(ir_version=model.ir_version)
+    wrapper.opset_import.extend(model.opset_import)
+    wrapper.graph.CopyFrom(graph)
+    records = insert_into_subgraphs(wrapper, sub.placement, scales, target, names=names, inherited=visible,
+                                    **fmt)
+    edit = GraphEdit(wrapper, names=names, outer_constants=outer_constants(wrapper.graph, visible))
+    inserted = insert_qdq_pairs(edit, sub.placement, scales, target, **fmt)
+    graph.CopyFrom(edit.commit().graph)
+    where = f"{node.name}/{sub.attribute}"
+    return [dict(r, subgraph=f"{where}/{r['subgraph']}") for r in records] + \
+        [dict(r, subgraph=where) for r in inserted.activations + inserted.weights]
+
+
+def inline_branches(model: onnx.ModelProto, choices: Mapping[int, bool]) -> onnx.ModelProto:
+    """A copy of ``model`` in which the If node at each position of ``choices`` (in the main graph) is
+    replaced by the nodes of its ``then_branch`` (True) or ``else_branch`` (False), followed by
+    Identity nodes from the branch outputs to the If outputs; branch initializers join the main
+    graph's. Nested Ifs of the branch stay Ifs (inline them with another call)."""
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    graph = result.graph
+    nodes = list(graph.node)
+    kept: List[onnx.NodeProto] = []
+    for position, node in enumerate(nodes):
+        if position not in choices:
+            kept.append(node)
+            continue
+        wanted = "then_branch" if choices[position] else "else_branch"
+        branch = next(g for name, _, g in subgraphs_of(node) if name == wanted)
+        kept.extend(branch.node)
+        graph.initializer.extend(branch.initializer)
+        for i, (inner, outer) in enumerate(zip(branch.output, node.output)):
+            if outer:
+                kept.append(onnx.helper.make_node("Identity", [inner.name], [outer],
+                                                  name=f"{node.name or 'If'}_{wanted}_output_{i}"))
+    del graph.node[:]
+    graph.node.extend(kept)
+    # initializers only the branch not taken read are read by nobody now (onnxruntime drops them)
+    read = {t for node in kept for t in node.input} | {o.name for o in graph.output}
+    read |= subgraph_names(kept)
+    unread = [t for t in graph.initializer if t.name not in read]
+    for tensor in unread:
+        graph.initializer.remove(tensor)
+    return result
+
+
+__all__ = ["insert_into_subgraphs", "inline_branches", "outer_constants", "model_names"]
