@@ -39,6 +39,9 @@ class QuantizerRecord:
         shared_with: activation on a Concatenate output whose inputs share its scale
             (TensorRT rule 7): the ``"<producer>:<output index>"`` of every Concatenate
             input, which take the same amax; otherwise ``()``.
+        inside: activation inside a wrapped layer (a SeparableConv's depthwise output,
+            ``tensor`` ``"<layer>:depthwise"``, read by its pointwise convolution): the layer's
+            name; otherwise ``""``.
     """
 
     kind: str
@@ -50,6 +53,7 @@ class QuantizerRecord:
     amax: Optional[np.ndarray]
     variable_path: str = ""
     shared_with: Tuple[str, ...] = ()
+    inside: str = ""
 
     @property
     def narrow_range(self) -> bool:
@@ -61,6 +65,9 @@ def _iter_with_model(model, prefix: str = ""):
     for layer in model.layers:
         if isinstance(layer, (ActivationQuantizer, QuantizeWrapper)):
             yield prefix + layer.name, layer, model
+            inner = getattr(layer, "intermediate", None)
+            if inner is not None:
+                yield prefix + inner.name, inner, model
         elif isinstance(layer, keras.Model):
             yield from _iter_with_model(layer, prefix + layer.name + "/")
 
@@ -77,6 +84,11 @@ def _concat_inputs(model, name: str) -> Tuple[str, ...]:
 
 
 def _records_of(path: str, layer, model) -> Iterator[QuantizerRecord]:
+    if isinstance(layer, ActivationQuantizer) and layer.inside:
+        yield QuantizerRecord(kind="activation", path=path, layer=layer.inside,
+                              tensor=f"{layer.inside}:depthwise", consumers=(), channel_axes=(),
+                              amax=layer.amax_value(), inside=layer.inside)
+        return
     if isinstance(layer, ActivationQuantizer):
         shared = _concat_inputs(model, layer.covers_inputs_of) if layer.covers_inputs_of else ()
         yield QuantizerRecord(
@@ -117,6 +129,8 @@ def describe(q_model, print_fn: Optional[Callable[[str], None]] = print) -> str:
     for r in quantizer_records(q_model):
         what = (f"{r.tensor} -> {', '.join(r.consumers) or '(output)'}" if r.kind == "activation"
                 else f"{r.layer}.{r.tensor}")
+        if r.inside:
+            what = f"{r.tensor} -> {r.inside} (pointwise)"
         if r.shared_with:
             what += f" (scale shared by {len(r.shared_with)} inputs of {r.layer})"
         axis = "per-tensor" if not r.channel_axes else ",".join(str(a) for a in r.channel_axes)

@@ -1,30 +1,39 @@
-"""Map every quantizer of a Keras QAT model to the ONNX tensor tf2onnx made of it.
+"""Map every quantizer of a Keras QAT model to the ONNX tensor tf2onnx made of it, by structure.
 
-Names do not survive tf2onnx reliably (BatchNormalization folds into the Conv and
-the Conv is renamed, Dense becomes MatMul, layouts change), so the mapping goes by
-values:
+Both sides know the graph: the Keras model its layers and their inputs, the ONNX graph its nodes
+and their names. tf2onnx keeps TensorFlow's op names, which carry the Keras layer scope
+(``model_1/stem_conv_1/convolution``), so every node is read as belonging to a layer
+(:class:`tf_bridge.scopes.LayerScopes`); NHWC Transposes and other nodes tf2onnx adds itself
+carry no scope and are walked through.
 
-* **Weights.** Every weighted ONNX node (Conv, ConvTranspose, MatMul, Gemm with a
-  constant weight) and every quantized Keras kernel are brought to one canonical
-  form, a matrix ``[output channel, rest]`` (Conv ``[O, I, k...]``, grouped Conv
-  ``[C*m, 1, k...]`` for DepthwiseConv2D, ConvTranspose ``[I, O, k...]``, MatMul
-  ``[K, N]``, Conv1D with its unit axis). A kernel maps to a node when each output
-  row of the ONNX weight is the Keras row times one factor: 1, or the BatchNorm
-  fold factor ``gamma / sqrt(var + eps)``. The per-channel amax then becomes
-  ``amax * |factor|``, which is exact for symmetric per-channel quantization:
-  ``fq(w * f) = f * fq(w)`` when the scale is ``max |w * f| / 127``.
-* **Activations.** A quantizer's consumers are Keras layers. A quantized weighted
-  layer's ONNX input is the activation input of its mapped node (before a Pad,
-  TensorRT rule 8). Any other layer (Add, Concatenate, Multiply, pooling...) is
-  found as the ONNX node whose output and input hold the values the Keras layer's
-  output and input hold on sample data (in any layout).
-* A quantized weight whose ONNX node gets no quantized activation (the pointwise
-  kernel of a SeparableConv2D, whose intermediate tensor the Keras layer does not
-  quantize) cannot run in INT8 in TensorRT; its fake-quantized values are written
-  into the float weight instead ("baked"), so the ONNX model computes exactly what
-  the Keras model computes.
+* **Weights.** The quantized kernel of a layer is the weight of the Conv, ConvTranspose, MatMul
+  or Gemm in that layer's scope (or in the scope of the BatchNormalization reading it: tf2onnx
+  names a Conv folded with its BatchNorm after the BatchNorm). Its values confirm it: every
+  weighted node and kernel are brought to one canonical form, a matrix ``[output channel,
+  rest]`` (Conv ``[O, I, k...]``, grouped Conv ``[C*m, 1, k...]`` for DepthwiseConv2D,
+  ConvTranspose ``[I, O, k...]``, MatMul ``[K, N]``, Conv1D with its unit axis), and each output
+  row of the ONNX weight must be the Keras row times one factor: 1, or the BatchNorm fold factor
+  ``gamma / sqrt(var + eps)``. The per-channel amax then becomes ``amax * |factor|``, which is
+  exact for symmetric per-channel quantization: ``fq(w * f) = f * fq(w)`` when the scale is
+  ``max |w * f| / 127``. Only when no node carries the layer's scope are the weights looked for
+  by their values in the whole graph (logged as a warning).
+* **Activations.** A quantizer sits between a producer layer and its consumer layers. For a
+  quantized weighted consumer the ONNX tensor is the activation input of its mapped node (before
+  a Pad, TensorRT rule 8). For any other consumer (Add, Concatenate, Multiply, pooling...) it is
+  each input of the consumer layer's nodes (:data:`KERAS_TO_ONNX_OPS`, extended with
+  :func:`register_layer_ops`) that comes, through layout ops only, from a node of the producer
+  layer's scope (:meth:`tf_bridge.scopes.LayerScopes.source`); a producer that leaves no node
+  (Dropout, the input of a nested model) stands for what it reads
+  (:meth:`tf_bridge.scopes.KerasGraph.sources`). No activation value is read, so the mapping is
+  the same whatever the activations hold and on every run.
+* A SeparableConv's depthwise output, quantized inside its wrapper, is the activation input of
+  the pointwise Conv its pointwise kernel maps to: both convolutions run in INT8.
+* A quantized weight whose ONNX node gets no quantized activation cannot run in INT8 in
+  TensorRT; its fake-quantized values are written into the float weight instead ("baked"),
+  so the ONNX model computes exactly what the Keras model computes.
 
-Anything that cannot be mapped raises :class:`onnx_qat.errors.ExportError` naming it.
+Anything that cannot be mapped raises :class:`onnx_qat.errors.ExportError` naming every such
+quantizer and its layer, in one line.
 """
 from __future__ import annotations
 
@@ -47,22 +56,48 @@ from .custom_layers import registered_quantization
 from .describe import QuantizerRecord, iter_quantizer_layers, quantizer_records
 from .onnx_values import SAME_TENSOR_RTOL, value_error
 from .quantizers import QuantizeWrapper
+from .scopes import KerasGraph, LayerScopes
 from .trace import LayerCall
 
 logger = logging.getLogger(__name__)
 
-#: ONNX op types a non-weighted Keras layer becomes (other classes: any non-layout op).
+_CONV = ("Conv",)
+#: The ONNX ops that read a Keras layer's inputs, by layer class (the one table of per-class
+#: knowledge; :func:`register_layer_ops` adds a class). Weighted layers are found by their weights.
 KERAS_TO_ONNX_OPS = {
     "Add": ("Add", "Sum"), "Subtract": ("Sub",), "Multiply": ("Mul",), "Concatenate": ("Concat",),
-    "Average": ("Mean", "Div", "Mul"), "Maximum": ("Max",), "Minimum": ("Min",),
+    "Average": ("Mean", "Add", "Sum", "Div", "Mul"), "Maximum": ("Max",), "Minimum": ("Min",),
     "AveragePooling1D": ("AveragePool",), "AveragePooling2D": ("AveragePool",),
     "AveragePooling3D": ("AveragePool",), "MaxPooling1D": ("MaxPool",), "MaxPooling2D": ("MaxPool",),
     "MaxPooling3D": ("MaxPool",), "GlobalAveragePooling1D": ("GlobalAveragePool", "ReduceMean"),
     "GlobalAveragePooling2D": ("GlobalAveragePool", "ReduceMean"),
     "GlobalAveragePooling3D": ("GlobalAveragePool", "ReduceMean"),
     "GlobalMaxPooling2D": ("GlobalMaxPool", "ReduceMax"),
+    "Conv1D": _CONV, "Conv2D": _CONV, "Conv3D": _CONV, "DepthwiseConv1D": _CONV, "DepthwiseConv2D": _CONV,
+    "SeparableConv1D": _CONV, "SeparableConv2D": _CONV, "Conv1DTranspose": ("ConvTranspose",),
+    "Conv2DTranspose": ("ConvTranspose",), "Conv3DTranspose": ("ConvTranspose",),
+    "Dense": ("MatMul", "Gemm"), "EinsumDense": ("MatMul", "Gemm", "Einsum"),
 }
-_LAYOUT_OPS = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Constant", "Shape")
+_REGISTERED_OPS: Dict[type, Tuple[str, ...]] = {}
+
+
+def register_layer_ops(layer_class: type, onnx_ops: Sequence[str]) -> None:
+    """Tell the mapping which ONNX op types read the inputs of ``layer_class`` (a custom layer
+    whose tf2onnx conversion the table :data:`KERAS_TO_ONNX_OPS` does not know)."""
+    if not isinstance(layer_class, type) or not onnx_ops:
+        raise ExportError("register_layer_ops: give a layer class and at least one ONNX op type")
+    _REGISTERED_OPS[layer_class] = tuple(str(op) for op in onnx_ops)
+
+
+def layer_onnx_ops(layer) -> Optional[Tuple[str, ...]]:
+    """The ONNX op types that read ``layer``'s inputs: registered classes first (most derived),
+    then the table by class name; None when unknown (any non-layout op of its scope)."""
+    for cls in type(layer).__mro__:
+        if cls in _REGISTERED_OPS:
+            return _REGISTERED_OPS[cls]
+    return KERAS_TO_ONNX_OPS.get(type(layer).__name__)
+
+
 _WEIGHTED = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 _ROW_RTOL = 1e-5
 _AMAX_RTOL = 1e-6
@@ -234,22 +269,53 @@ class _WeightHit:
     grid: np.ndarray  # the Keras int8 values, [output channel, rest] in the ONNX weight's order
 
 
+def _source_in(source: str, wanted) -> bool:
+    """True when a scope from :meth:`LayerScopes.source` (possibly ``"a|b"``) is one of ``wanted``."""
+    return bool(source) and any(s in wanted for s in source.split("|"))
+
+
 class _Mapper:
-    def __init__(self, q_model, model: onnx.ModelProto, keras_calls: Mapping[str, List[LayerCall]],
-                 onnx_values: Mapping[str, np.ndarray]):
+    """Structure first: layer scopes of node names on the ONNX side, the layer graph on the Keras
+    side; weight values confirm each weight (exactly, with the BatchNorm fold factor)."""
+
+    def __init__(self, q_model, model: onnx.ModelProto,
+                 keras_calls: Optional[Mapping[str, List[LayerCall]]] = None,
+                 onnx_values: Optional[Mapping[str, np.ndarray]] = None):
         self.q_model = q_model
         self.model = model
         self.index = GraphIndex(model)
-        self.calls = keras_calls
-        self.values = onnx_values
+        self.calls = keras_calls or {}
+        self.values = onnx_values or {}
         self.records = quantizer_records(q_model)
         self.wrappers = {p: layer for p, layer in iter_quantizer_layers(q_model)
                          if isinstance(layer, QuantizeWrapper)}
         self.weighted = _weighted_nodes(self.index)
+        self.scopes = LayerScopes(q_model, self.index)
+        inputs = [i.name for i in model.graph.input if not self.index.is_constant(i.name)]
+        self.graph = KerasGraph(q_model, self.scopes.has_nodes, inputs)
         self.layer_nodes: Dict[str, List[str]] = {}  # keras layer path -> entry ONNX nodes
+        self.pointwise_nodes: Dict[str, List[str]] = {}  # SeparableConv path -> its pointwise Convs
         self.unmapped: List[str] = []
+        self.by_values: List[str] = []
 
     # -- weights -------------------------------------------------------------------------
+    def _scoped_weighted(self, path: str) -> List[_WeightedNode]:
+        """Weighted nodes in the layer's scope, or in the scope of a BatchNormalization reading it
+        (tf2onnx names a Conv folded with its BatchNorm after the BatchNorm)."""
+        scopes = [path] + [c for c in self.graph.consumers(path)
+                           if isinstance(self.graph.layer(c), keras.layers.BatchNormalization)]
+        names = {n.name for s in scopes for n in self.scopes.nodes(s)}
+        return [wn for wn in self.weighted if wn.node.name in names]
+
+    def _confirm(self, rec: QuantizerRecord, forms, candidates):
+        found = {}
+        for wn in candidates:
+            for form in forms:
+                factors = fold_factors(form, wn.canonical)
+                if factors is not None:
+                    found.setdefault(wn.node.name, (wn, (factors, keras_grid(form, rec.amax))))
+        return list(found.values())
+
     def map_weights(self) -> List[_WeightHit]:
         hits = []
         for rec in self.records:
@@ -258,87 +324,98 @@ class _Mapper:
             wrapper = self.wrappers[rec.path]
             kernel = getattr(wrapper.layer, rec.tensor).numpy()
             forms = _keras_canonical(wrapper.layer, rec.tensor, kernel)
-            found = {}
-            for wn in self.weighted:
-                for form in forms:
-                    factors = fold_factors(form, wn.canonical)
-                    if factors is not None:
-                        found.setdefault(wn.node.name, (wn, (factors, keras_grid(form, rec.amax))))
-            found = list(found.values())
-            found = self._by_input(rec.path, found) if len(found) > 1 else found
+            found = self._confirm(rec, forms, self._scoped_weighted(rec.path))
+            if not found:  # no node in the layer's scope: its weights, wherever they are
+                found = self._by_input(rec.path, self._confirm(rec, forms, self.weighted))
+                if found:
+                    self.by_values.append(rec.path)
+                    if not self.scopes.has_nodes(rec.path):  # merged by tf2onnx into an equal layer
+                        scopes = {p for wn, _ in found for p in self.scopes.paths(wn.node.name)}
+                        self.graph.alias(rec.path, scopes)
+                    logger.warning("export_onnx: no ONNX node carries the scope of layer '%s'; its %s "
+                                   "was found by its values in %s", rec.path, rec.tensor,
+                                   ", ".join(wn.node.name for wn, _ in found))
             if not found:
-                self.unmapped.append(f"{rec.path} ({rec.layer}.{rec.tensor}: "
-                                     "no ONNX weight holds these values)")
+                self.unmapped.append(f"{rec.path} ({type(wrapper.layer).__name__} '{rec.layer}'.{rec.tensor}:"
+                                     " no ONNX weight holds these values)")
                 continue
             for wn, (f, grid) in found:
                 hits.append(_WeightHit(rec, wn, f, grid))
             if _input_weight(wrapper.layer, rec.tensor):
                 self.layer_nodes[rec.path] = [wn.node.name for wn, _ in found]
+            elif rec.tensor == "pointwise_kernel":
+                self.pointwise_nodes[rec.path] = [wn.node.name for wn, _ in found]
         return hits
 
     def _by_input(self, path: str, found):
-        """Several ONNX nodes hold the same weights: keep those whose input holds the layer's input."""
+        """Several ONNX nodes hold the same weights: keep those whose input comes from the layer's
+        producers (the layer graph), else those whose input holds the layer's input values."""
+        if len(found) < 2:
+            return found
+        wanted = {s for p in self.graph.producers(path) for s in self.graph.sources(p)}
+        kept = [(wn, f) for wn, f in found if _source_in(self._node_source(wn.node, 0), wanted)]
+        if kept:
+            return kept
         calls = self.calls.get(path, [])
         kept = [(wn, f) for wn, f in found if any(
-            c.inputs and self._error(c.inputs[0], wn.node.inputs[0]) < SAME_TENSOR_RTOL
-            for c in calls)]
+            c.inputs and self._error(c.inputs[0], wn.node.inputs[0]) < SAME_TENSOR_RTOL for c in calls)]
         return kept or found
+
+    def _node_source(self, node: NodeInfo, j: int) -> str:
+        return self.scopes.source(node.inputs[j], node.name) or ""
 
     # -- activations -----------------------------------------------------------------------
     def consumer_inputs(self, rec: QuantizerRecord) -> List[Tuple[str, int, str]]:
-        """``(ONNX node, input index, keras consumer)`` for every consumer of an activation quantizer."""
+        """``(ONNX node, input index, keras consumer)`` for every consumer of an activation quantizer:
+        the inputs of the consumer layer's nodes that read what the quantizer's producer computes."""
         prefix = rec.path.rsplit("/", 1)[0] + "/" if "/" in rec.path else ""
+        if rec.inside:  # a SeparableConv's depthwise output: the input of its pointwise Conv(s)
+            nodes = self.pointwise_nodes.get(prefix + rec.inside, [])
+            if not nodes:
+                self.unmapped.append(f"{rec.path} (depthwise output of layer '{prefix + rec.inside}': "
+                                     "no pointwise ONNX Conv found)")
+            return [(n, 0, f"{rec.inside}[pointwise]") for n in nodes]
+        wanted = self.graph.sources(rec.path)
         found = []
         for consumer in rec.consumers:
             name, index = consumer[:-1].rsplit("[", 1)
             path = prefix + name
             if path in self.layer_nodes:
-                found += [(node, 0, consumer) for node in self.layer_nodes[path]]
+                nodes = [self.index.by_name[n] for n in self.layer_nodes[path]]
+                kept = [n for n in nodes if _source_in(self._node_source(n, 0), wanted)]
+                found += [(n.name, 0, consumer) for n in (kept or nodes)]
                 continue
-            hit = self._match_layer(path, int(index))
-            if hit is None:
-                self.unmapped.append(f"{rec.path} (input {index} of layer '{path}': "
-                                     "no ONNX node computes it)")
+            edges = self.edges_into(path, wanted)
+            if not edges:
+                what = type(self.graph.layer(path)).__name__
+                self.unmapped.append(f"{rec.path} (input {index} of {what} layer '{path}': none of its ONNX "
+                                     f"nodes reads the output of '{prefix + rec.layer}')")
                 continue
-            found.append((*hit, consumer))
+            found += [(node, j, consumer) for node, j in edges]
         return found
 
-    def _match_layer(self, path: str, input_index: int) -> Optional[Tuple[str, int]]:
-        calls = self.calls.get(path)
-        if not calls or input_index >= len(calls[0].inputs) or not calls[0].outputs:
-            return None
-        call = calls[0]
-        ops = KERAS_TO_ONNX_OPS.get(self._class_name(path))
-        best, best_err = None, SAME_TENSOR_RTOL
-        for node in self.index.nodes:
-            if (ops is not None and node.op_type not in ops) or (ops is None and node.op_type in _LAYOUT_OPS):
-                continue
-            if not node.outputs or self._error(call.outputs[0], node.outputs[0]) > best_err:
-                continue
-            for j, tensor in enumerate(node.inputs):
-                if not tensor or self.index.is_constant(tensor):
-                    continue
-                err = self._error(call.inputs[input_index], tensor)
-                if err <= best_err:
-                    best, best_err = (node.name, j), err
-        return best
+    def edges_into(self, path: str, wanted, ops: Optional[Tuple[str, ...]] = None,
+                   depth: int = 0) -> List[Tuple[str, int]]:
+        """``(ONNX node, input index)`` of the nodes of layer ``path`` that read a scope in
+        ``wanted``. A layer without nodes (tf2onnx merged a Concat into the next one, a nested
+        model) passes the question on to the layers reading it (or, for a model, its inputs)."""
+        layer = self.graph.layer(path)
+        if depth > 8 or layer is None:
+            return []
+        if isinstance(layer, keras.Model):
+            inner = [f"{path}/{t._keras_history[0].name}" for t in layer.inputs]
+            return [e for p in inner for c in self.graph.consumers(p)
+                    for e in self.edges_into(c, wanted, ops, depth + 1)]
+        if not self.scopes.has_nodes(path):
+            return [e for c in self.graph.consumers(path) for e in self.edges_into(c, wanted, ops, depth + 1)]
+        expected = ops or layer_onnx_ops(layer)
+        edges = [(n, j) for n, j, src in self.scopes.entry_edges(path) if _source_in(src, wanted)]
+        preferred = [(n, j) for n, j in edges if expected is None or n.op_type in expected]
+        return list(dict.fromkeys((n.name, j) for n, j in (preferred or edges)))
 
     def _error(self, keras_value: np.ndarray, tensor: str) -> float:
         """:func:`value_error` of a Keras value against an ONNX tensor's value (inf when unknown)."""
         return value_error(keras_value, self.values.get(tensor, np.zeros(0)))
-
-    def _class_name(self, path: str) -> str:
-        layer = self._layer_at(path)
-        return type(layer).__name__ if layer is not None else ""
-
-    def _layer_at(self, path: str):
-        model = self.q_model
-        for part in path.split("/"):
-            try:
-                model = model.get_layer(part)
-            except ValueError:
-                return None
-        return model
 
 
 def _activation_source(index: GraphIndex, node_name: str,
@@ -374,7 +451,7 @@ class _Collector:
             raise ExportError(f"export_onnx: quantizers {self.owners[tensor][0]} and {owner} map to the "
                               f"same ONNX tensor '{tensor}' with different ranges "
                               f"({self.amax[tensor]:.6g} vs {amax:.6g})")
-        if self.claimed.get(consumer, owner) != owner:
+        if self.claimed.get(consumer, owner) != owner and tensor not in self.amax:
             raise ExportError(f"export_onnx: quantizers {self.claimed[consumer]} and {owner} both map to "
                               f"input {consumer[1]} of ONNX node '{consumer[0]}'")
         self.claimed[consumer] = owner
@@ -406,42 +483,46 @@ def _map_shared_concat(mapper: _Mapper, collector: _Collector, rec: QuantizerRec
     output is quantized for all its consumers instead."""
     prefix = rec.path.rsplit("/", 1)[0] + "/" if "/" in rec.path else ""
     path = prefix + rec.layer
-    hit = mapper._match_layer(path, 0)
-    if hit is None:  # tf2onnx merged this Concat into the Concat that consumes it
+    nodes = [n for n in mapper.scopes.nodes(path) if n.op_type == "Concat"]
+    if not nodes:  # tf2onnx merged this Concat into the Concat that consumes it
         return _map_merged_concat(mapper, collector, rec, path, amax)
-    node = mapper.index.by_name[hit[0]]
-    inputs = [(t, j) for j, t in enumerate(node.inputs) if t and not mapper.index.is_constant(t)]
-    if all(collector.can_take(t, amax) and (node.name, j) not in collector.claimed for t, j in inputs):
-        for t, j in inputs:
-            collector.add(t, (node.name, j), amax, rec.path, group=f"concat:{node.name}")
-        return [t for t, _ in inputs], [node.name]
-    out = node.outputs[0]
-    consumers = [(c.name, i) for c, i in mapper.index.consumers(out)]
-    for consumer in consumers:
-        collector.add(out, consumer, amax, rec.path)
-    return [out], [c for c, _ in consumers]
+    tensors, names = [], []
+    for node in nodes:
+        inputs = [(t, j) for j, t in enumerate(node.inputs) if t and not mapper.index.is_constant(t)]
+        if all(collector.can_take(t, amax) and (node.name, j) not in collector.claimed for t, j in inputs):
+            for t, j in inputs:
+                collector.add(t, (node.name, j), amax, rec.path, group=f"concat:{node.name}")
+            tensors += [t for t, _ in inputs]
+            names.append(node.name)
+            continue
+        out = node.outputs[0]
+        consumers = [(c.name, i) for c, i in mapper.index.consumers(out)]
+        for consumer in consumers:
+            collector.add(out, consumer, amax, rec.path)
+        tensors.append(out)
+        names += [c for c, _ in consumers]
+    return tensors, names
 
 
 def _map_merged_concat(mapper: _Mapper, collector: _Collector, rec: QuantizerRecord, path: str, amax: float):
     """A Keras Concatenate whose ONNX Concat was merged into its consumer's: quantize its inputs
-    where the merged Concat reads them (the same numbers as quantizing its output)."""
-    calls = mapper.calls.get(path)
+    where the merged Concat reads them (the same numbers as quantizing its output), found as the
+    Concat inputs, in the scopes of the layers reading it, that come from its inputs' producers."""
     tensors, nodes = [], []
-    for i, value in enumerate(calls[0].inputs if calls else ()):
-        best, best_err = None, SAME_TENSOR_RTOL
-        for node in mapper.index.nodes:
-            if node.op_type != "Concat":
-                continue
-            for j, t in enumerate(node.inputs):
-                err = value_error(value, mapper.values.get(t, np.zeros(0))) if t else np.inf
-                if err <= best_err and (node.name, j) not in collector.claimed:
-                    best, best_err = (t, node.name, j), err
-        if best is None:
-            mapper.unmapped.append(f"{rec.path} (input {i} of Concatenate '{path}': no ONNX Concat reads it)")
+    for i, producer in enumerate(mapper.graph.producers(path)):
+        wanted = mapper.graph.sources(producer)
+        edges = [e for c in mapper.graph.consumers(path)
+                 for e in mapper.edges_into(c, wanted, ops=("Concat",))]
+        edges = [(n, j) for n, j in edges if (n, j) not in collector.claimed]
+        if not edges:
+            mapper.unmapped.append(f"{rec.path} (input {i} of Concatenate '{path}': no ONNX Concat reads "
+                                   f"the output of '{producer}')")
             continue
-        collector.add(best[0], (best[1], best[2]), amax, rec.path, group=f"concat:{path}")
-        tensors.append(best[0])
-        nodes.append(best[1])
+        for node, j in edges:
+            tensor = mapper.index.by_name[node].inputs[j]
+            collector.add(tensor, (node, j), amax, rec.path, group=f"concat:{path}")
+            tensors.append(tensor)
+            nodes.append(node)
     return tensors, nodes
 
 
@@ -467,7 +548,8 @@ def _map_activations(mapper: _Mapper, collector: _Collector) -> List[MappingEntr
             nodes += n
             notes.add("Concatenate inputs share its scale")
         if tensors:
-            entries.append(MappingEntry(rec.path, "activation", f"{rec.tensor} -> {', '.join(rec.consumers)}",
+            consumers = f"{rec.inside} (pointwise)" if rec.inside else ", ".join(rec.consumers)
+            entries.append(MappingEntry(rec.path, "activation", f"{rec.tensor} -> {consumers}",
                                         tuple(dict.fromkeys(tensors)), tuple(dict.fromkeys(nodes)), amax,
                                         None, "; ".join(sorted(notes))))
     return entries
@@ -540,16 +622,20 @@ def _snap(model: onnx.ModelProto, snapped: Mapping[str, np.ndarray]) -> onnx.Mod
     return copy
 
 
-def map_quantizers(q_model, model: onnx.ModelProto, keras_calls: Mapping[str, List[LayerCall]],
-                   onnx_values: Mapping[str, np.ndarray], *,
+def map_quantizers(q_model, model: onnx.ModelProto,
+                   keras_calls: Optional[Mapping[str, List[LayerCall]]] = None,
+                   onnx_values: Optional[Mapping[str, np.ndarray]] = None, *,
                    producer: str = "tf_bridge.export_onnx") -> KerasOnnxMapping:
     """Map every quantizer of ``q_model`` onto the float ONNX ``model`` tf2onnx made of its twin.
 
     Args:
         q_model: the Keras QAT model (read only).
         model: the float ONNX model of its float twin (not modified).
-        keras_calls: the twin's layer values on sample data (:func:`tf_bridge.trace.trace_layers`).
-        onnx_values: the float ONNX model's tensor values on the same data, by name.
+        keras_calls: optional, the twin's layer values on sample data
+            (:func:`tf_bridge.trace.trace_layers`); used only where a layer's weights are found
+            outside its scope in several nodes.
+        onnx_values: optional, the float ONNX model's tensor values on the same data, by name
+            (same use).
         producer: the ScaleTable's producer text.
 
     Raises:

@@ -141,6 +141,9 @@ class ActivationQuantizer(keras.layers.Layer):
         self.supports_masking = True
         self._collector = None
         self._warned = False
+        #: the wrapped layer whose internal tensor this quantizer sits on (a SeparableConv's
+        #: depthwise output, see :class:`QuantizeWrapper`); "" for a quantizer between layers.
+        self.inside = ""
 
     def build(self, input_shape=None):
         """Create ``amax`` (trainable in ``learnable`` mode) and the ``initialized`` flag."""
@@ -303,31 +306,68 @@ class QuantizeWrapper(keras.layers.Wrapper):
     so gradients reach the float kernel straight through.
     """
 
-    def __init__(self, layer, **kwargs):
+    def __init__(self, layer, mode: str = "ema", momentum: float = 0.99, **kwargs):
         super().__init__(layer, **kwargs)
         self.rules = weight_rules_for(layer)
         if not self.rules:
             raise ValueError(f"layer '{layer.name}' ({type(layer).__name__}) has no quantizable weights")
         if getattr(layer, "lora_enabled", False):
             raise ValueError(f"layer '{layer.name}' uses LoRA; merge it before quantization")
+        self.mode = mode
+        self.momentum = float(momentum)
+        #: SeparableConv: the quantizer of the depthwise output, the pointwise convolution's input
+        #: (both convolutions then run in INT8 in TensorRT); None for other layers.
+        self.intermediate = None
+        if isinstance(layer, (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)):
+            self.intermediate = ActivationQuantizer(mode=mode, momentum=momentum, producer=layer.name,
+                                                    name=f"{layer.name}_depthwise_quant")
+            self.intermediate.inside = layer.name
 
     def build(self, input_shape=None):
-        """Build the wrapped layer (its weights stay the float master copies)."""
+        """Build the wrapped layer (its weights stay the float master copies) and, for a
+        SeparableConv, the quantizer of its depthwise output."""
         if not self.layer.built:
             self.layer.build(input_shape)
+        if self.intermediate is not None and not self.intermediate.built:
+            self.intermediate.build(None)
 
-    def call(self, inputs, *args, **kwargs):
+    def call(self, inputs, *args, training=None, **kwargs):
         """Run the wrapped layer with each quantized weight replaced by its fake-quantized value
         (per-channel amax from the current weight, narrow int8 range); gradients reach the float
-        weight straight through."""
+        weight straight through. A SeparableConv runs as its two convolutions with the depthwise
+        output fake-quantized in between (:attr:`intermediate`)."""
         mapping = []
         for rule in self.rules:
             var = getattr(self.layer, rule.attr)
             w = tf.convert_to_tensor(var)
             amax = tf.stop_gradient(per_channel_amax(w, rule.channel_axes))
             mapping.append((var, fake_quant(w, amax, narrow_range=True)))
+        if self.intermediate is not None:
+            weights = [w for _, w in mapping]
+            return self._separable(inputs, weights[0], weights[1], training)
+        if training is not None and getattr(self.layer, "_call_has_training_arg", False):
+            kwargs["training"] = training
         with keras.StatelessScope(state_mapping=mapping):
             return self.layer(inputs, *args, **kwargs)
+
+    def _separable(self, inputs, depthwise, pointwise, training):
+        """What ``SeparableConvND.call`` computes, with the depthwise output quantized: depthwise
+        convolution, fake quantization, 1x1 convolution, bias, activation."""
+        layer = self.layer
+        x = keras.ops.depthwise_conv(inputs, depthwise, strides=layer.strides, padding=layer.padding,
+                                     data_format=layer.data_format, dilation_rate=layer.dilation_rate)
+        x = self.intermediate(x, training=training)
+        x = keras.ops.conv(x, pointwise, strides=1, padding="valid", data_format=layer.data_format)
+        if layer.use_bias:
+            shape = ((1,) * (layer.rank + 1) + (layer.filters,) if layer.data_format == "channels_last"
+                     else (1, layer.filters) + (1,) * layer.rank)
+            x = keras.ops.add(x, keras.ops.reshape(layer.bias, shape))
+        return layer.activation(x) if layer.activation is not None else x
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(mode=self.mode, momentum=self.momentum)
+        return config
 
     def compute_output_shape(self, input_shape):
         """The wrapped layer's output shape (traced when the layer does not implement it)."""

@@ -94,7 +94,7 @@ class _Cloner:
         new = copy_layer(layer)
         decision = self.plan.get(id(layer))
         if decision is not None and decision.weights:
-            new = QuantizeWrapper(new, name=layer.name)
+            new = QuantizeWrapper(new, mode=self.mode, momentum=self.momentum, name=layer.name)
         if decision is not None:
             self.new_decisions[id(new)] = decision
         return new

@@ -77,7 +77,11 @@ def test_mixed_cnn_parity_check_and_mapping(residual_export):
     stem = by_name["stem_conv"]  # Conv -> BatchNorm: the BatchNorm stays a Mul/Add after the Conv
     assert "BatchNorm folded" not in stem.note and stem.fold_factor == (1.0, 1.0)
     assert by_name["up"].onnx_nodes and by_name["logits"].fold_factor == (1.0, 1.0)
-    assert by_name["sep"].note.count("baked") == 1 and len(report.baked) == 1
+    # SeparableConv2D: the depthwise output is quantized, so the pointwise Conv runs in INT8 too
+    assert "baked" not in by_name["sep"].note and not report.baked
+    inner = by_name["sep_depthwise_quant"]
+    assert inner.keras == "sep:depthwise -> sep (pointwise)" and len(inner.onnx_tensors) == 1
+    assert inner.onnx_tensors[0].endswith("depthwise:0"), inner
 
 
 def test_conv_before_batchnorm_keeps_the_keras_weight_amax(residual_export):
@@ -231,8 +235,9 @@ def test_uncalibrated_quantizer_is_named_and_nothing_written(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_unmappable_quantizer_is_named_and_nothing_written(tmp_path):
-    """A BatchNormalization input quantized by spec: tf2onnx folds the BN away, so no ONNX tensor holds it."""
+def test_batchnorm_input_quantized_by_spec_maps_to_the_conv_output(tmp_path):
+    """A BatchNormalization input quantized by spec: the BN stays a Mul/Add after the Conv, so
+    its input is the Conv output, found by the layer scopes; the Q/DQ model equals Keras."""
     keras.utils.set_random_seed(4)
     inp = keras.Input((8, 8, 3))
     y = L.BatchNormalization(name="bn")(L.Conv2D(16, 3, use_bias=False, name="conv")(inp))
@@ -240,8 +245,25 @@ def test_unmappable_quantizer_is_named_and_nothing_written(tmp_path):
     spec = tf_bridge.QuantizationSpec().add("bn", quantize_input=True, quantize_weight=False)
     q = tf_bridge.quantize_model(model, quantization_spec=spec)
     tf_bridge.calibrate(q, np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("f"), progress=False)
-    with pytest.raises(ExportError, match=r"could not be mapped.*conv_quant.*'bn'"):
+    report = tf_bridge.export_onnx(q, tmp_path / "x.onnx")
+    entry = next(e for e in report.mapping if e.quantizer == "conv_quant")
+    assert len(entry.onnx_nodes) == 1 and "/bn" in entry.onnx_nodes[0], entry
+    assert entry.onnx_tensors[0].endswith("/convolution:0"), entry
+    assert report.parity.outputs[0].max_abs_qdq <= 1e-6 * report.parity.outputs[0].max_abs_float + 1e-7
+
+
+def test_unmappable_quantizer_is_named_and_nothing_written(tmp_path):
+    """An Identity's input quantized by spec, the Identity being the model output: tf2onnx leaves no
+    node that reads it, so the quantizer and the layer are named in one line."""
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((8, 8, 3))
+    out = L.Identity(name="idn")(L.Conv2D(16, 3, name="conv")(inp))
+    spec = tf_bridge.QuantizationSpec().add("idn", quantize_input=True, quantize_weight=False)
+    q = tf_bridge.quantize_model(keras.Model(inp, out), quantization_spec=spec)
+    tf_bridge.calibrate(q, np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("f"), progress=False)
+    with pytest.raises(ExportError, match=r"could not be mapped.*conv_quant.*Identity layer 'idn'") as err:
         tf_bridge.export_onnx(q, tmp_path / "x.onnx")
+    assert "\n" not in str(err.value)
     assert not list(tmp_path.iterdir())
 
 
@@ -297,9 +319,18 @@ def test_output_parity_bounds():
     assert ok.passed and ok.bound == "float" and abs(ok.ratio - 0.05) < 1e-12 and ok.top1 == 1.0
     far = output_parity(["y"], [k], [k + 0.5], [f])[0]
     assert not far.passed and "FAILED" in str(far)
-    deep = output_parity(["y"], [k], [k + 0.5], [f], sensitivity=[0.2])[0]
+    deep = output_parity(["y"], [k * 100], [k * 100 + 0.5], [k * 100 + 1.0], sensitivity=[0.2])[0]
     assert deep.passed and deep.bound == "rounding" and "rounding sensitivity" in str(deep)
     assert not output_parity(["y"], [k], [k + 0.5], [f], sensitivity=[0.1])[0].passed
+    # within the rounding bound but 17% of the output range: a rounding cascade, never PASSED
+    cascade = output_parity(["y"], [k], [k + 0.5], [f], sensitivity=[0.2])[0]
+    assert not cascade.passed and cascade.cause == "rounding cascade" and cascade.bound == "rounding"
+    assert str(cascade).startswith("FAILED (rounding cascade)") and "PASSED" not in str(cascade)
+    assert abs(cascade.abs_error - 0.5 / 3.0) < 1e-12 and cascade.output_range == 3.0
+    # the float twin exploded: 5% of its error passes the relative bound, not the absolute one
+    exploded = output_parity(["y"], [k], [k + 0.5], [k + 10.0])[0]
+    assert exploded.bound == "float" and not exploded.passed and exploded.cause == ""
+    assert "> 2%" in str(exploded)
     flipped = output_parity(["y"], [k], [np.roll(k, 1, axis=1)], [f], sensitivity=[10.0])[0]
     assert flipped.top1 == 0.0 and not flipped.passed
 
@@ -322,11 +353,15 @@ def test_split_parity_separates_the_export_from_the_engines():
     from tf_bridge.export import split_parity
     k = np.array([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
     f = k + 1.0
-    engine = k + 0.3  # the Keras QAT model run in onnxruntime: a rounding cascade away from TensorFlow
-    ok = split_parity(["y"], [k], [engine], [engine + 1e-6], [f], [0.2])[0]
+    engine = k + 0.03  # the Keras QAT model run in onnxruntime: a rounding cascade away from TensorFlow
+    ok = split_parity(["y"], [k], [engine], [engine + 1e-6], [f], [0.02])[0]
     assert ok.passed and ok.bound == "float" and ok.reference == "onnxruntime" and ok.ratio < 1e-5
-    assert abs(ok.max_abs_tf - 0.3) < 1e-5 and abs(ok.max_abs_engine - 0.3) < 1e-12
+    assert abs(ok.max_abs_tf - 0.03) < 1e-5 and abs(ok.max_abs_engine - 0.03) < 1e-12
     assert "its graph in onnxruntime" in str(ok) and "in TensorFlow" in str(ok)
+    # the same within the rounding bound, but 10% of the output range from the run in TensorFlow
+    far = split_parity(["y"], [k], [k + 0.3], [k + 0.3 + 1e-6], [f], [0.2])[0]
+    assert not far.passed and far.cause == "rounding cascade" and str(far).startswith("FAILED (rounding")
+    engine = k + 0.3
     assert not split_parity(["y"], [k], [engine], [engine + 0.5], [f], [0.2])[0].passed  # the export's own
     assert not split_parity(["y"], [k], [engine], [engine], [f], [0.05])[0].passed  # engines too far apart
     flipped = split_parity(["y"], [k], [engine], [np.roll(engine, 1, axis=1)], [f], [10.0])[0]

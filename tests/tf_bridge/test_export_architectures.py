@@ -65,7 +65,12 @@ SETTLE = {"mobilenetv2", "efficientnetb0"}
 #: graph run in onnxruntime: at their sizes TensorFlow's and onnxruntime's convolution sums, which
 #: differ in the last bit, put a few quantizer inputs on opposite sides of a rounding boundary and
 #: the run in TensorFlow parts from both onnxruntime runs by a rounding cascade (bounded separately).
-ENGINE_CASCADE = {"inceptionv3", "densenet121"}
+ENGINE_CASCADE = {"inceptionv3", "densenet121", "efficientnetb0"}
+#: EfficientNetB0 (random weights, 32x32): the Q/DQ model equals the Keras QAT graph run in
+#: onnxruntime (ratio 3e-5), but the run in TensorFlow parts from both by a rounding cascade of
+#: 3.2% of the output range (within 3 x its rounding sensitivity): over the 2% absolute bound, so
+#: the export reports "FAILED (rounding cascade)", never PASSED.
+CASCADE_OVER_ABSOLUTE = {"efficientnetb0"}
 
 
 def _export(name, tmp_path):
@@ -79,13 +84,19 @@ def _export(name, tmp_path):
     x = x[:6]
     q = tf_bridge.quantize_model(model, custom_qdq_cases=cases)
     tf_bridge.calibrate(q, x, progress=False)
-    return q, tf_bridge.export_onnx(q, tmp_path / f"{name}.onnx", sample_data=x)
+    return q, tf_bridge.export_onnx(q, tmp_path / f"{name}.onnx", sample_data=x,
+                                    strict=name not in CASCADE_OVER_ABSOLUTE)
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_architecture_round_trip(name, tmp_path):
     q, report = _export(name, tmp_path)
-    assert report.passed, str(report)
+    if name in CASCADE_OVER_ABSOLUTE:
+        assert not report.passed and str(report).startswith("export_onnx: FAILED (rounding cascade)")
+        assert all(o.cause == "rounding cascade" and o.abs_error > 0.02 for o in report.parity.outputs)
+        assert "PASSED" not in str(report).splitlines()[2], str(report)
+    else:
+        assert report.passed and all(o.abs_error <= 0.02 for o in report.parity.outputs), str(report)
     for out in report.parity.outputs:
         assert out.max_abs_float > 0, "quantization must change the logits, or parity proves nothing"
         assert out.bound == "float" and out.ratio < 1e-3, str(out)

@@ -79,14 +79,22 @@ def test_conv2d_transpose_matches_numpy():
     _check(got, want + b)
 
 
-def test_separable_conv2d_quantizes_both_kernels():
+def test_separable_conv2d_quantizes_both_kernels_and_the_depthwise_output():
+    """Both convolutions of a SeparableConv2D run on int8 inputs: the depthwise output is
+    fake-quantized (its own calibrated amax) before the pointwise convolution."""
     x = RNG.normal(0, 1, (2, 9, 9, 3)).astype(np.float32)
     got, model = _quantized_output(keras.layers.SeparableConv2D(4, 3, name="sep"), x)
     dk, pk, b = model.get_layer("sep").get_weights()
     dq, pq, xq = _fq_weight(dk, (-2, -1)), _fq_weight(pk, (-1,)), _fq_input(x)
     win = np.lib.stride_tricks.sliding_window_view(xq.astype(np.float64), (3, 3), axis=(1, 2))
     mid = np.einsum("nhwcab,abcm->nhwcm", win, dq.astype(np.float64)).reshape(2, 7, 7, 3)
-    _check(got, mid @ pq[0, 0].astype(np.float64) + b)
+    # calibration sees every tensor unquantized: the depthwise amax is measured on float inputs
+    win_x = np.lib.stride_tricks.sliding_window_view(x.astype(np.float64), (3, 3), axis=(1, 2))
+    amax = np.abs(np.einsum("nhwcab,abcm->nhwcm", win_x, dq.astype(np.float64))).max()
+    want = fake_quant_reference(mid, amax, narrow_range=False) @ pq[0, 0].astype(np.float64) + b
+    _check(got, want)
+    unquantized_mid = mid @ pq[0, 0].astype(np.float64) + b
+    assert np.abs(got - unquantized_mid).max() > 1e-3  # the depthwise output's quantization shows
 
 
 def test_weight_amax_is_recomputed_every_step():
@@ -99,3 +107,21 @@ def test_weight_amax_is_recomputed_every_step():
     np.testing.assert_allclose(wrapper.weight_amax()["kernel"], np.abs(kernel.numpy()).max(axis=0))
     want = _fq_input(x).astype(np.float64) @ _fq_weight(kernel.numpy(), (-1,)) + wrapper.layer.bias.numpy()
     _check(q_model.predict(x, verbose=0), want)
+
+
+def test_separable_conv2d_depthwise_range_is_saved_and_loaded(tmp_path):
+    """The depthwise output's quantizer lives in the wrapper: describe lists it, a .keras file
+    keeps its range, and the loaded model computes the same numbers."""
+    x = RNG.normal(0, 1, (4, 9, 9, 3)).astype(np.float32)
+    q_model = tf_bridge.quantize_model(single_layer_model(keras.layers.SeparableConv2D(4, 3, name="sep"),
+                                                          x.shape[1:]))
+    tf_bridge.calibrate(q_model, x, progress=False)
+    records = {r.path: r for r in tf_bridge.quantizer_records(q_model)}
+    inner = records["sep_depthwise_quant"]
+    assert inner.kind == "activation" and inner.inside == "sep" and float(inner.amax) > 0
+    assert "sep:depthwise -> sep (pointwise)" in tf_bridge.describe(q_model, print_fn=None)
+    q_model.save(tmp_path / "sep.keras")
+    loaded = tf_bridge.load_model(tmp_path / "sep.keras")
+    again = {r.path: r for r in tf_bridge.quantizer_records(loaded)}["sep_depthwise_quant"]
+    assert float(again.amax) == float(inner.amax)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), q_model.predict(x, verbose=0))

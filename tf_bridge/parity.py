@@ -1,0 +1,437 @@
+"""Step 4 of :func:`tf_bridge.export_onnx`: parity of the Q/DQ model with the Keras QAT model.
+
+The criterion (see :mod:`tf_bridge.export`): relative to quantization error (``RATIO_LIMIT`` of
+the float model's difference, or against the Keras QAT graph run in onnxruntime when the engines'
+arithmetic parts them, with the rounding sensitivity bounding that), absolute (``ABS_LIMIT`` of
+the output range) and top-1 agreement; rounding cascades are named as such. Typed results:
+:class:`OutputParity`, :class:`DeployedParity`, :class:`Parity`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import onnx
+
+from onnx_qat.errors import ExportError
+
+from .convert import convert_float_twin
+from .mapping import KerasOnnxMapping
+from .onnx_values import run_with_tensors, value_error
+
+logger = logging.getLogger(__name__)
+
+#: Parity criterion: |Q/DQ - Keras QAT| <= RATIO_LIMIT * |float ONNX - Keras QAT| (max abs, per output).
+RATIO_LIMIT = 0.10
+
+
+#: Parity criterion, absolute: |Q/DQ - Keras QAT| (both the reference run and the run in TensorFlow)
+#: <= ABS_LIMIT * the range (max - min) of the Keras QAT model's output over the samples.
+ABS_LIMIT = 0.02
+
+
+#: Parity criterion: top-1 agreement of the Q/DQ model with the Keras QAT model.
+TOP1_LIMIT = 0.99
+
+
+#: ``OutputParity.cause`` of a failure the rounding sensitivity explains (a chaotic network).
+ROUNDING_CASCADE = "rounding cascade"
+
+
+#: |Keras QAT in onnxruntime - in TensorFlow| (the fallback: |Q/DQ - Keras QAT|)
+#: <= SENSITIVITY_FACTOR * the rounding sensitivity of the Q/DQ model.
+SENSITIVITY_FACTOR = 3.0
+
+
+#: Other targets (``ort-cpu``), run as deployed:
+#: |target - tensorrt form| <= DEPLOYED_FACTOR * |tensorrt form - float ONNX|.
+DEPLOYED_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class OutputParity:
+    """Parity of one model output: max abs differences from the Keras QAT model and top-1 agreement.
+
+    ``reference`` says which run of the Keras QAT model ``max_abs_qdq``, ``max_abs_float`` and
+    ``ratio`` were measured against: ``"tensorflow"`` (the model called in TensorFlow) or
+    ``"onnxruntime"`` (the Keras QAT model's own graph, fake quantization included, converted by
+    tf2onnx and run in onnxruntime, whose convolutions round their sums as the Q/DQ model's do).
+    ``max_abs_tf`` is the Q/DQ model's difference from the model run in TensorFlow, and
+    ``max_abs_engine`` (``"onnxruntime"`` reference only) the difference between the two runs of
+    the Keras QAT model. ``bound`` is ``"float"`` (the 10% bound held), ``"rounding"`` (only the
+    rounding-sensitivity fallback held) or ``""``: the bound relative to quantization error.
+    ``output_range`` is the range (max - min) of the Keras QAT output over the samples; every
+    output must also stay within ``ABS_LIMIT`` of it (:attr:`abs_error`), so that a float twin
+    whose own output explodes cannot make any difference look small. ``cause`` explains a
+    failure: ``"rounding cascade"`` when the difference is within ``SENSITIVITY_FACTOR`` times
+    the rounding sensitivity (the network itself turns last-bit differences into large ones:
+    typical of an untrained, chaotic network), otherwise ``""``.
+    """
+
+    name: str
+    max_abs_qdq: float
+    max_abs_float: float
+    ratio: float
+    top1: Optional[float]
+    passed: bool
+    sensitivity: float = float("nan")
+    bound: str = ""
+    reference: str = "tensorflow"
+    max_abs_tf: float = float("nan")
+    max_abs_engine: float = float("nan")
+    output_range: float = float("nan")
+    cause: str = ""
+
+    @property
+    def abs_error(self) -> float:
+        """The largest of the Q/DQ model's differences (reference run, run in TensorFlow) as a
+        fraction of the output range (nan when the range is unknown)."""
+        worst = max(d for d in (self.max_abs_qdq, self.max_abs_tf) if not np.isnan(d))
+        return _ratio(worst, self.output_range) if np.isfinite(self.output_range) else float("nan")
+
+    def __str__(self) -> str:
+        top1 = "" if self.top1 is None else f" | top-1 {100 * self.top1:.1f}%"
+        where = " (its graph in onnxruntime)" if self.reference == "onnxruntime" else ""
+        verdict = "PASSED" if self.passed else (f"FAILED ({self.cause})" if self.cause else "FAILED")
+        head = (f"{verdict} | output '{self.name}' | Q/DQ vs Keras QAT{where} "
+                f"max abs {self.max_abs_qdq:.3g} = {100 * self.ratio:.3g}% of float vs Keras QAT "
+                f"{self.max_abs_float:.3g} "
+                f"(limit {100 * RATIO_LIMIT:.0f}%)")
+        if self.reference == "onnxruntime":
+            op = "<=" if self.passed or np.isnan(self.sensitivity) or (
+                self.max_abs_engine <= SENSITIVITY_FACTOR * self.sensitivity) else ">"
+            head += (f"; vs Keras QAT in TensorFlow {self.max_abs_tf:.3g} (the two runs of the Keras model "
+                     f"differ by {self.max_abs_engine:.3g} {op} {SENSITIVITY_FACTOR:g} x rounding "
+                     f"sensitivity {self.sensitivity:.3g})")
+        elif self.bound != "float" and np.isfinite(self.sensitivity):
+            op = "<=" if self.bound == "rounding" else ">"
+            head += (f"; deep model: {self.max_abs_qdq:.3g} {op} {SENSITIVITY_FACTOR:g} x "
+                     "rounding sensitivity "
+                     f"{self.sensitivity:.3g}")
+        if np.isfinite(self.output_range):
+            op = "<=" if self.abs_error <= ABS_LIMIT else ">"
+            head += (f"; {100 * self.abs_error:.3g}% of the output range {self.output_range:.3g} "
+                     f"{op} {100 * ABS_LIMIT:g}%")
+        if self.cause == ROUNDING_CASCADE:
+            head += ("; the network turns last-bit differences into differences this large (untrained or "
+                     "chaotic: train it, or settle its BatchNorm statistics, before export)")
+        return head + top1
+
+
+@dataclass(frozen=True)
+class LayerDiff:
+    """How far one quantized tensor of the Q/DQ model is from the Keras QAT model's."""
+
+    quantizer: str
+    onnx_tensor: str
+    rel_error: float
+
+    def __str__(self) -> str:
+        return f"{self.quantizer} (ONNX '{self.onnx_tensor}'): relative max diff {self.rel_error:.3g}"
+
+
+@dataclass(frozen=True)
+class DeployedParity:
+    """A target other than ``tensorrt`` (``ort-cpu``), run as deployed, for one output.
+
+    onnxruntime runs such a model with its integer kernels (graph optimisations on), whose
+    arithmetic differs from Q/DQ's by design (requantized convolution outputs, integer sums,
+    rounded biases). The reference is the TensorRT form of the same mapping and scales, which
+    passed the export's own parity, run with optimisations off (Q/DQ by definition):
+    ``max_abs_deployed`` (target vs that form) must stay within ``DEPLOYED_FACTOR`` times
+    ``max_abs_quant`` (that form vs the float model, the size of quantization itself), and the
+    target's top-1 agreement with the Keras QAT model (run in TensorFlow) must be >= ``TOP1_LIMIT``.
+    """
+
+    name: str
+    target: str
+    max_abs_deployed: float
+    max_abs_quant: float
+    ratio: float
+    top1: Optional[float]
+    passed: bool
+
+    def __str__(self) -> str:
+        top1 = "" if self.top1 is None else f" | top-1 vs Keras QAT {100 * self.top1:.1f}%"
+        return (f"{'PASSED' if self.passed else 'FAILED'} | output '{self.name}' | {self.target} as deployed "
+                f"vs the tensorrt form max abs {self.max_abs_deployed:.3g} = {self.ratio:.3g} x the tensorrt "
+                f"form's quantization error {self.max_abs_quant:.3g} (limit {DEPLOYED_FACTOR:g} x)" + top1)
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"name": self.name, "target": self.target, "max_abs_deployed": self.max_abs_deployed,
+                "max_abs_quant": self.max_abs_quant, "ratio": self.ratio, "top1": self.top1,
+                "passed": self.passed}
+
+
+@dataclass(frozen=True)
+class Parity:
+    """The parity verdict: one :class:`OutputParity` per output, the worst layers on failure, and
+    for a target other than ``tensorrt`` one :class:`DeployedParity` per output (``deployed``)."""
+
+    outputs: Tuple[OutputParity, ...]
+    samples: int
+    generated_inputs: bool
+    worst_layers: Tuple[LayerDiff, ...] = ()
+    deployed: Tuple[DeployedParity, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return all(o.passed for o in self.outputs) and all(d.passed for d in self.deployed)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"passed": self.passed, "samples": self.samples, "generated_inputs": self.generated_inputs,
+                "ratio_limit": RATIO_LIMIT, "abs_limit": ABS_LIMIT, "top1_limit": TOP1_LIMIT,
+                "outputs": [{"name": o.name, "max_abs_qdq": o.max_abs_qdq, "max_abs_float": o.max_abs_float,
+                             "ratio": o.ratio, "top1": o.top1, "reference": o.reference,
+                             "max_abs_tf": o.max_abs_tf, "max_abs_engine": o.max_abs_engine,
+                             "sensitivity": o.sensitivity, "bound": o.bound,
+                             "output_range": o.output_range, "abs_error": o.abs_error, "cause": o.cause,
+                             "passed": o.passed}
+                            for o in self.outputs],
+                "deployed": [d.to_dict() for d in self.deployed],
+                "worst_layers": [{"quantizer": w.quantizer, "onnx_tensor": w.onnx_tensor,
+                                  "rel_error": w.rel_error} for w in self.worst_layers]}
+
+
+def _top1(a: np.ndarray, b: np.ndarray) -> Optional[float]:
+    if a.ndim < 2 or a.shape[-1] < 2:
+        return None
+    return float(np.mean(np.argmax(a, axis=-1) == np.argmax(b, axis=-1)))
+
+
+def output_parity(names: Sequence[str], keras_qat: Sequence[np.ndarray], qdq: Sequence[np.ndarray],
+                  float_onnx: Sequence[np.ndarray], sensitivity: Optional[Sequence[float]] = None
+                  ) -> Tuple[OutputParity, ...]:
+    """One :class:`OutputParity` per output against the Keras QAT model run in TensorFlow (the
+    criterion of the module docstring: the 10% bound, ``ABS_LIMIT`` of the output range, top-1);
+    with ``sensitivity`` (one value per output) the rounding bound is tried where the 10% one
+    fails, and a failure within it is reported as a rounding cascade."""
+    result = []
+    sensitivity = [float("nan")] * len(names) if sensitivity is None else list(sensitivity)
+    for name, k, q, f, sens in zip(names, keras_qat, qdq, float_onnx, sensitivity):
+        k, q, f = (np.asarray(v, np.float64).reshape(np.shape(k)) for v in (k, q, f))
+        d_q, d_f = float(np.max(np.abs(q - k))), float(np.max(np.abs(f - k)))
+        ratio = _ratio(d_q, d_f)
+        top1 = _top1(q, k)
+        cascade = sens > 0 and d_q <= SENSITIVITY_FACTOR * sens
+        bound = "float" if ratio <= RATIO_LIMIT else ("rounding" if cascade else "")
+        span = _output_range(k)
+        absolute = _ratio(d_q, span) <= ABS_LIMIT
+        passed = bool(bound) and absolute and (top1 is None or top1 >= TOP1_LIMIT)
+        cause = ROUNDING_CASCADE if not passed and cascade else ""
+        result.append(OutputParity(name, d_q, d_f, ratio, top1, passed, sens, bound, max_abs_tf=d_q,
+                                   output_range=span, cause=cause))
+    return tuple(result)
+
+
+def _output_range(k: np.ndarray) -> float:
+    """max - min of an output over the samples (max |k| for a constant output)."""
+    span = float(np.max(k) - np.min(k)) if k.size else 0.0
+    return span if span > 0 else float(np.max(np.abs(k), initial=0.0))
+
+
+def split_parity(names: Sequence[str], keras_tf: Sequence[np.ndarray], keras_ort: Sequence[np.ndarray],
+                 qdq: Sequence[np.ndarray], float_onnx: Sequence[np.ndarray],
+                 sensitivity: Sequence[float]) -> Tuple[OutputParity, ...]:
+    """Parity in two parts, for when the comparison with the model run in TensorFlow misses the
+    10% bound (see :func:`keras_qat_in_onnxruntime`):
+
+    * the export: the Q/DQ model against the Keras QAT model's own graph run in onnxruntime
+      (``keras_ort``), the 10% bound and top-1 agreement, on equal arithmetic;
+    * the engines: that run against the run in TensorFlow (``keras_tf``) within the 10% bound or
+      ``SENSITIVITY_FACTOR`` times the rounding sensitivity, and the Q/DQ model's top-1
+      agreement with the run in TensorFlow;
+    * absolutely: the Q/DQ model within ``ABS_LIMIT`` of the output range of both runs (a
+      failure the rounding bound explains is a rounding cascade).
+    """
+    result = []
+    for name, k, r, q, f, sens in zip(names, keras_tf, keras_ort, qdq, float_onnx, sensitivity):
+        k, r, q, f = (np.asarray(v, np.float64).reshape(np.shape(k)) for v in (k, r, q, f))
+        d_q, d_f = float(np.max(np.abs(q - r))), float(np.max(np.abs(f - r)))
+        d_tf, d_e = float(np.max(np.abs(q - k))), float(np.max(np.abs(r - k)))
+        ratio = _ratio(d_q, d_f)
+        agreements = [a for a in (_top1(q, r), _top1(q, k)) if a is not None]
+        top1 = min(agreements) if agreements else None
+        cascade = sens > 0 and d_e <= SENSITIVITY_FACTOR * sens
+        engines = _ratio(d_e, float(np.max(np.abs(f - k)))) <= RATIO_LIMIT or cascade
+        span = _output_range(k)
+        absolute = _ratio(max(d_q, d_tf), span) <= ABS_LIMIT
+        relative = ratio <= RATIO_LIMIT and engines
+        passed = relative and absolute and (top1 is None or top1 >= TOP1_LIMIT)
+        cause = ROUNDING_CASCADE if not passed and ratio <= RATIO_LIMIT and cascade else ""
+        result.append(OutputParity(name, d_q, d_f, ratio, top1, passed, sens,
+                                   "float" if relative else "", "onnxruntime", d_tf, d_e, span, cause))
+    return tuple(result)
+
+
+def _ratio(d_q: float, d_f: float) -> float:
+    return d_q / d_f if d_f > 0 else (0.0 if d_q == 0 else float("inf"))
+
+
+def deployed_parity(target: str, model: onnx.ModelProto, tensorrt_form: onnx.ModelProto, feeds,
+                    names: Sequence[str], keras_tf: Sequence[np.ndarray],
+                    float_out: Sequence[np.ndarray]) -> Tuple[DeployedParity, ...]:
+    """:class:`DeployedParity` of ``model`` (the ``target`` form) run by onnxruntime as deployed
+    (default graph optimisations, its integer kernels) against ``tensorrt_form`` run with
+    optimisations off; it reads no detail of how the target form was made."""
+    from onnx_qat.errors import QatError
+    from onnx_qat.runtime import make_session
+
+    reference = run_with_tensors(tensorrt_form, feeds)
+    try:
+        session = make_session(model, optimize=True)
+    except QatError as exc:
+        raise ExportError(f"export_onnx: the {target} model: {exc}") from None
+    values = dict(zip([o.name for o in session.get_outputs()], session.run(None, dict(feeds))))
+    result = []
+    for name, k, f in zip(names, keras_tf, float_out):
+        t, r = (np.asarray(v[name], np.float64).reshape(np.shape(k)) for v in (values, reference))
+        d_t = float(np.max(np.abs(t - r)))
+        d_quant = float(np.max(np.abs(r - np.asarray(f, np.float64).reshape(np.shape(k)))))
+        ratio = _ratio(d_t, d_quant)
+        top1 = _top1(t, np.asarray(k, np.float64))
+        passed = ratio <= DEPLOYED_FACTOR and (top1 is None or top1 >= TOP1_LIMIT)
+        result.append(DeployedParity(name, target, d_t, d_quant, ratio, top1, passed))
+    return tuple(result)
+
+
+def keras_qat_in_onnxruntime(q_model, opset: int, inputs: Sequence[np.ndarray]) -> Optional[List[np.ndarray]]:
+    """The Keras QAT model's outputs computed by onnxruntime: its whole graph, fake quantization
+    included (``Div``, ``Round``, ``Clip``, ``Mul``: :mod:`tf_bridge.fake_quant` op for op),
+    converted by tf2onnx like the float twin. None (logged) when tf2onnx cannot convert it.
+
+    TensorFlow and onnxruntime add the products of a convolution in different orders; their sums
+    differ in the last bit (most outputs of any convolution wider than 1x1), and where such a sum
+    feeds a quantizer at a rounding boundary the two runs pick neighbouring integers, which deeper
+    layers carry on. Run in onnxruntime, the Keras model and the Q/DQ model share that arithmetic,
+    so any difference between them is the export's own.
+    """
+    from onnx_qat.model_io import load_model
+
+    try:
+        proto = load_model(convert_float_twin(q_model, opset))
+    except ExportError as exc:
+        logger.warning("export_onnx: the Keras QAT graph could not be run in onnxruntime (%s); "
+                       "parity is measured against TensorFlow only", exc)
+        return None
+    feeds = {i.name: a for i, a in zip(proto.graph.input, inputs)}
+    values = run_with_tensors(proto, feeds)
+    return [values[o.name] for o in proto.graph.output]
+
+
+def rounding_sensitivity(qdq_model: onnx.ModelProto, feeds, names: Sequence[str],
+                         base: Sequence[np.ndarray]) -> Tuple[float, ...]:
+    """How far the Q/DQ model's outputs move when the output of every Conv, ConvTranspose,
+    Gemm and MatMul changes by about two units in the last place (a random sign per output
+    channel, fixed seed) - the size of difference a BatchNorm fold or another engine's
+    summation order makes - i.e. the rounding-boundary cascade this model amplifies such
+    differences into."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(qdq_model)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in copy.graph.initializer}
+    producers = {o: n for n in copy.graph.node for o in n.output}
+    rng = np.random.default_rng(0)
+    nodes = []
+    for node in copy.graph.node:
+        nodes.append(node)
+        channels = _output_channels(node, inits, producers)
+        if channels is None:
+            continue
+        out = node.output[0]
+        spatial = 0 if node.op_type in ("MatMul", "Gemm") else _spatial_rank(node)
+        shape = (channels,) + (1,) * spatial
+        factor = (1.0 + rng.choice([-1.0, 1.0], channels) * 2.0 ** -22).astype(np.float32).reshape(shape)
+        copy.graph.initializer.append(onnx.numpy_helper.from_array(factor, out + "_rounding_nudge"))
+        node.output[0] = out + "_before_nudge"
+        nodes.append(onnx.helper.make_node("Mul", [node.output[0], out + "_rounding_nudge"], [out]))
+    del copy.graph.node[:]
+    copy.graph.node.extend(nodes)
+    values = run_with_tensors(copy, feeds)
+    return tuple(float(np.max(np.abs(values[n].astype(np.float64) - np.asarray(b, np.float64).reshape(
+        values[n].shape)))) for n, b in zip(names, base))
+
+
+def _output_channels(node, inits, producers) -> Optional[int]:
+    """Output channels of a weighted node whose weight comes from a DequantizeLinear of an initializer."""
+    if node.op_type not in ("Conv", "ConvTranspose", "MatMul", "Gemm") or len(node.input) < 2:
+        return None
+    dq = producers.get(node.input[1])
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+        return None
+    shape = inits[dq.input[0]].shape
+    if node.op_type == "Conv":
+        return int(shape[0])
+    if node.op_type == "ConvTranspose":
+        return int(shape[1]) * int(next((a.i for a in node.attribute if a.name == "group"), 1))
+    if node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute):
+        return int(shape[0])
+    return int(shape[-1])
+
+
+def _spatial_rank(node) -> int:
+    kernel = next((list(a.ints) for a in node.attribute if a.name == "kernel_shape"), None)
+    return len(kernel) if kernel else 2
+
+
+def worst_layers(q_model, mapping: KerasOnnxMapping, qdq_model: onnx.ModelProto, inserted, feeds,
+                 inputs, limit: int = 5) -> Tuple[LayerDiff, ...]:
+    """The quantized tensors where the Q/DQ model departs most from the Keras QAT model."""
+    from .trace import trace_layers
+
+    calls, _ = trace_layers(q_model, inputs)
+    dq_out = {}
+    for node in qdq_model.graph.node:
+        if node.op_type == "DequantizeLinear":
+            dq_out[node.name] = node.output[0]
+    tensors = {r["tensor"]: dq_out.get(r["dequantize_node"])
+               for r in inserted if r.get("kind") == "activation"}
+    values = run_with_tensors(qdq_model, feeds, [t for t in tensors.values() if t])
+    diffs = []
+    for entry in mapping.entries:
+        if entry.kind != "activation" or entry.quantizer not in calls:
+            continue
+        keras_value = calls[entry.quantizer][0].outputs[0]
+        for tensor in entry.onnx_tensors:
+            onnx_value = values.get(tensors.get(tensor) or "")
+            error = np.inf if onnx_value is None else value_error(keras_value, onnx_value)
+            if np.isfinite(error):
+                diffs.append(LayerDiff(entry.quantizer, tensor, error))
+    diffs.sort(key=lambda d: -d.rel_error)
+    return tuple(diffs[:limit])
+
+
+def _parity(q_model, mapping: KerasOnnxMapping, result, float_model, float_values, feeds, inputs,
+            keras_tf: List[np.ndarray], opset: int, generated: bool) -> Parity:
+    """The parity verdict of a TensorRT-form ``result`` (see the module docstring): against the
+    Keras QAT model run in TensorFlow; when that misses the 10% bound, against its own graph run in
+    onnxruntime (:func:`split_parity`), or, when that graph cannot be converted, on the rounding
+    bound alone. The worst layers are named on failure."""
+    qdq_values = run_with_tensors(result.model, feeds)
+    names = [o.name for o in float_model.graph.output]
+    qdq_out, float_out = [qdq_values[n] for n in names], [float_values[n] for n in names]
+    outputs = output_parity(names, keras_tf, qdq_out, float_out)
+    if not all(o.passed for o in outputs):
+        sensitivity = rounding_sensitivity(result.model, feeds, names, qdq_out)
+        keras_ort = keras_qat_in_onnxruntime(q_model, opset, inputs)
+        outputs = (output_parity(names, keras_tf, qdq_out, float_out, sensitivity) if keras_ort is None
+                   else split_parity(names, keras_tf, keras_ort, qdq_out, float_out, sensitivity))
+    worst = () if all(o.passed for o in outputs) else worst_layers(
+        q_model, mapping, result.model, result.inserted, feeds, inputs)
+    return Parity(outputs, int(inputs[0].shape[0]), generated, worst)
+
+
+def _fail_loudly(parity: Parity, strict: bool) -> None:
+    failed = "; ".join(str(o) for o in (*parity.outputs, *parity.deployed) if not o.passed)
+    worst = "; ".join(str(w) for w in parity.worst_layers[:3])
+    message = (f"export_onnx: parity with the Keras QAT model failed: {failed}; "
+               f"worst layers: {worst or 'none'}")
+    if strict:
+        raise ExportError(message + "; nothing was written (strict=False writes the files anyway)")
+    logger.error("%s", message)
