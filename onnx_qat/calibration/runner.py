@@ -227,6 +227,14 @@ def _tensors_to_observe(proto, tensors, config, placement_options) -> Tuple[str,
     placement = place(proto, config=config, **placement_options)
     names = placement.activation_tensors()
     if not names:
+        from ..config import QuantizeConfig
+        from ..formats import get_format
+
+        fmt = get_format(QuantizeConfig.from_options(config, **placement_options).precision)
+        if fmt.weight_only:
+            raise PlacementError(f"nothing to calibrate: precision {fmt.name} is weight-only (no activation "
+                                 "is quantized); quantize it without --data, or with --data for the "
+                                 "activation-aware weight scales")
         raise PlacementError("nothing to calibrate: placement quantizes no activation in the model "
                              "(see 'onnx-qat inspect' for each node's decision)")
     return names

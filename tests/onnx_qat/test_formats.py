@@ -306,6 +306,17 @@ def test_cli_int4_needs_no_data_and_other_precisions_do(tmp_path, capsys):
     assert "--data --scales is required" in capsys.readouterr().err
 
 
+def test_calibrate_int4_says_the_format_is_weight_only(tmp_path, capsys):
+    model = mlp_model(features=128, hidden=256, classes=16)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    np.savez(tmp_path / "calib.npz", **_data(model, 4, 1))
+    assert main(["calibrate", str(tmp_path / "m.onnx"), "--precision", "int4", "--data",
+                 str(tmp_path / "calib.npz"), "-o", str(tmp_path / "s.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "int4 is weight-only" in err[0]
+    assert not (tmp_path / "s.json").exists()
+
+
 # --------------------------------------------------------------------------- ScaleTable
 def test_scale_table_block_ranges_round_trip_as_version_2_and_version_1_stays(tmp_path):
     from onnx_qat.scales import ScaleTable, block_ranges
