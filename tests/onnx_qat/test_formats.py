@@ -373,7 +373,7 @@ def test_awq_edits_keep_the_float_function_of_a_transformer_block():
     an inserted Mul): before INT4 rounding the edited float model computes the same outputs."""
     from onnx_qat.awq import apply_awq
     from onnx_qat.config import QuantizeConfig
-    from onnx_qat.quantize import _load_and_place
+    from onnx_qat.rewrite import _load_and_place
     from onnx_qat.targets import get_target
 
     model = _bert(dim=128, seed=3)
