@@ -23,7 +23,7 @@ def sensitivity_chart(result, path, top: int = 20) -> None:
     matplotlib.use("Agg", force=False)
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     from ..fileio import atomic_output
 
@@ -47,9 +47,11 @@ def sensitivity_chart(result, path, top: int = 20) -> None:
         left.text(value, i, f" {value:.1e}", va="center", fontsize=7)
     right.barh(y, gain, color=colours, alpha=0.8)
     right.axvline(0.0, color="black", linewidth=0.6)
-    right.set_xlabel(f"cosine gained when only this site stays float\n(all INT8: {base:.4f})")
+    right.set_xlabel(f"cosine gained when only this site stays float\n(all INT8: cosine {base:.6f})")
     right.grid(axis="x", alpha=0.3)
     right.xaxis.set_major_locator(MaxNLocator(4))
+    # tick labels carry their own exponent: an axis offset text would sit on the axis label
+    right.xaxis.set_major_formatter(FuncFormatter(lambda v, _: "0" if v == 0 else f"{v:.1e}"))
     kinds = sorted({s.site.kind for s in rows})
     left.legend(handles=[Patch(color=KIND_COLOURS.get(k, KIND_COLOURS["other"]), label=k) for k in kinds],
                 loc="lower right", fontsize=8, title="site kind", title_fontsize=8)
