@@ -60,6 +60,15 @@ def weight_only(g, tensor: str) -> bool:
         g.elem_type(node.data) in FOUR_BIT_TYPES
 
 
+def _quantizing_to(graphs, types) -> Iterator[tuple]:
+    """(graph, Q/DQ node, its quantized type, its name) for every Q/DQ node whose type is in ``types``."""
+    for g in graphs:
+        for node in g.qdq:
+            dtype = quantized_type(g, node)
+            if dtype in types:
+                yield g, node, dtype, g.name(node.pos)
+
+
 # -- the rules ---------------------------------------------------------------------------------------
 def rule_f1_fp8_zero_points(model, graphs) -> Iterator[Finding]:
     """F1 (error): FP8 Q/DQ are E4M3FN with a constant zero point of type float8e4m3fn, all zero.
@@ -68,28 +77,23 @@ def rule_f1_fp8_zero_points(model, graphs) -> Iterator[Finding]:
     imported, and a non-zero FP8 zero point has no TensorRT meaning.
     Source: [TRT-QS] FP8 quantization scheme; [ONNX-Q] QuantizeLinear (float8 zero point must be 0).
     """
-    for g in graphs:
-        for node in g.qdq:
-            dtype = quantized_type(g, node)
-            if dtype not in FLOAT8_TYPES:
-                continue
-            name = g.name(node.pos)
-            if dtype != FLOAT8E4M3FN:
-                yield Finding("F1", ERROR, name, f"quantizes to {_NAMES[dtype]}; TensorRT's FP8 is "
-                              "float8e4m3fn (E4M3)")
-                continue
-            if not node.zp:
-                if node.is_q:
-                    yield Finding("F1", ERROR, name, "FP8 QuantizeLinear without a zero point; give a "
-                                  "float8e4m3fn zero point of 0")
-                continue
-            if not g.is_constant(node.zp):
-                yield Finding("F1", ERROR, name, f"zero point {node.zp!r} is not a constant")
-                continue
-            values = g.array(node.zp)
-            if values is not None and (values.astype("float32") != 0).any():
-                yield Finding("F1", ERROR, name, f"FP8 zero point {node.zp!r} is not all zero; "
-                              "TensorRT needs 0")
+    for g, node, dtype, name in _quantizing_to(graphs, FLOAT8_TYPES):
+        if dtype != FLOAT8E4M3FN:
+            yield Finding("F1", ERROR, name, f"quantizes to {_NAMES[dtype]}; TensorRT's FP8 is "
+                          "float8e4m3fn (E4M3)")
+            continue
+        if not node.zp:
+            if node.is_q:
+                yield Finding("F1", ERROR, name, "FP8 QuantizeLinear without a zero point; give a "
+                              "float8e4m3fn zero point of 0")
+            continue
+        if not g.is_constant(node.zp):
+            yield Finding("F1", ERROR, name, f"zero point {node.zp!r} is not a constant")
+            continue
+        values = g.array(node.zp)
+        if values is not None and (values.astype("float32") != 0).any():
+            yield Finding("F1", ERROR, name, f"FP8 zero point {node.zp!r} is not all zero; "
+                          "TensorRT needs 0")
 
 
 def rule_f2_opset_of_form(model, graphs) -> Iterator[Finding]:
@@ -168,21 +172,16 @@ def rule_f4_int4_weights_only(model, graphs) -> Iterator[Finding]:
     only. UINT4 is not a TensorRT type.
     Source: [TRT-QS] "INT4 ... weight-only quantization"; signed INT4 range [-8, 7].
     """
-    for g in graphs:
-        for node in g.qdq:
-            dtype = quantized_type(g, node)
-            if dtype not in FOUR_BIT_TYPES:
-                continue
-            name = g.name(node.pos)
-            if dtype == UINT4:
-                yield Finding("F4", ERROR, name,
-                              "quantizes to uint4; TensorRT's 4-bit integer is signed int4")
-            elif node.is_q:
-                yield Finding("F4", ERROR, name, f"quantizes activation {node.data!r} to int4; TensorRT "
-                              "takes int4 for constant weights only (weight-only quantization)")
-            elif not g.is_constant(node.data):
-                yield Finding("F4", ERROR, name, f"dequantizes int4 {node.data!r}, which is not a constant "
-                              "weight; TensorRT takes int4 for weights only")
+    for g, node, dtype, name in _quantizing_to(graphs, FOUR_BIT_TYPES):
+        if dtype == UINT4:
+            yield Finding("F4", ERROR, name,
+                          "quantizes to uint4; TensorRT's 4-bit integer is signed int4")
+        elif node.is_q:
+            yield Finding("F4", ERROR, name, f"quantizes activation {node.data!r} to int4; TensorRT "
+                          "takes int4 for constant weights only (weight-only quantization)")
+        elif not g.is_constant(node.data):
+            yield Finding("F4", ERROR, name, f"dequantizes int4 {node.data!r}, which is not a constant "
+                          "weight; TensorRT takes int4 for weights only")
 
 
 def rule_f5_int4_zero_points(model, graphs) -> Iterator[Finding]:
