@@ -221,7 +221,32 @@ def _weighted_share(result) -> Tuple[int, int]:
     return sum(d.action == "quantize" for d in decisions), len(decisions)
 
 
-def measure(name: str, path: Path) -> dict:
+def ort_entropy(path: Path, calib: Dict[str, np.ndarray], workdir: Path) -> Tuple[object, str]:
+    """onnxruntime's own quantizer with its entropy calibrator (the peer bar): QDQ, int8 symmetric
+    activations and per-channel symmetric int8 weights, as ours. ``(model path or None, why not)``."""
+    try:
+        from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
+                                              QuantType, quantize_static)
+    except ImportError as exc:
+        return None, f"onnxruntime.quantization unavailable: {exc}"
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            count = len(next(iter(calib.values())))
+            self.feeds = iter([{k: v[i:i + 8] for k, v in calib.items()} for i in range(0, count, 8)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    out = workdir / f"{path.stem}.ort-entropy.onnx"
+    quantize_static(str(path), str(out), Reader(), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
+                    calibrate_method=CalibrationMethod.Entropy,
+                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+    return str(out), ""
+
+
+def measure(name: str, path: Path, *, peer: bool = True) -> dict:
     import onnx_qat
 
     calib, evaluation = inputs(name, "calib"), inputs(name, "eval")
@@ -232,6 +257,14 @@ def measure(name: str, path: Path) -> dict:
         result = onnx_qat.quantize(str(path), data=calib, method=method, progress=False)
         row[method] = {"cosine": _cosine(str(path), result.model, evaluation),
                        "seconds": time.perf_counter() - start, "int8": _weighted_share(result)}
+    if peer:
+        start = time.perf_counter()
+        try:
+            quantized, why = ort_entropy(path, calib, path.parent)
+        except Exception as exc:  # the peer failing on a model is a result, not a crash
+            quantized, why = None, f"failed: {type(exc).__name__}: {exc}"[:160]
+        row["ort-entropy"] = ({"cosine": _cosine(str(path), quantized, evaluation),
+                               "seconds": time.perf_counter() - start} if quantized else {"skipped": why})
     start = time.perf_counter()
     try:
         result = onnx_qat.quantize(str(path), data=calib, eval_data=evaluation, min_cosine=MIN_COSINE,
