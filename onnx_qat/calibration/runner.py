@@ -175,15 +175,49 @@ def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, nu
     amax = {name: observer.result() for name, observer in observers.items() if name in reached}
     meta = _metadata(method, percentile, num_bins, dataset.num_samples)
     if method == "auto":
-        choices = {name: observers[name].collector.choice for name in amax}
-        meta["auto_choices"] = json.dumps(choices, sort_keys=True, separators=(",", ":"))
-        counts = Counter(choices.values())
-        logger.info("auto calibration: %s", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        amax = _auto_tables(model, dataset, observers, amax, meta, config=config, batch_size=batch_size,
+                            placement_options=placement_options)
     table = ScaleTable(amax, producer=f"onnx_qat.calibrate(method={_describe(method, percentile)})",
                        metadata=meta)
     if output is not None:
         table.save(output)
     return table
+
+
+def _auto_tables(model, dataset, observers, amax, meta, *, config, batch_size: int,
+                 placement_options) -> Dict[str, float]:
+    """``auto``'s final table: the per-tensor least-error choice, ``max`` or ``entropy`` everywhere,
+    whichever gives the model output closest to the float model's on the calibration data
+    (:mod:`.output_check`; the per-tensor choice when the tables cannot be inserted, e.g. because
+    explicit ``tensors`` leave out an activation placement quantizes). Records the per-tensor picks
+    (``auto_choices``), the winning table (``auto_table``) and each table's output cosine
+    (``auto_output_cosine``) in ``meta``."""
+    from ..model_io import load_model
+    from .output_check import choose_by_output, first_samples
+
+    def guarded(value: float) -> float:
+        return value if value > 0.0 else ZERO_TENSOR_AMAX
+
+    choices = {name: observers[name].collector.choice for name in amax}
+    tables = {"max": {n: guarded(observers[n].collector.max_amax()) for n in amax}, "tensor": amax,
+              "entropy": {n: guarded(observers[n].collector.entropy_amax()) for n in amax}}
+    best, cosines = choose_by_output(load_model(model), first_samples(dataset, batch_size=batch_size),
+                                     tables, config=config, batch_size=batch_size,
+                                     placement_options=placement_options)
+    if not np.isfinite(max(cosines.values())):
+        best = "tensor"
+    else:
+        meta["auto_output_cosine"] = json.dumps({k: round(v, 6) for k, v in cosines.items()},
+                                                sort_keys=True, separators=(",", ":"))
+        logger.info("auto calibration: output cosine on the calibration data %s; keeping %s",
+                    ", ".join(f"{k} {v:.5f}" for k, v in cosines.items()), best)
+        if best != "tensor":
+            choices = {name: best for name in amax}
+    meta["auto_table"] = best
+    meta["auto_choices"] = json.dumps(choices, sort_keys=True, separators=(",", ":"))
+    counts = Counter(choices.values())
+    logger.info("auto calibration: %s", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return dict(tables[best])
 
 
 def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, batch_size: int,
