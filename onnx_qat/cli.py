@@ -126,8 +126,10 @@ def _calibration_options(parser: argparse.ArgumentParser) -> None:
     """Keywords of onnx_qat.calibrate: method, percentile, batch_size."""
     group = parser.add_argument_group("calibration options (onnx_qat.calibrate)")
     group.add_argument("--method", choices=METHODS, default=None,
-                       help="how activation ranges are chosen from the data (default: max; auto: per tensor, "
-                            "the max, percentile or mse range with the least quantization error)")
+                       help="how activation ranges are chosen from the data (default: auto, with --min-cosine "
+                            "and for sensitivity: max; auto: of max everywhere, the least-error range per "
+                            "tensor and entropy everywhere, the table whose output is closest to the float "
+                            "model's on the calibration data)")
     group.add_argument("--percentile", metavar="P", type=number_in(0.0, 100.0, low_open=True), default=None,
                        help="percentile of |x| kept by --method percentile, in (0, 100] (default 99.99)")
     group.add_argument("--batch-size", metavar="N", type=whole_number(1), default=None,
@@ -385,11 +387,11 @@ def cmd_calibrate(args) -> int:
     kw = {**_calibration_keywords(args), **_placement_keywords(args)}
     _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"))
     _check_outputs([("--output", args.output)], [args.model, args.data])
-    from .calibration import calibrate
+    from .calibration import DEFAULT_METHOD, calibrate
     table = calibrate(args.model, args.data, output=args.output, progress=_progress(args), **kw)
     _say(args, f"wrote {args.output}: {len(table.activations)} activation ranges, "
                f"{len(table.weights)} weight "
-               f"ranges (method {kw.get('method', 'max')})")
+               f"ranges (method {kw.get('method', DEFAULT_METHOD)})")
     return EXIT_OK
 
 

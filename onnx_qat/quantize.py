@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from .calibration.runner import DEFAULT_METHOD
 from .config import QuantizeConfig
 from .errors import ConfigError
 from .formats import get_format
@@ -20,7 +21,7 @@ from .rewrite import (QUANTIZED_OPS, REPORT_FORMAT, REPORT_VERSION, QuantizeResu
                       without_unreached_branches)
 
 
-def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
+def quantize(model, output=None, *, scales=None, data=None, method: Optional[str] = None,
              config: Optional[QuantizeConfig] = None, target: Optional[str] = None, exclude_nodes=None,
              exclude_op_types=None, min_channels: Optional[int] = None,
              include_attention: Optional[bool] = None, calibration_options: Optional[Mapping] = None,
@@ -44,8 +45,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             (``precision="int4"`` needs neither: without ``data`` its weights are rounded to
             nearest; with ``data`` an activation-aware scale search runs first, see
             :mod:`onnx_qat.awq`).
-        method: calibration method when ``data`` is given (``max``, ``percentile``, ``entropy``, ``mse``,
-            ``auto``; see :func:`onnx_qat.calibrate`).
+        method: calibration method when ``data`` is given: ``auto``, ``max``, ``percentile``,
+            ``entropy`` or ``mse`` (see :func:`onnx_qat.calibrate`). None: ``auto``; with
+            ``min_cosine``, ``max`` (the mixed-precision search calibrates once and judges every site
+            on the output itself).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; the keywords ``target``,
             ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
             ``precision`` and ``block_size`` override its fields.
@@ -93,7 +96,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         if fmt.name != "int8":
             raise ConfigError(f"min_cosine works with precision int8 only, not {fmt.name}")
         return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
-                              eval_data=eval_data, scales=scales, data=data, method=method, config=config,
-                              calib_kw=calib_kw, report=report, progress=progress)
-    return quantize_placed(model, output, scales=scales, data=data, method=method, config=config,
-                           calib_kw=calib_kw, report=report, progress=progress, placement=placement)
+                              eval_data=eval_data, scales=scales, data=data, method=method or "max",
+                              config=config, calib_kw=calib_kw, report=report, progress=progress)
+    return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
+                           config=config, calib_kw=calib_kw, report=report, progress=progress, placement=placement)

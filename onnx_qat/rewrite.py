@@ -214,7 +214,7 @@ def check_sources(scales, data, method, calib_kw, weight_only: bool = False) -> 
     if scales is not None and not isinstance(scales, (ScaleTable, Mapping, str, os.PathLike)):
         raise ConfigError(f"scales must be a ScaleTable, the path of its JSON file or a mapping of "
                           f"activation tensor names to amax values, not {type(scales).__name__}")
-    if scales is not None and (calib_kw or method != "max"):
+    if scales is not None and (calib_kw or method not in (None, "max")):
         raise ConfigError("calibration options (method, calibration_options...) apply only with data, "
                           "not with scales")
 
