@@ -24,8 +24,11 @@ logger = logging.getLogger(__name__)
 CHECK_SAMPLES = 64
 
 
-def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16) -> Dict[str, np.ndarray]:
-    """The first ``count`` samples of ``dataset`` as arrays (fewer when it has fewer)."""
+def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16):
+    """The first ``count`` samples of ``dataset`` as arrays; the dataset itself when it has no more
+    (or its inputs have no sample axis)."""
+    if len(dataset) <= count or dataset.unbatched:
+        return dataset
     parts: Dict[str, list] = {}
     taken = 0
     for batch in dataset.batches(batch_size):
@@ -37,10 +40,10 @@ def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16) -> 
     return {name: np.concatenate(chunks)[:count] for name, chunks in parts.items()}
 
 
-def choose_by_output(model, feeds: Mapping[str, np.ndarray], tables: Mapping[str, Mapping[str, float]], *,
+def choose_by_output(model, feeds, tables: Mapping[str, Mapping[str, float]], *,
                      config=None, batch_size: int = 16,
                      placement_options: Optional[Mapping] = None) -> Tuple[str, Dict[str, float]]:
-    """``(name of the best table, {table name: output cosine})`` on ``feeds``.
+    """``(name of the best table, {table name: output cosine})`` on ``feeds`` (arrays or a Dataset).
 
     ``tables`` maps a name to ``{activation tensor: amax}`` covering every activation placement
     quantizes; each is inserted by :func:`onnx_qat.quantize` with ``config`` and
@@ -66,8 +69,8 @@ def choose_by_output(model, feeds: Mapping[str, np.ndarray], tables: Mapping[str
             cosines[name] = -np.inf
             continue
         if reference is None:  # the float run only once a table could be inserted
-            reference = floats(run_model(model, dict(feeds), batch_size=batch_size))
-        got = floats(run_model(result.model, dict(feeds), batch_size=batch_size))
+            reference = floats(run_model(model, feeds, batch_size=batch_size))
+        got = floats(run_model(result.model, feeds, batch_size=batch_size))
         cosines[name] = float(output_error(reference, got).cosine)
     best = next(iter(tables))
     for name in tables:
