@@ -126,10 +126,10 @@ def _calibration_options(parser: argparse.ArgumentParser) -> None:
     """Keywords of onnx_qat.calibrate: method, percentile, batch_size."""
     group = parser.add_argument_group("calibration options (onnx_qat.calibrate)")
     group.add_argument("--method", choices=METHODS, default=None,
-                       help="how activation ranges are chosen from the data (default: auto, with --min-cosine "
-                            "and for sensitivity: max; auto: of max everywhere, the least-error range per "
-                            "tensor and entropy everywhere, the table whose output is closest to the float "
-                            "model's on the calibration data)")
+                       help="how activation ranges are chosen from the data (default: auto; with "
+                            "--min-cosine and for sensitivity: max; auto: of max everywhere, the "
+                            "least-error range per tensor and entropy everywhere, the table whose output "
+                            "is closest to the float model's on the calibration data)")
     group.add_argument("--percentile", metavar="P", type=number_in(0.0, 100.0, low_open=True), default=None,
                        help="percentile of |x| kept by --method percentile, in (0, 100] (default 99.99)")
     group.add_argument("--batch-size", metavar="N", type=whole_number(1), default=None,

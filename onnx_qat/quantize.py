@@ -99,4 +99,5 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                               eval_data=eval_data, scales=scales, data=data, method=method or "max",
                               config=config, calib_kw=calib_kw, report=report, progress=progress)
     return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
-                           config=config, calib_kw=calib_kw, report=report, progress=progress, placement=placement)
+                           config=config, calib_kw=calib_kw, report=report, progress=progress,
+                           placement=placement)

@@ -18,7 +18,8 @@ from .percentile import PercentileCollector
 from .runner import DEFAULT_METHOD, METHODS, TensorObserver, calibrate, make_collector
 
 __all__ = [
-    "calibrate", "DEFAULT_METHOD", "METHODS", "make_collector", "RangeCollector", "AbsHistogram", "TensorObserver",
+    "calibrate", "DEFAULT_METHOD", "METHODS", "make_collector", "RangeCollector", "AbsHistogram",
+    "TensorObserver",
     "MaxCollector", "PercentileCollector", "EntropyCollector", "MseCollector",
     "AutoCollector",
 ]

@@ -238,7 +238,8 @@ def test_int64_and_bool_inputs_feed_calibration():
     model.ir_version = 8
     ids = np.array([[0, 1, 2], [9, 9, 9]], np.int64)
     mask = np.array([[True, True, False], [True, False, False]])
-    table_out = calibrate(model, {"ids": ids, "mask": mask}, tensors=("emb", "y"), method="max", progress=False)
+    table_out = calibrate(model, {"ids": ids, "mask": mask}, tensors=("emb", "y"), method="max",
+                          progress=False)
     assert table_out.activations["emb"] == 20.0  # row 0 holds -20
     assert table_out.activations["y"] == pytest.approx(float(np.abs(table[ids] * mask[..., None]).max()))
 
