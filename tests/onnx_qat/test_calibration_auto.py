@@ -161,3 +161,15 @@ def test_auto_with_a_subset_of_tensors_keeps_the_per_tensor_choice():
     alone = _fed(np.abs(data["x"]).ravel()) if names[0] == "x" else None
     if alone is not None:
         assert table.activations["x"] == pytest.approx(alone.amax(), rel=1e-6)
+
+
+def test_output_check_runs_on_the_first_64_samples_only():
+    from onnx_qat.calibration.output_check import CHECK_SAMPLES, first_samples
+
+    model, data = _conv_model(), _data(100)
+    dataset = onnx_qat.load_data(data, model)
+    feeds = first_samples(dataset, batch_size=16)
+    assert CHECK_SAMPLES == 64 and feeds["x"].shape == (64, 3, 8, 8)
+    np.testing.assert_array_equal(feeds["x"], data["x"][:64])
+    small = onnx_qat.load_data(_data(12), model)
+    assert first_samples(small) is small
