@@ -11,6 +11,7 @@ cosine; ties keep the earlier table, ``max`` first).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -40,6 +41,22 @@ def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16):
     return {name: np.concatenate(chunks)[:count] for name, chunks in parts.items()}
 
 
+def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
+    """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1).
+
+    The figure :func:`onnx_qat.accuracy.prepared.output_error` reports, computed here so that
+    calibration does not import the accuracy tools (plain ``quantize`` never loads them).
+    """
+    worst = 1.0
+    for name, ref in reference.items():
+        r = ref.astype(np.float64, copy=False)
+        c = candidate[name].astype(np.float64, copy=False)
+        norms = math.sqrt(float(r @ r) * float(c @ c))
+        same = bool(np.array_equal(r, c))
+        worst = min(worst, float(r @ c) / norms if norms else (1.0 if same else 0.0))
+    return worst
+
+
 def choose_by_output(model, feeds, tables: Mapping[str, Mapping[str, float]], *,
                      config=None, batch_size: int = 16,
                      placement_options: Optional[Mapping] = None) -> Tuple[str, Dict[str, float]]:
@@ -50,7 +67,6 @@ def choose_by_output(model, feeds, tables: Mapping[str, Mapping[str, float]], *,
     ``placement_options``. A table that cannot be inserted (e.g. it lacks an activation placement
     quantizes) scores -inf (logged at debug level); when none can, the first table is returned.
     """
-    from ..accuracy.prepared import output_error
     from ..quantize import quantize
     from ..runtime import run_model
     from ..scales import ScaleTable
@@ -71,7 +87,7 @@ def choose_by_output(model, feeds, tables: Mapping[str, Mapping[str, float]], *,
         if reference is None:  # the float run only once a table could be inserted
             reference = floats(run_model(model, feeds, batch_size=batch_size))
         got = floats(run_model(result.model, feeds, batch_size=batch_size))
-        cosines[name] = float(output_error(reference, got).cosine)
+        cosines[name] = worst_cosine(reference, got)
     best = next(iter(tables))
     for name in tables:
         if cosines[name] > cosines[best]:

@@ -173,3 +173,15 @@ def test_output_check_runs_on_the_first_64_samples_only():
     np.testing.assert_array_equal(feeds["x"], data["x"][:64])
     small = onnx_qat.load_data(_data(12), model)
     assert first_samples(small) is small
+
+
+def test_output_check_cosine_is_the_accuracy_tools_cosine():
+    from onnx_qat.accuracy.prepared import output_error
+    from onnx_qat.calibration.output_check import worst_cosine
+
+    rng = np.random.default_rng(0)
+    ref = {"a": rng.standard_normal(500), "b": rng.standard_normal(40), "z": np.zeros(5)}
+    got = {"a": ref["a"] + 0.3 * rng.standard_normal(500), "b": ref["b"] * 0.5 + 0.1, "z": np.zeros(5)}
+    assert worst_cosine(ref, got) == pytest.approx(output_error(ref, got).cosine, abs=1e-12)
+    assert worst_cosine(ref, got) < 0.99
+    assert worst_cosine({"z": np.zeros(3)}, {"z": np.ones(3)}) == 0.0
