@@ -179,7 +179,8 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("automatic mixed precision (onnx_qat.quantize)")
     group.add_argument("--min-cosine", metavar="C", type=number_in(0.0, 1.0, low_open=True), default=None,
                        help="leave the fewest sites in float so the output cosine against the float model "
-                            "reaches C on the evaluation data; exit 2 and write nothing when it cannot")
+                            "reaches C on the evaluation data (in any --precision; an int4 site is one "
+                            "weight); exit 2 and write nothing when it cannot")
     group.add_argument("--max-float-sites", metavar="N", type=whole_number(0), default=None,
                        help="with --min-cosine: at most N sites in float (default: no limit)")
     group.add_argument("--eval-data", metavar="NPZ", default=None,
@@ -240,9 +241,10 @@ def _add_inspect(sub) -> None:
 def _add_sensitivity(sub) -> None:
     p = sub.add_parser("sensitivity", help="rank the quantized sites by the output error each one costs",
                        description="Calibrate MODEL once on --data, then measure for every site placement "
-                                   "quantizes the output error with only that site in INT8 and with every "
-                                   "site but it in INT8, on --eval-data (default: a held-out quarter of "
-                                   "--data). Prints the ranking; see docs/sensitivity.md.")
+                                   "quantizes the output error with only that site quantized (INT8, or "
+                                   "--precision) and with every site but it, on --eval-data (default: a "
+                                   "held-out quarter of --data). Prints the ranking; see "
+                                   "docs/sensitivity.md.")
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
     p.add_argument("--data", metavar="NPZ", required=True, help=".npz calibration data (see 'calibrate')")
     p.add_argument("--eval-data", metavar="NPZ", default=None,
@@ -463,7 +465,8 @@ def _mixed_summary(info) -> str:
             + (f" ({shown})" if names else "")
             + f" | output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} "
             f"(min {info['min_cosine']:g}, {info['eval_samples']} eval samples) | "
-            f"{info['int8_weighted_ops']}/{info['weighted_ops']} weighted ops INT8")
+            f"{info.get('quantized_weighted_ops', info.get('int8_weighted_ops'))}/{info['weighted_ops']} "
+            f"weighted ops {info.get('precision', 'int8').upper()}")
 
 
 def cmd_check(args) -> int:

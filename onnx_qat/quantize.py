@@ -65,7 +65,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             in float so that the output cosine against the float model reaches this on
             ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
             built is measured again. ``QuantizeResult.accuracy`` tells which sites stay float.
-            INT8 only (another ``precision`` is a ConfigError).
+            Every ``precision``: with ``fp8`` the sites are the INT8 ones (plus the attention
+            products), with ``int4`` a site is one weight's blockwise DequantizeLinear (AWQ runs
+            once on the calibration part of ``data``; without ``data``, round to nearest).
         max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
         eval_data: with ``min_cosine``: the data the output cosine is measured on.
 
@@ -90,8 +92,6 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         check_options(min_cosine, max_float_sites)
         if min_cosine is None or placement is not None:
             raise ConfigError("eval_data applies with min_cosine; min_cosine does not take a placement")
-        if fmt.name != "int8":
-            raise ConfigError(f"min_cosine works with precision int8 only, not {fmt.name}")
         return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
                               eval_data=eval_data, scales=scales, data=data, method=method, config=config,
                               calib_kw=calib_kw, report=report, progress=progress)

@@ -2,8 +2,8 @@
 
 The search runs in the gated session (:mod:`onnx_qat.accuracy.gated`), on ranges calibrated once:
 
-1. every site in INT8; done when that already reaches ``min_cosine``;
-2. each site's harm: the output error with only it in INT8 (one run per site; for more than 16
+1. every site quantized; done when that already reaches ``min_cosine``;
+2. each site's harm: the output error with only it quantized (one run per site; for more than 16
    sites by group bisection, :mod:`onnx_qat.accuracy.bisect`, which measures alone only the sites
    whose group matters). Harm adds up across sites far better than the gain of leaving one site
    float does: with several broken sites, floating any single one gains little;
@@ -15,6 +15,10 @@ The chosen sites then become exclusions fed to the same placement (which resolve
 neighbours: a residual Add or Concat next to a float site is re-decided), the Q/DQ model is built
 by the one inserter, and its cosine is measured again on the evaluation data. When the built model
 misses the minimum, the next site in the order is added and the model is built again.
+
+"Quantized" is in the format ``config.precision`` names (INT8, FP8, or INT4 weight-only, where a site
+is one weight's blockwise DequantizeLinear); what differs per format is in
+:mod:`onnx_qat.accuracy.formats`.
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ import sys
 from typing import Optional, Sequence, Tuple
 
 from ..errors import AccuracyError, ConfigError, PlacementError
+from ..formats import get_format
 from . import bisect
+from .formats import precision_name
 from .prepared import OutputError, Prepared, output_error, prepare
 from .sites import site_exclusions, with_partners
 
@@ -122,7 +128,8 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
     if chosen is None:
         if budget >= len(prepared.sites):
             raise AccuracyError(f"output cosine {min_cosine:g} is reached only with every site in float "
-                                f"(the float model itself): the best with one INT8 site left is "
+                                f"(the float model itself): the best with one {precision_name(config)} "
+                                f"site left is "
                                 f"{estimate.cosine:.5f}; nothing was written")
         raise AccuracyError(_unreached(min_cosine, budget, estimate, prepared))
     chosen = list(chosen)
@@ -139,7 +146,7 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
         chosen = grown
     info = _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_float_sites, result,
                     time.perf_counter() - start)
-    result = dataclasses.replace(result, output=out_path, accuracy=info)
+    result = dataclasses.replace(result, output=out_path, accuracy=info, awq=prepared.awq or result.awq)
     if out_path is not None:
         save_model(result.model, out_path, inputs=inputs, ir_version=result.model.ir_version, validate=True)
     if report is not None:
@@ -171,7 +178,7 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
 
 
 def _weighted_share(result) -> Tuple[int, int]:
-    """(weighted ops in INT8, weighted ops) of a QuantizeResult's placement."""
+    """(weighted ops quantized, weighted ops) of a QuantizeResult's placement."""
     from ..placement.handlers import WEIGHTED_OPS
 
     decisions = [d for d in result.placement.decisions if d.op_type in WEIGHTED_OPS]
@@ -181,7 +188,7 @@ def _weighted_share(result) -> Tuple[int, int]:
 def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_float_sites, result,
              seconds) -> dict:
     int8, total = _weighted_share(result)
-    return {
+    info = {
         "min_cosine": min_cosine, "max_float_sites": max_float_sites,
         "float_sites": [prepared.sites[k].to_dict() for k in chosen],
         "sites": len(prepared.sites), "eval_samples": prepared.evaluation.num_samples,
@@ -190,6 +197,13 @@ def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_flo
         "int8_weighted_ops": int8, "weighted_ops": total, "method": prepared.method,
         "runs": prepared.runner.runs, "seconds": round(seconds, 3),
     }
+    if result.precision != "int8":  # INT8 reports keep their fields as they were
+        info.pop("int8_weighted_ops")
+        info.update(precision=result.precision, quantized_weighted_ops=int8)
+        if get_format(result.precision).weight_only:
+            given = prepared.method == "given"
+            info["weight_ranges"] = "awq" if prepared.awq else ("given" if given else "rtn")
+    return info
 
 
 def _unreached(min_cosine, budget, best: OutputError, prepared) -> str:
