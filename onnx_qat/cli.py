@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 from . import __version__
 from .config import TARGETS
-from .formats import PRECISIONS
+from .formats import INT4_METHODS, PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
 
@@ -101,7 +101,7 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 def _placement_options(parser: argparse.ArgumentParser) -> None:
     """QuantizeConfig fields (placement): exclude_nodes, exclude_op_types, min_channels, include_attention,
-    precision, block_size."""
+    precision, block_size, int4_method."""
     group = parser.add_argument_group("placement options (QuantizeConfig)")
     group.add_argument("--exclude-nodes", metavar="REGEX", nargs="+", action="extend", type=_regex,
                        default=[],
@@ -120,6 +120,10 @@ def _placement_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", metavar="N", type=whole_number(2), default=None,
                        help="values per INT4 weight scale along the reduction axis (default 128; "
                             "TensorRT documents 64 and 128)")
+    group.add_argument("--int4-method", choices=INT4_METHODS, default=None,
+                       help="INT4 weight rounding: rtn (round to nearest), awq (activation-aware scales "
+                            "and clipping) or gptq (AWQ, then error-compensating rounding); awq and gptq "
+                            "need --data (default: awq with --data, rtn without)")
 
 
 def _calibration_options(parser: argparse.ArgumentParser) -> None:
@@ -292,6 +296,8 @@ def _placement_keywords(args) -> dict:
         kw["precision"] = args.precision
     if getattr(args, "block_size", None) is not None:
         kw["block_size"] = args.block_size
+    if getattr(args, "int4_method", None) is not None:
+        kw["int4_method"] = args.int4_method
     if getattr(args, "target", None) is not None:
         kw["target"] = args.target
     return kw

@@ -14,11 +14,18 @@ its float tensors (the higher precision). Two things depend on the format:
   the float model: its edits (weight rows times ``s``, ``1 / s`` folded or put in a ``Mul``) keep the
   float function (exact up to float rounding), so that rescaled float model is the base every
   setting is built from, and its clipped block ranges are the ScaleTable. A weight left float then
-  keeps its rescaled float values. Without calibration data, round to nearest.
+  keeps its rescaled float values. With ``int4_method="gptq"`` the rounded weights (and GPTQ's block
+  ranges) are kept apart (:class:`WeightOnly`) and put in place only for the weights quantized.
+  Without calibration data (or with ``int4_method="rtn"``), round to nearest.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Tuple
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
 
 from ..formats import get_format
 from ..scales import ScaleTable
@@ -33,33 +40,77 @@ def insertion_config(config):
                           include_attention=config.include_attention)
 
 
+@dataclass(frozen=True)
+class WeightOnly:
+    """The INT4 state of an accuracy run: the float model every setting starts from (after the AWQ
+    edits, float-exact), the block ranges, the records of the scale search and of GPTQ, and the
+    GPTQ-rounded weights by tensor name (GPTQ replaces a weight by its rounded values, so a weight left
+    float must keep the base model's)."""
+
+    base: onnx.ModelProto
+    table: ScaleTable
+    awq: Tuple[dict, ...] = ()
+    gptq: Tuple[dict, ...] = ()
+    rounded: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    def model(self, float_weights: Iterable[str] = ()) -> onnx.ModelProto:
+        """The model the inserter gets: the base model with the rounded weights, except
+        ``float_weights`` (the base model itself when nothing was rounded)."""
+        keep = set(float_weights)
+        swap = {name: values for name, values in self.rounded.items() if name not in keep}
+        if not swap:
+            return self.base
+        from onnx import numpy_helper
+
+        from ..placement.graph_index import GraphIndex
+
+        model = onnx.ModelProto()
+        model.CopyFrom(self.base)
+        index = GraphIndex(model)
+        for name, values in swap.items():
+            proto = index.constant_proto(name)
+            proto.CopyFrom(numpy_helper.from_array(values, proto.name))
+        return model
+
+
 def weight_only_ranges(float_model, placement, data, eval_data, config, *, progress: bool = True,
-                       batch_size: Optional[int] = None) -> Tuple[object, object, object, ScaleTable, tuple]:
-    """``(calibration, evaluation, base_model, table, awq_records)`` for a weight-only format.
+                       batch_size: Optional[int] = None) -> Tuple[object, object, WeightOnly]:
+    """``(calibration, evaluation, WeightOnly)`` for a weight-only format.
 
-    With ``data``: the calibration part of ``data`` (see
-    :func:`~onnx_qat.accuracy.prepared.split_data`) feeds the activation-aware scale search on a copy
-    of ``float_model`` (the base model), whose block ranges make the table. Without it: round to
-    nearest (an empty table: weights take their own block max) on ``float_model`` itself, measured on
-    ``eval_data``.
+    With ``data``: its calibration part (see :func:`~onnx_qat.accuracy.prepared.split_data`) feeds the
+    rounding ``config.int4_method`` names (default AWQ) on a copy of ``float_model``: AWQ's edits make
+    the base model, its block ranges the table; GPTQ then rounds the weights of a second copy. Without
+    it: round to nearest (an empty table: weights take their own block max) on ``float_model`` itself,
+    measured on ``eval_data``.
     """
-    import onnx
-
     from ..awq import apply_awq
     from ..data import load_data
     from ..placement.graph_index import GraphIndex
     from .prepared import split_data
 
+    rounding = config.rounding(data is not None)
     if data is None:
         evaluation = load_data(eval_data, float_model, what="evaluation data")
-        return None, evaluation, float_model, ScaleTable(producer="weights"), ()
+        return None, evaluation, WeightOnly(float_model, ScaleTable(producer="weights"))
     calibration, evaluation = split_data(data, eval_data, float_model)
+    if rounding == "rtn":
+        return calibration, evaluation, WeightOnly(float_model, ScaleTable(producer="weights"))
     base = onnx.ModelProto()
     base.CopyFrom(float_model)
-    records, ranges = apply_awq(base, GraphIndex(base), placement, calibration, config.block_size,
-                                progress=progress, batch_size=batch_size)
-    table = ScaleTable(weights=ranges, producer="awq" if ranges else "weights")
-    return calibration, evaluation, base, table, tuple(records)
+    awq, ranges = apply_awq(base, GraphIndex(base), placement, calibration, config.block_size,
+                            progress=progress, batch_size=batch_size)
+    gptq, rounded = (), {}
+    if rounding == "gptq":
+        from ..gptq import apply_gptq
+
+        copy = onnx.ModelProto()
+        copy.CopyFrom(base)
+        gptq, ranges = apply_gptq(copy, placement, calibration, config.block_size, progress=progress,
+                                  batch_size=batch_size)
+        index = GraphIndex(copy)
+        rounded = {r["weight"]: numpy_helper.to_array(index.constant_proto(r["weight"])) for r in gptq}
+    table = ScaleTable(weights=ranges, producer=rounding if ranges else "weights")
+    return calibration, evaluation, WeightOnly(base, table, tuple(awq), tuple(gptq), rounded)
 
 
 def precision_name(config) -> str:
@@ -67,4 +118,4 @@ def precision_name(config) -> str:
     return get_format(getattr(config, "precision", None)).name.upper()
 
 
-__all__ = ["insertion_config", "weight_only_ranges", "precision_name"]
+__all__ = ["insertion_config", "weight_only_ranges", "WeightOnly", "precision_name"]

@@ -146,7 +146,9 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
         chosen = grown
     info = _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_float_sites, result,
                     time.perf_counter() - start)
-    result = dataclasses.replace(result, output=out_path, accuracy=info, awq=prepared.awq or result.awq)
+    if prepared.int4 is not None:
+        result = dataclasses.replace(result, awq=prepared.int4.awq, gptq=prepared.int4.gptq)
+    result = dataclasses.replace(result, output=out_path, accuracy=info)
     if out_path is not None:
         save_model(result.model, out_path, inputs=inputs, ir_version=result.model.ir_version, validate=True)
     if report is not None:
@@ -161,9 +163,12 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     from .gated import join_flat
 
     names = [prepared.sites[k].name for k in chosen]
-    excluded = dataclasses.replace(config, exclude_nodes=tuple(config.exclude_nodes) + site_exclusions(names))
+    excluded = dataclasses.replace(config, exclude_nodes=tuple(config.exclude_nodes) + site_exclusions(names),
+                                   int4_method=None)  # INT4: ranges and rounded weights come from prepare
+    source = prepared.float_model if prepared.int4 is None else \
+        prepared.int4.model(float_weights=[w for k in chosen for w in prepared.sites[k].weights])
     try:
-        result = quantize_placed(prepared.float_model, scales=prepared.table, data=None, method="max",
+        result = quantize_placed(source, scales=prepared.table, data=None, method="max",
                                  config=excluded, calib_kw={}, progress=False)
     except PlacementError:  # the partners took every remaining site along
         raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "
@@ -202,7 +207,8 @@ def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_flo
         info.update(precision=result.precision, quantized_weighted_ops=int8)
         if get_format(result.precision).weight_only:
             given = prepared.method == "given"
-            info["weight_ranges"] = "awq" if prepared.awq else ("given" if given else "rtn")
+            rounding = prepared.table.producer if prepared.table.producer in ("awq", "gptq") else "rtn"
+            info["weight_ranges"] = "given" if given else rounding
     return info
 
 

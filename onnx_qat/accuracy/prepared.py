@@ -82,7 +82,7 @@ class Prepared:
     reference: Dict[str, np.ndarray]
     runner: GatedRunner
     method: str
-    awq: Tuple[dict, ...] = ()  # int4 with calibration data: the scale search's records
+    int4: object = None  # precision int4: the WeightOnly state (onnx_qat.accuracy.formats)
 
     def error(self, quantized) -> OutputError:
         """Output error with exactly the sites ``quantized`` (indices) in INT8, in the gated session."""
@@ -152,20 +152,22 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     del index
     if data is None and eval_data is None:
         raise ConfigError("give data (calibration data) or eval_data")
-    base, awq = float_model, ()  # the model every setting is built from (int4: after the AWQ edits)
+    base, int4 = float_model, None  # the model every setting is built from (int4: after the AWQ edits)
     if scales is not None:
         table = _table(scales)
         calib = None
         evaluation = _evaluation_only(eval_data if eval_data is not None else data, float_model)
     elif get_format(config.precision).weight_only:  # no activation ranges (see .formats)
-        calib, evaluation, base, table, awq = weight_only_ranges(
-            float_model, placement, data, eval_data, config, progress=progress, batch_size=batch_size)
+        calib, evaluation, int4 = weight_only_ranges(float_model, placement, data, eval_data, config,
+                                                     progress=progress, batch_size=batch_size)
+        base, table = int4.base, int4.table
     else:
         calib, evaluation = split_data(data, eval_data, float_model)
         table = calibrate(float_model, calib, method=method, tensors=tensors,
                           progress=progress, batch_size=batch_size, **dict(calibration_options or {}))
-    qdq = quantize_placed(base, scales=table, data=None, method="max", config=insertion_config(config),
-                          calib_kw={}, placement=placement, progress=False).model
+    qdq = quantize_placed(base if int4 is None else int4.model(), scales=table, data=None, method="max",
+                          config=insertion_config(config), calib_kw={}, placement=placement,
+                          progress=False).model
     gated = gate_model(qdq, base, sites)
     del qdq
     feeds = tuple(evaluation.batches(batch_size))
@@ -173,7 +175,7 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     reference, stats = _float_run(float_model, feeds, observed, placement, table)
     runner = GatedRunner(gated, len(sites), feeds, tuple(reference))
     return Prepared(base, placement, sites, table, calib, evaluation, feeds, reference, runner,
-                    method if scales is None else "given", awq), stats
+                    method if scales is None else "given", int4), stats
 
 
 def _evaluation_only(data, model):
