@@ -73,28 +73,23 @@ class WeightOnly:
         return model
 
 
-def weight_only_ranges(float_model, placement, data, eval_data, config, *, progress: bool = True,
-                       batch_size: Optional[int] = None) -> Tuple[object, object, WeightOnly]:
-    """``(calibration, evaluation, WeightOnly)`` for a weight-only format.
+def weight_only_ranges(float_model, placement, calibration, config, *, progress: bool = True,
+                       batch_size: Optional[int] = None) -> WeightOnly:
+    """The :class:`WeightOnly` state of a weight-only format.
 
-    With ``data``: its calibration part (see :func:`~onnx_qat.accuracy.prepared.split_data`) feeds the
-    rounding ``config.int4_method`` names (default AWQ) on a copy of ``float_model``: AWQ's edits make
-    the base model, its block ranges the table; GPTQ then rounds the weights of a second copy. Without
-    it: round to nearest (an empty table: weights take their own block max) on ``float_model`` itself,
-    measured on ``eval_data``.
+    With ``calibration`` data (the calibration part of the data, see
+    :func:`~onnx_qat.accuracy.prepared.split_data`): the rounding ``config.int4_method`` names
+    (default AWQ) on a copy of ``float_model``: AWQ's edits make the base model, its block ranges
+    the table; GPTQ then rounds the weights of a second copy. Without it, or with
+    ``int4_method="rtn"``: round to nearest (an empty table: weights take their own block max) on
+    ``float_model`` itself.
     """
     from ..awq import apply_awq
-    from ..data import load_data
     from ..placement.graph_index import GraphIndex
-    from .prepared import split_data
 
-    rounding = config.rounding(data is not None)
-    if data is None:
-        evaluation = load_data(eval_data, float_model, what="evaluation data")
-        return None, evaluation, WeightOnly(float_model, ScaleTable(producer="weights"))
-    calibration, evaluation = split_data(data, eval_data, float_model)
+    rounding = config.rounding(calibration is not None)
     if rounding == "rtn":
-        return calibration, evaluation, WeightOnly(float_model, ScaleTable(producer="weights"))
+        return WeightOnly(float_model, ScaleTable(producer="weights"))
     base = onnx.ModelProto()
     base.CopyFrom(float_model)
     awq, ranges = apply_awq(base, GraphIndex(base), placement, calibration, config.block_size,
@@ -110,7 +105,7 @@ def weight_only_ranges(float_model, placement, data, eval_data, config, *, progr
         index = GraphIndex(copy)
         rounded = {r["weight"]: numpy_helper.to_array(index.constant_proto(r["weight"])) for r in gptq}
     table = ScaleTable(weights=ranges, producer=rounding if ranges else "weights")
-    return calibration, evaluation, WeightOnly(base, table, tuple(awq), tuple(gptq), rounded)
+    return WeightOnly(base, table, tuple(awq), tuple(gptq), rounded)
 
 
 def precision_name(config) -> str:

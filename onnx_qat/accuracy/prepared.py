@@ -158,8 +158,10 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
         calib = None
         evaluation = _evaluation_only(eval_data if eval_data is not None else data, float_model)
     elif get_format(config.precision).weight_only:  # no activation ranges (see .formats)
-        calib, evaluation, int4 = weight_only_ranges(float_model, placement, data, eval_data, config,
-                                                     progress=progress, batch_size=batch_size)
+        calib, evaluation = (None, _evaluation_only(eval_data, float_model)) if data is None else \
+            split_data(data, eval_data, float_model)
+        int4 = weight_only_ranges(float_model, placement, calib, config, progress=progress,
+                                  batch_size=batch_size)
         base, table = int4.base, int4.table
     else:
         calib, evaluation = split_data(data, eval_data, float_model)
