@@ -79,9 +79,8 @@ def gptq_round(matrix: np.ndarray, hessian: np.ndarray, block_size: int,
 
 def _inverse_cholesky_upper(h: np.ndarray) -> np.ndarray:
     """The upper Cholesky factor ``U`` of ``H⁻¹`` (``H⁻¹ = Uᵀ U``), as GPTQ uses it."""
-    lower = np.linalg.cholesky(h)
-    inverse = np.linalg.inv(lower)
-    return np.linalg.cholesky(inverse.T @ inverse).T
+    inverse = np.linalg.inv(h)
+    return np.linalg.cholesky((inverse + inverse.T) / 2).T
 
 
 def output_error(matrix: np.ndarray, rounded: np.ndarray, hessian: np.ndarray) -> float:
@@ -90,7 +89,7 @@ def output_error(matrix: np.ndarray, rounded: np.ndarray, hessian: np.ndarray) -
     w = np.asarray(matrix, np.float64)
     e = np.asarray(rounded, np.float64) - w
     h = np.asarray(hessian, np.float64)
-    return float(np.einsum("kn,kl,ln->", e, h, e) / max(np.einsum("kn,kl,ln->", w, h, w), 1e-30))
+    return float(np.sum(e * (h @ e)) / max(float(np.sum(w * (h @ w))), 1e-30))
 
 
 def apply_gptq(model, placement: Placement, data, block_size: int, *, progress: bool = False,
