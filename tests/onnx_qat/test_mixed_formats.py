@@ -174,6 +174,7 @@ def test_sensitivity_ranks_the_sensitive_site_first_in_each_format():
     fp8 = onnx_qat.sensitivity(outlier_channel_model("conv3", seed=2, factor=1e6), _conv_inputs(16, 2),
                                precision="fp8", progress=False)
     assert fp8.sites[0].name == "conv3" and fp8.all_int8.cosine < 0.9
+    assert fp8.table().startswith("all sites FP8:") and fp8.to_dict()["precision"] == "fp8"
     int4 = onnx_qat.sensitivity(_grid_mlp(), _mlp_inputs(32, 4), precision="int4", block_size=64,
                                 progress=False)
     assert [s.name for s in int4.sites[:2]] == ["lin3", "lin2"]
