@@ -212,3 +212,16 @@ def test_cli_fp8_and_int4_min_cosine_on_an_encoder_then_check_and_compare(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert code == EXIT_USAGE and len(err) == 1 and "best reached is" in err[0]
     assert not (tmp_path / "no.onnx").exists()
+
+
+def test_int4_with_given_block_ranges_measures_on_eval_data():
+    from onnx_qat.scales import block_ranges
+
+    model = _grid_mlp()
+    table = block_ranges({t.name: numpy_helper.to_array(t) for t in model.graph.initializer}, 0, 64)
+    result = onnx_qat.quantize(model, scales=table, eval_data=_mlp_inputs(16, 1), precision="int4",
+                               block_size=64, min_cosine=0.995, progress=False)
+    info = result.accuracy
+    assert [s["name"] for s in info["float_sites"]] == ["lin3"] and info["weight_ranges"] == "given"
+    assert info["eval_samples"] == 16 and info["cosine_after"] >= 0.995
+    assert_check_clean(result.model)
