@@ -17,7 +17,8 @@ from tests.builders import concat_model, outlier_channel_model, residual_block_m
 
 def _with_early_output(model: onnx.ModelProto, tensor: str) -> onnx.ModelProto:
     """``model`` that also outputs an intermediate tensor (made before most cuts)."""
-    model.graph.output.append(onnx.helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, ["N", 16, 8, 8]))
+    value = onnx.helper.make_tensor_value_info(tensor, onnx.TensorProto.FLOAT, ["N", 16, 8, 8])
+    model.graph.output.append(value)
     return model
 
 
@@ -62,8 +63,8 @@ def test_runs_from_cuts_equal_whole_graph_runs(build, seed, scale):
     for on in settings:
         fast, slow = runner.run(on), _plain(plain_model, n, feeds, outputs, set(on))
         for name in outputs:
-            np.testing.assert_allclose(fast[name], slow[name], rtol=1e-5, atol=1e-5 * np.abs(slow[name]).max(),
-                                       err_msg=f"setting {on}, output {name}")
+            np.testing.assert_allclose(fast[name], slow[name], rtol=1e-5,
+                                       atol=1e-5 * np.abs(slow[name]).max(), err_msg=f"setting {on}, {name}")
         a, b = output_error(slow, fast), output_error(slow, slow)
         assert a.cosine == pytest.approx(b.cosine, abs=1e-9)
     assert runner.suffix_runs > n  # most single-site settings started at a cut
