@@ -24,7 +24,7 @@ from onnx import helper
 #: Bytes the tensors kept at the cuts may take, for both reference settings and every sample.
 CUT_CACHE_BYTES = 640 << 20
 #: Sessions of graph suffixes kept alive at once (each has its own memory arena).
-LIVE_SUFFIXES = 4
+LIVE_SUFFIXES = 3
 
 
 class CutPlan:
