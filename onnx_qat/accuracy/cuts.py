@@ -5,9 +5,9 @@ settings, every site float or every site INT8, in the gates of some sites. Every
 first node that reads one of those gates computes exactly what it computes in the reference run:
 its inputs do not depend on those gates. So the reference runs keep the tensors that cross a few
 *cut* positions of the node list, and a later setting runs only the suffix of the graph after the
-cut nearest before its first changed gate, fed with the reference's tensors at that cut. Only
-setting with one site changed (``only``: one site in INT8; ``all_but``: one site float) starts
-halfway through the graph on average.
+cut nearest before its first changed gate, fed with the reference's tensors at that cut. A
+setting with one site changed (``only``: one site in INT8; ``all_but``: one site float) starts,
+on average, halfway through the graph.
 
 :class:`CutPlan` reads the gated graph once: where each gate is first read, which tensors cross
 each position, and builds the suffix models (the same nodes, the crossing tensors as inputs).
