@@ -86,7 +86,7 @@ class GatedRunner:
 
     def __init__(self, gated: onnx.ModelProto, num_sites: int, feeds: Sequence[Mapping[str, np.ndarray]],
                  outputs: Sequence[str], threads=None, cut_bytes: Optional[int] = None):
-        from ..runtime import make_session
+        from ..runtime import make_session, needs_exact_qdq
         from .cuts import CUT_CACHE_BYTES, CutPlan
 
         self.num_sites = num_sites
@@ -95,6 +95,8 @@ class GatedRunner:
         self.runs = 0
         self.suffix_runs = 0  # settings run from a cut, not through the whole graph
         self.threads = threads
+        # every session alike, suffixes too: the whole model decides (FP8 Q/DQ runs unoptimized)
+        self._optimize = not needs_exact_qdq(gated)
         self._true = np.array(True)
         self._false = np.array(False)
         budget = CUT_CACHE_BYTES if cut_bytes is None else cut_bytes
@@ -104,7 +106,7 @@ class GatedRunner:
         keep = tuple(dict.fromkeys(t for c in self.cuts for t in self.plan.crossing(c)))
         self._gated = gated if self.cuts else None
         self.session = make_session(gated, copy=bool(self.cuts), threads=threads, extra_outputs=keep,
-                                    spin=False)
+                                    spin=False, optimize=self._optimize)
         self._suffixes: "OrderedDict[int, object]" = OrderedDict()
         self._references = {everything: self._full(range(num_sites) if everything else (), keep)
                             for everything in (False, True)}
@@ -124,7 +126,8 @@ class GatedRunner:
         if probe is None or not names:
             return ()
         try:
-            session = make_session(gated, threads=self.threads, extra_outputs=names, spin=False)
+            session = make_session(gated, threads=self.threads, extra_outputs=names, spin=False,
+                                   optimize=self._optimize)
             values = session.run(names, {**probe, **self._gates(())})
         except Exception:  # noqa: BLE001 - e.g. a fixed batch size: then no cuts, whole-graph runs
             return ()
@@ -156,7 +159,8 @@ class GatedRunner:
             while len(self._suffixes) >= LIVE_SUFFIXES:
                 self._suffixes.popitem(last=False)
             model = self.plan.suffix_model(self._gated, cut, self._types)
-            session = make_session(model, copy=False, threads=self.threads, spin=False)
+            session = make_session(model, copy=False, threads=self.threads, spin=False,
+                                   optimize=self._optimize)
         self._suffixes[cut] = session
         return session
 
