@@ -70,14 +70,15 @@ def test_runs_from_cuts_equal_whole_graph_runs(build, seed, scale):
     assert runner.suffix_runs > n  # most single-site settings started at a cut
 
 
-@pytest.mark.parametrize("exhaustive", [True, False])
-def test_sensitivity_reports_the_same_with_and_without_cuts(exhaustive, monkeypatch):
-    model = outlier_channel_model("conv9", convs=20, seed=5)
+@pytest.mark.parametrize("exhaustive,precision,factor", [(True, "int8", 300.0), (False, "int8", 300.0),
+                                                         (False, "fp8", 1e6)])
+def test_sensitivity_reports_the_same_with_and_without_cuts(exhaustive, precision, factor, monkeypatch):
+    model = outlier_channel_model("conv9", convs=20, seed=5, factor=factor)
     rng = np.random.default_rng(5)
     data = {"input": rng.standard_normal((24, 16, 8, 8)).astype(np.float32)}
-    fast = onnx_qat.sensitivity(model, data, exhaustive=exhaustive, progress=False)
+    fast = onnx_qat.sensitivity(model, data, exhaustive=exhaustive, precision=precision, progress=False)
     monkeypatch.setattr(cuts, "CUT_CACHE_BYTES", 0)
-    slow = onnx_qat.sensitivity(model, data, exhaustive=exhaustive, progress=False)
+    slow = onnx_qat.sensitivity(model, data, exhaustive=exhaustive, precision=precision, progress=False)
     assert [s.name for s in fast.sites] == [s.name for s in slow.sites]
     assert fast.runs == slow.runs and fast.sites[0].name == "conv9"
     for f, s in zip(fast.sites, slow.sites):
