@@ -116,13 +116,15 @@ class QuantizeResult:
 
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
-                    placement: Optional[Placement] = None) -> QuantizeResult:
+                    placement: Optional[Placement] = None, calibrator=None) -> QuantizeResult:
     """The rewrite behind :func:`onnx_qat.quantize`: quantize every site the placement marks.
 
     ``config`` is the resolved :class:`~onnx_qat.config.QuantizeConfig` and ``calib_kw`` the merged
     calibration keywords, both already checked by :func:`onnx_qat.quantize` (see there for every
     argument and what is raised). The accuracy tools call this directly, one layer below the public
-    entry point that dispatches to them.
+    entry point that dispatches to them. ``calibrator`` (:func:`onnx_qat.calibrate`, passed by
+    :func:`onnx_qat.quantize`) computes the ranges when ``data`` is given: the rewrite does not import
+    the calibration package, whose ``auto`` method inserts its candidate tables through this function.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -158,7 +160,7 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
             placement.activation_tensors() + form.calibration_tensors(index, placement)))}
     table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
-                               progress)
+                               progress, calibrator)
     if fmt.attention:
         table = softmax_ranges(index, placement, table) if config.include_attention else table
     requantization, storage, finish = (), {}, None
@@ -338,14 +340,15 @@ def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
             + (f" ({why})" if why else "") + "; check exclude_nodes/exclude_op_types/min_channels")
 
 
-def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress) -> ScaleTable:
+def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress,
+            calibrator=None) -> ScaleTable:
     """``(ScaleTable, placement)``: the table loaded/validated, or calibrated on ``data``; when
     calibrated, the If branches no batch took are dropped from the placement (left float, with a note).
 
     Problems with a ScaleTable given as a file name that file in the message.
     """
     if scales is None:
-        table = _calibrated(model, placement, data, method, config, calib_kw, progress)
+        table = _calibrated(model, placement, data, method, config, calib_kw, progress, calibrator)
         placement = without_unreached_branches(placement, table)
         if placement.empty:
             raise PlacementError("nothing to quantize: the calibration data took no If branch that placement "
@@ -389,11 +392,12 @@ def without_unreached_branches(placement: Placement, table: ScaleTable) -> Place
     return replace(placement, subgraphs=tuple(kept), notes=tuple(notes))
 
 
-def _calibrated(model, placement, data, method, config, calib_kw, progress) -> ScaleTable:
+def _calibrated(model, placement, data, method, config, calib_kw, progress, calibrator) -> ScaleTable:
     import inspect
 
-    from .calibration import calibrate
-
+    if calibrator is None:
+        raise ConfigError("calibration data was given, but no calibrator: call onnx_qat.quantize")
+    calibrate = calibrator
     if "tensors" in inspect.signature(calibrate).parameters and "tensors" not in calib_kw:
         calib_kw = {**calib_kw, "tensors": placement.activation_tensors()}  # placement is already known
     return calibrate(model, data, method=method, config=config, progress=progress, **calib_kw)

@@ -63,13 +63,17 @@ def choose_by_output(model, feeds, tables: Mapping[str, Mapping[str, float]], *,
     """``(name of the best table, {table name: output cosine})`` on ``feeds`` (arrays or a Dataset).
 
     ``tables`` maps a name to ``{activation tensor: amax}`` covering every activation placement
-    quantizes; each is inserted by :func:`onnx_qat.quantize` with ``config`` and
+    quantizes; each is inserted by the rewrite behind
+    :func:`onnx_qat.quantize` (:func:`onnx_qat.rewrite.quantize_placed`) with ``config`` and
     ``placement_options``. A table that cannot be inserted (e.g. it lacks an activation placement
     quantizes) scores -inf (logged at debug level); when none can, the first table is returned.
     """
-    from ..quantize import quantize
+    from ..config import QuantizeConfig
+    from ..rewrite import quantize_placed
     from ..runtime import run_model
     from ..scales import ScaleTable
+
+    resolved = QuantizeConfig.from_options(config, **dict(placement_options or {}))
 
     def floats(outputs):
         return {k: v.ravel() for k, v in outputs.items() if v.dtype.kind == "f"}
@@ -78,8 +82,8 @@ def choose_by_output(model, feeds, tables: Mapping[str, Mapping[str, float]], *,
     cosines: Dict[str, float] = {}
     for name, amax in tables.items():
         try:
-            result = quantize(model, scales=ScaleTable(dict(amax)), config=config, progress=False,
-                              **dict(placement_options or {}))
+            result = quantize_placed(model, scales=ScaleTable(dict(amax)), data=None, method="max",
+                                     config=resolved, calib_kw={}, progress=False)
         except QatError as exc:
             logger.debug("auto: table %r cannot be inserted: %s", name, exc)
             cosines[name] = -np.inf
