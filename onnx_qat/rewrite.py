@@ -161,6 +161,13 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
                                progress)
     if fmt.attention:
         table = softmax_ranges(index, placement, table) if config.include_attention else table
+    if config.fp8_method == "gptq":  # after calibration: activation ranges are the float model's
+        from .gptq import apply_gptq_fp8
+
+        gptq_records, weight_ranges = apply_gptq_fp8(float_model, placement, data, skip=set(table.weights),
+                                                     progress=progress, batch_size=calib_kw.get("batch_size"))
+        table = table.merged(ScaleTable(weights=weight_ranges))
+        index = GraphIndex(float_model)
     requantization, storage, finish = (), {}, None
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = form.adapt(index, placement, table)
