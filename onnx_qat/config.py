@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Tuple
 
 from .errors import ConfigError
-from .formats import DEFAULT_BLOCK_SIZE, FP8_METHODS, INT4_METHODS, PRECISIONS, TENSORRT_BLOCK_SIZES, get_format
+from .formats import (DEFAULT_BLOCK_SIZE, FP8_METHODS, INT4_METHODS, PRECISIONS, TENSORRT_BLOCK_SIZES,
+                      get_format)
 
 #: Deployment forms of the same placement: see ``onnx_qat/targets.py``.
 TARGETS = ("tensorrt", "ort-cpu")

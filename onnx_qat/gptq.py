@@ -193,7 +193,7 @@ def apply_gptq_fp8(model, placement: Placement, data, *, skip=(), progress: bool
     for tensor in list(readers):
         node = readers[tensor][0]
         transposed = node.op_type == "Gemm" and int(node.attr("transB", 0) or 0)
-        if tensor in skip or axes.get(tensor) != (0 if transposed else 1):  # per-channel along the output channels only
+        if tensor in skip or axes.get(tensor) != (0 if transposed else 1):  # per output channel only
             del readers[tensor]
     if not readers:
         return (), {}
