@@ -18,6 +18,11 @@ owns and their block ranges go to the ScaleTable; the rounded values lie exactly
 those ranges define (``q × scale``, with the scale the inserter computes), so the one inserter
 stores exactly the INT4 values chosen here. Activations are the float model's (after the AWQ edits),
 not those of already quantized layers: each weight is rounded on its own.
+
+``fp8_method="gptq"`` runs the same loop (:func:`compensated_rounding`) on the FP8 E4M3 grid of each
+output channel's scale (``max |w| / 448`` of the float weight): :func:`gptq_round_fp8`,
+:func:`apply_gptq_fp8`. Those per-channel ranges go to the ScaleTable, so the FP8 initializer the
+inserter writes holds the rounded values bit for bit.
 """
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ class QuantizeResult:
             (the ``ort-cpu`` target's Conv outputs; empty for ``tensorrt``).
         precision: the numeric format (``int8``, ``fp8``, ``int4``).
         awq: per-weight-group records of the activation-aware scale search (``int4`` with data).
-        gptq: per-weight records of the error-compensating rounding (``int4_method="gptq"``): the
+        gptq: per-weight records of the error-compensating rounding (``int4_method="gptq"``, or
+            ``fp8_method="gptq"`` on the E4M3 grid): the
             relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
             (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
