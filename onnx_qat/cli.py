@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 from . import __version__
 from .config import TARGETS
-from .formats import INT4_METHODS, PRECISIONS
+from .formats import FP8_METHODS, INT4_METHODS, PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
 
@@ -101,7 +101,7 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 def _placement_options(parser: argparse.ArgumentParser) -> None:
     """QuantizeConfig fields (placement): exclude_nodes, exclude_op_types, min_channels, include_attention,
-    precision, block_size, int4_method."""
+    precision, block_size, int4_method, fp8_method."""
     group = parser.add_argument_group("placement options (QuantizeConfig)")
     group.add_argument("--exclude-nodes", metavar="REGEX", nargs="+", action="extend", type=_regex,
                        default=[],
@@ -124,6 +124,9 @@ def _placement_options(parser: argparse.ArgumentParser) -> None:
                        help="INT4 weight rounding: rtn (round to nearest), awq (activation-aware scales "
                             "and clipping) or gptq (AWQ, then error-compensating rounding); awq and gptq "
                             "need --data (default: awq with --data, rtn without)")
+    group.add_argument("--fp8-method", choices=FP8_METHODS, default=None,
+                       help="FP8 MatMul/Gemm weight rounding: rtn (round to nearest, default) or gptq "
+                            "(error-compensating rounding on each output channel's E4M3 grid; needs --data)")
 
 
 def _calibration_options(parser: argparse.ArgumentParser) -> None:
@@ -300,6 +303,8 @@ def _placement_keywords(args) -> dict:
         kw["block_size"] = args.block_size
     if getattr(args, "int4_method", None) is not None:
         kw["int4_method"] = args.int4_method
+    if getattr(args, "fp8_method", None) is not None:
+        kw["fp8_method"] = args.fp8_method
     if getattr(args, "target", None) is not None:
         kw["target"] = args.target
     return kw

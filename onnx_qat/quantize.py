@@ -28,7 +28,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              report=None, progress: bool = True, placement: Optional[Placement] = None,
              precision: Optional[str] = None, block_size: Optional[int] = None,
              min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
-             int4_method: Optional[str] = None, **calibration_kwargs) -> QuantizeResult:
+             int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
+             **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
@@ -51,7 +52,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             on the output itself).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; the keywords ``target``,
             ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
-            ``precision``, ``block_size`` and ``int4_method`` override its fields.
+            ``precision``, ``block_size``, ``int4_method`` and ``fp8_method`` override its fields.
         calibration_options: extra keywords for :func:`onnx_qat.calibrate` (e.g. ``batch_size``);
             further keyword arguments (``percentile=...``, ``batch_size=...``) are added to them.
         report: a path: also write :meth:`QuantizeResult.to_report` as JSON (atomically).
@@ -67,6 +68,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         int4_method: how INT4 weights are rounded: ``"rtn"``, ``"awq"`` or ``"gptq"`` (AWQ's
             scales, then error-compensating rounding on the calibration data's Hessians,
             :mod:`onnx_qat.gptq`); default ``awq`` with ``data``, ``rtn`` without.
+        fp8_method: how FP8 MatMul/Gemm weights are rounded: ``"rtn"`` (round to nearest, the
+            default) or ``"gptq"`` (error-compensating rounding on each output channel's E4M3 grid,
+            driven by ``data``'s activations, :func:`onnx_qat.gptq.apply_gptq_fp8`; needs ``data``).
         min_cosine: automatic mixed precision: leave the fewest sites (:mod:`onnx_qat.accuracy.sites`)
             in float so that the output cosine against the float model reaches this on
             ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
@@ -88,10 +92,16 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     config = QuantizeConfig.from_options(config, target=target, exclude_nodes=exclude_nodes,
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
                                          include_attention=include_attention, precision=precision,
-                                         block_size=block_size, int4_method=int4_method)
+                                         block_size=block_size, int4_method=int4_method,
+                                         fp8_method=fp8_method)
     fmt = get_format(config.precision)
     if config.int4_method in ("awq", "gptq") and data is None:
         raise ConfigError(f"int4_method {config.int4_method!r} needs calibration data (data, --data)")
+    if config.fp8_method == "gptq" and data is None:
+        raise ConfigError("fp8_method 'gptq' needs calibration data (data, --data)")
+    if config.fp8_method == "gptq" and (min_cosine is not None or max_float_sites is not None):
+        raise ConfigError("fp8_method 'gptq' does not combine with min_cosine (mixed precision rounds "
+                          "FP8 weights to nearest)")
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:

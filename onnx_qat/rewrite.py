@@ -52,7 +52,8 @@ class QuantizeResult:
             (the ``ort-cpu`` target's Conv outputs; empty for ``tensorrt``).
         precision: the numeric format (``int8``, ``fp8``, ``int4``).
         awq: per-weight-group records of the activation-aware scale search (``int4`` with data).
-        gptq: per-weight records of the error-compensating rounding (``int4_method="gptq"``): the
+        gptq: per-weight records of the error-compensating rounding (``int4_method="gptq"``, or
+            ``fp8_method="gptq"`` on the E4M3 grid): the
             relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
             (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
@@ -163,6 +164,13 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
                                progress, calibrator)
     if fmt.attention:
         table = softmax_ranges(index, placement, table) if config.include_attention else table
+    if config.fp8_method == "gptq":  # after calibration: activation ranges are the float model's
+        from .gptq import apply_gptq_fp8
+
+        gptq_records, weight_ranges = apply_gptq_fp8(float_model, placement, data, skip=set(table.weights),
+                                                     progress=progress, batch_size=calib_kw.get("batch_size"))
+        table = table.merged(ScaleTable(weights=weight_ranges))
+        index = GraphIndex(float_model)
     requantization, storage, finish = (), {}, None
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = form.adapt(index, placement, table)
