@@ -288,8 +288,9 @@ def inlinable(graph_def):
 
 def _erfc(ctx, node, name, args) -> None:
     """tf2onnx handler of ``Erfc`` (Keras' exact GELU, ``0.5 x erfc(-x/sqrt 2)``, which tf2onnx 1.17
-    has no handler for): ``1 - Erf(x)``. In float32 this differs from erfc by at most one ulp of
-    1 (erfc(x) below ~6e-8 becomes 0); in GELU that is ``|x| * 3e-8``, below a last bit of its output."""
+    has no handler for): ``1 - Erf(x)``. In float32 this is off erfc by at most about 6e-8 (erf's
+    rounding below 1: an erfc below that becomes 0), i.e. at most about ``3e-8 * |x|`` in the GELU
+    output, absolutely (below its last bit for x > 0, where it is about x)."""
     from tf2onnx import utils
 
     dtype = utils.map_onnx_to_numpy_type(ctx.get_dtype(node.output[0]))
