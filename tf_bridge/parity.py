@@ -152,11 +152,13 @@ class OutputParity:
             self.top1 is None or self.top1 >= TOP1_LIMIT)
         verdict = "PASSED" if self.passed else (f"FAILED ({self.cause})" if self.cause else "FAILED")
         op = "<=" if self.ratio <= RATIO_LIMIT else ">"
-        top1 = "" if self.top1 is None else f", top-1 {100 * self.top1:.1f}%"
-        export = (f"{'exact' if exact else 'NOT exact'} against the Keras QAT graph in onnxruntime "
+        op_abs = "<=" if self.abs_error <= ABS_LIMIT else ">"
+        top1 = "" if self.top1 is None else f"; top-1 {100 * self.top1:.1f}%"
+        export = (f"{'matches' if exact else 'does NOT match'} the Keras QAT graph in onnxruntime "
                   f"(max abs {self.max_abs_qdq:.3g} = {100 * self.ratio:.3g}% of float vs Keras QAT "
                   f"{self.max_abs_float:.3g} {op} {100 * RATIO_LIMIT:.0f}%; "
-                  f"{100 * self.abs_error:.3g}% of the output range {self.output_range:.3g}{top1})")
+                  f"{100 * self.abs_error:.3g}% of the output range {self.output_range:.3g} {op_abs} "
+                  f"{100 * ABS_LIMIT:g}%{top1})")
         engine = f"{100 * self.engines_abs_error:.3g}% of the output range"
         sens = f"{SENSITIVITY_FACTOR:g} x the rounding sensitivity {self.sensitivity:.3g}"
         if self.engines == "float":
@@ -491,7 +493,7 @@ def _warn_engines_cascade(outputs: Sequence[OutputParity]) -> None:
     for o in outputs:
         if o.passed and o.engines_cascade:
             logger.warning(
-                "export_onnx: output '%s': the Q/DQ model is exact against the Keras QAT graph run in "
+                "export_onnx: output '%s': the Q/DQ model matches the Keras QAT graph run in "
                 "onnxruntime (%.3g%% of the output range), but TensorFlow and onnxruntime compute the Keras "
                 "QAT model itself %.3g%% of the output range apart (within %g x its rounding sensitivity "
                 "%.3g): last-bit differences of convolution sums flip quantizer roundings and this "

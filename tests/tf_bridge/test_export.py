@@ -359,7 +359,7 @@ def test_split_parity_separates_the_export_from_the_engines():
     assert ok.passed and ok.bound == "float" and ok.engines == "float" and ok.reference == "onnxruntime"
     assert ok.ratio < 1e-5 and abs(ok.max_abs_tf - 0.03) < 1e-5 and abs(ok.max_abs_engine - 0.03) < 1e-12
     assert not ok.engines_cascade and abs(ok.engines_abs_error - 0.01) < 1e-12
-    assert str(ok).startswith("PASSED") and "exact against the Keras QAT graph in onnxruntime" in str(ok)
+    assert str(ok).startswith("PASSED") and "matches the Keras QAT graph in onnxruntime" in str(ok)
     assert "TensorFlow and onnxruntime agree on the Keras model (1% of the output range)" in str(ok)
     engine = k + 0.3
     assert not split_parity(["y"], [k], [engine], [engine + 0.5], [f], [0.2])[0].passed  # the export's own
@@ -378,7 +378,7 @@ def test_split_parity_passes_a_rounding_cascade_of_the_engines_and_names_it():
     assert out.passed and out.engines == "rounding" and out.engines_cascade and out.cause == ""
     assert out.abs_error < 1e-6 and abs(out.engines_abs_error - 0.1) < 1e-12 and out.top1_tf == 1.0
     text = str(out)
-    assert text.startswith("PASSED | output 'y' | exact against the Keras QAT graph in onnxruntime"), text
+    assert text.startswith("PASSED | output 'y' | matches the Keras QAT graph in onnxruntime"), text
     assert ("TensorFlow and onnxruntime differ by a rounding cascade (10% of the output range, within "
             "3 x the rounding sensitivity 0.2)") in text, text
 
@@ -391,7 +391,7 @@ def test_split_parity_fails_an_export_error_even_when_the_engines_agree():
     engine = k + 0.01
     out = split_parity(["y"], [k], [engine], [engine + 0.07], [k + 1.0], [1.0])[0]
     assert out.engines == "float" and out.ratio <= 0.10 and out.abs_error > 0.02
-    assert not out.passed and str(out).startswith("FAILED | output 'y' | NOT exact"), str(out)
+    assert not out.passed and str(out).startswith("FAILED | output 'y' | does NOT match"), str(out)
 
 
 def test_split_parity_fails_engines_beyond_the_rounding_sensitivity():
