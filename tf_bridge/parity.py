@@ -8,7 +8,7 @@ onnxruntime (equal arithmetic), by the same three limits - and **the engines** -
 the run in TensorFlow, within ``RATIO_LIMIT`` of the float difference and ``ABS_LIMIT`` of the
 range, or within ``SENSITIVITY_FACTOR`` times the rounding sensitivity measured on the Q/DQ
 model. The second way passes, named in the text as a rounding cascade and logged as a warning:
-the export is proven exact on equal arithmetic, and what remains is the Keras model's own
+the export is proven on equal arithmetic, and what remains is the Keras model's own
 non-reproducibility across engines, measured, not assumed. Where the Keras graph cannot run in
 onnxruntime, a difference only the rounding sensitivity explains stays FAILED (rounding
 cascade). Typed results: :class:`OutputParity`, :class:`DeployedParity`, :class:`Parity`.
