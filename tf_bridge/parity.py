@@ -387,16 +387,24 @@ def rounding_sensitivity(qdq_model: onnx.ModelProto, feeds, names: Sequence[str]
                          base: Sequence[np.ndarray]) -> Tuple[float, ...]:
     """How far the Q/DQ model's outputs move when the output of every Conv, ConvTranspose,
     Gemm and MatMul changes by about two units in the last place (a random sign per output
-    channel, fixed seed) - the size of difference a BatchNorm fold or another engine's
-    summation order makes - i.e. the rounding-boundary cascade this model amplifies such
-    differences into."""
+    channel, fixed seed), and so does every computed tensor a QuantizeLinear reads (a random
+    sign per tensor; not the model's inputs, which every engine reads alike) - the size of
+    difference a BatchNorm fold or another engine's arithmetic makes (its summation order in a
+    convolution, its reductions in a LayerNormalization, its GELU) - i.e. the rounding-boundary
+    cascade this model amplifies such differences into."""
     copy = onnx.ModelProto()
     copy.CopyFrom(qdq_model)
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in copy.graph.initializer}
     producers = {o: n for n in copy.graph.node for o in n.output}
-    rng = np.random.default_rng(0)
+    rng, rng_q = np.random.default_rng(0), np.random.default_rng(1)
     nodes = []
-    for node in copy.graph.node:
+    for i, node in enumerate(copy.graph.node):
+        if node.op_type == "QuantizeLinear" and _computed(node.input[0], producers):
+            nudge = f"{node.input[0]}_rounding_nudge_{i}"
+            factor = np.float32(1.0 + rng_q.choice([-1.0, 1.0]) * 2.0 ** -22)
+            copy.graph.initializer.append(onnx.numpy_helper.from_array(np.array(factor), nudge))
+            nodes.append(onnx.helper.make_node("Mul", [node.input[0], nudge], [nudge + "d"]))
+            node.input[0] = nudge + "d"
         nodes.append(node)
         channels = _output_channels(node, inits, producers)
         if channels is None:
@@ -413,6 +421,23 @@ def rounding_sensitivity(qdq_model: onnx.ModelProto, feeds, names: Sequence[str]
     values = run_with_tensors(copy, feeds)
     return tuple(float(np.max(np.abs(values[n].astype(np.float64) - np.asarray(b, np.float64).reshape(
         values[n].shape)))) for n, b in zip(names, base))
+
+
+#: Ops that move data without arithmetic: a tensor reached from a model input through them only
+#: is the same in every engine.
+_DATA_MOVES = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Cast")
+
+
+def _computed(tensor: str, producers) -> bool:
+    """A tensor some arithmetic computed: not a model input or constant, nor one only moved
+    (:data:`_DATA_MOVES`) from one."""
+    seen = 0
+    while tensor in producers and seen < 64:
+        node = producers[tensor]
+        if node.op_type not in _DATA_MOVES:
+            return node.op_type not in ("Constant",)
+        tensor, seen = node.input[0] if node.input else "", seen + 1
+    return False
 
 
 def _output_channels(node, inits, producers) -> Optional[int]:

@@ -627,3 +627,35 @@ def test_a_failing_tf2onnx_optimizer_pass_is_skipped_as_tf2onnx_does():
         got = ort.InferenceSession(proto.SerializeToString(),
                                    providers=["CPUExecutionProvider"]).run(None, {"image": x})[0]
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def _qdq_after(op: str):
+    """x -> (op with 0) -> QuantizeLinear(scale 1) -> DequantizeLinear -> y; op None: Q reads x."""
+    from onnx import TensorProto, helper, numpy_helper
+    nodes, q_in = [], "x"
+    inits = [numpy_helper.from_array(np.array(1.0, np.float32), "s"),
+             numpy_helper.from_array(np.array(0, np.int8), "z")]
+    if op:
+        inits.append(numpy_helper.from_array(np.array(0.0, np.float32), "c"))
+        nodes.append(helper.make_node(op, ["x", "c"], ["h"]))
+        q_in = "h"
+    nodes += [helper.make_node("QuantizeLinear", [q_in, "s", "z"], ["q"]),
+              helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_rounding_sensitivity_nudges_every_computed_quantizer_input():
+    """Values on rounding boundaries (2.5, 3.5: round half to even) computed by an Add (as a
+    LayerNormalization or GELU computes them, differently in each engine): a last-bit nudge of
+    the quantizer's input moves one of them a whole step, whichever its sign. The model's own
+    input is the same in every engine and is not nudged."""
+    from tf_bridge.export import rounding_sensitivity
+    from tf_bridge.onnx_values import run_with_tensors
+    x = np.array([2.5, 3.5], np.float32)
+    for op, expected in (("Add", 1.0), (None, 0.0)):
+        model = _qdq_after(op)
+        base = run_with_tensors(model, {"x": x})["y"]
+        assert list(base) == [2.0, 4.0]
+        assert rounding_sensitivity(model, {"x": x}, ["y"], [base]) == (expected,)
