@@ -383,6 +383,11 @@ def keras_qat_in_onnxruntime(q_model, opset: int, inputs: Sequence[np.ndarray]) 
     return [values[o.name] for o in proto.graph.output]
 
 
+#: The relative change :func:`rounding_sensitivity` makes: 2**-22, two units in the last place of a
+#: float32 in [1, 2) (four in [0.5, 1)).
+_NUDGE = 2.0 ** -22
+
+
 def rounding_sensitivity(qdq_model: onnx.ModelProto, feeds, names: Sequence[str],
                          base: Sequence[np.ndarray]) -> Tuple[float, ...]:
     """How far the Q/DQ model's outputs move when the output of every Conv, ConvTranspose,
@@ -401,7 +406,7 @@ def rounding_sensitivity(qdq_model: onnx.ModelProto, feeds, names: Sequence[str]
     for i, node in enumerate(copy.graph.node):
         if node.op_type == "QuantizeLinear" and _computed(node.input[0], producers):
             nudge = f"{node.input[0]}_rounding_nudge_{i}"
-            factor = np.float32(1.0 + rng_q.choice([-1.0, 1.0]) * 2.0 ** -22)
+            factor = np.float32(1.0 + rng_q.choice([-1.0, 1.0]) * _NUDGE)
             copy.graph.initializer.append(onnx.numpy_helper.from_array(np.array(factor), nudge))
             nodes.append(onnx.helper.make_node("Mul", [node.input[0], nudge], [nudge + "d"]))
             node.input[0] = nudge + "d"
@@ -412,7 +417,7 @@ def rounding_sensitivity(qdq_model: onnx.ModelProto, feeds, names: Sequence[str]
         out = node.output[0]
         spatial = 0 if node.op_type in ("MatMul", "Gemm") else _spatial_rank(node)
         shape = (channels,) + (1,) * spatial
-        factor = (1.0 + rng.choice([-1.0, 1.0], channels) * 2.0 ** -22).astype(np.float32).reshape(shape)
+        factor = (1.0 + rng.choice([-1.0, 1.0], channels) * _NUDGE).astype(np.float32).reshape(shape)
         copy.graph.initializer.append(onnx.numpy_helper.from_array(factor, out + "_rounding_nudge"))
         node.output[0] = out + "_before_nudge"
         nodes.append(onnx.helper.make_node("Mul", [node.output[0], out + "_rounding_nudge"], [out]))
