@@ -29,8 +29,8 @@ Steps (each checked; nothing is written unless all pass):
    difference and 2% of the range, or within ``SENSITIVITY_FACTOR`` times the **rounding
    sensitivity** of the Q/DQ model (the same model with every convolution output and every
    computed tensor a quantizer reads changed by two units in the last place: the size of the
-   cascade a last-bit difference starts in this network). The second way passes, named in the text ("TensorFlow and onnxruntime differ by a
-   rounding cascade") and logged as a warning: the export is proven on equal arithmetic, and
+   cascade a last-bit difference starts in this network). The second way passes, named in the
+   text ("TensorFlow and onnxruntime differ by a rounding cascade") and logged as a warning: the export is proven on equal arithmetic, and
    what remains is the Keras model's own non-reproducibility across engines, measured, not
    assumed. Beyond both, it fails. If the Keras graph cannot be converted, a difference from the
    run in TensorFlow that only the rounding sensitivity explains fails as a ``"rounding
