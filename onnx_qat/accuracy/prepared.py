@@ -57,14 +57,15 @@ def output_error(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np
     cos, sqnr, mabs = 1.0, math.inf, 0.0
     for name, ref in reference.items():
         r = ref.astype(np.float64, copy=False)
-        c = candidate[name].astype(np.float64, copy=False)
-        diff = r - c
-        noise, signal, cc = float(diff @ diff), float(r @ r), float(c @ c)
+        c = np.array(candidate[name], dtype=np.float64)  # a copy of our own: the difference goes in place
+        signal, cc, rc = float(r @ r), float(c @ c), float(r @ c)
+        diff = np.subtract(r, c, out=c)
+        noise = float(diff @ diff)
         norms = math.sqrt(signal * cc)
-        cos = min(cos, float(r @ c) / norms if norms else (1.0 if noise == 0 else 0.0))
+        cos = min(cos, rc / norms if norms else (1.0 if noise == 0 else 0.0))
         sqnr = min(sqnr, math.inf if noise == 0 else (-math.inf if signal == 0
                                                           else 10 * math.log10(signal / noise)))
-        mabs = max(mabs, float(np.abs(diff).max()) if diff.size else 0.0)
+        mabs = max(mabs, max(float(diff.max()), -float(diff.min())) if diff.size else 0.0)
     return OutputError(cos, sqnr, mabs)
 
 
@@ -82,6 +83,7 @@ class Prepared:
     reference: Dict[str, np.ndarray]
     runner: GatedRunner
     method: str
+    int4: object = None  # precision int4: the WeightOnly state (onnx_qat.accuracy.formats)
 
     def error(self, quantized) -> OutputError:
         """Output error with exactly the sites ``quantized`` (indices) in INT8, in the gated session."""
@@ -97,15 +99,17 @@ def split_data(data, eval_data, model: onnx.ModelProto, holdout: float = HOLDOUT
     if eval_data is not None:
         return calib, load_data(eval_data, model, what="evaluation data")
     n = calib.num_samples
-    if n < 2 or calib.unbatched:
+    fixed = calib._fixed_batch or 1  # a model with a fixed batch size takes whole batches of it
+    if n < 2 * fixed or calib.unbatched:
         raise DataError(f"{calib.source}: {n} sample(s) cannot be split into calibration and evaluation "
                         "data; give more samples or eval_data (--eval-data)")
-    held = max(1, int(round(n * holdout)))
+    held = max(fixed, int(round(n * holdout / fixed)) * fixed)
     arrays = calib.arrays
     first = {k: np.ascontiguousarray(v[:n - held]) for k, v in arrays.items()}
     last = {k: np.ascontiguousarray(v[n - held:]) for k, v in arrays.items()}
-    return (Dataset(first, source=f"{calib.source} (first {n - held} samples)"),
-            Dataset(last, source=f"{calib.source} (last {held} samples, held out)"))
+    same = {"fixed_batch": calib._fixed_batch, "dtypes": calib._dtypes}
+    return (Dataset(first, source=f"{calib.source} (first {n - held} samples)", **same),
+            Dataset(last, source=f"{calib.source} (last {held} samples, held out)", **same))
 
 
 def _table(scales) -> ScaleTable:
@@ -133,8 +137,11 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     from ..rewrite import nothing_to_quantize, quantize_placed, refuse_quantized
     from ..placement.policy import policy_for
 
+    from ..formats import get_format
+    from .formats import insertion_config, weight_only_ranges
+
     config = config or QuantizeConfig()
-    float_model = load_model(model)
+    float_model = load_model(model, min_opset=get_format(config.precision).min_opset)
     refuse_quantized(float_model)
     assign_node_names(float_model)
     index = GraphIndex(float_model)
@@ -146,24 +153,32 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     del index
     if data is None and eval_data is None:
         raise ConfigError("give data (calibration data) or eval_data")
+    base, int4 = float_model, None  # the model every setting is built from (int4: after the AWQ edits)
     if scales is not None:
         table = _table(scales)
         calib = None
         evaluation = _evaluation_only(eval_data if eval_data is not None else data, float_model)
+    elif get_format(config.precision).weight_only:  # no activation ranges (see .formats)
+        calib, evaluation = (None, _evaluation_only(eval_data, float_model)) if data is None else \
+            split_data(data, eval_data, float_model)
+        int4 = weight_only_ranges(float_model, placement, calib, config, progress=progress,
+                                  batch_size=batch_size)
+        base, table = int4.base, int4.table
     else:
         calib, evaluation = split_data(data, eval_data, float_model)
         table = calibrate(float_model, calib, method=method, tensors=tensors,
                           progress=progress, batch_size=batch_size, **dict(calibration_options or {}))
-    qdq = quantize_placed(float_model, scales=table, data=None, method="max", config=QuantizeConfig(),
-                          calib_kw={}, placement=placement, progress=False).model
-    gated = gate_model(qdq, float_model, sites)
+    qdq = quantize_placed(base if int4 is None else int4.model(), scales=table, data=None, method="max",
+                          config=insertion_config(config), calib_kw={}, placement=placement,
+                          progress=False).model
+    gated = gate_model(qdq, base, sites)
     del qdq
     feeds = tuple(evaluation.batches(batch_size))
     observed = placement.activation_tensors() if activation_stats is None else tuple(activation_stats)
     reference, stats = _float_run(float_model, feeds, observed, placement, table)
     runner = GatedRunner(gated, len(sites), feeds, tuple(reference))
-    return Prepared(float_model, placement, sites, table, calib, evaluation, feeds, reference, runner,
-                    method if scales is None else "given"), stats
+    return Prepared(base, placement, sites, table, calib, evaluation, feeds, reference, runner,
+                    method if scales is None else "given", int4), stats
 
 
 def _evaluation_only(data, model):
@@ -184,7 +199,7 @@ def _float_run(float_model, feeds, observed: Tuple[str, ...], placement, table):
         raise PlacementError("the model has no float output to measure the quantization error on")
     graph_inputs = {i.name for i in float_model.graph.input}
     fetched = [t for t in observed if t not in graph_inputs and t not in outputs]
-    session = make_session(float_model, extra_outputs=fetched)
+    session = make_session(float_model, extra_outputs=fetched, spin=False)
     amax = group_amax(placement, table)
     stats = {t: _Accumulator(amax.get(t, table.activations.get(t, 0.0))) for t in observed}
     parts: Dict[str, list] = {name: [] for name in outputs}
@@ -194,7 +209,9 @@ def _float_run(float_model, feeds, observed: Tuple[str, ...], placement, table):
             parts[name].append(values[name])
         for t, acc in stats.items():
             acc.update(feed[t] if t in feed else values[t])
-    return {name: join_flat(v) for name, v in parts.items()}, {t: acc.result() for t, acc in stats.items()}
+    # float64 once: every later comparison reads the reference in float64
+    reference = {name: join_flat(v).astype(np.float64) for name, v in parts.items()}
+    return reference, {t: acc.result() for t, acc in stats.items()}
 
 
 class _Accumulator:
