@@ -30,8 +30,8 @@ Steps (each checked; nothing is written unless all pass):
    sensitivity** of the Q/DQ model (the same model with every convolution output and every
    computed tensor a quantizer reads changed by two units in the last place: the size of the
    cascade a last-bit difference starts in this network). The second way passes, named in the
-   text ("TensorFlow and onnxruntime differ by a rounding cascade") and logged as a warning: the export is proven on equal arithmetic, and
-   what remains is the Keras model's own non-reproducibility across engines, measured, not
+   text ("TensorFlow and onnxruntime differ by a rounding cascade") and logged as a warning:
+   the export is proven on equal arithmetic, and what remains is the Keras model's own non-reproducibility across engines, measured, not
    assumed. Beyond both, it fails. If the Keras graph cannot be converted, a difference from the
    run in TensorFlow that only the rounding sensitivity explains fails as a ``"rounding
    cascade"`` (nothing separates the export from the engines then). A target other than
