@@ -8,6 +8,7 @@ or makes a graph the ONNX checker refuses is one :class:`onnx_qat.errors.ExportE
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
 from typing import List, Mapping, Optional
 
 import numpy as np
@@ -224,13 +225,14 @@ def _tf2onnx_without_conv_folding(concrete, input_names: List[str], opset: int,
     from tf2onnx import optimizer, tfonnx
 
     frozen = convert_variables_to_constants_v2(concrete, lower_control_flow=False, aggressive_inlining=True)
+    graph_def = inlinable(frozen.graph.as_graph_def(add_shapes=True))
     tf_inputs = [t.name for t in frozen.inputs if t.dtype != tf.resource]
     tf_outputs = [t.name for t in frozen.outputs if t.dtype != tf.resource]
     config = config_pb2.ConfigProto()
     config.graph_options.infer_shapes = True
     config.graph_options.rewrite_options.optimizers[:] = list(GRAPPLER_PASSES)
     with tf.Graph().as_default():
-        meta = tf.compat.v1.train.export_meta_graph(graph_def=frozen.graph.as_graph_def(add_shapes=True))
+        meta = tf.compat.v1.train.export_meta_graph(graph_def=graph_def)
     fetch = meta_graph_pb2.CollectionDef()
     fetch.node_list.value.extend(tf_inputs + tf_outputs)
     meta.collection_def["train_op"].CopyFrom(fetch)
@@ -241,6 +243,7 @@ def _tf2onnx_without_conv_folding(concrete, input_names: List[str], opset: int,
         def convert():
             graph = tfonnx.process_tf_graph(tf_graph, continue_on_error=True, opset=opset,
                                             input_names=tf_inputs, output_names=tf_outputs,
+                                            custom_op_handlers=dict(CUSTOM_OP_HANDLERS),
                                             tensors_to_rename=dict(zip(tf_inputs, input_names)))
             _pin_conv_bias(graph)
             return graph
@@ -252,6 +255,56 @@ def _tf2onnx_without_conv_folding(concrete, input_names: List[str], opset: int,
                          brief(exc))
             graph = optimizer.optimize_graph(convert(), catch_errors=True, optimizers=optimizers)
         return graph.make_model(f"converted from {concrete.name}")
+
+
+#: Attributes that keep TensorFlow's function-inlining pass away from a function call:
+#: Keras 3 runs a grouped convolution (``Conv2D(groups=...)``, ConvNeXt's depthwise convolutions) on
+#: CPU inside ``tf.function(jit_compile=True)`` (TensorFlow's CPU kernel has no groups), which a
+#: traced model holds as a ``StatefulPartitionedCall`` of a function marked for XLA; tf2onnx leaves
+#: such a call unconverted. Its body is one plain ``Conv2D`` (grouped by its kernel's shape), which
+#: tf2onnx converts to an ONNX ``Conv`` with ``group``.
+_NO_INLINE_ATTRS = ("_XlaMustCompile", "_noinline", "_XlaCompile")
+
+
+def inlinable(graph_def):
+    """A copy of a frozen ``graph_def`` whose function calls can all be inlined by Grappler's
+    ``function`` pass: the attributes of :data:`_NO_INLINE_ATTRS` are dropped from the call nodes
+    and from the library's functions. Only the XLA compilation request is dropped; the functions
+    compute the same ops, which the conversion reads one by one anyway."""
+    from tensorflow.core.framework import graph_pb2
+
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    for node in list(copy.node) + [n for f in copy.library.function for n in f.node_def]:
+        for attr in _NO_INLINE_ATTRS:
+            if attr in node.attr:
+                del node.attr[attr]
+    for function in copy.library.function:
+        for attr in _NO_INLINE_ATTRS:
+            if attr in function.attr:
+                del function.attr[attr]
+    return copy
+
+
+def _erfc(ctx, node, name, args) -> None:
+    """tf2onnx handler of ``Erfc`` (Keras' exact GELU, ``0.5 x erfc(-x/sqrt 2)``, which tf2onnx 1.17
+    has no handler for): ``1 - Erf(x)``. In float32 this is off erfc by at most about 6e-8 (erf's
+    rounding below 1: an erfc below that becomes 0), i.e. at most about ``3e-8 * |x|`` in the GELU
+    output, absolutely (below its last bit for x > 0, where it is about x)."""
+    from tf2onnx import utils
+
+    dtype = utils.map_onnx_to_numpy_type(ctx.get_dtype(node.output[0]))
+    node.type = "Erf"
+    one = ctx.make_const(node.name + "/one", np.array(1, dtype))
+    sub = ctx.insert_new_node_on_output("Sub", node.output[0], name=node.name + "/one_minus")
+    ctx.replace_inputs(sub, [one.output[0], node.output[0]])
+    ctx.copy_shape(node.output[0], sub.output[0])
+    ctx.set_dtype(sub.output[0], ctx.get_dtype(node.output[0]))
+
+
+#: TensorFlow ops tf2onnx 1.17 has no handler for, converted by the export's own handlers
+#: (tf2onnx's ``custom_op_handlers``: op type -> (function, args)).
+CUSTOM_OP_HANDLERS = MappingProxyType({"Erfc": (_erfc, [])})
 
 
 def _pin_conv_bias(graph) -> None:

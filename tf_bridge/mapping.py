@@ -56,7 +56,7 @@ from .custom_layers import registered_quantization
 from .describe import QuantizerRecord, iter_quantizer_layers, quantizer_records
 from .onnx_values import SAME_TENSOR_RTOL, value_error
 from .quantizers import QuantizeWrapper
-from .scopes import KerasGraph, LayerScopes
+from .scopes import KerasGraph, LayerScopes, scope_operations
 from .trace import LayerCall
 
 logger = logging.getLogger(__name__)
@@ -293,6 +293,7 @@ class _Mapper:
         self.scopes = LayerScopes(q_model, self.index)
         inputs = [i.name for i in model.graph.input if not self.index.is_constant(i.name)]
         self.graph = KerasGraph(q_model, self.scopes.has_nodes, inputs)
+        scope_operations(self.scopes, self.graph, layer_onnx_ops)
         self.layer_nodes: Dict[str, List[str]] = {}  # keras layer path -> entry ONNX nodes
         self.pointwise_nodes: Dict[str, List[str]] = {}  # SeparableConv path -> its pointwise Convs
         self.unmapped: List[str] = []

@@ -63,6 +63,8 @@ class ExportReport:
     def __str__(self) -> str:
         causes = sorted({o.cause for o in self.parity.outputs if o.cause and not o.passed})
         verdict = "PASSED" if self.passed else "FAILED" + (f" ({', '.join(causes)})" if causes else "")
+        if self.passed and any(o.engines_cascade for o in self.parity.outputs):
+            verdict += " (TensorFlow and onnxruntime differ on the Keras model by a rounding cascade)"
         lines = [f"export_onnx: {verdict} | {self.path}",
                  f"  {len(self.mapping)} quantizer(s) mapped; {self.summary.get('activations', 0)} "
                  f"activation Q/DQ pair(s), {self.summary.get('weights', 0)} weight(s); opset {self.opset}, "

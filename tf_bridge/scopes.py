@@ -29,10 +29,17 @@ LAYOUT_OPS = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatt
 LAYOUT_LAYERS = (keras.layers.Reshape, keras.layers.Flatten, keras.layers.Permute)
 #: Graph inputs are scoped as ``INPUT_SCOPE + <graph input name>``.
 INPUT_SCOPE = "input:"
+#: The key of the nodes :func:`scope_operations` gives to a Keras operation.
+OPERATION_SCOPE = "operation:"
 
 
 def _layers(model) -> list:
     return list(getattr(model, "layers", ()))
+
+
+def _operations(model) -> list:
+    """The Keras operations of a Functional model that are not layers (``x + y``, ``ops.add``)."""
+    return [op for op in getattr(model, "operations", ()) if not isinstance(op, keras.layers.Layer)]
 
 
 def _names(component: str, suffixes: int) -> List[str]:
@@ -130,6 +137,13 @@ class LayerScopes:
         """True when some ONNX node carries this layer's scope."""
         return path in self._nodes
 
+    def assign(self, path: str, node: NodeInfo) -> None:
+        """Give a node without a layer scope the scope ``path`` (a Keras operation, below)."""
+        key = f"{OPERATION_SCOPE}{path}"
+        self._key_of[node.name] = key
+        self._paths[key] = frozenset([path])
+        self._nodes.setdefault(path, []).append(node)
+
     def source(self, tensor: str, reader: str) -> Optional[str]:
         """The scope a tensor read by node ``reader`` comes from: walking back through layout ops
         (:data:`LAYOUT_OPS`: tf2onnx's NHWC adapters, whichever layer's scope they carry, unless
@@ -207,10 +221,12 @@ class KerasGraph:
         self._memo.clear()
 
     def layer(self, path: str):
-        """The layer at ``path`` (None when there is none)."""
+        """The layer (or Keras operation) at ``path`` (None when there is none)."""
         model = self.model
         for part in path.split("/"):
             found = next((layer for layer in _layers(model) if layer.name == part), None)
+            if found is None:
+                found = next((op for op in _operations(model) if op.name == part), None)
             if found is None:
                 found = next((t._keras_history[0] for t in getattr(model, "inputs", None) or ()
                               if t._keras_history[0].name == part), None)
@@ -287,3 +303,50 @@ class KerasGraph:
             if op is not None:
                 found.append(prefix + op.name)
         return list(dict.fromkeys(found))
+
+
+def scope_operations(scopes: LayerScopes, graph: KerasGraph, ops_of) -> List[str]:
+    """Give each Keras operation that is not a layer (``x + y`` in a Functional model: ConvNeXt's
+    residual joins) the ONNX node that computes it, by topology; returns their paths.
+
+    TensorFlow names such an op without a layer scope (``convnext_tiny_1/Add_3``), so its node carries
+    only the model's scope. It is the one node without a layer scope, of an op type ``ops_of`` gives
+    for the operation (``Add`` for an ``Add``; any non-layout op when None), whose inputs all come
+    from the scopes that hold the operation's inputs (:meth:`KerasGraph.sources`), read through
+    layout ops. Operations are settled in topological order, so one reading another finds it; an
+    operation with no such node, or more than one (an operation called twice in one model), is left
+    without nodes (and stands for what it reads, as a layer without nodes does).
+    """
+    found = []
+    taken = set()
+    for prefix, model in _functional_models(graph.model):
+        for op in _operations(model):
+            path = prefix + op.name
+            wanted = {s for p in graph.producers(path) for s in graph.sources(p)}
+            if not wanted:
+                continue
+            expected = ops_of(op)
+            nodes = [n for n in scopes.index.nodes if n.name not in taken and not scopes.paths(n.name)
+                     and (n.op_type in expected if expected else n.op_type not in LAYOUT_OPS)
+                     and _reads_only(scopes, n, wanted)]
+            if len(nodes) != 1:
+                continue
+            scopes.assign(path, nodes[0])
+            taken.add(nodes[0].name)
+            graph._memo.clear()
+            found.append(path)
+    return found
+
+
+def _functional_models(model, prefix: str = "") -> Iterator[Tuple[str, object]]:
+    """``(path prefix, model)`` for ``model`` and every model nested in it."""
+    yield prefix, model
+    for layer in _layers(model):
+        if isinstance(layer, keras.Model):
+            yield from _functional_models(layer, f"{prefix}{layer.name}/")
+
+
+def _reads_only(scopes: LayerScopes, node: NodeInfo, wanted) -> bool:
+    """Every non-constant input of ``node`` comes from a scope in ``wanted``, and there is one."""
+    sources = [scopes.source(t, node.name) for t in node.inputs if t and not scopes.index.is_constant(t)]
+    return bool(sources) and all(s in wanted for s in sources)

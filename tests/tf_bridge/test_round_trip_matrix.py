@@ -116,6 +116,9 @@ def _run_case(name, kind, calibrate, seed, tmp_path):
     if report is not None:
         case.update(result="PASSED" if report.passed else "FAILED",
                     abs_error=max(o.abs_error for o in report.parity.outputs),
+                    reference=report.parity.outputs[0].reference,
+                    engines=",".join(o.engines for o in report.parity.outputs),
+                    engines_abs_error=max(o.engines_abs_error for o in report.parity.outputs),
                     errors=len(report.check.errors), warnings=len(report.check.warnings),
                     int8_share=round(int8_share(report.path), 3))
         _log(case)
