@@ -8,6 +8,7 @@ the output range) and top-1 agreement; rounding cascades are named as such. Type
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -408,22 +409,29 @@ def worst_layers(q_model, mapping: KerasOnnxMapping, qdq_model: onnx.ModelProto,
 
 
 def _parity(q_model, mapping: KerasOnnxMapping, result, float_model, float_values, feeds, inputs,
-            keras_tf: List[np.ndarray], opset: int, generated: bool) -> Parity:
+            keras_tf: List[np.ndarray], opset: int, generated: bool, part=None) -> Parity:
     """The parity verdict of a TensorRT-form ``result`` (see the module docstring): against the
     Keras QAT model run in TensorFlow; when that misses the 10% bound, against its own graph run in
     onnxruntime (:func:`split_parity`), or, when that graph cannot be converted, on the rounding
-    bound alone. The worst layers are named on failure."""
-    qdq_values = run_with_tensors(result.model, feeds)
+    bound alone. The worst layers are named on failure. ``part(name)``, when given, is a context
+    manager timing each run (:attr:`tf_bridge.ExportReport.timings`)."""
+    part = part or (lambda name: contextlib.nullcontext())
+    with part("Q/DQ model in onnxruntime"):
+        qdq_values = run_with_tensors(result.model, feeds)
     names = [o.name for o in float_model.graph.output]
     qdq_out, float_out = [qdq_values[n] for n in names], [float_values[n] for n in names]
     outputs = output_parity(names, keras_tf, qdq_out, float_out)
     if not all(o.passed for o in outputs):
-        sensitivity = rounding_sensitivity(result.model, feeds, names, qdq_out)
-        keras_ort = keras_qat_in_onnxruntime(q_model, opset, inputs)
+        with part("rounding sensitivity"):
+            sensitivity = rounding_sensitivity(result.model, feeds, names, qdq_out)
+        with part("Keras QAT graph in onnxruntime"):
+            keras_ort = keras_qat_in_onnxruntime(q_model, opset, inputs)
         outputs = (output_parity(names, keras_tf, qdq_out, float_out, sensitivity) if keras_ort is None
                    else split_parity(names, keras_tf, keras_ort, qdq_out, float_out, sensitivity))
-    worst = () if all(o.passed for o in outputs) else worst_layers(
-        q_model, mapping, result.model, result.inserted, feeds, inputs)
+    worst = ()
+    if not all(o.passed for o in outputs):
+        with part("worst layers"):
+            worst = worst_layers(q_model, mapping, result.model, result.inserted, feeds, inputs)
     return Parity(outputs, int(inputs[0].shape[0]), generated, worst)
 
 
