@@ -386,7 +386,8 @@ def worst_layers(q_model, mapping: KerasOnnxMapping, qdq_model: onnx.ModelProto,
     """The quantized tensors where the Q/DQ model departs most from the Keras QAT model."""
     from .trace import trace_layers
 
-    calls, _ = trace_layers(q_model, inputs)
+    quantizers = {e.quantizer for e in mapping.entries if e.kind == "activation"}
+    calls, _ = trace_layers(q_model, inputs, only=quantizers)  # their outputs, not every tensor
     dq_out = {}
     for node in qdq_model.graph.node:
         if node.op_type == "DequantizeLinear":
