@@ -266,7 +266,7 @@ def _tf2onnx_without_conv_folding(concrete, input_names: List[str], opset: int,
 
 def _frozen_graph_def(concrete):
     """The GraphDef of ``concrete`` with its variables turned into constants (inlined, control flow
-    kept), with output shapes, and the names of its input and output tensors.
+    kept), and the names of its input and output tensors.
 
     What ``convert_variables_to_constants_v2`` freezes, taken before it wraps the GraphDef in a new
     concrete function (tf2onnx needs only the graph)."""
@@ -281,10 +281,7 @@ def _frozen_graph_def(concrete):
     frozen = {id(captures[i]) for i in converted}
     tf_inputs = [t.name for t in concrete.inputs if id(t) not in frozen and t.dtype != tf.resource]
     tf_outputs = [t.name for t in concrete.outputs if t.dtype != tf.resource]
-    with tf.Graph().as_default() as graph:
-        tf.import_graph_def(graph_def, name="")
-    del graph_def
-    return graph.as_graph_def(add_shapes=True), tf_inputs, tf_outputs
+    return graph_def, tf_inputs, tf_outputs
 
 
 #: TensorFlow ops tf2onnx's constant folding (``tf_utils.compute_const_folding_using_tf``) leaves alone.
