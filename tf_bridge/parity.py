@@ -316,8 +316,11 @@ def keras_qat_in_onnxruntime(q_model, opset: int, inputs: Sequence[np.ndarray]) 
     """
     from onnx_qat.model_io import load_model
 
+    from .fake_quant import forward_only
+
     try:
-        proto = load_model(convert_float_twin(q_model, opset))
+        with forward_only():  # the same ops without the gradient wrappers and run-time range checks
+            proto = load_model(convert_float_twin(q_model, opset))
     except ExportError as exc:
         logger.warning("export_onnx: the Keras QAT graph could not be run in onnxruntime (%s); "
                        "parity is measured against TensorFlow only", exc)

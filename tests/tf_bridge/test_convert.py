@@ -4,6 +4,7 @@ The reference below is tf2onnx's pipeline as ``tf2onnx.convert.from_function`` r
 into a new concrete function, per-op constant folding in TensorFlow, ``optimize_graph`` writing
 the node protos after every pass), with the same grappler passes and zero biases as the export.
 """
+import collections
 import os
 import re
 
@@ -106,14 +107,25 @@ def test_conversion_equals_tf2onnx_own_steps(qat_model, which):
     graph (ops, edges, attributes) and every constant equal tf2onnx's own result, for the float
     twin (with its node names, which the mapping reads) and for the QAT graph with its
     fake-quantized weights (which parity runs; there tf2onnx merges identical nodes - the
-    quantizers' shared range checks - and which duplicate's name survives may differ)."""
+    quantizers' shared range checks - and which duplicate survives, with its name and place in
+    the order, may differ: the same ops and constants, and the same outputs bit for bit)."""
+    from tf_bridge.onnx_values import run_with_tensors
+
     model = tf_bridge.wrap.float_model(qat_model) if which == "float twin" else qat_model
     concrete = _concrete(model)
-    ours = _canonical(C._tf2onnx_without_conv_folding(concrete, ["image"], 17))
-    reference = _canonical(_reference(concrete, ["image"], 17))
-    if which == "QAT graph":
-        ours, reference = (([n[:1] + n[2:] for n in g[0]], *g[1:]) for g in (ours, reference))
-    assert ours == reference
+    ours, reference = (C._tf2onnx_without_conv_folding(concrete, ["image"], 17),
+                       _reference(concrete, ["image"], 17))
+    if which == "float twin":
+        assert _canonical(ours) == _canonical(reference)
+        return
+    ops = [sorted((n.op_type, tuple(sorted(a.SerializeToString() for a in n.attribute))) for n in m.graph.node)
+           for m in (ours, reference)]
+    assert ops[0] == ops[1]
+    constants = [sorted(x[1:] for x in _canonical(m)[1]) for m in (ours, reference)]
+    assert constants[0] == constants[1]
+    x = blobs(8, (16, 16, 3))[0] * 40.0
+    got = [run_with_tensors(m, {"image": x})[m.graph.output[0].name] for m in (ours, reference)]
+    np.testing.assert_array_equal(got[0], got[1])
 
 
 def test_fold_constants_computes_what_each_op_computes_alone(qat_model):
@@ -142,3 +154,23 @@ def test_fold_constants_computes_what_each_op_computes_alone(qat_model):
             with tf.compat.v1.Session(graph=graph) as session:
                 results.append(session.run(outputs[0], {frozen.inputs[0].name: x}))
     np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_forward_only_qat_graph_computes_the_same_numbers(qat_model):
+    """``forward_only`` (how export_onnx converts the Keras QAT graph for parity): no gradient
+    wrappers and no run-time range select, so the weights' fake quantization folds into constants
+    and each quantizer loses its select (tf2onnx writes ``tf.where`` as Mul/Add arithmetic); onnxruntime computes bit for bit the same outputs."""
+    from onnx_qat.model_io import load_model
+    from tf_bridge.fake_quant import forward_only
+    from tf_bridge.onnx_values import run_with_tensors
+
+    plain = load_model(C.convert_float_twin(qat_model, 17))
+    with forward_only():
+        lean = load_model(C.convert_float_twin(qat_model, 17))
+    ops = [collections.Counter(n.op_type for n in m.graph.node) for m in (plain, lean)]
+    assert ops[0] - ops[1] and not ops[1] - ops[0], ops  # only removed: tf2onnx's select arithmetic
+    x = blobs(8, (16, 16, 3))[0] * 40.0
+    outputs = [run_with_tensors(m, {m.graph.input[0].name: x})[m.graph.output[0].name] for m in (plain, lean)]
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    expected = qat_model(x, training=False).numpy()
+    np.testing.assert_allclose(outputs[1], expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
