@@ -120,6 +120,14 @@ def search_clip(matrix: np.ndarray, rows: np.ndarray, block_size: int) -> np.nda
     blocks = matrix.reshape(groups, block_size, n).astype(np.float32)
     split = np.asarray(rows, np.float32).reshape(len(rows), groups, block_size)
     moments = np.einsum("rgb,rgc->gbc", split, split) / max(len(rows), 1)  # [groups, B, B]
+    return clip_with_moments(blocks, moments)
+
+
+def clip_with_moments(blocks: np.ndarray, moments: np.ndarray) -> np.ndarray:
+    """:func:`search_clip` on ``blocks [groups, B, N]`` with each block's activation second moments
+    ``moments [groups, B, B]`` given: the block amax ``[groups, N]``."""
+    blocks = np.asarray(blocks, np.float32)
+    moments = np.asarray(moments, np.float32)
     top = np.abs(blocks).max(axis=1)
     best_err, best = np.full(top.shape, np.inf, np.float32), top.copy()
     for ratio in CLIP_RATIOS:
@@ -324,4 +332,5 @@ def _activation_rows(model, tensors, data, progress: bool,
     return rows
 
 
-__all__ = ["apply_awq", "search_scale", "search_clip", "ALPHAS", "CLIP_RATIOS", "MAX_ROWS"]
+__all__ = ["apply_awq", "search_scale", "search_clip", "clip_with_moments", "ALPHAS", "CLIP_RATIOS",
+           "MAX_ROWS"]

@@ -54,6 +54,13 @@ def expand_blocks(scale: np.ndarray, axis: int, block_size: int) -> np.ndarray:
     return np.repeat(scale, block_size, axis=axis)
 
 
+def block_scale(amax: np.ndarray) -> np.ndarray:
+    """The float32 INT4 scale of block ranges ``amax``: ``amax / 7``, 1 where that is zero or below
+    float32's normal range (any positive scale represents a block of zeros exactly)."""
+    scale = (np.asarray(amax, np.float32).astype(np.float64) / INT4_MAX).astype(np.float32)
+    return np.where(scale >= np.finfo(np.float32).tiny, scale, np.float32(1.0)).astype(np.float32)
+
+
 def quantize_blocks(values: np.ndarray, axis: int, block_size: int,
                     amax: np.ndarray = None) -> Tuple[np.ndarray, np.ndarray]:
     """Symmetric INT4 block quantization: ``(q int8 array in [-8, 7], scale float32)``; the scale has
@@ -61,8 +68,7 @@ def quantize_blocks(values: np.ndarray, axis: int, block_size: int,
     (any positive scale represents it exactly)."""
     values = np.asarray(values, np.float32)
     amax = block_amax(values, axis, block_size) if amax is None else np.asarray(amax, np.float32)
-    scale = (amax.astype(np.float64) / INT4_MAX).astype(np.float32)
-    scale = np.where(scale >= np.finfo(np.float32).tiny, scale, np.float32(1.0)).astype(np.float32)
+    scale = block_scale(amax)
     q = np.rint(values / expand_blocks(scale, axis, block_size))
     return np.clip(q, INT4_MIN, INT4_MAX).astype(np.int8), scale
 
@@ -98,5 +104,5 @@ def unpack_int4(raw: bytes, shape: Tuple[int, ...]) -> np.ndarray:
     return values.reshape(shape)
 
 
-__all__ = ["to_fp8", "from_fp8", "block_amax", "expand_blocks", "quantize_blocks", "dequantize_blocks",
-           "pack_int4", "unpack_int4", "FP8_MAX", "INT4_MIN", "INT4_MAX"]
+__all__ = ["to_fp8", "from_fp8", "block_amax", "block_scale", "expand_blocks", "quantize_blocks",
+           "dequantize_blocks", "pack_int4", "unpack_int4", "FP8_MAX", "INT4_MIN", "INT4_MAX"]

@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 from . import __version__
 from .config import TARGETS
-from .formats import PRECISIONS
+from .formats import INT4_METHODS, PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
 
@@ -101,7 +101,7 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 def _placement_options(parser: argparse.ArgumentParser) -> None:
     """QuantizeConfig fields (placement): exclude_nodes, exclude_op_types, min_channels, include_attention,
-    precision, block_size."""
+    precision, block_size, int4_method."""
     group = parser.add_argument_group("placement options (QuantizeConfig)")
     group.add_argument("--exclude-nodes", metavar="REGEX", nargs="+", action="extend", type=_regex,
                        default=[],
@@ -120,6 +120,10 @@ def _placement_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", metavar="N", type=whole_number(2), default=None,
                        help="values per INT4 weight scale along the reduction axis (default 128; "
                             "TensorRT documents 64 and 128)")
+    group.add_argument("--int4-method", choices=INT4_METHODS, default=None,
+                       help="INT4 weight rounding: rtn (round to nearest), awq (activation-aware scales "
+                            "and clipping) or gptq (AWQ, then error-compensating rounding); awq and gptq "
+                            "need --data (default: awq with --data, rtn without)")
 
 
 def _calibration_options(parser: argparse.ArgumentParser) -> None:
@@ -179,7 +183,8 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("automatic mixed precision (onnx_qat.quantize)")
     group.add_argument("--min-cosine", metavar="C", type=number_in(0.0, 1.0, low_open=True), default=None,
                        help="leave the fewest sites in float so the output cosine against the float model "
-                            "reaches C on the evaluation data; exit 2 and write nothing when it cannot")
+                            "reaches C on the evaluation data (in any --precision; an int4 site is one "
+                            "weight); exit 2 and write nothing when it cannot")
     group.add_argument("--max-float-sites", metavar="N", type=whole_number(0), default=None,
                        help="with --min-cosine: at most N sites in float (default: no limit)")
     group.add_argument("--eval-data", metavar="NPZ", default=None,
@@ -240,9 +245,10 @@ def _add_inspect(sub) -> None:
 def _add_sensitivity(sub) -> None:
     p = sub.add_parser("sensitivity", help="rank the quantized sites by the output error each one costs",
                        description="Calibrate MODEL once on --data, then measure for every site placement "
-                                   "quantizes the output error with only that site in INT8 and with every "
-                                   "site but it in INT8, on --eval-data (default: a held-out quarter of "
-                                   "--data). Prints the ranking; see docs/sensitivity.md.")
+                                   "quantizes the output error with only that site quantized (INT8, or "
+                                   "--precision) and with every site but it, on --eval-data (default: a "
+                                   "held-out quarter of --data). Prints the ranking; see "
+                                   "docs/sensitivity.md.")
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
     p.add_argument("--data", metavar="NPZ", required=True, help=".npz calibration data (see 'calibrate')")
     p.add_argument("--eval-data", metavar="NPZ", default=None,
@@ -290,6 +296,8 @@ def _placement_keywords(args) -> dict:
         kw["precision"] = args.precision
     if getattr(args, "block_size", None) is not None:
         kw["block_size"] = args.block_size
+    if getattr(args, "int4_method", None) is not None:
+        kw["int4_method"] = args.int4_method
     if getattr(args, "target", None) is not None:
         kw["target"] = args.target
     return kw
@@ -463,7 +471,8 @@ def _mixed_summary(info) -> str:
             + (f" ({shown})" if names else "")
             + f" | output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} "
             f"(min {info['min_cosine']:g}, {info['eval_samples']} eval samples) | "
-            f"{info['int8_weighted_ops']}/{info['weighted_ops']} weighted ops INT8")
+            f"{info.get('quantized_weighted_ops', info.get('int8_weighted_ops'))}/{info['weighted_ops']} "
+            f"weighted ops {info.get('precision', 'int8').upper()}")
 
 
 def cmd_check(args) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Tuple
 
 from .errors import ConfigError
-from .formats import DEFAULT_BLOCK_SIZE, PRECISIONS, TENSORRT_BLOCK_SIZES, get_format
+from .formats import DEFAULT_BLOCK_SIZE, INT4_METHODS, PRECISIONS, TENSORRT_BLOCK_SIZES, get_format
 
 #: Deployment forms of the same placement: see ``onnx_qat/targets.py``.
 TARGETS = ("tensorrt", "ort-cpu")
@@ -52,6 +52,10 @@ class QuantizeConfig:
         block_size: values per INT4 weight scale along the reduction axis (``precision="int4"``;
             TensorRT documents 64 and 128). A weight whose reduction dimension it does not
             divide stays float.
+        int4_method: how INT4 weights are rounded (``precision="int4"``): ``"rtn"`` (round to
+            nearest), ``"awq"`` (activation-aware scales and clipping, :mod:`onnx_qat.awq`) or
+            ``"gptq"`` (AWQ's scales, then error-compensating rounding, :mod:`onnx_qat.gptq`); the
+            last two need calibration data. None (the default): ``awq`` with data, ``rtn`` without.
     """
 
     target: str = "tensorrt"
@@ -61,6 +65,7 @@ class QuantizeConfig:
     include_attention: Optional[bool] = None
     precision: str = "int8"
     block_size: int = DEFAULT_BLOCK_SIZE
+    int4_method: Optional[str] = None
     _patterns: Tuple["re.Pattern", ...] = field(default=(), init=False, repr=False, compare=False)
     _attention_given: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -80,6 +85,12 @@ class QuantizeConfig:
             logging.getLogger(__name__).warning(
                 "block_size %d: TensorRT documents INT4 block sizes %s", self.block_size,
                 ", ".join(map(str, TENSORRT_BLOCK_SIZES)))
+        if self.int4_method is not None:
+            if self.int4_method not in INT4_METHODS:
+                raise ConfigError(f"int4_method must be one of {', '.join(INT4_METHODS)}; "
+                                  f"got {self.int4_method!r}")
+            if self.precision != "int4":
+                raise ConfigError(f"int4_method applies to precision int4, not {self.precision}")
         object.__setattr__(self, "exclude_nodes", _as_str_tuple(self.exclude_nodes, "exclude_nodes"))
         object.__setattr__(self, "exclude_op_types", _as_str_tuple(self.exclude_op_types, "exclude_op_types"))
         if (isinstance(self.min_channels, bool) or not isinstance(self.min_channels, int)
@@ -103,6 +114,11 @@ class QuantizeConfig:
         """True when ``name`` fully matches one of ``exclude_nodes``."""
         return any(p.fullmatch(name or "") for p in self._patterns)
 
+    def rounding(self, has_data: bool) -> str:
+        """The INT4 rounding that runs: ``int4_method``, or its default (``awq`` with data, ``rtn``
+        without)."""
+        return self.int4_method or ("awq" if has_data else "rtn")
+
     def op_type_excluded(self, op_type: str) -> bool:
         """``op_type`` is one of ``exclude_op_types`` (nodes of that type stay float)."""
         return op_type in self.exclude_op_types
@@ -122,7 +138,7 @@ class QuantizeConfig:
 
 
 _FIELDS = ("target", "exclude_nodes", "exclude_op_types", "min_channels", "include_attention", "precision",
-           "block_size")
+           "block_size", "int4_method")
 
 
 def normalize_names(names: Iterable[str]) -> Tuple[str, ...]:

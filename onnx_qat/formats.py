@@ -97,6 +97,10 @@ PRECISIONS = tuple(FORMATS)
 #: Block sizes TensorRT documents for INT4 block quantization; others are accepted with a warning.
 TENSORRT_BLOCK_SIZES = (64, 128)
 DEFAULT_BLOCK_SIZE = 128
+#: How INT4 weights are rounded (``int4_method``): round to nearest with each block's max; AWQ's
+#: activation-aware scales and clipping (:mod:`onnx_qat.awq`); AWQ then GPTQ's error-compensating
+#: rounding (:mod:`onnx_qat.gptq`). The last two need calibration data.
+INT4_METHODS = ("rtn", "awq", "gptq")
 
 
 def get_format(precision) -> Format:
@@ -112,4 +116,4 @@ def get_format(precision) -> Format:
 
 
 __all__ = ["Format", "FORMATS", "PRECISIONS", "INT8", "FP8", "INT4", "get_format",
-           "DEFAULT_BLOCK_SIZE", "TENSORRT_BLOCK_SIZES"]
+           "DEFAULT_BLOCK_SIZE", "TENSORRT_BLOCK_SIZES", "INT4_METHODS"]

@@ -27,7 +27,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
              report=None, progress: bool = True, placement: Optional[Placement] = None,
              precision: Optional[str] = None, block_size: Optional[int] = None,
              min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
-             **calibration_kwargs) -> QuantizeResult:
+             int4_method: Optional[str] = None, **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
@@ -48,7 +48,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             ``auto``; see :func:`onnx_qat.calibrate`).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; the keywords ``target``,
             ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
-            ``precision`` and ``block_size`` override its fields.
+            ``precision``, ``block_size`` and ``int4_method`` override its fields.
         calibration_options: extra keywords for :func:`onnx_qat.calibrate` (e.g. ``batch_size``);
             further keyword arguments (``percentile=...``, ``batch_size=...``) are added to them.
         report: a path: also write :meth:`QuantizeResult.to_report` as JSON (atomically).
@@ -61,11 +61,16 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             or ``"int4"`` (blockwise weight-only DequantizeLinear on MatMul/Gemm weights, opset
             21); see :mod:`onnx_qat.formats`.
         block_size: values per INT4 weight scale (default 128; ``precision="int4"``).
+        int4_method: how INT4 weights are rounded: ``"rtn"``, ``"awq"`` or ``"gptq"`` (AWQ's
+            scales, then error-compensating rounding on the calibration data's Hessians,
+            :mod:`onnx_qat.gptq`); default ``awq`` with ``data``, ``rtn`` without.
         min_cosine: automatic mixed precision: leave the fewest sites (:mod:`onnx_qat.accuracy.sites`)
             in float so that the output cosine against the float model reaches this on
             ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
             built is measured again. ``QuantizeResult.accuracy`` tells which sites stay float.
-            INT8 only (another ``precision`` is a ConfigError).
+            Every ``precision``: with ``fp8`` the sites are the INT8 ones (plus the attention
+            products), with ``int4`` a site is one weight's blockwise DequantizeLinear (AWQ runs
+            once on the calibration part of ``data``; without ``data``, round to nearest).
         max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
         eval_data: with ``min_cosine``: the data the output cosine is measured on.
 
@@ -80,8 +85,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     config = QuantizeConfig.from_options(config, target=target, exclude_nodes=exclude_nodes,
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
                                          include_attention=include_attention, precision=precision,
-                                         block_size=block_size)
+                                         block_size=block_size, int4_method=int4_method)
     fmt = get_format(config.precision)
+    if config.int4_method in ("awq", "gptq") and data is None:
+        raise ConfigError(f"int4_method {config.int4_method!r} needs calibration data (data, --data)")
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
@@ -90,8 +97,6 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         check_options(min_cosine, max_float_sites)
         if min_cosine is None or placement is not None:
             raise ConfigError("eval_data applies with min_cosine; min_cosine does not take a placement")
-        if fmt.name != "int8":
-            raise ConfigError(f"min_cosine works with precision int8 only, not {fmt.name}")
         return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
                               eval_data=eval_data, scales=scales, data=data, method=method, config=config,
                               calib_kw=calib_kw, report=report, progress=progress)

@@ -52,6 +52,8 @@ class QuantizeResult:
             (the ``ort-cpu`` target's Conv outputs; empty for ``tensorrt``).
         precision: the numeric format (``int8``, ``fp8``, ``int4``).
         awq: per-weight-group records of the activation-aware scale search (``int4`` with data).
+        gptq: per-weight records of the error-compensating rounding (``int4_method="gptq"``): the
+            relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
             (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
     """
@@ -67,6 +69,7 @@ class QuantizeResult:
     precision: str = "int8"
     awq: Tuple[dict, ...] = field(default=(), repr=False)
     accuracy: Optional[Mapping] = field(default=None, repr=False)
+    gptq: Tuple[dict, ...] = field(default=(), repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.model_io.save_model`)."""
@@ -96,6 +99,7 @@ class QuantizeResult:
             "requantization": [dict(r) for r in self.requantization],
             **({} if self.precision == "int8" else {"precision": self.precision,
                                                     "awq": [dict(r) for r in self.awq]}),
+            **({"gptq": [dict(r) for r in self.gptq]} if self.gptq else {}),
             **({} if self.accuracy is None else {"mixed_precision": dict(self.accuracy)}),
         }
 
@@ -131,15 +135,23 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
     awq_records: tuple = ()
+    gptq_records: tuple = ()
     if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
         from .awq import apply_awq
 
         clip_ranges: dict = {}
-        if data is not None:
+        rounding = config.rounding(data is not None)
+        if rounding in ("awq", "gptq"):
             awq_records, clip_ranges = apply_awq(float_model, index, placement, data, config.block_size,
                                                  progress=progress, batch_size=calib_kw.get("batch_size"))
+        if rounding == "gptq":  # the weights are replaced by their rounded values (see onnx_qat.gptq)
+            from .gptq import apply_gptq
+
+            gptq_records, clip_ranges = apply_gptq(float_model, placement, data, config.block_size,
+                                                   progress=progress, batch_size=calib_kw.get("batch_size"))
+            index = GraphIndex(float_model)
         if scales is None:
-            scales = ScaleTable(weights=clip_ranges, producer="awq" if clip_ranges else "weights")
+            scales = ScaleTable(weights=clip_ranges, producer=rounding if clip_ranges else "weights")
         data = None
     form = make_form(target_obj)
     if form is not None and data is not None and "tensors" not in calib_kw:
@@ -170,7 +182,7 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     summary = _summary(placement, inserted)
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
-                            fmt.name, tuple(awq_records))
+                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records))
     if out_path is not None:
         # validated on the very bytes written (nothing is written when onnx.checker refuses them)
         io.save_model(qdq_model, out_path, inputs=inputs, ir_version=qdq_model.ir_version, validate=True)

@@ -2,8 +2,8 @@
 
 The search runs in the gated session (:mod:`onnx_qat.accuracy.gated`), on ranges calibrated once:
 
-1. every site in INT8; done when that already reaches ``min_cosine``;
-2. each site's harm: the output error with only it in INT8 (one run per site; for more than 16
+1. every site quantized; done when that already reaches ``min_cosine``;
+2. each site's harm: the output error with only it quantized (one run per site; for more than 16
    sites by group bisection, :mod:`onnx_qat.accuracy.bisect`, which measures alone only the sites
    whose group matters). Harm adds up across sites far better than the gain of leaving one site
    float does: with several broken sites, floating any single one gains little;
@@ -15,6 +15,10 @@ The chosen sites then become exclusions fed to the same placement (which resolve
 neighbours: a residual Add or Concat next to a float site is re-decided), the Q/DQ model is built
 by the one inserter, and its cosine is measured again on the evaluation data. When the built model
 misses the minimum, the next site in the order is added and the model is built again.
+
+"Quantized" is in the format ``config.precision`` names (INT8, FP8, or INT4 weight-only, where a site
+is one weight's blockwise DequantizeLinear); what differs per format is in
+:mod:`onnx_qat.accuracy.formats`.
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ import sys
 from typing import Optional, Sequence, Tuple
 
 from ..errors import AccuracyError, ConfigError, PlacementError
+from ..formats import get_format
 from . import bisect
+from .formats import precision_name
 from .prepared import OutputError, Prepared, output_error, prepare
 from .sites import site_exclusions, with_partners
 
@@ -122,7 +128,8 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
     if chosen is None:
         if budget >= len(prepared.sites):
             raise AccuracyError(f"output cosine {min_cosine:g} is reached only with every site in float "
-                                f"(the float model itself): the best with one INT8 site left is "
+                                f"(the float model itself): the best with one {precision_name(config)} "
+                                f"site left is "
                                 f"{estimate.cosine:.5f}; nothing was written")
         raise AccuracyError(_unreached(min_cosine, budget, estimate, prepared))
     chosen = list(chosen)
@@ -139,6 +146,8 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
         chosen = grown
     info = _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_float_sites, result,
                     time.perf_counter() - start)
+    if prepared.int4 is not None:
+        result = dataclasses.replace(result, awq=prepared.int4.awq, gptq=prepared.int4.gptq)
     result = dataclasses.replace(result, output=out_path, accuracy=info)
     if out_path is not None:
         save_model(result.model, out_path, inputs=inputs, ir_version=result.model.ir_version, validate=True)
@@ -154,9 +163,12 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     from .gated import join_flat
 
     names = [prepared.sites[k].name for k in chosen]
-    excluded = dataclasses.replace(config, exclude_nodes=tuple(config.exclude_nodes) + site_exclusions(names))
+    excluded = dataclasses.replace(config, exclude_nodes=tuple(config.exclude_nodes) + site_exclusions(names),
+                                   int4_method=None)  # INT4: ranges and rounded weights come from prepare
+    source = prepared.float_model if prepared.int4 is None else \
+        prepared.int4.model(float_weights=[w for k in chosen for w in prepared.sites[k].weights])
     try:
-        result = quantize_placed(prepared.float_model, scales=prepared.table, data=None, method="max",
+        result = quantize_placed(source, scales=prepared.table, data=None, method="max",
                                  config=excluded, calib_kw={}, progress=False)
     except PlacementError:  # the partners took every remaining site along
         raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "
@@ -171,7 +183,7 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
 
 
 def _weighted_share(result) -> Tuple[int, int]:
-    """(weighted ops in INT8, weighted ops) of a QuantizeResult's placement."""
+    """(weighted ops quantized, weighted ops) of a QuantizeResult's placement."""
     from ..placement.handlers import WEIGHTED_OPS
 
     decisions = [d for d in result.placement.decisions if d.op_type in WEIGHTED_OPS]
@@ -181,7 +193,7 @@ def _weighted_share(result) -> Tuple[int, int]:
 def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_float_sites, result,
              seconds) -> dict:
     int8, total = _weighted_share(result)
-    return {
+    info = {
         "min_cosine": min_cosine, "max_float_sites": max_float_sites,
         "float_sites": [prepared.sites[k].to_dict() for k in chosen],
         "sites": len(prepared.sites), "eval_samples": prepared.evaluation.num_samples,
@@ -190,6 +202,14 @@ def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_flo
         "int8_weighted_ops": int8, "weighted_ops": total, "method": prepared.method,
         "runs": prepared.runner.runs, "seconds": round(seconds, 3),
     }
+    if result.precision != "int8":  # INT8 reports keep their fields as they were
+        info.pop("int8_weighted_ops")
+        info.update(precision=result.precision, quantized_weighted_ops=int8)
+        if get_format(result.precision).weight_only:
+            given = prepared.method == "given"
+            rounding = prepared.table.producer if prepared.table.producer in ("awq", "gptq") else "rtn"
+            info["weight_ranges"] = "given" if given else rounding
+    return info
 
 
 def _unreached(min_cosine, budget, best: OutputError, prepared) -> str:

@@ -82,6 +82,7 @@ class Prepared:
     reference: Dict[str, np.ndarray]
     runner: GatedRunner
     method: str
+    int4: object = None  # precision int4: the WeightOnly state (onnx_qat.accuracy.formats)
 
     def error(self, quantized) -> OutputError:
         """Output error with exactly the sites ``quantized`` (indices) in INT8, in the gated session."""
@@ -97,15 +98,17 @@ def split_data(data, eval_data, model: onnx.ModelProto, holdout: float = HOLDOUT
     if eval_data is not None:
         return calib, load_data(eval_data, model, what="evaluation data")
     n = calib.num_samples
-    if n < 2 or calib.unbatched:
+    fixed = calib._fixed_batch or 1  # a model with a fixed batch size takes whole batches of it
+    if n < 2 * fixed or calib.unbatched:
         raise DataError(f"{calib.source}: {n} sample(s) cannot be split into calibration and evaluation "
                         "data; give more samples or eval_data (--eval-data)")
-    held = max(1, int(round(n * holdout)))
+    held = max(fixed, int(round(n * holdout / fixed)) * fixed)
     arrays = calib.arrays
     first = {k: np.ascontiguousarray(v[:n - held]) for k, v in arrays.items()}
     last = {k: np.ascontiguousarray(v[n - held:]) for k, v in arrays.items()}
-    return (Dataset(first, source=f"{calib.source} (first {n - held} samples)"),
-            Dataset(last, source=f"{calib.source} (last {held} samples, held out)"))
+    same = {"fixed_batch": calib._fixed_batch, "dtypes": calib._dtypes}
+    return (Dataset(first, source=f"{calib.source} (first {n - held} samples)", **same),
+            Dataset(last, source=f"{calib.source} (last {held} samples, held out)", **same))
 
 
 def _table(scales) -> ScaleTable:
@@ -133,8 +136,11 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     from ..rewrite import nothing_to_quantize, quantize_placed, refuse_quantized
     from ..placement.policy import policy_for
 
+    from ..formats import get_format
+    from .formats import insertion_config, weight_only_ranges
+
     config = config or QuantizeConfig()
-    float_model = load_model(model)
+    float_model = load_model(model, min_opset=get_format(config.precision).min_opset)
     refuse_quantized(float_model)
     assign_node_names(float_model)
     index = GraphIndex(float_model)
@@ -146,24 +152,32 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     del index
     if data is None and eval_data is None:
         raise ConfigError("give data (calibration data) or eval_data")
+    base, int4 = float_model, None  # the model every setting is built from (int4: after the AWQ edits)
     if scales is not None:
         table = _table(scales)
         calib = None
         evaluation = _evaluation_only(eval_data if eval_data is not None else data, float_model)
+    elif get_format(config.precision).weight_only:  # no activation ranges (see .formats)
+        calib, evaluation = (None, _evaluation_only(eval_data, float_model)) if data is None else \
+            split_data(data, eval_data, float_model)
+        int4 = weight_only_ranges(float_model, placement, calib, config, progress=progress,
+                                  batch_size=batch_size)
+        base, table = int4.base, int4.table
     else:
         calib, evaluation = split_data(data, eval_data, float_model)
         table = calibrate(float_model, calib, method=method, tensors=tensors,
                           progress=progress, batch_size=batch_size, **dict(calibration_options or {}))
-    qdq = quantize_placed(float_model, scales=table, data=None, method="max", config=QuantizeConfig(),
-                          calib_kw={}, placement=placement, progress=False).model
-    gated = gate_model(qdq, float_model, sites)
+    qdq = quantize_placed(base if int4 is None else int4.model(), scales=table, data=None, method="max",
+                          config=insertion_config(config), calib_kw={}, placement=placement,
+                          progress=False).model
+    gated = gate_model(qdq, base, sites)
     del qdq
     feeds = tuple(evaluation.batches(batch_size))
     observed = placement.activation_tensors() if activation_stats is None else tuple(activation_stats)
     reference, stats = _float_run(float_model, feeds, observed, placement, table)
     runner = GatedRunner(gated, len(sites), feeds, tuple(reference))
-    return Prepared(float_model, placement, sites, table, calib, evaluation, feeds, reference, runner,
-                    method if scales is None else "given"), stats
+    return Prepared(base, placement, sites, table, calib, evaluation, feeds, reference, runner,
+                    method if scales is None else "given", int4), stats
 
 
 def _evaluation_only(data, model):

@@ -106,6 +106,8 @@ class SensitivityResult:
         num_eval_samples: evaluation samples the errors are measured on.
         runs: settings run in the gated session.
         seconds: wall time of the analysis.
+        precision: the format the sites are quantized in (``int8``, ``fp8``, ``int4``); ``all_int8``
+            and ``only`` are then errors in that format.
     """
 
     sites: Tuple[SiteSensitivity, ...]
@@ -115,6 +117,7 @@ class SensitivityResult:
     num_eval_samples: int
     runs: int = 0
     seconds: float = field(default=0.0, compare=False)
+    precision: str = "int8"  # the format the sites are quantized in (all_int8: every site in it)
 
     def __len__(self) -> int:
         return len(self.sites)
@@ -132,6 +135,7 @@ class SensitivityResult:
         return {"format": REPORT_FORMAT, "version": REPORT_VERSION, "metric": self.metric,
                 "method": self.method, "num_eval_samples": self.num_eval_samples, "runs": self.runs,
                 "seconds": round(self.seconds, 3), "all_int8": self.all_int8.to_dict(),
+                **({} if self.precision == "int8" else {"precision": self.precision}),
                 "sites": [s.to_dict() for s in self.sites]}
 
     def save(self, path) -> None:
@@ -146,8 +150,8 @@ class SensitivityResult:
         width = min(max([4] + [len(s.name) for s in rows]), 40)
         head = (f"{'rank':>4}  {'site':<{width}}  {'op':<10} {'kind':<9} {'only: cos':>10} {'SQNR':>7} "
                 f"{'all-but: cos':>12} {'worst tensor':>13}")
-        lines = [f"all sites INT8: {self.all_int8} | {self.num_eval_samples} eval samples, "
-                 f"{self.runs} runs, {self.seconds:.1f} s", head, "-" * len(head)]
+        lines = [f"all sites {self.precision.upper()}: {self.all_int8} | {self.num_eval_samples} eval "
+                 f"samples, {self.runs} runs, {self.seconds:.1f} s", head, "-" * len(head)]
         for s in rows:
             worst = min((t.sqnr_db for t in s.tensors), default=math.inf)
             only = ("" if s.only_group == 1 else ">") + f"{s.only.cosine:.5f}"
@@ -248,7 +252,7 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
                         rank, only[k][1], all_but[k][1])
         for rank, k in enumerate(sorted(range(len(sites)), key=key), 1))
     return SensitivityResult(result_sites, metric, all_int8, prepared.method, prepared.evaluation.num_samples,
-                             prepared.runner.runs, time.perf_counter() - start)
+                             prepared.runner.runs, time.perf_counter() - start, config.precision)
 
 
 def _weight_stats(prepared) -> dict:

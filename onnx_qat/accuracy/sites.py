@@ -3,7 +3,8 @@
 A site is one node placement decided to quantize (``Decision.action == "quantize"``) with the
 inputs it reads through a DequantizeLinear:
 
-* ``weighted`` (rule 4): a Conv/ConvTranspose/Gemm/MatMul with its activation and weight Q/DQ;
+* ``weighted`` (rule 4): a Conv/ConvTranspose/Gemm/MatMul with its activation and weight Q/DQ
+  (with ``precision="int4"``, rule W4: a MatMul/Gemm with its one blockwise weight DequantizeLinear);
 * ``residual`` (rule 6): the skip input of a residual Add;
 * ``pooling`` (rule 7): the input of an AveragePool/GlobalAveragePool;
 * ``concat`` (rule 7): every input of a Concat (one shared scale);
@@ -21,8 +22,8 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 from ..placement.marks import Placement
 
-#: Decision rule -> site kind.
-_KINDS = {"R4": "weighted", "R6": "residual", "R9": "attention"}
+#: Decision rule -> site kind (W4: an INT4 weight-only MatMul/Gemm, its one blockwise weight DQ).
+_KINDS = {"R4": "weighted", "R6": "residual", "R9": "attention", "W4": "weighted"}
 
 
 @dataclass(frozen=True)

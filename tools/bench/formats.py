@@ -1,5 +1,7 @@
 """formats: INT8, FP8 and INT4 (RTN and AWQ) on a 4-layer BERT-style encoder and a ResNet-style CNN built
-here (on the encoder also FP8 with the attention products kept float, ``include_attention=False``): cosine
+here (on the encoder also FP8 with the attention products kept float, ``include_attention=False``, INT4
+with AWQ then GPTQ rounding at blocks of 128 and 64, and automatic mixed precision: FP8 with
+``min_cosine=0.995`` and 0.996 and INT4 AWQ with ``min_cosine=0.99``, with the sites they leave float): cosine
 to FP32 on unseen inputs, model file size against FP32, quantize time; NVIDIA ModelOpt's FP8 and INT4
 modes on the same models and data when it is installed (in its own venv, see :data:`MODELOPT_PYTHON`):
 ``modelopt.onnx.quantization.quantize(quantize_mode="fp8" | "int4")`` on CPU with FP32 kept for the
@@ -166,15 +168,38 @@ def _outputs(model, data) -> np.ndarray:
     return np.concatenate([v.ravel() for v in values.values()])
 
 
-def _ours(path: Path, data: Path, precision: str, awq: bool, out: Path, **options) -> float:
-    """Seconds to quantize ``path`` (calibration and AWQ included) and write ``out``; ``options`` go to
-    :func:`onnx_qat.quantize` (e.g. ``include_attention=False``)."""
+def _ours(path: Path, data: Path, precision: str, awq: bool, out: Path, **options):
+    """``(seconds, QuantizeResult)`` to quantize ``path`` (calibration, AWQ and the mixed-precision
+    search included) and write ``out``; ``options`` go to :func:`onnx_qat.quantize` (e.g.
+    ``include_attention=False``, ``min_cosine=0.995``)."""
     import onnx_qat
 
     start = time.perf_counter()
     source = {} if precision == "int4" and not awq else {"data": str(data)}
-    onnx_qat.quantize(str(path), output=str(out), precision=precision, progress=False, **source, **options)
-    return time.perf_counter() - start
+    result = onnx_qat.quantize(str(path), output=str(out), precision=precision, progress=False, **source,
+                               **options)
+    return time.perf_counter() - start, result
+
+
+#: ``(label, precision, calibration data used for AWQ, quantize options)`` of the onnx-qat rows; the
+#: rows with options run on the encoder only.
+FORMS = (("int8", "int8", False, {}), ("fp8", "fp8", False, {}),
+         ("fp8 attention float", "fp8", False, {"include_attention": False}),
+         ("fp8, min_cosine 0.995", "fp8", False, {"min_cosine": 0.995}),
+         ("fp8, min_cosine 0.996", "fp8", False, {"min_cosine": 0.996}),
+         ("int4 RTN", "int4", False, {}), ("int4 AWQ", "int4", True, {}),
+         ("int4 AWQ+GPTQ", "int4", True, {"int4_method": "gptq"}),
+         ("int4 AWQ+GPTQ block 64", "int4", True, {"int4_method": "gptq", "block_size": 64}),
+         ("int4 AWQ, min_cosine 0.99", "int4", True, {"min_cosine": 0.99}))
+
+
+def _float_sites_row(model: str, label: str, info) -> Row:
+    """Sites the mixed-precision search left float, with the cosine it verified on its held-out data."""
+    names = [s["name"] for s in info["float_sites"]]
+    note = (f"of {info['sites']} sites: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}; cosine "
+            f"{info['cosine_before']:.4f} -> {info['cosine_after']:.4f} on {info['eval_samples']} held-out "
+            f"calibration samples")
+    return Row(NAME, f"{model}: onnx-qat {label} sites left float", len(names), None, note, unit="")
 
 
 def _modelopt(path: Path, data: Path, mode: str, out: Path) -> Optional[float]:
@@ -214,19 +239,19 @@ def _measure(name: str, model, shape, workdir: Path, test_num: int, quick: bool)
     reference = _outputs(model, test)
     size = path.stat().st_size
     rows = []
-    forms = (("int8", "int8", False, {}), ("fp8", "fp8", False, {}),
-             ("fp8 attention float", "fp8", False, {"include_attention": False}),
-             ("int4 RTN", "int4", False, {}), ("int4 AWQ", "int4", True, {}))
-    for label, precision, awq, options in forms:
-        if options and name != "bert":  # the CNN has no attention
+    for label, precision, awq, options in FORMS:
+        if options and name != "bert":  # the CNN has no attention; the other variants are the encoder's
             continue
-        out = workdir / f"{name}_{label.replace(' ', '_')}.onnx"
+        out = workdir / f"{name}_{label.replace(' ', '_').replace(',', '')}.onnx"
         try:
-            seconds = _ours(path, calib, precision, awq, out, **options)
+            seconds, result = _ours(path, calib, precision, awq, out, **options)
         except QatError as exc:  # e.g. int4 with no MatMul/Gemm weight its block size divides
             rows.append(skip(NAME, f"{name}: onnx-qat {label} cosine to FP32", str(exc)[:200]))
             continue
-        rows += _rows(name, f"onnx-qat {label}", out, reference, test, size, seconds, precision, awq)
+        rows += _rows(name, f"onnx-qat {label}", out, reference, test, size, seconds, precision, awq,
+                      _included(options))
+        if result.accuracy is not None:
+            rows.append(_float_sites_row(name, label, result.accuracy))
     for mode in ("fp8", "int4"):
         out = workdir / f"{name}_modelopt_{mode}.onnx"
         if quick:
@@ -250,8 +275,15 @@ def _measure(name: str, model, shape, workdir: Path, test_num: int, quick: bool)
     return rows
 
 
+def _included(options) -> str:
+    """What the quantize time of a variant also covers."""
+    parts = (["GPTQ rounding"] if options.get("int4_method") == "gptq" else []) + \
+        (["the mixed-precision search and verification"] if "min_cosine" in options else [])
+    return ", ".join(parts)
+
+
 def _rows(model: str, label: str, out: Path, reference, test, size: int, seconds: float, precision: str,
-          awq: bool) -> List[Row]:
+          awq: bool, included: str = "") -> List[Row]:
     import onnx
 
     import onnx_qat
@@ -268,7 +300,8 @@ def _rows(model: str, label: str, out: Path, reference, test, size: int, seconds
     rows.append(Row(NAME, f"{model}: {label} file size / FP32", out.stat().st_size / size, size_goal,
                     f"{out.stat().st_size / 2 ** 20:.2f} MiB vs {size / 2 ** 20:.2f} MiB"))
     how = "round to nearest, no data" if precision == "int4" and not awq else \
-        "calibration" + (" and AWQ search" if awq else "") + " included"
+        "calibration" + (" and AWQ search" if awq else "") + (f", {included}" if included else "") \
+        + " included"
     rows.append(Row(NAME, f"{model}: {label} quantize time", seconds, None, how, unit="s"))
     return rows
 
