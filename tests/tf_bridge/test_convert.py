@@ -87,8 +87,10 @@ def _bn_weights(model, seed=0):
     for layer in tf_bridge.spec.iter_layers(model):
         if isinstance(layer, L.BatchNormalization):
             g, b, m, v = layer.get_weights()
-            layer.set_weights([rng.uniform(0.5, 1.5, g.shape).astype("f"), rng.normal(0, .1, b.shape).astype("f"),
-                               rng.normal(0, .1, m.shape).astype("f"), rng.uniform(0.5, 1.5, v.shape).astype("f")])
+            layer.set_weights([rng.uniform(0.5, 1.5, g.shape).astype("f"),
+                               rng.normal(0, .1, b.shape).astype("f"),
+                               rng.normal(0, .1, m.shape).astype("f"),
+                               rng.uniform(0.5, 1.5, v.shape).astype("f")])
     return model
 
 
@@ -118,8 +120,8 @@ def test_conversion_equals_tf2onnx_own_steps(qat_model, which):
     if which == "float twin":
         assert _canonical(ours) == _canonical(reference)
         return
-    ops = [sorted((n.op_type, tuple(sorted(a.SerializeToString() for a in n.attribute))) for n in m.graph.node)
-           for m in (ours, reference)]
+    ops = [sorted((n.op_type, tuple(sorted(a.SerializeToString() for a in n.attribute)))
+                  for n in m.graph.node) for m in (ours, reference)]
     assert ops[0] == ops[1]
     constants = [sorted(x[1:] for x in _canonical(m)[1]) for m in (ours, reference)]
     assert constants[0] == constants[1]
@@ -159,7 +161,8 @@ def test_fold_constants_computes_what_each_op_computes_alone(qat_model):
 def test_forward_only_qat_graph_computes_the_same_numbers(qat_model):
     """``forward_only`` (how export_onnx converts the Keras QAT graph for parity): no gradient
     wrappers and no run-time range select, so the weights' fake quantization folds into constants
-    and each quantizer loses its select (tf2onnx writes ``tf.where`` as Mul/Add arithmetic); onnxruntime computes bit for bit the same outputs."""
+    and each quantizer loses its select (tf2onnx writes ``tf.where`` as Mul/Add arithmetic);
+    onnxruntime computes bit for bit the same outputs."""
     from onnx_qat.model_io import load_model
     from tf_bridge.fake_quant import forward_only
     from tf_bridge.onnx_values import run_with_tensors

@@ -58,11 +58,14 @@ class _PeakSampler:
 
 def _small_cnn(keras, size: int):
     layers = keras.layers
+
+    def conv_bn(t):
+        return layers.BatchNormalization()(layers.Conv2D(16, 3, padding="same", use_bias=False)(t))
+
     inputs = keras.Input((size, size, 3))
-    x = layers.ReLU()(layers.BatchNormalization()(layers.Conv2D(16, 3, padding="same", use_bias=False)(inputs)))
+    x = layers.ReLU()(conv_bn(inputs))
     for _ in range(2):
-        y = layers.ReLU()(layers.BatchNormalization()(layers.Conv2D(16, 3, padding="same", use_bias=False)(x)))
-        y = layers.BatchNormalization()(layers.Conv2D(16, 3, padding="same", use_bias=False)(y))
+        y = conv_bn(layers.ReLU()(conv_bn(x)))
         x = layers.ReLU()(layers.Add()([x, y]))
     return keras.Model(inputs, layers.Dense(10)(layers.GlobalAveragePooling2D()(x)))
 
