@@ -324,8 +324,12 @@ def _fold_constants(graph_def, tf_outputs: List[str]):
     config = tf.compat.v1.ConfigProto()
     config.graph_options.rewrite_options.disable_meta_optimizer = True
     config.graph_options.optimizer_options.opt_level = tf.compat.v1.OptimizerOptions.L0
-    with tf.compat.v1.Session(graph=graph, config=config) as session:
-        values = session.run([op.outputs[0] for op in frontier])
+    try:
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            values = session.run([op.outputs[0] for op in frontier])
+    except Exception as exc:  # TensorFlow raises many types; tf2onnx then folds op by op, skipping failures
+        logger.debug("constant folding in one run failed (%s); tf2onnx folds op by op", brief(exc))
+        return graph_def
     constants = {op.name: value for op, value in zip(frontier, values)}
     result = tf.compat.v1.GraphDef()
     result.versions.CopyFrom(graph_def.versions)
