@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 from . import __version__
 from .config import TARGETS
-from .formats import INT4_METHODS, PRECISIONS
+from .formats import FP8_METHODS, INT4_METHODS, PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
 
@@ -101,7 +101,7 @@ def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 def _placement_options(parser: argparse.ArgumentParser) -> None:
     """QuantizeConfig fields (placement): exclude_nodes, exclude_op_types, min_channels, include_attention,
-    precision, block_size, int4_method."""
+    precision, block_size, int4_method, fp8_method."""
     group = parser.add_argument_group("placement options (QuantizeConfig)")
     group.add_argument("--exclude-nodes", metavar="REGEX", nargs="+", action="extend", type=_regex,
                        default=[],
@@ -124,14 +124,19 @@ def _placement_options(parser: argparse.ArgumentParser) -> None:
                        help="INT4 weight rounding: rtn (round to nearest), awq (activation-aware scales "
                             "and clipping) or gptq (AWQ, then error-compensating rounding); awq and gptq "
                             "need --data (default: awq with --data, rtn without)")
+    group.add_argument("--fp8-method", choices=FP8_METHODS, default=None,
+                       help="FP8 MatMul/Gemm weight rounding: rtn (round to nearest, default) or gptq "
+                            "(error-compensating rounding on each output channel's E4M3 grid; needs --data)")
 
 
 def _calibration_options(parser: argparse.ArgumentParser) -> None:
     """Keywords of onnx_qat.calibrate: method, percentile, batch_size."""
     group = parser.add_argument_group("calibration options (onnx_qat.calibrate)")
     group.add_argument("--method", choices=METHODS, default=None,
-                       help="how activation ranges are chosen from the data (default: max; auto: per tensor, "
-                            "the max, percentile or mse range with the least quantization error)")
+                       help="how activation ranges are chosen from the data (default: auto; with "
+                            "--min-cosine and for sensitivity: max; auto: of max everywhere, the "
+                            "least-error range per tensor and entropy everywhere, the table whose output "
+                            "is closest to the float model's on the calibration data)")
     group.add_argument("--percentile", metavar="P", type=number_in(0.0, 100.0, low_open=True), default=None,
                        help="percentile of |x| kept by --method percentile, in (0, 100] (default 99.99)")
     group.add_argument("--batch-size", metavar="N", type=whole_number(1), default=None,
@@ -298,6 +303,8 @@ def _placement_keywords(args) -> dict:
         kw["block_size"] = args.block_size
     if getattr(args, "int4_method", None) is not None:
         kw["int4_method"] = args.int4_method
+    if getattr(args, "fp8_method", None) is not None:
+        kw["fp8_method"] = args.fp8_method
     if getattr(args, "target", None) is not None:
         kw["target"] = args.target
     return kw
@@ -393,11 +400,11 @@ def cmd_calibrate(args) -> int:
     kw = {**_calibration_keywords(args), **_placement_keywords(args)}
     _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"))
     _check_outputs([("--output", args.output)], [args.model, args.data])
-    from .calibration import calibrate
+    from .calibration import DEFAULT_METHOD, calibrate
     table = calibrate(args.model, args.data, output=args.output, progress=_progress(args), **kw)
     _say(args, f"wrote {args.output}: {len(table.activations)} activation ranges, "
                f"{len(table.weights)} weight "
-               f"ranges (method {kw.get('method', 'max')})")
+               f"ranges (method {kw.get('method', DEFAULT_METHOD)})")
     return EXIT_OK
 
 

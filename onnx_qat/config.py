@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Tuple
 
 from .errors import ConfigError
-from .formats import DEFAULT_BLOCK_SIZE, INT4_METHODS, PRECISIONS, TENSORRT_BLOCK_SIZES, get_format
+from .formats import (DEFAULT_BLOCK_SIZE, FP8_METHODS, INT4_METHODS, PRECISIONS, TENSORRT_BLOCK_SIZES,
+                      get_format)
 
 #: Deployment forms of the same placement: see ``onnx_qat/targets.py``.
 TARGETS = ("tensorrt", "ort-cpu")
@@ -56,6 +57,10 @@ class QuantizeConfig:
             nearest), ``"awq"`` (activation-aware scales and clipping, :mod:`onnx_qat.awq`) or
             ``"gptq"`` (AWQ's scales, then error-compensating rounding, :mod:`onnx_qat.gptq`); the
             last two need calibration data. None (the default): ``awq`` with data, ``rtn`` without.
+        fp8_method: how FP8 weights of MatMul/Gemm are rounded (``precision="fp8"``): ``"rtn"``
+            (round to nearest, the default when None) or ``"gptq"`` (error-compensating rounding on
+            each output channel's E4M3 grid, driven by the calibration data,
+            :func:`onnx_qat.gptq.apply_gptq_fp8`; needs data).
     """
 
     target: str = "tensorrt"
@@ -66,6 +71,7 @@ class QuantizeConfig:
     precision: str = "int8"
     block_size: int = DEFAULT_BLOCK_SIZE
     int4_method: Optional[str] = None
+    fp8_method: Optional[str] = None
     _patterns: Tuple["re.Pattern", ...] = field(default=(), init=False, repr=False, compare=False)
     _attention_given: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -91,6 +97,12 @@ class QuantizeConfig:
                                   f"got {self.int4_method!r}")
             if self.precision != "int4":
                 raise ConfigError(f"int4_method applies to precision int4, not {self.precision}")
+        if self.fp8_method is not None:
+            if self.fp8_method not in FP8_METHODS:
+                raise ConfigError(f"fp8_method must be one of {', '.join(FP8_METHODS)}; "
+                                  f"got {self.fp8_method!r}")
+            if self.precision != "fp8":
+                raise ConfigError(f"fp8_method applies to precision fp8, not {self.precision}")
         object.__setattr__(self, "exclude_nodes", _as_str_tuple(self.exclude_nodes, "exclude_nodes"))
         object.__setattr__(self, "exclude_op_types", _as_str_tuple(self.exclude_op_types, "exclude_op_types"))
         if (isinstance(self.min_channels, bool) or not isinstance(self.min_channels, int)
@@ -138,7 +150,7 @@ class QuantizeConfig:
 
 
 _FIELDS = ("target", "exclude_nodes", "exclude_op_types", "min_channels", "include_attention", "precision",
-           "block_size", "int4_method")
+           "block_size", "int4_method", "fp8_method")
 
 
 def normalize_names(names: Iterable[str]) -> Tuple[str, ...]:

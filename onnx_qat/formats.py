@@ -101,6 +101,9 @@ DEFAULT_BLOCK_SIZE = 128
 #: activation-aware scales and clipping (:mod:`onnx_qat.awq`); AWQ then GPTQ's error-compensating
 #: rounding (:mod:`onnx_qat.gptq`). The last two need calibration data.
 INT4_METHODS = ("rtn", "awq", "gptq")
+#: How FP8 weights are rounded (``fp8_method``): round to nearest on each output channel's E4M3 grid,
+#: or GPTQ's error-compensating rounding on that grid (:mod:`onnx_qat.gptq`, needs calibration data).
+FP8_METHODS = ("rtn", "gptq")
 
 
 def get_format(precision) -> Format:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from .calibration.runner import DEFAULT_METHOD, calibrate
 from .config import QuantizeConfig
 from .errors import ConfigError
 from .formats import get_format
@@ -20,14 +21,15 @@ from .rewrite import (QUANTIZED_OPS, REPORT_FORMAT, REPORT_VERSION, QuantizeResu
                       without_unreached_branches)
 
 
-def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
+def quantize(model, output=None, *, scales=None, data=None, method: Optional[str] = None,
              config: Optional[QuantizeConfig] = None, target: Optional[str] = None, exclude_nodes=None,
              exclude_op_types=None, min_channels: Optional[int] = None,
              include_attention: Optional[bool] = None, calibration_options: Optional[Mapping] = None,
              report=None, progress: bool = True, placement: Optional[Placement] = None,
              precision: Optional[str] = None, block_size: Optional[int] = None,
              min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
-             int4_method: Optional[str] = None, **calibration_kwargs) -> QuantizeResult:
+             int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
+             **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
@@ -44,11 +46,13 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
             (``precision="int4"`` needs neither: without ``data`` its weights are rounded to
             nearest; with ``data`` an activation-aware scale search runs first, see
             :mod:`onnx_qat.awq`).
-        method: calibration method when ``data`` is given (``max``, ``percentile``, ``entropy``, ``mse``,
-            ``auto``; see :func:`onnx_qat.calibrate`).
+        method: calibration method when ``data`` is given: ``auto``, ``max``, ``percentile``,
+            ``entropy`` or ``mse`` (see :func:`onnx_qat.calibrate`). None: ``auto``; with
+            ``min_cosine``, ``max`` (the mixed-precision search calibrates once and judges every site
+            on the output itself).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; the keywords ``target``,
             ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
-            ``precision``, ``block_size`` and ``int4_method`` override its fields.
+            ``precision``, ``block_size``, ``int4_method`` and ``fp8_method`` override its fields.
         calibration_options: extra keywords for :func:`onnx_qat.calibrate` (e.g. ``batch_size``);
             further keyword arguments (``percentile=...``, ``batch_size=...``) are added to them.
         report: a path: also write :meth:`QuantizeResult.to_report` as JSON (atomically).
@@ -64,6 +68,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         int4_method: how INT4 weights are rounded: ``"rtn"``, ``"awq"`` or ``"gptq"`` (AWQ's
             scales, then error-compensating rounding on the calibration data's Hessians,
             :mod:`onnx_qat.gptq`); default ``awq`` with ``data``, ``rtn`` without.
+        fp8_method: how FP8 MatMul/Gemm weights are rounded: ``"rtn"`` (round to nearest, the
+            default) or ``"gptq"`` (error-compensating rounding on each output channel's E4M3 grid,
+            driven by ``data``'s activations, :func:`onnx_qat.gptq.apply_gptq_fp8`; needs ``data``).
         min_cosine: automatic mixed precision: leave the fewest sites (:mod:`onnx_qat.accuracy.sites`)
             in float so that the output cosine against the float model reaches this on
             ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
@@ -85,10 +92,16 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
     config = QuantizeConfig.from_options(config, target=target, exclude_nodes=exclude_nodes,
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
                                          include_attention=include_attention, precision=precision,
-                                         block_size=block_size, int4_method=int4_method)
+                                         block_size=block_size, int4_method=int4_method,
+                                         fp8_method=fp8_method)
     fmt = get_format(config.precision)
     if config.int4_method in ("awq", "gptq") and data is None:
         raise ConfigError(f"int4_method {config.int4_method!r} needs calibration data (data, --data)")
+    if config.fp8_method == "gptq" and data is None:
+        raise ConfigError("fp8_method 'gptq' needs calibration data (data, --data)")
+    if config.fp8_method == "gptq" and (min_cosine is not None or max_float_sites is not None):
+        raise ConfigError("fp8_method 'gptq' does not combine with min_cosine (mixed precision rounds "
+                          "FP8 weights to nearest)")
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
@@ -98,7 +111,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: str = "max",
         if min_cosine is None or placement is not None:
             raise ConfigError("eval_data applies with min_cosine; min_cosine does not take a placement")
         return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
-                              eval_data=eval_data, scales=scales, data=data, method=method, config=config,
-                              calib_kw=calib_kw, report=report, progress=progress)
-    return quantize_placed(model, output, scales=scales, data=data, method=method, config=config,
-                           calib_kw=calib_kw, report=report, progress=progress, placement=placement)
+                              eval_data=eval_data, scales=scales, data=data, method=method or "max",
+                              config=config, calib_kw=calib_kw, report=report, progress=progress)
+    return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
+                           config=config, calib_kw=calib_kw, report=report, progress=progress,
+                           placement=placement, calibrator=calibrate)

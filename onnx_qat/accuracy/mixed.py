@@ -173,7 +173,7 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     except PlacementError:  # the partners took every remaining site along
         raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "
                             + ", ".join(names[:8]) + "; nothing was written") from None
-    session = make_session(result.model)
+    session = make_session(result.model, spin=False)
     outputs = list(prepared.reference)
     parts = {name: [] for name in outputs}
     for feed in prepared.feeds:

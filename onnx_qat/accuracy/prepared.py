@@ -57,14 +57,15 @@ def output_error(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np
     cos, sqnr, mabs = 1.0, math.inf, 0.0
     for name, ref in reference.items():
         r = ref.astype(np.float64, copy=False)
-        c = candidate[name].astype(np.float64, copy=False)
-        diff = r - c
-        noise, signal, cc = float(diff @ diff), float(r @ r), float(c @ c)
+        c = np.array(candidate[name], dtype=np.float64)  # a copy of our own: the difference goes in place
+        signal, cc, rc = float(r @ r), float(c @ c), float(r @ c)
+        diff = np.subtract(r, c, out=c)
+        noise = float(diff @ diff)
         norms = math.sqrt(signal * cc)
-        cos = min(cos, float(r @ c) / norms if norms else (1.0 if noise == 0 else 0.0))
+        cos = min(cos, rc / norms if norms else (1.0 if noise == 0 else 0.0))
         sqnr = min(sqnr, math.inf if noise == 0 else (-math.inf if signal == 0
                                                           else 10 * math.log10(signal / noise)))
-        mabs = max(mabs, float(np.abs(diff).max()) if diff.size else 0.0)
+        mabs = max(mabs, max(float(diff.max()), -float(diff.min())) if diff.size else 0.0)
     return OutputError(cos, sqnr, mabs)
 
 
@@ -198,7 +199,7 @@ def _float_run(float_model, feeds, observed: Tuple[str, ...], placement, table):
         raise PlacementError("the model has no float output to measure the quantization error on")
     graph_inputs = {i.name for i in float_model.graph.input}
     fetched = [t for t in observed if t not in graph_inputs and t not in outputs]
-    session = make_session(float_model, extra_outputs=fetched)
+    session = make_session(float_model, extra_outputs=fetched, spin=False)
     amax = group_amax(placement, table)
     stats = {t: _Accumulator(amax.get(t, table.activations.get(t, 0.0))) for t in observed}
     parts: Dict[str, list] = {name: [] for name in outputs}
@@ -208,7 +209,9 @@ def _float_run(float_model, feeds, observed: Tuple[str, ...], placement, table):
             parts[name].append(values[name])
         for t, acc in stats.items():
             acc.update(feed[t] if t in feed else values[t])
-    return {name: join_flat(v) for name, v in parts.items()}, {t: acc.result() for t, acc in stats.items()}
+    # float64 once: every later comparison reads the reference in float64
+    reference = {name: join_flat(v).astype(np.float64) for name, v in parts.items()}
+    return reference, {t: acc.result() for t, acc in stats.items()}
 
 
 class _Accumulator:

@@ -4,7 +4,8 @@ For every site (:mod:`onnx_qat.accuracy.sites`) the model's output error against
 is measured in two settings on the evaluation data: only this site in INT8, and every site but
 this one in INT8. Per quantized tensor the result also gives its amax, the share of values the
 range clips, and the tensor's own quantization SQNR. Ranges are calibrated once; every setting is
-one run of one gated session (:mod:`onnx_qat.accuracy.gated`); the float outputs are computed once.
+one run of the gated model (:mod:`onnx_qat.accuracy.gated`), from the latest cut it can start at
+(:mod:`onnx_qat.accuracy.cuts`); the float outputs are computed once.
 
 The idea follows the layer-wise tools TensorRT users know (Polygraphy's layer-wise comparison and
 precision debugging; onnxruntime's ``qdq_loss_debug``): measure one layer's effect with the others

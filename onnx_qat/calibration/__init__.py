@@ -4,7 +4,8 @@
 * One collector per method, sharing :class:`~.collector.RangeCollector`:
   :class:`MaxCollector` (``max``), :class:`PercentileCollector` (``percentile``),
   :class:`EntropyCollector` (``entropy``), :class:`MseCollector` (``mse``),
-  :class:`AutoCollector` (``auto``: the best of max / percentile / mse per tensor).
+  :class:`AutoCollector` (``auto``, the default: the best of max / percentile / mse per tensor,
+  then whole tables judged by the model's output, :mod:`.output_check`).
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from .entropy import EntropyCollector
 from .max_collector import MaxCollector
 from .mse import MseCollector
 from .percentile import PercentileCollector
-from .runner import METHODS, TensorObserver, calibrate, make_collector
+from .runner import DEFAULT_METHOD, METHODS, TensorObserver, calibrate, make_collector
 
 __all__ = [
-    "calibrate", "METHODS", "make_collector", "RangeCollector", "AbsHistogram", "TensorObserver",
+    "calibrate", "DEFAULT_METHOD", "METHODS", "make_collector", "RangeCollector", "AbsHistogram",
+    "TensorObserver",
     "MaxCollector", "PercentileCollector", "EntropyCollector", "MseCollector",
     "AutoCollector",
 ]

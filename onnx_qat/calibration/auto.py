@@ -1,4 +1,9 @@
-"""``auto``: per tensor, the candidate range (max, percentiles, mse) with the least quantization error."""
+"""``auto``: per tensor, the candidate range (max, percentiles, mse) with the least quantization error.
+
+:func:`onnx_qat.calibrate` then judges whole tables by the model's output
+(:mod:`.output_check`): this per-tensor choice, ``max`` everywhere and ``entropy`` everywhere, all
+read from the same histograms.
+"""
 from __future__ import annotations
 
 from typing import Dict, Tuple
@@ -6,6 +11,7 @@ from typing import Dict, Tuple
 import numpy as np
 
 from .collector import HistogramCollector
+from .entropy import EntropyCollector
 from .mse import MseCollector, quantization_mse
 from .percentile import PercentileCollector
 
@@ -50,6 +56,16 @@ class AutoCollector(HistogramCollector):
             found[method.describe()] = min(max(float(method._threshold(counts, width)), width),
                                            self.hist.max_seen)
         return found
+
+    def max_amax(self) -> float:
+        """The ``max`` range (max |x|) from the same histogram."""
+        return float(self.hist.max_seen)
+
+    def entropy_amax(self) -> float:
+        """The ``entropy`` range (the guarded KL search of :mod:`.entropy`) from the same histogram."""
+        entropy = EntropyCollector(self.num_bins)
+        entropy.hist = self.hist
+        return float(entropy.amax())
 
     def _threshold(self, counts: np.ndarray, width: float) -> float:  # pragma: no cover - amax overrides
         raise NotImplementedError

@@ -36,6 +36,10 @@ METHODS: Mapping[str, Callable[..., RangeCollector]] = {
     "auto": lambda percentile, num_bins: AutoCollector(num_bins),
 }
 
+#: The method :func:`calibrate` and :func:`onnx_qat.quantize` use when none is given: ``auto`` beat
+#: ``max`` on every real model measured (docs/sensitivity.md, "Calibration methods on real models").
+DEFAULT_METHOD = "auto"
+
 #: amax given to a tensor that was zero on every sample (a ScaleTable refuses 0).
 ZERO_TENSOR_AMAX = 1e-6
 #: Magnitudes at or above this are treated like infinities: masking constants such as -1e9 or
@@ -122,7 +126,7 @@ def _check_options(method: str, percentile, num_bins, batch_size) -> None:
         raise ConfigError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
 
 
-def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, num_bins: int = 2048,
+def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 99.99, num_bins: int = 2048,
               batch_size: int = 16, config=None, tensors: Optional[Iterable[str]] = None,
               progress: bool = True, output=None, **placement_options) -> ScaleTable:
     """Compute activation ranges of ``model`` on ``data`` with onnxruntime.
@@ -131,11 +135,14 @@ def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, nu
         model: a float ONNX model (``ModelProto``, not modified, or a path).
         data: calibration data: an ``.npz`` path, a dict of arrays, an array or a
             :class:`~onnx_qat.data.Dataset` (see :func:`onnx_qat.load_data`).
-        method: ``"max"`` (max |x|), ``"percentile"`` (the ``percentile``-th
-            percentile of |x|), ``"entropy"`` (TensorRT's KL-divergence threshold) or
-            ``"mse"`` (threshold with the least expected quantization error) or ``"auto"`` (per
-            tensor, whichever of the max, percentile and mse candidates quantizes that tensor with
-            the least error; the metadata key ``auto_choices`` records each tensor's pick).
+        method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
+            of the max, percentile and mse candidates quantizes that tensor with the least error,
+            ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
+            model's on the first 64 calibration samples; the metadata keys ``auto_table``,
+            ``auto_output_cosine`` and ``auto_choices`` record the choice), ``"max"`` (max |x|),
+            ``"percentile"`` (the ``percentile``-th percentile of |x|), ``"entropy"`` (TensorRT's
+            KL-divergence threshold, guarded) or ``"mse"`` (threshold with the least expected
+            quantization error).
         percentile: for ``method="percentile"``, in (0, 100].
         num_bins: histogram bins for the histogram methods (a power of two >= 256).
         batch_size: samples per onnxruntime run.
@@ -175,15 +182,49 @@ def calibrate(model, data, *, method: str = "max", percentile: float = 99.99, nu
     amax = {name: observer.result() for name, observer in observers.items() if name in reached}
     meta = _metadata(method, percentile, num_bins, dataset.num_samples)
     if method == "auto":
-        choices = {name: observers[name].collector.choice for name in amax}
-        meta["auto_choices"] = json.dumps(choices, sort_keys=True, separators=(",", ":"))
-        counts = Counter(choices.values())
-        logger.info("auto calibration: %s", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        amax = _auto_tables(model, dataset, observers, amax, meta, config=config, batch_size=batch_size,
+                            placement_options=placement_options)
     table = ScaleTable(amax, producer=f"onnx_qat.calibrate(method={_describe(method, percentile)})",
                        metadata=meta)
     if output is not None:
         table.save(output)
     return table
+
+
+def _auto_tables(model, dataset, observers, amax, meta, *, config, batch_size: int,
+                 placement_options) -> Dict[str, float]:
+    """``auto``'s final table: the per-tensor least-error choice, ``max`` or ``entropy`` everywhere,
+    whichever gives the model output closest to the float model's on the calibration data
+    (:mod:`.output_check`; the per-tensor choice when the tables cannot be inserted, e.g. because
+    explicit ``tensors`` leave out an activation placement quantizes). Records the per-tensor picks
+    (``auto_choices``), the winning table (``auto_table``) and each table's output cosine
+    (``auto_output_cosine``) in ``meta``."""
+    from ..model_io import load_model
+    from .output_check import choose_by_output, first_samples
+
+    def guarded(value: float) -> float:
+        return value if value > 0.0 else ZERO_TENSOR_AMAX
+
+    choices = {name: observers[name].collector.choice for name in amax}
+    tables = {"max": {n: guarded(observers[n].collector.max_amax()) for n in amax}, "tensor": amax,
+              "entropy": {n: guarded(observers[n].collector.entropy_amax()) for n in amax}}
+    best, cosines = choose_by_output(load_model(model), first_samples(dataset, batch_size=batch_size),
+                                     tables, config=config, batch_size=batch_size,
+                                     placement_options=placement_options)
+    if not np.isfinite(max(cosines.values())):
+        best = "tensor"
+    else:
+        meta["auto_output_cosine"] = json.dumps({k: round(v, 6) for k, v in cosines.items()},
+                                                sort_keys=True, separators=(",", ":"))
+        logger.info("auto calibration: output cosine on the calibration data %s; keeping %s",
+                    ", ".join(f"{k} {v:.5f}" for k, v in cosines.items()), best)
+        if best != "tensor":
+            choices = {name: best for name in amax}
+    meta["auto_table"] = best
+    meta["auto_choices"] = json.dumps(choices, sort_keys=True, separators=(",", ":"))
+    counts = Counter(choices.values())
+    logger.info("auto calibration: %s", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return dict(tables[best])
 
 
 def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, batch_size: int,

@@ -42,7 +42,7 @@ def test_default_tensors_are_placement_activations():
     model = _conv_model()
     table = calibrate(model, _data(), progress=False)
     assert tuple(sorted(table.activations)) == place(model).activation_tensors()
-    assert table.producer == "onnx_qat.calibrate(method=max)"
+    assert table.producer == "onnx_qat.calibrate(method=auto)"  # the default
     assert table.metadata["calibration_samples"] == "12"
 
 
@@ -51,7 +51,7 @@ def test_max_matches_onnxruntime_reference(batch_size):
     model = _conv_model()
     data = _data()
     names = ("x", "c", "r", "f")
-    table = calibrate(model, data, tensors=names, batch_size=batch_size, progress=False)
+    table = calibrate(model, data, tensors=names, batch_size=batch_size, method="max", progress=False)
     reference = builders.amax_table(model, data, tensors=names)
     for name in names:
         assert table.activations[name] == pytest.approx(reference.activations[name], rel=1e-6), name
@@ -61,7 +61,7 @@ def test_max_matches_onnxruntime_reference(batch_size):
 def test_histogram_methods_bounded_by_max_and_independent_of_batch(method):
     model = _conv_model()
     data = _data(24)
-    maxes = calibrate(model, data, tensors=("c", "f"), progress=False)
+    maxes = calibrate(model, data, tensors=("c", "f"), method="max", progress=False)
     runs = [calibrate(model, data, method=method, tensors=("c", "f"), batch_size=b, progress=False)
             for b in (3, 24)]
     for name in ("c", "f"):
@@ -105,10 +105,10 @@ def test_output_path_checked_before_work(tmp_path):
 
 
 def test_progress_bar_on_stderr_and_silenced(capsys):
-    calibrate(_conv_model(), _data(), batch_size=4, progress=True)
+    calibrate(_conv_model(), _data(), batch_size=4, method="max", progress=True)
     captured = capsys.readouterr()
     assert "calibrate (max)" in captured.err and captured.out == ""
-    calibrate(_conv_model(), _data(), batch_size=4, progress=False)
+    calibrate(_conv_model(), _data(), batch_size=4, method="max", progress=False)
     assert capsys.readouterr().err == ""
 
 
@@ -141,7 +141,7 @@ def test_all_zero_activation_gets_positive_amax(caplog):
     model = _conv_model()
     data = {"x": np.zeros((4, 3, 8, 8), np.float32)}
     with caplog.at_level(logging.WARNING):
-        table = calibrate(model, data, tensors=("c", "r"), progress=False)
+        table = calibrate(model, data, tensors=("c", "r"), method="max", progress=False)
     assert table.activations["c"] > 0 and table.activations["r"] > 0
     assert any("'c'" in r.getMessage() for r in caplog.records)
 
@@ -238,7 +238,8 @@ def test_int64_and_bool_inputs_feed_calibration():
     model.ir_version = 8
     ids = np.array([[0, 1, 2], [9, 9, 9]], np.int64)
     mask = np.array([[True, True, False], [True, False, False]])
-    table_out = calibrate(model, {"ids": ids, "mask": mask}, tensors=("emb", "y"), progress=False)
+    table_out = calibrate(model, {"ids": ids, "mask": mask}, tensors=("emb", "y"), method="max",
+                          progress=False)
     assert table_out.activations["emb"] == 20.0  # row 0 holds -20
     assert table_out.activations["y"] == pytest.approx(float(np.abs(table[ids] * mask[..., None]).max()))
 

@@ -113,3 +113,75 @@ def test_quantize_auto_is_check_clean_and_cli_accepts_it(tmp_path):
     args = get_parser().parse_args(["quantize", "m.onnx", "-o", "o.onnx", "--data", "d.npz",
                                     "--method", "auto"])
     assert args.method == "auto"
+
+
+# --------------------------------------------------------------------------- the output check
+def _output_cosine(model, quantized, data) -> float:
+    from onnx_qat.accuracy.prepared import output_error
+    from onnx_qat.runtime import run_model
+
+    ref, got = run_model(model, data), run_model(quantized, data)
+    return output_error({k: v.ravel() for k, v in ref.items()}, {k: v.ravel() for k, v in got.items()}).cosine
+
+
+def _with_outliers(n: int, seed: int) -> dict:
+    """Standard-normal images with a few pixels 300x larger: max |x| is set by 0.05 % of the values."""
+    x = _data(n, seed)["x"]
+    rng = np.random.default_rng(seed)
+    flat = x.reshape(-1)
+    idx = rng.choice(flat.size, max(1, flat.size // 2000), replace=False)
+    flat[idx] *= 300.0
+    return {"x": x}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_auto_keeps_the_table_whose_output_is_closest_and_records_the_cosines(seed):
+    model, data = _conv_model(), _with_outliers(24, seed)
+    table = calibrate(model, data, method="auto", progress=False)
+    cosines = json.loads(table.metadata["auto_output_cosine"])
+    assert set(cosines) == {"max", "tensor", "entropy"}
+    best = table.metadata["auto_table"]
+    assert cosines[best] == max(cosines.values())
+    assert cosines[best] >= cosines["max"] > 0.9  # never worse than max on the data it saw
+    expected = {"max": "max", "entropy": "entropy"}.get(best)
+    if expected:  # a whole-model table equals that method's ranges
+        other = calibrate(model, data, method=expected, progress=False).activations
+        for name, amax in table.activations.items():
+            assert amax == pytest.approx(other[name], rel=1e-6)
+        assert set(json.loads(table.metadata["auto_choices"]).values()) == {best}
+    quantized = onnx_qat.quantize(model, scales=table, progress=False).model
+    assert _output_cosine(model, quantized, data) == pytest.approx(cosines[best], abs=1e-5)
+
+
+def test_auto_with_a_subset_of_tensors_keeps_the_per_tensor_choice():
+    model, data = _conv_model(), _data(12)
+    names = onnx_qat.place(model).activation_tensors()[:1]
+    table = calibrate(model, data, method="auto", tensors=names, progress=False)
+    assert table.metadata["auto_table"] == "tensor" and "auto_output_cosine" not in table.metadata
+    alone = _fed(np.abs(data["x"]).ravel()) if names[0] == "x" else None
+    if alone is not None:
+        assert table.activations["x"] == pytest.approx(alone.amax(), rel=1e-6)
+
+
+def test_output_check_runs_on_the_first_64_samples_only():
+    from onnx_qat.calibration.output_check import CHECK_SAMPLES, first_samples
+
+    model, data = _conv_model(), _data(100)
+    dataset = onnx_qat.load_data(data, model)
+    feeds = first_samples(dataset, batch_size=16)
+    assert CHECK_SAMPLES == 64 and feeds["x"].shape == (64, 3, 8, 8)
+    np.testing.assert_array_equal(feeds["x"], data["x"][:64])
+    small = onnx_qat.load_data(_data(12), model)
+    assert first_samples(small) is small
+
+
+def test_output_check_cosine_is_the_accuracy_tools_cosine():
+    from onnx_qat.accuracy.prepared import output_error
+    from onnx_qat.calibration.output_check import worst_cosine
+
+    rng = np.random.default_rng(0)
+    ref = {"a": rng.standard_normal(500), "b": rng.standard_normal(40), "z": np.zeros(5)}
+    got = {"a": ref["a"] + 0.3 * rng.standard_normal(500), "b": ref["b"] * 0.5 + 0.1, "z": np.zeros(5)}
+    assert worst_cosine(ref, got) == pytest.approx(output_error(ref, got).cosine, abs=1e-12)
+    assert worst_cosine(ref, got) < 0.99
+    assert worst_cosine({"z": np.zeros(3)}, {"z": np.ones(3)}) == 0.0

@@ -3,12 +3,16 @@
 The differences, each asserted here:
 
 * onnxruntime's defaults (a signed histogram of 128 bins, 128 quantized bins) leave one candidate
-  window, the whole range: its entropy amax equals max |x|.
+  window, the whole range: its entropy amax equals max |x| (on the PP-OCR recognizer of
+  tools/real_models.py: on all 55 activation tensors). ``quantize_static`` passes no bin counts to
+  the calibrator, so this is what its users get.
 * With a finer histogram (2048 signed bins and 256 quantized bins: 1024 and 128 per side) the two
   searches agree within a few percent on a symmetric tensor.
 * On ReLU outputs onnxruntime keeps the spike of exact zeros in bin 0, which pulls its threshold down;
   we give bin 0 bin 1's count first (NVIDIA's reference implementation does), so our amax is larger
   and clips less. Without that step ours would clip more than onnxruntime's.
+* Our search starts at half the range and clips at most 0.1 % of the values (onnx_qat/calibration/
+  entropy.py): our amax is never below max |x| / 2 nor below the 99.9th percentile of |x|.
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ def _values(model, x, tensors):
 
 
 def _unsuppressed_entropy(values: np.ndarray) -> float:
-    """Our search without the zero-bin step (bin 0 keeps its spike)."""
+    """TensorRT's unguarded search (from bin 128, no clip floor) without the zero-bin step."""
     collector = EntropyCollector()
     collector.update(np.abs(values))
     counts, width = collector.hist.final(collector.num_bins)
@@ -86,4 +90,7 @@ def test_entropy_against_onnxruntime(tmp_path, seed):
         assert float(np.mean(values_t == 0)) > 0.3  # a real zero spike
         assert ours[t] > fine[t] > _unsuppressed_entropy(values_t), (t, ours[t], fine[t])
         assert ours[t] <= peak[t]
-        assert float(np.mean(np.abs(values_t) > ours[t])) < 0.002  # clips only the rare tail
+        assert float(np.mean(np.abs(values_t) > ours[t])) <= 0.001 + 1e-4  # clips only the rare tail
+    for t in tensors:  # the two guards
+        assert ours[t] >= 0.5 * peak[t]
+        assert ours[t] >= 0.999 * float(np.quantile(np.abs(values[t]), 0.999))

@@ -91,6 +91,16 @@ def test_optimize_false_turns_graph_optimisations_off():
     np.testing.assert_allclose(next(iter(out.values())), _expected(x), rtol=1e-5, atol=1e-6)
 
 
+def test_spin_false_turns_intra_op_spinning_off_and_keeps_the_outputs():
+    key = "session.intra_op.allow_spinning"
+    entry = lambda s: s.get_session_options().get_session_config_entry(key)  # noqa: E731
+    quiet = make_session(_mlp(), spin=False)
+    assert entry(quiet) == "0"
+    with pytest.raises(RuntimeError):  # the default: onnxruntime's own setting, no entry
+        entry(make_session(_mlp()))
+    np.testing.assert_allclose(quiet.run(None, {"x": X})[0], _expected(X), rtol=1e-5, atol=1e-6)
+
+
 def test_large_initializers_no_node_reads_or_only_a_subgraph_reads_do_not_break_the_session():
     """onnxruntime drops unread initializers and hands those a subgraph reads down to it; neither can
     then be given as an in-memory weight: both stay serialized, and the outputs are right."""

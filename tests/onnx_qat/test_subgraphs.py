@@ -64,7 +64,7 @@ def test_calibration_observes_each_branch_on_the_batches_that_take_it():
     positive, negative = _data([1, 2], seed=3), _data([-1, -2], seed=4)
     tensors = ["a_relu1_out", "b_relu1_out", "stem_relu_out"]
     table = onnx_qat.calibrate(model, {"input": np.concatenate([positive, negative])}, tensors=tensors,
-                               batch_size=1, progress=False)
+                               batch_size=1, method="max", progress=False)
     # independent reference: max |x| of each tensor on the float model with the branch inlined,
     # fed only the samples that take that branch
     then_model, else_model = inline_branches(model, {4: True}), inline_branches(model, {4: False})
