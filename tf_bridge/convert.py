@@ -7,6 +7,7 @@ or makes a graph the ONNX checker refuses is one :class:`onnx_qat.errors.ExportE
 """
 from __future__ import annotations
 
+import gc
 import logging
 from types import MappingProxyType
 from typing import List, Mapping, Optional
@@ -60,6 +61,7 @@ def convert_float_twin(twin, opset: int) -> onnx.ModelProto:
                               "export the model returned by tf_bridge.quantize_model, "
                               "not a model with its own fake-quant")
         check_converted(proto, twin, int(opset), log.failures)
+    gc.collect()  # tf2onnx's graph holds reference cycles: free its copies of the weights now
     return proto
 
 
@@ -214,31 +216,39 @@ def _tf2onnx_without_conv_folding(concrete, input_names: List[str], opset: int,
     """``tf2onnx.convert.from_function`` for ``concrete``, except that the BatchNorm Mul/Add stay
     separate from the convolutions (:data:`GRAPPLER_PASSES`); ``input_names`` name the ONNX inputs.
 
-    tf2onnx's ONNX optimizers (``optimizers``: its own table when None) run first without its
-    per-pass recovery, which copies the whole graph, weights included, before every pass (half the
-    conversion time of a ResNet50). Where a pass fails, the graph is converted again and optimized
-    with that recovery, as ``tf2onnx.convert`` does: the failing pass is skipped and logged."""
+    The same steps as tf2onnx's, made cheaper where they only cost time and memory:
+
+    * the frozen graph is taken as a GraphDef (:func:`_frozen_graph_def`), without wrapping it in a
+      new TensorFlow function first (most of the freezing time, and a copy of every weight);
+    * tf2onnx's ONNX optimizers (``optimizers``: its own table when None) run in tf2onnx's order
+      and loop (:func:`_optimize_onnx`) without its per-pass recovery, which copies the whole graph,
+      weights included, before every pass, and with the node protos written once at the end instead
+      of after every pass (each write copies every weight once more). Where a pass fails, the graph
+      is converted again and optimized with that recovery, as ``tf2onnx.convert`` does: the
+      failing pass is skipped and logged.
+
+    The ONNX model is the same, node for node and byte for byte, as tf2onnx's own loop makes."""
     import tensorflow as tf
     from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
-    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
     from tensorflow.python.grappler import tf_optimizer
     from tf2onnx import optimizer, tfonnx
 
-    frozen = convert_variables_to_constants_v2(concrete, lower_control_flow=False, aggressive_inlining=True)
-    graph_def = inlinable(frozen.graph.as_graph_def(add_shapes=True))
-    tf_inputs = [t.name for t in frozen.inputs if t.dtype != tf.resource]
-    tf_outputs = [t.name for t in frozen.outputs if t.dtype != tf.resource]
+    frozen, tf_inputs, tf_outputs = _frozen_graph_def(concrete)
+    frozen = inlinable(frozen)  # grouped convolutions: their XLA-marked functions inlined
     config = config_pb2.ConfigProto()
     config.graph_options.infer_shapes = True
     config.graph_options.rewrite_options.optimizers[:] = list(GRAPPLER_PASSES)
     with tf.Graph().as_default():
-        meta = tf.compat.v1.train.export_meta_graph(graph_def=graph_def)
+        meta = tf.compat.v1.train.export_meta_graph(graph_def=frozen)
+    del frozen
     fetch = meta_graph_pb2.CollectionDef()
     fetch.node_list.value.extend(tf_inputs + tf_outputs)
     meta.collection_def["train_op"].CopyFrom(fetch)
-    graph_def = tf_optimizer.OptimizeGraph(config, meta)
+    graph_def = _fold_constants(tf_optimizer.OptimizeGraph(config, meta), tf_outputs)
+    del meta
     with tf.device("/cpu:0"), tf.Graph().as_default() as tf_graph:
         tf.import_graph_def(graph_def, name="")
+        del graph_def
 
         def convert():
             graph = tfonnx.process_tf_graph(tf_graph, continue_on_error=True, opset=opset,
@@ -249,7 +259,7 @@ def _tf2onnx_without_conv_folding(concrete, input_names: List[str], opset: int,
             return graph
 
         try:
-            graph = optimizer.optimize_graph(convert(), catch_errors=False, optimizers=optimizers)
+            graph = _optimize_onnx(convert(), optimizers)
         except Exception as exc:  # an optimizer pass failed: convert again, skip that pass
             logger.debug("tf2onnx optimizer pass failed (%s); converting again with per-pass recovery",
                          brief(exc))
@@ -305,6 +315,119 @@ def _erfc(ctx, node, name, args) -> None:
 #: TensorFlow ops tf2onnx 1.17 has no handler for, converted by the export's own handlers
 #: (tf2onnx's ``custom_op_handlers``: op type -> (function, args)).
 CUSTOM_OP_HANDLERS = MappingProxyType({"Erfc": (_erfc, [])})
+
+
+def _frozen_graph_def(concrete):
+    """The GraphDef of ``concrete`` with its variables turned into constants (inlined, control flow
+    kept), and the names of its input and output tensors.
+
+    What ``convert_variables_to_constants_v2`` freezes, taken before it wraps the GraphDef in a new
+    concrete function (tf2onnx needs only the graph)."""
+    import tensorflow as tf
+    from tensorflow.python.framework import convert_to_constants as c2c
+
+    data = c2c._FunctionConverterDataInEager(func=concrete, lower_control_flow=False,  # noqa: SLF001
+                                            aggressive_inlining=True)
+    graph_def, converted = c2c._replace_variables_by_constants(converter_data=data)  # noqa: SLF001
+    del data
+    captures = concrete.graph.internal_captures
+    frozen = {id(captures[i]) for i in converted}
+    tf_inputs = [t.name for t in concrete.inputs if id(t) not in frozen and t.dtype != tf.resource]
+    tf_outputs = [t.name for t in concrete.outputs if t.dtype != tf.resource]
+    return graph_def, tf_inputs, tf_outputs
+
+
+#: TensorFlow ops tf2onnx's constant folding (``tf_utils.compute_const_folding_using_tf``) leaves alone.
+_UNFOLDED_OPS = ("Enter", "Placeholder", "PlaceholderWithDefault", "Switch", "Merge", "NextIteration", "Exit",
+                 "QuantizeAndDequantizeV2", "QuantizeAndDequantizeV3", "QuantizeAndDequantizeV4")
+
+
+def _fold_constants(graph_def, tf_outputs: List[str]):
+    """``graph_def`` with the values tf2onnx would fold with TensorFlow computed in one run.
+
+    tf2onnx folds every op whose inputs are all constant (one output, not a graph output, no
+    control input, not random, not a result of a million values or more made from inputs of at
+    most a thousand), each in a TensorFlow session of its own: thousands of sessions for a QAT graph,
+    whose fake-quantized weights are such ops. The same ops are computed here by the same kernels
+    in one session, with TensorFlow's graph optimizations off (each op computes exactly its own
+    definition, as it does alone), and the last ones of each constant chain are written as
+    constants in their place; tf2onnx then finds the values it would have computed."""
+    import tensorflow as tf
+    from tensorflow.python.framework import tensor_util
+
+    with tf.Graph().as_default() as graph:
+        tf.import_graph_def(graph_def, name="")
+    outputs, known, folded = set(tf_outputs), set(), {}
+    for op in graph.get_operations():  # imported in topological order
+        if op.type in ("Const", "ConstV2"):
+            known.add(op.outputs[0].name)
+            continue
+        ins = [t.name for t in op.inputs]
+        if (op.type in _UNFOLDED_OPS or op.type.startswith("Random") or op.op_def.is_stateful or not ins
+                or op.control_inputs or len(op.outputs) != 1 or op.outputs[0].name in outputs
+                or not all(t in known for t in ins) or _huge_from_small(op)):
+            continue
+        known.add(op.outputs[0].name)
+        folded[op.name] = op
+    controlled = {i[1:] for node in graph_def.node for i in node.input if i.startswith("^")}
+    frontier = [op for op in folded.values() if op.name in controlled
+                or any(c.name not in folded for t in op.outputs for c in t.consumers())]
+    if not frontier:
+        return graph_def
+    config = tf.compat.v1.ConfigProto()
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    config.graph_options.optimizer_options.opt_level = tf.compat.v1.OptimizerOptions.L0
+    try:
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            values = session.run([op.outputs[0] for op in frontier])
+    except Exception as exc:  # TensorFlow raises many types; tf2onnx then folds op by op, skipping failures
+        logger.debug("constant folding in one run failed (%s); tf2onnx folds op by op", brief(exc))
+        return graph_def
+    constants = {op.name: value for op, value in zip(frontier, values)}
+    result = tf.compat.v1.GraphDef()
+    result.versions.CopyFrom(graph_def.versions)
+    result.library.CopyFrom(graph_def.library)
+    for node in graph_def.node:
+        if node.name in constants:
+            const = result.node.add(name=node.name, op="Const", device=node.device)
+            const.attr["dtype"].type = folded[node.name].outputs[0].dtype.as_datatype_enum
+            const.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(constants[node.name]))
+        elif node.name not in folded:
+            result.node.add().CopyFrom(node)
+    return result
+
+
+def _huge_from_small(op) -> bool:
+    """An op tf2onnx does not fold: a result of a million values or more from inputs of at most a
+    thousand each (a Fill, a broadcast...)."""
+    size = op.outputs[0].shape.num_elements()
+    return size is not None and size >= 1_000_000 and all(
+        (t.shape.num_elements() or 0) <= 1000 and t.shape.num_elements() is not None for t in op.inputs)
+
+
+def _optimize_onnx(graph, optimizers=None):
+    """tf2onnx's ONNX optimizers on a tf2onnx ``graph``, in its order and its loop (every pass
+    again while one changes the graph), raising on the first failure. Each pass computes on the
+    graph's nodes (``_optimize``) and drops unused nodes, as ``GraphOptimizerBase.optimize`` does;
+    the node protos, which no pass reads, are written once by ``make_model``."""
+    from tf2onnx import optimizer
+
+    table = optimizer._get_optimizers() if optimizers is None else optimizers  # noqa: SLF001
+    again, iteration = True, 0
+    while again:
+        again = False
+        for factory in table.values():
+            opt = factory()
+            opt.opt_iteration = iteration
+            graph = opt._optimize(graph)  # noqa: SLF001
+            graph.delete_unused_nodes(graph.outputs)
+            again = again or opt.graph_been_opt
+        iteration += 1
+    try:
+        graph.topological_sort(graph.get_nodes())
+    except Exception:  # as tf2onnx's loop: the graph stays in its order
+        logger.warning("tf2onnx: failed topological_sort", exc_info=True)
+    return graph
 
 
 def _pin_conv_bias(graph) -> None:

@@ -45,9 +45,11 @@ public names are importable from here as before.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import time
 from dataclasses import replace
 from types import MappingProxyType
 from typing import List, Tuple
@@ -180,24 +182,28 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     inputs, generated = _input_arrays(q_model, sample_data)
     step = _Steps(progress)
     step("float twin -> tf2onnx")
-    twin = float_twin(q_model)
-    float_model = load_model(convert_float_twin(twin, opset))
+    with step.part("float twin"):
+        twin = float_twin(q_model)
+    with step.part("tf2onnx"):
+        float_model = load_model(convert_float_twin(twin, opset))
+    del twin
     feeds = {i.name: a for i, a in zip(float_model.graph.input, inputs)}
     step("map quantizers")
-    float_values = run_with_tensors(float_model, feeds)
+    with step.part("float ONNX model in onnxruntime"):
+        float_values = run_with_tensors(float_model, feeds)
     mapping = map_quantizers(q_model, float_model)
     _refuse_without_qdq(mapping)
     table = mapping.scales if generated else _with_target_ranges(mapping, target, feeds)
     step("insert Q/DQ")
     result, reproducible = _quantize(quantize, float_model, mapping, target, table, precision)
     step("parity in onnxruntime")
-    with numerics(precision):
+    with numerics(precision), step.part("Keras QAT model in TensorFlow"):
         keras_out = q_model(inputs if len(inputs) > 1 else inputs[0], training=False)
     keras_tf = [np.asarray(v) for v in _outputs(keras_out)]
     reference = result if result.target == "tensorrt" else _quantize(quantize, float_model, mapping,
                                                                       "tensorrt", mapping.scales)[0]
     parity = _parity(q_model, mapping, reference, float_model, float_values, feeds, inputs, keras_tf, opset,
-                     generated)
+                     generated, part=step.part)
     if reference is not result:
         names = [o.name for o in float_model.graph.output]
         parity = replace(parity, deployed=deployed_parity(
@@ -215,7 +221,8 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     step.done()
     report = ExportReport(out, scales_path, float_path, int(opset), result.target, mapping.entries, parity,
                           verdict, MappingProxyType(dict(result.summary)),
-                          reproducible and not mapping.baked, mapping.baked, tuple(result.requantization))
+                          reproducible and not mapping.baked, mapping.baked, tuple(result.requantization),
+                          tuple(step.timings))
     logger.info("%s", report)
     return report
 
@@ -239,18 +246,43 @@ def _outputs(value) -> list:
 
 
 class _Steps:
-    """Progress lines on stderr (one per step)."""
+    """Progress lines on stderr (one per step, and the time each took at the end) and the seconds
+    of every step and timed part (:attr:`ExportReport.timings`)."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and os.environ.get("TF_BRIDGE_QUIET") is None
         self.count = 0
+        self.timings: List[Tuple[str, float]] = []
+        self._current: Tuple[str, float] = ("", 0.0)
+        self._start = time.perf_counter()
 
     def __call__(self, what: str) -> None:
+        self._close()
         self.count += 1
+        self._current = (what, time.perf_counter())
         logger.info("export_onnx: %s", what)
         if self.enabled:
             print(f"export_onnx [{self.count}/5] {what}", file=sys.stderr, flush=True)
 
+    @contextlib.contextmanager
+    def part(self, what: str):
+        """Time a part of the current step (recorded as ``"<step>: <part>"``)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings.append((f"{self._current[0]}: {what}", time.perf_counter() - start))
+
+    def _close(self) -> None:
+        what, start = self._current
+        if what:
+            self.timings.append((what, time.perf_counter() - start))
+            logger.info("export_onnx: %s took %.1f s", what, self.timings[-1][1])
+            self._current = ("", 0.0)
+
     def done(self) -> None:
+        self._close()
         if self.enabled:
-            print("export_onnx: done", file=sys.stderr, flush=True)
+            steps = ", ".join(f"{w} {t:.1f} s" for w, t in self.timings if ": " not in w)
+            print(f"export_onnx: done in {time.perf_counter() - self._start:.1f} s ({steps})",
+                  file=sys.stderr, flush=True)

@@ -111,13 +111,46 @@ def fake_quant_fp8(x: tf.Tensor, amax: tf.Tensor) -> tf.Tensor:
     return xs * scale + tf.stop_gradient(y - xs * scale)
 
 
+#: Inside ``with forward_only():`` (see there) fake quantization is built without its gradient.
+_FORWARD_ONLY: contextvars.ContextVar = contextvars.ContextVar("tf_bridge_fake_quant_forward_only",
+                                                               default=False)
+
+
+@contextlib.contextmanager
+def forward_only():
+    """Within the block, :func:`fake_quant` builds only its forward ops (the same ops, the same
+    numbers) without the custom-gradient wrapper, and an activation quantizer called in inference
+    reads whether it has a range once instead of selecting at run time: for a graph that is only
+    evaluated with fixed ranges (``export_onnx`` runs the Keras QAT graph in onnxruntime). In
+    TensorFlow graphs the wrapper is an ``IdentityN`` over every input and output, which keeps
+    a weight's fake quantization from being folded into a constant; the select is a ``Where``
+    per quantizer. Applies to functions traced inside the block."""
+    token = _FORWARD_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _FORWARD_ONLY.reset(token)
+
+
+def is_forward_only() -> bool:
+    """True inside :func:`forward_only`."""
+    return _FORWARD_ONLY.get()
+
+
+def _forward(x, amax, qmin):
+    scale = amax / QMAX
+    xs = x / scale
+    q = tf.clip_by_value(tf.round(xs), qmin, QMAX)
+    return q * scale, xs, q
+
+
 def _fake_quant(x, amax, qmin):
+    if _FORWARD_ONLY.get():
+        return _forward(x, amax, qmin)[0]
+
     @tf.custom_gradient
     def _fq(x, amax):
-        scale = amax / QMAX
-        xs = x / scale
-        q = tf.clip_by_value(tf.round(xs), qmin, QMAX)
-        y = q * scale
+        y, xs, q = _forward(x, amax, qmin)
 
         def grad(dy):
             inside = tf.logical_and(xs >= qmin, xs <= QMAX)

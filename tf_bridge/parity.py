@@ -15,6 +15,7 @@ cascade). Typed results: :class:`OutputParity`, :class:`DeployedParity`, :class:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -372,8 +373,11 @@ def keras_qat_in_onnxruntime(q_model, opset: int, inputs: Sequence[np.ndarray]) 
     """
     from onnx_qat.model_io import load_model
 
+    from .fake_quant import forward_only
+
     try:
-        proto = load_model(convert_float_twin(q_model, opset))
+        with forward_only():  # the same ops without the gradient wrappers and run-time range checks
+            proto = load_model(convert_float_twin(q_model, opset))
     except ExportError as exc:
         logger.warning("export_onnx: the Keras QAT graph could not be run in onnxruntime (%s); "
                        "parity is measured against TensorFlow only", exc)
@@ -472,7 +476,8 @@ def worst_layers(q_model, mapping: KerasOnnxMapping, qdq_model: onnx.ModelProto,
     """The quantized tensors where the Q/DQ model departs most from the Keras QAT model."""
     from .trace import trace_layers
 
-    calls, _ = trace_layers(q_model, inputs)
+    quantizers = {e.quantizer for e in mapping.entries if e.kind == "activation"}
+    calls, _ = trace_layers(q_model, inputs, only=quantizers)  # their outputs, not every tensor
     dq_out = {}
     for node in qdq_model.graph.node:
         if node.op_type == "DequantizeLinear":
@@ -495,24 +500,31 @@ def worst_layers(q_model, mapping: KerasOnnxMapping, qdq_model: onnx.ModelProto,
 
 
 def _parity(q_model, mapping: KerasOnnxMapping, result, float_model, float_values, feeds, inputs,
-            keras_tf: List[np.ndarray], opset: int, generated: bool) -> Parity:
+            keras_tf: List[np.ndarray], opset: int, generated: bool, part=None) -> Parity:
     """The parity verdict of a TensorRT-form ``result`` (see the module docstring): against the
     Keras QAT model run in TensorFlow; when that fails, in two parts against its own graph run in
     onnxruntime (:func:`split_parity`), or, when that graph cannot be converted, against TensorFlow
     with the rounding bound tried (a difference only it explains fails as a rounding cascade).
     The worst layers are named on failure; a pass through a rounding cascade of the engines is
-    logged as a warning."""
-    qdq_values = run_with_tensors(result.model, feeds)
+    logged as a warning. ``part(name)``, when given, is a context manager timing each run
+    (:attr:`tf_bridge.ExportReport.timings`)."""
+    part = part or (lambda name: contextlib.nullcontext())
+    with part("Q/DQ model in onnxruntime"):
+        qdq_values = run_with_tensors(result.model, feeds)
     names = [o.name for o in float_model.graph.output]
     qdq_out, float_out = [qdq_values[n] for n in names], [float_values[n] for n in names]
     outputs = output_parity(names, keras_tf, qdq_out, float_out)
     if not all(o.passed for o in outputs):
-        sensitivity = rounding_sensitivity(result.model, feeds, names, qdq_out)
-        keras_ort = keras_qat_in_onnxruntime(q_model, opset, inputs)
+        with part("rounding sensitivity"):
+            sensitivity = rounding_sensitivity(result.model, feeds, names, qdq_out)
+        with part("Keras QAT graph in onnxruntime"):
+            keras_ort = keras_qat_in_onnxruntime(q_model, opset, inputs)
         outputs = (output_parity(names, keras_tf, qdq_out, float_out, sensitivity) if keras_ort is None
                    else split_parity(names, keras_tf, keras_ort, qdq_out, float_out, sensitivity))
-    worst = () if all(o.passed for o in outputs) else worst_layers(
-        q_model, mapping, result.model, result.inserted, feeds, inputs)
+    worst = ()
+    if not all(o.passed for o in outputs):
+        with part("worst layers"):
+            worst = worst_layers(q_model, mapping, result.model, result.inserted, feeds, inputs)
     _warn_engines_cascade(outputs)
     return Parity(outputs, int(inputs[0].shape[0]), generated, worst)
 

@@ -62,7 +62,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .fake_quant import fake_quant, per_channel_amax, per_channel_amax_numpy
+from .fake_quant import fake_quant, is_forward_only, per_channel_amax, per_channel_amax_numpy
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,10 @@ class ActivationQuantizer(keras.layers.Layer):
         self._warn_if_uncalibrated(bool(training))
         if training:
             return self._train_call(x)
+        if is_forward_only():  # a graph evaluated with these ranges only (see forward_only)
+            with tf.init_scope():
+                ready = float(self.initialized.numpy()) > 0
+            return fake_quant(x, self.amax, narrow_range=False) if ready else x
         ready = self.initialized > 0
         y = fake_quant(x, self.amax, narrow_range=False)
         return tf.where(ready, y, x)

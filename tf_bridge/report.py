@@ -30,6 +30,8 @@ class ExportReport:
         requantization: for a target other than ``tensorrt``, the records of the points it adds
             (:attr:`onnx_qat.quantize.QuantizeResult.requantization`: tensor, Conv, amax, its
             source, ``status``); a ``not requantized`` Conv keeps a float output.
+        timings: ``(step, seconds)`` in order: the five steps of :func:`export_onnx` and, named
+            ``"<step>: <part>"``, the timed parts of a step (the parity's runs).
     """
 
     path: Path
@@ -44,6 +46,7 @@ class ExportReport:
     cli_reproducible: bool = False
     baked: Tuple[str, ...] = ()
     requantization: Tuple[dict, ...] = field(default=(), repr=False)
+    timings: Tuple[Tuple[str, float], ...] = field(default=(), repr=False)
 
     @property
     def passed(self) -> bool:
@@ -106,4 +109,5 @@ class ExportReport:
                 "parity": self.parity.to_dict(),
                 "check": None if self.check is None else self.check.to_dict(), "summary": dict(self.summary),
                 "cli_reproducible": self.cli_reproducible, "baked": list(self.baked),
-                "requantization": [dict(r) for r in self.requantization]}
+                "requantization": [dict(r) for r in self.requantization],
+                "timings": [[w, round(t, 3)] for w, t in self.timings]}

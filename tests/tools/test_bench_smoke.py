@@ -27,6 +27,7 @@ EXPECTED = {
     "formats": ("bert: onnx-qat fp8 cosine to FP32", "bert: onnx-qat int4 AWQ file size / FP32",
                 "cnn: onnx-qat int8 cosine to FP32", "cnn: onnx-qat int4 AWQ quantize time"),
     "sensitivity": ("sensitivity time, ", "min-cosine time / sensitivity time"),
+    "export_speed": ("export_onnx time, ", "export_onnx peak memory, "),
 }
 
 
@@ -71,6 +72,18 @@ def test_quick_qat_step_writes_its_table(tmp_path):
     _check_rows(doc, markdown, stdout, "qat_step")
     export = [r for r in doc["rows"] if r["figure"].startswith("export_onnx time")]
     assert len(export) == 1 and (export[0]["value"] is None or export[0]["value"] > 0)
+
+
+def test_quick_export_speed_writes_its_table(tmp_path):
+    """One time row with the export's five steps in its detail, one peak-memory row."""
+    pytest.importorskip("tensorflow")
+    stdout, doc, markdown = _bench(tmp_path, "export_speed")
+    _check_rows(doc, markdown, stdout, "export_speed")
+    time_row = next(r for r in doc["rows"] if r["figure"].startswith("export_onnx time, "))
+    for step in ("float twin -> tf2onnx", "map quantizers", "insert Q/DQ", "parity in onnxruntime", "write"):
+        assert step in time_row["detail"], time_row
+    peak = next(r for r in doc["rows"] if r["figure"].startswith("export_onnx peak memory, "))
+    assert peak["unit"] == "GiB" and 0 < peak["value"] < 64
 
 
 def test_quick_sensitivity_writes_its_table(tmp_path):
