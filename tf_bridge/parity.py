@@ -395,9 +395,11 @@ _NUDGE = 2.0 ** -22
 def rounding_sensitivity(qdq_model: onnx.ModelProto, feeds, names: Sequence[str],
                          base: Sequence[np.ndarray]) -> Tuple[float, ...]:
     """How far the Q/DQ model's outputs move when the output of every Conv, ConvTranspose,
-    Gemm and MatMul changes by about two units in the last place (a random sign per output
-    channel, fixed seed), and so does every computed tensor a QuantizeLinear reads (a random
-    sign per tensor; not the model's inputs, which every engine reads alike) - the size of
+    Gemm and MatMul changes by two units in the last place of the sum of its terms' magnitudes
+    (``2**-22`` times the same op on ``|x|`` and ``|W|``: a sum's rounding differs between engines
+    by about that much, however far its terms cancel; a random sign per output channel, fixed
+    seed), and every computed tensor a QuantizeLinear reads by two units in its own last place (a
+    random sign per tensor; not the model's inputs, which every engine reads alike) - the size of
     difference a BatchNorm fold or another engine's arithmetic makes (its summation order in a
     convolution, its reductions in a LayerNormalization, its GELU) - i.e. the rounding-boundary
     cascade this model amplifies such differences into."""
@@ -421,10 +423,20 @@ def rounding_sensitivity(qdq_model: onnx.ModelProto, feeds, names: Sequence[str]
         out = node.output[0]
         spatial = 0 if node.op_type in ("MatMul", "Gemm") else _spatial_rank(node)
         shape = (channels,) + (1,) * spatial
-        factor = (1.0 + rng.choice([-1.0, 1.0], channels) * _NUDGE).astype(np.float32).reshape(shape)
-        copy.graph.initializer.append(onnx.numpy_helper.from_array(factor, out + "_rounding_nudge"))
+        # the size of a sum's rounding difference is set by its terms, not by its result (which
+        # may cancel to a small value): _NUDGE times the same op on |x| and |W| (no bias), a
+        # random sign per output channel
+        signed = (rng.choice([-1.0, 1.0], channels) * _NUDGE).astype(np.float32).reshape(shape)
+        copy.graph.initializer.append(onnx.numpy_helper.from_array(signed, out + "_rounding_nudge"))
         node.output[0] = out + "_before_nudge"
-        nodes.append(onnx.helper.make_node("Mul", [node.output[0], out + "_rounding_nudge"], [out]))
+        nodes.append(onnx.helper.make_node("Abs", [node.input[0]], [out + "_abs_x"]))
+        nodes.append(onnx.helper.make_node("Abs", [node.input[1]], [out + "_abs_w"]))
+        nodes.append(onnx.helper.make_node(node.op_type, [out + "_abs_x", out + "_abs_w"], [out + "_terms"],
+                                           name=(node.name or out) + "_terms"))
+        nodes[-1].attribute.extend(a for a in node.attribute if a.name != "beta")
+        nodes.append(onnx.helper.make_node("Mul", [out + "_terms", out + "_rounding_nudge"],
+                                           [out + "_shift"]))
+        nodes.append(onnx.helper.make_node("Add", [node.output[0], out + "_shift"], [out]))
     del copy.graph.node[:]
     copy.graph.node.extend(nodes)
     values = run_with_tensors(copy, feeds)

@@ -659,3 +659,29 @@ def test_rounding_sensitivity_nudges_every_computed_quantizer_input():
         base = run_with_tensors(model, {"x": x})["y"]
         assert list(base) == [2.0, 4.0]
         assert rounding_sensitivity(model, {"x": x}, ["y"], [base]) == (expected,)
+
+
+def test_rounding_sensitivity_scales_with_a_sums_terms_not_its_result():
+    """A MatMul whose terms (1000 and -997.5) cancel to just below a rounding boundary (2.4999):
+    two last-bit units of the result (6e-7) cannot move it across 2.5, but another engine's sum
+    of the same terms differs by about two units of their magnitudes (5e-4), which can; the
+    sensitivity counts the latter (8 output channels, random signs: some move a whole step)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tf_bridge.export import rounding_sensitivity
+    from tf_bridge.onnx_values import run_with_tensors
+    inits = [numpy_helper.from_array(np.ones((2, 8), np.int8), "w_q"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array(0, np.int8), "zero")]
+    nodes = [helper.make_node("DequantizeLinear", ["w_q", "one", "zero"], ["w"]),
+             helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("QuantizeLinear", ["m", "one", "zero"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "one", "zero"], ["y"])]
+    graph = helper.make_graph(nodes, "cancel",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    x = np.array([[1000.0, -997.5001]], np.float32)
+    base = run_with_tensors(model, {"x": x})["y"]
+    assert np.all(base == 2.0)
+    assert rounding_sensitivity(model, {"x": x}, ["y"], [base]) == (1.0,)
