@@ -86,7 +86,7 @@ def apply_awq(model, index: GraphIndex, placement: Placement, data, block_size: 
             scaled = matrix * scale[:, None] if alpha > 0 else matrix
             amax = search_clip(scaled, scaled_rows, block_size)
             final += _relative_error(scaled_rows, scaled, amax, block_size) / len(weights)
-            grid = amax.T if node.op_type == "Gemm" and int(node.attr("transB", 0) or 0) else amax
+            grid = amax.T if stored_transposed(node) else amax
             axis = 1 if grid is not amax else 0
             ranges[node.inputs[1]] = WeightRange(axis, tuple(float(v) for v in grid.reshape(-1)), block_size)
             clipped.append(float(np.mean(amax / np.maximum(_block_max(scaled, block_size), 1e-30))))
@@ -242,14 +242,19 @@ def _store(index: GraphIndex, tensor: str, values: np.ndarray) -> None:
     proto.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(values, np.float32), proto.name))
 
 
+def stored_transposed(node) -> bool:
+    """Whether the node stores its weight as ``[N, K]`` (a Gemm with ``transB``)."""
+    return node.op_type == "Gemm" and bool(int(node.attr("transB", 0) or 0))
+
+
 def _weight_matrix(index: GraphIndex, node) -> np.ndarray:
     """The node's weight as ``[K, N]``."""
     w = _array(index, node.inputs[1])
-    return w.T if node.op_type == "Gemm" and int(node.attr("transB", 0) or 0) else w
+    return w.T if stored_transposed(node) else w
 
 
 def _set_weight_matrix(index: GraphIndex, node, matrix: np.ndarray) -> None:
-    stored = matrix.T if node.op_type == "Gemm" and int(node.attr("transB", 0) or 0) else matrix
+    stored = matrix.T if stored_transposed(node) else matrix
     _store(index, node.inputs[1], stored)
 
 

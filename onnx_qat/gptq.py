@@ -143,37 +143,28 @@ def apply_gptq(model, placement: Placement, data, block_size: int, *, progress: 
     output errors (:func:`output_error`) of round to nearest with the block max and of the GPTQ
     rounding; and the block ranges ``{weight: WeightRange(axis, amax, block_size)}`` for the
     ScaleTable."""
-    from .awq import _set_weight_matrix, _weight_matrix
+    from .awq import _set_weight_matrix, stored_transposed
     from .blockwise import dequantize_blocks, quantize_blocks
     from .scales import WeightRange
 
     index = GraphIndex(model)  # after the AWQ edits (which may rebuild the node list)
     readers = _weight_readers(index, placement)
-    if not readers:
-        return (), {}
-    hessians, rows = _hessians(model, sorted({n.inputs[0] for nodes in readers.values() for n in nodes}),
-                               data, progress, batch_size)
     records, ranges = [], {}
-    for tensor, nodes in readers.items():
-        node = nodes[0]
-        matrix = _weight_matrix(index, node)
-        h = sum(hessians[n.inputs[0]] for n in nodes)
-        if rows[node.inputs[0]] < MIN_ROWS_PER_CHANNEL * matrix.shape[0]:
+    for tensor, node, matrix, h, rows in _weights_with_hessians(model, index, readers, data, progress,
+                                                                batch_size):
+        if rows < MIN_ROWS_PER_CHANNEL * matrix.shape[0]:
             logger.warning("gptq %s: %d calibration rows for %d input channels; GPTQ fits the calibration "
                            "rows and needs several times more rows than channels to do better than AWQ on "
-                           "other data", tensor, rows[node.inputs[0]], matrix.shape[0])
+                           "other data", tensor, rows, matrix.shape[0])
         rounded, amax = gptq_round(matrix, h, block_size)
         q, scale = quantize_blocks(matrix, 0, block_size)
-        records.append({"weight": tensor, "activation": node.inputs[0], "rows": rows[node.inputs[0]],
-                        "rtn_error": output_error(matrix, dequantize_blocks(q, scale, 0, block_size), h),
-                        "gptq_error": output_error(matrix, rounded, h)})
+        records.append(_record(tensor, node, rows, matrix, dequantize_blocks(q, scale, 0, block_size),
+                               rounded, h, "gptq"))
         _set_weight_matrix(index, node, rounded)
-        transposed = node.op_type == "Gemm" and int(node.attr("transB", 0) or 0)
+        transposed = stored_transposed(node)
         grid = amax.T if transposed else amax
         ranges[tensor] = WeightRange(1 if transposed else 0, tuple(float(v) for v in grid.reshape(-1)),
                                      block_size)
-        logger.info("gptq %s: relative output error %.3g (round to nearest) -> %.3g", tensor,
-                    records[-1]["rtn_error"], records[-1]["gptq_error"])
     return tuple(records), ranges
 
 
@@ -189,43 +180,55 @@ def apply_gptq_fp8(model, placement: Placement, data, *, skip=(), progress: bool
     weight whose input has fewer than :data:`MIN_ROWS_PER_CHANNEL` calibration rows per input channel
     (with a warning: GPTQ would fit those rows; measured on the benchmark CNN's Gemm head, 32 rows for
     128 channels, it lowered the error on the calibration rows 100× and the cosine on unseen data)."""
-    from .awq import _set_weight_matrix, _weight_matrix
+    from .awq import _set_weight_matrix, stored_transposed
     from .scales import WeightRange
 
     index = GraphIndex(model)
-    readers = _weight_readers(index, placement)
     axes = {m.tensor: m.axis for m in placement.weights}
-    for tensor in list(readers):
-        node = readers[tensor][0]
-        transposed = node.op_type == "Gemm" and int(node.attr("transB", 0) or 0)
-        if tensor in skip or axes.get(tensor) != (0 if transposed else 1):  # per output channel only
-            del readers[tensor]
-    if not readers:
-        return (), {}
-    hessians, rows = _hessians(model, sorted({n.inputs[0] for nodes in readers.values() for n in nodes}),
-                               data, progress, batch_size)
+    readers = {tensor: nodes for tensor, nodes in _weight_readers(index, placement).items()  # per channel
+               if tensor not in skip and axes.get(tensor) == (0 if stored_transposed(nodes[0]) else 1)}
     records, ranges = [], {}
-    for tensor, nodes in readers.items():
-        node = nodes[0]
-        matrix = _weight_matrix(index, node)
-        h = sum(hessians[n.inputs[0]] for n in nodes)
-        if rows[node.inputs[0]] < MIN_ROWS_PER_CHANNEL * matrix.shape[0]:
+    for tensor, node, matrix, h, rows in _weights_with_hessians(model, index, readers, data, progress,
+                                                                batch_size):
+        if rows < MIN_ROWS_PER_CHANNEL * matrix.shape[0]:
             logger.warning("gptq fp8 %s: %d calibration rows for %d input channels; rounded to nearest "
-                           "(GPTQ would fit the calibration rows)", tensor, rows[node.inputs[0]],
-                           matrix.shape[0])
+                           "(GPTQ would fit the calibration rows)", tensor, rows, matrix.shape[0])
             continue
         amax = np.max(np.abs(matrix), axis=0).astype(np.float32)
         rounded = gptq_round_fp8(matrix, h, amax)
         nearest = gptq_round_fp8(matrix, np.diag(np.diag(h)), amax)
-        records.append({"weight": tensor, "activation": node.inputs[0], "rows": rows[node.inputs[0]],
-                        "rtn_error": output_error(matrix, nearest, h),
-                        "gptq_error": output_error(matrix, rounded, h)})
+        records.append(_record(tensor, node, rows, matrix, nearest, rounded, h, "gptq fp8"))
         _set_weight_matrix(index, node, rounded)
-        transposed = node.op_type == "Gemm" and int(node.attr("transB", 0) or 0)
-        ranges[tensor] = WeightRange(0 if transposed else 1, tuple(float(v) for v in amax))
-        logger.info("gptq fp8 %s: relative output error %.3g (round to nearest) -> %.3g", tensor,
-                    records[-1]["rtn_error"], records[-1]["gptq_error"])
+        ranges[tensor] = WeightRange(0 if stored_transposed(node) else 1, tuple(float(v) for v in amax))
     return tuple(records), ranges
+
+
+def _weights_with_hessians(model, index: GraphIndex, readers: Dict[str, list], data, progress: bool,
+                           batch_size: Optional[int]):
+    """Per weight of ``readers`` (:func:`_weight_readers`): ``(weight, its first reader, the weight
+    as [K, N], the Hessian summed over its readers' inputs, the first reader's calibration rows)``,
+    with every input's Hessian collected in one pass over ``data`` (none when ``readers`` is empty)."""
+    from .awq import _weight_matrix
+
+    if not readers:
+        return
+    hessians, rows = _hessians(model, sorted({n.inputs[0] for nodes in readers.values() for n in nodes}),
+                               data, progress, batch_size)
+    for tensor, nodes in readers.items():
+        node = nodes[0]
+        yield (tensor, node, _weight_matrix(index, node), sum(hessians[n.inputs[0]] for n in nodes),
+               rows[node.inputs[0]])
+
+
+def _record(tensor: str, node, rows: int, matrix, nearest, rounded, hessian, what: str) -> dict:
+    """One weight's record (its activation, calibration rows and the relative output errors of
+    round to nearest and of GPTQ), logged."""
+    record = {"weight": tensor, "activation": node.inputs[0], "rows": rows,
+              "rtn_error": output_error(matrix, nearest, hessian),
+              "gptq_error": output_error(matrix, rounded, hessian)}
+    logger.info("%s %s: relative output error %.3g (round to nearest) -> %.3g", what, tensor,
+                record["rtn_error"], record["gptq_error"])
+    return record
 
 
 def _weight_readers(index: GraphIndex, placement: Placement) -> Dict[str, list]:
