@@ -3,6 +3,21 @@ import keras
 import numpy as np
 
 
+def randomize_bn(model, seed=0):
+    """Non-trivial BatchNorm statistics (seeded), so that tf2onnx's fold changes the Conv weights."""
+    import tf_bridge
+
+    rng = np.random.default_rng(seed)
+    for layer in tf_bridge.spec.iter_layers(model):
+        if isinstance(layer, keras.layers.BatchNormalization):
+            g, b, m, v = layer.get_weights()
+            layer.set_weights([rng.uniform(0.5, 1.5, g.shape).astype("f"),
+                               rng.normal(0, .1, b.shape).astype("f"),
+                               rng.normal(0, .1, m.shape).astype("f"),
+                               rng.uniform(0.5, 1.5, v.shape).astype("f")])
+    return model
+
+
 def single_layer_model(layer, input_shape):
     """Input -> layer, as a Functional model."""
     inp = keras.Input(input_shape, name="x")

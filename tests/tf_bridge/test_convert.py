@@ -15,7 +15,7 @@ import pytest
 keras = pytest.importorskip("keras")
 
 import tf_bridge  # noqa: E402
-from tests.tf_bridge.models import blobs, mixed_cnn  # noqa: E402
+from tests.tf_bridge.models import blobs, mixed_cnn, randomize_bn  # noqa: E402
 from tf_bridge import convert as C  # noqa: E402
 
 os.environ.setdefault("TF_BRIDGE_QUIET", "1")
@@ -82,22 +82,10 @@ def _concrete(model):
     return forward.get_concrete_function(spec)
 
 
-def _bn_weights(model, seed=0):
-    rng = np.random.default_rng(seed)
-    for layer in tf_bridge.spec.iter_layers(model):
-        if isinstance(layer, L.BatchNormalization):
-            g, b, m, v = layer.get_weights()
-            layer.set_weights([rng.uniform(0.5, 1.5, g.shape).astype("f"),
-                               rng.normal(0, .1, b.shape).astype("f"),
-                               rng.normal(0, .1, m.shape).astype("f"),
-                               rng.uniform(0.5, 1.5, v.shape).astype("f")])
-    return model
-
-
 @pytest.fixture(scope="module")
 def qat_model():
     keras.utils.set_random_seed(3)
-    model = _bn_weights(mixed_cnn((16, 16, 3)))
+    model = randomize_bn(mixed_cnn((16, 16, 3)))
     q = tf_bridge.quantize_model(model)
     tf_bridge.calibrate(q, blobs(8, (16, 16, 3))[0], progress=False)
     return q

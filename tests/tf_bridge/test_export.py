@@ -12,23 +12,10 @@ import tf_bridge  # noqa: E402
 from onnx_qat import check  # noqa: E402
 from onnx_qat.errors import ExportError  # noqa: E402
 from tests import builders as B  # noqa: E402
-from tests.tf_bridge.models import blobs, mixed_cnn  # noqa: E402
+from tests.tf_bridge.models import blobs, mixed_cnn, randomize_bn  # noqa: E402
 
 os.environ.setdefault("TF_BRIDGE_QUIET", "1")
 L = keras.layers
-
-
-def _randomize_bn(model, seed=0):
-    """Non-trivial BatchNorm statistics, so that tf2onnx's fold changes the Conv weights."""
-    rng = np.random.default_rng(seed)
-    for layer in tf_bridge.spec.iter_layers(model):
-        if isinstance(layer, L.BatchNormalization):
-            g, b, m, v = layer.get_weights()
-            layer.set_weights([rng.uniform(0.5, 1.5, g.shape).astype("f"),
-                               rng.normal(0, .1, b.shape).astype("f"),
-                               rng.normal(0, .1, m.shape).astype("f"),
-                               rng.uniform(0.5, 1.5, v.shape).astype("f")])
-    return model
 
 
 def _qat(model, x, cases=None):
@@ -61,7 +48,7 @@ def _skip_inputs(model):
 def residual_export(tmp_path_factory):
     keras.utils.set_random_seed(7)
     x, _ = blobs(16, (32, 32, 3))
-    model = _randomize_bn(mixed_cnn())
+    model = randomize_bn(mixed_cnn())
     q = _qat(model, x, [tf_bridge.custom_qdq_cases.ResidualConnectionQDQCase()])
     out = tmp_path_factory.mktemp("export") / "mixed.onnx"
     report = tf_bridge.export_onnx(q, out, sample_data=x[:8], save_float=True)
@@ -143,7 +130,7 @@ def test_onnx_qat_cli_reproduces_model_from_scales(tmp_path):
     z = L.BatchNormalization()(L.Conv2D(16, 3, padding="same", use_bias=False)(y))
     y = L.ReLU()(L.Add()([y, z]))
     out = L.Dense(10)(L.GlobalAveragePooling2D()(y))
-    model = _randomize_bn(keras.Model(inp, out), seed=3)
+    model = randomize_bn(keras.Model(inp, out), seed=3)
     x = np.random.default_rng(0).normal(size=(8, 16, 16, 3)).astype("f")
     q = _qat(model, x, [tf_bridge.custom_qdq_cases.ResidualConnectionQDQCase()])
     report = tf_bridge.export_onnx(q, tmp_path / "m.onnx", sample_data=x, save_float=True)
@@ -171,7 +158,7 @@ def test_nested_models_conv1d_and_transpose(tmp_path):
     y = L.GlobalAveragePooling2D()(y)
     seq = keras.Input((32, 4), name="s")
     out = L.Dense(6, name="head")(L.Concatenate()([y, branch(seq)]))
-    model = _randomize_bn(keras.Model([img, seq], out), seed=5)
+    model = randomize_bn(keras.Model([img, seq], out), seed=5)
     rng = np.random.default_rng(1)
     x = [rng.normal(size=(8, 8, 8, 3)).astype("f"), rng.normal(size=(8, 32, 4)).astype("f")]
     q = _qat(model, x)
@@ -241,7 +228,7 @@ def test_batchnorm_input_quantized_by_spec_maps_to_the_conv_output(tmp_path):
     keras.utils.set_random_seed(4)
     inp = keras.Input((8, 8, 3))
     y = L.BatchNormalization(name="bn")(L.Conv2D(16, 3, use_bias=False, name="conv")(inp))
-    model = _randomize_bn(keras.Model(inp, L.ReLU()(y)), seed=4)
+    model = randomize_bn(keras.Model(inp, L.ReLU()(y)), seed=4)
     spec = tf_bridge.QuantizationSpec().add("bn", quantize_input=True, quantize_weight=False)
     q = tf_bridge.quantize_model(model, quantization_spec=spec)
     tf_bridge.calibrate(q, np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("f"), progress=False)
@@ -600,7 +587,7 @@ def test_a_failing_tf2onnx_optimizer_pass_is_skipped_as_tf2onnx_does():
 
     from tf_bridge.export import _tf2onnx_without_conv_folding
 
-    model = _randomize_bn(mixed_cnn((16, 16, 3)))
+    model = randomize_bn(mixed_cnn((16, 16, 3)))
     spec = tf.TensorSpec((None, 16, 16, 3), tf.float32, name="image")
 
     @tf.function(input_signature=[spec])
