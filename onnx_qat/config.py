@@ -91,18 +91,15 @@ class QuantizeConfig:
             logging.getLogger(__name__).warning(
                 "block_size %d: TensorRT documents INT4 block sizes %s", self.block_size,
                 ", ".join(map(str, TENSORRT_BLOCK_SIZES)))
-        if self.int4_method is not None:
-            if self.int4_method not in INT4_METHODS:
-                raise ConfigError(f"int4_method must be one of {', '.join(INT4_METHODS)}; "
-                                  f"got {self.int4_method!r}")
-            if self.precision != "int4":
-                raise ConfigError(f"int4_method applies to precision int4, not {self.precision}")
-        if self.fp8_method is not None:
-            if self.fp8_method not in FP8_METHODS:
-                raise ConfigError(f"fp8_method must be one of {', '.join(FP8_METHODS)}; "
-                                  f"got {self.fp8_method!r}")
-            if self.precision != "fp8":
-                raise ConfigError(f"fp8_method applies to precision fp8, not {self.precision}")
+        for name, methods, precision in (("int4_method", INT4_METHODS, "int4"),
+                                         ("fp8_method", FP8_METHODS, "fp8")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if value not in methods:
+                raise ConfigError(f"{name} must be one of {', '.join(methods)}; got {value!r}")
+            if self.precision != precision:
+                raise ConfigError(f"{name} applies to precision {precision}, not {self.precision}")
         object.__setattr__(self, "exclude_nodes", _as_str_tuple(self.exclude_nodes, "exclude_nodes"))
         object.__setattr__(self, "exclude_op_types", _as_str_tuple(self.exclude_op_types, "exclude_op_types"))
         if (isinstance(self.min_channels, bool) or not isinstance(self.min_channels, int)
