@@ -26,9 +26,10 @@ Steps (each checked; nothing is written unless all pass):
    run, which shares its arithmetic, by the same three limits; this is where an error of the export
    would show. **The engines**: the two runs of the Keras model must agree within 10% of the float
    difference and 2% of the range, or within ``SENSITIVITY_FACTOR`` times the **rounding
-   sensitivity** of the Q/DQ model (the same model with every convolution output and every computed
-   tensor a quantizer reads changed by two units in the last place: the size of the cascade a
-   last-bit difference starts in this network). The second way passes, named in the text
+   sensitivity** of the Q/DQ model (the same model with every convolution output, every reduction
+   output and every computed tensor a quantizer reads changed by two units in the last place: the
+   size of the cascade a last-bit difference starts in this network, the largest of three draws of
+   the nudges' signs). The second way passes, named in the text
    ("TensorFlow and onnxruntime differ by a rounding cascade") and logged as a warning: the export
    is proven on equal arithmetic, and what remains is the Keras model's own non-reproducibility
    across engines, measured, not assumed. Beyond both, it fails. If the Keras graph cannot be
@@ -65,7 +66,8 @@ from .insert import _quantize, _with_target_ranges
 from .mapping import KerasOnnxMapping, map_quantizers
 from .onnx_values import run_with_tensors
 from .parity import (ABS_LIMIT, DEPLOYED_FACTOR, RATIO_LIMIT, ROUNDING_CASCADE,  # noqa: F401
-                     SENSITIVITY_FACTOR, TOP1_LIMIT, DeployedParity, LayerDiff, OutputParity, Parity,
+                     SENSITIVITY_DRAWS, SENSITIVITY_FACTOR, TOP1_LIMIT, DeployedParity, LayerDiff,
+                     OutputParity, Parity,
                      _fail_loudly, _parity, deployed_parity, keras_qat_in_onnxruntime, output_parity,
                      rounding_sensitivity, split_parity, worst_layers)
 from .report import ExportReport

@@ -672,3 +672,31 @@ def test_rounding_sensitivity_scales_with_a_sums_terms_not_its_result():
     base = run_with_tensors(model, {"x": x})["y"]
     assert np.all(base == 2.0)
     assert rounding_sensitivity(model, {"x": x}, ["y"], [base]) == (1.0,)
+
+
+def test_rounding_sensitivity_nudges_a_reductions_terms():
+    """A LayerNormalization's mean (ReduceMean) of terms that cancel (1000 and about -995), just
+    below 2.5 and just above 3.5: another engine's sum of the same terms differs by about two
+    units of their magnitudes (2.4e-4), enough to move one of the two means a whole quantization
+    step, whichever the sign of the nudge; two units of the quantizer input's own value (6e-7) are
+    not."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tf_bridge.export import rounding_sensitivity
+    from tf_bridge.onnx_values import run_with_tensors
+    inits = [numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array(0, np.int8), "zero"),
+             numpy_helper.from_array(np.array([1], np.int64), "axes")]
+    nodes = [helper.make_node("Mul", ["x", "one"], ["computed"]),  # the model's input is not nudged
+             helper.make_node("ReduceMean", ["computed", "axes"], ["m"], keepdims=1),
+             helper.make_node("QuantizeLinear", ["m", "one", "zero"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "one", "zero"], ["y"])]
+    graph = helper.make_graph(nodes, "mean",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 1])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    x = np.array([[1000.0, -995.0001], [1000.0, -992.9999]], np.float32)
+    base = run_with_tensors(model, {"x": x})["y"]
+    assert base.ravel().tolist() == [2.0, 4.0]
+    for draws in (1, 2, 3):
+        assert rounding_sensitivity(model, {"x": x}, ["y"], [base], draws=draws) == (1.0,)
