@@ -8,7 +8,9 @@ for a subgraph:
 * :func:`insert_into_subgraphs` runs the one inserter (:func:`onnx_qat.insertion.insert_qdq_pairs`)
   on each branch, wrapped in a ModelProto, with outer-scope constants readable (a branch's weight may
   be an initializer or Constant of an enclosing graph) and names unique across the whole model; the
-  edited branch replaces the original in its If node.
+  edited branch replaces the original in its If node. A float weight of an enclosing graph that only
+  quantized branches read is dropped there afterwards (:func:`drop_unread`): its int8 copy lives in
+  the branches.
 * :func:`inline_branches` makes a copy of a model in which chosen If nodes are replaced by the nodes
   of one of their branches. onnxruntime cannot return a tensor of a subgraph as a graph output; in
   the inlined copy it is a main-graph tensor. Calibration
@@ -98,14 +100,39 @@ def _insert_into_branch(model, node, graph, sub, scales, target, names, visible,
     wrapper = onnx.ModelProto(ir_version=model.ir_version)
     wrapper.opset_import.extend(model.opset_import)
     wrapper.graph.CopyFrom(graph)
+    shared = read_by_subgraphs(wrapper.graph)  # weights of this branch its nested Ifs read
     records = insert_into_subgraphs(wrapper, sub.placement, scales, target, names=names, inherited=visible,
                                     **fmt)
     edit = GraphEdit(wrapper, names=names, outer_constants=outer_constants(wrapper.graph, visible))
     inserted = insert_qdq_pairs(edit, sub.placement, scales, target, **fmt)
     graph.CopyFrom(edit.commit().graph)
+    drop_unread(graph, shared)
     where = f"{node.name}/{sub.attribute}"
     return [dict(r, subgraph=f"{where}/{r['subgraph']}") for r in records] + \
         [dict(r, subgraph=where) for r in inserted.activations + inserted.weights]
+
+
+def read_by_subgraphs(graph: onnx.GraphProto) -> Set[str]:
+    """The initializers of ``graph`` that a subgraph of its nodes reads (a branch's weight kept in
+    the enclosing graph)."""
+    inside = subgraph_names(graph.node)
+    return {t.name for t in graph.initializer if t.name in inside}
+
+
+def drop_unread(graph: onnx.GraphProto, candidates: Set[str]) -> List[str]:
+    """Remove from ``graph`` the initializers named in ``candidates`` that nothing reads any more: no
+    node of ``graph`` or of its subgraphs, no graph input or output. Used after the Q/DQ went into
+    the branches: a float weight of the enclosing graph that only a quantized branch read is now
+    replaced there by its int8 copy, and would otherwise stay in the file as dead bytes. Returns
+    the names removed."""
+    if not candidates:
+        return []
+    read = {t for node in graph.node for t in node.input} | subgraph_names(graph.node)
+    read |= {i.name for i in graph.input} | {o.name for o in graph.output}
+    unread = [t for t in graph.initializer if t.name in candidates and t.name not in read]
+    for tensor in unread:
+        graph.initializer.remove(tensor)
+    return [t.name for t in unread]
 
 
 def inline_branches(model: onnx.ModelProto, choices: Mapping[int, bool]) -> onnx.ModelProto:

@@ -51,6 +51,9 @@ def test_subgraph_rule_if_cnn_calibrated_quantized_and_close_to_float(seed, scal
     # else: b_conv1 (Constant weight) and b_conv2 (main-graph initializer weight)
     assert else_ops.count("QuantizeLinear") == 2 and else_ops.count("DequantizeLinear") == 4, else_ops
     assert "Constant" not in else_ops  # the float weight's Constant node is replaced by its int8 copy
+    # the main graph's float 'shared_w', read only by the quantized b_conv2, is gone with it
+    assert "shared_w" in {t.name for t in model.graph.initializer}
+    assert "shared_w" not in {t.name for t in out.graph.initializer}
     assert {r.get("subgraph") for r in result.inserted} == {None, "choose/then_branch", "choose/else_branch"}
     for k, signs in enumerate(([1], [-1], [1], [-1])):  # held-out samples of the calibration's kind
         feeds = {"input": _data(signs, seed=seed + 10 + k, scale=scale)}
@@ -184,3 +187,19 @@ def test_a_given_placement_naming_a_missing_branch_is_refused():
         onnx_qat.quantize(model, scales=table, placement=bad, progress=False)
     out = onnx_qat.quantize(model, scales=table, placement=placement, progress=False).model
     assert "QuantizeLinear" in _ops(_branch(out, "else_branch"))
+
+
+def test_a_float_weight_the_main_graph_also_reads_stays():
+    """'shared_w' read by b_conv2 inside the else branch and by a node of the main graph: the branch
+    reads its int8 copy, the main graph still needs the float one."""
+    from onnx import TensorProto, helper
+
+    model = if_cnn_model(seed=0)
+    model.graph.node.append(helper.make_node("ReduceSum", ["shared_w"], ["w_sum"], keepdims=0))
+    model.graph.output.append(helper.make_tensor_value_info("w_sum", TensorProto.FLOAT, []))
+    result = onnx_qat.quantize(model, data={"input": _data([1, -1])}, batch_size=1, progress=False)
+    assert "shared_w" in {t.name for t in result.model.graph.initializer}
+    else_ops = _ops(_branch(result.model, "else_branch"))
+    assert else_ops.count("DequantizeLinear") == 4, else_ops
+    feeds = {"input": _data([-1], seed=5)}
+    assert np.allclose(run(model, feeds)[1], run(result.model, feeds)[1])
