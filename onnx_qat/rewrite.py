@@ -163,7 +163,8 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
                                progress, calibrator)
     if fmt.attention:
-        table = softmax_ranges(index, placement, table) if config.include_attention else table
+        if config.include_attention:  # a range the caller's own ScaleTable gives is kept
+            table = softmax_ranges(index, placement, table, keep=table.activations if scales is not None else ())
     if config.fp8_method == "gptq":  # after calibration: activation ranges are the float model's
         from .gptq import apply_gptq_fp8
 
@@ -417,10 +418,11 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress, cali
 SOFTMAX_AMAX = 1.0
 
 
-def softmax_ranges(index: GraphIndex, placement: Placement, table: ScaleTable) -> ScaleTable:
-    """``table`` with amax :data:`SOFTMAX_AMAX` for every quantized tensor a Softmax produces."""
+def softmax_ranges(index: GraphIndex, placement: Placement, table: ScaleTable, keep=()) -> ScaleTable:
+    """``table`` with amax :data:`SOFTMAX_AMAX` for every quantized tensor a Softmax produces, except
+    those named in ``keep`` (the ranges of a ScaleTable the caller gave, which stay as given)."""
     fixed = {m.tensor: SOFTMAX_AMAX for m in placement.activations
-             if getattr(index.producer.get(m.tensor), "op_type", None) == "Softmax"}
+             if getattr(index.producer.get(m.tensor), "op_type", None) == "Softmax" and m.tensor not in keep}
     if not fixed:
         return table
     return table.merged(ScaleTable(fixed, producer=table.producer, metadata=table.metadata))

@@ -134,6 +134,20 @@ def test_fp8_qdq_zero_points_scales_and_weights(scale):
     assert got.passed and cosine(_out(model, test), _out(out, test)) > 0.99
 
 
+def test_fp8_softmax_range_of_a_given_scale_table_is_kept():
+    """Calibrated: the Softmax output gets the fixed amax 1.0. A ScaleTable the caller gives keeps
+    its own value for it."""
+    model = _bert()
+    data = _data(model, 8, 1)
+    calibrated = onnx_qat.quantize(model, data=data, progress=False, precision="fp8")
+    table = onnx_qat.calibrate(model, data, progress=False, method="max", precision="fp8")
+    given = dict(table.activations, softmax_out=0.5)
+    kept = onnx_qat.quantize(model, scales=given, progress=False, precision="fp8")
+    for result, amax in ((calibrated, 1.0), (kept, 0.5)):
+        softmax = next(r for r in result.inserted if r.get("tensor") == "softmax_out")
+        assert softmax["amax"] == amax and softmax["scale"] == pytest.approx(amax / 448, rel=1e-6)
+
+
 def test_fp8_resnet_block_passes_check_and_keeps_int8_placement():
     model = residual_block_model(projection=True, channels=32)
     data = _data(model, 4, 2)
