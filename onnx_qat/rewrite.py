@@ -177,9 +177,9 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         adapted = form.adapt(index, placement, table)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
-        if dropped:  # the form rewrites the main graph only: If branches stay float in it
+        if dropped:  # the form rewrites the main graph only: If branches, Loop/Scan bodies stay float in it
             note = (f"the {target_obj.name} form quantizes the main graph only; "
-                    f"{len(dropped)} If branch(es) left float")
+                    f"{len(dropped)} subgraph(s) (If branches, Loop/Scan bodies) left float")
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
@@ -360,8 +360,8 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
         table = _calibrated(model, placement, data, method, config, calib_kw, progress, calibrator)
         placement = without_unreached_branches(placement, table)
         if placement.empty:
-            raise PlacementError("nothing to quantize: the calibration data took no If branch that placement "
-                                 "quantizes")
+            raise PlacementError("nothing to quantize: the calibration data took no If branch (nor observed "
+                                 "a Loop/Scan body) that placement quantizes")
         return _check_complete(table, placement, "calibrated ScaleTable"), placement
     with _io().cyclic_gc_paused():  # a table of 10^4-10^5 ranges; the index and placement stay alive
         if isinstance(scales, ScaleTable):
@@ -383,21 +383,33 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
     return _check_complete(table, placement, source), placement
 
 
-def without_unreached_branches(placement: Placement, table: ScaleTable) -> Placement:
-    """``placement`` less the subgraph placements (If branches) whose activations ``table`` has no
-    range for: calibration observes only the branch each batch takes, so a branch no batch took stays
-    float (a note says which)."""
+def without_unreached_branches(placement: Placement, table: ScaleTable, in_body: bool = False) -> Placement:
+    """``placement`` less the subgraph placements whose activations ``table`` has no range for:
+    calibration observes only the If branch each batch takes, so a branch no batch took stays float;
+    a Loop/Scan body whose tensor shapes change across iterations (or an If inside a body) cannot be
+    observed per iteration and stays float too. A note says which."""
     from .insertion import missing_activations
 
     if not placement.subgraphs:
         return placement
     kept, notes = [], list(placement.notes)
     for sub in placement.subgraphs:
-        if missing_activations(sub.placement, table):
+        missing = missing_activations(sub.placement, table)
+        if missing and sub.attribute == "body":
+            notes.append(f"Loop/Scan node {sub.node!r}: calibration could not observe its body per iteration "
+                         f"(e.g. {missing[0]!r}: a shape that changes across iterations, or inside an If); "
+                         "left float")
+            logger.warning("%s", notes[-1])
+        elif missing and in_body:
+            notes.append(f"If node {sub.node!r} inside a Loop/Scan body: calibration cannot observe its "
+                         f"{sub.attribute} per iteration; left float")
+            logger.warning("%s", notes[-1])
+        elif missing:
             notes.append(f"If node {sub.node!r}: no calibration batch took its {sub.attribute}; left float")
             logger.warning("%s", notes[-1])
         else:
-            kept.append(replace(sub, placement=without_unreached_branches(sub.placement, table)))
+            inner = without_unreached_branches(sub.placement, table, in_body or sub.attribute == "body")
+            kept.append(replace(sub, placement=inner))
     return replace(placement, subgraphs=tuple(kept), notes=tuple(notes))
 
 

@@ -22,7 +22,7 @@ output exposure nor inlining can observe without unrolling the loop.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Set
+from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 import onnx
 
@@ -168,4 +168,98 @@ def inline_branches(model: onnx.ModelProto, choices: Mapping[int, bool]) -> onnx
     return result
 
 
-__all__ = ["insert_into_subgraphs", "inline_branches", "outer_constants", "model_names"]
+#: ops whose ``body`` runs once per iteration (their tensors take one value per iteration)
+LOOP_OPS = ("Loop", "Scan")
+
+
+def expose_iterations(model: onnx.ModelProto, names) -> Tuple[onnx.ModelProto, Dict[str, str]]:
+    """A copy of ``model`` in which every tensor of ``names`` defined in the body of a Loop or Scan
+    of the main graph (also in the body of a Loop/Scan nested in such a body) is appended to the
+    body's outputs as an extra scan output (through an Identity), and the node gets a matching
+    extra output: a main-graph tensor holding the tensor's values of every iteration, stacked on
+    a new first axis (a nested body's: one axis per level). A Scan's ``scan_output_axes`` and
+    ``scan_output_directions``, when given, gain a 0 (stacked on axis 0, in iteration order).
+
+    Tensors of If branches inside a body are not exposed (only the branch taken runs in an
+    iteration, and a scan output needs a value every iteration). ONNX requires a scan output's
+    shape to stay the same across iterations: where a body tensor's shape changes, onnxruntime
+    refuses the copy when it runs (:class:`onnx_qat.calibration.branches.BranchRunner` then drops
+    that node's tensors).
+
+    Returns:
+        ``(copy, exposed)``: ``exposed`` maps each exposed name of ``names`` to the main-graph
+        tensor holding its stacked values. ``model`` is not changed.
+    """
+    wanted = set(names)
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    if not wanted or not any(n.op_type in LOOP_OPS for n in result.graph.node):
+        return result, {}
+    taken = model_names(result)
+    counter = [0]
+
+    def fresh(base: str) -> str:
+        name = base
+        while name in taken:
+            counter[0] += 1
+            name = f"{base}_{counter[0]}"
+        taken.add(name)
+        return name
+
+    return result, _expose_in(result.graph, wanted, fresh, _elem_types(result))
+
+
+def _expose_in(graph: onnx.GraphProto, wanted: Set[str], fresh, types: Mapping[str, int]) -> Dict[str, str]:
+    """Expose the ``wanted`` tensors of the Loop/Scan bodies of ``graph`` as outputs of their
+    nodes (see :func:`expose_iterations`); wanted name -> tensor of ``graph``."""
+    found: Dict[str, str] = {}
+    for node in graph.node:
+        if node.op_type not in LOOP_OPS or node.domain not in ("", "ai.onnx") or not wanted - set(found):
+            continue
+        attribute = next((a for a in node.attribute if a.name == "body"), None)
+        if attribute is None:
+            continue
+        body = attribute.g
+        local = {i.name for i in body.input} | {o for n in body.node for o in n.output if o}
+        here = {n: n for n in wanted - set(found) if n in local}
+        here.update(_expose_in(body, wanted - set(found) - set(here), fresh, types))
+        if not here:
+            continue
+        carried = len(body.output) - (1 if node.op_type == "Loop" else 0)
+        while len(node.output) < carried:  # omitted trailing outputs: the new ones come after all
+            node.output.append("")
+        for name in sorted(here):
+            inner = fresh(f"{name}_iteration")
+            body.node.append(onnx.helper.make_node("Identity", [here[name]], [inner],
+                                                   name=fresh(f"{name}_iteration_identity")))
+            body.output.append(onnx.helper.make_tensor_value_info(
+                inner, types.get(here[name], onnx.TensorProto.FLOAT), None))
+            found[name] = fresh(f"{name}_per_iteration")
+            node.output.append(found[name])
+            for attr in node.attribute:
+                if attr.name in ("scan_output_axes", "scan_output_directions"):
+                    attr.ints.append(0)
+    return found
+
+
+def _elem_types(model: onnx.ModelProto) -> Dict[str, int]:
+    """Element type of every tensor whose type shape inference can tell (in all graphs); empty
+    when inference fails (a model over 2 GB, an op it does not know)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # a float type is assumed then
+        return {}
+    types: Dict[str, int] = {}
+    graphs = [inferred.graph]
+    while graphs:
+        graph = graphs.pop()
+        for info in list(graph.input) + list(graph.output) + list(graph.value_info):
+            if info.type.HasField("tensor_type"):
+                types[info.name] = info.type.tensor_type.elem_type
+        for node in graph.node:
+            if node.attribute:
+                graphs.extend(g for _, _, g in subgraphs_of(node))
+    return types
+
+
+__all__ = ["insert_into_subgraphs", "inline_branches", "expose_iterations", "outer_constants", "model_names"]

@@ -413,6 +413,115 @@ def if_cnn_model(channels: int = 16, size: int = 8, seed: int = 0) -> onnx.Model
     return b.build()
 
 
+def loop_cnn_model(channels: int = 16, size: int = 8, trips: int = 3, seed: int = 0,
+                   trips_input: bool = False) -> onnx.ModelProto:
+    """A Loop whose body is a small CNN refining a carried image.
+
+    input [N,3,S,S] -> ``stem_conv`` -> ``stem_relu`` (tensor ``stem``) -> Loop ``refine`` (``trips``
+    iterations: a constant ``trips``, or with ``trips_input`` a model input ``trips`` of shape []):
+      body(i, cond, x): ``l_conv1`` (weight: a body initializer) -> ``l_relu1`` -> ``l_conv2``
+      (weight ``loop_w2``: an initializer of the main graph) -> Add ``l_add`` (skip: the carried
+      ``x``) -> ``l_relu2`` -> carried ``x_next``; also a scan output ``l_mean`` (per-iteration mean).
+    -> ``head_conv`` (1x1) -> output [N,C,S,S]; the scan output -> output ``means`` [T].
+    """
+    c = channels
+    b = GraphBuilder("loop_cnn", seed)
+    x = b.input("input", ["N", 3, size, size])
+    stem = b.relu(b.conv(x, 3, c, "stem_conv"), "stem_relu")
+    if trips_input:
+        b.input("trips", [], TensorProto.INT64)
+    else:
+        b.const("trips", np.array(trips, np.int64))
+    shared = b.weight("loop_w2", [c, c, 3, 3], std=0.5 * math.sqrt(2.0 / (9 * c)))
+
+    body = GraphBuilder("refine_body", seed + 1)
+    y = body.relu(body.conv("x", c, c, "l_conv1"), "l_relu1")
+    y = body.node("Conv", [y, shared], name="l_conv2", kernel_shape=[3, 3], pads=[1] * 4)
+    y = body.node("Add", [y, "x"], name="l_add")
+    body.node("Relu", [y], "x_next", name="l_relu2")
+    body.node("Identity", ["cond"], "cond_out", name="l_cond")
+    body.node("ReduceMean", ["x_next"], "l_mean", name="l_mean", keepdims=0)
+    graph = helper.make_graph(
+        body.nodes, "refine_body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", c, size, size])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_next", TensorProto.FLOAT, ["N", c, size, size]),
+         helper.make_tensor_value_info("l_mean", TensorProto.FLOAT, [])], body.initializers)
+    refined, means = b.node("Loop", ["trips", "", stem], ["refined", "means"], name="refine", body=graph)
+    b.node("Conv", [refined, b.weight("head.weight", [c, c, 1, 1])], "output", name="head_conv",
+           kernel_shape=[1, 1])
+    b.output("output", ["N", c, size, size])
+    b.output(means, ["T"])
+    return b.build()
+
+
+def scan_rnn_model(features: int = 16, hidden: int = 32, classes: int = 16, seed: int = 0) -> onnx.ModelProto:
+    """A Scan over a sequence whose body is an RNN cell: h <- tanh(x_t W + h U + b).
+
+    input [N,T,F] -> ``to_time`` (Transpose to [T,N,F]); ``h0`` = tanh(``init`` MatMul of the mean over
+    time) -> Scan ``rnn`` (state ``h``, scan input ``x_t``): ``r_in`` = MatMul(x_t, ``rnn.W``),
+    ``r_rec`` = MatMul(h, ``rnn.U``), Add ``r_sum``, Add ``r_bias``, Tanh ``r_tanh`` -> state ``h_next``
+    and scan output ``y_t`` -> ``to_batch`` (Transpose to [N,T,H]) -> ``head`` MatMul -> output [N,T,K].
+    """
+    b = GraphBuilder("scan_rnn", seed)
+    x = b.input("input", ["N", "T", features])
+    seq = b.node("Transpose", [x], "seq", name="to_time", perm=[1, 0, 2])
+    mean = b.node("ReduceMean", [x], "seq_mean", name="seq_mean", axes=[1], keepdims=0)
+    h0 = b.node("Tanh", [b.linear(mean, features, hidden, "init", bias=False)], "h0", name="init_tanh")
+    cell = GraphBuilder("rnn_body", seed + 1)
+    a = cell.node("MatMul", ["x_t", cell.weight("rnn.W", [features, hidden])], name="r_in")
+    r = cell.node("MatMul", ["h", cell.weight("rnn.U", [hidden, hidden], std=0.5 / math.sqrt(hidden))],
+                  name="r_rec")
+    s = cell.node("Add", [a, r], name="r_sum")
+    bias = cell.const("rnn.b", (cell.rng.standard_normal(hidden) * 0.1).astype(np.float32))
+    s = cell.node("Add", [s, bias], name="r_bias")
+    cell.node("Tanh", [s], "h_next", name="r_tanh")
+    cell.node("Identity", ["h_next"], "y_t", name="r_out")
+    graph = helper.make_graph(
+        cell.nodes, "rnn_body",
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["N", hidden]),
+         helper.make_tensor_value_info("x_t", TensorProto.FLOAT, ["N", features])],
+        [helper.make_tensor_value_info("h_next", TensorProto.FLOAT, ["N", hidden]),
+         helper.make_tensor_value_info("y_t", TensorProto.FLOAT, ["N", hidden])], cell.initializers)
+    _, ys = b.node("Scan", [h0, seq], ["h_last", "ys"], name="rnn", body=graph, num_scan_inputs=1)
+    out = b.node("Transpose", [ys], "ys_batch", name="to_batch", perm=[1, 0, 2])
+    b.node("MatMul", [out, b.weight("head.weight", [hidden, classes])], "output", name="head")
+    b.output("output", ["N", "T", classes])
+    return b.build()
+
+
+def growing_loop_model(dim: int = 16, trips: int = 3, seed: int = 0) -> onnx.ModelProto:
+    """A Loop whose carried tensor grows by one step per iteration (a decoder-like body), beside a
+    quantizable main graph.
+
+    input [N,4,D] -> ``proj`` MatMul -> Loop ``grow``: body(i, cond, h [N,t,D]): ``g_mm`` MatMul(h,
+    ``grow.W``) -> ReduceMean over steps ``g_mean`` [N,1,D] -> Concat ``g_cat`` (h, mean) -> h_next
+    [N,t+1,D] -> ``out_proj`` MatMul -> output [N,4+trips,D].
+    """
+    b = GraphBuilder("growing_loop", seed)
+    x = b.input("input", ["N", 4, dim])
+    h = b.linear(x, dim, dim, "proj", bias=False)
+    b.const("trips", np.array(trips, np.int64))
+    body = GraphBuilder("grow_body", seed + 1)
+    y = body.node("MatMul", ["h", body.weight("grow.W", [dim, dim])], name="g_mm")
+    m = body.node("ReduceMean", [y], name="g_mean", axes=[1], keepdims=1)
+    body.node("Concat", ["h", m], "h_next", name="g_cat", axis=1)
+    body.node("Identity", ["cond"], "cond_out", name="g_cond")
+    graph = helper.make_graph(
+        body.nodes, "grow_body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h", TensorProto.FLOAT, ["N", None, dim])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_next", TensorProto.FLOAT, ["N", None, dim])], body.initializers)
+    grown = b.node("Loop", ["trips", "", h], ["grown"], name="grow", body=graph)
+    b.node("MatMul", [grown, b.weight("out_proj.weight", [dim, dim])], "output", name="out_proj")
+    b.output("output", ["N", None, dim])
+    return b.build()
+
+
 # --------------------------------------------------------------------------- running
 def random_inputs(model: onnx.ModelProto, num: int = 1, seed: int = 0) -> Dict[str, np.ndarray]:
     """Seeded float32 feeds for the model's real inputs (initializer-backed inputs are left out).

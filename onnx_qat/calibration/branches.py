@@ -14,22 +14,27 @@ a ModelError.
 """
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
 
-from ..errors import ModelError
+from ..errors import ModelError, brief
 from ..placement.graph_index import subgraphs_of
+from ..subgraphs import LOOP_OPS, expose_iterations
+
+logger = logging.getLogger(__name__)
 
 
 def _defined_inside(node: onnx.NodeProto) -> set:
-    """Every tensor name the subgraphs of ``node`` (nested ones too) define."""
+    """Every tensor name the subgraphs of ``node`` (nested ones too) define (a body's inputs too)."""
     names = set()
     stack = [g for _, _, g in subgraphs_of(node)]
     while stack:
         graph = stack.pop()
         names.update(t.name for t in graph.initializer)
+        names.update(i.name for i in graph.input)
         for inner in graph.node:
             names.update(o for o in inner.output if o)
             if inner.attribute:
@@ -49,49 +54,106 @@ def make_runner(model: onnx.ModelProto, names: Sequence[str]):
 
 
 class BranchRunner:
-    """Runs ``model`` so that ``names`` (main-graph tensors and tensors of If branches) can be fetched.
+    """Runs ``model`` so that ``names`` (main-graph tensors, tensors of If branches and of Loop/Scan
+    bodies) can be fetched.
 
     Args:
         model: a float ModelProto (not changed).
         names: the tensors :meth:`run` will be asked for.
 
     Raises:
-        ModelError: a name is neither a main-graph tensor nor defined inside an If branch.
+        ModelError: a name is not a tensor of the model (in no graph, nor in any subgraph).
+
+    A tensor of a Loop/Scan body comes back as its values of every iteration stacked on a new first
+    axis (:func:`onnx_qat.subgraphs.expose_iterations`). A body whose tensor shape changes across
+    iterations cannot give them (onnxruntime refuses the copy): that node's tensors then join
+    :attr:`unobservable` and come back as None, like a tensor of an If inside a Loop/Scan body.
     """
 
     def __init__(self, model: onnx.ModelProto, names: Sequence[str]):
-        from ..runtime import _tensor_names, make_session
+        from ..runtime import _tensor_names
 
         main = _tensor_names(model.graph)
         self.main = [n for n in names if n in main]
         inner = [n for n in names if n not in main]
         self.ifs: List[Tuple[int, str]] = []  # (position, condition) of each If holding a wanted tensor
+        self.loops: Dict[str, List[str]] = {}  # Loop/Scan node -> wanted tensors of its body
         found = set()
         for position, node in enumerate(model.graph.node):
-            if node.op_type == "If" and node.attribute:
-                inside = _defined_inside(node) & set(inner)
-                if inside:
-                    self.ifs.append((position, node.input[0]))
-                    found |= inside
+            if not node.attribute:
+                continue
+            inside = _defined_inside(node) & set(inner)
+            if node.op_type == "If" and inside:
+                self.ifs.append((position, node.input[0]))
+                found |= inside
+            elif node.op_type in LOOP_OPS and inside:
+                self.loops[node.name or f"{node.op_type}_{position}"] = sorted(inside)
+                found |= inside
         lost = [n for n in inner if n not in found]
         if lost:
-            raise ModelError(f"tensor {lost[0]!r} is neither in the main graph nor in an If branch "
-                             "(tensors of Loop/Scan bodies cannot be observed)")
+            raise ModelError(f"tensor {lost[0]!r} is not a tensor of the model (neither in its main graph "
+                             "nor in an If branch or a Loop/Scan body)")
         self.model = model
-        self.inner = inner
-        conditions = [c for _, c in self.ifs]
-        self.session = make_session(model, extra_outputs=self.main + conditions, copy=True)
-        self.fetch = self.main + [c for c in conditions if c not in self.main]
+        looped = {n for group in self.loops.values() for n in group}
+        self.inner = [n for n in inner if n not in looped]
+        #: tensors no run can give (a body whose shapes change across iterations, an If inside a body)
+        self.unobservable: set = set()
+        self.conditions = [c for _, c in self.ifs]
+        self._build(sorted(looped))
         self.variants: Dict[Tuple[bool, ...], "BranchRunner"] = {}
 
+    def _build(self, looped: Sequence[str]) -> None:
+        """The session over a copy of the model with the body tensors ``looped`` exposed."""
+        from ..runtime import make_session
+
+        exposed_model, self.exposed = expose_iterations(self.model, looped)
+        self.unobservable |= set(looped) - set(self.exposed)  # e.g. in an If inside a body
+        self.fetch = list(dict.fromkeys(self.main + self.conditions + list(self.exposed.values())))
+        self.session = make_session(exposed_model, extra_outputs=self.fetch, copy=False)
+
+    def _recover(self, feed: Dict[str, np.ndarray], error: Exception) -> None:
+        """After onnxruntime failed on the copy with body tensors exposed: keep the Loop/Scan nodes
+        whose tensors it can give on ``feed``, one node at a time; the others' tensors become
+        :attr:`unobservable`. Raises ``error`` again when the failure is not theirs."""
+        kept: List[str] = []
+        self._build([])
+        try:
+            self.session.run(self.fetch, feed)
+        except Exception:
+            raise error from None
+        for node, group in self.loops.items():
+            wanted = [n for n in group if n not in self.unobservable]
+            if not wanted:
+                continue
+            try:
+                self._build(kept + wanted)
+                self.session.run(self.fetch, feed)
+                kept.extend(wanted)
+            except Exception as exc:
+                self.unobservable |= set(wanted)
+                logger.warning("%s node %r: its body's tensors cannot be observed per iteration (%s); "
+                               "they get no range", _op_of(self.model, node), node, brief(exc, 160))
+        self._build(kept)
+
     def run(self, names: Sequence[str], feed: Dict[str, np.ndarray]) -> List[Optional[np.ndarray]]:
-        """The values of ``names`` (among those given at construction) on one batch, None for the
-        tensors of a branch this batch does not take."""
+        """The values of ``names`` (among those given at construction) on one batch: a Loop/Scan
+        body's tensor stacked over its iterations; None for the tensors of a branch this batch
+        does not take and for :attr:`unobservable` ones."""
         from ..subgraphs import inline_branches
 
-        values = dict(zip(self.fetch, self.session.run(self.fetch, feed)))
+        try:
+            fetched = self.session.run(self.fetch, feed)
+        except Exception as exc:
+            if not self.exposed:
+                raise
+            self._recover(feed, exc)
+            fetched = self.session.run(self.fetch, feed)
+        values = dict(zip(self.fetch, fetched))
+        for name, holder in self.exposed.items():
+            value = values[holder]
+            values[name] = value if value is not None and np.asarray(value).size else None  # 0 iterations
         if self.inner:
-            choice = tuple(bool(np.asarray(values[c]).reshape(-1)[0]) for _, c in self.ifs)
+            choice = tuple(bool(np.asarray(values[c]).reshape(-1)[0]) for c in self.conditions)
             variant = self.variants.get(choice)
             if variant is None:
                 inlined = inline_branches(self.model, {p: c for (p, _), c in zip(self.ifs, choice)})
@@ -101,12 +163,17 @@ class BranchRunner:
             wanted = [n for n in self.inner if n in variant.names]
             if wanted:
                 values.update(zip(wanted, variant.run(wanted, feed)))
-        return [values.get(n) for n in names]
+            self.unobservable |= variant.unobservable
+        return [None if n in self.unobservable else values.get(n) for n in names]
 
     @property
     def names(self) -> set:
-        """The tensors this runner can return."""
-        return set(self.main) | set(self.inner)
+        """The tensors this runner can be asked for."""
+        return set(self.main) | set(self.inner) | {n for group in self.loops.values() for n in group}
+
+
+def _op_of(model: onnx.ModelProto, name: str) -> str:
+    return next((n.op_type for n in model.graph.node if n.name == name), "Loop/Scan")
 
 
 def _tensor_names_deep(model: onnx.ModelProto) -> set:
@@ -115,7 +182,7 @@ def _tensor_names_deep(model: onnx.ModelProto) -> set:
 
     names = _tensor_names(model.graph)
     for node in model.graph.node:
-        if node.op_type == "If" and node.attribute:
+        if node.attribute:
             names |= _defined_inside(node)
     return names
 

@@ -175,10 +175,12 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     session = make_runner(proto, fetched)  # proto is this function's own copy
     del proto  # the session holds the weights now
     reached = _observe(session, dataset, observers, fetched, batch_size, progress, f"calibrate ({method})")
+    reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
     unreached = [name for name in names if name not in reached]
     if unreached:
-        logger.warning("%d tensor(s) sit in If branches no calibration batch took (e.g. %r); "
-                       "they get no range", len(unreached), unreached[0])
+        logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
+                       "that cannot be observed per iteration (e.g. %r); they get no range",
+                       len(unreached), unreached[0])
     amax = {name: observer.result() for name, observer in observers.items() if name in reached}
     meta = _metadata(method, percentile, num_bins, dataset.num_samples)
     if method == "auto":
@@ -233,7 +235,8 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
 
     When only graph inputs are observed the model is not run at all. ``session`` may be a
     :class:`~onnx_qat.calibration.branches.BranchRunner`, which gives None for the tensors of If
-    branches a batch does not take. Returns the names observed on at least one batch.
+    branches a batch does not take (and a Loop/Scan body's tensors stacked over its iterations).
+    Returns the names observed on at least one batch.
     """
     from ..runtime import feeds_with_progress
 

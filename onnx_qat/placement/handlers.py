@@ -544,47 +544,65 @@ class SkippedOpHandler:
 
 
 # --------------------------------------------------------------------------- subgraph rule
-class IfBranchHandler:
-    """Subgraph rule: each branch of an If is placed by the same rules, as a graph of its own.
+class SubgraphHandler:
+    """Subgraph rule: each branch of an If, and the body of a Loop or Scan, is placed by the same
+    rules, as a graph of its own.
 
-    A branch reads outer-scope names (activations, and weights that are outer initializers or
-    Constant outputs) through the enclosing graph's index; rule 10 holds within each branch. The
-    two branches never run together, so a tensor of the If's scope read by both is quantized in
-    each branch that quantizes it. Branches whose tensor names are not unique in the model (a name
-    defined in both branches, or shadowing an outer one) are left untouched: ranges are kept per
-    tensor name. Loop and Scan bodies are not handled here (the policy leaves them untouched:
-    calibration cannot observe a tensor that takes one value per iteration).
+    A subgraph reads outer-scope names (activations, and weights that are outer initializers or
+    Constant outputs) through the enclosing graph's index; rule 10 holds within each subgraph. The
+    inputs of a Loop/Scan body (iteration number, condition, loop-carried values, scan-input slices)
+    are activations of the body like graph inputs. The two branches of an If never run together, so a
+    tensor of the If's scope read by both is quantized in each branch that quantizes it; a body's
+    Q/DQ pair serves every iteration (one range for all of them, which calibration observes over
+    every iteration: :mod:`onnx_qat.calibration.branches`). Subgraphs whose tensor names are not
+    unique in the model (a name defined in both branches, or shadowing an outer one) are left
+    untouched: ranges are kept per tensor name.
 
     Sources: ONNX IR specification, "Names Within a Graph" (outer-scope names visible in
     subgraphs); onnx-tensorrt operator support (If: both branches are built as conditional
-    subgraphs, Q/DQ layers inside them included).
+    subgraphs, Q/DQ layers inside them included; Loop and Scan: the body is built as a TensorRT
+    ILoop); TensorRT Developer Guide, "Working with Loops" (interior layers of a loop may use
+    tensors defined inside or outside it; no restriction on quantize/dequantize layers there) and
+    TensorRT's builder, which asks for explicit Q/DQ (not implicit calibration) in networks with
+    loops ("Int8 calibration in TensorRT won't be used on networks containing boolean operators or
+    loops", quoted in onnxruntime-inference-examples issue 44).
     """
 
     phase = 1
+    #: what the decision's reason calls the subgraphs of each op type
+    KINDS = {"If": "If branches", "Loop": "Loop body", "Scan": "Scan body"}
 
     def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
-        branches = subgraphs_of(node.proto)
-        defined = [_defined_names(g) for _, _, g in branches]
+        graphs = subgraphs_of(node.proto)
+        defined = [_defined_names(g) for _, _, g in graphs]
         outer = _outer_defined(ctx.index)
         clash = set()
         for i, names in enumerate(defined):
             clash |= names & outer
             for other in defined[i + 1:]:
                 clash |= names & other
+        kind = self.KINDS.get(node.op_type, "subgraphs")
         if clash:
-            return _result(node, "skip", "subgraph", f"branch tensor names are not unique in the model "
+            return _result(node, "skip", "subgraph", f"{kind} tensor names are not unique in the model "
                            f"(e.g. {sorted(clash)[0]!r}): left untouched")
         found, counts = [], []
-        for attribute, position, graph in branches:
+        for attribute, position, graph in graphs:
             placement = ctx.place_subgraph(graph, ctx.index)
             counts.append(f"{attribute} {len(placement.all_activations())} activation(s), "
                           f"{len(placement.all_weights())} weight(s)")
             if not placement.empty:
                 found.append(SubgraphPlacement(node.name, attribute, position, placement))
-        reason = "If branches placed as graphs of their own: " + "; ".join(counts)
+        reason = f"{kind} placed as graphs of their own: " + "; ".join(counts)
         action = "quantize" if found else "none"
         return NodeResult(Decision(node.name, node.op_type, action, "subgraph", reason),
                           subgraphs=tuple(found))
+
+
+#: the former name of :class:`SubgraphHandler` (which placed If branches only)
+IfBranchHandler = SubgraphHandler
+
+#: op types whose subgraphs :class:`SubgraphHandler` places
+SUBGRAPH_OPS = ("If", "Loop", "Scan")
 
 
 def _defined_names(graph) -> Set[str]:

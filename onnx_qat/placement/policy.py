@@ -17,8 +17,9 @@ from .formats import adapt_placement
 from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
 from .handlers import (
     COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
-    FusedEpilogueHandler, IfBranchHandler, NodeResult, NotQuantizedHandler, PlacementContext,
-    PoolingInputHandler, ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, WeightedOpHandler,
+    FusedEpilogueHandler, NodeResult, NotQuantizedHandler, PlacementContext,
+    PoolingInputHandler, ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, SubgraphHandler,
+    WeightedOpHandler, SUBGRAPH_OPS,
 )
 from .marks import ActivationMark, Decision, Placement, group_by_tensor
 
@@ -49,7 +50,8 @@ class TensorRTPolicy:
         table["Add"] = ResidualAddHandler()
         table["Sum"] = ResidualSumHandler()
         table["Concat"] = ConcatHandler()
-        table["If"] = IfBranchHandler()
+        subgraph = SubgraphHandler()
+        table.update({op: subgraph for op in SUBGRAPH_OPS})
         self.table: Mapping[str, object] = MappingProxyType(table)
         self.default = NotQuantizedHandler()
 
@@ -77,7 +79,8 @@ class TensorRTPolicy:
                     results[node.position] = NodeResult(early)
                     if node.has_subgraphs and early.rule == "subgraph":
                         notes.append(f"{node.op_type} node {node.name!r} holds subgraphs; "
-                                     "they were left untouched (not quantized: only If branches are)")
+                                     "they were left untouched (only If, Loop and Scan subgraphs are "
+                                     "quantized)")
                         logger.warning("%s node %r holds subgraphs; leaving them untouched",
                                        node.op_type, node.name)
                     continue
@@ -100,9 +103,9 @@ class TensorRTPolicy:
                              d.reason, "".join(f"; Q/DQ on {m.tensor!r}" for m in result.activations))
         for result in results:
             d = result.decision
-            if d.rule == "subgraph" and d.action == "skip" and d.op_type == "If":
-                notes.append(f"If node {d.node!r}: {d.reason}")
-                logger.warning("If node %r: %s", d.node, d.reason)
+            if d.rule == "subgraph" and d.action == "skip" and d.op_type in SUBGRAPH_OPS:
+                notes.append(f"{d.op_type} node {d.node!r}: {d.reason}")
+                logger.warning("%s node %r: %s", d.op_type, d.node, d.reason)
         activations = rule10_merge(results, index)
         weights = tuple([w for r in results if r.weights for w in r.weights])
         nested = tuple([s for r in results if r.subgraphs for s in r.subgraphs])
@@ -111,18 +114,20 @@ class TensorRTPolicy:
         return adapt_placement(placement, index, config)  # the marks the numeric format keeps
 
     def place_subgraph(self, graph, outer: GraphIndex, config: QuantizeConfig) -> Placement:
-        """The placement of subgraph ``graph`` (an If branch) whose outer scope is ``outer``."""
+        """The placement of subgraph ``graph`` (an If branch, a Loop/Scan body) whose outer scope is
+        ``outer``."""
         return self.place(GraphIndex(graph, outer=outer), config)
 
 
 def _pre_decision(node: NodeInfo, config: QuantizeConfig) -> Optional[Decision]:
-    """Decisions taken before any rule: subgraphs other than If branches, custom domains, user
-    exclusions."""
+    """Decisions taken before any rule: subgraphs other than those of If, Loop and Scan, custom
+    domains, user exclusions."""
     def decide(action: str, rule: str, reason: str) -> Decision:
         return Decision(node.name, node.op_type, action, rule, reason)
 
-    if node.has_subgraphs and not (node.op_type == "If" and node.standard):
-        return decide("skip", "subgraph", "holds subgraphs (a Loop/Scan body): left untouched")
+    if node.has_subgraphs and not (node.op_type in SUBGRAPH_OPS and node.standard):
+        return decide("skip", "subgraph", "holds subgraphs of an op the subgraph rule does not know: "
+                      "left untouched")
     if not node.standard:
         return decide("none", "domain", f"custom domain {node.domain!r}: left alone")
     if config.op_type_excluded(node.op_type):

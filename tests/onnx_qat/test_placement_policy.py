@@ -137,7 +137,7 @@ def test_subgraph_rule_if_branch_is_placed_as_a_graph_of_its_own():
     assert_check_clean(out)
 
 
-def test_loop_body_left_untouched_with_warning(caplog):
+def test_loop_body_placed_as_a_graph_of_its_own():
     b = GraphBuilder("with_loop")
     x = b.input("input", [1, 16, 4, 4])
     y = b.conv(x, 16, 16, "conv", k=1)
@@ -155,16 +155,21 @@ def test_loop_body_left_untouched_with_warning(caplog):
     b.node("Loop", [trips, "", y], "output", name="loop", body=body)
     b.output("output", [1, 16, 4, 4])
     model = b.build()
-    with caplog.at_level(logging.WARNING, logger="onnx_qat"):
-        placement = onnx_qat.place(model)
-    assert any("'loop'" in r.getMessage() and "subgraph" in r.getMessage() for r in caplog.records)
-    assert any("'loop'" in note for note in placement.notes)
-    assert placement.decision_for("loop").action == "skip"
+    placement = onnx_qat.place(model)
+    assert placement.decision_for("loop").action == "quantize"
+    assert placement.decision_for("loop").rule == "subgraph"
     assert placement.decision_for("conv").action == "quantize"
-    assert not placement.subgraphs
-    out = onnx_qat.quantize(model, scales=onnx_qat.ScaleTable({"input": 3.0}), progress=False).model
+    [sub] = placement.subgraphs
+    assert (sub.node, sub.attribute) == ("loop", "body")
+    # the loop-carried body input is an activation of the body graph, quantized before the body's Conv
+    assert [(m.tensor, m.consumers) for m in sub.placement.activations] == [("carried", (("body_conv", 0),))]
+    assert [w.tensor for w in sub.placement.weights] == ["body_w"]
+    assert not placement.notes
+    scales = onnx_qat.ScaleTable({"input": 3.0, "carried": 3.0})
+    out = onnx_qat.quantize(model, scales=scales, progress=False).model
     loop = next(n for n in out.graph.node if n.op_type == "Loop")
-    assert sorted(n.op_type for a in loop.attribute for n in a.g.node) == ["Conv", "Identity"]
+    assert sorted(n.op_type for a in loop.attribute for n in a.g.node) == [
+        "Conv", "DequantizeLinear", "DequantizeLinear", "Identity", "QuantizeLinear"]
 
 
 def test_custom_domain_ops_left_alone():

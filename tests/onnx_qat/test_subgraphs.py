@@ -103,7 +103,7 @@ def test_given_scale_table_quantizes_both_branches():
 
 def test_branch_runner_refuses_a_tensor_it_cannot_reach():
     model = if_cnn_model()
-    with pytest.raises(ModelError, match="neither in the main graph nor in an If branch"):
+    with pytest.raises(ModelError, match="not a tensor of the model"):
         BranchRunner(model, ["no_such_tensor"])
 
 
