@@ -409,7 +409,8 @@ def without_unreached_branches(placement: Placement, table: ScaleTable, in_body:
             logger.warning("%s", notes[-1])
         else:
             inner = without_unreached_branches(sub.placement, table, in_body or sub.attribute == "body")
-            kept.append(replace(sub, placement=inner))
+            notes.extend(inner.notes[len(sub.placement.notes):])  # a nested drop is noted at the top
+            kept.append(replace(sub, placement=replace(inner, notes=sub.placement.notes)))
     return replace(placement, subgraphs=tuple(kept), notes=tuple(notes))
 
 

@@ -1,24 +1,26 @@
-"""If branches as graphs of their own: Q/DQ insertion inside them, and branch inlining for calibration.
+"""If branches and Loop/Scan bodies as graphs of their own: Q/DQ insertion inside them, and the model
+copies calibration runs to observe their tensors.
 
-Placement places each branch of an If with the same handler table as the main graph
-(:meth:`onnx_qat.placement.policy.TensorRTPolicy.place`; the marks of a branch sit in
-:attr:`onnx_qat.placement.marks.Placement.subgraphs`). This module does the two things that differ
+Placement places each branch of an If and the body of each Loop and Scan with the same handler table
+as the main graph (:meth:`onnx_qat.placement.policy.TensorRTPolicy.place`; the marks of a subgraph sit
+in :attr:`onnx_qat.placement.marks.Placement.subgraphs`). This module does the things that differ
 for a subgraph:
 
 * :func:`insert_into_subgraphs` runs the one inserter (:func:`onnx_qat.insertion.insert_qdq_pairs`)
-  on each branch, wrapped in a ModelProto, with outer-scope constants readable (a branch's weight may
-  be an initializer or Constant of an enclosing graph) and names unique across the whole model; the
-  edited branch replaces the original in its If node. A float weight of an enclosing graph that only
-  quantized branches read is dropped there afterwards (:func:`drop_unread`): its int8 copy lives in
-  the branches.
+  on each branch or body, wrapped in a ModelProto, with outer-scope constants readable (a branch's
+  weight may be an initializer or Constant of an enclosing graph) and names unique across the whole
+  model; the edited graph replaces the original in its node. A float weight of an enclosing graph
+  that only quantized subgraphs read is dropped there afterwards (:func:`drop_unread`): its int8
+  copy lives in the subgraphs.
 * :func:`inline_branches` makes a copy of a model in which chosen If nodes are replaced by the nodes
   of one of their branches. onnxruntime cannot return a tensor of a subgraph as a graph output; in
   the inlined copy it is a main-graph tensor. Calibration
   (:class:`onnx_qat.calibration.branches.BranchRunner`) runs the original model to learn which
   branch each If takes on a batch, then the copy with that branch inlined.
-
-Loop and Scan bodies are not quantized: their tensors take one value per iteration, which neither
-output exposure nor inlining can observe without unrolling the loop.
+* :func:`expose_iterations` makes a copy of a model in which chosen tensors of Loop/Scan bodies are
+  extra scan outputs of their bodies and extra outputs of their nodes: a body tensor takes one
+  value per iteration, and onnxruntime stacks the values of every iteration there, so calibration
+  gives one range covering all iterations (one Q/DQ pair in the body serves every iteration).
 """
 from __future__ import annotations
 
@@ -62,8 +64,9 @@ def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, 
                           names: Optional[Set[str]] = None, inherited=None, precision="int8",
                           block_size: int = 128) -> List[dict]:
     """Insert the Q/DQ of every :class:`~onnx_qat.placement.marks.SubgraphPlacement` of ``placement``
-    into the matching branch of ``model`` (a model :func:`onnx_qat.quantize` owns; its If nodes get
-    their edited branches in place). Nested Ifs are edited first, then the branch holding them.
+    into the matching If branch or Loop/Scan body of ``model`` (a model :func:`onnx_qat.quantize`
+    owns; its nodes get their edited subgraphs in place). Nested subgraphs are edited first, then
+    the graph holding them.
 
     Args:
         model: the ModelProto whose main graph ``placement`` describes.
@@ -76,7 +79,7 @@ def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, 
 
     Returns:
         The inserted records (as :class:`~onnx_qat.insertion.InsertionResult` holds them), each with
-        ``"subgraph"``: ``"<If node>/<attribute>"``.
+        ``"subgraph"``: ``"<node>/<attribute>"`` (e.g. ``"choose/then_branch"``, ``"refine/body"``).
     """
     if not placement.subgraphs:
         return []

@@ -1,4 +1,5 @@
-"""Observing tensors inside If branches, which onnxruntime cannot return as graph outputs.
+"""Observing tensors inside If branches and Loop/Scan bodies, which onnxruntime cannot return as graph
+outputs.
 
 :class:`BranchRunner` answers ``run(names, feed)`` like an onnxruntime session. Tensors of the main
 graph are fetched as extra outputs. For tensors inside the branches of an If, it first runs the
@@ -9,8 +10,12 @@ are made once per combination of conditions met, so a dataset that always takes 
 one copy. Only the branch that really runs is observed on each batch, as it would run in
 deployment; a branch no batch takes gets no range (quantize then names the tensors without one).
 
-Tensors inside Loop or Scan bodies cannot be observed (one value per iteration): asking for one is
-a ModelError.
+A tensor of a Loop or Scan body takes one value per iteration. The runner fetches it from a copy of
+the model in which it is an extra scan output of the body (:func:`onnx_qat.subgraphs.expose_iterations`):
+the values of every iteration, stacked, so every calibration method sees all iterations. A body
+whose tensor shapes change across iterations cannot be exposed so (onnxruntime refuses the copy): its
+tensors, like those of an If inside a body, come back as None and get no range. A name that is no
+tensor of the model is a ModelError.
 """
 from __future__ import annotations
 

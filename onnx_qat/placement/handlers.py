@@ -562,10 +562,13 @@ class SubgraphHandler:
     subgraphs); onnx-tensorrt operator support (If: both branches are built as conditional
     subgraphs, Q/DQ layers inside them included; Loop and Scan: the body is built as a TensorRT
     ILoop); TensorRT Developer Guide, "Working with Loops" (interior layers of a loop may use
-    tensors defined inside or outside it; no restriction on quantize/dequantize layers there) and
+    tensors defined inside or outside it; its rules restrict the boundary layers, and the layers
+    allowed inside are listed in the Support Matrix, "Layers for Flow-Control Constructs") and
     TensorRT's builder, which asks for explicit Q/DQ (not implicit calibration) in networks with
     loops ("Int8 calibration in TensorRT won't be used on networks containing boolean operators or
-    loops", quoted in onnxruntime-inference-examples issue 44).
+    loops. Please use quantization-aware training to generate a network with Quantize/Dequantize
+    nodes", quoted in onnxruntime-inference-examples issue 44). See docs/placement.md, "What
+    happens to a Loop or Scan".
     """
 
     phase = 1

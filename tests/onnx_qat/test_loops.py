@@ -285,3 +285,96 @@ def test_a_loop_inside_an_if_branch_is_calibrated_on_the_batches_that_take_it():
         feeds = {"input": (rng.standard_normal((1, 3, 8, 8)) + sign).astype(np.float32)}
         ref, got = run(model, feeds)[0], run(result.model, feeds)[0]
         assert cosine(ref, got) > 0.99, sign
+
+
+def _if_in_loop_model():
+    """``pre_conv`` -> Loop ``outer`` (2 trips): body(i, cond, x): ``o_conv`` -> ``o_relu`` -> If ``o_if``
+    (on the sign of x's mean; Conv -> Relu -> Conv in each branch) -> Add ``o_add`` (x) -> carried."""
+    rng = np.random.default_rng(6)
+
+    def weight(name):
+        return numpy_helper.from_array((rng.standard_normal((16, 16, 3, 3)) * 0.08).astype(np.float32), name)
+
+    def branch(name, conv):  # Conv -> Relu -> Conv: the second Conv's input exists only inside the branch
+        nodes = [helper.make_node("Conv", ["o_relu_out", f"{conv}1_w"], [f"{conv}1_out"], name=f"{conv}1",
+                                  pads=[1] * 4),
+                 helper.make_node("Relu", [f"{conv}1_out"], [f"{conv}_relu_out"], name=f"{conv}_relu"),
+                 helper.make_node("Conv", [f"{conv}_relu_out", f"{conv}2_w"], [f"{name}_out"], name=f"{conv}2",
+                                  pads=[1] * 4)]
+        return helper.make_graph(nodes, name, [],
+                                 [helper.make_tensor_value_info(f"{name}_out", onnx.TensorProto.FLOAT, None)],
+                                 [weight(f"{conv}1_w"), weight(f"{conv}2_w")])
+
+    body = helper.make_graph(
+        [helper.make_node("Conv", ["o_x", "o_w"], ["o_conv_out"], name="o_conv", pads=[1] * 4),
+         helper.make_node("Relu", ["o_conv_out"], ["o_relu_out"], name="o_relu"),
+         helper.make_node("ReduceMean", ["o_x"], ["o_mean"], name="o_mean", keepdims=0),
+         helper.make_node("Greater", ["o_mean", "o_zero"], ["o_cond"], name="o_greater"),
+         helper.make_node("If", ["o_cond"], ["o_if_out"], name="o_if", then_branch=branch("o_then", "t_conv"),
+                          else_branch=branch("o_else", "e_conv")),
+         helper.make_node("Add", ["o_if_out", "o_x"], ["o_next"], name="o_add"),
+         helper.make_node("Identity", ["o_c"], ["o_c_out"], name="o_id")], "outer_body",
+        [helper.make_tensor_value_info("o_i", onnx.TensorProto.INT64, []),
+         helper.make_tensor_value_info("o_c", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("o_x", onnx.TensorProto.FLOAT, ["N", 16, 8, 8])],
+        [helper.make_tensor_value_info("o_c_out", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("o_next", onnx.TensorProto.FLOAT, ["N", 16, 8, 8])],
+        [weight("o_w"), numpy_helper.from_array(np.array(0, np.float32), "o_zero")])
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["input", "pre_w"], ["pre_out"], name="pre_conv", pads=[1] * 4),
+         helper.make_node("Loop", ["trips", "", "pre_out"], ["output"], name="outer", body=body)], "if_in_loop",
+        [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, ["N", 16, 8, 8])],
+        [helper.make_tensor_value_info("output", onnx.TensorProto.FLOAT, ["N", 16, 8, 8])],
+        [weight("pre_w"), numpy_helper.from_array(np.array(2, np.int64), "trips")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_an_if_inside_a_loop_body_stays_float_with_a_note_and_the_rest_of_the_body_is_quantized():
+    model = _if_in_loop_model()
+    before = model.SerializeToString(deterministic=True)
+    rng = np.random.default_rng(2)
+    data = {"input": rng.standard_normal((8, 16, 8, 8)).astype(np.float32)}
+    result = onnx_qat.quantize(model, data=data, batch_size=4, progress=False)
+    assert model.SerializeToString(deterministic=True) == before
+    assert any("'o_if'" in note and "inside a Loop/Scan body" in note for note in result.placement.notes), \
+        result.placement.notes
+    body = _body(result.model, "outer")
+    assert _quantized_input(body, "o_conv", 0) == "o_x" and _reader_dq(body, "o_conv", 1) is not None
+    if_node = next(n for n in body.node if n.op_type == "If")
+    assert {n.op_type for a in if_node.attribute for n in a.g.node} == {"Conv", "Relu"}  # left float
+    assert_check_clean(result.model)
+    feeds = {"input": rng.standard_normal((2, 16, 8, 8)).astype(np.float32)}
+    assert cosine(run(model, feeds)[0], run(result.model, feeds)[0]) > 0.99
+
+
+def test_a_loop_nested_in_a_loop_body_is_observed_in_every_inner_and_outer_iteration():
+    """Outer Loop (2 trips) whose body runs an inner Loop (3 trips) doubling its carried value."""
+    def loop_body(name, nodes, carried, out, initializers=()):
+        return helper.make_graph(
+            nodes + [helper.make_node("Identity", [f"{name}_c"], [f"{name}_c_out"], name=f"{name}_id")], name,
+            [helper.make_tensor_value_info(f"{name}_i", onnx.TensorProto.INT64, []),
+             helper.make_tensor_value_info(f"{name}_c", onnx.TensorProto.BOOL, []),
+             helper.make_tensor_value_info(carried, onnx.TensorProto.FLOAT, [2, 4])],
+            [helper.make_tensor_value_info(f"{name}_c_out", onnx.TensorProto.BOOL, []),
+             helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, [2, 4])], list(initializers))
+
+    inner = loop_body("inner", [helper.make_node("Mul", ["in_y", "two"], ["in_next"], name="in_mul")], "in_y",
+                      "in_next", [numpy_helper.from_array(np.array(2, np.float32), "two")])
+    outer = loop_body("outer", [helper.make_node("Loop", ["three", "", "out_x"], ["out_next"], name="inner_loop",
+                                                 body=inner)], "out_x", "out_next",
+                      [numpy_helper.from_array(np.array(3, np.int64), "three")])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["twice", "", "input"], ["output"], name="outer_loop", body=outer)], "nested",
+        [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("output", onnx.TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(np.array(2, np.int64), "twice")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    runner = BranchRunner(model, ["in_y", "out_x"])
+    in_y, out_x = runner.run(["in_y", "out_x"], {"input": x})
+    assert in_y.shape == (2, 3, 2, 4) and out_x.shape == (2, 2, 4)
+    np.testing.assert_allclose(in_y, np.array([[x, 2 * x, 4 * x], [8 * x, 16 * x, 32 * x]]), rtol=1e-6)
+    np.testing.assert_allclose(out_x, np.array([x, 8 * x]), rtol=1e-6)
