@@ -523,7 +523,7 @@ def _placement_dict(placement) -> dict:
 
 def format_decisions(placement) -> str:
     """The ``inspect`` table: one row per decision (node, op, action, rule, reason; the nodes of quantized
-    If branches after the main graph's) and a summary line."""
+    If branches and Loop/Scan bodies after the main graph's) and a summary line."""
     header = ("NODE", "OP", "ACTION", "RULE", "REASON")
     decisions = placement.all_decisions()
     rows = [(d.node, d.op_type, d.action, d.rule, d.reason) for d in decisions]

@@ -111,7 +111,12 @@ class BranchRunner:
         """The session over a copy of the model with the body tensors ``looped`` exposed."""
         from ..runtime import make_session
 
+        import onnxruntime as ort
+
         exposed_model, self.exposed = expose_iterations(self.model, looped)
+        # a failure of the exposed copy is handled here (_recover): onnxruntime need not log it too
+        self.quiet = ort.RunOptions()
+        self.quiet.log_severity_level = 4
         self.unobservable |= set(looped) - set(self.exposed)  # e.g. in an If inside a body
         self.fetch = list(dict.fromkeys(self.main + self.conditions + list(self.exposed.values())))
         self.session = make_session(exposed_model, extra_outputs=self.fetch, copy=False)
@@ -123,7 +128,7 @@ class BranchRunner:
         kept: List[str] = []
         self._build([])
         try:
-            self.session.run(self.fetch, feed)
+            self.session.run(self.fetch, feed, self.quiet)
         except Exception:
             raise error from None
         for node, group in self.loops.items():
@@ -132,7 +137,7 @@ class BranchRunner:
                 continue
             try:
                 self._build(kept + wanted)
-                self.session.run(self.fetch, feed)
+                self.session.run(self.fetch, feed, self.quiet)
                 kept.extend(wanted)
             except Exception as exc:
                 self.unobservable |= set(wanted)
@@ -147,7 +152,7 @@ class BranchRunner:
         from ..subgraphs import inline_branches
 
         try:
-            fetched = self.session.run(self.fetch, feed)
+            fetched = self.session.run(self.fetch, feed, self.quiet if self.exposed else None)
         except Exception as exc:
             if not self.exposed:
                 raise
