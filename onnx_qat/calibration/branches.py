@@ -109,9 +109,9 @@ class BranchRunner:
 
     def _build(self, looped: Sequence[str]) -> None:
         """The session over a copy of the model with the body tensors ``looped`` exposed."""
-        from ..runtime import make_session
-
         import onnxruntime as ort
+
+        from ..runtime import make_session
 
         exposed_model, self.exposed = expose_iterations(self.model, looped)
         # a failure of the exposed copy is handled here (_recover): onnxruntime need not log it too
