@@ -182,17 +182,23 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     return result, output_error(prepared.reference, {k: join_flat(v) for k, v in parts.items()})
 
 
-def _weighted_share(result) -> Tuple[int, int]:
-    """(weighted ops quantized, weighted ops) of a QuantizeResult's placement."""
+def _weighted_share(result, float_model) -> Tuple[int, int]:
+    """(weighted ops quantized, weighted ops) of a QuantizeResult's placement: the Conv,
+    ConvTranspose, Gemm and MatMul nodes of ``float_model``'s main graph with a constant weight
+    (an attention product of two activations has none, and is not counted)."""
+    from ..placement.graph_index import GraphIndex
     from ..placement.handlers import WEIGHTED_OPS
 
-    decisions = [d for d in result.placement.decisions if d.op_type in WEIGHTED_OPS]
+    index = GraphIndex(float_model)
+    weighted = {n.name for n in index.nodes if n.op_type in WEIGHTED_OPS
+                and any(index.is_constant(t) for t in n.inputs[:2] if t)}
+    decisions = [d for d in result.placement.decisions if d.node in weighted]
     return sum(d.action == "quantize" for d in decisions), len(decisions)
 
 
 def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_float_sites, result,
              seconds) -> dict:
-    int8, total = _weighted_share(result)
+    int8, total = _weighted_share(result, prepared.float_model)
     info = {
         "min_cosine": min_cosine, "max_float_sites": max_float_sites,
         "float_sites": [prepared.sites[k].to_dict() for k in chosen],
