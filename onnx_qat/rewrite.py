@@ -164,7 +164,8 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
                                progress, calibrator)
     if fmt.attention:
         if config.include_attention:  # a range the caller's own ScaleTable gives is kept
-            table = softmax_ranges(index, placement, table, keep=table.activations if scales is not None else ())
+            keep = table.activations if scales is not None else ()
+            table = softmax_ranges(index, placement, table, keep=keep)
     if config.fp8_method == "gptq":  # after calibration: activation ranges are the float model's
         from .gptq import apply_gptq_fp8
 

@@ -299,8 +299,8 @@ def _if_in_loop_model():
         nodes = [helper.make_node("Conv", ["o_relu_out", f"{conv}1_w"], [f"{conv}1_out"], name=f"{conv}1",
                                   pads=[1] * 4),
                  helper.make_node("Relu", [f"{conv}1_out"], [f"{conv}_relu_out"], name=f"{conv}_relu"),
-                 helper.make_node("Conv", [f"{conv}_relu_out", f"{conv}2_w"], [f"{name}_out"], name=f"{conv}2",
-                                  pads=[1] * 4)]
+                 helper.make_node("Conv", [f"{conv}_relu_out", f"{conv}2_w"], [f"{name}_out"],
+                                  name=f"{conv}2", pads=[1] * 4)]
         return helper.make_graph(nodes, name, [],
                                  [helper.make_tensor_value_info(f"{name}_out", onnx.TensorProto.FLOAT, None)],
                                  [weight(f"{conv}1_w"), weight(f"{conv}2_w")])
@@ -322,7 +322,8 @@ def _if_in_loop_model():
         [weight("o_w"), numpy_helper.from_array(np.array(0, np.float32), "o_zero")])
     graph = helper.make_graph(
         [helper.make_node("Conv", ["input", "pre_w"], ["pre_out"], name="pre_conv", pads=[1] * 4),
-         helper.make_node("Loop", ["trips", "", "pre_out"], ["output"], name="outer", body=body)], "if_in_loop",
+         helper.make_node("Loop", ["trips", "", "pre_out"], ["output"], name="outer", body=body)],
+        "if_in_loop",
         [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, ["N", 16, 8, 8])],
         [helper.make_tensor_value_info("output", onnx.TensorProto.FLOAT, ["N", 16, 8, 8])],
         [weight("pre_w"), numpy_helper.from_array(np.array(2, np.int64), "trips")])
@@ -362,11 +363,12 @@ def test_a_loop_nested_in_a_loop_body_is_observed_in_every_inner_and_outer_itera
 
     inner = loop_body("inner", [helper.make_node("Mul", ["in_y", "two"], ["in_next"], name="in_mul")], "in_y",
                       "in_next", [numpy_helper.from_array(np.array(2, np.float32), "two")])
-    outer = loop_body("outer", [helper.make_node("Loop", ["three", "", "out_x"], ["out_next"], name="inner_loop",
-                                                 body=inner)], "out_x", "out_next",
+    inner_loop = helper.make_node("Loop", ["three", "", "out_x"], ["out_next"], name="inner_loop", body=inner)
+    outer = loop_body("outer", [inner_loop], "out_x", "out_next",
                       [numpy_helper.from_array(np.array(3, np.int64), "three")])
     graph = helper.make_graph(
-        [helper.make_node("Loop", ["twice", "", "input"], ["output"], name="outer_loop", body=outer)], "nested",
+        [helper.make_node("Loop", ["twice", "", "input"], ["output"], name="outer_loop", body=outer)],
+        "nested",
         [helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, [2, 4])],
         [helper.make_tensor_value_info("output", onnx.TensorProto.FLOAT, [2, 4])],
         [numpy_helper.from_array(np.array(2, np.int64), "twice")])
