@@ -27,6 +27,17 @@ A = keras.applications
 pytestmark = pytest.mark.filterwarnings("ignore:tf_bridge.calibrate.*BatchNormalization",
                                         "ignore::UserWarning")
 
+@pytest.fixture(autouse=True)
+def _fresh_keras_session():
+    """Each case's models, traced functions and graphs freed after it: without this, one process
+    running the whole matrix grows past 10 GB (measured) and is killed for memory."""
+    yield
+    import gc
+
+    keras.backend.clear_session()
+    gc.collect()
+
+
 #: name: (builder, custom QDQ cases, input size)
 ARCHITECTURES = {
     "resnet50": (lambda **k: A.ResNet50(**k), lambda: [C.ResNetV1QDQCase()], 64),
