@@ -102,11 +102,14 @@ def round_trip(name: str, kind: str, calibrate: bool, seed: int, path):
 
 def int8_share(path) -> float:
     """The fraction of weighted ops (Conv, ConvTranspose, MatMul, Gemm) whose activation input and
-    weight both come from a DequantizeLinear: the ops TensorRT runs in INT8."""
+    weight both come from a DequantizeLinear: the ops TensorRT runs in INT8. An activation read
+    through a Pad counts (placement rule R8 puts the Q/DQ before a Pad that feeds a convolution, and
+    TensorRT fuses the Pad into it: ZeroPadding2D before a strided depthwise convolution)."""
     import onnx
 
     model = onnx.load(str(path))
     dq = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    dq |= {n.output[0] for n in model.graph.node if n.op_type == "Pad" and n.input[0] in dq}
     weighted = [n for n in model.graph.node if n.op_type in ("Conv", "ConvTranspose", "MatMul", "Gemm")]
     int8 = [n for n in weighted if len(n.input) > 1 and n.input[0] in dq and n.input[1] in dq]
     return len(int8) / max(len(weighted), 1)
@@ -136,6 +139,7 @@ def _run_case(name, kind, calibrate, seed, tmp_path):
         assert report.passed, str(report)
         assert not report.check.errors and not report.check.warnings, report.check.summary()
         assert all(o.abs_error <= 0.02 and o.max_abs_float > 0 for o in report.parity.outputs), str(report)
+        assert case["int8_share"] == 1.0, "a weighted op stays float"  # every one runs INT8 here
         return
     diverges = float_diverges(name, kind, seed)
     cause = "rounding cascade" if "FAILED (rounding cascade)" in error else "FAILED"
