@@ -25,7 +25,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests
 
-## make test-slow: the tests marked slow (a synthetic model over 2 GB)
+## make test-slow: the tests marked slow (a synthetic model over 2 GB, the round-trip matrix, README's
+## quickstart on nine architectures: about two hours on 2 cores)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow tests
 
