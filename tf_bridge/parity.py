@@ -439,29 +439,18 @@ def _nudged(qdq_model: onnx.ModelProto, draw: int) -> onnx.ModelProto:
             node.input[0] = nudge + "d"
         nodes.append(node)
         if node.op_type in _REDUCTIONS and _computed(node.input[0], producers):
-            nodes.extend(_reduction_nudge(node, np.float32(rng_r.choice([-1.0, 1.0]) * _NUDGE),
-                                          copy.graph.initializer))
+            signed = np.float32(rng_r.choice([-1.0, 1.0]) * _NUDGE)  # a random sign per tensor
+            nodes.extend(_terms_nudge(node, signed, copy.graph.initializer, magnitudes=1,
+                                      inputs=len(node.input)))
             continue
         channels = _output_channels(node, inits, producers)
         if channels is None:
             continue
-        out = node.output[0]
         spatial = 0 if node.op_type in ("MatMul", "Gemm") else _spatial_rank(node)
         shape = (channels,) + (1,) * spatial
-        # the size of a sum's rounding difference is set by its terms, not by its result (which
-        # may cancel to a small value): _NUDGE times the same op on |x| and |W| (no bias), a
-        # random sign per output channel
+        # a random sign per output channel; the terms are x and W (no bias)
         signed = (rng.choice([-1.0, 1.0], channels) * _NUDGE).astype(np.float32).reshape(shape)
-        copy.graph.initializer.append(onnx.numpy_helper.from_array(signed, out + "_rounding_nudge"))
-        node.output[0] = out + "_before_nudge"
-        nodes.append(onnx.helper.make_node("Abs", [node.input[0]], [out + "_abs_x"]))
-        nodes.append(onnx.helper.make_node("Abs", [node.input[1]], [out + "_abs_w"]))
-        nodes.append(onnx.helper.make_node(node.op_type, [out + "_abs_x", out + "_abs_w"], [out + "_terms"],
-                                           name=(node.name or out) + "_terms"))
-        nodes[-1].attribute.extend(a for a in node.attribute if a.name != "beta")
-        nodes.append(onnx.helper.make_node("Mul", [out + "_terms", out + "_rounding_nudge"],
-                                           [out + "_shift"]))
-        nodes.append(onnx.helper.make_node("Add", [node.output[0], out + "_shift"], [out]))
+        nodes.extend(_terms_nudge(node, signed, copy.graph.initializer, magnitudes=2, inputs=2))
     del copy.graph.node[:]
     copy.graph.node.extend(nodes)
     return copy
@@ -472,20 +461,25 @@ def _nudged(qdq_model: onnx.ModelProto, draw: int) -> onnx.ModelProto:
 _REDUCTIONS = ("ReduceMean", "ReduceSum", "GlobalAveragePool", "AveragePool")
 
 
-def _reduction_nudge(node, signed: np.float32, initializers) -> List[onnx.NodeProto]:
-    """Nodes that move ``node``'s output (a reduction, :data:`_REDUCTIONS`) by ``signed`` times the
-    same reduction of ``|x|``: the rounding difference of a sum whose terms may cancel (a
-    LayerNormalization's mean, from which each value is then subtracted). ``node`` is renamed to
-    write ``<out>_before_nudge``; the nodes returned write ``<out>``."""
+def _terms_nudge(node, signed, initializers, magnitudes: int, inputs: int) -> List[onnx.NodeProto]:
+    """Nodes that move ``node``'s output by ``signed`` times the same op on its terms' magnitudes:
+    its first ``inputs`` inputs, the first ``magnitudes`` of them as their absolute values (a
+    Conv/Gemm/MatMul on ``|x|`` and ``|W|`` without its bias; a reduction on ``|x|`` with its
+    axes). The size of a sum's rounding difference between engines is set by its terms, not by its
+    result, which may cancel to a small value (a LayerNormalization's mean, from which each value is
+    then subtracted). ``node`` is renamed to write ``<out>_before_nudge``; the nodes returned write
+    ``<out>``."""
     out = node.output[0]
-    initializers.append(onnx.numpy_helper.from_array(np.array(signed), out + "_rounding_nudge"))
+    nudge = onnx.numpy_helper.from_array(np.asarray(signed, np.float32), out + "_rounding_nudge")
+    initializers.append(nudge)
     node.output[0] = out + "_before_nudge"
-    terms = onnx.helper.make_node(node.op_type, [out + "_abs_x"] + list(node.input[1:]), [out + "_terms"],
-                                  name=(node.name or out) + "_terms")
-    terms.attribute.extend(node.attribute)
-    return [onnx.helper.make_node("Abs", [node.input[0]], [out + "_abs_x"]), terms,
-            onnx.helper.make_node("Mul", [out + "_terms", out + "_rounding_nudge"], [out + "_shift"]),
-            onnx.helper.make_node("Add", [node.output[0], out + "_shift"], [out])]
+    absolute = [f"{out}_abs_{k}" for k in range(magnitudes)]
+    terms = onnx.helper.make_node(node.op_type, absolute + list(node.input[magnitudes:inputs]),
+                                  [out + "_terms"], name=(node.name or out) + "_terms")
+    terms.attribute.extend(a for a in node.attribute if a.name != "beta")  # Gemm's beta scales the bias
+    shift = onnx.helper.make_node("Mul", [out + "_terms", nudge.name], [out + "_shift"])
+    return ([onnx.helper.make_node("Abs", [node.input[k]], [name]) for k, name in enumerate(absolute)]
+            + [terms, shift, onnx.helper.make_node("Add", [node.output[0], out + "_shift"], [out])])
 
 
 #: Ops that move data without arithmetic: a tensor reached from a model input through them only
