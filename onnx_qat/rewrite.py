@@ -464,7 +464,7 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
     with _io().cyclic_gc_paused():  # ~10^5 new protobuf objects, none of them in reference cycles
         nested = ()
         if placement.subgraphs:  # If branches first: the main graph's edit then sees their new names
-            from .subgraphs import insert_into_subgraphs, read_by_subgraphs
+            from .subgraphs import drop_unread, insert_into_subgraphs, read_by_subgraphs
 
             fmt = {k: v for k, v in dict(storage or {}).items() if k in ("precision", "block_size")}
             shared = read_by_subgraphs(model.graph)
@@ -478,8 +478,6 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
             inserted = type(inserted)(
                 inserted.activations + tuple(r for r in nested if r["kind"] == "activation"),
                 inserted.weights + tuple(r for r in nested if r["kind"] == "weight"))
-            from .subgraphs import drop_unread
-
             drop_unread(committed.graph, shared)  # float weights only quantized branches read
         return committed, inserted
 

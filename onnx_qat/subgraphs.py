@@ -122,17 +122,19 @@ def read_by_subgraphs(graph: onnx.GraphProto) -> Set[str]:
     return {t.name for t in graph.initializer if t.name in inside}
 
 
-def drop_unread(graph: onnx.GraphProto, candidates: Set[str]) -> List[str]:
-    """Remove from ``graph`` the initializers named in ``candidates`` that nothing reads any more: no
-    node of ``graph`` or of its subgraphs, no graph input or output. Used after the Q/DQ went into
-    the branches: a float weight of the enclosing graph that only a quantized branch read is now
-    replaced there by its int8 copy, and would otherwise stay in the file as dead bytes. Returns
-    the names removed."""
-    if not candidates:
+def drop_unread(graph: onnx.GraphProto, candidates: Optional[Set[str]] = None) -> List[str]:
+    """Remove from ``graph`` the initializers named in ``candidates`` (every initializer when None)
+    that nothing reads any more: no node of ``graph`` or of its subgraphs, no graph input or output.
+    Used after the Q/DQ went into the branches (a float weight of the enclosing graph that only a
+    quantized branch read is now replaced there by its int8 copy, and would otherwise stay in the
+    file as dead bytes) and after a branch was inlined (the branch not taken no longer reads its
+    weights). Returns the names removed."""
+    if candidates is not None and not candidates:
         return []
     read = {t for node in graph.node for t in node.input} | subgraph_names(graph.node)
     read |= {i.name for i in graph.input} | {o.name for o in graph.output}
-    unread = [t for t in graph.initializer if t.name in candidates and t.name not in read]
+    unread = [t for t in graph.initializer
+              if (candidates is None or t.name in candidates) and t.name not in read]
     for tensor in unread:
         graph.initializer.remove(tensor)
     return [t.name for t in unread]
@@ -162,12 +164,7 @@ def inline_branches(model: onnx.ModelProto, choices: Mapping[int, bool]) -> onnx
                                                   name=f"{node.name or 'If'}_{wanted}_output_{i}"))
     del graph.node[:]
     graph.node.extend(kept)
-    # initializers only the branch not taken read are read by nobody now (onnxruntime drops them)
-    read = {t for node in kept for t in node.input} | {o.name for o in graph.output}
-    read |= subgraph_names(kept)
-    unread = [t for t in graph.initializer if t.name not in read]
-    for tensor in unread:
-        graph.initializer.remove(tensor)
+    drop_unread(graph)  # initializers only the branch not taken read are read by nobody now
     return result
 
 
