@@ -11,7 +11,6 @@ cosine; ties keep the earlier table, ``max`` first).
 from __future__ import annotations
 
 import logging
-import math
 from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -42,19 +41,13 @@ def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16):
 
 
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
-    """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1).
+    """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1), as
+    :func:`onnx_qat.compare.output_figures` measures it (the figure
+    :func:`onnx_qat.accuracy.prepared.output_error` reports too; calibration does not import the
+    accuracy tools, which plain ``quantize`` never loads)."""
+    from ..compare import output_figures
 
-    The figure :func:`onnx_qat.accuracy.prepared.output_error` reports, computed here so that
-    calibration does not import the accuracy tools (plain ``quantize`` never loads them).
-    """
-    worst = 1.0
-    for name, ref in reference.items():
-        r = ref.astype(np.float64, copy=False)
-        c = candidate[name].astype(np.float64, copy=False)
-        norms = math.sqrt(float(r @ r) * float(c @ c))
-        same = bool(np.array_equal(r, c))
-        worst = min(worst, float(r @ c) / norms if norms else (1.0 if same else 0.0))
-    return worst
+    return min([1.0] + [output_figures(ref, candidate[name])["cosine"] for name, ref in reference.items()])
 
 
 def choose_by_output(model, feeds, tables: Mapping[str, Mapping[str, float]], *,
