@@ -351,7 +351,7 @@ def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
 
 
 def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress,
-            calibrator=None) -> ScaleTable:
+            calibrator=None) -> Tuple[ScaleTable, Placement]:
     """``(ScaleTable, placement)``: the table loaded/validated, or calibrated on ``data``; when
     calibrated, the If branches no batch took are dropped from the placement (left float, with a note).
 
@@ -503,5 +503,5 @@ def _io():
     return model_io
 
 
-__all__ = ["quantize", "QuantizeResult", "refuse_quantized", "nothing_to_quantize"]
+__all__ = ["quantize_placed", "QuantizeResult", "refuse_quantized", "nothing_to_quantize"]
 

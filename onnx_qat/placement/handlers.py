@@ -3,7 +3,7 @@
 Handlers look at one node (through a :class:`~onnx_qat.graph.index.GraphIndex`)
 and return marks; they never touch a graph. The policy
 (:mod:`onnx_qat.placement.policy`) maps op types to these handlers and merges the
-marks (rule 10). Rule numbers follow DESIGN.md / the rules table of docs/placement.md.
+marks (rule 10). Rule numbers follow the rules table of docs/placement.md.
 
 Public sources:
 
