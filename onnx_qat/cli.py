@@ -26,7 +26,7 @@ import traceback
 from typing import List, Optional, Sequence
 
 from . import __version__
-from .config import TARGETS
+from .config import FLOAT_DTYPES, TARGETS
 from .formats import FP8_METHODS, INT4_METHODS, PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
@@ -176,6 +176,13 @@ def _add_quantize(sub) -> None:
                    help="deployment form: tensorrt (default) or ort-cpu (fast onnxruntime CPU kernels)")
     p.add_argument("--report", metavar="R.json", default=None,
                    help="also write a JSON report: placement decisions and the check result")
+    p.add_argument("--float-dtype", choices=FLOAT_DTYPES, default=None,
+                   help="type of everything Q/DQ leaves in float: fp32 (default), fp16 or bf16 "
+                        "(TensorRT 11 runs FP32 float parts in FP32); nodes that must stay FP32 are "
+                        "kept, each with its reason (see docs/formats.md)")
+    p.add_argument("--float-io", action="store_true",
+                   help="with --float-dtype fp16/bf16: graph inputs and outputs take that type too "
+                        "(default: they keep FP32, with a Cast at the boundary)")
     _calibration_options(p)
     _placement_options(p)
     _mixed_precision_options(p)
@@ -305,6 +312,8 @@ def _placement_keywords(args) -> dict:
         kw["int4_method"] = args.int4_method
     if getattr(args, "fp8_method", None) is not None:
         kw["fp8_method"] = args.fp8_method
+    if getattr(args, "float_dtype", None) is not None:
+        kw["float_dtype"] = args.float_dtype
     if getattr(args, "target", None) is not None:
         kw["target"] = args.target
     return kw
@@ -430,12 +439,17 @@ def cmd_quantize(args) -> int:
     if mixed and args.min_cosine is None:
         raise UsageError("--max-float-sites and --eval-data apply only with --min-cosine")
     _check_inputs(("--eval-data", args.eval_data, "DataError"))
+    if args.float_io and args.float_dtype in (None, "fp32"):
+        raise UsageError("--float-io applies only with --float-dtype fp16 or bf16")
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=args.data,
-                      progress=_progress(args), **calib, **_placement_keywords(args), **mixed)
+                      progress=_progress(args), keep_io_types=not args.float_io, **calib,
+                      **_placement_keywords(args), **mixed)
     _say(args, _quantize_summary(args, result))
     if result.accuracy is not None:
         _say(args, _mixed_summary(result.accuracy))
+    if result.float_parts is not None:
+        _say(args, _float_parts_summary(result.float_parts))
     report = _check_written(result.model, args.output, result.target)
     if not args.quiet:
         for finding in report.findings:
@@ -468,6 +482,18 @@ def _quantize_summary(args, result) -> str:
             f"{s.get('weights', '?')} weights quantized, {s.get('skipped_nodes', '?')} nodes skipped | "
             f"{s.get('quantize_linear', '?')} QuantizeLinear, "
             f"{s.get('dequantize_linear', '?')} DequantizeLinear")
+
+
+def _float_parts_summary(parts) -> str:
+    """Lines for --float-dtype: what was converted, the measured cosines, every node kept FP32."""
+    lines = [str(parts).splitlines()[0]]
+    if parts.measurement is not None:
+        for name, m in parts.measurement["outputs"].items():
+            lines[0] += (f" | output {name!r} cosine {m['cosine']:.5f} (FP32 float parts {m['cosine_fp32']:.5f}, "
+                         f"{parts.measurement['samples']} samples)")
+    lines += [f"  kept FP32: {k}" for k in parts.kept]
+    lines += [f"  note: {n}" for n in parts.notes]
+    return "\n".join(lines)
 
 
 def _mixed_summary(info) -> str:
