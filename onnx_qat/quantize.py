@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 from .calibration.runner import DEFAULT_METHOD, calibrate
 from .config import QuantizeConfig
 from .errors import ConfigError
-from .formats import get_format
+from .formats.numeric import get_format
 from .placement.marks import Placement
 from .rewrite import (QUANTIZED_OPS, REPORT_FORMAT, REPORT_VERSION, QuantizeResult,  # noqa: F401
                       check_sources, nested_indexes, nothing_to_quantize, quantize_placed,
@@ -47,7 +47,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``
             (``precision="int4"`` needs neither: without ``data`` its weights are rounded to
             nearest; with ``data`` an activation-aware scale search runs first, see
-            :mod:`onnx_qat.awq`).
+            :mod:`onnx_qat.formats.awq`).
         method: calibration method when ``data`` is given: ``auto``, ``max``, ``percentile``,
             ``entropy`` or ``mse`` (see :func:`onnx_qat.calibrate`). None: ``auto``; with
             ``min_cosine``, ``max`` (the mixed-precision search calibrates once and judges every site
@@ -65,14 +65,14 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             uses; the placement options (``exclude_nodes``...) are then not applied.
         precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ, scale amax / 448, opset >= 19)
             or ``"int4"`` (blockwise weight-only DequantizeLinear on MatMul/Gemm weights, opset
-            21); see :mod:`onnx_qat.formats`.
+            21); see :mod:`onnx_qat.formats.numeric`.
         block_size: values per INT4 weight scale (default 128; ``precision="int4"``).
         int4_method: how INT4 weights are rounded: ``"rtn"``, ``"awq"`` or ``"gptq"`` (AWQ's
             scales, then error-compensating rounding on the calibration data's Hessians,
-            :mod:`onnx_qat.gptq`); default ``awq`` with ``data``, ``rtn`` without.
+            :mod:`onnx_qat.formats.gptq`); default ``awq`` with ``data``, ``rtn`` without.
         fp8_method: how FP8 MatMul/Gemm weights are rounded: ``"rtn"`` (round to nearest, the
             default) or ``"gptq"`` (error-compensating rounding on each output channel's E4M3 grid,
-            driven by ``data``'s activations, :func:`onnx_qat.gptq.apply_gptq_fp8`; needs ``data``).
+            driven by ``data``'s activations, :func:`onnx_qat.formats.gptq.apply_gptq_fp8`; needs ``data``).
         min_cosine: automatic mixed precision: leave the fewest sites (:mod:`onnx_qat.accuracy.sites`)
             in float so that the output cosine against the float model reaches this on
             ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
@@ -85,7 +85,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         float_dtype: the type of everything Q/DQ leaves in float: ``"fp32"`` (default), ``"fp16"``
             or ``"bf16"``, for every ``precision`` (TensorRT 11 builds strongly typed networks: FP32
             float parts run in FP32). The Q/DQ model is converted by
-            :func:`onnx_qat.float_parts.cast_float_parts` (opset raised to 19, to 22 for BF16), which
+            :func:`onnx_qat.formats.float_parts.cast_float_parts` (opset raised to 19, to 22 for BF16), which
             keeps FP32 what must stay FP32 (ranges beyond the type, scales it cannot hold, ops TensorRT
             does not run in it, and, measured on the first samples of ``data``, any node whose
             conversion costs more than 0.002 of output cosine against the float model);
@@ -109,7 +109,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     if not isinstance(keep_io_types, bool):
         raise ConfigError(f"keep_io_types must be True or False, got {keep_io_types!r}")
     if config.float_dtype != "fp32":
-        from .float_parts import quantize_with_float_parts
+        from .formats.float_parts import quantize_with_float_parts
 
         return quantize_with_float_parts(
             lambda: quantize(model, None, scales=scales, data=data, method=method,

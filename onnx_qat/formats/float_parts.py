@@ -54,8 +54,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .config import FLOAT_DTYPES
-from .errors import ConfigError, ModelError
+from ..config import FLOAT_DTYPES
+from ..errors import ConfigError, ModelError
 from .float_cast import BF16, FP16, LowType, cast_graph, has_subgraph, read_in_subgraphs, schema_of, \
     slot_admits, tensor_types
 
@@ -150,7 +150,7 @@ def _plain(value):
 
 
 def get_low_type(float_dtype) -> Optional[LowType]:
-    """The :class:`~onnx_qat.float_cast.LowType` named ``float_dtype``; None for ``fp32``."""
+    """The :class:`~onnx_qat.formats.float_cast.LowType` named ``float_dtype``; None for ``fp32``."""
     if float_dtype in (None, "fp32"):
         return None
     if isinstance(float_dtype, LowType):
@@ -205,7 +205,7 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
             float parts, or its opset cannot be raised to the one FP16/BF16 Q/DQ scales (19) or BF16
             convolutions (22) need.
     """
-    from .model_io import load_model
+    from ..io.models import load_model
 
     low = get_low_type(float_dtype)
     patterns = _patterns(exclude_nodes)
@@ -253,8 +253,8 @@ def quantize_with_float_parts(quantize_fp32, model, output, report, *, data, flo
     import dataclasses
     import os
 
-    from .fileio import check_output_path, write_json
-    from .model_io import save_model
+    from ..io.files import check_output_path, write_json
+    from ..io.models import save_model
 
     paths = tuple(p for p in inputs if isinstance(p, (str, os.PathLike)))
     out_path = None if output is None else check_output_path(output, inputs=paths, what="output")
@@ -295,7 +295,7 @@ def _refuse_converted(model: onnx.ModelProto) -> None:
 
 
 def _raise_opset(model: onnx.ModelProto, low: LowType):
-    from .model_io import _upgrade, default_opset
+    from ..io.models import _upgrade, default_opset
 
     has_qdq = any(n.op_type in _QDQ for n in model.graph.node)
     need = max(QDQ_LOW_OPSET if has_qdq else 0, BF16_OPSET if low is BF16 else 0)
@@ -309,7 +309,7 @@ def _raise_opset(model: onnx.ModelProto, low: LowType):
 def _load_table(scales):
     if scales is None:
         return None
-    from .scales import ScaleTable
+    from ..scales import ScaleTable
 
     if isinstance(scales, ScaleTable):
         return scales
@@ -325,7 +325,7 @@ def _add(kept: Dict[str, KeptNode], more: Mapping[str, KeptNode]) -> None:
 
 def _static_keeps(model, low: LowType, types, patterns) -> Dict[str, KeptNode]:
     """Nodes kept by the ``excluded``, ``tensorrt``, ``schema`` and ``weight`` rules."""
-    from .model_io import default_opset, tensor_array
+    from ..io.models import default_opset, tensor_array
 
     opset = default_opset(model)
     constants = {t.name: t for t in model.graph.initializer}
@@ -372,7 +372,7 @@ def _any_low_slot(node, schema, types, low) -> bool:
 
 def _given_ranges(model, table) -> Dict[str, float]:
     """Tensor -> amax from the ScaleTable and from the model's QuantizeLinear scales."""
-    from .model_io import tensor_array
+    from ..io.models import tensor_array
 
     ranges = dict(table.activations) if table is not None else {}
     constants = {t.name: t for t in model.graph.initializer}
@@ -419,7 +419,7 @@ def _range_keeps(model, low: LowType, ranges: Mapping[str, float], types) -> Dic
 
 def _scale_keeps(model, low: LowType) -> Dict[str, KeptNode]:
     """Q/DQ nodes whose scale the type cannot hold, and the nodes reading a kept DQ."""
-    from .model_io import tensor_array
+    from ..io.models import tensor_array
 
     constants = {t.name: t for t in model.graph.initializer}
     consumers: Dict[str, List[onnx.NodeProto]] = {}
@@ -545,8 +545,8 @@ class _Measure:
     the reference's outputs, and any converted model's."""
 
     def __init__(self, proto, data, reference, num_samples: int, progress: bool):
-        from .data import load_data
-        from .model_io import load_model
+        from ..io.data import load_data
+        from ..io.models import load_model
 
         self.dataset = load_data(data, proto).take(num_samples)
         self.outputs = [o.name for o in proto.graph.output]
@@ -574,7 +574,7 @@ class _Measure:
     def _run(self, model, names, ranges=None, keep=False) -> Dict[str, np.ndarray]:
         """The graph outputs (and with ``keep`` every tensor of ``names``) over the samples, flattened;
         ``ranges`` collects every tensor's max |value| (finite ones only)."""
-        from .runtime import make_session, run_batches
+        from ..runtime.sessions import make_session, run_batches
 
         session = make_session(model, extra_outputs=[n for n in names if n not in self.outputs_of(model)],
                                optimize=False, spin=False)
@@ -597,7 +597,7 @@ class _Measure:
         return self._run(runnable, names, keep=keep)
 
     def cosines(self, values) -> Dict[str, float]:
-        from .compare import output_figures
+        from ..runtime.compare import output_figures
 
         return {o: output_figures(self.reference[o], values[o])["cosine"] for o in self.outputs}
 
@@ -677,7 +677,7 @@ def emulate_in_fp32(model: onnx.ModelProto, low: LowType = BF16) -> onnx.ModelPr
     """A copy of ``model`` that onnxruntime's CPU provider runs: every ``low`` tensor computed in FP32
     and rounded to ``low`` where it is produced (Cast to ``low`` and back), ``low`` initializers as
     their exact FP32 values, ``low`` graph inputs and outputs as FP32."""
-    from .model_io import tensor_array
+    from ..io.models import tensor_array
 
     out = onnx.ModelProto()
     out.CopyFrom(model)

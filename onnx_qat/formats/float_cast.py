@@ -1,4 +1,4 @@
-"""The typed rewrite behind :func:`onnx_qat.float_parts.cast_float_parts`: FP32 -> FP16/BF16.
+"""The typed rewrite behind :func:`onnx_qat.formats.float_parts.cast_float_parts`: FP32 -> FP16/BF16.
 
 Given the set of nodes that must stay FP32, every other node of the main graph computes in the
 low float type wherever its ONNX schema lets it: an input or output slot takes the low type when
@@ -122,7 +122,7 @@ def slot_admits(schema, outputs: bool, index: int, type_str: str) -> bool:
 
 def tensor_types(model: onnx.ModelProto) -> Dict[str, int]:
     """Element type of every main-graph tensor onnx's shape inference can tell (0 is unknown)."""
-    from .model_io import copy_except_initializers
+    from ..io.models import copy_except_initializers
 
     light = copy_except_initializers(model)
     for tensor in model.graph.initializer:  # large weights as types and shapes only: no data copied
@@ -147,7 +147,7 @@ def tensor_types(model: onnx.ModelProto) -> Dict[str, int]:
 def _propagate(model: onnx.ModelProto, types: Dict[str, int]) -> None:
     """Element types shape inference left unknown, from the schemas: an output whose type variable an
     input with a known type shares takes that type (Cast: its ``to``; Constant: its value)."""
-    from .model_io import default_opset
+    from ..io.models import default_opset
 
     opset = default_opset(model)
     for node in model.graph.node:
@@ -216,7 +216,7 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
     """Rewrite ``model`` (owned by the caller, edited in place) so that every main-graph node not in
     ``keep`` computes in ``low`` where its schema allows; ``types`` from :func:`tensor_types`;
     ``pinned``: tensor names that must stay FP32 under their own name (read inside subgraphs)."""
-    from .model_io import default_opset, tensor_array
+    from ..io.models import default_opset, tensor_array
 
     g = model.graph
     opset = default_opset(model)
@@ -376,7 +376,7 @@ def read_in_subgraphs(graph: onnx.GraphProto) -> Set[str]:
                                             for a in n.attribute)]
     if not holders:
         return set()
-    from .graph_edit import subgraph_names
+    from ..graph.edit import subgraph_names
 
     return set(subgraph_names(holders))
 
