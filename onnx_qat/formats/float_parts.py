@@ -28,9 +28,10 @@ fusion     a DequantizeLinear feeding only kept nodes stays with them, so that T
            DQ into its consumer (a DQ -> Cast -> Conv chain would not fuse)
 ========== ===============================================================================
 
-The kept nodes are written into the model's ``metadata_props`` under :data:`KEPT_FP32_KEY` as a
-JSON object ``{node name: reason}`` (and the type under :data:`FLOAT_DTYPE_KEY`): ``onnx-qat check``
-reads it to tell FP32 compute kept on purpose from FP32 compute forgotten.
+Every kept node carries its reason in its own ``metadata_props`` (key :data:`KEEP_FP32_KEY`,
+``onnx_qat.keep_fp32``; node metadata since onnx 1.16, IR 10), and the model says its float type
+under :data:`FLOAT_DTYPE_KEY`: ``onnx-qat check`` reads them to tell FP32 compute kept on purpose
+from FP32 compute forgotten (:func:`kept_fp32_nodes`).
 
 Graph inputs and outputs keep their types by default (a Cast at the boundary); with
 ``keep_io_types=False`` they take the low type (outputs an FP32-kept node produces stay FP32).
@@ -62,9 +63,9 @@ from .float_cast import BF16, FP16, LowType, cast_graph, has_subgraph, read_in_s
 logger = logging.getLogger(__name__)
 
 LOW_TYPES: Mapping[str, LowType] = MappingProxyType({"fp16": FP16, "bf16": BF16})
-#: ``metadata_props`` key of the JSON object ``{node name: reason}`` of nodes kept FP32 on purpose.
-KEPT_FP32_KEY = "onnx_qat.kept_fp32"
-#: ``metadata_props`` key of the float parts' type (``fp16`` or ``bf16``).
+#: ``NodeProto.metadata_props`` key marking a node kept FP32 on purpose; its value is the reason.
+KEEP_FP32_KEY = "onnx_qat.keep_fp32"
+#: Model ``metadata_props`` key of the float parts' type (``fp16`` or ``bf16``).
 FLOAT_DTYPE_KEY = "onnx_qat.float_dtype"
 #: A tensor whose range exceeds the type's largest value divided by this stays FP32 (headroom for
 #: inputs beyond the calibration data).
@@ -518,25 +519,25 @@ def _convert(proto, low, kept, types, keep_io_types):
 
 
 def _write_metadata(model: onnx.ModelProto, low: LowType, kept: Mapping[str, KeptNode]) -> None:
-    props = [p for p in model.metadata_props if p.key not in (KEPT_FP32_KEY, FLOAT_DTYPE_KEY)]
+    """Mark every kept node (``NodeProto.metadata_props`` :data:`KEEP_FP32_KEY` = its reason) and
+    the model (``metadata_props`` :data:`FLOAT_DTYPE_KEY` = the type)."""
+    props = [p for p in model.metadata_props if p.key != FLOAT_DTYPE_KEY]
     del model.metadata_props[:]
     model.metadata_props.extend(props)
     model.metadata_props.add(key=FLOAT_DTYPE_KEY, value=low.name)
-    model.metadata_props.add(key=KEPT_FP32_KEY, value=json.dumps({k.node: k.reason for k in kept.values()},
-                                                                 sort_keys=True))
+    for node in model.graph.node:
+        k = kept.get(node.name)
+        if k is not None:
+            mine = [p for p in node.metadata_props if p.key != KEEP_FP32_KEY]
+            del node.metadata_props[:]
+            node.metadata_props.extend(mine)
+            node.metadata_props.add(key=KEEP_FP32_KEY, value=k.reason)
 
 
 def kept_fp32_nodes(model: onnx.ModelProto) -> Dict[str, str]:
-    """``{node name: reason}`` of the nodes a model's float-parts conversion kept FP32 on purpose
-    (read from ``metadata_props`` :data:`KEPT_FP32_KEY`; empty when absent or unreadable)."""
-    for prop in model.metadata_props:
-        if prop.key == KEPT_FP32_KEY:
-            try:
-                value = json.loads(prop.value)
-            except ValueError:
-                return {}
-            return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
-    return {}
+    """``{node name: reason}`` of the main-graph nodes a float-parts conversion kept FP32 on purpose
+    (their ``metadata_props`` entry :data:`KEEP_FP32_KEY`)."""
+    return {n.name: p.value for n in model.graph.node for p in n.metadata_props if p.key == KEEP_FP32_KEY}
 
 
 # --------------------------------------------------------------------------- measurement
@@ -711,6 +712,6 @@ def emulate_in_fp32(model: onnx.ModelProto, low: LowType = BF16) -> onnx.ModelPr
     return out
 
 
-__all__ = ["cast_float_parts", "quantize_with_float_parts", "FloatPartsResult", "KeptNode", "FLOAT_DTYPES", "KEPT_FP32_KEY",
+__all__ = ["cast_float_parts", "quantize_with_float_parts", "FloatPartsResult", "KeptNode", "FLOAT_DTYPES", "KEEP_FP32_KEY",
            "FLOAT_DTYPE_KEY", "kept_fp32_nodes", "emulate_in_fp32", "get_low_type", "check_float_dtype",
            "TENSORRT_NO_BF16"]
