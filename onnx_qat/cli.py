@@ -239,6 +239,10 @@ def _add_compare(sub) -> None:
                        help="samples per onnxruntime run")
     group.add_argument("--num-samples", metavar="N", type=whole_number(1), default=None,
                        help="use only the first N samples")
+    p.add_argument("--exact-qdq", action=argparse.BooleanOptionalAction, default=None,
+                   help="run both models with onnxruntime's graph optimisations off (exact Q/DQ "
+                        "arithmetic) or, --no-exact-qdq, on (default: by form: a TensorRT-form Q/DQ model "
+                        "exact, as TensorRT computes it; float models and the ort-cpu form as deployed)")
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_compare)
 
@@ -523,7 +527,8 @@ def cmd_check(args) -> int:
 def cmd_compare(args) -> int:
     """``onnx-qat compare``: :func:`onnx_qat.compare`; exit 1 when an output misses a threshold."""
     kw = {"max_abs": args.max_abs, "min_cosine": args.min_cosine, "min_sqnr_db": args.min_sqnr,
-          "min_top1": args.min_top1, "batch_size": args.batch_size, "num_samples": args.num_samples}
+          "min_top1": args.min_top1, "batch_size": args.batch_size, "num_samples": args.num_samples,
+          "exact_qdq": args.exact_qdq}
     kw = {k: v for k, v in kw.items() if v is not None}
     _check_inputs(("reference model", args.reference, "ModelError"),
                   ("candidate model", args.candidate, "ModelError"), ("--data", args.data, "DataError"))
