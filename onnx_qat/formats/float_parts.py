@@ -226,8 +226,8 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
     if data is not None:
         measure = _Measure(proto, data, reference, num_samples, progress)
         ranges.update({t: r for t, r in measure.ranges.items() if t not in ranges})
-    _add(kept, _range_keeps(proto, low, ranges, types))
     _add(kept, _scale_keeps(proto, low))
+    _add(kept, _range_keeps(proto, low, ranges, types))
     measurement = None
     converted, stats, kept = _convert(proto, low, kept, types, keep_io_types)
     if measure is not None:
@@ -594,8 +594,7 @@ class _Measure:
         return {o.name for o in model.graph.output}
 
     def run_low(self, model, low: LowType, names, keep=False) -> Dict[str, np.ndarray]:
-        runnable = model if low is FP16 else emulate_in_fp32(model, low)
-        return self._run(runnable, names, keep=keep)
+        return self._run(emulate_in_fp32(model, low), names, keep=keep)
 
     def cosines(self, values) -> Dict[str, float]:
         from ..runtime.compare import output_figures
@@ -674,10 +673,25 @@ def _worst_node(proto, measure: _Measure, values, kept):
 
 
 # --------------------------------------------------------------------------- BF16 emulation
-def emulate_in_fp32(model: onnx.ModelProto, low: LowType = BF16) -> onnx.ModelProto:
-    """A copy of ``model`` that onnxruntime's CPU provider runs: every ``low`` tensor computed in FP32
-    and rounded to ``low`` where it is produced (Cast to ``low`` and back), ``low`` initializers as
-    their exact FP32 values, ``low`` graph inputs and outputs as FP32."""
+def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto:
+    """A copy of ``model`` (FP16 or BF16 float parts) onnxruntime's CPU provider runs as TensorRT
+    stores the numbers: every FP16/BF16 tensor computed in FP32 and rounded to its type where it is
+    produced (a Cast to the type and back), initializers as their exact FP32 values, FP16/BF16 graph
+    inputs and outputs as FP32. ``float_dtype``: ``fp16`` or ``bf16`` (None: the model's
+    :data:`FLOAT_DTYPE_KEY`).
+
+    This is what the measurement of :func:`cast_float_parts` runs, for both types: onnxruntime has
+    no BF16 Conv or MatMul on CPU, and its FP16 session computes consecutive ops without an FP16 CPU
+    kernel in FP32 with no rounding between them (its ``InsertCastTransformer`` drops the Cast pairs
+    between them), which can hide the cost of FP16 storage there.
+    """
+    if float_dtype is None:
+        float_dtype = {p.key: p.value for p in model.metadata_props}.get(FLOAT_DTYPE_KEY)
+        if float_dtype is None:
+            raise ConfigError("emulate_in_fp32: give float_dtype ('fp16' or 'bf16'); the model does not say")
+    low = get_low_type(float_dtype)
+    if low is None:
+        raise ConfigError("emulate_in_fp32: float_dtype must be 'fp16' or 'bf16'")
     from ..io.models import tensor_array
 
     out = onnx.ModelProto()
