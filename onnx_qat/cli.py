@@ -493,8 +493,8 @@ def _float_parts_summary(parts) -> str:
     lines = [str(parts).splitlines()[0]]
     if parts.measurement is not None:
         for name, m in parts.measurement["outputs"].items():
-            lines[0] += (f" | output {name!r} cosine {m['cosine']:.5f} (FP32 float parts {m['cosine_fp32']:.5f}, "
-                         f"{parts.measurement['samples']} samples)")
+            lines[0] += (f" | output {name!r} cosine {m['cosine']:.5f} "
+                         f"(FP32 float parts {m['cosine_fp32']:.5f}, {parts.measurement['samples']} samples)")
     lines += [f"  kept FP32: {k}" for k in parts.kept]
     lines += [f"  note: {n}" for n in parts.notes]
     return "\n".join(lines)

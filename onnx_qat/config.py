@@ -108,7 +108,8 @@ class QuantizeConfig:
             if self.precision != precision:
                 raise ConfigError(f"{name} applies to precision {precision}, not {self.precision}")
         if self.float_dtype not in FLOAT_DTYPES:
-            raise ConfigError(f"float_dtype must be one of {', '.join(FLOAT_DTYPES)}; got {self.float_dtype!r}")
+            raise ConfigError(f"float_dtype must be one of {', '.join(FLOAT_DTYPES)}; "
+                              f"got {self.float_dtype!r}")
         if self.float_dtype != "fp32" and self.target != "tensorrt":
             raise ConfigError(f"float_dtype {self.float_dtype!r} is a TensorRT form; target {self.target!r} "
                               "keeps FP32 float parts (onnxruntime's CPU kernels are FP32)")

@@ -113,7 +113,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
 
         return quantize_with_float_parts(
             lambda: quantize(model, None, scales=scales, data=data, method=method,
-                             config=replace(config, float_dtype="fp32"), progress=progress, placement=placement,
+                             config=replace(config, float_dtype="fp32"), progress=progress,
+                             placement=placement,
                              min_cosine=min_cosine, max_float_sites=max_float_sites, eval_data=eval_data,
                              calibration_options=calibration_options, **calibration_kwargs),
             model, output, report, data=data, float_dtype=config.float_dtype, keep_io_types=keep_io_types,

@@ -118,8 +118,8 @@ class QuantizeResult:
         return (f"QuantizeResult(target={self.target}, precision={self.precision}, "
                 f"{s['activations']} activation Q/DQ pairs, "
                 f"{s['weights']} weights, {s['skipped_nodes']} nodes skipped, "
-                + ("" if self.float_parts is None else
-                   f"float parts {self.float_parts.float_dtype} ({len(self.float_parts.kept)} nodes kept FP32), ")
+                + ("" if self.float_parts is None else f"float parts {self.float_parts.float_dtype} "
+                   f"({len(self.float_parts.kept)} nodes kept FP32), ")
                 + f"output={self.output})")
 
 

@@ -818,8 +818,8 @@ def assert_check_clean(model: onnx.ModelProto, target: Optional[str] = None) -> 
 
 #: MobileNetV2's inverted residual groups (expansion t, channels c, repeats n, first stride s), as in
 #: ``keras.applications.MobileNetV2``.
-MOBILENET_V2_GROUPS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
-                       (6, 320, 1, 1))
+MOBILENET_V2_GROUPS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                       (6, 160, 3, 2), (6, 320, 1, 1))
 
 
 def mobilenet_v2_model(size: int = 32, divisor: int = 4, classes: int = 10, seed: int = 0,
@@ -837,14 +837,15 @@ def mobilenet_v2_model(size: int = 32, divisor: int = 4, classes: int = 10, seed
         # Keras's depthwise kernel is (k, k, channels, 1): glorot's fans are k*k*channels and k*k
         fan_in, fan_out = (k * k * cin, k * k) if group > 1 else (k * k * cin, k * k * cout)
         limit = math.sqrt(6.0 / (fan_in + fan_out))
-        w = b.const(f"{name}.weight", r.uniform(-limit, limit, (cout, cin // group, k, k)).astype(np.float32) * fold)
+        values = r.uniform(-limit, limit, (cout, cin // group, k, k)).astype(np.float32) * fold
+        w = b.const(f"{name}.weight", values)
         bias = b.const(f"{name}.bias", np.zeros(cout, np.float32))
         return b.node("Conv", [x, w, bias], name=name, kernel_shape=[k, k], strides=[stride, stride],
                       pads=[k // 2] * 4, group=group)
 
     def relu6(x, name):
-        return b.node("Clip", [x, b.const(f"{name}.min", np.float32(0)), b.const(f"{name}.max", np.float32(6))],
-                      name=name)
+        low, high = b.const(f"{name}.min", np.float32(0)), b.const(f"{name}.max", np.float32(6))
+        return b.node("Clip", [x, low, high], name=name)
 
     x = b.input("input", [batch, 3, size, size])
     cin = max(8, 32 // divisor)

@@ -229,7 +229,8 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
         from onnx_qat.formats.float_parts import cast_float_parts
 
         with step.part(f"float parts in {float_dtype}"):
-            parts = cast_float_parts(result.model, float_dtype, scales=table, data=feeds, reference=float_model)
+            parts = cast_float_parts(result.model, float_dtype, scales=table, data=feeds,
+                                     reference=float_model)
         result = replace(result, model=parts.model, float_parts=parts)
     step("write")
     if float_path is not None:

@@ -17,6 +17,7 @@ there is reported as skipped) and ``keras.applications`` ResNet50, MobileNetV2, 
 ConvNeXtTiny (``weights=None``, batch normalization set from one batch of 0..255 images; exported
 with TensorFlow in a child process once, into the workdir; inputs 0..255).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,23 +50,39 @@ def _outputs(model, feeds, exact: bool = True) -> np.ndarray:
     count = len(next(iter(feeds.values())))
     fixed = any(isinstance(d, int) and d == 1 for d in (session.get_inputs()[0].shape or [])[:1])
     step = 1 if fixed else count
-    parts = [session.run(None, {k: v[i:i + step] for k, v in feeds.items()}) for i in range(0, count, step)]
-    return np.concatenate([np.concatenate([np.asarray(p[j], np.float64).reshape(len(p[j]) if np.ndim(p[j]) else 1, -1)
-                                           for j in range(len(p))], axis=1) for p in parts])
+    parts = [session.run(None, {k: v[i : i + step] for k, v in feeds.items()}) for i in range(0, count, step)]
+    return np.concatenate(
+        [
+            np.concatenate(
+                [
+                    np.asarray(p[j], np.float64).reshape(len(p[j]) if np.ndim(p[j]) else 1, -1)
+                    for j in range(len(p))
+                ],
+                axis=1,
+            )
+            for p in parts
+        ]
+    )
 
 
 def _fp32_weighted(model, kept) -> list:
     from onnx_qat.formats.float_cast import tensor_types
 
     types = tensor_types(model)
-    return [n.name for n in model.graph.node if n.op_type in WEIGHTED and types.get(n.output[0]) == 1
-            and n.name not in kept]
+    return [
+        n.name
+        for n in model.graph.node
+        if n.op_type in WEIGHTED and types.get(n.output[0]) == 1 and n.name not in kept
+    ]
 
 
 def _float_bytes(model) -> int:
     sizes = {1: 4, 10: 2, 16: 2}
-    return sum(int(np.prod(t.dims, dtype=np.int64)) * sizes[t.data_type] for t in model.graph.initializer
-               if t.data_type in sizes)
+    return sum(
+        int(np.prod(t.dims, dtype=np.int64)) * sizes[t.data_type]
+        for t in model.graph.initializer
+        if t.data_type in sizes
+    )
 
 
 def measure(name: str, path: Path, calib, evaluation) -> dict:
@@ -81,28 +98,40 @@ def measure(name: str, path: Path, calib, evaluation) -> dict:
     native = output_figures(ref, _outputs(q16.model, evaluation))["cosine"]
     report = onnx_qat.check(q16.model)
     kept = {k.node: k for k in q16.float_parts.kept}
-    return {"model": name, "cosine_fp32_parts": cos32, "cosine_fp16_parts": cos16, "cosine_fp16_ort": native,
-            "drop": cos32 - cos16, "check_errors": len(report.errors), "check_warnings": len(report.warnings),
-            "fp32_weighted_outside_keep_list": _fp32_weighted(q16.model, kept),
-            "float_bytes_ratio": _float_bytes(q16.model) / max(_float_bytes(q32.model), 1),
-            "kept": len(kept), "kept_by_rule": dict(Counter(k.rule for k in kept.values())),
-            "kept_weighted": sorted(k.node for k in kept.values() if k.op_type in WEIGHTED),
-            "eval_samples": len(next(iter(evaluation.values())))}
+    return {
+        "model": name,
+        "cosine_fp32_parts": cos32,
+        "cosine_fp16_parts": cos16,
+        "cosine_fp16_ort": native,
+        "drop": cos32 - cos16,
+        "check_errors": len(report.errors),
+        "check_warnings": len(report.warnings),
+        "fp32_weighted_outside_keep_list": _fp32_weighted(q16.model, kept),
+        "float_bytes_ratio": _float_bytes(q16.model) / max(_float_bytes(q32.model), 1),
+        "kept": len(kept),
+        "kept_by_rule": dict(Counter(k.rule for k in kept.values())),
+        "kept_weighted": sorted(k.node for k in kept.values() if k.op_type in WEIGHTED),
+        "eval_samples": len(next(iter(evaluation.values()))),
+    }
 
 
 def table(rows) -> str:
-    lines = ["| model | cosine FP32 parts | cosine FP16 parts | drop | check errors / warnings | "
-             "FP32 weighted ops outside keep-list | float bytes FP16/FP32 | kept FP32 (by rule) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | cosine FP32 parts | cosine FP16 parts | drop | check errors / warnings | "
+        "FP32 weighted ops outside keep-list | float bytes FP16/FP32 | kept FP32 (by rule) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['model']} | skipped: {r['skipped']} | | | | | | |")
             continue
         rules = ", ".join(f"{k} {v}" for k, v in sorted(r["kept_by_rule"].items())) or "none"
-        lines.append(f"| {r['model']} | {r['cosine_fp32_parts']:.5f} | {r['cosine_fp16_parts']:.5f} | "
-                     f"{r['drop']:+.1e} | {r['check_errors']} / {r['check_warnings']} | "
-                     f"{len(r['fp32_weighted_outside_keep_list'])} | {r['float_bytes_ratio']:.2f} | "
-                     f"{r['kept']} ({rules}) |")
+        lines.append(
+            f"| {r['model']} | {r['cosine_fp32_parts']:.5f} | {r['cosine_fp16_parts']:.5f} | "
+            f"{r['drop']:+.1e} | {r['check_errors']} / {r['check_warnings']} | "
+            f"{len(r['fp32_weighted_outside_keep_list'])} | {r['float_bytes_ratio']:.2f} | "
+            f"{r['kept']} ({rules}) |"
+        )
     return "\n".join(lines)
 
 
@@ -110,7 +139,9 @@ def main(argv=None) -> int:
     from tools import real_models
     from tools.bench.models import KERAS_APPS, keras_app
 
-    parser = argparse.ArgumentParser(prog="python tools/float_parts_models.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python tools/float_parts_models.py", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "onnx-qat-real-models"))
     parser.add_argument("--only", action="append", default=None, choices=list(REAL) + list(KERAS_APPS))
     parser.add_argument("--size", type=int, default=160, help="input size of the Keras models")
@@ -124,7 +155,9 @@ def main(argv=None) -> int:
             if name in REAL:
                 path = workdir / "models" / f"{name}.onnx"
                 if not path.exists():
-                    rows.append({"model": name, "skipped": f"{path} missing (run tools/real_models.py online)"})
+                    rows.append(
+                        {"model": name, "skipped": f"{path} missing (run tools/real_models.py online)"}
+                    )
                     continue
                 calib, evaluation = real_models.inputs(name, "calib"), real_models.inputs(name, "eval")
             else:

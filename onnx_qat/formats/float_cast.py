@@ -97,7 +97,8 @@ def schema_of(node: onnx.NodeProto, opset: int):
     key = (node.domain or "", node.op_type, opset)
     if key not in _SCHEMAS:
         try:
-            _SCHEMAS[key] = None if key[0] not in ("", "ai.onnx") else onnx.defs.get_schema(node.op_type, opset, "")
+            _SCHEMAS[key] = None if key[0] not in ("", "ai.onnx") else \
+                onnx.defs.get_schema(node.op_type, opset, "")
         except onnx.defs.SchemaError:
             _SCHEMAS[key] = None
     return _SCHEMAS[key]
@@ -294,8 +295,8 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
         if key not in casts:
             suffix = low.name if to == low.onnx_type else "fp32"
             out = names.fresh(f"{tensor}/to_{suffix}")
-            before.append(helper.make_node("Cast", [source], [out], name=names.fresh(f"{tensor}/Cast_{suffix}"),
-                                           to=to))
+            before.append(helper.make_node("Cast", [source], [out], to=to,
+                                           name=names.fresh(f"{tensor}/Cast_{suffix}")))
             casts[key] = out
             cast_count += 1
         return casts[key]

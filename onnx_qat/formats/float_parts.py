@@ -37,14 +37,14 @@ Graph inputs and outputs keep their types by default (a Cast at the boundary); w
 ``keep_io_types=False`` they take the low type (outputs an FP32-kept node produces stay FP32).
 
 onnxruntime 1.31 runs FP16 models on CPU: ops without an FP16 CPU kernel run in FP32 between Casts
-its session inserts (its ``InsertCastTransformer``), i.e. FP16 storage with FP32 arithmetic, as
-TensorRT's FP16 kernels accumulate. It has no BF16 Conv or MatMul on CPU: a BF16 model's numerics
-are measured on its emulation (:func:`emulate_in_fp32`): the same graph in FP32 with every BF16
-tensor rounded to BF16 where it is produced.
+its session inserts (its ``InsertCastTransformer``), which it drops between consecutive such ops, so
+runs of them see no FP16 rounding in between. It has no BF16 Conv or MatMul on CPU. The measurement
+therefore runs, for both types, the emulation :func:`emulate_in_fp32`: the same graph in FP32 with
+every FP16/BF16 tensor rounded to its type where it is produced (FP16/BF16 storage, FP32 arithmetic,
+as TensorRT's reduced-precision kernels accumulate).
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -124,7 +124,8 @@ class FloatPartsResult:
     measurement: Optional[Mapping] = field(default=None, repr=False)
     notes: Tuple[str, ...] = ()
 
-    def kept_compute(self, ops: Sequence[str] = ("Conv", "ConvTranspose", "MatMul", "Gemm")) -> Tuple[KeptNode, ...]:
+    def kept_compute(self, ops: Sequence[str] = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+                     ) -> Tuple[KeptNode, ...]:
         """The kept nodes of op types ``ops`` (FP32 compute TensorRT will run)."""
         return tuple(k for k in self.kept if k.op_type in ops)
 
@@ -304,7 +305,8 @@ def _raise_opset(model: onnx.ModelProto, low: LowType):
     if current >= need:
         return model, ()
     upgraded = _upgrade(model, need, "model")  # raises ModelError when onnx's converter cannot
-    return upgraded, (f"opset raised from {current} to {need} ({'BF16 operators' if need == BF16_OPSET else 'FP16/BF16 Q/DQ scales'})",)
+    why = "BF16 operators" if need == BF16_OPSET else "FP16/BF16 Q/DQ scales"
+    return upgraded, (f"opset raised from {current} to {need} ({why})",)
 
 
 def _load_table(scales):
@@ -330,6 +332,11 @@ def _static_keeps(model, low: LowType, types, patterns) -> Dict[str, KeptNode]:
 
     opset = default_opset(model)
     constants = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:  # Constant nodes' values count as constants too
+        if node.op_type == "Constant" and node.output:
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            if value is not None:
+                constants.setdefault(node.output[0], value)
     kept: Dict[str, KeptNode] = {}
     for node in model.graph.node:
         floats = [t for t in list(node.input) + list(node.output) if t and types.get(t) == TensorProto.FLOAT]
@@ -351,7 +358,8 @@ def _static_keeps(model, low: LowType, types, patterns) -> Dict[str, KeptNode]:
         elif not _any_low_slot(node, schema_of(node, opset), types, low):
             continue
         else:
-            for t in node.input:
+            reads = list(node.output) if node.op_type == "Constant" else list(node.input)
+            for t in reads:
                 if t in constants and constants[t].data_type == TensorProto.FLOAT:
                     values = tensor_array(constants[t])
                     peak = float(np.max(np.abs(values))) if values.size else 0.0
@@ -622,7 +630,8 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
         node, err = culprit
         worst = max(short, key=short.get)
         kept[node.name] = KeptNode(node.name, node.op_type, "measured",
-                                   f"output {worst!r} cosine fell by {short[worst]:.2g} in {low.name.upper()} "
+                                   f"output {worst!r} cosine fell by {short[worst]:.2g} "
+                                   f"in {low.name.upper()} "
                                    f"(> {max_drop:g}); this node added relative error {err:.2g}")
         converted, stats, kept = _convert(proto, low, kept, types, keep_io_types)
     if short:
@@ -726,6 +735,7 @@ def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto
     return out
 
 
-__all__ = ["cast_float_parts", "quantize_with_float_parts", "FloatPartsResult", "KeptNode", "FLOAT_DTYPES", "KEEP_FP32_KEY",
+__all__ = ["cast_float_parts", "quantize_with_float_parts", "FloatPartsResult", "KeptNode", "FLOAT_DTYPES",
+           "KEEP_FP32_KEY",
            "FLOAT_DTYPE_KEY", "kept_fp32_nodes", "emulate_in_fp32", "get_low_type", "check_float_dtype",
            "TENSORRT_NO_BF16"]

@@ -126,7 +126,7 @@ def test_tensorrt_form_is_judged_by_exact_qdq_arithmetic_not_fused_cpu_kernels(s
     fused = compare(model, trt, {"input": x}, min_cosine=None, exact_qdq=False)
     assert exact.outputs[0].cosine > 0.99
     assert fused.outputs[0].cosine < 0.9  # what onnxruntime's fused CPU kernels give
-    forced = compare(model, trt, {"input": x}, min_cosine=None, exact_qdq=True)  # the float model unoptimized too
+    forced = compare(model, trt, {"input": x}, min_cosine=None, exact_qdq=True)  # float model unoptimized too
     assert forced.outputs[0].cosine == pytest.approx(exact.outputs[0].cosine, abs=1e-6)
     with pytest.raises(ConfigError, match="exact_qdq"):
         compare(model, trt, {"input": x}, exact_qdq="yes")

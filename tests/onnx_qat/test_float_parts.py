@@ -1,5 +1,6 @@
 """Float parts in FP16/BF16 (``onnx_qat.formats.float_parts``): each keep rule, the typed rewrite,
 quantize/CLI integration, the numbers against the FP32 float parts."""
+
 import json
 
 import numpy as np
@@ -9,10 +10,24 @@ from onnx import TensorProto, numpy_helper
 
 import onnx_qat
 from onnx_qat.errors import ConfigError, ModelError
-from onnx_qat.formats.float_parts import (FLOAT_DTYPE_KEY, KEEP_FP32_KEY, cast_float_parts, emulate_in_fp32,
-                                          kept_fp32_nodes)
-from tests.builders import (GraphBuilder, assert_check_clean, conv_bn_relu_model, cosine, mobilenet_v2_model,
-                            random_inputs, residual_block_model, run, transformer_block_model)
+from onnx_qat.formats.float_parts import (
+    FLOAT_DTYPE_KEY,
+    KEEP_FP32_KEY,
+    cast_float_parts,
+    emulate_in_fp32,
+    kept_fp32_nodes,
+)
+from tests.builders import (
+    GraphBuilder,
+    assert_check_clean,
+    conv_bn_relu_model,
+    cosine,
+    mobilenet_v2_model,
+    random_inputs,
+    residual_block_model,
+    run,
+    transformer_block_model,
+)
 
 LOW = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 WEIGHTED = ("Conv", "ConvTranspose", "MatMul", "Gemm")
@@ -21,8 +36,10 @@ WEIGHTED = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 def float_types(model):
     """{tensor: element type} of every initializer and every node output shape inference types."""
     inferred = onnx.shape_inference.infer_shapes(model)
-    types = {i.name: i.type.tensor_type.elem_type for i in
-             list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input)}
+    types = {
+        i.name: i.type.tensor_type.elem_type
+        for i in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input)
+    }
     types.update({t.name: t.data_type for t in model.graph.initializer})
     return types
 
@@ -30,15 +47,18 @@ def float_types(model):
 def fp32_compute(model, kept=()):
     """Weighted nodes whose output is FP32, less the names in ``kept``."""
     types = float_types(model)
-    return [n.name for n in model.graph.node if n.op_type in WEIGHTED
-            and types.get(n.output[0]) == TensorProto.FLOAT and n.name not in kept]
+    return [
+        n.name
+        for n in model.graph.node
+        if n.op_type in WEIGHTED and types.get(n.output[0]) == TensorProto.FLOAT and n.name not in kept
+    ]
 
 
 def run_each(model, feeds):
     """The first output over every sample of ``feeds`` (one run per sample: the builders' models take
     batch 1)."""
     count = len(next(iter(feeds.values())))
-    return np.concatenate([run(model, {k: v[i:i + 1] for k, v in feeds.items()})[0] for i in range(count)])
+    return np.concatenate([run(model, {k: v[i : i + 1] for k, v in feeds.items()})[0] for i in range(count)])
 
 
 def run_low(model, feeds, dtype="fp16"):
@@ -96,7 +116,9 @@ def test_quantize_fp16_checks_clean_and_keeps_the_cosine(precision, scale):
     assert_check_clean(fp16.model)
     assert fp16.float_parts is not None and fp16.float_parts.float_dtype == "fp16"
     assert onnx_qat.io.models.default_opset(fp16.model) >= 19
-    scales = [n.input[1] for n in fp16.model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    scales = [
+        n.input[1] for n in fp16.model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+    ]
     inits = {t.name: t for t in fp16.model.graph.initializer}
     assert scales and all(inits[s].data_type == TensorProto.FLOAT16 for s in scales)
     assert fp32_compute(fp16.model) == []
@@ -106,8 +128,10 @@ def test_quantize_fp16_checks_clean_and_keeps_the_cosine(precision, scale):
     assert file_bytes(fp16.model) < 0.55 * file_bytes(fp32.model) + 64
     report = fp16.to_report()["float_parts"]
     assert report["float_dtype"] == "fp16" and report["kept_fp32"] == []
-    assert report["measurement"]["outputs"]["output"]["cosine"] >= \
-        report["measurement"]["outputs"]["output"]["cosine_fp32"] - 0.002
+    assert (
+        report["measurement"]["outputs"]["output"]["cosine"]
+        >= report["measurement"]["outputs"]["output"]["cosine_fp32"] - 0.002
+    )
 
 
 def test_quantize_bf16_raises_the_opset_and_is_validated_by_emulation():
@@ -118,7 +142,10 @@ def test_quantize_bf16_raises_the_opset_and_is_validated_by_emulation():
     assert onnx_qat.io.models.default_opset(bf16.model) >= 22
     assert_check_clean(bf16.model)
     ref = run_each(model, feeds)
-    c32, c16 = cosine(ref, run_each(fp32.model, feeds)), cosine(ref, run_each(emulate_in_fp32(bf16.model), feeds))
+    c32, c16 = (
+        cosine(ref, run_each(fp32.model, feeds)),
+        cosine(ref, run_each(emulate_in_fp32(bf16.model), feeds)),
+    )
     assert c16 >= c32 - 0.002
     measured = bf16.float_parts.measurement["outputs"]["output"]
     assert measured["cosine"] == pytest.approx(c16, abs=1e-6)
@@ -158,8 +185,11 @@ def test_a_scale_fp16_cannot_hold_keeps_its_qdq_and_consumer():
     feeds = random_inputs(model, num=4)
     result = onnx_qat.quantize(model, data=feeds, float_dtype="fp16", progress=False)
     kept = {k.node: k for k in result.float_parts.kept}
-    weight_dq = next(n.name for n in result.model.graph.node if n.op_type == "DequantizeLinear"
-                     and n.input[0].startswith("conv.weight"))
+    weight_dq = next(
+        n.name
+        for n in result.model.graph.node
+        if n.op_type == "DequantizeLinear" and n.input[0].startswith("conv.weight")
+    )
     assert kept[weight_dq].rule == "scale" and "does not fit FP16" in kept[weight_dq].reason
     assert "conv" in kept
     report = onnx_qat.check(result.model)
@@ -207,15 +237,21 @@ def test_bf16_keeps_ops_tensorrt_does_not_run_in_bf16():
     b.output("y")
     model = b.build(opset=18)
     bf16 = {k.node: k for k in cast_float_parts(model, "bf16").kept}
-    assert list(bf16) == ["mish"] and bf16["mish"].rule == "tensorrt" and "onnx-tensorrt" in bf16["mish"].reason
+    assert (
+        list(bf16) == ["mish"] and bf16["mish"].rule == "tensorrt" and "onnx-tensorrt" in bf16["mish"].reason
+    )
     assert cast_float_parts(model, "fp16").kept == ()
 
 
 def test_schema_fp32_slots_stay_fp32_and_the_model_runs():
     b = GraphBuilder("resize", 0)
     x = b.input("x", [1, 16, 4, 4])
-    y = b.node("Resize", [b.conv(x, 16, 16, "conv"), "", b.const("scales", np.array([1, 1, 2, 2], np.float32))],
-               name="resize", mode="nearest")
+    y = b.node(
+        "Resize",
+        [b.conv(x, 16, 16, "conv"), "", b.const("scales", np.array([1, 1, 2, 2], np.float32))],
+        name="resize",
+        mode="nearest",
+    )
     b.node("Relu", [y], "y", name="relu")
     b.output("y")
     model = b.build(opset=13)
@@ -233,7 +269,9 @@ def test_bad_options_and_converted_models_are_refused():
     with pytest.raises(ConfigError, match="float_dtype"):
         onnx_qat.quantize(model, data=random_inputs(model), float_dtype="half", progress=False)
     with pytest.raises(ConfigError, match="TensorRT form"):
-        onnx_qat.quantize(model, data=random_inputs(model), float_dtype="fp16", target="ort-cpu", progress=False)
+        onnx_qat.quantize(
+            model, data=random_inputs(model), float_dtype="fp16", target="ort-cpu", progress=False
+        )
     with pytest.raises(ConfigError, match="max_cosine_drop"):
         cast_float_parts(model, "fp16", max_cosine_drop=2)
     with pytest.raises(ModelError, match="already holds"):
@@ -248,11 +286,26 @@ def test_cli_quantize_float_dtype_prints_the_kept_list(tmp_path, capsys):
     src, data, out, rep = tmp_path / "m.onnx", tmp_path / "d.npz", tmp_path / "q.onnx", tmp_path / "r.json"
     onnx.save(model, src)
     np.savez(data, **random_inputs(model, num=4))
-    code = main(["quantize", str(src), "--data", str(data), "-o", str(out), "--float-dtype", "fp16",
-                 "--report", str(rep), "--no-progress"])
+    code = main(
+        [
+            "quantize",
+            str(src),
+            "--data",
+            str(data),
+            "-o",
+            str(out),
+            "--float-dtype",
+            "fp16",
+            "--report",
+            str(rep),
+            "--no-progress",
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0
-    assert "float parts fp16" in text and "kept FP32: mask_add (Add)" in text and "0 errors, 0 warnings" in text
+    assert (
+        "float parts fp16" in text and "kept FP32: mask_add (Add)" in text and "0 errors, 0 warnings" in text
+    )
     saved = onnx.load(out)
     assert kept_fp32_nodes(saved)["mask_add"].startswith("constant 'attn_mask'")
     assert json.loads(rep.read_text())["float_parts"]["kept_fp32"][0]["node"] in ("mask_add", "softmax")
@@ -290,3 +343,25 @@ def test_initializer_values_round_to_the_type():
     w32 = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "conv.weight"))
     w16 = numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == "conv.weight"))
     assert w16.dtype == np.float16 and np.array_equal(w16, w32.astype(np.float16))
+
+
+def test_a_constant_node_beyond_fp16_keeps_its_reader_fp32():
+    b = GraphBuilder("mask", 0)
+    x = b.input("x", [2, 8])
+    mask = b.node(
+        "Constant",
+        [],
+        "mask",
+        name="mask_const",
+        value=numpy_helper.from_array(np.array([0.0, -1e9] * 4, np.float32)),
+    )
+    y = b.node("Add", [b.linear(x, 8, 8, "proj", bias=False), mask], name="masked")
+    b.node("Softmax", [y], "y", name="softmax", axis=-1)
+    b.output("y")
+    model = b.build()
+    result = cast_float_parts(model, "fp16")
+    kept = {k.node: k.rule for k in result.kept}
+    assert kept["masked"] == "weight" and "mask_const" in kept
+    feeds = random_inputs(model)
+    got = run(emulate_in_fp32(result.model), feeds)[0]
+    assert np.all(np.isfinite(got)) and cosine(run(model, feeds)[0], got) > 0.999

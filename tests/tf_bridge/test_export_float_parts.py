@@ -1,8 +1,8 @@
 """export_onnx(float_dtype="fp16"|"bf16"): the exported Q/DQ model with its float parts in FP16/BF16,
 parity proven on the FP32 float parts, the conversion measured against the float model."""
+
 import os
 
-import numpy as np
 import onnx
 import pytest
 
@@ -22,11 +22,16 @@ os.environ.setdefault("TF_BRIDGE_QUIET", "1")
 def test_export_writes_fp16_float_parts_that_keep_the_cosine(tmp_path):
     keras.utils.set_random_seed(5)
     x, _ = blobs(64, (16, 16, 3))
-    q = tf_bridge.quantize_model(_resnet_style(blocks=2),
-                                 custom_qdq_cases=[tf_bridge.custom_qdq_cases.ResNetV1QDQCase()])
+    q = tf_bridge.quantize_model(
+        _resnet_style(blocks=2), custom_qdq_cases=[tf_bridge.custom_qdq_cases.ResNetV1QDQCase()]
+    )
     tf_bridge.calibrate(q, x[:32], progress=False)
-    fp32 = tf_bridge.export_onnx(q, tmp_path / "fp32.onnx", sample_data=x[:16], progress=False, save_float=True)
-    fp16 = tf_bridge.export_onnx(q, tmp_path / "fp16.onnx", sample_data=x[:16], progress=False, float_dtype="fp16")
+    fp32 = tf_bridge.export_onnx(
+        q, tmp_path / "fp32.onnx", sample_data=x[:16], progress=False, save_float=True
+    )
+    fp16 = tf_bridge.export_onnx(
+        q, tmp_path / "fp16.onnx", sample_data=x[:16], progress=False, float_dtype="fp16"
+    )
     assert fp16.parity.passed and not fp16.check.errors and not fp16.check.warnings, str(fp16)
     assert fp16.float_parts is not None and fp16.float_parts.float_dtype == "fp16"
     m32, m16, mf = (onnx.load(str(p)) for p in (fp32.path, fp16.path, fp32.float_path))
@@ -40,5 +45,7 @@ def test_export_writes_fp16_float_parts_that_keep_the_cosine(tmp_path):
     with pytest.raises(ExportError, match="float_dtype"):
         tf_bridge.export_onnx(q, tmp_path / "bad.onnx", sample_data=x[:8], float_dtype="half")
     with pytest.raises(ExportError, match="TensorRT form"):
-        tf_bridge.export_onnx(q, tmp_path / "cpu.onnx", sample_data=x[:8], target="ort-cpu", float_dtype="fp16")
+        tf_bridge.export_onnx(
+            q, tmp_path / "cpu.onnx", sample_data=x[:8], target="ort-cpu", float_dtype="fp16"
+        )
     assert not (tmp_path / "bad.onnx").exists() and not (tmp_path / "cpu.onnx").exists()

@@ -7,6 +7,7 @@ model (:func:`onnx_qat.formats.float_parts.cast_float_parts`) and measures it on
 (ranges of every float tensor, the output cosine of the float model, the FP32 and the FP16 float
 parts). Its report gives the cosines and the nodes kept FP32; the file sizes are the written models'.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,10 +47,23 @@ def run(workdir: Path, *, quick: bool = False) -> List[Row]:
     repeats = 1 if quick else 2
     commands = {}
     for dtype in ("fp32", "fp16"):
-        commands[dtype] = python_module("onnx_qat", "quantize", str(path), "--data", str(npz), "--method", "max",
-                                        "-o", str(workdir / f"{path.stem}_{dtype}.onnx"), "--float-dtype", dtype,
-                                        "--report", str(workdir / f"{path.stem}_{dtype}.json"), "--no-progress",
-                                        "-q")
+        commands[dtype] = python_module(
+            "onnx_qat",
+            "quantize",
+            str(path),
+            "--data",
+            str(npz),
+            "--method",
+            "max",
+            "-o",
+            str(workdir / f"{path.stem}_{dtype}.onnx"),
+            "--float-dtype",
+            dtype,
+            "--report",
+            str(workdir / f"{path.stem}_{dtype}.json"),
+            "--no-progress",
+            "-q",
+        )
     runs = {k: [] for k in commands}
     for _ in range(repeats):
         for dtype, cmd in commands.items():
@@ -60,16 +74,31 @@ def run(workdir: Path, *, quick: bool = False) -> List[Row]:
     sizes = {k: _float_bytes(workdir / f"{path.stem}_{k}.onnx") for k in commands}
     label = "tiny CNN" if quick else f"ResNet50 {SIZE}x{SIZE}"
     return [
-        Row(NAME, f"quantize --float-dtype fp16 / fp32, time, {label}", ratio(best["fp16"].seconds, best["fp32"].seconds),
-            Goal("<=", 1.2), f"whole process, best of {repeats}: {best['fp16'].seconds:.1f} s vs "
-                             f"{best['fp32'].seconds:.1f} s ({SAMPLES if not quick else 16} samples, --method max)"),
-        Row(NAME, f"float parts' bytes fp16 / fp32, {label}", ratio(sizes["fp16"], sizes["fp32"]),
-            Goal("<=", 0.55), f"float initializers {sizes['fp16'] / 2**10:.0f} KiB vs {sizes['fp32'] / 2**10:.0f} KiB "
-                              "(the INT8 weights are the same in both)"),
-        Row(NAME, f"output cosine drop fp16 vs fp32 float parts, {label}",
-            measured["cosine_fp32"] - measured["cosine"], Goal("<=", 0.002),
+        Row(
+            NAME,
+            f"quantize --float-dtype fp16 / fp32, time, {label}",
+            ratio(best["fp16"].seconds, best["fp32"].seconds),
+            Goal("<=", 1.2),
+            f"whole process, best of {repeats}: {best['fp16'].seconds:.1f} s vs "
+            f"{best['fp32'].seconds:.1f} s ({SAMPLES if not quick else 16} samples, --method max)",
+        ),
+        Row(
+            NAME,
+            f"float parts' bytes fp16 / fp32, {label}",
+            ratio(sizes["fp16"], sizes["fp32"]),
+            Goal("<=", 0.55),
+            f"float initializers {sizes['fp16'] / 2**10:.0f} KiB vs {sizes['fp32'] / 2**10:.0f} KiB "
+            "(the INT8 weights are the same in both)",
+        ),
+        Row(
+            NAME,
+            f"output cosine drop fp16 vs fp32 float parts, {label}",
+            measured["cosine_fp32"] - measured["cosine"],
+            Goal("<=", 0.002),
             f"cosine against the float model {measured['cosine']:.5f} vs {measured['cosine_fp32']:.5f} "
-            f"({report['measurement']['samples']} samples); {len(report['kept_fp32'])} nodes kept FP32", unit=""),
+            f"({report['measurement']['samples']} samples); {len(report['kept_fp32'])} nodes kept FP32",
+            unit="",
+        ),
     ]
 
 
@@ -79,5 +108,8 @@ def _float_bytes(path: Path) -> int:
 
     model = onnx.load(str(path))
     sizes = {1: 4, 10: 2, 16: 2}
-    return sum(int(np.prod(t.dims, dtype=np.int64)) * sizes[t.data_type] for t in model.graph.initializer
-               if t.data_type in sizes)
+    return sum(
+        int(np.prod(t.dims, dtype=np.int64)) * sizes[t.data_type]
+        for t in model.graph.initializer
+        if t.data_type in sizes
+    )
