@@ -37,10 +37,13 @@ REAL = ("ocr-det", "ocr-rec", "ocr-cls", "orientation", "magika")
 WEIGHTED = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
-def _keras_inputs(size: int, split: str) -> Dict[str, np.ndarray]:
-    from tools.bench.models import RESNET_INPUT, images
+def _keras_inputs(path: Path, size: int, split: str) -> Dict[str, np.ndarray]:
+    import onnx
 
-    return {RESNET_INPUT: images(16 if split == "calib" else 8, size, seed=1 if split == "calib" else 2)}
+    from tools.bench.models import images
+
+    name = onnx.load(str(path), load_external_data=False).graph.input[0].name
+    return {name: images(16 if split == "calib" else 8, size, seed=1 if split == "calib" else 2)}
 
 
 def _outputs(model, feeds, exact: bool = True) -> np.ndarray:
@@ -162,7 +165,10 @@ def main(argv=None) -> int:
                 calib, evaluation = real_models.inputs(name, "calib"), real_models.inputs(name, "eval")
             else:
                 path = keras_app(name, workdir / f"keras_{name}_{args.size}.onnx", args.size)
-                calib, evaluation = _keras_inputs(args.size, "calib"), _keras_inputs(args.size, "eval")
+                calib, evaluation = (
+                    _keras_inputs(path, args.size, "calib"),
+                    _keras_inputs(path, args.size, "eval"),
+                )
             rows.append(measure(name, path, calib, evaluation))
         except Exception as exc:  # noqa: BLE001 - one model failing must not hide the others
             rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})

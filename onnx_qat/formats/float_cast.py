@@ -44,6 +44,7 @@ class LowType:
         max: the largest finite value.
         normal_min: the smallest normal value.
         eps: the spacing of values just above 1 (relative precision).
+        tiny: the smallest positive value (subnormal).
     """
 
     name: str
@@ -52,6 +53,7 @@ class LowType:
     max: float
     normal_min: float
     eps: float
+    tiny: float
 
     def round(self, values: np.ndarray) -> np.ndarray:
         """``values`` (float32) rounded to this type, as float32 (round to nearest even)."""
@@ -83,9 +85,9 @@ def _bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-FP16 = LowType("fp16", TensorProto.FLOAT16, "tensor(float16)", 65504.0, 2.0 ** -14, 2.0 ** -10)
+FP16 = LowType("fp16", TensorProto.FLOAT16, "tensor(float16)", 65504.0, 2.0 ** -14, 2.0 ** -10, 2.0 ** -24)
 BF16 = LowType("bf16", TensorProto.BFLOAT16, "tensor(bfloat16)", float(_bf16_bits_to_float(
-    np.array([0x7F7F], np.uint16))[0]), 2.0 ** -126, 2.0 ** -7)
+    np.array([0x7F7F], np.uint16))[0]), 2.0 ** -126, 2.0 ** -7, 2.0 ** -133)
 
 
 # --------------------------------------------------------------------------- schema slots

@@ -442,10 +442,7 @@ def _scale_keeps(model, low: LowType) -> Dict[str, KeptNode]:
         scale = tensor_array(constants[node.input[1]])
         if scale.dtype != np.float32 or not scale.size:
             continue
-        rounded = low.round(scale)
-        largest = float(np.max(np.abs(scale)))
-        if np.all(rounded > 0) and float(np.max(np.abs(rounded - scale))) <= low.eps * largest \
-                and np.all(np.isfinite(rounded)):
+        if scale_fits(scale, low):
             continue
         reason = (f"scale {node.input[1]!r} (down to {float(np.min(scale)):.3g}) does not fit "
                   f"{low.name.upper()} within its precision")
@@ -458,6 +455,22 @@ def _scale_keeps(model, low: LowType) -> Dict[str, KeptNode]:
                 kept.setdefault(c.name, KeptNode(c.name, c.op_type, "scale",
                                                  f"reads DequantizeLinear {dq.name!r} kept FP32 ({reason})"))
     return kept
+
+
+def scale_fits(scale: np.ndarray, low: LowType) -> bool:
+    """Whether Q/DQ scales ``scale`` can be stored in ``low``: rounded to it, and a scale that would
+    round to zero raised to its smallest positive value (:func:`low_scale`), no scale moves by more
+    than the type's epsilon of the largest one (a per-channel weight's dead channels, scales ~1e-30,
+    then dequantize to values that small against the tensor's largest: below FP16's own precision)."""
+    scale = np.asarray(scale, dtype=np.float32)
+    stored = low_scale(scale, low)
+    return bool(np.all(np.isfinite(stored)) and
+                float(np.max(np.abs(stored - scale))) <= low.eps * float(np.max(np.abs(scale))))
+
+
+def low_scale(scale: np.ndarray, low: LowType) -> np.ndarray:
+    """``scale`` rounded to ``low`` (as float32), none below the type's smallest positive value."""
+    return np.maximum(low.round(scale), np.float32(low.tiny))
 
 
 def _fusion_keeps(model, kept: Dict[str, KeptNode]) -> onnx.ModelProto:
@@ -521,9 +534,28 @@ def _convert(proto, low, kept, types, keep_io_types):
         for t in n.output:
             if t not in local_types and t.endswith("/fp32"):
                 local_types[t] = TensorProto.FLOAT
+    scales = {n.input[1] for n in proto.graph.node if n.op_type in _QDQ and len(n.input) > 1}
     stats = cast_graph(model, low, kept, local_types, keep_io_types=keep_io_types,
                        pinned=read_in_subgraphs(model.graph))
+    _floor_low_scales(model, proto, low, scales)
     return model, stats, kept
+
+
+def _floor_low_scales(model, proto, low: LowType, scales) -> None:
+    """Store every Q/DQ scale ``model`` holds in ``low`` (or a low copy of) from its FP32 value in
+    ``proto`` through :func:`low_scale`: none rounds to zero."""
+    from ..io.models import tensor_array
+
+    originals = {t.name: t for t in proto.graph.initializer if t.name in scales}
+    for tensor in model.graph.initializer:
+        if tensor.data_type != low.onnx_type:
+            continue
+        base = tensor.name if tensor.name in originals else tensor.name.rsplit(f"/{low.name}", 1)[0]
+        if base in originals:
+            values = tensor_array(originals[base])
+            stored = low_scale(values, low)
+            if np.any(stored != low.round(values)):
+                tensor.CopyFrom(low.tensor(tensor.name, stored))
 
 
 def _write_metadata(model: onnx.ModelProto, low: LowType, kept: Mapping[str, KeptNode]) -> None:

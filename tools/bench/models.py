@@ -274,10 +274,11 @@ KERAS_APPS = ("ResNet50", "MobileNetV2", "EfficientNetB0", "ConvNeXtTiny")
 
 
 def keras_app(name: str, path: Path, size: int, *, seed: int = 0) -> Path:
-    """Write ``keras.applications.<name>(weights=None)`` (``size`` x ``size`` x 3 input named
-    ``input``, inputs 0..255, logits output) as ONNX to ``path`` (in a child process, once); its batch
-    normalization statistics are set from one batch of 0..255 images (training-mode call with
-    momentum 0), so activations keep the magnitudes a trained network has instead of shrinking."""
+    """Write ``keras.applications.<name>(weights=None)`` (``size`` x ``size`` x 3 input, inputs 0..255,
+    logits output; converted by ``tf_bridge.convert.convert_float_twin``) as ONNX to ``path`` (in a
+    child process, once); its batch normalization statistics are set from one batch of 0..255 images
+    (training-mode call with momentum 0), so activations keep the magnitudes a trained network has
+    instead of shrinking."""
     from .measure import python_module, run_process
 
     path = Path(path)
@@ -292,10 +293,9 @@ def _export_keras_app(name: str, out: Path, size: int, seed: int) -> None:
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
-    import tensorflow as tf
-    import tf2onnx
 
     from onnx_qat.io.models import save_model
+    from tf_bridge.convert import convert_float_twin
 
     keras.utils.set_random_seed(seed)
     model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=1000,
@@ -307,9 +307,7 @@ def _export_keras_app(name: str, out: Path, size: int, seed: int) -> None:
     model(images(16, size, seed=seed + 1000), training=True)
     for bn, momentum in zip(bns, momenta):
         bn.momentum = momentum
-    spec = (tf.TensorSpec((None, size, size, 3), tf.float32, name=RESNET_INPUT),)
-    proto, _ = tf2onnx.convert.from_keras(model, input_signature=spec, opset=17)
-    save_model(proto, out)
+    save_model(convert_float_twin(model, 17), out)  # the project's conversion (GELU, depthwise...)
 
 
 def main(argv=None) -> int:
