@@ -590,6 +590,7 @@ class _Measure:
         from ..io.models import load_model
 
         self.dataset = load_data(data, proto).take(num_samples)
+        self.progress = progress
         self.outputs = [o.name for o in proto.graph.output]
         types = tensor_types(proto)
         self.floats = [t for n in proto.graph.node for t in n.output
@@ -603,6 +604,10 @@ class _Measure:
             self.reference = dict(values)
         else:
             ref = load_model(reference)
+            missing = [o for o in self.outputs if o not in self.outputs_of(ref)]
+            if missing:
+                raise ModelError(f"the reference model has no output {missing[0]!r}: give the float model "
+                                 "of the same graph (or reference=None)")
             self.reference = self._run(ref, self.outputs)
 
     @property
@@ -620,7 +625,8 @@ class _Measure:
         session = make_session(model, extra_outputs=[n for n in names if n not in self.outputs_of(model)],
                                optimize=False, spin=False)
         parts: Dict[str, list] = {}
-        for batch in run_batches(session, self.dataset, batch_size=4, outputs=names):
+        for batch in run_batches(session, self.dataset, batch_size=4, outputs=names, progress=self.progress,
+                                 desc="float parts"):
             for name, value in batch.items():
                 value = np.asarray(value, dtype=np.float32)
                 if ranges is not None and value.size and np.all(np.isfinite(value)):
