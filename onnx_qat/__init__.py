@@ -9,6 +9,8 @@ Public API (imported lazily so ``import onnx_qat`` stays fast):
 * :func:`check` — TensorRT-readiness report for any Q/DQ model.
 * :func:`compare` — numerics of two models on the same data, as a typed result.
 * :func:`sensitivity` — per-site output error of quantization, ranked (:class:`SensitivityResult`).
+* :func:`cast_float_parts` — a float or Q/DQ model with its float parts in FP16/BF16, what stays
+  FP32 kept with its reason (:class:`~onnx_qat.formats.float_parts.FloatPartsResult`).
 * :func:`load_model`, :func:`save_model`, :func:`load_data` — the I/O edges.
 * :class:`ScaleTable`, :class:`QuantizeConfig` and the errors in :mod:`onnx_qat.errors`.
 """
@@ -42,6 +44,7 @@ _LAZY = {
     "WeightRange": "onnx_qat.scales",
     "QuantizeConfig": "onnx_qat.config",
     "sensitivity": "onnx_qat.accuracy",
+    "cast_float_parts": "onnx_qat.formats.float_parts",
     "SensitivityResult": "onnx_qat.accuracy",
 }
 

@@ -26,7 +26,7 @@ import traceback
 from typing import List, Optional, Sequence
 
 from . import __version__
-from .config import TARGETS
+from .config import FLOAT_DTYPES, TARGETS
 from .formats.numeric import FP8_METHODS, INT4_METHODS, PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
@@ -176,6 +176,13 @@ def _add_quantize(sub) -> None:
                    help="deployment form: tensorrt (default) or ort-cpu (fast onnxruntime CPU kernels)")
     p.add_argument("--report", metavar="R.json", default=None,
                    help="also write a JSON report: placement decisions and the check result")
+    p.add_argument("--float-dtype", choices=FLOAT_DTYPES, default=None,
+                   help="type of everything Q/DQ leaves in float: fp32 (default), fp16 or bf16 "
+                        "(TensorRT 11 runs FP32 float parts in FP32); nodes that must stay FP32 are "
+                        "kept, each with its reason (see docs/formats.md)")
+    p.add_argument("--float-io", action="store_true",
+                   help="with --float-dtype fp16/bf16: graph inputs and outputs take that type too "
+                        "(default: they keep FP32, with a Cast at the boundary)")
     _calibration_options(p)
     _placement_options(p)
     _mixed_precision_options(p)
@@ -232,6 +239,10 @@ def _add_compare(sub) -> None:
                        help="samples per onnxruntime run")
     group.add_argument("--num-samples", metavar="N", type=whole_number(1), default=None,
                        help="use only the first N samples")
+    p.add_argument("--exact-qdq", action=argparse.BooleanOptionalAction, default=None,
+                   help="run both models with onnxruntime's graph optimisations off (exact Q/DQ "
+                        "arithmetic) or, --no-exact-qdq, on (default: by form: a TensorRT-form Q/DQ model "
+                        "exact, as TensorRT computes it; float models and the ort-cpu form as deployed)")
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_compare)
 
@@ -305,6 +316,8 @@ def _placement_keywords(args) -> dict:
         kw["int4_method"] = args.int4_method
     if getattr(args, "fp8_method", None) is not None:
         kw["fp8_method"] = args.fp8_method
+    if getattr(args, "float_dtype", None) is not None:
+        kw["float_dtype"] = args.float_dtype
     if getattr(args, "target", None) is not None:
         kw["target"] = args.target
     return kw
@@ -419,12 +432,17 @@ def cmd_quantize(args) -> int:
     if mixed and args.min_cosine is None:
         raise UsageError("--max-float-sites and --eval-data apply only with --min-cosine")
     _check_inputs(("--eval-data", args.eval_data, "DataError"))
+    if args.float_io and args.float_dtype in (None, "fp32"):
+        raise UsageError("--float-io applies only with --float-dtype fp16 or bf16")
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=args.data,
-                      progress=_progress(args), **calib, **_placement_keywords(args), **mixed)
+                      progress=_progress(args), keep_io_types=not args.float_io, **calib,
+                      **_placement_keywords(args), **mixed)
     _say(args, _quantize_summary(args, result))
     if result.accuracy is not None:
         _say(args, _mixed_summary(result.accuracy))
+    if result.float_parts is not None:
+        _say(args, _float_parts_summary(result.float_parts))
     report = _check_written(result.model, args.output, result.target)
     if not args.quiet:
         for finding in report.findings:
@@ -459,6 +477,18 @@ def _quantize_summary(args, result) -> str:
             f"{s.get('dequantize_linear', '?')} DequantizeLinear")
 
 
+def _float_parts_summary(parts) -> str:
+    """Lines for --float-dtype: what was converted, the measured cosines, every node kept FP32."""
+    lines = [str(parts).splitlines()[0]]
+    if parts.measurement is not None:
+        for name, m in parts.measurement["outputs"].items():
+            lines[0] += (f" | output {name!r} cosine {m['cosine']:.5f} "
+                         f"(FP32 float parts {m['cosine_fp32']:.5f}, {parts.measurement['samples']} samples)")
+    lines += [f"  kept FP32: {k}" for k in parts.kept]
+    lines += [f"  note: {n}" for n in parts.notes]
+    return "\n".join(lines)
+
+
 def _mixed_summary(info) -> str:
     """One line for --min-cosine: the sites left float and the output cosine before and after."""
     names = [site["name"] for site in info["float_sites"]]
@@ -486,7 +516,8 @@ def cmd_check(args) -> int:
 def cmd_compare(args) -> int:
     """``onnx-qat compare``: :func:`onnx_qat.compare`; exit 1 when an output misses a threshold."""
     kw = {"max_abs": args.max_abs, "min_cosine": args.min_cosine, "min_sqnr_db": args.min_sqnr,
-          "min_top1": args.min_top1, "batch_size": args.batch_size, "num_samples": args.num_samples}
+          "min_top1": args.min_top1, "batch_size": args.batch_size, "num_samples": args.num_samples,
+          "exact_qdq": args.exact_qdq}
     kw = {k: v for k, v in kw.items() if v is not None}
     _check_inputs(("reference model", args.reference, "ModelError"),
                   ("candidate model", args.candidate, "ModelError"), ("--data", args.data, "DataError"))

@@ -13,6 +13,9 @@ from .errors import ConfigError
 from .formats.numeric import (DEFAULT_BLOCK_SIZE, FP8_METHODS, INT4_METHODS, PRECISIONS, TENSORRT_BLOCK_SIZES,
                       get_format)
 
+#: Types of the float parts (see :mod:`onnx_qat.formats.float_parts`; kept here so that this module
+#: stays free of onnx).
+FLOAT_DTYPES = ("fp32", "fp16", "bf16")
 #: Deployment forms of the same placement: see ``onnx_qat/insertion/targets.py``.
 #: The deployment targets by name, the default first (``onnx_qat.insertion.targets`` holds their facts).
 TARGETS = ("tensorrt", "ort-cpu")
@@ -62,6 +65,9 @@ class QuantizeConfig:
             (round to nearest, the default when None) or ``"gptq"`` (error-compensating rounding on
             each output channel's E4M3 grid, driven by the calibration data,
             :func:`onnx_qat.formats.gptq.apply_gptq_fp8`; needs data).
+        float_dtype: the type of everything Q/DQ leaves in float: ``"fp32"`` (default), ``"fp16"``
+            or ``"bf16"`` (:func:`onnx_qat.formats.float_parts.cast_float_parts`; target ``tensorrt``
+            only).
     """
 
     target: str = "tensorrt"
@@ -73,6 +79,7 @@ class QuantizeConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     int4_method: Optional[str] = None
     fp8_method: Optional[str] = None
+    float_dtype: str = "fp32"
     _patterns: Tuple["re.Pattern", ...] = field(default=(), init=False, repr=False, compare=False)
     _attention_given: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -101,6 +108,12 @@ class QuantizeConfig:
                 raise ConfigError(f"{name} must be one of {', '.join(methods)}; got {value!r}")
             if self.precision != precision:
                 raise ConfigError(f"{name} applies to precision {precision}, not {self.precision}")
+        if self.float_dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"float_dtype must be one of {', '.join(FLOAT_DTYPES)}; "
+                              f"got {self.float_dtype!r}")
+        if self.float_dtype != "fp32" and self.target != "tensorrt":
+            raise ConfigError(f"float_dtype {self.float_dtype!r} is a TensorRT form; target {self.target!r} "
+                              "keeps FP32 float parts (onnxruntime's CPU kernels are FP32)")
         object.__setattr__(self, "exclude_nodes", _as_str_tuple(self.exclude_nodes, "exclude_nodes"))
         object.__setattr__(self, "exclude_op_types", _as_str_tuple(self.exclude_op_types, "exclude_op_types"))
         if (isinstance(self.min_channels, bool) or not isinstance(self.min_channels, int)
@@ -148,7 +161,7 @@ class QuantizeConfig:
 
 
 _FIELDS = ("target", "exclude_nodes", "exclude_op_types", "min_channels", "include_attention", "precision",
-           "block_size", "int4_method", "fp8_method")
+           "block_size", "int4_method", "fp8_method", "float_dtype")
 
 
 def normalize_names(names: Iterable[str]) -> Tuple[str, ...]:

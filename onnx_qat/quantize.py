@@ -8,6 +8,7 @@ runs back up. The caller's model object and input file are never changed.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Optional
 
 from .calibration.runner import DEFAULT_METHOD, calibrate
@@ -29,6 +30,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              precision: Optional[str] = None, block_size: Optional[int] = None,
              min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
              int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
+             float_dtype: Optional[str] = None, keep_io_types: bool = True,
              **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
@@ -80,6 +82,16 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             once on the calibration part of ``data``; without ``data``, round to nearest).
         max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
         eval_data: with ``min_cosine``: the data the output cosine is measured on.
+        float_dtype: the type of everything Q/DQ leaves in float: ``"fp32"`` (default), ``"fp16"``
+            or ``"bf16"``, for every ``precision`` (TensorRT 11 builds strongly typed networks: FP32
+            float parts run in FP32). The Q/DQ model is converted by
+            :func:`onnx_qat.formats.float_parts.cast_float_parts` (opset raised to 19, to 22 for BF16), which
+            keeps FP32 what must stay FP32 (ranges beyond the type, scales it cannot hold, ops TensorRT
+            does not run in it, and, measured on the first samples of ``data``, any node whose
+            conversion costs more than 0.002 of output cosine against the float model);
+            :attr:`QuantizeResult.float_parts` lists them with their reasons.
+        keep_io_types: with ``float_dtype`` ``fp16``/``bf16``: graph inputs and outputs keep their
+            types, with a Cast at the boundary (default); False: they take ``float_dtype`` too.
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -93,7 +105,20 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
                                          include_attention=include_attention, precision=precision,
                                          block_size=block_size, int4_method=int4_method,
-                                         fp8_method=fp8_method)
+                                         fp8_method=fp8_method, float_dtype=float_dtype)
+    if not isinstance(keep_io_types, bool):
+        raise ConfigError(f"keep_io_types must be True or False, got {keep_io_types!r}")
+    if config.float_dtype != "fp32":
+        from .formats.float_parts import quantize_with_float_parts
+
+        return quantize_with_float_parts(
+            lambda: quantize(model, None, scales=scales, data=data, method=method,
+                             config=replace(config, float_dtype="fp32"), progress=progress,
+                             placement=placement,
+                             min_cosine=min_cosine, max_float_sites=max_float_sites, eval_data=eval_data,
+                             calibration_options=calibration_options, **calibration_kwargs),
+            model, output, report, data=data, float_dtype=config.float_dtype, keep_io_types=keep_io_types,
+            inputs=(model, scales, data), progress=progress)
     fmt = get_format(config.precision)
     if config.int4_method in ("awq", "gptq") and data is None:
         raise ConfigError(f"int4_method {config.int4_method!r} needs calibration data (data, --data)")

@@ -57,6 +57,9 @@ class QuantizeResult:
             relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
             (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
+        float_parts: with ``float_dtype`` ``fp16``/``bf16``: the
+            :class:`~onnx_qat.formats.float_parts.FloatPartsResult` (nodes kept FP32 with their reasons,
+            cosines measured); None with FP32 float parts.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -71,6 +74,7 @@ class QuantizeResult:
     awq: Tuple[dict, ...] = field(default=(), repr=False)
     accuracy: Optional[Mapping] = field(default=None, repr=False)
     gptq: Tuple[dict, ...] = field(default=(), repr=False)
+    float_parts: Optional[object] = field(default=None, repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.io.models.save_model`)."""
@@ -102,6 +106,7 @@ class QuantizeResult:
                                                     "awq": [dict(r) for r in self.awq]}),
             **({"gptq": [dict(r) for r in self.gptq]} if self.gptq else {}),
             **({} if self.accuracy is None else {"mixed_precision": dict(self.accuracy)}),
+            **({} if self.float_parts is None else {"float_parts": self.float_parts.to_dict()}),
         }
 
     def to_dict(self) -> dict:
@@ -112,7 +117,10 @@ class QuantizeResult:
         s = self.summary
         return (f"QuantizeResult(target={self.target}, precision={self.precision}, "
                 f"{s['activations']} activation Q/DQ pairs, "
-                f"{s['weights']} weights, {s['skipped_nodes']} nodes skipped, output={self.output})")
+                f"{s['weights']} weights, {s['skipped_nodes']} nodes skipped, "
+                + ("" if self.float_parts is None else f"float parts {self.float_parts.float_dtype} "
+                   f"({len(self.float_parts.kept)} nodes kept FP32), ")
+                + f"output={self.output})")
 
 
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,

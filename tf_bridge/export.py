@@ -127,7 +127,7 @@ def _paths(path, save_scales: bool, save_float: bool):
 
 def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sample_data=None,
                 save_scales: bool = True, save_float: bool = False, strict: bool = True,
-                progress: bool = True, precision: str = "int8") -> ExportReport:
+                progress: bool = True, precision: str = "int8", float_dtype: str = "fp32") -> ExportReport:
     """Export a (trained, calibrated) Keras QAT model to a Q/DQ ONNX model with its learned scales.
 
     Args:
@@ -152,6 +152,12 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
         precision: ``"int8"`` (default) or ``"fp8"``: the same learned amax written as FP8 E4M3 Q/DQ
             (``onnx_qat.quantize(precision="fp8")``, target ``tensorrt``), with parity measured
             against the Keras model run with FP8 fake quantization (``tf_bridge.fake_quant.numerics``).
+        float_dtype: the type of the float parts of the written model: ``"fp32"`` (default),
+            ``"fp16"`` or ``"bf16"`` (target ``tensorrt``). Parity is measured with FP32 float parts;
+            the Q/DQ model is then converted by :func:`onnx_qat.formats.float_parts.cast_float_parts`
+            with the learned ranges, measured on ``sample_data`` against the float model (a node whose
+            conversion costs more than 0.002 of output cosine stays FP32);
+            :attr:`ExportReport.float_parts` lists the nodes kept FP32 with their reasons.
 
     Returns:
         An :class:`ExportReport` (paths, mapping table, parity, check verdict).
@@ -175,6 +181,11 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     if precision not in ("int8", "fp8"):
         raise ExportError(f"export_onnx: precision must be 'int8' or 'fp8', got {precision!r} (int4 is "
                           "weight-only: onnx-qat quantize --precision int4 on the float model)")
+    if float_dtype not in ("fp32", "fp16", "bf16"):
+        raise ExportError(f"export_onnx: float_dtype must be 'fp32', 'fp16' or 'bf16', got {float_dtype!r}")
+    if float_dtype != "fp32" and target != "tensorrt":
+        raise ExportError(f"export_onnx: float_dtype {float_dtype!r} is a TensorRT form; target {target!r} "
+                          "keeps FP32 float parts")
     check_exportable(q_model)
     check_finite(q_model)
     if not any(True for _ in iter_quantizer_layers(q_model)):
@@ -213,6 +224,14 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
             [float_values[n] for n in names]))
     if not parity.passed:
         _fail_loudly(parity, strict)
+    parts = None
+    if float_dtype != "fp32":
+        from onnx_qat.formats.float_parts import cast_float_parts
+
+        with step.part(f"float parts in {float_dtype}"):
+            parts = cast_float_parts(result.model, float_dtype, scales=table, data=feeds,
+                                     reference=float_model)
+        result = replace(result, model=parts.model, float_parts=parts)
     step("write")
     if float_path is not None:
         save_model(mapping.model, float_path, inputs=(out,))
@@ -224,7 +243,7 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     report = ExportReport(out, scales_path, float_path, int(opset), result.target, mapping.entries, parity,
                           verdict, MappingProxyType(dict(result.summary)),
                           reproducible and not mapping.baked, mapping.baked, tuple(result.requantization),
-                          tuple(step.timings))
+                          tuple(step.timings), parts)
     logger.info("%s", report)
     return report
 

@@ -32,6 +32,9 @@ class ExportReport:
             source, ``status``); a ``not requantized`` Conv keeps a float output.
         timings: ``(step, seconds)`` in order: the five steps of :func:`export_onnx` and, named
             ``"<step>: <part>"``, the timed parts of a step (the parity's runs).
+        float_parts: with ``float_dtype`` ``fp16``/``bf16``: the
+            :class:`~onnx_qat.formats.float_parts.FloatPartsResult` (nodes kept FP32 with their
+            reasons, output cosines measured); None with FP32 float parts.
     """
 
     path: Path
@@ -47,6 +50,7 @@ class ExportReport:
     baked: Tuple[str, ...] = ()
     requantization: Tuple[dict, ...] = field(default=(), repr=False)
     timings: Tuple[Tuple[str, float], ...] = field(default=(), repr=False)
+    float_parts: Optional[object] = field(default=None, repr=False)
 
     @property
     def passed(self) -> bool:

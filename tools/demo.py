@@ -411,7 +411,8 @@ def measure_latency(paths: Dict[str, Path], x: np.ndarray, batches: Sequence[int
     """
     from onnx_qat.runtime.sessions import make_session
 
-    sessions = {name: make_session(p, threads=threads) for name, p in paths.items()}
+    # latency of each model as onnxruntime deploys it (graph optimisations on, every form)
+    sessions = {name: make_session(p, threads=threads, optimize=True) for name, p in paths.items()}
     results = []
     for batch in batches:
         xb = np.resize(x, (batch, *x.shape[1:])).astype(np.float32)

@@ -12,7 +12,8 @@ Steps (each a small function below, each recorded in the JSON report):
    quantization, no calibrator, no INT8 flag); TensorRT 8.6/9: flag-based build. FP8 and INT4
    (weight-only) Q/DQ models (``onnx-qat quantize --precision fp8|int4``) build strongly typed
    only, so they need TensorRT >= 10 and no ``--fp16``. The onnxruntime run of step 2 uses graph
-   optimisations off for FP8 models (onnxruntime 1.31's QDQ fusion refuses FP8 MatMuls).
+   optimisations off for TensorRT-form Q/DQ models (exact Q/DQ arithmetic, as TensorRT computes it,
+   not onnxruntime's fused integer CPU kernels; onnxruntime 1.31's QDQ fusion also refuses FP8 MatMuls).
    Engine and timing cache are written atomically.
 4. measure   — GPU latency (mean, median, p90, p99) and throughput with CUDA events.
 5. verify    — engine outputs vs onnxruntime (max abs/rel difference, top-1

@@ -219,7 +219,7 @@ def _check_thresholds(max_abs, min_cosine, min_sqnr_db, min_top1) -> None:
 def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: Optional[float] = None,
             min_cosine: Optional[float] = 0.99, min_sqnr_db: Optional[float] = None,
             min_top1: Optional[float] = None, num_samples: Optional[int] = None,
-            progress: bool = False) -> Comparison:
+            progress: bool = False, exact_qdq: Optional[bool] = None) -> Comparison:
     """Run two models in onnxruntime on the same inputs and compare every output by name.
 
     Args:
@@ -231,6 +231,12 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
             ``min_top1`` is a fraction (0.99 = 99 %).
         num_samples: use only the first ``num_samples`` samples of ``data``.
         progress: tqdm progress bars on stderr.
+        exact_qdq: how onnxruntime runs each model. None (the default): by its form
+            (:func:`~onnx_qat.runtime.sessions.needs_exact_qdq`): a TensorRT-form Q/DQ model (and any
+            FP8 model) with graph optimisations off, so every Q/DQ computes its definition as TensorRT
+            does, never through onnxruntime's fused integer CPU kernels; a float model and the
+            ``ort-cpu`` form as onnxruntime deploys them (optimisations on). True: both models exact;
+            False: both optimised.
 
     Raises:
         ModelError: the models' inputs or output names differ, or an output's shape differs.
@@ -254,8 +260,13 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
         dataset = load_data(data, ref_model)
         if num_samples is not None:
             dataset = dataset.take(num_samples)
-    ref_values = run_model(make_session(ref_model), dataset, batch_size=batch_size, progress=progress)
-    cand_values = run_model(make_session(cand_model), dataset, batch_size=batch_size, progress=progress)
+    if exact_qdq is not None and not isinstance(exact_qdq, bool):
+        raise ConfigError(f"exact_qdq must be True, False or None, got {exact_qdq!r}")
+    optimize = None if exact_qdq is None else not exact_qdq
+    ref_values = run_model(make_session(ref_model, optimize=optimize), dataset, batch_size=batch_size,
+                           progress=progress)
+    cand_values = run_model(make_session(cand_model, optimize=optimize), dataset, batch_size=batch_size,
+                            progress=progress)
     results = []
     for name in ref_out:
         r, c = ref_values[name], cand_values[name]

@@ -106,3 +106,27 @@ def test_mismatched_outputs_and_inputs():
         compare(_classifier(), _classifier(), {"x": np.ones((2, 7), np.float32)})
     with pytest.raises(ConfigError):
         compare(_classifier(), _classifier(), {"x": X}, min_top1=99)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tensorrt_form_is_judged_by_exact_qdq_arithmetic_not_fused_cpu_kernels(seed):
+    """``keras.applications.MobileNetV2(weights=None)``'s initialization (inputs 0..255) shrinks the
+    activations to ~1e-9: onnxruntime's optimized session of the TensorRT form loses the output, the
+    exact Q/DQ arithmetic keeps it, and compare judges the TensorRT form by the latter."""
+    import onnx_qat
+    from onnx_qat.runtime.sessions import needs_exact_qdq
+    from tests.builders import mobilenet_v2_model
+
+    model = mobilenet_v2_model(size=32, divisor=4, seed=seed)
+    x = np.random.default_rng(seed).uniform(0, 255, (8, 3, 32, 32)).astype(np.float32)
+    trt = onnx_qat.quantize(model, data={"input": x}, method="max", progress=False).model
+    cpu = onnx_qat.quantize(model, data={"input": x}, method="max", target="ort-cpu", progress=False).model
+    assert needs_exact_qdq(trt) and not needs_exact_qdq(cpu) and not needs_exact_qdq(model)
+    exact = compare(model, trt, {"input": x}, min_cosine=None)
+    fused = compare(model, trt, {"input": x}, min_cosine=None, exact_qdq=False)
+    assert exact.outputs[0].cosine > 0.99
+    assert fused.outputs[0].cosine < 0.9  # what onnxruntime's fused CPU kernels give
+    forced = compare(model, trt, {"input": x}, min_cosine=None, exact_qdq=True)  # float model unoptimized too
+    assert forced.outputs[0].cosine == pytest.approx(exact.outputs[0].cosine, abs=1e-6)
+    with pytest.raises(ConfigError, match="exact_qdq"):
+        compare(model, trt, {"input": x}, exact_qdq="yes")

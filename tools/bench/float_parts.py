@@ -1,0 +1,115 @@
+"""float_parts: what ``--float-dtype fp16`` adds to ``onnx-qat quantize --data`` on ResNet50.
+
+Both commands run as whole processes on the same model and calibration data (``--method max``: the
+conversion's share of a fast quantize; the default ``auto`` calibration takes longer and the share
+less), in turn (A B A B), the least disturbed run of each counting. The FP16 run converts the Q/DQ
+model (:func:`onnx_qat.formats.float_parts.cast_float_parts`) and measures it on the first 8 samples
+(ranges of every float tensor, the output cosine of the float model, the FP32 and the FP16 float
+parts). Its report gives the cosines and the nodes kept FP32; the file sizes are the written models'.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List
+
+import numpy as np
+
+from . import models
+from .measure import python_module, run_process
+from .table import Goal, Row, ratio
+
+NAME = "float_parts"
+SIZE = 224
+SAMPLES = 32
+
+
+def _prepare(workdir: Path, quick: bool):
+    import onnx
+
+    if quick:
+        path = workdir / "tiny_cnn.onnx"
+        onnx.save(models.tiny_cnn(), str(path))
+        data = {"input": np.random.default_rng(1).standard_normal((16, 16, 16, 16)).astype(np.float32)}
+    else:
+        path = models.resnet50(workdir / f"resnet50_{SIZE}.onnx", SIZE)
+        data = {models.RESNET_INPUT: models.images(SAMPLES, SIZE, seed=1)}
+    npz = workdir / f"{path.stem}_calib.npz"
+    np.savez(npz, **data)
+    return path, npz
+
+
+def run(workdir: Path, *, quick: bool = False) -> List[Row]:
+    """Measure and return the float_parts rows."""
+    workdir = Path(workdir)
+    path, npz = _prepare(workdir, quick)
+    repeats = 1 if quick else 2
+    commands = {}
+    for dtype in ("fp32", "fp16"):
+        commands[dtype] = python_module(
+            "onnx_qat",
+            "quantize",
+            str(path),
+            "--data",
+            str(npz),
+            "--method",
+            "max",
+            "-o",
+            str(workdir / f"{path.stem}_{dtype}.onnx"),
+            "--float-dtype",
+            dtype,
+            "--report",
+            str(workdir / f"{path.stem}_{dtype}.json"),
+            "--no-progress",
+            "-q",
+        )
+    runs = {k: [] for k in commands}
+    for _ in range(repeats):
+        for dtype, cmd in commands.items():
+            runs[dtype].append(run_process(cmd))
+    best = {k: min(v, key=lambda r: r.seconds) for k, v in runs.items()}
+    report = json.loads((workdir / f"{path.stem}_fp16.json").read_text())["float_parts"]
+    measured = next(iter(report["measurement"]["outputs"].values()))
+    sizes = {k: _float_bytes(workdir / f"{path.stem}_{k}.onnx") for k in commands}
+    label = "tiny CNN" if quick else f"ResNet50 {SIZE}x{SIZE}"
+    return [
+        Row(
+            NAME,
+            f"quantize --float-dtype fp16 / fp32, time, {label}",
+            ratio(best["fp16"].seconds, best["fp32"].seconds),
+            Goal("<=", 1.2),
+            f"whole process, best of {repeats}: {best['fp16'].seconds:.1f} s vs "
+            f"{best['fp32'].seconds:.1f} s ({SAMPLES if not quick else 16} samples, --method max)",
+        ),
+        Row(
+            NAME,
+            f"float parts' bytes fp16 / fp32, {label}",
+            ratio(sizes["fp16"], sizes["fp32"]),
+            Goal("<=", 0.55),
+            f"float initializers {sizes['fp16'] / 2**10:.0f} KiB vs {sizes['fp32'] / 2**10:.0f} KiB "
+            "(the INT8 weights are the same in both)",
+        ),
+        Row(
+            NAME,
+            f"output cosine drop fp16 vs fp32 float parts, {label}",
+            measured["cosine_fp32"] - measured["cosine"],
+            Goal("<=", 0.002),
+            f"cosine against the float model {measured['cosine']:.5f} vs {measured['cosine_fp32']:.5f} "
+            f"({report['measurement']['samples']} samples); {len(report['kept_fp32'])} nodes kept FP32",
+            unit="",
+        ),
+    ]
+
+
+def _float_bytes(path: Path) -> int:
+    """Bytes of the float (FP32, FP16, BF16) initializers of the model at ``path``."""
+    import onnx
+
+    model = onnx.load(str(path))
+    sizes = {1: 4, 10: 2, 16: 2}
+    return sum(
+        int(np.prod(t.dims, dtype=np.int64)) * sizes[t.data_type]
+        for t in model.graph.initializer
+        if t.data_type in sizes
+    )
