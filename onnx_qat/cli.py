@@ -33,6 +33,10 @@ from .errors import QatError
 
 PROG = "onnx-qat"
 METHODS = ("max", "percentile", "entropy", "mse", "auto")
+#: ``calibrate --format``: the ScaleTable JSON or a TensorRT calibration cache.
+SCALE_FORMATS = ("scales-json", "tensorrt-cache")
+#: Calibrators a TensorRT cache header names (onnx_qat.tensorrt_cache.ALGORITHMS, without importing it).
+CACHE_ALGORITHMS = ("EntropyCalibration2", "EntropyCalibration", "MinMaxCalibration", "LegacyCalibration")
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -152,7 +156,20 @@ def _add_calibrate(sub) -> None:
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
     p.add_argument("--data", metavar="NPZ", required=True,
                    help=".npz calibration data: keys are graph input names, first axis is samples")
-    p.add_argument("-o", "--output", metavar="SCALES.json", required=True, help="ScaleTable JSON to write")
+    p.add_argument("-o", "--output", metavar="SCALES.json", required=True,
+                   help="file to write: a ScaleTable JSON, or with --format tensorrt-cache a TensorRT "
+                        "calibration cache")
+    cache = p.add_argument_group("output format (ScaleTable.save_tensorrt_cache)")
+    cache.add_argument("--format", choices=SCALE_FORMATS, default="scales-json",
+                       help="scales-json (default): the ScaleTable; tensorrt-cache: TensorRT's calibration "
+                            "cache text (activation ranges as float32 scales amax/127), for TensorRT 8-10 "
+                            "implicit INT8 builds")
+    cache.add_argument("--tensorrt-version", metavar="X.Y.Z", default=None,
+                       help="with --format tensorrt-cache (required there): the TensorRT that will read the "
+                            "cache, written into its header (e.g. 8.6.1 -> TRT-8601-...)")
+    cache.add_argument("--calibrator", choices=CACHE_ALGORITHMS, default=None,
+                       help="with --format tensorrt-cache: the calibrator named in the header "
+                            "(default EntropyCalibration2; use the one that will read the cache)")
     _calibration_options(p)
     _placement_options(p)
     _global_options(p, suppress=True)
@@ -170,8 +187,10 @@ def _add_quantize(sub) -> None:
     source.add_argument("--data", metavar="NPZ", help=".npz calibration data (see 'calibrate'); with "
                                                       "--precision int4, data for the activation-aware "
                                                       "weight scales (optional)")
-    source.add_argument("--scales", metavar="JSON",
-                        help="ScaleTable JSON (from 'calibrate' or your own tool)")
+    source.add_argument("--scales", metavar="JSON|CACHE",
+                        help="ScaleTable JSON (from 'calibrate' or your own tool), or a TensorRT calibration "
+                             "cache (a file starting 'TRT-'; its names not in the model are listed in one "
+                             "warning and ignored)")
     p.add_argument("--target", choices=TARGETS, default=None,
                    help="deployment form: tensorrt (default) or ort-cpu (fast onnxruntime CPU kernels)")
     p.add_argument("--report", metavar="R.json", default=None,
@@ -398,10 +417,26 @@ def _check_outputs(outputs, inputs) -> None:
 def cmd_calibrate(args) -> int:
     """``onnx-qat calibrate``: :func:`onnx_qat.calibrate` with ``output`` (the ScaleTable JSON)."""
     kw = {**_calibration_keywords(args), **_placement_keywords(args)}
+    cache = args.format == "tensorrt-cache"
+    if not cache and (args.tensorrt_version is not None or args.calibrator is not None):
+        raise UsageError("--tensorrt-version and --calibrator apply only with --format tensorrt-cache")
+    if cache and args.tensorrt_version is None:
+        raise UsageError("--format tensorrt-cache needs --tensorrt-version X.Y.Z (the TensorRT that will read "
+                         "the cache; it goes into the header)")
+    if cache:
+        from .tensorrt_cache import tensorrt_version_number
+        tensorrt_version_number(args.tensorrt_version)  # a bad version is refused before calibrating
     _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"))
     _check_outputs([("--output", args.output)], [args.model, args.data])
     from .calibration import DEFAULT_METHOD, calibrate
-    table = calibrate(args.model, args.data, output=args.output, progress=_progress(args), **kw)
+    table = calibrate(args.model, args.data, output=None if cache else args.output, progress=_progress(args),
+                      **kw)
+    if cache:
+        table.save_tensorrt_cache(args.output, tensorrt_version=args.tensorrt_version,
+                                  algorithm=args.calibrator or "EntropyCalibration2")
+        _say(args, f"wrote {args.output}: TensorRT calibration cache of {len(table.activations)} activation "
+                   f"ranges (method {kw.get('method', DEFAULT_METHOD)})")
+        return EXIT_OK
     _say(args, f"wrote {args.output}: {len(table.activations)} activation ranges, "
                f"{len(table.weights)} weight "
                f"ranges (method {kw.get('method', DEFAULT_METHOD)})")

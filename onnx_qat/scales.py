@@ -254,6 +254,30 @@ class ScaleTable:
         data = read_json(path, what="ScaleTable", error=ScalesError)
         return cls.from_dict(data, source=f"ScaleTable {path}")
 
+    # -- TensorRT calibration caches (see onnx_qat.tensorrt_cache) ------------------------------------
+    @classmethod
+    def from_tensorrt_cache(cls, path: PathLike) -> "ScaleTable":
+        """Read a TensorRT calibration cache (``TRT-<version>-<algorithm>`` header, then
+        ``tensor_name: <hex float32 scale>`` lines) as activation ranges, ``amax = scale x 127``.
+
+        Raises:
+            ScalesError: the file is not a valid cache (wrong format, non-hex digits, a NaN, infinite,
+                zero or negative scale, no entries); one line naming the file and the line.
+        """
+        from .tensorrt_cache import read_tensorrt_cache
+
+        return read_tensorrt_cache(path)
+
+    def save_tensorrt_cache(self, path: PathLike, *, tensorrt_version: str,
+                            algorithm: str = "EntropyCalibration2") -> None:
+        """Write the activation ranges as a TensorRT calibration cache, atomically
+        (``scale = float32(amax / 127)``; weight ranges are left out: TensorRT's implicit INT8 measures
+        weights itself). ``tensorrt_version`` (``MAJOR.MINOR.PATCH``) and ``algorithm`` go into the
+        header; see :func:`onnx_qat.tensorrt_cache.format_tensorrt_cache`."""
+        from .tensorrt_cache import write_tensorrt_cache
+
+        write_tensorrt_cache(self, path, tensorrt_version=tensorrt_version, algorithm=algorithm)
+
 
 def _as_weight_range(value, name: str) -> WeightRange:
     if isinstance(value, WeightRange):
