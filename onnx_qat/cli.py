@@ -226,6 +226,10 @@ def _add_check(sub) -> None:
                    help="the form to check: tensorrt (default: every rule) or ort-cpu (the rules that "
                         "apply to the CPU form)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--precision-map", metavar="MAP.json", default=None,
+                   help="write the precision map (CheckReport.precision_map): each compute node's precision "
+                        "under a TensorRT strongly typed build (int8, fp8, int4, fp16, bf16, fp32) and the "
+                        "Q/DQ nodes left unfused, with their rule; prints its summary")
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_check)
 
@@ -421,8 +425,8 @@ def cmd_calibrate(args) -> int:
     if not cache and (args.tensorrt_version is not None or args.calibrator is not None):
         raise UsageError("--tensorrt-version and --calibrator apply only with --format tensorrt-cache")
     if cache and args.tensorrt_version is None:
-        raise UsageError("--format tensorrt-cache needs --tensorrt-version X.Y.Z (the TensorRT that will read "
-                         "the cache; it goes into the header)")
+        raise UsageError("--format tensorrt-cache needs --tensorrt-version X.Y.Z (the TensorRT that will "
+                         "read the cache; it goes into the header)")
     if cache:
         from .tensorrt_cache import tensorrt_version_number
         tensorrt_version_number(args.tensorrt_version)  # a bad version is refused before calibrating
@@ -520,12 +524,18 @@ def _mixed_summary(info) -> str:
 def cmd_check(args) -> int:
     """``onnx-qat check``: :func:`onnx_qat.check`; exit 1 when it finds an error."""
     _check_inputs(("model", args.model, "ModelError"))
+    _check_outputs([("--precision-map", args.precision_map)], [args.model])
     from .check import check
     report = check(args.model, target=args.target)
     if args.json:
         _print_json(report.to_dict())
     elif not args.quiet:
         print(report)
+    if args.precision_map is not None:
+        report.precision_map.save(args.precision_map)
+        if not args.json:
+            _say(args, report.precision_map.summary())
+            _say(args, f"wrote {args.precision_map}")
     return EXIT_OK if report else EXIT_PROBLEMS
 
 

@@ -376,8 +376,8 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
             names.extend(sub_index.all_tensor_names())
             shapes.update(sub_index.constant_shapes())
         if source.startswith("TensorRT"):  # a cache names TensorRT's own tensors too: dropped, one warning
-            from .tensorrt_cache import matched_to_model
-            table = matched_to_model(table, names, source=source)
+            from .tensorrt_cache import names_in_model
+            table = table.subset(names_in_model(table.activations, names, source=source))
         try:
             table.check_names(names, shapes)
         except ScalesError as exc:
@@ -390,10 +390,10 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
 def _load_scales_file(path) -> tuple:
     """``(source label, table)`` of a ScaleTable JSON file or a TensorRT calibration cache (a file
     beginning with ``TRT-``, see :mod:`onnx_qat.tensorrt_cache`)."""
-    from .tensorrt_cache import is_tensorrt_cache, read_tensorrt_cache
+    from .tensorrt_cache import is_tensorrt_cache
 
     if is_tensorrt_cache(path):
-        return f"TensorRT calibration cache {path}", read_tensorrt_cache(path)
+        return f"TensorRT calibration cache {path}", ScaleTable.from_tensorrt_cache(path)
     return f"ScaleTable {path}", ScaleTable.load(path)
 
 

@@ -258,7 +258,8 @@ class ScaleTable:
     @classmethod
     def from_tensorrt_cache(cls, path: PathLike) -> "ScaleTable":
         """Read a TensorRT calibration cache (``TRT-<version>-<algorithm>`` header, then
-        ``tensor_name: <hex float32 scale>`` lines) as activation ranges, ``amax = scale x 127``.
+        ``tensor_name: <hex float32 scale>`` lines) as activation ranges, ``amax = scale x 127``; the
+        header is kept in ``metadata["tensorrt_cache_header"]``. See :mod:`onnx_qat.tensorrt_cache`.
 
         Raises:
             ScalesError: the file is not a valid cache (wrong format, non-hex digits, a NaN, infinite,
@@ -266,17 +267,33 @@ class ScaleTable:
         """
         from .tensorrt_cache import read_tensorrt_cache
 
-        return read_tensorrt_cache(path)
+        header, ranges = read_tensorrt_cache(path)
+        return cls(ranges, producer=f"tensorrt-cache({header})", metadata={"tensorrt_cache_header": header})
+
+    def to_tensorrt_cache(self, *, tensorrt_version: str, algorithm: str = "EntropyCalibration2") -> str:
+        """The activation ranges as TensorRT calibration cache text (``scale = float32(amax / 127)``).
+
+        Weight ranges are left out (logged at info level): TensorRT's implicit INT8 measures weight
+        scales from the weights. ``tensorrt_version`` (``MAJOR.MINOR.PATCH``, the TensorRT that will read
+        the cache) and ``algorithm`` (the calibrator that hands it to TensorRT) go into the header; see
+        :func:`onnx_qat.tensorrt_cache.format_tensorrt_cache`.
+        """
+        from .tensorrt_cache import format_tensorrt_cache, logger
+
+        if self._weights:
+            logger.info("the calibration cache holds activation ranges only: %d weight range(s) left out "
+                        "(TensorRT's implicit INT8 measures weight scales from the weights)",
+                        len(self._weights))
+        return format_tensorrt_cache(self._activations, tensorrt_version=tensorrt_version,
+                                     algorithm=algorithm)
 
     def save_tensorrt_cache(self, path: PathLike, *, tensorrt_version: str,
                             algorithm: str = "EntropyCalibration2") -> None:
-        """Write the activation ranges as a TensorRT calibration cache, atomically
-        (``scale = float32(amax / 127)``; weight ranges are left out: TensorRT's implicit INT8 measures
-        weights itself). ``tensorrt_version`` (``MAJOR.MINOR.PATCH``) and ``algorithm`` go into the
-        header; see :func:`onnx_qat.tensorrt_cache.format_tensorrt_cache`."""
-        from .tensorrt_cache import write_tensorrt_cache
+        """Write :meth:`to_tensorrt_cache` to ``path``, atomically (nothing written when it raises)."""
+        from .fileio import atomic_write_text
 
-        write_tensorrt_cache(self, path, tensorrt_version=tensorrt_version, algorithm=algorithm)
+        text = self.to_tensorrt_cache(tensorrt_version=tensorrt_version, algorithm=algorithm)
+        atomic_write_text(path, text)
 
 
 def _as_weight_range(value, name: str) -> WeightRange:

@@ -26,8 +26,8 @@ as the float32 bits of the scale, dynamic range = scale x 127); TensorRT C++ API
 per-tensor ranges (``scale = amax / 127``, header ``TRT-<version>-EntropyCalibration2``).
 
 Per-channel and block weight ranges have no place in a cache: TensorRT's implicit INT8 measures
-weight scales itself from the weights. :func:`format_tensorrt_cache` writes a table's activation
-ranges only and logs one warning naming how many weight ranges it left out.
+weight scales itself from the weights. :meth:`ScaleTable.to_tensorrt_cache` writes a table's activation
+ranges only and logs (info level) how many weight ranges it left out.
 
 Exactness: a cache stores float32 scales. Reading gives ``amax = float64(scale) x 127`` (exact in
 float64), and writing ``scale = float32(amax / 127)``, which is what the Q/DQ inserter computes
@@ -43,7 +43,7 @@ import math
 import re
 import struct
 from pathlib import Path
-from typing import Iterable
+from typing import Dict, Iterable, List, Mapping, Tuple
 
 from .errors import ScalesError
 
@@ -101,9 +101,10 @@ def hex_to_scale(text: str) -> float:
     return struct.unpack(">f", bytes.fromhex(text.zfill(8)))[0]
 
 
-def parse_tensorrt_cache(text: str, *, source: str = "TensorRT calibration cache"):
-    """Read a calibration cache's text into a :class:`~onnx_qat.scales.ScaleTable` of activation
-    ranges (``amax = scale x 127``); the header goes to ``metadata["tensorrt_cache_header"]``.
+def parse_tensorrt_cache(text: str, *,
+                         source: str = "TensorRT calibration cache") -> Tuple[str, Dict[str, float]]:
+    """Read a calibration cache's text: ``(header, {tensor name: amax})`` with ``amax = scale x 127``
+    (:meth:`onnx_qat.scales.ScaleTable.from_tensorrt_cache` makes the ScaleTable of it).
 
     Raises:
         ScalesError: one line naming ``source`` and the first bad line: no ``TRT-<version>-<algorithm>``
@@ -111,8 +112,6 @@ def parse_tensorrt_cache(text: str, *, source: str = "TensorRT calibration cache
             hex digits, a scale that is NaN, infinite, zero or negative, a name given twice, or no
             entries at all.
     """
-    from .scales import ScaleTable
-
     lines = text.splitlines()
     header = lines[0].strip() if lines else ""
     match = _HEADER.fullmatch(header)
@@ -130,10 +129,11 @@ def parse_tensorrt_cache(text: str, *, source: str = "TensorRT calibration cache
         name, sep, digits = line.rpartition(":")
         name, digits = name.strip(), digits.strip()
         if not sep or not name:
-            raise ScalesError(f"{source} line {number}: {line.strip()[:80]!r} is not 'tensor_name: hex scale'")
+            raise ScalesError(f"{source} line {number}: {line.strip()[:80]!r} is not "
+                              "'tensor_name: hex scale'")
         if not _HEX.fullmatch(digits):
-            raise ScalesError(f"{source} line {number}: {digits[:40]!r} for {name!r} is not 1 to 8 hex digits "
-                              f"(the float32 bits of the scale)")
+            raise ScalesError(f"{source} line {number}: {digits[:40]!r} for {name!r} is not 1 to 8 hex "
+                              f"digits (the float32 bits of the scale)")
         scale = hex_to_scale(digits)
         if not math.isfinite(scale) or scale <= 0.0:
             raise ScalesError(f"{source} line {number}: tensor {name!r} has scale {scale!r} ({digits}); "
@@ -143,12 +143,12 @@ def parse_tensorrt_cache(text: str, *, source: str = "TensorRT calibration cache
         ranges[name] = float(scale) * INT8_MAX
     if not ranges:
         raise ScalesError(f"{source} holds no tensor scales (only its header)")
-    return ScaleTable(ranges, producer=f"tensorrt-cache({header})",
-                      metadata={"tensorrt_cache_header": header})
+    return header, ranges
 
 
-def read_tensorrt_cache(path):
-    """Read the calibration cache file at ``path`` (see :func:`parse_tensorrt_cache`).
+def read_tensorrt_cache(path) -> Tuple[str, Dict[str, float]]:
+    """Read the calibration cache file at ``path``: ``(header, {tensor name: amax})`` (see
+    :func:`parse_tensorrt_cache`).
 
     Raises:
         ScalesError: the file is missing, too large, not text, or not a valid cache (one line).
@@ -175,29 +175,30 @@ def read_tensorrt_cache(path):
     return parse_tensorrt_cache(text, source=source)
 
 
-def format_tensorrt_cache(table, *, tensorrt_version: str, algorithm: str = DEFAULT_ALGORITHM) -> str:
-    """The calibration cache text of ``table``'s activation ranges (``scale = float32(amax / 127)``),
-    names in the table's (sorted) order; weight ranges are left out (one warning says how many).
+def format_tensorrt_cache(activations: Mapping[str, float], *, tensorrt_version: str,
+                          algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """The calibration cache text of activation ranges (``scale = float32(amax / 127)``), in the
+    mapping's order.
 
     Args:
-        table: a :class:`~onnx_qat.scales.ScaleTable`.
+        activations: tensor name -> amax (a ScaleTable's ``activations``).
         tensorrt_version: the TensorRT that will read the cache, ``MAJOR.MINOR.PATCH``; it goes into
             the header (TensorRT may skip a cache whose header names another version or algorithm).
         algorithm: the calibrator the cache claims (one of :data:`ALGORITHMS`); use the one whose
             ``read_calibration_cache`` will hand the cache to TensorRT.
 
     Raises:
-        ScalesError: a bad version or algorithm, a table without activation ranges, a name with a
-            line break, or a range whose float32 scale is not finite and > 0.
+        ScalesError: a bad version or algorithm, no activation ranges, a name with a line break, or a
+            range whose float32 scale is not finite and > 0.
     """
     if algorithm not in ALGORITHMS:
         raise ScalesError(f"calibration algorithm {algorithm!r} is not one TensorRT writes "
                           f"({', '.join(ALGORITHMS)})")
     header = f"TRT-{tensorrt_version_number(tensorrt_version)}-{algorithm}"
-    if not table.activations:
+    if not activations:
         raise ScalesError("the ScaleTable has no activation ranges to write into a calibration cache")
     lines = [header]
-    for name, amax in table.activations.items():
+    for name, amax in activations.items():
         if "\n" in name or "\r" in name:
             raise ScalesError(f"tensor name {name!r} holds a line break; a calibration cache cannot hold it")
         scale = struct.unpack(">f", struct.pack(">f", amax / INT8_MAX))[0]  # float32, as the inserter rounds
@@ -205,48 +206,44 @@ def format_tensorrt_cache(table, *, tensorrt_version: str, algorithm: str = DEFA
             raise ScalesError(f"activation {name!r}: amax {amax!r} gives float32 scale {scale!r}; a cache "
                               "scale must be finite and > 0")
         lines.append(f"{name}: {scale_to_hex(scale)}")
-    if table.weights:
-        logger.info("the calibration cache holds activation ranges only: %d weight range(s) left out "
-                       "(TensorRT's implicit INT8 measures weight scales from the weights)", len(table.weights))
     return "\n".join(lines) + "\n"
 
 
-def write_tensorrt_cache(table, path, *, tensorrt_version: str, algorithm: str = DEFAULT_ALGORITHM) -> None:
-    """Write :func:`format_tensorrt_cache` of ``table`` to ``path`` atomically (nothing is written when
-    it raises)."""
+def write_tensorrt_cache(activations: Mapping[str, float], path, *, tensorrt_version: str,
+                         algorithm: str = DEFAULT_ALGORITHM) -> None:
+    """Write :func:`format_tensorrt_cache` to ``path`` atomically (nothing is written when it raises)."""
     from .fileio import atomic_write_text
 
-    text = format_tensorrt_cache(table, tensorrt_version=tensorrt_version, algorithm=algorithm)
+    text = format_tensorrt_cache(activations, tensorrt_version=tensorrt_version, algorithm=algorithm)
     atomic_write_text(path, text)
 
 
-def matched_to_model(table, tensor_names: Iterable[str], *, source: str = "TensorRT calibration cache"):
-    """``table`` less the names the model does not have; one warning lists those (the first 20 named).
+def names_in_model(cache_names: Iterable[str], tensor_names: Iterable[str], *,
+                   source: str = "TensorRT calibration cache") -> List[str]:
+    """The cache's names that are tensors of the model; one warning lists the others (first 20 named).
 
     A cache names every tensor of TensorRT's network, some of which TensorRT made itself; they are
     not an error. A cache of which no name is in the model is (another model's cache, or a model
     renamed since calibration).
 
     Raises:
-        ScalesError: no name of ``table`` is a tensor of the model.
+        ScalesError: no name of the cache is a tensor of the model.
     """
-    from .scales import ScaleTable
-
-    names = set(tensor_names)
-    unmatched = [n for n in table.activations if n not in names]
-    if len(unmatched) == len(table.activations):
-        shown = ", ".join(repr(n) for n in list(table.activations)[:3])
+    names, cache_names = set(tensor_names), list(cache_names)
+    kept = [n for n in cache_names if n in names]
+    unmatched = [n for n in cache_names if n not in names]
+    if not kept:
+        shown = ", ".join(repr(n) for n in cache_names[:3])
         raise ScalesError(f"{source} matches no tensor of the model: none of its {len(unmatched)} names "
                           f"(e.g. {shown}) is a tensor name of the model; was it made for another model?")
-    if not unmatched:
-        return table
-    shown = ", ".join(unmatched[:20]) + (f" ... (+{len(unmatched) - 20} more)" if len(unmatched) > 20 else "")
-    logger.warning("%s: %d of %d tensor name(s) are not in the model and are ignored: %s", source,
-                   len(unmatched), len(table.activations), shown)
-    kept = {n: v for n, v in table.activations.items() if n in names}
-    return ScaleTable(kept, table.weights, producer=table.producer, metadata=table.metadata)
+    if unmatched:
+        more = f" ... (+{len(unmatched) - 20} more)" if len(unmatched) > 20 else ""
+        shown = ", ".join(unmatched[:20]) + more
+        logger.warning("%s: %d of %d tensor name(s) are not in the model and are ignored: %s", source,
+                       len(unmatched), len(cache_names), shown)
+    return kept
 
 
 __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "is_tensorrt_cache", "read_tensorrt_cache",
-           "parse_tensorrt_cache", "format_tensorrt_cache", "write_tensorrt_cache", "matched_to_model",
+           "parse_tensorrt_cache", "format_tensorrt_cache", "write_tensorrt_cache", "names_in_model",
            "tensorrt_version_number", "scale_to_hex", "hex_to_scale"]

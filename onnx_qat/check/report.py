@@ -4,7 +4,7 @@ Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
 :data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 
@@ -49,6 +49,9 @@ class CheckReport:
         num_dq: number of DequantizeLinear nodes.
         model: the model's path when given one, else ``""``.
         opset: the default-domain opset version (None when the model imports none).
+        precision_map: the :class:`~onnx_qat.check.precision.PrecisionMap`: each compute node's
+            precision under a strongly typed TensorRT build and the Q/DQ nodes left unfused
+            (None only for reports not made by :func:`~onnx_qat.check.check`).
     """
 
     findings: Tuple[Finding, ...] = ()
@@ -56,6 +59,7 @@ class CheckReport:
     num_dq: int = 0
     model: str = ""
     opset: Optional[int] = None
+    precision_map: Optional[object] = field(default=None, compare=False, repr=False)
 
     @property
     def errors(self) -> Tuple[Finding, ...]:
@@ -102,6 +106,7 @@ class CheckReport:
             "num_errors": len(self.errors),
             "num_warnings": len(self.warnings),
             "findings": [f.to_dict() for f in self.findings],
+            **({"precision_counts": self.precision_map.counts()} if self.precision_map is not None else {}),
         }
 
 

@@ -11,10 +11,7 @@ import onnx_qat
 from onnx_qat.cli import EXIT_OK, EXIT_USAGE, main
 from onnx_qat.errors import ScalesError
 from onnx_qat.scales import ScaleTable
-from onnx_qat.tensorrt_cache import (
-    format_tensorrt_cache, hex_to_scale, parse_tensorrt_cache, read_tensorrt_cache, scale_to_hex,
-    tensorrt_version_number,
-)
+from onnx_qat.tensorrt_cache import hex_to_scale, parse_tensorrt_cache, scale_to_hex, tensorrt_version_number
 from tests.builders import conv_bn_relu_model, random_inputs, residual_block_model
 
 
@@ -49,16 +46,18 @@ def test_hex_is_the_big_endian_float32_bits_of_the_scale():
     assert scale_to_hex(1 / 127) == "3c010204" == _hex(1 / 127)
     assert hex_to_scale("3c010204") == np.float32(1 / 127)
     assert hex_to_scale("1") == struct.unpack(">f", b"\x00\x00\x00\x01")[0]  # 1 digit = low bits
-    table = parse_tensorrt_cache("TRT-8601-EntropyCalibration2\ninput: 3c010204\n")
-    assert table.activations["input"] == float(np.float32(1 / 127)) * 127
-    assert abs(table.activations["input"] - 1.0) < 1e-8
+    header, ranges = parse_tensorrt_cache("TRT-8601-EntropyCalibration2\ninput: 3c010204\n")
+    assert header == "TRT-8601-EntropyCalibration2"
+    assert ranges["input"] == float(np.float32(1 / 127)) * 127 and abs(ranges["input"] - 1.0) < 1e-8
 
 
 @pytest.mark.parametrize("header", ["TRT-8601-EntropyCalibration2", "TRT-100100-EntropyCalibration2",
                                     "TRT-7103-EntropyCalibration", "TRT-8203-MinMaxCalibration",
                                     "TRT-100300-LegacyCalibration"])
-def test_every_calibrator_header_is_read(header):
-    table = parse_tensorrt_cache(f"{header}\na: {_hex(0.25)}\n(Unnamed Layer* 3) [Constant]_output: 3f800000\n")
+def test_every_calibrator_header_is_read(header, tmp_path):
+    path = tmp_path / "c.cache"
+    path.write_text(f"{header}\na: {_hex(0.25)}\n(Unnamed Layer* 3) [Constant]_output: 3f800000\n")
+    table = ScaleTable.from_tensorrt_cache(path)
     assert table.activations == {"a": 0.25 * 127, "(Unnamed Layer* 3) [Constant]_output": 127.0}
     assert table.metadata["tensorrt_cache_header"] == header
 
@@ -75,12 +74,12 @@ def test_round_trips_bit_for_bit(seed, scale, tmp_path):
     ranges came from a cache, and the Q/DQ scales are bit-identical either way."""
     model, _, npz = _model_and_data(tmp_path, seed, scale)
     calibrated = onnx_qat.calibrate(model, str(npz), method="max", progress=False)
-    text = format_tensorrt_cache(calibrated, tensorrt_version="10.3.0")
-    table = parse_tensorrt_cache(text)
-    again = format_tensorrt_cache(table, tensorrt_version="10.3.0")
-    assert again == text
-    back = parse_tensorrt_cache(again)
-    assert back.activations == table.activations  # bit for bit: == on floats
+    calibrated.save_tensorrt_cache(tmp_path / "a.cache", tensorrt_version="10.3.0")
+    table = ScaleTable.from_tensorrt_cache(tmp_path / "a.cache")
+    table.save_tensorrt_cache(tmp_path / "b.cache", tensorrt_version="10.3.0")
+    assert (tmp_path / "b.cache").read_bytes() == (tmp_path / "a.cache").read_bytes()
+    back = ScaleTable.from_tensorrt_cache(tmp_path / "b.cache")
+    assert back == table and back.activations == table.activations  # bit for bit: == on floats
     # calibrated (float64) ranges come back within float32 rounding
     for name, amax in calibrated.activations.items():
         assert abs(table.activations[name] - amax) <= 6e-8 * amax
@@ -94,7 +93,7 @@ def test_round_trips_bit_for_bit(seed, scale, tmp_path):
 def test_weight_ranges_are_left_out_of_a_cache(caplog):
     table = ScaleTable({"x": 2.0}, {"w": {"axis": 0, "amax": [1.0, 2.0]}})
     with caplog.at_level("INFO", logger="onnx_qat"):
-        text = format_tensorrt_cache(table, tensorrt_version="8.6.1", algorithm="MinMaxCalibration")
+        text = table.to_tensorrt_cache(tensorrt_version="8.6.1", algorithm="MinMaxCalibration")
     assert text == f"TRT-8601-MinMaxCalibration\nx: {_hex(2.0 / 127)}\n"
     assert "1 weight range(s) left out" in caplog.text
 
@@ -125,7 +124,7 @@ def test_cli_quantize_scales_cache_and_calibrate_writes_one(tmp_path):
                  "--tensorrt-version", "8.6.1", "--method", "max", "--no-progress"]) == EXIT_OK
     text = cache.read_text()
     assert text.startswith("TRT-8601-EntropyCalibration2\n")
-    assert read_tensorrt_cache(cache) == parse_tensorrt_cache(text)
+    assert ScaleTable.from_tensorrt_cache(cache).activations == parse_tensorrt_cache(text)[1]
     assert main(["quantize", str(path), "--scales", str(cache), "-o", str(out), "--no-progress"]) == EXIT_OK
     from_json = onnx_qat.quantize(str(path), data=str(npz), method="max", progress=False)
     assert onnx.load(str(out)).SerializeToString() == from_json.model.SerializeToString()
