@@ -290,7 +290,7 @@ class ScaleTable:
     def save_tensorrt_cache(self, path: PathLike, *, tensorrt_version: str,
                             algorithm: str = "EntropyCalibration2") -> None:
         """Write :meth:`to_tensorrt_cache` to ``path``, atomically (nothing written when it raises)."""
-        from .fileio import atomic_write_text
+        from .io.files import atomic_write_text
 
         text = self.to_tensorrt_cache(tensorrt_version=tensorrt_version, algorithm=algorithm)
         atomic_write_text(path, text)

@@ -31,7 +31,7 @@ ranges only and logs (info level) how many weight ranges it left out.
 
 Exactness: a cache stores float32 scales. Reading gives ``amax = float64(scale) x 127`` (exact in
 float64), and writing ``scale = float32(amax / 127)``, which is what the Q/DQ inserter computes
-too (:func:`onnx_qat.insertion.activation_scale`). So cache -> ScaleTable -> cache is byte for
+too (:func:`onnx_qat.insertion.inserter.activation_scale`). So cache -> ScaleTable -> cache is byte for
 byte the same cache, ScaleTable -> cache -> ScaleTable is bit for bit the same table whenever the
 table's ranges came from a cache, and within float32 rounding (relative 6e-8) otherwise; either
 way the Q/DQ model quantized from the round-tripped table has bit-identical scales.
@@ -212,7 +212,7 @@ def format_tensorrt_cache(activations: Mapping[str, float], *, tensorrt_version:
 def write_tensorrt_cache(activations: Mapping[str, float], path, *, tensorrt_version: str,
                          algorithm: str = DEFAULT_ALGORITHM) -> None:
     """Write :func:`format_tensorrt_cache` to ``path`` atomically (nothing is written when it raises)."""
-    from .fileio import atomic_write_text
+    from .io.files import atomic_write_text
 
     text = format_tensorrt_cache(activations, tensorrt_version=tensorrt_version, algorithm=algorithm)
     atomic_write_text(path, text)

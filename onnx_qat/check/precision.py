@@ -150,7 +150,7 @@ class PrecisionMap:
 
     def save(self, path) -> None:
         """Write :meth:`to_dict` as JSON, atomically."""
-        from ..fileio import write_json
+        from ..io.files import write_json
 
         write_json(path, self.to_dict())
 
