@@ -42,7 +42,7 @@ from .rules_fusion import (
     rule_c10_residual_float_skip, rule_c11_residual_conv_branch_quantized, rule_c12_pad_conv,
     rule_c14_qdq_inside_fusion,
 )
-from .precision import PrecisionMap, precision_map_of
+from .precision import PrecisionMap, lazy_precision_map
 from .rules_precision import rule_c15_fp32_weighted_ops
 from .report import MODEL_NODE, Finding  # noqa: F401  (re-exported)
 from .index import WEIGHTED_OPS  # noqa: F401  (re-exported)
@@ -159,7 +159,7 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
         error. The rules (C1-C15, F1-F5) are listed in :data:`RULES` and docs/check-rules.md.
         ``report.precision_map`` (:class:`~onnx_qat.check.precision.PrecisionMap`) tells the
         precision TensorRT runs each compute node in under a strongly typed build and the Q/DQ
-        nodes left unfused.
+        nodes left unfused; it is built on first access (the report keeps the model until then).
 
     Raises:
         ModelError: the model cannot be read.
@@ -178,10 +178,11 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
             findings.extend(rule(proto, graphs))
         num_q = sum(node.is_q for g in graphs for node in g.qdq)
         num_dq = sum(not node.is_q for g in graphs for node in g.qdq)
-        precision = precision_map_of(proto, graphs)
+        built = graphs[0]._memo.get("precision_map", {}).get("map") if graphs else None  # by rule C15
         del graphs  # freed by reference counting while the collector is paused
     for finding in findings:
         logger.debug("check %s", finding)
+    precision = built or lazy_precision_map(proto, opset)
     return CheckReport(tuple(findings), num_q, num_dq, label, opset, precision)
 
 

@@ -41,7 +41,9 @@ Nodes a float-parts conversion deliberately keeps in FP32 carry node metadata
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from itertools import chain
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .index import WEIGHTED_OPS, _DATA_MOVEMENT, _input, _weight_input
@@ -65,6 +67,7 @@ _EPILOGUE = frozenset({"BatchNormalization", "Relu", "LeakyRelu", "Clip", "Sigmo
                        "Elu", "Selu", "Softplus", "PRelu", "HardSwish"})
 #: Output types of ops whose outputs are not of their first input's type.
 _INT64_OUT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "NonMaxSuppression"})
+_SETS_TYPE = frozenset({"Cast", "DequantizeLinear", "QuantizeLinear", "ConstantOfShape"})
 _BOOL_OUT = frozenset({"Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor",
                        "IsNaN", "IsInf"})
 
@@ -159,55 +162,68 @@ class PrecisionMap:
 
 
 # -- building the map ----------------------------------------------------------------------------------
-def _attr_int(node, name: str, default: int) -> int:
-    for attr in node.attribute:
+def _attr_int(attrs, name: str, default: int) -> int:
+    for attr in attrs:
         if attr.name == name:
             return attr.i
     return default
 
 
 class _Types:
-    """Element types of one graph's tensors, propagated forward from the declared inputs, the
-    constants and the ops that set a type (Cast, Q/DQ...), without shape inference."""
+    """Element types of one graph's tensors, propagated forward from the declared graph inputs and
+    outputs, the constants and the ops that set a type (Cast, Q/DQ...), without shape inference: one
+    type per node (its outputs'), read from the protobuf only for the few ops that set one."""
 
-    def __init__(self, g, outer: Dict[str, int]):
-        self.known: Dict[str, int] = dict(outer)
-        graph = g.graph
-        for part in (graph.input, graph.value_info, graph.output):
+    def __init__(self, g, parent: Optional["_Types"]):
+        self.g, self.parent = g, parent
+        self.declared: Dict[str, int] = {}
+        for part in (g.graph.input, g.graph.output):
             for vi in part:
                 if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                    self.known.setdefault(vi.name, vi.type.tensor_type.elem_type)
-        for name, proto in g.constants.items():
-            self.known[name] = proto.data_type
-        for i, node in enumerate(graph.node):
-            self._infer(g, i, node)
+                    self.declared[vi.name] = vi.type.tensor_type.elem_type
+        self.node_type: List[int] = []
+        for i, op in enumerate(g.ops):
+            self.node_type.append(self._infer(i, op))
 
-    def _infer(self, g, i: int, node) -> None:
-        op, outputs = g.ops[i], [o for o in node.output if o]
-        if not outputs or all(o in self.known for o in outputs):
-            return
-        inputs = g.node_inputs[i]
-        if op == "Cast":
-            out = _attr_int(node, "to", 0)
-        elif op == "DequantizeLinear":
-            out = self.known.get(_input(inputs, 1)) or 1
-            out = _attr_int(node, "output_dtype", 0) or out
-        elif op == "QuantizeLinear":
-            zp = _input(inputs, 2)
-            out = _attr_int(node, "output_dtype", 0) or (self.known.get(zp) if zp else 2)
-        elif op in _INT64_OUT:
-            out = 7
-        elif op in _BOOL_OUT:
-            out = 9
-        elif op == "ConstantOfShape":
-            out = next((a.t.data_type for a in node.attribute if a.name == "value"), 1)
-        else:
-            out = next((self.known[t] for t in inputs if t and self.known.get(t) in _FLOATS), None)
-            if out is None:
-                out = next((self.known[t] for t in inputs if t in self.known), None)
-        if out:
-            for name in outputs:
-                self.known.setdefault(name, out)
+    def type_of(self, tensor: str) -> int:
+        """The element type of ``tensor`` (0 when unknown)."""
+        found = self.declared.get(tensor)
+        if found:
+            return found
+        g = self.g
+        proto = g.constants.get(tensor)
+        if proto is not None:
+            return proto.data_type
+        idx = g.producer.get(tensor)
+        if idx is not None:
+            return self.node_type[idx] if idx < len(self.node_type) else 0
+        return self.parent.type_of(tensor) if self.parent is not None else 0
+
+    def _infer(self, i: int, op: str) -> int:
+        g, inputs = self.g, self.g.node_inputs[i]
+        if op in _SETS_TYPE:
+            record = g.qdq_at.get(i)
+            if record is not None:  # Q/DQ: the index holds their attributes
+                chosen = _attr_int(record.attrs, "output_dtype", 0) if record.attrs else 0
+                if record.is_q:
+                    return chosen or (self.type_of(record.zp) if record.zp else 2)
+                return chosen or self.type_of(record.scale) or 1
+            node = g.graph.node[i]
+            if op == "Cast":
+                return _attr_int(node.attribute, "to", 0)
+            return next((a.t.data_type for a in node.attribute if a.name == "value"), 1)  # ConstantOfShape
+        if op in _INT64_OUT:
+            return 7
+        if op in _BOOL_OUT:
+            return 9
+        first = 0
+        for t in inputs:
+            if t:
+                dtype = self.type_of(t)
+                if dtype in _FLOATS:
+                    return dtype
+                first = first or dtype
+        return first
 
 
 def _dq_source(g, tensor: str):
@@ -227,24 +243,35 @@ def _dq_source(g, tensor: str):
 
 def _quant_name(g, types: _Types, dq) -> Optional[str]:
     """``int8``/``fp8``/``int4`` for a DequantizeLinear record (its data's type), else None."""
-    dtype = types.known.get(dq.data) or (g.constants[dq.data].data_type if dq.data in g.constants else None)
-    return _QUANT_NAMES.get(dtype)
+    return _QUANT_NAMES.get(types.type_of(dq.data))
 
 
 class _Builder:
     """Decides each node's precision in one graph (see the module docstring)."""
 
-    def __init__(self, g, types: _Types, readers: Dict[str, List[int]]):
-        self.g, self.types, self.readers = g, types, readers
+    def __init__(self, g, types: _Types):
+        self.g, self.types = g, types
         self.precision: Dict[int, Tuple[str, str]] = {}
+        self.counts = Counter(chain.from_iterable(g.node_inputs))  # readers per tensor (C-level count)
+        self._readers: Optional[Dict[str, List[int]]] = None
+
+    def readers(self, tensor: str) -> List[int]:
+        """Indices of the nodes reading ``tensor`` (all listed once, on first use: few nodes ask)."""
+        if self._readers is None:
+            self._readers = {}
+            for i, inputs in enumerate(self.g.node_inputs):
+                for t in inputs:
+                    if t:
+                        self._readers.setdefault(t, []).append(i)
+        return self._readers.get(tensor, [])
 
     def float_inputs(self, i: int) -> List[str]:
-        known = self.types.known
-        return [t for t in self.g.node_inputs[i] if t and (known.get(t) in _FLOATS or _dq_source(self.g, t))]
+        type_of = self.types.type_of
+        return [t for t in self.g.node_inputs[i] if t and type_of(t) in _FLOATS]
 
     def float_type(self, i: int, tensors) -> str:
         for t in tensors:
-            dtype = self.types.known.get(t)
+            dtype = self.types.type_of(t)
             if dtype in _FLOATS:
                 return _FLOAT_NAMES[dtype]
         return "fp32"
@@ -282,8 +309,7 @@ class _Builder:
                 return quant, "activation and weight inputs dequantized from " + quant
         if weight is not None:
             wdq = _dq_source(g, inputs[weight])
-            if wdq is not None and self.types.known.get(wdq.data, g.constants[wdq.data].data_type
-                                                        if wdq.data in g.constants else 0) in _FOUR_BIT:
+            if wdq is not None and self.types.type_of(wdq.data) in _FOUR_BIT:
                 return "int4", "4-bit weight, float activation (weight-only)"
         act_tensors = [inputs[k] for k in acts] or floats
         return self.float_type(i, act_tensors), "float activation input"
@@ -308,7 +334,7 @@ class _Builder:
         already fused into one, and (with ``alone``) nobody else reads it."""
         g = self.g
         src = g.producer.get(tensor)
-        if src is None or src not in self.precision or alone and len(self.readers.get(tensor, ())) > 1:
+        if src is None or src not in self.precision or alone and self.counts[tensor] > 1:
             return None
         precision, reason = self.precision[src]
         if precision not in QUANTIZED or tensor in g.outputs:
@@ -325,22 +351,13 @@ class _Builder:
         if not outputs or any(o in g.outputs for o in outputs):
             return False
         for out in outputs:
-            for r in self.readers.get(out, ()):
+            for r in self.readers(out):
                 record = g.qdq_at.get(r)
                 if record is None or not record.is_q:
                     return False
-            if not self.readers.get(out):
+            if not self.readers(out):
                 return False
         return True
-
-
-def _readers(g) -> Dict[str, List[int]]:
-    readers: Dict[str, List[int]] = {}
-    for i, inputs in enumerate(g.node_inputs):
-        for t in inputs:
-            if t:
-                readers.setdefault(t, []).append(i)
-    return readers
 
 
 def _unfused(g, builder: _Builder, is_main: bool) -> Iterator[UnfusedQDQ]:
@@ -364,7 +381,7 @@ def _float_reader(g, builder: _Builder, tensor: str, depth: int = 0) -> str:
     quantized), following data-movement ops."""
     if tensor in g.outputs:
         return f"output {tensor!r} is a graph output (dequantized for it)"
-    for r in builder.readers.get(tensor, ()):
+    for r in (g.readers(tensor) if depth == 0 else builder.readers(tensor)):
         decided = builder.precision.get(r)
         if g.ops[r] in _DATA_MOVEMENT and depth < 16:
             why = _float_reader(g, builder, _first_output(g, r), depth + 1)
@@ -387,11 +404,12 @@ def build_precision_map(model, graphs) -> PrecisionMap:
     """The :class:`PrecisionMap` of ``model`` from the check's per-graph index ``graphs``."""
     nodes: List[NodePrecision] = []
     unfused: List[UnfusedQDQ] = []
-    outer: Dict[str, Dict[str, int]] = {}
+    by_prefix: Dict[str, _Types] = {}
     for number, g in enumerate(graphs):
-        parent = g.prefix.rsplit("/", 2)[0] if g.prefix else ""
-        types = _Types(g, outer.get(parent, {}) if g.prefix else {})
-        builder = _Builder(g, types, _readers(g))
+        outer = [p for p in by_prefix if g.prefix.startswith(p) and p != g.prefix]
+        parent = max(outer, key=len, default=None)
+        types = by_prefix[g.prefix] = _Types(g, by_prefix.get(parent) if parent is not None else None)
+        builder = _Builder(g, types)
         for i in range(len(g.ops)):
             decided = builder.decide(i)
             if decided is None:
@@ -403,8 +421,6 @@ def build_precision_map(model, graphs) -> PrecisionMap:
             builder.precision[i] = (precision, reason)
             nodes.append(NodePrecision(g.name(i), g.ops[i], precision, reason))
         unfused.extend(_unfused(g, builder, number == 0))
-        for i in range(len(g.ops)):
-            outer[g.name(i)] = types.known
     return PrecisionMap(tuple(nodes), tuple(unfused))
 
 
@@ -413,6 +429,36 @@ def _kept_reason(node) -> Optional[str]:
         if entry.key == KEEP_FP32_KEY:
             return entry.value or "no reason given"
     return None
+
+
+def computes_in_reduced_float(graphs) -> bool:
+    """Whether the model holds FP16/BF16 data at all (a constant, a declared input or output, a Cast
+    to it), read without building the map: a model without any cannot compute in FP16/BF16."""
+    reduced = (10, 16)
+    for g in graphs:
+        if any(proto.data_type in reduced for proto in g.constants.values()):
+            return True
+        for part in (g.graph.input, g.graph.output):
+            if any(vi.type.tensor_type.elem_type in reduced for vi in part
+                   if vi.type.HasField("tensor_type")):
+                return True
+        for i in g.indices_of(("Cast",)):
+            if _attr_int(g.graph.node[i].attribute, "to", 0) in reduced:
+                return True
+    return False
+
+
+def lazy_precision_map(model, opset):
+    """A function that builds the :class:`PrecisionMap` of ``model`` when first called (it indexes
+    the model again): :func:`onnx_qat.check` leaves the map to whoever asks for it, since it costs
+    about half a check on large models."""
+    def build() -> PrecisionMap:
+        from ..io.models import cyclic_gc_paused
+        from .index import _all_graphs
+
+        with cyclic_gc_paused():
+            return build_precision_map(model, _all_graphs(model, opset, None))
+    return build
 
 
 def precision_map_of(model, graphs) -> PrecisionMap:
@@ -424,4 +470,4 @@ def precision_map_of(model, graphs) -> PrecisionMap:
 
 
 __all__ = ["PrecisionMap", "NodePrecision", "UnfusedQDQ", "KEEP_FP32_KEY", "PRECISIONS",
-           "build_precision_map", "precision_map_of"]
+           "build_precision_map", "precision_map_of", "lazy_precision_map", "computes_in_reduced_float"]

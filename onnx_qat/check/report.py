@@ -49,9 +49,9 @@ class CheckReport:
         num_dq: number of DequantizeLinear nodes.
         model: the model's path when given one, else ``""``.
         opset: the default-domain opset version (None when the model imports none).
-        precision_map: the :class:`~onnx_qat.check.precision.PrecisionMap`: each compute node's
-            precision under a strongly typed TensorRT build and the Q/DQ nodes left unfused
-            (None only for reports not made by :func:`~onnx_qat.check.check`).
+        precision_map: the :class:`~onnx_qat.check.precision.PrecisionMap` (a property): each
+            compute node's precision under a strongly typed TensorRT build and the Q/DQ nodes left
+            unfused, built on first access (None for reports not made by :func:`~onnx_qat.check.check`).
     """
 
     findings: Tuple[Finding, ...] = ()
@@ -59,7 +59,17 @@ class CheckReport:
     num_dq: int = 0
     model: str = ""
     opset: Optional[int] = None
-    precision_map: Optional[object] = field(default=None, compare=False, repr=False)
+    #: the PrecisionMap, or a function building it on first access (see :attr:`precision_map`)
+    precision_source: Optional[object] = field(default=None, compare=False, repr=False)
+
+    @property
+    def precision_map(self):
+        """The :class:`~onnx_qat.check.precision.PrecisionMap`, built on first access (then kept)."""
+        source = self.precision_source
+        if callable(source):
+            source = source()
+            object.__setattr__(self, "precision_source", source)
+        return source
 
     @property
     def errors(self) -> Tuple[Finding, ...]:
@@ -106,7 +116,6 @@ class CheckReport:
             "num_errors": len(self.errors),
             "num_warnings": len(self.warnings),
             "findings": [f.to_dict() for f in self.findings],
-            **({"precision_counts": self.precision_map.counts()} if self.precision_map is not None else {}),
         }
 
 

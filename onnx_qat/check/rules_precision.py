@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .precision import KEEP_FP32_KEY, precision_map_of  # noqa: F401  (KEEP_FP32_KEY: named in the docstring)
+from .precision import KEEP_FP32_KEY, computes_in_reduced_float, precision_map_of  # noqa: F401
 from .report import WARNING, Finding
 
 
@@ -23,6 +23,8 @@ def rule_c15_fp32_weighted_ops(model, graphs) -> Iterator[Finding]:
     --precision-map``) names those nodes, and converting the float parts to FP16 is the remedy.
     Source: [TRT-ST] "Strongly Typed Networks" (no FP16 builder flag; types come from the model).
     """
+    if not computes_in_reduced_float(graphs):
+        return
     pmap = precision_map_of(model, graphs)
     if not any(e.precision in ("fp16", "bf16") for e in pmap.nodes):
         return
