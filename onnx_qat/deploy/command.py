@@ -4,7 +4,12 @@
 
 Steps (each a small function below, each recorded in the JSON report):
 
-1. gate      — :func:`onnx_qat.check` (TensorRT-readiness rules); refuse unless ``--force``.
+1. gate      — :func:`onnx_qat.check` (TensorRT-readiness rules); refuse unless ``--force``. The
+   check's precision map (each compute node's precision under a strongly typed build) goes into
+   the report. With ``--fp16`` on TensorRT >= 11 (strongly typed only, no FP16 builder flag) the
+   model's float parts are converted to FP16 first (:func:`onnx_qat.formats.float_parts.cast_float_parts`,
+   measured on ``--data`` when given; nodes FP16 cannot serve stay FP32, with their reason), and
+   every later step uses the converted model.
 2. validate  — run the model in onnxruntime on ``--data`` (or generated inputs) and
    report the outputs' health (NaN/Inf, constant outputs, value ranges) and the
    accuracy against ``--labels``; refuse an unhealthy model unless ``--force``.
@@ -17,7 +22,8 @@ Steps (each a small function below, each recorded in the JSON report):
 4. measure   — GPU latency (mean, median, p90, p99) and throughput with CUDA events.
 5. verify    — engine outputs vs onnxruntime (max abs/rel difference, top-1
    agreement), accuracy vs labels, per-layer precision from the engine inspector
-   and the Q/DQ nodes TensorRT did not fuse.
+   and the Q/DQ nodes TensorRT did not fuse; the precision map beside the inspector's layers,
+   node by node (:func:`onnx_qat.deploy.backend.compare_precisions`).
 
 Without TensorRT or a GPU, steps 1-2 run, the report is written, and the script
 stops with one line naming what is missing (exit code 2).
@@ -48,7 +54,7 @@ from onnx_qat.argtypes import number_in, positive_number, whole_number  # noqa: 
 from onnx_qat.errors import ConfigError, DataError, OutputError, QatError, TensorRTUnavailable  # noqa: E402
 
 PROG = "deploy_tensorrt.py"
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: float_parts and precision (the precision map, then beside the engine's layers)
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 logger = logging.getLogger("onnx_qat.deploy.command")
@@ -169,8 +175,10 @@ def get_parser() -> argparse.ArgumentParser:
                    help="batch size when only the first dimension is dynamic: profile min 1, opt N, max N "
                         "(default: 1, or the model's fixed batch)")
     b.add_argument("--fp16", action="store_true",
-                   help="let layers left unquantized run in FP16 (TensorRT >= 10: weakly typed build with "
-                        "the INT8+FP16 flags instead of the strongly typed one)")
+                   help="run the layers left unquantized in FP16: TensorRT >= 11 (strongly typed only) converts "
+                        "the model's float parts to FP16 first (nodes FP16 cannot serve stay FP32, named in "
+                        "the report); TensorRT 10: weakly typed build with the INT8+FP16 flags; 8.6/9: the "
+                        "FP16 flag")
     b.add_argument("--workspace", type=whole_number(1), dest="workspace_mib", metavar="MIB",
                    help="builder workspace memory-pool limit in MiB (default: TensorRT's, the GPU's memory)")
     b.add_argument("--timing-cache", type=Path, metavar="CACHE",
@@ -336,6 +344,8 @@ class DeployReport:
     parity: Optional[list] = None
     accuracy: Optional[dict] = None
     layers: Optional[dict] = None
+    float_parts: Optional[dict] = None
+    precision: Optional[dict] = None
     version: int = REPORT_VERSION
 
     def to_dict(self) -> dict:
@@ -651,8 +661,9 @@ def validate(model, dataset, labels, source: str, batch_size: int, progress: boo
     return Validation(source, int(dataset.num_samples), batch_size, seconds, health, acc), outputs
 
 
-def build(model, opts: DeployOptions, profiles):
-    """Step 3: build the engine (TensorRT imported here); write engine and timing cache atomically."""
+def build(model, opts: DeployOptions, profiles, converted: bool = False):
+    """Step 3: build the engine (TensorRT imported here); write engine and timing cache atomically.
+    ``converted``: ``model`` is no longer the file's (its float parts were converted)."""
     from onnx_qat.io.files import atomic_write_bytes
     from . import backend as trt_backend
 
@@ -664,6 +675,10 @@ def build(model, opts: DeployOptions, profiles):
     from onnx_qat.io.models import EXTERNAL_DATA_THRESHOLD
 
     model_bytes = model.SerializeToString() if model.ByteSize() < EXTERNAL_DATA_THRESHOLD else None
+    if model_bytes is None and converted:
+        raise ConfigError(f"{opts.model} is over 2 GB: its FP16 float parts cannot be handed to TensorRT "
+                          "in memory; write them first (onnx-qat quantize --float-dtype fp16) and deploy "
+                          "that model without --fp16")
     result = trt_backend.build_engine(model_bytes, str(opts.model), settings)
     atomic_write_bytes(opts.engine, result.engine)
     if opts.timing_cache is not None and result.timing_cache:
@@ -748,7 +763,7 @@ def run(opts: DeployOptions) -> int:
     state = _Progress(report)
     try:
         model = load_model(opts.model)
-        return _run_after_gate(opts, state, model, model_input_specs(model))
+        return _run_after_gate(opts, state, model, model_input_specs(model), checked.precision_map)
     except TensorRTUnavailable as exc:
         done = "check done" if opts.skip_validation else "check and onnxruntime validation done"
         return _stop(state.report, opts, "tensorrt-unavailable", EXIT_USAGE,
@@ -780,7 +795,43 @@ class _Progress:
         return self.report
 
 
-def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs) -> int:
+def convert_float_parts(model, opts: DeployOptions, tensorrt_version: str):
+    """``--fp16`` on TensorRT >= 11: the model with its float parts in FP16
+    (:func:`onnx_qat.formats.float_parts.cast_float_parts`, measured on ``--data`` when given); returns
+    ``(model, FloatPartsResult)``."""
+    from ..formats.float_parts import cast_float_parts
+
+    result = cast_float_parts(model, "fp16", data=str(opts.data) if opts.data is not None else None,
+                              progress=opts.progress)
+    kept = ", ".join(str(k) for k in result.kept[:5]) + (" ..." if len(result.kept) > 5 else "")
+    print(f"float parts: converted to FP16 for TensorRT {tensorrt_version}'s strongly typed build; "
+          f"{len(result.kept)} node(s) kept FP32" + (f" ({kept})" if kept else ""))
+    return result.model, result
+
+
+def precision_of(model):
+    """The precision map of ``model`` (:attr:`onnx_qat.check.CheckReport.precision_map`)."""
+    from onnx_qat.check import check
+
+    return check(model).precision_map
+
+
+def _precision_dict(pmap) -> dict:
+    """The report's ``precision`` entry before the build: counts, FP32 weighted ops, unfused Q/DQ."""
+    return {"counts": pmap.counts(), "fp32_weighted": [e.to_dict() for e in pmap.fp32_compute(True)],
+            "unfused_qdq": [u.to_dict() for u in pmap.unfused]}
+
+
+def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs, pmap) -> int:
+    from . import backend as trt_backend
+
+    version = trt_backend.installed_tensorrt_version() if opts.fp16 else None
+    if trt_backend.converts_float_parts(version, opts.fp16):
+        model, converted = convert_float_parts(model, opts, version)
+        pmap = precision_of(model)
+        state.update(float_parts=converted.to_dict())
+    state.update(precision=_precision_dict(pmap))
+    print(pmap.summary())
     profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch)
     dataset, labels, source = load_inputs(opts, model, specs, profiles)
     reference = None
@@ -797,16 +848,16 @@ def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs) -> int:
                          f"onnxruntime outputs of {opts.model} are unhealthy ({validation.problems[0]}); "
                          f"pass --force to build anyway")
     state.update(status="validated").write(opts.report)
-    result = build(model, opts, profiles)
+    result = build(model, opts, profiles, converted=state.report.float_parts is not None)
     state.update(status="built", build=result.to_dict())
     print(f"build: {result.mode} {result.precision} engine with TensorRT {result.tensorrt_version} "
           f"on {result.device} in "
           f"{result.seconds:.1f} s -> {opts.engine}")
-    return _measure_and_verify(opts, state, model, dataset, labels, reference, profiles, batch_size)
+    return _measure_and_verify(opts, state, model, dataset, labels, reference, profiles, batch_size, pmap)
 
 
 def _measure_and_verify(opts, state: _Progress, model, dataset, labels, reference, profiles,
-                        batch_size) -> int:
+                        batch_size, pmap) -> int:
     from . import backend as trt_backend
 
     min_batch = min((p.min[0] for p in profiles), default=batch_size)
@@ -814,7 +865,9 @@ def _measure_and_verify(opts, state: _Progress, model, dataset, labels, referenc
         latency = measure(runner, dataset, batch_size, opts)
         print(latency)
         outputs = run_engine(runner, dataset, batch_size, max(min_batch, 1), opts.progress)
-        layers = trt_backend.analyse_layers(runner.layer_information(), qdq_node_names(model))
+        info = runner.layer_information()
+        layers = trt_backend.analyse_layers(info, qdq_node_names(model))
+        beside = trt_backend.compare_precisions(pmap, info)
     parity = () if reference is None else compare_outputs(reference, outputs, min_top1=opts.min_top1,
                                                           max_abs=opts.max_abs)
     for line in parity:
@@ -825,8 +878,10 @@ def _measure_and_verify(opts, state: _Progress, model, dataset, labels, referenc
     fp8 = f"{layers.fp8} FP8, " if layers.fp8 else ""
     print(f"layers: {layers.int8} INT8, {fp8}{layers.higher} higher precision, {layers.other} other of "
           f"{layers.total}; Q/DQ not fused: {', '.join(layers.unfused_qdq) or 'none'}")
+    print(beside.summary())
     report = state.update(latency=latency.to_dict(), parity=[p.to_dict() for p in parity], accuracy=acc,
-                          layers=layers.to_dict())
+                          layers=layers.to_dict(),
+                          precision={**(state.report.precision or {}), "engine": beside.to_dict()})
     if reference is None:
         return _stop(report, opts, "built", EXIT_OK,
                      f"engine {opts.engine} built; not compared with onnxruntime (--skip-validation)")
