@@ -1019,7 +1019,7 @@ def test_standin_tensorrt_11_fp16_converts_the_float_parts(good_model, tmp_path,
     assert code == 0, err
     assert trt.calls["builder_flags"] == [] and "float parts: converted to FP16" in out
     built = onnx.load_from_string(engine.read_bytes())  # the stand-in's "engine" is the model it was given
-    assert TensorProto.FLOAT16 in {i.data_type for i in built.initializer}
+    assert TensorProto.FLOAT16 in {i.data_type for i in built.graph.initializer}
     data = json.loads(report.read_text())
     assert data["float_parts"]["float_dtype"] == "fp16"
     assert "fp16" in data["precision"]["counts"] and data["status"] == "verified"
