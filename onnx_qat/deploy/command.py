@@ -51,6 +51,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np  # noqa: E402
 
 from onnx_qat.argtypes import number_in, positive_number, whole_number  # noqa: E402
+from onnx_qat.io.files import json_safe  # noqa: E402
 from onnx_qat.errors import ConfigError, DataError, OutputError, QatError, TensorRTUnavailable  # noqa: E402
 
 PROG = "deploy_tensorrt.py"
@@ -241,7 +242,7 @@ class OutputHealth:
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
-        return _plain(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
     def __str__(self) -> str:
         verdict = "UNHEALTHY" if self.problems else "ok"
@@ -291,7 +292,7 @@ class Latency:
 
     def to_dict(self) -> dict:
         """JSON-ready form (``throughput`` in samples per second)."""
-        return _plain(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
     def __str__(self) -> str:
         return (f"latency (batch {self.batch_size}, {self.iterations} runs after {self.warmup} warm-up): "
@@ -313,7 +314,7 @@ class OutputParity:
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
-        return _plain(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
     def __str__(self) -> str:
         top1 = f" | top-1 {100 * self.top1:.1f}%" if self.top1 is not None else ""
@@ -350,7 +351,7 @@ class DeployReport:
 
     def to_dict(self) -> dict:
         """JSON-ready form (non-finite floats become the strings ``"NaN"``, ``"Infinity"``...)."""
-        return _plain(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
     def write(self, path: Optional[Path]) -> None:
         """Write the report atomically to ``path`` (nothing when ``path`` is None)."""
@@ -359,28 +360,6 @@ class DeployReport:
         from onnx_qat.io.files import write_json
 
         write_json(path, self.to_dict())
-
-
-def _plain(obj):
-    """Convert to JSON-safe Python: tuples to lists, NumPy scalars to Python, non-finite floats to strings."""
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, (np.integer,)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        value = float(obj)
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "Infinity" if value > 0 else "-Infinity"
-        return value
-    if isinstance(obj, np.bool_):
-        return bool(obj)
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 # =========================================================================== numbers (pure NumPy)

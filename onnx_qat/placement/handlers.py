@@ -3,7 +3,7 @@
 Handlers look at one node (through a :class:`~onnx_qat.graph.index.GraphIndex`)
 and return marks; they never touch a graph. The policy
 (:mod:`onnx_qat.placement.policy`) maps op types to these handlers and merges the
-marks (rule 10). Rule numbers follow DESIGN.md / the rules table of docs/placement.md.
+marks (rule 10). Rule numbers follow the rules table of docs/placement.md.
 
 Public sources:
 
@@ -24,8 +24,6 @@ from ..config import QuantizeConfig
 from ..graph.index import GraphIndex, NodeInfo, subgraphs_of
 from .marks import ActivationMark, Decision, SubgraphPlacement, WeightMark, group_by_tensor
 
-#: Weighted ops: TensorRT runs them in INT8 when both the activation and the weight are quantized.
-WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 #: Ops that commute with per-tensor quantization (rule 8): Q/DQ moves across them for free.
 COMMUTING_OPS = ("MaxPool", "Relu", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Pad",
                  "Resize", "Upsample", "Identity", "Split", "Gather", "SpaceToDepth", "DepthToSpace",
