@@ -624,7 +624,7 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- precision map vs engine (pure Python)
+# --------------------------------------------------------------------------- precision map vs engine (pure)
 #: Inspector precision each precision-map entry should show on its layer's first input (INT4 weight-only
 #: layers read float activations: not compared).
 _EXPECTED_ENGINE = {"int8": "INT8", "fp8": "FP8", "fp16": "FP16", "bf16": "BF16", "fp32": "FP32"}
@@ -643,8 +643,8 @@ class PrecisionRow:
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
-        return {"node": self.node, "op_type": self.op_type, "precision_map": self.expected, "layer": self.layer,
-                "engine": self.engine, "status": self.status}
+        return {"node": self.node, "op_type": self.op_type, "precision_map": self.expected,
+                "layer": self.layer, "engine": self.engine, "status": self.status}
 
 
 @dataclass(frozen=True)

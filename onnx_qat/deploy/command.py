@@ -176,10 +176,10 @@ def get_parser() -> argparse.ArgumentParser:
                    help="batch size when only the first dimension is dynamic: profile min 1, opt N, max N "
                         "(default: 1, or the model's fixed batch)")
     b.add_argument("--fp16", action="store_true",
-                   help="run the layers left unquantized in FP16: TensorRT >= 11 (strongly typed only) converts "
-                        "the model's float parts to FP16 first (nodes FP16 cannot serve stay FP32, named in "
-                        "the report); TensorRT 10: weakly typed build with the INT8+FP16 flags; 8.6/9: the "
-                        "FP16 flag")
+                   help="run the layers left unquantized in FP16: TensorRT >= 11 (strongly typed only) "
+                        "converts the model's float parts to FP16 first (nodes FP16 cannot serve stay FP32, "
+                        "named in the report); TensorRT 10: weakly typed build with the INT8+FP16 flags; "
+                        "8.6/9: the FP16 flag")
     b.add_argument("--workspace", type=whole_number(1), dest="workspace_mib", metavar="MIB",
                    help="builder workspace memory-pool limit in MiB (default: TensorRT's, the GPU's memory)")
     b.add_argument("--timing-cache", type=Path, metavar="CACHE",

@@ -717,7 +717,8 @@ class _Inspector:
             if node.op_type == "DequantizeLinear":
                 pending.append(node.name)
                 continue
-            if node.op_type in ("Relu", "BatchNormalization") and layers and layers[-1]["LayerType"] == "Conv":
+            if node.op_type in ("Relu", "BatchNormalization") and layers \
+                    and layers[-1]["LayerType"] == "Conv":
                 layers[-1]["Name"] += f" + {node.name}"  # fused into the convolution, as TensorRT does
                 layers[-1]["Metadata"] += f"\x1e[ONNX Layer: {node.name}]"
                 continue
@@ -731,7 +732,8 @@ class _Inspector:
             pending = []
         if self.engine.trt.major >= 11:
             return json.dumps({"Layers": layers, "I/O Tensors": [
-                {"Name": n, "IOMode": "Input" if i < self.engine.num_inputs else "Output", "DataType": "Float"}
+                {"Name": n, "IOMode": "Input" if i < self.engine.num_inputs else "Output",
+                 "DataType": "Float"}
                 for i, n in enumerate(self.engine.names)]})
         return json.dumps({"Layers": layers, "Bindings": self.engine.names})
 
@@ -985,7 +987,7 @@ def test_standin_fp8_refuses_weakly_typed_builds(version, extra, words, tmp_path
     assert code == 2 and words in err and "Traceback" not in err
 
 
-# --------------------------------------------------------------------------- TensorRT 11 and the precision map
+# ------------------------------------------------------------------ TensorRT 11 and the precision map
 def test_standin_tensorrt_11_builds_strongly_typed_and_puts_the_map_beside_the_engine(
         good_model, tmp_path, capsys, standin):
     trt, _ = standin("11.4.0")
@@ -1011,7 +1013,8 @@ def test_standin_tensorrt_11_builds_strongly_typed_and_puts_the_map_beside_the_e
 
 def test_standin_tensorrt_11_fp16_converts_the_float_parts(good_model, tmp_path, capsys, standin):
     pytest.importorskip("onnx_qat.formats.float_parts",
-                        reason="the FP16 float-parts conversion (onnx_qat.formats.float_parts) is not in this tree")
+                        reason="the FP16 float-parts conversion (onnx_qat.formats.float_parts) is not "
+                               "in this tree")
     trt, _ = standin("11.4.0")
     report, engine = tmp_path / "r.json", tmp_path / "m.engine"
     code, out, err = run_main([good_model, "--engine", engine, "--report", report, "--fp16",
@@ -1052,7 +1055,7 @@ def test_compare_precisions_names_the_layers_that_differ():
     result = trt_backend.compare_precisions(pmap, info)
     rows = {row.node: row for row in result.rows}
     assert rows["conv"].status == rows["relu"].status == "agrees"
-    assert rows["pool"].status == "differs" and rows["pool"].engine == "FP16" and rows["pool"].expected == "fp32"
+    assert (rows["pool"].status, rows["pool"].engine, rows["pool"].expected) == ("differs", "FP16", "fp32")
     assert rows["flatten"].status == "missing"  # no layer names it: folded by TensorRT
     assert "differ: pool (map fp32, engine FP16)" in result.summary()
     names_only = trt_backend.compare_precisions(pmap, json.dumps({"Layers": ["a", "b"]}))
