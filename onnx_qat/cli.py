@@ -8,8 +8,10 @@ answers at once; each command imports the API it needs when it runs.
 
 Exit codes:
     0   success
-    1   ``check`` found an error, ``compare`` failed, or ``quantize`` wrote a model ``check`` refuses
-    2   bad input or usage: one line ``onnx-qat: error: ...`` on stderr
+    1   ``check`` found an error, ``compare`` failed, ``quantize`` wrote a model ``check`` refuses, or
+        the engine ``deploy`` built differs from onnxruntime
+    2   bad input or usage: one line ``onnx-qat: error: ...`` on stderr; ``deploy`` also when it refuses
+        the model or TensorRT/a GPU is missing (after writing its report)
     3   internal error (a bug): one line plus "re-run with --verbose for the traceback"
     130 interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM). Either way atomic writers remove
         their temporary files, so no partial output is left.
@@ -35,7 +37,7 @@ PROG = "onnx-qat"
 METHODS = ("max", "percentile", "entropy", "mse", "auto")
 #: ``calibrate --format``: the ScaleTable JSON or a TensorRT calibration cache.
 SCALE_FORMATS = ("scales-json", "tensorrt-cache")
-#: Calibrators a TensorRT cache header names (onnx_qat.tensorrt_cache.ALGORITHMS, without importing it).
+#: Calibrators a TensorRT cache header names (onnx_qat.io.tensorrt_cache.ALGORITHMS, without importing it).
 CACHE_ALGORITHMS = ("EntropyCalibration2", "EntropyCalibration", "MinMaxCalibration", "LegacyCalibration")
 
 EXIT_OK = 0
@@ -294,6 +296,17 @@ def _add_sensitivity(sub) -> None:
     p.set_defaults(handler=cmd_sensitivity)
 
 
+def _add_deploy(sub) -> None:
+    from .deploy.options import DESCRIPTION, EPILOG, add_arguments  # argparse only
+
+    p = sub.add_parser("deploy", help="TensorRT engine: gate, validate, build, time and verify (the build "
+                                      "needs TensorRT and a GPU; the rest runs anywhere)",
+                       description=DESCRIPTION + " See docs/tensorrt.md.", epilog=EPILOG)
+    add_arguments(p)
+    _global_options(p, suppress=True)
+    p.set_defaults(handler=cmd_deploy)
+
+
 def get_parser() -> argparse.ArgumentParser:
     """The ``onnx-qat`` argument parser (cheap: imports nothing heavy)."""
     parser = _Parser(prog=PROG, description="Place INT8 QuantizeLinear/DequantizeLinear pairs in ONNX models "
@@ -303,7 +316,8 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     _global_options(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
-    for add in (_add_calibrate, _add_quantize, _add_check, _add_compare, _add_inspect, _add_sensitivity):
+    for add in (_add_calibrate, _add_quantize, _add_check, _add_compare, _add_inspect, _add_sensitivity,
+                _add_deploy):
         add(sub)
     return parser
 
@@ -417,7 +431,7 @@ def cmd_calibrate(args) -> int:
         raise UsageError("--format tensorrt-cache needs --tensorrt-version X.Y.Z (the TensorRT that will "
                          "read the cache; it goes into the header)")
     if cache:
-        from .tensorrt_cache import tensorrt_version_number
+        from .io.tensorrt_cache import tensorrt_version_number
         tensorrt_version_number(args.tensorrt_version)  # a bad version is refused before calibrating
     _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"))
     _check_outputs([("--output", args.output)], [args.model, args.data])
@@ -610,6 +624,24 @@ def cmd_sensitivity(args) -> int:
         result.plot(args.plot, top=args.top)
         _say(args, f"wrote {args.plot}")
     return EXIT_OK
+
+
+def cmd_deploy(args) -> int:
+    """``onnx-qat deploy``: :func:`onnx_qat.deploy.command.run` (gate, onnxruntime validation, precision
+    map, TensorRT build, timing, verification); exit 1 when the engine differs from onnxruntime, 2 when
+    refused or TensorRT/GPU is missing (after writing the report of what was done)."""
+    from .deploy.options import UsageError as DeployUsageError
+    from .deploy.options import options_from_args
+    try:
+        opts = options_from_args(args, prog=PROG)
+    except DeployUsageError as exc:
+        raise UsageError(str(exc)) from None
+    from .deploy.command import run_reported
+    if args.quiet:  # only errors: the steps' lines go nowhere
+        import io
+        with contextlib.redirect_stdout(io.StringIO()):
+            return run_reported(opts)
+    return run_reported(opts)
 
 
 # -- main -------------------------------------------------------------------------------------------

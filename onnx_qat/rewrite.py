@@ -376,7 +376,7 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
             names.extend(sub_index.all_tensor_names())
             shapes.update(sub_index.constant_shapes())
         if source.startswith("TensorRT"):  # a cache names TensorRT's own tensors too: dropped, one warning
-            from .tensorrt_cache import names_in_model
+            from .io.tensorrt_cache import names_in_model
             table = table.subset(names_in_model(table.activations, names, source=source))
         try:
             table.check_names(names, shapes)
@@ -389,8 +389,8 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
 
 def _load_scales_file(path) -> tuple:
     """``(source label, table)`` of a ScaleTable JSON file or a TensorRT calibration cache (a file
-    beginning with ``TRT-``, see :mod:`onnx_qat.tensorrt_cache`)."""
-    from .tensorrt_cache import is_tensorrt_cache
+    beginning with ``TRT-``, see :mod:`onnx_qat.io.tensorrt_cache`)."""
+    from .io.tensorrt_cache import is_tensorrt_cache
 
     if is_tensorrt_cache(path):
         return f"TensorRT calibration cache {path}", ScaleTable.from_tensorrt_cache(path)

@@ -254,18 +254,18 @@ class ScaleTable:
         data = read_json(path, what="ScaleTable", error=ScalesError)
         return cls.from_dict(data, source=f"ScaleTable {path}")
 
-    # -- TensorRT calibration caches (see onnx_qat.tensorrt_cache) ------------------------------------
+    # -- TensorRT calibration caches (see onnx_qat.io.tensorrt_cache) ------------------------------------
     @classmethod
     def from_tensorrt_cache(cls, path: PathLike) -> "ScaleTable":
         """Read a TensorRT calibration cache (``TRT-<version>-<algorithm>`` header, then
         ``tensor_name: <hex float32 scale>`` lines) as activation ranges, ``amax = scale x 127``; the
-        header is kept in ``metadata["tensorrt_cache_header"]``. See :mod:`onnx_qat.tensorrt_cache`.
+        header is kept in ``metadata["tensorrt_cache_header"]``. See :mod:`onnx_qat.io.tensorrt_cache`.
 
         Raises:
             ScalesError: the file is not a valid cache (wrong format, non-hex digits, a NaN, infinite,
                 zero or negative scale, no entries); one line naming the file and the line.
         """
-        from .tensorrt_cache import read_tensorrt_cache
+        from .io.tensorrt_cache import read_tensorrt_cache
 
         header, ranges = read_tensorrt_cache(path)
         return cls(ranges, producer=f"tensorrt-cache({header})", metadata={"tensorrt_cache_header": header})
@@ -276,9 +276,9 @@ class ScaleTable:
         Weight ranges are left out (logged at info level): TensorRT's implicit INT8 measures weight
         scales from the weights. ``tensorrt_version`` (``MAJOR.MINOR.PATCH``, the TensorRT that will read
         the cache) and ``algorithm`` (the calibrator that hands it to TensorRT) go into the header; see
-        :func:`onnx_qat.tensorrt_cache.format_tensorrt_cache`.
+        :func:`onnx_qat.io.tensorrt_cache.format_tensorrt_cache`.
         """
-        from .tensorrt_cache import format_tensorrt_cache, logger
+        from .io.tensorrt_cache import format_tensorrt_cache, logger
 
         if self._weights:
             logger.info("the calibration cache holds activation ranges only: %d weight range(s) left out "

@@ -36,11 +36,9 @@ All TensorRT and CUDA code lives in :mod:`onnx_qat.deploy.backend`, imported laz
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
-import re
 import sys
 import time
 import traceback
@@ -50,176 +48,16 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np  # noqa: E402
 
-from onnx_qat.argtypes import number_in, positive_number, whole_number  # noqa: E402
+from .options import (  # noqa: F401  (re-exported: the options are part of this command's interface)
+    PROG, DeployOptions, UsageError, get_parser, options_from_args, parse_shape_spec,
+)
 from onnx_qat.io.files import json_safe  # noqa: E402
 from onnx_qat.errors import ConfigError, DataError, OutputError, QatError, TensorRTUnavailable  # noqa: E402
 
-PROG = "deploy_tensorrt.py"
 REPORT_VERSION = 2  # 2: float_parts and precision (the precision map, then beside the engine's layers)
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 logger = logging.getLogger("onnx_qat.deploy.command")
-
-
-# =========================================================================== options
-@dataclass(frozen=True)
-class DeployOptions:
-    """Every command-line option, validated (see :func:`get_parser` for their meaning)."""
-
-    model: Path
-    engine: Path
-    report: Optional[Path] = None
-    data: Optional[Path] = None
-    labels: Optional[str] = None
-    num_samples: int = 16
-    seed: int = 0
-    shapes: Tuple = ()
-    batch: Optional[int] = None
-    fp16: bool = False
-    workspace_mib: Optional[int] = None
-    timing_cache: Optional[Path] = None
-    iterations: int = 100
-    warmup: int = 10
-    min_top1: float = 0.99
-    max_abs: Optional[float] = None
-    skip_validation: bool = False
-    force: bool = False
-    progress: bool = True
-    verbose: bool = False
-
-    def to_dict(self) -> dict:
-        """JSON-ready form for the report."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Path):
-                value = str(value)
-            elif f.name == "shapes":
-                value = [p.to_dict() for p in value]
-            out[f.name] = value
-        return out
-
-
-class UsageError(Exception):
-    """A command-line usage problem; printed as one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line (no usage dump)."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see '{self.prog} --help')")
-
-
-def parse_shape_spec(text: str):
-    """``NAME:MIN[,OPT,MAX]`` with dims joined by ``x`` -> :class:`onnx_qat.deploy.backend.ShapeProfile`.
-
-    One shape gives a static profile (min = opt = max). Dimensions must be whole
-    numbers > 0 with min <= opt <= max in every dimension.
-    """
-    from onnx_qat.deploy.backend import ShapeProfile
-
-    name, sep, dims_text = str(text).rpartition(":")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:MIN,OPT,MAX "
-                                         f"(e.g. input:1x3x224x224,8x3x224x224,32x3x224x224)")
-    parts = dims_text.split(",")
-    if len(parts) not in (1, 3):
-        raise argparse.ArgumentTypeError(f"{text!r}: give one shape or three (min,opt,max), not {len(parts)}")
-    shapes = []
-    for part in parts:
-        if not re.fullmatch(r"\d+(x\d+)*", part.strip()):
-            raise argparse.ArgumentTypeError(f"{text!r}: shape {part!r} is not dimensions joined by 'x' "
-                                             f"(e.g. 8x3x224x224)")
-        dims = tuple(int(d) for d in part.strip().split("x"))
-        if any(d <= 0 for d in dims):
-            raise argparse.ArgumentTypeError(f"{text!r}: dimensions must be > 0")
-        shapes.append(dims)
-    low, opt, high = (shapes * 3)[:3] if len(shapes) == 1 else shapes
-    if not len(low) == len(opt) == len(high):
-        raise argparse.ArgumentTypeError(f"{text!r}: min, opt and max shapes have different ranks")
-    if any(not a <= b <= c for a, b, c in zip(low, opt, high)):
-        raise argparse.ArgumentTypeError(f"{text!r}: need min <= opt <= max in every dimension")
-    return ShapeProfile(name, low, opt, high)
-
-
-def get_parser() -> argparse.ArgumentParser:
-    """The command-line parser (no heavy imports)."""
-    p = _Parser(prog=PROG, description=(
-        "Gate, validate, build, time and verify a TensorRT INT8 engine from a Q/DQ ONNX model "
-        "(explicit quantization). Without TensorRT or a GPU the check and onnxruntime validation "
-        "still run and the report is written; the script then stops with exit code 2."),
-        epilog="exit codes: 0 success, 1 engine built but verification failed, 2 refused / bad input / "
-               "TensorRT or GPU missing, 3 internal error, 130 interrupted")
-    p.add_argument("model", type=Path, help="the Q/DQ ONNX model (e.g. written by 'onnx-qat quantize')")
-    p.add_argument("--engine", type=Path, required=True, metavar="OUT.engine",
-                   help="where to write the serialized TensorRT engine (written atomically)")
-    p.add_argument("--report", type=Path, metavar="REPORT.json",
-                   help="write a JSON report of every step done (also when the script stops early)")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", type=Path, metavar="DATA.npz",
-                   help="inputs for validation, verification and timing: an .npz whose keys are the model's "
-                        "input names, first axis = samples (default: generated random inputs)")
-    g.add_argument("--labels", metavar="LABELS",
-                   help="class labels for accuracy: a .npy file of integer labels (or one-hot rows), or the "
-                        "name of an array inside DATA.npz")
-    g.add_argument("--num-samples", type=whole_number(1), default=16, metavar="N",
-                   help="number of generated input samples when no --data is given (default 16)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
-    b = p.add_argument_group("build")
-    b.add_argument("--shapes", type=parse_shape_spec, action="append", default=[],
-                   metavar="NAME:MIN,OPT,MAX",
-                   help="optimization-profile shapes of an input with dynamic dimensions, dims joined by "
-                        "'x', e.g. input:1x3x224x224,8x3x224x224,32x3x224x224 (one shape = static); "
-                        "repeat per input. Runs use the OPT shape's batch")
-    b.add_argument("--batch", type=whole_number(1), metavar="N",
-                   help="batch size when only the first dimension is dynamic: profile min 1, opt N, max N "
-                        "(default: 1, or the model's fixed batch)")
-    b.add_argument("--fp16", action="store_true",
-                   help="run the layers left unquantized in FP16: TensorRT >= 11 (strongly typed only) "
-                        "converts the model's float parts to FP16 first (nodes FP16 cannot serve stay FP32, "
-                        "named in the report); TensorRT 10: weakly typed build with the INT8+FP16 flags; "
-                        "8.6/9: the FP16 flag")
-    b.add_argument("--workspace", type=whole_number(1), dest="workspace_mib", metavar="MIB",
-                   help="builder workspace memory-pool limit in MiB (default: TensorRT's, the GPU's memory)")
-    b.add_argument("--timing-cache", type=Path, metavar="CACHE",
-                   help="timing cache file: read when it exists, written (atomically) after the build")
-    m = p.add_argument_group("measure and verify")
-    m.add_argument("--iterations", type=whole_number(1), default=100,
-                   help="timed runs after warm-up (default 100)")
-    m.add_argument("--warmup", type=whole_number(0), default=10, help="untimed warm-up runs (default 10)")
-    m.add_argument("--min-top1", type=number_in(0.0, 1.0), default=0.99,
-                   help="least top-1 agreement between engine and onnxruntime outputs (default 0.99)")
-    m.add_argument("--max-abs", type=positive_number,
-                   help="largest allowed max-abs difference between engine and onnxruntime "
-                        "(default: no limit)")
-    s = p.add_argument_group("control")
-    s.add_argument("--skip-validation", action="store_true",
-                   help="skip the onnxruntime run before the build and the engine-vs-onnxruntime comparison "
-                        "(the check still runs; accuracy vs --labels is still measured on the engine)")
-    s.add_argument("--force", action="store_true",
-                   help="build even when the check finds errors or the onnxruntime outputs are unhealthy")
-    s.add_argument("--no-progress", action="store_true", help="no progress bars")
-    s.add_argument("-v", "--verbose", action="store_true",
-                   help="debug logging (TensorRT's verbose log included) and tracebacks on errors")
-    return p
-
-
-def options_from_args(args: argparse.Namespace) -> DeployOptions:
-    """Turn parsed arguments into a validated :class:`DeployOptions`."""
-    names = [p.name for p in args.shapes]
-    duplicated = sorted({n for n in names if names.count(n) > 1})
-    if duplicated:
-        raise UsageError(f"argument --shapes: input {duplicated[0]!r} is given more than once")
-    if args.shapes and args.batch is not None:
-        raise UsageError("arguments --shapes and --batch: give the batch inside --shapes, not both")
-    return DeployOptions(
-        model=args.model, engine=args.engine, report=args.report, data=args.data, labels=args.labels,
-        num_samples=args.num_samples, seed=args.seed, shapes=tuple(args.shapes), batch=args.batch,
-        fp16=args.fp16, workspace_mib=args.workspace_mib, timing_cache=args.timing_cache,
-        iterations=args.iterations, warmup=args.warmup, min_top1=args.min_top1, max_abs=args.max_abs,
-        skip_validation=args.skip_validation, force=args.force, progress=not args.no_progress,
-        verbose=args.verbose)
 
 
 # =========================================================================== typed results
@@ -721,7 +559,7 @@ def _stop(report: DeployReport, opts: DeployOptions, status: str, code: int, mes
     report = dataclasses.replace(report, status=status, exit_code=code, message=message)
     report.write(opts.report)
     prefix = "error: " if code == EXIT_USAGE and status != "tensorrt-unavailable" else ""
-    print(f"{PROG}: {prefix}{message}", file=sys.stderr if code else sys.stdout)
+    print(f"{opts.prog}: {prefix}{message}", file=sys.stderr if code else sys.stdout)
     return code
 
 
@@ -874,6 +712,17 @@ def _measure_and_verify(opts, state: _Progress, model, dataset, labels, referenc
 def _configure_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+
+
+def run_reported(opts: DeployOptions) -> int:
+    """:func:`run`, with an error it already printed and reported turned into exit code 2 (what
+    ``onnx-qat deploy`` calls; other errors propagate to the caller's handler)."""
+    try:
+        return run(opts)
+    except _AlreadyReported as exc:
+        if opts.verbose:
+            traceback.print_exception(exc.__cause__)
+        return EXIT_USAGE
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

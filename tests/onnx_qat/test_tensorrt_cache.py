@@ -11,7 +11,9 @@ import onnx_qat
 from onnx_qat.cli import EXIT_OK, EXIT_USAGE, main
 from onnx_qat.errors import ScalesError
 from onnx_qat.scales import ScaleTable
-from onnx_qat.tensorrt_cache import hex_to_scale, parse_tensorrt_cache, scale_to_hex, tensorrt_version_number
+from onnx_qat.io.tensorrt_cache import (
+    hex_to_scale, parse_tensorrt_cache, scale_to_hex, tensorrt_version_number,
+)
 from tests.builders import conv_bn_relu_model, random_inputs, residual_block_model
 
 

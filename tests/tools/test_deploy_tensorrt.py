@@ -1060,3 +1060,88 @@ def test_compare_precisions_names_the_layers_that_differ():
     assert "differ: pool (map fp32, engine FP16)" in result.summary()
     names_only = trt_backend.compare_precisions(pmap, json.dumps({"Layers": ["a", "b"]}))
     assert not names_only.detailed and "not compared" in names_only.summary()
+
+
+# ------------------------------------------------------------------ onnx-qat deploy (the packaged command)
+def run_cli(argv, capsys):
+    from onnx_qat import cli
+
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_onnx_qat_deploy_help_in_a_subprocess():
+    listed = subprocess.run([sys.executable, "-m", "onnx_qat", "--help"], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert listed.returncode == 0 and "deploy" in listed.stdout
+    out = subprocess.run([sys.executable, "-m", "onnx_qat", "deploy", "--help"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    for option in ("--engine", "--report", "--data", "--shapes", "--fp16", "--timing-cache", "--min-top1",
+                   "--skip-validation", "--force", "--verbose", "--quiet", "--no-progress"):
+        assert option in out.stdout
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--shapes", "input"], "argument --shapes"),
+    (["--shapes", "input:1x4x8x8", "--batch", "2"], "arguments --shapes and --batch"),
+    (["--iterations", "0"], "argument --iterations"),
+])
+def test_onnx_qat_deploy_usage_errors_are_one_line(extra, words, good_model, tmp_path, capsys):
+    code, _, err = run_cli(["deploy", good_model, "--engine", tmp_path / "m.engine"] + extra, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("onnx-qat: error: ") and words in lines[0]
+    assert not (tmp_path / "m.engine").exists()
+
+
+def test_onnx_qat_deploy_refusals_and_missing_tensorrt(good_model, uint8_model, tmp_path, capsys,
+                                                       no_tensorrt):
+    code, _, err = run_cli(["deploy", good_model, "--engine", good_model], capsys)
+    assert code == 2 and err.startswith("onnx-qat: error: ") and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(["deploy", uint8_model, "--engine", tmp_path / "m.engine"], capsys)
+    assert code == 2 and "onnx-qat: error: " in err and "not TensorRT-ready" in err
+    report = tmp_path / "r.json"
+    code, out, err = run_cli(["deploy", good_model, "--engine", tmp_path / "m.engine", "--report", report,
+                              "--no-progress"], capsys)
+    assert code == 2 and err.strip().splitlines()[-1].startswith("onnx-qat: stopped before the build")
+    assert "TensorRT is not installed" in err and "onnxruntime: ok" in out
+    data = json.loads(report.read_text())
+    assert data["status"] == "tensorrt-unavailable" and data["options"]["progress"] is False
+    assert "prog" not in data["options"]
+
+
+def test_onnx_qat_deploy_builds_with_the_standin(good_model, tmp_path, capsys, standin):
+    trt, _ = standin("11.4.0")
+    report = tmp_path / "r.json"
+    code, out, err = run_cli(["-q", "deploy", good_model, "--engine", tmp_path / "m.engine",
+                              "--report", report, "--iterations", "3"], capsys)
+    assert code == 0, err
+    assert out == "" and err == ""  # -q: only errors, and there are none
+    data = json.loads(report.read_text())
+    assert data["status"] == "verified" and data["latency"]["iterations"] == 3
+    assert data["precision"]["engine"]["agree"] == 4
+    code, out, _ = run_cli(["deploy", good_model, "--engine", tmp_path / "m.engine", "--iterations", "2",
+                            "--no-progress"], capsys)
+    last = out.strip().splitlines()[-1]
+    assert code == 0 and last == f"onnx-qat: engine {tmp_path / 'm.engine'} built and verified"
+
+
+def test_onnx_qat_deploy_parity_failure_is_exit_1(good_model, tmp_path, capsys, standin):
+    standin("11.4.0")
+    original = _Context.execute_async_v3
+
+    def zeros(self, stream):  # the "engine" answers zeros
+        original(self, stream)
+        name = self.engine.names[-1]
+        size = int(np.prod(self.shapes[name])) * 4
+        ctypes.memset(self.addresses[name], 0, size)
+        return True
+
+    _Context.execute_async_v3 = zeros
+    try:
+        code, _, err = run_cli(["deploy", good_model, "--engine", tmp_path / "m.engine", "--iterations", "2",
+                                "--no-progress", "--max-abs", "1e-3"], capsys)
+    finally:
+        _Context.execute_async_v3 = original
+    assert code == 1 and err.strip().startswith("onnx-qat: engine") and "differs from onnxruntime" in err

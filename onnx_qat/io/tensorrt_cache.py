@@ -45,7 +45,7 @@ import struct
 from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Tuple
 
-from .errors import ScalesError
+from ..errors import ScalesError
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def format_tensorrt_cache(activations: Mapping[str, float], *, tensorrt_version:
 def write_tensorrt_cache(activations: Mapping[str, float], path, *, tensorrt_version: str,
                          algorithm: str = DEFAULT_ALGORITHM) -> None:
     """Write :func:`format_tensorrt_cache` to ``path`` atomically (nothing is written when it raises)."""
-    from .io.files import atomic_write_text
+    from .files import atomic_write_text
 
     text = format_tensorrt_cache(activations, tensorrt_version=tensorrt_version, algorithm=algorithm)
     atomic_write_text(path, text)
