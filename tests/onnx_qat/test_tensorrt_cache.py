@@ -200,3 +200,14 @@ def test_conv_model_cache_with_extra_graph_names(tmp_path):
     cache, _ = _cache_for(model, data, tmp_path, extra=["renamed_since"])
     result = onnx_qat.quantize(model, scales=str(cache), progress=False)
     assert not onnx_qat.check(result.model).findings
+
+
+def test_names_holding_colons_and_spaces_round_trip(tmp_path):
+    """tf2onnx names tensors ``layer/BiasAdd:0``; TensorRT names its own ``(Unnamed Layer* 3) [...]``."""
+    names = {"model/conv1/BiasAdd:0": 2.5, "(Unnamed Layer* 3) [Constant]_output": 0.75, "a: b": 1.0}
+    path = tmp_path / "c.cache"
+    ScaleTable(names).save_tensorrt_cache(path, tensorrt_version="10.3.0")
+    assert "model/conv1/BiasAdd:0: " in path.read_text()
+    back = ScaleTable.from_tensorrt_cache(path)
+    assert set(back.activations) == set(names)
+    assert all(abs(back.activations[n] - v) <= 6e-8 * v for n, v in names.items())
