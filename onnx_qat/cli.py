@@ -8,8 +8,10 @@ answers at once; each command imports the API it needs when it runs.
 
 Exit codes:
     0   success
-    1   ``check`` found an error, ``compare`` failed, or ``quantize`` wrote a model ``check`` refuses
-    2   bad input or usage: one line ``onnx-qat: error: ...`` on stderr
+    1   ``check`` found an error, ``compare`` failed, ``quantize`` wrote a model ``check`` refuses, or
+        the engine ``deploy`` built differs from onnxruntime
+    2   bad input or usage: one line ``onnx-qat: error: ...`` on stderr; ``deploy`` also when it refuses
+        the model or TensorRT/a GPU is missing (after writing its report)
     3   internal error (a bug): one line plus "re-run with --verbose for the traceback"
     130 interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM). Either way atomic writers remove
         their temporary files, so no partial output is left.
@@ -33,6 +35,10 @@ from .errors import QatError
 
 PROG = "onnx-qat"
 METHODS = ("max", "percentile", "entropy", "mse", "auto")
+#: ``calibrate --format``: the ScaleTable JSON or a TensorRT calibration cache.
+SCALE_FORMATS = ("scales-json", "tensorrt-cache")
+#: Calibrators a TensorRT cache header names (onnx_qat.io.tensorrt_cache.ALGORITHMS, without importing it).
+CACHE_ALGORITHMS = ("EntropyCalibration2", "EntropyCalibration", "MinMaxCalibration", "LegacyCalibration")
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -152,7 +158,20 @@ def _add_calibrate(sub) -> None:
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
     p.add_argument("--data", metavar="NPZ", required=True,
                    help=".npz calibration data: keys are graph input names, first axis is samples")
-    p.add_argument("-o", "--output", metavar="SCALES.json", required=True, help="ScaleTable JSON to write")
+    p.add_argument("-o", "--output", metavar="SCALES.json", required=True,
+                   help="file to write: a ScaleTable JSON, or with --format tensorrt-cache a TensorRT "
+                        "calibration cache")
+    cache = p.add_argument_group("output format (ScaleTable.save_tensorrt_cache)")
+    cache.add_argument("--format", choices=SCALE_FORMATS, default="scales-json",
+                       help="scales-json (default): the ScaleTable; tensorrt-cache: TensorRT's calibration "
+                            "cache text (activation ranges as float32 scales amax/127), for TensorRT 8-10 "
+                            "implicit INT8 builds")
+    cache.add_argument("--tensorrt-version", metavar="X.Y.Z", default=None,
+                       help="with --format tensorrt-cache (required there): the TensorRT that will read the "
+                            "cache, written into its header (e.g. 8.6.1 -> TRT-8601-...)")
+    cache.add_argument("--calibrator", choices=CACHE_ALGORITHMS, default=None,
+                       help="with --format tensorrt-cache: the calibrator named in the header "
+                            "(default EntropyCalibration2; use the one that will read the cache)")
     _calibration_options(p)
     _placement_options(p)
     _global_options(p, suppress=True)
@@ -170,8 +189,10 @@ def _add_quantize(sub) -> None:
     source.add_argument("--data", metavar="NPZ", help=".npz calibration data (see 'calibrate'); with "
                                                       "--precision int4, data for the activation-aware "
                                                       "weight scales (optional)")
-    source.add_argument("--scales", metavar="JSON",
-                        help="ScaleTable JSON (from 'calibrate' or your own tool)")
+    source.add_argument("--scales", metavar="JSON|CACHE",
+                        help="ScaleTable JSON (from 'calibrate' or your own tool), or a TensorRT calibration "
+                             "cache (a file starting 'TRT-'; its names not in the model are listed in one "
+                             "warning and ignored)")
     p.add_argument("--target", choices=TARGETS, default=None,
                    help="deployment form: tensorrt (default) or ort-cpu (fast onnxruntime CPU kernels)")
     p.add_argument("--report", metavar="R.json", default=None,
@@ -214,6 +235,10 @@ def _add_check(sub) -> None:
                    help="the form to check: tensorrt (default: every rule) or ort-cpu (the rules that "
                         "apply to the CPU form)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--precision-map", metavar="MAP.json", default=None,
+                   help="write the precision map (CheckReport.precision_map): each compute node's precision "
+                        "under a TensorRT strongly typed build (int8, fp8, int4, fp16, bf16, fp32) and the "
+                        "Q/DQ nodes left unfused, with their rule; prints its summary")
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_check)
 
@@ -282,6 +307,17 @@ def _add_sensitivity(sub) -> None:
     p.set_defaults(handler=cmd_sensitivity)
 
 
+def _add_deploy(sub) -> None:
+    from .deploy.options import DESCRIPTION, EPILOG, add_arguments  # argparse only
+
+    p = sub.add_parser("deploy", help="TensorRT engine: gate, validate, build, time and verify (the build "
+                                      "needs TensorRT and a GPU; the rest runs anywhere)",
+                       description=DESCRIPTION + " See docs/tensorrt.md.", epilog=EPILOG)
+    add_arguments(p)
+    _global_options(p, suppress=True)
+    p.set_defaults(handler=cmd_deploy)
+
+
 def get_parser() -> argparse.ArgumentParser:
     """The ``onnx-qat`` argument parser (cheap: imports nothing heavy)."""
     parser = _Parser(prog=PROG, description="Place INT8 QuantizeLinear/DequantizeLinear pairs in ONNX models "
@@ -291,7 +327,8 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     _global_options(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
-    for add in (_add_calibrate, _add_quantize, _add_check, _add_compare, _add_inspect, _add_sensitivity):
+    for add in (_add_calibrate, _add_quantize, _add_check, _add_compare, _add_inspect, _add_sensitivity,
+                _add_deploy):
         add(sub)
     return parser
 
@@ -400,10 +437,26 @@ def _check_outputs(outputs, inputs) -> None:
 def cmd_calibrate(args) -> int:
     """``onnx-qat calibrate``: :func:`onnx_qat.calibrate` with ``output`` (the ScaleTable JSON)."""
     kw = {**_calibration_keywords(args), **_placement_keywords(args)}
+    cache = args.format == "tensorrt-cache"
+    if not cache and (args.tensorrt_version is not None or args.calibrator is not None):
+        raise UsageError("--tensorrt-version and --calibrator apply only with --format tensorrt-cache")
+    if cache and args.tensorrt_version is None:
+        raise UsageError("--format tensorrt-cache needs --tensorrt-version X.Y.Z (the TensorRT that will "
+                         "read the cache; it goes into the header)")
+    if cache:
+        from .io.tensorrt_cache import tensorrt_version_number
+        tensorrt_version_number(args.tensorrt_version)  # a bad version is refused before calibrating
     _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"))
     _check_outputs([("--output", args.output)], [args.model, args.data])
     from .calibration import DEFAULT_METHOD, calibrate
-    table = calibrate(args.model, args.data, output=args.output, progress=_progress(args), **kw)
+    table = calibrate(args.model, args.data, output=None if cache else args.output, progress=_progress(args),
+                      **kw)
+    if cache:
+        table.save_tensorrt_cache(args.output, tensorrt_version=args.tensorrt_version,
+                                  algorithm=args.calibrator or "EntropyCalibration2")
+        _say(args, f"wrote {args.output}: TensorRT calibration cache of {len(table.activations)} activation "
+                   f"ranges (method {kw.get('method', DEFAULT_METHOD)})")
+        return EXIT_OK
     _say(args, f"wrote {args.output}: {len(table.activations)} activation ranges, "
                f"{len(table.weights)} weight "
                f"ranges (method {kw.get('method', DEFAULT_METHOD)})")
@@ -504,12 +557,18 @@ def _mixed_summary(info) -> str:
 def cmd_check(args) -> int:
     """``onnx-qat check``: :func:`onnx_qat.check`; exit 1 when it finds an error."""
     _check_inputs(("model", args.model, "ModelError"))
+    _check_outputs([("--precision-map", args.precision_map)], [args.model])
     from .check import check
     report = check(args.model, target=args.target)
     if args.json:
         _print_json(report.to_dict())
     elif not args.quiet:
         print(report)
+    if args.precision_map is not None:
+        report.precision_map.save(args.precision_map)
+        if not args.json:
+            _say(args, report.precision_map.summary())
+            _say(args, f"wrote {args.precision_map}")
     return EXIT_OK if report else EXIT_PROBLEMS
 
 
@@ -596,6 +655,24 @@ def cmd_sensitivity(args) -> int:
         result.plot(args.plot, top=args.top)
         _say(args, f"wrote {args.plot}")
     return EXIT_OK
+
+
+def cmd_deploy(args) -> int:
+    """``onnx-qat deploy``: :func:`onnx_qat.deploy.command.run` (gate, onnxruntime validation, precision
+    map, TensorRT build, timing, verification); exit 1 when the engine differs from onnxruntime, 2 when
+    refused or TensorRT/GPU is missing (after writing the report of what was done)."""
+    from .deploy.options import UsageError as DeployUsageError
+    from .deploy.options import options_from_args
+    try:
+        opts = options_from_args(args, prog=PROG)
+    except DeployUsageError as exc:
+        raise UsageError(str(exc)) from None
+    from .deploy.command import run_reported
+    if args.quiet:  # only errors: the steps' lines go nowhere
+        import io
+        with contextlib.redirect_stdout(io.StringIO()):
+            return run_reported(opts)
+    return run_reported(opts)
 
 
 # -- main -------------------------------------------------------------------------------------------

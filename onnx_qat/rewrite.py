@@ -378,18 +378,31 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
         elif isinstance(scales, Mapping):  # {activation tensor: amax}
             source, table = "ScaleTable", ScaleTable(scales, producer="mapping")
         else:
-            source, table = f"ScaleTable {scales}", ScaleTable.load(scales)
+            source, table = _load_scales_file(scales)
+        names, shapes = list(index.all_tensor_names()), index.constant_shapes()
+        for sub_index, _ in nested_indexes(index, placement):  # If branches placement quantizes
+            names.extend(sub_index.all_tensor_names())
+            shapes.update(sub_index.constant_shapes())
+        if source.startswith("TensorRT"):  # a cache names TensorRT's own tensors too: dropped, one warning
+            from .io.tensorrt_cache import names_in_model
+            table = table.subset(names_in_model(table.activations, names, source=source))
         try:
-            names, shapes = list(index.all_tensor_names()), index.constant_shapes()
-            for sub_index, _ in nested_indexes(index, placement):  # If branches placement quantizes
-                names.extend(sub_index.all_tensor_names())
-                shapes.update(sub_index.constant_shapes())
             table.check_names(names, shapes)
         except ScalesError as exc:
             if source == "ScaleTable":
                 raise
             raise ScalesError(f"{source}: {exc}") from None
     return _check_complete(table, placement, source), placement
+
+
+def _load_scales_file(path) -> tuple:
+    """``(source label, table)`` of a ScaleTable JSON file or a TensorRT calibration cache (a file
+    beginning with ``TRT-``, see :mod:`onnx_qat.io.tensorrt_cache`)."""
+    from .io.tensorrt_cache import is_tensorrt_cache
+
+    if is_tensorrt_cache(path):
+        return f"TensorRT calibration cache {path}", ScaleTable.from_tensorrt_cache(path)
+    return f"ScaleTable {path}", ScaleTable.load(path)
 
 
 def without_unreached_branches(placement: Placement, table: ScaleTable, in_body: bool = False) -> Placement:

@@ -15,6 +15,8 @@ Sources cited by the rules:
   weights).
 * [TRT-PL] TensorRT Developer Guide, "Q/DQ Layer-Placement Recommendations"
   (quantize the inputs of weighted ops, residual Add fusion, commuting ops).
+* [TRT-ST] TensorRT 11 Developer Guide, "Precision Control", "Strongly Typed Networks" (rule C15
+  and the precision map, :mod:`onnx_qat.check.precision`).
 * [ONNX-TRT] onnx-tensorrt ``docs/operators.md`` (QuantizeLinear/DequantizeLinear
   need opset >= 13 for per-axis scales, zero point 0; QLinear* and *Integer ops are
   not supported).
@@ -44,6 +46,8 @@ from .rules_fusion import (
     rule_c10_residual_float_skip, rule_c11_residual_conv_branch_quantized, rule_c12_pad_conv,
     rule_c14_qdq_inside_fusion,
 )
+from .precision import PrecisionMap, lazy_precision_map
+from .rules_precision import rule_c15_fp32_weighted_ops
 from .report import MODEL_NODE, Finding  # noqa: F401  (re-exported)
 from .index import WEIGHTED_OPS  # noqa: F401  (re-exported)
 from .rules_ops import FORBIDDEN_OPS  # noqa: F401  (re-exported)
@@ -58,6 +62,7 @@ ORT_CPU_RULES: Dict[str, Tuple[Optional[Callable], str]] = {
     "C11": (None, "the Conv output feeding a residual Add is a requantization point (CPU1): "
                   "onnxruntime forms QLinearConv only with a QuantizeLinear on the Conv output"),
     "C14": (None, "a Q/DQ between Conv and Relu is a requantization point (CPU1), for QLinearConv"),
+    "C15": (None, "a TensorRT strongly typed build's precision; onnxruntime picks its own kernels"),
 }
 
 
@@ -81,6 +86,8 @@ RULES: Tuple[Tuple[str, str, str, Callable], ...] = (
     ("C13", WARNING, "the model has Q/DQ nodes at all", rule_c13_not_quantized),
     ("C14", WARNING, "no Q/DQ inside a weighted op -> BatchNormalization/activation fusion",
      rule_c14_qdq_inside_fusion),
+    ("C15", WARNING, "no FP32 Conv/ConvTranspose/Gemm/MatMul among FP16/BF16 compute (strongly typed build)",
+     rule_c15_fp32_weighted_ops),
 ) + rules_formats.RULES  # F1-F5: the FP8 and INT4 forms
 
 
@@ -153,7 +160,10 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
 
     Returns:
         A :class:`CheckReport`; ``bool(report)`` is True when no rule found an
-        error. The rules (C1-C14) are listed in :data:`RULES` and docs/check-rules.md.
+        error. The rules (C1-C15, F1-F5) are listed in :data:`RULES` and docs/check-rules.md.
+        ``report.precision_map`` (:class:`~onnx_qat.check.precision.PrecisionMap`) tells the
+        precision TensorRT runs each compute node in under a strongly typed build and the Q/DQ
+        nodes left unfused; it is built on first access (the report keeps the model until then).
 
     Raises:
         ModelError: the model cannot be read.
@@ -172,10 +182,12 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
             findings.extend(rule(proto, graphs))
         num_q = sum(node.is_q for g in graphs for node in g.qdq)
         num_dq = sum(not node.is_q for g in graphs for node in g.qdq)
+        built = graphs[0]._memo.get("precision_map", {}).get("map") if graphs else None  # by rule C15
         del graphs  # freed by reference counting while the collector is paused
     for finding in findings:
         logger.debug("check %s", finding)
-    return CheckReport(tuple(findings), num_q, num_dq, label, opset)
+    precision = built or lazy_precision_map(proto, opset)
+    return CheckReport(tuple(findings), num_q, num_dq, label, opset, precision)
 
 
-__all__ = ["check", "CheckReport", "Finding", "RULES", "ORT_CPU_RULES", "ERROR", "WARNING"]
+__all__ = ["check", "CheckReport", "Finding", "PrecisionMap", "RULES", "ORT_CPU_RULES", "ERROR", "WARNING"]

@@ -4,7 +4,7 @@ Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
 :data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 
@@ -49,6 +49,9 @@ class CheckReport:
         num_dq: number of DequantizeLinear nodes.
         model: the model's path when given one, else ``""``.
         opset: the default-domain opset version (None when the model imports none).
+        precision_map: the :class:`~onnx_qat.check.precision.PrecisionMap` (a property): each
+            compute node's precision under a strongly typed TensorRT build and the Q/DQ nodes left
+            unfused, built on first access (None for reports not made by :func:`~onnx_qat.check.check`).
     """
 
     findings: Tuple[Finding, ...] = ()
@@ -56,6 +59,17 @@ class CheckReport:
     num_dq: int = 0
     model: str = ""
     opset: Optional[int] = None
+    #: the PrecisionMap, or a function building it on first access (see :attr:`precision_map`)
+    precision_source: Optional[object] = field(default=None, compare=False, repr=False)
+
+    @property
+    def precision_map(self):
+        """The :class:`~onnx_qat.check.precision.PrecisionMap`, built on first access (then kept)."""
+        source = self.precision_source
+        if callable(source):
+            source = source()
+            object.__setattr__(self, "precision_source", source)
+        return source
 
     @property
     def errors(self) -> Tuple[Finding, ...]:

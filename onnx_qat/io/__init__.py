@@ -1,6 +1,6 @@
 """The edges: loading and saving models (external data, opset and IR version, atomic writes),
-reading data (``.npz`` a batch at a time) and file safety.
+reading data (``.npz`` a batch at a time), file safety, and TensorRT's calibration-cache text format.
 
-Owns: :mod:`.models`, :mod:`.data`, :mod:`.npz`, :mod:`.files`.
+Owns: :mod:`.models`, :mod:`.data`, :mod:`.npz`, :mod:`.files`, :mod:`.tensorrt_cache`.
 May import: ``onnx_qat.errors``, ``onnx_qat.graph`` and third-party libraries; no other stage.
 """

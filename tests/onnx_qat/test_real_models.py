@@ -130,6 +130,28 @@ def test_text_detector_with_fp16_float_parts_keeps_check_cosine_and_halves_the_f
                        if t.data_type in sizes) for m in (fp32.model, fp16.model)]
     assert float_bytes[1] <= 0.55 * float_bytes[0], float_bytes
 
+def test_text_detector_from_a_tensorrt_calibration_cache(det_model, tmp_path):
+    """The detector's ranges as a TensorRT cache (written the way TensorRT writes one, plus names of
+    tensors TensorRT makes itself): quantize from the cache gives the very model quantize gives from
+    the same ranges, passes its own check, and its precision map runs every Conv in INT8."""
+    calib = np.concatenate([text_image(["Quantize me", "INT8 text 42"]),
+                            text_image(["TensorRT ready", "hi"])])
+    table = onnx_qat.calibrate(det_model, {"x": calib}, method="max", batch_size=1, progress=False)
+    cache = tmp_path / "det.cache"
+    table.save_tensorrt_cache(cache, tensorrt_version="8.6.1")
+    with open(cache, "a") as extra:
+        extra.write("(Unnamed Layer* 7) [Shuffle]_output: 3c010204\n")
+    from_cache = onnx_qat.quantize(det_model, scales=str(cache), progress=False).model
+    ranges = onnx_qat.ScaleTable(table.activations)
+    from_table = onnx_qat.quantize(det_model, scales=ranges, progress=False).model
+    assert from_cache.SerializeToString() == from_table.SerializeToString()
+    report = onnx_qat.check(from_cache)
+    assert report.findings == ()
+    pmap = report.precision_map
+    convs = [e for e in pmap.nodes if e.op_type == "Conv"]
+    assert len(convs) >= 60 and all(e.precision == "int8" for e in convs)
+    assert [u.rule for u in pmap.unfused] == ["U1"]
+
 
 # --------------------------------------------------------------------------- voice activity
 def voiced(frames: int, seed: int) -> np.ndarray:
