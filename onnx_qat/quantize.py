@@ -13,6 +13,7 @@ from typing import Mapping, Optional
 from .calibration.runner import DEFAULT_METHOD, calibrate
 from .config import QuantizeConfig
 from .errors import ConfigError
+from .feeds import with_layout
 from .formats import get_format
 from .placement.marks import Placement
 from .rewrite import (QUANTIZED_OPS, REPORT_FORMAT, REPORT_VERSION, QuantizeResult,  # noqa: F401
@@ -29,6 +30,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              precision: Optional[str] = None, block_size: Optional[int] = None,
              min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
              int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
+             state: Optional[Mapping[str, str]] = None, batch_axis: Optional[Mapping[str, int]] = None,
              **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
@@ -80,6 +82,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             once on the calibration part of ``data``; without ``data``, round to nearest).
         max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
         eval_data: with ``min_cosine``: the data the output cosine is measured on.
+        state: ``{output: input}`` of a stateful model (``{"stateN": "state"}`` for silero-vad):
+            calibration (and the ``min_cosine`` search) run the data in order, each run's ``output``
+            fed to the next run as ``input``; the first feed gives the initial state.
+        batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first (``{"state": 1}``).
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -102,6 +108,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     if config.fp8_method == "gptq" and (min_cosine is not None or max_float_sites is not None):
         raise ConfigError("fp8_method 'gptq' does not combine with min_cosine (mixed precision rounds "
                           "FP8 weights to nearest)")
+    if state and ((fmt.weight_only and data is not None) or config.fp8_method == "gptq"):
+        raise ConfigError("state applies to calibration and the min_cosine search; the activation-aware "
+                          "weight rounding (int4 awq/gptq, fp8 gptq) does not run stateful models")
+    data = with_layout(data, state=state, batch_axis=batch_axis)
+    eval_data = with_layout(eval_data, state=state, batch_axis=batch_axis)
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:

@@ -223,8 +223,12 @@ def run_batches(session, dataset: Dataset, *, batch_size: int = 16, outputs: Opt
                 progress: bool = False, desc: str = "onnxruntime") -> Iterator[Dict[str, np.ndarray]]:
     """Run ``session`` on ``dataset`` batch by batch and yield ``{output name: array}`` per batch.
 
-    A tqdm progress bar goes to stderr when ``progress`` is true.
+    A tqdm progress bar goes to stderr when ``progress`` is true. Data of a stateful model runs in
+    order, each run's state outputs fed to the next (:func:`onnx_qat.stateful.carry_state`).
     """
+    from .stateful import carry_state
+
+    session = carry_state(session, dataset)
     names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
     known = {o.name for o in session.get_outputs()}
     unknown = [n for n in names if n not in known]
@@ -259,7 +263,17 @@ def run_model(model_or_session, data, *, batch_size: int = 16, outputs: Optional
     for batch in run_batches(session, dataset, batch_size=batch_size, outputs=outputs, progress=progress):
         for name, value in batch.items():
             parts.setdefault(name, []).append(np.asarray(value))
-    return {name: _join(name, values, dataset.unbatched) for name, values in parts.items()}
+    return {name: join_outputs(name, values, dataset) for name, values in parts.items()}
+
+
+def join_outputs(name: str, values, dataset: Dataset) -> np.ndarray:
+    """One output's per-run values joined: concatenated on the first axis (models without a sample
+    axis: stacked); a stream of feeds whose outputs change shape from feed to feed: flattened."""
+    from .feeds import FeedStream
+
+    if isinstance(dataset, FeedStream) and len({np.shape(v)[1:] for v in values}) > 1:
+        return np.concatenate([np.ravel(v) for v in values])
+    return _join(name, values, dataset.unbatched)
 
 
 def _join(name: str, values, unbatched: bool) -> np.ndarray:
