@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 from . import __version__
 from .config import TARGETS
-from .formats import FP8_METHODS, INT4_METHODS, PRECISIONS
+from .formats.numeric import FP8_METHODS, INT4_METHODS, PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
 
@@ -116,8 +116,8 @@ def _layout_options(parser: argparse.ArgumentParser) -> None:
     """Keywords state and batch_axis of the data loaders (onnx_qat.load_data)."""
     group = parser.add_argument_group("data layout (onnx_qat.load_data)")
     group.add_argument("--state", metavar="OUTPUT=INPUT", nargs="+", action="extend", type=_pair, default=[],
-                       help="stateful model: run the data in order, feeding each run's OUTPUT to the next run "
-                            "as INPUT; the first feed gives the initial state, later feeds omit it "
+                       help="stateful model: run the data in order, feeding each run's OUTPUT to the next "
+                            "run as INPUT; the first feed gives the initial state, later feeds omit it "
                             "(silero-vad: --state stateN=state)")
     group.add_argument("--batch-axis", metavar="INPUT=AXIS", nargs="+", action="extend", type=_axis_pair,
                        default=[], help="an input whose batch axis is not the first (silero-vad: state=1)")
@@ -448,7 +448,8 @@ def _data_source(option: str, paths):
 def _layout_keywords(args) -> dict:
     """state and batch_axis from --state and --batch-axis (a name given twice is a usage error)."""
     kw = {}
-    for option, pairs, key in (("--state", args.state, "state"), ("--batch-axis", args.batch_axis, "batch_axis")):
+    options = (("--state", args.state, "state"), ("--batch-axis", args.batch_axis, "batch_axis"))
+    for option, pairs, key in options:
         names = [name for name, _ in pairs]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
@@ -470,7 +471,7 @@ def _data_paths(*sources) -> list:
 
 def _check_outputs(outputs, inputs) -> None:
     """Refuse bad output paths before any work (OutputError, exit 2)."""
-    from .fileio import check_output_path
+    from .io.files import check_output_path
     for option, path in outputs:
         if path is not None:
             check_output_path(path, inputs=tuple(inputs), what=option)
@@ -528,7 +529,7 @@ def cmd_quantize(args) -> int:
         print(f"check: {report.summary()}" if result.target == "tensorrt"
               else f"check ({result.target} rules): {report.summary()}")
     if args.report is not None:
-        from .fileio import write_json
+        from .io.files import write_json
         write_json(args.report, _finite({**result.to_report(), "check": report.to_dict()}))
         _say(args, f"wrote {args.report}")
     return EXIT_OK if report else EXIT_PROBLEMS
@@ -591,7 +592,7 @@ def cmd_compare(args) -> int:
     _check_inputs(("reference model", args.reference, "ModelError"),
                   ("candidate model", args.candidate, "ModelError"))
     data = _data_source("--data", args.data)
-    from .compare import compare
+    from .runtime.compare import compare
     result = compare(args.reference, args.candidate, data, progress=_progress(args), **kw, **layout)
     if args.json:
         _print_json(result.to_dict())

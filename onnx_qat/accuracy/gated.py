@@ -89,8 +89,8 @@ class GatedRunner:
     def __init__(self, gated: onnx.ModelProto, num_sites: int, feeds: Sequence[Mapping[str, np.ndarray]],
                  outputs: Sequence[str], threads=None, cut_bytes: Optional[int] = None,
                  state: Optional[Mapping[str, str]] = None):
-        from ..runtime import make_session, needs_exact_qdq
-        from ..stateful import carry_state
+        from ..runtime.sessions import make_session, needs_exact_qdq
+        from ..runtime.stateful import carry_state
         from .cuts import CUT_CACHE_BYTES, CutPlan
 
         self.num_sites = num_sites
@@ -109,8 +109,9 @@ class GatedRunner:
         self.cuts: Tuple[int, ...] = self._choose_cuts(gated, budget) if self.plan is not None else ()
         keep = tuple(dict.fromkeys(t for c in self.cuts for t in self.plan.crossing(c)))
         self._gated = gated if self.cuts else None
-        self.session = carry_state(make_session(gated, copy=bool(self.cuts), threads=threads, extra_outputs=keep,
-                                                spin=False, optimize=self._optimize), state)
+        session = make_session(gated, copy=bool(self.cuts), threads=threads, extra_outputs=keep, spin=False,
+                               optimize=self._optimize)
+        self.session = carry_state(session, state)
         self._suffixes: "OrderedDict[int, object]" = OrderedDict()
         self._references = {everything: self._full(range(num_sites) if everything else (), keep)
                             for everything in (False, True)}
@@ -122,7 +123,7 @@ class GatedRunner:
         """Cuts within ``budget``. Tensor sizes come from one sample of the first feed, run in a
         probe session that outputs every candidate tensor; no cuts when the feed has no batch axis
         to take one sample from, or the model takes no other batch size."""
-        from ..runtime import make_session
+        from ..runtime.sessions import make_session
         from .cuts import first_sample
 
         probe = first_sample(self.feeds[0]) if self.feeds else None
@@ -154,7 +155,7 @@ class GatedRunner:
         return {name: join_flat(v) for name, v in parts.items()}, kept
 
     def _suffix(self, cut: int):
-        from ..runtime import make_session
+        from ..runtime.sessions import make_session
 
         session = self._suffixes.pop(cut, None)
         if session is None:

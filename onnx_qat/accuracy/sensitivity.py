@@ -141,7 +141,7 @@ class SensitivityResult:
 
     def save(self, path) -> None:
         """Write :meth:`to_dict` as JSON (atomically; inf/NaN as strings)."""
-        from ..fileio import write_json
+        from ..io.files import write_json
 
         write_json(path, _json_safe(self.to_dict()))
 
@@ -193,7 +193,8 @@ def _json_safe(obj):
 
 def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None, metric: str = "cosine",
                 config=None, batch_size: int = 16, progress: bool = True, exhaustive: bool = False,
-                calibration_options=None, state=None, batch_axis=None, **placement_options) -> SensitivityResult:
+                calibration_options=None, state=None, batch_axis=None,
+                **placement_options) -> SensitivityResult:
     """Measure how much each quantized site costs in output accuracy.
 
     Args:
@@ -226,7 +227,7 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
 
     if metric not in METRICS:
         raise ConfigError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
-    from ..feeds import with_layout
+    from ..io.layout import with_layout
 
     config = QuantizeConfig.from_options(config, **placement_options)
     data = with_layout(data, state=state, batch_axis=batch_axis)
@@ -265,7 +266,7 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
 
 
 def _weight_stats(prepared) -> dict:
-    from ..model_io import tensor_array
+    from ..io.models import tensor_array
 
     inits = {t.name: t for t in prepared.float_model.graph.initializer}
     for node in prepared.float_model.graph.node:  # weights some exporters keep in Constant nodes

@@ -28,7 +28,7 @@ def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16):
     """The first ``count`` samples of ``dataset`` as arrays; the dataset itself when it has no more
     (or its inputs have no sample axis); of a stream of feeds or a stateful model's data, the first
     ``count`` feeds (steps), as a dataset that runs them in order."""
-    from ..feeds import FeedStream
+    from ..io.feeds import FeedStream
 
     if isinstance(dataset, FeedStream) or dataset.state:  # feeds (or steps) run in order: the first ones
         return dataset.take(count)
@@ -47,10 +47,10 @@ def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16):
 
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
     """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1), as
-    :func:`onnx_qat.compare.output_figures` measures it (the figure
+    :func:`onnx_qat.runtime.compare.output_figures` measures it (the figure
     :func:`onnx_qat.accuracy.prepared.output_error` reports too; calibration does not import the
     accuracy tools, which plain ``quantize`` never loads)."""
-    from ..compare import output_figures
+    from ..runtime.compare import output_figures
 
     return min([1.0] + [output_figures(ref, candidate[name])["cosine"] for name, ref in reference.items()])
 
@@ -68,7 +68,7 @@ def choose_by_output(model, feeds, tables: Mapping[str, Mapping[str, float]], *,
     """
     from ..config import QuantizeConfig
     from ..rewrite import quantize_placed
-    from ..runtime import run_model
+    from ..runtime.sessions import run_model
     from ..scales import ScaleTable
 
     resolved = QuantizeConfig.from_options(config, **dict(placement_options or {}))

@@ -136,7 +136,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         model: a float ONNX model (``ModelProto``, not modified, or a path).
         data: calibration data: an ``.npz`` path, a dict of arrays, an array, a stream of feeds
             (a directory or list of ``.npz`` files, a list or iterator of feed dicts, an object with
-            ``get_next()``) or a :class:`~onnx_qat.data.Dataset` (see :func:`onnx_qat.load_data`).
+            ``get_next()``) or a :class:`~onnx_qat.io.data.Dataset` (see :func:`onnx_qat.load_data`).
         method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
             of the max, percentile and mse candidates quantizes that tensor with the least error,
             ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
@@ -164,11 +164,11 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     Raises:
         ModelError, DataError, ConfigError, PlacementError, OutputError: one line each.
     """
-    from ..data import load_data
-    from ..feeds import with_layout
-    from ..fileio import check_output_path
-    from ..model_io import load_model
-    from ..stateful import carry_state, state_outputs
+    from ..io.data import load_data
+    from ..io.layout import with_layout
+    from ..io.files import check_output_path
+    from ..io.models import load_model
+    from ..runtime.stateful import carry_state, state_outputs
     _check_options(method, percentile, num_bins, batch_size)
     data = with_layout(data, state=state, batch_axis=batch_axis)
     if output is not None:
@@ -181,8 +181,8 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
                  for n in names}
     fetched = [n for n in names if n not in graph_inputs]
     # proto is this function's own copy; a stateful model's runs also fetch its state outputs
-    session = carry_state(make_runner(proto, fetched + [o for o in state_outputs(dataset) if o not in fetched]),
-                          dataset)
+    run_outputs = fetched + [o for o in state_outputs(dataset) if o not in fetched]
+    session = carry_state(make_runner(proto, run_outputs), dataset)
     del proto  # the session holds the weights now
     reached = _observe(session, dataset, observers, fetched, batch_size, progress, f"calibrate ({method})")
     reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
@@ -211,7 +211,7 @@ def _auto_tables(model, dataset, observers, amax, meta, *, config, batch_size: i
     explicit ``tensors`` leave out an activation placement quantizes). Records the per-tensor picks
     (``auto_choices``), the winning table (``auto_table``) and each table's output cosine
     (``auto_output_cosine``) in ``meta``."""
-    from ..model_io import load_model
+    from ..io.models import load_model
     from .output_check import choose_by_output, first_samples
 
     def guarded(value: float) -> float:
@@ -248,7 +248,7 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
     branches a batch does not take (and a Loop/Scan body's tensors stacked over its iterations).
     Returns the names observed on at least one batch.
     """
-    from ..runtime import feeds_with_progress
+    from ..runtime.sessions import feeds_with_progress
 
     reached = set()
     for index, feed in enumerate(feeds_with_progress(dataset, batch_size, progress, desc)):
@@ -283,7 +283,7 @@ def _tensors_to_observe(proto, tensors, config, placement_options) -> Tuple[str,
     names = placement.activation_tensors()
     if not names:
         from ..config import QuantizeConfig
-        from ..formats import get_format
+        from ..formats.numeric import get_format
 
         fmt = get_format(QuantizeConfig.from_options(config, **placement_options).precision)
         if fmt.weight_only:

@@ -1,6 +1,6 @@
 """Data as a stream of feeds: one onnxruntime run per feed, in order, memory bounded by one feed.
 
-Besides an ``.npz`` file whose arrays hold samples on their first axis (:mod:`onnx_qat.data`), the
+Besides an ``.npz`` file whose arrays hold samples on their first axis (:mod:`onnx_qat.io.data`), the
 data can be a stream of *feeds*, each a complete input of one run:
 
 * a list or tuple of dicts ``{input name: array}``,
@@ -14,128 +14,31 @@ iterator is read once, keeping only its first :data:`KEPT_FEEDS` feeds so that `
 calibration's output check can run them again. A scalar or fixed-shape input (silero-vad's
 ``sr``, a 0-d int64) is given once, in the first feed, and used for every later feed that omits it.
 
-:class:`DataLayout` says how the inputs are laid out:
+The layout (:mod:`onnx_qat.io.layout`) says which outputs feed which inputs back (``state``: the
+feeds run in order, the first gives the initial state, later feeds omit it) and which inputs have
+their batch axis elsewhere than first (``batch_axis``).
 
-* ``state`` ``{output: input}``: the model is stateful; its feeds run in order and each run's
-  ``output`` becomes the next run's ``input``. The first feed gives the initial state, later
-  feeds omit it (a feed that gives it again starts a new sequence from that state).
-* ``batch_axis`` ``{input: axis}``: inputs whose batch axis is not the first (silero-vad's
-  ``state`` is ``[2, N, 128]``: axis 1).
-
-Contract: :func:`with_layout` attaches a layout to any data source; :func:`is_feed_source` tells a
-stream from samples; :func:`open_feeds` validates a source into a :class:`FeedStream`, a
-:class:`~onnx_qat.data.Dataset` whose :meth:`~FeedStream.batches` yields the feeds.
+Contract: :func:`is_feed_source` tells a stream from samples; :func:`open_feeds` validates a source
+into a :class:`FeedStream`, whose :meth:`~FeedStream.batches` yields the feeds (the interface of a
+:class:`~onnx_qat.io.data.Dataset`).
 """
 from __future__ import annotations
 
 import itertools
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .data import Dataset, _check_dtype, _convert
-from .errors import ConfigError, DataError, QatError, brief
+from ..errors import DataError, QatError, brief
+from .layout import DataLayout
+from .values import check_dtype, convert
 
 #: Feeds of an iterator kept for a second run (``auto`` calibration checks its tables on the first 64).
 KEPT_FEEDS = 64
-
-
-# --------------------------------------------------------------------------- layout
-@dataclass(frozen=True)
-class DataLayout:
-    """How a model's inputs are laid out in the data (see the module docstring).
-
-    Attributes:
-        state: ``{output name: input name}``: each run's output becomes the next run's input.
-        batch_axis: ``{input name: axis}`` for inputs whose batch axis is not the first.
-    """
-
-    state: Mapping[str, str] = field(default_factory=dict)
-    batch_axis: Mapping[str, int] = field(default_factory=dict)
-
-    @property
-    def state_inputs(self) -> Tuple[str, ...]:
-        """The inputs the state feeds, in the order given."""
-        return tuple(self.state.values())
-
-    def check(self, specs, outputs: Optional[Sequence[str]]) -> None:
-        """Every name is one of the model's: state outputs (when ``outputs`` is known) and inputs,
-        batch axes within the input's rank.
-
-        Raises:
-            ConfigError: one line naming the first name or axis that does not fit.
-        """
-        inputs = {s.name: s for s in specs}
-        for out, inp in self.state.items():
-            if outputs is not None and out not in outputs:
-                raise ConfigError(f"state {out}={inp}: {out!r} is not an output of the model "
-                                  f"(outputs: {', '.join(outputs)})")
-            if inp not in inputs:
-                raise ConfigError(f"state {out}={inp}: {inp!r} is not an input of the model "
-                                  f"(inputs: {', '.join(inputs)})")
-        if len(set(self.state.values())) != len(self.state):
-            raise ConfigError("state: two outputs feed the same input")
-        for name, axis in self.batch_axis.items():
-            spec = inputs.get(name)
-            if spec is None:
-                raise ConfigError(f"batch axis {name}={axis}: {name!r} is not an input of the model "
-                                  f"(inputs: {', '.join(inputs)})")
-            if spec.shape is not None and not -len(spec.shape) <= axis < len(spec.shape):
-                raise ConfigError(f"batch axis {name}={axis}: the input {spec.describe()} has no axis {axis}")
-
-    def axis(self, spec) -> Optional[int]:
-        """The batch axis of ``spec`` (the first unless declared; None for a 0-d or unknown-rank input)."""
-        if not spec.shape:
-            return None
-        axis = self.batch_axis.get(spec.name, 0)
-        return axis % len(spec.shape)
-
-
-def make_layout(state=None, batch_axis=None) -> DataLayout:
-    """A validated :class:`DataLayout` from ``{output: input}`` and ``{input: axis}`` mappings."""
-    state = dict(state or {})
-    for out, inp in state.items():
-        if not isinstance(out, str) or not isinstance(inp, str) or not out or not inp:
-            raise ConfigError(f"state maps output names to input names (e.g. {{'stateN': 'state'}}), "
-                              f"got {out!r}: {inp!r}")
-    axes = dict(batch_axis or {})
-    for name, axis in axes.items():
-        if not isinstance(name, str) or isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-            raise ConfigError(f"batch_axis maps input names to axes (e.g. {{'state': 1}}), got {name!r}: {axis!r}")
-    return DataLayout(MappingProxyType(state), MappingProxyType({k: int(v) for k, v in axes.items()}))
-
-
-class LaidOut:
-    """A data source with its :class:`DataLayout` (what :func:`with_layout` returns)."""
-
-    __slots__ = ("source", "layout")
-
-    def __init__(self, source, layout: DataLayout):
-        self.source, self.layout = source, layout
-
-
-def with_layout(data, *, state=None, batch_axis=None):
-    """``data`` as every loader reads it, with the given state feedback and batch axes.
-
-    ``data`` unchanged when neither is given; ``None`` stays ``None``.
-    """
-    if data is None or (not state and not batch_axis):
-        return data
-    if isinstance(data, LaidOut):
-        data = data.source
-    return LaidOut(data, make_layout(state, batch_axis))
-
-
-def split_layout(source) -> Tuple[object, DataLayout]:
-    """``(source, layout)``: the layout :func:`with_layout` attached (an empty one otherwise)."""
-    if isinstance(source, LaidOut):
-        return source.source, source.layout
-    return source, DataLayout()
 
 
 # --------------------------------------------------------------------------- sources
@@ -145,7 +48,7 @@ def is_feed_source(source) -> bool:
         return Path(source).is_dir()
     if isinstance(source, (list, tuple)):
         return bool(source) and all(isinstance(s, (str, os.PathLike, Mapping)) for s in source)
-    if isinstance(source, (Mapping, np.ndarray, Dataset)):
+    if isinstance(source, (Mapping, np.ndarray)) or hasattr(source, "batches"):
         return False
     return hasattr(source, "get_next") or hasattr(source, "__next__") or hasattr(source, "__iter__")
 
@@ -213,8 +116,8 @@ class _OneShot:
                 except QatError:
                     raise
                 except Exception as exc:
-                    raise DataError(f"{self.label}: reading feed {i} failed ({brief(exc, first_line=True)})") \
-                        from None
+                    raise DataError(f"{self.label}: reading feed {i} failed "
+                                    f"({brief(exc, first_line=True)})") from None
                 item = (f"{self.label}: feed {i}", item)
                 self.pulled += 1
                 if len(self.head) < KEPT_FEEDS:
@@ -227,15 +130,18 @@ class _OneShot:
 
 
 # --------------------------------------------------------------------------- the stream
-class FeedStream(Dataset):
-    """Validated feeds run one per onnxruntime call, in order (a :class:`~onnx_qat.data.Dataset`).
+class FeedStream:
+    """Validated feeds run one per onnxruntime call, in order; what a :class:`~onnx_qat.io.data.Dataset`
+    offers (``batches``, ``num_batches``, ``take``, ``split``, ``num_samples``, ``input_names``,
+    ``state``, ``source``), for feeds.
 
     :meth:`batches` yields each feed complete, except a state input after the first feed (the
-    runner carries it, :mod:`onnx_qat.stateful`); ``batch_size`` does not apply. ``num_samples``
+    runner carries it, :mod:`onnx_qat.runtime.stateful`); ``batch_size`` does not apply. ``num_samples``
     counts feeds (None for an iterator not yet read to its end).
     """
 
-    __slots__ = ("_specs", "_items", "_once", "layout", "_initial", "_outputs")
+    __slots__ = ("_specs", "_items", "_once", "layout", "_initial", "_outputs", "input_names", "source",
+                 "state", "_dtypes")
 
     def __init__(self, items, specs, layout: DataLayout, *, source: str, outputs=None, initial=None):
         self._specs = tuple(specs)
@@ -247,14 +153,11 @@ class FeedStream(Dataset):
         self.input_names = tuple(s.name for s in self._specs)
         self.source = source
         self.state = layout.state
-        self._unbatched = frozenset()
-        self._fixed_batch = None
         self._dtypes = MappingProxyType({s.name: np.dtype(s.dtype) for s in self._specs})
-        self._columns = MappingProxyType({})
 
     # -- sizes -------------------------------------------------------------------------------
     @property
-    def num_samples(self) -> Optional[int]:  # noqa: D401 - property of the base class
+    def num_samples(self) -> Optional[int]:
         """The number of feeds (None while an iterator has not been read to its end)."""
         return len(self._items) if self._once is None else self._once.count
 
@@ -270,7 +173,13 @@ class FeedStream(Dataset):
 
     @property
     def streamed(self) -> bool:
+        """True: feeds are read as they are run."""
         return True
+
+    @property
+    def unbatched(self) -> bool:
+        """False: each feed is a complete input, batch axis included where the model has one."""
+        return False
 
     @property
     def arrays(self):
@@ -378,7 +287,8 @@ class _FeedCheck:
             raw = {self.names[0]: next(iter(raw.values()))}
         extra = [k for k in raw if k not in self.names]
         if extra:
-            raise DataError(f"{label}: key {extra[0]!r} is not a model input (inputs: {', '.join(self.names)})")
+            raise DataError(f"{label}: key {extra[0]!r} is not a model input "
+                            f"(inputs: {', '.join(self.names)})")
         feed: Dict[str, np.ndarray] = {}
         for spec in self.specs:
             name = spec.name
@@ -403,7 +313,7 @@ class _FeedCheck:
 
     def _value(self, value, spec, label: str) -> np.ndarray:
         value = np.asarray(value)
-        _check_dtype(value.dtype, spec, label)
+        check_dtype(value.dtype, spec, label)
         if spec.shape is not None:
             want = spec.shape
             if value.ndim != len(want) or any(w is not None and w != h for h, w in zip(value.shape, want)):
@@ -412,7 +322,7 @@ class _FeedCheck:
                                 f"{spec.name!r} needs [{dims}]")
         if self.headers_only:  # zero-strided stand-ins of a file's arrays: no values to check
             return value
-        converted = _convert(value, np.dtype(spec.dtype), spec.name, label, 0)
+        converted = convert(value, np.dtype(spec.dtype), spec.name, label, 0)
         return np.require(converted, requirements="C")
 
     def _same_batch(self, spec, value: np.ndarray, index: int, label: str) -> None:
@@ -425,9 +335,9 @@ class _FeedCheck:
         size = int(value.shape[axis])
         first = self.batch.setdefault(spec.name, (index, size))
         if first[1] != size:
-            raise DataError(f"{label}: key {spec.name!r} has {size} on its batch axis {axis}, feed {first[0]} "
-                            f"had {first[1]}; a stateful model's batch cannot change between feeds (its "
-                            f"state carries it)")
+            raise DataError(f"{label}: key {spec.name!r} has {size} on its batch axis {axis}, "
+                            f"feed {first[0]} had {first[1]}; a stateful model's batch cannot change "
+                            f"between feeds (its state carries it)")
 
 
 def open_feeds(source, specs, layout: DataLayout, *, what: str = "data", outputs=None) -> FeedStream:
@@ -464,5 +374,4 @@ def open_feeds(source, specs, layout: DataLayout, *, what: str = "data", outputs
     return stream
 
 
-__all__ = ["DataLayout", "FeedStream", "KEPT_FEEDS", "LaidOut", "is_feed_source", "make_layout",
-           "open_feeds", "split_layout", "with_layout"]
+__all__ = ["FeedStream", "KEPT_FEEDS", "is_feed_source", "open_feeds"]

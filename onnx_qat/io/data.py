@@ -3,7 +3,7 @@
 The ``.npz`` format: one array per graph input, keyed by the input name, whose
 first axis counts samples (``x: float32[N, 3, 32, 32]`` for an input
 ``x: float32[batch, 3, 32, 32]``). A single-input model accepts one array under any
-key. Files are read by :mod:`onnx_qat.npz` a batch at a time, never whole and never
+key. Files are read by :mod:`onnx_qat.io.npz` a batch at a time, never whole and never
 unpickled: object arrays are refused from their header.
 
 Contract:
@@ -23,8 +23,10 @@ from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import DataError, ModelError, brief
+from ..errors import DataError, ModelError, brief
 from .npz import MemberReader, NpzMember, read_members
+from .values import check_dtype as _check_dtype, check_finite as _check_finite, convert as _convert, \
+    to_dtype as _to_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +240,8 @@ class Dataset:
     def _same(self) -> dict:
         """The keywords that make a part of this dataset like it."""
         return {"unbatched": tuple(self._unbatched), "fixed_batch": self._fixed_batch, "dtypes": self._dtypes,
-                "constants": self._constants, "initial": self._initial, "axes": self._axes, "state": self.state}
+                "constants": self._constants, "initial": self._initial, "axes": self._axes,
+                "state": self.state}
 
     def split(self, holdout: float) -> Tuple["Dataset", "Dataset"]:
         """``(first, last)``: the last ``holdout`` share of the samples (at least one; whole fixed
@@ -271,14 +274,6 @@ def _frozen(value) -> np.ndarray:
     return array
 
 
-def _to_dtype(values: np.ndarray, want: np.dtype) -> np.ndarray:
-    """``values`` in dtype ``want`` (already checked to convert safely)."""
-    if values.dtype == want:
-        return values
-    with np.errstate(over="ignore", invalid="ignore"):
-        return values.astype(want)
-
-
 # --------------------------------------------------------------------------- loading
 def load_data(source, model_or_specs, *, what: str = "data", state: Optional[Mapping[str, str]] = None,
               batch_axis: Optional[Mapping[str, int]] = None) -> Dataset:
@@ -290,18 +285,18 @@ def load_data(source, model_or_specs, *, what: str = "data", state: Optional[Map
     number of samples. Arrays stored column-major (Fortran order) are read whole.
 
     An input the model declares 0-d (a sample rate) may be given once as a 0-d array and is fed in
-    every run. A stream of feeds (:mod:`onnx_qat.feeds`: a directory or list of ``.npz`` files, a
+    every run. A stream of feeds (:mod:`onnx_qat.io.feeds`: a directory or list of ``.npz`` files, a
     list or iterator of feed dicts, an object with ``get_next()``) gives a
-    :class:`~onnx_qat.feeds.FeedStream`, one run per feed.
+    :class:`~onnx_qat.io.feeds.FeedStream`, one run per feed.
 
     Args:
         source: a path to an ``.npz`` file (keys = graph input names, first axis =
             samples; a single-input model accepts one array under any key), a mapping
             of input name to array, one array (single-input models), a stream of feeds
             (see above), a :class:`Dataset`, or any of these with a layout attached by
-            :func:`onnx_qat.feeds.with_layout`.
+            :func:`onnx_qat.io.feeds.with_layout`.
         model_or_specs: the model (``ModelProto`` or path) or its
-            :func:`~onnx_qat.model_io.model_input_specs`.
+            :func:`~onnx_qat.io.models.model_input_specs`.
         what: how to call the data in messages (e.g. ``"calibration data"``).
         state: ``{output: input}``: a stateful model; each run's output becomes the next run's
             input. The data gives the initial state once (an ``.npz`` key, the first feed), and
@@ -315,7 +310,8 @@ def load_data(source, model_or_specs, *, what: str = "data", state: Optional[Map
             unreadable files; for feeds, the feed: no feeds at all, a feed missing an input.
         ConfigError: a state or batch-axis name that is not the model's output or input.
     """
-    from .feeds import FeedStream, is_feed_source, make_layout, open_feeds, split_layout
+    from .feeds import FeedStream, is_feed_source, open_feeds
+    from .layout import make_layout, split_layout
 
     source, layout = split_layout(source)
     if state is not None or batch_axis is not None:
@@ -354,7 +350,7 @@ def load_data(source, model_or_specs, *, what: str = "data", state: Optional[Map
 
 
 def _layout_of(dataset: Dataset):
-    from .feeds import make_layout
+    from .layout import make_layout
 
     return make_layout(dataset.state, dataset._axes)
 
@@ -363,7 +359,7 @@ def _output_names(model_or_specs) -> Optional[Tuple[str, ...]]:
     """The model's output names; None when only input specs were given."""
     import onnx
 
-    from .model_io import InputSpec
+    from .models import InputSpec
 
     if isinstance(model_or_specs, (list, tuple)) and all(isinstance(s, InputSpec) for s in model_or_specs):
         return None
@@ -373,7 +369,7 @@ def _output_names(model_or_specs) -> Optional[Tuple[str, ...]]:
 
 
 def _specs(model_or_specs):
-    from .model_io import InputSpec, model_input_specs
+    from .models import InputSpec, model_input_specs
 
     if isinstance(model_or_specs, (list, tuple)) and all(isinstance(s, InputSpec) for s in model_or_specs):
         specs = tuple(model_or_specs)
@@ -430,7 +426,7 @@ def _match_keys(columns: Dict[str, object], specs, label: str) -> Dict[str, obje
 
 def _validate(columns: Dict[str, object], specs, label: str, layout=None) -> Dataset:
     """Headers first (keys, dtypes, shapes, counts), then the values of every input."""
-    from .feeds import DataLayout
+    from .layout import DataLayout
 
     layout = layout or DataLayout()
     matched = {k: _column(v) for k, v in _match_keys(columns, specs, label).items()}
@@ -491,7 +487,7 @@ def _whole(column) -> np.ndarray:
 
 def _moved(spec, axis: int):
     """``spec`` with its batch axis ``axis`` moved first (as the data is held)."""
-    from .model_io import InputSpec
+    from .models import InputSpec
 
     shape = list(spec.shape)
     shape.insert(0, shape.pop(axis))
@@ -535,31 +531,6 @@ def _check_values(column, spec, label: str):
     return column
 
 
-def _check_dtype(have: np.dtype, spec, label: str) -> None:
-    key, want = spec.name, np.dtype(spec.dtype)
-    if have == want:
-        return
-    if have.kind in "OUSVMm" or have.hasobject:
-        raise DataError(f"{label}: key {key!r} has dtype {have}, the model input needs {want}")
-    ok = np.can_cast(have, want, "same_kind") or (have.kind in "biu" and want.kind in "fc")
-    if want.kind == "b" and have.kind != "b":
-        ok = False
-    if not ok:
-        raise DataError(f"{label}: key {key!r} has dtype {have}, which does not convert safely to the "
-                        f"model's {want}; save it as {want}")
-
-
-def _convert(values: np.ndarray, want: np.dtype, key: str, label: str, first: int) -> np.ndarray:
-    """``values`` (samples ``first``...) in the model's dtype, after the range and finiteness checks."""
-    if values.dtype.kind in "iu" and want.kind in "iu" and values.size and values.dtype != want:
-        info = np.iinfo(want)
-        if values.min() < info.min or values.max() > info.max:
-            raise DataError(f"{label}: key {key!r} has values outside the range of the model's {want}")
-    converted = _to_dtype(values, want)
-    _check_finite(converted, key, label, first)
-    return converted
-
-
 def _fit_shape(shape: Tuple[int, ...], spec, label: str) -> str:
     """'batched' (first axis = the model's batch axis) or 'unbatched' (model has no sample axis)."""
     shape = tuple(shape)
@@ -580,23 +551,6 @@ def _fit_shape(shape: Tuple[int, ...], spec, label: str) -> str:
 
 def _dims_fit(have: Tuple[int, ...], want: Tuple[Optional[int], ...]) -> bool:
     return len(have) == len(want) and all(w is None or h == w for h, w in zip(have, want))
-
-
-def _check_finite(arr: np.ndarray, key: str, label: str, first: int = 0) -> None:
-    """One line naming the key and the first sample (counted from ``first``) holding NaN or Inf."""
-    if arr.dtype.kind not in "fc" or arr.size == 0:
-        return
-    finite = np.isfinite(arr)
-    if finite.all():
-        return
-    per_sample = finite.reshape(finite.shape[0], -1) if finite.ndim else finite.reshape(1, -1)
-    index = int(np.argmin(per_sample.all(axis=1)))
-    sample = np.asarray(arr[index] if arr.ndim else arr)
-    bad = int(sample.size - np.count_nonzero(per_sample[index]))
-    nan = int(np.count_nonzero(np.isnan(sample)))
-    kinds = "NaN" if nan == bad else ("Inf" if nan == 0 else "NaN/Inf")
-    raise DataError(f"{label}: key {key!r} has {bad} {kinds} value(s) in sample {first + index}; "
-                    f"give finite numbers")
 
 
 # --------------------------------------------------------------------------- generation

@@ -2,7 +2,7 @@
 
 :func:`carry_state` wraps anything with ``run(names, feed)`` (an onnxruntime session, calibration's
 branch runner, the accuracy tools' gated session) for data whose layout declares a state
-(:class:`onnx_qat.feeds.DataLayout`, ``state={"stateN": "state"}``). The wrapper fetches the state
+(:class:`onnx_qat.io.feeds.DataLayout`, ``state={"stateN": "state"}``). The wrapper fetches the state
 outputs along with what the caller asks for and fills each state input a feed omits with the
 previous run's output; a feed that gives the state input (the first one, or a new sequence's) sets it.
 Each model carries its own state: a quantized model is fed its own state, not the float model's.
@@ -13,7 +13,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 
 
 class StateCarrier:
@@ -50,7 +50,8 @@ class StateCarrier:
             if inp in given:
                 continue
             if self._carried is None:
-                raise DataError(f"state input {inp!r} is missing from the first feed: it gives the initial state")
+                raise DataError(f"state input {inp!r} is missing from the first feed: it gives the initial "
+                                "state")
             given[inp] = self._carried[out]
         self.last_given = given  # the feed as run: observers of a state input read it here
         values = self.session.run(fetch, given, *args)

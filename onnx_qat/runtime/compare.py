@@ -30,7 +30,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError
 
 #: Floor of the relative-error denominator, relative to the largest |reference| value.
 REL_FLOOR = 1e-6
@@ -80,8 +80,9 @@ class OutputComparison:
             parts.append("top-1 " + _bound(f"{100 * self.top1:.1f}%", self.top1, limit, upper=False,
                                            fmt="{:.1%}"))
         if self.decisions is not None:
-            parts.append("decisions " + _bound(f"{100 * self.decisions:.1f}%", self.decisions, self.min_decisions,
-                                               upper=False, fmt="{:.1%}") + " agree")
+            agree = _bound(f"{100 * self.decisions:.1f}%", self.decisions, self.min_decisions, upper=False,
+                           fmt="{:.1%}")
+            parts.append(f"decisions {agree} agree")
         if self.steps is not None:
             parts.append(f"{self.steps} steps")
         return " | ".join(parts)
@@ -281,9 +282,9 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
         ModelError: the models' inputs or output names differ, or an output's shape differs.
         DataError: the data does not fit the reference model.
     """
-    from .data import generate_data, load_data
-    from .feeds import with_layout
-    from .model_io import load_model, model_input_specs
+    from ..io.data import generate_data, load_data
+    from ..io.layout import with_layout
+    from ..io.models import load_model, model_input_specs
 
     _check_thresholds(max_abs, min_cosine, min_sqnr_db, min_top1, min_decisions)
     data = with_layout(data, state=state, batch_axis=batch_axis)
@@ -317,8 +318,8 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
 def _run_both(ref_model, cand_model, dataset, names, batch_size: int, progress: bool):
     """Both models' outputs ``names`` over ``dataset``, read once: each feed runs in the reference and
     then in the candidate (each carrying its own state). Returns the joined outputs and the run count."""
-    from .errors import QatError, brief
-    from .runtime import feeds_with_progress, join_outputs, make_session
+    from ..errors import QatError, brief
+    from .sessions import feeds_with_progress, join_outputs, make_session
     from .stateful import carry_state
 
     sessions = [carry_state(make_session(m), dataset) for m in (ref_model, cand_model)]
