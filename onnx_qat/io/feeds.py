@@ -105,9 +105,12 @@ class _OneShot:
         while True:
             if i < len(self.head):
                 item = self.head[i]
+            elif i < self.pulled:
+                raise DataError(f"{self.label}: an iterator of feeds is read once, and this run needs its "
+                                f"feed {i} again; give a list of feeds or a directory of .npz files")
             elif self.done:
                 return
-            elif i == self.pulled:
+            else:
                 try:
                     item = next(self.iterator)
                 except StopIteration:
@@ -122,9 +125,6 @@ class _OneShot:
                 self.pulled += 1
                 if len(self.head) < KEPT_FEEDS:
                     self.head.append(item)
-            else:
-                raise DataError(f"{self.label}: an iterator of feeds is read once, and this run needs its "
-                                f"feed {i} again; give a list of feeds or a directory of .npz files")
             yield item
             i += 1
 

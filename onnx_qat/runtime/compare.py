@@ -18,6 +18,9 @@ output (float, every reference value in [0, 1], not a state output) also
 * ``decisions`` — share of values on the same side of :data:`DECISION_THRESHOLD` (0.5, silero-vad's
   default speech threshold): the steps whose yes/no decision (speech / non-speech) agrees.
 
+A state output (fed back to the next step) is reported but not judged: it is the model's memory,
+and its error shows in the outputs that are.
+
 An output passes when every threshold that is set holds: ``max_abs`` (upper
 bound), ``min_cosine`` (default 0.99), ``min_sqnr_db``, ``min_top1`` (a fraction), ``min_decisions``
 (a fraction, stateful models).
@@ -63,12 +66,14 @@ class OutputComparison:
     steps: Optional[int] = None
     decisions: Optional[float] = None
     min_decisions: Optional[float] = None
+    state: bool = False
 
     def __bool__(self) -> bool:
         return self.passed
 
     def __str__(self) -> str:
-        parts = ["PASSED" if self.passed else "FAILED", f"output {self.name!r}",
+        verdict = "STATE " if self.state else ("PASSED" if self.passed else "FAILED")
+        parts = [verdict, f"output {self.name!r}" + (" (fed back, not judged)" if self.state else ""),
                  "max abs " + _bound(f"{self.max_abs:.1e}", self.max_abs, self.max_abs_limit, upper=True,
                                      fmt="{:.1e}"),
                  "cosine " + _bound(f"{self.cosine:.5f}", self.cosine, self.min_cosine, upper=False,
@@ -93,7 +98,7 @@ class OutputComparison:
             "name": self.name, "shape": list(self.shape), "passed": self.passed, "reason": self.reason,
             "max_abs": self.max_abs, "max_rel": self.max_rel, "mean_abs": self.mean_abs,
             "cosine": self.cosine, "sqnr_db": self.sqnr_db, "top1": self.top1,
-            "steps": self.steps, "decisions": self.decisions,
+            "steps": self.steps, "decisions": self.decisions, "state": self.state,
             "thresholds": {"max_abs": self.max_abs_limit, "min_cosine": self.min_cosine,
                            "min_sqnr_db": self.min_sqnr_db, "min_top1": self.min_top1,
                            "min_decisions": self.min_decisions},
@@ -187,10 +192,15 @@ def decision_agreement(reference: np.ndarray, candidate: np.ndarray) -> Optional
 
 def judge(name: str, reference: np.ndarray, candidate: np.ndarray, *, max_abs=None, min_cosine=0.99,
           min_sqnr_db=None, min_top1=None, steps: Optional[int] = None, decisions: bool = False,
-          min_decisions=None) -> OutputComparison:
+          min_decisions=None, state: bool = False) -> OutputComparison:
     """Compare one output and apply the thresholds; ``steps`` (a stateful model's sequence length) and
-    ``decisions`` (judge a probability output's yes/no decisions) for sequences."""
+    ``decisions`` (judge a probability output's yes/no decisions) for sequences; a ``state`` output
+    gets its figures only (no thresholds, no top-1)."""
+    if state:
+        max_abs = min_cosine = min_sqnr_db = min_top1 = min_decisions = None
     figures = output_figures(reference, candidate)
+    if state:
+        figures["top1"] = None
     agree = decision_agreement(reference, candidate) if decisions else None
     reason = ""
     if not np.all(np.isfinite(np.asarray(candidate, dtype=np.float64))) and \
@@ -209,7 +219,8 @@ def judge(name: str, reference: np.ndarray, candidate: np.ndarray, *, max_abs=No
     return OutputComparison(name=name, passed=not reason, reason=reason, shape=tuple(np.shape(reference)),
                             max_abs_limit=max_abs, min_cosine=min_cosine, min_sqnr_db=min_sqnr_db,
                             min_top1=min_top1, steps=steps, decisions=agree,
-                            min_decisions=min_decisions if agree is not None else None, **figures)
+                            min_decisions=min_decisions if agree is not None else None, state=state,
+                            **figures)
 
 
 def _check_same_inputs(ref_specs, cand_specs, ref_label: str, cand_label: str) -> None:
@@ -311,7 +322,8 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
                              f"in {cand_label}")
         results.append(judge(name, r, c, max_abs=max_abs, min_cosine=min_cosine, min_sqnr_db=min_sqnr_db,
                              min_top1=min_top1, steps=steps if sequence else None,
-                             decisions=sequence and name not in dataset.state, min_decisions=min_decisions))
+                             decisions=sequence and name not in dataset.state, min_decisions=min_decisions,
+                             state=name in dataset.state))
     return Comparison(tuple(results), dataset.num_samples, ref_label, cand_label)
 
 

@@ -271,10 +271,12 @@ def run_model(model_or_session, data, *, batch_size: int = 16, outputs: Optional
 
 def join_outputs(name: str, values, dataset: Dataset) -> np.ndarray:
     """One output's per-run values joined: concatenated on the first axis (models without a sample
-    axis: stacked); a stream of feeds whose outputs change shape from feed to feed: flattened."""
+    axis: stacked); flattened when the runs' outputs differ after the first axis and the data is a
+    stream of feeds or declares batch axes (the batch is then not the output's first axis either)."""
     from ..io.feeds import FeedStream
 
-    if isinstance(dataset, FeedStream) and len({np.shape(v)[1:] for v in values}) > 1:
+    loose = isinstance(dataset, FeedStream) or bool(getattr(dataset, "_axes", None))
+    if loose and len({np.shape(v)[1:] for v in values}) > 1:
         return np.concatenate([np.ravel(v) for v in values])
     return _join(name, values, dataset.unbatched)
 
