@@ -283,3 +283,13 @@ def test_cli_bad_input_is_one_line_exit_2_nothing_written(tmp_path, case, args, 
         lines = stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("onnx-qat: error: ") and message in lines[0], lines
         assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["feeds", "rnn.onnx"]
+
+
+def test_min_cosine_searches_a_stateful_model_on_its_held_out_feeds():
+    model = rnn_model()
+    result = onnx_qat.quantize(model, data=stream(steps=40), state=STATE, min_cosine=0.999, progress=False)
+    info = result.accuracy
+    assert info["eval_samples"] == 10 and info["cosine_after"] >= 0.999
+    assert_check_clean(result.model)
+    with pytest.raises(ConfigError, match="does not run stateful models"):
+        onnx_qat.quantize(model, data=stream(steps=8), state=STATE, precision="int4", progress=False)
