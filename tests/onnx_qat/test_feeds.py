@@ -23,7 +23,8 @@ STATE = {"h": "h_in"}
 
 def rnn_model(features=16, hidden=32, seed=0, batch="N") -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
-    inits = [numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32), name)
+    inits = [numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32),
+                                     name)
              for name, shape in (("Wx", (features, hidden)), ("Wh", (hidden, hidden)), ("Wo", (hidden, 16)))]
     nodes = [helper.make_node("MatMul", ["x", "Wx"], ["a"], name="mm_x"),
              helper.make_node("MatMul", ["h_in", "Wh"], ["b"], name="mm_h"),
@@ -99,9 +100,9 @@ def test_every_source_of_feeds_calibrates_like_the_explicit_loop(tmp_path, seed)
         assert got.activations == want, name
         assert got.metadata["calibration_samples"] == str(len(feeds)), name
     # without the state fed back the ranges differ: the loop is what is calibrated
-    alone = onnx_qat.calibrate(model, [{**f, "h_in": feeds[0]["h_in"], "gain": feeds[0]["gain"]} for f in feeds],
-                               method="max", progress=False).activations
-    assert alone != want
+    first = {"h_in": feeds[0]["h_in"], "gain": feeds[0]["gain"]}
+    alone = onnx_qat.calibrate(model, [{**f, **first} for f in feeds], method="max", progress=False)
+    assert alone.activations != want
 
 
 def test_directory_is_read_in_natural_order(tmp_path):
@@ -109,12 +110,14 @@ def test_directory_is_read_in_natural_order(tmp_path):
     folder = save_dir(tmp_path / "feeds", feeds)
     data = load_data(folder, model, state=STATE)
     got = [f["x"] for f in data.batches()]
-    assert len(got) == 12 and all(np.array_equal(a, f["x"]) for a, f in zip(got, feeds))  # step_10 after step_9
+    # step_10 comes after step_9, not after step_1
+    assert len(got) == 12 and all(np.array_equal(a, f["x"]) for a, f in zip(got, feeds))
 
 
 def test_scalar_given_once_is_fed_every_time_and_samples_npz_takes_a_0d_scalar(tmp_path):
     model = rnn_model()
-    feeds = [{"x": np.ones((2, 16), np.float32), "h_in": np.zeros((2, 32), np.float32), "gain": np.float32(2)},
+    feeds = [{"x": np.ones((2, 16), np.float32), "h_in": np.zeros((2, 32), np.float32),
+              "gain": np.float32(2)},
              {"x": np.ones((2, 16), np.float32), "h_in": np.zeros((2, 32), np.float32)}]
     out = [f["gain"] for f in load_data(feeds, model).batches()]
     assert [float(g) for g in out] == [2.0, 2.0] and out[1].shape == ()
@@ -130,8 +133,8 @@ def test_declared_batch_axis_slices_that_axis(tmp_path):
     """silero-vad's state is [2, N, 128]: with batch_axis the samples are taken on axis 1."""
     x = np.arange(5 * 4, dtype=np.float32).reshape(5, 4)
     state = np.arange(2 * 5 * 3, dtype=np.float32).reshape(2, 5, 3)
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"]), helper.make_node("Identity", ["s"], ["t"])],
-                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+    nodes = [helper.make_node("Identity", ["x"], ["y"]), helper.make_node("Identity", ["s"], ["t"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
                                     helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, "N", 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4]),
                                helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, "N", 3])])
@@ -149,8 +152,8 @@ def test_declared_batch_axis_slices_that_axis(tmp_path):
 
 def test_an_iterator_keeps_only_its_first_feeds_and_says_when_read_again():
     model = rnn_model()
-    feeds = [{"x": np.full((1, 16), i, np.float32), "h_in": np.zeros((1, 32), np.float32), "gain": np.float32(1)}
-             for i in range(3 * KEPT_FEEDS)]
+    feeds = [{"x": np.full((1, 16), i, np.float32), "h_in": np.zeros((1, 32), np.float32),
+              "gain": np.float32(1)} for i in range(3 * KEPT_FEEDS)]
     data = load_data(iter(feeds), model)
     assert isinstance(data, FeedStream) and data.num_samples is None
     assert sum(1 for _ in data.batches()) == 3 * KEPT_FEEDS and data.num_samples == 3 * KEPT_FEEDS
@@ -208,11 +211,11 @@ def test_bad_feeds_are_one_line_errors():
         load_data(missing, model, state=STATE)
     first = [dict(f) for f in feeds]
     del first[0]["h_in"]
-    with pytest.raises(DataError, match=r"state input 'h_in' is missing: the first feed gives the initial state "
-                                        r"\(e.g. zeros of shape \[1, 32\]\)"):
+    with pytest.raises(DataError, match=r"state input 'h_in' is missing: the first feed gives the initial "
+                                        r"state \(e.g. zeros of shape \[1, 32\]\)"):
         load_data(first, model, state=STATE)
-    with pytest.raises(DataError, match=r"feed 1: model input 'h_in' is missing \(keys: x\) \(only scalar and "
-                                        r"fixed-shape inputs may be given once\)"):
+    with pytest.raises(DataError, match=r"feed 1: model input 'h_in' is missing \(keys: x\) \(only scalar "
+                                        r"and fixed-shape inputs may be given once\)"):
         load_data(feeds, model)  # not stateful: h_in in every feed
     with pytest.raises(ConfigError, match="'hidden' is not an output of the model"):
         load_data(feeds, model, state={"hidden": "h_in"})
@@ -220,7 +223,8 @@ def test_bad_feeds_are_one_line_errors():
         load_data(feeds, model, state={"h": "h_out"})
     wide = [dict(f) for f in feeds]
     wide[2]["x"] = np.zeros((1, 17), np.float32)
-    with pytest.raises(DataError, match=r"feed 2: key 'x' has shape \[1, 17\], the model input 'x' needs \[N,16\]"):
+    with pytest.raises(DataError, match=r"feed 2: key 'x' has shape \[1, 17\], the model input 'x' "
+                                        r"needs \[N,16\]"):
         load_data(wide, model, state=STATE)
     batch = [dict(f) for f in feeds]
     batch[4]["x"] = np.zeros((2, 16), np.float32)
@@ -242,11 +246,12 @@ def test_cli_quantizes_a_directory_of_feeds_with_the_state_fed_back(tmp_path):
     folder = save_dir(tmp_path / "feeds", stream(steps=30))
     evaluation = save_dir(tmp_path / "eval", stream(steps=30, seed=5))
     out = tmp_path / "q.onnx"
-    code, stdout, stderr = _cli("quantize", tmp_path / "rnn.onnx", "--data", folder, "--state", "h=h_in", "-o", out)
+    code, stdout, stderr = _cli("quantize", tmp_path / "rnn.onnx", "--data", folder, "--state", "h=h_in",
+                                "-o", out)
     assert code == 0, stderr
     assert "0 errors, 0 warnings" in stdout and out.exists()
-    code, stdout, stderr = _cli("compare", tmp_path / "rnn.onnx", out, "--data", evaluation, "--state", "h=h_in",
-                                "--min-decisions", "0.9")
+    code, stdout, stderr = _cli("compare", tmp_path / "rnn.onnx", out, "--data", evaluation,
+                                "--state", "h=h_in", "--min-decisions", "0.9")
     assert code == 0, stdout + stderr
     assert "30 steps" in stdout and "decisions" in stdout and "not judged" in stdout
     files = sorted(folder.iterdir(), key=lambda p: int(p.stem.split("_")[1]))
@@ -259,9 +264,11 @@ def test_cli_quantizes_a_directory_of_feeds_with_the_state_fed_back(tmp_path):
 
 @pytest.mark.parametrize("case, args, message", [
     ("missing input", ("--state", "h=h_in"), "step_3.npz: model input 'x' is missing (keys: gain)"),
-    ("not an output", ("--state", "hidden=h_in"), "state hidden=h_in: 'hidden' is not an output of the model"),
+    ("not an output", ("--state", "hidden=h_in"),
+     "state hidden=h_in: 'hidden' is not an output of the model"),
     ("not an input", ("--state", "h=h_out"), "state h=h_out: 'h_out' is not an input of the model"),
-    ("shape change", ("--state", "h=h_in"), "step_2.npz: key 'x' has shape [1, 8], the model input 'x' needs [N,16]"),
+    ("shape change", ("--state", "h=h_in"),
+     "step_2.npz: key 'x' has shape [1, 8], the model input 'x' needs [N,16]"),
     ("batch change", ("--state", "h=h_in"), "step_4.npz: key 'x' has 3 on its batch axis 0, feed 0 had 1"),
     ("no feeds", ("--state", "h=h_in"), "holds no .npz files"),
     ("bad pair", ("--state", "h"), "expected OUTPUT=INPUT"),
@@ -277,8 +284,8 @@ def test_cli_bad_input_is_one_line_exit_2_nothing_written(tmp_path, case, args, 
         feeds[4]["x"] = np.zeros((3, 16), np.float32)
     folder = save_dir(tmp_path / "feeds", [] if case == "no feeds" else feeds)
     out = tmp_path / "q.onnx"
-    for command in (("quantize", tmp_path / "rnn.onnx", "-o", out), ("calibrate", tmp_path / "rnn.onnx", "-o", out)):
-        code, stdout, stderr = _cli(*command, "--data", folder, *args)
+    for command in ("quantize", "calibrate"):
+        code, stdout, stderr = _cli(command, tmp_path / "rnn.onnx", "-o", out, "--data", folder, *args)
         assert code == 2, (case, stdout, stderr)
         lines = stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("onnx-qat: error: ") and message in lines[0], lines

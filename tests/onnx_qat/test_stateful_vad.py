@@ -65,7 +65,8 @@ def probabilities(model_path, signal: np.ndarray) -> np.ndarray:
     session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
     state, probs = np.zeros((2, 1, 128), np.float32), []
     for x in chunks(signal):
-        prob, state = session.run(["output", "stateN"], {"input": x, "state": state, "sr": np.array(RATE, np.int64)})
+        feed = {"input": x, "state": state, "sr": np.array(RATE, np.int64)}
+        prob, state = session.run(["output", "stateN"], feed)
         probs.append(float(prob.ravel()[0]))
     return np.array(probs)
 
@@ -85,7 +86,7 @@ def test_the_float_model_detects_the_speech_in_the_clips(vad_model, clip):
     assert 0.4 < speaking.mean() < 0.9 and probs.max() > 0.95, np.round(probs, 2)
 
 
-def test_silero_vad_quantizes_from_a_directory_of_speech_feeds_and_tracks_the_float_model(vad_model, tmp_path):
+def test_silero_vad_quantized_from_a_directory_of_speech_feeds_tracks_the_float_model(vad_model, tmp_path):
     calib = save_dir(tmp_path / "calib", feeds(speech("calibration.wav")))
     evaluation = save_dir(tmp_path / "eval", feeds(speech("evaluation.wav")))
     out = tmp_path / "silero_vad_qdq.onnx"
@@ -102,7 +103,8 @@ def test_silero_vad_quantizes_from_a_directory_of_speech_feeds_and_tracks_the_fl
     assert prob["steps"] == 77 and prob["cosine"] >= 0.98 and prob["decisions"] >= 0.95, prob
     assert figures["stateN"]["state"] and figures["stateN"]["passed"]
     # the same figures from a loop written by hand: the float and the quantized model on the other stream
-    ref, got = probabilities(vad_model, speech("evaluation.wav")), probabilities(out, speech("evaluation.wav"))
+    signal = speech("evaluation.wav")
+    ref, got = probabilities(vad_model, signal), probabilities(out, signal)
     cosine = float(ref @ got / np.linalg.norm(ref) / np.linalg.norm(got))
     agree = float(np.mean((ref > 0.5) == (got > 0.5)))
     assert cosine == pytest.approx(prob["cosine"], abs=1e-6) and agree == pytest.approx(prob["decisions"])
@@ -118,5 +120,6 @@ def test_silero_vad_from_samples_in_one_npz_matches_the_directory(vad_model, tmp
     folder = save_dir(tmp_path / "calib", steps)
     state = {"stateN": "state"}
     from_dir = onnx_qat.calibrate(vad_model, folder, method="max", state=state, progress=False)
-    from_npz = onnx_qat.calibrate(vad_model, tmp_path / "calib.npz", method="max", state=state, progress=False)
+    from_npz = onnx_qat.calibrate(vad_model, tmp_path / "calib.npz", method="max", state=state,
+                                  progress=False)
     assert from_npz.activations == from_dir.activations and len(from_dir.activations) == 6
