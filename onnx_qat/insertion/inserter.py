@@ -62,7 +62,7 @@ class InsertionResult:
 
 
 # --------------------------------------------------------------------------- numerics
-def activation_scale(amax: float, target: Target, qmax: float = 127.0) -> np.float32:
+def activation_scale(amax: float, qmax: float = 127.0) -> np.float32:
     """Rule 2: symmetric per-tensor scale ``amax / 127`` as float32 (finite, > 0); ``amax / qmax``
     for another format (FP8: 448)."""
     with np.errstate(over="ignore"):  # an amax beyond float32 is reported below, not warned about
@@ -72,7 +72,7 @@ def activation_scale(amax: float, target: Target, qmax: float = 127.0) -> np.flo
     return scale
 
 
-def activation_scales(amaxes: Sequence[float], target: Target, qmax: float = 127.0) -> np.ndarray:
+def activation_scales(amaxes: Sequence[float], qmax: float = 127.0) -> np.ndarray:
     """:func:`activation_scale` of every amax in one NumPy pass (the same float32 values); the
     first unusable one raises its ScalesError."""
     with np.errstate(over="ignore"):
@@ -80,7 +80,7 @@ def activation_scales(amaxes: Sequence[float], target: Target, qmax: float = 127
     bad = ~(np.isfinite(scales) & (scales >= _TINY))
     if bad.any():
         first = int(np.argmax(bad))
-        activation_scale(amaxes[first], target, qmax)  # raises with the one-value message
+        activation_scale(amaxes[first], qmax)  # raises with the one-value message
     return scales
 
 
@@ -278,7 +278,7 @@ class _Inserter:
         marks = placement.activations
         # every activation scale at once: float values for the records, raw float32 bytes for the
         # initializers (per-tensor NumPy scalars would cost more than the rest of a pair's insertion)
-        act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.target, self.format.qmax)
+        act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.format.qmax)
         raw = _le_bytes(act_scales)
         for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
             records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4]))

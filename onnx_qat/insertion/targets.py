@@ -113,8 +113,3 @@ def get_target(target) -> Target:
         known = ", ".join(sorted(_TARGETS))
         raise ConfigError(f"target {target!r} is not available in this version; available: {known}")
     return found
-
-
-def available_targets() -> tuple:
-    """Names of the registered targets."""
-    return tuple(sorted(_TARGETS))
