@@ -98,6 +98,7 @@ class _OneShot:
 
     @property
     def count(self) -> Optional[int]:
+        """The number of items, once the iterator is exhausted (None before)."""
         return self.pulled if self.done else None
 
     def __iter__(self):
@@ -183,6 +184,7 @@ class FeedStream:
 
     @property
     def arrays(self):
+        """Not available: a stream has feeds, not arrays of samples (DataError)."""
         raise DataError(f"{self.source} is a stream of feeds, not arrays of samples; run it with batches()")
 
     def batch_size_for(self, batch_size: int) -> int:
@@ -228,9 +230,9 @@ class FeedStream:
     def split(self, holdout: float) -> Tuple["FeedStream", "FeedStream"]:
         """``(first, last)``: the last ``holdout`` share of the feeds (at least one) held out.
 
-        An iterator is read into memory here. The held-out part starts from what the first feed
-        gives once: its state inputs (the stream's initial state) and its scalar or fixed-shape
-        inputs.
+        An iterator is read into memory here. The held-out part starts from the stream's initial
+        state (the first feed's state inputs) and from the scalar or fixed-shape inputs as they
+        stand at its first feed.
         """
         items = tuple(self._raw())
         n = len(items)
@@ -238,9 +240,14 @@ class FeedStream:
             raise DataError(f"{self.source}: {n} feed(s) cannot be split into calibration and evaluation "
                             "data; give more feeds or eval_data (--eval-data)")
         held = max(1, int(round(n * holdout)))
-        first_feed = next(self.batches())
-        given = {s.name for s in self._specs if s.name in self.layout.state_inputs or _fixed(s)}
-        initial = {k: v for k, v in first_feed.items() if k in given}
+        fixed = {s.name for s in self._specs if _fixed(s)}
+        initial = {}
+        for index, feed in enumerate(self.batches()):
+            if index == 0:
+                initial.update((k, v) for k, v in feed.items() if k in self.layout.state_inputs)
+            initial.update((k, v) for k, v in feed.items() if k in fixed)
+            if index == n - held - 1:
+                break
         return (self._with_items(items[:n - held], f"{self.source} (first {n - held} feeds)"),
                 self._with_items(items[n - held:], f"{self.source} (last {held} feeds, held out)", initial))
 
@@ -252,9 +259,6 @@ class FeedStream:
                             source=self.source, outputs=self._outputs, initial=self._initial)
         stream.check_headers()
         return stream
-
-    def _raw_columns(self):
-        raise DataError(f"{self.source} is a stream of feeds, not arrays of samples")
 
 
 def _fixed(spec) -> bool:
@@ -281,10 +285,14 @@ class _FeedCheck:
         self.names = [s.name for s in specs]
         self.given: Dict[str, np.ndarray] = {}  # scalar and fixed-shape inputs, as last given
         self.batch: Dict[str, Tuple[int, int]] = {}  # stateful: (axis, size) of each batched input
+        self.alias: Optional[str] = None  # a single-input model's key, as the first feed named it
 
     def __call__(self, raw: Mapping, index: int, label: str) -> Dict[str, np.ndarray]:
-        if len(self.specs) == 1 and len(raw) == 1:
-            raw = {self.names[0]: next(iter(raw.values()))}
+        if len(self.specs) == 1 and len(raw) == 1:  # any one key, the same in every feed
+            (key, value), = raw.items()
+            self.alias = key if self.alias is None else self.alias
+            if key == self.alias:
+                raw = {self.names[0]: value}
         extra = [k for k in raw if k not in self.names]
         if extra:
             raise DataError(f"{label}: key {extra[0]!r} is not a model input "
