@@ -260,8 +260,8 @@ def test_cli_quantizes_a_directory_of_feeds_with_the_state_fed_back(tmp_path):
     assert code == 0, stderr
     want = onnx_qat.calibrate(model, folder, state=STATE, method="max", progress=False)
     assert onnx_qat.ScaleTable.load(tmp_path / "s.json").activations == want.activations
-    code, stdout, stderr = _cli("sensitivity", tmp_path / "rnn.onnx", "--data", folder, "--eval-data", evaluation,
-                                "--state", "h=h_in", "-o", tmp_path / "sens.json")
+    code, stdout, stderr = _cli("sensitivity", tmp_path / "rnn.onnx", "--data", folder,
+                                "--eval-data", evaluation, "--state", "h=h_in", "-o", tmp_path / "sens.json")
     assert code == 0, stderr
     assert "mm_h" in stdout and (tmp_path / "sens.json").exists()
 
