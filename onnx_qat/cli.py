@@ -92,6 +92,43 @@ def _regex(text: str) -> str:
     return text
 
 
+def _pair(text: str):
+    """``OUTPUT=INPUT`` (``--state``) as a tuple of two names."""
+    left, sep, right = text.partition("=")
+    if not sep or not left or not right or "=" in right:
+        raise argparse.ArgumentTypeError(f"expected OUTPUT=INPUT, got {text!r}")
+    return left, right
+
+
+def _axis_pair(text: str):
+    """``INPUT=AXIS`` (``--batch-axis``) as ``(name, axis)``."""
+    name, sep, axis = text.rpartition("=")
+    try:
+        return (name, int(axis)) if sep and name else _no_axis(text)
+    except ValueError:
+        return _no_axis(text)
+
+
+def _no_axis(text: str):
+    raise argparse.ArgumentTypeError(f"expected INPUT=AXIS with a whole-number axis, got {text!r}")
+
+
+#: What ``--data`` takes (and ``--eval-data``).
+DATA_HELP = ("an .npz file (keys are graph input names, first axis is samples), or a directory or list of "
+             ".npz files, one feed (one run) each, in natural name order / the order given")
+
+
+def _layout_options(parser: argparse.ArgumentParser) -> None:
+    """Keywords state and batch_axis of the data loaders (onnx_qat.load_data)."""
+    group = parser.add_argument_group("data layout (onnx_qat.load_data)")
+    group.add_argument("--state", metavar="OUTPUT=INPUT", nargs="+", action="extend", type=_pair, default=[],
+                       help="stateful model: run the data in order, feeding each run's OUTPUT to the next "
+                            "run as INPUT; the first feed gives the initial state, later feeds omit it "
+                            "(silero-vad: --state stateN=state)")
+    group.add_argument("--batch-axis", metavar="INPUT=AXIS", nargs="+", action="extend", type=_axis_pair,
+                       default=[], help="an input whose batch axis is not the first (silero-vad: state=1)")
+
+
 # -- the parser ---------------------------------------------------------------------------------------
 def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
     """-v/--verbose, -q/--quiet, --no-progress: accepted before or after the command name."""
@@ -156,8 +193,7 @@ def _add_calibrate(sub) -> None:
                                    "ranges of "
                                    "the tensors placement will quantize as a ScaleTable JSON file.")
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
-    p.add_argument("--data", metavar="NPZ", required=True,
-                   help=".npz calibration data: keys are graph input names, first axis is samples")
+    p.add_argument("--data", metavar="NPZ", nargs="+", required=True, help="calibration data: " + DATA_HELP)
     p.add_argument("-o", "--output", metavar="SCALES.json", required=True,
                    help="file to write: a ScaleTable JSON, or with --format tensorrt-cache a TensorRT "
                         "calibration cache")
@@ -173,6 +209,7 @@ def _add_calibrate(sub) -> None:
                        help="with --format tensorrt-cache: the calibrator named in the header "
                             "(default EntropyCalibration2; use the one that will read the cache)")
     _calibration_options(p)
+    _layout_options(p)
     _placement_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_calibrate)
@@ -186,9 +223,9 @@ def _add_quantize(sub) -> None:
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
     p.add_argument("-o", "--output", metavar="OUT.onnx", required=True, help="Q/DQ model to write")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--data", metavar="NPZ", help=".npz calibration data (see 'calibrate'); with "
-                                                      "--precision int4, data for the activation-aware "
-                                                      "weight scales (optional)")
+    source.add_argument("--data", metavar="NPZ", nargs="+",
+                        help="calibration data: " + DATA_HELP + "; with --precision int4, data for the "
+                             "activation-aware weight scales (optional)")
     source.add_argument("--scales", metavar="JSON|CACHE",
                         help="ScaleTable JSON (from 'calibrate' or your own tool), or a TensorRT calibration "
                              "cache (a file starting 'TRT-'; its names not in the model are listed in one "
@@ -205,6 +242,7 @@ def _add_quantize(sub) -> None:
                    help="with --float-dtype fp16/bf16: graph inputs and outputs take that type too "
                         "(default: they keep FP32, with a Cast at the boundary)")
     _calibration_options(p)
+    _layout_options(p)
     _placement_options(p)
     _mixed_precision_options(p)
     _global_options(p, suppress=True)
@@ -220,8 +258,8 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
                             "weight); exit 2 and write nothing when it cannot")
     group.add_argument("--max-float-sites", metavar="N", type=whole_number(0), default=None,
                        help="with --min-cosine: at most N sites in float (default: no limit)")
-    group.add_argument("--eval-data", metavar="NPZ", default=None,
-                       help="with --min-cosine: .npz data the cosine is measured on (default: the last "
+    group.add_argument("--eval-data", metavar="NPZ", nargs="+", default=None,
+                       help="with --min-cosine: data the cosine is measured on, as --data (default: the last "
                             "quarter of --data, which calibration then does not see)")
 
 
@@ -249,7 +287,7 @@ def _add_compare(sub) -> None:
                                    "output. Exit 1 when an output misses a threshold.")
     p.add_argument("reference", metavar="REFERENCE", help="reference ONNX model (e.g. the float model)")
     p.add_argument("candidate", metavar="CANDIDATE", help="candidate ONNX model (e.g. the Q/DQ model)")
-    p.add_argument("--data", metavar="NPZ", required=True, help=".npz data: keys are graph input names")
+    p.add_argument("--data", metavar="NPZ", nargs="+", required=True, help=DATA_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     group = p.add_argument_group("thresholds (onnx_qat.compare)")
     group.add_argument("--max-abs", metavar="X", type=positive_number, default=None,
@@ -263,11 +301,15 @@ def _add_compare(sub) -> None:
     group.add_argument("--batch-size", metavar="N", type=whole_number(1), default=None,
                        help="samples per onnxruntime run")
     group.add_argument("--num-samples", metavar="N", type=whole_number(1), default=None,
-                       help="use only the first N samples")
+                       help="use only the first N samples (feeds)")
+    group.add_argument("--min-decisions", metavar="F", type=number_in(0.0, 1.0), default=None,
+                       help="with --state: smallest share of steps whose yes/no decision (a probability "
+                            "output above 0.5) agrees, a fraction in [0, 1] (default: not checked)")
     p.add_argument("--exact-qdq", action=argparse.BooleanOptionalAction, default=None,
                    help="run both models with onnxruntime's graph optimisations off (exact Q/DQ "
                         "arithmetic) or, --no-exact-qdq, on (default: by form: a TensorRT-form Q/DQ model "
                         "exact, as TensorRT computes it; float models and the ort-cpu form as deployed)")
+    _layout_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_compare)
 
@@ -291,9 +333,9 @@ def _add_sensitivity(sub) -> None:
                                    "held-out quarter of --data). Prints the ranking; see "
                                    "docs/sensitivity.md.")
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
-    p.add_argument("--data", metavar="NPZ", required=True, help=".npz calibration data (see 'calibrate')")
-    p.add_argument("--eval-data", metavar="NPZ", default=None,
-                   help=".npz evaluation data (default: the last quarter of --data, not calibrated on)")
+    p.add_argument("--data", metavar="NPZ", nargs="+", required=True, help="calibration data: " + DATA_HELP)
+    p.add_argument("--eval-data", metavar="NPZ", nargs="+", default=None,
+                   help="evaluation data, as --data (default: the last quarter of --data, not calibrated on)")
     p.add_argument("-o", "--output", metavar="REPORT.json", default=None, help="write the result as JSON")
     p.add_argument("--plot", metavar="CHART.png", default=None,
                    help="write a ranked bar chart of the most sensitive sites (needs matplotlib)")
@@ -302,6 +344,7 @@ def _add_sensitivity(sub) -> None:
     p.add_argument("--metric", choices=("cosine", "sqnr", "max_abs"), default="cosine",
                    help="what ranks the sites (default cosine; all three are reported)")
     _calibration_options(p)
+    _layout_options(p)
     _placement_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_sensitivity)
@@ -425,6 +468,46 @@ def _check_inputs(*inputs) -> None:
             raise getattr(errors, error)(f"{what} {p} is not a file")
 
 
+def _data_source(option: str, paths):
+    """``--data``/``--eval-data``: None, one path (an .npz file or a directory of feeds) or a list of
+    .npz files (one feed each). Missing paths are refused here (DataError, exit 2)."""
+    from pathlib import Path
+    from .errors import DataError
+    if paths is None:
+        return None
+    for path in paths:
+        p = Path(path)
+        if not p.exists():
+            raise DataError(f"{option} {p} does not exist")
+        if len(paths) > 1 and not p.is_file():
+            raise DataError(f"{option} {p} is not a file (several paths are .npz files, one feed each)")
+    return paths[0] if len(paths) == 1 else list(paths)
+
+
+def _layout_keywords(args) -> dict:
+    """state and batch_axis from --state and --batch-axis (a name given twice is a usage error)."""
+    kw = {}
+    options = (("--state", args.state, "state"), ("--batch-axis", args.batch_axis, "batch_axis"))
+    for option, pairs, key in options:
+        names = [name for name, _ in pairs]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise UsageError(f"{option} names {twice[0]!r} twice")
+        if pairs:
+            kw[key] = dict(pairs)
+    if "state" in kw and len(set(kw["state"].values())) < len(kw["state"]):
+        raise UsageError("--state feeds one input from two outputs")
+    return kw
+
+
+def _data_paths(*sources) -> list:
+    """The paths among data sources (for the output-path checks)."""
+    out = []
+    for source in sources:
+        out.extend(source if isinstance(source, list) else [] if source is None else [source])
+    return out
+
+
 def _check_outputs(outputs, inputs) -> None:
     """Refuse bad output paths before any work (OutputError, exit 2)."""
     from .io.files import check_output_path
@@ -436,7 +519,7 @@ def _check_outputs(outputs, inputs) -> None:
 # -- the commands -------------------------------------------------------------------------------------
 def cmd_calibrate(args) -> int:
     """``onnx-qat calibrate``: :func:`onnx_qat.calibrate` with ``output`` (the ScaleTable JSON)."""
-    kw = {**_calibration_keywords(args), **_placement_keywords(args)}
+    kw = {**_calibration_keywords(args), **_placement_keywords(args), **_layout_keywords(args)}
     cache = args.format == "tensorrt-cache"
     if not cache and (args.tensorrt_version is not None or args.calibrator is not None):
         raise UsageError("--tensorrt-version and --calibrator apply only with --format tensorrt-cache")
@@ -446,10 +529,11 @@ def cmd_calibrate(args) -> int:
     if cache:
         from .io.tensorrt_cache import tensorrt_version_number
         tensorrt_version_number(args.tensorrt_version)  # a bad version is refused before calibrating
-    _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"))
-    _check_outputs([("--output", args.output)], [args.model, args.data])
+    _check_inputs(("model", args.model, "ModelError"))
+    data = _data_source("--data", args.data)
+    _check_outputs([("--output", args.output)], [args.model, *_data_paths(data)])
     from .calibration import DEFAULT_METHOD, calibrate
-    table = calibrate(args.model, args.data, output=None if cache else args.output, progress=_progress(args),
+    table = calibrate(args.model, data, output=None if cache else args.output, progress=_progress(args),
                       **kw)
     if cache:
         table.save_tensorrt_cache(args.output, tensorrt_version=args.tensorrt_version,
@@ -472,25 +556,27 @@ def cmd_quantize(args) -> int:
             raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} only with --data, "
                              "not with --scales")
     calib = _calibration_keywords(args) if args.data is not None else {}
-    _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"),
-                  ("--scales", args.scales, "ScalesError"))
+    layout = _layout_keywords(args)
+    if layout and args.data is None:
+        raise UsageError("--state and --batch-axis apply only with --data")
+    _check_inputs(("model", args.model, "ModelError"), ("--scales", args.scales, "ScalesError"))
+    data, eval_data = _data_source("--data", args.data), _data_source("--eval-data", args.eval_data)
     _check_outputs([("--output", args.output), ("--report", args.report)],
-                   [args.model, args.data, args.scales])
+                   [args.model, args.scales, *_data_paths(data, eval_data)])
     if args.report is not None and _same_path(args.report, args.output):
         raise UsageError("--report and --output name the same file")
     if args.data is None and args.scales is None and getattr(args, "precision", None) != "int4":
         raise UsageError("one of the arguments --data --scales is required")
     mixed = {k: v for k, v in (("min_cosine", args.min_cosine), ("max_float_sites", args.max_float_sites),
-                               ("eval_data", args.eval_data)) if v is not None}
+                               ("eval_data", eval_data)) if v is not None}
     if mixed and args.min_cosine is None:
         raise UsageError("--max-float-sites and --eval-data apply only with --min-cosine")
-    _check_inputs(("--eval-data", args.eval_data, "DataError"))
     if args.float_io and args.float_dtype in (None, "fp32"):
         raise UsageError("--float-io applies only with --float-dtype fp16 or bf16")
     from .quantize import quantize
-    result = quantize(args.model, output=args.output, scales=args.scales, data=args.data,
+    result = quantize(args.model, output=args.output, scales=args.scales, data=data,
                       progress=_progress(args), keep_io_types=not args.float_io, **calib,
-                      **_placement_keywords(args), **mixed)
+                      **_placement_keywords(args), **mixed, **layout)
     _say(args, _quantize_summary(args, result))
     if result.accuracy is not None:
         _say(args, _mixed_summary(result.accuracy))
@@ -576,12 +662,16 @@ def cmd_compare(args) -> int:
     """``onnx-qat compare``: :func:`onnx_qat.compare`; exit 1 when an output misses a threshold."""
     kw = {"max_abs": args.max_abs, "min_cosine": args.min_cosine, "min_sqnr_db": args.min_sqnr,
           "min_top1": args.min_top1, "batch_size": args.batch_size, "num_samples": args.num_samples,
-          "exact_qdq": args.exact_qdq}
+          "exact_qdq": args.exact_qdq, "min_decisions": args.min_decisions}
     kw = {k: v for k, v in kw.items() if v is not None}
+    layout = _layout_keywords(args)
+    if args.min_decisions is not None and "state" not in layout:
+        raise UsageError("--min-decisions applies only with --state (a stateful model's sequence)")
     _check_inputs(("reference model", args.reference, "ModelError"),
-                  ("candidate model", args.candidate, "ModelError"), ("--data", args.data, "DataError"))
+                  ("candidate model", args.candidate, "ModelError"))
+    data = _data_source("--data", args.data)
     from .runtime.compare import compare
-    result = compare(args.reference, args.candidate, args.data, progress=_progress(args), **kw)
+    result = compare(args.reference, args.candidate, data, progress=_progress(args), **kw, **layout)
     if args.json:
         _print_json(result.to_dict())
     elif not args.quiet:
@@ -636,17 +726,18 @@ def cmd_inspect(args) -> int:
 def cmd_sensitivity(args) -> int:
     """``onnx-qat sensitivity``: :func:`onnx_qat.sensitivity`, printed as a ranked table."""
     calib = _calibration_keywords(args)
-    _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"),
-                  ("--eval-data", args.eval_data, "DataError"))
+    layout = _layout_keywords(args)
+    _check_inputs(("model", args.model, "ModelError"))
+    data, eval_data = _data_source("--data", args.data), _data_source("--eval-data", args.eval_data)
     _check_outputs([("--output", args.output), ("--plot", args.plot)],
-                   [args.model, args.data, args.eval_data])
+                   [args.model, *_data_paths(data, eval_data)])
     if args.output is not None and args.plot is not None and _same_path(args.output, args.plot):
         raise UsageError("--output and --plot name the same file")
     from .accuracy import sensitivity
     extra = {"percentile": calib.pop("percentile")} if "percentile" in calib else {}
-    result = sensitivity(args.model, args.data, eval_data=args.eval_data, metric=args.metric,
+    result = sensitivity(args.model, data, eval_data=eval_data, metric=args.metric,
                          progress=_progress(args), calibration_options=extra, **calib,
-                         **_placement_keywords(args))
+                         **_placement_keywords(args), **layout)
     _say(args, result.table(top=args.top))
     if args.output is not None:
         result.save(args.output)

@@ -15,6 +15,7 @@ from .calibration.runner import DEFAULT_METHOD, calibrate
 from .config import QuantizeConfig
 from .errors import ConfigError
 from .formats.numeric import get_format
+from .io.layout import with_layout
 from .placement.marks import Placement
 from .rewrite import (QUANTIZED_OPS, REPORT_FORMAT, REPORT_VERSION, QuantizeResult,  # noqa: F401
                       check_sources, nested_indexes, nothing_to_quantize, quantize_placed,
@@ -31,6 +32,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
              int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
              float_dtype: Optional[str] = None, keep_io_types: bool = True,
+             state: Optional[Mapping[str, str]] = None, batch_axis: Optional[Mapping[str, int]] = None,
              **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
@@ -93,6 +95,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         keep_io_types: with ``float_dtype`` ``fp16``/``bf16``: graph inputs and outputs keep their
             types, with a Cast at the boundary (default); False: they take ``float_dtype`` too.
 
+        state: ``{output: input}`` of a stateful model (``{"stateN": "state"}`` for silero-vad):
+            calibration (and the ``min_cosine`` search) run the data in order, each run's ``output``
+            fed to the next run as ``input``; the first feed gives the initial state.
+        batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first (``{"state": 1}``).
+
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
             or a given ``placement`` names tensors or nodes the model does not have.
@@ -127,6 +134,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     if config.fp8_method == "gptq" and (min_cosine is not None or max_float_sites is not None):
         raise ConfigError("fp8_method 'gptq' does not combine with min_cosine (mixed precision rounds "
                           "FP8 weights to nearest)")
+    if state and ((fmt.weight_only and data is not None) or config.fp8_method == "gptq"):
+        raise ConfigError("state applies to calibration and the min_cosine search; the activation-aware "
+                          "weight rounding (int4 awq/gptq, fp8 gptq) does not run stateful models")
+    data = with_layout(data, state=state, batch_axis=batch_axis)
+    eval_data = with_layout(eval_data, state=state, batch_axis=batch_axis)
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:

@@ -81,12 +81,16 @@ class GatedRunner:
     the tensors crossing a few cut positions (:mod:`onnx_qat.accuracy.cuts`); any other setting then
     runs only the graph suffix after the cut nearest before the first gate in which it differs from
     the closer of the two. ``cut_bytes`` bounds the memory those tensors take (0: no cuts, every
-    setting runs the whole graph).
+    setting runs the whole graph). With a ``state`` (``{output: input}``, a stateful model) the feeds
+    run in order with the state fed back, every setting through the whole graph (a suffix would need
+    the state of its own earlier runs).
     """
 
     def __init__(self, gated: onnx.ModelProto, num_sites: int, feeds: Sequence[Mapping[str, np.ndarray]],
-                 outputs: Sequence[str], threads=None, cut_bytes: Optional[int] = None):
+                 outputs: Sequence[str], threads=None, cut_bytes: Optional[int] = None,
+                 state: Optional[Mapping[str, str]] = None):
         from ..runtime.sessions import make_session, needs_exact_qdq
+        from ..runtime.stateful import carry_state
         from .cuts import CUT_CACHE_BYTES, CutPlan
 
         self.num_sites = num_sites
@@ -99,14 +103,15 @@ class GatedRunner:
         self._optimize = not needs_exact_qdq(gated)
         self._true = np.array(True)
         self._false = np.array(False)
-        budget = CUT_CACHE_BYTES if cut_bytes is None else cut_bytes
+        budget = 0 if state else CUT_CACHE_BYTES if cut_bytes is None else cut_bytes
         gates = [f"{GATE_PREFIX}{k}" for k in range(num_sites)]
         self.plan = CutPlan(gated, gates, self.outputs) if budget > 0 and CutPlan.usable(gated) else None
         self.cuts: Tuple[int, ...] = self._choose_cuts(gated, budget) if self.plan is not None else ()
         keep = tuple(dict.fromkeys(t for c in self.cuts for t in self.plan.crossing(c)))
         self._gated = gated if self.cuts else None
-        self.session = make_session(gated, copy=bool(self.cuts), threads=threads, extra_outputs=keep,
-                                    spin=False, optimize=self._optimize)
+        session = make_session(gated, copy=bool(self.cuts), threads=threads, extra_outputs=keep, spin=False,
+                               optimize=self._optimize)
+        self.session = carry_state(session, state)
         self._suffixes: "OrderedDict[int, object]" = OrderedDict()
         self._references = {everything: self._full(range(num_sites) if everything else (), keep)
                             for everything in (False, True)}

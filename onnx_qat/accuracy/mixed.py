@@ -160,6 +160,7 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     """The Q/DQ model with ``chosen`` sites excluded from placement, and its verified error."""
     from ..rewrite import quantize_placed
     from ..runtime.sessions import make_session
+    from ..runtime.stateful import carry_state
     from .gated import join_flat
 
     names = [prepared.sites[k].name for k in chosen]
@@ -173,7 +174,7 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     except PlacementError:  # the partners took every remaining site along
         raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "
                             + ", ".join(names[:8]) + "; nothing was written") from None
-    session = make_session(result.model, spin=False)
+    session = carry_state(make_session(result.model, spin=False), prepared.evaluation)
     outputs = list(prepared.reference)
     parts = {name: [] for name in outputs}
     for feed in prepared.feeds:

@@ -182,7 +182,8 @@ def _fmt_db(value: float) -> str:
 
 def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None, metric: str = "cosine",
                 config=None, batch_size: int = 16, progress: bool = True, exhaustive: bool = False,
-                calibration_options=None, **placement_options) -> SensitivityResult:
+                calibration_options=None, state=None, batch_axis=None,
+                **placement_options) -> SensitivityResult:
     """Measure how much each quantized site costs in output accuracy.
 
     Args:
@@ -203,6 +204,10 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
             the sites whose group moves the output cosine by at least 1% of the all-INT8 loss; the
             others get their group's figures as bounds (``SiteSensitivity.only_group`` > 1).
         calibration_options: further keywords of :func:`onnx_qat.calibrate` (``percentile``, ``num_bins``).
+        state: ``{output: input}`` of a stateful model: every run goes through the data in order,
+            each run's ``output`` fed to the next as ``input`` (the first feed gives the initial
+            state; a held-out quarter starts from it again).
+        batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first.
 
     Returns:
         A :class:`SensitivityResult`, most sensitive site first.
@@ -211,7 +216,11 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
 
     if metric not in METRICS:
         raise ConfigError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
+    from ..io.layout import with_layout
+
     config = QuantizeConfig.from_options(config, **placement_options)
+    data = with_layout(data, state=state, batch_axis=batch_axis)
+    eval_data = with_layout(eval_data, state=state, batch_axis=batch_axis)
     start = time.perf_counter()
     prepared, act_stats = prepare(model, data, scales=scales, method=method, eval_data=eval_data,
                                   config=config, batch_size=batch_size, progress=progress,

@@ -26,7 +26,12 @@ CHECK_SAMPLES = 64
 
 def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16):
     """The first ``count`` samples of ``dataset`` as arrays; the dataset itself when it has no more
-    (or its inputs have no sample axis)."""
+    (or its inputs have no sample axis); of a stream of feeds or a stateful model's data, the first
+    ``count`` feeds (steps), as a dataset that runs them in order."""
+    from ..io.feeds import FeedStream
+
+    if isinstance(dataset, FeedStream) or dataset.state:  # feeds (or steps) run in order: the first ones
+        return dataset.take(count)
     if len(dataset) <= count or dataset.unbatched:
         return dataset
     parts: Dict[str, list] = {}

@@ -128,13 +128,15 @@ def _check_options(method: str, percentile, num_bins, batch_size) -> None:
 
 def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 99.99, num_bins: int = 2048,
               batch_size: int = 16, config=None, tensors: Optional[Iterable[str]] = None,
-              progress: bool = True, output=None, **placement_options) -> ScaleTable:
+              progress: bool = True, output=None, state: Optional[Mapping[str, str]] = None,
+              batch_axis: Optional[Mapping[str, int]] = None, **placement_options) -> ScaleTable:
     """Compute activation ranges of ``model`` on ``data`` with onnxruntime.
 
     Args:
         model: a float ONNX model (``ModelProto``, not modified, or a path).
-        data: calibration data: an ``.npz`` path, a dict of arrays, an array or a
-            :class:`~onnx_qat.io.data.Dataset` (see :func:`onnx_qat.load_data`).
+        data: calibration data: an ``.npz`` path, a dict of arrays, an array, a stream of feeds
+            (a directory or list of ``.npz`` files, a list or iterator of feed dicts, an object with
+            ``get_next()``) or a :class:`~onnx_qat.io.data.Dataset` (see :func:`onnx_qat.load_data`).
         method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
             of the max, percentile and mse candidates quantizes that tensor with the least error,
             ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
@@ -151,6 +153,9 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         tensors: observe exactly these tensors instead of placement's activation tensors.
         progress: show a tqdm progress bar on stderr.
         output: when given, the ScaleTable is also saved there (atomically).
+        state: ``{output: input}`` of a stateful model: the data runs in order, each run's
+            ``output`` fed to the next run as ``input`` (the first feed gives the initial state).
+        batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first.
 
     Returns:
         A :class:`~onnx_qat.scales.ScaleTable` of per-tensor activation amax whose
@@ -160,9 +165,12 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         ModelError, DataError, ConfigError, PlacementError, OutputError: one line each.
     """
     from ..io.data import load_data
+    from ..io.layout import with_layout
     from ..io.files import check_output_path
     from ..io.models import load_model
+    from ..runtime.stateful import carry_state, state_outputs
     _check_options(method, percentile, num_bins, batch_size)
+    data = with_layout(data, state=state, batch_axis=batch_axis)
     if output is not None:
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
     proto = load_model(model)
@@ -172,7 +180,9 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     observers = {n: TensorObserver(n, make_collector(method, percentile=percentile, num_bins=num_bins))
                  for n in names}
     fetched = [n for n in names if n not in graph_inputs]
-    session = make_runner(proto, fetched)  # proto is this function's own copy
+    # proto is this function's own copy; a stateful model's runs also fetch its state outputs
+    run_outputs = fetched + [o for o in state_outputs(dataset) if o not in fetched]
+    session = carry_state(make_runner(proto, run_outputs), dataset)
     del proto  # the session holds the weights now
     reached = _observe(session, dataset, observers, fetched, batch_size, progress, f"calibrate ({method})")
     reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
@@ -249,8 +259,9 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
         except Exception as exc:
             raise ModelError(f"onnxruntime failed on batch {index} of {dataset.source}: "
                              f"{brief(exc, 300)}") from None
+        given = getattr(session, "last_given", feed)  # a stateful model's carried state input too
         for name, observer in observers.items():
-            value = values.pop(name) if name in values else feed[name]
+            value = values.pop(name) if name in values else given[name]
             if value is not None:
                 observer.update(value)
                 reached.add(name)

@@ -9,6 +9,7 @@ memory stays bounded by one batch whatever the number of samples. Compressed mem
 
 * :func:`read_members` ``(path, label) -> {key: NpzMember}`` — headers only.
 * :meth:`NpzMember.open` — a :class:`MemberReader` whose :meth:`~MemberReader.read` yields rows.
+* :func:`read_feed` ``(path, label) -> {key: array}`` — a small archive holding one feed, read whole.
 
 Errors are :class:`~onnx_qat.errors.DataError` lines naming ``label`` and the key.
 Object (pickled) arrays are refused from their header, before any of their bytes is read.
@@ -212,4 +213,38 @@ def _unreadable(label: str, key: str, exc: BaseException) -> DataError:
     return DataError(f"{label}: key {key!r} cannot be read ({brief(exc, first_line=True)})")
 
 
-__all__ = ["NpzMember", "MemberReader", "read_members"]
+def read_feed(path: Path, label: str, *, headers_only: bool = False) -> Dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file holding one feed (0-d arrays included), read whole.
+
+    With ``headers_only`` no value is read: each array is a zero-strided stand-in of its shape and
+    dtype (for checking a list of files before any is run).
+
+    Raises:
+        DataError: as :func:`read_members`; a file that is not an ``.npz`` archive or holds none.
+    """
+    if not path.is_file():
+        raise DataError(f"{label} does not exist")
+    with open(path, "rb") as handle:
+        magic = handle.read(6)
+    if not magic.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        raise DataError(f"{label} is not an .npz archive; save each feed with np.savez")
+    members = read_members(path, label)
+    if not members:
+        raise DataError(f"{label} holds no arrays")
+    if headers_only:
+        return {key: np.broadcast_to(np.zeros((), m.dtype.newbyteorder("=")), m.shape)
+                for key, m in members.items()}
+    arrays = {}
+    for key, member in members.items():
+        try:
+            with zipfile.ZipFile(path) as archive, archive.open(member.member) as stream:
+                array = npy_format.read_array(stream, allow_pickle=False)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise _unreadable(label, key, exc) from None
+        if array.shape != member.shape or array.dtype != member.dtype:
+            raise DataError(f"{label}: key {key!r} changed while it was being read; read it again")
+        arrays[key] = array
+    return arrays
+
+
+__all__ = ["NpzMember", "MemberReader", "read_members", "read_feed"]

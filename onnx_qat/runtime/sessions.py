@@ -230,7 +230,10 @@ def _session_and_data(model_or_session, data, threads=None):
         session = model_or_session
     else:
         session = make_session(model_or_session, threads=threads)
-    dataset = data if isinstance(data, Dataset) else load_data(data, session_input_specs(session))
+    from ..io.feeds import FeedStream
+
+    ready = isinstance(data, (Dataset, FeedStream))
+    dataset = data if ready else load_data(data, session_input_specs(session))
     return session, dataset
 
 
@@ -249,8 +252,12 @@ def run_batches(session, dataset: Dataset, *, batch_size: int = 16, outputs: Opt
                 progress: bool = False, desc: str = "onnxruntime") -> Iterator[Dict[str, np.ndarray]]:
     """Run ``session`` on ``dataset`` batch by batch and yield ``{output name: array}`` per batch.
 
-    A tqdm progress bar goes to stderr when ``progress`` is true.
+    A tqdm progress bar goes to stderr when ``progress`` is true. Data of a stateful model runs in
+    order, each run's state outputs fed to the next (:func:`onnx_qat.runtime.stateful.carry_state`).
     """
+    from .stateful import carry_state
+
+    session = carry_state(session, dataset)
     names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
     known = {o.name for o in session.get_outputs()}
     unknown = [n for n in names if n not in known]
@@ -285,7 +292,19 @@ def run_model(model_or_session, data, *, batch_size: int = 16, outputs: Optional
     for batch in run_batches(session, dataset, batch_size=batch_size, outputs=outputs, progress=progress):
         for name, value in batch.items():
             parts.setdefault(name, []).append(np.asarray(value))
-    return {name: _join(name, values, dataset.unbatched) for name, values in parts.items()}
+    return {name: join_outputs(name, values, dataset) for name, values in parts.items()}
+
+
+def join_outputs(name: str, values, dataset: Dataset) -> np.ndarray:
+    """One output's per-run values joined: concatenated on the first axis (models without a sample
+    axis: stacked); flattened when the runs' outputs differ after the first axis and the data is a
+    stream of feeds or declares batch axes (the batch is then not the output's first axis either)."""
+    from ..io.feeds import FeedStream
+
+    loose = isinstance(dataset, FeedStream) or bool(getattr(dataset, "_axes", None))
+    if loose and len({np.shape(v)[1:] for v in values}) > 1:
+        return np.concatenate([np.ravel(v) for v in values])
+    return _join(name, values, dataset.unbatched)
 
 
 def _join(name: str, values, unbatched: bool) -> np.ndarray:
