@@ -228,7 +228,8 @@ def missing_activations(placement: Placement, scales: ScaleTable) -> Tuple[str, 
 # --------------------------------------------------------------------------- insertion
 def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, target="tensorrt", *,
                      progress: bool = False, zero_points: Optional[Dict[str, int]] = None,
-                     unsigned_weights=(), precision="int8", block_size: int = 128) -> InsertionResult:
+                     unsigned_weights=(), precision="int8", block_size: int = 128,
+                     full_range=()) -> InsertionResult:
     """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
     :meth:`~onnx_qat.graph_edit.GraphEdit.commit`).
 
@@ -245,6 +246,9 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         precision: the numeric format (``"int8"``, ``"fp8"``, ``"int4"`` or a
             :class:`~onnx_qat.formats.Format`); the target's dtypes apply to ``int8`` only.
         block_size: values per INT4 weight scale along the mark's axis (``int4``).
+        full_range: activation tensors stored as uint8 with zero point 0 over the whole grid 0..255:
+            scale ``amax / 255`` instead of ``amax / 127`` (the ``ort-cpu`` form's non-negative
+            tensors, see :mod:`onnx_qat.ort_cpu`).
 
     Raises:
         ScalesError: a quantized activation has no range in ``scales``, or a weight range
@@ -255,15 +259,16 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"ScaleTable has no range for {len(missing)} quantized tensor(s): {shown}")
     return _Inserter(edit, get_target(target), zero_points, unsigned_weights, get_format(precision),
-                     block_size).run(placement, scales, progress)
+                     block_size, full_range).run(placement, scales, progress)
 
 
 class _Inserter:
     """One insertion run over one graph edit."""
 
     def __init__(self, edit: GraphEdit, target: Target, zero_points: Optional[Dict[str, int]] = None,
-                 unsigned_weights=(), fmt: Format = INT8, block_size: int = 128):
+                 unsigned_weights=(), fmt: Format = INT8, block_size: int = 128, full_range=()):
         self.edit = edit
+        self.full_range = frozenset(full_range)
         self.target = target
         self.format = fmt
         self.block_size = block_size
@@ -279,6 +284,10 @@ class _Inserter:
         # every activation scale at once: float values for the records, raw float32 bytes for the
         # initializers (per-tensor NumPy scalars would cost more than the rest of a pair's insertion)
         act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.target, self.format.qmax)
+        if self.full_range:  # uint8 zero point 0 over 0..255 (ort-cpu): a grid twice as fine
+            fine = np.array([m.tensor in self.full_range for m in marks], bool)
+            halved = (np.asarray([amaxes[m.tensor] for m in marks], np.float64) / 255.0).astype(np.float32)
+            act_scales = np.where(fine & (halved >= _TINY), halved, act_scales).astype(np.float32)
         raw = _le_bytes(act_scales)
         for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
             records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4]))

@@ -175,7 +175,10 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         index = GraphIndex(float_model)
     requantization, storage, finish = (), {}, None
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
-        adapted = form.adapt(index, placement, table)
+        calibrated = {}
+        if data is not None and hasattr(form, "nonnegative_inputs"):  # ranges calibrated in this call
+            calibrated = {"nonnegative": form.nonnegative_inputs(float_model, data, placement), "fine": True}
+        adapted = form.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
         if dropped:  # the form rewrites the main graph only: If branches, Loop/Scan bodies stay float in it
@@ -183,7 +186,8 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
                     f"{len(dropped)} subgraph(s) (If branches, Loop/Scan bodies) left float")
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
-        storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
+        storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
+                   "full_range": getattr(adapted, "full_range", ())}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
     storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
