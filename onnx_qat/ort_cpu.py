@@ -51,8 +51,8 @@ So this form differs from ``tensorrt`` in these ways, and only these:
      Reshape..., Pad with zeros, Clip with constant bounds): the quantized consumers then see the
      same values up to the tensor's amax and no learned scale changes (``scale_from`` in the
      report). When that tensor has zero point 0 (2.) the point takes zero point 0 and the same
-     scale too: ``Conv -> Q -> DQ -> Relu -> Q`` then has one scale and one zero point, onnxruntime drops the Relu and the DQ -> Q pair and the
-     ``QLinearConv`` writes the quantized tensor directly (measured on ResNet50: no Q/DQ node left
+     scale too: ``Conv -> Q -> DQ -> Relu -> Q`` then has one scale and one zero point,
+     onnxruntime drops the Relu and the DQ -> Q pair and the ``QLinearConv`` writes the quantized tensor directly (measured on ResNet50: no Q/DQ node left
      between ``QLinearConv`` s, 6-7% faster than zero point 128 there, which kept a DQ -> Q pair per
      point; the price is the clamp of 2.);
    * otherwise the Conv output's own range from the ScaleTable (``onnx_qat.quantize`` with
