@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 from . import __version__
 from .config import TARGETS
-from .formats import FP8_METHODS, INT4_METHODS, PRECISIONS
+from .formats.numeric import FP8_METHODS, INT4_METHODS, PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
 
@@ -388,7 +388,7 @@ def _check_inputs(*inputs) -> None:
 
 def _check_outputs(outputs, inputs) -> None:
     """Refuse bad output paths before any work (OutputError, exit 2)."""
-    from .fileio import check_output_path
+    from .io.files import check_output_path
     for option, path in outputs:
         if path is not None:
             check_output_path(path, inputs=tuple(inputs), what=option)
@@ -443,7 +443,7 @@ def cmd_quantize(args) -> int:
         print(f"check: {report.summary()}" if result.target == "tensorrt"
               else f"check ({result.target} rules): {report.summary()}")
     if args.report is not None:
-        from .fileio import write_json
+        from .io.files import write_json
         write_json(args.report, _finite({**result.to_report(), "check": report.to_dict()}))
         _say(args, f"wrote {args.report}")
     return EXIT_OK if report else EXIT_PROBLEMS
@@ -501,7 +501,7 @@ def cmd_compare(args) -> int:
     kw = {k: v for k, v in kw.items() if v is not None}
     _check_inputs(("reference model", args.reference, "ModelError"),
                   ("candidate model", args.candidate, "ModelError"), ("--data", args.data, "DataError"))
-    from .compare import compare
+    from .runtime.compare import compare
     result = compare(args.reference, args.candidate, args.data, progress=_progress(args), **kw)
     if args.json:
         _print_json(result.to_dict())

@@ -58,7 +58,7 @@ from typing import List, Tuple
 import numpy as np
 
 from onnx_qat.errors import ExportError
-from onnx_qat.fileio import check_output_path
+from onnx_qat.io.files import check_output_path
 
 from .convert import (GRAPPLER_PASSES, Tf2onnxLog, _tf2onnx_without_conv_folding,  # noqa: F401
                       check_converted, convert_float_twin)
@@ -163,7 +163,7 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
         OutputError: an output path cannot be written.
     """
     from onnx_qat.check import check
-    from onnx_qat.model_io import load_model, save_model
+    from onnx_qat.io.models import load_model, save_model
     from onnx_qat.quantize import quantize
 
     from .describe import iter_quantizer_layers

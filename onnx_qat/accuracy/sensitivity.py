@@ -141,7 +141,7 @@ class SensitivityResult:
 
     def save(self, path) -> None:
         """Write :meth:`to_dict` as JSON (atomically; inf/NaN as strings)."""
-        from ..fileio import write_json
+        from ..io.files import write_json
 
         write_json(path, _json_safe(self.to_dict()))
 
@@ -257,7 +257,7 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
 
 
 def _weight_stats(prepared) -> dict:
-    from ..model_io import tensor_array
+    from ..io.models import tensor_array
 
     inits = {t.name: t for t in prepared.float_model.graph.initializer}
     for node in prepared.float_model.graph.node:  # weights some exporters keep in Constant nodes

@@ -1,6 +1,6 @@
 """What placement decides, as plain immutable records (no graph objects).
 
-Handlers only produce these marks; :mod:`onnx_qat.insertion` is the one place
+Handlers only produce these marks; :mod:`onnx_qat.insertion.inserter` is the one place
 that turns marks plus a ScaleTable into QuantizeLinear/DequantizeLinear nodes.
 
 The records made once per node or per mark (:class:`ActivationMark`, :class:`WeightMark`,

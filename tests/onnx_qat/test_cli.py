@@ -33,8 +33,8 @@ needs_quantize = pytest.mark.skipif(not _api_ready("onnx_qat.quantize", "quantiz
                                     reason="onnx_qat.quantize.quantize is not available yet")
 needs_calibrate = pytest.mark.skipif(not _api_ready("onnx_qat.calibration", "calibrate"),
                                      reason="onnx_qat.calibration.calibrate is not available yet")
-needs_compare = pytest.mark.skipif(not _api_ready("onnx_qat.compare", "compare"),
-                                   reason="onnx_qat.compare.compare is not available yet")
+needs_compare = pytest.mark.skipif(not _api_ready("onnx_qat.runtime.compare", "compare"),
+                                   reason="onnx_qat.runtime.compare.compare is not available yet")
 needs_place = pytest.mark.skipif(not _api_ready("onnx_qat.placement", "place"),
                                  reason="onnx_qat.placement.place is not available yet")
 
@@ -370,7 +370,7 @@ def test_quantize_is_byte_identical_across_processes(float_cnn, tmp_path):
 
 def _target_ready(name: str) -> bool:
     try:
-        from onnx_qat.targets import get_target
+        from onnx_qat.insertion.targets import get_target
         get_target(name)
         return True
     except Exception:

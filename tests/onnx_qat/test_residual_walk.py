@@ -6,7 +6,7 @@ import pytest
 
 import onnx_qat
 from onnx_qat.config import QuantizeConfig
-from onnx_qat.placement.graph_index import GraphIndex
+from onnx_qat.graph.index import GraphIndex
 from onnx_qat.placement.handlers import PlacementContext, _computed_from, _computed_from_walk, _made_after
 from tests.builders import GraphBuilder
 

@@ -1,6 +1,6 @@
 """The one inserter: placement marks + a ScaleTable -> QuantizeLinear/DequantizeLinear nodes.
 
-Works on a :class:`~onnx_qat.graph_edit.GraphEdit` of the model's protobuf. Every node it
+Works on a :class:`~onnx_qat.graph.edit.GraphEdit` of the model's protobuf. Every node it
 creates has a readable name derived from the tensor it quantizes:
 
 * activation ``t``: ``t_QuantizeLinear`` -> ``t_DequantizeLinear`` with initializers
@@ -8,7 +8,7 @@ creates has a readable name derived from the tensor it quantizes:
 * weight ``w``: int8 initializer ``w_quantized`` -> ``w_DequantizeLinear`` with
   ``w_scale`` / ``w_zero_point`` (1-D per channel with the ``axis`` attribute, or scalars).
 
-The numeric format (:mod:`onnx_qat.formats`) decides the stored types and the scale rule:
+The numeric format (:mod:`onnx_qat.formats.numeric`) decides the stored types and the scale rule:
 ``int8`` (above), ``fp8`` (E4M3FN activations and per-channel weights, zero points of type
 float8e4m3fn and value 0, scale ``amax / 448``) or ``int4`` (weights only: an INT4 initializer
 and a DequantizeLinear with ``axis`` and ``block_size``, one scale per block, ``amax / 7``).
@@ -27,11 +27,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import onnx
 
-from .errors import ScalesError
-from .formats import INT8, Format, get_format
-from .graph_edit import GraphEdit, make_node
-from .placement.marks import ActivationMark, Placement, WeightMark
-from .scales import ScaleTable
+from ..errors import ScalesError
+from ..formats.numeric import INT8, Format, get_format
+from ..graph.edit import GraphEdit, make_node
+from ..placement.marks import ActivationMark, Placement, WeightMark
+from ..scales import ScaleTable
 from .targets import Target, get_target
 
 logger = logging.getLogger(__name__)
@@ -231,20 +231,20 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
                      unsigned_weights=(), precision="int8", block_size: int = 128,
                      full_range=()) -> InsertionResult:
     """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
-    :meth:`~onnx_qat.graph_edit.GraphEdit.commit`).
+    :meth:`~onnx_qat.graph.edit.GraphEdit.commit`).
 
     Args:
-        edit: a :class:`~onnx_qat.graph_edit.GraphEdit` of the model whose node names placement used.
+        edit: a :class:`~onnx_qat.graph.edit.GraphEdit` of the model whose node names placement used.
         placement: the marks from :func:`onnx_qat.place`.
         scales: activation amax per tensor; optional weight amax (otherwise from the weights).
-        target: a :class:`~onnx_qat.targets.Target` or its name.
+        target: a :class:`~onnx_qat.insertion.targets.Target` or its name.
         progress: show a progress bar on stderr.
         zero_points: activation tensor -> zero point overriding the target's (the ``ort-cpu``
             form uses 0 for non-negative tensors); the records then carry ``zero_point``.
         unsigned_weights: weight tensors stored as uint8 ``q + 128`` with zero point 128 instead of
             int8 ``q`` with zero point 0 (the same dequantized values).
         precision: the numeric format (``"int8"``, ``"fp8"``, ``"int4"`` or a
-            :class:`~onnx_qat.formats.Format`); the target's dtypes apply to ``int8`` only.
+            :class:`~onnx_qat.formats.numeric.Format`); the target's dtypes apply to ``int8`` only.
         block_size: values per INT4 weight scale along the mark's axis (``int4``).
         full_range: activation tensors stored as uint8 with zero point 0 over the whole grid 0..255:
             scale ``amax / 255`` instead of ``amax / 127`` (the ``ort-cpu`` form's non-negative
@@ -309,7 +309,7 @@ class _Inserter:
 
     def _zero_point(self, shape: Tuple[int, ...], value: int, dtype) -> tuple:
         """``(NumPy type, raw bytes, shape)`` of a zero point of ``dtype`` and ``shape`` filled with
-        ``value``, for :meth:`~onnx_qat.graph_edit.GraphEdit.add_raw_initializer` (made once per
+        ``value``, for :meth:`~onnx_qat.graph.edit.GraphEdit.add_raw_initializer` (made once per
         shape, value and type: every pair and weight of a kind shares them)."""
         key = (shape, value, dtype)
         found = self._zero_points.get(key)
@@ -401,7 +401,7 @@ class _Inserter:
     def weight_in_format(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],
                          scales: ScaleTable, consumers) -> dict:
         """An FP8 (per channel) or INT4 (per block) weight initializer + DequantizeLinear."""
-        from .blockwise import pack_int4, quantize_blocks, to_fp8
+        from ..formats.blockwise import pack_int4, quantize_blocks, to_fp8
 
         edit, fmt = self.edit, self.format
         values, proto, chain = edit.constant(tensor)
@@ -454,7 +454,7 @@ class _Inserter:
 def _zero_bytes(data_type: int, shape: Tuple[int, ...]) -> tuple:
     """``(ONNX element type, raw bytes, shape)`` of an all-zero FP8 or INT4 zero point (both encode 0 as
     zero bits; INT4 packs two values per byte)."""
-    from .formats import ONNX_INT4
+    from ..formats.numeric import ONNX_INT4
 
     count = int(np.prod(shape, dtype=np.int64))
     size = (count + 1) // 2 if data_type == ONNX_INT4 else count

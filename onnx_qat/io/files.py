@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Iterator, Union
 
-from .errors import OutputError, QatError
+from ..errors import OutputError, QatError
 
 PathLike = Union[str, os.PathLike]
 

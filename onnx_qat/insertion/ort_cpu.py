@@ -81,9 +81,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .placement.graph_index import GraphIndex
-from .placement.marks import ActivationMark, Placement
-from .scales import ScaleTable
+from ..graph.index import GraphIndex
+from ..placement.marks import ActivationMark, Placement
+from ..scales import ScaleTable
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +156,8 @@ class Adapted:
     full_range: Tuple[str, ...] = ()
 
     def finish(self, edit) -> Tuple[str, ...]:
-        """Apply :attr:`folds` to ``edit`` (the :class:`~onnx_qat.graph_edit.GraphEdit` after
-        :func:`~onnx_qat.insertion.insert_qdq_pairs`); the names of the Convs folded."""
+        """Apply :attr:`folds` to ``edit`` (the :class:`~onnx_qat.graph.edit.GraphEdit` after
+        :func:`~onnx_qat.insertion.inserter.insert_qdq_pairs`); the names of the Convs folded."""
         return fold_scale_ops(edit, self.folds)
 
 
@@ -224,7 +224,7 @@ class OrtCpuForm:
         """Quantized graph inputs of ``model`` whose every value in the calibration ``data`` is >= 0
         (images in 0..255 or 0..1): they take zero point 0 and the whole uint8 grid, as onnxruntime's
         own ``quantize_static`` does from their calibrated minimum. Read batch by batch."""
-        from .data import load_data
+        from ..io.data import load_data
 
         marked = set(placement.activation_tensors())
         dataset = load_data(data, model, what="calibration data")
@@ -249,7 +249,7 @@ class OrtCpuForm:
         known to be >= 0 (:meth:`nonnegative_inputs` on the calibration data): zero point 0 for them.
         ``fine``: the ranges were calibrated for this model (not learned in QAT): tensors with zero point 0
         use the whole uint8 grid (scale ``amax / 255``, :attr:`Adapted.full_range`)."""
-        from .insertion import group_amax
+        from .inserter import group_amax
 
         amaxes = group_amax(placement, table)
         marks: Dict[str, ActivationMark] = {m.tensor: m for m in placement.activations}
@@ -542,7 +542,7 @@ def _usable_factors(k: np.ndarray) -> bool:
 
 def fold_scale_ops(edit, folds) -> Tuple[str, ...]:
     """Fold each :class:`ScaleFold` into its Conv, as edits of ``edit`` (a
-    :class:`~onnx_qat.graph_edit.GraphEdit` after Q/DQ insertion): new weight integers, weight scales
+    :class:`~onnx_qat.graph.edit.GraphEdit` after Q/DQ insertion): new weight integers, weight scales
     and bias; the Mul/Add (and Constant nodes only they read) removed; the Conv writes the fold's
     output tensor. A fold whose Conv does not have the expected ``DequantizeLinear`` weight is left
     out with a warning. Returns the Convs folded."""
@@ -609,7 +609,7 @@ def _fold_parts(conv, mul, add, fold: ScaleFold, edit, readers):
     bias_proto = None if bias is None else edit.initializer(bias)
     if any(p is None for p in protos) or (bias is not None and bias_proto is None):
         return None
-    from .model_io import tensor_array
+    from ..io.models import tensor_array
 
     axis = next((a.i for a in dq.attribute if a.name == "axis"), None)
     q, scale, zero = (tensor_array(p) for p in protos)

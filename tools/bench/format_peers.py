@@ -162,7 +162,7 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _outputs(model, data) -> np.ndarray:
-    from onnx_qat.runtime import run_model
+    from onnx_qat.runtime.sessions import run_model
 
     values = run_model(model, data, batch_size=8)
     return np.concatenate([v.ravel() for v in values.values()])
