@@ -248,7 +248,7 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         block_size: values per INT4 weight scale along the mark's axis (``int4``).
         full_range: activation tensors stored as uint8 with zero point 0 over the whole grid 0..255:
             scale ``amax / 255`` instead of ``amax / 127`` (the ``ort-cpu`` form's non-negative
-            tensors, see :mod:`onnx_qat.ort_cpu`).
+            tensors, see :mod:`onnx_qat.insertion.ort_cpu`).
 
     Raises:
         ScalesError: a quantized activation has no range in ``scales``, or a weight range

@@ -52,9 +52,9 @@ So this form differs from ``tensorrt`` in these ways, and only these:
      same values up to the tensor's amax and no learned scale changes (``scale_from`` in the
      report). When that tensor has zero point 0 (2.) the point takes zero point 0 and the same
      scale too: ``Conv -> Q -> DQ -> Relu -> Q`` then has one scale and one zero point,
-     onnxruntime drops the Relu and the DQ -> Q pair and the ``QLinearConv`` writes the quantized tensor directly (measured on ResNet50: no Q/DQ node left
-     between ``QLinearConv`` s, 6-7% faster than zero point 128 there, which kept a DQ -> Q pair per
-     point; the price is the clamp of 2.);
+     onnxruntime drops the Relu and the DQ -> Q pair and the ``QLinearConv`` writes the quantized
+     tensor directly (measured on ResNet50: no Q/DQ node left between ``QLinearConv`` s, 6-7%
+     faster than zero point 128 there, which kept a DQ -> Q pair per point);
    * otherwise the Conv output's own range from the ScaleTable (``onnx_qat.quantize`` with
      ``data`` calibrates these tensors too);
    * when the table has no range for it, no point is added: that Conv keeps a float output
