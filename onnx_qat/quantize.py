@@ -28,7 +28,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              report=None, progress: bool = True, placement: Optional[Placement] = None,
              precision: Optional[str] = None, block_size: Optional[int] = None,
              min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
-             int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
+             int4_method: Optional[str] = None, fp8_method: Optional[str] = None, latency=None,
              **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
@@ -80,6 +80,17 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             once on the calibration part of ``data``; without ``data``, round to nearest).
         max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
         eval_data: with ``min_cosine``: the data the output cosine is measured on.
+        latency: ``target="ort-cpu"`` only: quantize a site (Conv, Gemm, MatMul) only where
+            onnxruntime's integer kernel is faster than float on this machine, at the model's shapes
+            (:mod:`onnx_qat.placement.cpu_latency`). None or ``"off"`` (default): every site the
+            placement picks; ``"measure"`` (or True): time each kind of site once per machine and keep
+            the times in this machine's cache file (keyed by CPU model, kernel-selecting CPU flags,
+            onnxruntime version and threads); a path: that latency profile file, read and extended
+            (e.g. one measured on the deployment machine); or a
+            :class:`~onnx_qat.placement.cpu_latency.LatencyOptions` (``threads``, ``batch`` of
+            the deployment session). The result is timed against FP32 at the end
+            (``QuantizeResult.latency``, the report's ``latency``; a note says so plainly when it is
+            not faster).
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -102,6 +113,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     if config.fp8_method == "gptq" and (min_cosine is not None or max_float_sites is not None):
         raise ConfigError("fp8_method 'gptq' does not combine with min_cosine (mixed precision rounds "
                           "FP8 weights to nearest)")
+    latency_options = _latency_options(latency, config, placement, min_cosine, max_float_sites, eval_data)
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
@@ -115,4 +127,22 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                               config=config, calib_kw=calib_kw, report=report, progress=progress)
     return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
-                           placement=placement, calibrator=calibrate)
+                           placement=placement, calibrator=calibrate, latency=latency_options)
+
+
+def _latency_options(latency, config: QuantizeConfig, placement, min_cosine, max_float_sites, eval_data):
+    """The resolved ``latency`` option (:class:`~onnx_qat.placement.cpu_latency.LatencyOptions` or
+    None); ConfigError where it does not apply."""
+    if latency is None or latency is False or latency == "off":
+        return None
+    from .placement.cpu_latency import LatencyOptions
+
+    options = LatencyOptions.resolve(latency)
+    if config.target != "ort-cpu" or config.precision != "int8":
+        raise ConfigError("latency placement applies to target 'ort-cpu' with precision 'int8' "
+                          f"(got target {config.target!r}, precision {config.precision!r})")
+    if placement is not None:
+        raise ConfigError("latency placement decides the placement itself: do not give one")
+    if min_cosine is not None or max_float_sites is not None or eval_data is not None:
+        raise ConfigError("latency placement does not combine with min_cosine (mixed precision)")
+    return options

@@ -57,6 +57,10 @@ class QuantizeResult:
             relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
             (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
+        latency: with ``latency`` (``ort-cpu``): every timed site (float and integer microseconds,
+            gain, decision), the sites kept float for speed, the profile file, and the whole model
+            timed against FP32 (``whole_model``: medians, speed-up, verdict); see
+            :mod:`onnx_qat.placement.cpu_latency`. None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -71,6 +75,7 @@ class QuantizeResult:
     awq: Tuple[dict, ...] = field(default=(), repr=False)
     accuracy: Optional[Mapping] = field(default=None, repr=False)
     gptq: Tuple[dict, ...] = field(default=(), repr=False)
+    latency: Optional[Mapping] = field(default=None, repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.io.models.save_model`)."""
@@ -102,6 +107,7 @@ class QuantizeResult:
                                                     "awq": [dict(r) for r in self.awq]}),
             **({"gptq": [dict(r) for r in self.gptq]} if self.gptq else {}),
             **({} if self.accuracy is None else {"mixed_precision": dict(self.accuracy)}),
+            **({} if self.latency is None else {"latency": dict(self.latency)}),
         }
 
     def to_dict(self) -> dict:
@@ -117,7 +123,7 @@ class QuantizeResult:
 
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
-                    placement: Optional[Placement] = None, calibrator=None) -> QuantizeResult:
+                    placement: Optional[Placement] = None, calibrator=None, latency=None) -> QuantizeResult:
     """The rewrite behind :func:`onnx_qat.quantize`: quantize every site the placement marks.
 
     ``config`` is the resolved :class:`~onnx_qat.config.QuantizeConfig` and ``calib_kw`` the merged
@@ -126,6 +132,8 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     entry point that dispatches to them. ``calibrator`` (:func:`onnx_qat.calibrate`, passed by
     :func:`onnx_qat.quantize`) computes the ranges when ``data`` is given: the rewrite does not import
     the calibration package, whose ``auto`` method inserts its candidate tables through this function.
+    ``latency``: a :class:`~onnx_qat.placement.cpu_latency.LatencyOptions` (``ort-cpu`` only): sites
+    whose integer form is not faster on this CPU stay float, and the result is timed against FP32.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -137,6 +145,16 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
             raise ConfigError("report and output name the same file")
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
+    latency_decision = None
+    if latency is not None:  # ort-cpu: keep float the sites whose integer kernel is not faster here
+        from .placement.cpu_latency import place_by_latency
+
+        placement, latency_decision = place_by_latency(float_model, index, placement, policy_for(target_obj),
+                                                       config, latency)
+        if placement.empty:
+            raise PlacementError("every quantizable site runs faster in float on this CPU (see the latency "
+                                 "profile): the FP32 model is already the fast form; nothing written")
+        timing_model = float_model.SerializeToString()  # the rewrite edits float_model's nodes
     awq_records: tuple = ()
     gptq_records: tuple = ()
     if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
@@ -187,7 +205,8 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
-                   "full_range": getattr(adapted, "full_range", ())}
+                   "full_range": getattr(adapted, "full_range", ()),
+                   "narrow_weights": getattr(adapted, "narrow_weights", ())}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
     storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
@@ -196,9 +215,22 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
     summary = _summary(placement, inserted)
+    latency_report = None
+    if latency_decision is not None:
+        from .placement.cpu_latency import whole_model_timing
+
+        whole = whole_model_timing(timing_model, qdq_model, latency)
+        del timing_model
+        latency_report = {**latency_decision.to_dict(), "whole_model": whole}
+        if whole.get("timed") and whole["speedup"] <= 1.0:
+            note = (f"ort-cpu: the quantized model is NOT faster than FP32 on this CPU "
+                    f"({whole['quantized_ms']} ms against {whole['fp32_ms']} ms, batch {whole['batch']}): "
+                    "deploy the FP32 model here")
+            logger.warning("%s", note)
+            placement = replace(placement, notes=placement.notes + (note,))
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
-                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records))
+                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report)
     if out_path is not None:
         # validated on the very bytes written (nothing is written when onnx.checker refuses them)
         io.save_model(qdq_model, out_path, inputs=inputs, ir_version=qdq_model.ir_version, validate=True)

@@ -42,6 +42,8 @@ _FLOAT32 = np.dtype(np.float32)
 #: scale maps it to 0 exactly; this one is tiny but far from float32 underflow.
 ZERO_CHANNEL_SCALE = 1e-8
 _TINY = float(np.finfo(np.float32).tiny)
+#: Weight range of ``narrow_weights`` (see :func:`insert_qdq_pairs`): 2 x 255 x 63 = 32130 < 2**15.
+NARROW_WEIGHT_RANGE = (-63, 63)
 _MAX = float(np.finfo(np.float32).max)
 
 
@@ -229,7 +231,7 @@ def missing_activations(placement: Placement, scales: ScaleTable) -> Tuple[str, 
 def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, target="tensorrt", *,
                      progress: bool = False, zero_points: Optional[Dict[str, int]] = None,
                      unsigned_weights=(), precision="int8", block_size: int = 128,
-                     full_range=()) -> InsertionResult:
+                     full_range=(), narrow_weights=()) -> InsertionResult:
     """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
     :meth:`~onnx_qat.graph.edit.GraphEdit.commit`).
 
@@ -249,6 +251,9 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         full_range: activation tensors stored as uint8 with zero point 0 over the whole grid 0..255:
             scale ``amax / 255`` instead of ``amax / 127`` (the ``ort-cpu`` form's non-negative
             tensors, see :mod:`onnx_qat.insertion.ort_cpu`).
+        narrow_weights: weight tensors stored in [-63, 63] (scale ``amax / 63``) instead of the target's
+            range: read by onnxruntime's uint8 x int8 kernels with activations up to 255, their pair sums
+            stay within 16 bits on CPUs without VNNI (the ``ort-cpu`` form with calibrated ranges).
 
     Raises:
         ScalesError: a quantized activation has no range in ``scales``, or a weight range
@@ -259,16 +264,18 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"ScaleTable has no range for {len(missing)} quantized tensor(s): {shown}")
     return _Inserter(edit, get_target(target), zero_points, unsigned_weights, get_format(precision),
-                     block_size, full_range).run(placement, scales, progress)
+                     block_size, full_range, narrow_weights).run(placement, scales, progress)
 
 
 class _Inserter:
     """One insertion run over one graph edit."""
 
     def __init__(self, edit: GraphEdit, target: Target, zero_points: Optional[Dict[str, int]] = None,
-                 unsigned_weights=(), fmt: Format = INT8, block_size: int = 128, full_range=()):
+                 unsigned_weights=(), fmt: Format = INT8, block_size: int = 128, full_range=(),
+                 narrow_weights=()):
         self.edit = edit
         self.full_range = frozenset(full_range)
+        self.narrow_weights = frozenset(narrow_weights)
         self.target = target
         self.format = fmt
         self.block_size = block_size
@@ -298,8 +305,8 @@ class _Inserter:
         axes_per_tensor: Dict[str, int] = {}
         for tensor, _ in groups:
             axes_per_tensor[tensor] = axes_per_tensor.get(tensor, 0) + 1
-        ready = _quantize_small(self.edit, list(groups), scales, self.target.weight_range) \
-            if self.format is INT8 else {}
+        ready = _quantize_small(self.edit, [k for k in groups if k[0] not in self.narrow_weights], scales,
+                                self.target.weight_range) if self.format is INT8 else {}
         for (tensor, axis), marks in groups.items():
             base = tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
             records_w.append(self.weight(tensor, base, axis, marks, scales, ready.pop((tensor, axis), None)))
@@ -370,8 +377,9 @@ class _Inserter:
             use_axis = axis if table_amax is None else table_axis
             # once: for the scale (unless the table has one), the record
             own_amax = weight_amax(values, use_axis)
+            qrange = NARROW_WEIGHT_RANGE if tensor in self.narrow_weights else self.target.weight_range
             q, scale = quantize_weight(values, use_axis, own_amax if table_amax is None else table_amax,
-                                       self.target.weight_range, name=tensor)
+                                       qrange, name=tensor)
         per_channel = use_axis is not None
         zp_shape = scale.shape if per_channel else ()
         if tensor in self.unsigned_weights:  # same values as uint8 with zero point 128
@@ -395,7 +403,8 @@ class _Inserter:
                 "channels": int(scale.size), "zero_channels": int(np.count_nonzero(own_amax == 0)),
                 "amax_source": "weights" if table_amax is None else "scale table",
                 "rule": marks[0].rule, "reason": marks[0].reason,
-                **({"zero_point": 128} if tensor in self.unsigned_weights else {})}
+                **({"zero_point": 128} if tensor in self.unsigned_weights else {}),
+                **({"range": list(NARROW_WEIGHT_RANGE)} if tensor in self.narrow_weights else {})}
 
 
     def weight_in_format(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],

@@ -98,6 +98,8 @@ _MAX_LOOKAHEAD = 8
 RULE = "CPU1"
 #: Rule name of a per-channel Mul/Add folded into the quantized Conv before it (see :class:`ScaleFold`).
 FOLD_RULE = "CPU2"
+#: Rule name of a MatMul kept apart from its bias Add (see :class:`BiasSplit`).
+SPLIT_RULE = "CPU4"
 #: Largest and smallest non-zero ``|k|`` a fold accepts (the weight scale is multiplied by it).
 _FOLD_K_RANGE = (1e-20, 1e20)
 _FLOAT = 1  # onnx.TensorProto.FLOAT (onnx is not imported at module level)
@@ -142,6 +144,38 @@ class ScaleFold:
 
 
 @dataclass(frozen=True)
+class BiasSplit:
+    """A quantized MatMul whose output only feeds an Add of a constant bias (rule CPU4).
+
+    onnxruntime's ``MatMulAddFusion`` (graph optimization level "extended", before its QDQ fusions)
+    turns ``DQ(x), DQ(W) -> MatMul -> Add(b)`` into a float ``Gemm`` that dequantizes ``W`` at every
+    run: the integer kernel is never used and the model runs slower than FP32 (measured on a
+    ViT-B/16-size encoder block: the weight DequantizeLinear took as long as the Gemm). Kept apart:
+
+    * a MatMul whose input is known to be 2-D (a Flatten or Gemm output, or a Reshape to 2-D) becomes a
+      ``Gemm`` without bias (the same product): onnxruntime runs it as ``QGemm``, then the float Add;
+    * otherwise the Add reads the bias reshaped to ``[1, N]`` (the same broadcast on inputs of rank >= 3):
+      the fusion takes only a rank-1 bias there, so the MatMul becomes ``MatMulIntegerToFloat``.
+
+    No value changes in either case.
+    """
+
+    node: str
+    add: str
+    bias: str
+    as_gemm: bool
+
+    def record(self) -> dict:
+        """The report record (listed under ``requantization``)."""
+        how = ("written as a Gemm without bias (QGemm)" if self.as_gemm else
+               f"bias {self.bias!r} read as [1, N] (MatMulIntegerToFloat)")
+        return {"tensor": self.bias, "node": self.node, "op_type": "MatMul", "rule": SPLIT_RULE,
+                "status": "kept apart", "add": self.add,
+                "reason": f"MatMul {self.node!r} and bias Add {self.add!r} kept apart from onnxruntime's "
+                          f"MatMulAddFusion (a float Gemm dequantizing the weight at every run): {how}"}
+
+
+@dataclass(frozen=True)
 class Adapted:
     """The ort-cpu placement, ScaleTable, report records (requantization points and folds), per-tensor
     zero points, the weights stored as uint8 with zero point 128, and the scale folds to apply to the
@@ -154,11 +188,16 @@ class Adapted:
     unsigned_weights: Tuple[str, ...] = ()
     folds: Tuple[ScaleFold, ...] = ()
     full_range: Tuple[str, ...] = ()
+    splits: Tuple[BiasSplit, ...] = ()
+    narrow_weights: Tuple[str, ...] = ()
 
     def finish(self, edit) -> Tuple[str, ...]:
-        """Apply :attr:`folds` to ``edit`` (the :class:`~onnx_qat.graph.edit.GraphEdit` after
-        :func:`~onnx_qat.insertion.inserter.insert_qdq_pairs`); the names of the Convs folded."""
-        return fold_scale_ops(edit, self.folds)
+        """Apply :attr:`folds` and :attr:`splits` to ``edit`` (the
+        :class:`~onnx_qat.graph.edit.GraphEdit` after :func:`~onnx_qat.insertion.inserter.insert_qdq_pairs`);
+        the names of the Convs folded."""
+        folded = fold_scale_ops(edit, self.folds)
+        split_bias_adds(edit, self.splits)
+        return folded
 
 
 @dataclass(frozen=True)
@@ -199,7 +238,9 @@ class OrtCpuForm:
         folded = {f.node: f.output for f in (self.folds(index, placement) if folds is None else folds)}
         points = []
         for node in index.nodes:
-            if node.op_type not in REQUANT_OPS or node.name not in weighted or not node.outputs:
+            if node.name not in weighted or not node.outputs or not node.standard:
+                continue
+            if node.op_type not in REQUANT_OPS:
                 continue
             out = folded.get(node.name, node.outputs[0])
             if not out or out in index.graph_outputs or not index.consumers(out):
@@ -265,9 +306,15 @@ class OrtCpuForm:
         new_placement = Placement(activations, placement.weights, placement.decisions, tuple(notes))
         new_table = table if not added else table.merged(
             ScaleTable(added, producer=table.producer, metadata=dict(table.metadata)))
+        full = _full_range(activations, zero_points) if fine else ()
         unsigned = _unsigned_weights(placement, activations, zero_points)
-        return Adapted(new_placement, new_table, _with_folds(records, folds), zero_points, unsigned, folds,
-                       _full_range(activations, zero_points) if fine else ())
+        narrow: Tuple[str, ...] = ()
+        if fine:  # calibrated: uint8 x int8 kernels with 7-bit weights where inputs reach 255 (fast, exact)
+            narrow = _wide_input_weights(index, placement, activations, zero_points)
+            unsigned = ()
+        splits = bias_splits(index, placement)
+        records = _with_folds(records, folds) + tuple(s.record() for s in splits)
+        return Adapted(new_placement, new_table, records, zero_points, unsigned, folds, full, splits, narrow)
 
     def _apply(self, point: RequantPoint, index: GraphIndex, marks: Dict[str, ActivationMark], amaxes,
                table: ScaleTable, added: Dict[str, float], notes: List[str]) -> dict:
@@ -349,6 +396,31 @@ def _full_range(activations, zero_points) -> Tuple[str, ...]:
     mixed = {m.scale_group for m in activations if m.scale_group and zero_points.get(m.tensor) != 0}
     return tuple(m.tensor for m in activations
                  if zero_points.get(m.tensor) == 0 and (not m.scale_group or m.scale_group not in mixed))
+
+
+def _wide_input_weights(index: GraphIndex, placement: Placement, activations, zero_points) -> Tuple[str, ...]:
+    """Weights of GEMM-kernel ops whose activation input has zero point 128 (its sign unknown: every
+    value stored around 128, up to 255): stored in [-63, 63] so that onnxruntime's uint8 x int8 GEMM
+    kernels, which add pairs of products in 16 bits on CPUs without VNNI (``vpmaddubsw``), cannot
+    saturate (2 x 255 x 63 < 2**15), instead of uint8 ``q + 128`` for its slower uint8 x uint8 kernel.
+    Depthwise Convs (one input channel per group) keep [-127, 127]: onnxruntime's depthwise kernel sums
+    in 32 bits. Zero-point-0 inputs keep [-127, 127] too: their values sit near 0 and reach 255 only in
+    the tails (onnxruntime's own ``quantize_static`` makes the same choice for non-negative tensors)."""
+    wide = {}
+    for mark in activations:
+        for node, position in mark.consumers:
+            if position == 0:
+                wide[node] = zero_points.get(mark.tensor, 128) != 0
+    return tuple(sorted({w.tensor for w in placement.weights
+                         if wide.get(w.node, True) and not _depthwise(index, w.node, w.tensor)}))
+
+
+def _depthwise(index: GraphIndex, node: str, weight: str) -> bool:
+    """True for a Conv with one input channel per group and more than one group."""
+    info = index.by_name.get(node)
+    shape = index.constant_shape(weight)
+    return (info is not None and info.op_type == "Conv" and shape is not None and len(shape) >= 3
+            and shape[1] == 1 and int(info.attr("group", 1)) > 1)
 
 
 def _unsigned_weights(placement: Placement, activations, zero_points) -> Tuple[str, ...]:
@@ -662,4 +734,85 @@ def _unlink(conv, mul, add, edit) -> None:
     edit.producer[out] = conv
 
 
-__all__ = ["OrtCpuForm", "Adapted", "RequantPoint", "ScaleFold", "fold_scale_ops", "REQUANT_OPS", "EXACT_OPS"]
+# --------------------------------------------------------------------------- MatMul + bias (CPU4)
+#: Single-input ops that keep their input's rank (walked back to find a MatMul input's rank).
+_SAME_RANK_OPS = ("Relu", "Clip", "Sigmoid", "Tanh", "Identity", "Cast", "LeakyRelu", "Elu", "HardSigmoid",
+                  "HardSwish", "Softplus", "Neg", "Abs", "Erf", "Gelu")
+
+
+def bias_splits(index: GraphIndex, placement: Placement) -> Tuple[BiasSplit, ...]:
+    """The quantized MatMuls (constant 2-D weight) whose output feeds only an Add of a constant bias
+    of ``N`` values, in graph order (see :class:`BiasSplit`)."""
+    weighted = {w.node for w in placement.weights if w.input_index == 1}
+    marked = {m.tensor for m in placement.activations}
+    found = []
+    for node in index.nodes:
+        if node.op_type != "MatMul" or node.name not in weighted or not node.standard \
+                or len(node.inputs) != 2:
+            continue
+        w_shape = index.constant_shape(node.inputs[1])
+        out = node.outputs[0] if node.outputs else ""
+        consumers = index.consumers(out) if out else []
+        if w_shape is None or len(w_shape) != 2 or out in index.graph_outputs or out in marked \
+                or len(consumers) != 1:
+            continue
+        add, position = consumers[0]
+        bias = add.inputs[1 - position] if add.op_type == "Add" and len(add.inputs) == 2 else ""
+        b_shape = index.constant_shape(bias) if bias and add.standard else None
+        if b_shape is None or not b_shape or any(d != 1 for d in b_shape[:-1]) \
+                or b_shape[-1] not in (1, w_shape[1]):
+            continue
+        rank = _rank(node.inputs[0], index)
+        if rank != 2 and len(b_shape) != 1:
+            continue  # a bias of rank >= 2 already stays out of the fusion on inputs of rank >= 3
+        found.append(BiasSplit(node.name, add.name, bias, rank == 2))
+    return tuple(found)
+
+
+def _rank(tensor: str, index: GraphIndex) -> Optional[int]:
+    """The rank of ``tensor`` when its producer says it (Flatten, Gemm: 2; Reshape to a constant shape),
+    through ops that keep the rank; else None."""
+    for _ in range(_MAX_LOOKAHEAD):
+        node = index.producer.get(tensor)
+        if node is None or not node.standard or not node.inputs:
+            return None
+        if node.op_type in ("Flatten", "Gemm"):
+            return 2
+        if node.op_type == "Reshape" and len(node.inputs) > 1:
+            shape = index.constant_shape(node.inputs[1])
+            return None if shape is None or len(shape) != 1 else int(shape[0])
+        if node.op_type not in _SAME_RANK_OPS:
+            return None
+        tensor = node.inputs[0]
+    return None
+
+
+def split_bias_adds(edit, splits) -> Tuple[str, ...]:
+    """Apply each :class:`BiasSplit` to ``edit`` (after Q/DQ insertion): the MatMul becomes a Gemm,
+    or its Add reads a ``[1, N]`` copy of the bias. Returns the MatMuls changed."""
+    done = []
+    for split in splits:
+        matmul, add = edit.by_name.get(split.node), edit.by_name.get(split.add)
+        if matmul is None or add is None or matmul.op_type != "MatMul":
+            continue
+        if split.as_gemm:
+            matmul.op_type = "Gemm"
+        else:
+            proto = edit.initializer(split.bias)
+            if proto is None or split.bias not in add.input:
+                logger.warning("ort-cpu: bias %r of %r is not an initializer; MatMulAddFusion may fuse it",
+                               split.bias, split.add)
+                continue
+            from ..io.models import tensor_array
+
+            values = np.asarray(tensor_array(proto)).reshape(1, -1)
+            name = edit.add_initializer(f"{split.bias}_row", values)
+            position = list(add.input).index(split.bias)
+            add.input[position] = name
+            edit.release_if_unread(initializers=[split.bias])
+        done.append(split.node)
+    return tuple(done)
+
+
+__all__ = ["OrtCpuForm", "Adapted", "RequantPoint", "ScaleFold", "BiasSplit", "fold_scale_ops", "bias_splits",
+           "split_bias_adds", "REQUANT_OPS", "EXACT_OPS"]
