@@ -499,6 +499,9 @@ def _latency_summary(latency) -> str:
               f"({by_node[n]['kind']})" for n in kept[:20]]
     whole = latency.get("whole_model") or {}
     if whole.get("timed"):
+        if "every_site_integer_ms" in whole:
+            lines.append(f"whole model: latency placement {whole['latency_placement_ms']:.2f} ms, every site "
+                         f"integer {whole['every_site_integer_ms']:.2f} ms: kept {whole['chosen']}")
         lines.append(f"whole model, batch {whole['batch']}: {whole['quantized_ms']:.2f} ms against FP32 "
                      f"{whole['fp32_ms']:.2f} ms ({whole['speedup']:.2f}x): {whole['verdict']}")
     else:

@@ -145,12 +145,15 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
             raise ConfigError("report and output name the same file")
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
-    latency_decision = None
+    latency_decision, every_site = None, None
     if latency is not None:  # ort-cpu: keep float the sites whose integer kernel is not faster here
         from .placement.cpu_latency import place_by_latency
 
+        every_site = placement
         placement, latency_decision = place_by_latency(float_model, index, placement, policy_for(target_obj),
                                                        config, latency)
+        if not latency_decision.kept_float:
+            every_site = None
         if placement.empty:
             raise PlacementError("every quantizable site runs faster in float on this CPU (see the latency "
                                  "profile): the FP32 model is already the fast form; nothing written")
@@ -176,8 +179,10 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         data = None
     form = make_form(target_obj)
     if form is not None and data is not None and "tensors" not in calib_kw:
-        calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
-            placement.activation_tensors() + form.calibration_tensors(index, placement)))}
+        wanted = placement.activation_tensors() + form.calibration_tensors(index, placement)
+        if every_site is not None:  # the all-integer alternative is built and timed too
+            wanted += every_site.activation_tensors() + form.calibration_tensors(index, every_site)
+        calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(wanted))}
     table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
                                progress, calibrator)
     if fmt.attention:
@@ -192,10 +197,10 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         table = table.merged(ScaleTable(weights=weight_ranges))
         index = GraphIndex(float_model)
     requantization, storage, finish = (), {}, None
+    calibrated = {}
+    if form is not None and data is not None and hasattr(form, "nonnegative_inputs"):  # calibrated here
+        calibrated = {"nonnegative": form.nonnegative_inputs(float_model, data, placement), "fine": True}
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
-        calibrated = {}
-        if data is not None and hasattr(form, "nonnegative_inputs"):  # ranges calibrated in this call
-            calibrated = {"nonnegative": form.nonnegative_inputs(float_model, data, placement), "fine": True}
         adapted = form.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
@@ -219,9 +224,18 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     if latency_decision is not None:
         from .placement.cpu_latency import whole_model_timing
 
-        whole = whole_model_timing(timing_model, qdq_model, latency)
+        alternative = None
+        if every_site is not None:  # the per-site times miss what a float site costs its neighbours
+            alternative = _all_integer(timing_model, every_site, table, target_obj, form, calibrated, fmt,
+                                       config)
+        whole = whole_model_timing(timing_model, qdq_model, latency, alternative)
         del timing_model
+        if whole.get("chosen") == "every site integer":
+            qdq_model, inserted, placement, requantization = alternative
+            summary = _summary(placement, inserted)
         latency_report = {**latency_decision.to_dict(), "whole_model": whole}
+        if whole.get("chosen") == "every site integer":  # the per-site decision lost as a whole
+            latency_report.update(kept_float=[], kept_float_per_site=list(latency_decision.kept_float))
         if whole.get("timed") and whole["speedup"] <= 1.0:
             note = (f"ort-cpu: the quantized model is NOT faster than FP32 on this CPU "
                     f"({whole['quantized_ms']} ms against {whole['fp32_ms']} ms, batch {whole['batch']}): "
@@ -516,6 +530,28 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
                 inserted.weights + tuple(r for r in nested if r["kind"] == "weight"))
             drop_unread(committed.graph, shared)  # float weights only quantized branches read
         return committed, inserted
+
+
+def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, target_obj: Target, form,
+                 calibrated: Mapping, fmt, config: QuantizeConfig):
+    """The ort-cpu model with every site of ``placement`` (the placement before latency placement)
+    quantized, from a fresh copy of the float model: ``(model, inserted, placement, requantization)``,
+    or None when ``table`` lacks a range it needs."""
+    model = onnx.load_from_string(float_bytes)
+    index = GraphIndex(model)
+    adapted = form.adapt(index, placement, table, **calibrated)
+    note = ("ort-cpu latency placement: every site kept integer, which ran faster as a whole model than "
+            "keeping the slower sites float")
+    placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
+    storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
+               "full_range": adapted.full_range, "narrow_weights": adapted.narrow_weights,
+               "precision": fmt.name, "block_size": config.block_size}
+    try:
+        qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
+    except ScalesError as exc:
+        logger.info("ort-cpu latency placement: no all-integer alternative (%s)", exc)
+        return None
+    return qdq, inserted, placed, tuple(adapted.requantization)
 
 
 def _summary(placement: Placement, inserted) -> dict:
