@@ -154,7 +154,7 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
                                                        config, latency)
         if not latency_decision.kept_float:
             every_site = None
-        if placement.empty:
+        if placement.empty or len(latency_decision.kept_float) == len(latency_decision.records):
             raise PlacementError("every quantizable site runs faster in float on this CPU (see the latency "
                                  "profile): the FP32 model is already the fast form; nothing written")
         timing_model = float_model.SerializeToString()  # the rewrite edits float_model's nodes

@@ -18,8 +18,15 @@ onnxruntime with all optimizations on:
   ``x -> MatMul(W) -> y``.
 
 The two are run interleaved and their medians compared; a site stays float (rule ``CPU3``, reason
-with both times) only when the integer median exceeds :data:`FLOAT_MARGIN` (1.1) times the float one. Sites with the
-same op, shapes and attributes are measured once (ResNet50 has 53 Convs of 23 kinds).
+with both times) only when the integer median exceeds :data:`FLOAT_MARGIN` (1.1) times the float one.
+Sites with the same op, shapes and attributes are measured once (ResNet50 has 53 Convs of 23 kinds).
+
+One-op timings do not see everything a float site costs in the model (a float Conv between integer
+ones also changes what onnxruntime fuses around it): measured on a MobileNetV2 at 160 x 160, keeping
+the 11 sites that lost by more than 10% float made the whole model slower than with every site
+integer. So when some site is kept float, :func:`onnx_qat.quantize` also builds the model with every
+site integer (same ranges), times FP32 and both models interleaved at the end, and writes the faster
+quantized one; the report says which (``whole_model.chosen``) and whether it beats FP32.
 
 Measurements are kept in a *latency profile*, a JSON file keyed by site kind, written for one
 machine: its CPU model, the CPU flags that select onnxruntime's integer kernels (``avx2``,
@@ -486,7 +493,8 @@ def place_by_latency(model, index: GraphIndex, placement: Placement, policy, con
     return replace(placed, decisions=decisions, notes=placed.notes + decision.notes + (note,)), decision
 
 
-def whole_model_timing(float_model, qdq_model, options: LatencyOptions, alternative=None) -> Dict[str, object]:
+def whole_model_timing(float_model, qdq_model, options: LatencyOptions,
+                       alternative=None) -> Dict[str, object]:
     """FP32 (``float_model``: a ModelProto or its serialized bytes) against the quantized model,
     interleaved, at the options' batch and threads: medians (milliseconds), speed-up, and a plain
     verdict. ``alternative``: ``(model, ...)`` with every site integer, timed in the same runs; the
