@@ -445,7 +445,7 @@ class LatencyOptions:
     profile: Optional[str] = None
     threads: int = 0
     batch: int = 1
-    rounds: int = 5
+    rounds: int = 3
 
     @classmethod
     def resolve(cls, value) -> Optional["LatencyOptions"]:
