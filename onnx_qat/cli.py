@@ -245,8 +245,27 @@ def _add_quantize(sub) -> None:
     _layout_options(p)
     _placement_options(p)
     _mixed_precision_options(p)
+    _latency_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_quantize)
+
+
+def _latency_options(parser: argparse.ArgumentParser) -> None:
+    """The ``latency`` keyword of onnx_qat.quantize (ort-cpu): --latency, --latency-profile,
+    --latency-threads, --latency-batch."""
+    group = parser.add_argument_group("latency-aware placement, --target ort-cpu "
+                                      "(onnx_qat.quantize latency=)")
+    group.add_argument("--latency", action="store_true",
+                       help="quantize a Conv/Gemm/MatMul only where onnxruntime's integer kernel is faster "
+                            "than float on this CPU (each kind timed once per machine, cached under "
+                            "~/.cache/onnx-qat/latency); the result is then timed against FP32")
+    group.add_argument("--latency-profile", metavar="FILE", default=None,
+                       help="like --latency, reading and extending this latency profile (e.g. one measured "
+                            "on the deployment machine) instead of this machine's cache file")
+    group.add_argument("--latency-threads", metavar="N", type=whole_number(0), default=None,
+                       help="onnxruntime intra-op threads the model will run with (default 0: its default)")
+    group.add_argument("--latency-batch", metavar="N", type=whole_number(1), default=None,
+                       help="batch size the model will run at, for symbolic batch dimensions (default 1)")
 
 
 def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
@@ -573,15 +592,18 @@ def cmd_quantize(args) -> int:
         raise UsageError("--max-float-sites and --eval-data apply only with --min-cosine")
     if args.float_io and args.float_dtype in (None, "fp32"):
         raise UsageError("--float-io applies only with --float-dtype fp16 or bf16")
+    latency = _latency_keyword(args)
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=data,
                       progress=_progress(args), keep_io_types=not args.float_io, **calib,
-                      **_placement_keywords(args), **mixed, **layout)
+                      **_placement_keywords(args), **mixed, **layout, **latency)
     _say(args, _quantize_summary(args, result))
     if result.accuracy is not None:
         _say(args, _mixed_summary(result.accuracy))
     if result.float_parts is not None:
         _say(args, _float_parts_summary(result.float_parts))
+    if result.latency is not None:
+        _say(args, _latency_summary(result.latency))
     report = _check_written(result.model, args.output, result.target)
     if not args.quiet:
         for finding in report.findings:
@@ -593,6 +615,44 @@ def cmd_quantize(args) -> int:
         write_json(args.report, {**result.to_report(), "check": report.to_dict()})
         _say(args, f"wrote {args.report}")
     return EXIT_OK if report else EXIT_PROBLEMS
+
+
+def _latency_keyword(args) -> dict:
+    """``{"latency": LatencyOptions}`` from --latency/--latency-profile/--latency-threads/--latency-batch,
+    or ``{}`` when none is given."""
+    tuning = [o for o, v in (("--latency-threads", args.latency_threads),
+                             ("--latency-batch", args.latency_batch)) if v is not None]
+    if not args.latency and args.latency_profile is None:
+        if tuning:
+            raise UsageError(f"{', '.join(tuning)} appl{'ies' if len(tuning) == 1 else 'y'} only with "
+                             "--latency or --latency-profile")
+        return {}
+    from .placement.cpu_latency import LatencyOptions
+
+    return {"latency": LatencyOptions(profile=args.latency_profile, threads=args.latency_threads or 0,
+                                      batch=args.latency_batch or 1)}
+
+
+def _latency_summary(latency) -> str:
+    """Lines for the latency placement: sites kept float, and the whole model against FP32."""
+    sites = latency["sites"]
+    kept = latency["kept_float"]
+    lines = [f"latency placement ({latency['rule']}): {len(kept)} of {len(sites)} timed site(s) kept float "
+             f"for speed; {latency['kinds_measured']} kind(s) measured in {latency['seconds']:.1f} s, "
+             f"profile {latency['profile']}"]
+    by_node = {s["node"]: s for s in sites}
+    lines += [f"  float  {n}: integer {by_node[n]['int_us']:.0f} us, float {by_node[n]['float_us']:.0f} us "
+              f"({by_node[n]['kind']})" for n in kept[:20]]
+    whole = latency.get("whole_model") or {}
+    if whole.get("timed"):
+        if "every_site_integer_ms" in whole:
+            lines.append(f"whole model: latency placement {whole['latency_placement_ms']:.2f} ms, every site "
+                         f"integer {whole['every_site_integer_ms']:.2f} ms: kept {whole['chosen']}")
+        lines.append(f"whole model, batch {whole['batch']}: {whole['quantized_ms']:.2f} ms against FP32 "
+                     f"{whole['fp32_ms']:.2f} ms ({whole['speedup']:.2f}x): {whole['verdict']}")
+    else:
+        lines.append(f"whole model not timed: {whole.get('reason', 'unknown')}")
+    return "\n".join(lines)
 
 
 def _check_written(model, output, target):

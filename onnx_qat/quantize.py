@@ -33,6 +33,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
              float_dtype: Optional[str] = None, keep_io_types: bool = True,
              state: Optional[Mapping[str, str]] = None, batch_axis: Optional[Mapping[str, int]] = None,
+             latency=None,
              **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
@@ -99,6 +100,17 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             calibration (and the ``min_cosine`` search) run the data in order, each run's ``output``
             fed to the next run as ``input``; the first feed gives the initial state.
         batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first (``{"state": 1}``).
+        latency: ``target="ort-cpu"`` only: quantize a site (Conv, Gemm, MatMul) only where
+            onnxruntime's integer kernel is faster than float on this machine, at the model's shapes
+            (:mod:`onnx_qat.placement.cpu_latency`). None or ``"off"`` (default): every site the
+            placement picks; ``"measure"`` (or True): time each kind of site once per machine and keep
+            the times in this machine's cache file (keyed by CPU model, kernel-selecting CPU flags,
+            onnxruntime version and threads); a path: that latency profile file, read and extended
+            (e.g. one measured on the deployment machine); or a
+            :class:`~onnx_qat.placement.cpu_latency.LatencyOptions` (``threads``, ``batch`` of
+            the deployment session). The result is timed against FP32 at the end
+            (``QuantizeResult.latency``, the report's ``latency``; a note says so plainly when it is
+            not faster).
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -139,6 +151,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                           "weight rounding (int4 awq/gptq, fp8 gptq) does not run stateful models")
     data = with_layout(data, state=state, batch_axis=batch_axis)
     eval_data = with_layout(eval_data, state=state, batch_axis=batch_axis)
+    latency_options = _latency_options(latency, config, placement, min_cosine, max_float_sites, eval_data)
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
@@ -152,4 +165,22 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                               config=config, calib_kw=calib_kw, report=report, progress=progress)
     return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
-                           placement=placement, calibrator=calibrate)
+                           placement=placement, calibrator=calibrate, latency=latency_options)
+
+
+def _latency_options(latency, config: QuantizeConfig, placement, min_cosine, max_float_sites, eval_data):
+    """The resolved ``latency`` option (:class:`~onnx_qat.placement.cpu_latency.LatencyOptions` or
+    None); ConfigError where it does not apply."""
+    if latency is None or latency is False or latency == "off":
+        return None
+    from .placement.cpu_latency import LatencyOptions
+
+    options = LatencyOptions.resolve(latency)
+    if config.target != "ort-cpu" or config.precision != "int8":
+        raise ConfigError("latency placement applies to target 'ort-cpu' with precision 'int8' "
+                          f"(got target {config.target!r}, precision {config.precision!r})")
+    if placement is not None:
+        raise ConfigError("latency placement decides the placement itself: do not give one")
+    if min_cosine is not None or max_float_sites is not None or eval_data is not None:
+        raise ConfigError("latency placement does not combine with min_cosine (mixed precision)")
+    return options

@@ -60,6 +60,10 @@ class QuantizeResult:
         float_parts: with ``float_dtype`` ``fp16``/``bf16``: the
             :class:`~onnx_qat.formats.float_parts.FloatPartsResult` (nodes kept FP32 with their reasons,
             cosines measured); None with FP32 float parts.
+        latency: with ``latency`` (``ort-cpu``): every timed site (float and integer microseconds,
+            gain, decision), the sites kept float for speed, the profile file, and the whole model
+            timed against FP32 (``whole_model``: medians, speed-up, verdict); see
+            :mod:`onnx_qat.placement.cpu_latency`. None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -75,6 +79,7 @@ class QuantizeResult:
     accuracy: Optional[Mapping] = field(default=None, repr=False)
     gptq: Tuple[dict, ...] = field(default=(), repr=False)
     float_parts: Optional[object] = field(default=None, repr=False)
+    latency: Optional[Mapping] = field(default=None, repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.io.models.save_model`)."""
@@ -107,6 +112,7 @@ class QuantizeResult:
             **({"gptq": [dict(r) for r in self.gptq]} if self.gptq else {}),
             **({} if self.accuracy is None else {"mixed_precision": dict(self.accuracy)}),
             **({} if self.float_parts is None else {"float_parts": self.float_parts.to_dict()}),
+            **({} if self.latency is None else {"latency": dict(self.latency)}),
         }
 
     def to_dict(self) -> dict:
@@ -125,7 +131,7 @@ class QuantizeResult:
 
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
-                    placement: Optional[Placement] = None, calibrator=None) -> QuantizeResult:
+                    placement: Optional[Placement] = None, calibrator=None, latency=None) -> QuantizeResult:
     """The rewrite behind :func:`onnx_qat.quantize`: quantize every site the placement marks.
 
     ``config`` is the resolved :class:`~onnx_qat.config.QuantizeConfig` and ``calib_kw`` the merged
@@ -134,6 +140,8 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     entry point that dispatches to them. ``calibrator`` (:func:`onnx_qat.calibrate`, passed by
     :func:`onnx_qat.quantize`) computes the ranges when ``data`` is given: the rewrite does not import
     the calibration package, whose ``auto`` method inserts its candidate tables through this function.
+    ``latency``: a :class:`~onnx_qat.placement.cpu_latency.LatencyOptions` (``ort-cpu`` only): sites
+    whose integer form is not faster on this CPU stay float, and the result is timed against FP32.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -145,6 +153,19 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
             raise ConfigError("report and output name the same file")
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
+    latency_decision, every_site = None, None
+    if latency is not None:  # ort-cpu: keep float the sites whose integer kernel is not faster here
+        from .placement.cpu_latency import place_by_latency
+
+        every_site = placement
+        placement, latency_decision = place_by_latency(float_model, index, placement, policy_for(target_obj),
+                                                       config, latency)
+        if not latency_decision.kept_float:
+            every_site = None
+        if placement.empty or len(latency_decision.kept_float) == len(latency_decision.records):
+            raise PlacementError("every quantizable site runs faster in float on this CPU (see the latency "
+                                 "profile): the FP32 model is already the fast form; nothing written")
+        timing_model = float_model.SerializeToString()  # the rewrite edits float_model's nodes
     awq_records: tuple = ()
     gptq_records: tuple = ()
     if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
@@ -166,8 +187,10 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         data = None
     form = make_form(target_obj)
     if form is not None and data is not None and "tensors" not in calib_kw:
-        calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
-            placement.activation_tensors() + form.calibration_tensors(index, placement)))}
+        wanted = placement.activation_tensors() + form.calibration_tensors(index, placement)
+        if every_site is not None:  # the all-integer alternative is built and timed too
+            wanted += every_site.activation_tensors() + form.calibration_tensors(index, every_site)
+        calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(wanted))}
     table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
                                progress, calibrator)
     if fmt.attention:
@@ -182,8 +205,11 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         table = table.merged(ScaleTable(weights=weight_ranges))
         index = GraphIndex(float_model)
     requantization, storage, finish = (), {}, None
+    calibrated = {}
+    if form is not None and data is not None and hasattr(form, "nonnegative_inputs"):  # calibrated here
+        calibrated = {"nonnegative": form.nonnegative_inputs(float_model, data, placement), "fine": True}
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
-        adapted = form.adapt(index, placement, table)
+        adapted = form.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
         if dropped:  # the form rewrites the main graph only: If branches, Loop/Scan bodies stay float in it
@@ -191,7 +217,9 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
                     f"{len(dropped)} subgraph(s) (If branches, Loop/Scan bodies) left float")
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
-        storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
+        storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
+                   "full_range": getattr(adapted, "full_range", ()),
+                   "narrow_weights": getattr(adapted, "narrow_weights", ())}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
     storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
@@ -200,9 +228,31 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
     summary = _summary(placement, inserted)
+    latency_report = None
+    if latency_decision is not None:
+        from .placement.cpu_latency import whole_model_timing
+
+        alternative = None
+        if every_site is not None:  # the per-site times miss what a float site costs its neighbours
+            alternative = _all_integer(timing_model, every_site, table, target_obj, form, calibrated, fmt,
+                                       config)
+        whole = whole_model_timing(timing_model, qdq_model, latency, alternative)
+        del timing_model
+        if whole.get("chosen") == "every site integer":
+            qdq_model, inserted, placement, requantization = alternative
+            summary = _summary(placement, inserted)
+        latency_report = {**latency_decision.to_dict(), "whole_model": whole}
+        if whole.get("chosen") == "every site integer":  # the per-site decision lost as a whole
+            latency_report.update(kept_float=[], kept_float_per_site=list(latency_decision.kept_float))
+        if whole.get("timed") and whole["speedup"] <= 1.0:
+            note = (f"ort-cpu: the quantized model is NOT faster than FP32 on this CPU "
+                    f"({whole['quantized_ms']} ms against {whole['fp32_ms']} ms, batch {whole['batch']}): "
+                    "deploy the FP32 model here")
+            logger.warning("%s", note)
+            placement = replace(placement, notes=placement.notes + (note,))
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
-                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records))
+                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report)
     if out_path is not None:
         # validated on the very bytes written (nothing is written when onnx.checker refuses them)
         io.save_model(qdq_model, out_path, inputs=inputs, ir_version=qdq_model.ir_version, validate=True)
@@ -502,6 +552,28 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
                 inserted.weights + tuple(r for r in nested if r["kind"] == "weight"))
             drop_unread(committed.graph, shared)  # float weights only quantized branches read
         return committed, inserted
+
+
+def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, target_obj: Target, form,
+                 calibrated: Mapping, fmt, config: QuantizeConfig):
+    """The ort-cpu model with every site of ``placement`` (the placement before latency placement)
+    quantized, from a fresh copy of the float model: ``(model, inserted, placement, requantization)``,
+    or None when ``table`` lacks a range it needs."""
+    model = onnx.load_from_string(float_bytes)
+    index = GraphIndex(model)
+    adapted = form.adapt(index, placement, table, **calibrated)
+    note = ("ort-cpu latency placement: every site kept integer, which ran faster as a whole model than "
+            "keeping the slower sites float")
+    placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
+    storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
+               "full_range": adapted.full_range, "narrow_weights": adapted.narrow_weights,
+               "precision": fmt.name, "block_size": config.block_size}
+    try:
+        qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
+    except ScalesError as exc:
+        logger.info("ort-cpu latency placement: no all-integer alternative (%s)", exc)
+        return None
+    return qdq, inserted, placed, tuple(adapted.requantization)
 
 
 def _summary(placement: Placement, inserted) -> dict:

@@ -41,7 +41,8 @@ from .rules_values import (
     rule_c4_ort_cpu_zero_points, rule_c4_zero_points, rule_c5_scales, rule_c6_per_channel,
 )
 from . import rules_formats
-from .rules_pairs import rule_c7_q_without_dq, rule_c8_dq_source, rule_c9_weighted_ops
+from .rules_pairs import (rule_c7_q_without_dq, rule_c8_dq_source, rule_c9_ort_cpu_weighted_ops,
+                          rule_c9_weighted_ops)
 from .rules_fusion import (
     rule_c10_residual_float_skip, rule_c11_residual_conv_branch_quantized, rule_c12_pad_conv,
     rule_c14_qdq_inside_fusion,
@@ -63,6 +64,8 @@ ORT_CPU_RULES: Dict[str, Tuple[Optional[Callable], str]] = {
                   "onnxruntime forms QLinearConv only with a QuantizeLinear on the Conv output"),
     "C14": (None, "a Q/DQ between Conv and Relu is a requantization point (CPU1), for QLinearConv"),
     "C15": (None, "a TensorRT strongly typed build's precision; onnxruntime picks its own kernels"),
+    "C9": (rule_c9_ort_cpu_weighted_ops, "a weighted op kept float for speed (CPU3) may read a requantized "
+                                         "(CPU1) activation"),
 }
 
 
@@ -154,7 +157,7 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
             an ``onnx.ModelProto`` (read only, never modified) or an ``onnx_graphsurgeon.Graph``
             (exported with ``gs.export_onnx``, never modified).
         target: ``None``/``"tensorrt"`` (every rule), or ``"ort-cpu"``: the rules that apply to
-            that form, with :data:`ORT_CPU_RULES` replacing C4 and leaving out C11 and C14.
+            that form, with :data:`ORT_CPU_RULES` replacing C4 and C9 and leaving out C11 and C14.
         path: the file an in-memory ``model`` was read from or written to, named in the
             report (:attr:`CheckReport.model`); default: ``model`` itself when it is a path.
 

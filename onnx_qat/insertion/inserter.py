@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 _FLOAT32 = np.dtype(np.float32)
 
+#: Weight range of ``narrow_weights`` (see :func:`insert_qdq_pairs`): 2 x 255 x 63 = 32130 < 2**15.
+NARROW_WEIGHT_RANGE = (-63, 63)
 @dataclass(frozen=True)
 class InsertionResult:
     """What was inserted: one JSON-ready record per Q/DQ pair or weight DequantizeLinear."""
@@ -168,7 +170,8 @@ def missing_activations(placement: Placement, scales: ScaleTable) -> Tuple[str, 
 # --------------------------------------------------------------------------- insertion
 def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, target="tensorrt", *,
                      progress: bool = False, zero_points: Optional[Dict[str, int]] = None,
-                     unsigned_weights=(), precision="int8", block_size: int = 128) -> InsertionResult:
+                     unsigned_weights=(), precision="int8", block_size: int = 128,
+                     full_range=(), narrow_weights=()) -> InsertionResult:
     """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
     :meth:`~onnx_qat.graph.edit.GraphEdit.commit`).
 
@@ -185,6 +188,12 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         precision: the numeric format (``"int8"``, ``"fp8"``, ``"int4"`` or a
             :class:`~onnx_qat.formats.numeric.Format`); the target's dtypes apply to ``int8`` only.
         block_size: values per INT4 weight scale along the mark's axis (``int4``).
+        full_range: activation tensors stored as uint8 with zero point 0 over the whole grid 0..255:
+            scale ``amax / 255`` instead of ``amax / 127`` (the ``ort-cpu`` form's non-negative
+            tensors, see :mod:`onnx_qat.insertion.ort_cpu`).
+        narrow_weights: weight tensors stored in [-63, 63] (scale ``amax / 63``) instead of the target's
+            range: read by onnxruntime's uint8 x int8 kernels with activations up to 255, their pair sums
+            stay within 16 bits on CPUs without VNNI (the ``ort-cpu`` form with calibrated ranges).
 
     Raises:
         ScalesError: a quantized activation has no range in ``scales``, or a weight range
@@ -195,15 +204,18 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"ScaleTable has no range for {len(missing)} quantized tensor(s): {shown}")
     return _Inserter(edit, get_target(target), zero_points, unsigned_weights, get_format(precision),
-                     block_size).run(placement, scales, progress)
+                     block_size, full_range, narrow_weights).run(placement, scales, progress)
 
 
 class _Inserter:
     """One insertion run over one graph edit."""
 
     def __init__(self, edit: GraphEdit, target: Target, zero_points: Optional[Dict[str, int]] = None,
-                 unsigned_weights=(), fmt: Format = INT8, block_size: int = 128):
+                 unsigned_weights=(), fmt: Format = INT8, block_size: int = 128, full_range=(),
+                 narrow_weights=()):
         self.edit = edit
+        self.full_range = frozenset(full_range)
+        self.narrow_weights = frozenset(narrow_weights)
         self.target = target
         self.format = fmt
         self.block_size = block_size
@@ -219,6 +231,10 @@ class _Inserter:
         # every activation scale at once: float values for the records, raw float32 bytes for the
         # initializers (per-tensor NumPy scalars would cost more than the rest of a pair's insertion)
         act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.format.qmax)
+        if self.full_range:  # uint8 zero point 0 over 0..255 (ort-cpu): a grid twice as fine
+            fine = np.array([m.tensor in self.full_range for m in marks], bool)
+            halved = (np.asarray([amaxes[m.tensor] for m in marks], np.float64) / 255.0).astype(np.float32)
+            act_scales = np.where(fine & (halved >= TINY), halved, act_scales).astype(np.float32)
         raw = _le_bytes(act_scales)
         for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
             records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4]))
@@ -229,8 +245,8 @@ class _Inserter:
         axes_per_tensor: Dict[str, int] = {}
         for tensor, _ in groups:
             axes_per_tensor[tensor] = axes_per_tensor.get(tensor, 0) + 1
-        ready = _quantize_small(self.edit, list(groups), scales, INT8_QRANGE) \
-            if self.format is INT8 else {}
+        ready = _quantize_small(self.edit, [k for k in groups if k[0] not in self.narrow_weights], scales,
+                                INT8_QRANGE) if self.format is INT8 else {}
         for (tensor, axis), marks in groups.items():
             base = tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
             records_w.append(self.weight(tensor, base, axis, marks, scales, ready.pop((tensor, axis), None)))
@@ -303,8 +319,9 @@ class _Inserter:
             else:
                 amax, table_axis = _weight_range(scales, tensor, axis, values)
                 use_axis = axis if amax is None else table_axis
+            qrange = NARROW_WEIGHT_RANGE if tensor in self.narrow_weights else INT8_QRANGE
             encoded = encode_weight(fmt, values, use_axis, amax, block_size=self.block_size,
-                                    unsigned=unsigned, name=tensor)
+                                    unsigned=unsigned, name=tensor, qrange=qrange)
             source = "weights" if amax is None else "scale table"
         q_name = edit.add_raw_initializer(f"{base}_quantized", *encoded.data)
         scale_name = edit.add_initializer(f"{base}_scale", encoded.scale)
@@ -330,6 +347,8 @@ class _Inserter:
             record["block_size"] = int(encoded.block_size)
         if unsigned:
             record["zero_point"] = 128
+        if tensor in self.narrow_weights:
+            record["range"] = list(NARROW_WEIGHT_RANGE)
         return record
 
 

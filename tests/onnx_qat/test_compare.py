@@ -117,7 +117,7 @@ def test_tensorrt_form_is_judged_by_exact_qdq_arithmetic_not_fused_cpu_kernels(s
     from onnx_qat.runtime.sessions import needs_exact_qdq
     from tests.builders import mobilenet_v2_model
 
-    model = mobilenet_v2_model(size=32, divisor=4, seed=seed)
+    model = mobilenet_v2_model(size=32, width=0.25, seed=seed)
     x = np.random.default_rng(seed).uniform(0, 255, (8, 3, 32, 32)).astype(np.float32)
     trt = onnx_qat.quantize(model, data={"input": x}, method="max", progress=False).model
     cpu = onnx_qat.quantize(model, data={"input": x}, method="max", target="ort-cpu", progress=False).model

@@ -315,7 +315,7 @@ def test_cli_quantize_float_dtype_prints_the_kept_list(tmp_path, capsys):
 
 
 def test_mobilenet_v2_shaped_model_fp16_within_the_budget():
-    model = mobilenet_v2_model(size=32)
+    model = mobilenet_v2_model(size=32, width=0.25)
     x = np.random.default_rng(0).uniform(0, 255, (8, 3, 32, 32)).astype(np.float32)
     fp32 = onnx_qat.quantize(model, data={"input": x}, progress=False)
     fp16 = onnx_qat.quantize(model, data={"input": x}, float_dtype="fp16", progress=False)

@@ -20,6 +20,10 @@ EXPECTED = {
                     "ort-cpu target speed-up over FP32, each model alone",
                     "floor: tensorrt target vs itself with each input one float32 ulp up",
                     "ort-cpu vs tensorrt target: top-1 agreement on inputs FP32 decides"),
+    "cpu_models": ("tiny ViT: ort-cpu speed-up over FP32, batch 1",
+                   "tiny ViT: ort-cpu speed-up over FP32, batch 2",
+                   "tiny ViT: ort-cpu time / onnxruntime uint8 form, batch 1",
+                   "tiny ViT: ort-cpu error / onnxruntime uint8 form error"),
     "rewrite_speed": ("per-node cost growth",),
     "calibration": ("max time / onnxruntime MinMax", "entropy time / onnxruntime Entropy",
                     "max: peak RSS at"),
@@ -59,9 +63,9 @@ def _check_rows(doc, markdown, stdout, name):
 
 
 def test_quick_onnx_benchmarks_write_their_tables(tmp_path):
-    stdout, doc, markdown = _bench(tmp_path, "cpu_latency", "rewrite_speed", "calibration")
+    stdout, doc, markdown = _bench(tmp_path, "cpu_latency", "cpu_models", "rewrite_speed", "calibration")
     assert doc["format"] == "onnx-qat-bench" and doc["quick"] is True and doc["machine"]["cpus"]
-    for name in ("cpu_latency", "rewrite_speed", "calibration"):
+    for name in ("cpu_latency", "cpu_models", "rewrite_speed", "calibration"):
         _check_rows(doc, markdown, stdout, name)
     assert markdown.startswith("# onnx-qat benchmarks (quick)")
 
