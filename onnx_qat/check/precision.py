@@ -131,7 +131,7 @@ class PrecisionMap:
         return next((e.precision for e in self.nodes if e.node == node), None)
 
     def summary(self, limit: int = 10) -> str:
-        """Two lines: counts per precision and unfused Q/DQ; the FP32 Conv/Gemm/MatMul nodes named."""
+        """Counts per precision and unfused Q/DQ on one line; a second names the FP32 Conv/Gemm/MatMul."""
         counts = ", ".join(f"{n} {p.upper()}" for p, n in self.counts().items()) or "no compute nodes"
         rules = {}
         for entry in self.unfused:
@@ -269,7 +269,7 @@ class _Builder:
         type_of = self.types.type_of
         return [t for t in self.g.node_inputs[i] if t and type_of(t) in _FLOATS]
 
-    def float_type(self, i: int, tensors) -> str:
+    def float_type(self, tensors) -> str:
         for t in tensors:
             dtype = self.types.type_of(t)
             if dtype in _FLOATS:
@@ -295,7 +295,7 @@ class _Builder:
                 return quant, "commutes with the DequantizeLinear before it (DQ propagation)"
             if quant and self._read_only_by_q(i):
                 return quant, "fused with its input DequantizeLinear and output QuantizeLinear nodes"
-        return self.float_type(i, floats), "float inputs"
+        return self.float_type(floats), "float inputs"
 
     def _weighted(self, i: int, floats) -> Tuple[str, str]:
         g = self.g
@@ -312,7 +312,7 @@ class _Builder:
             if wdq is not None and self.types.type_of(wdq.data) in _FOUR_BIT:
                 return "int4", "4-bit weight, float activation (weight-only)"
         act_tensors = [inputs[k] for k in acts] or floats
-        return self.float_type(i, act_tensors), "float activation input"
+        return self.float_type(act_tensors), "float activation input"
 
     def _fused_epilogue(self, i: int, floats) -> Optional[Tuple[str, str]]:
         """An activation/BatchNormalization or a bias Add reading a quantized weighted op's output alone,
