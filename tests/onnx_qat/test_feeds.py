@@ -318,3 +318,20 @@ def test_cli_data_before_the_model_says_why_the_model_is_missing(tmp_path, capsy
     assert main(["calibrate", model, "--data", str(folder), model, "-o", out]) == 2
     assert "is an ONNX model, not data" in capsys.readouterr().err
     assert not (tmp_path / "s.json").exists()
+
+
+def test_an_onnxruntime_calibration_data_reader_is_a_source_of_feeds():
+    """onnxruntime's own CalibrationDataReader (get_next() until None) feeds calibrate as it is."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Steps(CalibrationDataReader):
+        def __init__(self, feeds):
+            self.feeds = iter(feeds)
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    model, feeds = rnn_model(), stream(steps=16, seed=4)
+    want = onnx_qat.calibrate(model, feeds, method="max", state=STATE, progress=False).activations
+    got = onnx_qat.calibrate(model, Steps(feeds), method="max", state=STATE, progress=False)
+    assert got.activations == want and got.metadata["calibration_samples"] == "16"
