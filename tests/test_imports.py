@@ -123,7 +123,7 @@ ALLOWED = {
     "io": {"errors"},
     "graph": {"errors", "io"},
     "formats": {"errors"},
-    "targets": {"errors"},
+    "targets": {"errors", "formats"},
     "residual": set(),  # rule 6's choice, which placement, check and the Keras cases share
     "config": {"errors", "formats"},
     "scales": {"errors", "io", "formats"},
