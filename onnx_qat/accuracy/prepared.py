@@ -16,7 +16,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import onnx
 
-from ..errors import ConfigError, DataError, PlacementError
+from ..errors import ConfigError, PlacementError
 from ..scales import ScaleTable
 from .gated import GatedRunner, gate_model, join_flat
 from .sites import Site, sites_of, tensors_to_calibrate

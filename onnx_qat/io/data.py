@@ -23,10 +23,9 @@ from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import DataError, ModelError, brief
+from ..errors import DataError, ModelError
 from .npz import MemberReader, NpzMember, read_members
-from .values import check_dtype as _check_dtype, check_finite as _check_finite, convert as _convert, \
-    to_dtype as _to_dtype
+from .values import check_dtype as _check_dtype, convert as _convert, to_dtype as _to_dtype
 
 logger = logging.getLogger(__name__)
 
