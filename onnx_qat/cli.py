@@ -494,6 +494,10 @@ def _data_source(option: str, paths):
     from .errors import DataError
     if paths is None:
         return None
+    model = next((Path(p) for p in paths if Path(p).suffix.lower() == ".onnx"), None)
+    if model is not None:
+        raise DataError(f"{option} {model} is an ONNX model, not data; {option} takes one or more paths, so "
+                        f"give the model before {option}")
     for path in paths:
         p = Path(path)
         if not p.exists():
@@ -874,8 +878,17 @@ def _parse(argv: Optional[Sequence[str]]):
     except SystemExit as exc:  # --help and --version exit 0 after printing
         return None, int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
     except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}{_data_hint(str(exc), argv)}", file=sys.stderr)
         return None, EXIT_USAGE
+
+
+def _data_hint(message: str, argv: Optional[Sequence[str]]) -> str:
+    """A missing model after ``--data PATH MODEL``: say that --data took it (it takes several paths)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if "arguments are required" in message and ("--data" in words or "--eval-data" in words) and \
+            any(str(w).lower().endswith(".onnx") for w in words):
+        return "; --data and --eval-data take one or more paths, so give the model(s) before them"
+    return ""
 
 
 def main(argv: Optional[List[str]] = None) -> int:

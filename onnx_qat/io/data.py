@@ -25,8 +25,7 @@ import numpy as np
 
 from ..errors import DataError, ModelError
 from .npz import MemberReader, NpzMember, read_members
-from .values import check_dtype as _check_dtype, convert as _convert, \
-    to_dtype as _to_dtype
+from .values import check_dtype as _check_dtype, convert as _convert, to_dtype as _to_dtype
 
 logger = logging.getLogger(__name__)
 

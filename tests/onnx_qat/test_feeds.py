@@ -304,3 +304,34 @@ def test_min_cosine_searches_a_stateful_model_on_its_held_out_feeds():
     assert_check_clean(result.model)
     with pytest.raises(ConfigError, match="does not run stateful models"):
         onnx_qat.quantize(model, data=stream(steps=8), state=STATE, precision="int4", progress=False)
+
+
+def test_cli_data_before_the_model_says_why_the_model_is_missing(tmp_path, capsys):
+    from onnx_qat.cli import main
+
+    onnx.save(rnn_model(), tmp_path / "rnn.onnx")
+    folder = save_dir(tmp_path / "feeds", stream(steps=3))
+    model, out = str(tmp_path / "rnn.onnx"), str(tmp_path / "s.json")
+    assert main(["calibrate", "--data", str(folder), model, "-o", out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "required: MODEL" in err[0] and "give the model(s) before them" in err[0]
+    assert main(["calibrate", model, "--data", str(folder), model, "-o", out]) == 2
+    assert "is an ONNX model, not data" in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_an_onnxruntime_calibration_data_reader_is_a_source_of_feeds():
+    """onnxruntime's own CalibrationDataReader (get_next() until None) feeds calibrate as it is."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Steps(CalibrationDataReader):
+        def __init__(self, feeds):
+            self.feeds = iter(feeds)
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    model, feeds = rnn_model(), stream(steps=16, seed=4)
+    want = onnx_qat.calibrate(model, feeds, method="max", state=STATE, progress=False).activations
+    got = onnx_qat.calibrate(model, Steps(feeds), method="max", state=STATE, progress=False)
+    assert got.activations == want and got.metadata["calibration_samples"] == "16"
