@@ -195,6 +195,7 @@ class CastStats:
     low_copies: int
     casts: int
     fp32_slots: Tuple[Tuple[str, str, str], ...]  # (node, slot, why) FP32 by the ONNX schema
+    low_names: Tuple[str, ...] = ()  # the nodes computing in the low type
 
 
 class _Names:
@@ -255,6 +256,7 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
             low_outputs += ok
             if ok:
                 low_nodes.add(k)
+    low_names = tuple(g.node[k].name for k in sorted(low_nodes))
     for name in graph_inputs:
         if types.get(name) == FLOAT and name not in initializers:
             tensor_type[name] = FLOAT if keep_io_types else low.onnx_type
@@ -332,7 +334,8 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
     for t in renamed:
         tensor_type[t] = FLOAT
     _retype_infos(g, tensor_type, low, keep_io_types)
-    return CastStats(len(low_nodes), low_outputs, low_inits, copies, cast_count, tuple(fp32_slots))
+    return CastStats(len(low_nodes), low_outputs, low_inits, copies, cast_count, tuple(fp32_slots),
+                     low_names)
 
 
 def _rewrite_attributes(node: onnx.NodeProto, low: LowType) -> bool:

@@ -236,6 +236,13 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
                                                            max_cosine_drop, converted, stats)
         notes += more
     notes += tuple(f"{node} {slot}: {why}" for node, slot, why in stats.fp32_slots[:20])
+    missing = ort_cpu_missing_kernels(converted, low, stats.low_names)
+    if missing:
+        how = "it runs them in FP32 between Casts it inserts" if low is FP16 else "it cannot run the model"
+        notes += (f"onnxruntime's CPU provider has no {low.name.upper()} kernel for "
+                  f"{', '.join(missing)} ({how}): "
+                  "numbers are validated on emulate_in_fp32(model), FP16/BF16 storage with FP32 arithmetic, "
+                  "which the measurement runs",)
     _write_metadata(converted, low, kept)
     summary = {"nodes": len(proto.graph.node), "low_nodes": stats.low_nodes,
                "low_initializers": stats.low_initializers, "low_copies": stats.low_copies,
@@ -719,7 +726,24 @@ def _worst_node(proto, measure: _Measure, values, kept):
     return None if best is None else (best, best_err)
 
 
-# --------------------------------------------------------------------------- BF16 emulation
+def ort_cpu_missing_kernels(model: onnx.ModelProto, low: LowType, nodes: Iterable[str]) -> Tuple[str, ...]:
+    """Op types of ``model``'s main-graph ``nodes`` (names) that onnxruntime's CPU provider (the
+    installed build) has no kernel for in ``low``, read from its kernel registry (empty when the
+    registry cannot be read)."""
+    try:
+        from onnxruntime.capi import _pybind_state
+
+        defs = _pybind_state.get_all_opkernel_def()
+    except Exception:  # noqa: BLE001 - an onnxruntime without the registry: nothing to say
+        return ()
+    with_low = {k.op_name for k in defs
+                if k.provider == "CPUExecutionProvider" and k.domain in ("", "ai.onnx") and any(low.type_str in types for types in k.type_constraints.values())}
+    names = set(nodes)
+    used = dict.fromkeys(n.op_type for n in model.graph.node if n.name in names and n.op_type != "Cast")
+    return tuple(op for op in used if op not in with_low)
+
+
+# --------------------------------------------------------------------------- emulation
 def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto:
     """A copy of ``model`` (FP16 or BF16 float parts) onnxruntime's CPU provider runs as TensorRT
     stores the numbers: every FP16/BF16 tensor computed in FP32 and rounded to its type where it is
