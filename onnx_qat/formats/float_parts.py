@@ -737,7 +737,8 @@ def ort_cpu_missing_kernels(model: onnx.ModelProto, low: LowType, nodes: Iterabl
     except Exception:  # noqa: BLE001 - an onnxruntime without the registry: nothing to say
         return ()
     with_low = {k.op_name for k in defs
-                if k.provider == "CPUExecutionProvider" and k.domain in ("", "ai.onnx") and any(low.type_str in types for types in k.type_constraints.values())}
+                if k.provider == "CPUExecutionProvider" and k.domain in ("", "ai.onnx")
+                and any(low.type_str in types for types in k.type_constraints.values())}
     names = set(nodes)
     used = dict.fromkeys(n.op_type for n in model.graph.node if n.name in names and n.op_type != "Cast")
     return tuple(op for op in used if op not in with_low)
