@@ -148,7 +148,8 @@ def test_cli_compare_exact_qdq_options(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", input=x)
     cosines = {}
     for flag in ("--exact-qdq", "--no-exact-qdq", None):
-        argv = ["compare", *map(str, paths), "--data", str(tmp_path / "d.npz"), "--json", "--min-cosine", "0.9"]
+        argv = ["compare", *map(str, paths), "--data", str(tmp_path / "d.npz"), "--json",
+                "--min-cosine", "0.9"]
         code = main(argv + ([flag] if flag else []))
         cosines[flag] = (code, json.loads(capsys.readouterr().out)["outputs"][0]["cosine"])
     assert cosines[None][0] == 0 and cosines["--exact-qdq"][0] == 0 and cosines["--no-exact-qdq"][0] == 1
