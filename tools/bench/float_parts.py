@@ -3,7 +3,7 @@
 Both commands run as whole processes on the same model and calibration data (``--method max``: the
 conversion's share of a fast quantize; the default ``auto`` calibration takes longer and the share
 less), in turn (A B A B), the least disturbed run of each counting. The FP16 run converts the Q/DQ
-model (:func:`onnx_qat.formats.float_parts.cast_float_parts`) and measures it on the first 8 samples
+model (:func:`onnx_qat.formats.float_parts.cast_float_parts`) and measures it on the first 4 samples
 (ranges of every float tensor, the output cosine of the float model, the FP32 and the FP16 float
 parts). Its report gives the cosines and the nodes kept FP32; the file sizes are the written models'.
 """
