@@ -379,3 +379,15 @@ def test_the_notes_name_the_ops_onnxruntime_has_no_fp16_cpu_kernel_for():
     assert "Cast" not in missing
     if missing:  # this onnxruntime build lacks some FP16 CPU kernels: the result says which
         assert any(", ".join(missing) in note for note in result.notes)
+
+
+def test_quantize_with_scales_converts_without_measuring_and_writes_nothing_on_bad_paths(tmp_path):
+    model = residual_block_model()
+    table = onnx_qat.calibrate(model, random_inputs(model, num=4), method="max", progress=False)
+    result = onnx_qat.quantize(model, tmp_path / "q.onnx", scales=table, float_dtype="fp16", progress=False)
+    assert result.float_parts.measurement is None and (tmp_path / "q.onnx").exists()
+    assert_check_clean(onnx.load(tmp_path / "q.onnx"))
+    with pytest.raises(onnx_qat.OutputError):
+        onnx_qat.quantize(model, tmp_path / "missing" / "q.onnx", scales=table, float_dtype="fp16")
+    with pytest.raises(ConfigError, match="keep_io_types"):
+        onnx_qat.quantize(model, scales=table, float_dtype="fp16", keep_io_types="no")
