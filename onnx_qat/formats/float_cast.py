@@ -195,6 +195,8 @@ class CastStats:
     low_copies: int
     casts: int
     fp32_slots: Tuple[Tuple[str, str, str], ...]  # (node, slot, why) FP32 by the ONNX schema
+    low_names: Tuple[str, ...] = ()  # the nodes computing in the low type
+    low_tensors: frozenset = frozenset()  # the node outputs of the low type
 
 
 class _Names:
@@ -255,6 +257,7 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
             low_outputs += ok
             if ok:
                 low_nodes.add(k)
+    low_names = tuple(g.node[k].name for k in sorted(low_nodes))
     for name in graph_inputs:
         if types.get(name) == FLOAT and name not in initializers:
             tensor_type[name] = FLOAT if keep_io_types else low.onnx_type
@@ -329,10 +332,14 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
                 cast_count += 1
     del g.node[:]
     g.node.extend(new_nodes)
+    low_set = {t for t, ty in tensor_type.items() if ty == low.onnx_type and t not in renamed}
+    low_set.update(renamed.values())
+    low_set.update(out for (_, to), out in casts.items() if to == low.onnx_type)
     for t in renamed:
         tensor_type[t] = FLOAT
     _retype_infos(g, tensor_type, low, keep_io_types)
-    return CastStats(len(low_nodes), low_outputs, low_inits, copies, cast_count, tuple(fp32_slots))
+    return CastStats(len(low_nodes), low_outputs, low_inits, copies, cast_count, tuple(fp32_slots),
+                     low_names, frozenset(low_set))
 
 
 def _rewrite_attributes(node: onnx.NodeProto, low: LowType) -> bool:

@@ -74,7 +74,7 @@ RANGE_HEADROOM = 2.0
 #: ``data``) against the FP32 float parts.
 MAX_COSINE_DROP = 0.002
 #: Samples of ``data`` the measurement runs on (the first ones).
-MEASURE_SAMPLES = 8
+MEASURE_SAMPLES = 4
 #: Rounds of the measured search (one node kept per round).
 MAX_ROUNDS = 12
 #: Ops TensorRT runs in FP32 and FP16 but not BF16 (onnx-tensorrt ``docs/operators.md``, TensorRT
@@ -225,7 +225,7 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
     ranges = _given_ranges(proto, table)
     measure = None
     if data is not None:
-        measure = _Measure(proto, data, reference, num_samples, progress)
+        measure = _Measure(proto, types, data, reference, num_samples, progress)
         ranges.update({t: r for t, r in measure.ranges.items() if t not in ranges})
     _add(kept, _scale_keeps(proto, low))
     _add(kept, _range_keeps(proto, low, ranges, types))
@@ -236,6 +236,13 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
                                                            max_cosine_drop, converted, stats)
         notes += more
     notes += tuple(f"{node} {slot}: {why}" for node, slot, why in stats.fp32_slots[:20])
+    missing = ort_cpu_missing_kernels(converted, low, stats.low_names)
+    if missing:
+        how = "it runs them in FP32 between Casts it inserts" if low is FP16 else "it cannot run the model"
+        notes += (f"onnxruntime's CPU provider has no {low.name.upper()} kernel for "
+                  f"{', '.join(missing)} ({how}): "
+                  "numbers are validated on emulate_in_fp32(model), FP16/BF16 storage with FP32 arithmetic, "
+                  "which the measurement runs",)
     _write_metadata(converted, low, kept)
     summary = {"nodes": len(proto.graph.node), "low_nodes": stats.low_nodes,
                "low_initializers": stats.low_initializers, "low_copies": stats.low_copies,
@@ -585,30 +592,32 @@ class _Measure:
     """Runs on a few samples: the FP32 float parts with every float tensor exposed (ranges, values),
     the reference's outputs, and any converted model's."""
 
-    def __init__(self, proto, data, reference, num_samples: int, progress: bool):
+    def __init__(self, proto, types, data, reference, num_samples: int, progress: bool):
         from ..io.data import load_data
         from ..io.models import load_model
 
         self.dataset = load_data(data, proto).take(num_samples)
         self.progress = progress
         self.outputs = [o.name for o in proto.graph.output]
-        types = tensor_types(proto)
         self.floats = [t for n in proto.graph.node for t in n.output
                        if t and types.get(t) == TensorProto.FLOAT and t not in self.outputs]
         self.proto = proto
         self._values32: Optional[Dict[str, np.ndarray]] = None
         self.ranges: Dict[str, float] = {}
-        values = self._run(proto, self.outputs + self.floats, ranges=self.ranges)
-        self.outputs32 = values
-        if reference is None:
-            self.reference = dict(values)
-        else:
-            ref = load_model(reference)
+        ref = None if reference is None else load_model(reference)
+        if ref is not None:
             missing = [o for o in self.outputs if o not in self.outputs_of(ref)]
             if missing:
                 raise ModelError(f"the reference model has no output {missing[0]!r}: give the float model "
                                  "of the same graph (or reference=None)")
-            self.reference = self._run(ref, self.outputs)
+            # the float tensors the reference shares with the model: their ranges from its (optimized) run
+            known = _tensor_names(ref)
+            shared = [t for t in self.floats if t in known]
+            self.reference = self._run(ref, self.outputs + shared, ranges=self.ranges, optimize=None)
+        rest = [t for t in self.floats if t not in self.ranges]
+        self.outputs32 = self._run(proto, self.outputs + rest, ranges=self.ranges)
+        if ref is None:
+            self.reference = dict(self.outputs32)
 
     @property
     def values32(self) -> Dict[str, np.ndarray]:
@@ -617,13 +626,13 @@ class _Measure:
             self._values32 = self._run(self.proto, self.outputs + self.floats, keep=True)
         return self._values32
 
-    def _run(self, model, names, ranges=None, keep=False) -> Dict[str, np.ndarray]:
+    def _run(self, model, names, ranges=None, keep=False, optimize=False) -> Dict[str, np.ndarray]:
         """The graph outputs (and with ``keep`` every tensor of ``names``) over the samples, flattened;
         ``ranges`` collects every tensor's max |value| (finite ones only)."""
         from ..runtime.sessions import make_session, run_batches
 
         session = make_session(model, extra_outputs=[n for n in names if n not in self.outputs_of(model)],
-                               optimize=False, spin=False)
+                               optimize=optimize, spin=False)
         parts: Dict[str, list] = {}
         for batch in run_batches(session, self.dataset, batch_size=4, outputs=names, progress=self.progress,
                                  desc="float parts"):
@@ -639,8 +648,8 @@ class _Measure:
     def outputs_of(model) -> set:
         return {o.name for o in model.graph.output}
 
-    def run_low(self, model, low: LowType, names, keep=False) -> Dict[str, np.ndarray]:
-        return self._run(emulate_in_fp32(model, low), names, keep=keep)
+    def run_low(self, model, low: LowType, names, keep=False, low_tensors=None) -> Dict[str, np.ndarray]:
+        return self._run(_emulate(model, low, low_tensors), names, keep=keep)
 
     def cosines(self, values) -> Dict[str, float]:
         from ..runtime.compare import output_figures
@@ -655,12 +664,13 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     notes: Tuple[str, ...] = ()
     rounds = 0
     while True:
-        values = measure.run_low(converted, low, measure.outputs)
+        values = measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors)
         cos = measure.cosines(values)
         short = {o: base[o] - cos[o] for o in measure.outputs if not cos[o] >= base[o] - max_drop}
         if not short or rounds >= MAX_ROUNDS:
             break
-        values = measure.run_low(converted, low, [n for n in names if _has_tensor(converted, n)], keep=True)
+        values = measure.run_low(converted, low, [n for n in names if _has_tensor(converted, n)], keep=True,
+                                 low_tensors=stats.low_tensors)
         culprit = _worst_node(proto, measure, values, kept)
         if culprit is None:
             break
@@ -679,6 +689,10 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     measurement = {"samples": measure.dataset.num_samples, "rounds": rounds, "max_cosine_drop": max_drop,
                    "outputs": {o: {"cosine_fp32": base[o], "cosine": cos[o]} for o in measure.outputs}}
     return converted, stats, kept, measurement, notes
+
+
+def _tensor_names(model) -> set:
+    return {t for n in model.graph.node for t in n.output} | {i.name for i in model.graph.input}
 
 
 def _has_tensor(model, name) -> bool:
@@ -719,7 +733,25 @@ def _worst_node(proto, measure: _Measure, values, kept):
     return None if best is None else (best, best_err)
 
 
-# --------------------------------------------------------------------------- BF16 emulation
+def ort_cpu_missing_kernels(model: onnx.ModelProto, low: LowType, nodes: Iterable[str]) -> Tuple[str, ...]:
+    """Op types of ``model``'s main-graph ``nodes`` (names) that onnxruntime's CPU provider (the
+    installed build) has no kernel for in ``low``, read from its kernel registry (empty when the
+    registry cannot be read)."""
+    try:
+        from onnxruntime.capi import _pybind_state
+
+        defs = _pybind_state.get_all_opkernel_def()
+    except Exception:  # noqa: BLE001 - an onnxruntime without the registry: nothing to say
+        return ()
+    with_low = {k.op_name for k in defs
+                if k.provider == "CPUExecutionProvider" and k.domain in ("", "ai.onnx")
+                and any(low.type_str in types for types in k.type_constraints.values())}
+    names = set(nodes)
+    used = dict.fromkeys(n.op_type for n in model.graph.node if n.name in names and n.op_type != "Cast")
+    return tuple(op for op in used if op not in with_low)
+
+
+# --------------------------------------------------------------------------- emulation
 def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto:
     """A copy of ``model`` (FP16 or BF16 float parts) onnxruntime's CPU provider runs as TensorRT
     stores the numbers: every FP16/BF16 tensor computed in FP32 and rounded to its type where it is
@@ -739,19 +771,26 @@ def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto
     low = get_low_type(float_dtype)
     if low is None:
         raise ConfigError("emulate_in_fp32: float_dtype must be 'fp16' or 'bf16'")
+    return _emulate(model, low)
+
+
+def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None) -> onnx.ModelProto:
+    """:func:`emulate_in_fp32`; ``low_tensors``: the node outputs of type ``low`` when known (else
+    shape inference tells)."""
     from ..io.models import tensor_array
 
+    if low_tensors is None:
+        types = tensor_types(model)
+        low_tensors = {t for t, ty in types.items() if ty == low.onnx_type}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
     for t in g.initializer:
         if t.data_type == low.onnx_type:
             t.CopyFrom(onnx.numpy_helper.from_array(np.asarray(tensor_array(t), np.float32), t.name))
-    low_tensors = {i.name for i in g.value_info if i.type.tensor_type.elem_type == low.onnx_type}
     for info in list(g.value_info) + list(g.input) + list(g.output):
         if info.type.tensor_type.elem_type == low.onnx_type:
             info.type.tensor_type.elem_type = TensorProto.FLOAT
-    types = tensor_types(model)
     nodes = []
     used = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
     for node in g.node:
@@ -762,7 +801,7 @@ def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto
                 attr.t.CopyFrom(onnx.numpy_helper.from_array(np.asarray(tensor_array(attr.t), np.float32)))
         nodes.append(node)
         for i, t in enumerate(node.output):
-            if t and (types.get(t) == low.onnx_type or t in low_tensors):
+            if t and t in low_tensors:
                 raw = _fresh(used, f"{t}/exact")
                 node.output[i] = raw
                 mid = _fresh(used, f"{t}/rounded")

@@ -148,7 +148,10 @@ def test_quantize_bf16_raises_the_opset_and_is_validated_by_emulation():
     )
     assert c16 >= c32 - 0.002
     measured = bf16.float_parts.measurement["outputs"]["output"]
-    assert measured["cosine"] == pytest.approx(c16, abs=1e-6)
+    first = {k: v[:4] for k, v in feeds.items()}  # the measurement runs on the first 4 samples
+    assert bf16.float_parts.measurement["samples"] == 4
+    assert measured["cosine"] == pytest.approx(
+        cosine(run_each(model, first), run_each(emulate_in_fp32(bf16.model), first)), abs=1e-6)
 
 
 def test_attention_mask_beyond_fp16_keeps_its_add_and_softmax_fp32_with_reasons():
@@ -365,3 +368,26 @@ def test_a_constant_node_beyond_fp16_keeps_its_reader_fp32():
     feeds = random_inputs(model)
     got = run(emulate_in_fp32(result.model), feeds)[0]
     assert np.all(np.isfinite(got)) and cosine(run(model, feeds)[0], got) > 0.999
+
+
+def test_the_notes_name_the_ops_onnxruntime_has_no_fp16_cpu_kernel_for():
+    from onnx_qat.formats.float_cast import FP16
+    from onnx_qat.formats.float_parts import ort_cpu_missing_kernels
+
+    result = cast_float_parts(conv_bn_relu_model(), "fp16")
+    missing = ort_cpu_missing_kernels(result.model, FP16, [n.name for n in result.model.graph.node])
+    assert "Cast" not in missing
+    if missing:  # this onnxruntime build lacks some FP16 CPU kernels: the result says which
+        assert any(", ".join(missing) in note for note in result.notes)
+
+
+def test_quantize_with_scales_converts_without_measuring_and_writes_nothing_on_bad_paths(tmp_path):
+    model = residual_block_model()
+    table = onnx_qat.calibrate(model, random_inputs(model, num=4), method="max", progress=False)
+    result = onnx_qat.quantize(model, tmp_path / "q.onnx", scales=table, float_dtype="fp16", progress=False)
+    assert result.float_parts.measurement is None and (tmp_path / "q.onnx").exists()
+    assert_check_clean(onnx.load(tmp_path / "q.onnx"))
+    with pytest.raises(onnx_qat.OutputError):
+        onnx_qat.quantize(model, tmp_path / "missing" / "q.onnx", scales=table, float_dtype="fp16")
+    with pytest.raises(ConfigError, match="keep_io_types"):
+        onnx_qat.quantize(model, scales=table, float_dtype="fp16", keep_io_types="no")
