@@ -196,8 +196,7 @@ def input_shapes(model, batch: int) -> Dict[str, Tuple[int, ...]]:
     dimensions of graph inputs set to ``batch``); tensors whose shape stays unknown are left out."""
     import onnx
 
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
+    probe = _without_weight_data(model)
     inits = {i.name for i in probe.graph.initializer}
     for value in probe.graph.input:
         if value.name in inits:
@@ -218,6 +217,32 @@ def input_shapes(model, batch: int) -> Dict[str, Tuple[int, ...]]:
         if dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
             shapes[value.name] = tuple(int(d.dim_value) for d in dims)
     return shapes
+
+
+def _without_weight_data(model):
+    """A copy of ``model`` whose float initializers of more than 64 values keep their type and dims but
+    not their data: shape inference needs only those (and the values of small integer constants such as
+    Reshape shapes), and copying ResNet50's 100 MB of weights would cost more than the inference."""
+    import onnx
+
+    probe = onnx.ModelProto()
+    probe.ir_version = model.ir_version
+    probe.opset_import.extend(model.opset_import)
+    graph = probe.graph
+    source = model.graph
+    graph.node.extend(source.node)
+    graph.input.extend(source.input)
+    graph.output.extend(source.output)
+    graph.value_info.extend(source.value_info)
+    for init in source.initializer:
+        size = int(np.prod(init.dims)) if init.dims else 1
+        if init.data_type == onnx.TensorProto.FLOAT and size > 64:
+            stub = graph.initializer.add()
+            stub.name, stub.data_type = init.name, init.data_type
+            stub.dims.extend(init.dims)
+        else:
+            graph.initializer.append(init)
+    return probe
 
 
 # --------------------------------------------------------------------------- one-op models
