@@ -10,9 +10,10 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
   activations uint8 with zero point 128 (bit-identical values, faster x86 kernels), or 0 where
   they are non-negative, and requantization points on quantized Conv outputs so onnxruntime
   forms ``QLinearConv``; a per-channel Mul/Add after a quantized Conv (an unfolded
-  BatchNormalization) is folded into the Conv's quantized weight and bias first (see
-  :mod:`onnx_qat.insertion.ort_cpu`; ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that
-  apply to this form).
+  BatchNormalization) is folded into the Conv's quantized weight and bias first; a quantized MatMul
+  is kept apart from its bias Add; with calibrated ranges, zero-point-0 tensors use the whole uint8
+  grid and GEMM weights behind zero-point-128 inputs 7 bits (see :mod:`onnx_qat.insertion.ort_cpu`;
+  ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that apply to this form).
 
 Targets are registered in :data:`_TARGETS`; the inserter reads every dtype and zero point
 from the target, never from constants of its own. A target is data only: it names its placement
@@ -45,8 +46,10 @@ class Target:
             :data:`onnx_qat.placement.policy.POLICIES`).
         form: None, or the name of the form (a key of :data:`onnx_qat.insertion.forms.FORMS`): an
             object with ``calibration_tensors(index, placement)`` and ``adapt(index, placement,
-            table)`` (see :class:`onnx_qat.insertion.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
-            ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
+            table, **calibrated)`` (see :class:`onnx_qat.insertion.ort_cpu.OrtCpuForm`; when the ranges
+            are calibrated in the same call and the form has ``nonnegative_inputs(model, data,
+            placement)``, ``calibrated`` is ``nonnegative=<its result>, fine=True``); what ``adapt``
+            returns may have a ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
             :class:`~onnx_qat.graph.edit.GraphEdit` after Q/DQ insertion
             (see :meth:`onnx_qat.insertion.ort_cpu.Adapted.finish`).
     """
@@ -85,9 +88,9 @@ TENSORRT = Target(
 
 ORT_CPU = Target(
     name="ort-cpu",
-    description="onnxruntime CPU: uint8 activations with zero point 128, or 0 where non-negative (same "
-                "scales), int8 per-channel weights, Conv outputs requantized for QLinearConv (per-channel "
-                "Mul/Add after a Conv folded into it first)",
+    description="onnxruntime CPU: uint8 activations with zero point 128, or 0 where non-negative, int8 "
+                "per-channel weights, Conv outputs requantized for QLinearConv (per-channel Mul/Add after a "
+                "Conv folded into it first), MatMuls kept apart from their bias Add",
     activation_dtype=np.uint8,
     activation_zero_point=128,
     policy="tensorrt",

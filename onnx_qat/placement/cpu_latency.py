@@ -10,9 +10,9 @@ here, at the model's shapes and the session's thread count, in two one-op models
 onnxruntime with all optimizations on:
 
 * a Conv as it sits between integer Convs of the form, reading and writing uint8: integer
-  ``DQ(x), DQ(W) -> Conv -> Q`` (one ``QLinearConv``) against float ``DQ(x) -> Conv(W) -> Q`` (the
-  float kernel with the dequantization of its input and the quantization of its output it then
-  needs, so a float Conv pays for leaving the integer chain);
+  ``DQ(x), DQ(W) -> Conv -> Q`` (one ``QLinearConv``) against the float Conv, float in and out.
+  (The float Conv cannot be timed between a DequantizeLinear and a QuantizeLinear: onnxruntime
+  1.31 quantizes a float constant weight there itself and runs ``QLinearConv`` again.);
 * a Gemm/MatMul, whose input usually comes from a float op: integer ``Q -> DQ(x), DQ(W) -> MatMul``
   (``MatMulIntegerToFloat`` / ``QGemm``, the input's QuantizeLinear counted) against float
   ``x -> MatMul(W) -> y``.
@@ -21,10 +21,9 @@ The two are run interleaved and their medians compared; a site stays float (rule
 with both times) only when the integer median exceeds :data:`FLOAT_MARGIN` (1.1) times the float one.
 Sites with the same op, shapes and attributes are measured once (ResNet50 has 53 Convs of 23 kinds).
 
-One-op timings do not see everything a float site costs in the model (a float Conv between integer
-ones also changes what onnxruntime fuses around it): measured on a MobileNetV2 at 160 x 160, keeping
-the 11 sites that lost by more than 10% float made the whole model slower than with every site
-integer. So when some site is kept float, :func:`onnx_qat.quantize` also builds the model with every
+One-op timings do not see everything a float site costs in the model: the dequantization of its
+input and the quantization of its output, and what onnxruntime then fuses around it. So when some
+site is kept float, :func:`onnx_qat.quantize` also builds the model with every
 site integer (same ranges), times FP32 and both models interleaved at the end, and writes the faster
 quantized one; the report says which (``whole_model.chosen``) and whether it beats FP32.
 
@@ -197,8 +196,7 @@ def input_shapes(model, batch: int) -> Dict[str, Tuple[int, ...]]:
     dimensions of graph inputs set to ``batch``); tensors whose shape stays unknown are left out."""
     import onnx
 
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
+    probe = _without_weight_data(model)
     inits = {i.name for i in probe.graph.initializer}
     for value in probe.graph.input:
         if value.name in inits:
@@ -219,6 +217,32 @@ def input_shapes(model, batch: int) -> Dict[str, Tuple[int, ...]]:
         if dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
             shapes[value.name] = tuple(int(d.dim_value) for d in dims)
     return shapes
+
+
+def _without_weight_data(model):
+    """A copy of ``model`` whose float initializers of more than 64 values keep their type and dims but
+    not their data: shape inference needs only those (and the values of small integer constants such as
+    Reshape shapes), and copying ResNet50's 100 MB of weights would cost more than the inference."""
+    import onnx
+
+    probe = onnx.ModelProto()
+    probe.ir_version = model.ir_version
+    probe.opset_import.extend(model.opset_import)
+    graph = probe.graph
+    source = model.graph
+    graph.node.extend(source.node)
+    graph.input.extend(source.input)
+    graph.output.extend(source.output)
+    graph.value_info.extend(source.value_info)
+    for init in source.initializer:
+        size = int(np.prod(init.dims)) if init.dims else 1
+        if init.data_type == onnx.TensorProto.FLOAT and size > 64:
+            stub = graph.initializer.add()
+            stub.name, stub.data_type = init.name, init.data_type
+            stub.dims.extend(init.dims)
+        else:
+            graph.initializer.append(init)
+    return probe
 
 
 # --------------------------------------------------------------------------- one-op models
@@ -266,13 +290,6 @@ def _site_models(spec: Mapping, seed: int = 0):
                  helper.make_node("QuantizeLinear", ["y_f", "y_s", "y_zp"], ["y"])]
         int_model, int_feed = build(nodes, consts, TensorProto.UINT8, TensorProto.UINT8), \
             np.round(x * 255).astype(np.uint8)
-        # float, in the same place: its input dequantized and its output quantized again
-        nodes = [helper.make_node("DequantizeLinear", ["x", "x_s", "x_zp"], ["x_dq"]),
-                 helper.make_node(op, ["x_dq", "w_f"] + (["b"] if spec["bias"] else []), ["y_f"], **attrs),
-                 helper.make_node("QuantizeLinear", ["y_f", "y_s", "y_zp"], ["y"])]
-        float_model = build(nodes, [numpy_helper.from_array(w, "w_f")] + consts, TensorProto.UINT8,
-                            TensorProto.UINT8)
-        return float_model, int_model, int_feed, int_feed
     else:  # float in (quantized here), float out: QGemm / MatMulIntegerToFloat
         nodes = [helper.make_node("QuantizeLinear", ["x", "x_s", "x_zp"], ["x_q"]),
                  helper.make_node("DequantizeLinear", ["x_q", "x_s", "x_zp"], ["x_dq"]), w_dq,
