@@ -249,11 +249,13 @@ def _add_inspect(sub) -> None:
 
 def _add_sensitivity(sub) -> None:
     p = sub.add_parser("sensitivity", help="rank the quantized sites by the output error each one costs",
-                       description="Calibrate MODEL once on --data, then measure for every site placement "
-                                   "quantizes the output error with only that site quantized (INT8, or "
-                                   "--precision) and with every site but it, on --eval-data (default: a "
-                                   "held-out quarter of --data). Prints the ranking; see "
-                                   "docs/sensitivity.md.")
+                       description="Calibrate MODEL once on --data (method max unless --method is given). "
+                                   "Then, for every site that placement quantizes, measure the output "
+                                   "error against the float model twice: with only that site quantized "
+                                   "(INT8, or --precision) and with every site but that one. The errors "
+                                   "are measured on --eval-data (default: the last quarter of --data, "
+                                   "held out from calibration). Prints the sites ranked, most sensitive "
+                                   "first; see docs/sensitivity.md.")
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
     p.add_argument("--data", metavar="NPZ", required=True, help=".npz calibration data (see 'calibrate')")
     p.add_argument("--eval-data", metavar="NPZ", default=None,
@@ -369,6 +371,11 @@ def _same_path(a, b) -> bool:
     return Path(a).resolve() == Path(b).resolve()
 
 
+#: What each input option expects, named in "is a directory" messages (by the error class it raises).
+_FILE_KINDS = {"ModelError": "the .onnx file", "DataError": "the .npz file",
+               "ScalesError": "the ScaleTable .json file"}
+
+
 def _check_inputs(*inputs) -> None:
     """Refuse missing input files before importing anything heavy (one line, exit 2).
 
@@ -382,8 +389,10 @@ def _check_inputs(*inputs) -> None:
         p = Path(path)
         if not p.exists():
             raise getattr(errors, error)(f"{what} {p} does not exist")
+        if p.is_dir():
+            raise getattr(errors, error)(f"{what} {p} is a directory; give {_FILE_KINDS[error]}")
         if not p.is_file():
-            raise getattr(errors, error)(f"{what} {p} is not a file")
+            raise getattr(errors, error)(f"{what} {p} is not a regular file; give {_FILE_KINDS[error]}")
 
 
 def _check_outputs(outputs, inputs) -> None:
@@ -402,9 +411,9 @@ def cmd_calibrate(args) -> int:
     _check_outputs([("--output", args.output)], [args.model, args.data])
     from .calibration import DEFAULT_METHOD, calibrate
     table = calibrate(args.model, args.data, output=args.output, progress=_progress(args), **kw)
-    _say(args, f"wrote {args.output}: {len(table.activations)} activation ranges, "
-               f"{len(table.weights)} weight "
-               f"ranges (method {kw.get('method', DEFAULT_METHOD)})")
+    method = _method_summary(table) or f"ranges: {kw.get('method', DEFAULT_METHOD)}"
+    _say(args, f"wrote {args.output}: {_count(len(table.activations), 'activation range')}, "
+               f"{_count(len(table.weights), 'weight range')} | {method}")
     return EXIT_OK
 
 
@@ -462,12 +471,26 @@ def _quantize_summary(args, result) -> str:
     """One line: what was written and how much was quantized."""
     s = dict(getattr(result, "summary", {}) or {})
     precision = getattr(result, "precision", "int8")
+    method = _method_summary(getattr(result, "scales", None))
     return (f"wrote {args.output} | target {result.target}"
             f"{'' if precision == 'int8' else ' | precision ' + precision} | "
-            f"{s.get('activations', '?')} activations and "
-            f"{s.get('weights', '?')} weights quantized, {s.get('skipped_nodes', '?')} nodes skipped | "
+            f"{_count(s.get('activations'), 'activation')} and "
+            f"{_count(s.get('weights'), 'weight')} quantized, {_count(s.get('skipped_nodes'), 'node')} skipped | "
             f"{s.get('quantize_linear', '?')} QuantizeLinear, "
-            f"{s.get('dequantize_linear', '?')} DequantizeLinear")
+            f"{s.get('dequantize_linear', '?')} DequantizeLinear" + (f" | {method}" if method else ""))
+
+
+def _count(n, noun: str) -> str:
+    """``1 node``, ``2 nodes``, ``? nodes`` (unknown)."""
+    return f"{n} {noun}" if n == 1 else f"{'?' if n is None else n} {noun}s"
+
+
+def _method_summary(table) -> str:
+    """How the ranges were chosen, from a ScaleTable's metadata: ``ranges: max`` or, for ``auto``,
+    which table it kept and the output cosines that decided it (empty for a given table)."""
+    from .calibration.auto_summary import describe_method
+
+    return describe_method(getattr(table, "metadata", None) or {})
 
 
 def _mixed_summary(info) -> str:
@@ -536,9 +559,9 @@ def format_decisions(placement) -> str:
         counts[d.action] = counts.get(d.action, 0) + 1
     lines.extend(f"note: {note}" for p in placement.nested() for note in p.notes)
     weights = sum(len(p.weight_tensors()) for p in placement.nested())
-    lines.append(f"{len(rows)} nodes: " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
-                 + f" | {len(placement.activation_tensors())} activation tensors, "
-                 f"{weights} weights to quantize")
+    lines.append(f"{_count(len(rows), 'node')}: " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+                 + f" | {_count(len(placement.activation_tensors()), 'activation tensor')}, "
+                 f"{_count(weights, 'weight')} to quantize")
     return "\n".join(lines)
 
 
@@ -643,7 +666,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _stopped("interrupted", EXIT_INTERRUPTED, verbose)
     except Terminated:
         return _stopped("terminated", EXIT_TERMINATED, verbose)
-    except (QatError, UsageError) as exc:
+    except UsageError as exc:  # a rule between options: point at the command's help like argparse does
+        text = str(exc) if "(see '" in str(exc) else f"{exc} (see '{PROG} {args.command} --help')"
+        return _fail(text, EXIT_USAGE, verbose)
+    except QatError as exc:
         return _fail(str(exc), EXIT_USAGE, verbose)
     except OSError as exc:  # the file system said no: name the file
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""

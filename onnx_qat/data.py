@@ -268,7 +268,7 @@ def load_data(source, model_or_specs, *, what: str = "data") -> Dataset:
     else:
         raise DataError(f"{what} must be an .npz path, a dict of arrays, an array or a Dataset; "
                         f"got {type(source).__name__}")
-    return _validate(columns, specs, label)
+    return _validate(columns, specs, label, announce=not isinstance(source, Dataset))
 
 
 def _specs(model_or_specs):
@@ -322,12 +322,15 @@ def _concat_batches(batches, what: str) -> Dict[str, np.ndarray]:
 CHECK_CHUNK_BYTES = 4 * 1024 ** 2
 
 
-def _match_keys(columns: Dict[str, object], specs, label: str) -> Dict[str, object]:
+def _match_keys(columns: Dict[str, object], specs, label: str, announce: bool = False) -> Dict[str, object]:
     names = [s.name for s in specs]
     if not columns:
         raise DataError(f"{label} holds no arrays; expected {', '.join(repr(n) for n in names)}")
     if len(specs) == 1 and len(columns) == 1:
-        return {names[0]: next(iter(columns.values()))}
+        key = next(iter(columns))
+        if announce and key != names[0] and key != "<array>":
+            logger.warning("%s: key %r is read as the model's only input %r", label, key, names[0])
+        return {names[0]: columns[key]}
     extra = [k for k in columns if k not in names]
     if extra:
         raise DataError(f"{label}: key {extra[0]!r} is not a model input (inputs: {', '.join(names)})")
@@ -338,13 +341,16 @@ def _match_keys(columns: Dict[str, object], specs, label: str) -> Dict[str, obje
     return {n: columns[n] for n in names}
 
 
-def _validate(columns: Dict[str, object], specs, label: str) -> Dataset:
-    """Headers first (keys, dtypes, shapes, counts), then the values of every input."""
-    matched = {k: _column(v) for k, v in _match_keys(columns, specs, label).items()}
+def _validate(columns: Dict[str, object], specs, label: str, announce: bool = False) -> Dataset:
+    """Headers first (keys, dtypes, shapes, counts), then the values of every input. ``announce``:
+    say (one warning line each) when a key is renamed or a dtype converted."""
+    matched = {k: _column(v) for k, v in _match_keys(columns, specs, label, announce).items()}
     unbatched, fixed = [], set()
     for spec in specs:
         column = matched[spec.name]
         _check_dtype(column.dtype, spec, label)
+        if announce and column.dtype != np.dtype(spec.dtype):
+            _announce_cast(column.dtype, np.dtype(spec.dtype), spec.name, label)
         mode = _fit_shape(column.shape, spec, label)
         if mode == "unbatched":
             unbatched.append(spec.name)
@@ -398,6 +404,16 @@ def _check_dtype(have: np.dtype, spec, label: str) -> None:
     if not ok:
         raise DataError(f"{label}: key {key!r} has dtype {have}, which does not convert safely to the "
                         f"model's {want}; save it as {want}")
+
+
+def _announce_cast(have: np.dtype, want: np.dtype, key: str, label: str) -> None:
+    """One warning line: the values of ``key`` are converted to the model's dtype, as they are."""
+    scale = ""
+    if have.kind in "iu" and want.kind == "f":
+        info = np.iinfo(have)
+        scale = (f" (values keep their {have} scale, e.g. 0..{info.max}; divide them first if the "
+                 f"model expects 0..1)") if have.kind == "u" else " (values keep their integer scale)"
+    logger.warning("%s: key %r holds %s, converted to the model's %s%s", label, key, have, want, scale)
 
 
 def _convert(values: np.ndarray, want: np.dtype, key: str, label: str, first: int) -> np.ndarray:
