@@ -439,7 +439,7 @@ def _fit_shape(shape: Tuple[int, ...], spec, label: str) -> str:
         return "batched"
     if len(shape) == len(want) + 1 and _dims_fit(shape[1:], want):
         return "unbatched"
-    expected = ",".join("N" if d is None else str(d) for d in want[1:])
+    expected = ",".join(spec.dim_label(axis) for axis in range(1, len(want)))
     expected = f"[N{',' if expected else ''}{expected}]" if want else "[N]"
     raise DataError(f"{label}: key {spec.name!r} has shape {list(shape)}, the model input "
                     f"{spec.name!r} needs {expected} (first axis = samples)")

@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Tuple, Union
 
@@ -64,15 +64,33 @@ class InputSpec:
         dtype: its NumPy element type.
         shape: its dimensions; ``None`` for a symbolic or unknown dimension.
             ``None`` for the whole shape when the rank is unknown.
+        dim_names: the symbolic names of the dimensions (``"batch"``, ``"height"``; None where a
+            dimension is fixed or unnamed), for messages only; ``()`` when not known.
     """
 
     name: str
     dtype: np.dtype
     shape: Optional[Tuple[Optional[int], ...]]
+    dim_names: Tuple[Optional[str], ...] = dataclass_field(default=(), compare=False)
+
+    def dim_label(self, axis: int) -> str:
+        """How messages name dimension ``axis``: its size, its symbolic name, or ``N``."""
+        if self.shape is not None and self.shape[axis] is not None:
+            return str(self.shape[axis])
+        name = self.dim_names[axis] if axis < len(self.dim_names) else None
+        return name if name and len(name) <= 24 else "N"
+
+    def dynamic_names(self, start: int = 0) -> Tuple[str, ...]:
+        """The labels of the dynamic dimensions from ``start`` on (``("height", "width")``)."""
+        if self.shape is None:
+            return ()
+        return tuple(self.dim_label(axis) if self.dim_label(axis) != "N" else f"dimension {axis}"
+                     for axis in range(start, len(self.shape)) if self.shape[axis] is None)
 
     def describe(self) -> str:
-        """``name float32[N,3,32,32]``-style text for messages."""
-        dims = "?" if self.shape is None else ",".join("N" if d is None else str(d) for d in self.shape)
+        """``name float32[batch,3,height,width]``-style text for messages (``N`` for an unnamed
+        dynamic dimension)."""
+        dims = "?" if self.shape is None else ",".join(self.dim_label(a) for a in range(len(self.shape)))
         return f"{self.name} {np.dtype(self.dtype).name}[{dims}]"
 
 
@@ -736,7 +754,8 @@ def _input_spec(value_info: onnx.ValueInfoProto) -> InputSpec:
         return InputSpec(value_info.name, dtype, None)
     dims = tuple(int(d.dim_value) if d.HasField("dim_value") and d.dim_value > 0 else None
                  for d in ttype.shape.dim)
-    return InputSpec(value_info.name, dtype, dims)
+    names = tuple(d.dim_param or None if size is None else None for d, size in zip(ttype.shape.dim, dims))
+    return InputSpec(value_info.name, dtype, dims, names)
 
 
 __all__ = [

@@ -224,7 +224,7 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
         else:
             _check_placement(placement, index)
         if placement.empty:
-            raise PlacementError(nothing_to_quantize(placement, _describe(model)))
+            raise PlacementError(nothing_to_quantize(placement, _describe(model), config.precision))
         refuse_non_finite_weights(index, placement, _describe(model))
     return float_model, index, placement
 
@@ -338,16 +338,30 @@ def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
                              "give the float model instead")
 
 
-def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
-    """The one-line message for a placement with no marks: what was found and what was excluded."""
+def nothing_to_quantize(placement: Placement, what: str = "the model", precision: str = "int8") -> str:
+    """The one-line message for a placement with no marks: what was found and what was excluded,
+    or, when the format quantizes op types the model lacks (``int4``: MatMul/Gemm weights only),
+    that cause and the format to use instead. Options are named as on the command line, with
+    the QuantizeConfig fields of the same names."""
+    from .formats import get_format
+
     ops = {}
     for d in placement.all_decisions():
         ops[d.op_type] = ops.get(d.op_type, 0) + 1
     found = ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) or "no nodes"
+    fmt = get_format(precision)
+    if fmt.weight_only and not set(fmt.weight_ops) & set(ops):
+        return (f"nothing to quantize in {what}: --precision {fmt.name} quantizes only the weights of "
+                f"{' and '.join(fmt.weight_ops)} nodes, and the model has none (found {found}); use "
+                f"--precision int8 or fp8"
+                + (" for its Conv layers" if {"Conv", "ConvTranspose"} & set(ops) else ""))
     skipped = [d for d in placement.all_decisions() if d.action == "skip"]
     why = "; ".join(f"{d.node}: {d.reason}" for d in skipped[:5]) + (" ..." if len(skipped) > 5 else "")
-    return (f"nothing to quantize in {what}: found {found}; {len(skipped)} node(s) skipped"
-            + (f" ({why})" if why else "") + "; check exclude_nodes/exclude_op_types/min_channels")
+    return (f"nothing to quantize in {what}: found {found}; "
+            f"{len(skipped)} node{'' if len(skipped) == 1 else 's'} skipped"
+            + (f" ({why})" if why else "") + "; see each node's decision with 'onnx-qat inspect' and "
+            "check --exclude-nodes, --exclude-op-types and --min-channels (QuantizeConfig fields "
+            "exclude_nodes, exclude_op_types, min_channels)")
 
 
 def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress,

@@ -81,6 +81,7 @@ class DeployOptions:
     max_abs: Optional[float] = None
     skip_validation: bool = False
     force: bool = False
+    allow_float: bool = False
     progress: bool = True
     verbose: bool = False
 
@@ -194,6 +195,9 @@ def get_parser() -> argparse.ArgumentParser:
                         "(the check still runs; accuracy vs --labels is still measured on the engine)")
     s.add_argument("--force", action="store_true",
                    help="build even when the check finds errors or the onnxruntime outputs are unhealthy")
+    s.add_argument("--allow-float", action="store_true",
+                   help="build a model that has no Q/DQ nodes at all (check rule C13) as a float engine "
+                        "instead of stopping")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.add_argument("-v", "--verbose", action="store_true",
                    help="debug logging (TensorRT's verbose log included) and tracebacks on errors")
@@ -213,7 +217,8 @@ def options_from_args(args: argparse.Namespace) -> DeployOptions:
         num_samples=args.num_samples, seed=args.seed, shapes=tuple(args.shapes), batch=args.batch,
         fp16=args.fp16, workspace_mib=args.workspace_mib, timing_cache=args.timing_cache,
         iterations=args.iterations, warmup=args.warmup, min_top1=args.min_top1, max_abs=args.max_abs,
-        skip_validation=args.skip_validation, force=args.force, progress=not args.no_progress,
+        skip_validation=args.skip_validation, force=args.force, allow_float=args.allow_float,
+        progress=not args.no_progress,
         verbose=args.verbose)
 
 
@@ -497,11 +502,14 @@ def _labels_path(opts: DeployOptions) -> Optional[Path]:
     return path if path.exists() or opts.data is None or path.suffix in (".npy", ".npz") else None
 
 
-def resolve_profiles(specs, shapes: Sequence, batch: Optional[int]) -> Tuple[Tuple, int]:
+def resolve_profiles(specs, shapes: Sequence, batch: Optional[int],
+                     data_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> Tuple[Tuple, int]:
     """Optimization profiles for the model's inputs and the batch size runs use.
 
     Inputs named in ``shapes`` use those; inputs whose only dynamic dimension is the
-    first get min 1, opt/max ``batch`` (default 1); other dynamic inputs are an error.
+    first get min 1, opt/max ``batch`` (default 1); inputs with other dynamic dimensions
+    take them from ``data_shapes`` (one sample's shape per input, from ``--data``), else
+    they are an error naming the dimensions.
     """
     from tools.trt_backend import ShapeProfile
 
@@ -514,12 +522,11 @@ def resolve_profiles(specs, shapes: Sequence, batch: Optional[int]) -> Tuple[Tup
         profile = given.get(spec.name)
         dims = spec.shape
         if profile is None and dims is not None and any(d is None for d in dims):
-            if any(d is None for d in dims[1:]):
-                raise ConfigError(f"model input {spec.describe()} has dynamic dimensions other than the "
-                                  f"batch; give its shapes with --shapes {spec.name}:MIN,OPT,MAX")
+            rest = tuple(dims[1:])
+            if any(d is None for d in rest):
+                rest = _rest_from_data(spec, (data_shapes or {}).get(spec.name))
             n = batch or 1
-            profile = ShapeProfile(spec.name, (1,) + tuple(dims[1:]), (n,) + tuple(dims[1:]),
-                                   (n,) + tuple(dims[1:]))
+            profile = ShapeProfile(spec.name, (1,) + rest, (n,) + rest, (n,) + rest)
         elif profile is None and dims is not None and batch is not None and dims and dims[0] != batch:
             raise ConfigError(f"model input {spec.describe()} has a fixed batch of {dims[0]}; "
                               f"--batch {batch} cannot change it (export the model with a dynamic batch "
@@ -530,6 +537,23 @@ def resolve_profiles(specs, shapes: Sequence, batch: Optional[int]) -> Tuple[Tup
         elif dims:
             run_batch = run_batch or dims[0]
     return tuple(profiles), int(run_batch or 1)
+
+
+def _rest_from_data(spec, sample: Optional[Tuple[int, ...]]) -> Tuple[int, ...]:
+    """The non-batch dimensions of ``spec`` fixed by one data sample's shape, or a ConfigError
+    naming the dynamic dimensions (by their symbolic names) when there is no data for them."""
+    dynamic = ", ".join(spec.dynamic_names(1))
+    if sample is None:
+        raise ConfigError(f"model input {spec.describe()} has dynamic dimensions other than the batch "
+                          f"({dynamic}); give --data, whose arrays fix them, or their sizes with --shapes "
+                          f"{spec.name}:MIN,OPT,MAX (dims joined by 'x')")
+    return tuple(int(d) for d in sample)
+
+
+def sample_shapes(dataset) -> Dict[str, Tuple[int, ...]]:
+    """One sample's shape per input of ``dataset`` (the batch axis left out)."""
+    first = next(iter(dataset.batches(1)), {})
+    return {name: tuple(np.shape(array))[1:] for name, array in first.items()}
 
 
 def _check_profile_fits(profile, by_name) -> None:
@@ -749,6 +773,10 @@ def run(opts: DeployOptions) -> int:
         return _stop(report, opts, "refused", EXIT_USAGE,
                      f"{opts.model} is not TensorRT-ready (check rules {rules}); fix the findings above or "
                      f"pass --force to build anyway")
+    if not checked.quantized and not opts.allow_float:
+        return _stop(report, opts, "refused", EXIT_USAGE,
+                     f"{opts.model} has no Q/DQ nodes (check rule C13), so TensorRT would build a float "
+                     f"engine; quantize it first ('onnx-qat quantize') or pass --allow-float")
     state = _Progress(report)
     try:
         model = load_model(opts.model)
@@ -785,8 +813,12 @@ class _Progress:
 
 
 def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs) -> int:
-    profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch)
-    dataset, labels, source = load_inputs(opts, model, specs, profiles)
+    if opts.data is not None:  # the data's arrays fix the dimensions --shapes does not give
+        dataset, labels, source = load_inputs(opts, model, specs, ())
+        profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch, sample_shapes(dataset))
+    else:
+        profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch)
+        dataset, labels, source = load_inputs(opts, model, specs, profiles)
     reference = None
     if not opts.skip_validation:
         validation, reference = validate(model, dataset, labels, source, batch_size, opts.progress)

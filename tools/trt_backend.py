@@ -1,6 +1,6 @@
 """Everything that touches TensorRT or CUDA for ``tools/deploy_tensorrt.py``.
 
-TensorRT and cuda-python are optional (``pip install "onnx-qat[tensorrt]"``) and
+TensorRT and cuda-python are optional (``pip install ".[tensorrt]"`` in the checkout) and
 are imported lazily, inside the functions that need them, so this module
 imports on any machine. Missing packages or a missing GPU raise
 :class:`onnx_qat.errors.TensorRTUnavailable` with one line saying what to
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 #: One line telling users how to get TensorRT (used in every "missing" message).
 INSTALL_HINT = ('to build the engine, install it on a machine with an NVIDIA GPU and driver: '
-                'pip install "onnx-qat[tensorrt]" (the tensorrt and cuda-python wheels; '
+                'pip install ".[tensorrt]" in the onnx-qat checkout (the tensorrt and cuda-python wheels; '
                 'or from NVIDIA\'s index: pip install tensorrt --extra-index-url https://pypi.nvidia.com)')
 #: Oldest TensorRT the flag-based build supports (name-based I/O API, explicit quantization).
 MIN_TENSORRT = (8, 6)

@@ -147,7 +147,7 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     index = GraphIndex(float_model)
     placement = policy_for(config.target).place(index, config)
     if placement.empty:
-        raise PlacementError(nothing_to_quantize(placement))
+        raise PlacementError(nothing_to_quantize(placement, precision=config.precision))
     sites = sites_of(placement, index)
     tensors = tensors_to_calibrate(placement, sites, index)
     del index

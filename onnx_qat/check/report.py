@@ -75,13 +75,20 @@ class CheckReport:
     def __bool__(self) -> bool:
         return self.passed
 
+    @property
+    def quantized(self) -> bool:
+        """True when the model has at least one QuantizeLinear or DequantizeLinear node (rule C13)."""
+        return bool(self.num_q or self.num_dq)
+
     def rules(self) -> Tuple[str, ...]:
         """The ids of the rules that found something (sorted, unique)."""
         return tuple(sorted({f.rule for f in self.findings}, key=_rule_key))
 
     def summary(self) -> str:
-        """One line: verdict, counts of errors/warnings, counts of Q and DQ nodes."""
-        verdict = "PASSED" if self.passed else "FAILED"
+        """One line: verdict, counts of errors/warnings, counts of Q and DQ nodes. The verdict is
+        ``PASSED``, ``FAILED`` (an error), or ``NOT QUANTIZED`` for a model without any Q/DQ node
+        and no error (exit code 0 like ``PASSED``: rule C13 is a warning)."""
+        verdict = "FAILED" if not self.passed else "PASSED" if self.quantized else "NOT QUANTIZED"
         where = f" | {self.model}" if self.model else ""
         n_err, n_warn = len(self.errors), len(self.warnings)
         return (f"{verdict}{where} | {n_err} error{'s' if n_err != 1 else ''}, "
@@ -99,6 +106,7 @@ class CheckReport:
             "opset": self.opset,
             "num_q": self.num_q,
             "num_dq": self.num_dq,
+            "quantized": self.quantized,
             "num_errors": len(self.errors),
             "num_warnings": len(self.warnings),
             "findings": [f.to_dict() for f in self.findings],

@@ -91,4 +91,5 @@ def rule_c13_not_quantized(model, graphs) -> Iterator[Finding]:
     """
     if not any(g.qdq for g in graphs):
         yield Finding("C13", WARNING, MODEL_NODE, "not quantized: the model has no QuantizeLinear/"
-                      "DequantizeLinear nodes")
+                      "DequantizeLinear nodes, so TensorRT builds it in float; quantize it first "
+                      "('onnx-qat quantize')")
