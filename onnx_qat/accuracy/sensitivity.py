@@ -109,6 +109,8 @@ class SensitivityResult:
         seconds: wall time of the analysis.
         precision: the format the sites are quantized in (``int8``, ``fp8``, ``int4``); ``all_int8``
             and ``only`` are then errors in that format.
+        eval_source: what the errors were measured on (``"calibration data d.npz (last 4 samples,
+            held out)"``).
     """
 
     sites: Tuple[SiteSensitivity, ...]
@@ -119,6 +121,7 @@ class SensitivityResult:
     runs: int = 0
     seconds: float = field(default=0.0, compare=False)
     precision: str = "int8"  # the format the sites are quantized in (all_int8: every site in it)
+    eval_source: str = field(default="", compare=False)
 
     def __len__(self) -> int:
         return len(self.sites)
@@ -134,7 +137,8 @@ class SensitivityResult:
         """JSON-ready form: format, metric, method, sample and run counts, the all-INT8 error and
         every site's figures, ranked (what :meth:`save` writes)."""
         return {"format": REPORT_FORMAT, "version": REPORT_VERSION, "metric": self.metric,
-                "method": self.method, "num_eval_samples": self.num_eval_samples, "runs": self.runs,
+                "method": self.method, "num_eval_samples": self.num_eval_samples,
+                **({"eval_data": self.eval_source} if self.eval_source else {}), "runs": self.runs,
                 "seconds": round(self.seconds, 3), "all_int8": self.all_int8.to_dict(),
                 **({} if self.precision == "int8" else {"precision": self.precision}),
                 "sites": [s.to_dict() for s in self.sites]}
@@ -145,25 +149,50 @@ class SensitivityResult:
 
         write_json(path, _json_safe(self.to_dict()))
 
+    def header(self) -> str:
+        """The lines above the table: the all-sites error, where the ranges came from and what the
+        errors were measured on, and (for ranges other than ``auto``'s) why ``compare`` of the model
+        ``quantize`` writes by default gives another figure."""
+        fmt = self.precision.upper()
+        ranges = "ranges from the given ScaleTable" if self.method == "given" else \
+            f"ranges calibrated with {self.method}"
+        samples = f"{self.num_eval_samples} sample{'' if self.num_eval_samples == 1 else 's'}"
+        where = f"evaluated on {self.eval_source}" if self.eval_source else f"evaluated on {samples}"
+        lines = [f"all sites {fmt}: {self.all_int8} | {ranges} | {where} | {self.runs} runs, "
+                 f"{self.seconds:.1f} s"]
+        if self.method not in ("auto", "given"):
+            lines.append("note: quantize's default method is auto and compare measures all the data it is "
+                         "given, so compare's cosine for that model differs; --method auto ranks auto's ranges")
+        return "\n".join(lines)
+
     def table(self, top: Optional[int] = None) -> str:
-        """A plain-text table of the ``top`` most sensitive sites (all when None)."""
+        """A plain-text table of the ``top`` most sensitive sites (all when None): the sites measured
+        alone first, then, under a line that explains the ``>``/``<`` marks, the sites known only
+        through the group they were measured in."""
         rows = self.sites if top is None else self.sites[:top]
         width = min(max([4] + [len(s.name) for s in rows]), 40)
         head = (f"{'rank':>4}  {'site':<{width}}  {'op':<10} {'kind':<9} {'only: cos':>10} {'SQNR':>7} "
                 f"{'all-but: cos':>12} {'worst tensor':>13}")
-        lines = [f"all sites {self.precision.upper()}: {self.all_int8} | {self.num_eval_samples} eval "
-                 f"samples, {self.runs} runs, {self.seconds:.1f} s", head, "-" * len(head)]
+        lines = [self.header(), head, "-" * len(head)]
+        explained = False
         for s in rows:
+            if not explained and (s.only_group > 1 or s.all_but_group > 1):
+                from .bisect import SCREEN_FLOOR, SCREEN_SHARE
+
+                lines.append(GROUP_NOTE.format(fmt=self.precision.upper(), share=SCREEN_SHARE,
+                                               floor=SCREEN_FLOOR))
+                explained = True
             worst = min((t.sqnr_db for t in s.tensors), default=math.inf)
-            only = ("" if s.only_group == 1 else ">") + f"{s.only.cosine:.5f}"
+            group = "" if s.only_group == 1 else ">"  # a group's figure: the site alone costs less
+            only, sqnr = f"{group}{s.only.cosine:.5f}", group + _fmt_db(s.only.sqnr_db)
             all_but = ("" if s.all_but_group == 1 else "<") + f"{s.all_but.cosine:.5f}"
             lines.append(f"{s.rank:>4}  {s.name[:width]:<{width}}  {s.site.op_type[:10]:<10} "
-                         f"{s.site.kind:<9} {only:>10} {_fmt_db(s.only.sqnr_db):>7} "
+                         f"{s.site.kind:<9} {only:>10} {sqnr:>7} "
                          f"{all_but:>12} {_fmt_db(worst) + ' dB':>13}")
         if top is not None and len(self.sites) > top:
-            lines.append(f"... {len(self.sites) - top} more site(s)")
-        if any(s.only_group > 1 or s.all_but_group > 1 for s in rows):
-            lines.append("> / <: figure of a group of sites measured together, too small an effect to split")
+            more = len(self.sites) - top
+            lines.append(f"... {more} more site{'' if more == 1 else 's'} (--top shows more; the JSON "
+                         f"report holds every site)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -175,6 +204,12 @@ class SensitivityResult:
         from .chart import sensitivity_chart
 
         sensitivity_chart(self, path, top=top)
+
+
+#: The line above the first site known only through its group (the table's ``>``/``<`` marks).
+GROUP_NOTE = ("---- measured in groups from here on (a joint effect too small to split: under {share:.0%} of the "
+              "all-{fmt} cosine loss or {floor:g}): '>c' / '<c' are the group's figures; the site alone "
+              "costs about that much or less")
 
 
 def _fmt_db(value: float) -> str:
@@ -253,7 +288,8 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
                         rank, only[k][1], all_but[k][1])
         for rank, k in enumerate(sorted(range(len(sites)), key=key), 1))
     return SensitivityResult(result_sites, metric, all_int8, prepared.method, prepared.evaluation.num_samples,
-                             prepared.runner.runs, time.perf_counter() - start, config.precision)
+                             prepared.runner.runs, time.perf_counter() - start, config.precision,
+                             getattr(prepared.evaluation, "source", ""))
 
 
 def _weight_stats(prepared) -> dict:
