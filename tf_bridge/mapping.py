@@ -47,7 +47,7 @@ import onnx
 from onnx import numpy_helper
 
 from onnx_qat.errors import ExportError
-from onnx_qat.placement.graph_index import GraphIndex, NodeInfo
+from onnx_qat.graph.index import GraphIndex, NodeInfo
 from onnx_qat.placement.handlers import rule3_weight_axis
 from onnx_qat.placement.marks import ActivationMark, Placement, WeightMark
 from onnx_qat.scales import ScaleTable, WeightRange

@@ -340,7 +340,7 @@ def deployed_parity(target: str, model: onnx.ModelProto, tensorrt_form: onnx.Mod
     (default graph optimisations, its integer kernels) against ``tensorrt_form`` run with
     optimisations off; it reads no detail of how the target form was made."""
     from onnx_qat.errors import QatError
-    from onnx_qat.runtime import make_session
+    from onnx_qat.runtime.sessions import make_session
 
     reference = run_with_tensors(tensorrt_form, feeds)
     try:
@@ -371,7 +371,7 @@ def keras_qat_in_onnxruntime(q_model, opset: int, inputs: Sequence[np.ndarray]) 
     layers carry on. Run in onnxruntime, the Keras model and the Q/DQ model share that arithmetic,
     so any difference between them is the export's own.
     """
-    from onnx_qat.model_io import load_model
+    from onnx_qat.io.models import load_model
 
     from .fake_quant import forward_only
 

@@ -210,7 +210,7 @@ def _file_features(split: str, count: int = 32) -> np.ndarray:
 # --------------------------------------------------------------------------- measuring
 def _cosine(float_model: str, candidate, feeds) -> float:
     from onnx_qat.accuracy.prepared import output_error
-    from onnx_qat.runtime import run_model
+    from onnx_qat.runtime.sessions import run_model
 
     ref = run_model(float_model, feeds, batch_size=8)
     got = run_model(candidate, feeds, batch_size=8)

@@ -31,7 +31,7 @@ def sensitivity_chart(result, path, top: int = 20) -> None:
     matplotlib.use("Agg", force=False)
     from matplotlib import pyplot as plt
 
-    from ..fileio import atomic_output
+    from ..io.files import atomic_output
 
     rows = list(result.sites[:top])[::-1]  # most sensitive at the top
     height = max(3.0, 0.36 * len(rows) + 2.0)

@@ -85,11 +85,11 @@ def _load(model):
     """The ModelProto to read (never a caller's object modified) and its path label."""
     import os
     if isinstance(model, (str, os.PathLike)):
-        from ..model_io import load_model
+        from ..io.models import load_model
         return load_model(model, upgrade_opset=False), str(model)
     import onnx
 
-    from ..model_io import from_graph, is_graph
+    from ..io.models import from_graph, is_graph
     if is_graph(model):
         return from_graph(model), ""
     if not isinstance(model, onnx.ModelProto):
@@ -127,7 +127,7 @@ def _lazy_inference(model) -> Callable[[], list]:
 
 def _rules_for(target) -> Tuple[Callable, ...]:
     """The rule functions :func:`check` runs for ``target`` (a target name, or None for tensorrt)."""
-    from ..targets import get_target
+    from ..insertion.targets import get_target
 
     name = get_target(target).name
     replaced = ORT_CPU_RULES if name == "ort-cpu" else {}
@@ -154,7 +154,7 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
     Raises:
         ModelError: the model cannot be read.
     """
-    from ..model_io import cyclic_gc_paused
+    from ..io.models import cyclic_gc_paused
 
     rules = _rules_for(target)
     proto, label = _load(model)

@@ -1,9 +1,9 @@
 """The numbered TensorRT placement rules, one documented unit each.
 
-Handlers look at one node (through a :class:`~onnx_qat.placement.graph_index.GraphIndex`)
+Handlers look at one node (through a :class:`~onnx_qat.graph.index.GraphIndex`)
 and return marks; they never touch a graph. The policy
 (:mod:`onnx_qat.placement.policy`) maps op types to these handlers and merges the
-marks (rule 10). Rule numbers follow DESIGN.md / the rules table of docs/placement.md.
+marks (rule 10). Rule numbers follow the rules table of docs/placement.md.
 
 Public sources:
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ..config import QuantizeConfig
-from .graph_index import GraphIndex, NodeInfo, subgraphs_of
+from ..graph.index import GraphIndex, NodeInfo, subgraphs_of
 from .marks import ActivationMark, Decision, SubgraphPlacement, WeightMark, group_by_tensor
 
 #: Weighted ops: TensorRT runs them in INT8 when both the activation and the weight are quantized.

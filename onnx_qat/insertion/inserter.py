@@ -1,6 +1,6 @@
 """The one inserter: placement marks + a ScaleTable -> QuantizeLinear/DequantizeLinear nodes.
 
-Works on a :class:`~onnx_qat.graph_edit.GraphEdit` of the model's protobuf. Every node it
+Works on a :class:`~onnx_qat.graph.edit.GraphEdit` of the model's protobuf. Every node it
 creates has a readable name derived from the tensor it quantizes:
 
 * activation ``t``: ``t_QuantizeLinear`` -> ``t_DequantizeLinear`` with initializers
@@ -8,7 +8,7 @@ creates has a readable name derived from the tensor it quantizes:
 * weight ``w``: int8 initializer ``w_quantized`` -> ``w_DequantizeLinear`` with
   ``w_scale`` / ``w_zero_point`` (1-D per channel with the ``axis`` attribute, or scalars).
 
-The numeric format (:mod:`onnx_qat.formats`) decides the stored types and the scale rule:
+The numeric format (:mod:`onnx_qat.formats.numeric`) decides the stored types and the scale rule:
 ``int8`` (above), ``fp8`` (E4M3FN activations and per-channel weights, zero points of type
 float8e4m3fn and value 0, scale ``amax / 448``) or ``int4`` (weights only: an INT4 initializer
 and a DequantizeLinear with ``axis`` and ``block_size``, one scale per block, ``amax / 7``).
@@ -27,11 +27,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import onnx
 
-from .errors import ScalesError
-from .formats import INT8, Format, get_format
-from .graph_edit import GraphEdit, make_node
-from .placement.marks import ActivationMark, Placement, WeightMark
-from .scales import ScaleTable
+from ..errors import ScalesError
+from ..formats.numeric import INT8, Format, get_format
+from ..graph.edit import GraphEdit, make_node
+from ..placement.marks import ActivationMark, Placement, WeightMark
+from ..scales import ScaleTable
 from .targets import Target, get_target
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class InsertionResult:
 
 
 # --------------------------------------------------------------------------- numerics
-def activation_scale(amax: float, target: Target, qmax: float = 127.0) -> np.float32:
+def activation_scale(amax: float, qmax: float = 127.0) -> np.float32:
     """Rule 2: symmetric per-tensor scale ``amax / 127`` as float32 (finite, > 0); ``amax / qmax``
     for another format (FP8: 448)."""
     with np.errstate(over="ignore"):  # an amax beyond float32 is reported below, not warned about
@@ -72,7 +72,7 @@ def activation_scale(amax: float, target: Target, qmax: float = 127.0) -> np.flo
     return scale
 
 
-def activation_scales(amaxes: Sequence[float], target: Target, qmax: float = 127.0) -> np.ndarray:
+def activation_scales(amaxes: Sequence[float], qmax: float = 127.0) -> np.ndarray:
     """:func:`activation_scale` of every amax in one NumPy pass (the same float32 values); the
     first unusable one raises its ScalesError."""
     with np.errstate(over="ignore"):
@@ -80,7 +80,7 @@ def activation_scales(amaxes: Sequence[float], target: Target, qmax: float = 127
     bad = ~(np.isfinite(scales) & (scales >= _TINY))
     if bad.any():
         first = int(np.argmax(bad))
-        activation_scale(amaxes[first], target, qmax)  # raises with the one-value message
+        activation_scale(amaxes[first], qmax)  # raises with the one-value message
     return scales
 
 
@@ -230,20 +230,20 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
                      progress: bool = False, zero_points: Optional[Dict[str, int]] = None,
                      unsigned_weights=(), precision="int8", block_size: int = 128) -> InsertionResult:
     """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
-    :meth:`~onnx_qat.graph_edit.GraphEdit.commit`).
+    :meth:`~onnx_qat.graph.edit.GraphEdit.commit`).
 
     Args:
-        edit: a :class:`~onnx_qat.graph_edit.GraphEdit` of the model whose node names placement used.
+        edit: a :class:`~onnx_qat.graph.edit.GraphEdit` of the model whose node names placement used.
         placement: the marks from :func:`onnx_qat.place`.
         scales: activation amax per tensor; optional weight amax (otherwise from the weights).
-        target: a :class:`~onnx_qat.targets.Target` or its name.
+        target: a :class:`~onnx_qat.insertion.targets.Target` or its name.
         progress: show a progress bar on stderr.
         zero_points: activation tensor -> zero point overriding the target's (the ``ort-cpu``
             form uses 0 for non-negative tensors); the records then carry ``zero_point``.
         unsigned_weights: weight tensors stored as uint8 ``q + 128`` with zero point 128 instead of
             int8 ``q`` with zero point 0 (the same dequantized values).
         precision: the numeric format (``"int8"``, ``"fp8"``, ``"int4"`` or a
-            :class:`~onnx_qat.formats.Format`); the target's dtypes apply to ``int8`` only.
+            :class:`~onnx_qat.formats.numeric.Format`); the target's dtypes apply to ``int8`` only.
         block_size: values per INT4 weight scale along the mark's axis (``int4``).
 
     Raises:
@@ -278,7 +278,7 @@ class _Inserter:
         marks = placement.activations
         # every activation scale at once: float values for the records, raw float32 bytes for the
         # initializers (per-tensor NumPy scalars would cost more than the rest of a pair's insertion)
-        act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.target, self.format.qmax)
+        act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.format.qmax)
         raw = _le_bytes(act_scales)
         for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
             records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4]))
@@ -300,7 +300,7 @@ class _Inserter:
 
     def _zero_point(self, shape: Tuple[int, ...], value: int, dtype) -> tuple:
         """``(NumPy type, raw bytes, shape)`` of a zero point of ``dtype`` and ``shape`` filled with
-        ``value``, for :meth:`~onnx_qat.graph_edit.GraphEdit.add_raw_initializer` (made once per
+        ``value``, for :meth:`~onnx_qat.graph.edit.GraphEdit.add_raw_initializer` (made once per
         shape, value and type: every pair and weight of a kind shares them)."""
         key = (shape, value, dtype)
         found = self._zero_points.get(key)
@@ -392,7 +392,7 @@ class _Inserter:
     def weight_in_format(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],
                          scales: ScaleTable, consumers) -> dict:
         """An FP8 (per channel) or INT4 (per block) weight initializer + DequantizeLinear."""
-        from .blockwise import pack_int4, quantize_blocks, to_fp8
+        from ..formats.blockwise import pack_int4, quantize_blocks, to_fp8
 
         edit, fmt = self.edit, self.format
         values, proto, chain = edit.constant(tensor)
@@ -445,7 +445,7 @@ class _Inserter:
 def _zero_bytes(data_type: int, shape: Tuple[int, ...]) -> tuple:
     """``(ONNX element type, raw bytes, shape)`` of an all-zero FP8 or INT4 zero point (both encode 0 as
     zero bits; INT4 packs two values per byte)."""
-    from .formats import ONNX_INT4
+    from ..formats.numeric import ONNX_INT4
 
     count = int(np.prod(shape, dtype=np.int64))
     size = (count + 1) // 2 if data_type == ONNX_INT4 else count

@@ -6,7 +6,7 @@ as the main graph (:meth:`onnx_qat.placement.policy.TensorRTPolicy.place`; the m
 in :attr:`onnx_qat.placement.marks.Placement.subgraphs`). This module does the things that differ
 for a subgraph:
 
-* :func:`insert_into_subgraphs` runs the one inserter (:func:`onnx_qat.insertion.insert_qdq_pairs`)
+* :func:`insert_into_subgraphs` runs the one inserter (:func:`onnx_qat.insertion.inserter.insert_qdq_pairs`)
   on each branch or body, wrapped in a ModelProto, with outer-scope constants readable (a branch's
   weight may be an initializer or Constant of an enclosing graph) and names unique across the whole
   model; the edited graph replaces the original in its node. A float weight of an enclosing graph
@@ -28,9 +28,9 @@ from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 import onnx
 
-from .graph_edit import subgraph_names
-from .placement.graph_index import subgraphs_of
-from .placement.marks import Placement
+from .edit import subgraph_names
+from .index import subgraphs_of
+from ..placement.marks import Placement
 
 
 def outer_constants(graph: onnx.GraphProto,
@@ -72,13 +72,14 @@ def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, 
         model: the ModelProto whose main graph ``placement`` describes.
         placement: the main graph's placement.
         scales: the :class:`~onnx_qat.scales.ScaleTable` (ranges of branch tensors included).
-        target: the :class:`~onnx_qat.targets.Target` or its name.
+        target: the :class:`~onnx_qat.insertion.targets.Target` or its name.
         names: every name of the model, shared by all edits (made here when None).
         inherited: internal: constants of the graphs enclosing ``model.graph``.
-        precision, block_size: the numeric format, as :func:`onnx_qat.insertion.insert_qdq_pairs` takes it.
+        precision, block_size: the numeric format, as
+            :func:`onnx_qat.insertion.inserter.insert_qdq_pairs` takes it.
 
     Returns:
-        The inserted records (as :class:`~onnx_qat.insertion.InsertionResult` holds them), each with
+        The inserted records (as :class:`~onnx_qat.insertion.inserter.InsertionResult` holds them), each with
         ``"subgraph"``: ``"<node>/<attribute>"`` (e.g. ``"choose/then_branch"``, ``"refine/body"``).
     """
     if not placement.subgraphs:
@@ -97,8 +98,8 @@ def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, 
 
 
 def _insert_into_branch(model, node, graph, sub, scales, target, names, visible, fmt) -> List[dict]:
-    from .graph_edit import GraphEdit
-    from .insertion import insert_qdq_pairs
+    from .edit import GraphEdit
+    from ..insertion.inserter import insert_qdq_pairs
 
     wrapper = onnx.ModelProto(ir_version=model.ir_version)
     wrapper.opset_import.extend(model.opset_import)
