@@ -464,7 +464,8 @@ def _quantize_summary(args, result) -> str:
     return (f"wrote {args.output} | target {result.target}"
             f"{'' if precision == 'int8' else ' | precision ' + precision} | "
             f"{_count(s.get('activations'), 'activation')} and "
-            f"{_count(s.get('weights'), 'weight')} quantized, {_count(s.get('skipped_nodes'), 'node')} skipped | "
+            f"{_count(s.get('weights'), 'weight')} quantized, "
+            f"{_count(s.get('skipped_nodes'), 'node')} skipped | "
             f"{s.get('quantize_linear', '?')} QuantizeLinear, "
             f"{s.get('dequantize_linear', '?')} DequantizeLinear" + (f" | {method}" if method else ""))
 

@@ -343,7 +343,7 @@ def nothing_to_quantize(placement: Placement, what: str = "the model", precision
     or, when the format quantizes op types the model lacks (``int4``: MatMul/Gemm weights only),
     that cause and the format to use instead. Options are named as on the command line, with
     the QuantizeConfig fields of the same names."""
-    from .formats import get_format
+    from .formats.numeric import get_format
 
     ops = {}
     for d in placement.all_decisions():

@@ -160,8 +160,9 @@ class SensitivityResult:
         lines = [f"all sites {fmt}: {self.all_int8} | {ranges} | {where} | {self.runs} runs, "
                  f"{self.seconds:.1f} s"]
         if self.method not in ("auto", "given"):
-            lines.append("note: quantize's default method is auto and compare measures all the data it is "
-                         "given, so compare's cosine for that model differs; --method auto ranks auto's ranges")
+            lines.append("note: quantize's default method is auto and compare measures all the data it "
+                         "is given, so compare's cosine for that model differs; --method auto ranks "
+                         "auto's ranges")
         return "\n".join(lines)
 
     def table(self, top: Optional[int] = None) -> str:
@@ -206,9 +207,9 @@ class SensitivityResult:
 
 
 #: The line above the first site known only through its group (the table's ``>``/``<`` marks).
-GROUP_NOTE = ("---- measured in groups from here on (a joint effect too small to split: under {share:.0%} of the "
-              "all-{fmt} cosine loss or {floor:g}): '>c' / '<c' are the group's figures; the site alone "
-              "costs about that much or less")
+GROUP_NOTE = ("---- measured in groups from here on (a joint effect too small to split: under "
+              "{share:.0%} of the all-{fmt} cosine loss or {floor:g}): '>c' / '<c' are the group's "
+              "figures; the site alone costs about that much or less")
 
 
 def _fmt_db(value: float) -> str:
