@@ -1,8 +1,10 @@
 """The ``onnx-qat`` command line: a thin layer over the public API.
 
-Every option is a keyword of a documented function (:func:`onnx_qat.calibrate`,
-:func:`onnx_qat.quantize`, :func:`onnx_qat.check`, :func:`onnx_qat.compare`,
-:func:`onnx_qat.place`, fields of :class:`onnx_qat.config.QuantizeConfig`). Building
+Every option is a keyword of a documented function
+([`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate],
+[`onnx_qat.quantize`][onnx_qat.quantize.quantize], [`onnx_qat.check`][onnx_qat.check.check],
+[`onnx_qat.compare`][onnx_qat.runtime.compare.compare], [`onnx_qat.place`][onnx_qat.placement.policy.place],
+fields of [`onnx_qat.config.QuantizeConfig`][]). Building
 the parser imports nothing heavy (no numpy, onnx, onnxruntime): ``onnx-qat --help``
 answers at once; each command imports the API it needs when it runs.
 
@@ -54,7 +56,7 @@ def _on_sigterm(signum, frame):
 
 @contextlib.contextmanager
 def _sigterm_unwinds():
-    """While running a command, turn SIGTERM into :class:`Terminated` (main thread only)."""
+    """While running a command, turn SIGTERM into `Terminated` (main thread only)."""
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread: leave signal handling alone
@@ -394,7 +396,8 @@ def _check_outputs(outputs, inputs) -> None:
 
 # -- the commands -------------------------------------------------------------------------------------
 def cmd_calibrate(args) -> int:
-    """``onnx-qat calibrate``: :func:`onnx_qat.calibrate` with ``output`` (the ScaleTable JSON)."""
+    """``onnx-qat calibrate``: [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate] with ``output``
+    (the ScaleTable JSON)."""
     kw = {**_calibration_keywords(args), **_placement_keywords(args)}
     _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"))
     _check_outputs([("--output", args.output)], [args.model, args.data])
@@ -407,7 +410,8 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    """``onnx-qat quantize``: :func:`onnx_qat.quantize`, then :func:`onnx_qat.check` on the result."""
+    """``onnx-qat quantize``: [`onnx_qat.quantize`][onnx_qat.quantize.quantize], then
+    [`onnx_qat.check`][onnx_qat.check.check] on the result."""
     if args.scales is not None:
         given = [opt for opt, val in (("--method", args.method), ("--percentile", args.percentile),
                                       ("--batch-size", args.batch_size)) if val is not None]
@@ -496,7 +500,7 @@ def _mixed_summary(info) -> str:
 
 
 def cmd_check(args) -> int:
-    """``onnx-qat check``: :func:`onnx_qat.check`; exit 1 when it finds an error."""
+    """``onnx-qat check``: [`onnx_qat.check`][onnx_qat.check.check]; exit 1 when it finds an error."""
     _check_inputs(("model", args.model, "ModelError"))
     from .check import check
     report = check(args.model, target=args.target)
@@ -508,7 +512,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    """``onnx-qat compare``: :func:`onnx_qat.compare`; exit 1 when an output misses a threshold."""
+    """``onnx-qat compare``: [`onnx_qat.compare`][onnx_qat.runtime.compare.compare]; exit 1 when an output
+    misses a threshold."""
     kw = {"max_abs": args.max_abs, "min_cosine": args.min_cosine, "min_sqnr_db": args.min_sqnr,
           "min_top1": args.min_top1, "batch_size": args.batch_size, "num_samples": args.num_samples}
     kw = {k: v for k, v in kw.items() if v is not None}
@@ -556,7 +561,8 @@ def format_decisions(placement) -> str:
 
 
 def cmd_inspect(args) -> int:
-    """``onnx-qat inspect``: :func:`onnx_qat.place`, printed as a table (nothing is written)."""
+    """``onnx-qat inspect``: [`onnx_qat.place`][onnx_qat.placement.policy.place], printed as a table (nothing
+    is written)."""
     _check_inputs(("model", args.model, "ModelError"))
     from .placement import place
     placement = place(args.model, **_placement_keywords(args))
@@ -568,7 +574,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_sensitivity(args) -> int:
-    """``onnx-qat sensitivity``: :func:`onnx_qat.sensitivity`, printed as a ranked table."""
+    """``onnx-qat sensitivity``: [`onnx_qat.sensitivity`][onnx_qat.accuracy.sensitivity.sensitivity], printed
+    as a ranked table."""
     calib = _calibration_keywords(args)
     _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"),
                   ("--eval-data", args.eval_data, "DataError"))

@@ -1,7 +1,7 @@
-"""The rewrite behind :func:`onnx_qat.quantize`: float ONNX + ranges -> Q/DQ ONNX.
+"""The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: float ONNX + ranges -> Q/DQ ONNX.
 
 The pipeline is load -> place (marks only) -> ranges (given ScaleTable or calibration) ->
-insert (edits of the protobuf, :mod:`onnx_qat.graph.edit`) -> optional save and report.
+insert (edits of the protobuf, `onnx_qat.graph.edit`) -> optional save and report.
 The caller's model object and input file are never changed.
 """
 from __future__ import annotations
@@ -38,12 +38,12 @@ REPORT_VERSION = 1
 
 @dataclass(frozen=True)
 class QuantizeResult:
-    """What :func:`quantize` produced.
+    """What [`quantize`][onnx_qat.quantize.quantize] produced.
 
     Attributes:
         model: the Q/DQ ``onnx.ModelProto``.
         scales: the ScaleTable actually used (given, or calibrated).
-        placement: every placement decision (:class:`~onnx_qat.placement.marks.Placement`).
+        placement: every placement decision ([`Placement`][onnx_qat.placement.marks.Placement]).
         target: the deployment target name.
         output: the path written, or None.
         summary: counts (nodes, quantized activations/weights, inserted Q and DQ nodes...).
@@ -56,7 +56,7 @@ class QuantizeResult:
             ``fp8_method="gptq"`` on the E4M3 grid): the
             relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
-            (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
+            (see `onnx_qat.accuracy.mixed`); None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -73,13 +73,13 @@ class QuantizeResult:
     gptq: Tuple[dict, ...] = field(default=(), repr=False)
 
     def save(self, path) -> Path:
-        """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.io.models.save_model`)."""
+        """Write the Q/DQ model to ``path`` atomically (see [`onnx_qat.io.models.save_model`][])."""
         return _io().save_model(self.model, path)
 
     def to_graph(self):
         """The Q/DQ model as a new ``onnx_graphsurgeon.Graph``, ready for further graph surgery
         (``gs.export_onnx(graph)`` gives the ONNX model back). Each call imports a fresh Graph;
-        editing it leaves :attr:`model` unchanged."""
+        editing it leaves `model` unchanged."""
         return _io().to_graph(self.model)
 
     def to_report(self) -> dict:
@@ -105,7 +105,7 @@ class QuantizeResult:
         }
 
     def to_dict(self) -> dict:
-        """Same as :meth:`to_report`."""
+        """Same as [`to_report`][onnx_qat.rewrite.QuantizeResult.to_report]."""
         return self.to_report()
 
     def __str__(self) -> str:
@@ -118,14 +118,17 @@ class QuantizeResult:
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
                     placement: Optional[Placement] = None, calibrator=None) -> QuantizeResult:
-    """The rewrite behind :func:`onnx_qat.quantize`: quantize every site the placement marks.
+    """The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: quantize every site the placement
+    marks.
 
-    ``config`` is the resolved :class:`~onnx_qat.config.QuantizeConfig` and ``calib_kw`` the merged
-    calibration keywords, both already checked by :func:`onnx_qat.quantize` (see there for every
-    argument and what is raised). The accuracy tools call this directly, one layer below the public
-    entry point that dispatches to them. ``calibrator`` (:func:`onnx_qat.calibrate`, passed by
-    :func:`onnx_qat.quantize`) computes the ranges when ``data`` is given: the rewrite does not import
-    the calibration package, whose ``auto`` method inserts its candidate tables through this function.
+    ``config`` is the resolved [`QuantizeConfig`][onnx_qat.config.QuantizeConfig] and ``calib_kw`` the merged
+    calibration keywords, both already checked by [`onnx_qat.quantize`][onnx_qat.quantize.quantize] (see there
+    for every argument and what is raised). The accuracy tools call this directly, one layer below the public
+    entry point that dispatches to them. ``calibrator``
+    ([`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate], passed by
+    [`onnx_qat.quantize`][onnx_qat.quantize.quantize]) computes the ranges when ``data`` is given: the rewrite
+    does not import the calibration package, whose ``auto`` method inserts its candidate tables through this
+    function.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -447,7 +450,7 @@ SOFTMAX_AMAX = 1.0
 
 
 def softmax_ranges(index: GraphIndex, placement: Placement, table: ScaleTable, keep=()) -> ScaleTable:
-    """``table`` with amax :data:`SOFTMAX_AMAX` for every quantized tensor a Softmax produces, except
+    """``table`` with amax `SOFTMAX_AMAX` for every quantized tensor a Softmax produces, except
     those named in ``keep`` (the ranges of a ScaleTable the caller gave, which stay as given)."""
     fixed = {m.tensor: SOFTMAX_AMAX for m in placement.activations
              if getattr(index.producer.get(m.tensor), "op_type", None) == "Softmax" and m.tensor not in keep}
@@ -470,8 +473,8 @@ def _check_complete(table: ScaleTable, placement: Placement, source: str) -> Sca
 def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None):
     """Insert the Q/DQ nodes as edits of ``model`` (which this call owns) and commit them to a new
     ModelProto (``storage``: the target form's ``zero_points``/``unsigned_weights`` for
-    :func:`~onnx_qat.insertion.inserter.insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
-    :meth:`onnx_qat.insertion.ort_cpu.Adapted.finish`)."""
+    `insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
+    `onnx_qat.insertion.ort_cpu.Adapted.finish`)."""
     from .graph.edit import GraphEdit
     from .insertion.inserter import insert_qdq_pairs
 

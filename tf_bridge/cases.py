@@ -1,9 +1,9 @@
 """CustomQDQInsertionCase (the extension point) and the Keras-graph helpers cases use.
 
-A case looks at the (float) Keras model and returns a :class:`QuantizationSpec`
-of extra entries; :func:`tf_bridge.quantize_model` applies it below the user's
+A case looks at the (float) Keras model and returns a [`QuantizationSpec`][tf_bridge.spec.QuantizationSpec]
+of extra entries; [`tf_bridge.quantize_model`][] applies it below the user's
 own spec in precedence. The built-in cases live in
-:mod:`tf_bridge.custom_qdq_cases`.
+[`tf_bridge.custom_qdq_cases`][].
 """
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ FUSABLE = (
 class CustomQDQInsertionCase:
     """Base class of pattern-based quantization rules.
 
-    Subclasses implement :meth:`case`; :meth:`info` describes the case (by default
-    the first line of the class docstring).
+    Subclasses implement [`case`][tf_bridge.cases.CustomQDQInsertionCase.case];
+    [`info`][tf_bridge.cases.CustomQDQInsertionCase.info] describes the case (by default the first line of the
+    class docstring).
     """
 
     def info(self) -> str:

@@ -4,7 +4,7 @@ Left panel: output cosine loss (1 - cosine, log scale) with only the site in INT
 sensitive site on top. Right panel: the cosine gained when only this site stays float (all
 others INT8), against the all-INT8 model. Bars of one site share a row and a colour by kind.
 Sites measured alone come first; sites known only through the group they were measured in
-(:mod:`onnx_qat.accuracy.bisect`) come after a dashed line, with hatched bars, values marked
+(`onnx_qat.accuracy.bisect`) come after a dashed line, with hatched bars, values marked
 ``≤`` and a legend entry saying what the hatching means. The title names the calibration
 method and the evaluation samples.
 """
@@ -23,7 +23,8 @@ _TICK, _LABEL, _TITLE, _VALUE = 10, 11, 12, 9
 
 
 def sensitivity_chart(result, path, top: int = 20) -> None:
-    """Write the chart of ``result`` (a :class:`~onnx_qat.accuracy.sensitivity.SensitivityResult`)."""
+    """Write the chart of ``result`` (a
+    [`SensitivityResult`][onnx_qat.accuracy.sensitivity.SensitivityResult])."""
     try:
         import matplotlib
     except ImportError:

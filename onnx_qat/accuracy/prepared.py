@@ -1,7 +1,7 @@
 """What sensitivity and mixed precision share: one load, one placement, one calibration, one
 gated session, the float model's outputs once.
 
-:func:`prepare` loads the model, decides placement (the target's policy, with the caller's
+`prepare` loads the model, decides placement (the target's policy, with the caller's
 exclusions), splits the data into a calibration part and an evaluation part, calibrates once,
 inserts Q/DQ once (the one inserter), puts every site behind a gate, and runs the float model once
 on the evaluation data (its outputs are the reference of every later run).

@@ -1,11 +1,11 @@
 """``onnx_qat.sensitivity``: which quantized site costs how much output accuracy.
 
-For every site (:mod:`onnx_qat.accuracy.sites`) the model's output error against the float model
+For every site (`onnx_qat.accuracy.sites`) the model's output error against the float model
 is measured in two settings on the evaluation data: only this site in INT8, and every site but
 this one in INT8. Per quantized tensor the result also gives its amax, the share of values the
 range clips, and the tensor's own quantization SQNR. Ranges are calibrated once; every setting is
-one run of the gated model (:mod:`onnx_qat.accuracy.gated`), from the latest cut it can start at
-(:mod:`onnx_qat.accuracy.cuts`); the float outputs are computed once.
+one run of the gated model (`onnx_qat.accuracy.gated`), from the latest cut it can start at
+(`onnx_qat.accuracy.cuts`); the float outputs are computed once.
 
 The idea follows the layer-wise tools TensorRT users know (Polygraphy's layer-wise comparison and
 precision debugging; onnxruntime's ``qdq_loss_debug``): measure one layer's effect with the others
@@ -53,13 +53,13 @@ class SiteSensitivity:
     """The figures of one site.
 
     Attributes:
-        site: the :class:`~onnx_qat.accuracy.sites.Site`.
+        site: the `Site`.
         only: output error with only this site in INT8 (everything else float).
         all_but: output error with every site but this one in INT8.
-        tensors: :class:`TensorStats` of the tensors this site quantizes.
+        tensors: `TensorStats` of the tensors this site quantizes.
         rank: 1 for the most sensitive site.
         only_group: 1 when ``only`` was measured for this site alone; else the size of the group of
-            sites measured together, whose effect was too small to split (:mod:`onnx_qat.accuracy.bisect`):
+            sites measured together, whose effect was too small to split (`onnx_qat.accuracy.bisect`):
             ``only`` is then the group's error (this site alone loses about that much or less).
         all_but_group: the same for ``all_but`` (this site alone in float gains about that much or less).
     """
@@ -99,7 +99,7 @@ class SensitivityResult:
     site float recovers.
 
     Attributes:
-        sites: :class:`SiteSensitivity` records, ranked.
+        sites: `SiteSensitivity` records, ranked.
         metric: ``cosine``, ``sqnr`` or ``max_abs``.
         all_int8: output error with every site in INT8 (what ``quantize`` gives).
         method: calibration method (``given`` for a given ScaleTable).
@@ -134,7 +134,8 @@ class SensitivityResult:
 
     def to_dict(self) -> dict:
         """JSON-ready form: format, metric, method, sample and run counts, the all-INT8 error and
-        every site's figures, ranked (what :meth:`save` writes)."""
+        every site's figures, ranked (what [`save`][onnx_qat.accuracy.sensitivity.SensitivityResult.save]
+        writes)."""
         return {"format": REPORT_FORMAT, "version": REPORT_VERSION, "metric": self.metric,
                 "method": self.method, "num_eval_samples": self.num_eval_samples,
                 **({"eval_data": self.eval_source} if self.eval_source else {}), "runs": self.runs,
@@ -143,7 +144,8 @@ class SensitivityResult:
                 "sites": [s.to_dict() for s in self.sites]}
 
     def save(self, path) -> None:
-        """Write :meth:`to_dict` as JSON (atomically; inf/NaN as strings)."""
+        """Write [`to_dict`][onnx_qat.accuracy.sensitivity.SensitivityResult.to_dict] as JSON (atomically;
+        inf/NaN as strings)."""
         from ..io.files import write_json
 
         write_json(path, self.to_dict())
@@ -223,25 +225,26 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
 
     Args:
         model: a float ONNX model (path or ``ModelProto``, never modified).
-        data: calibration data (anything :func:`onnx_qat.load_data` accepts). Without ``eval_data``
-            its last quarter is held out for evaluation and not calibrated on.
+        data: calibration data (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts). Without
+            ``eval_data`` its last quarter is held out for evaluation and not calibrated on.
         scales: a ScaleTable (or its path, or ``{tensor: amax}``) to use instead of calibrating;
             the errors are then measured on ``eval_data`` (or on all of ``data``).
-        method: calibration method (see :func:`onnx_qat.calibrate`).
+        method: calibration method (see [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]).
         eval_data: data the output errors are measured on.
         metric: what ranks the sites: ``cosine``, ``sqnr`` or ``max_abs`` (all three are reported).
-        config: a :class:`~onnx_qat.config.QuantizeConfig`; ``placement_options`` (its field names)
+        config: a [`QuantizeConfig`][onnx_qat.config.QuantizeConfig]; ``placement_options`` (its field names)
             override its fields. Sites are what this placement quantizes.
         batch_size: samples per onnxruntime run.
         progress: show progress bars on stderr.
         exhaustive: measure every site alone in both settings (``2 n + 1`` runs). By default, for
-            more than 16 sites, group bisection (:mod:`onnx_qat.accuracy.bisect`) measures alone only
+            more than 16 sites, group bisection (`onnx_qat.accuracy.bisect`) measures alone only
             the sites whose group moves the output cosine by at least 1% of the all-INT8 loss; the
             others get their group's figures as bounds (``SiteSensitivity.only_group`` > 1).
-        calibration_options: further keywords of :func:`onnx_qat.calibrate` (``percentile``, ``num_bins``).
+        calibration_options: further keywords of [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]
+            (``percentile``, ``num_bins``).
 
     Returns:
-        A :class:`SensitivityResult`, most sensitive site first.
+        A [`SensitivityResult`][onnx_qat.accuracy.sensitivity.SensitivityResult], most sensitive site first.
     """
     from ..config import QuantizeConfig
 

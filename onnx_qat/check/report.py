@@ -1,7 +1,8 @@
-"""What :func:`onnx_qat.check` returns: :class:`CheckReport` (and its findings).
+"""What [`onnx_qat.check`][onnx_qat.check.check] returns: [`CheckReport`][onnx_qat.check.report.CheckReport]
+(and its findings).
 
-Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
-:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in its one table,
+`onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ class Finding:
     """One problem found by one rule.
 
     Attributes:
-        rule: rule id, ``"C1"`` ... (see :data:`RULES` and docs/check-rules.md).
+        rule: rule id, ``"C1"`` ... (see `RULES` and docs/check-rules.md).
         severity: ``"error"`` (TensorRT refuses it or computes something else) or
             ``"warning"`` (it builds, but slower or less accurately than it could).
         node: name of the offending node (``"(model)"`` for model-level findings).
@@ -41,7 +42,7 @@ class Finding:
 
 @dataclass(frozen=True)
 class CheckReport:
-    """What :func:`check` found. ``bool(report)`` is True when there is no error.
+    """What [`check`][onnx_qat.check.check] found. ``bool(report)`` is True when there is no error.
 
     Attributes:
         findings: every finding, ordered by rule id then node order in the graph.

@@ -3,10 +3,10 @@
 TensorRT and cuda-python are optional (``pip install ".[tensorrt]"`` in the checkout) and
 are imported lazily, inside the functions that need them, so this module
 imports on any machine. Missing packages or a missing GPU raise
-:class:`onnx_qat.errors.TensorRTUnavailable` with one line saying what to
+[`onnx_qat.errors.TensorRTUnavailable`][] with one line saying what to
 install.
 
-Build modes (see :func:`choose_build_mode`):
+Build modes (see `choose_build_mode`):
 
 * ``strongly-typed`` — TensorRT >= 10: the network is created with
   ``NetworkDefinitionCreationFlag.STRONGLY_TYPED``; tensor types come from the
@@ -23,7 +23,7 @@ Build modes (see :func:`choose_build_mode`):
 CUDA memory, streams and events go through cuda-python's runtime bindings
 (``cuda.bindings.runtime``, or ``cuda.cudart`` in cuda-python < 12.6).
 
-The layer-information analysis (:func:`analyse_layers`) is pure Python on the
+The layer-information analysis (`analyse_layers`) is pure Python on the
 engine inspector's JSON and is used and tested without TensorRT.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class BuildSettings:
 
     fp16: bool = False
     workspace_bytes: Optional[int] = None
-    #: the model's Q/DQ form (``int8``, ``fp8`` or ``int4``, see :func:`model_precision`): FP8 and INT4
+    #: the model's Q/DQ form (``int8``, ``fp8`` or ``int4``, see `model_precision`): FP8 and INT4
     #: networks are built strongly typed (TensorRT >= 10), their types read from the Q/DQ nodes.
     precision: str = "int8"
     profiles: Tuple[ShapeProfile, ...] = ()

@@ -4,7 +4,7 @@
 
 Steps (each a small function below, each recorded in the JSON report):
 
-1. gate      — :func:`onnx_qat.check` (TensorRT-readiness rules); refuse unless ``--force``.
+1. gate      — [`onnx_qat.check`][onnx_qat.check.check] (TensorRT-readiness rules); refuse unless ``--force``.
 2. validate  — run the model in onnxruntime on ``--data`` (or generated inputs) and
    report the outputs' health (NaN/Inf, constant outputs, value ranges) and the
    accuracy against ``--labels``; refuse an unhealthy model unless ``--force``.
@@ -26,7 +26,7 @@ Exit codes: 0 success; 1 the engine was built but verification failed (parity
 below ``--min-top1``/above ``--max-abs``); 2 refused, bad input or usage, or
 TensorRT/GPU missing; 3 internal error; 130 interrupted.
 
-All TensorRT and CUDA code lives in :mod:`onnx_qat.deploy.backend`, imported lazily.
+All TensorRT and CUDA code lives in `onnx_qat.deploy.backend`, imported lazily.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ logger = logging.getLogger("onnx_qat.deploy.command")
 # =========================================================================== options
 @dataclass(frozen=True)
 class DeployOptions:
-    """Every command-line option, validated (see :func:`get_parser` for their meaning)."""
+    """Every command-line option, validated (see `get_parser` for their meaning)."""
 
     model: Path
     engine: Path
@@ -107,7 +107,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_shape_spec(text: str):
-    """``NAME:MIN[,OPT,MAX]`` with dims joined by ``x`` -> :class:`onnx_qat.deploy.backend.ShapeProfile`.
+    """``NAME:MIN[,OPT,MAX]`` with dims joined by ``x`` -> `onnx_qat.deploy.backend.ShapeProfile`.
 
     One shape gives a static profile (min = opt = max). Dimensions must be whole
     numbers > 0 with min <= opt <= max in every dimension.
@@ -202,7 +202,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def options_from_args(args: argparse.Namespace) -> DeployOptions:
-    """Turn parsed arguments into a validated :class:`DeployOptions`."""
+    """Turn parsed arguments into a validated `DeployOptions`."""
     names = [p.name for p in args.shapes]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
@@ -631,7 +631,7 @@ def _check_labels(labels: Optional[np.ndarray], num_samples: int, what) -> Optio
 
 # =========================================================================== steps
 def gate(opts: DeployOptions):
-    """Step 1: :func:`onnx_qat.check` on the model file; returns the CheckReport."""
+    """Step 1: [`onnx_qat.check`][onnx_qat.check.check] on the model file; returns the CheckReport."""
     from onnx_qat.check import check
 
     return check(str(opts.model))
@@ -645,7 +645,7 @@ def run_onnxruntime(model, dataset, batch_size: int, progress: bool) -> Dict[str
 
 
 def validate(model, dataset, labels, source: str, batch_size: int, progress: bool):
-    """Step 2: run the model in onnxruntime; return (:class:`Validation`, outputs)."""
+    """Step 2: run the model in onnxruntime; return (`Validation`, outputs)."""
     start = time.perf_counter()
     outputs = run_onnxruntime(model, dataset, batch_size, progress)
     seconds = time.perf_counter() - start

@@ -2,22 +2,22 @@
 copies calibration runs to observe their tensors.
 
 Placement places each branch of an If and the body of each Loop and Scan with the same handler table
-as the main graph (:meth:`onnx_qat.placement.policy.TensorRTPolicy.place`; the marks of a subgraph sit
-in :attr:`onnx_qat.placement.marks.Placement.subgraphs`). This module does the things that differ
+as the main graph (`onnx_qat.placement.policy.TensorRTPolicy.place`; the marks of a subgraph sit
+in `onnx_qat.placement.marks.Placement.subgraphs`). This module does the things that differ
 for a subgraph:
 
-* :func:`insert_into_subgraphs` runs the one inserter (:func:`onnx_qat.insertion.inserter.insert_qdq_pairs`)
+* `insert_into_subgraphs` runs the one inserter (`onnx_qat.insertion.inserter.insert_qdq_pairs`)
   on each branch or body, wrapped in a ModelProto, with outer-scope constants readable (a branch's
   weight may be an initializer or Constant of an enclosing graph) and names unique across the whole
   model; the edited graph replaces the original in its node. A float weight of an enclosing graph
-  that only quantized subgraphs read is dropped there afterwards (:func:`drop_unread`): its int8
+  that only quantized subgraphs read is dropped there afterwards (`drop_unread`): its int8
   copy lives in the subgraphs.
-* :func:`inline_branches` makes a copy of a model in which chosen If nodes are replaced by the nodes
+* `inline_branches` makes a copy of a model in which chosen If nodes are replaced by the nodes
   of one of their branches. onnxruntime cannot return a tensor of a subgraph as a graph output; in
   the inlined copy it is a main-graph tensor. Calibration
-  (:class:`onnx_qat.calibration.branches.BranchRunner`) runs the original model to learn which
+  (`onnx_qat.calibration.branches.BranchRunner`) runs the original model to learn which
   branch each If takes on a batch, then the copy with that branch inlined.
-* :func:`expose_iterations` makes a copy of a model in which chosen tensors of Loop/Scan bodies are
+* `expose_iterations` makes a copy of a model in which chosen tensors of Loop/Scan bodies are
   extra scan outputs of their bodies and extra outputs of their nodes: a body tensor takes one
   value per iteration, and onnxruntime stacks the values of every iteration there, so calibration
   gives one range covering all iterations (one Q/DQ pair in the body serves every iteration).
@@ -63,23 +63,23 @@ def model_names(model: onnx.ModelProto) -> Set[str]:
 def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, target, *,
                           names: Optional[Set[str]] = None, inherited=None, precision="int8",
                           block_size: int = 128) -> List[dict]:
-    """Insert the Q/DQ of every :class:`~onnx_qat.placement.marks.SubgraphPlacement` of ``placement``
-    into the matching If branch or Loop/Scan body of ``model`` (a model :func:`onnx_qat.quantize`
-    owns; its nodes get their edited subgraphs in place). Nested subgraphs are edited first, then
-    the graph holding them.
+    """Insert the Q/DQ of every `SubgraphPlacement` of ``placement``
+    into the matching If branch or Loop/Scan body of ``model`` (a model
+    [`onnx_qat.quantize`][onnx_qat.quantize.quantize] owns; its nodes get their edited subgraphs in place).
+    Nested subgraphs are edited first, then the graph holding them.
 
     Args:
         model: the ModelProto whose main graph ``placement`` describes.
         placement: the main graph's placement.
-        scales: the :class:`~onnx_qat.scales.ScaleTable` (ranges of branch tensors included).
-        target: the :class:`~onnx_qat.insertion.targets.Target` or its name.
+        scales: the [`ScaleTable`][onnx_qat.scales.ScaleTable] (ranges of branch tensors included).
+        target: the `Target` or its name.
         names: every name of the model, shared by all edits (made here when None).
         inherited: internal: constants of the graphs enclosing ``model.graph``.
         precision, block_size: the numeric format, as
-            :func:`onnx_qat.insertion.inserter.insert_qdq_pairs` takes it.
+            `onnx_qat.insertion.inserter.insert_qdq_pairs` takes it.
 
     Returns:
-        The inserted records (as :class:`~onnx_qat.insertion.inserter.InsertionResult` holds them), each with
+        The inserted records (as `InsertionResult` holds them), each with
         ``"subgraph"``: ``"<node>/<attribute>"`` (e.g. ``"choose/then_branch"``, ``"refine/body"``).
     """
     if not placement.subgraphs:
@@ -184,7 +184,7 @@ def expose_iterations(model: onnx.ModelProto, names) -> Tuple[onnx.ModelProto, D
     Tensors of If branches inside a body are not exposed (only the branch taken runs in an
     iteration, and a scan output needs a value every iteration). ONNX requires a scan output's
     shape to stay the same across iterations: where a body tensor's shape changes, onnxruntime
-    refuses the copy when it runs (:class:`onnx_qat.calibration.branches.BranchRunner` then drops
+    refuses the copy when it runs (`onnx_qat.calibration.branches.BranchRunner` then drops
     that node's tensors).
 
     Returns:
@@ -212,7 +212,7 @@ def expose_iterations(model: onnx.ModelProto, names) -> Tuple[onnx.ModelProto, D
 
 def _expose_in(graph: onnx.GraphProto, wanted: Set[str], fresh, types: Mapping[str, int]) -> Dict[str, str]:
     """Expose the ``wanted`` tensors of the Loop/Scan bodies of ``graph`` as outputs of their
-    nodes (see :func:`expose_iterations`); wanted name -> tensor of ``graph``."""
+    nodes (see `expose_iterations`); wanted name -> tensor of ``graph``."""
     found: Dict[str, str] = {}
     for node in graph.node:
         if node.op_type not in LOOP_OPS or node.domain not in ("", "ai.onnx") or not wanted - set(found):

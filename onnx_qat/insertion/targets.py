@@ -1,6 +1,6 @@
 """Deployment targets: the forms the same placement and scales take in the output model.
 
-A :class:`Target` says which placement policy decides where Q/DQ goes and how the
+A `Target` says which placement policy decides where Q/DQ goes and how the
 inserted nodes look (integer types, zero points, clamping ranges). Two forms:
 
 * ``"tensorrt"``: TensorRT explicit quantization, symmetric int8 everywhere (zero
@@ -11,13 +11,13 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
   they are non-negative, and requantization points on quantized Conv outputs so onnxruntime
   forms ``QLinearConv``; a per-channel Mul/Add after a quantized Conv (an unfolded
   BatchNormalization) is folded into the Conv's quantized weight and bias first (see
-  :mod:`onnx_qat.insertion.ort_cpu`; ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that
+  `onnx_qat.insertion.ort_cpu`; ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that
   apply to this form).
 
-Targets are registered in :data:`_TARGETS`; the inserter reads every dtype and zero point
+Targets are registered in `_TARGETS`; the inserter reads every dtype and zero point
 from the target, never from constants of its own. A target is data only: it names its placement
-policy (looked up by :func:`onnx_qat.placement.policy.policy_for`) and its optional form (made by
-:func:`onnx_qat.insertion.forms.make_form`), and imports neither, so the modules that read a target
+policy (looked up by `onnx_qat.placement.policy.policy_for`) and its optional form (made by
+`onnx_qat.insertion.forms.make_form`), and imports neither, so the modules that read a target
 never import back up. A form adjusts the placement and ScaleTable after ranges are known
 (``calibration_tensors`` and ``adapt``), and may edit the graph after Q/DQ insertion (``adapt``'s
 result's ``finish(edit)``).
@@ -44,13 +44,13 @@ class Target:
         weight_dtype: integer type of stored weights.
         weight_range: ``(min, max)`` integer range weights are clipped to (symmetric).
         policy: the name of the placement policy (a key of
-            :data:`onnx_qat.placement.policy.POLICIES`).
-        form: None, or the name of the form (a key of :data:`onnx_qat.insertion.forms.FORMS`): an
+            `onnx_qat.placement.policy.POLICIES`).
+        form: None, or the name of the form (a key of `onnx_qat.insertion.forms.FORMS`): an
             object with ``calibration_tensors(index, placement)`` and ``adapt(index, placement,
-            table)`` (see :class:`onnx_qat.insertion.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
+            table)`` (see `onnx_qat.insertion.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
             ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
-            :class:`~onnx_qat.graph.edit.GraphEdit` after Q/DQ insertion
-            (see :meth:`onnx_qat.insertion.ort_cpu.Adapted.finish`).
+            `GraphEdit` after Q/DQ insertion
+            (see `onnx_qat.insertion.ort_cpu.Adapted.finish`).
     """
 
     name: str
@@ -103,7 +103,7 @@ _TARGETS: Dict[str, Target] = {"tensorrt": TENSORRT, "ort-cpu": ORT_CPU}
 
 
 def get_target(target) -> Target:
-    """The :class:`Target` named ``target`` (a Target passes through)."""
+    """The `Target` named ``target`` (a Target passes through)."""
     if isinstance(target, Target):
         return target
     if target is None:

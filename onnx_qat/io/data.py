@@ -3,14 +3,14 @@
 The ``.npz`` format: one array per graph input, keyed by the input name, whose
 first axis counts samples (``x: float32[N, 3, 32, 32]`` for an input
 ``x: float32[batch, 3, 32, 32]``). A single-input model accepts one array under any
-key. Files are read by :mod:`onnx_qat.io.npz` a batch at a time, never whole and never
+key. Files are read by `onnx_qat.io.npz` a batch at a time, never whole and never
 unpickled: object arrays are refused from their header.
 
 Contract:
 
-* :func:`load_data` ``(source, model_or_specs, *, what="data") -> Dataset``
-* :class:`Dataset` with ``num_samples``, ``input_names``, ``batches(batch_size)``, ``take(n)``
-* :func:`generate_data` ``(model_or_specs, num_samples=8, seed=0) -> Dataset``
+* [`load_data`][onnx_qat.io.data.load_data] ``(source, model_or_specs, *, what="data") -> Dataset``
+* `Dataset` with ``num_samples``, ``input_names``, ``batches(batch_size)``, ``take(n)``
+* `generate_data` ``(model_or_specs, num_samples=8, seed=0) -> Dataset``
 """
 from __future__ import annotations
 
@@ -111,8 +111,8 @@ def _read_only(column):
 class Dataset:
     """Validated model inputs: one array per graph input, first axis = samples.
 
-    Build it with :func:`load_data` or :func:`generate_data`. Data from an ``.npz`` file
-    stays in the file: :meth:`batches` reads one batch at a time, so memory does not grow
+    Build it with [`load_data`][onnx_qat.io.data.load_data] or `generate_data`. Data from an ``.npz`` file
+    stays in the file: `batches` reads one batch at a time, so memory does not grow
     with the number of samples. In-memory arrays are read-only.
 
     Attributes:
@@ -146,7 +146,7 @@ class Dataset:
     def arrays(self) -> Mapping[str, np.ndarray]:
         """Input name -> read-only array (first axis = samples).
 
-        Data streamed from an ``.npz`` file is read into memory whole here; :meth:`batches`
+        Data streamed from an ``.npz`` file is read into memory whole here; `batches`
         is the bounded way to go through it.
         """
         arrays = {}
@@ -202,7 +202,7 @@ class Dataset:
                 yield feed
 
     def num_batches(self, batch_size: int) -> int:
-        """How many feeds :meth:`batches` yields."""
+        """How many feeds `batches` yields."""
         size = self.batch_size_for(batch_size)
         return -(-self.num_samples // size)
 
@@ -235,16 +235,16 @@ def load_data(source, model_or_specs, *, what: str = "data") -> Dataset:
 
     An ``.npz`` file is not read into memory: its headers are checked, its values are
     checked in one pass of a few megabytes at a time, and the returned dataset reads it
-    again batch by batch (:meth:`Dataset.batches`), so memory does not grow with the
+    again batch by batch (`Dataset.batches`), so memory does not grow with the
     number of samples. Arrays stored column-major (Fortran order) are read whole.
 
     Args:
         source: a path to an ``.npz`` file (keys = graph input names, first axis =
             samples; a single-input model accepts one array under any key), a mapping
             of input name to array, one array (single-input models), a list of such
-            mappings (batches, concatenated), or a :class:`Dataset`.
+            mappings (batches, concatenated), or a `Dataset`.
         model_or_specs: the model (``ModelProto`` or path) or its
-            :func:`~onnx_qat.io.models.model_input_specs`.
+            `model_input_specs`.
         what: how to call the data in messages (e.g. ``"calibration data"``).
 
     Raises:

@@ -7,10 +7,10 @@ literal, never a pickle) and its rows are then read in order, as many as asked f
 memory stays bounded by one batch whatever the number of samples. Compressed members
 (``np.savez_compressed``) are decompressed sequentially, which is just as bounded.
 
-* :func:`read_members` ``(path, label) -> {key: NpzMember}`` — headers only.
-* :meth:`NpzMember.open` — a :class:`MemberReader` whose :meth:`~MemberReader.read` yields rows.
+* `read_members` ``(path, label) -> {key: NpzMember}`` — headers only.
+* `NpzMember.open` — a `MemberReader` whose `read` yields rows.
 
-Errors are :class:`~onnx_qat.errors.DataError` lines naming ``label`` and the key.
+Errors are [`DataError`][onnx_qat.errors.DataError] lines naming ``label`` and the key.
 Object (pickled) arrays are refused from their header, before any of their bytes is read.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class NpzMember:
         shape: the array's shape.
         dtype: the stored dtype (possibly non-native byte order).
         fortran_order: True when the array was stored column-major (its rows are then not
-            contiguous: :meth:`MemberReader.read` reads the whole member once).
+            contiguous: `MemberReader.read` reads the whole member once).
         label: how to call the archive in messages.
     """
 
@@ -66,9 +66,9 @@ class NpzMember:
 
 
 class MemberReader:
-    """Sequential row reader of one :class:`NpzMember` (a context manager).
+    """Sequential row reader of one `NpzMember` (a context manager).
 
-    :meth:`read` returns the next ``count`` rows as a new array of the stored dtype.
+    `read` returns the next ``count`` rows as a new array of the stored dtype.
     """
 
     def __init__(self, member: NpzMember):

@@ -1,10 +1,11 @@
 """Placement: where Q/DQ goes, decided before anything is inserted.
 
-* :func:`place` — run the target's policy on a model and return a :class:`Placement`.
-* :mod:`.marks` — the records handlers produce (ActivationMark, WeightMark, Decision, Placement).
-* :mod:`.handlers` — the numbered TensorRT rules, one documented unit each.
-* :mod:`.policy` — the op type -> handler table and rule 10 (one Q/DQ per tensor).
-* :mod:`.graph_index` — producer/consumer maps built once per graph.
+* [`place`][onnx_qat.placement.place] — run the target's policy on a model and return a
+  [`Placement`][onnx_qat.placement.Placement].
+* `marks` — the records handlers produce (ActivationMark, WeightMark, Decision, Placement).
+* `handlers` — the numbered TensorRT rules, one documented unit each.
+* `policy` — the op type -> handler table and rule 10 (one Q/DQ per tensor).
+* `graph_index` — producer/consumer maps built once per graph.
 """
 from __future__ import annotations
 

@@ -230,7 +230,7 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
 
     Args:
         reference, candidate: ``ModelProto`` (not modified) or paths.
-        data: inputs as :func:`onnx_qat.load_data` accepts; ``None`` generates
+        data: inputs as [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts; ``None`` generates
             ``num_samples`` (default 8) random samples with a fixed seed.
         batch_size: samples per onnxruntime run.
         max_abs, min_cosine, min_sqnr_db, min_top1: thresholds (None disables one);
