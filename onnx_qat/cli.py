@@ -491,7 +491,7 @@ def _mixed_summary(info) -> str:
     """One line for --min-cosine: the sites left float and the output cosine before and after."""
     names = [site["name"] for site in info["float_sites"]]
     shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
-    return (f"mixed precision: {len(names)} of {info['sites']} site(s) left float"
+    return (f"mixed precision: {len(names)} of {_count(info['sites'], 'site')} left float"
             + (f" ({shown})" if names else "")
             + f" | output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} "
             f"(min {info['min_cosine']:g}, {info['eval_samples']} eval samples) | "

@@ -112,7 +112,8 @@ class QuantizeResult:
         s = self.summary
         return (f"QuantizeResult(target={self.target}, precision={self.precision}, "
                 f"{s['activations']} activation Q/DQ pairs, "
-                f"{s['weights']} weights, {s['skipped_nodes']} nodes skipped, output={self.output})")
+                f"{s['weights']} weights, {s['skipped_nodes']} node{'' if s['skipped_nodes'] == 1 else 's'} "
+                f"skipped, output={self.output})")
 
 
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,

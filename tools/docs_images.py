@@ -24,14 +24,16 @@ SENSITIVITY_CHART = ROOT / "docs" / "img" / "sensitivity.png"
 
 
 def sensitivity_chart(path: Path = SENSITIVITY_CHART, top: int = 12):
-    """Write the documentation's sensitivity chart; return the result it shows."""
+    """Write the documentation's sensitivity chart (8 inches wide, so that its text stays readable
+    in the page's column); return the result it shows."""
     import onnx_qat
+    from onnx_qat.accuracy.chart import sensitivity_chart as draw
     from tests.builders import outlier_channel_model
 
     model = outlier_channel_model("conv5", convs=24, seed=0)
     data = {"input": np.random.default_rng(0).standard_normal((16, 16, 8, 8)).astype(np.float32)}
     result = onnx_qat.sensitivity(model, data, progress=False)
-    result.plot(path, top=top)
+    draw(result, path, top=top, width=8.0)
     return result
 
 

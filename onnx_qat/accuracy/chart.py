@@ -22,9 +22,10 @@ _FLOOR = 1e-7
 _TICK, _LABEL, _TITLE, _VALUE = 10, 11, 12, 9
 
 
-def sensitivity_chart(result, path, top: int = 20) -> None:
+def sensitivity_chart(result, path, top: int = 20, width: float = 12.0) -> None:
     """Write the chart of ``result`` (a
-    [`SensitivityResult`][onnx_qat.accuracy.sensitivity.SensitivityResult])."""
+    [`SensitivityResult`][onnx_qat.accuracy.sensitivity.SensitivityResult]), ``width`` inches wide
+    at 100 dpi (a narrower chart keeps its text readable where a page scales it down)."""
     try:
         import matplotlib
     except ImportError:
@@ -36,12 +37,12 @@ def sensitivity_chart(result, path, top: int = 20) -> None:
 
     rows = list(result.sites[:top])[::-1]  # most sensitive at the top
     height = max(3.0, 0.36 * len(rows) + 2.0)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, height), sharey=True,
+    fig, (left, right) = plt.subplots(1, 2, figsize=(width, height), sharey=True,
                                       gridspec_kw={"width_ratios": [3, 2]})
     _left_panel(left, rows)
     _right_panel(right, rows, result.all_int8.cosine, result.precision.upper())
     _group_divider((left, right), rows)
-    bottom = _legend(fig, rows)
+    bottom = _legend(fig, rows, columns=4 if width >= 10 else 2)
     shown = f"top {len(rows)} of {len(result.sites)}" if len(result.sites) > len(rows) else \
         f"all {len(rows)}"
     ranges = "given ScaleTable" if result.method == "given" else f"ranges calibrated with {result.method}"
@@ -77,7 +78,7 @@ def _left_panel(ax, rows) -> None:
     ax.set_xlim(right=max(loss, default=1.0) * 12)  # room for the value labels
     ax.set_yticks(y, [f"{s.name[-34:]} ({s.site.op_type})" for s in rows], fontsize=_TICK)
     ax.tick_params(axis="x", labelsize=_TICK)
-    ax.set_xlabel("output loss 1 - cosine with only this site quantized (log)", fontsize=_LABEL)
+    ax.set_xlabel("output loss 1 - cosine\nwith only this site quantized (log)", fontsize=_LABEL)
     ax.grid(axis="x", which="major", alpha=0.3)
 
 
@@ -87,7 +88,7 @@ def _right_panel(ax, rows, base: float, fmt: str) -> None:
     for i, site in enumerate(rows):
         ax.barh(i, site.all_but.cosine - base, alpha=0.85, **_style(site, "all_but_group"))
     ax.axvline(0.0, color="black", linewidth=0.6)
-    ax.set_xlabel(f"cosine gained when only this site stays float\n(all {fmt}: cosine {base:.6f})",
+    ax.set_xlabel(f"cosine gained when only\nthis site stays float\n(all {fmt}: cosine {base:.6f})",
                   fontsize=_LABEL)
     ax.grid(axis="x", alpha=0.3)
     ax.tick_params(axis="x", labelsize=_TICK)
@@ -105,7 +106,7 @@ def _group_divider(axes, rows) -> None:
             ax.axhline(max(grouped) + 0.5, color="black", linestyle="--", linewidth=0.8)
 
 
-def _legend(fig, rows) -> float:
+def _legend(fig, rows, columns: int) -> float:
     """The legend under the panels (it never covers a bar); returns the figure height share it takes."""
     from matplotlib.patches import Patch
 
@@ -113,12 +114,12 @@ def _legend(fig, rows) -> float:
     handles = [Patch(color=KIND_COLOURS.get(k, KIND_COLOURS["other"]), label=f"{k} site") for k in kinds]
     if any(_grouped(s, "only_group") or _grouped(s, "all_but_group") for s in rows):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch=GROUP_HATCH,
-                             label="figure of a group of sites measured together (below the dashed line): "
-                                   "the site alone costs about that much or less"))
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 4), fontsize=_VALUE,
-               frameon=False)
-    inches = 0.35 * (1 + (len(handles) - 1) // 4) + 0.1
-    return inches / fig.get_figheight()
+                             label="figure of a group of sites measured together\n(below the dashed line): "
+                                   "the site alone\ncosts about that much or less"))
+    columns = min(len(handles), columns)
+    legend = fig.legend(handles=handles, loc="lower center", ncol=columns, fontsize=_VALUE, frameon=False)
+    inches = legend.get_window_extent(fig.canvas.get_renderer()).height / fig.dpi
+    return (inches + 0.1) / fig.get_figheight()
 
 
 __all__ = ["sensitivity_chart", "KIND_COLOURS", "GROUP_HATCH"]

@@ -221,8 +221,9 @@ def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_flo
 
 def _unreached(min_cosine, budget, best: OutputError, prepared) -> str:
     return (f"output cosine {min_cosine:g} cannot be reached with at most {budget} of "
-            f"{len(prepared.sites)} site(s) left float: the best reached is {best.cosine:.5f} on "
-            f"{prepared.evaluation.num_samples} evaluation sample(s); nothing was written")
+            f"{len(prepared.sites)} site{'' if len(prepared.sites) == 1 else 's'} left float: the best "
+            f"reached is {best.cosine:.5f} on {prepared.evaluation.num_samples} evaluation "
+            f"sample{'' if prepared.evaluation.num_samples == 1 else 's'}; nothing was written")
 
 
 def _bar(total: int, progress: bool):

@@ -101,8 +101,8 @@ def split_data(data, eval_data, model: onnx.ModelProto, holdout: float = HOLDOUT
     n = calib.num_samples
     fixed = calib._fixed_batch or 1  # a model with a fixed batch size takes whole batches of it
     if n < 2 * fixed or calib.unbatched:
-        raise DataError(f"{calib.source}: {n} sample(s) cannot be split into calibration and evaluation "
-                        "data; give more samples or eval_data (--eval-data)")
+        raise DataError(f"{calib.source}: {n} sample{'' if n == 1 else 's'} cannot be split into calibration "
+                        "and evaluation data; give more samples or eval_data (--eval-data)")
     held = max(fixed, int(round(n * holdout / fixed)) * fixed)
     arrays = calib.arrays
     first = {k: np.ascontiguousarray(v[:n - held]) for k, v in arrays.items()}

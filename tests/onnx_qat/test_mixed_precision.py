@@ -106,7 +106,7 @@ def test_cli_min_cosine_summary_report_and_budget_exit(tmp_path, capsys):
                         "--report", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert code == EXIT_OK
-    assert "mixed precision: 1 of 6 site(s) left float (conv3)" in out and "0 errors, 0 warnings" in out
+    assert "mixed precision: 1 of 6 sites left float (conv3)" in out and "0 errors, 0 warnings" in out
     saved = json.loads((tmp_path / "r.json").read_text())["mixed_precision"]
     assert saved["cosine_after"] >= 0.99 > saved["cosine_before"]
     code = main(base + ["-o", str(tmp_path / "q2.onnx"), "--min-cosine", "0.99", "--max-float-sites", "0"])
