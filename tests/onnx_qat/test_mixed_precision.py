@@ -88,7 +88,8 @@ def test_every_site_left_float_gives_a_check_clean_model(build):
 def test_budget_failure_writes_nothing(tmp_path):
     model = outlier_channel_model("conv2", factor=1000.0)
     out, rep = tmp_path / "q.onnx", tmp_path / "r.json"
-    with pytest.raises(onnx_qat.AccuracyError, match=r"at most 0 of 6 site\(s\).*best reached is 0\.\d+"):
+    with pytest.raises(onnx_qat.AccuracyError,
+                       match=r"at most 0 of 6 sites left float.*best reached is 0\.\d+"):
         onnx_qat.quantize(model, out, data=_inputs(16, 0), min_cosine=0.99, max_float_sites=0, report=rep,
                           progress=False)
     assert not out.exists() and not rep.exists()
