@@ -482,7 +482,8 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
     with _io().cyclic_gc_paused():  # ~10^5 new protobuf objects, none of them in reference cycles
         nested = ()
         if placement.subgraphs:  # If branches first: the main graph's edit then sees their new names
-            from .graph.subgraphs import drop_unread, insert_into_subgraphs, read_by_subgraphs
+            from .graph.subgraphs import drop_unread, read_by_subgraphs
+            from .insertion.subgraphs import insert_into_subgraphs
 
             fmt = {k: v for k, v in dict(storage or {}).items() if k in ("precision", "block_size")}
             shared = read_by_subgraphs(model.graph)

@@ -9,6 +9,10 @@
   [`sensitivity`][onnx_qat.accuracy.sensitivity.sensitivity]: per-site output error, ranked, as a typed
   result.
 * `mixed` — automatic mixed precision: the fewest float sites reaching a minimum cosine.
+
+Owns: the loops over the stages that measure and trade accuracy; no second inserter or graph index.
+May import: every stage below the public ``quantize`` (io, graph, formats and roundings, config,
+scales, runtime, placement, insertion, calibration, the rewrite); never ``check`` or ``deploy``.
 """
 from __future__ import annotations
 

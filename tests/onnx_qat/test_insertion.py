@@ -9,8 +9,8 @@ from onnx import numpy_helper
 import onnx_qat
 from onnx_qat.graph.edit import GraphEdit
 from onnx_qat.errors import ScalesError
-from onnx_qat.insertion.inserter import (ZERO_CHANNEL_SCALE, activation_scale, activation_scales,
-                                         insert_qdq_pairs, quantize_weight)
+from onnx_qat.formats.encoding import ZERO_CHANNEL_SCALE, quantize_weight
+from onnx_qat.insertion.inserter import activation_scale, activation_scales, insert_qdq_pairs
 from onnx_qat.graph.index import GraphIndex
 from onnx_qat.placement.policy import TensorRTPolicy
 from onnx_qat.scales import ScaleTable, WeightRange
@@ -66,7 +66,7 @@ def test_quantize_weight_rounds_half_to_even_and_clips():
 def test_zero_weight_channel_gets_tiny_positive_scale(caplog):
     w = np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32)
     w[2] = 0.0
-    with caplog.at_level(logging.INFO, logger="onnx_qat.insertion.inserter"):
+    with caplog.at_level(logging.INFO, logger="onnx_qat.formats.encoding"):
         q, scale = quantize_weight(w, 0, name="w")
     assert scale[2] == np.float32(ZERO_CHANNEL_SCALE) and np.all(scale > 0)
     assert not q[2].any()
