@@ -211,6 +211,16 @@ def test_top1_only_for_class_scores_or_when_asked(tmp_path):
     assert asked["boxes"].top1 is not None and "top-1" in str(asked["boxes"])
 
 
+def test_compare_text_names_the_samples_and_files(conv_files, capsys):
+    model, data = conv_files
+    assert main(["compare", str(model), str(model), "--data", str(data), "--no-progress"]) == EXIT_OK
+    out, err = err_lines(capsys)
+    assert out.splitlines() == [
+        "PASSED | output 'out' | max abs 0.0e+00 | cosine 1.00000 ≥ 0.99 | SQNR inf dB",
+        f"compared on 8 samples of {data} (reference {model}, candidate {model})"]
+    assert err == []
+
+
 def test_compare_json_names_the_model_files(conv_files, capsys):
     model, data = conv_files
     argv = ["compare", str(model), str(model), "--data", str(data), "--json", "--no-progress"]
