@@ -96,7 +96,14 @@ def _bound(text: str, value: float, limit: Optional[float], *, upper: bool, fmt:
 
 @dataclass(frozen=True)
 class Comparison:
-    """All outputs' figures; true when every output passed."""
+    """All outputs' figures; true when every output passed.
+
+    Attributes:
+        outputs: one `OutputComparison` per output.
+        num_samples: the samples both models ran on.
+        reference, candidate: the models' file paths (``"reference"`` / ``"candidate"`` for
+            models given in memory).
+    """
 
     outputs: Tuple[OutputComparison, ...]
     num_samples: int
