@@ -315,17 +315,21 @@ def class_score_outputs(model) -> frozenset:
 
 #: Data this many times beyond the range the candidate's input quantizer holds earns a warning.
 RANGE_WARNING_FACTOR = 4.0
+#: Samples `warn_input_ranges` reads at most.
+RANGE_CHECK_SAMPLES = 64
 
 
 def warn_input_ranges(candidate, dataset, batch_size: int) -> None:
     """One warning per graph input whose values reach far beyond the range of the candidate's
     QuantizeLinear reading it (its scale times the largest code): the data is then likely on
-    another scale than the calibration data was (uint8 0..255 fed to a model calibrated on 0..1)."""
+    another scale than the calibration data was (uint8 0..255 fed to a model calibrated on 0..1).
+    Only the first `RANGE_CHECK_SAMPLES` samples are read: a scale mismatch shows in any of them,
+    and a large data file is not read twice."""
     ranges = input_quantizer_ranges(candidate)
     if not ranges:
         return
     peak = {name: 0.0 for name in ranges}
-    for batch in dataset.batches(batch_size):
+    for batch in dataset.take(RANGE_CHECK_SAMPLES).batches(batch_size):
         for name in peak:
             values = np.asarray(batch[name])
             if values.size and values.dtype.kind in "fiu":
