@@ -110,6 +110,9 @@ class SensitivityResult:
             and ``only`` are then errors in that format.
         eval_source: what the errors were measured on (``"calibration data d.npz (last 4 samples,
             held out)"``).
+        ranges: how the ranges were chosen, for ``auto`` which table it kept (the line ``quantize``
+            prints, e.g. ``"ranges: auto kept max everywhere | output cosine on the calibration
+            data: ..."``); empty for given scales.
     """
 
     sites: Tuple[SiteSensitivity, ...]
@@ -121,6 +124,7 @@ class SensitivityResult:
     seconds: float = field(default=0.0, compare=False)
     precision: str = "int8"  # the format the sites are quantized in (all_int8: every site in it)
     eval_source: str = field(default="", compare=False)
+    ranges: str = field(default="", compare=False)
 
     def __len__(self) -> int:
         return len(self.sites)
@@ -157,6 +161,8 @@ class SensitivityResult:
         fmt = self.precision.upper()
         ranges = "ranges from the given ScaleTable" if self.method == "given" else \
             f"ranges calibrated with {self.method}"
+        if self.method == "auto" and self.ranges:
+            ranges = self.ranges
         samples = f"{self.num_eval_samples} sample{'' if self.num_eval_samples == 1 else 's'}"
         where = f"evaluated on {self.eval_source}" if self.eval_source else f"evaluated on {samples}"
         lines = [f"all sites {fmt}: {self.all_int8} | {ranges} | {where} | {self.runs} runs, "
@@ -282,7 +288,16 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
         for rank, k in enumerate(sorted(range(len(sites)), key=key), 1))
     return SensitivityResult(result_sites, metric, all_int8, prepared.method, prepared.evaluation.num_samples,
                              prepared.runner.runs, time.perf_counter() - start, config.precision,
-                             getattr(prepared.evaluation, "source", ""))
+                             getattr(prepared.evaluation, "source", ""), _ranges(prepared))
+
+
+def _ranges(prepared) -> str:
+    """How the ranges were chosen, from the calibrated table's metadata (empty for given scales)."""
+    from ..calibration.auto_summary import describe_method
+
+    if prepared.method == "given":
+        return ""
+    return describe_method(getattr(prepared.table, "metadata", None) or {})
 
 
 def _weight_stats(prepared) -> dict:

@@ -366,3 +366,16 @@ def test_sensitivity_chart_hatches_group_figures(tmp_path):
     png = tmp_path / "c.png"
     result.plot(png, top=12)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sensitivity_with_auto_names_the_table_auto_kept():
+    import onnx_qat
+
+    model = outlier_channel_model("conv3", seed=1)
+    data = {"input": np.random.default_rng(1).standard_normal((16, 16, 8, 8)).astype(np.float32)}
+    result = onnx_qat.sensitivity(model, data, method="auto", progress=False)
+    lines = result.table().splitlines()
+    assert re.search(r" \| ranges: auto kept (max everywhere|entropy everywhere|the least-error range per "
+                     r"tensor \(.+\)) \| output cosine on the calibration data: ", lines[0]), lines[0]
+    assert not lines[1].startswith("note:")  # auto's ranges are the ones quantize chooses
+    assert result.ranges.startswith("ranges: auto kept ")
