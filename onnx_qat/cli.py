@@ -1,8 +1,10 @@
 """The ``onnx-qat`` command line: a thin layer over the public API.
 
-Every option is a keyword of a documented function (:func:`onnx_qat.calibrate`,
-:func:`onnx_qat.quantize`, :func:`onnx_qat.check`, :func:`onnx_qat.compare`,
-:func:`onnx_qat.place`, fields of :class:`onnx_qat.config.QuantizeConfig`). Building
+Every option is a keyword of a documented function
+([`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate],
+[`onnx_qat.quantize`][onnx_qat.quantize.quantize], [`onnx_qat.check`][onnx_qat.check.check],
+[`onnx_qat.compare`][onnx_qat.runtime.compare.compare], [`onnx_qat.place`][onnx_qat.placement.policy.place],
+fields of [`onnx_qat.config.QuantizeConfig`][]). Building
 the parser imports nothing heavy (no numpy, onnx, onnxruntime): ``onnx-qat --help``
 answers at once; each command imports the API it needs when it runs.
 
@@ -60,7 +62,7 @@ def _on_sigterm(signum, frame):
 
 @contextlib.contextmanager
 def _sigterm_unwinds():
-    """While running a command, turn SIGTERM into :class:`Terminated` (main thread only)."""
+    """While running a command, turn SIGTERM into `Terminated` (main thread only)."""
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread: leave signal handling alone
@@ -346,11 +348,13 @@ def _add_inspect(sub) -> None:
 
 def _add_sensitivity(sub) -> None:
     p = sub.add_parser("sensitivity", help="rank the quantized sites by the output error each one costs",
-                       description="Calibrate MODEL once on --data, then measure for every site placement "
-                                   "quantizes the output error with only that site quantized (INT8, or "
-                                   "--precision) and with every site but it, on --eval-data (default: a "
-                                   "held-out quarter of --data). Prints the ranking; see "
-                                   "docs/sensitivity.md.")
+                       description="Calibrate MODEL once on --data (method max unless --method is given). "
+                                   "Then, for every site that placement quantizes, measure the output "
+                                   "error against the float model twice: with only that site quantized "
+                                   "(INT8, or --precision) and with every site but that one. The errors "
+                                   "are measured on --eval-data (default: the last quarter of --data, "
+                                   "held out from calibration). Prints the sites ranked, most sensitive "
+                                   "first; see docs/sensitivity.md.")
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
     p.add_argument("--data", metavar="NPZ", nargs="+", required=True, help="calibration data: " + DATA_HELP)
     p.add_argument("--eval-data", metavar="NPZ", nargs="+", default=None,
@@ -470,6 +474,11 @@ def _same_path(a, b) -> bool:
     return Path(a).resolve() == Path(b).resolve()
 
 
+#: What each input option expects, named in "is a directory" messages (by the error class it raises).
+_FILE_KINDS = {"ModelError": "the .onnx file", "DataError": "the .npz file",
+               "ScalesError": "the ScaleTable .json file"}
+
+
 def _check_inputs(*inputs) -> None:
     """Refuse missing input files before importing anything heavy (one line, exit 2).
 
@@ -483,8 +492,10 @@ def _check_inputs(*inputs) -> None:
         p = Path(path)
         if not p.exists():
             raise getattr(errors, error)(f"{what} {p} does not exist")
+        if p.is_dir():
+            raise getattr(errors, error)(f"{what} {p} is a directory; give {_FILE_KINDS[error]}")
         if not p.is_file():
-            raise getattr(errors, error)(f"{what} {p} is not a file")
+            raise getattr(errors, error)(f"{what} {p} is not a regular file; give {_FILE_KINDS[error]}")
 
 
 def _data_source(option: str, paths):
@@ -558,20 +569,21 @@ def cmd_calibrate(args) -> int:
     from .calibration import DEFAULT_METHOD, calibrate
     table = calibrate(args.model, data, output=None if cache else args.output, progress=_progress(args),
                       **kw)
+    method = _method_summary(table) or f"ranges: {kw.get('method', DEFAULT_METHOD)}"
     if cache:
         table.save_tensorrt_cache(args.output, tensorrt_version=args.tensorrt_version,
                                   algorithm=args.calibrator or "EntropyCalibration2")
-        _say(args, f"wrote {args.output}: TensorRT calibration cache of {len(table.activations)} activation "
-                   f"ranges (method {kw.get('method', DEFAULT_METHOD)})")
+        _say(args, f"wrote {args.output}: TensorRT calibration cache of "
+                   f"{_count(len(table.activations), 'activation range')} | {method}")
         return EXIT_OK
-    _say(args, f"wrote {args.output}: {len(table.activations)} activation ranges, "
-               f"{len(table.weights)} weight "
-               f"ranges (method {kw.get('method', DEFAULT_METHOD)})")
+    _say(args, f"wrote {args.output}: {_count(len(table.activations), 'activation range')}, "
+               f"{_count(len(table.weights), 'weight range')} | {method}")
     return EXIT_OK
 
 
 def cmd_quantize(args) -> int:
-    """``onnx-qat quantize``: :func:`onnx_qat.quantize`, then :func:`onnx_qat.check` on the result."""
+    """``onnx-qat quantize``: [`onnx_qat.quantize`][onnx_qat.quantize.quantize], then
+    [`onnx_qat.check`][onnx_qat.check.check] on the result."""
     if args.scales is not None:
         given = [opt for opt, val in (("--method", args.method), ("--percentile", args.percentile),
                                       ("--batch-size", args.batch_size)) if val is not None]
@@ -672,12 +684,27 @@ def _quantize_summary(args, result) -> str:
     """One line: what was written and how much was quantized."""
     s = dict(getattr(result, "summary", {}) or {})
     precision = getattr(result, "precision", "int8")
+    method = _method_summary(getattr(result, "scales", None))
     return (f"wrote {args.output} | target {result.target}"
             f"{'' if precision == 'int8' else ' | precision ' + precision} | "
-            f"{s.get('activations', '?')} activations and "
-            f"{s.get('weights', '?')} weights quantized, {s.get('skipped_nodes', '?')} nodes skipped | "
+            f"{_count(s.get('activations'), 'activation')} and "
+            f"{_count(s.get('weights'), 'weight')} quantized, "
+            f"{_count(s.get('skipped_nodes'), 'node')} skipped | "
             f"{s.get('quantize_linear', '?')} QuantizeLinear, "
-            f"{s.get('dequantize_linear', '?')} DequantizeLinear")
+            f"{s.get('dequantize_linear', '?')} DequantizeLinear" + (f" | {method}" if method else ""))
+
+
+def _count(n, noun: str) -> str:
+    """``1 node``, ``2 nodes``, ``? nodes`` (unknown)."""
+    return f"{n} {noun}" if n == 1 else f"{'?' if n is None else n} {noun}s"
+
+
+def _method_summary(table) -> str:
+    """How the ranges were chosen, from a ScaleTable's metadata: ``ranges: max`` or, for ``auto``,
+    which table it kept and the output cosines that decided it (empty for a given table)."""
+    from .calibration.auto_summary import describe_method
+
+    return describe_method(getattr(table, "metadata", None) or {})
 
 
 def _float_parts_summary(parts) -> str:
@@ -696,7 +723,7 @@ def _mixed_summary(info) -> str:
     """One line for --min-cosine: the sites left float and the output cosine before and after."""
     names = [site["name"] for site in info["float_sites"]]
     shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
-    return (f"mixed precision: {len(names)} of {info['sites']} site(s) left float"
+    return (f"mixed precision: {len(names)} of {_count(info['sites'], 'site')} left float"
             + (f" ({shown})" if names else "")
             + f" | output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} "
             f"(min {info['min_cosine']:g}, {info['eval_samples']} eval samples) | "
@@ -705,7 +732,7 @@ def _mixed_summary(info) -> str:
 
 
 def cmd_check(args) -> int:
-    """``onnx-qat check``: :func:`onnx_qat.check`; exit 1 when it finds an error."""
+    """``onnx-qat check``: [`onnx_qat.check`][onnx_qat.check.check]; exit 1 when it finds an error."""
     _check_inputs(("model", args.model, "ModelError"))
     _check_outputs([("--precision-map", args.precision_map)], [args.model])
     from .check import check
@@ -723,7 +750,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    """``onnx-qat compare``: :func:`onnx_qat.compare`; exit 1 when an output misses a threshold."""
+    """``onnx-qat compare``: [`onnx_qat.compare`][onnx_qat.runtime.compare.compare]; exit 1 when an output
+    misses a threshold."""
     kw = {"max_abs": args.max_abs, "min_cosine": args.min_cosine, "min_sqnr_db": args.min_sqnr,
           "min_top1": args.min_top1, "batch_size": args.batch_size, "num_samples": args.num_samples,
           "exact_qdq": args.exact_qdq, "min_decisions": args.min_decisions}
@@ -740,6 +768,8 @@ def cmd_compare(args) -> int:
         _print_json(result.to_dict())
     elif not args.quiet:
         print(result)
+        print(f"compared on {_count(result.num_samples, 'sample')} of {args.data} (reference "
+              f"{args.reference}, candidate {args.candidate})")
     return EXIT_OK if result else EXIT_PROBLEMS
 
 
@@ -769,14 +799,15 @@ def format_decisions(placement) -> str:
         counts[d.action] = counts.get(d.action, 0) + 1
     lines.extend(f"note: {note}" for p in placement.nested() for note in p.notes)
     weights = sum(len(p.weight_tensors()) for p in placement.nested())
-    lines.append(f"{len(rows)} nodes: " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
-                 + f" | {len(placement.activation_tensors())} activation tensors, "
-                 f"{weights} weights to quantize")
+    lines.append(f"{_count(len(rows), 'node')}: " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+                 + f" | {_count(len(placement.activation_tensors()), 'activation tensor')}, "
+                 f"{_count(weights, 'weight')} to quantize")
     return "\n".join(lines)
 
 
 def cmd_inspect(args) -> int:
-    """``onnx-qat inspect``: :func:`onnx_qat.place`, printed as a table (nothing is written)."""
+    """``onnx-qat inspect``: [`onnx_qat.place`][onnx_qat.placement.policy.place], printed as a table (nothing
+    is written)."""
     _check_inputs(("model", args.model, "ModelError"))
     from .placement import place
     placement = place(args.model, **_placement_keywords(args))
@@ -788,7 +819,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_sensitivity(args) -> int:
-    """``onnx-qat sensitivity``: :func:`onnx_qat.sensitivity`, printed as a ranked table."""
+    """``onnx-qat sensitivity``: [`onnx_qat.sensitivity`][onnx_qat.accuracy.sensitivity.sensitivity], printed
+    as a ranked table."""
     calib = _calibration_keywords(args)
     layout = _layout_keywords(args)
     _check_inputs(("model", args.model, "ModelError"))
@@ -904,7 +936,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _stopped("interrupted", EXIT_INTERRUPTED, verbose)
     except Terminated:
         return _stopped("terminated", EXIT_TERMINATED, verbose)
-    except (QatError, UsageError) as exc:
+    except UsageError as exc:  # a rule between options: point at the command's help like argparse does
+        text = str(exc) if "(see '" in str(exc) else f"{exc} (see '{PROG} {args.command} --help')"
+        return _fail(text, EXIT_USAGE, verbose)
+    except QatError as exc:
         return _fail(str(exc), EXIT_USAGE, verbose)
     except OSError as exc:  # the file system said no: name the file
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""

@@ -1,7 +1,8 @@
 """QuantizeConfig: every placement/target option in one frozen, validated object.
 
-Each field is also a keyword of :func:`onnx_qat.quantize`, :func:`onnx_qat.calibrate`
-and :func:`onnx_qat.place`, and an option of the ``onnx-qat`` CLI.
+Each field is also a keyword of [`onnx_qat.quantize`][onnx_qat.quantize.quantize],
+[`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate] and
+[`onnx_qat.place`][onnx_qat.placement.policy.place], and an option of the ``onnx-qat`` CLI.
 """
 from __future__ import annotations
 
@@ -53,13 +54,13 @@ class QuantizeConfig:
             choice: skipped for ``int8``, quantized for ``fp8`` (TensorRT's fused FP8 attention
             wants them); ``False`` keeps them float whatever the precision.
         precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ) or ``"int4"`` (weight-only,
-            blockwise); see :mod:`onnx_qat.formats.numeric`.
+            blockwise); see `onnx_qat.formats.numeric`.
         block_size: values per INT4 weight scale along the reduction axis (``precision="int4"``;
             TensorRT documents 64 and 128). A weight whose reduction dimension it does not
             divide stays float.
         int4_method: how INT4 weights are rounded (``precision="int4"``): ``"rtn"`` (round to
-            nearest), ``"awq"`` (activation-aware scales and clipping, :mod:`onnx_qat.formats.awq`) or
-            ``"gptq"`` (AWQ's scales, then error-compensating rounding, :mod:`onnx_qat.formats.gptq`); the
+            nearest), ``"awq"`` (activation-aware scales and clipping, `onnx_qat.formats.awq`) or
+            ``"gptq"`` (AWQ's scales, then error-compensating rounding, `onnx_qat.formats.gptq`); the
             last two need calibration data. None (the default): ``awq`` with data, ``rtn`` without.
         fp8_method: how FP8 weights of MatMul/Gemm are rounded (``precision="fp8"``): ``"rtn"``
             (round to nearest, the default when None) or ``"gptq"`` (error-compensating rounding on

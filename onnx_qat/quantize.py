@@ -1,9 +1,9 @@
 """``onnx_qat.quantize``: float ONNX + ranges -> TensorRT-ready Q/DQ ONNX.
 
 The public entry point. It resolves and checks the options, then either runs the rewrite
-(:func:`onnx_qat.rewrite.quantize_placed`: load -> place -> ranges -> insert -> save) or, with
-``min_cosine``, automatic mixed precision (:mod:`onnx_qat.accuracy.mixed`), which itself calls the
-same rewrite. The accuracy tools import :mod:`onnx_qat.rewrite`, never this module, so no import
+(`onnx_qat.rewrite.quantize_placed`: load -> place -> ranges -> insert -> save) or, with
+``min_cosine``, automatic mixed precision (`onnx_qat.accuracy.mixed`), which itself calls the
+same rewrite. The accuracy tools import `onnx_qat.rewrite`, never this module, so no import
 runs back up. The caller's model object and input file are never changed.
 """
 from __future__ import annotations
@@ -43,40 +43,43 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             (never mutated; a Graph is exported with ``gs.export_onnx``, e.g. after graph surgery).
         output: where to write the Q/DQ model (atomically, after ``onnx.checker`` passed on the
             bytes to write), or None to only return it.
-        scales: a :class:`~onnx_qat.scales.ScaleTable`, the path of its JSON file, or a mapping
+        scales: a [`ScaleTable`][onnx_qat.scales.ScaleTable], the path of its JSON file, or a mapping
             ``{activation tensor: amax}`` (made into a ScaleTable of activation ranges; weights
             then take their own max).
-        data: calibration data (anything :func:`onnx_qat.load_data` accepts); ranges are then
-            computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``
-            (``precision="int4"`` needs neither: without ``data`` its weights are rounded to
-            nearest; with ``data`` an activation-aware scale search runs first, see
-            :mod:`onnx_qat.formats.awq`).
+        data: calibration data (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts); ranges
+            are then computed with [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]. Give exactly
+            one of ``scales`` and ``data`` (``precision="int4"`` needs neither: without ``data`` its weights
+            are rounded to nearest; with ``data`` an activation-aware scale search runs first, see
+            `onnx_qat.formats.awq`).
         method: calibration method when ``data`` is given: ``auto``, ``max``, ``percentile``,
-            ``entropy`` or ``mse`` (see :func:`onnx_qat.calibrate`). None: ``auto``; with
-            ``min_cosine``, ``max`` (the mixed-precision search calibrates once and judges every site
-            on the output itself).
-        config: a :class:`~onnx_qat.config.QuantizeConfig`; the keywords ``target``,
+            ``entropy`` or ``mse`` (see [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]). None:
+            ``auto``; with ``min_cosine``, ``max`` (the mixed-precision search calibrates once and judges
+            every site on the output itself).
+        config: a [`QuantizeConfig`][onnx_qat.config.QuantizeConfig]; the keywords ``target``,
             ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
             ``precision``, ``block_size``, ``int4_method`` and ``fp8_method`` override its fields.
-        calibration_options: extra keywords for :func:`onnx_qat.calibrate` (e.g. ``batch_size``);
-            further keyword arguments (``percentile=...``, ``batch_size=...``) are added to them.
-        report: a path: also write :meth:`QuantizeResult.to_report` as JSON (atomically).
+        calibration_options: extra keywords for [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]
+            (e.g. ``batch_size``); further keyword arguments (``percentile=...``, ``batch_size=...``) are
+            added to them.
+        report: a path: also write [`QuantizeResult.to_report`][onnx_qat.rewrite.QuantizeResult.to_report] as
+            JSON (atomically).
         progress: show progress bars on stderr.
-        placement: a precomputed :class:`~onnx_qat.placement.marks.Placement` to insert
+        placement: a precomputed [`Placement`][onnx_qat.placement.marks.Placement] to insert
             instead of the target policy's (e.g. the one ``tf_bridge.export_onnx`` derives
-            from a Keras QAT model). Its node names are the ones :func:`onnx_qat.place`
-            uses; the placement options (``exclude_nodes``...) are then not applied.
+            from a Keras QAT model). Its node names are the ones
+            [`onnx_qat.place`][onnx_qat.placement.policy.place] uses; the placement options
+            (``exclude_nodes``...) are then not applied.
         precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ, scale amax / 448, opset >= 19)
             or ``"int4"`` (blockwise weight-only DequantizeLinear on MatMul/Gemm weights, opset
-            21); see :mod:`onnx_qat.formats.numeric`.
+            21); see `onnx_qat.formats.numeric`.
         block_size: values per INT4 weight scale (default 128; ``precision="int4"``).
         int4_method: how INT4 weights are rounded: ``"rtn"``, ``"awq"`` or ``"gptq"`` (AWQ's
             scales, then error-compensating rounding on the calibration data's Hessians,
-            :mod:`onnx_qat.formats.gptq`); default ``awq`` with ``data``, ``rtn`` without.
+            `onnx_qat.formats.gptq`); default ``awq`` with ``data``, ``rtn`` without.
         fp8_method: how FP8 MatMul/Gemm weights are rounded: ``"rtn"`` (round to nearest, the
             default) or ``"gptq"`` (error-compensating rounding on each output channel's E4M3 grid,
-            driven by ``data``'s activations, :func:`onnx_qat.formats.gptq.apply_gptq_fp8`; needs ``data``).
-        min_cosine: automatic mixed precision: leave the fewest sites (:mod:`onnx_qat.accuracy.sites`)
+            driven by ``data``'s activations, `onnx_qat.formats.gptq.apply_gptq_fp8`; needs ``data``).
+        min_cosine: automatic mixed precision: leave the fewest sites (`onnx_qat.accuracy.sites`)
             in float so that the output cosine against the float model reaches this on
             ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
             built is measured again. ``QuantizeResult.accuracy`` tells which sites stay float.

@@ -1,7 +1,7 @@
-"""The rewrite behind :func:`onnx_qat.quantize`: float ONNX + ranges -> Q/DQ ONNX.
+"""The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: float ONNX + ranges -> Q/DQ ONNX.
 
 The pipeline is load -> place (marks only) -> ranges (given ScaleTable or calibration) ->
-insert (edits of the protobuf, :mod:`onnx_qat.graph.edit`) -> optional save and report.
+insert (edits of the protobuf, `onnx_qat.graph.edit`) -> optional save and report.
 The caller's model object and input file are never changed.
 """
 from __future__ import annotations
@@ -38,12 +38,12 @@ REPORT_VERSION = 1
 
 @dataclass(frozen=True)
 class QuantizeResult:
-    """What :func:`quantize` produced.
+    """What [`quantize`][onnx_qat.quantize.quantize] produced.
 
     Attributes:
         model: the Q/DQ ``onnx.ModelProto``.
         scales: the ScaleTable actually used (given, or calibrated).
-        placement: every placement decision (:class:`~onnx_qat.placement.marks.Placement`).
+        placement: every placement decision ([`Placement`][onnx_qat.placement.marks.Placement]).
         target: the deployment target name.
         output: the path written, or None.
         summary: counts (nodes, quantized activations/weights, inserted Q and DQ nodes...).
@@ -82,13 +82,13 @@ class QuantizeResult:
     latency: Optional[Mapping] = field(default=None, repr=False)
 
     def save(self, path) -> Path:
-        """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.io.models.save_model`)."""
+        """Write the Q/DQ model to ``path`` atomically (see [`onnx_qat.io.models.save_model`][])."""
         return _io().save_model(self.model, path)
 
     def to_graph(self):
         """The Q/DQ model as a new ``onnx_graphsurgeon.Graph``, ready for further graph surgery
         (``gs.export_onnx(graph)`` gives the ONNX model back). Each call imports a fresh Graph;
-        editing it leaves :attr:`model` unchanged."""
+        editing it leaves `model` unchanged."""
         return _io().to_graph(self.model)
 
     def to_report(self) -> dict:
@@ -116,14 +116,15 @@ class QuantizeResult:
         }
 
     def to_dict(self) -> dict:
-        """Same as :meth:`to_report`."""
+        """Same as [`to_report`][onnx_qat.rewrite.QuantizeResult.to_report]."""
         return self.to_report()
 
     def __str__(self) -> str:
         s = self.summary
         return (f"QuantizeResult(target={self.target}, precision={self.precision}, "
                 f"{s['activations']} activation Q/DQ pairs, "
-                f"{s['weights']} weights, {s['skipped_nodes']} nodes skipped, "
+                f"{s['weights']} weights, {s['skipped_nodes']} node{'' if s['skipped_nodes'] == 1 else 's'} "
+                f"skipped, "
                 + ("" if self.float_parts is None else f"float parts {self.float_parts.float_dtype} "
                    f"({len(self.float_parts.kept)} nodes kept FP32), ")
                 + f"output={self.output})")
@@ -282,7 +283,7 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
         else:
             _check_placement(placement, index)
         if placement.empty:
-            raise PlacementError(nothing_to_quantize(placement, _describe(model)))
+            raise PlacementError(nothing_to_quantize(placement, _describe(model), config.precision))
         refuse_non_finite_weights(index, placement, _describe(model))
     return float_model, index, placement
 
@@ -396,16 +397,30 @@ def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
                              "give the float model instead")
 
 
-def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
-    """The one-line message for a placement with no marks: what was found and what was excluded."""
+def nothing_to_quantize(placement: Placement, what: str = "the model", precision: str = "int8") -> str:
+    """The one-line message for a placement with no marks: what was found and what was excluded,
+    or, when the format quantizes op types the model lacks (``int4``: MatMul/Gemm weights only),
+    that cause and the format to use instead. Options are named as on the command line, with
+    the QuantizeConfig fields of the same names."""
+    from .formats.numeric import get_format
+
     ops = {}
     for d in placement.all_decisions():
         ops[d.op_type] = ops.get(d.op_type, 0) + 1
     found = ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) or "no nodes"
+    fmt = get_format(precision)
+    if fmt.weight_only and not set(fmt.weight_ops) & set(ops):
+        return (f"nothing to quantize in {what}: --precision {fmt.name} quantizes only the weights of "
+                f"{' and '.join(fmt.weight_ops)} nodes, and the model has none (found {found}); use "
+                f"--precision int8 or fp8"
+                + (" for its Conv layers" if {"Conv", "ConvTranspose"} & set(ops) else ""))
     skipped = [d for d in placement.all_decisions() if d.action == "skip"]
     why = "; ".join(f"{d.node}: {d.reason}" for d in skipped[:5]) + (" ..." if len(skipped) > 5 else "")
-    return (f"nothing to quantize in {what}: found {found}; {len(skipped)} node(s) skipped"
-            + (f" ({why})" if why else "") + "; check exclude_nodes/exclude_op_types/min_channels")
+    return (f"nothing to quantize in {what}: found {found}; "
+            f"{len(skipped)} node{'' if len(skipped) == 1 else 's'} skipped"
+            + (f" ({why})" if why else "") + "; see each node's decision with 'onnx-qat inspect' and "
+            "check --exclude-nodes, --exclude-op-types and --min-channels (QuantizeConfig fields "
+            "exclude_nodes, exclude_op_types, min_channels)")
 
 
 def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress,
@@ -504,7 +519,7 @@ SOFTMAX_AMAX = 1.0
 
 
 def softmax_ranges(index: GraphIndex, placement: Placement, table: ScaleTable, keep=()) -> ScaleTable:
-    """``table`` with amax :data:`SOFTMAX_AMAX` for every quantized tensor a Softmax produces, except
+    """``table`` with amax `SOFTMAX_AMAX` for every quantized tensor a Softmax produces, except
     those named in ``keep`` (the ranges of a ScaleTable the caller gave, which stay as given)."""
     fixed = {m.tensor: SOFTMAX_AMAX for m in placement.activations
              if getattr(index.producer.get(m.tensor), "op_type", None) == "Softmax" and m.tensor not in keep}
@@ -527,8 +542,8 @@ def _check_complete(table: ScaleTable, placement: Placement, source: str) -> Sca
 def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None):
     """Insert the Q/DQ nodes as edits of ``model`` (which this call owns) and commit them to a new
     ModelProto (``storage``: the target form's ``zero_points``/``unsigned_weights`` for
-    :func:`~onnx_qat.insertion.inserter.insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
-    :meth:`onnx_qat.insertion.ort_cpu.Adapted.finish`)."""
+    `insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
+    `onnx_qat.insertion.ort_cpu.Adapted.finish`)."""
     from .graph.edit import GraphEdit
     from .insertion.inserter import insert_qdq_pairs
 

@@ -97,7 +97,7 @@ class ScaleTable:
 
     Args:
         activations: ONNX tensor name -> per-tensor amax (finite, > 0).
-        weights: weight initializer name -> :class:`WeightRange` (or a
+        weights: weight initializer name -> [`WeightRange`][onnx_qat.scales.WeightRange] (or a
             ``{"axis": int|None, "amax": [...]}`` dict).
         producer: who made the table (free text, kept in the JSON).
         metadata: extra string key/values kept in the JSON.
@@ -140,7 +140,7 @@ class ScaleTable:
 
     @property
     def weights(self) -> Mapping[str, WeightRange]:
-        """Weight initializer name -> :class:`WeightRange` (read-only)."""
+        """Weight initializer name -> [`WeightRange`][onnx_qat.scales.WeightRange] (read-only)."""
         return self._weights
 
     def activation_scale(self, name: str) -> Optional[float]:

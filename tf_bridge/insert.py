@@ -1,7 +1,8 @@
-"""Step 3 of :func:`tf_bridge.export_onnx`: Q/DQ insertion with the mapped placement and ranges.
+"""Step 3 of [`tf_bridge.export_onnx`][]: Q/DQ insertion with the mapped placement and ranges.
 
-:func:`onnx_qat.quantize` inserts exactly the Keras quantizers' Q/DQ pairs (no recalibration); a
-target that needs ranges no quantizer observes (``ort-cpu``) takes them from the caller's sample data.
+[`onnx_qat.quantize`][onnx_qat.quantize.quantize] inserts exactly the Keras quantizers' Q/DQ pairs (no
+recalibration); a target that needs ranges no quantizer observes (``ort-cpu``) takes them from the caller's
+sample data.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """One onnxruntime session in which every site can run in INT8 or in float, chosen per run.
 
-The Q/DQ model comes from the one inserter (:func:`onnx_qat.quantize` with the given placement and
-ranges). Each input a site reads through a DequantizeLinear is then put behind
+The Q/DQ model comes from the one inserter ([`onnx_qat.quantize`][onnx_qat.quantize.quantize] with the given
+placement and ranges). Each input a site reads through a DequantizeLinear is then put behind
 ``Where(gate, dequantized, float)``, where ``gate`` is a boolean scalar graph input of that site and
 ``float`` the tensor the float model's node read there (its float weight, or the activation before
 its QuantizeLinear). One session therefore serves every setting: a run with only site *k*'s gate on
@@ -78,7 +78,7 @@ class GatedRunner:
     """Runs the gated model on fixed evaluation feeds for any set of quantized sites.
 
     The settings with every site float and every site INT8 are run once, at construction, and keep
-    the tensors crossing a few cut positions (:mod:`onnx_qat.accuracy.cuts`); any other setting then
+    the tensors crossing a few cut positions (`onnx_qat.accuracy.cuts`); any other setting then
     runs only the graph suffix after the cut nearest before the first gate in which it differs from
     the closer of the two. ``cut_bytes`` bounds the memory those tensors take (0: no cuts, every
     setting runs the whole graph). With a ``state`` (``{output: input}``, a stateful model) the feeds

@@ -1,7 +1,7 @@
 """What sensitivity and mixed precision share: one load, one placement, one calibration, one
 gated session, the float model's outputs once.
 
-:func:`prepare` loads the model, decides placement (the target's policy, with the caller's
+`prepare` loads the model, decides placement (the target's policy, with the caller's
 exclusions), splits the data into a calibration part and an evaluation part, calibrates once,
 inserts Q/DQ once (the one inserter), puts every site behind a gate, and runs the float model once
 on the evaluation data (its outputs are the reference of every later run).
@@ -148,7 +148,7 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     index = GraphIndex(float_model)
     placement = policy_for(config.target).place(index, config)
     if placement.empty:
-        raise PlacementError(nothing_to_quantize(placement))
+        raise PlacementError(nothing_to_quantize(placement, precision=config.precision))
     sites = sites_of(placement, index)
     tensors = tensors_to_calibrate(placement, sites, index)
     del index

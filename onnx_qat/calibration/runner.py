@@ -36,8 +36,9 @@ METHODS: Mapping[str, Callable[..., RangeCollector]] = {
     "auto": lambda percentile, num_bins: AutoCollector(num_bins),
 }
 
-#: The method :func:`calibrate` and :func:`onnx_qat.quantize` use when none is given: ``auto`` beat
-#: ``max`` on every real model measured (docs/sensitivity.md, "Calibration methods on real models").
+#: The method [`calibrate`][onnx_qat.calibration.runner.calibrate] and
+#: [`onnx_qat.quantize`][onnx_qat.quantize.quantize] use when none is given: ``auto`` beat ``max`` on every
+#: real model measured (docs/sensitivity.md, "Calibration methods on real models").
 DEFAULT_METHOD = "auto"
 
 #: amax given to a tensor that was zero on every sample (a ScaleTable refuses 0).
@@ -50,9 +51,9 @@ MASK_MAGNITUDE = 1e8
 class TensorObserver:
     """One tensor's collector behind the non-finite guard.
 
-    NaN, ±Inf and masking magnitudes (>= :data:`MASK_MAGNITUDE`) are counted and left
-    out of the statistics; :meth:`result` warns about them, raises DataError when
-    nothing finite was seen, and gives an all-zero tensor :data:`ZERO_TENSOR_AMAX`.
+    NaN, ±Inf and masking magnitudes (>= `MASK_MAGNITUDE`) are counted and left
+    out of the statistics; `result` warns about them, raises DataError when
+    nothing finite was seen, and gives an all-zero tensor `ZERO_TENSOR_AMAX`.
     """
 
     __slots__ = ("name", "collector", "seen", "ignored")
@@ -148,7 +149,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         percentile: for ``method="percentile"``, in (0, 100].
         num_bins: histogram bins for the histogram methods (a power of two >= 256).
         batch_size: samples per onnxruntime run.
-        config: a :class:`~onnx_qat.config.QuantizeConfig`; with ``placement_options``
+        config: a [`QuantizeConfig`][onnx_qat.config.QuantizeConfig]; with ``placement_options``
             (its field names) it decides which tensors are observed.
         tensors: observe exactly these tensors instead of placement's activation tensors.
         progress: show a tqdm progress bar on stderr.
@@ -158,7 +159,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first.
 
     Returns:
-        A :class:`~onnx_qat.scales.ScaleTable` of per-tensor activation amax whose
+        A [`ScaleTable`][onnx_qat.scales.ScaleTable] of per-tensor activation amax whose
         producer names the method.
 
     Raises:
@@ -207,7 +208,7 @@ def _auto_tables(model, dataset, observers, amax, meta, *, config, batch_size: i
                  placement_options) -> Dict[str, float]:
     """``auto``'s final table: the per-tensor least-error choice, ``max`` or ``entropy`` everywhere,
     whichever gives the model output closest to the float model's on the calibration data
-    (:mod:`.output_check`; the per-tensor choice when the tables cannot be inserted, e.g. because
+    (`output_check`; the per-tensor choice when the tables cannot be inserted, e.g. because
     explicit ``tensors`` leave out an activation placement quantizes). Records the per-tensor picks
     (``auto_choices``), the winning table (``auto_table``) and each table's output cosine
     (``auto_output_cosine``) in ``meta``."""
@@ -244,7 +245,7 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
     """Run every batch once and reduce each observed tensor into its observer (fed inputs from the feed).
 
     When only graph inputs are observed the model is not run at all. ``session`` may be a
-    :class:`~onnx_qat.calibration.branches.BranchRunner`, which gives None for the tensors of If
+    `BranchRunner`, which gives None for the tensors of If
     branches a batch does not take (and a Loop/Scan body's tensors stacked over its iterations).
     Returns the names observed on at least one batch.
     """

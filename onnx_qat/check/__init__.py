@@ -5,8 +5,8 @@ The rules read a model exported by any tool (this project, onnxruntime's
 explicit-quantization INT8 path will refuse (``error``) or run slower than it
 could (``warning``). Each rule is one small function ``rule_cN_...`` with its
 source in the docstring, in a module per rule family (``rules_*.py``, over the
-per-graph index of ``index.py``); :data:`RULES` below is the one table of rules
-that :func:`check` runs, where every rule is registered.
+per-graph index of ``index.py``); `RULES` below is the one table of rules
+that [`check`][onnx_qat.check.check] runs, where every rule is registered.
 
 Sources cited by the rules:
 
@@ -128,7 +128,7 @@ def _inferred_value_info(model):
 
 
 def _lazy_inference(model) -> Callable[[], list]:
-    """:func:`_inferred_value_info` of ``model``, run the first time it is called (if ever)."""
+    """`_inferred_value_info` of ``model``, run the first time it is called (if ever)."""
     done: list = []
 
     def infer() -> list:
@@ -140,7 +140,8 @@ def _lazy_inference(model) -> Callable[[], list]:
 
 
 def _rules_for(target) -> Tuple[Callable, ...]:
-    """The rule functions :func:`check` runs for ``target`` (a target name, or None for tensorrt)."""
+    """The rule functions [`check`][onnx_qat.check.check] runs for ``target`` (a target name, or None for
+    tensorrt)."""
     from ..insertion.targets import get_target
 
     name = get_target(target).name
@@ -159,7 +160,7 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
         target: ``None``/``"tensorrt"`` (every rule), or ``"ort-cpu"``: the rules that apply to
             that form, with :data:`ORT_CPU_RULES` replacing C4 and C9 and leaving out C11 and C14.
         path: the file an in-memory ``model`` was read from or written to, named in the
-            report (:attr:`CheckReport.model`); default: ``model`` itself when it is a path.
+            report (`CheckReport.model`); default: ``model`` itself when it is a path.
 
     Returns:
         A :class:`CheckReport`; ``bool(report)`` is True when no rule found an

@@ -1,8 +1,8 @@
 """C7-C9: how Q/DQ nodes pair up, what feeds a DequantizeLinear, weighted ops quantized
 on both inputs or neither.
 
-Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
-:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in its one table,
+`onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
 from typing import Iterator

@@ -1,12 +1,12 @@
 """Everything that touches TensorRT or CUDA for ``onnx-qat deploy`` (:mod:`onnx_qat.deploy.command`).
 
-TensorRT and cuda-python are optional (``pip install "onnx-qat[tensorrt]"``) and
+TensorRT and cuda-python are optional (``pip install ".[tensorrt]"`` in the checkout) and
 are imported lazily, inside the functions that need them, so this module
 imports on any machine. Missing packages or a missing GPU raise
-:class:`onnx_qat.errors.TensorRTUnavailable` with one line saying what to
+[`onnx_qat.errors.TensorRTUnavailable`][] with one line saying what to
 install.
 
-Build modes (see :func:`choose_build_mode`):
+Build modes (see `choose_build_mode`):
 
 * ``strongly-typed`` — TensorRT >= 10: the network is created with
   ``NetworkDefinitionCreationFlag.STRONGLY_TYPED``; tensor types come from the
@@ -27,7 +27,7 @@ Build modes (see :func:`choose_build_mode`):
 CUDA memory, streams and events go through cuda-python's runtime bindings
 (``cuda.bindings.runtime``, or ``cuda.cudart`` in cuda-python < 12.6).
 
-The layer-information analysis (:func:`analyse_layers`) is pure Python on the
+The layer-information analysis (`analyse_layers`) is pure Python on the
 engine inspector's JSON and is used and tested without TensorRT.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 #: One line telling users how to get TensorRT (used in every "missing" message).
 INSTALL_HINT = ('to build the engine, install it on a machine with an NVIDIA GPU and driver: '
-                'pip install "onnx-qat[tensorrt]" (the tensorrt and cuda-python wheels; '
+                'pip install ".[tensorrt]" in the onnx-qat checkout (the tensorrt and cuda-python wheels; '
                 'or from NVIDIA\'s index: pip install tensorrt --extra-index-url https://pypi.nvidia.com)')
 #: Oldest TensorRT the flag-based build supports (name-based I/O API, explicit quantization).
 MIN_TENSORRT = (8, 6)
@@ -78,7 +78,7 @@ class BuildSettings:
 
     fp16: bool = False
     workspace_bytes: Optional[int] = None
-    #: the model's Q/DQ form (``int8``, ``fp8`` or ``int4``, see :func:`model_precision`): FP8 and INT4
+    #: the model's Q/DQ form (``int8``, ``fp8`` or ``int4``, see `model_precision`): FP8 and INT4
     #: networks are built strongly typed (TensorRT >= 10), their types read from the Q/DQ nodes.
     precision: str = "int8"
     profiles: Tuple[ShapeProfile, ...] = ()

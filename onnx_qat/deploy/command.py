@@ -33,7 +33,7 @@ Exit codes: 0 success; 1 the engine was built but verification failed (parity
 below ``--min-top1``/above ``--max-abs``); 2 refused, bad input or usage, or
 TensorRT/GPU missing; 3 internal error; 130 interrupted.
 
-All TensorRT and CUDA code lives in :mod:`onnx_qat.deploy.backend`, imported lazily.
+All TensorRT and CUDA code lives in `onnx_qat.deploy.backend`, imported lazily.
 """
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str,
                     min_top1: float = 0.99, max_abs: Optional[float] = None) -> Tuple[OutputParity, ...]:
     """Compare every output of ``reference`` (onnxruntime) with ``candidate`` (the engine).
 
-    The figures are :func:`onnx_qat.runtime.compare.output_figures`' (the one comparator: ``max_rel``
+    The figures are `onnx_qat.runtime.compare.output_figures`' (the one comparator: ``max_rel``
     relative to ``|a|`` floored at ``REL_FLOOR`` times the largest ``|a|``; ``top1`` the fraction of
     rows whose argmax over the last axis agrees, outputs with a class axis only). An output passes
     when its top-1 agreement is at least ``min_top1`` and, when given, its max abs
@@ -317,11 +317,14 @@ def _labels_path(opts: DeployOptions) -> Optional[Path]:
     return path if path.exists() or opts.data is None or path.suffix in (".npy", ".npz") else None
 
 
-def resolve_profiles(specs, shapes: Sequence, batch: Optional[int]) -> Tuple[Tuple, int]:
+def resolve_profiles(specs, shapes: Sequence, batch: Optional[int],
+                     data_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> Tuple[Tuple, int]:
     """Optimization profiles for the model's inputs and the batch size runs use.
 
     Inputs named in ``shapes`` use those; inputs whose only dynamic dimension is the
-    first get min 1, opt/max ``batch`` (default 1); other dynamic inputs are an error.
+    first get min 1, opt/max ``batch`` (default 1); inputs with other dynamic dimensions
+    take them from ``data_shapes`` (one sample's shape per input, from ``--data``), else
+    they are an error naming the dimensions.
     """
     from onnx_qat.deploy.backend import ShapeProfile
 
@@ -334,12 +337,11 @@ def resolve_profiles(specs, shapes: Sequence, batch: Optional[int]) -> Tuple[Tup
         profile = given.get(spec.name)
         dims = spec.shape
         if profile is None and dims is not None and any(d is None for d in dims):
-            if any(d is None for d in dims[1:]):
-                raise ConfigError(f"model input {spec.describe()} has dynamic dimensions other than the "
-                                  f"batch; give its shapes with --shapes {spec.name}:MIN,OPT,MAX")
+            rest = tuple(dims[1:])
+            if any(d is None for d in rest):
+                rest = _rest_from_data(spec, (data_shapes or {}).get(spec.name))
             n = batch or 1
-            profile = ShapeProfile(spec.name, (1,) + tuple(dims[1:]), (n,) + tuple(dims[1:]),
-                                   (n,) + tuple(dims[1:]))
+            profile = ShapeProfile(spec.name, (1,) + rest, (n,) + rest, (n,) + rest)
         elif profile is None and dims is not None and batch is not None and dims and dims[0] != batch:
             raise ConfigError(f"model input {spec.describe()} has a fixed batch of {dims[0]}; "
                               f"--batch {batch} cannot change it (export the model with a dynamic batch "
@@ -350,6 +352,23 @@ def resolve_profiles(specs, shapes: Sequence, batch: Optional[int]) -> Tuple[Tup
         elif dims:
             run_batch = run_batch or dims[0]
     return tuple(profiles), int(run_batch or 1)
+
+
+def _rest_from_data(spec, sample: Optional[Tuple[int, ...]]) -> Tuple[int, ...]:
+    """The non-batch dimensions of ``spec`` fixed by one data sample's shape, or a ConfigError
+    naming the dynamic dimensions (by their symbolic names) when there is no data for them."""
+    dynamic = ", ".join(spec.dynamic_names(1))
+    if sample is None:
+        raise ConfigError(f"model input {spec.describe()} has dynamic dimensions other than the batch "
+                          f"({dynamic}); give --data, whose arrays fix them, or their sizes with --shapes "
+                          f"{spec.name}:MIN,OPT,MAX (dims joined by 'x')")
+    return tuple(int(d) for d in sample)
+
+
+def sample_shapes(dataset) -> Dict[str, Tuple[int, ...]]:
+    """One sample's shape per input of ``dataset`` (the batch axis left out)."""
+    first = next(iter(dataset.batches(1)), {})
+    return {name: tuple(np.shape(array))[1:] for name, array in first.items()}
 
 
 def _check_profile_fits(profile, by_name) -> None:
@@ -452,7 +471,7 @@ def _check_labels(labels: Optional[np.ndarray], num_samples: int, what) -> Optio
 
 # =========================================================================== steps
 def gate(opts: DeployOptions):
-    """Step 1: :func:`onnx_qat.check` on the model file; returns the CheckReport."""
+    """Step 1: [`onnx_qat.check`][onnx_qat.check.check] on the model file; returns the CheckReport."""
     from onnx_qat.check import check
 
     return check(str(opts.model))
@@ -466,7 +485,7 @@ def run_onnxruntime(model, dataset, batch_size: int, progress: bool) -> Dict[str
 
 
 def validate(model, dataset, labels, source: str, batch_size: int, progress: bool):
-    """Step 2: run the model in onnxruntime; return (:class:`Validation`, outputs)."""
+    """Step 2: run the model in onnxruntime; return (`Validation`, outputs)."""
     start = time.perf_counter()
     outputs = run_onnxruntime(model, dataset, batch_size, progress)
     seconds = time.perf_counter() - start
@@ -574,6 +593,10 @@ def run(opts: DeployOptions) -> int:
         return _stop(report, opts, "refused", EXIT_USAGE,
                      f"{opts.model} is not TensorRT-ready (check rules {rules}); fix the findings above or "
                      f"pass --force to build anyway")
+    if not checked.quantized and not opts.allow_float:
+        return _stop(report, opts, "refused", EXIT_USAGE,
+                     f"{opts.model} has no Q/DQ nodes (check rule C13), so TensorRT would build a float "
+                     f"engine; quantize it first ('onnx-qat quantize') or pass --allow-float")
     state = _Progress(report)
     try:
         model = load_model(opts.model)
@@ -646,8 +669,12 @@ def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs, pmap) -
         state.update(float_parts=converted.to_dict())
     state.update(precision=_precision_dict(pmap))
     print(pmap.summary())
-    profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch)
-    dataset, labels, source = load_inputs(opts, model, specs, profiles)
+    if opts.data is not None:  # the data's arrays fix the dimensions --shapes does not give
+        dataset, labels, source = load_inputs(opts, model, specs, ())
+        profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch, sample_shapes(dataset))
+    else:
+        profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch)
+        dataset, labels, source = load_inputs(opts, model, specs, profiles)
     reference = None
     if not opts.skip_validation:
         validation, reference = validate(model, dataset, labels, source, batch_size, opts.progress)

@@ -47,6 +47,7 @@ class DeployOptions:
     max_abs: Optional[float] = None
     skip_validation: bool = False
     force: bool = False
+    allow_float: bool = False
     progress: bool = True
     verbose: bool = False
     #: the program name messages start with (``onnx-qat`` for ``onnx-qat deploy``); not an option
@@ -174,6 +175,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the check still runs; accuracy vs --labels is still measured on the engine)")
     s.add_argument("--force", action="store_true",
                    help="build even when the check finds errors or the onnxruntime outputs are unhealthy")
+    s.add_argument("--allow-float", action="store_true",
+                   help="build a model that has no Q/DQ nodes at all (check rule C13) as a float engine "
+                        "instead of stopping")
 
 
 def options_from_args(args: argparse.Namespace, *, prog: str = PROG) -> DeployOptions:
@@ -190,6 +194,6 @@ def options_from_args(args: argparse.Namespace, *, prog: str = PROG) -> DeployOp
         num_samples=args.num_samples, seed=args.seed, shapes=tuple(args.shapes), batch=args.batch,
         fp16=args.fp16, workspace_mib=args.workspace_mib, timing_cache=args.timing_cache,
         iterations=args.iterations, warmup=args.warmup, min_top1=args.min_top1, max_abs=args.max_abs,
-        skip_validation=args.skip_validation, force=args.force,
+        skip_validation=args.skip_validation, force=args.force, allow_float=args.allow_float,
         progress=not (args.no_progress or getattr(args, "quiet", False)), verbose=bool(args.verbose),
         prog=prog)

@@ -26,10 +26,10 @@ def unique_node_names(nodes: Iterable[onnx.NodeProto]) -> List[str]:
 
 
 def _unique_names(names: List[str], op_types: List[str]) -> List[str]:
-    """:func:`unique_node_names` from the names and op types already read from the nodes.
+    """`unique_node_names` from the names and op types already read from the nodes.
 
     A model whose nodes all have distinct non-empty names (every model ``onnx_qat.quantize``
-    indexes, after :func:`assign_node_names`) keeps them as they are, checked with one set.
+    indexes, after `assign_node_names`) keeps them as they are, checked with one set.
     """
     if all(names) and len(set(names)) == len(names):
         return list(names)
@@ -46,7 +46,7 @@ def _unique_names(names: List[str], op_types: List[str]) -> List[str]:
 
 
 def assign_node_names(model) -> None:
-    """Give every node of ``model``'s main graph the name :func:`unique_node_names` chooses (in place),
+    """Give every node of ``model``'s main graph the name `unique_node_names` chooses (in place),
     and likewise every node of each subgraph (unique within its own graph).
 
     Use only on a model you own (``onnx_qat.quantize`` calls it on its private copy) so that
@@ -155,7 +155,7 @@ class GraphIndex:
         self.graph_inputs = tuple(i.name for i in graph.input)
         self.graph_outputs = frozenset(o.name for o in graph.output)
         #: Element types declared by graph inputs, outputs and value_info (an initializer's own
-        #: type, read when asked, comes first: see :meth:`dtype`).
+        #: type, read when asked, comes first: see `dtype`).
         self.declared_dtypes: Dict[str, int] = {}
         for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
             if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
@@ -165,9 +165,9 @@ class GraphIndex:
         self._sorted: Optional[bool] = None
 
     def _constant_names(self) -> frozenset:
-        """Every tensor name :meth:`constant_source` resolves: the initializers, and outputs of
+        """Every tensor name `constant_source` resolves: the initializers, and outputs of
         Constant and Identity nodes that resolve (no other tensor can), so that
-        :meth:`is_constant` is one set lookup."""
+        `is_constant` is one set lookup."""
         names = set(self.initializers)
         for node in self.nodes:
             if node.op_type in ("Constant", "Identity"):
@@ -199,7 +199,7 @@ class GraphIndex:
 
     @property
     def subgraph_nodes(self) -> frozenset:
-        """Names of the nodes holding subgraphs (If, Loop, Scan...: :attr:`NodeInfo.has_subgraphs`);
+        """Names of the nodes holding subgraphs (If, Loop, Scan...: `NodeInfo.has_subgraphs`);
         found on first use by reading the attributes of the nodes that have any."""
         if self._subgraph_nodes is None:
             found = []
@@ -238,7 +238,7 @@ class GraphIndex:
         """The initializer or ``Constant``-node output that ``tensor`` is (through Identity nodes), or None.
 
         An initializer also listed as a graph input counts as constant (old exporters list every
-        initializer as an input; :func:`onnx_qat.io.models.load_model` removes those inputs).
+        initializer as an input; [`onnx_qat.io.models.load_model`][] removes those inputs).
         """
         for _ in range(MAX_IDENTITY_HOPS):
             if tensor in self.initializers:

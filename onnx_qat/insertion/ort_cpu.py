@@ -70,7 +70,7 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    of 4. Without the fold no QuantizeLinear sits on the Conv output and it runs in float.
 
 Every learned scale is kept unchanged; each requantization point and each fold is listed in
-:meth:`onnx_qat.quantize.QuantizeResult.to_report` under ``requantization`` (folds with rule
+`onnx_qat.quantize.QuantizeResult.to_report` under ``requantization`` (folds with rule
 ``CPU2``, status ``folded``, just before the point of the same Conv).
 """
 from __future__ import annotations
@@ -93,10 +93,10 @@ REQUANT_OPS = ("Conv",)
 #: the scale used after them gives bit-identical quantized values downstream.
 EXACT_OPS = ("Relu", "MaxPool", "GlobalMaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze",
              "Identity")
-#: How far a requantization point looks forward through :data:`EXACT_OPS` for a quantized tensor.
+#: How far a requantization point looks forward through `EXACT_OPS` for a quantized tensor.
 _MAX_LOOKAHEAD = 8
 RULE = "CPU1"
-#: Rule name of a per-channel Mul/Add folded into the quantized Conv before it (see :class:`ScaleFold`).
+#: Rule name of a per-channel Mul/Add folded into the quantized Conv before it (see `ScaleFold`).
 FOLD_RULE = "CPU2"
 #: Rule name of a MatMul kept apart from its bias Add (see :class:`BiasSplit`).
 SPLIT_RULE = "CPU4"
@@ -179,7 +179,7 @@ class BiasSplit:
 class Adapted:
     """The ort-cpu placement, ScaleTable, report records (requantization points and folds), per-tensor
     zero points, the weights stored as uint8 with zero point 128, and the scale folds to apply to the
-    graph after Q/DQ insertion (:meth:`finish`)."""
+    graph after Q/DQ insertion (`finish`)."""
 
     placement: Placement
     table: ScaleTable
@@ -232,7 +232,7 @@ class OrtCpuForm:
     def points(self, index: GraphIndex, placement: Placement,
                folds: Optional[Tuple[ScaleFold, ...]] = None) -> Tuple[RequantPoint, ...]:
         """The requantization points for ``placement``, in graph order (see the module docstring); a
-        Conv with a fold (``folds``, by default :meth:`folds`) has its point on the fold's output."""
+        Conv with a fold (``folds``, by default `folds`) has its point on the fold's output."""
         marked = {m.tensor for m in placement.activations}
         weighted = {w.node for w in placement.weights}
         folded = {f.node: f.output for f in (self.folds(index, placement) if folds is None else folds)}
@@ -527,7 +527,7 @@ def _with_folds(records: Tuple[dict, ...], folds: Tuple[ScaleFold, ...]) -> Tupl
 
 
 def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]:
-    """The fold for Conv ``node`` (see :class:`ScaleFold`), or None when something does not fit:
+    """The fold for Conv ``node`` (see `ScaleFold`), or None when something does not fit:
     the weight is not a float32 initializer quantized per output channel (or per tensor) read by this
     Conv only; the bias is not a float32 ``[C]`` initializer; the output does
     not feed exactly one Mul by a constant per-channel vector; a tensor in between is quantized."""
@@ -606,15 +606,15 @@ def _channel_vector(node, position: int, index: GraphIndex, channels: int, rank:
 
 
 def _usable_factors(k: np.ndarray) -> bool:
-    """True when every non-zero ``|k|`` is within :data:`_FOLD_K_RANGE` (the weight scale is multiplied
+    """True when every non-zero ``|k|`` is within `_FOLD_K_RANGE` (the weight scale is multiplied
     by it and must stay a positive finite float32)."""
     magnitude = np.abs(k[k != 0]).astype(np.float64)
     return bool(np.all((magnitude >= _FOLD_K_RANGE[0]) & (magnitude <= _FOLD_K_RANGE[1])))
 
 
 def fold_scale_ops(edit, folds) -> Tuple[str, ...]:
-    """Fold each :class:`ScaleFold` into its Conv, as edits of ``edit`` (a
-    :class:`~onnx_qat.graph.edit.GraphEdit` after Q/DQ insertion): new weight integers, weight scales
+    """Fold each `ScaleFold` into its Conv, as edits of ``edit`` (a
+    `GraphEdit` after Q/DQ insertion): new weight integers, weight scales
     and bias; the Mul/Add (and Constant nodes only they read) removed; the Conv writes the fold's
     output tensor. A fold whose Conv does not have the expected ``DequantizeLinear`` weight is left
     out with a warning. Returns the Convs folded."""
@@ -625,7 +625,7 @@ def fold_scale_ops(edit, folds) -> Tuple[str, ...]:
 
 
 def _fold_one(fold: ScaleFold, edit, readers) -> bool:
-    """Apply one fold (see :func:`fold_scale_ops`); False (graph unchanged) when it does not fit."""
+    """Apply one fold (see `fold_scale_ops`); False (graph unchanged) when it does not fit."""
     conv, mul = edit.by_name.get(fold.node), edit.by_name.get(fold.mul)
     add = edit.by_name.get(fold.add) if fold.add else None
     parts = _fold_parts(conv, mul, add, fold, edit, readers)

@@ -1,6 +1,6 @@
 """Deployment targets: the forms the same placement and scales take in the output model.
 
-A :class:`Target` says which placement policy decides where Q/DQ goes and how the
+A `Target` says which placement policy decides where Q/DQ goes and how the
 inserted nodes look (integer types, zero points, clamping ranges). Two forms:
 
 * ``"tensorrt"``: TensorRT explicit quantization, symmetric int8 everywhere (zero
@@ -15,10 +15,10 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
   grid and GEMM weights behind zero-point-128 inputs 7 bits (see :mod:`onnx_qat.insertion.ort_cpu`;
   ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that apply to this form).
 
-Targets are registered in :data:`_TARGETS`; the inserter reads every dtype and zero point
+Targets are registered in `_TARGETS`; the inserter reads every dtype and zero point
 from the target, never from constants of its own. A target is data only: it names its placement
-policy (looked up by :func:`onnx_qat.placement.policy.policy_for`) and its optional form (made by
-:func:`onnx_qat.insertion.forms.make_form`), and imports neither, so the modules that read a target
+policy (looked up by `onnx_qat.placement.policy.policy_for`) and its optional form (made by
+`onnx_qat.insertion.forms.make_form`), and imports neither, so the modules that read a target
 never import back up. A form adjusts the placement and ScaleTable after ranges are known
 (``calibration_tensors`` and ``adapt``), and may edit the graph after Q/DQ insertion (``adapt``'s
 result's ``finish(edit)``).
@@ -43,8 +43,8 @@ class Target:
         activation_dtype: integer type of quantized activations (QuantizeLinear output).
         activation_zero_point: their zero point.
         policy: the name of the placement policy (a key of
-            :data:`onnx_qat.placement.policy.POLICIES`).
-        form: None, or the name of the form (a key of :data:`onnx_qat.insertion.forms.FORMS`): an
+            `onnx_qat.placement.policy.POLICIES`).
+        form: None, or the name of the form (a key of `onnx_qat.insertion.forms.FORMS`): an
             object with ``calibration_tensors(index, placement)`` and ``adapt(index, placement,
             table, **calibrated)`` (see :class:`onnx_qat.insertion.ort_cpu.OrtCpuForm`; when the ranges
             are calibrated in the same call and the form has ``nonnegative_inputs(model, data,
@@ -63,7 +63,7 @@ class Target:
 
     def to_dict(self) -> dict:
         """JSON-ready description (used in reports). The weights' type and range are the numeric
-        format's (:mod:`onnx_qat.formats.numeric`; INT8 for both targets): a target only adds the
+        format's (`onnx_qat.formats.numeric`; INT8 for both targets): a target only adds the
         activations' form."""
         from ..formats.encoding import INT8_QRANGE
 
@@ -102,7 +102,7 @@ _TARGETS: Dict[str, Target] = {"tensorrt": TENSORRT, "ort-cpu": ORT_CPU}
 
 
 def get_target(target) -> Target:
-    """The :class:`Target` named ``target`` (a Target passes through)."""
+    """The `Target` named ``target`` (a Target passes through)."""
     if isinstance(target, Target):
         return target
     if target is None:

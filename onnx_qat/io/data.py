@@ -3,14 +3,14 @@
 The ``.npz`` format: one array per graph input, keyed by the input name, whose
 first axis counts samples (``x: float32[N, 3, 32, 32]`` for an input
 ``x: float32[batch, 3, 32, 32]``). A single-input model accepts one array under any
-key. Files are read by :mod:`onnx_qat.io.npz` a batch at a time, never whole and never
+key. Files are read by `onnx_qat.io.npz` a batch at a time, never whole and never
 unpickled: object arrays are refused from their header.
 
 Contract:
 
-* :func:`load_data` ``(source, model_or_specs, *, what="data") -> Dataset``
-* :class:`Dataset` with ``num_samples``, ``input_names``, ``batches(batch_size)``, ``take(n)``
-* :func:`generate_data` ``(model_or_specs, num_samples=8, seed=0) -> Dataset``
+* [`load_data`][onnx_qat.io.data.load_data] ``(source, model_or_specs, *, what="data") -> Dataset``
+* `Dataset` with ``num_samples``, ``input_names``, ``batches(batch_size)``, ``take(n)``
+* `generate_data` ``(model_or_specs, num_samples=8, seed=0) -> Dataset``
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import numpy as np
 
 from ..errors import DataError, ModelError
 from .npz import MemberReader, NpzMember, read_members
-from .values import check_dtype as _check_dtype, convert as _convert, to_dtype as _to_dtype
+from .values import announce_cast as _announce_cast, check_dtype as _check_dtype, convert as _convert, \
+    to_dtype as _to_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +113,8 @@ def _read_only(column):
 class Dataset:
     """Validated model inputs: one array per graph input, first axis = samples.
 
-    Build it with :func:`load_data` or :func:`generate_data`. Data from an ``.npz`` file
-    stays in the file: :meth:`batches` reads one batch at a time, so memory does not grow
+    Build it with [`load_data`][onnx_qat.io.data.load_data] or `generate_data`. Data from an ``.npz`` file
+    stays in the file: `batches` reads one batch at a time, so memory does not grow
     with the number of samples. In-memory arrays are read-only.
 
     Attributes:
@@ -161,7 +162,7 @@ class Dataset:
         """Input name -> read-only array (first axis = samples; an input with a declared batch axis
         has it moved first here). Constants and an initial state are not included.
 
-        Data streamed from an ``.npz`` file is read into memory whole here; :meth:`batches`
+        Data streamed from an ``.npz`` file is read into memory whole here; `batches`
         is the bounded way to go through it.
         """
         arrays = {}
@@ -222,7 +223,7 @@ class Dataset:
                 yield feed
 
     def num_batches(self, batch_size: int) -> int:
-        """How many feeds :meth:`batches` yields."""
+        """How many feeds `batches` yields."""
         size = self.batch_size_for(batch_size)
         return -(-self.num_samples // size)
 
@@ -253,7 +254,8 @@ class Dataset:
         n = self.num_samples
         fixed = self._fixed_batch or 1  # a model with a fixed batch size takes whole batches of it
         if n < 2 * fixed or self.unbatched:
-            raise DataError(f"{self.source}: {n} sample(s) cannot be split into calibration and evaluation "
+            noun = "sample" if n == 1 else "samples"
+            raise DataError(f"{self.source}: {n} {noun} cannot be split into calibration and evaluation "
                             "data; give more samples or eval_data (--eval-data)")
         held = max(fixed, int(round(n * holdout / fixed)) * fixed)
         arrays = self.arrays
@@ -280,7 +282,7 @@ def load_data(source, model_or_specs, *, what: str = "data", state: Optional[Map
 
     An ``.npz`` file is not read into memory: its headers are checked, its values are
     checked in one pass of a few megabytes at a time, and the returned dataset reads it
-    again batch by batch (:meth:`Dataset.batches`), so memory does not grow with the
+    again batch by batch (`Dataset.batches`), so memory does not grow with the
     number of samples. Arrays stored column-major (Fortran order) are read whole.
 
     An input the model declares 0-d (a sample rate) may be given once as a 0-d array and is fed in
@@ -295,7 +297,7 @@ def load_data(source, model_or_specs, *, what: str = "data", state: Optional[Map
             (see above), a :class:`Dataset`, or any of these with a layout attached by
             :func:`onnx_qat.io.feeds.with_layout`.
         model_or_specs: the model (``ModelProto`` or path) or its
-            :func:`~onnx_qat.io.models.model_input_specs`.
+            `model_input_specs`.
         what: how to call the data in messages (e.g. ``"calibration data"``).
         state: ``{output: input}``: a stateful model; each run's output becomes the next run's
             input. The data gives the initial state once (an ``.npz`` key, the first feed), and
@@ -345,7 +347,7 @@ def load_data(source, model_or_specs, *, what: str = "data", state: Optional[Map
                         f"got {type(source).__name__}")
     if isinstance(source, Dataset) and not (layout.state or layout.batch_axis):
         layout = _layout_of(source)
-    return _validate(columns, specs, label, layout)
+    return _validate(columns, specs, label, layout, announce=not isinstance(source, Dataset))
 
 
 def _layout_of(dataset: Dataset):
@@ -407,12 +409,15 @@ def _read_npz(path: Path, label: str) -> Dict[str, _FileColumn]:
 CHECK_CHUNK_BYTES = 4 * 1024 ** 2
 
 
-def _match_keys(columns: Dict[str, object], specs, label: str) -> Dict[str, object]:
+def _match_keys(columns: Dict[str, object], specs, label: str, announce: bool = False) -> Dict[str, object]:
     names = [s.name for s in specs]
     if not columns:
         raise DataError(f"{label} holds no arrays; expected {', '.join(repr(n) for n in names)}")
     if len(specs) == 1 and len(columns) == 1:
-        return {names[0]: next(iter(columns.values()))}
+        key = next(iter(columns))
+        if announce and key != names[0] and key != "<array>":
+            logger.warning("%s: key %r is read as the model's only input %r", label, key, names[0])
+        return {names[0]: columns[key]}
     extra = [k for k in columns if k not in names]
     if extra:
         raise DataError(f"{label}: key {extra[0]!r} is not a model input (inputs: {', '.join(names)})")
@@ -423,12 +428,13 @@ def _match_keys(columns: Dict[str, object], specs, label: str) -> Dict[str, obje
     return {n: columns[n] for n in names}
 
 
-def _validate(columns: Dict[str, object], specs, label: str, layout=None) -> Dataset:
-    """Headers first (keys, dtypes, shapes, counts), then the values of every input."""
+def _validate(columns: Dict[str, object], specs, label: str, layout=None, announce: bool = False) -> Dataset:
+    """Headers first (keys, dtypes, shapes, counts), then the values of every input. ``announce``:
+    say (one warning line each) when a key is renamed or a dtype converted."""
     from .layout import DataLayout
 
     layout = layout or DataLayout()
-    matched = {k: _column(v) for k, v in _match_keys(columns, specs, label).items()}
+    matched = {k: _column(v) for k, v in _match_keys(columns, specs, label, announce).items()}
     once, axes = {"constants": {}, "initial": {}}, {}
     for spec in list(specs):
         column = matched[spec.name]
@@ -449,6 +455,8 @@ def _validate(columns: Dict[str, object], specs, label: str, layout=None) -> Dat
     for spec in specs:
         column = matched[spec.name]
         _check_dtype(column.dtype, spec, label)
+        if announce and column.dtype != np.dtype(spec.dtype):
+            _announce_cast(column.dtype, np.dtype(spec.dtype), spec.name, label)
         mode = _fit_shape(column.shape, spec, label)
         if mode == "unbatched":
             unbatched.append(spec.name)
@@ -542,7 +550,7 @@ def _fit_shape(shape: Tuple[int, ...], spec, label: str) -> str:
         return "batched"
     if len(shape) == len(want) + 1 and _dims_fit(shape[1:], want):
         return "unbatched"
-    expected = ",".join("N" if d is None else str(d) for d in want[1:])
+    expected = ",".join(spec.dim_label(axis) for axis in range(1, len(want)))
     expected = f"[N{',' if expected else ''}{expected}]" if want else "[N]"
     raise DataError(f"{label}: key {spec.name!r} has shape {list(shape)}, the model input "
                     f"{spec.name!r} needs {expected} (first axis = samples)")

@@ -237,7 +237,8 @@ class FeedStream:
         items = tuple(self._raw())
         n = len(items)
         if n < 2:
-            raise DataError(f"{self.source}: {n} feed(s) cannot be split into calibration and evaluation "
+            noun = "feed" if n == 1 else "feeds"
+            raise DataError(f"{self.source}: {n} {noun} cannot be split into calibration and evaluation "
                             "data; give more feeds or eval_data (--eval-data)")
         held = max(1, int(round(n * holdout)))
         fixed = {s.name for s in self._specs if _fixed(s)}

@@ -31,7 +31,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 def check_output_path(path: PathLike, *, inputs: tuple = (), what: str = "output") -> Path:
     """Validate an output path before any work is done and return it as a ``Path``.
 
-    Raises :class:`OutputError` when the path is a directory, its directory is
+    Raises [`OutputError`][onnx_qat.errors.OutputError] when the path is a directory, its directory is
     missing or not writable, or it names the same file as one of ``inputs``.
     """
     out = Path(path)
@@ -93,7 +93,7 @@ def _deliver(signum: int, handler) -> None:
 def make_temp_beside(target: Path) -> tuple:
     """Create ``.<name>.*.partial`` beside ``target``; return ``(fd, path)``.
 
-    Call inside :func:`signals_held` together with registering the path for clean-up.
+    Call inside `signals_held` together with registering the path for clean-up.
     """
     try:
         return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=str(target.parent or "."))
@@ -166,12 +166,12 @@ def json_safe(obj):
 
 
 def dumps_json(obj) -> str:
-    """``obj`` as stable, indented JSON (sorted keys), sanitised by :func:`json_safe`."""
+    """``obj`` as stable, indented JSON (sorted keys), sanitised by `json_safe`."""
     return json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False)
 
 
 def write_json(path: PathLike, obj) -> Path:
-    """Write ``obj`` as stable, indented JSON (sorted keys, :func:`json_safe`) atomically."""
+    """Write ``obj`` as stable, indented JSON (sorted keys, `json_safe`) atomically."""
     return atomic_write_text(path, dumps_json(obj) + "\n")
 
 

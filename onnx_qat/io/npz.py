@@ -11,7 +11,7 @@ memory stays bounded by one batch whatever the number of samples. Compressed mem
 * :meth:`NpzMember.open` — a :class:`MemberReader` whose :meth:`~MemberReader.read` yields rows.
 * :func:`read_feed` ``(path, label) -> {key: array}`` — a small archive holding one feed, read whole.
 
-Errors are :class:`~onnx_qat.errors.DataError` lines naming ``label`` and the key.
+Errors are [`DataError`][onnx_qat.errors.DataError] lines naming ``label`` and the key.
 Object (pickled) arrays are refused from their header, before any of their bytes is read.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ class NpzMember:
         shape: the array's shape.
         dtype: the stored dtype (possibly non-native byte order).
         fortran_order: True when the array was stored column-major (its rows are then not
-            contiguous: :meth:`MemberReader.read` reads the whole member once).
+            contiguous: `MemberReader.read` reads the whole member once).
         label: how to call the archive in messages.
     """
 
@@ -67,9 +67,9 @@ class NpzMember:
 
 
 class MemberReader:
-    """Sequential row reader of one :class:`NpzMember` (a context manager).
+    """Sequential row reader of one `NpzMember` (a context manager).
 
-    :meth:`read` returns the next ``count`` rows as a new array of the stored dtype.
+    `read` returns the next ``count`` rows as a new array of the stored dtype.
     """
 
     def __init__(self, member: NpzMember):

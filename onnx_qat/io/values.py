@@ -1,14 +1,19 @@
 """Value checks shared by the data loaders: safe dtype conversion, integer range, finiteness.
 
 * :func:`check_dtype` ``(have, spec, label)`` — refuses a dtype that does not convert safely.
+* :func:`announce_cast` — the one warning line when a dtype is converted.
 * :func:`convert` ``(values, want, key, label, first)`` — values in the model's dtype, after the
   range and NaN/Inf checks (one :class:`~onnx_qat.errors.DataError` line naming the key and sample).
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from ..errors import DataError
+
+logger = logging.getLogger("onnx_qat.io.data")  # the data loader's warnings, one logger
 
 
 def to_dtype(values: np.ndarray, want: np.dtype) -> np.ndarray:
@@ -32,6 +37,17 @@ def check_dtype(have: np.dtype, spec, label: str) -> None:
     if not ok:
         raise DataError(f"{label}: key {key!r} has dtype {have}, which does not convert safely to the "
                         f"model's {want}; save it as {want}")
+
+
+def announce_cast(have: np.dtype, want: np.dtype, key: str, label: str) -> None:
+    """One warning line: the values of ``key`` are converted to the model's dtype, as they are (uint8
+    images stay 0..255: the line says so, since a model calibrated on 0..1 then sees another scale)."""
+    scale = ""
+    if have.kind in "iu" and want.kind == "f":
+        info = np.iinfo(have)
+        scale = (f" (values keep their {have} scale, e.g. 0..{info.max}; divide them first if the "
+                 f"model expects 0..1)") if have.kind == "u" else " (values keep their integer scale)"
+    logger.warning("%s: key %r holds %s, converted to the model's %s%s", label, key, have, want, scale)
 
 
 def convert(values: np.ndarray, want: np.dtype, key: str, label: str, first: int) -> np.ndarray:
@@ -62,4 +78,4 @@ def check_finite(arr: np.ndarray, key: str, label: str, first: int = 0) -> None:
                     f"give finite numbers")
 
 
-__all__ = ["check_dtype", "convert", "check_finite", "to_dtype"]
+__all__ = ["check_dtype", "convert", "check_finite", "to_dtype", "announce_cast"]

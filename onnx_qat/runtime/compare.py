@@ -8,8 +8,11 @@ Both models run on the same inputs; every output is matched by name and summaris
 * ``mean abs`` — mean |r - c|
 * ``cosine``   — r·c / (‖r‖ ‖c‖) over the whole output (1.0 when both are zero)
 * ``SQNR``     — 10 log10(Σ r² / Σ (r - c)²) in dB (``inf`` when identical)
-* ``top-1``    — share of rows whose argmax over the last axis agrees, for outputs
-  with a class axis (rank >= 2 and last dimension > 1), else None
+* ``top-1``    — share of rows whose argmax over the last axis agrees, for class-score
+  outputs only: rank 2 (``[samples, classes]``, classes > 1) or written by a Softmax or
+  LogSoftmax; for any output with a last dimension > 1 when ``min_top1`` is set. Else None
+  (on a detector's ``[N, 84, 8400]`` or a segmentation map the argmax of the last axis is no
+  class decision, and the figure would mean nothing)
 
 For a stateful model (data with ``state``, run in order with the state fed back) the figures are
 those of the per-step output sequence (each step's outputs joined in order), and for a probability
@@ -119,7 +122,14 @@ def _bound(text: str, value: float, limit: Optional[float], *, upper: bool, fmt:
 
 @dataclass(frozen=True)
 class Comparison:
-    """All outputs' figures; true when every output passed."""
+    """All outputs' figures; true when every output passed.
+
+    Attributes:
+        outputs: one `OutputComparison` per output.
+        num_samples: the samples both models ran on.
+        reference, candidate: the models' file paths (``"reference"`` / ``"candidate"`` for
+            models given in memory).
+    """
 
     outputs: Tuple[OutputComparison, ...]
     num_samples: int
@@ -192,14 +202,15 @@ def decision_agreement(reference: np.ndarray, candidate: np.ndarray) -> Optional
 
 def judge(name: str, reference: np.ndarray, candidate: np.ndarray, *, max_abs=None, min_cosine=0.99,
           min_sqnr_db=None, min_top1=None, steps: Optional[int] = None, decisions: bool = False,
-          min_decisions=None, state: bool = False) -> OutputComparison:
+          min_decisions=None, state: bool = False, top1: bool = True) -> OutputComparison:
     """Compare one output and apply the thresholds; ``steps`` (a stateful model's sequence length) and
     ``decisions`` (judge a probability output's yes/no decisions) for sequences; a ``state`` output
-    gets its figures only (no thresholds, no top-1)."""
+    gets its figures only (no thresholds, no top-1); ``top1=False`` leaves the top-1 figure out
+    (None) for an output that holds no class scores, unless ``min_top1`` asks for it."""
     if state:
         max_abs = min_cosine = min_sqnr_db = min_top1 = min_decisions = None
     figures = output_figures(reference, candidate)
-    if state:
+    if state or (not top1 and min_top1 is None):
         figures["top1"] = None
     agree = decision_agreement(reference, candidate) if decisions else None
     reason = ""
@@ -321,10 +332,11 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
     if exact_qdq is not None and not isinstance(exact_qdq, bool):
         raise ConfigError(f"exact_qdq must be True, False or None, got {exact_qdq!r}")
     optimize = None if exact_qdq is None else not exact_qdq
+    warn_input_ranges(cand_model, dataset, batch_size)
     ref_values, cand_values, steps = _run_both(ref_model, cand_model, dataset, ref_out, batch_size, progress,
                                                optimize)
     sequence = bool(dataset.state)
-    results = []
+    results, scores = [], class_score_outputs(ref_model)
     for name in ref_out:
         r, c = ref_values[name], cand_values[name]
         if r.shape != c.shape:
@@ -333,8 +345,9 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
         results.append(judge(name, r, c, max_abs=max_abs, min_cosine=min_cosine, min_sqnr_db=min_sqnr_db,
                              min_top1=min_top1, steps=steps if sequence else None,
                              decisions=sequence and name not in dataset.state, min_decisions=min_decisions,
-                             state=name in dataset.state))
-    return Comparison(tuple(results), dataset.num_samples, ref_label, cand_label)
+                             state=name in dataset.state, top1=name in scores or r.ndim == 2))
+    return Comparison(tuple(results), dataset.num_samples, _path(reference, "reference"),
+                      _path(candidate, "candidate"))
 
 
 def _run_both(ref_model, cand_model, dataset, names, batch_size: int, progress: bool, optimize=None):
@@ -366,9 +379,92 @@ def _run_both(ref_model, cand_model, dataset, names, batch_size: int, progress: 
 
 
 def _label(source, default: str) -> str:
-    return default if not isinstance(source, (str, bytes)) and not hasattr(source, "__fspath__") \
-        else f"{default} {source}"
+    """``reference model.onnx`` for messages (``reference`` for an in-memory model)."""
+    path = _path(source, "")
+    return f"{default} {path}" if path else default
+
+
+def _path(source, default: str) -> str:
+    """The file a model came from, or ``default`` for an in-memory model."""
+    if isinstance(source, bytes):
+        return source.decode(errors="replace")
+    return str(source) if isinstance(source, str) or hasattr(source, "__fspath__") else default
+
+
+#: Ops whose output holds class scores along the last axis (top-1 means something there).
+CLASS_SCORE_OPS = ("Softmax", "LogSoftmax")
+
+
+def class_score_outputs(model) -> frozenset:
+    """Names of the graph outputs written by a Softmax or LogSoftmax (through Identity/Reshape/Flatten)."""
+    producer = {out: node for node in model.graph.node for out in node.output}
+    found = set()
+    for output in model.graph.output:
+        node = producer.get(output.name)
+        while node is not None and node.op_type in ("Identity", "Reshape", "Flatten", "Squeeze") \
+                and node.input:
+            node = producer.get(node.input[0])
+        if node is not None and node.op_type in CLASS_SCORE_OPS:
+            found.add(output.name)
+    return frozenset(found)
+
+
+#: Data this many times beyond the range the candidate's input quantizer holds earns a warning.
+RANGE_WARNING_FACTOR = 4.0
+#: Samples `warn_input_ranges` reads at most.
+RANGE_CHECK_SAMPLES = 64
+
+
+def warn_input_ranges(candidate, dataset, batch_size: int) -> None:
+    """One warning per graph input whose values reach far beyond the range of the candidate's
+    QuantizeLinear reading it (its scale times the largest code): the data is then likely on
+    another scale than the calibration data was (uint8 0..255 fed to a model calibrated on 0..1).
+    Only the first `RANGE_CHECK_SAMPLES` samples are read: a scale mismatch shows in any of them,
+    and a large data file is not read twice."""
+    ranges = input_quantizer_ranges(candidate)
+    if not ranges:
+        return
+    peak = {name: 0.0 for name in ranges}
+    for batch in dataset.take(RANGE_CHECK_SAMPLES).batches(batch_size):
+        for name in peak:
+            values = np.asarray(batch[name])
+            if values.size and values.dtype.kind in "fiu":
+                peak[name] = max(peak[name], float(np.max(np.abs(values.astype(np.float64)))))
+    import logging
+
+    for name, amax in ranges.items():
+        if peak[name] > RANGE_WARNING_FACTOR * amax:
+            logging.getLogger(__name__).warning(
+                "%s: input %r reaches |x| = %.4g, %.0fx the range its QuantizeLinear in the candidate "
+                "holds (|x| <= %.4g): the data is likely on another scale than the calibration data "
+                "(e.g. 0..255 where calibration saw 0..1)", dataset.source, name, peak[name],
+                peak[name] / amax, amax)
+
+
+def input_quantizer_ranges(model) -> Dict[str, float]:
+    """``{graph input: largest |x| its QuantizeLinear represents}`` for inputs read by a
+    QuantizeLinear with a constant scalar scale (INT8, UINT8 or FP8 E4M3)."""
+    from onnx import TensorProto, numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    inputs = {i.name for i in model.graph.input} - set(inits)
+    found: Dict[str, float] = {}
+    for node in model.graph.node:
+        if node.op_type != "QuantizeLinear" or node.input[0] not in inputs or len(node.input) < 2 \
+                or node.input[1] not in inits:
+            continue
+        scale = numpy_helper.to_array(inits[node.input[1]])
+        zero = inits.get(node.input[2]) if len(node.input) > 2 else None
+        kind = zero.data_type if zero is not None else TensorProto.UINT8
+        point = float(np.asarray(numpy_helper.to_array(zero), dtype=np.float64).ravel()[0]) \
+            if zero is not None and kind in (TensorProto.INT8, TensorProto.UINT8) else 0.0
+        codes = {TensorProto.INT8: 127.0 + abs(point), TensorProto.UINT8: max(255.0 - point, point),
+                 TensorProto.FLOAT8E4M3FN: 448.0}.get(kind)
+        if scale.size == 1 and codes and float(scale.ravel()[0]) > 0:
+            found[node.input[0]] = max(found.get(node.input[0], 0.0), codes * float(scale.ravel()[0]))
+    return found
 
 
 __all__ = ["compare", "Comparison", "OutputComparison", "output_figures", "top1_agreement", "judge",
-           "decision_agreement", "DECISION_THRESHOLD"]
+           "decision_agreement", "DECISION_THRESHOLD", "class_score_outputs", "input_quantizer_ranges",
+           "warn_input_ranges"]

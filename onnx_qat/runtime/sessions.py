@@ -1,9 +1,9 @@
 """onnxruntime sessions and batched runs, shared by calibration, compare and the tools.
 
-* :func:`make_session` — a deterministic CPU session for a model, optionally with
+* `make_session` — a deterministic CPU session for a model, optionally with
   intermediate tensors exposed as extra outputs (on a copy of the model).
-* :func:`run_batches` — yield each batch's outputs (calibration reduces them at once).
-* :func:`run_model` — all outputs for a whole dataset, joined over batches.
+* `run_batches` — yield each batch's outputs (calibration reduces them at once).
+* `run_model` — all outputs for a whole dataset, joined over batches.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def make_session(model, *, threads: Optional[int] = None,
 
     Args:
         model: a ``ModelProto`` (not modified) or a path (read with
-            :func:`~onnx_qat.io.models.load_model`).
+            [`load_model`][onnx_qat.io.models.load_model]).
         threads: intra-op threads (``None``: onnxruntime's default).
         providers: execution providers, in order of preference.
         extra_outputs: tensor names to expose as additional graph outputs (on a copy),
@@ -213,7 +213,7 @@ def _tensor_names(graph: onnx.GraphProto) -> set:
 
 
 def session_input_specs(session) -> Tuple[InputSpec, ...]:
-    """The session's inputs as :class:`~onnx_qat.io.models.InputSpec` (symbolic dims None)."""
+    """The session's inputs as `InputSpec` (symbolic dims None)."""
     specs = []
     for arg in session.get_inputs():
         dtype = _ORT_DTYPES.get(arg.type)
@@ -278,7 +278,7 @@ def run_model(model_or_session, data, *, batch_size: int = 16, outputs: Optional
 
     Args:
         model_or_session: a ``ModelProto``, a path, or an onnxruntime ``InferenceSession``.
-        data: anything :func:`onnx_qat.load_data` accepts, or a :class:`~onnx_qat.io.data.Dataset`.
+        data: anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts, or a `Dataset`.
         batch_size: samples per onnxruntime run (a model with a fixed batch size uses its own).
         outputs: output names to fetch (default: all graph outputs).
         progress: show a tqdm progress bar on stderr.

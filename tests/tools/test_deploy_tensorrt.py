@@ -913,7 +913,7 @@ def test_standin_parity_failure_is_exit_1(good_model, tmp_path, capsys, standin)
 
 # --------------------------------------------------------------------------- real TensorRT (GPU machines)
 def _require_tensorrt_and_gpu():
-    pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install 'onnx-qat[tensorrt]')")
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install '.[tensorrt]')")
     try:
         trt_backend.require_gpu()
     except trt_backend.TensorRTUnavailable as exc:

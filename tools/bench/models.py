@@ -1,15 +1,15 @@
 """Models and data for the benchmarks.
 
-* :func:`resnet50` — a Keras ``ResNet50`` with random weights, exported with tf2onnx (built in a child
+* `resnet50` — a Keras ``ResNet50`` with random weights, exported with tf2onnx (built in a child
   process, so TensorFlow never loads into the measuring process). Random weights alone give a network
   whose activations, and quantization errors, grow without bound from block to block, which says
   nothing about a trained model; so the batch-normalization statistics are set from one batch of the
   benchmark data (every channel normalized, as after training) and the last batch normalization of
   each residual branch is scaled by 0.2 (residual branches start small, as in trained ResNets).
-* :func:`tiny_cnn` — a small float CNN (Conv/Relu/MaxPool/residual Add/GlobalAveragePool/Gemm) built
+* `tiny_cnn` — a small float CNN (Conv/Relu/MaxPool/residual Add/GlobalAveragePool/Gemm) built
   with ``onnx.helper`` for ``--quick`` runs.
-* :func:`residual_net` — a synthetic residual net of a given node count for the rewrite benchmark.
-* :func:`detector` — a YOLOv8n-shaped one-stage detector (63 Convs with SiLU, C2f blocks with residual
+* `residual_net` — a synthetic residual net of a given node count for the rewrite benchmark.
+* `detector` — a YOLOv8n-shaped one-stage detector (63 Convs with SiLU, C2f blocks with residual
   Adds and Concats, SPPF, an FPN/PAN neck with Resize, three decoupled heads) with random weights whose
   activations stay in range (each Conv's output channels normalised on a batch of the benchmark images,
   as batch normalization after training leaves them), for the sensitivity benchmark.
@@ -60,7 +60,7 @@ def _export_resnet50(out: Path, size: int, seed: int) -> None:
 
 
 def build_keras_resnet50(size: int, seed: int = 0):
-    """The Keras ResNet50 of :func:`resnet50` (random weights, conditioned batch normalization)."""
+    """The Keras ResNet50 of `resnet50` (random weights, conditioned batch normalization)."""
     import keras
 
     keras.utils.set_random_seed(seed)
@@ -155,7 +155,7 @@ def residual_net(nodes: int, channels: int = 16, seed: int = 0):
 
 
 class _Net:
-    """A tiny graph writer for :func:`detector` (Conv+SiLU with normalised outputs)."""
+    """A tiny graph writer for `detector` (Conv+SiLU with normalised outputs)."""
 
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
