@@ -552,7 +552,8 @@ def _check_outputs(outputs, inputs) -> None:
 
 # -- the commands -------------------------------------------------------------------------------------
 def cmd_calibrate(args) -> int:
-    """``onnx-qat calibrate``: :func:`onnx_qat.calibrate` with ``output`` (the ScaleTable JSON)."""
+    """``onnx-qat calibrate``: [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate] with ``output``
+    (the ScaleTable JSON)."""
     kw = {**_calibration_keywords(args), **_placement_keywords(args), **_layout_keywords(args)}
     cache = args.format == "tensorrt-cache"
     if not cache and (args.tensorrt_version is not None or args.calibrator is not None):
@@ -845,7 +846,7 @@ def cmd_sensitivity(args) -> int:
 
 
 def cmd_deploy(args) -> int:
-    """``onnx-qat deploy``: :func:`onnx_qat.deploy.command.run` (gate, onnxruntime validation, precision
+    """``onnx-qat deploy``: `onnx_qat.deploy.command.run` (gate, onnxruntime validation, precision
     map, TensorRT build, timing, verification); exit 1 when the engine differs from onnxruntime, 2 when
     refused or TensorRT/GPU is missing (after writing the report of what was done)."""
     from .deploy.options import UsageError as DeployUsageError

@@ -14,7 +14,7 @@ from .errors import ConfigError
 from .formats.numeric import (DEFAULT_BLOCK_SIZE, FP8_METHODS, INT4_METHODS, PRECISIONS, TENSORRT_BLOCK_SIZES,
                       get_format)
 
-#: Types of the float parts (see :mod:`onnx_qat.formats.float_parts`; kept here so that this module
+#: Types of the float parts (see `onnx_qat.formats.float_parts`; kept here so that this module
 #: stays free of onnx).
 FLOAT_DTYPES = ("fp32", "fp16", "bf16")
 #: Deployment forms of the same placement: see ``onnx_qat/insertion/targets.py``.
@@ -65,9 +65,9 @@ class QuantizeConfig:
         fp8_method: how FP8 weights of MatMul/Gemm are rounded (``precision="fp8"``): ``"rtn"``
             (round to nearest, the default when None) or ``"gptq"`` (error-compensating rounding on
             each output channel's E4M3 grid, driven by the calibration data,
-            :func:`onnx_qat.formats.gptq.apply_gptq_fp8`; needs data).
+            `onnx_qat.formats.gptq.apply_gptq_fp8`; needs data).
         float_dtype: the type of everything Q/DQ leaves in float: ``"fp32"`` (default), ``"fp16"``
-            or ``"bf16"`` (:func:`onnx_qat.formats.float_parts.cast_float_parts`; target ``tensorrt``
+            or ``"bf16"`` ([`onnx_qat.formats.float_parts.cast_float_parts`][]; target ``tensorrt``
             only).
     """
 

@@ -91,11 +91,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         float_dtype: the type of everything Q/DQ leaves in float: ``"fp32"`` (default), ``"fp16"``
             or ``"bf16"``, for every ``precision`` (TensorRT 11 builds strongly typed networks: FP32
             float parts run in FP32). The Q/DQ model is converted by
-            :func:`onnx_qat.formats.float_parts.cast_float_parts` (opset raised to 19, to 22 for BF16), which
+            [`onnx_qat.formats.float_parts.cast_float_parts`][] (opset raised to 19, to 22 for BF16), which
             keeps FP32 what must stay FP32 (ranges beyond the type, scales it cannot hold, ops TensorRT
             does not run in it, and, measured on the first samples of ``data``, any node whose
             conversion costs more than 0.002 of output cosine against the float model);
-            :attr:`QuantizeResult.float_parts` lists them with their reasons.
+            `QuantizeResult.float_parts` lists them with their reasons.
         keep_io_types: with ``float_dtype`` ``fp16``/``bf16``: graph inputs and outputs keep their
             types, with a Cast at the boundary (default); False: they take ``float_dtype`` too.
 
@@ -105,12 +105,12 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first (``{"state": 1}``).
         latency: ``target="ort-cpu"`` only: quantize a site (Conv, Gemm, MatMul) only where
             onnxruntime's integer kernel is faster than float on this machine, at the model's shapes
-            (:mod:`onnx_qat.placement.cpu_latency`). None or ``"off"`` (default): every site the
+            (`onnx_qat.placement.cpu_latency`). None or ``"off"`` (default): every site the
             placement picks; ``"measure"`` (or True): time each kind of site once per machine and keep
             the times in this machine's cache file (keyed by CPU model, kernel-selecting CPU flags,
             onnxruntime version and threads); a path: that latency profile file, read and extended
             (e.g. one measured on the deployment machine); or a
-            :class:`~onnx_qat.placement.cpu_latency.LatencyOptions` (``threads``, ``batch`` of
+            `LatencyOptions` (``threads``, ``batch`` of
             the deployment session). The result is timed against FP32 at the end
             (``QuantizeResult.latency``, the report's ``latency``; a note says so plainly when it is
             not faster).
@@ -172,7 +172,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
 
 
 def _latency_options(latency, config: QuantizeConfig, placement, min_cosine, max_float_sites, eval_data):
-    """The resolved ``latency`` option (:class:`~onnx_qat.placement.cpu_latency.LatencyOptions` or
+    """The resolved ``latency`` option (`LatencyOptions` or
     None); ConfigError where it does not apply."""
     if latency is None or latency is False or latency == "off":
         return None

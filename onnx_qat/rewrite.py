@@ -56,14 +56,14 @@ class QuantizeResult:
             ``fp8_method="gptq"`` on the E4M3 grid): the
             relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
-            (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
+            (see `onnx_qat.accuracy.mixed`); None otherwise.
         float_parts: with ``float_dtype`` ``fp16``/``bf16``: the
-            :class:`~onnx_qat.formats.float_parts.FloatPartsResult` (nodes kept FP32 with their reasons,
-            cosines measured); None with FP32 float parts.
+            [`FloatPartsResult`][onnx_qat.formats.float_parts.FloatPartsResult] (nodes kept FP32 with their
+            reasons, cosines measured); None with FP32 float parts.
         latency: with ``latency`` (``ort-cpu``): every timed site (float and integer microseconds,
             gain, decision), the sites kept float for speed, the profile file, and the whole model
             timed against FP32 (``whole_model``: medians, speed-up, verdict); see
-            :mod:`onnx_qat.placement.cpu_latency`. None otherwise.
+            `onnx_qat.placement.cpu_latency`. None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -133,16 +133,18 @@ class QuantizeResult:
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
                     placement: Optional[Placement] = None, calibrator=None, latency=None) -> QuantizeResult:
-    """The rewrite behind :func:`onnx_qat.quantize`: quantize every site the placement marks.
+    """The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: quantize every site the placement
+    marks.
 
-    ``config`` is the resolved :class:`~onnx_qat.config.QuantizeConfig` and ``calib_kw`` the merged
-    calibration keywords, both already checked by :func:`onnx_qat.quantize` (see there for every
-    argument and what is raised). The accuracy tools call this directly, one layer below the public
-    entry point that dispatches to them. ``calibrator`` (:func:`onnx_qat.calibrate`, passed by
-    :func:`onnx_qat.quantize`) computes the ranges when ``data`` is given: the rewrite does not import
-    the calibration package, whose ``auto`` method inserts its candidate tables through this function.
-    ``latency``: a :class:`~onnx_qat.placement.cpu_latency.LatencyOptions` (``ort-cpu`` only): sites
-    whose integer form is not faster on this CPU stay float, and the result is timed against FP32.
+    ``config`` is the resolved [`QuantizeConfig`][onnx_qat.config.QuantizeConfig] and ``calib_kw`` the merged
+    calibration keywords, both already checked by [`onnx_qat.quantize`][onnx_qat.quantize.quantize] (see there
+    for every argument and what is raised). The accuracy tools call this directly, one layer below the public
+    entry point that dispatches to them. ``calibrator``
+    ([`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate], passed by
+    [`onnx_qat.quantize`][onnx_qat.quantize.quantize]) computes the ranges when ``data`` is given: the rewrite
+    does not import the calibration package, whose ``auto`` method inserts its candidate tables through this
+    function. ``latency``: a `LatencyOptions` (``ort-cpu`` only): sites whose integer form is not faster on
+    this CPU stay float, and the result is timed against FP32.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -462,7 +464,7 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
 
 def _load_scales_file(path) -> tuple:
     """``(source label, table)`` of a ScaleTable JSON file or a TensorRT calibration cache (a file
-    beginning with ``TRT-``, see :mod:`onnx_qat.io.tensorrt_cache`)."""
+    beginning with ``TRT-``, see `onnx_qat.io.tensorrt_cache`)."""
     from .io.tensorrt_cache import is_tensorrt_cache
 
     if is_tensorrt_cache(path):

@@ -259,7 +259,7 @@ class ScaleTable:
     def from_tensorrt_cache(cls, path: PathLike) -> "ScaleTable":
         """Read a TensorRT calibration cache (``TRT-<version>-<algorithm>`` header, then
         ``tensor_name: <hex float32 scale>`` lines) as activation ranges, ``amax = scale x 127``; the
-        header is kept in ``metadata["tensorrt_cache_header"]``. See :mod:`onnx_qat.io.tensorrt_cache`.
+        header is kept in ``metadata["tensorrt_cache_header"]``. See `onnx_qat.io.tensorrt_cache`.
 
         Raises:
             ScalesError: the file is not a valid cache (wrong format, non-hex digits, a NaN, infinite,
@@ -276,7 +276,7 @@ class ScaleTable:
         Weight ranges are left out (logged at info level): TensorRT's implicit INT8 measures weight
         scales from the weights. ``tensorrt_version`` (``MAJOR.MINOR.PATCH``, the TensorRT that will read
         the cache) and ``algorithm`` (the calibrator that hands it to TensorRT) go into the header; see
-        :func:`onnx_qat.io.tensorrt_cache.format_tensorrt_cache`.
+        `onnx_qat.io.tensorrt_cache.format_tensorrt_cache`.
         """
         from .io.tensorrt_cache import format_tensorrt_cache, logger
 
@@ -289,7 +289,8 @@ class ScaleTable:
 
     def save_tensorrt_cache(self, path: PathLike, *, tensorrt_version: str,
                             algorithm: str = "EntropyCalibration2") -> None:
-        """Write :meth:`to_tensorrt_cache` to ``path``, atomically (nothing written when it raises)."""
+        """Write [`to_tensorrt_cache`][onnx_qat.scales.ScaleTable.to_tensorrt_cache] to ``path``, atomically
+        (nothing written when it raises)."""
         from .io.files import atomic_write_text
 
         text = self.to_tensorrt_cache(tensorrt_version=tensorrt_version, algorithm=algorithm)

@@ -155,10 +155,10 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
             against the Keras model run with FP8 fake quantization (``tf_bridge.fake_quant.numerics``).
         float_dtype: the type of the float parts of the written model: ``"fp32"`` (default),
             ``"fp16"`` or ``"bf16"`` (target ``tensorrt``). Parity is measured with FP32 float parts;
-            the Q/DQ model is then converted by :func:`onnx_qat.formats.float_parts.cast_float_parts`
+            the Q/DQ model is then converted by [`onnx_qat.formats.float_parts.cast_float_parts`][]
             with the learned ranges, measured on ``sample_data`` against the float model (a node whose
             conversion costs more than 0.002 of output cosine stays FP32);
-            :attr:`ExportReport.float_parts` lists the nodes kept FP32 with their reasons.
+            `ExportReport.float_parts` lists the nodes kept FP32 with their reasons.
 
     Returns:
         An [`ExportReport`][tf_bridge.export.ExportReport] (paths, mapping table, parity, check verdict).

@@ -31,10 +31,10 @@ class ExportReport:
         requantization: for a target other than ``tensorrt``, the records of the points it adds
             (`onnx_qat.quantize.QuantizeResult.requantization`: tensor, Conv, amax, its
             source, ``status``); a ``not requantized`` Conv keeps a float output.
-        timings: ``(step, seconds)`` in order: the five steps of :func:`export_onnx` and, named
-            ``"<step>: <part>"``, the timed parts of a step (the parity's runs).
+        timings: ``(step, seconds)`` in order: the five steps of [`export_onnx`][tf_bridge.export_onnx] and,
+            named ``"<step>: <part>"``, the timed parts of a step (the parity's runs).
         float_parts: with ``float_dtype`` ``fp16``/``bf16``: the
-            :class:`~onnx_qat.formats.float_parts.FloatPartsResult` (nodes kept FP32 with their
+            [`FloatPartsResult`][onnx_qat.formats.float_parts.FloatPartsResult] (nodes kept FP32 with their
             reasons, output cosines measured); None with FP32 float parts.
     """
 

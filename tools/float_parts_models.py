@@ -5,14 +5,14 @@ each model twice on its calibration inputs (``--method max``), with FP32 and wit
 (``--float-dtype fp16``), and measures on its evaluation inputs (never calibrated on):
 
 * the output cosine of each against the FP32 float model (FP16 through
-  :func:`onnx_qat.formats.float_parts.emulate_in_fp32`, FP16 storage with FP32 arithmetic, and through
+  [`onnx_qat.formats.float_parts.emulate_in_fp32`][], FP16 storage with FP32 arithmetic, and through
   onnxruntime's own FP16 session);
 * ``check``'s errors and warnings on the FP16 model;
 * the FP32 Conv/ConvTranspose/MatMul/Gemm nodes outside the reported keep-list (must be none);
 * the bytes of the float initializers, FP16 against FP32;
 * the nodes kept FP32, by rule.
 
-Models: the real pretrained ones of :mod:`tools.real_models` (from its download cache; a model not
+Models: the real pretrained ones of `tools.real_models` (from its download cache; a model not
 there is reported as skipped) and ``keras.applications`` ResNet50, MobileNetV2, EfficientNetB0 and
 ConvNeXtTiny (``weights=None``, batch normalization set from one batch of 0..255 images; exported
 with TensorFlow in a child process once, into the workdir; inputs 0..255).

@@ -93,7 +93,7 @@ class Prepared:
 def split_data(data, eval_data, model: onnx.ModelProto, holdout: float = HOLDOUT):
     """``(calibration, evaluation)`` Datasets: ``eval_data`` when given, else the last ``holdout``
     share of ``data`` (at least one sample, or feed), which calibration then does not see
-    (:meth:`onnx_qat.io.data.Dataset.split`; a stateful model's held-out part starts from the initial
+    (`onnx_qat.io.data.Dataset.split`; a stateful model's held-out part starts from the initial
     state)."""
     from ..io.data import load_data
 

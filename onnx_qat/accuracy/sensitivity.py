@@ -247,7 +247,8 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
             more than 16 sites, group bisection (`onnx_qat.accuracy.bisect`) measures alone only
             the sites whose group moves the output cosine by at least 1% of the all-INT8 loss; the
             others get their group's figures as bounds (``SiteSensitivity.only_group`` > 1).
-        calibration_options: further keywords of :func:`onnx_qat.calibrate` (``percentile``, ``num_bins``).
+        calibration_options: further keywords of [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]
+            (``percentile``, ``num_bins``).
         state: ``{output: input}`` of a stateful model: every run goes through the data in order,
             each run's ``output`` fed to the next as ``input`` (the first feed gives the initial
             state; a held-out quarter starts from it again).

@@ -137,7 +137,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         model: a float ONNX model (``ModelProto``, not modified, or a path).
         data: calibration data: an ``.npz`` path, a dict of arrays, an array, a stream of feeds
             (a directory or list of ``.npz`` files, a list or iterator of feed dicts, an object with
-            ``get_next()``) or a :class:`~onnx_qat.io.data.Dataset` (see :func:`onnx_qat.load_data`).
+            ``get_next()``) or a `Dataset` (see [`onnx_qat.load_data`][onnx_qat.io.data.load_data]).
         method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
             of the max, percentile and mse candidates quantizes that tensor with the least error,
             ``entropy`` everywhere -- the one whose quantized model's output is closest to the float

@@ -16,7 +16,7 @@ Sources cited by the rules:
 * [TRT-PL] TensorRT Developer Guide, "Q/DQ Layer-Placement Recommendations"
   (quantize the inputs of weighted ops, residual Add fusion, commuting ops).
 * [TRT-ST] TensorRT 11 Developer Guide, "Precision Control", "Strongly Typed Networks" (rule C15
-  and the precision map, :mod:`onnx_qat.check.precision`).
+  and the precision map, `onnx_qat.check.precision`).
 * [ONNX-TRT] onnx-tensorrt ``docs/operators.md`` (QuantizeLinear/DequantizeLinear
   need opset >= 13 for per-axis scales, zero point 0; QLinear* and *Integer ops are
   not supported).
@@ -158,14 +158,14 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
             an ``onnx.ModelProto`` (read only, never modified) or an ``onnx_graphsurgeon.Graph``
             (exported with ``gs.export_onnx``, never modified).
         target: ``None``/``"tensorrt"`` (every rule), or ``"ort-cpu"``: the rules that apply to
-            that form, with :data:`ORT_CPU_RULES` replacing C4 and C9 and leaving out C11 and C14.
+            that form, with `ORT_CPU_RULES` replacing C4 and C9 and leaving out C11 and C14.
         path: the file an in-memory ``model`` was read from or written to, named in the
             report (`CheckReport.model`); default: ``model`` itself when it is a path.
 
     Returns:
-        A :class:`CheckReport`; ``bool(report)`` is True when no rule found an
-        error. The rules (C1-C15, F1-F5) are listed in :data:`RULES` and docs/check-rules.md.
-        ``report.precision_map`` (:class:`~onnx_qat.check.precision.PrecisionMap`) tells the
+        A [`CheckReport`][onnx_qat.check.CheckReport]; ``bool(report)`` is True when no rule found an
+        error. The rules (C1-C15, F1-F5) are listed in `RULES` and docs/check-rules.md.
+        ``report.precision_map`` ([`PrecisionMap`][onnx_qat.check.precision.PrecisionMap]) tells the
         precision TensorRT runs each compute node in under a strongly typed build and the Q/DQ
         nodes left unfused; it is built on first access (the report keeps the model until then).
 

@@ -37,7 +37,7 @@ Sources:
   (weight-only), FP4.
 
 Nodes a float-parts conversion deliberately keeps in FP32 carry node metadata
-:data:`KEEP_FP32_KEY` with the reason as value; the map and rule C15 name that reason.
+`KEEP_FP32_KEY` with the reason as value; the map and rule C15 name that reason.
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ class PrecisionMap:
                 "unfused_qdq": [e.to_dict() for e in self.unfused]}
 
     def save(self, path) -> None:
-        """Write :meth:`to_dict` as JSON, atomically."""
+        """Write [`to_dict`][onnx_qat.check.precision.PrecisionMap.to_dict] as JSON, atomically."""
         from ..io.files import write_json
 
         write_json(path, self.to_dict())
@@ -401,7 +401,8 @@ def _first_output(g, i: int) -> str:
 
 
 def build_precision_map(model, graphs) -> PrecisionMap:
-    """The :class:`PrecisionMap` of ``model`` from the check's per-graph index ``graphs``."""
+    """The [`PrecisionMap`][onnx_qat.check.precision.PrecisionMap] of ``model`` from the check's per-graph
+    index ``graphs``."""
     nodes: List[NodePrecision] = []
     unfused: List[UnfusedQDQ] = []
     by_prefix: Dict[str, _Types] = {}
@@ -449,8 +450,9 @@ def computes_in_reduced_float(graphs) -> bool:
 
 
 def lazy_precision_map(model, opset):
-    """A function that builds the :class:`PrecisionMap` of ``model`` when first called (it indexes
-    the model again): :func:`onnx_qat.check` leaves the map to whoever asks for it, since it costs
+    """A function that builds the [`PrecisionMap`][onnx_qat.check.precision.PrecisionMap] of ``model`` when
+    first called (it indexes the model again): [`onnx_qat.check`][onnx_qat.check.check] leaves the map to
+        whoever asks for it, since it costs
     about half a check on large models."""
     def build() -> PrecisionMap:
         from ..io.models import cyclic_gc_paused
@@ -462,7 +464,7 @@ def lazy_precision_map(model, opset):
 
 
 def precision_map_of(model, graphs) -> PrecisionMap:
-    """:func:`build_precision_map`, built once per check (kept with the main graph's index)."""
+    """`build_precision_map`, built once per check (kept with the main graph's index)."""
     memo = graphs[0]._memo.setdefault("precision_map", {}) if graphs else {}
     if "map" not in memo:
         memo["map"] = build_precision_map(model, graphs) if graphs else PrecisionMap()

@@ -50,9 +50,9 @@ class CheckReport:
         num_dq: number of DequantizeLinear nodes.
         model: the model's path when given one, else ``""``.
         opset: the default-domain opset version (None when the model imports none).
-        precision_map: the :class:`~onnx_qat.check.precision.PrecisionMap` (a property): each
+        precision_map: the [`PrecisionMap`][onnx_qat.check.precision.PrecisionMap] (a property): each
             compute node's precision under a strongly typed TensorRT build and the Q/DQ nodes left
-            unfused, built on first access (None for reports not made by :func:`~onnx_qat.check.check`).
+            unfused, built on first access (None for reports not made by [`check`][onnx_qat.check.check]).
     """
 
     findings: Tuple[Finding, ...] = ()
@@ -60,12 +60,13 @@ class CheckReport:
     num_dq: int = 0
     model: str = ""
     opset: Optional[int] = None
-    #: the PrecisionMap, or a function building it on first access (see :attr:`precision_map`)
+    #: the PrecisionMap, or a function building it on first access (see
+    #: [`precision_map`][onnx_qat.check.report.CheckReport.precision_map])
     precision_source: Optional[object] = field(default=None, compare=False, repr=False)
 
     @property
     def precision_map(self):
-        """The :class:`~onnx_qat.check.precision.PrecisionMap`, built on first access (then kept)."""
+        """The [`PrecisionMap`][onnx_qat.check.precision.PrecisionMap], built on first access (then kept)."""
         source = self.precision_source
         if callable(source):
             source = source()

@@ -79,7 +79,7 @@ def rule_c9_ort_cpu_weighted_ops(model, graphs) -> Iterator[Finding]:
     weight quantized alone (onnxruntime would dequantize the weight at every run and compute in float).
     Its activation alone may be quantized: a float Conv reading the requantization point (CPU1) of the
     Conv before it, kept float because its integer kernel is not faster on the CPU (rule CPU3,
-    :mod:`onnx_qat.placement.cpu_latency`), dequantizes that input and runs the float kernel.
+    `onnx_qat.placement.cpu_latency`), dequantizes that input and runs the float kernel.
     """
     yield from _c9_findings(graphs, activation_only_ok=True)
 

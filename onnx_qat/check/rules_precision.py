@@ -1,9 +1,9 @@
 """C15: FP32 weighted ops among FP16/BF16 compute, read from the precision map
-(:mod:`onnx_qat.check.precision`, where the strongly typed precision rules and their sources are).
+(`onnx_qat.check.precision`, where the strongly typed precision rules and their sources are).
 
-Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
-:data:`onnx_qat.check.RULES`; sources are cited as in its docstring and in
-:mod:`onnx_qat.check.precision` ([TRT-ST])."""
+Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in its one table,
+`onnx_qat.check.RULES`; sources are cited as in its docstring and in
+`onnx_qat.check.precision` ([TRT-ST])."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -17,7 +17,7 @@ def rule_c15_fp32_weighted_ops(model, graphs) -> Iterator[Finding]:
     BF16 runs in FP32 under a strongly typed build (TensorRT 11 builds no other kind).
 
     With FP16/BF16 float parts the model has chosen reduced float precision; an FP32 weighted op
-    among them is either kept on purpose by the conversion (node metadata :data:`KEEP_FP32_KEY`,
+    among them is either kept on purpose by the conversion (node metadata `KEEP_FP32_KEY`,
     whose reason the warning names) or an oversight that costs speed. A model whose float parts are
     all FP32 is consistent and is not warned about: its precision map (``onnx-qat check
     --precision-map``) names those nodes, and converting the float parts to FP16 is the remedy.

@@ -1,4 +1,4 @@
-"""Everything that touches TensorRT or CUDA for ``onnx-qat deploy`` (:mod:`onnx_qat.deploy.command`).
+"""Everything that touches TensorRT or CUDA for ``onnx-qat deploy`` (`onnx_qat.deploy.command`).
 
 TensorRT and cuda-python are optional (``pip install ".[tensorrt]"`` in the checkout) and
 are imported lazily, inside the functions that need them, so this module
@@ -16,7 +16,7 @@ Build modes (see `choose_build_mode`):
   ignored (strong typing is always on), and ``BuilderFlag.FP16``/``INT8`` are
   removed (TensorRT 11 migration guide, "Strongly Typed Networks Are Now
   Required", "Removed Python APIs"); ``--fp16`` then means FP16 float parts,
-  which :mod:`onnx_qat.deploy.command` writes into the model before the build.
+  which `onnx_qat.deploy.command` writes into the model before the build.
 * ``weakly-typed`` — TensorRT 10 with ``--fp16``: a strongly typed network
   cannot take ``BuilderFlag.FP16``, so layers the Q/DQ nodes leave in float are
   allowed to run in FP16 through the INT8 + FP16 builder flags (still no
@@ -198,7 +198,7 @@ def choose_build_mode(version: str, fp16: bool, precision: str = "int8") -> str:
     """The build mode for a TensorRT version: see the module docstring. FP8 and INT4 Q/DQ models build
     strongly typed only (TensorRT 10: the FP8/INT4 types come from the network, not from builder flags).
     TensorRT >= 11 builds strongly typed whatever is asked (``fp16`` there means FP16 float parts in
-    the model, see :func:`converts_float_parts`).
+    the model, see `converts_float_parts`).
 
     Raises:
         ConfigError: FP8/INT4 with ``fp16`` on TensorRT 10 (weakly typed) or with TensorRT < 10.
@@ -229,7 +229,7 @@ def converts_float_parts(version: Optional[str], fp16: bool) -> bool:
 
 
 def installed_tensorrt_version() -> Optional[str]:
-    """The version of the TensorRT that :func:`import_tensorrt` finds, or None when there is none."""
+    """The version of the TensorRT that `import_tensorrt` finds, or None when there is none."""
     try:
         return str(import_tensorrt().__version__)
     except TensorRTUnavailable:
@@ -679,7 +679,7 @@ class PrecisionComparison:
 
 
 def compare_precisions(precision_map, info_json: str) -> PrecisionComparison:
-    """Put each compute node of ``precision_map`` (:class:`onnx_qat.check.precision.PrecisionMap`)
+    """Put each compute node of ``precision_map`` ([`onnx_qat.check.precision.PrecisionMap`][])
     beside the engine layer that runs it (found by the ONNX node names in the inspector's layer
     ``Metadata`` or layer name) and the precision of that layer's first input.
 

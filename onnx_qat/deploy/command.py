@@ -4,10 +4,11 @@
 
 Steps (each a small function below, each recorded in the JSON report):
 
-1. gate      — :func:`onnx_qat.check` (TensorRT-readiness rules); refuse unless ``--force``. The
+1. gate      — [`onnx_qat.check`][onnx_qat.check.check] (TensorRT-readiness rules); refuse unless ``--force``.
+The
    check's precision map (each compute node's precision under a strongly typed build) goes into
    the report. With ``--fp16`` on TensorRT >= 11 (strongly typed only, no FP16 builder flag) the
-   model's float parts are converted to FP16 first (:func:`onnx_qat.formats.float_parts.cast_float_parts`,
+   model's float parts are converted to FP16 first ([`onnx_qat.formats.float_parts.cast_float_parts`][],
    measured on ``--data`` when given; nodes FP16 cannot serve stay FP32, with their reason), and
    every later step uses the converted model.
 2. validate  — run the model in onnxruntime on ``--data`` (or generated inputs) and
@@ -24,7 +25,7 @@ Steps (each a small function below, each recorded in the JSON report):
 5. verify    — engine outputs vs onnxruntime (max abs/rel difference, top-1
    agreement), accuracy vs labels, per-layer precision from the engine inspector
    and the Q/DQ nodes TensorRT did not fuse; the precision map beside the inspector's layers,
-   node by node (:func:`onnx_qat.deploy.backend.compare_precisions`).
+   node by node (`onnx_qat.deploy.backend.compare_precisions`).
 
 Without TensorRT or a GPU, steps 1-2 run, the report is written, and the script
 stops with one line naming what is missing (exit code 2).
@@ -634,7 +635,7 @@ class _Progress:
 
 def convert_float_parts(model, opts: DeployOptions, tensorrt_version: str):
     """``--fp16`` on TensorRT >= 11: the model with its float parts in FP16
-    (:func:`onnx_qat.formats.float_parts.cast_float_parts`, measured on ``--data`` when given); returns
+    ([`onnx_qat.formats.float_parts.cast_float_parts`][], measured on ``--data`` when given); returns
     ``(model, FloatPartsResult)``."""
     from ..formats.float_parts import cast_float_parts
 
@@ -647,7 +648,7 @@ def convert_float_parts(model, opts: DeployOptions, tensorrt_version: str):
 
 
 def precision_of(model):
-    """The precision map of ``model`` (:attr:`onnx_qat.check.CheckReport.precision_map`)."""
+    """The precision map of ``model`` (`onnx_qat.check.CheckReport.precision_map`)."""
     from onnx_qat.check import check
 
     return check(model).precision_map
@@ -739,7 +740,7 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def run_reported(opts: DeployOptions) -> int:
-    """:func:`run`, with an error it already printed and reported turned into exit code 2 (what
+    """`run`, with an error it already printed and reported turned into exit code 2 (what
     ``onnx-qat deploy`` calls; other errors propagate to the caller's handler)."""
     try:
         return run(opts)

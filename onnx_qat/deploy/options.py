@@ -1,7 +1,7 @@
 """The options of ``onnx-qat deploy`` (and of the old ``tools/deploy_tensorrt.py`` command line):
-the argument definitions, their validation and :class:`DeployOptions`.
+the argument definitions, their validation and `DeployOptions`.
 
-Kept apart from :mod:`onnx_qat.deploy.command` so that ``onnx-qat --help`` builds the ``deploy``
+Kept apart from `onnx_qat.deploy.command` so that ``onnx-qat --help`` builds the ``deploy``
 subcommand's parser without importing NumPy, onnx or TensorRT.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ EPILOG = ("exit codes: 0 success, 1 engine built but verification failed, 2 refu
 
 @dataclass(frozen=True)
 class DeployOptions:
-    """Every command-line option, validated (see :func:`get_parser` for their meaning)."""
+    """Every command-line option, validated (see `get_parser` for their meaning)."""
 
     model: Path
     engine: Path
@@ -80,7 +80,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_shape_spec(text: str):
-    """``NAME:MIN[,OPT,MAX]`` with dims joined by ``x`` -> :class:`onnx_qat.deploy.backend.ShapeProfile`
+    """``NAME:MIN[,OPT,MAX]`` with dims joined by ``x`` -> `onnx_qat.deploy.backend.ShapeProfile`
     (the backend, and NumPy with it, is imported only when ``--shapes`` is given).
 
     One shape gives a static profile (min = opt = max). Dimensions must be whole
@@ -181,7 +181,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace, *, prog: str = PROG) -> DeployOptions:
-    """Turn parsed arguments into a validated :class:`DeployOptions` (``prog``: the program name its
+    """Turn parsed arguments into a validated `DeployOptions` (``prog``: the program name its
     messages start with). ``-v`` may be a flag or a count; ``-q`` (``onnx-qat``) turns progress bars off."""
     names = [p.name for p in args.shapes]
     duplicated = sorted({n for n in names if names.count(n) > 1})

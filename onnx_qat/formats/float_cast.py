@@ -1,4 +1,4 @@
-"""The typed rewrite behind :func:`onnx_qat.formats.float_parts.cast_float_parts`: FP32 -> FP16/BF16.
+"""The typed rewrite behind [`onnx_qat.formats.float_parts.cast_float_parts`][]: FP32 -> FP16/BF16.
 
 Given the set of nodes that must stay FP32, every other node of the main graph computes in the
 low float type wherever its ONNX schema lets it: an input or output slot takes the low type when
@@ -187,7 +187,7 @@ def unknown_float_slots(node, types: Mapping[str, int]) -> bool:
 # --------------------------------------------------------------------------- the rewrite
 @dataclass(frozen=True)
 class CastStats:
-    """What :func:`cast_graph` changed: node outputs and initializers made low, Casts added."""
+    """What `cast_graph` changed: node outputs and initializers made low, Casts added."""
 
     low_nodes: int
     low_outputs: int
@@ -219,7 +219,7 @@ class _Names:
 def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types: Mapping[str, int], *,
                keep_io_types: bool = True, pinned: Iterable[str] = ()) -> CastStats:
     """Rewrite ``model`` (owned by the caller, edited in place) so that every main-graph node not in
-    ``keep`` computes in ``low`` where its schema allows; ``types`` from :func:`tensor_types`;
+    ``keep`` computes in ``low`` where its schema allows; ``types`` from `tensor_types`;
     ``pinned``: tensor names that must stay FP32 under their own name (read inside subgraphs)."""
     from ..io.models import default_opset, tensor_array
 

@@ -4,7 +4,7 @@ TensorRT 11 builds strongly typed networks only: every layer runs in the type th
 it, so float parts left FP32 run in FP32 (TensorRT Developer Guide, "Strongly Typed Networks").
 This module gives every float initializer and every float tensor between ops the chosen type,
 Q/DQ scales included (opset 19, where QuantizeLinear/DequantizeLinear take FP16/BF16 scales), and
-keeps FP32 what must stay FP32, each with its reason (:class:`KeptNode`):
+keeps FP32 what must stay FP32, each with its reason ([`KeptNode`][onnx_qat.formats.float_parts.KeptNode]):
 
 ========== ===============================================================================
 rule       a node stays FP32 when
@@ -17,7 +17,7 @@ schema     its ONNX schema (at the model's opset) takes no such type, it holds a
            body, it is an op of another domain (types unknown), or its tensors' types are unknown
 weight     a constant it reads holds values beyond the type's largest finite value
 range      a tensor it reads or writes has a calibrated or measured range beyond the type's
-           largest value / :data:`RANGE_HEADROOM` (FP16: 32752), or all of whose values are
+           largest value / `RANGE_HEADROOM` (FP16: 32752), or all of whose values are
            subnormal in it (below FP16's 2^-14)
 scale      its Q/DQ scale cannot be held in the type within its precision (it would round to
            zero, or move by more than the type's epsilon of the largest scale), or it reads a
@@ -28,10 +28,10 @@ fusion     a DequantizeLinear feeding only kept nodes stays with them, so that T
            DQ into its consumer (a DQ -> Cast -> Conv chain would not fuse)
 ========== ===============================================================================
 
-Every kept node carries its reason in its own ``metadata_props`` (key :data:`KEEP_FP32_KEY`,
+Every kept node carries its reason in its own ``metadata_props`` (key `KEEP_FP32_KEY`,
 ``onnx_qat.keep_fp32``; node metadata since onnx 1.16, IR 10), and the model says its float type
-under :data:`FLOAT_DTYPE_KEY`: ``onnx-qat check`` reads them to tell FP32 compute kept on purpose
-from FP32 compute forgotten (:func:`kept_fp32_nodes`).
+under `FLOAT_DTYPE_KEY`: ``onnx-qat check`` reads them to tell FP32 compute kept on purpose
+from FP32 compute forgotten ([`kept_fp32_nodes`][onnx_qat.formats.float_parts.kept_fp32_nodes]).
 
 Graph inputs and outputs keep their types by default (a Cast at the boundary); with
 ``keep_io_types=False`` they take the low type (outputs an FP32-kept node produces stay FP32).
@@ -39,9 +39,10 @@ Graph inputs and outputs keep their types by default (a Cast at the boundary); w
 onnxruntime 1.31 runs FP16 models on CPU: ops without an FP16 CPU kernel run in FP32 between Casts
 its session inserts (its ``InsertCastTransformer``), which it drops between consecutive such ops, so
 runs of them see no FP16 rounding in between. It has no BF16 Conv or MatMul on CPU. The measurement
-therefore runs, for both types, the emulation :func:`emulate_in_fp32`: the same graph in FP32 with
-every FP16/BF16 tensor rounded to its type where it is produced (FP16/BF16 storage, FP32 arithmetic,
-as TensorRT's reduced-precision kernels accumulate).
+therefore runs, for both types, the emulation
+[`emulate_in_fp32`][onnx_qat.formats.float_parts.emulate_in_fp32]: the same graph in FP32 with every FP16/BF16
+tensor rounded to its type where it is produced (FP16/BF16 storage, FP32 arithmetic, as TensorRT's
+reduced-precision kernels accumulate).
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ class KeptNode:
 
 @dataclass(frozen=True)
 class FloatPartsResult:
-    """What :func:`cast_float_parts` produced.
+    """What [`cast_float_parts`][onnx_qat.formats.float_parts.cast_float_parts] produced.
 
     Attributes:
         model: the converted ``onnx.ModelProto``.
@@ -152,7 +153,7 @@ def _plain(value):
 
 
 def get_low_type(float_dtype) -> Optional[LowType]:
-    """The :class:`~onnx_qat.formats.float_cast.LowType` named ``float_dtype``; None for ``fp32``."""
+    """The `LowType` named ``float_dtype``; None for ``fp32``."""
     if float_dtype in (None, "fp32"):
         return None
     if isinstance(float_dtype, LowType):
@@ -180,16 +181,16 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
         model: a float or Q/DQ model: path, ``onnx.ModelProto`` (never modified) or
             ``onnx_graphsurgeon.Graph``.
         float_dtype: ``"fp16"``, ``"bf16"`` or ``"fp32"``.
-        scales: a :class:`~onnx_qat.scales.ScaleTable` (or its JSON path): its activation ranges
+        scales: a [`ScaleTable`][onnx_qat.scales.ScaleTable] (or its JSON path): its activation ranges
             keep FP32 the tensors whose range the type cannot hold. The scales of the model's
             QuantizeLinear nodes are read as ranges too.
         keep_io_types: graph inputs and outputs keep their types, with a Cast at the boundary
             (default); False: they take ``float_dtype`` too.
-        data: inputs to measure on (anything :func:`onnx_qat.load_data` accepts; the first
-            ``num_samples``): the ranges of every float tensor, and the output cosine. While the
+        data: inputs to measure on (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts; the
+            first ``num_samples``): the ranges of every float tensor, and the output cosine. While the
             converted model's cosine against ``reference`` is more than ``max_cosine_drop`` below the
             FP32 float parts', the node adding the most error is kept FP32 (up to
-            :data:`MAX_ROUNDS` nodes; a note says when the budget is not met). Without data only the
+            `MAX_ROUNDS` nodes; a note says when the budget is not met). Without data only the
             static rules and the given ranges apply.
         reference: the model the cosines are measured against (e.g. the FP32 float model before
             quantization); None: ``model`` itself (then the converted model's cosine against it must
@@ -200,7 +201,8 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
         progress: progress bars on stderr.
 
     Returns:
-        A :class:`FloatPartsResult`: the model and every node kept FP32 with its reason.
+        A [`FloatPartsResult`][onnx_qat.formats.float_parts.FloatPartsResult]: the model and every node kept
+        FP32 with its reason.
 
     Raises:
         ConfigError: a bad option. ModelError: the model cannot be read, already holds FP16/BF16
@@ -255,10 +257,11 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
 
 def quantize_with_float_parts(quantize_fp32, model, output, report, *, data, float_dtype: str,
                               keep_io_types: bool, inputs: tuple, progress: bool):
-    """:func:`onnx_qat.quantize` with ``float_dtype`` ``fp16``/``bf16``: the Q/DQ model
-    ``quantize_fp32()`` returns (FP32 float parts, nothing written), converted by
-    :func:`cast_float_parts` with its ScaleTable, measured on ``data`` against the float ``model``;
-    then written to ``output`` and ``report`` (both checked before any work)."""
+    """[`onnx_qat.quantize`][onnx_qat.quantize.quantize] with ``float_dtype`` ``fp16``/``bf16``: the Q/DQ
+    model ``quantize_fp32()`` returns (FP32 float parts, nothing written), converted by
+    [`cast_float_parts`][onnx_qat.formats.float_parts.cast_float_parts] with its ScaleTable, measured on
+    ``data`` against the float ``model``; then written to ``output`` and ``report`` (both checked before any
+    work)."""
     import dataclasses
     import os
 
@@ -466,7 +469,7 @@ def _scale_keeps(model, low: LowType) -> Dict[str, KeptNode]:
 
 def scale_fits(scale: np.ndarray, low: LowType) -> bool:
     """Whether Q/DQ scales ``scale`` can be stored in ``low``: rounded to it, and a scale that would
-    round to zero raised to its smallest positive value (:func:`low_scale`), no scale moves by more
+    round to zero raised to its smallest positive value (`low_scale`), no scale moves by more
     than the type's epsilon of the largest one (a per-channel weight's dead channels, scales ~1e-30,
     then dequantize to values that small against the tensor's largest: below FP16's own precision)."""
     scale = np.asarray(scale, dtype=np.float32)
@@ -550,7 +553,7 @@ def _convert(proto, low, kept, types, keep_io_types):
 
 def _floor_low_scales(model, proto, low: LowType, scales) -> None:
     """Store every Q/DQ scale ``model`` holds in ``low`` (or a low copy of) from its FP32 value in
-    ``proto`` through :func:`low_scale`: none rounds to zero."""
+    ``proto`` through `low_scale`: none rounds to zero."""
     from ..io.models import tensor_array
 
     originals = {t.name: t for t in proto.graph.initializer if t.name in scales}
@@ -566,8 +569,8 @@ def _floor_low_scales(model, proto, low: LowType, scales) -> None:
 
 
 def _write_metadata(model: onnx.ModelProto, low: LowType, kept: Mapping[str, KeptNode]) -> None:
-    """Mark every kept node (``NodeProto.metadata_props`` :data:`KEEP_FP32_KEY` = its reason) and
-    the model (``metadata_props`` :data:`FLOAT_DTYPE_KEY` = the type)."""
+    """Mark every kept node (``NodeProto.metadata_props`` `KEEP_FP32_KEY` = its reason) and
+    the model (``metadata_props`` `FLOAT_DTYPE_KEY` = the type)."""
     props = [p for p in model.metadata_props if p.key != FLOAT_DTYPE_KEY]
     del model.metadata_props[:]
     model.metadata_props.extend(props)
@@ -583,7 +586,7 @@ def _write_metadata(model: onnx.ModelProto, low: LowType, kept: Mapping[str, Kep
 
 def kept_fp32_nodes(model: onnx.ModelProto) -> Dict[str, str]:
     """``{node name: reason}`` of the main-graph nodes a float-parts conversion kept FP32 on purpose
-    (their ``metadata_props`` entry :data:`KEEP_FP32_KEY`)."""
+    (their ``metadata_props`` entry `KEEP_FP32_KEY`)."""
     return {n.name: p.value for n in model.graph.node for p in n.metadata_props if p.key == KEEP_FP32_KEY}
 
 
@@ -757,10 +760,11 @@ def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto
     stores the numbers: every FP16/BF16 tensor computed in FP32 and rounded to its type where it is
     produced (a Cast to the type and back), initializers as their exact FP32 values, FP16/BF16 graph
     inputs and outputs as FP32. ``float_dtype``: ``fp16`` or ``bf16`` (None: the model's
-    :data:`FLOAT_DTYPE_KEY`).
+    `FLOAT_DTYPE_KEY`).
 
-    This is what the measurement of :func:`cast_float_parts` runs, for both types: onnxruntime has
-    no BF16 Conv or MatMul on CPU, and its FP16 session computes consecutive ops without an FP16 CPU
+    This is what the measurement of [`cast_float_parts`][onnx_qat.formats.float_parts.cast_float_parts] runs,
+    for both types: onnxruntime has no BF16 Conv or MatMul on CPU, and its FP16 session computes consecutive
+        ops without an FP16 CPU
     kernel in FP32 with no rounding between them (its ``InsertCastTransformer`` drops the Cast pairs
     between them), which can hide the cost of FP16 storage there.
     """
@@ -775,8 +779,8 @@ def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto
 
 
 def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None) -> onnx.ModelProto:
-    """:func:`emulate_in_fp32`; ``low_tensors``: the node outputs of type ``low`` when known (else
-    shape inference tells)."""
+    """[`emulate_in_fp32`][onnx_qat.formats.float_parts.emulate_in_fp32]; ``low_tensors``: the node outputs of
+    type ``low`` when known (else shape inference tells)."""
     from ..io.models import tensor_array
 
     if low_tensors is None:

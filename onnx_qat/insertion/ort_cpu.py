@@ -98,7 +98,7 @@ _MAX_LOOKAHEAD = 8
 RULE = "CPU1"
 #: Rule name of a per-channel Mul/Add folded into the quantized Conv before it (see `ScaleFold`).
 FOLD_RULE = "CPU2"
-#: Rule name of a MatMul kept apart from its bias Add (see :class:`BiasSplit`).
+#: Rule name of a MatMul kept apart from its bias Add (see `BiasSplit`).
 SPLIT_RULE = "CPU4"
 #: Largest and smallest non-zero ``|k|`` a fold accepts (the weight scale is multiplied by it).
 _FOLD_K_RANGE = (1e-20, 1e20)
@@ -192,8 +192,8 @@ class Adapted:
     narrow_weights: Tuple[str, ...] = ()
 
     def finish(self, edit) -> Tuple[str, ...]:
-        """Apply :attr:`folds` and :attr:`splits` to ``edit`` (the
-        :class:`~onnx_qat.graph.edit.GraphEdit` after :func:`~onnx_qat.insertion.inserter.insert_qdq_pairs`);
+        """Apply `folds` and `splits` to ``edit`` (the
+        `GraphEdit` after `insert_qdq_pairs`);
         the names of the Convs folded."""
         folded = fold_scale_ops(edit, self.folds)
         split_bias_adds(edit, self.splits)
@@ -287,9 +287,9 @@ class OrtCpuForm:
         point of every quantized activation, the scale folds, and one report record per point
         (``status`` "added", "extended", "already quantized" or "not requantized") and per fold
         (rule CPU2, ``status`` "folded", just before its Conv's point). ``nonnegative``: graph inputs
-        known to be >= 0 (:meth:`nonnegative_inputs` on the calibration data): zero point 0 for them.
+        known to be >= 0 (`nonnegative_inputs` on the calibration data): zero point 0 for them.
         ``fine``: the ranges were calibrated for this model (not learned in QAT): tensors with zero point 0
-        use the whole uint8 grid (scale ``amax / 255``, :attr:`Adapted.full_range`)."""
+        use the whole uint8 grid (scale ``amax / 255``, `Adapted.full_range`)."""
         from .inserter import group_amax
 
         amaxes = group_amax(placement, table)
@@ -360,7 +360,7 @@ def _zero_points(index: GraphIndex, activations, points, records, nonnegative: T
                  fine: bool = False) -> Tuple[Dict[str, int], str]:
     """Zero point per quantized tensor, and a report note.
 
-    0 for non-negative tensors (:func:`_nonnegative`, and the graph inputs in ``nonnegative``) and for
+    0 for non-negative tensors (`_nonnegative`, and the graph inputs in ``nonnegative``) and for
     the requantization points that take the scale of such a tensor (their values reach it through Relu
     or Clip, so clamping at 0 is exact there and onnxruntime then joins the two Q/DQ pairs into one
     ``QLinearConv`` output); 128 otherwise.
@@ -436,7 +436,7 @@ def _unsigned_weights(placement: Placement, activations, zero_points) -> Tuple[s
 
 def _nonnegative(tensor: str, index: GraphIndex) -> bool:
     """True when ``tensor`` is a Relu output or the output of a Clip with a constant lower bound >= 0
-    (ReLU6), directly or through :data:`SIGN_PRESERVING_OPS` or Pads with constant zeros."""
+    (ReLU6), directly or through `SIGN_PRESERVING_OPS` or Pads with constant zeros."""
     for _ in range(_MAX_LOOKAHEAD):
         node = index.producer.get(tensor)
         if node is None or not node.standard or not node.inputs:
@@ -477,7 +477,7 @@ def _clip_bounds(node, index: GraphIndex) -> Optional[Tuple[float, float]]:
 
 
 def _exact_op(node, index: GraphIndex) -> bool:
-    """True for ops that commute exactly with quantization at one scale: :data:`EXACT_OPS`, Pads
+    """True for ops that commute exactly with quantization at one scale: `EXACT_OPS`, Pads
     with constant zeros, and Clips with constant bounds (clamping the dequantized integers to
     ``[lo, hi]`` and quantizing again gives the integers of the clamped float value)."""
     return node.op_type in EXACT_OPS or _zero_pad(node, index) or _clip_bounds(node, index) is not None
@@ -499,7 +499,7 @@ def _zero_pad(node, index: GraphIndex) -> bool:
 
 def _exact_downstream(tensor: str, index: GraphIndex, marked) -> Optional[str]:
     """The first quantized tensor after ``tensor`` along a single-consumer chain of ops that commute
-    exactly with quantization (:func:`_exact_op`)."""
+    exactly with quantization (`_exact_op`)."""
     for _ in range(_MAX_LOOKAHEAD):
         consumers = index.consumers(tensor)
         if tensor in index.graph_outputs or len(consumers) != 1:
@@ -742,7 +742,7 @@ _SAME_RANK_OPS = ("Relu", "Clip", "Sigmoid", "Tanh", "Identity", "Cast", "LeakyR
 
 def bias_splits(index: GraphIndex, placement: Placement) -> Tuple[BiasSplit, ...]:
     """The quantized MatMuls (constant 2-D weight) whose output feeds only an Add of a constant bias
-    of ``N`` values, in graph order (see :class:`BiasSplit`)."""
+    of ``N`` values, in graph order (see `BiasSplit`)."""
     weighted = {w.node for w in placement.weights if w.input_index == 1}
     marked = {m.tensor for m in placement.activations}
     found = []
@@ -788,7 +788,7 @@ def _rank(tensor: str, index: GraphIndex) -> Optional[int]:
 
 
 def split_bias_adds(edit, splits) -> Tuple[str, ...]:
-    """Apply each :class:`BiasSplit` to ``edit`` (after Q/DQ insertion): the MatMul becomes a Gemm,
+    """Apply each `BiasSplit` to ``edit`` (after Q/DQ insertion): the MatMul becomes a Gemm,
     or its Add reads a ``[1, N]`` copy of the bias. Returns the MatMuls changed."""
     done = []
     for split in splits:

@@ -12,7 +12,7 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
   forms ``QLinearConv``; a per-channel Mul/Add after a quantized Conv (an unfolded
   BatchNormalization) is folded into the Conv's quantized weight and bias first; a quantized MatMul
   is kept apart from its bias Add; with calibrated ranges, zero-point-0 tensors use the whole uint8
-  grid and GEMM weights behind zero-point-128 inputs 7 bits (see :mod:`onnx_qat.insertion.ort_cpu`;
+  grid and GEMM weights behind zero-point-128 inputs 7 bits (see `onnx_qat.insertion.ort_cpu`;
   ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that apply to this form).
 
 Targets are registered in `_TARGETS`; the inserter reads every dtype and zero point
@@ -46,12 +46,12 @@ class Target:
             `onnx_qat.placement.policy.POLICIES`).
         form: None, or the name of the form (a key of `onnx_qat.insertion.forms.FORMS`): an
             object with ``calibration_tensors(index, placement)`` and ``adapt(index, placement,
-            table, **calibrated)`` (see :class:`onnx_qat.insertion.ort_cpu.OrtCpuForm`; when the ranges
+            table, **calibrated)`` (see `onnx_qat.insertion.ort_cpu.OrtCpuForm`; when the ranges
             are calibrated in the same call and the form has ``nonnegative_inputs(model, data,
             placement)``, ``calibrated`` is ``nonnegative=<its result>, fine=True``); what ``adapt``
             returns may have a ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
-            :class:`~onnx_qat.graph.edit.GraphEdit` after Q/DQ insertion
-            (see :meth:`onnx_qat.insertion.ort_cpu.Adapted.finish`).
+            `GraphEdit` after Q/DQ insertion
+            (see `onnx_qat.insertion.ort_cpu.Adapted.finish`).
     """
 
     name: str

@@ -286,16 +286,16 @@ def load_data(source, model_or_specs, *, what: str = "data", state: Optional[Map
     number of samples. Arrays stored column-major (Fortran order) are read whole.
 
     An input the model declares 0-d (a sample rate) may be given once as a 0-d array and is fed in
-    every run. A stream of feeds (:mod:`onnx_qat.io.feeds`: a directory or list of ``.npz`` files, a
+    every run. A stream of feeds (`onnx_qat.io.feeds`: a directory or list of ``.npz`` files, a
     list or iterator of feed dicts, an object with ``get_next()``) gives a
-    :class:`~onnx_qat.io.feeds.FeedStream`, one run per feed.
+    `FeedStream`, one run per feed.
 
     Args:
         source: a path to an ``.npz`` file (keys = graph input names, first axis =
             samples; a single-input model accepts one array under any key), a mapping
             of input name to array, one array (single-input models), a stream of feeds
-            (see above), a :class:`Dataset`, or any of these with a layout attached by
-            :func:`onnx_qat.io.feeds.with_layout`.
+            (see above), a `Dataset`, or any of these with a layout attached by
+            `onnx_qat.io.feeds.with_layout`.
         model_or_specs: the model (``ModelProto`` or path) or its
             `model_input_specs`.
         what: how to call the data in messages (e.g. ``"calibration data"``).

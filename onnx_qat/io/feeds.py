@@ -1,6 +1,6 @@
 """Data as a stream of feeds: one onnxruntime run per feed, in order, memory bounded by one feed.
 
-Besides an ``.npz`` file whose arrays hold samples on their first axis (:mod:`onnx_qat.io.data`), the
+Besides an ``.npz`` file whose arrays hold samples on their first axis (`onnx_qat.io.data`), the
 data can be a stream of *feeds*, each a complete input of one run:
 
 * a list or tuple of dicts ``{input name: array}``,
@@ -10,17 +10,17 @@ data can be a stream of *feeds*, each a complete input of one run:
   before ``chunk_10.npz``), or a list of ``.npz`` paths, one feed each, in the order given.
 
 Files are read one at a time when their feed is run (their headers are all checked first); an
-iterator is read once, keeping only its first :data:`KEPT_FEEDS` feeds so that ``auto``
+iterator is read once, keeping only its first `KEPT_FEEDS` feeds so that ``auto``
 calibration's output check can run them again. A scalar or fixed-shape input (silero-vad's
 ``sr``, a 0-d int64) is given once, in the first feed, and used for every later feed that omits it.
 
-The layout (:mod:`onnx_qat.io.layout`) says which outputs feed which inputs back (``state``: the
+The layout (`onnx_qat.io.layout`) says which outputs feed which inputs back (``state``: the
 feeds run in order, the first gives the initial state, later feeds omit it) and which inputs have
 their batch axis elsewhere than first (``batch_axis``).
 
-Contract: :func:`is_feed_source` tells a stream from samples; :func:`open_feeds` validates a source
-into a :class:`FeedStream`, whose :meth:`~FeedStream.batches` yields the feeds (the interface of a
-:class:`~onnx_qat.io.data.Dataset`).
+Contract: `is_feed_source` tells a stream from samples; `open_feeds` validates a source
+into a `FeedStream`, whose `batches` yields the feeds (the interface of a
+`Dataset`).
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _items(source, what: str):
 
 
 class _OneShot:
-    """An iterator read once; its first :data:`KEPT_FEEDS` items are kept for a later run."""
+    """An iterator read once; its first `KEPT_FEEDS` items are kept for a later run."""
 
     def __init__(self, iterator, label: str):
         self.iterator, self.label = iterator, label
@@ -132,12 +132,12 @@ class _OneShot:
 
 # --------------------------------------------------------------------------- the stream
 class FeedStream:
-    """Validated feeds run one per onnxruntime call, in order; what a :class:`~onnx_qat.io.data.Dataset`
+    """Validated feeds run one per onnxruntime call, in order; what a `Dataset`
     offers (``batches``, ``num_batches``, ``take``, ``split``, ``num_samples``, ``input_names``,
     ``state``, ``source``), for feeds.
 
-    :meth:`batches` yields each feed complete, except a state input after the first feed (the
-    runner carries it, :mod:`onnx_qat.runtime.stateful`); ``batch_size`` does not apply. ``num_samples``
+    `batches` yields each feed complete, except a state input after the first feed (the
+    runner carries it, `onnx_qat.runtime.stateful`); ``batch_size`` does not apply. ``num_samples``
     counts feeds (None for an iterator not yet read to its end).
     """
 

@@ -1,9 +1,9 @@
 """How a model's inputs are laid out in the data: state feedback and batch axes.
 
-* :class:`DataLayout` ``(state={output: input}, batch_axis={input: axis})``, checked against a model
-  by :meth:`DataLayout.check`.
-* :func:`with_layout` attaches a layout to any data source (:class:`LaidOut`); the loaders
-  (:func:`onnx_qat.load_data`) read it back with :func:`split_layout`.
+* `DataLayout` ``(state={output: input}, batch_axis={input: axis})``, checked against a model
+  by `DataLayout.check`.
+* `with_layout` attaches a layout to any data source (`LaidOut`); the loaders
+  ([`onnx_qat.load_data`][onnx_qat.io.data.load_data]) read it back with `split_layout`.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class DataLayout:
 
 
 def make_layout(state=None, batch_axis=None) -> DataLayout:
-    """A validated :class:`DataLayout` from ``{output: input}`` and ``{input: axis}`` mappings."""
+    """A validated `DataLayout` from ``{output: input}`` and ``{input: axis}`` mappings."""
     state = dict(state or {})
     for out, inp in state.items():
         if not isinstance(out, str) or not isinstance(inp, str) or not out or not inp:
@@ -82,7 +82,7 @@ def make_layout(state=None, batch_axis=None) -> DataLayout:
 
 
 class LaidOut:
-    """A data source with its :class:`DataLayout` (what :func:`with_layout` returns)."""
+    """A data source with its `DataLayout` (what `with_layout` returns)."""
 
     __slots__ = ("source", "layout")
 
@@ -103,7 +103,7 @@ def with_layout(data, *, state=None, batch_axis=None):
 
 
 def split_layout(source) -> Tuple[object, DataLayout]:
-    """``(source, layout)``: the layout :func:`with_layout` attached (an empty one otherwise)."""
+    """``(source, layout)``: the layout `with_layout` attached (an empty one otherwise)."""
     if isinstance(source, LaidOut):
         return source.source, source.layout
     return source, DataLayout()

@@ -7,9 +7,9 @@ literal, never a pickle) and its rows are then read in order, as many as asked f
 memory stays bounded by one batch whatever the number of samples. Compressed members
 (``np.savez_compressed``) are decompressed sequentially, which is just as bounded.
 
-* :func:`read_members` ``(path, label) -> {key: NpzMember}`` — headers only.
-* :meth:`NpzMember.open` — a :class:`MemberReader` whose :meth:`~MemberReader.read` yields rows.
-* :func:`read_feed` ``(path, label) -> {key: array}`` — a small archive holding one feed, read whole.
+* `read_members` ``(path, label) -> {key: NpzMember}`` — headers only.
+* `NpzMember.open` — a `MemberReader` whose `read` yields rows.
+* `read_feed` ``(path, label) -> {key: array}`` — a small archive holding one feed, read whole.
 
 Errors are [`DataError`][onnx_qat.errors.DataError] lines naming ``label`` and the key.
 Object (pickled) arrays are refused from their header, before any of their bytes is read.
@@ -220,7 +220,7 @@ def read_feed(path: Path, label: str, *, headers_only: bool = False) -> Dict[str
     dtype (for checking a list of files before any is run).
 
     Raises:
-        DataError: as :func:`read_members`; a file that is not an ``.npz`` archive or holds none.
+        DataError: as `read_members`; a file that is not an ``.npz`` archive or holds none.
     """
     if not path.is_file():
         raise DataError(f"{label} does not exist")

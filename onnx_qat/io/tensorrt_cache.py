@@ -10,7 +10,7 @@ TensorRT's implicit INT8 calibrators (``IInt8EntropyCalibrator2``, ``IInt8Entrop
 * The header is ``TRT-<version>-<algorithm>``: ``<version>`` is TensorRT's ``NV_TENSORRT_VERSION``
   number (``8601`` for 8.6.1, ``100100`` for 10.1.0: major x 1000 + minor x 100 + patch up to
   TensorRT 9, major x 10000 + minor x 100 + patch from TensorRT 10), ``<algorithm>`` one of
-  :data:`ALGORITHMS`.
+  `ALGORITHMS`.
 * Each further line is ``tensor_name: XXXXXXXX``: the hex digits of the IEEE-754 float32 bit pattern
   of the tensor's **scale**, most significant digit first (the 32-bit integer printed in hex, i.e.
   big-endian bytes). The range is ``amax = scale x 127``.
@@ -26,12 +26,13 @@ as the float32 bits of the scale, dynamic range = scale x 127); TensorRT C++ API
 per-tensor ranges (``scale = amax / 127``, header ``TRT-<version>-EntropyCalibration2``).
 
 Per-channel and block weight ranges have no place in a cache: TensorRT's implicit INT8 measures
-weight scales itself from the weights. :meth:`ScaleTable.to_tensorrt_cache` writes a table's activation
+weight scales itself from the weights.
+[`ScaleTable.to_tensorrt_cache`][onnx_qat.scales.ScaleTable.to_tensorrt_cache] writes a table's activation
 ranges only and logs (info level) how many weight ranges it left out.
 
 Exactness: a cache stores float32 scales. Reading gives ``amax = float64(scale) x 127`` (exact in
 float64), and writing ``scale = float32(amax / 127)``, which is what the Q/DQ inserter computes
-too (:func:`onnx_qat.insertion.inserter.activation_scale`). So cache -> ScaleTable -> cache is byte for
+too (`onnx_qat.insertion.inserter.activation_scale`). So cache -> ScaleTable -> cache is byte for
 byte the same cache, ScaleTable -> cache -> ScaleTable is bit for bit the same table whenever the
 table's ranges came from a cache, and within float32 rounding (relative 6e-8) otherwise; either
 way the Q/DQ model quantized from the round-tripped table has bit-identical scales.
@@ -104,7 +105,7 @@ def hex_to_scale(text: str) -> float:
 def parse_tensorrt_cache(text: str, *,
                          source: str = "TensorRT calibration cache") -> Tuple[str, Dict[str, float]]:
     """Read a calibration cache's text: ``(header, {tensor name: amax})`` with ``amax = scale x 127``
-    (:meth:`onnx_qat.scales.ScaleTable.from_tensorrt_cache` makes the ScaleTable of it).
+    ([`onnx_qat.scales.ScaleTable.from_tensorrt_cache`][] makes the ScaleTable of it).
 
     Raises:
         ScalesError: one line naming ``source`` and the first bad line: no ``TRT-<version>-<algorithm>``
@@ -148,7 +149,7 @@ def parse_tensorrt_cache(text: str, *,
 
 def read_tensorrt_cache(path) -> Tuple[str, Dict[str, float]]:
     """Read the calibration cache file at ``path``: ``(header, {tensor name: amax})`` (see
-    :func:`parse_tensorrt_cache`).
+    `parse_tensorrt_cache`).
 
     Raises:
         ScalesError: the file is missing, too large, not text, or not a valid cache (one line).
@@ -184,7 +185,7 @@ def format_tensorrt_cache(activations: Mapping[str, float], *, tensorrt_version:
         activations: tensor name -> amax (a ScaleTable's ``activations``).
         tensorrt_version: the TensorRT that will read the cache, ``MAJOR.MINOR.PATCH``; it goes into
             the header (TensorRT may skip a cache whose header names another version or algorithm).
-        algorithm: the calibrator the cache claims (one of :data:`ALGORITHMS`); use the one whose
+        algorithm: the calibrator the cache claims (one of `ALGORITHMS`); use the one whose
             ``read_calibration_cache`` will hand the cache to TensorRT.
 
     Raises:
@@ -211,7 +212,7 @@ def format_tensorrt_cache(activations: Mapping[str, float], *, tensorrt_version:
 
 def write_tensorrt_cache(activations: Mapping[str, float], path, *, tensorrt_version: str,
                          algorithm: str = DEFAULT_ALGORITHM) -> None:
-    """Write :func:`format_tensorrt_cache` to ``path`` atomically (nothing is written when it raises)."""
+    """Write `format_tensorrt_cache` to ``path`` atomically (nothing is written when it raises)."""
     from .files import atomic_write_text
 
     text = format_tensorrt_cache(activations, tensorrt_version=tensorrt_version, algorithm=algorithm)

@@ -1,9 +1,9 @@
 """Value checks shared by the data loaders: safe dtype conversion, integer range, finiteness.
 
-* :func:`check_dtype` ``(have, spec, label)`` — refuses a dtype that does not convert safely.
-* :func:`announce_cast` — the one warning line when a dtype is converted.
-* :func:`convert` ``(values, want, key, label, first)`` — values in the model's dtype, after the
-  range and NaN/Inf checks (one :class:`~onnx_qat.errors.DataError` line naming the key and sample).
+* `check_dtype` ``(have, spec, label)`` — refuses a dtype that does not convert safely.
+* `announce_cast` — the one warning line when a dtype is converted.
+* `convert` ``(values, want, key, label, first)`` — values in the model's dtype, after the
+  range and NaN/Inf checks (one [`DataError`][onnx_qat.errors.DataError] line naming the key and sample).
 """
 from __future__ import annotations
 

@@ -18,12 +18,12 @@ onnxruntime with all optimizations on:
   ``x -> MatMul(W) -> y``.
 
 The two are run interleaved and their medians compared; a site stays float (rule ``CPU3``, reason
-with both times) only when the integer median exceeds :data:`FLOAT_MARGIN` (1.1) times the float one.
+with both times) only when the integer median exceeds `FLOAT_MARGIN` (1.1) times the float one.
 Sites with the same op, shapes and attributes are measured once (ResNet50 has 53 Convs of 23 kinds).
 
 One-op timings do not see everything a float site costs in the model: the dequantization of its
 input and the quantization of its output, and what onnxruntime then fuses around it. So when some
-site is kept float, :func:`onnx_qat.quantize` also builds the model with every
+site is kept float, [`onnx_qat.quantize`][onnx_qat.quantize.quantize] also builds the model with every
 site integer (same ranges), times FP32 and both models interleaved at the end, and writes the faster
 quantized one; the report says which (``whole_model.chosen``) and whether it beats FP32.
 
@@ -108,7 +108,7 @@ def default_profile_path(threads: int) -> Path:
 # --------------------------------------------------------------------------- the profile
 @dataclass
 class LatencyProfile:
-    """Measured medians (microseconds) per site kind, for one machine (:func:`machine_key`)."""
+    """Measured medians (microseconds) per site kind, for one machine (`machine_key`)."""
 
     machine: Dict[str, object]
     sites: Dict[str, Dict[str, float]] = field(default_factory=dict)
@@ -141,7 +141,7 @@ class LatencyProfile:
         return cls(dict(raw.get("machine") or {}), sites, path)
 
     def save(self) -> None:
-        """Write the profile to :attr:`path` (atomically; the folder is created)."""
+        """Write the profile to `path` (atomically; the folder is created)."""
         from ..io.files import write_json
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -355,7 +355,7 @@ def decide(model, index: GraphIndex, placement: Placement, *, profile=None, thre
     Args:
         model: the float ``onnx.ModelProto`` ``index`` indexes.
         profile: a profile file path (read, extended with what is measured here, written back), or
-            None for this machine's cache file (:func:`default_profile_path`).
+            None for this machine's cache file (`default_profile_path`).
         threads: onnxruntime intra-op threads of the deployment session (0: its default).
         batch: the batch size symbolic first dimensions are timed at.
         save: write the extended profile back.
@@ -449,7 +449,7 @@ def time_models(models: Mapping[str, object], feeds: Mapping[str, np.ndarray], t
 # --------------------------------------------------------------------------- the rewrite's two steps
 @dataclass(frozen=True)
 class LatencyOptions:
-    """How :func:`onnx_qat.quantize` places by latency (``latency=`` keyword).
+    """How [`onnx_qat.quantize`][onnx_qat.quantize.quantize] places by latency (``latency=`` keyword).
 
     Attributes:
         profile: the latency profile file to read and extend, or None for this machine's cache file.
@@ -488,7 +488,7 @@ class LatencyOptions:
 
 def place_by_latency(model, index: GraphIndex, placement: Placement, policy, config,
                      options: LatencyOptions) -> Tuple[Placement, LatencyDecision]:
-    """Decide (:func:`decide`) and, when some sites stay float, place again with them excluded; the
+    """Decide (`decide`) and, when some sites stay float, place again with them excluded; the
     placement decisions of those sites say rule CPU3 with both measured times."""
     import re
     from dataclasses import replace

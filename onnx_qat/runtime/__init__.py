@@ -2,6 +2,6 @@
 runs), a stateful model's state carried from run to run, and ``compare``, the one comparator of two
 models' outputs.
 
-Owns: :mod:`.sessions`, :mod:`.stateful`, :mod:`.compare`.
+Owns: `sessions`, `stateful`, `compare`.
 May import: ``onnx_qat.io``, ``onnx_qat.graph``; never placement, insertion or the accuracy tools.
 """

@@ -18,7 +18,7 @@ For a stateful model (data with ``state``, run in order with the state fed back)
 those of the per-step output sequence (each step's outputs joined in order), and for a probability
 output (float, every reference value in [0, 1], not a state output) also
 
-* ``decisions`` — share of values on the same side of :data:`DECISION_THRESHOLD` (0.5, silero-vad's
+* ``decisions`` — share of values on the same side of `DECISION_THRESHOLD` (0.5, silero-vad's
   default speech threshold): the steps whose yes/no decision (speech / non-speech) agrees.
 
 A state output (fed back to the next step) is reported but not judged: it is the model's memory,
@@ -192,7 +192,7 @@ def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> Optional[flo
 
 
 def decision_agreement(reference: np.ndarray, candidate: np.ndarray) -> Optional[float]:
-    """Share of values on the same side of :data:`DECISION_THRESHOLD`; None unless ``reference`` is a
+    """Share of values on the same side of `DECISION_THRESHOLD`; None unless ``reference`` is a
     float probability (every value in [0, 1])."""
     r, c = np.asarray(reference), np.asarray(candidate)
     if r.dtype.kind != "f" or r.size == 0 or not (np.all(r >= 0.0) and np.all(r <= 1.0)):
@@ -287,8 +287,8 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
 
     Args:
         reference, candidate: ``ModelProto`` (not modified) or paths.
-        data: inputs as :func:`onnx_qat.load_data` accepts (samples or a stream of feeds); ``None``
-            generates ``num_samples`` (default 8) random samples with a fixed seed.
+        data: inputs as [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts (samples or a stream of
+            feeds); ``None`` generates ``num_samples`` (default 8) random samples with a fixed seed.
         batch_size: samples per onnxruntime run (a stream of feeds runs one feed per run).
         max_abs, min_cosine, min_sqnr_db, min_top1: thresholds (None disables one);
             ``min_top1`` is a fraction (0.99 = 99 %).
@@ -300,7 +300,7 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
         batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first.
         min_decisions: with ``state``: the smallest share of steps whose decisions must agree.
         exact_qdq: how onnxruntime runs each model. None (the default): by its form
-            (:func:`~onnx_qat.runtime.sessions.needs_exact_qdq`): a TensorRT-form Q/DQ model (and any
+            (`needs_exact_qdq`): a TensorRT-form Q/DQ model (and any
             FP8 model) with graph optimisations off, so every Q/DQ computes its definition as TensorRT
             does, never through onnxruntime's fused integer CPU kernels; a float model and the
             ``ort-cpu`` form as onnxruntime deploys them (optimisations on). True: both models exact;
@@ -353,7 +353,7 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
 def _run_both(ref_model, cand_model, dataset, names, batch_size: int, progress: bool, optimize=None):
     """Both models' outputs ``names`` over ``dataset``, read once: each feed runs in the reference and
     then in the candidate (each carrying its own state), each session made with ``optimize`` (None: by
-    the model's form, see :func:`onnx_qat.runtime.sessions.make_session`). Returns the joined outputs and
+    the model's form, see `onnx_qat.runtime.sessions.make_session`). Returns the joined outputs and
     the run count."""
     from ..errors import QatError, brief
     from .sessions import feeds_with_progress, join_outputs, make_session

@@ -48,7 +48,7 @@ def make_session(model, *, threads: Optional[int] = None,
         optimize: ``False`` turns onnxruntime's graph optimisations off, so
             QuantizeLinear/DequantizeLinear compute exactly their definition instead of
             being fused into onnxruntime's own integer kernels. ``None`` (the default): off for a
-            TensorRT-form Q/DQ model and any FP8 model (:func:`needs_exact_qdq`: TensorRT's
+            TensorRT-form Q/DQ model and any FP8 model (`needs_exact_qdq`: TensorRT's
             arithmetic), on otherwise (float models, the ``ort-cpu`` form run as deployed).
         spin: ``False`` keeps the intra-op threads from spinning after their work
             (``session.intra_op.allow_spinning = 0``): less CPU time for many short runs
@@ -253,7 +253,7 @@ def run_batches(session, dataset: Dataset, *, batch_size: int = 16, outputs: Opt
     """Run ``session`` on ``dataset`` batch by batch and yield ``{output name: array}`` per batch.
 
     A tqdm progress bar goes to stderr when ``progress`` is true. Data of a stateful model runs in
-    order, each run's state outputs fed to the next (:func:`onnx_qat.runtime.stateful.carry_state`).
+    order, each run's state outputs fed to the next (`onnx_qat.runtime.stateful.carry_state`).
     """
     from .stateful import carry_state
 

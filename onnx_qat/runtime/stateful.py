@@ -1,8 +1,8 @@
 """Stateful runs: each run's state outputs become the next run's state inputs.
 
-:func:`carry_state` wraps anything with ``run(names, feed)`` (an onnxruntime session, calibration's
+`carry_state` wraps anything with ``run(names, feed)`` (an onnxruntime session, calibration's
 branch runner, the accuracy tools' gated session) for data whose layout declares a state
-(:class:`onnx_qat.io.feeds.DataLayout`, ``state={"stateN": "state"}``). The wrapper fetches the state
+(`onnx_qat.io.feeds.DataLayout`, ``state={"stateN": "state"}``). The wrapper fetches the state
 outputs along with what the caller asks for and fills each state input a feed omits with the
 previous run's output; a feed that gives the state input (the first one, or a new sequence's) sets it.
 Each model carries its own state: a quantized model is fed its own state, not the float model's.
@@ -61,7 +61,7 @@ class StateCarrier:
 
 
 def carry_state(session, dataset_or_state):
-    """``session`` wrapped in a :class:`StateCarrier` when the data (a Dataset, or a ``{output: input}``
+    """``session`` wrapped in a `StateCarrier` when the data (a Dataset, or a ``{output: input}``
     mapping) declares a state; ``session`` itself otherwise."""
     state = getattr(dataset_or_state, "state", dataset_or_state) or {}
     return StateCarrier(session, state) if state else session

@@ -3,13 +3,13 @@
 Models (224 x 224 images, random weights as ``weights=None`` gives them, logits out): Keras
 ``ResNet50``, ``MobileNetV2``, ``EfficientNetB0`` and ``ConvNeXtTiny`` (exported with tf2onnx in a child
 process, so TensorFlow never loads here; skipped with the reason when TensorFlow is missing), a ViT-style
-encoder built in code at ViT-B/16's sizes (:func:`vit_encoder`: 16 x 16 patches, 12 layers, width 768,
+encoder built in code at ViT-B/16's sizes (`vit_encoder`: 16 x 16 patches, 12 layers, width 768,
 12 heads, MLP 3072, 197 tokens), and the real PP-OCRv4 text detector when
 ``tools/real_models.py`` has cached it (320 x 320 pages and photos).
 
 Per model, three forms, all calibrated on the same 16 samples: FP32; ours
 (``onnx_qat.quantize(target="ort-cpu", method="max", latency=...)``: latency-aware placement with a
-profile kept in the work directory, so the whole-model check of :mod:`onnx_qat.placement.cpu_latency`
+profile kept in the work directory, so the whole-model check of `onnx_qat.placement.cpu_latency`
 runs); onnxruntime's ``quantize_static`` in its fast x86 form (QDQ, uint8 activations, int8 weights,
 MinMax). Each is timed at batch 1 and 8, 2 intra-op threads, sessions without thread spinning, the
 three run interleaved (A B C A B C ...) and medians compared. Errors: mean absolute difference from

@@ -269,7 +269,7 @@ def _normalise_convs(model, calib: np.ndarray) -> None:
         inits[node.input[2]].CopyFrom(numpy_helper.from_array(b.astype(np.float32), node.input[2]))
 
 
-#: ``keras.applications`` models :func:`keras_app` exports (``weights=None``).
+#: ``keras.applications`` models `keras_app` exports (``weights=None``).
 KERAS_APPS = ("ResNet50", "MobileNetV2", "EfficientNetB0", "ConvNeXtTiny")
 
 
@@ -312,7 +312,7 @@ def _export_keras_app(name: str, out: Path, size: int, seed: int) -> None:
 
 def main(argv=None) -> int:
     """``python -m tools.bench.models resnet50 --size S --out P``: export the benchmark ResNet50;
-    ``python -m tools.bench.models keras-app --name NAME --size S --out P``: one of :data:`KERAS_APPS`."""
+    ``python -m tools.bench.models keras-app --name NAME --size S --out P``: one of `KERAS_APPS`."""
     parser = argparse.ArgumentParser(prog="python -m tools.bench.models")
     parser.add_argument("which", choices=["resnet50", "keras-app"])
     parser.add_argument("--name", choices=KERAS_APPS, default="ResNet50")
