@@ -11,6 +11,7 @@ from itertools import compress
 from sys import intern
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+from ..graph.constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS
 from ..graph.ops import WEIGHTED_OPS
 
 
@@ -19,7 +20,6 @@ _UINT8 = 2  # onnx.TensorProto.UINT8: what a QuantizeLinear without a zero point
 _DATA_MOVEMENT = frozenset({
     "Pad", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Slice", "MaxPool",
 })
-_CONST_PASS = frozenset({"Identity", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Cast", "Flatten"})
 
 
 # -- a read-only index of one graph --------------------------------------------------------------
@@ -266,17 +266,19 @@ class _Graph:
         return "" if idx is None else self.name(idx)
 
     def is_constant(self, tensor: str) -> bool:
-        """Initializer or Constant output, possibly through shape-only ops (Transpose, Cast...)."""
+        """Initializer or Constant output, possibly through the ops of
+        :data:`~onnx_qat.graph.constants.CONSTANT_PASS_OPS` (Transpose, Cast...): the one meaning of
+        "constant" (`onnx_qat.graph.constants`)."""
         constants, producer = self.constants, self.producer
         seen = 0
-        while tensor and seen < 16:
+        while tensor and seen < MAX_CONSTANT_HOPS:
             if tensor in constants:
                 return True
             idx = producer.get(tensor)
-            if idx is None or self.ops[idx] not in _CONST_PASS:
+            if idx is None or self.ops[idx] not in CONSTANT_PASS_OPS:
                 return False
             inputs = self.node_inputs[idx]
-            if any(i and i not in constants for i in inputs[1:]):
+            if any(i and i not in constants and not self.is_constant(i) for i in inputs[1:]):
                 return False
             tensor, seen = (inputs[0] if inputs else ""), seen + 1
         return False

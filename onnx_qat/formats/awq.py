@@ -174,12 +174,13 @@ def search_scale(rows: np.ndarray, matrices: List[np.ndarray], block_size: int):
 
 # --------------------------------------------------------------------------- graph
 def _groups(index: GraphIndex, placement: Placement) -> Dict[str, list]:
-    """Activation tensor -> the marked MatMul/Gemm nodes reading it as input 0 (graph order)."""
+    """Activation tensor -> the marked MatMul/Gemm nodes reading it as input 0 (graph order); a weight
+    folded through a Transpose or Reshape (not stored as it is used) is left to round to nearest."""
     groups: Dict[str, list] = {}
     for mark in placement.weights:
         node = index.by_name.get(mark.node)
         trans_a = node is not None and node.op_type == "Gemm" and int(node.attr("transA", 0) or 0)
-        if node is None or mark.input_index != 1 or trans_a:
+        if node is None or mark.input_index != 1 or trans_a or not index.is_stored_constant(mark.tensor):
             continue
         groups.setdefault(node.inputs[0], []).append(node)
     return groups
@@ -224,7 +225,7 @@ def _weighted_producer(index: GraphIndex, tensor: str):
 
 def _private_constant(index: GraphIndex, tensor: str, node) -> bool:
     """``tensor`` is a float32 constant read only by ``node``."""
-    proto = index.constant_proto(tensor)
+    proto = index.constant_proto(tensor) if index.is_stored_constant(tensor) else None
     return proto is not None and proto.data_type == 1 and \
         {n.name for n, _ in index.consumers(tensor)} == {node.name}
 

@@ -242,6 +242,8 @@ def _weight_readers(index: GraphIndex, placement: Placement) -> Dict[str, list]:
             continue
         if node.op_type == "Gemm" and int(node.attr("transA", 0) or 0):
             continue
+        if not index.is_stored_constant(mark.tensor):  # folded through a Transpose...: round to nearest
+            continue
         shape = index.constant_shape(mark.tensor)
         if shape is not None and len(shape) != 2:
             continue

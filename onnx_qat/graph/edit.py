@@ -28,7 +28,8 @@ import numpy as np
 import onnx
 
 from ..io.models import target_ir_version, tensor_array
-from .index import DEFAULT_DOMAINS, MAX_IDENTITY_HOPS
+from .constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS, fold_chain
+from .index import DEFAULT_DOMAINS
 
 _NP_TO_ONNX = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int8): onnx.TensorProto.INT8,
                np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.int32): onnx.TensorProto.INT32,
@@ -138,33 +139,38 @@ class GraphEdit:
         return found
 
     def constant(self, tensor: str) -> Tuple[np.ndarray, onnx.TensorProto, List[onnx.NodeProto]]:
-        """``(value, its TensorProto, the Constant/Identity nodes producing it)`` of a constant tensor
-        (an initializer or a ``Constant`` output, possibly through Identity nodes); ValueError when
-        ``tensor`` is not constant. The value is read in place (no copy of raw data)."""
+        """``(value, the source TensorProto, the nodes producing it)`` of a constant tensor (an
+        initializer or a ``Constant`` output, possibly through the ops of
+        :data:`~onnx_qat.graph.constants.CONSTANT_PASS_OPS`, nearest ``tensor`` first); ValueError
+        when ``tensor`` is not constant. Through Identity nodes only, the value is read in place (no
+        copy of raw data); through a Transpose, Reshape... it is folded (a new array)."""
         chain: List[onnx.NodeProto] = []
-        name = tensor
-        for _ in range(MAX_IDENTITY_HOPS):
+        name, source = tensor, None
+        for _ in range(MAX_CONSTANT_HOPS):
             proto = self.initializer(name)
             if proto is not None:
-                return tensor_array(proto), proto, chain
+                source = proto
+                break
             producer = self.producer.get(name)
             if producer is None:
                 break
             chain.append(producer)
             if producer.op_type == "Constant" and producer.domain in DEFAULT_DOMAINS:
-                value = next((a.t for a in producer.attribute if a.name == "value"), None)
-                if value is not None:
-                    return tensor_array(value), value, chain
+                source = next((a.t for a in producer.attribute if a.name == "value"), None)
                 break
-            if producer.op_type != "Identity" or not producer.input:
+            if producer.op_type not in CONSTANT_PASS_OPS or producer.domain not in DEFAULT_DOMAINS \
+                    or not producer.input:
                 break
             name = producer.input[0]
-        else:
-            name = ""
-        outer = self.outer_constants.get(name) if name and name not in self.producer else None
-        if outer is not None:  # an outer-scope constant (this edit is a subgraph's)
-            return tensor_array(outer), outer, chain
-        raise ValueError(f"weight {tensor!r} is not a constant")
+        if source is None and name and name not in self.producer:  # an outer-scope constant
+            source = self.outer_constants.get(name)
+        if source is None:
+            raise ValueError(f"weight {tensor!r} is not a constant")
+        passing = [n for n in chain if n.op_type != "Constant"]
+        if all(n.op_type == "Identity" for n in passing):
+            return tensor_array(source), source, chain
+        value = fold_chain(passing, np.asarray(tensor_array(source)), lambda t: self.constant(t)[0])
+        return value, source, chain
 
     def initializer(self, name: str) -> Optional[onnx.TensorProto]:
         """The initializer (original or added by this edit) named ``name``, or None."""

@@ -334,7 +334,7 @@ class _Inserter:
         self.rewire([dq], consumers, dq.output[0])
         # the float weight (and the Constant/Identity nodes making it) go once nothing else reads them
         edit.release_if_unread(initializers=[proto.name] if not chain else
-                               [t for t in chain[-1].input if edit.initializer(t) is not None],
+                               [t for n in chain for t in n.input if edit.initializer(t) is not None],
                                nodes=chain)
         record = {"kind": "weight", "tensor": tensor, "nodes": [f"{m.node}:{m.input_index}" for m in marks],
                   "dequantize_node": dq.name, "initializer": q_name, "axis": encoded.axis,

@@ -541,7 +541,7 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
     if step is None:
         return None
     weight = node.inputs[1]
-    proto = index.constant_proto(weight)
+    proto = index.constant_proto(weight) if index.is_stored_constant(weight) else None  # edited in place
     if proto is None or proto.data_type != _FLOAT or len(proto.dims) < 3 or len(index.consumers(weight)) != 1:
         return None
     channels, rank = int(proto.dims[0]), len(proto.dims)
