@@ -91,7 +91,8 @@ def test_a_chain_another_node_also_reads_stays_for_it():
     graph.node.append(helper.make_node("Identity", ["w_t_out"], ["w_copy"], name="keep"))
     graph.output.append(helper.make_tensor_value_info("w_copy", TensorProto.FLOAT, [64, 16]))
     onnx.checker.check_model(model)
-    q = onnx_qat.quantize(model, data={"x": np.ones((4, 64), np.float32)}, method="max", progress=False).model
+    q = onnx_qat.quantize(model, data={"x": np.ones((4, 64), np.float32)}, method="max",
+                          progress=False).model
     assert "Transpose" in [n.op_type for n in q.graph.node] and "w_stored" in {t.name for t in q.graph.initializer}
 
 
