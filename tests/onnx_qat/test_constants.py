@@ -93,7 +93,8 @@ def test_a_chain_another_node_also_reads_stays_for_it():
     onnx.checker.check_model(model)
     q = onnx_qat.quantize(model, data={"x": np.ones((4, 64), np.float32)}, method="max",
                           progress=False).model
-    assert "Transpose" in [n.op_type for n in q.graph.node] and "w_stored" in {t.name for t in q.graph.initializer}
+    assert "Transpose" in [n.op_type for n in q.graph.node]
+    assert "w_stored" in {t.name for t in q.graph.initializer}
 
 
 def test_int4_weight_roundings_leave_a_folded_weight_to_round_to_nearest():
