@@ -769,7 +769,8 @@ def cmd_compare(args) -> int:
         _print_json(result.to_dict())
     elif not args.quiet:
         print(result)
-        print(f"compared on {_count(result.num_samples, 'sample')} of {args.data} (reference "
+        shown = data if isinstance(data, str) else ", ".join(map(str, data))
+        print(f"compared on {_count(result.num_samples, 'sample')} of {shown} (reference "
               f"{args.reference}, candidate {args.candidate})")
     return EXIT_OK if result else EXIT_PROBLEMS
 

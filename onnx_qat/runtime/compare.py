@@ -427,6 +427,8 @@ def warn_input_ranges(candidate, dataset, batch_size: int) -> None:
     peak = {name: 0.0 for name in ranges}
     for batch in dataset.take(RANGE_CHECK_SAMPLES).batches(batch_size):
         for name in peak:
+            if name not in batch:  # a stateful model's state: in the first feed only
+                continue
             values = np.asarray(batch[name])
             if values.size and values.dtype.kind in "fiu":
                 peak[name] = max(peak[name], float(np.max(np.abs(values.astype(np.float64)))))

@@ -76,7 +76,7 @@ def test_quantize_without_data_or_scales_points_at_help(conv_files, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["check", "{dir}"], "model {dir} is a directory; give the .onnx file"),
     (["quantize", "{model}", "-o", "{out}", "--data", "{dir}"],
-     "--data {dir} is a directory; give the .npz file"),
+     "calibration data {dir} holds no .npz files; give one .npz file per feed"),
     (["quantize", "{model}", "-o", "{out}", "--scales", "{dir}"],
      "--scales {dir} is a directory; give the ScaleTable .json file"),
 ])

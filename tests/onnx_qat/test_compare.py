@@ -139,7 +139,7 @@ def test_cli_compare_exact_qdq_options(tmp_path, capsys):
     from onnx_qat.cli import main
     from tests.builders import mobilenet_v2_model
 
-    model = mobilenet_v2_model(size=32, divisor=4)
+    model = mobilenet_v2_model(size=32, width=0.25)
     x = np.random.default_rng(0).uniform(0, 255, (4, 3, 32, 32)).astype(np.float32)
     trt = onnx_qat.quantize(model, data={"input": x}, method="max", progress=False).model
     paths = [tmp_path / "f.onnx", tmp_path / "q.onnx"]
