@@ -200,6 +200,10 @@ def _latency_options(parser: argparse.ArgumentParser) -> None:
                        help="onnxruntime intra-op threads the model will run with (default 0: its default)")
     group.add_argument("--latency-batch", metavar="N", type=whole_number(1), default=None,
                        help="batch size the model will run at, for symbolic batch dimensions (default 1)")
+    group.add_argument("--cpu-vnni", action="store_true",
+                       help="--target ort-cpu with --data: the model will run on CPUs with AVX-512 VNNI, "
+                            "AVX-VNNI or AMX: keep 8-bit weights behind signed inputs (more accurate; may "
+                            "overflow on AVX2-only CPUs)")
 
 
 def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
@@ -450,6 +454,8 @@ def cmd_quantize(args) -> int:
         raise UsageError("--max-float-sites and --eval-data apply only with --min-cosine")
     _check_inputs(("--eval-data", args.eval_data, "DataError"))
     latency = _latency_keyword(args)
+    if args.cpu_vnni:
+        latency["cpu_vnni"] = True
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=args.data,
                       progress=_progress(args), **calib, **_placement_keywords(args), **mixed, **latency)

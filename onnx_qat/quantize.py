@@ -29,7 +29,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              precision: Optional[str] = None, block_size: Optional[int] = None,
              min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
              int4_method: Optional[str] = None, fp8_method: Optional[str] = None, latency=None,
-             **calibration_kwargs) -> QuantizeResult:
+             cpu_vnni: bool = False, **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
@@ -91,6 +91,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             the deployment session). The result is timed against FP32 at the end
             (``QuantizeResult.latency``, the report's ``latency``; a note says so plainly when it is
             not faster).
+        cpu_vnni: ``target="ort-cpu"`` with ``data`` only: the model will run on CPUs whose int8 dot
+            products sum in 32 bits (x86 AVX-512 VNNI, AVX-VNNI or AMX): Conv/Gemm/MatMul weights behind
+            zero-point-128 inputs keep 8 bits instead of 7 (more accurate; on an x86 CPU with AVX2 only,
+            onnxruntime's 16-bit pair sums can then overflow). See :mod:`onnx_qat.insertion.ort_cpu`.
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -114,6 +118,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         raise ConfigError("fp8_method 'gptq' does not combine with min_cosine (mixed precision rounds "
                           "FP8 weights to nearest)")
     latency_options = _latency_options(latency, config, placement, min_cosine, max_float_sites, eval_data)
+    if not isinstance(cpu_vnni, bool):
+        raise ConfigError(f"cpu_vnni must be True or False, got {cpu_vnni!r}")
+    if cpu_vnni and (config.target != "ort-cpu" or min_cosine is not None or data is None):
+        raise ConfigError("cpu_vnni applies to target 'ort-cpu' with calibration data (data), "
+                          "without min_cosine")
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
@@ -127,7 +136,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                               config=config, calib_kw=calib_kw, report=report, progress=progress)
     return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
-                           placement=placement, calibrator=calibrate, latency=latency_options)
+                           placement=placement, calibrator=calibrate, latency=latency_options,
+                           cpu_vnni=cpu_vnni)
 
 
 def _latency_options(latency, config: QuantizeConfig, placement, min_cosine, max_float_sites, eval_data):
