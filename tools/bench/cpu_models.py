@@ -192,14 +192,16 @@ def _outputs(session, name: str, data: np.ndarray) -> np.ndarray:
 
 
 def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np.ndarray, workdir: Path,
-                  batches=BATCHES, rounds: int = 5) -> List[Row]:
-    """The rows of one model (see the module docstring)."""
+                  batches=BATCHES, rounds: int = 5, latency: bool = True) -> List[Row]:
+    """The rows of one model (see the module docstring); ``latency=False`` quantizes every site (the
+    quick run: a tiny model's sites may all time slower in integer, and then nothing is written)."""
     import onnx_qat
     from onnx_qat.placement.cpu_latency import LatencyOptions
 
     profile = workdir / "latency_profile.json"
+    options = LatencyOptions(profile=str(profile), threads=THREADS) if latency else None
     ours = onnx_qat.quantize(str(path), data={name: calib}, method="max", target="ort-cpu", progress=False,
-                             latency=LatencyOptions(profile=str(profile), threads=THREADS))
+                             latency=options)
     theirs = _ort_uint8(path, workdir / f"{path.stem}_ort_u8.onnx", name, calib)
     forms = {"fp32": path, "ours": ours.model, "ort": theirs}
     sessions = {k: _session(v) for k, v in forms.items()}
@@ -285,7 +287,8 @@ def run(workdir: Path, *, quick: bool = False) -> List[Row]:
         try:
             path, name, calib, test = make()
             rows += measure_model(label, path, name, calib, test, workdir,
-                                  batches=(1, 2) if quick else BATCHES, rounds=2 if quick else 5)
+                                  batches=(1, 2) if quick else BATCHES, rounds=2 if quick else 5,
+                                  latency=not quick)
         except Exception as exc:  # noqa: BLE001 - one model failing (no TensorFlow, no cache, an export
             # tf2onnx cannot convert) gives one SKIP row with the reason; the other models still run
             logger.warning("cpu_models: %s skipped", label, exc_info=True)
