@@ -268,6 +268,10 @@ def _latency_options(parser: argparse.ArgumentParser) -> None:
                        help="onnxruntime intra-op threads the model will run with (default 0: its default)")
     group.add_argument("--latency-batch", metavar="N", type=whole_number(1), default=None,
                        help="batch size the model will run at, for symbolic batch dimensions (default 1)")
+    group.add_argument("--cpu-vnni", action="store_true",
+                       help="--target ort-cpu with --data: the model will run on CPUs with AVX-512 VNNI, "
+                            "AVX-VNNI or AMX: keep 8-bit weights behind signed inputs (more accurate; may "
+                            "overflow on AVX2-only CPUs)")
 
 
 def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
@@ -610,6 +614,8 @@ def cmd_quantize(args) -> int:
     if args.float_io and args.float_dtype in (None, "fp32"):
         raise UsageError("--float-io applies only with --float-dtype fp16 or bf16")
     latency = _latency_keyword(args)
+    if args.cpu_vnni:
+        latency["cpu_vnni"] = True
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=data,
                       progress=_progress(args), keep_io_types=not args.float_io, **calib,

@@ -33,8 +33,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
              float_dtype: Optional[str] = None, keep_io_types: bool = True,
              state: Optional[Mapping[str, str]] = None, batch_axis: Optional[Mapping[str, int]] = None,
-             latency=None,
-             **calibration_kwargs) -> QuantizeResult:
+             latency=None, cpu_vnni: bool = False, **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
@@ -114,6 +113,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             the deployment session). The result is timed against FP32 at the end
             (``QuantizeResult.latency``, the report's ``latency``; a note says so plainly when it is
             not faster).
+        cpu_vnni: ``target="ort-cpu"`` with ``data`` only: the model will run on CPUs whose int8 dot
+            products sum in 32 bits (x86 AVX-512 VNNI, AVX-VNNI or AMX): Conv/Gemm/MatMul weights behind
+            zero-point-128 inputs keep 8 bits instead of 7 (more accurate; on an x86 CPU with AVX2 only,
+            onnxruntime's 16-bit pair sums can then overflow). See :mod:`onnx_qat.insertion.ort_cpu`.
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -155,6 +158,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     data = with_layout(data, state=state, batch_axis=batch_axis)
     eval_data = with_layout(eval_data, state=state, batch_axis=batch_axis)
     latency_options = _latency_options(latency, config, placement, min_cosine, max_float_sites, eval_data)
+    if not isinstance(cpu_vnni, bool):
+        raise ConfigError(f"cpu_vnni must be True or False, got {cpu_vnni!r}")
+    if cpu_vnni and (config.target != "ort-cpu" or min_cosine is not None or data is None):
+        raise ConfigError("cpu_vnni applies to target 'ort-cpu' with calibration data (data), "
+                          "without min_cosine")
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
@@ -168,7 +176,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                               config=config, calib_kw=calib_kw, report=report, progress=progress)
     return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
-                           placement=placement, calibrator=calibrate, latency=latency_options)
+                           placement=placement, calibrator=calibrate, latency=latency_options,
+                           cpu_vnni=cpu_vnni)
 
 
 def _latency_options(latency, config: QuantizeConfig, placement, min_cosine, max_float_sites, eval_data):

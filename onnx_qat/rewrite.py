@@ -132,7 +132,8 @@ class QuantizeResult:
 
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
-                    placement: Optional[Placement] = None, calibrator=None, latency=None) -> QuantizeResult:
+                    placement: Optional[Placement] = None, calibrator=None, latency=None,
+                    cpu_vnni: bool = False) -> QuantizeResult:
     """The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: quantize every site the placement
     marks.
 
@@ -145,6 +146,7 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     does not import the calibration package, whose ``auto`` method inserts its candidate tables through this
     function. ``latency``: a `LatencyOptions` (``ort-cpu`` only): sites whose integer form is not faster on
     this CPU stay float, and the result is timed against FP32.
+    ``cpu_vnni``: ``ort-cpu`` with calibrated ranges: 8-bit GEMM weights behind signed inputs.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -210,7 +212,8 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     requantization, storage, finish = (), {}, None
     calibrated = {}
     if form is not None and data is not None and hasattr(form, "nonnegative_inputs"):  # calibrated here
-        calibrated = {"nonnegative": form.nonnegative_inputs(float_model, data, placement), "fine": True}
+        calibrated = {"nonnegative": form.nonnegative_inputs(float_model, data, placement), "fine": True,
+                      **({"vnni": True} if cpu_vnni else {})}
     if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = form.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]

@@ -282,14 +282,16 @@ class OrtCpuForm:
         return tuple(n for n in names if low[n] >= 0.0)
 
     def adapt(self, index: GraphIndex, placement: Placement, table: ScaleTable,
-              nonnegative: Tuple[str, ...] = (), fine: bool = False) -> Adapted:
+              nonnegative: Tuple[str, ...] = (), fine: bool = False, vnni: bool = False) -> Adapted:
         """The placement with the requantization points added, the table with their ranges, the zero
         point of every quantized activation, the scale folds, and one report record per point
         (``status`` "added", "extended", "already quantized" or "not requantized") and per fold
         (rule CPU2, ``status`` "folded", just before its Conv's point). ``nonnegative``: graph inputs
         known to be >= 0 (`nonnegative_inputs` on the calibration data): zero point 0 for them.
         ``fine``: the ranges were calibrated for this model (not learned in QAT): tensors with zero point 0
-        use the whole uint8 grid (scale ``amax / 255``, `Adapted.full_range`)."""
+        use the whole uint8 grid (scale ``amax / 255``, :attr:`Adapted.full_range`), and GEMM weights behind
+        zero-point-128 inputs are stored in 7 bits (:attr:`Adapted.narrow_weights`), or with ``vnni`` (CPUs
+        whose int8 dot products sum in 32 bits) as plain 8-bit int8."""
         from .inserter import group_amax
 
         amaxes = group_amax(placement, table)
@@ -310,7 +312,7 @@ class OrtCpuForm:
         unsigned = _unsigned_weights(placement, activations, zero_points)
         narrow: Tuple[str, ...] = ()
         if fine:  # calibrated: uint8 x int8 kernels with 7-bit weights where inputs reach 255 (fast, exact)
-            narrow = _wide_input_weights(index, placement, activations, zero_points)
+            narrow = () if vnni else _wide_input_weights(index, placement, activations, zero_points)
             unsigned = ()
         splits = bias_splits(index, placement)
         records = _with_folds(records, folds) + tuple(s.record() for s in splits)

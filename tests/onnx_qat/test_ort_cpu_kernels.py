@@ -95,3 +95,24 @@ def test_depthwise_weights_keep_8_bits():
     assert "range" not in weights["dw_conv.weight"]  # its kernel sums in 32 bits
     assert weights["expand_conv.weight"]["range"] == [-63, 63]  # reads the signed graph input
     assert "range" not in weights["project_conv.weight"]  # reads a Relu output (zero point 0)
+
+
+def test_cpu_vnni_keeps_8_bit_int8_weights(block):
+    """``cpu_vnni``: the model runs where int8 dot products sum in 32 bits; weights behind signed inputs
+    stay int8 over [-127, 127] (the uint8 x int8 kernel, no uint8 copy)."""
+    model, _ = block
+    result = onnx_qat.quantize(model, data=_block_data(1), method="max", target="ort-cpu", progress=False,
+                               cpu_vnni=True)
+    q = {r["tensor"]: r for r in result.inserted if r["kind"] == "weight"}["q.weight"]
+    assert "range" not in q and "zero_point" not in q
+    B.assert_check_clean(result.model, target="ort-cpu")
+
+
+def test_cpu_vnni_needs_the_ort_cpu_target_and_data(block):
+    from onnx_qat.errors import ConfigError
+
+    model, calibrated = block
+    with pytest.raises(ConfigError, match="cpu_vnni"):
+        onnx_qat.quantize(model, data=_block_data(1), target="tensorrt", progress=False, cpu_vnni=True)
+    with pytest.raises(ConfigError, match="cpu_vnni"):
+        onnx_qat.quantize(model, scales=calibrated.scales, target="ort-cpu", progress=False, cpu_vnni=True)
