@@ -610,12 +610,9 @@ class _Measure:
             if missing:
                 raise ModelError(f"the reference model has no output {missing[0]!r}: give the float model "
                                  "of the same graph (or reference=None)")
-            # the float tensors the reference shares with the model: their ranges from its (optimized) run
-            known = _tensor_names(ref)
-            shared = [t for t in self.floats if t in known]
-            self.reference = self._run(ref, self.outputs + shared, ranges=self.ranges, optimize=None)
-        rest = [t for t in self.floats if t not in self.ranges]
-        self.outputs32 = self._run(proto, self.outputs + rest, ranges=self.ranges)
+            self.reference = self._run(ref, self.outputs, optimize=None)  # a float model, as deployed
+        # every float tensor's range from the exact run (optimisations off: exposing them costs little)
+        self.outputs32 = self._run(proto, self.outputs + self.floats, ranges=self.ranges)
         if ref is None:
             self.reference = dict(self.outputs32)
 
@@ -689,10 +686,6 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     measurement = {"samples": measure.dataset.num_samples, "rounds": rounds, "max_cosine_drop": max_drop,
                    "outputs": {o: {"cosine_fp32": base[o], "cosine": cos[o]} for o in measure.outputs}}
     return converted, stats, kept, measurement, notes
-
-
-def _tensor_names(model) -> set:
-    return {t for n in model.graph.node for t in n.output} | {i.name for i in model.graph.input}
 
 
 def _has_tensor(model, name) -> bool:
