@@ -349,9 +349,11 @@ def _say(args, text: str) -> None:
 
 
 def _print_json(obj) -> None:
-    """Stable JSON on stdout (sorted keys; NaN/inf written as strings)."""
+    """Stable JSON on stdout (sorted keys; NaN/inf written as strings, see ``json_safe``)."""
     import json
-    print(json.dumps(_finite(obj), indent=2, sort_keys=True, allow_nan=False, default=_json_default))
+
+    from .io.files import json_safe
+    print(json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False, default=_json_default))
 
 
 def _json_default(value):
@@ -362,19 +364,6 @@ def _json_default(value):
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return str(value)
-
-
-def _finite(obj):
-    """A JSON-safe copy: NaN/inf floats become strings ("nan", "inf", "-inf")."""
-    if type(obj).__module__ == "numpy" and getattr(obj, "shape", None) == ():
-        obj = obj.item()  # a numpy scalar
-    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def _same_path(a, b) -> bool:
@@ -462,7 +451,7 @@ def cmd_quantize(args) -> int:
               else f"check ({result.target} rules): {report.summary()}")
     if args.report is not None:
         from .io.files import write_json
-        write_json(args.report, _finite({**result.to_report(), "check": report.to_dict()}))
+        write_json(args.report, {**result.to_report(), "check": report.to_dict()})
         _say(args, f"wrote {args.report}")
     return EXIT_OK if report else EXIT_PROBLEMS
 

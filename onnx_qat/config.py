@@ -17,6 +17,7 @@ from .formats.numeric import (DEFAULT_BLOCK_SIZE, FP8_METHODS, INT4_METHODS, PRE
 #: stays free of onnx).
 FLOAT_DTYPES = ("fp32", "fp16", "bf16")
 #: Deployment forms of the same placement: see ``onnx_qat/insertion/targets.py``.
+#: The deployment targets by name, the default first (``onnx_qat.insertion.targets`` holds their facts).
 TARGETS = ("tensorrt", "ort-cpu")
 
 

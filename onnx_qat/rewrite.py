@@ -359,7 +359,7 @@ def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
 
 
 def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress,
-            calibrator=None) -> ScaleTable:
+            calibrator=None) -> Tuple[ScaleTable, Placement]:
     """``(ScaleTable, placement)``: the table loaded/validated, or calibrated on ``data``; when
     calibrated, the If branches no batch took are dropped from the placement (left float, with a note).
 
@@ -472,7 +472,8 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
     with _io().cyclic_gc_paused():  # ~10^5 new protobuf objects, none of them in reference cycles
         nested = ()
         if placement.subgraphs:  # If branches first: the main graph's edit then sees their new names
-            from .graph.subgraphs import drop_unread, insert_into_subgraphs, read_by_subgraphs
+            from .graph.subgraphs import drop_unread, read_by_subgraphs
+            from .insertion.subgraphs import insert_into_subgraphs
 
             fmt = {k: v for k, v in dict(storage or {}).items() if k in ("precision", "block_size")}
             shared = read_by_subgraphs(model.graph)
@@ -511,5 +512,5 @@ def _io():
     return model_io
 
 
-__all__ = ["quantize", "QuantizeResult", "refuse_quantized", "nothing_to_quantize"]
+__all__ = ["quantize_placed", "QuantizeResult", "refuse_quantized", "nothing_to_quantize"]
 

@@ -2,7 +2,7 @@
 
 Steps (each checked; nothing is written unless all pass):
 
-1. the float twin (:func:`tf_bridge.twin.float_twin`: same layers, trained weights,
+1. the float twin (:func:`tf_bridge.wrap.float_model`: same layers, trained weights,
    inference mode, no quantizers) is converted with tf2onnx at a pinned opset, each
    BatchNormalization kept as a Mul/Add beside its Conv (as Keras computes it);
 2. every Keras quantizer is mapped to its ONNX tensor by structure (:mod:`tf_bridge.mapping`:

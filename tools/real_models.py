@@ -219,7 +219,7 @@ def _cosine(float_model: str, candidate, feeds) -> float:
 
 
 def _weighted_share(result) -> Tuple[int, int]:
-    from onnx_qat.placement.handlers import WEIGHTED_OPS
+    from onnx_qat.graph.ops import WEIGHTED_OPS
 
     decisions = [d for d in result.placement.decisions if d.op_type in WEIGHTED_OPS]
     return sum(d.action == "quantize" for d in decisions), len(decisions)

@@ -187,7 +187,7 @@ def _weighted_share(result, float_model) -> Tuple[int, int]:
     ConvTranspose, Gemm and MatMul nodes of ``float_model``'s main graph with a constant weight
     (an attention product of two activations has none, and is not counted)."""
     from ..graph.index import GraphIndex
-    from ..placement.handlers import WEIGHTED_OPS
+    from ..graph.ops import WEIGHTED_OPS
 
     index = GraphIndex(float_model)
     weighted = {n.name for n in index.nodes if n.op_type in WEIGHTED_OPS

@@ -21,6 +21,10 @@ Sources cited by the rules:
 
 The checker only reads the model: a ``ModelProto`` given by the caller is never
 modified (shape inference runs on a copy).
+
+Owns: the check rules, their one table, the per-graph index they read and the report.
+May import: io, graph, formats, the targets (data), rule 6's choice (``placement.residual``); it
+reads any tool's output, so never the rest of placement, insertion or calibration.
 """
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ from itertools import compress
 from sys import intern
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+from ..graph.ops import WEIGHTED_OPS
+
 
 _UINT8 = 2  # onnx.TensorProto.UINT8: what a QuantizeLinear without a zero point writes
-WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 #: Ops that move data without changing values; Q/DQ commutes with them ([TRT-PL]).
 _DATA_MOVEMENT = frozenset({
     "Pad", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Slice", "MaxPool",

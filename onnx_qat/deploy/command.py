@@ -46,6 +46,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np  # noqa: E402
 
 from onnx_qat.argtypes import number_in, positive_number, whole_number  # noqa: E402
+from onnx_qat.io.files import json_safe  # noqa: E402
 from onnx_qat.errors import ConfigError, DataError, OutputError, QatError, TensorRTUnavailable  # noqa: E402
 
 PROG = "deploy_tensorrt.py"
@@ -234,7 +235,7 @@ class OutputHealth:
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
-        return _plain(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
     def __str__(self) -> str:
         verdict = "UNHEALTHY" if self.problems else "ok"
@@ -284,7 +285,7 @@ class Latency:
 
     def to_dict(self) -> dict:
         """JSON-ready form (``throughput`` in samples per second)."""
-        return _plain(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
     def __str__(self) -> str:
         return (f"latency (batch {self.batch_size}, {self.iterations} runs after {self.warmup} warm-up): "
@@ -306,7 +307,7 @@ class OutputParity:
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
-        return _plain(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
     def __str__(self) -> str:
         top1 = f" | top-1 {100 * self.top1:.1f}%" if self.top1 is not None else ""
@@ -341,7 +342,7 @@ class DeployReport:
 
     def to_dict(self) -> dict:
         """JSON-ready form (non-finite floats become the strings ``"NaN"``, ``"Infinity"``...)."""
-        return _plain(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
     def write(self, path: Optional[Path]) -> None:
         """Write the report atomically to ``path`` (nothing when ``path`` is None)."""
@@ -350,28 +351,6 @@ class DeployReport:
         from onnx_qat.io.files import write_json
 
         write_json(path, self.to_dict())
-
-
-def _plain(obj):
-    """Convert to JSON-safe Python: tuples to lists, NumPy scalars to Python, non-finite floats to strings."""
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, (np.integer,)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        value = float(obj)
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "Infinity" if value > 0 else "-Infinity"
-        return value
-    if isinstance(obj, np.bool_):
-        return bool(obj)
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 # =========================================================================== numbers (pure NumPy)
@@ -409,20 +388,18 @@ def has_class_axis(array: np.ndarray) -> bool:
     return array.ndim >= 2 and array.shape[-1] > 1
 
 
-def top1(array: np.ndarray) -> np.ndarray:
-    """Class index per sample (argmax over the last axis, flattened over the others)."""
-    return np.asarray(array).reshape(-1, array.shape[-1]).argmax(axis=-1)
-
-
 def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], *,
                     min_top1: float = 0.99, max_abs: Optional[float] = None) -> Tuple[OutputParity, ...]:
     """Compare every output of ``reference`` (onnxruntime) with ``candidate`` (the engine).
 
-    ``max_rel`` is ``|a - b| / max(|a|, 1e-6)`` at worst; ``top1`` is the fraction of
-    samples whose argmax agrees (outputs with a class axis only). An output passes
+    The figures are :func:`onnx_qat.runtime.compare.output_figures`' (the one comparator: ``max_rel``
+    relative to ``|a|`` floored at ``REL_FLOOR`` times the largest ``|a|``; ``top1`` the fraction of
+    rows whose argmax over the last axis agrees, outputs with a class axis only). An output passes
     when its top-1 agreement is at least ``min_top1`` and, when given, its max abs
     difference is at most ``max_abs``.
     """
+    from onnx_qat.runtime.compare import output_figures
+
     results = []
     for name in reference:
         ref = np.asarray(reference[name], dtype=np.float64)
@@ -436,17 +413,15 @@ def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str,
                                         f"shape {list(got.shape)} differs from onnxruntime's "
                                         f"{list(ref.shape)}"))
             continue
-        diff = np.abs(got - ref)
-        rel = diff / np.maximum(np.abs(ref), 1e-6)
-        agree = float(np.mean(top1(ref) == top1(got))) if has_class_axis(ref) and ref.size else None
+        figures = output_figures(ref, got)
+        agree = figures["top1"] if ref.size else None
         reasons = []
         if agree is not None and agree < min_top1:
             reasons.append(f"top-1 agreement {100 * agree:.1f}% < {100 * min_top1:.1f}%")
-        if max_abs is not None and not float(diff.max(initial=0.0)) <= max_abs:
-            reasons.append(f"max abs {float(diff.max()):.3e} > {max_abs:.3e}")
-        results.append(OutputParity(name, float(diff.max(initial=0.0)), float(rel.max(initial=0.0)),
-                                    float(diff.mean()) if diff.size else 0.0, agree, not reasons,
-                                    "; ".join(reasons)))
+        if max_abs is not None and not figures["max_abs"] <= max_abs:
+            reasons.append(f"max abs {figures['max_abs']:.3e} > {max_abs:.3e}")
+        results.append(OutputParity(name, figures["max_abs"], figures["max_rel"], figures["mean_abs"], agree,
+                                    not reasons, "; ".join(reasons)))
     return tuple(results)
 
 

@@ -23,7 +23,7 @@ class ActivationMark:
         tensor: the ONNX tensor name to quantize.
         consumers: ``(node name, input index)`` pairs that read the DequantizeLinear output;
             other consumers keep reading the float tensor.
-        rule: the DESIGN.md / docs/placement.md rule number that asked for it, e.g. ``"R4"``.
+        rule: the docs/placement.md rule number that asked for it, e.g. ``"R4"``.
         reason: one human-readable sentence.
         scale_group: tensors with the same non-None group share one scale (Concat, rule 7).
     """

@@ -15,8 +15,9 @@ import onnx
 from ..config import QuantizeConfig
 from .format_marks import adapt_placement
 from ..graph.index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
+from ..graph.ops import WEIGHTED_OPS
 from .handlers import (
-    COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
+    COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, CommutingOpHandler, ConcatHandler,
     FusedEpilogueHandler, NodeResult, NotQuantizedHandler, PlacementContext,
     PoolingInputHandler, ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, SubgraphHandler,
     WeightedOpHandler, SUBGRAPH_OPS,

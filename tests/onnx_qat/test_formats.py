@@ -12,7 +12,7 @@ from onnx_qat.formats.blockwise import (dequantize_blocks, from_fp8, pack_int4, 
 from onnx_qat.cli import main
 from onnx_qat.errors import ConfigError
 from tests.builders import (
-    GraphBuilder, cosine, mlp_model, random_inputs, residual_block_model, run, transformer_block_model,
+    GraphBuilder, cosine, mlp_model, random_inputs, residual_block_model, transformer_block_model,
 )
 
 

@@ -2,11 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +10,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_qat.errors import ModelError, OutputError
+from onnx_qat.errors import ModelError
 from onnx_qat.io.models import (
-    MAX_IR_VERSION, InputSpec, default_opset, from_graph, load_model, model_input_specs, save_model,
+    MAX_IR_VERSION, default_opset, from_graph, load_model, save_model,
     to_graph,
 )
 

@@ -401,7 +401,7 @@ def test_report_json_is_strict_even_with_non_finite_figures(tmp_path):
                                  validation={"outputs": [health.to_dict()]})
     report.write(tmp_path / "r.json")
     data = json.loads((tmp_path / "r.json").read_text())
-    assert data["validation"]["outputs"][0]["min"] == "NaN" and data["version"] == deploy.REPORT_VERSION
+    assert data["validation"]["outputs"][0]["min"] == "nan" and data["version"] == deploy.REPORT_VERSION
 
 
 # --------------------------------------------------------------------------- layer analysis
