@@ -627,8 +627,9 @@ class _Engine:
     def __init__(self, trt, model_bytes):
         self.trt, self.model = trt, onnx.load_from_string(model_bytes)
         options = ort.SessionOptions()
-        if trt_backend.model_precision(self.model) == "fp8":  # onnxruntime's QDQ fusion refuses FP8 MatMuls
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        # the stand-in computes as TensorRT does: every Q/DQ by its definition, none of onnxruntime's
+        # fused integer kernels (MatMulNBits, QLinearConv...), as the onnxruntime gate of step 2 does
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         self.session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
         self.names = ([i.name for i in self.session.get_inputs()]
                       + [o.name for o in self.session.get_outputs()])
