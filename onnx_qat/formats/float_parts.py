@@ -679,8 +679,10 @@ class _Measure:
 def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop, converted, stats):
     """Keep FP32 the node adding the most error while an output's cosine falls more than ``max_drop``
     below the FP32 float parts' and more than the model's own rounding noise (:meth:`_Measure.noise`);
-    after :data:`MAX_MISSES` rounds in a row that did not lower the worst drop the search stops, and the
-    nodes kept since the last round that did are undone (two nodes may only help together)."""
+    after :data:`MAX_MISSES` rounds in a row that did not lower the worst drop by a quarter of
+    ``max_drop`` the search stops, and the nodes kept since the last round that did are undone. A
+    node is kept with the nodes computing its FP32 inputs: an ill-conditioned node (``x - mean``,
+    a cancellation) needs them unrounded."""
     base = measure.cosines(measure.outputs32)
     names = measure.outputs + list(measure.floats)
     cos = measure.cosines(measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors))
@@ -709,9 +711,13 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
                                     f"output {worst!r} cosine fell by {short[worst]:.2g} in "
                                     f"{low.name.upper()} (> {max_drop:g}); this node added relative error "
                                     f"{err:.2g}")
+        for feeder in _float_producers(proto, node, types):  # its inputs unrounded: an ill-conditioned
+            trial.setdefault(feeder.name, KeptNode(  # node (x - mean, cancellation) needs them so
+                feeder.name, feeder.op_type, "measured",
+                f"feeds {node.name!r}, kept FP32 by measurement: its input must not be rounded"))
         converted, stats, kept = _convert(proto, low, trial, types, keep_io_types)
         cos = measure.cosines(measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors))
-        if max(base[o] - cos[o] for o in measure.outputs) < best[0]:
+        if max(base[o] - cos[o] for o in measure.outputs) < best[0] - max_drop / 4:  # a real gain
             best, misses = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos), 0
         else:
             misses += 1
@@ -733,6 +739,18 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
                    "outputs": {o: {"cosine_fp32": base[o], "cosine": cos[o]} for o in measure.outputs},
                    **({} if noise is None else {"rounding_noise": dict(noise)})}
     return converted, stats, kept, measurement, notes
+
+
+def _float_producers(model, node, types) -> List[onnx.NodeProto]:
+    """The nodes computing ``node``'s FP32 inputs (not Constant nodes, not DequantizeLinear: their
+    values are exact)."""
+    producer = {t: n for n in model.graph.node for t in n.output}
+    found = []
+    for t in node.input:
+        p = producer.get(t)
+        if p is not None and types.get(t) == TensorProto.FLOAT and p.op_type not in ("Constant", *_QDQ):
+            found.append(p)
+    return found
 
 
 def _has_tensor(model, name) -> bool:
