@@ -1,7 +1,8 @@
 """FP16 float parts on real and held-out models: the figures of docs/formats.md.
 
-``python tools/float_parts_models.py [--workdir DIR] [--only NAME] [--size S] [--json OUT]`` quantizes
-each model twice on its calibration inputs (``--method max``), with FP32 and with FP16 float parts
+``python tools/float_parts_models.py [--workdir DIR] [--only NAME] [--size S] [--method M] [--json OUT]``
+quantizes each model twice on its calibration inputs (``--method``, default ``max``), with FP32 and
+with FP16 float parts
 (``--float-dtype fp16``), and measures on its evaluation inputs (never calibrated on):
 
 * the output cosine of each against the FP32 float model (FP16 through
@@ -88,13 +89,13 @@ def _float_bytes(model) -> int:
     )
 
 
-def measure(name: str, path: Path, calib, evaluation) -> dict:
+def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> dict:
     import onnx_qat
     from onnx_qat.formats.float_parts import emulate_in_fp32
     from onnx_qat.runtime.compare import output_figures
 
-    q32 = onnx_qat.quantize(str(path), data=calib, method="max", progress=False)
-    q16 = onnx_qat.quantize(str(path), data=calib, method="max", float_dtype="fp16", progress=False)
+    q32 = onnx_qat.quantize(str(path), data=calib, method=method, progress=False)
+    q16 = onnx_qat.quantize(str(path), data=calib, method=method, float_dtype="fp16", progress=False)
     ref = _outputs(onnx_qat.io.models.load_model(str(path)), evaluation)
     cos32 = output_figures(ref, _outputs(q32.model, evaluation))["cosine"]
     cos16 = output_figures(ref, _outputs(emulate_in_fp32(q16.model, "fp16"), evaluation))["cosine"]
@@ -148,6 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "onnx-qat-real-models"))
     parser.add_argument("--only", action="append", default=None, choices=list(REAL) + list(KERAS_APPS))
     parser.add_argument("--size", type=int, default=160, help="input size of the Keras models")
+    parser.add_argument("--method", default="max", help="calibration method (default max: fast)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir)
@@ -169,7 +171,7 @@ def main(argv=None) -> int:
                     _keras_inputs(path, args.size, "calib"),
                     _keras_inputs(path, args.size, "eval"),
                 )
-            rows.append(measure(name, path, calib, evaluation))
+            rows.append(measure(name, path, calib, evaluation, args.method))
         except Exception as exc:  # noqa: BLE001 - one model failing must not hide the others
             rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})
         print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)

@@ -32,6 +32,8 @@ EXPECTED = {
                 "cnn: onnx-qat int8 cosine to FP32", "cnn: onnx-qat int4 AWQ quantize time"),
     "sensitivity": ("sensitivity time, ", "min-cosine time / sensitivity time"),
     "export_speed": ("export_onnx time, ", "export_onnx peak memory, "),
+    "float_parts": ("quantize --float-dtype fp16 / fp32, time", "float parts' bytes fp16 / fp32",
+                    "output cosine drop fp16 vs fp32 float parts"),
 }
 
 
@@ -112,3 +114,10 @@ def test_quick_formats_benchmark_writes_its_table(tmp_path):
     modelopt = [r for r in doc["rows"] if "ModelOpt" in r["figure"]]
     assert modelopt and all(r["status"] in ("SKIP", "PASS", "MISS", "INFO") for r in modelopt)
     assert all(r["detail"] for r in modelopt if r["status"] == "SKIP")  # skipped with a reason
+
+
+def test_quick_float_parts_benchmark_writes_its_table(tmp_path):
+    stdout, doc, markdown = _bench(tmp_path, "float_parts")
+    _check_rows(doc, markdown, stdout, "float_parts")
+    rows = {r["figure"]: r for r in doc["rows"] if r["bench"] == "float_parts"}
+    assert rows["float parts' bytes fp16 / fp32, tiny CNN"]["value"] == pytest.approx(0.5, abs=0.01)

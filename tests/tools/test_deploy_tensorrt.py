@@ -21,7 +21,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_qat.deploy import command as deploy
 from onnx_qat.deploy import backend as trt_backend
-from onnx_qat.runtime.sessions import needs_exact_qdq
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "deploy_tensorrt.py"
@@ -642,8 +641,9 @@ class _Engine:
     def __init__(self, trt, model_bytes):
         self.trt, self.model = trt, onnx.load_from_string(model_bytes)
         options = ort.SessionOptions()
-        if needs_exact_qdq(self.model):  # a TensorRT engine computes Q/DQ exactly (INT8, FP8, INT4 forms)
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        # the stand-in computes as TensorRT does: every Q/DQ by its definition, none of onnxruntime's
+        # fused integer kernels (MatMulNBits, QLinearConv...), as the onnxruntime gate of step 2 does
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         self.session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
         self.names = ([i.name for i in self.session.get_inputs()]
                       + [o.name for o in self.session.get_outputs()])
