@@ -116,7 +116,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         cpu_vnni: ``target="ort-cpu"`` with ``data`` only: the model will run on CPUs whose int8 dot
             products sum in 32 bits (x86 AVX-512 VNNI, AVX-VNNI or AMX): Conv/Gemm/MatMul weights behind
             zero-point-128 inputs keep 8 bits instead of 7 (more accurate; on an x86 CPU with AVX2 only,
-            onnxruntime's 16-bit pair sums can then overflow). See :mod:`onnx_qat.insertion.ort_cpu`.
+            onnxruntime's 16-bit pair sums can then overflow). See `onnx_qat.insertion.ort_cpu`.
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,

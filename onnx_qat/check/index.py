@@ -267,7 +267,7 @@ class _Graph:
 
     def is_constant(self, tensor: str) -> bool:
         """Initializer or Constant output, possibly through the ops of
-        :data:`~onnx_qat.graph.constants.CONSTANT_PASS_OPS` (Transpose, Cast...): the one meaning of
+        `CONSTANT_PASS_OPS` (Transpose, Cast...): the one meaning of
         "constant" (`onnx_qat.graph.constants`)."""
         constants, producer = self.constants, self.producer
         seen = 0

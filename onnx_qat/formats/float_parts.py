@@ -681,8 +681,8 @@ class _Measure:
 
 def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop, converted, stats):
     """Keep FP32 the node adding the most error while an output's cosine falls more than ``max_drop``
-    below the FP32 float parts' and more than the model's own rounding noise (:meth:`_Measure.noise`);
-    after :data:`MAX_MISSES` rounds in a row that did not lower the worst drop by a quarter of
+    below the FP32 float parts' and more than the model's own rounding noise (`_Measure.noise`);
+    after `MAX_MISSES` rounds in a row that did not lower the worst drop by a quarter of
     ``max_drop`` the search stops, and the nodes kept since the last round that did are undone. A
     node is kept with the nodes computing its FP32 inputs: an ill-conditioned node (``x - mean``,
     a cancellation) needs them unrounded."""

@@ -1,5 +1,5 @@
 """What "constant" means, once: an initializer or a ``Constant`` node's value, possibly through ops that
-only move, reshape or retype values (:data:`CONSTANT_PASS_OPS`) whose other inputs are constants too.
+only move, reshape or retype values (`CONSTANT_PASS_OPS`) whose other inputs are constants too.
 
 Placement, insertion, the accuracy tools and the checker all use this meaning: a MatMul whose weight
 arrives as ``Transpose(initializer)`` (as some exporters write a Dense layer) has a constant weight
@@ -31,7 +31,7 @@ def _attr(node, name: str, default=None):
 
 
 def fold(node, value: np.ndarray, others: Sequence[Optional[np.ndarray]]) -> np.ndarray:
-    """The output of ``node`` (a NodeProto of :data:`CONSTANT_PASS_OPS`) for data input ``value`` and
+    """The output of ``node`` (a NodeProto of `CONSTANT_PASS_OPS`) for data input ``value`` and
     its other inputs' values ``others`` (None for an absent optional input)."""
     op = node.op_type
     if op == "Identity":

@@ -141,7 +141,7 @@ class GraphEdit:
     def constant(self, tensor: str) -> Tuple[np.ndarray, onnx.TensorProto, List[onnx.NodeProto]]:
         """``(value, the source TensorProto, the nodes producing it)`` of a constant tensor (an
         initializer or a ``Constant`` output, possibly through the ops of
-        :data:`~onnx_qat.graph.constants.CONSTANT_PASS_OPS`, nearest ``tensor`` first); ValueError
+        `CONSTANT_PASS_OPS`, nearest ``tensor`` first); ValueError
         when ``tensor`` is not constant. Through Identity nodes only, the value is read in place (no
         copy of raw data); through a Transpose, Reshape... it is folded (a new array)."""
         chain: List[onnx.NodeProto] = []

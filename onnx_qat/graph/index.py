@@ -237,9 +237,9 @@ class GraphIndex:
 
     # -- constants ------------------------------------------------------------------
     def constant_chain(self, tensor: str) -> Optional[Tuple[str, Tuple[NodeInfo, ...]]]:
-        """``(source, chain)`` when ``tensor`` is constant (:mod:`onnx_qat.graph.constants`): the
+        """``(source, chain)`` when ``tensor`` is constant (`onnx_qat.graph.constants`): the
         initializer or ``Constant``-node output it comes from, and the nodes of
-        :data:`~onnx_qat.graph.constants.CONSTANT_PASS_OPS` between (nearest ``tensor`` first, each
+        `CONSTANT_PASS_OPS` between (nearest ``tensor`` first, each
         with constant other inputs); None when it is not constant. An outer-scope constant has an
         empty chain here (its own graph's index knows the rest).
 
@@ -273,7 +273,7 @@ class GraphIndex:
 
     def is_constant(self, tensor: str) -> bool:
         """True when ``tensor`` is constant: an initializer or a Constant, possibly through the ops of
-        :data:`~onnx_qat.graph.constants.CONSTANT_PASS_OPS` (one meaning everywhere)."""
+        `CONSTANT_PASS_OPS` (one meaning everywhere)."""
         return tensor in self._constants
 
     def is_stored_constant(self, tensor: str) -> bool:

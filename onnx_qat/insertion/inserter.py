@@ -40,7 +40,7 @@ from .targets import Target, get_target
 logger = logging.getLogger(__name__)
 
 _FLOAT32 = np.dtype(np.float32)
-#: Weight range of ``narrow_weights`` (see :func:`insert_qdq_pairs`): 2 x 255 x 63 = 32130 < 2**15.
+#: Weight range of ``narrow_weights`` (see `insert_qdq_pairs`): 2 x 255 x 63 = 32130 < 2**15.
 NARROW_WEIGHT_RANGE = (-63, 63)
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         block_size: values per INT4 weight scale along the mark's axis (``int4``).
         full_range: activation tensors stored as uint8 with zero point 0 over the whole grid 0..255:
             scale ``amax / 255`` instead of ``amax / 127`` (the ``ort-cpu`` form's non-negative
-            tensors with calibrated ranges, see :mod:`onnx_qat.insertion.ort_cpu`).
+            tensors with calibrated ranges, see `onnx_qat.insertion.ort_cpu`).
         narrow_weights: int8 weight tensors stored in [-63, 63] (scale ``amax / 63``): read by
             onnxruntime's uint8 x int8 kernels with activations up to 255, their pair sums stay within
             16 bits on CPUs without VNNI (the ``ort-cpu`` form with calibrated ranges).

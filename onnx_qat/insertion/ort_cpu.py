@@ -289,8 +289,8 @@ class OrtCpuForm:
         (rule CPU2, ``status`` "folded", just before its Conv's point). ``nonnegative``: graph inputs
         known to be >= 0 (`nonnegative_inputs` on the calibration data): zero point 0 for them.
         ``fine``: the ranges were calibrated for this model (not learned in QAT): tensors with zero point 0
-        use the whole uint8 grid (scale ``amax / 255``, :attr:`Adapted.full_range`), and GEMM weights behind
-        zero-point-128 inputs are stored in 7 bits (:attr:`Adapted.narrow_weights`), or with ``vnni`` (CPUs
+        use the whole uint8 grid (scale ``amax / 255``, `Adapted.full_range`), and GEMM weights behind
+        zero-point-128 inputs are stored in 7 bits (`Adapted.narrow_weights`), or with ``vnni`` (CPUs
         whose int8 dot products sum in 32 bits) as plain 8-bit int8."""
         from .inserter import group_amax
 
