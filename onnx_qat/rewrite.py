@@ -23,7 +23,7 @@ from .graph.index import GraphIndex, assign_node_names, subgraphs_of
 from .placement.marks import ActivationMark, Placement
 from .placement.policy import policy_for
 from .scales import ScaleTable
-from .insertion.forms import make_form
+from .insertion.adapters import make_adapter
 from .insertion.targets import Target, get_target
 from .formats.numeric import get_format
 
@@ -190,11 +190,11 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         if scales is None:
             scales = ScaleTable(weights=clip_ranges, producer=rounding if clip_ranges else "weights")
         data = None
-    form = make_form(target_obj)
-    if form is not None and data is not None and "tensors" not in calib_kw:
-        wanted = placement.activation_tensors() + form.calibration_tensors(index, placement)
+    adapter = make_adapter(target_obj)
+    if adapter is not None and data is not None and "tensors" not in calib_kw:
+        wanted = placement.activation_tensors() + adapter.calibration_tensors(index, placement)
         if every_site is not None:  # the all-integer alternative is built and timed too
-            wanted += every_site.activation_tensors() + form.calibration_tensors(index, every_site)
+            wanted += every_site.activation_tensors() + adapter.calibration_tensors(index, every_site)
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(wanted))}
     table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
                                progress, calibrator)
@@ -211,11 +211,11 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         index = GraphIndex(float_model)
     requantization, storage, finish = (), {}, None
     calibrated = {}
-    if form is not None and data is not None and hasattr(form, "nonnegative_inputs"):  # calibrated here
-        calibrated = {"nonnegative": form.nonnegative_inputs(float_model, data, placement), "fine": True,
+    if adapter is not None and data is not None and hasattr(adapter, "nonnegative_inputs"):  # calibrated here
+        calibrated = {"nonnegative": adapter.nonnegative_inputs(float_model, data, placement), "fine": True,
                       **({"vnni": True} if cpu_vnni else {})}
-    if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
-        adapted = form.adapt(index, placement, table, **calibrated)
+    if adapter is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
+        adapted = adapter.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
         if dropped:  # the form rewrites the main graph only: If branches, Loop/Scan bodies stay float in it
@@ -240,7 +240,7 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
 
         alternative = None
         if every_site is not None:  # the per-site times miss what a float site costs its neighbours
-            alternative = _all_integer(timing_model, every_site, table, target_obj, form, calibrated, fmt,
+            alternative = _all_integer(timing_model, every_site, table, target_obj, adapter, calibrated, fmt,
                                        config)
         whole = whole_model_timing(timing_model, qdq_model, latency, alternative)
         del timing_model
@@ -574,14 +574,14 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
         return committed, inserted
 
 
-def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, target_obj: Target, form,
+def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, target_obj: Target, adapter,
                  calibrated: Mapping, fmt, config: QuantizeConfig):
     """The ort-cpu model with every site of ``placement`` (the placement before latency placement)
     quantized, from a fresh copy of the float model: ``(model, inserted, placement, requantization)``,
     or None when ``table`` lacks a range it needs."""
     model = onnx.load_from_string(float_bytes)
     index = GraphIndex(model)
-    adapted = form.adapt(index, placement, table, **calibrated)
+    adapted = adapter.adapt(index, placement, table, **calibrated)
     note = ("ort-cpu latency placement: every site kept integer, which ran faster as a whole model than "
             "keeping the slower sites float")
     placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))

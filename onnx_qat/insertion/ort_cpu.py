@@ -219,7 +219,7 @@ class RequantPoint:
     reason: str
 
 
-class OrtCpuForm:
+class OrtCpuAdapter:
     """The ort-cpu adjustments to a TensorRT placement: uint8 activations and requantization points."""
 
     def folds(self, index: GraphIndex, placement: Placement) -> Tuple[ScaleFold, ...]:
@@ -816,5 +816,5 @@ def split_bias_adds(edit, splits) -> Tuple[str, ...]:
     return tuple(done)
 
 
-__all__ = ["OrtCpuForm", "Adapted", "RequantPoint", "ScaleFold", "BiasSplit", "fold_scale_ops", "bias_splits",
-           "split_bias_adds", "REQUANT_OPS", "EXACT_OPS"]
+__all__ = ["OrtCpuAdapter", "Adapted", "RequantPoint", "ScaleFold", "BiasSplit", "fold_scale_ops",
+           "bias_splits", "split_bias_adds", "REQUANT_OPS", "EXACT_OPS"]

@@ -17,9 +17,9 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
 
 Targets are registered in `_TARGETS`; the inserter reads every dtype and zero point
 from the target, never from constants of its own. A target is data only: it names its placement
-policy (looked up by `onnx_qat.placement.policy.policy_for`) and its optional form (made by
-`onnx_qat.insertion.forms.make_form`), and imports neither, so the modules that read a target
-never import back up. A form adjusts the placement and ScaleTable after ranges are known
+policy (looked up by `onnx_qat.placement.policy.policy_for`) and its optional adapter (made by
+`onnx_qat.insertion.adapters.make_adapter`), and imports neither, so the modules that read a target
+never import back up. An adapter adjusts the placement and ScaleTable after ranges are known
 (``calibration_tensors`` and ``adapt``), and may edit the graph after Q/DQ insertion (``adapt``'s
 result's ``finish(edit)``).
 """
@@ -44,10 +44,10 @@ class Target:
         activation_zero_point: their zero point.
         policy: the name of the placement policy (a key of
             `onnx_qat.placement.policy.POLICIES`).
-        form: None, or the name of the form (a key of `onnx_qat.insertion.forms.FORMS`): an
+        adapter: None, or the name of the adapter (a key of `onnx_qat.insertion.adapters.ADAPTERS`): an
             object with ``calibration_tensors(index, placement)`` and ``adapt(index, placement,
-            table, **calibrated)`` (see `onnx_qat.insertion.ort_cpu.OrtCpuForm`; when the ranges
-            are calibrated in the same call and the form has ``nonnegative_inputs(model, data,
+            table, **calibrated)`` (see `onnx_qat.insertion.ort_cpu.OrtCpuAdapter`; when the ranges
+            are calibrated in the same call and the adapter has ``nonnegative_inputs(model, data,
             placement)``, ``calibrated`` is ``nonnegative=<its result>, fine=True``); what ``adapt``
             returns may have a ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
             `GraphEdit` after Q/DQ insertion
@@ -59,7 +59,7 @@ class Target:
     activation_dtype: type
     activation_zero_point: int
     policy: str = "tensorrt"
-    form: Optional[str] = None
+    adapter: Optional[str] = None
 
     def to_dict(self) -> dict:
         """JSON-ready description (used in reports). The weights' type and range are the numeric
@@ -94,7 +94,7 @@ ORT_CPU = Target(
     activation_dtype=np.uint8,
     activation_zero_point=128,
     policy="tensorrt",
-    form="ort-cpu",
+    adapter="ort-cpu",
 )
 
 #: Registered targets by name.

@@ -264,11 +264,11 @@ def test_a_fold_the_graph_does_not_fit_is_left_out(caplog):
     """``fold_scale_ops`` on a graph without the expected weight DequantizeLinear (here the float model)
     changes nothing and says so."""
     from onnx_qat.graph.edit import GraphEdit
-    from onnx_qat.insertion.ort_cpu import OrtCpuForm, fold_scale_ops
+    from onnx_qat.insertion.ort_cpu import OrtCpuAdapter, fold_scale_ops
     from onnx_qat.graph.index import GraphIndex
 
     model = bn_net(True)
-    folds = OrtCpuForm().folds(GraphIndex(model), onnx_qat.place(model))
+    folds = OrtCpuAdapter().folds(GraphIndex(model), onnx_qat.place(model))
     assert [f.node for f in folds] == ["c1", "c2"]
     edit = GraphEdit(model)
     assert fold_scale_ops(edit, folds) == ()

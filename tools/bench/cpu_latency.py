@@ -106,12 +106,12 @@ def _build(path: Path, name: str, calib: np.ndarray, workdir: Path,
     from onnxruntime.quantization import QuantType
 
     import onnx_qat
-    from onnx_qat.insertion.ort_cpu import OrtCpuForm
+    from onnx_qat.insertion.ort_cpu import OrtCpuAdapter
     from onnx_qat.graph.index import GraphIndex
 
     proto = onnx_qat.load_model(path)
     placement = onnx_qat.place(proto)
-    extra = OrtCpuForm().calibration_tensors(GraphIndex(proto), placement)
+    extra = OrtCpuAdapter().calibration_tensors(GraphIndex(proto), placement)
     table = onnx_qat.calibrate(proto, {name: calib}, method="max", batch_size=8, progress=False,
                                tensors=placement.activation_tensors() + extra)
     forms: Dict[str, object] = {"fp32": path}
