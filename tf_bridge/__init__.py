@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from . import custom_qdq_cases
 from .calibrate import CalibrationResult, UntrainedBatchNormWarning, calibrate
-from .cases import CustomQDQInsertionCase
+from .case_base import CustomQDQInsertionCase
 from .describe import QuantizerRecord, describe, quantizer_records
 from .export import ExportReport, export_onnx
 from .fake_quant import fake_quant, fake_quant_reference

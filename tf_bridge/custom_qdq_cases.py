@@ -29,7 +29,7 @@ import logging
 
 import keras
 
-from .cases import (FUSABLE, CustomQDQInsertionCase, GraphDepth, input_tensors, layers_of_class, producer,
+from .case_base import (FUSABLE, CustomQDQInsertionCase, GraphDepth, input_tensors, layers_of_class, producer,
                     residual_skip_indices)
 from .spec import QuantizationSpec
 

@@ -23,7 +23,7 @@ from keras.src.models.functional import Functional
 
 from onnx_qat.errors import ConfigError, ModelError
 
-from .cases import CustomQDQInsertionCase
+from .case_base import CustomQDQInsertionCase
 from .guard import guarded, unguarded
 from .quantizers import MODES as RANGE_MODES
 from .quantizers import ActivationQuantizer, QuantizeWrapper
@@ -205,8 +205,9 @@ def quantize_model(model, quantization_mode: str = "full",
             adjusted by the spec and cases) or ``"partial"`` (only layers named by
             the spec or the cases).
         quantization_spec: a [`QuantizationSpec`][tf_bridge.spec.QuantizationSpec]; copied, never modified.
-        custom_qdq_cases: a list of [`CustomQDQInsertionCase`][tf_bridge.cases.CustomQDQInsertionCase]; each
-            case's returned spec is applied below the user's spec in precedence.
+        custom_qdq_cases: a list of
+            [`CustomQDQInsertionCase`][tf_bridge.case_base.CustomQDQInsertionCase]; each case's returned
+            spec is applied below the user's spec in precedence.
         activation_range: ``"ema"`` (default), ``"fixed"`` or ``"learnable"``: how
             activation ranges move during training (see `tf_bridge.quantizers`).
         ema_momentum: momentum of the ``"ema"`` update, in [0, 1).

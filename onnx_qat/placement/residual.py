@@ -7,7 +7,7 @@ branch, not the 1x1 projection shortcut) is the one to fuse; on a tie, the first
 
 Three places apply the rule to their own view of the graph and ask this module for the choice:
 placement (`onnx_qat.placement.handlers.ResidualAddHandler`, on the ONNX graph), the Keras
-cases (`tf_bridge.cases.residual_skip_indices`, on the Keras layer graph, before export) and
+cases (`tf_bridge.case_base.residual_skip_indices`, on the Keras layer graph, before export) and
 the checker (rules C10/C11, `onnx_qat.check.rules_fusion`, on any tool's Q/DQ model).
 
 Source: TensorRT Developer Guide, "Q/DQ Layer-Placement Recommendations" (residual element-wise

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 from onnx_qat.errors import ConfigError
 
 from .. import spec as _spec
-from ..cases import CustomQDQInsertionCase
+from ..case_base import CustomQDQInsertionCase
 from ..wrap import quantize_model as _quantize_model
 
 logger = logging.getLogger(__name__)

@@ -262,7 +262,7 @@ def _check_graph_model(model, layer_name) -> None:
 
 
 def _predecessors(layer) -> List[dict]:
-    from ..cases import input_tensors, producer
+    from ..case_base import input_tensors, producer
 
     if not layer._inbound_nodes:
         return []

@@ -1,4 +1,5 @@
-"""CustomQDQInsertionCase (the extension point) and the Keras-graph helpers cases use.
+"""CustomQDQInsertionCase, the base class of pattern cases (the extension point), and the Keras-graph
+helpers cases use.
 
 A case looks at the (float) Keras model and returns a [`QuantizationSpec`][tf_bridge.spec.QuantizationSpec]
 of extra entries; [`tf_bridge.quantize_model`][] applies it below the user's
@@ -34,9 +35,9 @@ FUSABLE = (
 class CustomQDQInsertionCase:
     """Base class of pattern-based quantization rules.
 
-    Subclasses implement [`case`][tf_bridge.cases.CustomQDQInsertionCase.case];
-    [`info`][tf_bridge.cases.CustomQDQInsertionCase.info] describes the case (by default the first line of the
-    class docstring).
+    Subclasses implement [`case`][tf_bridge.case_base.CustomQDQInsertionCase.case];
+    [`info`][tf_bridge.case_base.CustomQDQInsertionCase.info] describes the case (by default the first
+    line of the class docstring).
     """
 
     def info(self) -> str:
