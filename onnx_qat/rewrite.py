@@ -18,7 +18,7 @@ import onnx
 
 from .config import QuantizeConfig
 from .errors import ConfigError, ModelError, PlacementError, ScalesError
-from .io.files import check_output_path, write_json
+from .io.files import check_output_and_report, write_json
 from .graph.index import GraphIndex, assign_node_names, subgraphs_of
 from .placement.marks import ActivationMark, Placement
 from .placement.policy import policy_for
@@ -151,11 +151,7 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
     inputs = tuple(p for p in (model, scales, data) if isinstance(p, (str, os.PathLike)))
-    out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
-    if report is not None:
-        report_path = check_output_path(report, inputs=inputs, what="report")
-        if out_path is not None and report_path.resolve() == out_path.resolve():
-            raise ConfigError("report and output name the same file")
+    out_path, _ = check_output_and_report(output, report, inputs=inputs)
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
     latency_decision, every_site = None, None

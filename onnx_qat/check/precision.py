@@ -37,7 +37,7 @@ Sources:
   (weight-only), FP4.
 
 Nodes a float-parts conversion deliberately keeps in FP32 carry node metadata
-`KEEP_FP32_KEY` with the reason as value; the map and rule C15 name that reason.
+`onnx_qat.formats.numeric.KEEP_FP32_KEY` with the reason as value; the map and rule C15 name that reason.
 """
 from __future__ import annotations
 
@@ -46,11 +46,11 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from ..formats.numeric import kept_fp32_reason
 from .index import WEIGHTED_OPS, _DATA_MOVEMENT, _input, _weight_input
 
 #: Node metadata key (``NodeProto.metadata_props``) marking a node kept in FP32 on purpose; its value
 #: is the reason, one line (the convention agreed with the float-parts conversion).
-KEEP_FP32_KEY = "onnx_qat.keep_fp32"
 
 #: Precisions reported, quantized first.
 PRECISIONS = ("int8", "fp8", "int4", "fp16", "bf16", "fp32")
@@ -426,10 +426,8 @@ def build_precision_map(model, graphs) -> PrecisionMap:
 
 
 def _kept_reason(node) -> Optional[str]:
-    for entry in getattr(node, "metadata_props", ()):
-        if entry.key == KEEP_FP32_KEY:
-            return entry.value or "no reason given"
-    return None
+    reason = kept_fp32_reason(node)
+    return None if reason is None else reason or "no reason given"
 
 
 def computes_in_reduced_float(graphs) -> bool:
@@ -471,5 +469,5 @@ def precision_map_of(model, graphs) -> PrecisionMap:
     return memo["map"]
 
 
-__all__ = ["PrecisionMap", "NodePrecision", "UnfusedQDQ", "KEEP_FP32_KEY", "PRECISIONS",
+__all__ = ["PrecisionMap", "NodePrecision", "UnfusedQDQ", "PRECISIONS",
            "build_precision_map", "precision_map_of", "lazy_precision_map", "computes_in_reduced_float"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .precision import KEEP_FP32_KEY, computes_in_reduced_float, precision_map_of  # noqa: F401
+from .precision import computes_in_reduced_float, precision_map_of
 from .report import WARNING, Finding
 
 

@@ -190,7 +190,7 @@ class DeployReport:
     version: int = REPORT_VERSION
 
     def to_dict(self) -> dict:
-        """JSON-ready form (non-finite floats become the strings ``"NaN"``, ``"Infinity"``...)."""
+        """JSON-ready form (non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"``)."""
         return json_safe(dataclasses.asdict(self))
 
     def write(self, path: Optional[Path]) -> None:

@@ -58,14 +58,13 @@ from onnx import TensorProto, helper
 
 from ..config import FLOAT_DTYPES
 from ..errors import ConfigError, ModelError
+from .numeric import KEEP_FP32_KEY, kept_fp32_reason
 from .float_cast import BF16, FP16, LowType, cast_graph, has_subgraph, read_in_subgraphs, schema_of, \
     slot_admits, tensor_types
 
 logger = logging.getLogger(__name__)
 
 LOW_TYPES: Mapping[str, LowType] = MappingProxyType({"fp16": FP16, "bf16": BF16})
-#: ``NodeProto.metadata_props`` key marking a node kept FP32 on purpose; its value is the reason.
-KEEP_FP32_KEY = "onnx_qat.keep_fp32"
 #: Model ``metadata_props`` key of the float parts' type (``fp16`` or ``bf16``).
 FLOAT_DTYPE_KEY = "onnx_qat.float_dtype"
 #: A tensor whose range exceeds the type's largest value divided by this stays FP32 (headroom for
@@ -267,15 +266,11 @@ def quantize_with_float_parts(quantize_fp32, model, output, report, *, data, flo
     import dataclasses
     import os
 
-    from ..io.files import check_output_path, write_json
+    from ..io.files import check_output_and_report, write_json
     from ..io.models import save_model
 
     paths = tuple(p for p in inputs if isinstance(p, (str, os.PathLike)))
-    out_path = None if output is None else check_output_path(output, inputs=paths, what="output")
-    if report is not None:
-        report_path = check_output_path(report, inputs=paths, what="report")
-        if out_path is not None and report_path.resolve() == out_path.resolve():
-            raise ConfigError("report and output name the same file")
+    out_path, _ = check_output_and_report(output, report, inputs=paths)
     result = quantize_fp32()
     parts = cast_float_parts(result.model, float_dtype, scales=result.scales, keep_io_types=keep_io_types,
                              data=data, reference=None if data is None else model, progress=progress)
@@ -591,7 +586,8 @@ def _write_metadata(model: onnx.ModelProto, low: LowType, kept: Mapping[str, Kep
 def kept_fp32_nodes(model: onnx.ModelProto) -> Dict[str, str]:
     """``{node name: reason}`` of the main-graph nodes a float-parts conversion kept FP32 on purpose
     (their ``metadata_props`` entry `KEEP_FP32_KEY`)."""
-    return {n.name: p.value for n in model.graph.node for p in n.metadata_props if p.key == KEEP_FP32_KEY}
+    found = {n.name: kept_fp32_reason(n) for n in model.graph.node}
+    return {name: reason for name, reason in found.items() if reason is not None}
 
 
 # --------------------------------------------------------------------------- measurement

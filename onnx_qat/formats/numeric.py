@@ -106,6 +106,20 @@ INT4_METHODS = ("rtn", "awq", "gptq")
 FP8_METHODS = ("rtn", "gptq")
 
 
+#: The node metadata key (``NodeProto.metadata_props``) a float-parts conversion writes on every node it
+#: keeps FP32 on purpose, with the reason as value (`onnx_qat.formats.float_parts`); the precision map and
+#: check rule C15 read it.
+KEEP_FP32_KEY = "onnx_qat.keep_fp32"
+
+
+def kept_fp32_reason(node) -> Optional[str]:
+    """The reason a float-parts conversion kept ``node`` (a NodeProto) FP32, or None when it did not."""
+    for entry in getattr(node, "metadata_props", ()):
+        if entry.key == KEEP_FP32_KEY:
+            return entry.value
+    return None
+
+
 def get_format(precision) -> Format:
     """The `Format` named ``precision`` (a Format passes through; None is int8)."""
     if isinstance(precision, Format):
@@ -119,4 +133,5 @@ def get_format(precision) -> Format:
 
 
 __all__ = ["Format", "FORMATS", "PRECISIONS", "INT8", "FP8", "INT4", "get_format",
-           "DEFAULT_BLOCK_SIZE", "TENSORRT_BLOCK_SIZES", "INT4_METHODS"]
+           "DEFAULT_BLOCK_SIZE", "TENSORRT_BLOCK_SIZES", "INT4_METHODS", "KEEP_FP32_KEY",
+           "kept_fp32_reason"]

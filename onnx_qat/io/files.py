@@ -82,6 +82,21 @@ def signals_held() -> Iterator[None]:
             _deliver(pending[0], previous[pending[0]])
 
 
+def check_output_and_report(output, report, *, inputs: tuple = ()):
+    """``(output path or None, report path or None)``, both checked by `check_output_path` before any
+    work (``inputs``: the paths among the caller's inputs); a ConfigError when they name one file."""
+    import os
+
+    from ..errors import ConfigError
+
+    paths = tuple(p for p in inputs if isinstance(p, (str, os.PathLike)))
+    out_path = None if output is None else check_output_path(output, inputs=paths, what="output")
+    report_path = None if report is None else check_output_path(report, inputs=paths, what="report")
+    if out_path is not None and report_path is not None and report_path.resolve() == out_path.resolve():
+        raise ConfigError("report and output name the same file")
+    return out_path, report_path
+
+
 def _deliver(signum: int, handler) -> None:
     """Hand a deferred signal to the handler that was in place when it arrived."""
     if callable(handler):

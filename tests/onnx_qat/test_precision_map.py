@@ -10,7 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qat
 from onnx_qat.check import check
-from onnx_qat.check.precision import KEEP_FP32_KEY, PrecisionMap
+from onnx_qat.check.precision import PrecisionMap
+from onnx_qat.formats.numeric import KEEP_FP32_KEY
 from onnx_qat.cli import EXIT_OK, EXIT_USAGE, main
 from tests.builders import (
     if_cnn_model, mlp_model, random_inputs, residual_block_model, transformer_block_model,
