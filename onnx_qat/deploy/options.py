@@ -166,8 +166,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed runs after warm-up (default 100)")
     m.add_argument("--warmup", type=whole_number(0), default=10, help="untimed warm-up runs (default 10)")
     m.add_argument("--min-top1", type=number_in(0.0, 1.0), default=0.99,
-                   help="least top-1 agreement between engine and onnxruntime, outputs holding class scores only "
-                        "(rank 2, or written by a Softmax; default 0.99)")
+                   help="least top-1 agreement between engine and onnxruntime, outputs holding class "
+                        "scores only (rank 2, or written by a Softmax; default 0.99)")
     m.add_argument("--min-cosine", type=number_in(-1.0, 1.0), default=0.99,
                    help="least cosine between engine and onnxruntime outputs, every output (default 0.99)")
     m.add_argument("--max-abs", type=positive_number,
