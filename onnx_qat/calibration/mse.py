@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .collector import HistogramCollector
-
-#: Candidate thresholds evaluated together (bounds the temporary memory).
-_CHUNK = 128
+from .collector import HistogramCollector, coarse_to_fine
 
 
 class MseCollector(HistogramCollector):
@@ -15,7 +12,8 @@ class MseCollector(HistogramCollector):
     Each bin is represented by its center c with its count; with scale s = T / 127,
     values inside the range are rounded to a multiple of s (error (c - round(c/s) s)^2)
     and values beyond T are clipped to T (error (c - T)^2). Every bin edge from
-    bin 1 up to the last non-empty bin is a candidate.
+    bin 1 up to the last non-empty bin is a candidate, searched by :func:`~.collector.coarse_to_fine`
+    (every 8th edge, then every edge near the best of those).
     """
 
     method = "mse"
@@ -25,14 +23,37 @@ class MseCollector(HistogramCollector):
 
     def _threshold(self, counts: np.ndarray, width: float) -> float:
         last = int(np.flatnonzero(counts)[-1]) + 1
-        counts = counts[:last]
-        centers = (np.arange(last, dtype=np.float64) + 0.5) * width
-        candidates = np.arange(1, last + 1, dtype=np.float64) * width
-        errors = np.concatenate([
-            quantization_mse(centers, counts, candidates[start:start + _CHUNK])
-            for start in range(0, candidates.size, _CHUNK)
-        ])
-        return float(candidates[int(np.argmin(errors))])
+        used = counts[:last]
+        best = coarse_to_fine(lambda edges: edge_mse(used, edges), 1, last, widest=False)
+        return float(best * width)
+
+
+def edge_mse(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """:func:`quantization_mse` of the bin centers of ``counts`` for the thresholds at bin edges
+    ``edges`` (in bins), in units of the bin width squared, computed level by level.
+
+    With scale ``s = T / 127`` the centers rounding to level ``q`` form one run of bins, bounded
+    where ``c / s`` crosses ``q + 0.5``; a run's squared error ``sum n (c - q s)^2`` comes from prefix
+    sums of ``n``, ``n c`` and ``n c^2``, so a threshold costs 128 terms instead of one per bin (the
+    centers at or beyond 126.5 steps all clip to level 127, as ``min(round(c / s), 127)`` has it).
+    A center exactly halfway between two levels, where rounding goes to the even one, is counted
+    with the upper level; the errors agree with :func:`quantization_mse` to float rounding otherwise.
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    n = counts.size
+    centers = np.arange(n, dtype=np.float64) + 0.5
+    prefix = [np.concatenate(([0.0], np.cumsum(counts * centers ** p))) for p in (0, 1, 2)]
+    edges = np.asarray(edges, dtype=np.float64)
+    scale = edges / 127.0
+    levels = np.arange(128, dtype=np.float64)
+    # bins below level q's lower bound (q - 0.5) s: the first center index at or above it
+    bounds = np.ceil((levels[None, :] - 0.5) * scale[:, None] - 0.5)
+    bounds = np.clip(bounds, 0, n).astype(np.intp)
+    bounds = np.concatenate([bounds, np.full((edges.size, 1), n, np.intp)], axis=1)
+    s0, s1, s2 = (np.diff(p[bounds], axis=1) for p in prefix)
+    at = levels[None, :] * scale[:, None]
+    error = (s2 - 2.0 * at * s1 + at * at * s0).sum(axis=1)
+    return np.maximum(error, 0.0) / max(float(counts.sum()), 1.0)
 
 
 def quantization_mse(centers: np.ndarray, counts: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
