@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from .calibration.runner import DEFAULT_METHOD, calibrate
+from .calibration.runner import DEFAULT_METHOD
 from .config import QuantizeConfig
 from .errors import ConfigError
 from .formats import get_format
@@ -115,4 +115,4 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                               config=config, calib_kw=calib_kw, report=report, progress=progress)
     return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
-                           placement=placement, calibrator=calibrate)
+                           placement=placement)

@@ -26,6 +26,7 @@ from .scales import ScaleTable
 from .target_forms import make_form
 from .targets import Target, get_target
 from .formats import get_format
+from .insertion import without_unreached_branches  # noqa: F401  (re-exported for onnx_qat.quantize)
 
 logger = logging.getLogger(__name__)
 
@@ -117,15 +118,16 @@ class QuantizeResult:
 
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
-                    placement: Optional[Placement] = None, calibrator=None) -> QuantizeResult:
+                    placement: Optional[Placement] = None) -> QuantizeResult:
     """The rewrite behind :func:`onnx_qat.quantize`: quantize every site the placement marks.
 
     ``config`` is the resolved :class:`~onnx_qat.config.QuantizeConfig` and ``calib_kw`` the merged
     calibration keywords, both already checked by :func:`onnx_qat.quantize` (see there for every
     argument and what is raised). The accuracy tools call this directly, one layer below the public
-    entry point that dispatches to them. ``calibrator`` (:func:`onnx_qat.calibrate`, passed by
-    :func:`onnx_qat.quantize`) computes the ranges when ``data`` is given: the rewrite does not import
-    the calibration package, whose ``auto`` method inserts its candidate tables through this function.
+    entry point that dispatches to them. With ``data``, the ranges come from one calibration pass
+    over the loaded model (:func:`onnx_qat.calibration.runner.collect`); for ``auto`` the candidate
+    tables it returns are judged with this model and placement
+    (:func:`onnx_qat.calibration.choice.choose`): the model is loaded and placed once.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -161,7 +163,7 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
             placement.activation_tensors() + form.calibration_tensors(index, placement)))}
     table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
-                               progress, calibrator)
+                               progress)
     if fmt.attention:
         if config.include_attention:  # a range the caller's own ScaleTable gives is kept
             keep = table.activations if scales is not None else ()
@@ -350,19 +352,14 @@ def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
             + (f" ({why})" if why else "") + "; check exclude_nodes/exclude_op_types/min_channels")
 
 
-def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress,
-            calibrator=None) -> ScaleTable:
+def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress):
     """``(ScaleTable, placement)``: the table loaded/validated, or calibrated on ``data``; when
     calibrated, the If branches no batch took are dropped from the placement (left float, with a note).
 
     Problems with a ScaleTable given as a file name that file in the message.
     """
     if scales is None:
-        table = _calibrated(model, placement, data, method, config, calib_kw, progress, calibrator)
-        placement = without_unreached_branches(placement, table)
-        if placement.empty:
-            raise PlacementError("nothing to quantize: the calibration data took no If branch (nor observed "
-                                 "a Loop/Scan body) that placement quantizes")
+        table, placement = _calibrated(model, placement, data, method, config, calib_kw, progress)
         return _check_complete(table, placement, "calibrated ScaleTable"), placement
     with _io().cyclic_gc_paused():  # a table of 10^4-10^5 ranges; the index and placement stay alive
         if isinstance(scales, ScaleTable):
@@ -384,46 +381,33 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
     return _check_complete(table, placement, source), placement
 
 
-def without_unreached_branches(placement: Placement, table: ScaleTable, in_body: bool = False) -> Placement:
-    """``placement`` less the subgraph placements whose activations ``table`` has no range for:
-    calibration observes only the If branch each batch takes, so a branch no batch took stays float;
-    a Loop/Scan body whose tensor shapes change across iterations (or an If inside a body) cannot be
-    observed per iteration and stays float too. A note says which."""
-    from .insertion import missing_activations
+def _calibrated(model, placement, data, method, config, calib_kw, progress) -> ScaleTable:
+    """Calibrate ``model`` (the rewrite's own loaded copy, not changed) on ``data`` for ``placement``,
+    and for ``auto`` choose among the candidate tables with this model and placement: the ScaleTable
+    and the placement less the If branches / Loop bodies calibration could not observe (each named
+    in a note and a warning, :func:`~onnx_qat.insertion.without_unreached_branches`)."""
+    from .calibration.runner import auto_table, collect
+    from .data import load_data
 
-    if not placement.subgraphs:
-        return placement
-    kept, notes = [], list(placement.notes)
-    for sub in placement.subgraphs:
-        missing = missing_activations(sub.placement, table)
-        if missing and sub.attribute == "body":
-            notes.append(f"Loop/Scan node {sub.node!r}: calibration could not observe its body per iteration "
-                         f"(e.g. {missing[0]!r}: a shape that changes across iterations, or inside an If); "
-                         "left float")
-            logger.warning("%s", notes[-1])
-        elif missing and in_body:
-            notes.append(f"If node {sub.node!r} inside a Loop/Scan body: calibration cannot observe its "
-                         f"{sub.attribute} per iteration; left float")
-            logger.warning("%s", notes[-1])
-        elif missing:
-            notes.append(f"If node {sub.node!r}: no calibration batch took its {sub.attribute}; left float")
-            logger.warning("%s", notes[-1])
-        else:
-            inner = without_unreached_branches(sub.placement, table, in_body or sub.attribute == "body")
-            notes.extend(inner.notes[len(sub.placement.notes):])  # a nested drop is noted at the top
-            kept.append(replace(sub, placement=replace(inner, notes=sub.placement.notes)))
-    return replace(placement, subgraphs=tuple(kept), notes=tuple(notes))
+    options = dict(calib_kw)
+    tensors = options.pop("tensors", None) or placement.activation_tensors()
+    unknown = sorted(set(options) - {"percentile", "num_bins", "batch_size"})
+    if unknown:
+        raise ConfigError(f"unknown calibration option {unknown[0]!r}; the options are percentile, num_bins, "
+                          "batch_size and tensors")
+    dataset = load_data(data, model, what="calibration data")
+    result = collect(model, dataset, tensors, method=method, progress=progress, **options)
+    reached = without_unreached_branches(placement, result.table())
+    if reached.empty:
+        raise PlacementError("nothing to quantize: the calibration data took no If branch (nor observed "
+                             "a Loop/Scan body) that placement quantizes")
+    if method != "auto":
+        return result.table(), reached
+    from .calibration.choice import choose
 
-
-def _calibrated(model, placement, data, method, config, calib_kw, progress, calibrator) -> ScaleTable:
-    import inspect
-
-    if calibrator is None:
-        raise ConfigError("calibration data was given, but no calibrator: call onnx_qat.quantize")
-    calibrate = calibrator
-    if "tensors" in inspect.signature(calibrate).parameters and "tensors" not in calib_kw:
-        calib_kw = {**calib_kw, "tensors": placement.activation_tensors()}  # placement is already known
-    return calibrate(model, data, method=method, config=config, progress=progress, **calib_kw)
+    best, cosines = choose(model, reached, result, target=config.target, precision=config.precision,
+                           block_size=config.block_size)
+    return auto_table(result, best, cosines), reached
 
 
 #: Softmax outputs lie in [0, 1]: with FP8 their range is fixed, not calibrated (data-independent, as

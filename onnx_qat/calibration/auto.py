@@ -1,7 +1,7 @@
 """``auto``: per tensor, the candidate range (max, percentiles, mse) with the least quantization error.
 
 :func:`onnx_qat.calibrate` then judges whole tables by the model's output
-(:mod:`.output_check`): this per-tensor choice, ``max`` everywhere and ``entropy`` everywhere, all
+(:mod:`.choice`): this per-tensor choice, ``max`` everywhere and ``entropy`` everywhere, all
 read from the same histograms.
 """
 from __future__ import annotations

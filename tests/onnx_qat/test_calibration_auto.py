@@ -118,9 +118,9 @@ def test_quantize_auto_is_check_clean_and_cli_accepts_it(tmp_path):
 # --------------------------------------------------------------------------- the output check
 def _output_cosine(model, quantized, data) -> float:
     from onnx_qat.accuracy.prepared import output_error
-    from onnx_qat.runtime import run_model
+    from onnx_qat.runtime import make_session, run_model
 
-    ref, got = run_model(model, data), run_model(quantized, data)
+    ref, got = run_model(model, data), run_model(make_session(quantized, optimize=False), data)
     return output_error({k: v.ravel() for k, v in ref.items()}, {k: v.ravel() for k, v in got.items()}).cosine
 
 
@@ -164,20 +164,28 @@ def test_auto_with_a_subset_of_tensors_keeps_the_per_tensor_choice():
 
 
 def test_output_check_runs_on_the_first_64_samples_only():
-    from onnx_qat.calibration.output_check import CHECK_SAMPLES, first_samples
+    from onnx_qat.calibration import collect
+    from onnx_qat.calibration.runner import CHECK_SAMPLES
+    from onnx_qat.runtime import run_model
 
     model, data = _conv_model(), _data(100)
     dataset = onnx_qat.load_data(data, model)
-    feeds = first_samples(dataset, batch_size=16)
-    assert CHECK_SAMPLES == 64 and feeds["x"].shape == (64, 3, 8, 8)
-    np.testing.assert_array_equal(feeds["x"], data["x"][:64])
-    small = onnx_qat.load_data(_data(12), model)
-    assert first_samples(small) is small
+    names = onnx_qat.place(model).activation_tensors()
+    result = collect(model, dataset, names, method="auto", batch_size=16, progress=False)
+    assert CHECK_SAMPLES == 64 and len(result.check_feeds) == 4
+    np.testing.assert_array_equal(np.concatenate([f["x"] for f in result.check_feeds]), data["x"][:64])
+    expected = run_model(model, {"x": data["x"][:64]})
+    assert set(result.reference) == set(expected)
+    for name, values in expected.items():  # taken during the calibration run itself
+        np.testing.assert_allclose(result.reference[name], values.ravel(), rtol=1e-6, atol=1e-6)
+    small = collect(model, onnx_qat.load_data(_data(12), model), names, method="auto", progress=False)
+    assert sum(len(f["x"]) for f in small.check_feeds) == 12
+    assert set(small.candidates) == {"max", "tensor", "entropy"} and set(small.choices) == set(names)
 
 
 def test_output_check_cosine_is_the_accuracy_tools_cosine():
     from onnx_qat.accuracy.prepared import output_error
-    from onnx_qat.calibration.output_check import worst_cosine
+    from onnx_qat.calibration.choice import worst_cosine
 
     rng = np.random.default_rng(0)
     ref = {"a": rng.standard_normal(500), "b": rng.standard_normal(40), "z": np.zeros(5)}
