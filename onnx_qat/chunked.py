@@ -26,11 +26,11 @@ CHUNK_NODES = 2000
 
 
 class _Piece:
-    __slots__ = ("nodes", "inputs", "outputs", "initializers", "session")
+    __slots__ = ("nodes", "inputs", "outputs", "initializers", "sessions")
 
     def __init__(self, nodes, inputs, outputs, initializers):
         self.nodes, self.inputs, self.outputs, self.initializers = nodes, inputs, outputs, initializers
-        self.session = None
+        self.sessions: Dict[tuple, object] = {}
 
 
 class ChunkedSession:
@@ -42,8 +42,11 @@ class ChunkedSession:
         outputs: the tensors :meth:`run` may be asked for (default: the graph outputs).
         chunk_nodes: nodes per piece.
 
-    The sessions are built at the first run, when the dtype and rank of every piece's inputs are
-    known from the values that reach it, and reused after (later feeds must keep those dtypes).
+    A piece's session is built when values first reach it, its inputs declared with their dtypes
+    and shapes, the batch size (the first axis of the feed's first batched input) as the symbolic
+    dimension ``N`` wherever it occurs: onnxruntime builds a session of known shapes several times
+    faster than one whose input shapes are unknown. Values of another shape (a smaller last batch)
+    get a session of their own.
     """
 
     def __init__(self, model: onnx.ModelProto, outputs: Optional[Sequence[str]] = None, *,
@@ -95,28 +98,36 @@ class ChunkedSession:
             if k < count:
                 self.dead[k].append(t)
 
-    def _session(self, piece: _Piece, live: Mapping[str, np.ndarray]):
+    def _session(self, piece: _Piece, live: Mapping[str, np.ndarray], batch: Optional[int]):
         from .runtime import make_session
 
+        # scalars (e.g. scales fed as inputs) keep the dtype they first came with: only the shapes of
+        # the others tell sessions apart
+        key = tuple(tuple("N" if d == batch else d for d in np.shape(live[t])) for t in piece.inputs
+                    if np.ndim(live[t]))
+        session = piece.sessions.get(key)
+        if session is not None:
+            return session
         opsets, ir_version, functions = self.model_info
         inputs = [helper.make_tensor_value_info(
-            t, helper.np_dtype_to_tensor_dtype(np.asarray(live[t]).dtype), [None] * np.ndim(live[t]))
-            for t in piece.inputs]
+            t, helper.np_dtype_to_tensor_dtype(np.asarray(live[t]).dtype),
+            ["N" if d == batch else d for d in np.shape(live[t])]) for t in piece.inputs]
         graph = helper.make_graph(piece.nodes, "piece", inputs,
                                   [onnx.ValueInfoProto(name=t) for t in piece.outputs], piece.initializers)
         model = helper.make_model(graph, opset_imports=opsets, functions=functions)
         model.ir_version = ir_version
-        return make_session(model, optimize=False, copy=False)
+        session = piece.sessions[key] = make_session(model, optimize=False, copy=False)
+        return session
 
     def run(self, outputs: Optional[Sequence[str]], feed: Mapping[str, np.ndarray], run_options=None) -> list:
         """The values of ``outputs`` (None: those given at construction) on ``feed``."""
         wanted = self.outputs if outputs is None else tuple(outputs)
         live = dict(feed)
+        batch = next((np.shape(v)[0] for v in feed.values() if np.ndim(v)), None)
         for piece, dead in zip(self.pieces, self.dead):
-            if piece.session is None:
-                piece.session = self._session(piece, live)
             if piece.outputs:
-                values = piece.session.run(piece.outputs, {t: live[t] for t in piece.inputs}, run_options)
+                session = self._session(piece, live, batch)
+                values = session.run(piece.outputs, {t: live[t] for t in piece.inputs}, run_options)
                 live.update(zip(piece.outputs, values))
             for t in dead:
                 live.pop(t, None)

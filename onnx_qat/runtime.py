@@ -99,7 +99,8 @@ IN_MEMORY_WEIGHT_BYTES = 1024
 
 
 def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers, extra_outputs=()):
-    """A session whose large weights reach onnxruntime as arrays (``add_external_initializers``).
+    """A session whose large weights reach onnxruntime as arrays (``add_external_initializers``),
+    built and run so that a signal stops it (:class:`~onnx_qat.interrupts.InterruptibleSession`).
 
     Only the graph is serialized: the weights are neither copied into protobuf bytes nor parsed
     again by onnxruntime, and no 2 GB limit applies (no temporary file for large models). The
@@ -131,9 +132,11 @@ def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers, 
         light.graph.initializer.append(tensor)
     if names:
         options.add_external_initializers(names, values)
-    session = ort.InferenceSession(light.SerializeToString(), options, providers=list(providers))
-    session._onnx_qat_weights = values
-    return session
+    from .interrupts import InterruptibleSession, call_interruptibly
+
+    session = call_interruptibly(ort.InferenceSession, light.SerializeToString(), options,
+                                 providers=list(providers))
+    return InterruptibleSession(session, values)
 
 
 #: ONNX element types of FP8 tensors (float8e4m3fn/fnuz, float8e5m2/fnuz).
