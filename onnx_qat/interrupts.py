@@ -25,33 +25,66 @@ _interrupted: list = []  # a call interrupted in this process (its thread, done 
 
 
 def call_interruptibly(fn: Callable, *args, run_options=None, **kwargs) -> Any:
-    """``fn(*args, **kwargs)``; on the main thread run on a daemon thread, so a signal handler raising
-    in the main thread (KeyboardInterrupt, Terminated) interrupts the wait at once. ``run_options``
-    (an ``onnxruntime.RunOptions`` the call uses) is then told to terminate. Elsewhere a plain call."""
+    """``fn(*args, **kwargs)``; on the main thread run on the daemon worker thread, so a signal handler
+    raising in the main thread (KeyboardInterrupt, Terminated) interrupts the wait at once.
+    ``run_options`` (an ``onnxruntime.RunOptions`` the call uses) is then told to terminate.
+    Elsewhere a plain call."""
     if threading.current_thread() is not threading.main_thread():
         return fn(*args, **kwargs)
-    outcome: dict = {}
-
-    def work():
-        try:
-            outcome["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # handed to the waiting thread
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=work, name="onnx-qat-call", daemon=True)
-    worker.start()
+    job = _Job(fn, args, kwargs)
+    _worker().put(job)
     try:
-        while worker.is_alive():
-            worker.join(SLICE)
+        while not job.done.wait(SLICE):
+            pass
     except BaseException:
-        _interrupted.append(worker)
+        _interrupted.append(job)
         if run_options is not None:
             run_options.terminate = True
-            worker.join(STOP_WAIT)  # onnxruntime checks the flag between nodes
+            job.done.wait(STOP_WAIT)  # onnxruntime checks the flag between nodes
         raise
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    if job.error is not None:
+        raise job.error
+    return job.value
+
+
+class _Job:
+    __slots__ = ("fn", "args", "kwargs", "done", "value", "error")
+
+    def __init__(self, fn, args, kwargs):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.done = threading.Event()
+        self.value = self.error = None
+
+    def __call__(self):
+        try:
+            self.value = self.fn(*self.args, **self.kwargs)
+        except BaseException as exc:  # handed to the waiting thread
+            self.error = exc
+        finally:
+            self.fn = self.args = self.kwargs = None
+            self.done.set()
+
+
+_queue = None
+_lock = threading.Lock()
+
+
+def _worker():
+    """The queue of the one daemon thread that runs the calls (started on first use: a thread per
+    call would cost more than a short run)."""
+    global _queue
+    with _lock:
+        if _queue is None:
+            import queue
+
+            _queue = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_queue,), name="onnx-qat-calls", daemon=True).start()
+    return _queue
+
+
+def _serve(jobs) -> None:
+    while True:
+        jobs.get()()
 
 
 def interrupted() -> bool:

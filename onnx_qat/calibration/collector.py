@@ -274,28 +274,48 @@ COARSE_KEEP = 4
 
 
 def coarse_to_fine(score, start: int, stop: int, *, widest: bool = True):
-    """The candidate in ``start..stop`` (whole bins) with the least finite ``score`` (a function of
-    an array of candidates giving an array of scores), or None when no score is finite.
+    """The candidate in ``start..stop`` (whole bins) with the least finite ``score``, or None when no
+    score is finite: :func:`coarse_to_fine_rows` of one row (``score`` maps an array of candidates
+    ``[1, K]`` to their scores ``[1, K]``)."""
+    best = coarse_to_fine_rows(score, np.array([start]), np.array([stop]), widest=widest)[0]
+    return None if best < 0 else int(best)
 
-    Scores every :data:`COARSE_STRIDE`-th candidate (and ``stop``), then every candidate within one
-    stride of the :data:`COARSE_KEEP` best of those: about 1/6 of an exhaustive search over 2048
-    bins, the same answer wherever the score varies smoothly at the scale of 8 bins (a quantization
-    error or divergence over 128 levels does; a jagged score may land on a near-minimum).
-    ``widest``: among equal scores the largest candidate (clips least), else the smallest.
+
+def coarse_to_fine_rows(score, start: np.ndarray, stop: np.ndarray, *, widest: bool = True) -> np.ndarray:
+    """For each row ``r``, the candidate in ``start[r]..stop[r]`` (whole bins) with the least finite
+    score (-1 when none is finite, or when ``stop[r] < start[r]``).
+
+    ``score`` maps candidates ``[R, K]`` (one row of candidates per row) to scores ``[R, K]``. Every
+    :data:`COARSE_STRIDE`-th candidate from ``start`` (and ``stop``) is scored, then every candidate
+    within one stride of the :data:`COARSE_KEEP` best of those: about 1/6 of an exhaustive search
+    over 2048 bins, the same answer wherever the score varies smoothly at the scale of 8 bins (a
+    quantization error or divergence over 128 levels does; a jagged score may land on a
+    near-minimum). ``widest``: among equal scores the largest candidate (clips least), else the
+    smallest. Many rows at once cost little more than one: the histograms of all tensors are searched
+    together (:func:`onnx_qat.calibration.auto.analyze`).
     """
-    if stop < start:
-        return None
-    coarse = np.unique(np.append(np.arange(start, stop + 1, COARSE_STRIDE), stop))
-    scores = np.asarray(score(coarse), dtype=np.float64)
-    finite = np.isfinite(scores)
-    if not finite.any():
-        return None
-    order = np.argsort(np.where(finite, scores, np.inf), kind="stable")[:COARSE_KEEP]
-    near = np.concatenate([np.arange(max(start, coarse[i] - COARSE_STRIDE + 1),
-                                     min(stop, coarse[i] + COARSE_STRIDE - 1) + 1) for i in order])
-    fine = np.unique(np.concatenate([near, coarse[order]]))
+    start = np.asarray(start, dtype=np.intp)
+    stop = np.asarray(stop, dtype=np.intp)
+    rows = start.size
+    grid = np.arange(0, max(int((stop - start).max()), 0) + 1, COARSE_STRIDE, dtype=np.intp)
+    coarse = start[:, None] + grid[None, :]
+    valid = coarse <= stop[:, None]
+    on_grid = (stop - start) % COARSE_STRIDE == 0
+    coarse = np.concatenate([np.where(valid, coarse, stop[:, None]), stop[:, None]], axis=1)
+    valid = np.concatenate([valid, (~on_grid & (stop >= start))[:, None]], axis=1)
+    scores = np.where(valid, np.asarray(score(coarse), dtype=np.float64), np.inf)
+    scores = np.where(np.isfinite(scores), scores, np.inf)
+    none = ~np.isfinite(scores).any(axis=1)
+    keep = min(COARSE_KEEP, coarse.shape[1])
+    order = np.argsort(scores, axis=1, kind="stable")[:, :keep]
+    picked = np.take_along_axis(coarse, order, axis=1)
+    offsets = np.arange(-(COARSE_STRIDE - 1), COARSE_STRIDE, dtype=np.intp)
+    fine = np.concatenate([(picked[:, :, None] + offsets[None, None, :]).reshape(rows, -1), picked], axis=1)
+    fine = np.clip(fine, start[:, None], np.maximum(stop, start)[:, None])
     fine_scores = np.asarray(score(fine), dtype=np.float64)
     fine_scores = np.where(np.isfinite(fine_scores), fine_scores, np.inf)
-    best = fine_scores.min()
-    ties = fine[fine_scores == best]
-    return int(ties.max() if widest else ties.min())
+    best = fine_scores.min(axis=1, keepdims=True)
+    ties = (fine_scores == best) & np.isfinite(best)
+    chosen = np.where(ties, fine, -1).max(axis=1) if widest else \
+        np.where(ties, fine, np.iinfo(np.intp).max).min(axis=1)
+    return np.where(none | ~ties.any(axis=1), -1, chosen)

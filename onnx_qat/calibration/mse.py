@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .collector import HistogramCollector, coarse_to_fine
+from .collector import HistogramCollector, coarse_to_fine_rows
 
 
 class MseCollector(HistogramCollector):
@@ -22,15 +22,27 @@ class MseCollector(HistogramCollector):
         super().__init__(num_bins)
 
     def _threshold(self, counts: np.ndarray, width: float) -> float:
-        last = int(np.flatnonzero(counts)[-1]) + 1
-        used = counts[:last]
-        best = coarse_to_fine(lambda edges: edge_mse(used, edges), 1, last, widest=False)
-        return float(best * width)
+        return float(mse_thresholds(counts[None, :])[0]) * width
+
+
+def mse_thresholds(counts: np.ndarray) -> np.ndarray:
+    """The least-error threshold (in bins) of each row of ``counts`` ``[R, n]`` (rows not all zero),
+    searched by :func:`~.collector.coarse_to_fine_rows` over the bin edges ``1..last non-empty``."""
+    counts = np.asarray(counts, dtype=np.float64)
+    last = counts.shape[1] - np.argmax(counts[:, ::-1] > 0, axis=1)
+    return coarse_to_fine_rows(lambda edges: edge_mse_rows(counts, edges), np.ones_like(last), last,
+                               widest=False)
 
 
 def edge_mse(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """:func:`quantization_mse` of the bin centers of ``counts`` for the thresholds at bin edges
-    ``edges`` (in bins), in units of the bin width squared, computed level by level.
+    """:func:`edge_mse_rows` of one histogram."""
+    return edge_mse_rows(np.asarray(counts, dtype=np.float64)[None, :], np.asarray(edges)[None, :])[0]
+
+
+def edge_mse_rows(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """:func:`quantization_mse` of the bin centers of each row of ``counts`` ``[R, n]`` for the
+    thresholds at bin edges ``edges`` ``[R, K]`` (in bins), in units of the bin width squared,
+    computed level by level.
 
     With scale ``s = T / 127`` the centers rounding to level ``q`` form one run of bins, bounded
     where ``c / s`` crosses ``q + 0.5``; a run's squared error ``sum n (c - q s)^2`` comes from prefix
@@ -40,20 +52,22 @@ def edge_mse(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
     with the upper level; the errors agree with :func:`quantization_mse` to float rounding otherwise.
     """
     counts = np.asarray(counts, dtype=np.float64)
-    n = counts.size
+    rows, n = counts.shape
     centers = np.arange(n, dtype=np.float64) + 0.5
-    prefix = [np.concatenate(([0.0], np.cumsum(counts * centers ** p))) for p in (0, 1, 2)]
+    zero = np.zeros((rows, 1))
+    prefix = [np.concatenate([zero, np.cumsum(counts * centers ** p, axis=1)], axis=1) for p in (0, 1, 2)]
     edges = np.asarray(edges, dtype=np.float64)
     scale = edges / 127.0
     levels = np.arange(128, dtype=np.float64)
     # bins below level q's lower bound (q - 0.5) s: the first center index at or above it
-    bounds = np.ceil((levels[None, :] - 0.5) * scale[:, None] - 0.5)
+    bounds = np.ceil((levels[None, None, :] - 0.5) * scale[:, :, None] - 0.5)
     bounds = np.clip(bounds, 0, n).astype(np.intp)
-    bounds = np.concatenate([bounds, np.full((edges.size, 1), n, np.intp)], axis=1)
-    s0, s1, s2 = (np.diff(p[bounds], axis=1) for p in prefix)
-    at = levels[None, :] * scale[:, None]
-    error = (s2 - 2.0 * at * s1 + at * at * s0).sum(axis=1)
-    return np.maximum(error, 0.0) / max(float(counts.sum()), 1.0)
+    bounds = np.concatenate([bounds, np.full(bounds.shape[:2] + (1,), n, np.intp)], axis=2)
+    flat = bounds.reshape(rows, -1)
+    s0, s1, s2 = (np.diff(np.take_along_axis(p, flat, axis=1).reshape(bounds.shape), axis=2) for p in prefix)
+    at = levels[None, None, :] * scale[:, :, None]
+    error = (s2 - 2.0 * at * s1 + at * at * s0).sum(axis=2)
+    return np.maximum(error, 0.0) / np.maximum(prefix[0][:, -1:], 1.0)
 
 
 def quantization_mse(centers: np.ndarray, counts: np.ndarray, thresholds: np.ndarray) -> np.ndarray:

@@ -284,6 +284,10 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
     del session
     unobserved = tuple(name for name in names if name not in reached)
+    if method == "auto":  # every tensor's searches at once
+        from .auto import analyze
+
+        analyze([observers[name].collector for name in names if name in reached])
     ranges = {name: observer.result() for name, observer in observers.items() if name in reached}
     meta = _metadata(method, percentile, num_bins, dataset.num_samples)
     producer = f"onnx_qat.calibrate(method={_describe(method, percentile)})"
