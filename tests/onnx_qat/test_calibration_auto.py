@@ -193,3 +193,34 @@ def test_output_check_cosine_is_the_accuracy_tools_cosine():
     assert worst_cosine(ref, got) == pytest.approx(output_error(ref, got).cosine, abs=1e-12)
     assert worst_cosine(ref, got) < 0.99
     assert worst_cosine({"z": np.zeros(3)}, {"z": np.ones(3)}) == 0.0
+
+
+# --------------------------------------------------------------------------- calibration one way
+def test_unobserved_branch_is_reported_and_the_tables_are_still_judged():
+    """A branch no batch took is named in the placement's notes (and a warning), and ``auto`` judges
+    its tables by the output anyway: nothing falls back silently to the per-tensor table."""
+    model = builders.if_cnn_model()
+    rng = np.random.default_rng(0)
+    data = {"input": (rng.standard_normal((6, 3, 8, 8)) + 1.0).astype(np.float32)}  # always one branch
+    result = onnx_qat.quantize(model, data=data, batch_size=2, progress=False)  # auto, the default
+    assert any("no calibration batch took its else_branch" in note for note in result.placement.notes)
+    cosines = json.loads(result.scales.metadata["auto_output_cosine"])
+    assert set(cosines) == {"max", "tensor", "entropy"} and min(cosines.values()) > 0.9
+    assert result.scales.metadata["auto_table"] in cosines
+    builders.assert_check_clean(result.model)
+    table = calibrate(model, data, batch_size=2, progress=False)  # the same choice through calibrate()
+    assert json.loads(table.metadata["auto_output_cosine"]) == cosines
+
+
+def test_quantize_with_auto_loads_and_places_the_model_once(monkeypatch):
+    import onnx_qat.model_io as model_io
+    import onnx_qat.placement.policy as policy
+
+    loads, places = [], []
+    load, place = model_io.load_model, policy.TensorRTPolicy.place
+    monkeypatch.setattr(model_io, "load_model", lambda *a, **k: loads.append(1) or load(*a, **k))
+    monkeypatch.setattr(policy.TensorRTPolicy, "place", lambda self, *a, **k: places.append(1) or place(self, *a, **k))
+    model, data = _conv_model(), _data(24)
+    result = onnx_qat.quantize(model, data=data, progress=False)
+    assert result.scales.metadata["auto_table"] in ("max", "tensor", "entropy")
+    assert (len(loads), len(places)) == (1, 1)
