@@ -10,6 +10,12 @@
   :class:`EntropyCollector` (``entropy``), :class:`MseCollector` (``mse``),
   :class:`AutoCollector` (``auto``, the default: the best of max / percentile / mse per tensor,
   then whole tables judged by the model's output, :mod:`.choice`).
+
+Owns: running the float model to observe tensors (If branches and Loop/Scan bodies included),
+turning observations into ranges and, for ``auto``, judging its candidate tables by the output
+(:mod:`.choice`, called by whoever holds the model and the placement; never the rewrite).
+May import: io, graph, formats, config, scales, runtime, placement (which tensors to observe),
+insertion (the judge model of :mod:`.choice`).
 """
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ model and placement its caller already holds (the rewrite behind :func:`onnx_qat
 :func:`onnx_qat.calibrate`):
 
 * one Q/DQ model: the placement's main-graph marks inserted by the one inserter
-  (:func:`onnx_qat.insertion.insert_qdq_pairs`) into a copy of the model, each activation pair's
+  (:func:`onnx_qat.insertion.inserter.insert_qdq_pairs`) into a copy of the model, each activation pair's
   scale a graph input instead of a constant;
-* one set of sessions for it, piece by piece (:class:`onnx_qat.chunked.ChunkedSession`: their cost
+* one set of sessions for it, piece by piece (:class:`onnx_qat.runtime.chunked.ChunkedSession`: their cost
   grows linearly with the graph), graph optimisations off: exact Q/DQ arithmetic, as TensorRT
   computes it;
 * one run per table on the check batches, the table's scales fed as inputs.
@@ -37,9 +37,9 @@ logger = logging.getLogger(__name__)
 
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
     """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1), as
-    :func:`onnx_qat.compare.output_figures` measures it (the figure
+    :func:`onnx_qat.runtime.compare.output_figures` measures it (the figure
     :func:`onnx_qat.accuracy.prepared.output_error` reports too)."""
-    from ..compare import output_figures
+    from ..runtime.compare import output_figures
 
     return min([1.0] + [output_figures(ref, candidate[name])["cosine"] for name, ref in reference.items()])
 
@@ -58,7 +58,7 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     Raises:
         ScalesError: a table lacks a range for an activation the placement quantizes.
     """
-    from ..chunked import ChunkedSession
+    from ..runtime.chunked import ChunkedSession
 
     tables = calibration.candidates
     if not tables:
@@ -91,8 +91,8 @@ def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *
                 precision="int8", block_size: int = 128):
     """A copy of ``model`` with ``placement``'s main-graph marks inserted from ``table``, each
     activation pair's scale a float32 scalar graph input: ``(model, {activation tensor: input name})``."""
-    from ..graph_edit import GraphEdit
-    from ..insertion import insert_qdq_pairs
+    from ..graph.edit import GraphEdit
+    from ..insertion.inserter import insert_qdq_pairs
     from ..scales import ScaleTable
 
     copy = onnx.ModelProto()
@@ -116,10 +116,10 @@ def _scale_feeds(placement, amax: Mapping[str, float], scale_inputs: Mapping[str
                  precision) -> Dict[str, np.ndarray]:
     """The scale of every activation pair under table ``amax`` (scale groups share their largest
     range), as the inserter computes it: ``{scale input: float32 scalar}``."""
-    from ..formats import get_format
-    from ..insertion import activation_scales, group_amax
+    from ..formats.numeric import get_format
+    from ..insertion.inserter import activation_scales, group_amax
     from ..scales import ScaleTable
-    from ..targets import get_target
+    from ..insertion.targets import get_target
 
     amaxes = group_amax(placement, ScaleTable(dict(amax)))
     tensors = list(scale_inputs)

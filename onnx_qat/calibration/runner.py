@@ -176,7 +176,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     Args:
         model: a float ONNX model (``ModelProto``, not modified, or a path).
         data: calibration data: an ``.npz`` path, a dict of arrays, an array or a
-            :class:`~onnx_qat.data.Dataset` (see :func:`onnx_qat.load_data`).
+            :class:`~onnx_qat.io.data.Dataset` (see :func:`onnx_qat.load_data`).
         method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
             of the max, percentile and mse candidates quantizes that tensor with the least error,
             ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
@@ -203,9 +203,9 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     Raises:
         ModelError, DataError, ConfigError, PlacementError, OutputError: one line each.
     """
-    from ..data import load_data
-    from ..fileio import check_output_path
-    from ..model_io import load_model
+    from ..io.data import load_data
+    from ..io.files import check_output_path
+    from ..io.models import load_model
     _check_options(method, percentile, num_bins, batch_size)
     if output is not None:
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
@@ -229,7 +229,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         table = auto_table(result, "tensor", {})
     else:
         from ..config import QuantizeConfig
-        from ..insertion import without_unreached_branches
+        from ..insertion.inserter import without_unreached_branches
         from .choice import choose
 
         resolved = QuantizeConfig.from_options(config, **placement_options)
@@ -320,7 +320,7 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
     its iterations). Returns the names observed on at least one batch, and ``(feed, {output: value})``
     of the batches holding the first :data:`CHECK_SAMPLES` samples (when ``outputs`` are given).
     """
-    from ..runtime import feeds_with_progress
+    from ..runtime.sessions import feeds_with_progress
 
     reached = set()
     kept: list = []
@@ -363,7 +363,7 @@ def _tensors_to_observe(placement, tensors, config, placement_options) -> Tuple[
     names = placement.activation_tensors()
     if not names:
         from ..config import QuantizeConfig
-        from ..formats import get_format
+        from ..formats.numeric import get_format
 
         fmt = get_format(QuantizeConfig.from_options(config, **placement_options).precision)
         if fmt.weight_only:

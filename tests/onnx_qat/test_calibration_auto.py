@@ -118,7 +118,7 @@ def test_quantize_auto_is_check_clean_and_cli_accepts_it(tmp_path):
 # --------------------------------------------------------------------------- the output check
 def _output_cosine(model, quantized, data) -> float:
     from onnx_qat.accuracy.prepared import output_error
-    from onnx_qat.runtime import make_session, run_model
+    from onnx_qat.runtime.sessions import make_session, run_model
 
     ref, got = run_model(model, data), run_model(make_session(quantized, optimize=False), data)
     return output_error({k: v.ravel() for k, v in ref.items()}, {k: v.ravel() for k, v in got.items()}).cosine
@@ -166,7 +166,7 @@ def test_auto_with_a_subset_of_tensors_keeps_the_per_tensor_choice():
 def test_output_check_runs_on_the_first_64_samples_only():
     from onnx_qat.calibration import collect
     from onnx_qat.calibration.runner import CHECK_SAMPLES
-    from onnx_qat.runtime import run_model
+    from onnx_qat.runtime.sessions import run_model
 
     model, data = _conv_model(), _data(100)
     dataset = onnx_qat.load_data(data, model)
@@ -213,7 +213,7 @@ def test_unobserved_branch_is_reported_and_the_tables_are_still_judged():
 
 
 def test_quantize_with_auto_loads_and_places_the_model_once(monkeypatch):
-    import onnx_qat.model_io as model_io
+    import onnx_qat.io.models as model_io
     import onnx_qat.placement.policy as policy
 
     loads, places = [], []

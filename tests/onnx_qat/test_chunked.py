@@ -1,11 +1,11 @@
-"""``onnx_qat.chunked.ChunkedSession``: a model run piece by piece gives the whole model's values."""
+"""``onnx_qat.runtime.chunked.ChunkedSession``: a model run piece by piece gives the whole model's values."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from onnx_qat.chunked import ChunkedSession
-from onnx_qat.runtime import make_session
+from onnx_qat.runtime.chunked import ChunkedSession
+from onnx_qat.runtime.sessions import make_session
 from tests import builders
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_qat.fileio import atomic_output, atomic_write_bytes
+from onnx_qat.io.files import atomic_output, atomic_write_bytes
 from tests.builders import GraphBuilder
 from tests.reliability import support
 
@@ -162,7 +162,7 @@ def _interrupt_during_calibration(directory: Path, command: str, sig: int, *extr
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_inside_one_long_onnxruntime_run_stops_within_2_s(slow_workspace, sig):
     """All 256 samples in one batch: a single onnxruntime run of about 15 s, the signal sent a
-    second into it. The run is on a worker thread (onnx_qat.interrupts): the main thread handles
+    second into it. The run is on a worker thread (onnx_qat.runtime.interrupts): the main thread handles
     the signal at once and tells the run to terminate."""
     code, stderr, elapsed = _interrupt_during_calibration(slow_workspace, "quantize", sig, "--batch-size", "256",
                                                           wait=1.0)

@@ -51,7 +51,7 @@ class ChunkedSession:
 
     def __init__(self, model: onnx.ModelProto, outputs: Optional[Sequence[str]] = None, *,
                  chunk_nodes: int = CHUNK_NODES):
-        from .graph_edit import subgraph_names
+        from ..graph.edit import subgraph_names
 
         graph = model.graph
         self.model_info = (list(model.opset_import), model.ir_version, list(model.functions))
@@ -99,7 +99,7 @@ class ChunkedSession:
                 self.dead[k].append(t)
 
     def _session(self, piece: _Piece, live: Mapping[str, np.ndarray], batch: Optional[int]):
-        from .runtime import make_session
+        from .sessions import make_session
 
         # scalars (e.g. scales fed as inputs) keep the dtype they first came with: only the shapes of
         # the others tell sessions apart

@@ -4,12 +4,12 @@ Python runs a signal handler only between bytecodes of the main thread: while th
 in one onnxruntime call (building the session of a 50,000-node model, running a large batch) a
 signal waits for minutes. :func:`call_interruptibly` runs such a call on a daemon thread while the
 main thread waits in short slices, so the handler (KeyboardInterrupt, or the CLI's
-:class:`~onnx_qat.errors.Terminated`) runs at once; a run is then told to stop
+:class:`~onnx_qat.cli.Terminated`) runs at once; a run is then told to stop
 (``onnxruntime.RunOptions.terminate``) and the exception unwinds the main thread as usual, through
 every ``finally`` and :func:`~onnx_qat.fileio.atomic_output`'s clean-up. A session build cannot be
 stopped: its thread is left to finish in the background, where nothing reads its result.
 :class:`InterruptibleSession` wraps a session so that each ``run`` goes this way;
-:func:`onnx_qat.runtime.make_session` returns one.
+:func:`onnx_qat.runtime.sessions.make_session` returns one.
 """
 from __future__ import annotations
 
