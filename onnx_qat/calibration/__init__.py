@@ -25,10 +25,12 @@ from .entropy import EntropyCollector
 from .max_collector import MaxCollector
 from .mse import MseCollector
 from .percentile import PercentileCollector
-from .runner import DEFAULT_METHOD, METHODS, Calibration, TensorObserver, calibrate, collect, make_collector
+from .runner import (DEFAULT_METHOD, METHODS, Calibration, TensorObserver, calibrate, collect,
+                     make_collector)
 
 __all__ = [
-    "calibrate", "collect", "Calibration", "DEFAULT_METHOD", "METHODS", "make_collector", "RangeCollector", "AbsHistogram",
+    "calibrate", "collect", "Calibration", "DEFAULT_METHOD", "METHODS", "make_collector", "RangeCollector",
+    "AbsHistogram",
     "TensorObserver",
     "MaxCollector", "PercentileCollector", "EntropyCollector", "MseCollector",
     "AutoCollector",

@@ -74,7 +74,7 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     del judge
     cosines: Dict[str, float] = {}
     for name, amax in tables.items():
-        scales = _scale_feeds(placement, amax, scale_inputs, target, precision)
+        scales = _scale_feeds(placement, amax, scale_inputs, precision)
         got: Dict[str, List[np.ndarray]] = {o: [] for o in outputs}
         for feed in calibration.check_feeds:
             for o, value in zip(outputs, session.run(outputs, {**feed, **scales})):
@@ -112,18 +112,17 @@ def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *
     return judge, scale_inputs
 
 
-def _scale_feeds(placement, amax: Mapping[str, float], scale_inputs: Mapping[str, str], target,
+def _scale_feeds(placement, amax: Mapping[str, float], scale_inputs: Mapping[str, str],
                  precision) -> Dict[str, np.ndarray]:
     """The scale of every activation pair under table ``amax`` (scale groups share their largest
     range), as the inserter computes it: ``{scale input: float32 scalar}``."""
     from ..formats.numeric import get_format
     from ..insertion.inserter import activation_scales, group_amax
     from ..scales import ScaleTable
-    from ..insertion.targets import get_target
 
     amaxes = group_amax(placement, ScaleTable(dict(amax)))
     tensors = list(scale_inputs)
-    scales = activation_scales([amaxes[t] for t in tensors], get_target(target), get_format(precision).qmax)
+    scales = activation_scales([amaxes[t] for t in tensors], get_format(precision).qmax)
     return {scale_inputs[t]: np.array(s, dtype=np.float32) for t, s in zip(tensors, scales)}
 
 

@@ -167,7 +167,8 @@ def kl_rows(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarr
     tail = total - take(prefix, thresholds)
     at_last = take(counts, last)
     p_last = at_last + tail  # the last bin of P takes the clipped tail
-    edges = -((-np.arange(levels + 1)[None, None, :] * thresholds[:, :, None]) // levels)  # ceil(j i / levels)
+    # ceil(j * i / levels)
+    edges = -((-np.arange(levels + 1)[None, None, :] * thresholds[:, :, None]) // levels)
     summed = take(prefix, edges)
     level_sum = summed[..., 1:] - summed[..., :-1]
     nonzero = take(prefix_nonzero, edges)

@@ -219,7 +219,8 @@ def test_quantize_with_auto_loads_and_places_the_model_once(monkeypatch):
     loads, places = [], []
     load, place = model_io.load_model, policy.TensorRTPolicy.place
     monkeypatch.setattr(model_io, "load_model", lambda *a, **k: loads.append(1) or load(*a, **k))
-    monkeypatch.setattr(policy.TensorRTPolicy, "place", lambda self, *a, **k: places.append(1) or place(self, *a, **k))
+    monkeypatch.setattr(policy.TensorRTPolicy, "place",
+                        lambda self, *a, **k: places.append(1) or place(self, *a, **k))
     model, data = _conv_model(), _data(24)
     result = onnx_qat.quantize(model, data=data, progress=False)
     assert result.scales.metadata["auto_table"] in ("max", "tensor", "entropy")

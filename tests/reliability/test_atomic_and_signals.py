@@ -164,8 +164,8 @@ def test_signal_inside_one_long_onnxruntime_run_stops_within_2_s(slow_workspace,
     """All 256 samples in one batch: a single onnxruntime run of about 15 s, the signal sent a
     second into it. The run is on a worker thread (onnx_qat.runtime.interrupts): the main thread handles
     the signal at once and tells the run to terminate."""
-    code, stderr, elapsed = _interrupt_during_calibration(slow_workspace, "quantize", sig, "--batch-size", "256",
-                                                          wait=1.0)
+    code, stderr, elapsed = _interrupt_during_calibration(slow_workspace, "quantize", sig,
+                                                          "--batch-size", "256", wait=1.0)
     assert code == (EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_TERMINATED), stderr
     assert elapsed < 2.0, f"exit {elapsed:.1f} s after the signal"
     assert "Traceback" not in stderr and len(support.error_lines(stderr)) == 1, stderr
