@@ -12,7 +12,7 @@ import numpy as np
 
 from .collector import HistogramCollector
 from .entropy import EntropyCollector
-from .mse import MseCollector, mse_thresholds
+from .mse import MseCollector, edge_mse_rows, mse_thresholds
 from .percentile import PercentileCollector
 
 #: Percentiles of |x| tried as candidates.
@@ -121,7 +121,8 @@ def _analyze_rows(group) -> None:
     fine = [c.hist.final(c.num_bins * c.RESOLUTION) for c in group]
     fine_counts = np.stack([f[0] for f in fine])
     fine_width = np.array([f[1] for f in fine])
-    errors = _fine_errors(fine_counts, fine_width, candidates)
+    # quantization_mse of the fine bin centers, level by level (the thresholds in fine bins)
+    errors = edge_mse_rows(fine_counts, candidates / fine_width[:, None]) * fine_width[:, None] ** 2
     entropy = EntropyCollector(first.num_bins)
     entropy_amax = np.minimum(np.maximum(entropy.thresholds(counts) * widths, widths), peaks)
     for r, collector in enumerate(group):
@@ -131,17 +132,3 @@ def _analyze_rows(group) -> None:
             best = "max"
         collector.choice, collector.errors = best, table
         collector._analysis = (table[best][0], best, table, float(entropy_amax[r]))
-
-
-def _fine_errors(counts: np.ndarray, width: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-    """:func:`~.mse.quantization_mse` of each row's fine histogram (bin centers) for that row's
-    candidate thresholds: ``[R, bins]``, ``[R]``, ``[R, K]`` -> ``[R, K]``."""
-    centers = (np.arange(counts.shape[1], dtype=np.float64) + 0.5)[None, :] * width[:, None]  # [R, bins]
-    scale = np.asarray(thresholds, dtype=np.float64) / 127.0  # [R, K]
-    steps = centers[:, None, :] / scale[:, :, None]
-    error = np.round(steps)
-    np.minimum(error, 127.0, out=error)
-    np.subtract(steps, error, out=error)
-    np.square(error, out=error)
-    total = np.maximum(counts.sum(axis=1), 1.0)
-    return np.einsum("rkb,rb->rk", error, counts) * scale ** 2 / total[:, None]
