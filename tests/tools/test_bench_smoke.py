@@ -28,6 +28,7 @@ EXPECTED = {
                 "cnn: onnx-qat int8 cosine to FP32", "cnn: onnx-qat int4 AWQ quantize time"),
     "sensitivity": ("sensitivity time, ", "min-cosine time / sensitivity time"),
     "export_speed": ("export_onnx time, ", "export_onnx peak memory, "),
+    "calibration_scale": ("quantize --method auto / --method max, time, ", "auto's extra cost per node, "),
 }
 
 
@@ -64,6 +65,11 @@ def test_quick_onnx_benchmarks_write_their_tables(tmp_path):
     for name in ("cpu_latency", "rewrite_speed", "calibration"):
         _check_rows(doc, markdown, stdout, name)
     assert markdown.startswith("# onnx-qat benchmarks (quick)")
+
+
+def test_quick_calibration_scale_writes_its_table(tmp_path):
+    stdout, doc, markdown = _bench(tmp_path, "calibration_scale")
+    _check_rows(doc, markdown, stdout, "calibration_scale")
 
 
 def test_quick_qat_step_writes_its_table(tmp_path):

@@ -48,7 +48,7 @@ def _measure(workdir: Path, nodes: int, repeats: int):
 
 def run(workdir: Path, *, quick: bool = False, sizes: Sequence[int] = ()) -> List[Row]:
     """Measure and return the calibration_scale rows."""
-    sizes = tuple(sizes) or ((400, 2000) if quick else (10_000, 50_000))
+    sizes = tuple(sizes) or ((200, 1000) if quick else (10_000, 50_000))
     repeats = 1 if quick else 2
     results = {n: _measure(Path(workdir), n, repeats) for n in sizes}
     rows = []
