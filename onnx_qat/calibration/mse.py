@@ -58,7 +58,8 @@ def _coarse_mse(counts: np.ndarray):
         t = edges.astype(np.float64)
         clipped = beyond[2] - 2.0 * t * beyond[1] + t * t * beyond[0]
         scale = t / 127.0
-        return (np.maximum(clipped, 0.0) + inside[0] * scale * scale / 12.0) / np.maximum(prefix[0][:, -1:], 1.0)
+        error = np.maximum(clipped, 0.0) + inside[0] * scale * scale / 12.0
+        return error / np.maximum(prefix[0][:, -1:], 1.0)
 
     return score
 
