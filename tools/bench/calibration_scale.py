@@ -1,5 +1,5 @@
-"""calibration_scale: ``onnx-qat quantize --data`` with ``--method auto`` (the default) against ``--method max``
-on the synthetic residual nets of ``rewrite_speed`` (10,000 and 50,000 nodes).
+"""calibration_scale: ``onnx-qat quantize --data`` with ``--method auto`` (the default) against
+``--method max`` on the synthetic residual nets of ``rewrite_speed`` (10,000 and 50,000 nodes).
 
 Each run is a whole process (``python -m onnx_qat quantize MODEL --data DATA --method M -o OUT``), the two
 methods in turn (A B A B), the least disturbed of the repeats counting. The nets are
