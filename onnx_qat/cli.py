@@ -908,7 +908,7 @@ def _stopped(what: str, code: int, verbose: int) -> int:
 
     Outputs were cleaned up while the exception unwound. When an onnxruntime call was interrupted,
     the process ends here with ``os._exit``: tearing the interpreter down after it would abort the
-    process (:func:`onnx_qat.runtime.interrupts.interrupted`).
+    process (`onnx_qat.runtime.interrupts.interrupted`).
     """
     from .runtime.interrupts import interrupted
 

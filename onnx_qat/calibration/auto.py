@@ -1,7 +1,7 @@
 """``auto``: per tensor, the candidate range (max, percentiles, mse) with the least quantization error.
 
-:func:`onnx_qat.calibrate` then judges whole tables by the model's output
-(:mod:`.choice`): this per-tensor choice, ``max`` everywhere and ``entropy`` everywhere, all
+[`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate] then judges whole tables by the model's output
+(`choice`): this per-tensor choice, ``max`` everywhere and ``entropy`` everywhere, all
 read from the same histograms.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ class AutoCollector(HistogramCollector):
         return float(self.hist.max_seen)
 
     def entropy_amax(self) -> float:
-        """The ``entropy`` range (the guarded KL search of :mod:`.entropy`) from the same histogram."""
+        """The ``entropy`` range (the guarded KL search of `entropy`) from the same histogram."""
         if self.hist.max_seen <= 0.0:
             return 0.0
         if self._analysis is None:
@@ -86,16 +86,16 @@ class AutoCollector(HistogramCollector):
         return self._analysis[0]
 
 
-#: Histograms searched together by :func:`analyze` (bounds its temporary memory to a few tens of MB).
+#: Histograms searched together by `analyze` (bounds its temporary memory to a few tens of MB).
 ANALYSIS_ROWS = 32
 
 
 def analyze(collectors) -> None:
     """Compute the candidates, their errors, the choice and the ``entropy`` range of many
-    :class:`AutoCollector` at once (each then answers :meth:`~AutoCollector.amax`,
-    :attr:`~AutoCollector.choice`, :attr:`~AutoCollector.errors` and
-    :meth:`~AutoCollector.entropy_amax` from it): the searches of :mod:`.mse` and :mod:`.entropy` run
-    on :data:`ANALYSIS_ROWS` histograms per NumPy call, which costs a few times less than one call
+    `AutoCollector` at once (each then answers `amax`,
+    `choice`, `errors` and
+    `entropy_amax` from it): the searches of `mse` and `entropy` run
+    on `ANALYSIS_ROWS` histograms per NumPy call, which costs a few times less than one call
     per tensor on graphs of thousands of tensors. The same numbers as one collector alone."""
     live = [c for c in collectors if c.hist.max_seen > 0.0]
     for start in range(0, len(live), ANALYSIS_ROWS):

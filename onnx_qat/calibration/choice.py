@@ -2,17 +2,18 @@
 
 A tensor's own quantization error does not say what its range does to the output (clipping a few
 large values can cost more downstream than their share of the error shows, and the errors of many
-tensors add up). So :func:`~onnx_qat.calibration.runner.collect` gives ``auto``'s candidate tables
+tensors add up). So `collect` gives ``auto``'s candidate tables
 from its one pass -- ``max`` everywhere, each tensor's least-error candidate, the guarded ``entropy``
 everywhere -- with the float model's outputs on the calibration batches holding the first
-:data:`~onnx_qat.calibration.runner.CHECK_SAMPLES` samples. :func:`choose` judges them with the
-model and placement its caller already holds (the rewrite behind :func:`onnx_qat.quantize`, or
-:func:`onnx_qat.calibrate`):
+`CHECK_SAMPLES` samples. `choose` judges them with the
+model and placement its caller already holds (the rewrite behind
+[`onnx_qat.quantize`][onnx_qat.quantize.quantize], or
+[`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]):
 
 * one Q/DQ model: the placement's main-graph marks inserted by the one inserter
-  (:func:`onnx_qat.insertion.inserter.insert_qdq_pairs`) into a copy of the model, each activation pair's
+  (`onnx_qat.insertion.inserter.insert_qdq_pairs`) into a copy of the model, each activation pair's
   scale a graph input instead of a constant;
-* one set of sessions for it, piece by piece (:class:`onnx_qat.runtime.chunked.ChunkedSession`: their cost
+* one set of sessions for it, piece by piece (`onnx_qat.runtime.chunked.ChunkedSession`: their cost
   grows linearly with the graph), graph optimisations off: exact Q/DQ arithmetic, as TensorRT
   computes it;
 * one run per table on the check batches, the table's scales fed as inputs.
@@ -38,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
     """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1), as
-    :func:`onnx_qat.runtime.compare.output_figures` measures it (the figure
-    :func:`onnx_qat.accuracy.prepared.output_error` reports too)."""
+    `onnx_qat.runtime.compare.output_figures` measures it (the figure
+    `onnx_qat.accuracy.prepared.output_error` reports too)."""
     from ..runtime.compare import output_figures
 
     return min([1.0] + [output_figures(ref, candidate[name])["cosine"] for name, ref in reference.items()])
@@ -52,7 +53,7 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     Args:
         model: the float model (not changed), the one ``placement`` was decided on.
         placement: the placement the tables are inserted with (its main graph).
-        calibration: a :class:`~onnx_qat.calibration.runner.Calibration` of ``method="auto"``.
+        calibration: a `Calibration` of ``method="auto"``.
         target, precision, block_size: as for the rewrite (the target's activation dtype and zero
             point, the format's scale rule).
 

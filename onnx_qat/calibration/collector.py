@@ -59,7 +59,7 @@ class AbsHistogram:
     bins is summed into one: the re-binning is exact because bin edges stay aligned. The largest
     value therefore always lies in the upper half of the range, so at least ``num_bins / 2`` bins
     cover the data. Because the edges depend only on the values (never on the order of the batches),
-    two histograms of parts of the data :meth:`merge` into exactly the histogram of all of it, and
+    two histograms of parts of the data `merge` into exactly the histogram of all of it, and
     batches may be counted in any grouping: small batches are buffered and binned together (one
     pass per ``num_bins`` values instead of one per batch). Zeros count in bin 0.
     """
@@ -267,7 +267,7 @@ class HistogramCollector(RangeCollector):
         """The method's threshold from ``num_bins`` counts of width ``width`` starting at 0."""
 
 
-#: :func:`coarse_to_fine` scores every ``COARSE_STRIDE``-th candidate first ...
+#: `coarse_to_fine` scores every ``COARSE_STRIDE``-th candidate first ...
 COARSE_STRIDE = 8
 #: ... then every candidate within one stride of the ``COARSE_KEEP`` best of those.
 COARSE_KEEP = 4
@@ -275,7 +275,7 @@ COARSE_KEEP = 4
 
 def coarse_to_fine(score, start: int, stop: int, *, widest: bool = True):
     """The candidate in ``start..stop`` (whole bins) with the least finite ``score``, or None when no
-    score is finite: :func:`coarse_to_fine_rows` of one row (``score`` maps an array of candidates
+    score is finite: `coarse_to_fine_rows` of one row (``score`` maps an array of candidates
     ``[1, K]`` to their scores ``[1, K]``)."""
     best = coarse_to_fine_rows(score, np.array([start]), np.array([stop]), widest=widest)[0]
     return None if best < 0 else int(best)
@@ -286,13 +286,13 @@ def coarse_to_fine_rows(score, start: np.ndarray, stop: np.ndarray, *, widest: b
     score (-1 when none is finite, or when ``stop[r] < start[r]``).
 
     ``score`` maps candidates ``[R, K]`` (one row of candidates per row) to scores ``[R, K]``. Every
-    :data:`COARSE_STRIDE`-th candidate from ``start`` (and ``stop``) is scored, then every candidate
-    within one stride of the :data:`COARSE_KEEP` best of those: about 1/6 of an exhaustive search
+    `COARSE_STRIDE`-th candidate from ``start`` (and ``stop``) is scored, then every candidate
+    within one stride of the `COARSE_KEEP` best of those: about 1/6 of an exhaustive search
     over 2048 bins, the same answer wherever the score varies smoothly at the scale of 8 bins (a
     quantization error or divergence over 128 levels does; a jagged score may land on a
     near-minimum). ``widest``: among equal scores the largest candidate (clips least), else the
     smallest. Many rows at once cost little more than one: the histograms of all tensors are searched
-    together (:func:`onnx_qat.calibration.auto.analyze`).
+    together (`onnx_qat.calibration.auto.analyze`).
     """
     start = np.asarray(start, dtype=np.intp)
     stop = np.asarray(stop, dtype=np.intp)

@@ -144,12 +144,12 @@ def kl_divergences(counts: np.ndarray, start: int, stop: int, levels: int) -> np
 
 
 def kl_at(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarray:
-    """:func:`kl_divergences` for the given thresholds (bins, each in ``levels..counts.size``)."""
+    """`kl_divergences` for the given thresholds (bins, each in ``levels..counts.size``)."""
     return kl_rows(np.asarray(counts, dtype=np.float64)[None, :], np.asarray(thresholds)[None, :], levels)[0]
 
 
 def kl_rows(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarray:
-    """:func:`kl_divergences` of many histograms at once: ``counts`` ``[R, n]``, ``thresholds``
+    """`kl_divergences` of many histograms at once: ``counts`` ``[R, n]``, ``thresholds``
     ``[R, K]`` (bins, each in ``levels..n``) -> ``[R, K]``."""
     counts = np.asarray(counts, dtype=np.float64)
     thresholds = np.asarray(thresholds, dtype=np.intp)

@@ -12,7 +12,7 @@ class MseCollector(HistogramCollector):
     Each bin is represented by its center c with its count; with scale s = T / 127,
     values inside the range are rounded to a multiple of s (error (c - round(c/s) s)^2)
     and values beyond T are clipped to T (error (c - T)^2). Every bin edge from
-    bin 1 up to the last non-empty bin is a candidate, searched by :func:`~.collector.coarse_to_fine_rows`
+    bin 1 up to the last non-empty bin is a candidate, searched by `coarse_to_fine_rows`
     (every 8th edge ranked by a uniform-density estimate of the error, then every edge near the best of
     those scored exactly).
     """
@@ -28,7 +28,7 @@ class MseCollector(HistogramCollector):
 
 def mse_thresholds(counts: np.ndarray) -> np.ndarray:
     """The least-error threshold (in bins) of each row of ``counts`` ``[R, n]`` (rows not all zero),
-    searched by :func:`~.collector.coarse_to_fine_rows` over the bin edges ``1..last non-empty``."""
+    searched by `coarse_to_fine_rows` over the bin edges ``1..last non-empty``."""
     counts = np.asarray(counts, dtype=np.float64)
     last = counts.shape[1] - np.argmax(counts[:, ::-1] > 0, axis=1)
     coarse = _coarse_mse(counts)
@@ -42,7 +42,7 @@ def mse_thresholds(counts: np.ndarray) -> np.ndarray:
 
 
 def _coarse_mse(counts: np.ndarray):
-    """A cheap stand-in for :func:`edge_mse_rows` that ranks the coarse candidates: the values beyond
+    """A cheap stand-in for `edge_mse_rows` that ranks the coarse candidates: the values beyond
     the threshold clip (their exact squared error, from prefix sums), the values inside cost the
     rounding error of a uniform density, ``s^2 / 12`` each: O(1) per threshold instead of 128 terms.
     Only the best few coarse candidates matter; every fine candidate is scored exactly."""
@@ -65,12 +65,12 @@ def _coarse_mse(counts: np.ndarray):
 
 
 def edge_mse(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """:func:`edge_mse_rows` of one histogram."""
+    """`edge_mse_rows` of one histogram."""
     return edge_mse_rows(np.asarray(counts, dtype=np.float64)[None, :], np.asarray(edges)[None, :])[0]
 
 
 def edge_mse_rows(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """:func:`quantization_mse` of the bin centers of each row of ``counts`` ``[R, n]`` for the
+    """`quantization_mse` of the bin centers of each row of ``counts`` ``[R, n]`` for the
     thresholds at bin edges ``edges`` ``[R, K]`` (in bins), in units of the bin width squared,
     computed level by level.
 
@@ -79,7 +79,7 @@ def edge_mse_rows(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
     sums of ``n``, ``n c`` and ``n c^2``, so a threshold costs 128 terms instead of one per bin (the
     centers at or beyond 126.5 steps all clip to level 127, as ``min(round(c / s), 127)`` has it).
     A center exactly halfway between two levels, where rounding goes to the even one, is counted
-    with the upper level; the errors agree with :func:`quantization_mse` to float rounding otherwise.
+    with the upper level; the errors agree with `quantization_mse` to float rounding otherwise.
     """
     counts = np.asarray(counts, dtype=np.float64)
     rows, n = counts.shape

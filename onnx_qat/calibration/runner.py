@@ -143,7 +143,7 @@ class Calibration:
         candidates: ``auto`` only: the whole tables to choose from, ``{"max": ..., "tensor": ...,
             "entropy": ...}``, all read from the same histograms.
         choices: ``auto`` only: ``{tensor: candidate}`` of the per-tensor table.
-        check_feeds: ``auto`` only: the calibration batches holding the first :data:`CHECK_SAMPLES`
+        check_feeds: ``auto`` only: the calibration batches holding the first `CHECK_SAMPLES`
             samples, which the candidate tables are judged on.
         reference: ``auto`` only: the float model's float outputs on ``check_feeds`` (flattened and
             joined over the batches), taken during the calibration run itself.
@@ -159,7 +159,7 @@ class Calibration:
     reference: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def table(self, name: Optional[str] = None, **metadata) -> ScaleTable:
-        """The ScaleTable of :attr:`ranges` (or of candidate ``name``), with ``metadata`` added."""
+        """The ScaleTable of `ranges` (or of candidate ``name``), with ``metadata`` added."""
         amax = self.ranges if name is None else self.candidates[name]
         return ScaleTable(dict(amax), producer=self.producer, metadata={**self.metadata, **metadata})
 
@@ -183,7 +183,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
             of the max, percentile and mse candidates quantizes that tensor with the least error,
             ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
-            model's on the first 64 calibration samples, :func:`~onnx_qat.calibration.choice.choose`;
+            model's on the first 64 calibration samples, `choose`;
             the metadata keys ``auto_table``, ``auto_output_cosine`` and ``auto_choices`` record
             the choice), ``"max"`` (max |x|), ``"percentile"`` (the ``percentile``-th percentile of
             |x|), ``"entropy"`` (TensorRT's KL-divergence threshold, guarded) or ``"mse"``
@@ -272,11 +272,11 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
             percentile: float = 99.99, num_bins: int = 2048, batch_size: int = 16,
             progress: bool = True) -> Calibration:
     """One calibration pass of ``model`` (a loaded float ModelProto, not changed) over ``dataset``
-    (a :class:`~onnx_qat.data.Dataset`), observing ``names``: the :class:`Calibration` (ranges, and
+    (a `Dataset`), observing ``names``: the `Calibration` (ranges, and
     for ``auto`` the candidate tables, the check batches and the float outputs on them).
 
     This is all calibration does: choosing among ``auto``'s tables is the caller's (it holds the
-    placement the tables are inserted with: :func:`onnx_qat.calibration.choice.choose`).
+    placement the tables are inserted with: `onnx_qat.calibration.choice.choose`).
     """
     from ..runtime.stateful import carry_state, state_outputs
 
@@ -329,10 +329,10 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
     """Run every batch once and reduce each observed tensor into its observer (fed inputs from the feed).
 
     When only graph inputs are observed (and no ``outputs`` are asked for) the model is not run at
-    all. ``session`` may be a :class:`~onnx_qat.calibration.branches.BranchRunner`, which gives None
+    all. ``session`` may be a `BranchRunner`, which gives None
     for the tensors of If branches a batch does not take (and a Loop/Scan body's tensors stacked over
     its iterations). Returns the names observed on at least one batch, and ``(feed, {output: value})``
-    of the batches holding the first :data:`CHECK_SAMPLES` samples (when ``outputs`` are given).
+    of the batches holding the first `CHECK_SAMPLES` samples (when ``outputs`` are given).
     """
     from ..runtime.sessions import feeds_with_progress
 

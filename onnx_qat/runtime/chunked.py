@@ -4,8 +4,8 @@ onnxruntime's session creation grows faster than the graph: on the benchmark's r
 (``tools/bench/models.residual_net``) a session of 10,000 float nodes took 0.9 s and one of 50,000
 about 17 times as long, and a Q/DQ model of 25,000 nodes 12-15 times as long as one of 5,000 (graph
 optimisations off; with them on, onnxruntime's QDQ transformers took 566 s on the 25,000-node model).
-:class:`ChunkedSession` cuts the node list (which ONNX keeps in topological order) into runs of
-about :data:`CHUNK_NODES` nodes and runs them one after the other: each piece's inputs are the
+`ChunkedSession` cuts the node list (which ONNX keeps in topological order) into runs of
+about `CHUNK_NODES` nodes and runs them one after the other: each piece's inputs are the
 tensors it reads from before it (graph inputs, earlier pieces' outputs, names its If/Loop/Scan
 bodies read from the outer scope), its outputs the tensors later pieces or the caller read. The
 cost of the sessions then grows linearly with the graph, and a tensor lives only until its last
@@ -39,7 +39,7 @@ class ChunkedSession:
 
     Args:
         model: a ``ModelProto`` (not changed; the pieces hold copies of its nodes and initializers).
-        outputs: the tensors :meth:`run` may be asked for (default: the graph outputs).
+        outputs: the tensors `run` may be asked for (default: the graph outputs).
         chunk_nodes: nodes per piece.
 
     A piece's session is built when values first reach it, its inputs declared with their dtypes

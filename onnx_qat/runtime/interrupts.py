@@ -2,14 +2,14 @@
 
 Python runs a signal handler only between bytecodes of the main thread: while the main thread sits
 in one onnxruntime call (building the session of a 50,000-node model, running a large batch) a
-signal waits for minutes. :func:`call_interruptibly` runs such a call on a daemon thread while the
+signal waits for minutes. `call_interruptibly` runs such a call on a daemon thread while the
 main thread waits in short slices, so the handler (KeyboardInterrupt, or the CLI's
-:class:`~onnx_qat.cli.Terminated`) runs at once; a run is then told to stop
+`Terminated`) runs at once; a run is then told to stop
 (``onnxruntime.RunOptions.terminate``) and the exception unwinds the main thread as usual, through
-every ``finally`` and :func:`~onnx_qat.fileio.atomic_output`'s clean-up. A session build cannot be
+every ``finally`` and `atomic_output`'s clean-up. A session build cannot be
 stopped: its thread is left to finish in the background, where nothing reads its result.
-:class:`InterruptibleSession` wraps a session so that each ``run`` goes this way;
-:func:`onnx_qat.runtime.sessions.make_session` returns one.
+`InterruptibleSession` wraps a session so that each ``run`` goes this way;
+`onnx_qat.runtime.sessions.make_session` returns one.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def interrupted() -> bool:
 
 
 class InterruptibleSession:
-    """An onnxruntime ``InferenceSession`` whose ``run`` goes through :func:`call_interruptibly`
+    """An onnxruntime ``InferenceSession`` whose ``run`` goes through `call_interruptibly`
     (every other attribute is the session's)."""
 
     __slots__ = ("_session", "_onnx_qat_weights")

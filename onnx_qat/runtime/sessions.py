@@ -100,7 +100,7 @@ IN_MEMORY_WEIGHT_BYTES = 1024
 
 def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers, extra_outputs=()):
     """A session whose large weights reach onnxruntime as arrays (``add_external_initializers``),
-    built and run so that a signal stops it (:class:`~onnx_qat.runtime.interrupts.InterruptibleSession`).
+    built and run so that a signal stops it (`InterruptibleSession`).
 
     Only the graph is serialized: the weights are neither copied into protobuf bytes nor parsed
     again by onnxruntime, and no 2 GB limit applies (no temporary file for large models). The
