@@ -1,7 +1,5 @@
 """``python -m onnx_qat``: the same as the ``onnx-qat`` command."""
-import sys
-
-from .cli import main
+from .cli import console_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

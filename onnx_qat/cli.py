@@ -972,3 +972,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def console_main() -> None:
+    """The ``onnx-qat`` command (and ``python -m onnx_qat``): `main`, then the process ends with its
+    exit code. A run a signal stopped ends with ``os._exit`` once its outputs are cleaned up: the
+    interpreter's teardown could otherwise abort the process inside onnxruntime (a session still
+    building or a run just terminated on another thread), turning exit 130/143 into a crash."""
+    code = main()
+    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
