@@ -14,8 +14,8 @@ import time
 import traceback
 from pathlib import Path
 
-from . import (calibration, calibration_scale, cpu_latency, cpu_models, export_speed, float_parts, format_peers,
-               qat_step, rewrite_speed, sensitivity)
+from . import (calibration, calibration_scale, cpu_latency, cpu_models, export_speed, float_parts,
+               format_peers, qat_step, rewrite_speed, sensitivity)
 from .table import Row, format_table, write_results
 
 BENCHMARKS = {"cpu_latency": cpu_latency.run, "cpu_models": cpu_models.run,
