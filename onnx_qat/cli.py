@@ -193,8 +193,12 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-float-sites", metavar="N", type=whole_number(0), default=None,
                        help="with --min-cosine: at most N sites in float (default: no limit)")
     group.add_argument("--eval-data", metavar="NPZ", default=None,
-                       help="with --min-cosine: .npz data the cosine is measured on (default: the last "
-                            "quarter of --data, which calibration then does not see)")
+                       help="with --min-cosine or --optimize: .npz data the cosine is measured on (default: "
+                            "the last quarter of --data, which calibration then does not see)")
+    group.add_argument("--optimize", choices=("accuracy",), default=None,
+                       help="accuracy: also run cross-layer equalization, error-compensated INT8 weight "
+                            "rounding and bias correction, each kept only where it raises the output cosine "
+                            "on the evaluation data (slower than the default; needs --data)")
 
 
 def _add_check(sub) -> None:
@@ -427,15 +431,24 @@ def cmd_quantize(args) -> int:
         raise UsageError("one of the arguments --data --scales is required")
     mixed = {k: v for k, v in (("min_cosine", args.min_cosine), ("max_float_sites", args.max_float_sites),
                                ("eval_data", args.eval_data)) if v is not None}
-    if mixed and args.min_cosine is None:
-        raise UsageError("--max-float-sites and --eval-data apply only with --min-cosine")
+    optimize = getattr(args, "optimize", None)
+    if optimize is not None and (args.min_cosine is not None or args.max_float_sites is not None
+                                 or args.data is None):
+        raise UsageError("--optimize needs --data and does not combine with --scales, --min-cosine or "
+                         "--max-float-sites")
+    if mixed and args.min_cosine is None and not (optimize and set(mixed) == {"eval_data"}):
+        raise UsageError("--max-float-sites and --eval-data apply only with --min-cosine (--eval-data also "
+                         "with --optimize)")
+    if optimize is not None:
+        mixed["optimize"] = optimize
     _check_inputs(("--eval-data", args.eval_data, "DataError"))
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=args.data,
                       progress=_progress(args), **calib, **_placement_keywords(args), **mixed)
     _say(args, _quantize_summary(args, result))
     if result.accuracy is not None:
-        _say(args, _mixed_summary(result.accuracy))
+        _say(args, _optimize_summary(result.accuracy) if "steps" in result.accuracy
+             else _mixed_summary(result.accuracy))
     report = _check_written(result.model, args.output, result.target)
     if not args.quiet:
         for finding in report.findings:
@@ -468,6 +481,15 @@ def _quantize_summary(args, result) -> str:
             f"{s.get('weights', '?')} weights quantized, {s.get('skipped_nodes', '?')} nodes skipped | "
             f"{s.get('quantize_linear', '?')} QuantizeLinear, "
             f"{s.get('dequantize_linear', '?')} DequantizeLinear")
+
+
+def _optimize_summary(info) -> str:
+    """One line for --optimize accuracy: each step's output cosine, gain and whether it was kept."""
+    steps = "; ".join(f"{s['step']} {s['cosine']:.5f}"
+                      + ("" if s["gain"] is None else f" ({s['gain']:+.5f}, {'kept' if s['kept'] else 'undone'})")
+                      for s in info["steps"])
+    return (f"optimize accuracy: output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} on "
+            f"{info['eval_samples']} eval samples | {steps}")
 
 
 def _mixed_summary(info) -> str:

@@ -29,7 +29,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              precision: Optional[str] = None, block_size: Optional[int] = None,
              min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
              int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
-             **calibration_kwargs) -> QuantizeResult:
+             optimize: Optional[str] = None, **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
@@ -79,7 +79,12 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             products), with ``int4`` a site is one weight's blockwise DequantizeLinear (AWQ runs
             once on the calibration part of ``data``; without ``data``, round to nearest).
         max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
-        eval_data: with ``min_cosine``: the data the output cosine is measured on.
+        eval_data: with ``min_cosine`` or ``optimize``: the data the output cosine is measured on.
+        optimize: ``"accuracy"``: also run the post-training steps of :mod:`onnx_qat.accuracy.optimize`
+            (cross-layer equalization, error-compensated INT8 weight rounding, bias correction), each
+            kept only where it raises the output cosine on ``eval_data`` (default: the last quarter of
+            ``data``, then not calibrated on); ``QuantizeResult.accuracy`` lists what each step gained.
+            Needs ``data``; slower than the default (several calibrations and evaluation runs).
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -104,6 +109,17 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                           "FP8 weights to nearest)")
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
+    if optimize is not None:
+        from .accuracy.optimize import check_optimize, quantize_optimized
+        from .accuracy.rounding import TIME_BUDGET
+
+        check_optimize(optimize)
+        if data is None or min_cosine is not None or max_float_sites is not None or placement is not None:
+            raise ConfigError("optimize='accuracy' needs data, and does not combine with scales, min_cosine "
+                              "or a placement")
+        return quantize_optimized(model, output, data=data, eval_data=eval_data, method=method or DEFAULT_METHOD,
+                                  config=config, calib_kw=calib_kw, report=report, progress=progress,
+                                  time_budget=TIME_BUDGET)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
         from .accuracy.mixed import check_options, quantize_mixed
 
