@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 export PYTHONHASHSEED ?= 0
 
-.PHONY: venv demo test test-slow bench real-models docs clean
+.PHONY: venv demo test lint test-slow bench real-models docs peers clean
 
 venv: $(STAMP)
 
@@ -21,14 +21,29 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-## make test: the whole suite (CI runs exactly this)
-test: $(STAMP)
+## make lint: ruff (pinned in constraints.txt, configured in pyproject.toml) over the whole tree
+lint: $(STAMP)
+	$(PY) -m ruff check onnx_qat tf_bridge tools tests
+
+## make test: the linter, then the whole suite (CI runs exactly this)
+test: lint
 	$(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests
 
 ## make test-slow: the tests marked slow (a synthetic model over 2 GB, the round-trip matrix, README's
 ## quickstart on nine architectures: about two hours on 2 cores)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow tests
+
+## make peers: the peer tools the benchmarks compare against, each in a venv of its own inside the
+## repository (ModelOpt pulls torch: never the project's venv); the benchmarks skip a peer that is absent
+PEERS_MODELOPT := .venv-peers/modelopt
+peers: $(PEERS_MODELOPT)/.installed
+
+$(PEERS_MODELOPT)/.installed:
+	$(PYTHON) -m venv $(PEERS_MODELOPT)
+	$(PEERS_MODELOPT)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_MODELOPT)/bin/python -m pip install --quiet "nvidia-modelopt[onnx]==0.47.0"
+	touch $@
 
 ## make bench: benchmarks; writes bench/results.md and bench/results.json
 bench: $(STAMP)
@@ -43,4 +58,4 @@ real-models: $(STAMP)
 	$(PY) tools/real_models.py --out bench/real_models.md
 
 clean:
-	rm -rf $(VENV) build site *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-peers build site *.egg-info .pytest_cache .hypothesis

@@ -33,11 +33,11 @@ _LAZY = {
     "calibrate": "onnx_qat.calibration",
     "check": "onnx_qat.check",
     "CheckReport": "onnx_qat.check",
-    "compare": "onnx_qat.compare",
-    "Comparison": "onnx_qat.compare",
-    "load_model": "onnx_qat.model_io",
-    "save_model": "onnx_qat.model_io",
-    "load_data": "onnx_qat.data",
+    "compare": "onnx_qat.runtime.compare",
+    "Comparison": "onnx_qat.runtime.compare",
+    "load_model": "onnx_qat.io.models",
+    "save_model": "onnx_qat.io.models",
+    "load_data": "onnx_qat.io.data",
     "ScaleTable": "onnx_qat.scales",
     "WeightRange": "onnx_qat.scales",
     "QuantizeConfig": "onnx_qat.config",
@@ -47,13 +47,13 @@ _LAZY = {
 
 
 #: Public functions that share their name with the module defining them.
-_SHADOWED = frozenset({"quantize", "check", "compare"})
+_SHADOWED = frozenset({"quantize", "check"})
 
 
 class _Package(types.ModuleType):
-    """Keeps ``onnx_qat.quantize``/``check``/``compare`` the functions.
+    """Keeps ``onnx_qat.quantize``/``check`` the functions.
 
-    Importing a submodule sets it as an attribute of its package; for the three
+    Importing a submodule sets it as an attribute of its package; for the two
     modules named after the function they define, the function is kept instead,
     so ``onnx_qat.check(model)`` works whatever was imported before.
     ``from onnx_qat.check import Finding`` still reads the module itself.

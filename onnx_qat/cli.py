@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 from . import __version__
 from .config import TARGETS
-from .formats import FP8_METHODS, INT4_METHODS, PRECISIONS
+from .formats.numeric import FP8_METHODS, INT4_METHODS, PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
 
@@ -340,9 +340,11 @@ def _say(args, text: str) -> None:
 
 
 def _print_json(obj) -> None:
-    """Stable JSON on stdout (sorted keys; NaN/inf written as strings)."""
+    """Stable JSON on stdout (sorted keys; NaN/inf written as strings, see ``json_safe``)."""
     import json
-    print(json.dumps(_finite(obj), indent=2, sort_keys=True, allow_nan=False, default=_json_default))
+
+    from .io.files import json_safe
+    print(json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False, default=_json_default))
 
 
 def _json_default(value):
@@ -353,19 +355,6 @@ def _json_default(value):
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return str(value)
-
-
-def _finite(obj):
-    """A JSON-safe copy: NaN/inf floats become strings ("nan", "inf", "-inf")."""
-    if type(obj).__module__ == "numpy" and getattr(obj, "shape", None) == ():
-        obj = obj.item()  # a numpy scalar
-    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def _same_path(a, b) -> bool:
@@ -392,7 +381,7 @@ def _check_inputs(*inputs) -> None:
 
 def _check_outputs(outputs, inputs) -> None:
     """Refuse bad output paths before any work (OutputError, exit 2)."""
-    from .fileio import check_output_path
+    from .io.files import check_output_path
     for option, path in outputs:
         if path is not None:
             check_output_path(path, inputs=tuple(inputs), what=option)
@@ -456,8 +445,8 @@ def cmd_quantize(args) -> int:
         print(f"check: {report.summary()}" if result.target == "tensorrt"
               else f"check ({result.target} rules): {report.summary()}")
     if args.report is not None:
-        from .fileio import write_json
-        write_json(args.report, _finite({**result.to_report(), "check": report.to_dict()}))
+        from .io.files import write_json
+        write_json(args.report, {**result.to_report(), "check": report.to_dict()})
         _say(args, f"wrote {args.report}")
     return EXIT_OK if report else EXIT_PROBLEMS
 
@@ -523,7 +512,7 @@ def cmd_compare(args) -> int:
     kw = {k: v for k, v in kw.items() if v is not None}
     _check_inputs(("reference model", args.reference, "ModelError"),
                   ("candidate model", args.candidate, "ModelError"), ("--data", args.data, "DataError"))
-    from .compare import compare
+    from .runtime.compare import compare
     result = compare(args.reference, args.candidate, args.data, progress=_progress(args), **kw)
     if args.json:
         _print_json(result.to_dict())

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Tuple
 
 from .errors import ConfigError
-from .formats import (DEFAULT_BLOCK_SIZE, FP8_METHODS, INT4_METHODS, PRECISIONS, TENSORRT_BLOCK_SIZES,
+from .formats.numeric import (DEFAULT_BLOCK_SIZE, FP8_METHODS, INT4_METHODS, PRECISIONS, TENSORRT_BLOCK_SIZES,
                       get_format)
 
-#: Deployment forms of the same placement: see ``onnx_qat/targets.py``.
+#: Deployment forms of the same placement: see ``onnx_qat/insertion/targets.py``.
+#: The deployment targets by name, the default first (``onnx_qat.insertion.targets`` holds their facts).
 TARGETS = ("tensorrt", "ort-cpu")
 
 
@@ -49,18 +50,18 @@ class QuantizeConfig:
             choice: skipped for ``int8``, quantized for ``fp8`` (TensorRT's fused FP8 attention
             wants them); ``False`` keeps them float whatever the precision.
         precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ) or ``"int4"`` (weight-only,
-            blockwise); see :mod:`onnx_qat.formats`.
+            blockwise); see :mod:`onnx_qat.formats.numeric`.
         block_size: values per INT4 weight scale along the reduction axis (``precision="int4"``;
             TensorRT documents 64 and 128). A weight whose reduction dimension it does not
             divide stays float.
         int4_method: how INT4 weights are rounded (``precision="int4"``): ``"rtn"`` (round to
-            nearest), ``"awq"`` (activation-aware scales and clipping, :mod:`onnx_qat.awq`) or
-            ``"gptq"`` (AWQ's scales, then error-compensating rounding, :mod:`onnx_qat.gptq`); the
+            nearest), ``"awq"`` (activation-aware scales and clipping, :mod:`onnx_qat.formats.awq`) or
+            ``"gptq"`` (AWQ's scales, then error-compensating rounding, :mod:`onnx_qat.formats.gptq`); the
             last two need calibration data. None (the default): ``awq`` with data, ``rtn`` without.
         fp8_method: how FP8 weights of MatMul/Gemm are rounded (``precision="fp8"``): ``"rtn"``
             (round to nearest, the default when None) or ``"gptq"`` (error-compensating rounding on
             each output channel's E4M3 grid, driven by the calibration data,
-            :func:`onnx_qat.gptq.apply_gptq_fp8`; needs data).
+            :func:`onnx_qat.formats.gptq.apply_gptq_fp8`; needs data).
     """
 
     target: str = "tensorrt"

@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 from .calibration.runner import DEFAULT_METHOD, calibrate
 from .config import QuantizeConfig
 from .errors import ConfigError
-from .formats import get_format
+from .formats.numeric import get_format
 from .placement.marks import Placement
 from .rewrite import (QUANTIZED_OPS, REPORT_FORMAT, REPORT_VERSION, QuantizeResult,  # noqa: F401
                       check_sources, nested_indexes, nothing_to_quantize, quantize_placed,
@@ -45,7 +45,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``
             (``precision="int4"`` needs neither: without ``data`` its weights are rounded to
             nearest; with ``data`` an activation-aware scale search runs first, see
-            :mod:`onnx_qat.awq`).
+            :mod:`onnx_qat.formats.awq`).
         method: calibration method when ``data`` is given: ``auto``, ``max``, ``percentile``,
             ``entropy`` or ``mse`` (see :func:`onnx_qat.calibrate`). None: ``auto``; with
             ``min_cosine``, ``max`` (the mixed-precision search calibrates once and judges every site
@@ -63,14 +63,14 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             uses; the placement options (``exclude_nodes``...) are then not applied.
         precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ, scale amax / 448, opset >= 19)
             or ``"int4"`` (blockwise weight-only DequantizeLinear on MatMul/Gemm weights, opset
-            21); see :mod:`onnx_qat.formats`.
+            21); see :mod:`onnx_qat.formats.numeric`.
         block_size: values per INT4 weight scale (default 128; ``precision="int4"``).
         int4_method: how INT4 weights are rounded: ``"rtn"``, ``"awq"`` or ``"gptq"`` (AWQ's
             scales, then error-compensating rounding on the calibration data's Hessians,
-            :mod:`onnx_qat.gptq`); default ``awq`` with ``data``, ``rtn`` without.
+            :mod:`onnx_qat.formats.gptq`); default ``awq`` with ``data``, ``rtn`` without.
         fp8_method: how FP8 MatMul/Gemm weights are rounded: ``"rtn"`` (round to nearest, the
             default) or ``"gptq"`` (error-compensating rounding on each output channel's E4M3 grid,
-            driven by ``data``'s activations, :func:`onnx_qat.gptq.apply_gptq_fp8`; needs ``data``).
+            driven by ``data``'s activations, :func:`onnx_qat.formats.gptq.apply_gptq_fp8`; needs ``data``).
         min_cosine: automatic mixed precision: leave the fewest sites (:mod:`onnx_qat.accuracy.sites`)
             in float so that the output cosine against the float model reaches this on
             ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model

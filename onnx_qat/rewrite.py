@@ -1,7 +1,7 @@
 """The rewrite behind :func:`onnx_qat.quantize`: float ONNX + ranges -> Q/DQ ONNX.
 
 The pipeline is load -> place (marks only) -> ranges (given ScaleTable or calibration) ->
-insert (edits of the protobuf, :mod:`onnx_qat.graph_edit`) -> optional save and report.
+insert (edits of the protobuf, :mod:`onnx_qat.graph.edit`) -> optional save and report.
 The caller's model object and input file are never changed.
 """
 from __future__ import annotations
@@ -18,14 +18,14 @@ import onnx
 
 from .config import QuantizeConfig
 from .errors import ConfigError, ModelError, PlacementError, ScalesError
-from .fileio import check_output_path, write_json
-from .placement.graph_index import GraphIndex, assign_node_names, subgraphs_of
+from .io.files import check_output_path, write_json
+from .graph.index import GraphIndex, assign_node_names, subgraphs_of
 from .placement.marks import ActivationMark, Placement
 from .placement.policy import policy_for
 from .scales import ScaleTable
-from .target_forms import make_form
-from .targets import Target, get_target
-from .formats import get_format
+from .insertion.forms import make_form
+from .insertion.targets import Target, get_target
+from .formats.numeric import get_format
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class QuantizeResult:
     gptq: Tuple[dict, ...] = field(default=(), repr=False)
 
     def save(self, path) -> Path:
-        """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.model_io.save_model`)."""
+        """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.io.models.save_model`)."""
         return _io().save_model(self.model, path)
 
     def to_graph(self):
@@ -140,15 +140,15 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     awq_records: tuple = ()
     gptq_records: tuple = ()
     if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
-        from .awq import apply_awq
+        from .formats.awq import apply_awq
 
         clip_ranges: dict = {}
         rounding = config.rounding(data is not None)
         if rounding in ("awq", "gptq"):
             awq_records, clip_ranges = apply_awq(float_model, index, placement, data, config.block_size,
                                                  progress=progress, batch_size=calib_kw.get("batch_size"))
-        if rounding == "gptq":  # the weights are replaced by their rounded values (see onnx_qat.gptq)
-            from .gptq import apply_gptq
+        if rounding == "gptq":  # the weights are replaced by their rounded values (see onnx_qat.formats.gptq)
+            from .formats.gptq import apply_gptq
 
             gptq_records, clip_ranges = apply_gptq(float_model, placement, data, config.block_size,
                                                    progress=progress, batch_size=calib_kw.get("batch_size"))
@@ -167,7 +167,7 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
             keep = table.activations if scales is not None else ()
             table = softmax_ranges(index, placement, table, keep=keep)
     if config.fp8_method == "gptq":  # after calibration: activation ranges are the float model's
-        from .gptq import apply_gptq_fp8
+        from .formats.gptq import apply_gptq_fp8
 
         gptq_records, weight_ranges = apply_gptq_fp8(float_model, placement, data, skip=set(table.weights),
                                                      progress=progress, batch_size=calib_kw.get("batch_size"))
@@ -275,7 +275,7 @@ def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str
     weights are checked in batches (one NumPy call for many of them); a batch with a bad value
     is then searched weight by weight for the message.
     """
-    from .insertion import SMALL_WEIGHT
+    from .insertion.inserter import SMALL_WEIGHT
 
     small: list = []
     size = 0
@@ -351,7 +351,7 @@ def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
 
 
 def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress,
-            calibrator=None) -> ScaleTable:
+            calibrator=None) -> Tuple[ScaleTable, Placement]:
     """``(ScaleTable, placement)``: the table loaded/validated, or calibrated on ``data``; when
     calibrated, the If branches no batch took are dropped from the placement (left float, with a note).
 
@@ -389,7 +389,7 @@ def without_unreached_branches(placement: Placement, table: ScaleTable, in_body:
     calibration observes only the If branch each batch takes, so a branch no batch took stays float;
     a Loop/Scan body whose tensor shapes change across iterations (or an If inside a body) cannot be
     observed per iteration and stays float too. A note says which."""
-    from .insertion import missing_activations
+    from .insertion.inserter import missing_activations
 
     if not placement.subgraphs:
         return placement
@@ -444,7 +444,7 @@ def softmax_ranges(index: GraphIndex, placement: Placement, table: ScaleTable, k
 
 def _check_complete(table: ScaleTable, placement: Placement, source: str) -> ScaleTable:
     """Refuse a table without a range for some tensor the placement quantizes (all are listed)."""
-    from .insertion import missing_activations
+    from .insertion.inserter import missing_activations
 
     missing = tuple(t for nested in placement.nested() for t in missing_activations(nested, table))
     if missing:
@@ -456,15 +456,16 @@ def _check_complete(table: ScaleTable, placement: Placement, source: str) -> Sca
 def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None):
     """Insert the Q/DQ nodes as edits of ``model`` (which this call owns) and commit them to a new
     ModelProto (``storage``: the target form's ``zero_points``/``unsigned_weights`` for
-    :func:`~onnx_qat.insertion.insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
-    :meth:`onnx_qat.ort_cpu.Adapted.finish`)."""
-    from .graph_edit import GraphEdit
-    from .insertion import insert_qdq_pairs
+    :func:`~onnx_qat.insertion.inserter.insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
+    :meth:`onnx_qat.insertion.ort_cpu.Adapted.finish`)."""
+    from .graph.edit import GraphEdit
+    from .insertion.inserter import insert_qdq_pairs
 
     with _io().cyclic_gc_paused():  # ~10^5 new protobuf objects, none of them in reference cycles
         nested = ()
         if placement.subgraphs:  # If branches first: the main graph's edit then sees their new names
-            from .subgraphs import drop_unread, insert_into_subgraphs, read_by_subgraphs
+            from .graph.subgraphs import drop_unread, read_by_subgraphs
+            from .insertion.subgraphs import insert_into_subgraphs
 
             fmt = {k: v for k, v in dict(storage or {}).items() if k in ("precision", "block_size")}
             shared = read_by_subgraphs(model.graph)
@@ -498,10 +499,10 @@ def _summary(placement: Placement, inserted) -> dict:
 # --------------------------------------------------------------------------- I/O edge
 def _io():
     """The model I/O edge (imported lazily so ``import onnx_qat`` stays fast)."""
-    from . import model_io
+    from .io import models as model_io
 
     return model_io
 
 
-__all__ = ["quantize", "QuantizeResult", "refuse_quantized", "nothing_to_quantize"]
+__all__ = ["quantize_placed", "QuantizeResult", "refuse_quantized", "nothing_to_quantize"]
 

@@ -40,7 +40,7 @@ from types import MappingProxyType
 from typing import Iterable, Mapping, Optional, Tuple
 
 from .errors import ScalesError
-from .fileio import PathLike, read_json, write_json
+from .io.files import PathLike, read_json, write_json
 
 FORMAT = "onnx-qat-scales"
 #: The newest version written (only for tables with block ranges; others are written as version 1).
@@ -288,7 +288,7 @@ def _check_blocks(name: str, rng: WeightRange, shape: Tuple[int, ...], axis: int
 def block_ranges(weights: Mapping[str, "object"], axis: int, block_size: int) -> "ScaleTable":
     """A ScaleTable of INT4 block ranges measured on weight arrays: ``{name: array}`` -> max |w| of
     each block of ``block_size`` values along ``axis`` (e.g. to edit by hand or to keep with a model)."""
-    from .blockwise import block_amax
+    from .formats.blockwise import block_amax
 
     ranges = {}
     for name, values in weights.items():

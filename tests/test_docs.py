@@ -154,7 +154,7 @@ def test_every_subcommand_has_its_own_section():
     assert [s for s in sorted(subcommands) if f"\n## `onnx-qat {s}`" not in DOCS] == []
 
 
-@pytest.mark.parametrize("module, title", [("tools.deploy_tensorrt", "# Deploy with TensorRT"),
+@pytest.mark.parametrize("module, title", [("onnx_qat.deploy.command", "# Deploy with TensorRT"),
                                            ("tools.demo", "# The demo"),
                                            ("tools.bench.__main__", "## Benchmarks")])
 def test_every_tool_option_is_documented_in_its_section(module, title):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import onnx_qat
 
 pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -c constraints.txt '.[docs]')")
 pytest.importorskip("mkdocstrings_handlers.python",

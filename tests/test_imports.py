@@ -98,7 +98,7 @@ def find_cycle(graph: Dict[str, Set[str]]) -> List[str]:
 
 def test_walker_sees_lazy_imports_and_finds_a_cycle():
     graph = import_graph()
-    assert "onnx_qat.model_io" in graph["onnx_qat.rewrite"]  # imported inside a function there
+    assert "onnx_qat.io.models" in graph["onnx_qat.rewrite"]  # imported inside a function there
     assert "onnx_qat.accuracy.mixed" in graph["onnx_qat.quantize"]  # the mixed-precision dispatch, lazily
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) == []
@@ -107,3 +107,68 @@ def test_walker_sees_lazy_imports_and_finds_a_cycle():
 def test_no_import_cycle_among_project_modules():
     cycle = find_cycle(import_graph())
     assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+# --------------------------------------------------------------------------- allowed directions
+#: The stage each module belongs to: the package under ``onnx_qat`` (or the root module), except two
+#: finer groups: the targets are data every stage may read, and the weight roundings (AWQ, GPTQ) run
+#: the model, so they sit above placement and runtime although they live with the formats.
+_GROUPS = {"onnx_qat.insertion.targets": "targets", "onnx_qat.formats.awq": "roundings",
+           "onnx_qat.formats.gptq": "roundings", "onnx_qat.placement.residual": "residual"}
+_LOW = {"errors", "io", "graph", "formats", "config", "scales", "targets", "residual"}
+#: stage -> the stages it may import (docs/architecture.md shows the same picture).
+ALLOWED = {
+    "onnx_qat": {"errors"},  # the package's __init__: lazy attributes only
+    "errors": set(),
+    "io": {"errors"},
+    "graph": {"errors", "io"},
+    "formats": {"errors"},
+    "targets": {"errors", "formats"},
+    "residual": set(),  # rule 6's choice, which placement, check and the Keras cases share
+    "config": {"errors", "formats"},
+    "scales": {"errors", "io", "formats"},
+    "runtime": {"errors", "io", "graph"},
+    "placement": {"errors", "io", "graph", "formats", "config", "targets", "residual"},
+    "insertion": {"errors", "io", "graph", "formats", "config", "scales", "targets", "placement"},
+    "roundings": {"errors", "io", "graph", "formats", "scales", "runtime", "placement"},
+    "check": {"errors", "io", "graph", "formats", "targets", "residual"},
+    "rewrite": _LOW | {"placement", "insertion", "roundings"},
+    "calibration": _LOW | {"runtime", "placement", "rewrite"},
+    "accuracy": _LOW | {"runtime", "placement", "insertion", "roundings", "calibration", "rewrite"},
+    "quantize": _LOW | {"placement", "calibration", "accuracy", "rewrite", "roundings"},
+    "argtypes": set(),
+    "deploy": _LOW | {"argtypes", "runtime", "check"},
+}
+
+
+def _group(module: str) -> str:
+    if module in _GROUPS:
+        return _GROUPS[module]
+    parts = module.split(".")
+    return parts[1] if parts[0] == "onnx_qat" and len(parts) > 1 else parts[0]
+
+
+def test_stages_import_only_the_stages_below_them():
+    """Each stage imports only what :data:`ALLOWED` lists (the CLI, ``__main__``, ``tf_bridge`` and
+    ``tools`` sit on top and may import any stage); ``onnx_qat`` never imports ``tf_bridge`` or ``tools``."""
+    wrong = []
+    for module, imported in sorted(import_graph().items()):
+        group = _group(module)
+        for other in sorted(imported):
+            target = _group(other)
+            if target == group:
+                continue
+            if module.startswith("onnx_qat") and target in ("tf_bridge", "tools"):
+                wrong.append(f"{module} -> {other}")
+            elif group in ALLOWED and target not in ALLOWED[group]:
+                wrong.append(f"{module} -> {other} ({group} may import {sorted(ALLOWED[group])})")
+    assert wrong == []
+
+
+def test_every_stage_has_a_rule_and_a_docstring_saying_what_it_owns():
+    top = {"cli", "__main__"}
+    groups = {_group(m) for m in module_files() if m.startswith("onnx_qat")}
+    assert groups - top <= set(ALLOWED), sorted(groups - top - set(ALLOWED))
+    for package in sorted(p for p in (ROOT / "onnx_qat").iterdir() if (p / "__init__.py").is_file()):
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+        assert "Owns" in doc and "May import" in doc, package.name

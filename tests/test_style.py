@@ -1,8 +1,9 @@
-"""Source style the project declares and keeps: line length from setup.cfg, no trailing whitespace or tabs.
+"""Source style the project declares and keeps: line length from pyproject.toml's ``[tool.ruff]``,
+no trailing whitespace or tabs.
 
 Pure file reading, so these run in well under a second.
 """
-import configparser
+import re
 from pathlib import Path
 from typing import Iterable, List
 
@@ -11,10 +12,10 @@ SOURCE_DIRS = ("onnx_qat", "tf_bridge", "tools", "tests")
 
 
 def _max_line_length() -> int:
-    """``max-line-length`` of the ``[flake8]`` section of setup.cfg."""
-    config = configparser.ConfigParser(interpolation=None)
-    assert config.read(ROOT / "setup.cfg", encoding="utf-8"), "setup.cfg is missing"
-    return config.getint("flake8", "max-line-length")
+    """``line-length`` of ``[tool.ruff]`` in pyproject.toml (the one linter configuration)."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    section = text.split("\n[tool.ruff]\n", 1)[1].split("\n[", 1)[0]
+    return int(re.search(r"^line-length = (\d+)$", section, re.M).group(1))
 
 
 def _sources() -> List[Path]:

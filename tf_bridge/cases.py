@@ -11,6 +11,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import keras
 
+from onnx_qat.placement.residual import skip_addends
+
 from .quantizers import weight_rules_for
 from .spec import QuantizationSpec, iter_layers
 
@@ -115,19 +117,21 @@ def fusable_source(tensor) -> Optional[keras.layers.Layer]:
 
 
 def residual_skip_indices(add_layer, depth: GraphDepth) -> Tuple[int, ...]:
-    """Inputs of an Add to quantize under TensorRT's residual rule.
+    """Inputs of an Add to quantize under TensorRT's residual rule
+    (:func:`onnx_qat.placement.residual.skip_addends`, the rule placement and check apply too).
 
     The input coming from a Conv branch is left float (TensorRT fuses the Add into
     that Conv); if several inputs come from Convs, the deepest branch is the fused
-    one. All other inputs (the skip connections) are quantized. With no Conv
-    branch every input is quantized.
+    one (on a tie, the first). All other inputs (the skip connections) are quantized. With no Conv
+    branch every input is quantized: in QAT, as in NVIDIA's toolkit's residual case, such an Add
+    runs with quantized inputs (where the ONNX placement of a float model, which has no trained
+    ranges to keep, leaves it float).
     """
     tensors = input_tensors(add_layer)
-    branches = [(depth(t), i) for i, t in enumerate(tensors) if fusable_source(t) is not None]
-    if not branches:
+    from_conv = [fusable_source(t) is not None for t in tensors]
+    if not any(from_conv):
         return tuple(range(len(tensors)))
-    _, fused = max(branches)
-    return tuple(i for i in range(len(tensors)) if i != fused)
+    return skip_addends(from_conv, [depth(t) if conv else 0 for t, conv in zip(tensors, from_conv)])
 
 
 def layers_of_class(model, classes) -> Iterator[keras.layers.Layer]:

@@ -2,7 +2,7 @@
 
 Steps (each checked; nothing is written unless all pass):
 
-1. the float twin (:func:`tf_bridge.twin.float_twin`: same layers, trained weights,
+1. the float twin (:func:`tf_bridge.wrap.float_model`: same layers, trained weights,
    inference mode, no quantizers) is converted with tf2onnx at a pinned opset, each
    BatchNormalization kept as a Mul/Add beside its Conv (as Keras computes it);
 2. every Keras quantizer is mapped to its ONNX tensor by structure (:mod:`tf_bridge.mapping`:
@@ -58,7 +58,7 @@ from typing import List, Tuple
 import numpy as np
 
 from onnx_qat.errors import ExportError
-from onnx_qat.fileio import check_output_path
+from onnx_qat.io.files import check_output_path
 
 from .convert import (GRAPPLER_PASSES, Tf2onnxLog, _tf2onnx_without_conv_folding,  # noqa: F401
                       check_converted, convert_float_twin)
@@ -163,7 +163,7 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
         OutputError: an output path cannot be written.
     """
     from onnx_qat.check import check
-    from onnx_qat.model_io import load_model, save_model
+    from onnx_qat.io.models import load_model, save_model
     from onnx_qat.quantize import quantize
 
     from .describe import iter_quantizer_layers

@@ -22,8 +22,8 @@ def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleT
     commuting ops). The learned ranges are kept as they are."""
     from onnx_qat.calibration import calibrate
     from onnx_qat.errors import QatError
-    from onnx_qat.placement.graph_index import GraphIndex
-    from onnx_qat.target_forms import make_form
+    from onnx_qat.graph.index import GraphIndex
+    from onnx_qat.insertion.forms import make_form
 
     form = make_form(target)
     needed = () if form is None else tuple(

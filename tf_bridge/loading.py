@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import List, Mapping, Optional
 
 from onnx_qat.errors import ModelError, brief
-from onnx_qat.fileio import MAX_JSON_BYTES
+from onnx_qat.io.files import MAX_JSON_BYTES
 
 logger = logging.getLogger(__name__)
 

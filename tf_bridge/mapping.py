@@ -47,7 +47,8 @@ import onnx
 from onnx import numpy_helper
 
 from onnx_qat.errors import ExportError
-from onnx_qat.placement.graph_index import GraphIndex, NodeInfo
+from onnx_qat.graph.index import GraphIndex, NodeInfo
+from onnx_qat.graph.ops import WEIGHTED_OPS
 from onnx_qat.placement.handlers import rule3_weight_axis
 from onnx_qat.placement.marks import ActivationMark, Placement, WeightMark
 from onnx_qat.scales import ScaleTable, WeightRange
@@ -98,7 +99,6 @@ def layer_onnx_ops(layer) -> Optional[Tuple[str, ...]]:
     return KERAS_TO_ONNX_OPS.get(type(layer).__name__)
 
 
-_WEIGHTED = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 _ROW_RTOL = 1e-5
 _AMAX_RTOL = 1e-6
 RULE = "keras"
@@ -249,7 +249,7 @@ class _WeightedNode:
 def _weighted_nodes(index: GraphIndex) -> List[_WeightedNode]:
     found = []
     for node in index.nodes:
-        if node.op_type not in _WEIGHTED or len(node.inputs) < 2 or not index.is_constant(node.inputs[1]):
+        if node.op_type not in WEIGHTED_OPS or len(node.inputs) < 2 or not index.is_constant(node.inputs[1]):
             continue
         values = numpy_helper.to_array(index.constant_proto(node.inputs[1]))
         canonical = _onnx_canonical(node, values)
@@ -425,7 +425,7 @@ def _activation_source(index: GraphIndex, node_name: str,
     node = index.by_name[node_name]
     tensor = node.inputs[input_index]
     pad = index.producer.get(tensor)
-    if (node.op_type in _WEIGHTED and pad is not None and pad.op_type == "Pad" and pad.inputs
+    if (node.op_type in WEIGHTED_OPS and pad is not None and pad.op_type == "Pad" and pad.inputs
             and not index.is_constant(pad.inputs[0])):
         return pad.inputs[0], (pad.name, 0), "placed before Pad"
     return tensor, (node_name, input_index), ""

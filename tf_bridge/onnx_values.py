@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from onnx_qat.errors import ExportError, QatError
-from onnx_qat.runtime import make_session
+from onnx_qat.runtime.sessions import make_session
 
 #: Relative error under which two tensors are taken to be the same tensor.
 SAME_TENSOR_RTOL = 1e-2

@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 
 from onnx_qat.errors import ExportError
+from onnx_qat.runtime.compare import top1_agreement
 
 from .convert import convert_float_twin
 from .mapping import KerasOnnxMapping
@@ -254,12 +255,6 @@ class Parity:
                                   "rel_error": w.rel_error} for w in self.worst_layers]}
 
 
-def _top1(a: np.ndarray, b: np.ndarray) -> Optional[float]:
-    if a.ndim < 2 or a.shape[-1] < 2:
-        return None
-    return float(np.mean(np.argmax(a, axis=-1) == np.argmax(b, axis=-1)))
-
-
 def output_parity(names: Sequence[str], keras_qat: Sequence[np.ndarray], qdq: Sequence[np.ndarray],
                   float_onnx: Sequence[np.ndarray], sensitivity: Optional[Sequence[float]] = None
                   ) -> Tuple[OutputParity, ...]:
@@ -273,7 +268,7 @@ def output_parity(names: Sequence[str], keras_qat: Sequence[np.ndarray], qdq: Se
         k, q, f = (np.asarray(v, np.float64).reshape(np.shape(k)) for v in (k, q, f))
         d_q, d_f = float(np.max(np.abs(q - k))), float(np.max(np.abs(f - k)))
         ratio = _ratio(d_q, d_f)
-        top1 = _top1(q, k)
+        top1 = top1_agreement(q, k)
         cascade = sens > 0 and d_q <= SENSITIVITY_FACTOR * sens
         bound = "float" if ratio <= RATIO_LIMIT else ("rounding" if cascade else "")
         span = _output_range(k)
@@ -314,7 +309,7 @@ def split_parity(names: Sequence[str], keras_tf: Sequence[np.ndarray], keras_ort
         d_q, d_f = float(np.max(np.abs(q - r))), float(np.max(np.abs(f - r)))
         d_tf, d_e = float(np.max(np.abs(q - k))), float(np.max(np.abs(r - k)))
         ratio, span = _ratio(d_q, d_f), _output_range(k)
-        top1 = _top1(q, r)
+        top1 = top1_agreement(q, r)
         export = (ratio <= RATIO_LIMIT and _ratio(d_q, span) <= ABS_LIMIT
                   and (top1 is None or top1 >= TOP1_LIMIT))
         if _ratio(d_e, float(np.max(np.abs(f - k)))) <= RATIO_LIMIT and _ratio(d_e, span) <= ABS_LIMIT:
@@ -325,7 +320,7 @@ def split_parity(names: Sequence[str], keras_tf: Sequence[np.ndarray], keras_ort
             engines = ""
         result.append(OutputParity(name, d_q, d_f, ratio, top1, export and bool(engines), sens,
                                    "float" if ratio <= RATIO_LIMIT else "", "onnxruntime", d_tf, d_e, span,
-                                   engines=engines, top1_tf=_top1(q, k)))
+                                   engines=engines, top1_tf=top1_agreement(q, k)))
     return tuple(result)
 
 
@@ -340,7 +335,7 @@ def deployed_parity(target: str, model: onnx.ModelProto, tensorrt_form: onnx.Mod
     (default graph optimisations, its integer kernels) against ``tensorrt_form`` run with
     optimisations off; it reads no detail of how the target form was made."""
     from onnx_qat.errors import QatError
-    from onnx_qat.runtime import make_session
+    from onnx_qat.runtime.sessions import make_session
 
     reference = run_with_tensors(tensorrt_form, feeds)
     try:
@@ -354,7 +349,7 @@ def deployed_parity(target: str, model: onnx.ModelProto, tensorrt_form: onnx.Mod
         d_t = float(np.max(np.abs(t - r)))
         d_quant = float(np.max(np.abs(r - np.asarray(f, np.float64).reshape(np.shape(k)))))
         ratio = _ratio(d_t, d_quant)
-        top1 = _top1(t, np.asarray(k, np.float64))
+        top1 = top1_agreement(t, np.asarray(k, np.float64))
         passed = ratio <= DEPLOYED_FACTOR and (top1 is None or top1 >= TOP1_LIMIT)
         result.append(DeployedParity(name, target, d_t, d_quant, ratio, top1, passed))
     return tuple(result)
@@ -371,7 +366,7 @@ def keras_qat_in_onnxruntime(q_model, opset: int, inputs: Sequence[np.ndarray]) 
     layers carry on. Run in onnxruntime, the Keras model and the Q/DQ model share that arithmetic,
     so any difference between them is the export's own.
     """
-    from onnx_qat.model_io import load_model
+    from onnx_qat.io.models import load_model
 
     from .fake_quant import forward_only
 

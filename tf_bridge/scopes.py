@@ -20,7 +20,7 @@ from typing import Dict, FrozenSet, Iterator, List, Mapping, Optional, Set, Tupl
 
 import keras
 
-from onnx_qat.placement.graph_index import GraphIndex, NodeInfo
+from onnx_qat.graph.index import GraphIndex, NodeInfo
 
 #: ONNX ops that only move data; a Keras tensor crossing into a layer may pass through them.
 LAYOUT_OPS = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Cast")

@@ -326,7 +326,7 @@ def export_float(float_model, models_dir: Path) -> Path:
     This is the FP32 baseline. (An export's ``<name>.float.onnx`` is the float twin of a QAT
     model, whose weights sit on the Keras int8 grid; it is not the float baseline.)
     """
-    from onnx_qat.model_io import save_model
+    from onnx_qat.io.models import save_model
     from tf_bridge.export import convert_float_twin
 
     path = models_dir / "float.onnx"
@@ -338,7 +338,7 @@ def export_float(float_model, models_dir: Path) -> Path:
 # =========================================================================== measurements
 def onnx_predictions(path: Path, x: np.ndarray) -> np.ndarray:
     """Class predictions of an ONNX model in onnxruntime (CPU)."""
-    from onnx_qat.runtime import run_model
+    from onnx_qat.runtime.sessions import run_model
 
     outputs = run_model(path, x, batch_size=256)
     logits = next(iter(outputs.values()))
@@ -362,8 +362,8 @@ def layer_errors(float_path: Path, qdq_path: Path, x: np.ndarray,
                  keras_names: Sequence[str]) -> Tuple[Tuple[str, float], ...]:
     """SQNR (dB) of each weighted op's output (Conv, ConvTranspose, Gemm, MatMul) in the Q/DQ model against
     the same tensor of the float model, in graph order. Tensors the Q/DQ model does not have are left out."""
-    from onnx_qat.model_io import load_model
-    from onnx_qat.runtime import make_session
+    from onnx_qat.io.models import load_model
+    from onnx_qat.runtime.sessions import make_session
 
     float_proto, qdq_proto = load_model(float_path), load_model(qdq_path)
     qdq_tensors = {o for n in qdq_proto.graph.node for o in n.output}
@@ -409,7 +409,7 @@ def measure_latency(paths: Dict[str, Path], x: np.ndarray, batches: Sequence[int
     Every round runs each model in turn (the starting model rotates), so slow drifts of the machine
     affect all models alike; small batches are run several times per round and averaged.
     """
-    from onnx_qat.runtime import make_session
+    from onnx_qat.runtime.sessions import make_session
 
     sessions = {name: make_session(p, threads=threads) for name, p in paths.items()}
     results = []

@@ -14,7 +14,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from onnx_qat.fileio import atomic_write_bytes, atomic_write_text, write_json
+from onnx_qat.io.files import atomic_write_bytes, atomic_write_text, write_json
 
 #: Display names of the three models, in report order.
 MODEL_LABELS = {"float": "float (FP32)", "ptq": "PTQ INT8", "qat": "QAT INT8",

@@ -210,7 +210,7 @@ def _file_features(split: str, count: int = 32) -> np.ndarray:
 # --------------------------------------------------------------------------- measuring
 def _cosine(float_model: str, candidate, feeds) -> float:
     from onnx_qat.accuracy.prepared import output_error
-    from onnx_qat.runtime import run_model
+    from onnx_qat.runtime.sessions import run_model
 
     ref = run_model(float_model, feeds, batch_size=8)
     got = run_model(candidate, feeds, batch_size=8)
@@ -219,7 +219,7 @@ def _cosine(float_model: str, candidate, feeds) -> float:
 
 
 def _weighted_share(result) -> Tuple[int, int]:
-    from onnx_qat.placement.handlers import WEIGHTED_OPS
+    from onnx_qat.graph.ops import WEIGHTED_OPS
 
     decisions = [d for d in result.placement.decisions if d.op_type in WEIGHTED_OPS]
     return sum(d.action == "quantize" for d in decisions), len(decisions)

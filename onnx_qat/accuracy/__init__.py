@@ -7,6 +7,10 @@
   all-INT8 runs kept there: a setting runs only the part of the graph it changes.
 * :mod:`.sensitivity` — :func:`sensitivity`: per-site output error, ranked, as a typed result.
 * :mod:`.mixed` — automatic mixed precision: the fewest float sites reaching a minimum cosine.
+
+Owns: the loops over the stages that measure and trade accuracy; no second inserter or graph index.
+May import: every stage below the public ``quantize`` (io, graph, formats and roundings, config,
+scales, runtime, placement, insertion, calibration, the rewrite); never ``check`` or ``deploy``.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def sensitivity_chart(result, path, top: int = 20) -> None:
     from matplotlib.patches import Patch
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    from ..fileio import atomic_output
+    from ..io.files import atomic_output
 
     rows = list(result.sites[:top])[::-1]  # most sensitive at the top
     labels = [f"{s.name[:32]} ({s.site.op_type})" for s in rows]

@@ -86,7 +86,7 @@ class GatedRunner:
 
     def __init__(self, gated: onnx.ModelProto, num_sites: int, feeds: Sequence[Mapping[str, np.ndarray]],
                  outputs: Sequence[str], threads=None, cut_bytes: Optional[int] = None):
-        from ..runtime import make_session, needs_exact_qdq
+        from ..runtime.sessions import make_session, needs_exact_qdq
         from .cuts import CUT_CACHE_BYTES, CutPlan
 
         self.num_sites = num_sites
@@ -118,7 +118,7 @@ class GatedRunner:
         """Cuts within ``budget``. Tensor sizes come from one sample of the first feed, run in a
         probe session that outputs every candidate tensor; no cuts when the feed has no batch axis
         to take one sample from, or the model takes no other batch size."""
-        from ..runtime import make_session
+        from ..runtime.sessions import make_session
         from .cuts import first_sample
 
         probe = first_sample(self.feeds[0]) if self.feeds else None
@@ -150,7 +150,7 @@ class GatedRunner:
         return {name: join_flat(v) for name, v in parts.items()}, kept
 
     def _suffix(self, cut: int):
-        from ..runtime import make_session
+        from ..runtime.sessions import make_session
 
         session = self._suffixes.pop(cut, None)
         if session is None:

@@ -18,7 +18,7 @@ misses the minimum, the next site in the order is added and the model is built a
 
 "Quantized" is in the format ``config.precision`` names (INT8, FP8, or INT4 weight-only, where a site
 is one weight's blockwise DequantizeLinear); what differs per format is in
-:mod:`onnx_qat.accuracy.formats`.
+:mod:`onnx_qat.accuracy.format_settings`.
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ import sys
 from typing import Optional, Sequence, Tuple
 
 from ..errors import AccuracyError, ConfigError, PlacementError
-from ..formats import get_format
+from ..formats.numeric import get_format
 from . import bisect
-from .formats import precision_name
+from .format_settings import precision_name
 from .prepared import OutputError, Prepared, output_error, prepare
 from .sites import site_exclusions, with_partners
 
@@ -109,8 +109,8 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
     """:func:`onnx_qat.quantize` with automatic mixed precision (see the module docstring)."""
     import time
 
-    from ..fileio import check_output_path, write_json
-    from ..model_io import save_model
+    from ..io.files import check_output_path, write_json
+    from ..io.models import save_model
     start = time.perf_counter()
     inputs = tuple(p for p in (model, scales, data, eval_data) if isinstance(p, (str, os.PathLike)))
     out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
@@ -159,7 +159,7 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
 def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     """The Q/DQ model with ``chosen`` sites excluded from placement, and its verified error."""
     from ..rewrite import quantize_placed
-    from ..runtime import make_session
+    from ..runtime.sessions import make_session
     from .gated import join_flat
 
     names = [prepared.sites[k].name for k in chosen]
@@ -186,8 +186,8 @@ def _weighted_share(result, float_model) -> Tuple[int, int]:
     """(weighted ops quantized, weighted ops) of a QuantizeResult's placement: the Conv,
     ConvTranspose, Gemm and MatMul nodes of ``float_model``'s main graph with a constant weight
     (an attention product of two activations has none, and is not counted)."""
-    from ..placement.graph_index import GraphIndex
-    from ..placement.handlers import WEIGHTED_OPS
+    from ..graph.index import GraphIndex
+    from ..graph.ops import WEIGHTED_OPS
 
     index = GraphIndex(float_model)
     weighted = {n.name for n in index.nodes if n.op_type in WEIGHTED_OPS

@@ -83,7 +83,7 @@ class Prepared:
     reference: Dict[str, np.ndarray]
     runner: GatedRunner
     method: str
-    int4: object = None  # precision int4: the WeightOnly state (onnx_qat.accuracy.formats)
+    int4: object = None  # precision int4: the WeightOnly state (onnx_qat.accuracy.format_settings)
 
     def error(self, quantized) -> OutputError:
         """Output error with exactly the sites ``quantized`` (indices) in INT8, in the gated session."""
@@ -93,7 +93,7 @@ class Prepared:
 def split_data(data, eval_data, model: onnx.ModelProto, holdout: float = HOLDOUT):
     """``(calibration, evaluation)`` Datasets: ``eval_data`` when given, else the last ``holdout``
     share of ``data`` (at least one sample), which calibration then does not see."""
-    from ..data import Dataset, load_data
+    from ..io.data import Dataset, load_data
 
     calib = load_data(data, model, what="calibration data")
     if eval_data is not None:
@@ -132,13 +132,13 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     (None: every activation tensor placement quantizes)."""
     from ..calibration import calibrate
     from ..config import QuantizeConfig
-    from ..model_io import load_model
-    from ..placement.graph_index import GraphIndex, assign_node_names
+    from ..io.models import load_model
+    from ..graph.index import GraphIndex, assign_node_names
     from ..rewrite import nothing_to_quantize, quantize_placed, refuse_quantized
     from ..placement.policy import policy_for
 
-    from ..formats import get_format
-    from .formats import insertion_config, weight_only_ranges
+    from ..formats.numeric import get_format
+    from .format_settings import insertion_config, weight_only_ranges
 
     config = config or QuantizeConfig()
     float_model = load_model(model, min_opset=get_format(config.precision).min_opset)
@@ -182,15 +182,15 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
 
 
 def _evaluation_only(data, model):
-    from ..data import load_data
+    from ..io.data import load_data
 
     return load_data(data, model, what="evaluation data")
 
 
 def _float_run(float_model, feeds, observed: Tuple[str, ...], placement, table):
     """The float model's float outputs on ``feeds`` (flattened) and the statistics of ``observed``."""
-    from ..insertion import group_amax
-    from ..runtime import make_session
+    from ..insertion.inserter import group_amax
+    from ..runtime.sessions import make_session
 
     outputs = [o.name for o in float_model.graph.output
                if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,

@@ -13,7 +13,6 @@ held fixed.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
@@ -141,9 +140,9 @@ class SensitivityResult:
 
     def save(self, path) -> None:
         """Write :meth:`to_dict` as JSON (atomically; inf/NaN as strings)."""
-        from ..fileio import write_json
+        from ..io.files import write_json
 
-        write_json(path, _json_safe(self.to_dict()))
+        write_json(path, self.to_dict())
 
     def table(self, top: Optional[int] = None) -> str:
         """A plain-text table of the ``top`` most sensitive sites (all when None)."""
@@ -179,16 +178,6 @@ class SensitivityResult:
 
 def _fmt_db(value: float) -> str:
     return "inf" if value == math.inf else f"{value:.1f}"
-
-
-def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None, metric: str = "cosine",
@@ -257,7 +246,7 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
 
 
 def _weight_stats(prepared) -> dict:
-    from ..model_io import tensor_array
+    from ..io.models import tensor_array
 
     inits = {t.name: t for t in prepared.float_model.graph.initializer}
     for node in prepared.float_model.graph.node:  # weights some exporters keep in Constant nodes

@@ -69,7 +69,7 @@ def _kind(op_type: str, rule: str) -> str:
 def sites_of(placement: Placement, index=None) -> Tuple[Site, ...]:
     """The sites of ``placement``, in graph order.
 
-    ``index``: the :class:`~onnx_qat.placement.graph_index.GraphIndex` placement ran on. It finds
+    ``index``: the :class:`~onnx_qat.graph.index.GraphIndex` placement ran on. It finds
     the weighted op a Pad serves (rule 8) and the partners of residual sites; without it a Pad's
     edge goes to the site its mark's reason names, and no site has partners.
     """

@@ -6,6 +6,10 @@
   :class:`EntropyCollector` (``entropy``), :class:`MseCollector` (``mse``),
   :class:`AutoCollector` (``auto``, the default: the best of max / percentile / mse per tensor,
   then whole tables judged by the model's output, :mod:`.output_check`).
+
+Owns: running the float model to observe tensors (If branches and Loop/Scan bodies included) and
+turning observations into ranges.
+May import: io, graph, formats, config, scales, runtime, placement (which tensors to observe).
 """
 from __future__ import annotations
 

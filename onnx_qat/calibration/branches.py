@@ -4,18 +4,18 @@ outputs.
 :class:`BranchRunner` answers ``run(names, feed)`` like an onnxruntime session. Tensors of the main
 graph are fetched as extra outputs. For tensors inside the branches of an If, it first runs the
 model to read the If's condition on this batch, then runs a copy of the model in which that If is
-replaced by the branch it takes (:func:`onnx_qat.subgraphs.inline_branches`); there the branch's
+replaced by the branch it takes (:func:`onnx_qat.graph.subgraphs.inline_branches`); there the branch's
 tensors are main-graph tensors. Nested Ifs are resolved the same way, one level per copy. Copies
 are made once per combination of conditions met, so a dataset that always takes one branch costs
 one copy. Only the branch that really runs is observed on each batch, as it would run in
 deployment; a branch no batch takes gets no range (quantize then names the tensors without one).
 
 A tensor of a Loop or Scan body takes one value per iteration. The runner fetches it from a copy of
-the model in which it is an extra scan output of the body (:func:`onnx_qat.subgraphs.expose_iterations`):
-the values of every iteration, stacked, so every calibration method sees all iterations. A body
-whose tensor shapes change across iterations cannot be exposed so (onnxruntime refuses the copy): its
-tensors, like those of an If inside a body, come back as None and get no range. A name that is no
-tensor of the model is a ModelError.
+the model in which it is an extra scan output of the body
+(:func:`onnx_qat.graph.subgraphs.expose_iterations`): the values of every iteration, stacked, so
+every calibration method sees all iterations. A body whose tensor shapes change across iterations
+cannot be exposed so (onnxruntime refuses the copy): its tensors, like those of an If inside a body,
+come back as None and get no range. A name that is no tensor of the model is a ModelError.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import numpy as np
 import onnx
 
 from ..errors import ModelError, brief
-from ..placement.graph_index import subgraphs_of
-from ..subgraphs import LOOP_OPS, expose_iterations
+from ..graph.index import subgraphs_of
+from ..graph.subgraphs import LOOP_OPS, expose_iterations
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _defined_inside(node: onnx.NodeProto) -> set:
 def make_runner(model: onnx.ModelProto, names: Sequence[str]):
     """An onnxruntime session fetching ``names`` as extra outputs when all are main-graph tensors,
     else a :class:`BranchRunner` (``model`` is then copied, never changed)."""
-    from ..runtime import _tensor_names, make_session
+    from ..runtime.sessions import _tensor_names, make_session
 
     main = _tensor_names(model.graph)
     if all(n in main for n in names):
@@ -70,13 +70,13 @@ class BranchRunner:
         ModelError: a name is not a tensor of the model (in no graph, nor in any subgraph).
 
     A tensor of a Loop/Scan body comes back as its values of every iteration stacked on a new first
-    axis (:func:`onnx_qat.subgraphs.expose_iterations`). A body whose tensor shape changes across
+    axis (:func:`onnx_qat.graph.subgraphs.expose_iterations`). A body whose tensor shape changes across
     iterations cannot give them (onnxruntime refuses the copy): that node's tensors then join
     :attr:`unobservable` and come back as None, like a tensor of an If inside a Loop/Scan body.
     """
 
     def __init__(self, model: onnx.ModelProto, names: Sequence[str]):
-        from ..runtime import _tensor_names
+        from ..runtime.sessions import _tensor_names
 
         main = _tensor_names(model.graph)
         self.main = [n for n in names if n in main]
@@ -111,7 +111,7 @@ class BranchRunner:
         """The session over a copy of the model with the body tensors ``looped`` exposed."""
         import onnxruntime as ort
 
-        from ..runtime import make_session
+        from ..runtime.sessions import make_session
 
         exposed_model, self.exposed = expose_iterations(self.model, looped)
         # a failure of the exposed copy is handled here (_recover): onnxruntime need not log it too
@@ -149,7 +149,7 @@ class BranchRunner:
         """The values of ``names`` (among those given at construction) on one batch: a Loop/Scan
         body's tensor stacked over its iterations; None for the tensors of a branch this batch
         does not take and for :attr:`unobservable` ones."""
-        from ..subgraphs import inline_branches
+        from ..graph.subgraphs import inline_branches
 
         try:
             fetched = self.session.run(self.fetch, feed, self.quiet if self.exposed else None)
@@ -188,7 +188,7 @@ def _op_of(model: onnx.ModelProto, name: str) -> str:
 
 def _tensor_names_deep(model: onnx.ModelProto) -> set:
     """Every tensor name defined in ``model``'s main graph and (nested) subgraphs."""
-    from ..runtime import _tensor_names
+    from ..runtime.sessions import _tensor_names
 
     names = _tensor_names(model.graph)
     for node in model.graph.node:

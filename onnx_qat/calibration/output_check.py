@@ -42,10 +42,10 @@ def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16):
 
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
     """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1), as
-    :func:`onnx_qat.compare.output_figures` measures it (the figure
+    :func:`onnx_qat.runtime.compare.output_figures` measures it (the figure
     :func:`onnx_qat.accuracy.prepared.output_error` reports too; calibration does not import the
     accuracy tools, which plain ``quantize`` never loads)."""
-    from ..compare import output_figures
+    from ..runtime.compare import output_figures
 
     return min([1.0] + [output_figures(ref, candidate[name])["cosine"] for name, ref in reference.items()])
 
@@ -63,7 +63,7 @@ def choose_by_output(model, feeds, tables: Mapping[str, Mapping[str, float]], *,
     """
     from ..config import QuantizeConfig
     from ..rewrite import quantize_placed
-    from ..runtime import run_model
+    from ..runtime.sessions import run_model
     from ..scales import ScaleTable
 
     resolved = QuantizeConfig.from_options(config, **dict(placement_options or {}))

@@ -134,7 +134,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     Args:
         model: a float ONNX model (``ModelProto``, not modified, or a path).
         data: calibration data: an ``.npz`` path, a dict of arrays, an array or a
-            :class:`~onnx_qat.data.Dataset` (see :func:`onnx_qat.load_data`).
+            :class:`~onnx_qat.io.data.Dataset` (see :func:`onnx_qat.load_data`).
         method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
             of the max, percentile and mse candidates quantizes that tensor with the least error,
             ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
@@ -159,9 +159,9 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     Raises:
         ModelError, DataError, ConfigError, PlacementError, OutputError: one line each.
     """
-    from ..data import load_data
-    from ..fileio import check_output_path
-    from ..model_io import load_model
+    from ..io.data import load_data
+    from ..io.files import check_output_path
+    from ..io.models import load_model
     _check_options(method, percentile, num_bins, batch_size)
     if output is not None:
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
@@ -201,7 +201,7 @@ def _auto_tables(model, dataset, observers, amax, meta, *, config, batch_size: i
     explicit ``tensors`` leave out an activation placement quantizes). Records the per-tensor picks
     (``auto_choices``), the winning table (``auto_table``) and each table's output cosine
     (``auto_output_cosine``) in ``meta``."""
-    from ..model_io import load_model
+    from ..io.models import load_model
     from .output_check import choose_by_output, first_samples
 
     def guarded(value: float) -> float:
@@ -238,7 +238,7 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
     branches a batch does not take (and a Loop/Scan body's tensors stacked over its iterations).
     Returns the names observed on at least one batch.
     """
-    from ..runtime import feeds_with_progress
+    from ..runtime.sessions import feeds_with_progress
 
     reached = set()
     for index, feed in enumerate(feeds_with_progress(dataset, batch_size, progress, desc)):
@@ -272,7 +272,7 @@ def _tensors_to_observe(proto, tensors, config, placement_options) -> Tuple[str,
     names = placement.activation_tensors()
     if not names:
         from ..config import QuantizeConfig
-        from ..formats import get_format
+        from ..formats.numeric import get_format
 
         fmt = get_format(QuantizeConfig.from_options(config, **placement_options).precision)
         if fmt.weight_only:

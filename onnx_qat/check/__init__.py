@@ -21,6 +21,10 @@ Sources cited by the rules:
 
 The checker only reads the model: a ``ModelProto`` given by the caller is never
 modified (shape inference runs on a copy).
+
+Owns: the check rules, their one table, the per-graph index they read and the report.
+May import: io, graph, formats, the targets (data), rule 6's choice (``placement.residual``); it
+reads any tool's output, so never the rest of placement, insertion or calibration.
 """
 from __future__ import annotations
 
@@ -85,11 +89,11 @@ def _load(model):
     """The ModelProto to read (never a caller's object modified) and its path label."""
     import os
     if isinstance(model, (str, os.PathLike)):
-        from ..model_io import load_model
+        from ..io.models import load_model
         return load_model(model, upgrade_opset=False), str(model)
     import onnx
 
-    from ..model_io import from_graph, is_graph
+    from ..io.models import from_graph, is_graph
     if is_graph(model):
         return from_graph(model), ""
     if not isinstance(model, onnx.ModelProto):
@@ -127,7 +131,7 @@ def _lazy_inference(model) -> Callable[[], list]:
 
 def _rules_for(target) -> Tuple[Callable, ...]:
     """The rule functions :func:`check` runs for ``target`` (a target name, or None for tensorrt)."""
-    from ..targets import get_target
+    from ..insertion.targets import get_target
 
     name = get_target(target).name
     replaced = ORT_CPU_RULES if name == "ort-cpu" else {}
@@ -154,7 +158,7 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
     Raises:
         ModelError: the model cannot be read.
     """
-    from ..model_io import cyclic_gc_paused
+    from ..io.models import cyclic_gc_paused
 
     rules = _rules_for(target)
     proto, label = _load(model)

@@ -11,9 +11,10 @@ from itertools import compress
 from sys import intern
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+from ..graph.ops import WEIGHTED_OPS
+
 
 _UINT8 = 2  # onnx.TensorProto.UINT8: what a QuantizeLinear without a zero point writes
-WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 #: Ops that move data without changing values; Q/DQ commutes with them ([TRT-PL]).
 _DATA_MOVEMENT = frozenset({
     "Pad", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Slice", "MaxPool",
@@ -355,7 +356,7 @@ def _itemsizes() -> Dict[int, int]:
     """Element type -> bytes per element, for the types whose raw bytes :func:`_to_array` reads in
     place (``model_io.tensor_array``); built on first use (``model_io`` imports onnx)."""
     if not _ITEMSIZES:
-        from ..model_io import _RAW_DTYPES
+        from ..io.models import _RAW_DTYPES
         _ITEMSIZES.update({data_type: int(dtype[-1]) for data_type, dtype in _RAW_DTYPES.items()})  # "<f4": 4
     return _ITEMSIZES
 
@@ -363,7 +364,7 @@ def _itemsizes() -> Dict[int, int]:
 def _to_array(tensor):
     """A TensorProto's value as a numpy array, or None when it cannot be read (external data
     not loaded, corrupt tensor...)."""
-    from ..model_io import tensor_array
+    from ..io.models import tensor_array
     try:
         return tensor_array(tensor)
     except Exception:  # external data not loaded, corrupt tensor...

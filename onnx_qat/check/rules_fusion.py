@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Iterator, List
 
+from ..placement.residual import fused_addend
 from .report import ERROR, Finding, WARNING
 from .index import (
     WEIGHTED_OPS, _DEQUANTIZE, _Graph, _QDQ, _QUANTIZE, _fed_by_dq, _input, _qdq_nodes, _weight_input,
@@ -40,10 +41,10 @@ def rule_c10_residual_float_skip(model, graphs) -> Iterator[Finding]:
             if len(convs) == 1 and _reads_output_of(g, inputs, convs[0]):
                 continue  # y + f(y): no fusion possible, the other addend needs the op's own output
             if convs:
-                skip = [t for t in inputs if _weighted_producer(g, t) is None] or [inputs[1]]
-                conv = convs[0]
+                fused = fused_addend([_weighted_producer(g, t) in convs for t in inputs])
+                skip, conv = inputs[1 - fused], _weighted_producer(g, inputs[fused])
                 yield Finding("C10", WARNING, g.name(i), f"both inputs are float; quantize the skip input "
-                              f"{skip[0]!r} so TensorRT can fuse the Add into {g.ops[conv]} {g.name(conv)!r}")
+                              f"{skip!r} so TensorRT can fuse the Add into {g.ops[conv]} {g.name(conv)!r}")
 
 
 def _reads_output_of(g, inputs, conv: int, limit: int = 64) -> bool:

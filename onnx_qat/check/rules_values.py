@@ -76,7 +76,7 @@ def _first_nonzero(values) -> Optional[int]:
 def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
     """C4 for the ``ort-cpu`` target (error): zero points constant, int8 zeros or uint8 0 / 128.
 
-    The ort-cpu form (:mod:`onnx_qat.ort_cpu`) stores activations as uint8 with zero point 128 (or 0
+    The ort-cpu form (:mod:`onnx_qat.insertion.ort_cpu`) stores activations as uint8 with zero point 128 (or 0
     where they are non-negative) and some weights as uint8 ``q + 128``: the same values as int8 with
     zero point 0. Any other zero point is not a form that target writes.
     """

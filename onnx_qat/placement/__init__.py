@@ -4,7 +4,11 @@
 * :mod:`.marks` — the records handlers produce (ActivationMark, WeightMark, Decision, Placement).
 * :mod:`.handlers` — the numbered TensorRT rules, one documented unit each.
 * :mod:`.policy` — the op type -> handler table and rule 10 (one Q/DQ per tensor).
-* :mod:`.graph_index` — producer/consumer maps built once per graph.
+* :mod:`.format_marks` — which marks each numeric format keeps (INT4: weight marks only).
+
+Owns: the placement rules (one home for each, the residual-Add rule included) and their marks.
+May import: io, graph (the graph model: index, ``WEIGHTED_OPS``), formats, config, the targets
+(data); never the inserter, calibration or check.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The numbered TensorRT placement rules, one documented unit each.
 
-Handlers look at one node (through a :class:`~onnx_qat.placement.graph_index.GraphIndex`)
+Handlers look at one node (through a :class:`~onnx_qat.graph.index.GraphIndex`)
 and return marks; they never touch a graph. The policy
 (:mod:`onnx_qat.placement.policy`) maps op types to these handlers and merges the
-marks (rule 10). Rule numbers follow DESIGN.md / the rules table of docs/placement.md.
+marks (rule 10). Rule numbers follow the rules table of docs/placement.md.
 
 Public sources:
 
@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ..config import QuantizeConfig
-from .graph_index import GraphIndex, NodeInfo, subgraphs_of
+from ..graph.index import GraphIndex, NodeInfo, subgraphs_of
+from .residual import skip_addends
 from .marks import ActivationMark, Decision, SubgraphPlacement, WeightMark, group_by_tensor
 
-#: Weighted ops: TensorRT runs them in INT8 when both the activation and the weight are quantized.
-WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 #: Ops that commute with per-tensor quantization (rule 8): Q/DQ moves across them for free.
 COMMUTING_OPS = ("MaxPool", "Relu", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Pad",
                  "Resize", "Upsample", "Identity", "Split", "Gather", "SpaceToDepth", "DepthToSpace",
@@ -384,12 +383,12 @@ class ResidualAddHandler:
                            "no input comes from a quantized weighted op: not a fusable residual Add")
         if producers[0] is not None and producers[1] is not None:
             lengths = [_branch_length(t, ctx) for t in (a, b)]
-            skip = 0 if lengths[0] < lengths[1] else 1
+            (skip,) = skip_addends((True, True), lengths)
             why = (f"both inputs come from weighted ops ({producers[0].name!r}, {producers[1].name!r}); "
                    f"quantizing the shorter branch (input {skip}, "
                    f"{lengths[skip]} vs {lengths[1 - skip]} hops)")
         else:
-            skip = 0 if producers[0] is None else 1
+            (skip,) = skip_addends((producers[0] is not None, producers[1] is not None))
             why = f"input {1 - skip} comes from {producers[1 - skip].name!r} and stays float for Add fusion"
             if _computed_from(node.inputs[skip], set(paths[1 - skip]), ctx):
                 return _result(node, "none", "R6",

@@ -1,6 +1,6 @@
 """What placement decides, as plain immutable records (no graph objects).
 
-Handlers only produce these marks; :mod:`onnx_qat.insertion` is the one place
+Handlers only produce these marks; :mod:`onnx_qat.insertion.inserter` is the one place
 that turns marks plus a ScaleTable into QuantizeLinear/DequantizeLinear nodes.
 
 The records made once per node or per mark (:class:`ActivationMark`, :class:`WeightMark`,
@@ -23,7 +23,7 @@ class ActivationMark:
         tensor: the ONNX tensor name to quantize.
         consumers: ``(node name, input index)`` pairs that read the DequantizeLinear output;
             other consumers keep reading the float tensor.
-        rule: the DESIGN.md / docs/placement.md rule number that asked for it, e.g. ``"R4"``.
+        rule: the docs/placement.md rule number that asked for it, e.g. ``"R4"``.
         reason: one human-readable sentence.
         scale_group: tensors with the same non-None group share one scale (Concat, rule 7).
     """

@@ -2,7 +2,7 @@
 
 Placement is decided completely before anything is inserted: handlers return marks,
 :func:`rule10_merge` turns them into one ActivationMark per tensor, and the result is a
-:class:`~onnx_qat.placement.marks.Placement` that :mod:`onnx_qat.insertion` consumes.
+:class:`~onnx_qat.placement.marks.Placement` that :mod:`onnx_qat.insertion.inserter` consumes.
 """
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import onnx
 
 from ..config import QuantizeConfig
-from .formats import adapt_placement
-from .graph_index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
+from .format_marks import adapt_placement
+from ..graph.index import DEFAULT_DOMAINS, GraphIndex, NodeInfo
+from ..graph.ops import WEIGHTED_OPS
 from .handlers import (
-    COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, WEIGHTED_OPS, CommutingOpHandler, ConcatHandler,
+    COMMUTING_OPS, FUSED_EPILOGUE_OPS, SKIPPED_OPS, CommutingOpHandler, ConcatHandler,
     FusedEpilogueHandler, NodeResult, NotQuantizedHandler, PlacementContext,
     PoolingInputHandler, ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, SubgraphHandler,
     WeightedOpHandler, SUBGRAPH_OPS,
@@ -208,14 +209,14 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
     return tuple(merged)
 
 
-#: Placement policies by the name a :class:`~onnx_qat.targets.Target` gives in its ``policy`` field.
+#: Placement policies by the name a :class:`~onnx_qat.insertion.targets.Target` gives in its ``policy`` field.
 POLICIES: Mapping[str, type] = MappingProxyType({"tensorrt": TensorRTPolicy})
 
 
 def policy_for(target):
-    """A fresh placement policy of a deployment target (a :class:`~onnx_qat.targets.Target` or
-    its name; see :mod:`onnx_qat.targets`)."""
-    from ..targets import get_target
+    """A fresh placement policy of a deployment target (a :class:`~onnx_qat.insertion.targets.Target` or
+    its name; see :mod:`onnx_qat.insertion.targets`)."""
+    from ..insertion.targets import get_target
 
     return POLICIES[get_target(target).policy]()
 
@@ -225,7 +226,7 @@ def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Place
 
     Args:
         model: an ``onnx.ModelProto``, an ``onnx_graphsurgeon.Graph`` or a path to a model (the
-            last two loaded with :func:`onnx_qat.model_io.load_model`, which upgrades opset < 13;
+            last two loaded with :func:`onnx_qat.io.models.load_model`, which upgrades opset < 13;
             a Graph is exported, never modified).
         config: a :class:`~onnx_qat.config.QuantizeConfig`; ``options`` (its field names:
             ``target``, ``exclude_nodes``, ``exclude_op_types``, ``min_channels``,
@@ -238,8 +239,8 @@ def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Place
     """
     config = QuantizeConfig.from_options(config, **options)
     if not isinstance(model, onnx.ModelProto):
-        from ..formats import get_format
-        from ..model_io import load_model
+        from ..formats.numeric import get_format
+        from ..io.models import load_model
 
         # a path or a Graph; any other object: one ModelError line
         model = load_model(model, min_opset=get_format(config.precision).min_opset)

@@ -118,7 +118,7 @@ def test_quantize_auto_is_check_clean_and_cli_accepts_it(tmp_path):
 # --------------------------------------------------------------------------- the output check
 def _output_cosine(model, quantized, data) -> float:
     from onnx_qat.accuracy.prepared import output_error
-    from onnx_qat.runtime import run_model
+    from onnx_qat.runtime.sessions import run_model
 
     ref, got = run_model(model, data), run_model(quantized, data)
     return output_error({k: v.ravel() for k, v in ref.items()}, {k: v.ravel() for k, v in got.items()}).cosine

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import subprocess
@@ -20,23 +19,6 @@ from tests.onnx_qat.test_check import good_block
 
 HEAVY = ("numpy", "onnx", "onnxruntime", "onnx_graphsurgeon", "tensorflow")
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-
-
-def _api_ready(module: str, name: str) -> bool:
-    try:
-        return callable(getattr(importlib.import_module(module), name, None))
-    except Exception:
-        return False
-
-
-needs_quantize = pytest.mark.skipif(not _api_ready("onnx_qat.quantize", "quantize"),
-                                    reason="onnx_qat.quantize.quantize is not available yet")
-needs_calibrate = pytest.mark.skipif(not _api_ready("onnx_qat.calibration", "calibrate"),
-                                     reason="onnx_qat.calibration.calibrate is not available yet")
-needs_compare = pytest.mark.skipif(not _api_ready("onnx_qat.compare", "compare"),
-                                   reason="onnx_qat.compare.compare is not available yet")
-needs_place = pytest.mark.skipif(not _api_ready("onnx_qat.placement", "place"),
-                                 reason="onnx_qat.placement.place is not available yet")
 
 
 def run_cli(*args):
@@ -316,7 +298,6 @@ def _save_scales(model, path, seed: int) -> None:
     amax_table(proto, random_inputs(proto, num=1, seed=seed)).save(path)
 
 
-@needs_quantize
 def test_quantize_from_scales_then_check(float_cnn, tmp_path, capsys):
     model, _ = float_cnn
     scales, out, report = tmp_path / "s.json", tmp_path / "q.onnx", tmp_path / "r.json"
@@ -337,7 +318,6 @@ def test_quantize_from_scales_then_check(float_cnn, tmp_path, capsys):
     assert names == ["calib.npz", "cnn.onnx", "q.onnx", "r.json", "s.json"]
 
 
-@needs_quantize
 def test_quantize_post_write_check_equals_check_of_the_written_file(float_cnn, tmp_path, capsys):
     from onnx_qat.check import check
     model, _ = float_cnn
@@ -351,7 +331,6 @@ def test_quantize_post_write_check_equals_check_of_the_written_file(float_cnn, t
     assert f"check: {from_file.summary()}" in printed and str(out) in from_file.summary()
 
 
-@needs_quantize
 def test_quantize_is_byte_identical_across_processes(float_cnn, tmp_path):
     model, _ = float_cnn
     scales = tmp_path / "s.json"
@@ -370,14 +349,13 @@ def test_quantize_is_byte_identical_across_processes(float_cnn, tmp_path):
 
 def _target_ready(name: str) -> bool:
     try:
-        from onnx_qat.targets import get_target
+        from onnx_qat.insertion.targets import get_target
         get_target(name)
         return True
     except Exception:
         return False
 
 
-@needs_quantize
 @pytest.mark.skipif(not _target_ready("ort-cpu"), reason="the ort-cpu target is not available yet")
 def test_quantize_for_ort_cpu_runs_the_ort_cpu_check(float_cnn, tmp_path, capsys):
     model, _ = float_cnn
@@ -396,7 +374,6 @@ def test_quantize_for_ort_cpu_runs_the_ort_cpu_check(float_cnn, tmp_path, capsys
     assert report["passed"] and not [f for f in report["findings"] if f["severity"] == "error"]
 
 
-@needs_quantize
 def test_quantize_already_quantized_model_is_refused(good_qdq, tmp_path, capsys):
     scales = tmp_path / "s.json"
     from onnx_qat.scales import ScaleTable
@@ -406,8 +383,6 @@ def test_quantize_already_quantized_model_is_refused(good_qdq, tmp_path, capsys)
     assert not (tmp_path / "q.onnx").exists()
 
 
-@needs_quantize
-@needs_compare
 def test_quantize_then_check_then_compare(float_cnn, tmp_path, capsys):
     model, data = float_cnn
     out, report = tmp_path / "q.onnx", tmp_path / "report.json"
@@ -427,8 +402,6 @@ def test_quantize_then_check_then_compare(float_cnn, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)
 
 
-@needs_calibrate
-@needs_quantize
 def test_calibrate_then_quantize_from_scales(float_cnn, tmp_path, capsys):
     model, data = float_cnn
     scales, out = tmp_path / "s.json", tmp_path / "q.onnx"
@@ -444,7 +417,6 @@ def test_calibrate_then_quantize_from_scales(float_cnn, tmp_path, capsys):
     assert onnx.load(str(out)).graph.node
 
 
-@needs_quantize
 def test_quantize_excluding_every_conv_is_reported(float_cnn, tmp_path, capsys):
     model, data = float_cnn
     code = main(["quantize", str(model), "-o", str(tmp_path / "q.onnx"), "--data", str(data),
@@ -456,7 +428,6 @@ def test_quantize_excluding_every_conv_is_reported(float_cnn, tmp_path, capsys):
         one_error_line(err)
 
 
-@needs_calibrate
 @pytest.mark.parametrize("make,words", [
     (lambda x: {"input": x, "extra": x}, "extra"),
     (lambda x: {"input": np.where(x > 1, np.nan, x).astype(np.float32)}, "NaN"),
@@ -475,7 +446,6 @@ def test_bad_calibration_data_is_one_line_and_writes_nothing(float_cnn, tmp_path
     assert sha(data) == before and not (tmp_path / "s.json").exists()
 
 
-@needs_place
 def test_inspect_prints_every_decision(float_cnn, capsys):
     model, _ = float_cnn
     assert main(["inspect", str(model)]) == EXIT_OK

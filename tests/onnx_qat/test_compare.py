@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_qat.compare import Comparison, OutputComparison, compare, output_figures
+from onnx_qat.runtime.compare import Comparison, OutputComparison, compare, output_figures
 from onnx_qat.errors import ConfigError, DataError, ModelError
 
 W = np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32)
@@ -64,7 +64,7 @@ def test_perturbed_model_fails_with_right_figures():
 def test_thresholds_each_can_fail():
     ref = np.array([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
     swapped = np.array([[1.0, 3.0, 2.0], [3.0, 2.0, 1.0]])
-    from onnx_qat.compare import judge
+    from onnx_qat.runtime.compare import judge
 
     assert judge("y", ref, ref).passed
     assert "top-1" in judge("y", ref, swapped, min_cosine=None, min_top1=0.9).reason

@@ -10,9 +10,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from onnx_qat.data import Dataset, generate_data, load_data
+from onnx_qat.io.data import Dataset, generate_data, load_data
 from onnx_qat.errors import DataError
-from onnx_qat.model_io import InputSpec, model_input_specs
+from onnx_qat.io.models import InputSpec, model_input_specs
 
 
 def _two_input_model() -> onnx.ModelProto:
@@ -235,7 +235,7 @@ def test_nonfinite_error_names_key_and_first_sample(tmp_path):
 
 
 def test_nonfinite_found_in_a_later_check_chunk(tmp_path, monkeypatch):
-    import onnx_qat.data as data_module
+    import onnx_qat.io.data as data_module
 
     monkeypatch.setattr(data_module, "CHECK_CHUNK_BYTES", 3 * 4 * 4 * 2)  # two samples per check
     x = np.ones((9, 3, 4), np.float32)
@@ -312,7 +312,7 @@ def test_header_claiming_more_than_the_file_holds_costs_no_memory(tmp_path):
 
 
 def test_reads_larger_than_a_piece_are_joined_exactly(tmp_path, monkeypatch):
-    import onnx_qat.npz as npz_module
+    import onnx_qat.io.npz as npz_module
 
     monkeypatch.setattr(npz_module, "_PIECE_BYTES", 100)  # every batch read in several pieces
     x = np.random.default_rng(3).standard_normal((10, 3, 4)).astype(np.float32)

@@ -24,7 +24,7 @@ import pytest
 
 import onnx_qat
 from onnx_qat.calibration.entropy import EntropyCollector, kl_divergences
-from onnx_qat.runtime import make_session
+from onnx_qat.runtime.sessions import make_session
 from tests.builders import residual_block_model
 
 calibrate_mod = pytest.importorskip("onnxruntime.quantization.calibrate")

@@ -7,11 +7,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qat
-from onnx_qat.blockwise import dequantize_blocks, from_fp8, pack_int4, quantize_blocks, to_fp8, unpack_int4
+from onnx_qat.formats.blockwise import (dequantize_blocks, from_fp8, pack_int4, quantize_blocks, to_fp8,
+                                         unpack_int4)
 from onnx_qat.cli import main
 from onnx_qat.errors import ConfigError
 from tests.builders import (
-    GraphBuilder, cosine, mlp_model, random_inputs, residual_block_model, run, transformer_block_model,
+    GraphBuilder, cosine, mlp_model, random_inputs, residual_block_model, transformer_block_model,
 )
 
 
@@ -25,7 +26,7 @@ def _data(model, num: int, seed: int, scale: float = 1.0):
 
 def _out(model, data):
     """The first output over every sample (batched as the model allows; FP8 with optimisations off)."""
-    from onnx_qat.runtime import run_model
+    from onnx_qat.runtime.sessions import run_model
 
     values = run_model(model, data)
     return values[model.graph.output[0].name]
@@ -356,7 +357,7 @@ def test_scale_table_block_ranges_round_trip_as_version_2_and_version_1_stays(tm
 
 
 def test_awq_clipping_search_never_raises_the_block_output_error_and_reaches_the_model():
-    from onnx_qat.awq import search_clip
+    from onnx_qat.formats.awq import search_clip
 
     rng = np.random.default_rng(3)
     weight = rng.standard_normal((256, 32)).astype(np.float32)
@@ -385,10 +386,10 @@ def test_awq_clipping_search_never_raises_the_block_output_error_and_reaches_the
 def test_awq_edits_keep_the_float_function_of_a_transformer_block():
     """AWQ's per-input-channel scales multiply weight rows and divide the activation (LayerNorm fold or
     an inserted Mul): before INT4 rounding the edited float model computes the same outputs."""
-    from onnx_qat.awq import apply_awq
+    from onnx_qat.formats.awq import apply_awq
     from onnx_qat.config import QuantizeConfig
     from onnx_qat.rewrite import _load_and_place
-    from onnx_qat.targets import get_target
+    from onnx_qat.insertion.targets import get_target
 
     model = _bert(dim=128, seed=3)
     config = QuantizeConfig(precision="int4", block_size=64)

@@ -10,11 +10,11 @@ import pytest
 from onnx import numpy_helper
 
 import onnx_qat
-from onnx_qat.awq import search_clip
-from onnx_qat.blockwise import block_scale, dequantize_blocks, quantize_blocks
+from onnx_qat.formats.awq import search_clip
+from onnx_qat.formats.blockwise import block_scale, dequantize_blocks, quantize_blocks
 from onnx_qat.cli import EXIT_USAGE, main
-from onnx_qat.gptq import gptq_round, output_error
-from onnx_qat.runtime import run_model
+from onnx_qat.formats.gptq import gptq_round, output_error
+from onnx_qat.runtime.sessions import run_model
 from tests.builders import assert_check_clean, cosine, random_inputs, transformer_block_model, weight_dqs
 from tests.onnx_qat.test_mixed_formats import _grid_mlp, _mlp_inputs
 

@@ -12,10 +12,10 @@ import pytest
 from onnx import numpy_helper
 
 import onnx_qat
-from onnx_qat.blockwise import FP8_MAX, from_fp8, to_fp8
+from onnx_qat.formats.blockwise import FP8_MAX, from_fp8, to_fp8
 from onnx_qat.cli import EXIT_USAGE, main
-from onnx_qat.gptq import apply_gptq_fp8, gptq_round_fp8, output_error
-from onnx_qat.runtime import run_model
+from onnx_qat.formats.gptq import apply_gptq_fp8, gptq_round_fp8, output_error
+from onnx_qat.runtime.sessions import run_model
 from tests.builders import assert_check_clean, cosine, random_inputs, transformer_block_model
 from tests.onnx_qat.test_gptq import _correlated
 

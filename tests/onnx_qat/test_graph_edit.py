@@ -7,8 +7,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qat
-from onnx_qat.graph_edit import GraphEdit, make_node
-from onnx_qat.insertion import SMALL_WEIGHT, quantize_small_weights, quantize_weight, weight_amax
+from onnx_qat.graph.edit import GraphEdit, make_node
+from onnx_qat.formats.encoding import quantize_weight, weight_amax
+from onnx_qat.insertion.inserter import SMALL_WEIGHT, quantize_small_weights
 from onnx_qat.scales import ScaleTable
 from tests import builders as B
 
@@ -217,7 +218,7 @@ def test_zero_range_channels_are_logged_in_the_batched_path(caplog):
             values[0] = 0.0
             t.CopyFrom(numpy_helper.from_array(values, t.name))
     table = ScaleTable({t: 1.0 for t in onnx_qat.place(model).activation_tensors()})
-    with caplog.at_level(logging.INFO, logger="onnx_qat.insertion"):
+    with caplog.at_level(logging.INFO, logger="onnx_qat.formats.encoding"):
         result = onnx_qat.quantize(model, scales=table, progress=False)
     weights = [r for r in result.inserted if r["kind"] == "weight"]
     assert weights and all(r["zero_channels"] == 1 for r in weights)

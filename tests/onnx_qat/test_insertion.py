@@ -7,12 +7,11 @@ import pytest
 from onnx import numpy_helper
 
 import onnx_qat
-from onnx_qat.graph_edit import GraphEdit
+from onnx_qat.graph.edit import GraphEdit
 from onnx_qat.errors import ScalesError
-from onnx_qat.insertion import (ZERO_CHANNEL_SCALE, activation_scale, activation_scales, insert_qdq_pairs,
-                                  quantize_weight)
-from onnx_qat.targets import get_target
-from onnx_qat.placement.graph_index import GraphIndex
+from onnx_qat.formats.encoding import ZERO_CHANNEL_SCALE, quantize_weight
+from onnx_qat.insertion.inserter import activation_scale, activation_scales, insert_qdq_pairs
+from onnx_qat.graph.index import GraphIndex
 from onnx_qat.placement.policy import TensorRTPolicy
 from onnx_qat.scales import ScaleTable, WeightRange
 from tests.builders import (
@@ -67,7 +66,7 @@ def test_quantize_weight_rounds_half_to_even_and_clips():
 def test_zero_weight_channel_gets_tiny_positive_scale(caplog):
     w = np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32)
     w[2] = 0.0
-    with caplog.at_level(logging.INFO, logger="onnx_qat.insertion"):
+    with caplog.at_level(logging.INFO, logger="onnx_qat.formats.encoding"):
         q, scale = quantize_weight(w, 0, name="w")
     assert scale[2] == np.float32(ZERO_CHANNEL_SCALE) and np.all(scale > 0)
     assert not q[2].any()
@@ -225,15 +224,24 @@ def test_activation_scales_equal_one_by_one_and_refuse_the_first_bad_amax():
     """The vectorized scales are the float32 values of activation_scale per amax (floats, NumPy
     float32 and odd magnitudes alike); a zero, negative, NaN or overflowing amax raises the
     one-value message of that amax."""
-    target = get_target("tensorrt")
     rng = np.random.default_rng(11)
     amaxes = [float(a) for a in rng.uniform(1e-3, 50, 200)] + [np.float32(3.3), 1e-30, 1e30, 127.0, 0.1]
-    got = activation_scales(amaxes, target)
+    got = activation_scales(amaxes)
     assert got.dtype == np.float32
-    assert got.tolist() == [float(activation_scale(a, target)) for a in amaxes]
+    assert got.tolist() == [float(activation_scale(a)) for a in amaxes]
     for bad in (0.0, -1.0, float("nan"), 1e300):
         with pytest.raises(ScalesError) as info:
-            activation_scales([1.0, bad, 2.0], target)
+            activation_scales([1.0, bad, 2.0])
         with pytest.raises(ScalesError) as single:
-            activation_scale(bad, target)
+            activation_scale(bad)
         assert str(info.value) == str(single.value)
+
+
+def test_the_configuration_offers_exactly_the_registered_targets():
+    """``QuantizeConfig`` and the CLI's ``--target`` validate against ``config.TARGETS``; the inserter
+    reads the targets' facts from ``insertion.targets``: the two name the same targets."""
+    from onnx_qat.config import TARGETS
+    from onnx_qat.insertion.targets import _TARGETS, get_target
+
+    assert TARGETS[0] == "tensorrt" and set(TARGETS) == set(_TARGETS)
+    assert [get_target(name).name for name in TARGETS] == list(TARGETS)

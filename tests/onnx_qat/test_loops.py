@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 import onnx_qat
 from onnx_qat.calibration.branches import BranchRunner
 from onnx_qat.errors import ModelError
-from onnx_qat.subgraphs import expose_iterations
+from onnx_qat.graph.subgraphs import expose_iterations
 from tests.builders import (assert_check_clean, cosine, growing_loop_model, if_cnn_model, loop_cnn_model, run,
                             scan_rnn_model)
 
@@ -188,7 +188,8 @@ def test_expose_iterations_stacks_every_iteration_and_leaves_the_model_unchanged
     assert model.SerializeToString(deterministic=True) == before
     assert set(exposed) == {"l_relu1_out", "x"}  # a main-graph tensor needs no exposing
     images = _images(2, 3, 1.0)
-    session_outputs = run(onnx_qat.runtime.with_outputs(copy, list(exposed.values())), {"input": images})
+    session_outputs = run(onnx_qat.runtime.sessions.with_outputs(copy, list(exposed.values())),
+                          {"input": images})
     stacked = dict(zip(exposed, session_outputs[-2:]))
     xs, relus = _unrolled_loop_cnn(model, images)
     assert stacked["x"].shape == (3, 2, 16, 8, 8)

@@ -142,7 +142,7 @@ def test_int4_leaves_exactly_the_weight_with_an_outlier_block_float(source):
     assert_check_clean(result.model)
     # the model written is the one measured: its cosine on the evaluation data is the one reported
     evaluation = kw.get("eval_data") or {"input": kw["data"]["input"][48:]}
-    from onnx_qat.runtime import run_model
+    from onnx_qat.runtime.sessions import run_model
 
     ref = run_model(model, evaluation)["output"].ravel().astype(np.float64)
     got = run_model(result.model, evaluation)["output"].ravel().astype(np.float64)

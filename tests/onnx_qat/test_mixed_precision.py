@@ -12,7 +12,7 @@ import pytest
 
 import onnx_qat
 from onnx_qat.accuracy.sites import site_exclusions, sites_of, tensors_to_calibrate, with_partners
-from onnx_qat.placement.graph_index import GraphIndex
+from onnx_qat.graph.index import GraphIndex
 from onnx_qat.cli import EXIT_OK, EXIT_USAGE, main
 from tests.builders import (
     assert_float_input, assert_weight_quantized, concat_model, conv_bn_relu_model, outlier_channel_model,

@@ -2,11 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +10,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_qat.errors import ModelError, OutputError
-from onnx_qat.model_io import (
-    MAX_IR_VERSION, InputSpec, default_opset, from_graph, load_model, model_input_specs, save_model,
+from onnx_qat.errors import ModelError
+from onnx_qat.io.models import (
+    MAX_IR_VERSION, default_opset, from_graph, load_model, save_model,
     to_graph,
 )
 
@@ -150,7 +145,7 @@ def test_graph_round_trip_keeps_the_computation_and_the_graph():
 
 
 def test_validate_model_names_the_model_in_one_line():
-    from onnx_qat.model_io import validate_model
+    from onnx_qat.io.models import validate_model
 
     model = load_model(_conv_model())
     validate_model(model, "output model q.onnx")
@@ -163,7 +158,7 @@ def test_validate_model_names_the_model_in_one_line():
 @pytest.mark.parametrize("dtype", [np.float32, np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64,
                                    np.float16, np.float64, np.uint32, np.uint64, bool])
 def test_tensor_array_equals_numpy_helper_for_raw_and_typed_fields(dtype):
-    from onnx_qat.model_io import tensor_array
+    from onnx_qat.io.models import tensor_array
 
     values = (np.random.default_rng(3).standard_normal((3, 4)) * 50).astype(dtype)
     raw = numpy_helper.from_array(values, "t")

@@ -246,7 +246,7 @@ def test_no_fold_unless_the_factor_is_a_constant_per_channel_vector(variant):
 
 def test_per_tensor_and_uint8_weights_fold_exactly():
     """A per-tensor uint8 weight (zero point 128) becomes per channel (axis 0) with the same values."""
-    from onnx_qat.ort_cpu import _folded_weight
+    from onnx_qat.insertion.ort_cpu import _folded_weight
 
     rng = np.random.default_rng(0)
     q = (rng.integers(-127, 128, (4, 2, 3, 3)) + 128).astype(np.uint8)
@@ -263,9 +263,9 @@ def test_per_tensor_and_uint8_weights_fold_exactly():
 def test_a_fold_the_graph_does_not_fit_is_left_out(caplog):
     """``fold_scale_ops`` on a graph without the expected weight DequantizeLinear (here the float model)
     changes nothing and says so."""
-    from onnx_qat.graph_edit import GraphEdit
-    from onnx_qat.ort_cpu import OrtCpuForm, fold_scale_ops
-    from onnx_qat.placement.graph_index import GraphIndex
+    from onnx_qat.graph.edit import GraphEdit
+    from onnx_qat.insertion.ort_cpu import OrtCpuForm, fold_scale_ops
+    from onnx_qat.graph.index import GraphIndex
 
     model = bn_net(True)
     folds = OrtCpuForm().folds(GraphIndex(model), onnx_qat.place(model))

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_qat.placement.graph_index import (
+from onnx_qat.graph.index import (
     MAX_IDENTITY_HOPS, GraphIndex, NodeInfo, assign_node_names, unique_node_names,
 )
 from onnx_qat.placement.handlers import NodeResult

@@ -7,7 +7,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qat
 from onnx_qat.placement import TensorRTPolicy
-from onnx_qat.placement.graph_index import GraphIndex, unique_node_names
+from onnx_qat.graph.index import GraphIndex, unique_node_names
 from onnx_qat.placement.handlers import rule3_weight_axis
 from tests.builders import (
     GraphBuilder, assert_check_clean, concat_model, conv_bn_relu_model, lines_executed, residual_block_model,

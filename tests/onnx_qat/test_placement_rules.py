@@ -1,4 +1,4 @@
-"""One test per TensorRT placement rule (DESIGN.md rules 1-10), on tiny graphs built in code.
+"""One test per TensorRT placement rule (the rules R1-R10 of docs/placement.md), on tiny graphs built in code.
 
 Each test quantizes a tiny model with a max-calibrated ScaleTable and asserts the exact
 Q/DQ structure; the graph assertions print the offending subgraph when they fail.
@@ -6,12 +6,12 @@ Q/DQ structure; the graph assertions print the offending subgraph when they fail
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 
 import onnx_qat
 from tests.builders import (
-    GraphBuilder, amax_table, assert_check_clean, assert_float_input, assert_no_qdq, assert_no_qdq_on,
-    assert_qdq_on, assert_weight_quantized, concat_model, conv_bn_relu_model, count_ops, describe, mlp_model,
+    GraphBuilder, amax_table, assert_check_clean, assert_float_input, assert_no_qdq_on,
+    assert_qdq_on, assert_weight_quantized, concat_model, count_ops, describe, mlp_model,
     opset9_model,
     qdq_pairs, random_inputs, residual_block_model, run, transformer_block_model, weight_dqs,
 )

@@ -6,7 +6,7 @@ import pytest
 
 import onnx_qat
 from onnx_qat.config import QuantizeConfig
-from onnx_qat.placement.graph_index import GraphIndex
+from onnx_qat.graph.index import GraphIndex
 from onnx_qat.placement.handlers import PlacementContext, _computed_from, _computed_from_walk, _made_after
 from tests.builders import GraphBuilder
 
@@ -79,9 +79,13 @@ def test_walk_is_skipped_only_when_sources_come_later():
 def test_placement_decisions_identical_for_sorted_and_reversed_node_order():
     sorted_run = onnx_qat.place(_nested_model())
     reversed_run = onnx_qat.place(_reversed(_nested_model()))
-    key = lambda placement: sorted((d.node, d.action, d.rule, d.reason) for d in placement.decisions)
+    def key(placement):
+        return sorted((d.node, d.action, d.rule, d.reason) for d in placement.decisions)
+
+    def tensors(placement):
+        return sorted(m.tensor for m in placement.activations)
+
     assert key(sorted_run) == key(reversed_run)
-    tensors = lambda placement: sorted(m.tensor for m in placement.activations)
     assert tensors(sorted_run) == tensors(reversed_run)
     gelu = sorted_run.decision_for("gelu_like")
     assert gelu.action == "none" and "computed from the weighted branch" in gelu.reason

@@ -6,9 +6,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_qat.data import load_data
+from onnx_qat.io.data import load_data
 from onnx_qat.errors import ConfigError, ModelError
-from onnx_qat.runtime import make_session, run_model, session_input_specs, with_outputs
+from onnx_qat.runtime.sessions import make_session, run_model, session_input_specs, with_outputs
 
 
 def _mlp(ir_version: int = 14) -> onnx.ModelProto:

@@ -12,7 +12,7 @@ import onnx_qat
 from onnx_qat.accuracy import sites_of
 from onnx_qat.accuracy.gated import GATE_PREFIX, GatedRunner, gate_model
 from onnx_qat.cli import EXIT_OK, main
-from onnx_qat.placement.graph_index import assign_node_names
+from onnx_qat.graph.index import assign_node_names
 from tests.builders import (
     concat_model, cosine, outlier_channel_model, residual_block_model, run,
 )

@@ -11,7 +11,7 @@ import onnx_qat
 from onnx_qat.accuracy import cuts, sites_of
 from onnx_qat.accuracy.gated import GATE_PREFIX, GatedRunner, gate_model
 from onnx_qat.accuracy.prepared import output_error
-from onnx_qat.placement.graph_index import assign_node_names
+from onnx_qat.graph.index import assign_node_names
 from tests.builders import concat_model, outlier_channel_model, residual_block_model
 
 

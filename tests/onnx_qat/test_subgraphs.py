@@ -13,7 +13,7 @@ import pytest
 import onnx_qat
 from onnx_qat.calibration.branches import BranchRunner
 from onnx_qat.errors import ModelError
-from onnx_qat.subgraphs import inline_branches
+from onnx_qat.graph.subgraphs import inline_branches
 from tests.builders import amax_table, assert_check_clean, cosine, if_cnn_model, run
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_qat.fileio import atomic_output, atomic_write_bytes
+from onnx_qat.io.files import atomic_output, atomic_write_bytes
 from tests.builders import GraphBuilder
 from tests.reliability import support
 

@@ -151,7 +151,7 @@ def test_forward_only_qat_graph_computes_the_same_numbers(qat_model):
     wrappers and no run-time range select, so the weights' fake quantization folds into constants
     and each quantizer loses its select (tf2onnx writes ``tf.where`` as Mul/Add arithmetic);
     onnxruntime computes bit for bit the same outputs."""
-    from onnx_qat.model_io import load_model
+    from onnx_qat.io.models import load_model
     from tf_bridge.fake_quant import forward_only
     from tf_bridge.onnx_values import run_with_tensors
 

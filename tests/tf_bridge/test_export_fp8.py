@@ -2,7 +2,6 @@
 measured against the same Keras model run with FP8 fake quantization."""
 import os
 
-import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper

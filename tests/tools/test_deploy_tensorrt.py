@@ -19,8 +19,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tools import deploy_tensorrt as deploy
-from tools import trt_backend
+from onnx_qat.deploy import command as deploy
+from onnx_qat.deploy import backend as trt_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "deploy_tensorrt.py"
@@ -401,7 +401,7 @@ def test_report_json_is_strict_even_with_non_finite_figures(tmp_path):
                                  validation={"outputs": [health.to_dict()]})
     report.write(tmp_path / "r.json")
     data = json.loads((tmp_path / "r.json").read_text())
-    assert data["validation"]["outputs"][0]["min"] == "NaN" and data["version"] == deploy.REPORT_VERSION
+    assert data["validation"]["outputs"][0]["min"] == "nan" and data["version"] == deploy.REPORT_VERSION
 
 
 # --------------------------------------------------------------------------- layer analysis
@@ -472,7 +472,7 @@ class _Enum:
 
 
 class _StandInTensorRT(types.ModuleType):
-    """``tensorrt`` as far as tools/trt_backend.py uses it; records what the script asked for."""
+    """``tensorrt`` as far as onnx_qat/deploy/backend.py uses it; records what the script asked for."""
 
     def __init__(self, version: str):
         super().__init__("tensorrt")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import logging
 import warnings
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from onnx_qat.errors import ConfigError
 

@@ -173,7 +173,7 @@ def convert_keras_model_to_onnx(keras_model, onnx_model_path, opset: int = 13, *
     """
     if _quantized(keras_model):
         return _export(keras_model, onnx_model_path, opset, sample_data, target, uncalibrated, owned=False)
-    from onnx_qat.model_io import save_model
+    from onnx_qat.io.models import save_model
 
     from ..export import check_exportable, convert_float_twin
 
@@ -230,7 +230,7 @@ def convert_saved_model_to_onnx(saved_model_dir, onnx_model_path, opset: int = 1
 def _float_saved_model(source: Path, onnx_model_path, opset: int) -> None:
     from tf2onnx import convert, tf_loader
 
-    from onnx_qat.model_io import save_model
+    from onnx_qat.io.models import save_model
 
     try:
         graph_def, inputs, outputs = tf_loader.from_saved_model(str(source), None, None, tag="serve",

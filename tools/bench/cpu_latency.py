@@ -106,8 +106,8 @@ def _build(path: Path, name: str, calib: np.ndarray, workdir: Path,
     from onnxruntime.quantization import QuantType
 
     import onnx_qat
-    from onnx_qat.ort_cpu import OrtCpuForm
-    from onnx_qat.placement.graph_index import GraphIndex
+    from onnx_qat.insertion.ort_cpu import OrtCpuForm
+    from onnx_qat.graph.index import GraphIndex
 
     proto = onnx_qat.load_model(path)
     placement = onnx_qat.place(proto)

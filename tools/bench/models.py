@@ -50,7 +50,7 @@ def _export_resnet50(out: Path, size: int, seed: int) -> None:
     import tensorflow as tf
     import tf2onnx
 
-    from onnx_qat.model_io import save_model
+    from onnx_qat.io.models import save_model
 
     model = build_keras_resnet50(size, seed)
     spec = (tf.TensorSpec((None, size, size, 3), tf.float32, name=RESNET_INPUT),)

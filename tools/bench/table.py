@@ -118,7 +118,7 @@ def machine() -> dict:
 
 def write_results(rows: Iterable[Row], out_dir, *, command: str, quick: bool, seconds: float) -> Path:
     """Write ``results.md`` and ``results.json`` under ``out_dir`` atomically; returns the Markdown path."""
-    from onnx_qat.fileio import atomic_write_text, write_json
+    from onnx_qat.io.files import atomic_write_text, write_json
 
     rows = list(rows)
     out = Path(out_dir)

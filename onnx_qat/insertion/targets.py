@@ -11,13 +11,13 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
   they are non-negative, and requantization points on quantized Conv outputs so onnxruntime
   forms ``QLinearConv``; a per-channel Mul/Add after a quantized Conv (an unfolded
   BatchNormalization) is folded into the Conv's quantized weight and bias first (see
-  :mod:`onnx_qat.ort_cpu`; ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that
+  :mod:`onnx_qat.insertion.ort_cpu`; ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that
   apply to this form).
 
 Targets are registered in :data:`_TARGETS`; the inserter reads every dtype and zero point
 from the target, never from constants of its own. A target is data only: it names its placement
 policy (looked up by :func:`onnx_qat.placement.policy.policy_for`) and its optional form (made by
-:func:`onnx_qat.target_forms.make_form`), and imports neither, so the modules that read a target
+:func:`onnx_qat.insertion.forms.make_form`), and imports neither, so the modules that read a target
 never import back up. A form adjusts the placement and ScaleTable after ranges are known
 (``calibration_tensors`` and ``adapt``), and may edit the graph after Q/DQ insertion (``adapt``'s
 result's ``finish(edit)``).
@@ -29,7 +29,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -41,36 +41,36 @@ class Target:
         description: one line for reports.
         activation_dtype: integer type of quantized activations (QuantizeLinear output).
         activation_zero_point: their zero point.
-        weight_dtype: integer type of stored weights.
-        weight_range: ``(min, max)`` integer range weights are clipped to (symmetric).
         policy: the name of the placement policy (a key of
             :data:`onnx_qat.placement.policy.POLICIES`).
-        form: None, or the name of the form (a key of :data:`onnx_qat.target_forms.FORMS`): an
+        form: None, or the name of the form (a key of :data:`onnx_qat.insertion.forms.FORMS`): an
             object with ``calibration_tensors(index, placement)`` and ``adapt(index, placement,
-            table)`` (see :class:`onnx_qat.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
+            table)`` (see :class:`onnx_qat.insertion.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
             ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
-            :class:`~onnx_qat.graph_edit.GraphEdit` after Q/DQ insertion
-            (see :meth:`onnx_qat.ort_cpu.Adapted.finish`).
+            :class:`~onnx_qat.graph.edit.GraphEdit` after Q/DQ insertion
+            (see :meth:`onnx_qat.insertion.ort_cpu.Adapted.finish`).
     """
 
     name: str
     description: str
     activation_dtype: type
     activation_zero_point: int
-    weight_dtype: type
-    weight_range: tuple
     policy: str = "tensorrt"
     form: Optional[str] = None
 
     def to_dict(self) -> dict:
-        """JSON-ready description (used in reports)."""
+        """JSON-ready description (used in reports). The weights' type and range are the numeric
+        format's (:mod:`onnx_qat.formats.numeric`; INT8 for both targets): a target only adds the
+        activations' form."""
+        from ..formats.encoding import INT8_QRANGE
+
         return {
             "name": self.name,
             "description": self.description,
             "activation_dtype": np.dtype(self.activation_dtype).name,
             "activation_zero_point": self.activation_zero_point,
-            "weight_dtype": np.dtype(self.weight_dtype).name,
-            "weight_range": list(self.weight_range),
+            "weight_dtype": "int8",
+            "weight_range": list(INT8_QRANGE),
         }
 
 
@@ -79,8 +79,6 @@ TENSORRT = Target(
     description="TensorRT explicit quantization: symmetric int8 Q/DQ, per-channel weights",
     activation_dtype=np.int8,
     activation_zero_point=0,
-    weight_dtype=np.int8,
-    weight_range=(-127, 127),
     policy="tensorrt",
 )
 
@@ -92,8 +90,6 @@ ORT_CPU = Target(
                 "Mul/Add after a Conv folded into it first)",
     activation_dtype=np.uint8,
     activation_zero_point=128,
-    weight_dtype=np.int8,
-    weight_range=(-127, 127),
     policy="tensorrt",
     form="ort-cpu",
 )
@@ -113,8 +109,3 @@ def get_target(target) -> Target:
         known = ", ".join(sorted(_TARGETS))
         raise ConfigError(f"target {target!r} is not available in this version; available: {known}")
     return found
-
-
-def available_targets() -> tuple:
-    """Names of the registered targets."""
-    return tuple(sorted(_TARGETS))

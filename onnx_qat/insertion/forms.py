@@ -1,9 +1,9 @@
 """The forms deployment targets name: a target's ``form`` field -> the object that adapts placement
-and scales to it (see :mod:`onnx_qat.targets`).
+and scales to it (see :mod:`onnx_qat.insertion.targets`).
 
 Targets are data and import nothing of the stages that read them; this module sits above both,
-so that :mod:`onnx_qat.ort_cpu` (which uses the inserter's numerics) never meets an import of
-itself coming back from :mod:`onnx_qat.targets`.
+so that :mod:`onnx_qat.insertion.ort_cpu` (which uses the inserter's numerics) never meets an import of
+itself coming back from :mod:`onnx_qat.insertion.targets`.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _ort_cpu_form():
     return OrtCpuForm()
 
 
-#: Form factories by the name a :class:`~onnx_qat.targets.Target` gives in its ``form`` field.
+#: Form factories by the name a :class:`~onnx_qat.insertion.targets.Target` gives in its ``form`` field.
 FORMS = MappingProxyType({"ort-cpu": _ort_cpu_form})
 
 

@@ -32,8 +32,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .blockwise import dequantize_blocks, quantize_blocks
-from .placement.graph_index import GraphIndex
-from .placement.marks import Placement
+from ..graph.index import GraphIndex
+from ..placement.marks import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def apply_awq(model, index: GraphIndex, placement: Placement, data, block_size: 
     went and why, the chosen ``alpha``, the relative output errors of round-to-nearest, of the scaled
     weights and of the scaled and clipped weights on the calibration rows), and the block ranges
     ``{weight: WeightRange(axis, amax, block_size)}`` for the ScaleTable the inserter reads."""
-    from .scales import WeightRange
+    from ..scales import WeightRange
 
     groups = _groups(index, placement)
     if not groups:
@@ -230,7 +230,7 @@ def _private_constant(index: GraphIndex, tensor: str, node) -> bool:
 
 
 def _array(index: GraphIndex, tensor: str) -> np.ndarray:
-    from .model_io import tensor_array
+    from ..io.models import tensor_array
 
     return np.array(tensor_array(index.constant_proto(tensor)), np.float32)
 
@@ -316,8 +316,8 @@ def _activation_rows(model, tensors, data, progress: bool,
                      batch_size: Optional[int]) -> Dict[str, np.ndarray]:
     """Up to :data:`MAX_ROWS` rows ``[n, K]`` of each activation over the calibration data (a fixed
     random subset when there are more)."""
-    from .data import load_data
-    from .runtime import make_session, run_batches
+    from ..io.data import load_data
+    from ..runtime.sessions import make_session, run_batches
 
     session = make_session(model, extra_outputs=tensors)
     dataset = load_data(data, model, what="calibration data")

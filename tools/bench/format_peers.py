@@ -13,7 +13,7 @@ output channels 6x larger than the others, as trained transformers have (Dettmer
 2022: outlier features); the CNN is a stem and three residual stages (32/64/128 channels, Conv ->
 BatchNormalization -> Relu) with a Gemm head on 3x32x32 inputs. Weights are seeded random (He scaled),
 calibration uses 32 standard-normal samples and the cosine 64 other ones (16 for the encoder), over
-all outputs flattened. FP8 runs in onnxruntime with graph optimisations off (see DESIGN.md hazards).
+all outputs flattened. FP8 runs in onnxruntime with graph optimisations off (see docs/formats.md).
 """
 from __future__ import annotations
 
@@ -33,8 +33,11 @@ from onnx_qat.errors import QatError
 from .table import Goal, Row, skip
 
 NAME = "formats"
-#: The Python of a separate venv holding nvidia-modelopt (it pulls torch; never the project's venv).
-MODELOPT_PYTHON = Path(os.environ.get("ONNX_QAT_MODELOPT_PYTHON", "/work/venvs/modelopt/bin/python"))
+#: The Python of a separate venv holding nvidia-modelopt (it pulls torch; never the project's venv):
+#: ``make peers`` creates it inside the repository; ``ONNX_QAT_MODELOPT_PYTHON`` names another.
+MODELOPT_PYTHON = Path(os.environ.get("ONNX_QAT_MODELOPT_PYTHON",
+                                      Path(__file__).resolve().parents[2] / ".venv-peers" / "modelopt" / "bin"
+                                      / "python"))
 
 
 # --------------------------------------------------------------------------- models
@@ -162,7 +165,7 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _outputs(model, data) -> np.ndarray:
-    from onnx_qat.runtime import run_model
+    from onnx_qat.runtime.sessions import run_model
 
     values = run_model(model, data, batch_size=8)
     return np.concatenate([v.ravel() for v in values.values()])
@@ -267,8 +270,8 @@ def _measure(name: str, model, shape, workdir: Path, test_num: int, quick: bool)
             continue
         if seconds is None:
             rows.append(skip(NAME, f"{name}: ModelOpt {mode} cosine to FP32",
-                             f"nvidia-modelopt is not installed at {MODELOPT_PYTHON} (a venv of its own: it "
-                             "pulls torch)"))
+                             f"nvidia-modelopt is not installed at {MODELOPT_PYTHON} (`make peers` makes its "
+                             "venv: it pulls torch)"))
             continue
         try:
             rows += _rows(name, f"ModelOpt {mode}", out, reference, test, size, seconds, mode, mode == "int4")

@@ -20,8 +20,8 @@ import logging
 from typing import List, Optional, Tuple
 
 from ..config import QuantizeConfig
-from ..formats import get_format
-from .graph_index import GraphIndex
+from ..formats.numeric import get_format
+from ..graph.index import GraphIndex
 from .marks import Decision, Placement, WeightMark
 
 logger = logging.getLogger(__name__)

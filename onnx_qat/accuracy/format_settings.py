@@ -10,7 +10,7 @@ its float tensors (the higher precision). Two things depend on the format:
   ``block_size`` and attention choice (FP8's fixed Softmax range included);
 * **where the ranges come from** (:func:`weight_only_ranges`): INT8 and FP8 calibrate activation
   ranges; INT4 is weight-only, so it has no activation range to calibrate. With calibration data,
-  the activation-aware scale search (:func:`onnx_qat.awq.apply_awq`) runs once, on a private copy of
+  the activation-aware scale search (:func:`onnx_qat.formats.awq.apply_awq`) runs once, on a private copy of
   the float model: its edits (weight rows times ``s``, ``1 / s`` folded or put in a ``Mul``) keep the
   float function (exact up to float rounding), so that rescaled float model is the base every
   setting is built from, and its clipped block ranges are the ScaleTable. A weight left float then
@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..formats import get_format
+from ..formats.numeric import get_format
 from ..scales import ScaleTable
 
 
@@ -62,7 +62,7 @@ class WeightOnly:
             return self.base
         from onnx import numpy_helper
 
-        from ..placement.graph_index import GraphIndex
+        from ..graph.index import GraphIndex
 
         model = onnx.ModelProto()
         model.CopyFrom(self.base)
@@ -84,8 +84,8 @@ def weight_only_ranges(float_model, placement, calibration, config, *, progress:
     ``int4_method="rtn"``: round to nearest (an empty table: weights take their own block max) on
     ``float_model`` itself.
     """
-    from ..awq import apply_awq
-    from ..placement.graph_index import GraphIndex
+    from ..formats.awq import apply_awq
+    from ..graph.index import GraphIndex
 
     rounding = config.rounding(calibration is not None)
     if rounding == "rtn":
@@ -96,7 +96,7 @@ def weight_only_ranges(float_model, placement, calibration, config, *, progress:
                             progress=progress, batch_size=batch_size)
     gptq, rounded = (), {}
     if rounding == "gptq":
-        from ..gptq import apply_gptq
+        from ..formats.gptq import apply_gptq
 
         copy = onnx.ModelProto()
         copy.CopyFrom(base)

@@ -68,9 +68,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .placement.graph_index import GraphIndex
-from .placement.marks import ActivationMark, Placement
-from .scales import ScaleTable
+from ..graph.index import GraphIndex
+from ..placement.marks import ActivationMark, Placement
+from ..scales import ScaleTable
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +142,8 @@ class Adapted:
     folds: Tuple[ScaleFold, ...] = ()
 
     def finish(self, edit) -> Tuple[str, ...]:
-        """Apply :attr:`folds` to ``edit`` (the :class:`~onnx_qat.graph_edit.GraphEdit` after
-        :func:`~onnx_qat.insertion.insert_qdq_pairs`); the names of the Convs folded."""
+        """Apply :attr:`folds` to ``edit`` (the :class:`~onnx_qat.graph.edit.GraphEdit` after
+        :func:`~onnx_qat.insertion.inserter.insert_qdq_pairs`); the names of the Convs folded."""
         return fold_scale_ops(edit, self.folds)
 
 
@@ -210,7 +210,7 @@ class OrtCpuForm:
         point of every quantized activation, the scale folds, and one report record per point
         (``status`` "added", "extended", "already quantized" or "not requantized") and per fold
         (rule CPU2, ``status`` "folded", just before its Conv's point)."""
-        from .insertion import group_amax
+        from .inserter import group_amax
 
         amaxes = group_amax(placement, table)
         marks: Dict[str, ActivationMark] = {m.tensor: m for m in placement.activations}
@@ -449,7 +449,7 @@ def _usable_factors(k: np.ndarray) -> bool:
 
 def fold_scale_ops(edit, folds) -> Tuple[str, ...]:
     """Fold each :class:`ScaleFold` into its Conv, as edits of ``edit`` (a
-    :class:`~onnx_qat.graph_edit.GraphEdit` after Q/DQ insertion): new weight integers, weight scales
+    :class:`~onnx_qat.graph.edit.GraphEdit` after Q/DQ insertion): new weight integers, weight scales
     and bias; the Mul/Add (and Constant nodes only they read) removed; the Conv writes the fold's
     output tensor. A fold whose Conv does not have the expected ``DequantizeLinear`` weight is left
     out with a warning. Returns the Convs folded."""
@@ -516,7 +516,7 @@ def _fold_parts(conv, mul, add, fold: ScaleFold, edit, readers):
     bias_proto = None if bias is None else edit.initializer(bias)
     if any(p is None for p in protos) or (bias is not None and bias_proto is None):
         return None
-    from .model_io import tensor_array
+    from ..io.models import tensor_array
 
     axis = next((a.i for a in dq.attribute if a.name == "axis"), None)
     q, scale, zero = (tensor_array(p) for p in protos)

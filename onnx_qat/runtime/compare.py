@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError
 
 #: Floor of the relative-error denominator, relative to the largest |reference| value.
 REL_FLOOR = 1e-6
@@ -236,9 +236,9 @@ def compare(reference, candidate, data=None, *, batch_size: int = 16, max_abs: O
         ModelError: the models' inputs or output names differ, or an output's shape differs.
         DataError: the data does not fit the reference model.
     """
-    from .data import generate_data, load_data
-    from .model_io import load_model, model_input_specs
-    from .runtime import make_session, run_model
+    from ..io.data import generate_data, load_data
+    from ..io.models import load_model, model_input_specs
+    from .sessions import make_session, run_model
 
     _check_thresholds(max_abs, min_cosine, min_sqnr_db, min_top1)
     ref_model, cand_model = load_model(reference), load_model(candidate)

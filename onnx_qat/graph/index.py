@@ -238,7 +238,7 @@ class GraphIndex:
         """The initializer or ``Constant``-node output that ``tensor`` is (through Identity nodes), or None.
 
         An initializer also listed as a graph input counts as constant (old exporters list every
-        initializer as an input; :func:`onnx_qat.model_io.load_model` removes those inputs).
+        initializer as an input; :func:`onnx_qat.io.models.load_model` removes those inputs).
         """
         for _ in range(MAX_IDENTITY_HOPS):
             if tensor in self.initializers:

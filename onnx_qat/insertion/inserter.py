@@ -1,6 +1,6 @@
 """The one inserter: placement marks + a ScaleTable -> QuantizeLinear/DequantizeLinear nodes.
 
-Works on a :class:`~onnx_qat.graph_edit.GraphEdit` of the model's protobuf. Every node it
+Works on a :class:`~onnx_qat.graph.edit.GraphEdit` of the model's protobuf. Every node it
 creates has a readable name derived from the tensor it quantizes:
 
 * activation ``t``: ``t_QuantizeLinear`` -> ``t_DequantizeLinear`` with initializers
@@ -8,7 +8,7 @@ creates has a readable name derived from the tensor it quantizes:
 * weight ``w``: int8 initializer ``w_quantized`` -> ``w_DequantizeLinear`` with
   ``w_scale`` / ``w_zero_point`` (1-D per channel with the ``axis`` attribute, or scalars).
 
-The numeric format (:mod:`onnx_qat.formats`) decides the stored types and the scale rule:
+The numeric format (:mod:`onnx_qat.formats.numeric`) decides the stored types and the scale rule:
 ``int8`` (above), ``fp8`` (E4M3FN activations and per-channel weights, zero points of type
 float8e4m3fn and value 0, scale ``amax / 448``) or ``int4`` (weights only: an INT4 initializer
 and a DequantizeLinear with ``axis`` and ``block_size``, one scale per block, ``amax / 7``).
@@ -27,23 +27,19 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import onnx
 
-from .errors import ScalesError
-from .formats import INT8, Format, get_format
-from .graph_edit import GraphEdit, make_node
-from .placement.marks import ActivationMark, Placement, WeightMark
-from .scales import ScaleTable
+from ..errors import ScalesError
+from ..formats import encoding
+from ..formats.encoding import (INT8_QRANGE, TINY, encode_int8, encode_weight, quantize_weight, to_grid,
+                                usable_scales)
+from ..formats.numeric import INT8, Format, get_format
+from ..graph.edit import GraphEdit, make_node
+from ..placement.marks import ActivationMark, Placement, WeightMark
+from ..scales import ScaleTable
 from .targets import Target, get_target
 
 logger = logging.getLogger(__name__)
 
 _FLOAT32 = np.dtype(np.float32)
-
-#: Scale used for a weight channel whose amax is zero (all-zero channel): any positive
-#: scale maps it to 0 exactly; this one is tiny but far from float32 underflow.
-ZERO_CHANNEL_SCALE = 1e-8
-_TINY = float(np.finfo(np.float32).tiny)
-_MAX = float(np.finfo(np.float32).max)
-
 
 @dataclass(frozen=True)
 class InsertionResult:
@@ -62,82 +58,26 @@ class InsertionResult:
 
 
 # --------------------------------------------------------------------------- numerics
-def activation_scale(amax: float, target: Target, qmax: float = 127.0) -> np.float32:
+def activation_scale(amax: float, qmax: float = 127.0) -> np.float32:
     """Rule 2: symmetric per-tensor scale ``amax / 127`` as float32 (finite, > 0); ``amax / qmax``
     for another format (FP8: 448)."""
     with np.errstate(over="ignore"):  # an amax beyond float32 is reported below, not warned about
         scale = np.float32(float(amax) / qmax)
-    if not np.isfinite(scale) or scale < _TINY:
+    if not np.isfinite(scale) or scale < TINY:
         raise ScalesError(f"activation amax {amax} gives an unusable scale {scale}")
     return scale
 
 
-def activation_scales(amaxes: Sequence[float], target: Target, qmax: float = 127.0) -> np.ndarray:
+def activation_scales(amaxes: Sequence[float], qmax: float = 127.0) -> np.ndarray:
     """:func:`activation_scale` of every amax in one NumPy pass (the same float32 values); the
     first unusable one raises its ScalesError."""
     with np.errstate(over="ignore"):
         scales = (np.asarray(amaxes, dtype=np.float64) / qmax).astype(np.float32)
-    bad = ~(np.isfinite(scales) & (scales >= _TINY))
+    bad = ~(np.isfinite(scales) & (scales >= TINY))
     if bad.any():
         first = int(np.argmax(bad))
-        activation_scale(amaxes[first], target, qmax)  # raises with the one-value message
+        activation_scale(amaxes[first], qmax)  # raises with the one-value message
     return scales
-
-
-def weight_amax(values: np.ndarray, axis: Optional[int]) -> np.ndarray:
-    """max |w| per channel along ``axis`` (a one-element array when ``axis`` is None)."""
-    values = values.astype(np.float32, copy=False)
-    if axis is None:
-        return np.array([np.abs(values).max() if values.size else 0.0], np.float32)
-    if values.ndim == 1:
-        return np.abs(values)
-    rows = values.reshape(values.shape[0], -1) if axis == 0 else \
-        np.moveaxis(values, axis, 0).reshape(values.shape[axis], -1)
-    if rows.shape[1] == 0:
-        return np.zeros(values.shape[axis], np.float32)
-    return np.maximum(rows.max(axis=1), -rows.min(axis=1))  # max |w| without an |w| copy
-
-
-def quantize_weight(values: np.ndarray, axis: Optional[int], amax: Optional[Sequence[float]] = None,
-                    qrange: Tuple[int, int] = (-127, 127),
-                    name: str = "weight") -> Tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-channel (or per-tensor) weight quantization.
-
-    ``scale = amax / 127`` per channel (amax from the argument, else max |w|); a channel
-    whose scale would be zero or subnormal gets :data:`ZERO_CHANNEL_SCALE` (logged).
-    ``q = clip(round_half_to_even(w / scale), -127, 127)`` as int8.
-
-    Returns ``(q int8 array, scale float32 array of one value per channel)``.
-    """
-    values = np.asarray(values, np.float32)
-    amax_values = weight_amax(values, axis) if amax is None else np.asarray(amax, np.float32)
-    scale = (amax_values.astype(np.float64) / float(qrange[1])).astype(np.float32)
-    usable = _usable_scales(scale)
-    if not usable.all():
-        bad = ~usable
-        logger.info("weight %r: %d channel(s) with zero range get scale %g",
-                    name, int(bad.sum()), ZERO_CHANNEL_SCALE)
-        scale = np.where(bad, np.float32(ZERO_CHANNEL_SCALE), scale).astype(np.float32)
-    if axis is None:
-        broadcast = scale.reshape(())
-    else:
-        shape = [1] * values.ndim
-        shape[axis] = -1
-        broadcast = scale.reshape(shape)
-    return _to_grid(values, broadcast, qrange), scale
-
-
-def _usable_scales(scale: np.ndarray) -> np.ndarray:
-    """True where a float32 scale is usable: False for zero, subnormal, inf and NaN."""
-    return (scale >= _TINY) & (scale <= _MAX)
-
-
-def _to_grid(values: np.ndarray, scale: np.ndarray, qrange: Tuple[int, int]) -> np.ndarray:
-    """``clip(round_half_to_even(values / scale), qrange)`` as int8 (``scale`` broadcasts)."""
-    q = np.divide(values, scale)
-    np.rint(q, out=q)
-    np.clip(q, qrange[0], qrange[1], out=q)
-    return q.astype(np.int8)
 
 
 #: Weights of at most this many values are quantized in batches of the same shape and axis
@@ -146,7 +86,7 @@ SMALL_WEIGHT = 4096
 _BATCH_VALUES = 1 << 22
 
 
-def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int] = (-127, 127)):
+def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int] = INT8_QRANGE):
     """``(tensor, axis) -> (q, scale, amax)`` for the small float32 weights among ``keys`` whose range
     comes from their values (no ScaleTable entry), quantized with one NumPy call per batch of equal
     shapes: the same numbers as :func:`quantize_weight` one by one, without its per-call cost, which
@@ -197,8 +137,8 @@ def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange):
         shape[axis + 1] = -1
     amax = np.maximum(rows.max(axis=2), -rows.min(axis=2)).astype(np.float32)  # [count, channels]
     scale = (amax.astype(np.float64) / float(qrange[1])).astype(np.float32)
-    q = _to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
-    usable = _usable_scales(scale).all(axis=1).tolist()
+    q = to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
+    usable = usable_scales(scale).all(axis=1).tolist()
     return [(q[i], scale[i], amax[i], usable[i]) for i in range(count)]
 
 
@@ -230,20 +170,20 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
                      progress: bool = False, zero_points: Optional[Dict[str, int]] = None,
                      unsigned_weights=(), precision="int8", block_size: int = 128) -> InsertionResult:
     """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
-    :meth:`~onnx_qat.graph_edit.GraphEdit.commit`).
+    :meth:`~onnx_qat.graph.edit.GraphEdit.commit`).
 
     Args:
-        edit: a :class:`~onnx_qat.graph_edit.GraphEdit` of the model whose node names placement used.
+        edit: a :class:`~onnx_qat.graph.edit.GraphEdit` of the model whose node names placement used.
         placement: the marks from :func:`onnx_qat.place`.
         scales: activation amax per tensor; optional weight amax (otherwise from the weights).
-        target: a :class:`~onnx_qat.targets.Target` or its name.
+        target: a :class:`~onnx_qat.insertion.targets.Target` or its name.
         progress: show a progress bar on stderr.
         zero_points: activation tensor -> zero point overriding the target's (the ``ort-cpu``
             form uses 0 for non-negative tensors); the records then carry ``zero_point``.
         unsigned_weights: weight tensors stored as uint8 ``q + 128`` with zero point 128 instead of
             int8 ``q`` with zero point 0 (the same dequantized values).
         precision: the numeric format (``"int8"``, ``"fp8"``, ``"int4"`` or a
-            :class:`~onnx_qat.formats.Format`); the target's dtypes apply to ``int8`` only.
+            :class:`~onnx_qat.formats.numeric.Format`); the target's dtypes apply to ``int8`` only.
         block_size: values per INT4 weight scale along the mark's axis (``int4``).
 
     Raises:
@@ -278,7 +218,7 @@ class _Inserter:
         marks = placement.activations
         # every activation scale at once: float values for the records, raw float32 bytes for the
         # initializers (per-tensor NumPy scalars would cost more than the rest of a pair's insertion)
-        act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.target, self.format.qmax)
+        act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.format.qmax)
         raw = _le_bytes(act_scales)
         for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
             records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4]))
@@ -289,7 +229,7 @@ class _Inserter:
         axes_per_tensor: Dict[str, int] = {}
         for tensor, _ in groups:
             axes_per_tensor[tensor] = axes_per_tensor.get(tensor, 0) + 1
-        ready = _quantize_small(self.edit, list(groups), scales, self.target.weight_range) \
+        ready = _quantize_small(self.edit, list(groups), scales, INT8_QRANGE) \
             if self.format is INT8 else {}
         for (tensor, axis), marks in groups.items():
             base = tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
@@ -300,7 +240,7 @@ class _Inserter:
 
     def _zero_point(self, shape: Tuple[int, ...], value: int, dtype) -> tuple:
         """``(NumPy type, raw bytes, shape)`` of a zero point of ``dtype`` and ``shape`` filled with
-        ``value``, for :meth:`~onnx_qat.graph_edit.GraphEdit.add_raw_initializer` (made once per
+        ``value``, for :meth:`~onnx_qat.graph.edit.GraphEdit.add_raw_initializer` (made once per
         shape, value and type: every pair and weight of a kind shares them)."""
         key = (shape, value, dtype)
         found = self._zero_points.get(key)
@@ -327,7 +267,7 @@ class _Inserter:
             self.zero_points.get(mark.tensor, target.activation_zero_point)
         scale_name = edit.add_raw_initializer(f"{base}_scale", _FLOAT32, scale_raw)
         zp = self._zero_point((), zero_point, target.activation_dtype) if self.format is INT8 else \
-            _zero_bytes(self.format.activation_type, ())
+            encoding.zero_point(self.format, ())
         zp_name = edit.add_raw_initializer(f"{base}_zero_point", *zp)
         q_out = edit.fresh(f"{base}_QuantizeLinear_Output")
         dq_out = edit.fresh(f"{base}_DequantizeLinear_Output")
@@ -346,110 +286,51 @@ class _Inserter:
 
     def weight(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],
                scales: ScaleTable, ready=None) -> dict:
-        """An int8 initializer + DequantizeLinear for one constant weight, for the marked inputs
-        (``ready``: its ``(q, scale, amax, constant)`` from :func:`_quantize_small`, or None)."""
-        edit = self.edit
+        """The stored weight (its format's encoding, :func:`onnx_qat.formats.encoding.encode_weight`) +
+        a DequantizeLinear for one constant weight, for the marked inputs (``ready``: an INT8 weight's
+        ``(q, scale, amax, constant)`` from :func:`_quantize_small`, or None)."""
+        edit, fmt = self.edit, self.format
         consumers = [(edit.node(m.node), m.input_index) for m in marks]
-        if self.format is not INT8:
-            return self.weight_in_format(tensor, base, axis, marks, scales, consumers)
+        unsigned = tensor in self.unsigned_weights
         if ready is not None:
-            table_amax, use_axis = None, axis
             q, scale, own_amax, (values, proto, chain) = ready
+            encoded, source = encode_int8(q, scale, own_amax, axis, unsigned=unsigned), "weights"
         else:
             values, proto, chain = edit.constant(tensor)
-            table_amax, table_axis = _weight_range(scales, tensor, axis, values)
-            use_axis = axis if table_amax is None else table_axis
-            # once: for the scale (unless the table has one), the record
-            own_amax = weight_amax(values, use_axis)
-            q, scale = quantize_weight(values, use_axis, own_amax if table_amax is None else table_amax,
-                                       self.target.weight_range, name=tensor)
-        per_channel = use_axis is not None
-        zp_shape = scale.shape if per_channel else ()
-        if tensor in self.unsigned_weights:  # same values as uint8 with zero point 128
-            q = (q.astype(np.int16) + 128).astype(np.uint8)
-            zero = self._zero_point(zp_shape, 128, np.uint8)
-        else:
-            zero = self._zero_point(zp_shape, 0, self.target.weight_dtype)
-        q_name = edit.add_initializer(f"{base}_quantized", q)
-        scale_name = edit.add_initializer(f"{base}_scale", scale if per_channel else scale.reshape(()))
-        zp_name = edit.add_raw_initializer(f"{base}_zero_point", *zero)
+            if fmt.blocked:
+                values = np.asarray(values, np.float32)
+                amax, use_axis = _block_range(scales, tensor, axis, values, self.block_size), axis
+            else:
+                amax, table_axis = _weight_range(scales, tensor, axis, values)
+                use_axis = axis if amax is None else table_axis
+            encoded = encode_weight(fmt, values, use_axis, amax, block_size=self.block_size,
+                                    unsigned=unsigned, name=tensor)
+            source = "weights" if amax is None else "scale table"
+        q_name = edit.add_raw_initializer(f"{base}_quantized", *encoded.data)
+        scale_name = edit.add_initializer(f"{base}_scale", encoded.scale)
+        zp_name = edit.add_raw_initializer(f"{base}_zero_point", *encoded.zero)
         dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"),
                        [q_name, scale_name, zp_name], [edit.fresh(f"{base}_DequantizeLinear_Output")],
-                       axis=int(use_axis) if per_channel else None)
+                       axis=None if encoded.axis is None else int(encoded.axis))
+        if encoded.block_size is not None:
+            dq.attribute.append(onnx.helper.make_attribute("block_size", int(encoded.block_size)))
         self.rewire([dq], consumers, dq.output[0])
         # the float weight (and the Constant/Identity nodes making it) go once nothing else reads them
         edit.release_if_unread(initializers=[proto.name] if not chain else
                                [t for t in chain[-1].input if edit.initializer(t) is not None],
                                nodes=chain)
-        return {"kind": "weight", "tensor": tensor, "nodes": [f"{m.node}:{m.input_index}" for m in marks],
-                "dequantize_node": dq.name, "initializer": q_name, "axis": use_axis,
-                "channels": int(scale.size), "zero_channels": int(np.count_nonzero(own_amax == 0)),
-                "amax_source": "weights" if table_amax is None else "scale table",
-                "rule": marks[0].rule, "reason": marks[0].reason,
-                **({"zero_point": 128} if tensor in self.unsigned_weights else {})}
-
-
-    def weight_in_format(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],
-                         scales: ScaleTable, consumers) -> dict:
-        """An FP8 (per channel) or INT4 (per block) weight initializer + DequantizeLinear."""
-        from .blockwise import pack_int4, quantize_blocks, to_fp8
-
-        edit, fmt = self.edit, self.format
-        values, proto, chain = edit.constant(tensor)
-        values = np.asarray(values, np.float32)
-        if fmt.blocked:
-            block_amax = _block_range(scales, tensor, axis, values, self.block_size)
-            q, scale = quantize_blocks(values, axis, self.block_size, block_amax)
-            raw, own_amax = pack_int4(q), scale * np.float32(fmt.qmax)
-            zero = _zero_bytes(fmt.weight_type, scale.shape)
-            source = "weights" if block_amax is None else "scale table"
-        else:
-            table_amax, table_axis = _weight_range(scales, tensor, axis, values)
-            use_axis = axis if table_amax is None else table_axis
-            own_amax = weight_amax(values, use_axis) if table_amax is None else \
-                np.asarray(table_amax, np.float32)
-            scale = (own_amax.astype(np.float64) / fmt.qmax).astype(np.float32)
-            scale = np.where(_usable_scales(scale), scale, np.float32(ZERO_CHANNEL_SCALE)).astype(np.float32)
-            if use_axis is None:
-                scale = scale.reshape(())
-                broadcast = scale
-            else:
-                shape = [1] * values.ndim
-                shape[use_axis] = -1
-                broadcast = scale.reshape(shape)
-            raw, axis = to_fp8(values, broadcast).tobytes(), use_axis
-            zero = _zero_bytes(fmt.weight_type, scale.shape)
-            source = "weights" if table_amax is None else "scale table"
-        q_name = edit.add_raw_initializer(f"{base}_quantized", fmt.weight_type, raw, values.shape)
-        scale_name = edit.add_initializer(f"{base}_scale", scale)
-        zp_name = edit.add_raw_initializer(f"{base}_zero_point", *zero)
-        dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"),
-                       [q_name, scale_name, zp_name], [edit.fresh(f"{base}_DequantizeLinear_Output")],
-                       axis=None if axis is None else int(axis))
-        if fmt.blocked:
-            dq.attribute.append(onnx.helper.make_attribute("block_size", int(self.block_size)))
-        self.rewire([dq], consumers, dq.output[0])
-        edit.release_if_unread(initializers=[proto.name] if not chain else
-                               [t for t in chain[-1].input if edit.initializer(t) is not None],
-                               nodes=chain)
         record = {"kind": "weight", "tensor": tensor, "nodes": [f"{m.node}:{m.input_index}" for m in marks],
-                  "dequantize_node": dq.name, "initializer": q_name, "axis": axis,
-                  "channels": int(scale.size), "zero_channels": int(np.count_nonzero(own_amax == 0)),
-                  "amax_source": source, "rule": marks[0].rule, "reason": marks[0].reason,
-                  "precision": fmt.name}
-        if fmt.blocked:
-            record["block_size"] = int(self.block_size)
+                  "dequantize_node": dq.name, "initializer": q_name, "axis": encoded.axis,
+                  "channels": int(encoded.scale.size),
+                  "zero_channels": int(np.count_nonzero(encoded.amax == 0)),
+                  "amax_source": source, "rule": marks[0].rule, "reason": marks[0].reason}
+        if fmt is not INT8:
+            record["precision"] = fmt.name
+        if encoded.block_size is not None:
+            record["block_size"] = int(encoded.block_size)
+        if unsigned:
+            record["zero_point"] = 128
         return record
-
-
-def _zero_bytes(data_type: int, shape: Tuple[int, ...]) -> tuple:
-    """``(ONNX element type, raw bytes, shape)`` of an all-zero FP8 or INT4 zero point (both encode 0 as
-    zero bits; INT4 packs two values per byte)."""
-    from .formats import ONNX_INT4
-
-    count = int(np.prod(shape, dtype=np.int64))
-    size = (count + 1) // 2 if data_type == ONNX_INT4 else count
-    return data_type, bytes(size), tuple(shape)
 
 
 def _block_range(scales: ScaleTable, tensor: str, axis: int, values: np.ndarray, block_size: int):

@@ -1,6 +1,6 @@
 """Error-compensating INT4 rounding (GPTQ-style), after the activation-aware scales.
 
-``int4_method="gptq"``: the activation-aware scale search (:mod:`onnx_qat.awq`) runs first; then
+``int4_method="gptq"``: the activation-aware scale search (:mod:`onnx_qat.formats.awq`) runs first; then
 each constant MatMul/Gemm weight ``W [K, N]`` (``K`` the reduction axis) read by activation ``x`` is
 rounded input channel by input channel, and the rounding error of each row is spread over the rows
 not rounded yet so that the layer's output on the calibration data, ``X W``, moves least
@@ -10,8 +10,8 @@ Transformers", ICLR 2023, Algorithm 1). The weights of the error spreading come 
 an input channel that is always zero gets no compensation. Rows are rounded in order, so each INT4
 block (``block_size`` rows along ``K``) is rounded whole before the next: its per-column range is
 chosen when the block starts, on the weights as updated so far, among
-:data:`~onnx_qat.awq.CLIP_RATIOS` × max |w| by the block's error weighted with ``H``'s diagonal
-block (AWQ's clipping search, :func:`onnx_qat.awq.clip_with_moments`).
+:data:`~onnx_qat.formats.awq.CLIP_RATIOS` × max |w| by the block's error weighted with ``H``'s diagonal
+block (AWQ's clipping search, :func:`onnx_qat.formats.awq.clip_with_moments`).
 
 The rounded weights replace the float ones in the private float model :func:`onnx_qat.quantize`
 owns and their block ranges go to the ScaleTable; the rounded values lie exactly on the INT4 grid
@@ -32,8 +32,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from .blockwise import INT4_MAX, INT4_MIN, block_scale
-from .placement.graph_index import GraphIndex
-from .placement.marks import Placement
+from ..graph.index import GraphIndex
+from ..placement.marks import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def apply_gptq(model, placement: Placement, data, block_size: int, *, progress: 
     ScaleTable."""
     from .awq import _set_weight_matrix, stored_transposed
     from .blockwise import dequantize_blocks, quantize_blocks
-    from .scales import WeightRange
+    from ..scales import WeightRange
 
     index = GraphIndex(model)  # after the AWQ edits (which may rebuild the node list)
     readers = _weight_readers(index, placement)
@@ -181,7 +181,7 @@ def apply_gptq_fp8(model, placement: Placement, data, *, skip=(), progress: bool
     (with a warning: GPTQ would fit those rows; measured on the benchmark CNN's Gemm head, 32 rows for
     128 channels, it lowered the error on the calibration rows 100× and the cosine on unseen data)."""
     from .awq import _set_weight_matrix, stored_transposed
-    from .scales import WeightRange
+    from ..scales import WeightRange
 
     index = GraphIndex(model)
     axes = {m.tensor: m.axis for m in placement.weights}
@@ -251,8 +251,8 @@ def _weight_readers(index: GraphIndex, placement: Placement) -> Dict[str, list]:
 def _hessians(model, tensors, data, progress: bool, batch_size: Optional[int]):
     """``({tensor: Σ xᵀx}, {tensor: rows})`` over every row of each activation in ``tensors`` on the
     calibration data."""
-    from .data import load_data
-    from .runtime import make_session, run_batches
+    from ..io.data import load_data
+    from ..runtime.sessions import make_session, run_batches
 
     session = make_session(model, extra_outputs=tensors)
     dataset = load_data(data, model, what="calibration data")

@@ -15,9 +15,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .data import Dataset, load_data
-from .errors import ConfigError, ModelError, brief
-from .model_io import InputSpec, copy_except_initializers, load_model, target_ir_version
+from ..io.data import Dataset, load_data
+from ..errors import ConfigError, ModelError, brief
+from ..io.models import InputSpec, copy_except_initializers, load_model, target_ir_version
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def make_session(model, *, threads: Optional[int] = None,
 
     Args:
         model: a ``ModelProto`` (not modified) or a path (read with
-            :func:`~onnx_qat.model_io.load_model`).
+            :func:`~onnx_qat.io.models.load_model`).
         threads: intra-op threads (``None``: onnxruntime's default).
         providers: execution providers, in order of preference.
         extra_outputs: tensor names to expose as additional graph outputs (on a copy),
@@ -154,7 +154,7 @@ def _read_in_subgraphs(graph: onnx.GraphProto) -> set:
         a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)]
     if not holders:
         return set()
-    from .graph_edit import subgraph_names
+    from ..graph.edit import subgraph_names
 
     return subgraph_names(holders)
 
@@ -187,7 +187,7 @@ def _tensor_names(graph: onnx.GraphProto) -> set:
 
 
 def session_input_specs(session) -> Tuple[InputSpec, ...]:
-    """The session's inputs as :class:`~onnx_qat.model_io.InputSpec` (symbolic dims None)."""
+    """The session's inputs as :class:`~onnx_qat.io.models.InputSpec` (symbolic dims None)."""
     specs = []
     for arg in session.get_inputs():
         dtype = _ORT_DTYPES.get(arg.type)
@@ -245,7 +245,7 @@ def run_model(model_or_session, data, *, batch_size: int = 16, outputs: Optional
 
     Args:
         model_or_session: a ``ModelProto``, a path, or an onnxruntime ``InferenceSession``.
-        data: anything :func:`onnx_qat.load_data` accepts, or a :class:`~onnx_qat.data.Dataset`.
+        data: anything :func:`onnx_qat.load_data` accepts, or a :class:`~onnx_qat.io.data.Dataset`.
         batch_size: samples per onnxruntime run (a model with a fixed batch size uses its own).
         outputs: output names to fetch (default: all graph outputs).
         progress: show a tqdm progress bar on stderr.

@@ -28,8 +28,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .errors import ModelError, OutputError, brief
-from .fileio import atomic_output, check_output_path, make_temp_beside, signals_held
+from ..errors import ModelError, OutputError, brief
+from .files import atomic_output, check_output_path, make_temp_beside, signals_held
 
 logger = logging.getLogger(__name__)
 

@@ -1,17 +1,14 @@
-"""If branches and Loop/Scan bodies as graphs of their own: Q/DQ insertion inside them, and the model
-copies calibration runs to observe their tensors.
+"""If branches and Loop/Scan bodies as graphs of their own: the names and constants they see, and the
+model copies calibration runs to observe their tensors.
 
 Placement places each branch of an If and the body of each Loop and Scan with the same handler table
 as the main graph (:meth:`onnx_qat.placement.policy.TensorRTPolicy.place`; the marks of a subgraph sit
-in :attr:`onnx_qat.placement.marks.Placement.subgraphs`). This module does the things that differ
-for a subgraph:
+in :attr:`onnx_qat.placement.marks.Placement.subgraphs`); the inserter runs on each of them
+(:mod:`onnx_qat.insertion.subgraphs`) with :func:`outer_constants` and :func:`model_names` from here.
+This module does the graph-level things that differ for a subgraph:
 
-* :func:`insert_into_subgraphs` runs the one inserter (:func:`onnx_qat.insertion.insert_qdq_pairs`)
-  on each branch or body, wrapped in a ModelProto, with outer-scope constants readable (a branch's
-  weight may be an initializer or Constant of an enclosing graph) and names unique across the whole
-  model; the edited graph replaces the original in its node. A float weight of an enclosing graph
-  that only quantized subgraphs read is dropped there afterwards (:func:`drop_unread`): its int8
-  copy lives in the subgraphs.
+* :func:`drop_unread` removes a float weight of an enclosing graph that only quantized subgraphs read
+  (its int8 copy lives in the subgraphs).
 * :func:`inline_branches` makes a copy of a model in which chosen If nodes are replaced by the nodes
   of one of their branches. onnxruntime cannot return a tensor of a subgraph as a graph output; in
   the inlined copy it is a main-graph tensor. Calibration
@@ -28,9 +25,8 @@ from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 import onnx
 
-from .graph_edit import subgraph_names
-from .placement.graph_index import subgraphs_of
-from .placement.marks import Placement
+from .edit import subgraph_names
+from .index import subgraphs_of
 
 
 def outer_constants(graph: onnx.GraphProto,
@@ -58,61 +54,6 @@ def model_names(model: onnx.ModelProto) -> Set[str]:
         names.update(node.output)
     names.update(subgraph_names(graph.node))
     return names
-
-
-def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, target, *,
-                          names: Optional[Set[str]] = None, inherited=None, precision="int8",
-                          block_size: int = 128) -> List[dict]:
-    """Insert the Q/DQ of every :class:`~onnx_qat.placement.marks.SubgraphPlacement` of ``placement``
-    into the matching If branch or Loop/Scan body of ``model`` (a model :func:`onnx_qat.quantize`
-    owns; its nodes get their edited subgraphs in place). Nested subgraphs are edited first, then
-    the graph holding them.
-
-    Args:
-        model: the ModelProto whose main graph ``placement`` describes.
-        placement: the main graph's placement.
-        scales: the :class:`~onnx_qat.scales.ScaleTable` (ranges of branch tensors included).
-        target: the :class:`~onnx_qat.targets.Target` or its name.
-        names: every name of the model, shared by all edits (made here when None).
-        inherited: internal: constants of the graphs enclosing ``model.graph``.
-        precision, block_size: the numeric format, as :func:`onnx_qat.insertion.insert_qdq_pairs` takes it.
-
-    Returns:
-        The inserted records (as :class:`~onnx_qat.insertion.InsertionResult` holds them), each with
-        ``"subgraph"``: ``"<node>/<attribute>"`` (e.g. ``"choose/then_branch"``, ``"refine/body"``).
-    """
-    if not placement.subgraphs:
-        return []
-    names = model_names(model) if names is None else names
-    visible = outer_constants(model.graph, inherited or {})
-    by_name = {n.name: n for n in model.graph.node}
-    records: List[dict] = []
-    for sub in placement.subgraphs:
-        node = by_name[sub.node]
-        attribute = next(a for a in node.attribute if a.name == sub.attribute)
-        graph = attribute.g if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs[sub.position]
-        records.extend(_insert_into_branch(model, node, graph, sub, scales, target, names, visible,
-                                           {"precision": precision, "block_size": block_size}))
-    return records
-
-
-def _insert_into_branch(model, node, graph, sub, scales, target, names, visible, fmt) -> List[dict]:
-    from .graph_edit import GraphEdit
-    from .insertion import insert_qdq_pairs
-
-    wrapper = onnx.ModelProto(ir_version=model.ir_version)
-    wrapper.opset_import.extend(model.opset_import)
-    wrapper.graph.CopyFrom(graph)
-    shared = read_by_subgraphs(wrapper.graph)  # weights of this branch its nested Ifs read
-    records = insert_into_subgraphs(wrapper, sub.placement, scales, target, names=names, inherited=visible,
-                                    **fmt)
-    edit = GraphEdit(wrapper, names=names, outer_constants=outer_constants(wrapper.graph, visible))
-    inserted = insert_qdq_pairs(edit, sub.placement, scales, target, **fmt)
-    graph.CopyFrom(edit.commit().graph)
-    drop_unread(graph, shared)
-    where = f"{node.name}/{sub.attribute}"
-    return [dict(r, subgraph=f"{where}/{r['subgraph']}") for r in records] + \
-        [dict(r, subgraph=where) for r in inserted.activations + inserted.weights]
 
 
 def read_by_subgraphs(graph: onnx.GraphProto) -> Set[str]:
@@ -262,4 +203,5 @@ def _elem_types(model: onnx.ModelProto) -> Dict[str, int]:
     return types
 
 
-__all__ = ["insert_into_subgraphs", "inline_branches", "expose_iterations", "outer_constants", "model_names"]
+__all__ = ["inline_branches", "expose_iterations", "outer_constants", "model_names", "drop_unread",
+           "read_by_subgraphs"]

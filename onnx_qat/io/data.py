@@ -3,7 +3,7 @@
 The ``.npz`` format: one array per graph input, keyed by the input name, whose
 first axis counts samples (``x: float32[N, 3, 32, 32]`` for an input
 ``x: float32[batch, 3, 32, 32]``). A single-input model accepts one array under any
-key. Files are read by :mod:`onnx_qat.npz` a batch at a time, never whole and never
+key. Files are read by :mod:`onnx_qat.io.npz` a batch at a time, never whole and never
 unpickled: object arrays are refused from their header.
 
 Contract:
@@ -23,7 +23,7 @@ from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import DataError, ModelError, brief
+from ..errors import DataError, ModelError, brief
 from .npz import MemberReader, NpzMember, read_members
 
 logger = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ def load_data(source, model_or_specs, *, what: str = "data") -> Dataset:
             of input name to array, one array (single-input models), a list of such
             mappings (batches, concatenated), or a :class:`Dataset`.
         model_or_specs: the model (``ModelProto`` or path) or its
-            :func:`~onnx_qat.model_io.model_input_specs`.
+            :func:`~onnx_qat.io.models.model_input_specs`.
         what: how to call the data in messages (e.g. ``"calibration data"``).
 
     Raises:
@@ -272,7 +272,7 @@ def load_data(source, model_or_specs, *, what: str = "data") -> Dataset:
 
 
 def _specs(model_or_specs):
-    from .model_io import InputSpec, model_input_specs
+    from .models import InputSpec, model_input_specs
 
     if isinstance(model_or_specs, (list, tuple)) and all(isinstance(s, InputSpec) for s in model_or_specs):
         specs = tuple(model_or_specs)

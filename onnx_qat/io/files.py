@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import tempfile
 import threading
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Iterator, Union
 
-from .errors import OutputError, QatError
+from ..errors import OutputError, QatError
 
 PathLike = Union[str, os.PathLike]
 
@@ -139,9 +140,39 @@ def atomic_write_text(path: PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def json_safe(obj):
+    """A JSON-ready copy of ``obj``: the one sanitiser every report and ``--json`` output goes through.
+
+    Non-finite floats become the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (JSON has no such
+    numbers); NumPy scalars become Python numbers; tuples, lists and sets become lists (sets sorted);
+    dictionary keys become strings; paths become strings; an object with ``to_dict()`` is replaced by
+    its dictionary. Anything else is returned as it is (``json`` then refuses what it cannot write).
+    """
+    if hasattr(obj, "to_dict") and not isinstance(obj, type):
+        obj = obj.to_dict()
+    if type(obj).__module__ == "numpy" and getattr(obj, "shape", None) == ():
+        obj = obj.item()  # a NumPy scalar
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else ("nan" if obj != obj else ("inf" if obj > 0 else "-inf"))
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return [json_safe(v) for v in sorted(obj)]
+    if isinstance(obj, PurePath):
+        return str(obj)
+    return obj
+
+
+def dumps_json(obj) -> str:
+    """``obj`` as stable, indented JSON (sorted keys), sanitised by :func:`json_safe`."""
+    return json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False)
+
+
 def write_json(path: PathLike, obj) -> Path:
-    """Write ``obj`` as stable, indented JSON (sorted keys) atomically."""
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    """Write ``obj`` as stable, indented JSON (sorted keys, :func:`json_safe`) atomically."""
+    return atomic_write_text(path, dumps_json(obj) + "\n")
 
 
 def read_json(path: PathLike, *, what: str = "JSON file", error: type = QatError,

@@ -24,7 +24,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 from numpy.lib import format as npy_format
 
-from .errors import DataError, brief
+from ..errors import DataError, brief
 
 #: Reads larger than this go piece by piece, so a header claiming more than the file holds costs nothing.
 _PIECE_BYTES = 64 * 1024 ** 2

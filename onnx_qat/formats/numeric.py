@@ -1,9 +1,9 @@
 """Numeric formats of Q/DQ as data: ``int8``, ``fp8`` and ``int4``.
 
 A :class:`Format` says how a quantized tensor is stored and which marks apply; placement
-(:func:`onnx_qat.placement.formats.adapt_placement`), the one inserter
-(:mod:`onnx_qat.insertion`) and the checker (:mod:`onnx_qat.check.rules_formats`) read the same
-record, so the three never disagree on a format. The :mod:`onnx_qat.targets` Target says how
+(:func:`onnx_qat.placement.format_marks.adapt_placement`), the one inserter
+(:mod:`onnx_qat.insertion.inserter`) and the checker (:mod:`onnx_qat.check.rules_formats`) read the same
+record, so the three never disagree on a format. The :mod:`onnx_qat.insertion.targets` Target says how
 the same marks are deployed (TensorRT, onnxruntime CPU); the format says which numbers.
 
 ==========  ==============  ==============  ===========  =====  =====================================
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, Optional, Tuple
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: ONNX ``TensorProto`` element types (numbers, so that ``import onnx_qat.config`` stays free of onnx).
 ONNX_INT8, ONNX_FLOAT8E4M3FN, ONNX_INT4 = 3, 17, 22
@@ -98,11 +98,11 @@ PRECISIONS = tuple(FORMATS)
 TENSORRT_BLOCK_SIZES = (64, 128)
 DEFAULT_BLOCK_SIZE = 128
 #: How INT4 weights are rounded (``int4_method``): round to nearest with each block's max; AWQ's
-#: activation-aware scales and clipping (:mod:`onnx_qat.awq`); AWQ then GPTQ's error-compensating
-#: rounding (:mod:`onnx_qat.gptq`). The last two need calibration data.
+#: activation-aware scales and clipping (:mod:`onnx_qat.formats.awq`); AWQ then GPTQ's error-compensating
+#: rounding (:mod:`onnx_qat.formats.gptq`). The last two need calibration data.
 INT4_METHODS = ("rtn", "awq", "gptq")
 #: How FP8 weights are rounded (``fp8_method``): round to nearest on each output channel's E4M3 grid,
-#: or GPTQ's error-compensating rounding on that grid (:mod:`onnx_qat.gptq`, needs calibration data).
+#: or GPTQ's error-compensating rounding on that grid (:mod:`onnx_qat.formats.gptq`, needs calibration data).
 FP8_METHODS = ("rtn", "gptq")
 
 

@@ -27,8 +27,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import numpy as np
 import onnx
 
-from .model_io import target_ir_version, tensor_array
-from .placement.graph_index import DEFAULT_DOMAINS, MAX_IDENTITY_HOPS
+from ..io.models import target_ir_version, tensor_array
+from .index import DEFAULT_DOMAINS, MAX_IDENTITY_HOPS
 
 _NP_TO_ONNX = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int8): onnx.TensorProto.INT8,
                np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.int32): onnx.TensorProto.INT32,
@@ -63,7 +63,7 @@ class GraphEdit:
 
     Args:
         model: an ``onnx.ModelProto`` the caller owns, with unique node names (as
-            :func:`onnx_qat.placement.graph_index.assign_node_names` gives). Its nodes are changed
+            :func:`onnx_qat.graph.index.assign_node_names` gives). Its nodes are changed
             in place by the edits (inputs rewired, attributes set); :meth:`commit` builds the
             result as a new ModelProto, so the caller can free ``model`` afterwards.
         names: for the edit of a subgraph (wrapped in a ModelProto): a set of every name used in
