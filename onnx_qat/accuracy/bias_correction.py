@@ -99,9 +99,9 @@ def correct_biases(float_model, qdq: onnx.ModelProto, placement, data, *, max_ru
     mean shift removed, relative to the output's standard deviation in the float model).
     """
     from ..calibration.output_check import first_samples
-    from ..data import load_data
-    from ..placement.graph_index import GraphIndex
-    from ..runtime import make_session
+    from ..io.data import load_data
+    from ..graph.index import GraphIndex
+    from ..runtime.sessions import make_session
 
     index = GraphIndex(float_model)
     quantized = [d.node for d in placement.decisions if d.action == "quantize"]

@@ -11,7 +11,7 @@ from onnx import TensorProto, numpy_helper
 
 def read_constant(index, tensor: str) -> Optional[np.ndarray]:
     """``tensor``'s value as a float32 array (a copy), or None when it is not a float32 constant."""
-    from ..model_io import tensor_array
+    from ..io.models import tensor_array
 
     proto = index.constant_proto(tensor) if tensor else None
     if proto is None or proto.data_type != TensorProto.FLOAT:

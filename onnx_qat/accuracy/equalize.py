@@ -153,7 +153,7 @@ def equalize(model, *, max_sweeps: int = MAX_SWEEPS) -> Tuple[dict, ...]:
     ``depthwise`` (the second is depthwise), per-channel INT8 weight SQNR of both weights ``before`` and
     ``after`` (dB), ``gain_db`` (the gain of the worse of the two), and ``scale_min``/``scale_max``.
     """
-    from ..placement.graph_index import GraphIndex
+    from ..graph.index import GraphIndex
 
     index = GraphIndex(model)
     pairs = find_pairs(index)

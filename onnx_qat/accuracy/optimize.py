@@ -52,10 +52,10 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
     import os
 
     from ..calibration import calibrate
-    from ..fileio import check_output_path, write_json
-    from ..formats import get_format
-    from ..model_io import load_model, save_model
-    from ..placement.graph_index import assign_node_names
+    from ..io.files import check_output_path, write_json
+    from ..formats.numeric import get_format
+    from ..io.models import load_model, save_model
+    from ..graph.index import assign_node_names
     from ..rewrite import refuse_quantized
     from .prepared import split_data
 
@@ -163,7 +163,7 @@ class _Judge:
     original float model on the evaluation data."""
 
     def __init__(self, float_model, evaluation, config, batch_size: int):
-        from ..runtime import run_model
+        from ..runtime.sessions import run_model
 
         self.config, self.batch_size = config, batch_size
         self.feeds = evaluation
@@ -172,7 +172,7 @@ class _Judge:
 
     def __call__(self, float_model, table) -> _Measured:
         from ..rewrite import quantize_placed
-        from ..runtime import run_model
+        from ..runtime.sessions import run_model
         from .prepared import output_error
 
         result = quantize_placed(float_model, scales=table, data=None, method="max", config=self.config,

@@ -1,7 +1,7 @@
 """Error-compensated INT8 weight rounding (GPTQ-style) for Conv, Gemm and MatMul weights.
 
 Round to nearest picks each weight's INT8 value on its own. GPTQ (Frantar et al., ICLR 2023,
-Algorithm 1; the loop is :func:`onnx_qat.gptq.compensated_rounding`, shared with the INT4 and FP8
+Algorithm 1; the loop is :func:`onnx_qat.formats.gptq.compensated_rounding`, shared with the INT4 and FP8
 roundings) rounds the reduction axis one row at a time and spreads each row's rounding error over
 the rows not rounded yet, weighted by the inverse of ``H = Σ xᵀx`` of the layer's input on the
 calibration data, so that the layer's output ``x W`` moves least. Here the grid is INT8 with the
@@ -14,7 +14,7 @@ up to :data:`MAX_ROWS` sampled output positions per batch, one ``[K, K]`` matrix
 kernel). Activations are the float model's.
 
 A weight keeps round to nearest when its input has fewer than
-:data:`~onnx_qat.gptq.MIN_ROWS_PER_CHANNEL` calibration rows per reduction row (GPTQ would fit
+:data:`~onnx_qat.formats.gptq.MIN_ROWS_PER_CHANNEL` calibration rows per reduction row (GPTQ would fit
 those rows), when GPTQ does not lower the output error on the calibration rows, when its layout is
 not handled (ConvTranspose, a Conv that is not 2-D or uses ``auto_pad``, a per-tensor weight), or
 once ``time_budget`` seconds are spent. Each weight gets a record saying which and why.
@@ -128,9 +128,9 @@ def round_int8(model, placement, data, *, input_amax: Optional[Mapping[str, floa
     it: on the PP-OCRv4 recognizer the GPTQ weights alone gave output cosine 0.998 (round to nearest
     0.989), but with INT8 activations 0.937 against round to nearest's 0.966.
     """
-    from ..insertion import ZERO_CHANNEL_SCALE
-    from ..gptq import MIN_ROWS_PER_CHANNEL, compensated_rounding, output_error
-    from ..placement.graph_index import GraphIndex
+    from ..formats.encoding import ZERO_CHANNEL_SCALE
+    from ..formats.gptq import MIN_ROWS_PER_CHANNEL, compensated_rounding, output_error
+    from ..graph.index import GraphIndex
     from ..scales import WeightRange
     from .equalize import read_constant, write_constant
 
@@ -205,8 +205,8 @@ def round_int8(model, placement, data, *, input_amax: Optional[Mapping[str, floa
 
 def _collect(model, layers: Dict[str, _Layer], data, batch_size: int, seed: int, progress: bool) -> None:
     """Accumulate each layer's Hessian over the float model's activations on ``data``."""
-    from ..data import load_data
-    from ..runtime import make_session, run_batches
+    from ..io.data import load_data
+    from ..runtime.sessions import make_session, run_batches
 
     readers = {n.name: n for n in model.graph.node}
     source = {t: readers[layer.node.name].input[0] for t, layer in layers.items()}

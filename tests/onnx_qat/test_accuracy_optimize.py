@@ -9,7 +9,7 @@ from onnx_qat.accuracy.equalize import equalize, find_pairs
 from onnx_qat.accuracy.rounding import round_int8
 from onnx_qat.errors import ConfigError
 from onnx_qat.placement import place
-from onnx_qat.placement.graph_index import GraphIndex
+from onnx_qat.graph.index import GraphIndex
 from onnx_qat.scales import ScaleTable
 from tests.builders import GraphBuilder, assert_check_clean, cosine, run
 
