@@ -474,9 +474,12 @@ def _quantize_summary(args, result) -> str:
 
 def _optimize_summary(info) -> str:
     """One line for --optimize accuracy: each step's output cosine, gain and whether it was kept."""
-    steps = "; ".join(f"{s['step']} {s['cosine']:.5f}"
-                      + ("" if s["gain"] is None else f" ({s['gain']:+.5f}, {'kept' if s['kept'] else 'undone'})")
-                      for s in info["steps"])
+    def step(s) -> str:
+        if s["gain"] is None:
+            return f"{s['step']} {s['cosine']:.5f}"
+        return f"{s['step']} {s['cosine']:.5f} ({s['gain']:+.5f}, {'kept' if s['kept'] else 'undone'})"
+
+    steps = "; ".join(step(s) for s in info["steps"])
     return (f"optimize accuracy: output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} on "
             f"{info['eval_samples']} eval samples | {steps}")
 

@@ -117,9 +117,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         if data is None or min_cosine is not None or max_float_sites is not None or placement is not None:
             raise ConfigError("optimize='accuracy' needs data, and does not combine with scales, min_cosine "
                               "or a placement")
-        return quantize_optimized(model, output, data=data, eval_data=eval_data, method=method or DEFAULT_METHOD,
-                                  config=config, calib_kw=calib_kw, report=report, progress=progress,
-                                  time_budget=TIME_BUDGET)
+        return quantize_optimized(model, output, data=data, eval_data=eval_data,
+                                  method=method or DEFAULT_METHOD, config=config, calib_kw=calib_kw,
+                                  report=report, progress=progress, time_budget=TIME_BUDGET)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
         from .accuracy.mixed import check_options, quantize_mixed
 

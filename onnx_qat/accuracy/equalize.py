@@ -177,7 +177,8 @@ def equalize(model, *, max_sweeps: int = MAX_SWEEPS) -> Tuple[dict, ...]:
         after = (_channel_sqnr(w1), _channel_sqnr(w2))
         old = before[pair.first, pair.second]
         nodes = {n.name: n for n in index.nodes}
-        act = next((nodes[m].op_type for m in pair.middle if nodes[m].op_type != "BatchNormalization"), "none")
+        act = next((nodes[m].op_type for m in pair.middle if nodes[m].op_type != "BatchNormalization"),
+                   "none")
         records.append({"first": pair.first, "second": pair.second,
                         "activation": "ReLU6" if pair.clip else act, "depthwise": pair.group2 > 1 and
                         w2.shape[1] == 1, "sqnr_before_db": [round(v, 2) for v in old],

@@ -81,7 +81,7 @@ def _conv_rows(x: np.ndarray, node, wshape, group: int, rng) -> np.ndarray:
     oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
     ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
     total = b * oh * ow
-    pick = rng.choice(total, size=min(MAX_ROWS, total), replace=False) if total > MAX_ROWS else np.arange(total)
+    pick = rng.choice(total, size=MAX_ROWS, replace=False) if total > MAX_ROWS else np.arange(total)
     bi, rest = np.divmod(pick, oh * ow)
     yi, xi = np.divmod(rest, ow)
     ky = np.arange(kh) * dh

@@ -35,7 +35,8 @@ def spread_pair_model(seed: int = 0, spread: float = 1000.0, activation: str = "
     elif activation == "ReLU6":
         y = b.node("Clip", [y, b.const("zero", np.float32(0)), b.const("six", np.float32(6.0 * spread))],
                    name="act")
-    y = b.node("Conv", [y, b.const("conv2.weight", w2), b.const("conv2.bias", np.zeros(channels, np.float32))],
+    zeros = np.zeros(channels, np.float32)
+    y = b.node("Conv", [y, b.const("conv2.weight", w2), b.const("conv2.bias", zeros)],
                name="conv2", kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=channels)
     y = b.node("Relu", [y], name="act2")
     b.conv(y, channels, 8, "conv3", k=1)
