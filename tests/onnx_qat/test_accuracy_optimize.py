@@ -263,3 +263,18 @@ def test_cli_optimize_accuracy(tmp_path, capsys):
     assert main(["quantize", str(path), "--data", str(data), "--optimize", "accuracy", "--min-cosine", "0.9",
                  "-o", str(tmp_path / "q2.onnx")]) == 2
     assert not (tmp_path / "q2.onnx").exists()
+
+
+def test_optimize_accuracy_in_fp8_equalizes_and_passes_check():
+    model = spread_pair_model(0)
+    data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", precision="fp8", progress=False)
+    assert result.precision == "fp8"
+    assert [s["step"] for s in result.accuracy["steps"]] == ["calibrate", "equalize"]
+    assert_check_clean(result.model)
+
+
+def test_optimize_accuracy_refuses_int4():
+    with pytest.raises(ConfigError, match="weight-only"):
+        onnx_qat.quantize(spread_pair_model(0), data=_feeds(0), optimize="accuracy", precision="int4",
+                          progress=False)
