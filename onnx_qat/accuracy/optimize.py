@@ -7,16 +7,18 @@ The steps, in order, on a private copy of the float model:
    what plain :func:`onnx_qat.quantize` gives;
 2. ``equalize``: cross-layer equalization (:mod:`.equalize`; float function unchanged), then the
    ranges calibrated again on the equalized model;
-3. ``rounding``: error-compensated INT8 weight rounding (:mod:`.rounding`, GPTQ-style, bounded by
+3. ``smooth``: activation smoothing (:mod:`.smooth`, SmoothQuant-style; float function unchanged),
+   then the ranges calibrated again;
+4. ``rounding``: error-compensated INT8 weight rounding (:mod:`.rounding`, GPTQ-style, bounded by
    ``time_budget``);
-4. ``bias_correction``: the mean shift of each quantized weighted op folded into its bias, in graph
+5. ``bias_correction``: the mean shift of each quantized weighted op folded into its bias, in graph
    order (:mod:`.bias_correction`).
 
 After each step the Q/DQ model is built by the one inserter and its output cosine against the float
 model measured on the evaluation data (``eval_data``, or the last quarter of ``data``, then not
 calibrated on). A step that does not raise it is undone. The report (``QuantizeResult.accuracy``) lists
 every step: its cosine, its gain over the step before, whether it was kept, its seconds and records.
-Steps 3 and 4 apply to INT8; other precisions run steps 1 and 2.
+Steps 4 and 5 apply to INT8; other precisions run steps 1 to 3.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ logger = logging.getLogger(__name__)
 #: Values of ``optimize``.
 OPTIMIZE = ("accuracy",)
 #: Steps in the order they run.
-STEPS = ("calibrate", "equalize", "rounding", "bias_correction")
+STEPS = ("calibrate", "equalize", "smooth", "rounding", "bias_correction")
 
 
 def check_optimize(optimize) -> Optional[str]:
@@ -98,6 +100,22 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
             float_model, table, best = trial, trial_table, cosine
     else:
         steps.append(_step("equalize", best, best, False, clock, pairs=[], note="no Conv pair to equalize"))
+
+    clock = time.perf_counter()
+    trial = _copy(float_model)
+    from .smooth import smooth
+
+    tensors = smooth(trial, calib, batch_size=batch_size)
+    if tensors:
+        trial_table = calibrated(trial)
+        cosine = judge(trial, trial_table)
+        kept = cosine > best.cosine
+        steps.append(_step("smooth", cosine, best, kept, clock, tensors=list(tensors)))
+        if kept:
+            float_model, table, best = trial, trial_table, cosine
+    else:
+        steps.append(_step("smooth", best, best, False, clock, tensors=[],
+                           note="no activation with uneven channel ranges the graph can absorb"))
 
     if fmt.name == "int8":
         clock = time.perf_counter()

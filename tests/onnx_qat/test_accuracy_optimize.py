@@ -222,7 +222,7 @@ def test_optimize_accuracy_keeps_the_steps_that_help_and_reports_each():
     assert_check_clean(result.model)
     info = result.accuracy
     steps = {s["step"]: s for s in info["steps"]}
-    assert list(steps) == ["calibrate", "equalize", "rounding", "bias_correction"]
+    assert list(steps) == ["calibrate", "equalize", "smooth", "rounding", "bias_correction"]
     assert steps["equalize"]["kept"] and steps["equalize"]["gain"] > 0.02
     assert info["cosine_after"] >= info["cosine_before"] + 0.02
     assert all(s["kept"] == (s["gain"] is None or s["gain"] > 0) for s in info["steps"])
@@ -270,7 +270,7 @@ def test_optimize_accuracy_in_fp8_equalizes_and_passes_check():
     data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
     result = onnx_qat.quantize(model, data=data, optimize="accuracy", precision="fp8", progress=False)
     assert result.precision == "fp8"
-    assert [s["step"] for s in result.accuracy["steps"]] == ["calibrate", "equalize"]
+    assert [s["step"] for s in result.accuracy["steps"]] == ["calibrate", "equalize", "smooth"]
     assert_check_clean(result.model)
 
 
@@ -278,3 +278,88 @@ def test_optimize_accuracy_refuses_int4():
     with pytest.raises(ConfigError, match="weight-only"):
         onnx_qat.quantize(spread_pair_model(0), data=_feeds(0), optimize="accuracy", precision="int4",
                           progress=False)
+
+
+# ------------------------------------------------------------------ activation smoothing
+def outlier_layernorm_model(seed: int = 0, dim: int = 32, factor: float = 200.0,
+                            decomposed: bool = False):
+    """input [N, 8, dim] -> LayerNormalization (or its Mul/Add tail) whose scale makes channel 0 an
+    outlier ``factor`` times the others -> MatMul ``fc`` (its weight row 0 divided by ``factor``: the
+    outlier is what the activation carries, not what the output needs) -> Relu -> MatMul ``out``."""
+    from onnx import TensorProto
+
+    b = GraphBuilder("outlier_ln", seed)
+    x = b.input("input", ["N", 8, dim])
+    gamma = b.rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    gamma[0] *= factor
+    beta = (b.rng.standard_normal(dim) * 0.1).astype(np.float32)
+    if decomposed:
+        mean = b.node("ReduceMean", [x], name="mean", axes=[-1], keepdims=1)
+        centred = b.node("Sub", [x, mean], name="centre")
+        var = b.node("ReduceMean", [b.node("Mul", [centred, centred], name="square")], name="var",
+                     axes=[-1], keepdims=1)
+        std = b.node("Sqrt", [b.node("Add", [var, b.const("eps", np.float32(1e-5))], name="add_eps")],
+                     name="sqrt")
+        normed = b.node("Div", [centred, std], name="div")
+        scaled = b.node("Mul", [normed, b.const("gamma", gamma)], name="scale")
+        y = b.node("Add", [scaled, b.const("beta", beta)], name="shift")
+    else:
+        y = b.node("LayerNormalization", [x, b.const("gamma", gamma), b.const("beta", beta)], name="ln",
+                   axis=-1, epsilon=1e-5)
+    w = (b.rng.standard_normal((dim, dim)) * 0.3).astype(np.float32)
+    w[0] /= factor
+    y = b.node("Relu", [b.node("MatMul", [y, b.const("fc.weight", w)], name="fc")], name="relu")
+    b.node("MatMul", [y, b.weight("out.weight", [dim, 16])], "output", name="out")
+    b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
+    return b.build(opset=17) if not decomposed else b.build(opset=13)
+
+
+def _ln_feeds(seed: int, n: int = 16, dim: int = 32):
+    return {"input": np.random.default_rng(seed).standard_normal((n, 8, dim)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_smoothing_recovers_an_outlier_activation_channel(decomposed, seed):
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_layernorm_model(seed, decomposed=decomposed)
+    calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
+    before = _quantized_cosine(model, calib, evaluation)
+    smoothed = onnx.ModelProto()
+    smoothed.CopyFrom(model)
+    records = smooth(smoothed, calib)
+    fc = next(r for r in records if r["readers"] == ["fc"])
+    assert fc["spread_before"] > 50 and fc["spread_after"] < 0.2 * fc["spread_before"], fc
+    after = _quantized_cosine(smoothed, calib, evaluation)
+    assert after > before + 0.01 and after > 0.99, (before, after)
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+@pytest.mark.parametrize("scale", [0.1, 1.0, 30.0])
+def test_smoothing_keeps_the_float_function(decomposed, scale):
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_layernorm_model(2, decomposed=decomposed)
+    smoothed = onnx.ModelProto()
+    smoothed.CopyFrom(model)
+    assert smooth(smoothed, _ln_feeds(2))
+    feeds = {"input": _ln_feeds(9)["input"] * scale}
+    ref, got = run(model, feeds)[0], run(smoothed, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+
+
+def test_smoothing_leaves_even_channels_alone():
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_layernorm_model(0, factor=1.0)
+    assert smooth(model, _ln_feeds(0)) == ()
+
+
+def test_optimize_accuracy_keeps_smoothing_on_an_outlier_channel():
+    model = outlier_layernorm_model(0)
+    data = {"input": np.concatenate([_ln_feeds(0)["input"], _ln_feeds(1)["input"]])}
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    steps = {s["step"]: s for s in result.accuracy["steps"]}
+    assert steps["smooth"]["kept"] and steps["smooth"]["gain"] > 0.005, steps["smooth"]
+    assert_check_clean(result.model)
