@@ -196,9 +196,10 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
                        help="with --min-cosine or --optimize: .npz data the cosine is measured on (default: "
                             "the last quarter of --data, which calibration then does not see)")
     group.add_argument("--optimize", choices=("accuracy",), default=None,
-                       help="accuracy: also run cross-layer equalization, error-compensated INT8 weight "
-                            "rounding and bias correction, each kept only where it raises the output cosine "
-                            "on the evaluation data (slower than the default; needs --data)")
+                       help="accuracy: also run cross-layer equalization, activation smoothing, "
+                            "error-compensated INT8 weight rounding and bias correction, each kept only "
+                            "where it raises the output cosine on the evaluation data (slower than the "
+                            "default; needs --data)")
 
 
 def _add_check(sub) -> None:

@@ -81,7 +81,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
         eval_data: with ``min_cosine`` or ``optimize``: the data the output cosine is measured on.
         optimize: ``"accuracy"``: also run the post-training steps of :mod:`onnx_qat.accuracy.optimize`
-            (cross-layer equalization, error-compensated INT8 weight rounding, bias correction), each
+            (cross-layer equalization, activation smoothing, error-compensated INT8 weight rounding,
+            bias correction), each
             kept only where it raises the output cosine on ``eval_data`` (default: the last quarter of
             ``data``, then not calibrated on); ``QuantizeResult.accuracy`` lists what each step gained.
             Needs ``data``; slower than the default (several calibrations and evaluation runs).
