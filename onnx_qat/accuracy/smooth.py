@@ -63,19 +63,21 @@ def _scale_weight(index, node, s: np.ndarray) -> None:
     write_constant(index, node.inputs[1], w.astype(np.float32))
 
 
-def _fold_targets(index, tensor: str, channels: int, axis: int) -> Optional[List[Tuple[str, str]]]:
-    """``[(constant, how)]`` to divide per channel so that ``tensor`` is divided by ``s``, or None."""
+def _fold_targets(index, tensor: str, channels: int, axis: int,
+                  trailing: int) -> Optional[List[Tuple[str, str]]]:
+    """``[(constant, how)]`` to divide per channel so that ``tensor`` is divided by ``s``, or None
+    (``trailing``: the tensor's dimensions after the channel axis; 0 when it is the last)."""
     node = index.producer.get(tensor)
     if node is None:
         return None
     consts = [t for t in node.inputs if t and index.is_constant(t)]
     if node.op_type == "Add" and len(consts) == 1 and private(index, consts[0], node.name):
         other = next(t for t in node.inputs if t != consts[0])
-        inner = _fold_targets(index, other, channels, axis) \
+        inner = _fold_targets(index, other, channels, axis, trailing) \
             if sole_consumer(index, other) is not None else None
-        return None if inner is None else inner + [(consts[0], "channel")]
+        return None if inner is None else inner + [(consts[0], f"broadcast:{trailing}")]
     if node.op_type == "Mul" and len(consts) == 1 and private(index, consts[0], node.name):
-        return [(consts[0], "channel")]
+        return [(consts[0], f"broadcast:{trailing}")]
     if node.op_type == "LayerNormalization" and axis == -1:
         return [(t, "channel") for t in node.inputs[1:3] if t] \
             if all(private(index, t, node.name) for t in node.inputs[1:3] if t) else None
@@ -96,6 +98,14 @@ def _fold_targets(index, tensor: str, channels: int, axis: int) -> Optional[List
 def _divide(index, tensor: str, how: str, s: np.ndarray, axis: int) -> bool:
     """Divide ``tensor`` by ``s`` along its channel axis (``how``); False when its shape does not allow."""
     value = read_constant(index, tensor)
+    if how.startswith("broadcast:"):  # an element-wise constant: scalar or one value per channel
+        shape = (s.size,) + (1,) * int(how.split(":")[1])
+        if value.size == 1:
+            value = np.full(shape, float(value.reshape(-1)[0]), np.float32)
+        if value.shape[-len(shape):] != shape or value.size != s.size:
+            return False
+        write_constant(index, tensor, (value / s.reshape(value.shape)).astype(np.float32))
+        return True
     if how == "channel":
         if value.size == 1:  # a scalar becomes one value per channel
             value = np.full(s.shape, float(value.reshape(-1)[0]), np.float32)
@@ -111,6 +121,22 @@ def _divide(index, tensor: str, how: str, s: np.ndarray, axis: int) -> bool:
     else:
         out = value / s[None, :]
     write_constant(index, tensor, out.astype(np.float32))
+    return True
+
+
+def _conv_trailing(index, node) -> int:
+    """Dimensions after the channel axis of a Conv's input (its weight's rank less 2)."""
+    shape = index.constant_shape(node.inputs[1]) or ()
+    return max(len(shape) - 2, 0)
+
+
+def _fits(value: np.ndarray, how: str, channels: int) -> bool:
+    """``value`` can be divided per channel as ``how`` says (see :func:`_divide`)."""
+    if how.startswith("broadcast:"):
+        shape = (channels,) + (1,) * int(how.split(":")[1])
+        return value.size == 1 or (value.shape[-len(shape):] == shape and value.size == channels)
+    if how == "channel":
+        return value.size in (1, channels)
     return True
 
 
@@ -150,7 +176,8 @@ def smooth(model, data, *, alpha: float = ALPHA, min_spread: float = MIN_SPREAD,
         if spread < min_spread:
             continue
         rows = [_weight_rows(index, n, a.size) for n in readers]
-        targets = _fold_targets(index, x, a.size, axis)
+        trailing = 0 if axis == -1 else _conv_trailing(index, readers[0])
+        targets = _fold_targets(index, x, a.size, axis, trailing)
         if any(r is None for r in rows) or targets is None:
             continue
         w = np.max([np.abs(r).max(axis=1) for r in rows], axis=0)
@@ -158,7 +185,7 @@ def smooth(model, data, *, alpha: float = ALPHA, min_spread: float = MIN_SPREAD,
         s = np.ones_like(a)
         s[live] = a[live] ** alpha / w[live] ** (1 - alpha)
         s[live] /= np.exp(np.mean(np.log(s[live])))  # geometric mean 1: ranges keep their magnitude
-        if not all(how != "channel" or read_constant(index, t).size in (1, a.size) for t, how in targets):
+        if not all(_fits(read_constant(index, t), how, a.size) for t, how in targets):
             continue
         for t, how in targets:
             _divide(index, t, how, s, axis)
