@@ -363,3 +363,13 @@ def test_optimize_accuracy_keeps_smoothing_on_an_outlier_channel():
     steps = {s["step"]: s for s in result.accuracy["steps"]}
     assert steps["smooth"]["kept"] and steps["smooth"]["gain"] > 0.005, steps["smooth"]
     assert_check_clean(result.model)
+
+
+def test_bias_correction_respects_its_time_budget():
+    model = shifted_input_model(0)
+    calib = {"input": (4.0 + np.random.default_rng(0).uniform(-0.5, 0.5, (16, 64, 4, 4))).astype(np.float32)}
+    result = onnx_qat.quantize(model, data=calib, method="max", progress=False)
+    corrected = onnx.ModelProto()
+    corrected.CopyFrom(model)
+    records = correct_biases(corrected, result.model, result.placement, calib, time_budget=-1.0)
+    assert records[0]["skipped"].startswith("time budget") and corrected == model
