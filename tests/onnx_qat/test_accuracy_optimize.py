@@ -373,3 +373,11 @@ def test_bias_correction_respects_its_time_budget():
     corrected.CopyFrom(model)
     records = correct_biases(corrected, result.model, result.placement, calib, time_budget=-1.0)
     assert records[0]["skipped"].startswith("time budget") and corrected == model
+
+
+def test_optimize_accuracy_for_the_ort_cpu_target_passes_its_check():
+    model = spread_pair_model(1)
+    data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", target="ort-cpu", progress=False)
+    assert result.target == "ort-cpu" and result.accuracy["cosine_after"] > 0.99
+    assert_check_clean(result.model, target="ort-cpu")
