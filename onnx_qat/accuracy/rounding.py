@@ -127,6 +127,9 @@ def round_int8(model, placement, data, *, input_amax: Optional[Mapping[str, floa
     the directions the float inputs do not reach, where the input's own quantization noise then meets
     it: on the PP-OCRv4 recognizer the GPTQ weights alone gave output cosine 0.998 (round to nearest
     0.989), but with INT8 activations 0.937 against round to nearest's 0.966.
+
+    ``observed`` (a model with the same node names, e.g. the Q/DQ model) is run instead of ``model``
+    to collect the inputs: each weighted op's input 0 there (its dequantized input in a Q/DQ model).
     """
     from ..formats.encoding import ZERO_CHANNEL_SCALE
     from ..formats.gptq import MIN_ROWS_PER_CHANNEL, compensated_rounding, output_error
