@@ -56,7 +56,8 @@ class QuantizeResult:
             ``fp8_method="gptq"`` on the E4M3 grid): the
             relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
-            (see :mod:`onnx_qat.accuracy.mixed`); None otherwise.
+            (see :mod:`onnx_qat.accuracy.mixed`); with ``optimize="accuracy"``: each step's output
+            cosine, gain and whether it was kept (see :mod:`onnx_qat.accuracy.optimize`); None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
