@@ -3,14 +3,22 @@ the way TensorRT wants them, from calibration data or from given scales.
 
 Public API (imported lazily so ``import onnx_qat`` stays fast):
 
-* :func:`quantize` — float ONNX + (ScaleTable | calibration data) -> Q/DQ ONNX.
-* :func:`calibrate` — run the float model in onnxruntime and return a :class:`ScaleTable`.
-* :func:`place` — the placement decisions only (what ``onnx-qat inspect`` prints).
-* :func:`check` — TensorRT-readiness report for any Q/DQ model.
-* :func:`compare` — numerics of two models on the same data, as a typed result.
-* :func:`sensitivity` — per-site output error of quantization, ranked (:class:`SensitivityResult`).
-* :func:`load_model`, :func:`save_model`, :func:`load_data` — the I/O edges.
-* :class:`ScaleTable`, :class:`QuantizeConfig` and the errors in :mod:`onnx_qat.errors`.
+* [`quantize`][onnx_qat.quantize.quantize] — float ONNX + (ScaleTable | calibration data) -> Q/DQ ONNX.
+* [`calibrate`][onnx_qat.calibration.runner.calibrate] — run the float model in onnxruntime and return a
+  [`ScaleTable`][onnx_qat.scales.ScaleTable].
+* [`place`][onnx_qat.placement.policy.place] — the placement decisions only (what ``onnx-qat inspect``
+  prints).
+* [`check`][onnx_qat.check.check] — TensorRT-readiness report for any Q/DQ model.
+* [`compare`][onnx_qat.runtime.compare.compare] — numerics of two models on the same data, as a typed result.
+* [`sensitivity`][onnx_qat.accuracy.sensitivity.sensitivity] — per-site output error of quantization, ranked
+  ([`SensitivityResult`][onnx_qat.accuracy.sensitivity.SensitivityResult]).
+* [`cast_float_parts`][onnx_qat.formats.float_parts.cast_float_parts] — a float or Q/DQ model with its float
+  parts in FP16/BF16, what stays FP32 kept with its reason
+  ([`FloatPartsResult`][onnx_qat.formats.float_parts.FloatPartsResult]).
+* [`load_model`][onnx_qat.io.models.load_model], [`save_model`][onnx_qat.io.models.save_model],
+  [`load_data`][onnx_qat.io.data.load_data] — the I/O edges.
+* [`ScaleTable`][onnx_qat.scales.ScaleTable], [`QuantizeConfig`][onnx_qat.config.QuantizeConfig] and the
+  errors in `onnx_qat.errors`.
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ _LAZY = {
     "WeightRange": "onnx_qat.scales",
     "QuantizeConfig": "onnx_qat.config",
     "sensitivity": "onnx_qat.accuracy",
+    "cast_float_parts": "onnx_qat.formats.float_parts",
     "SensitivityResult": "onnx_qat.accuracy",
 }
 

@@ -1,15 +1,19 @@
 """The ``onnx-qat`` command line: a thin layer over the public API.
 
-Every option is a keyword of a documented function (:func:`onnx_qat.calibrate`,
-:func:`onnx_qat.quantize`, :func:`onnx_qat.check`, :func:`onnx_qat.compare`,
-:func:`onnx_qat.place`, fields of :class:`onnx_qat.config.QuantizeConfig`). Building
+Every option is a keyword of a documented function
+([`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate],
+[`onnx_qat.quantize`][onnx_qat.quantize.quantize], [`onnx_qat.check`][onnx_qat.check.check],
+[`onnx_qat.compare`][onnx_qat.runtime.compare.compare], [`onnx_qat.place`][onnx_qat.placement.policy.place],
+fields of [`onnx_qat.config.QuantizeConfig`][]). Building
 the parser imports nothing heavy (no numpy, onnx, onnxruntime): ``onnx-qat --help``
 answers at once; each command imports the API it needs when it runs.
 
 Exit codes:
     0   success
-    1   ``check`` found an error, ``compare`` failed, or ``quantize`` wrote a model ``check`` refuses
-    2   bad input or usage: one line ``onnx-qat: error: ...`` on stderr
+    1   ``check`` found an error, ``compare`` failed, ``quantize`` wrote a model ``check`` refuses, or
+        the engine ``deploy`` built differs from onnxruntime
+    2   bad input or usage: one line ``onnx-qat: error: ...`` on stderr; ``deploy`` also when it refuses
+        the model or TensorRT/a GPU is missing (after writing its report)
     3   internal error (a bug): one line plus "re-run with --verbose for the traceback"
     130 interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM). Either way atomic writers remove
         their temporary files, so no partial output is left.
@@ -26,13 +30,17 @@ import traceback
 from typing import List, Optional, Sequence
 
 from . import __version__
-from .config import TARGETS
+from .config import FLOAT_DTYPES, TARGETS
 from .formats.numeric import FP8_METHODS, INT4_METHODS, PRECISIONS
 from .argtypes import any_number, number_in, positive_number, whole_number
 from .errors import QatError
 
 PROG = "onnx-qat"
 METHODS = ("max", "percentile", "entropy", "mse", "auto")
+#: ``calibrate --format``: the ScaleTable JSON or a TensorRT calibration cache.
+SCALE_FORMATS = ("scales-json", "tensorrt-cache")
+#: Calibrators a TensorRT cache header names (onnx_qat.io.tensorrt_cache.ALGORITHMS, without importing it).
+CACHE_ALGORITHMS = ("EntropyCalibration2", "EntropyCalibration", "MinMaxCalibration", "LegacyCalibration")
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -54,7 +62,7 @@ def _on_sigterm(signum, frame):
 
 @contextlib.contextmanager
 def _sigterm_unwinds():
-    """While running a command, turn SIGTERM into :class:`Terminated` (main thread only)."""
+    """While running a command, turn SIGTERM into `Terminated` (main thread only)."""
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread: leave signal handling alone
@@ -84,6 +92,43 @@ def _regex(text: str) -> str:
     except re.error as exc:
         raise argparse.ArgumentTypeError(f"invalid regular expression {text!r}: {exc}") from None
     return text
+
+
+def _pair(text: str):
+    """``OUTPUT=INPUT`` (``--state``) as a tuple of two names."""
+    left, sep, right = text.partition("=")
+    if not sep or not left or not right or "=" in right:
+        raise argparse.ArgumentTypeError(f"expected OUTPUT=INPUT, got {text!r}")
+    return left, right
+
+
+def _axis_pair(text: str):
+    """``INPUT=AXIS`` (``--batch-axis``) as ``(name, axis)``."""
+    name, sep, axis = text.rpartition("=")
+    try:
+        return (name, int(axis)) if sep and name else _no_axis(text)
+    except ValueError:
+        return _no_axis(text)
+
+
+def _no_axis(text: str):
+    raise argparse.ArgumentTypeError(f"expected INPUT=AXIS with a whole-number axis, got {text!r}")
+
+
+#: What ``--data`` takes (and ``--eval-data``).
+DATA_HELP = ("an .npz file (keys are graph input names, first axis is samples), or a directory or list of "
+             ".npz files, one feed (one run) each, in natural name order / the order given")
+
+
+def _layout_options(parser: argparse.ArgumentParser) -> None:
+    """Keywords state and batch_axis of the data loaders (onnx_qat.load_data)."""
+    group = parser.add_argument_group("data layout (onnx_qat.load_data)")
+    group.add_argument("--state", metavar="OUTPUT=INPUT", nargs="+", action="extend", type=_pair, default=[],
+                       help="stateful model: run the data in order, feeding each run's OUTPUT to the next "
+                            "run as INPUT; the first feed gives the initial state, later feeds omit it "
+                            "(silero-vad: --state stateN=state)")
+    group.add_argument("--batch-axis", metavar="INPUT=AXIS", nargs="+", action="extend", type=_axis_pair,
+                       default=[], help="an input whose batch axis is not the first (silero-vad: state=1)")
 
 
 # -- the parser ---------------------------------------------------------------------------------------
@@ -150,10 +195,23 @@ def _add_calibrate(sub) -> None:
                                    "ranges of "
                                    "the tensors placement will quantize as a ScaleTable JSON file.")
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
-    p.add_argument("--data", metavar="NPZ", required=True,
-                   help=".npz calibration data: keys are graph input names, first axis is samples")
-    p.add_argument("-o", "--output", metavar="SCALES.json", required=True, help="ScaleTable JSON to write")
+    p.add_argument("--data", metavar="NPZ", nargs="+", required=True, help="calibration data: " + DATA_HELP)
+    p.add_argument("-o", "--output", metavar="SCALES.json", required=True,
+                   help="file to write: a ScaleTable JSON, or with --format tensorrt-cache a TensorRT "
+                        "calibration cache")
+    cache = p.add_argument_group("output format (ScaleTable.save_tensorrt_cache)")
+    cache.add_argument("--format", choices=SCALE_FORMATS, default="scales-json",
+                       help="scales-json (default): the ScaleTable; tensorrt-cache: TensorRT's calibration "
+                            "cache text (activation ranges as float32 scales amax/127), for TensorRT 8-10 "
+                            "implicit INT8 builds")
+    cache.add_argument("--tensorrt-version", metavar="X.Y.Z", default=None,
+                       help="with --format tensorrt-cache (required there): the TensorRT that will read the "
+                            "cache, written into its header (e.g. 8.6.1 -> TRT-8601-...)")
+    cache.add_argument("--calibrator", choices=CACHE_ALGORITHMS, default=None,
+                       help="with --format tensorrt-cache: the calibrator named in the header "
+                            "(default EntropyCalibration2; use the one that will read the cache)")
     _calibration_options(p)
+    _layout_options(p)
     _placement_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_calibrate)
@@ -167,20 +225,53 @@ def _add_quantize(sub) -> None:
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
     p.add_argument("-o", "--output", metavar="OUT.onnx", required=True, help="Q/DQ model to write")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--data", metavar="NPZ", help=".npz calibration data (see 'calibrate'); with "
-                                                      "--precision int4, data for the activation-aware "
-                                                      "weight scales (optional)")
-    source.add_argument("--scales", metavar="JSON",
-                        help="ScaleTable JSON (from 'calibrate' or your own tool)")
+    source.add_argument("--data", metavar="NPZ", nargs="+",
+                        help="calibration data: " + DATA_HELP + "; with --precision int4, data for the "
+                             "activation-aware weight scales (optional)")
+    source.add_argument("--scales", metavar="JSON|CACHE",
+                        help="ScaleTable JSON (from 'calibrate' or your own tool), or a TensorRT calibration "
+                             "cache (a file starting 'TRT-'; its names not in the model are listed in one "
+                             "warning and ignored)")
     p.add_argument("--target", choices=TARGETS, default=None,
                    help="deployment form: tensorrt (default) or ort-cpu (fast onnxruntime CPU kernels)")
     p.add_argument("--report", metavar="R.json", default=None,
                    help="also write a JSON report: placement decisions and the check result")
+    p.add_argument("--float-dtype", choices=FLOAT_DTYPES, default=None,
+                   help="type of everything Q/DQ leaves in float: fp32 (default), fp16 or bf16 "
+                        "(TensorRT 11 runs FP32 float parts in FP32); nodes that must stay FP32 are "
+                        "kept, each with its reason (see docs/formats.md)")
+    p.add_argument("--float-io", action="store_true",
+                   help="with --float-dtype fp16/bf16: graph inputs and outputs take that type too "
+                        "(default: they keep FP32, with a Cast at the boundary)")
     _calibration_options(p)
+    _layout_options(p)
     _placement_options(p)
     _mixed_precision_options(p)
+    _latency_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_quantize)
+
+
+def _latency_options(parser: argparse.ArgumentParser) -> None:
+    """The ``latency`` keyword of onnx_qat.quantize (ort-cpu): --latency, --latency-profile,
+    --latency-threads, --latency-batch."""
+    group = parser.add_argument_group("latency-aware placement, --target ort-cpu "
+                                      "(onnx_qat.quantize latency=)")
+    group.add_argument("--latency", action="store_true",
+                       help="quantize a Conv/Gemm/MatMul only where onnxruntime's integer kernel is faster "
+                            "than float on this CPU (each kind timed once per machine, cached under "
+                            "~/.cache/onnx-qat/latency); the result is then timed against FP32")
+    group.add_argument("--latency-profile", metavar="FILE", default=None,
+                       help="like --latency, reading and extending this latency profile (e.g. one measured "
+                            "on the deployment machine) instead of this machine's cache file")
+    group.add_argument("--latency-threads", metavar="N", type=whole_number(0), default=None,
+                       help="onnxruntime intra-op threads the model will run with (default 0: its default)")
+    group.add_argument("--latency-batch", metavar="N", type=whole_number(1), default=None,
+                       help="batch size the model will run at, for symbolic batch dimensions (default 1)")
+    group.add_argument("--cpu-vnni", action="store_true",
+                       help="--target ort-cpu with --data: the model will run on CPUs with AVX-512 VNNI, "
+                            "AVX-VNNI or AMX: keep 8-bit weights behind signed inputs (more accurate; may "
+                            "overflow on AVX2-only CPUs)")
 
 
 def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
@@ -192,9 +283,9 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
                             "weight); exit 2 and write nothing when it cannot")
     group.add_argument("--max-float-sites", metavar="N", type=whole_number(0), default=None,
                        help="with --min-cosine: at most N sites in float (default: no limit)")
-    group.add_argument("--eval-data", metavar="NPZ", default=None,
-                       help="with --min-cosine or --optimize: .npz data the cosine is measured on (default: "
-                            "the last quarter of --data, which calibration then does not see)")
+    group.add_argument("--eval-data", metavar="NPZ", nargs="+", default=None,
+                       help="with --min-cosine or --optimize: data the cosine is measured on, as --data "
+                            "(default: the last quarter of --data, which calibration then does not see)")
     group.add_argument("--optimize", choices=("accuracy",), default=None,
                        help="accuracy: also run cross-layer equalization, activation smoothing, "
                             "error-compensated INT8 weight rounding and bias correction, each kept only "
@@ -212,6 +303,10 @@ def _add_check(sub) -> None:
                    help="the form to check: tensorrt (default: every rule) or ort-cpu (the rules that "
                         "apply to the CPU form)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--precision-map", metavar="MAP.json", default=None,
+                   help="write the precision map (CheckReport.precision_map): each compute node's precision "
+                        "under a TensorRT strongly typed build (int8, fp8, int4, fp16, bf16, fp32) and the "
+                        "Q/DQ nodes left unfused, with their rule; prints its summary")
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_check)
 
@@ -222,7 +317,7 @@ def _add_compare(sub) -> None:
                                    "output. Exit 1 when an output misses a threshold.")
     p.add_argument("reference", metavar="REFERENCE", help="reference ONNX model (e.g. the float model)")
     p.add_argument("candidate", metavar="CANDIDATE", help="candidate ONNX model (e.g. the Q/DQ model)")
-    p.add_argument("--data", metavar="NPZ", required=True, help=".npz data: keys are graph input names")
+    p.add_argument("--data", metavar="NPZ", nargs="+", required=True, help=DATA_HELP)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     group = p.add_argument_group("thresholds (onnx_qat.compare)")
     group.add_argument("--max-abs", metavar="X", type=positive_number, default=None,
@@ -236,7 +331,15 @@ def _add_compare(sub) -> None:
     group.add_argument("--batch-size", metavar="N", type=whole_number(1), default=None,
                        help="samples per onnxruntime run")
     group.add_argument("--num-samples", metavar="N", type=whole_number(1), default=None,
-                       help="use only the first N samples")
+                       help="use only the first N samples (feeds)")
+    group.add_argument("--min-decisions", metavar="F", type=number_in(0.0, 1.0), default=None,
+                       help="with --state: smallest share of steps whose yes/no decision (a probability "
+                            "output above 0.5) agrees, a fraction in [0, 1] (default: not checked)")
+    p.add_argument("--exact-qdq", action=argparse.BooleanOptionalAction, default=None,
+                   help="run both models with onnxruntime's graph optimisations off (exact Q/DQ "
+                        "arithmetic) or, --no-exact-qdq, on (default: by form: a TensorRT-form Q/DQ model "
+                        "exact, as TensorRT computes it; float models and the ort-cpu form as deployed)")
+    _layout_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_compare)
 
@@ -254,15 +357,17 @@ def _add_inspect(sub) -> None:
 
 def _add_sensitivity(sub) -> None:
     p = sub.add_parser("sensitivity", help="rank the quantized sites by the output error each one costs",
-                       description="Calibrate MODEL once on --data, then measure for every site placement "
-                                   "quantizes the output error with only that site quantized (INT8, or "
-                                   "--precision) and with every site but it, on --eval-data (default: a "
-                                   "held-out quarter of --data). Prints the ranking; see "
-                                   "docs/sensitivity.md.")
+                       description="Calibrate MODEL once on --data (method max unless --method is given). "
+                                   "Then, for every site that placement quantizes, measure the output "
+                                   "error against the float model twice: with only that site quantized "
+                                   "(INT8, or --precision) and with every site but that one. The errors "
+                                   "are measured on --eval-data (default: the last quarter of --data, "
+                                   "held out from calibration). Prints the sites ranked, most sensitive "
+                                   "first; see docs/sensitivity.md.")
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
-    p.add_argument("--data", metavar="NPZ", required=True, help=".npz calibration data (see 'calibrate')")
-    p.add_argument("--eval-data", metavar="NPZ", default=None,
-                   help=".npz evaluation data (default: the last quarter of --data, not calibrated on)")
+    p.add_argument("--data", metavar="NPZ", nargs="+", required=True, help="calibration data: " + DATA_HELP)
+    p.add_argument("--eval-data", metavar="NPZ", nargs="+", default=None,
+                   help="evaluation data, as --data (default: the last quarter of --data, not calibrated on)")
     p.add_argument("-o", "--output", metavar="REPORT.json", default=None, help="write the result as JSON")
     p.add_argument("--plot", metavar="CHART.png", default=None,
                    help="write a ranked bar chart of the most sensitive sites (needs matplotlib)")
@@ -271,9 +376,21 @@ def _add_sensitivity(sub) -> None:
     p.add_argument("--metric", choices=("cosine", "sqnr", "max_abs"), default="cosine",
                    help="what ranks the sites (default cosine; all three are reported)")
     _calibration_options(p)
+    _layout_options(p)
     _placement_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_sensitivity)
+
+
+def _add_deploy(sub) -> None:
+    from .deploy.options import DESCRIPTION, EPILOG, add_arguments  # argparse only
+
+    p = sub.add_parser("deploy", help="TensorRT engine: gate, validate, build, time and verify (the build "
+                                      "needs TensorRT and a GPU; the rest runs anywhere)",
+                       description=DESCRIPTION + " See docs/tensorrt.md.", epilog=EPILOG)
+    add_arguments(p)
+    _global_options(p, suppress=True)
+    p.set_defaults(handler=cmd_deploy)
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -285,7 +402,8 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     _global_options(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
-    for add in (_add_calibrate, _add_quantize, _add_check, _add_compare, _add_inspect, _add_sensitivity):
+    for add in (_add_calibrate, _add_quantize, _add_check, _add_compare, _add_inspect, _add_sensitivity,
+                _add_deploy):
         add(sub)
     return parser
 
@@ -310,6 +428,8 @@ def _placement_keywords(args) -> dict:
         kw["int4_method"] = args.int4_method
     if getattr(args, "fp8_method", None) is not None:
         kw["fp8_method"] = args.fp8_method
+    if getattr(args, "float_dtype", None) is not None:
+        kw["float_dtype"] = args.float_dtype
     if getattr(args, "target", None) is not None:
         kw["target"] = args.target
     return kw
@@ -363,6 +483,11 @@ def _same_path(a, b) -> bool:
     return Path(a).resolve() == Path(b).resolve()
 
 
+#: What each input option expects, named in "is a directory" messages (by the error class it raises).
+_FILE_KINDS = {"ModelError": "the .onnx file", "DataError": "the .npz file",
+               "ScalesError": "the ScaleTable .json file"}
+
+
 def _check_inputs(*inputs) -> None:
     """Refuse missing input files before importing anything heavy (one line, exit 2).
 
@@ -376,8 +501,54 @@ def _check_inputs(*inputs) -> None:
         p = Path(path)
         if not p.exists():
             raise getattr(errors, error)(f"{what} {p} does not exist")
+        if p.is_dir():
+            raise getattr(errors, error)(f"{what} {p} is a directory; give {_FILE_KINDS[error]}")
         if not p.is_file():
-            raise getattr(errors, error)(f"{what} {p} is not a file")
+            raise getattr(errors, error)(f"{what} {p} is not a regular file; give {_FILE_KINDS[error]}")
+
+
+def _data_source(option: str, paths):
+    """``--data``/``--eval-data``: None, one path (an .npz file or a directory of feeds) or a list of
+    .npz files (one feed each). Missing paths are refused here (DataError, exit 2)."""
+    from pathlib import Path
+    from .errors import DataError
+    if paths is None:
+        return None
+    model = next((Path(p) for p in paths if Path(p).suffix.lower() == ".onnx"), None)
+    if model is not None:
+        raise DataError(f"{option} {model} is an ONNX model, not data; {option} takes one or more paths, so "
+                        f"give the model before {option}")
+    for path in paths:
+        p = Path(path)
+        if not p.exists():
+            raise DataError(f"{option} {p} does not exist")
+        if len(paths) > 1 and not p.is_file():
+            raise DataError(f"{option} {p} is not a file (several paths are .npz files, one feed each)")
+    return paths[0] if len(paths) == 1 else list(paths)
+
+
+def _layout_keywords(args) -> dict:
+    """state and batch_axis from --state and --batch-axis (a name given twice is a usage error)."""
+    kw = {}
+    options = (("--state", args.state, "state"), ("--batch-axis", args.batch_axis, "batch_axis"))
+    for option, pairs, key in options:
+        names = [name for name, _ in pairs]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise UsageError(f"{option} names {twice[0]!r} twice")
+        if pairs:
+            kw[key] = dict(pairs)
+    if "state" in kw and len(set(kw["state"].values())) < len(kw["state"]):
+        raise UsageError("--state feeds one input from two outputs")
+    return kw
+
+
+def _data_paths(*sources) -> list:
+    """The paths among data sources (for the output-path checks)."""
+    out = []
+    for source in sources:
+        out.extend(source if isinstance(source, list) else [] if source is None else [source])
+    return out
 
 
 def _check_outputs(outputs, inputs) -> None:
@@ -390,20 +561,39 @@ def _check_outputs(outputs, inputs) -> None:
 
 # -- the commands -------------------------------------------------------------------------------------
 def cmd_calibrate(args) -> int:
-    """``onnx-qat calibrate``: :func:`onnx_qat.calibrate` with ``output`` (the ScaleTable JSON)."""
-    kw = {**_calibration_keywords(args), **_placement_keywords(args)}
-    _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"))
-    _check_outputs([("--output", args.output)], [args.model, args.data])
+    """``onnx-qat calibrate``: [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate] with ``output``
+    (the ScaleTable JSON)."""
+    kw = {**_calibration_keywords(args), **_placement_keywords(args), **_layout_keywords(args)}
+    cache = args.format == "tensorrt-cache"
+    if not cache and (args.tensorrt_version is not None or args.calibrator is not None):
+        raise UsageError("--tensorrt-version and --calibrator apply only with --format tensorrt-cache")
+    if cache and args.tensorrt_version is None:
+        raise UsageError("--format tensorrt-cache needs --tensorrt-version X.Y.Z (the TensorRT that will "
+                         "read the cache; it goes into the header)")
+    if cache:
+        from .io.tensorrt_cache import tensorrt_version_number
+        tensorrt_version_number(args.tensorrt_version)  # a bad version is refused before calibrating
+    _check_inputs(("model", args.model, "ModelError"))
+    data = _data_source("--data", args.data)
+    _check_outputs([("--output", args.output)], [args.model, *_data_paths(data)])
     from .calibration import DEFAULT_METHOD, calibrate
-    table = calibrate(args.model, args.data, output=args.output, progress=_progress(args), **kw)
-    _say(args, f"wrote {args.output}: {len(table.activations)} activation ranges, "
-               f"{len(table.weights)} weight "
-               f"ranges (method {kw.get('method', DEFAULT_METHOD)})")
+    table = calibrate(args.model, data, output=None if cache else args.output, progress=_progress(args),
+                      **kw)
+    method = _method_summary(table) or f"ranges: {kw.get('method', DEFAULT_METHOD)}"
+    if cache:
+        table.save_tensorrt_cache(args.output, tensorrt_version=args.tensorrt_version,
+                                  algorithm=args.calibrator or "EntropyCalibration2")
+        _say(args, f"wrote {args.output}: TensorRT calibration cache of "
+                   f"{_count(len(table.activations), 'activation range')} | {method}")
+        return EXIT_OK
+    _say(args, f"wrote {args.output}: {_count(len(table.activations), 'activation range')}, "
+               f"{_count(len(table.weights), 'weight range')} | {method}")
     return EXIT_OK
 
 
 def cmd_quantize(args) -> int:
-    """``onnx-qat quantize``: :func:`onnx_qat.quantize`, then :func:`onnx_qat.check` on the result."""
+    """``onnx-qat quantize``: [`onnx_qat.quantize`][onnx_qat.quantize.quantize], then
+    [`onnx_qat.check`][onnx_qat.check.check] on the result."""
     if args.scales is not None:
         given = [opt for opt, val in (("--method", args.method), ("--percentile", args.percentile),
                                       ("--batch-size", args.batch_size)) if val is not None]
@@ -411,16 +601,19 @@ def cmd_quantize(args) -> int:
             raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} only with --data, "
                              "not with --scales")
     calib = _calibration_keywords(args) if args.data is not None else {}
-    _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"),
-                  ("--scales", args.scales, "ScalesError"))
+    layout = _layout_keywords(args)
+    if layout and args.data is None:
+        raise UsageError("--state and --batch-axis apply only with --data")
+    _check_inputs(("model", args.model, "ModelError"), ("--scales", args.scales, "ScalesError"))
+    data, eval_data = _data_source("--data", args.data), _data_source("--eval-data", args.eval_data)
     _check_outputs([("--output", args.output), ("--report", args.report)],
-                   [args.model, args.data, args.scales])
+                   [args.model, args.scales, *_data_paths(data, eval_data)])
     if args.report is not None and _same_path(args.report, args.output):
         raise UsageError("--report and --output name the same file")
     if args.data is None and args.scales is None and getattr(args, "precision", None) != "int4":
         raise UsageError("one of the arguments --data --scales is required")
     mixed = {k: v for k, v in (("min_cosine", args.min_cosine), ("max_float_sites", args.max_float_sites),
-                               ("eval_data", args.eval_data)) if v is not None}
+                               ("eval_data", eval_data)) if v is not None}
     optimize = getattr(args, "optimize", None)
     if optimize is not None and (args.min_cosine is not None or args.max_float_sites is not None
                                  or args.data is None):
@@ -431,14 +624,23 @@ def cmd_quantize(args) -> int:
                          "with --optimize)")
     if optimize is not None:
         mixed["optimize"] = optimize
-    _check_inputs(("--eval-data", args.eval_data, "DataError"))
+    if args.float_io and args.float_dtype in (None, "fp32"):
+        raise UsageError("--float-io applies only with --float-dtype fp16 or bf16")
+    latency = _latency_keyword(args)
+    if args.cpu_vnni:
+        latency["cpu_vnni"] = True
     from .quantize import quantize
-    result = quantize(args.model, output=args.output, scales=args.scales, data=args.data,
-                      progress=_progress(args), **calib, **_placement_keywords(args), **mixed)
+    result = quantize(args.model, output=args.output, scales=args.scales, data=data,
+                      progress=_progress(args), keep_io_types=not args.float_io, **calib,
+                      **_placement_keywords(args), **mixed, **layout, **latency)
     _say(args, _quantize_summary(args, result))
     if result.accuracy is not None:
         _say(args, _optimize_summary(result.accuracy) if "steps" in result.accuracy
              else _mixed_summary(result.accuracy))
+    if result.float_parts is not None:
+        _say(args, _float_parts_summary(result.float_parts))
+    if result.latency is not None:
+        _say(args, _latency_summary(result.latency))
     report = _check_written(result.model, args.output, result.target)
     if not args.quiet:
         for finding in report.findings:
@@ -450,6 +652,44 @@ def cmd_quantize(args) -> int:
         write_json(args.report, {**result.to_report(), "check": report.to_dict()})
         _say(args, f"wrote {args.report}")
     return EXIT_OK if report else EXIT_PROBLEMS
+
+
+def _latency_keyword(args) -> dict:
+    """``{"latency": LatencyOptions}`` from --latency/--latency-profile/--latency-threads/--latency-batch,
+    or ``{}`` when none is given."""
+    tuning = [o for o, v in (("--latency-threads", args.latency_threads),
+                             ("--latency-batch", args.latency_batch)) if v is not None]
+    if not args.latency and args.latency_profile is None:
+        if tuning:
+            raise UsageError(f"{', '.join(tuning)} appl{'ies' if len(tuning) == 1 else 'y'} only with "
+                             "--latency or --latency-profile")
+        return {}
+    from .placement.cpu_latency import LatencyOptions
+
+    return {"latency": LatencyOptions(profile=args.latency_profile, threads=args.latency_threads or 0,
+                                      batch=args.latency_batch or 1)}
+
+
+def _latency_summary(latency) -> str:
+    """Lines for the latency placement: sites kept float, and the whole model against FP32."""
+    sites = latency["sites"]
+    kept = latency["kept_float"]
+    lines = [f"latency placement ({latency['rule']}): {len(kept)} of {len(sites)} timed site(s) kept float "
+             f"for speed; {latency['kinds_measured']} kind(s) measured in {latency['seconds']:.1f} s, "
+             f"profile {latency['profile']}"]
+    by_node = {s["node"]: s for s in sites}
+    lines += [f"  float  {n}: integer {by_node[n]['int_us']:.0f} us, float {by_node[n]['float_us']:.0f} us "
+              f"({by_node[n]['kind']})" for n in kept[:20]]
+    whole = latency.get("whole_model") or {}
+    if whole.get("timed"):
+        if "every_site_integer_ms" in whole:
+            lines.append(f"whole model: latency placement {whole['latency_placement_ms']:.2f} ms, every site "
+                         f"integer {whole['every_site_integer_ms']:.2f} ms: kept {whole['chosen']}")
+        lines.append(f"whole model, batch {whole['batch']}: {whole['quantized_ms']:.2f} ms against FP32 "
+                     f"{whole['fp32_ms']:.2f} ms ({whole['speedup']:.2f}x): {whole['verdict']}")
+    else:
+        lines.append(f"whole model not timed: {whole.get('reason', 'unknown')}")
+    return "\n".join(lines)
 
 
 def _check_written(model, output, target):
@@ -465,12 +705,39 @@ def _quantize_summary(args, result) -> str:
     """One line: what was written and how much was quantized."""
     s = dict(getattr(result, "summary", {}) or {})
     precision = getattr(result, "precision", "int8")
+    method = _method_summary(getattr(result, "scales", None))
     return (f"wrote {args.output} | target {result.target}"
             f"{'' if precision == 'int8' else ' | precision ' + precision} | "
-            f"{s.get('activations', '?')} activations and "
-            f"{s.get('weights', '?')} weights quantized, {s.get('skipped_nodes', '?')} nodes skipped | "
+            f"{_count(s.get('activations'), 'activation')} and "
+            f"{_count(s.get('weights'), 'weight')} quantized, "
+            f"{_count(s.get('skipped_nodes'), 'node')} skipped | "
             f"{s.get('quantize_linear', '?')} QuantizeLinear, "
-            f"{s.get('dequantize_linear', '?')} DequantizeLinear")
+            f"{s.get('dequantize_linear', '?')} DequantizeLinear" + (f" | {method}" if method else ""))
+
+
+def _count(n, noun: str) -> str:
+    """``1 node``, ``2 nodes``, ``? nodes`` (unknown)."""
+    return f"{n} {noun}" if n == 1 else f"{'?' if n is None else n} {noun}s"
+
+
+def _method_summary(table) -> str:
+    """How the ranges were chosen, from a ScaleTable's metadata: ``ranges: max`` or, for ``auto``,
+    which table it kept and the output cosines that decided it (empty for a given table)."""
+    from .calibration.auto_summary import describe_method
+
+    return describe_method(getattr(table, "metadata", None) or {})
+
+
+def _float_parts_summary(parts) -> str:
+    """Lines for --float-dtype: what was converted, the measured cosines, every node kept FP32."""
+    lines = [str(parts).splitlines()[0]]
+    if parts.measurement is not None:
+        for name, m in parts.measurement["outputs"].items():
+            lines[0] += (f" | output {name!r} cosine {m['cosine']:.5f} "
+                         f"(FP32 float parts {m['cosine_fp32']:.5f}, {parts.measurement['samples']} samples)")
+    lines += [f"  kept FP32: {k}" for k in parts.kept]
+    lines += [f"  note: {n}" for n in parts.notes]
+    return "\n".join(lines)
 
 
 def _optimize_summary(info) -> str:
@@ -489,7 +756,7 @@ def _mixed_summary(info) -> str:
     """One line for --min-cosine: the sites left float and the output cosine before and after."""
     names = [site["name"] for site in info["float_sites"]]
     shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
-    return (f"mixed precision: {len(names)} of {info['sites']} site(s) left float"
+    return (f"mixed precision: {len(names)} of {_count(info['sites'], 'site')} left float"
             + (f" ({shown})" if names else "")
             + f" | output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} "
             f"(min {info['min_cosine']:g}, {info['eval_samples']} eval samples) | "
@@ -498,30 +765,45 @@ def _mixed_summary(info) -> str:
 
 
 def cmd_check(args) -> int:
-    """``onnx-qat check``: :func:`onnx_qat.check`; exit 1 when it finds an error."""
+    """``onnx-qat check``: [`onnx_qat.check`][onnx_qat.check.check]; exit 1 when it finds an error."""
     _check_inputs(("model", args.model, "ModelError"))
+    _check_outputs([("--precision-map", args.precision_map)], [args.model])
     from .check import check
     report = check(args.model, target=args.target)
     if args.json:
         _print_json(report.to_dict())
     elif not args.quiet:
         print(report)
+    if args.precision_map is not None:
+        report.precision_map.save(args.precision_map)
+        if not args.json:
+            _say(args, report.precision_map.summary())
+            _say(args, f"wrote {args.precision_map}")
     return EXIT_OK if report else EXIT_PROBLEMS
 
 
 def cmd_compare(args) -> int:
-    """``onnx-qat compare``: :func:`onnx_qat.compare`; exit 1 when an output misses a threshold."""
+    """``onnx-qat compare``: [`onnx_qat.compare`][onnx_qat.runtime.compare.compare]; exit 1 when an output
+    misses a threshold."""
     kw = {"max_abs": args.max_abs, "min_cosine": args.min_cosine, "min_sqnr_db": args.min_sqnr,
-          "min_top1": args.min_top1, "batch_size": args.batch_size, "num_samples": args.num_samples}
+          "min_top1": args.min_top1, "batch_size": args.batch_size, "num_samples": args.num_samples,
+          "exact_qdq": args.exact_qdq, "min_decisions": args.min_decisions}
     kw = {k: v for k, v in kw.items() if v is not None}
+    layout = _layout_keywords(args)
+    if args.min_decisions is not None and "state" not in layout:
+        raise UsageError("--min-decisions applies only with --state (a stateful model's sequence)")
     _check_inputs(("reference model", args.reference, "ModelError"),
-                  ("candidate model", args.candidate, "ModelError"), ("--data", args.data, "DataError"))
+                  ("candidate model", args.candidate, "ModelError"))
+    data = _data_source("--data", args.data)
     from .runtime.compare import compare
-    result = compare(args.reference, args.candidate, args.data, progress=_progress(args), **kw)
+    result = compare(args.reference, args.candidate, data, progress=_progress(args), **kw, **layout)
     if args.json:
         _print_json(result.to_dict())
     elif not args.quiet:
         print(result)
+        shown = data if isinstance(data, str) else ", ".join(map(str, data))
+        print(f"compared on {_count(result.num_samples, 'sample')} of {shown} (reference "
+              f"{args.reference}, candidate {args.candidate})")
     return EXIT_OK if result else EXIT_PROBLEMS
 
 
@@ -551,14 +833,15 @@ def format_decisions(placement) -> str:
         counts[d.action] = counts.get(d.action, 0) + 1
     lines.extend(f"note: {note}" for p in placement.nested() for note in p.notes)
     weights = sum(len(p.weight_tensors()) for p in placement.nested())
-    lines.append(f"{len(rows)} nodes: " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
-                 + f" | {len(placement.activation_tensors())} activation tensors, "
-                 f"{weights} weights to quantize")
+    lines.append(f"{_count(len(rows), 'node')}: " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+                 + f" | {_count(len(placement.activation_tensors()), 'activation tensor')}, "
+                 f"{_count(weights, 'weight')} to quantize")
     return "\n".join(lines)
 
 
 def cmd_inspect(args) -> int:
-    """``onnx-qat inspect``: :func:`onnx_qat.place`, printed as a table (nothing is written)."""
+    """``onnx-qat inspect``: [`onnx_qat.place`][onnx_qat.placement.policy.place], printed as a table (nothing
+    is written)."""
     _check_inputs(("model", args.model, "ModelError"))
     from .placement import place
     placement = place(args.model, **_placement_keywords(args))
@@ -570,19 +853,21 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_sensitivity(args) -> int:
-    """``onnx-qat sensitivity``: :func:`onnx_qat.sensitivity`, printed as a ranked table."""
+    """``onnx-qat sensitivity``: [`onnx_qat.sensitivity`][onnx_qat.accuracy.sensitivity.sensitivity], printed
+    as a ranked table."""
     calib = _calibration_keywords(args)
-    _check_inputs(("model", args.model, "ModelError"), ("--data", args.data, "DataError"),
-                  ("--eval-data", args.eval_data, "DataError"))
+    layout = _layout_keywords(args)
+    _check_inputs(("model", args.model, "ModelError"))
+    data, eval_data = _data_source("--data", args.data), _data_source("--eval-data", args.eval_data)
     _check_outputs([("--output", args.output), ("--plot", args.plot)],
-                   [args.model, args.data, args.eval_data])
+                   [args.model, *_data_paths(data, eval_data)])
     if args.output is not None and args.plot is not None and _same_path(args.output, args.plot):
         raise UsageError("--output and --plot name the same file")
     from .accuracy import sensitivity
     extra = {"percentile": calib.pop("percentile")} if "percentile" in calib else {}
-    result = sensitivity(args.model, args.data, eval_data=args.eval_data, metric=args.metric,
+    result = sensitivity(args.model, data, eval_data=eval_data, metric=args.metric,
                          progress=_progress(args), calibration_options=extra, **calib,
-                         **_placement_keywords(args))
+                         **_placement_keywords(args), **layout)
     _say(args, result.table(top=args.top))
     if args.output is not None:
         result.save(args.output)
@@ -591,6 +876,24 @@ def cmd_sensitivity(args) -> int:
         result.plot(args.plot, top=args.top)
         _say(args, f"wrote {args.plot}")
     return EXIT_OK
+
+
+def cmd_deploy(args) -> int:
+    """``onnx-qat deploy``: `onnx_qat.deploy.command.run` (gate, onnxruntime validation, precision
+    map, TensorRT build, timing, verification); exit 1 when the engine differs from onnxruntime, 2 when
+    refused or TensorRT/GPU is missing (after writing the report of what was done)."""
+    from .deploy.options import UsageError as DeployUsageError
+    from .deploy.options import options_from_args
+    try:
+        opts = options_from_args(args, prog=PROG)
+    except DeployUsageError as exc:
+        raise UsageError(str(exc)) from None
+    from .deploy.command import run_reported
+    if args.quiet:  # only errors: the steps' lines go nowhere
+        import io
+        with contextlib.redirect_stdout(io.StringIO()):
+            return run_reported(opts)
+    return run_reported(opts)
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -641,8 +944,17 @@ def _parse(argv: Optional[Sequence[str]]):
     except SystemExit as exc:  # --help and --version exit 0 after printing
         return None, int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
     except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}{_data_hint(str(exc), argv)}", file=sys.stderr)
         return None, EXIT_USAGE
+
+
+def _data_hint(message: str, argv: Optional[Sequence[str]]) -> str:
+    """A missing model after ``--data PATH MODEL``: say that --data took it (it takes several paths)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if "arguments are required" in message and ("--data" in words or "--eval-data" in words) and \
+            any(str(w).lower().endswith(".onnx") for w in words):
+        return "; --data and --eval-data take one or more paths, so give the model(s) before them"
+    return ""
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -658,7 +970,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _stopped("interrupted", EXIT_INTERRUPTED, verbose)
     except Terminated:
         return _stopped("terminated", EXIT_TERMINATED, verbose)
-    except (QatError, UsageError) as exc:
+    except UsageError as exc:  # a rule between options: point at the command's help like argparse does
+        text = str(exc) if "(see '" in str(exc) else f"{exc} (see '{PROG} {args.command} --help')"
+        return _fail(text, EXIT_USAGE, verbose)
+    except QatError as exc:
         return _fail(str(exc), EXIT_USAGE, verbose)
     except OSError as exc:  # the file system said no: name the file
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""

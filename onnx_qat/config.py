@@ -1,7 +1,8 @@
 """QuantizeConfig: every placement/target option in one frozen, validated object.
 
-Each field is also a keyword of :func:`onnx_qat.quantize`, :func:`onnx_qat.calibrate`
-and :func:`onnx_qat.place`, and an option of the ``onnx-qat`` CLI.
+Each field is also a keyword of [`onnx_qat.quantize`][onnx_qat.quantize.quantize],
+[`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate] and
+[`onnx_qat.place`][onnx_qat.placement.policy.place], and an option of the ``onnx-qat`` CLI.
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from .errors import ConfigError
 from .formats.numeric import (DEFAULT_BLOCK_SIZE, FP8_METHODS, INT4_METHODS, PRECISIONS, TENSORRT_BLOCK_SIZES,
                       get_format)
 
+#: Types of the float parts (see `onnx_qat.formats.float_parts`; kept here so that this module
+#: stays free of onnx).
+FLOAT_DTYPES = ("fp32", "fp16", "bf16")
 #: Deployment forms of the same placement: see ``onnx_qat/insertion/targets.py``.
 #: The deployment targets by name, the default first (``onnx_qat.insertion.targets`` holds their facts).
 TARGETS = ("tensorrt", "ort-cpu")
@@ -50,18 +54,21 @@ class QuantizeConfig:
             choice: skipped for ``int8``, quantized for ``fp8`` (TensorRT's fused FP8 attention
             wants them); ``False`` keeps them float whatever the precision.
         precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ) or ``"int4"`` (weight-only,
-            blockwise); see :mod:`onnx_qat.formats.numeric`.
+            blockwise); see `onnx_qat.formats.numeric`.
         block_size: values per INT4 weight scale along the reduction axis (``precision="int4"``;
             TensorRT documents 64 and 128). A weight whose reduction dimension it does not
             divide stays float.
         int4_method: how INT4 weights are rounded (``precision="int4"``): ``"rtn"`` (round to
-            nearest), ``"awq"`` (activation-aware scales and clipping, :mod:`onnx_qat.formats.awq`) or
-            ``"gptq"`` (AWQ's scales, then error-compensating rounding, :mod:`onnx_qat.formats.gptq`); the
+            nearest), ``"awq"`` (activation-aware scales and clipping, `onnx_qat.formats.awq`) or
+            ``"gptq"`` (AWQ's scales, then error-compensating rounding, `onnx_qat.formats.gptq`); the
             last two need calibration data. None (the default): ``awq`` with data, ``rtn`` without.
         fp8_method: how FP8 weights of MatMul/Gemm are rounded (``precision="fp8"``): ``"rtn"``
             (round to nearest, the default when None) or ``"gptq"`` (error-compensating rounding on
             each output channel's E4M3 grid, driven by the calibration data,
-            :func:`onnx_qat.formats.gptq.apply_gptq_fp8`; needs data).
+            `onnx_qat.formats.gptq.apply_gptq_fp8`; needs data).
+        float_dtype: the type of everything Q/DQ leaves in float: ``"fp32"`` (default), ``"fp16"``
+            or ``"bf16"`` ([`onnx_qat.formats.float_parts.cast_float_parts`][]; target ``tensorrt``
+            only).
     """
 
     target: str = "tensorrt"
@@ -73,6 +80,7 @@ class QuantizeConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     int4_method: Optional[str] = None
     fp8_method: Optional[str] = None
+    float_dtype: str = "fp32"
     _patterns: Tuple["re.Pattern", ...] = field(default=(), init=False, repr=False, compare=False)
     _attention_given: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -101,6 +109,12 @@ class QuantizeConfig:
                 raise ConfigError(f"{name} must be one of {', '.join(methods)}; got {value!r}")
             if self.precision != precision:
                 raise ConfigError(f"{name} applies to precision {precision}, not {self.precision}")
+        if self.float_dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"float_dtype must be one of {', '.join(FLOAT_DTYPES)}; "
+                              f"got {self.float_dtype!r}")
+        if self.float_dtype != "fp32" and self.target != "tensorrt":
+            raise ConfigError(f"float_dtype {self.float_dtype!r} is a TensorRT form; target {self.target!r} "
+                              "keeps FP32 float parts (onnxruntime's CPU kernels are FP32)")
         object.__setattr__(self, "exclude_nodes", _as_str_tuple(self.exclude_nodes, "exclude_nodes"))
         object.__setattr__(self, "exclude_op_types", _as_str_tuple(self.exclude_op_types, "exclude_op_types"))
         if (isinstance(self.min_channels, bool) or not isinstance(self.min_channels, int)
@@ -148,7 +162,7 @@ class QuantizeConfig:
 
 
 _FIELDS = ("target", "exclude_nodes", "exclude_op_types", "min_channels", "include_attention", "precision",
-           "block_size", "int4_method", "fp8_method")
+           "block_size", "int4_method", "fp8_method", "float_dtype")
 
 
 def normalize_names(names: Iterable[str]) -> Tuple[str, ...]:

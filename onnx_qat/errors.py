@@ -1,14 +1,16 @@
 """The exceptions users see.
 
 Every problem a user can cause (a bad model, bad data, a bad ScaleTable, a bad
-option or output path) is raised as a subclass of :class:`QatError` whose
+option or output path) is raised as a subclass of [`QatError`][onnx_qat.errors.QatError] whose
 message is one line naming the file or option and what is wrong. The CLI prints
 that line on stderr and exits with code 2; ``--verbose`` adds the traceback.
 
-The errors an input causes (:class:`ModelError`, :class:`DataError`, :class:`ScalesError`,
-:class:`PlacementError`, :class:`OutputError`, :class:`ConfigError`, :class:`ExportError`) are also
-``ValueError`` instances, so ``except ValueError`` catches them as it catches bad input in NumPy, onnx
-or Keras; :class:`TensorRTUnavailable` (the machine, not the input) is not.
+The errors an input causes ([`ModelError`][onnx_qat.errors.ModelError],
+[`DataError`][onnx_qat.errors.DataError], [`ScalesError`][onnx_qat.errors.ScalesError],
+[`PlacementError`][onnx_qat.errors.PlacementError], [`OutputError`][onnx_qat.errors.OutputError],
+[`ConfigError`][onnx_qat.errors.ConfigError], [`ExportError`][onnx_qat.errors.ExportError]) are also
+``ValueError`` instances, so ``except ValueError`` catches them as it catches bad input in NumPy, onnx or
+Keras; [`TensorRTUnavailable`][onnx_qat.errors.TensorRTUnavailable] (the machine, not the input) is not.
 """
 from __future__ import annotations
 

@@ -1,19 +1,21 @@
 """``onnx_qat.quantize``: float ONNX + ranges -> TensorRT-ready Q/DQ ONNX.
 
 The public entry point. It resolves and checks the options, then either runs the rewrite
-(:func:`onnx_qat.rewrite.quantize_placed`: load -> place -> ranges -> insert -> save) or, with
-``min_cosine``, automatic mixed precision (:mod:`onnx_qat.accuracy.mixed`), which itself calls the
-same rewrite. The accuracy tools import :mod:`onnx_qat.rewrite`, never this module, so no import
+(`onnx_qat.rewrite.quantize_placed`: load -> place -> ranges -> insert -> save) or, with
+``min_cosine``, automatic mixed precision (`onnx_qat.accuracy.mixed`), which itself calls the
+same rewrite. The accuracy tools import `onnx_qat.rewrite`, never this module, so no import
 runs back up. The caller's model object and input file are never changed.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Optional
 
 from .calibration.runner import DEFAULT_METHOD, calibrate
 from .config import QuantizeConfig
 from .errors import ConfigError
 from .formats.numeric import get_format
+from .io.layout import with_layout
 from .placement.marks import Placement
 from .rewrite import (QUANTIZED_OPS, REPORT_FORMAT, REPORT_VERSION, QuantizeResult,  # noqa: F401
                       check_sources, nested_indexes, nothing_to_quantize, quantize_placed,
@@ -29,7 +31,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              precision: Optional[str] = None, block_size: Optional[int] = None,
              min_cosine: Optional[float] = None, max_float_sites: Optional[int] = None, eval_data=None,
              int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
-             optimize: Optional[str] = None, **calibration_kwargs) -> QuantizeResult:
+             float_dtype: Optional[str] = None, keep_io_types: bool = True,
+             state: Optional[Mapping[str, str]] = None, batch_axis: Optional[Mapping[str, int]] = None,
+             latency=None, cpu_vnni: bool = False, optimize: Optional[str] = None,
+             **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
@@ -38,40 +43,43 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             (never mutated; a Graph is exported with ``gs.export_onnx``, e.g. after graph surgery).
         output: where to write the Q/DQ model (atomically, after ``onnx.checker`` passed on the
             bytes to write), or None to only return it.
-        scales: a :class:`~onnx_qat.scales.ScaleTable`, the path of its JSON file, or a mapping
+        scales: a [`ScaleTable`][onnx_qat.scales.ScaleTable], the path of its JSON file, or a mapping
             ``{activation tensor: amax}`` (made into a ScaleTable of activation ranges; weights
             then take their own max).
-        data: calibration data (anything :func:`onnx_qat.load_data` accepts); ranges are then
-            computed with :func:`onnx_qat.calibrate`. Give exactly one of ``scales`` and ``data``
-            (``precision="int4"`` needs neither: without ``data`` its weights are rounded to
-            nearest; with ``data`` an activation-aware scale search runs first, see
-            :mod:`onnx_qat.formats.awq`).
+        data: calibration data (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts); ranges
+            are then computed with [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]. Give exactly
+            one of ``scales`` and ``data`` (``precision="int4"`` needs neither: without ``data`` its weights
+            are rounded to nearest; with ``data`` an activation-aware scale search runs first, see
+            `onnx_qat.formats.awq`).
         method: calibration method when ``data`` is given: ``auto``, ``max``, ``percentile``,
-            ``entropy`` or ``mse`` (see :func:`onnx_qat.calibrate`). None: ``auto``; with
-            ``min_cosine``, ``max`` (the mixed-precision search calibrates once and judges every site
-            on the output itself).
-        config: a :class:`~onnx_qat.config.QuantizeConfig`; the keywords ``target``,
+            ``entropy`` or ``mse`` (see [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]). None:
+            ``auto``; with ``min_cosine``, ``max`` (the mixed-precision search calibrates once and judges
+            every site on the output itself).
+        config: a [`QuantizeConfig`][onnx_qat.config.QuantizeConfig]; the keywords ``target``,
             ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
             ``precision``, ``block_size``, ``int4_method`` and ``fp8_method`` override its fields.
-        calibration_options: extra keywords for :func:`onnx_qat.calibrate` (e.g. ``batch_size``);
-            further keyword arguments (``percentile=...``, ``batch_size=...``) are added to them.
-        report: a path: also write :meth:`QuantizeResult.to_report` as JSON (atomically).
+        calibration_options: extra keywords for [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]
+            (e.g. ``batch_size``); further keyword arguments (``percentile=...``, ``batch_size=...``) are
+            added to them.
+        report: a path: also write [`QuantizeResult.to_report`][onnx_qat.rewrite.QuantizeResult.to_report] as
+            JSON (atomically).
         progress: show progress bars on stderr.
-        placement: a precomputed :class:`~onnx_qat.placement.marks.Placement` to insert
+        placement: a precomputed [`Placement`][onnx_qat.placement.marks.Placement] to insert
             instead of the target policy's (e.g. the one ``tf_bridge.export_onnx`` derives
-            from a Keras QAT model). Its node names are the ones :func:`onnx_qat.place`
-            uses; the placement options (``exclude_nodes``...) are then not applied.
+            from a Keras QAT model). Its node names are the ones
+            [`onnx_qat.place`][onnx_qat.placement.policy.place] uses; the placement options
+            (``exclude_nodes``...) are then not applied.
         precision: ``"int8"`` (default), ``"fp8"`` (E4M3FN Q/DQ, scale amax / 448, opset >= 19)
             or ``"int4"`` (blockwise weight-only DequantizeLinear on MatMul/Gemm weights, opset
-            21); see :mod:`onnx_qat.formats.numeric`.
+            21); see `onnx_qat.formats.numeric`.
         block_size: values per INT4 weight scale (default 128; ``precision="int4"``).
         int4_method: how INT4 weights are rounded: ``"rtn"``, ``"awq"`` or ``"gptq"`` (AWQ's
             scales, then error-compensating rounding on the calibration data's Hessians,
-            :mod:`onnx_qat.formats.gptq`); default ``awq`` with ``data``, ``rtn`` without.
+            `onnx_qat.formats.gptq`); default ``awq`` with ``data``, ``rtn`` without.
         fp8_method: how FP8 MatMul/Gemm weights are rounded: ``"rtn"`` (round to nearest, the
             default) or ``"gptq"`` (error-compensating rounding on each output channel's E4M3 grid,
-            driven by ``data``'s activations, :func:`onnx_qat.formats.gptq.apply_gptq_fp8`; needs ``data``).
-        min_cosine: automatic mixed precision: leave the fewest sites (:mod:`onnx_qat.accuracy.sites`)
+            driven by ``data``'s activations, `onnx_qat.formats.gptq.apply_gptq_fp8`; needs ``data``).
+        min_cosine: automatic mixed precision: leave the fewest sites (`onnx_qat.accuracy.sites`)
             in float so that the output cosine against the float model reaches this on
             ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
             built is measured again. ``QuantizeResult.accuracy`` tells which sites stay float.
@@ -80,12 +88,43 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             once on the calibration part of ``data``; without ``data``, round to nearest).
         max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
         eval_data: with ``min_cosine`` or ``optimize``: the data the output cosine is measured on.
-        optimize: ``"accuracy"``: also run the post-training steps of :mod:`onnx_qat.accuracy.optimize`
+        float_dtype: the type of everything Q/DQ leaves in float: ``"fp32"`` (default), ``"fp16"``
+            or ``"bf16"``, for every ``precision`` (TensorRT 11 builds strongly typed networks: FP32
+            float parts run in FP32). The Q/DQ model is converted by
+            [`onnx_qat.formats.float_parts.cast_float_parts`][] (opset raised to 19, to 22 for BF16), which
+            keeps FP32 what must stay FP32 (ranges beyond the type, scales it cannot hold, ops TensorRT
+            does not run in it, and, measured on the first samples of ``data``, any node whose
+            conversion costs more than 0.002 of output cosine against the float model);
+            `QuantizeResult.float_parts` lists them with their reasons.
+        keep_io_types: with ``float_dtype`` ``fp16``/``bf16``: graph inputs and outputs keep their
+            types, with a Cast at the boundary (default); False: they take ``float_dtype`` too.
+
+        state: ``{output: input}`` of a stateful model (``{"stateN": "state"}`` for silero-vad):
+            calibration (and the ``min_cosine`` search) run the data in order, each run's ``output``
+            fed to the next run as ``input``; the first feed gives the initial state.
+        batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first (``{"state": 1}``).
+        latency: ``target="ort-cpu"`` only: quantize a site (Conv, Gemm, MatMul) only where
+            onnxruntime's integer kernel is faster than float on this machine, at the model's shapes
+            (`onnx_qat.placement.cpu_latency`). None or ``"off"`` (default): every site the
+            placement picks; ``"measure"`` (or True): time each kind of site once per machine and keep
+            the times in this machine's cache file (keyed by CPU model, kernel-selecting CPU flags,
+            onnxruntime version and threads); a path: that latency profile file, read and extended
+            (e.g. one measured on the deployment machine); or a
+            `LatencyOptions` (``threads``, ``batch`` of
+            the deployment session). The result is timed against FP32 at the end
+            (``QuantizeResult.latency``, the report's ``latency``; a note says so plainly when it is
+            not faster).
+        cpu_vnni: ``target="ort-cpu"`` with ``data`` only: the model will run on CPUs whose int8 dot
+            products sum in 32 bits (x86 AVX-512 VNNI, AVX-VNNI or AMX): Conv/Gemm/MatMul weights behind
+            zero-point-128 inputs keep 8 bits instead of 7 (more accurate; on an x86 CPU with AVX2 only,
+            onnxruntime's 16-bit pair sums can then overflow). See `onnx_qat.insertion.ort_cpu`.
+        optimize: ``"accuracy"``: also run the post-training steps of `onnx_qat.accuracy.optimize`
             (cross-layer equalization, activation smoothing, error-compensated INT8 weight rounding,
-            bias correction), each
-            kept only where it raises the output cosine on ``eval_data`` (default: the last quarter of
-            ``data``, then not calibrated on); ``QuantizeResult.accuracy`` lists what each step gained.
-            Needs ``data``; slower than the default (several calibrations and evaluation runs).
+            bias correction), each kept only where it raises the output cosine on ``eval_data``
+            (default: the last quarter of ``data``, then not calibrated on); ``QuantizeResult.accuracy``
+            lists what each step gained. Needs ``data``; slower than the default (several calibrations
+            and evaluation runs). Does not combine with ``min_cosine``, ``state``, ``latency`` or
+            ``cpu_vnni``.
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -99,7 +138,21 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                                          exclude_op_types=exclude_op_types, min_channels=min_channels,
                                          include_attention=include_attention, precision=precision,
                                          block_size=block_size, int4_method=int4_method,
-                                         fp8_method=fp8_method)
+                                         fp8_method=fp8_method, float_dtype=float_dtype)
+    if not isinstance(keep_io_types, bool):
+        raise ConfigError(f"keep_io_types must be True or False, got {keep_io_types!r}")
+    if config.float_dtype != "fp32":
+        from .formats.float_parts import quantize_with_float_parts
+
+        return quantize_with_float_parts(
+            lambda: quantize(model, None, scales=scales, data=data, method=method,
+                             config=replace(config, float_dtype="fp32"), progress=progress,
+                             placement=placement,
+                             min_cosine=min_cosine, max_float_sites=max_float_sites, eval_data=eval_data,
+                             optimize=optimize, calibration_options=calibration_options,
+                             **calibration_kwargs),
+            model, output, report, data=data, float_dtype=config.float_dtype, keep_io_types=keep_io_types,
+            inputs=(model, scales, data), progress=progress)
     fmt = get_format(config.precision)
     if config.int4_method in ("awq", "gptq") and data is None:
         raise ConfigError(f"int4_method {config.int4_method!r} needs calibration data (data, --data)")
@@ -108,6 +161,17 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     if config.fp8_method == "gptq" and (min_cosine is not None or max_float_sites is not None):
         raise ConfigError("fp8_method 'gptq' does not combine with min_cosine (mixed precision rounds "
                           "FP8 weights to nearest)")
+    if state and ((fmt.weight_only and data is not None) or config.fp8_method == "gptq"):
+        raise ConfigError("state applies to calibration and the min_cosine search; the activation-aware "
+                          "weight rounding (int4 awq/gptq, fp8 gptq) does not run stateful models")
+    data = with_layout(data, state=state, batch_axis=batch_axis)
+    eval_data = with_layout(eval_data, state=state, batch_axis=batch_axis)
+    latency_options = _latency_options(latency, config, placement, min_cosine, max_float_sites, eval_data)
+    if not isinstance(cpu_vnni, bool):
+        raise ConfigError(f"cpu_vnni must be True or False, got {cpu_vnni!r}")
+    if cpu_vnni and (config.target != "ort-cpu" or min_cosine is not None or data is None):
+        raise ConfigError("cpu_vnni applies to target 'ort-cpu' with calibration data (data), "
+                          "without min_cosine")
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if optimize is not None:
@@ -118,6 +182,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         if data is None or min_cosine is not None or max_float_sites is not None or placement is not None:
             raise ConfigError("optimize='accuracy' needs data, and does not combine with scales, min_cosine "
                               "or a placement")
+        if state or latency_options is not None or cpu_vnni:
+            raise ConfigError("optimize='accuracy' does not combine with state, latency or cpu_vnni")
         return quantize_optimized(model, output, data=data, eval_data=eval_data,
                                   method=method or DEFAULT_METHOD, config=config, calib_kw=calib_kw,
                                   report=report, progress=progress, time_budget=TIME_BUDGET)
@@ -132,4 +198,23 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                               config=config, calib_kw=calib_kw, report=report, progress=progress)
     return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
-                           placement=placement, calibrator=calibrate)
+                           placement=placement, calibrator=calibrate, latency=latency_options,
+                           cpu_vnni=cpu_vnni)
+
+
+def _latency_options(latency, config: QuantizeConfig, placement, min_cosine, max_float_sites, eval_data):
+    """The resolved ``latency`` option (`LatencyOptions` or
+    None); ConfigError where it does not apply."""
+    if latency is None or latency is False or latency == "off":
+        return None
+    from .placement.cpu_latency import LatencyOptions
+
+    options = LatencyOptions.resolve(latency)
+    if config.target != "ort-cpu" or config.precision != "int8":
+        raise ConfigError("latency placement applies to target 'ort-cpu' with precision 'int8' "
+                          f"(got target {config.target!r}, precision {config.precision!r})")
+    if placement is not None:
+        raise ConfigError("latency placement decides the placement itself: do not give one")
+    if min_cosine is not None or max_float_sites is not None or eval_data is not None:
+        raise ConfigError("latency placement does not combine with min_cosine (mixed precision)")
+    return options

@@ -1,7 +1,7 @@
-"""The rewrite behind :func:`onnx_qat.quantize`: float ONNX + ranges -> Q/DQ ONNX.
+"""The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: float ONNX + ranges -> Q/DQ ONNX.
 
 The pipeline is load -> place (marks only) -> ranges (given ScaleTable or calibration) ->
-insert (edits of the protobuf, :mod:`onnx_qat.graph.edit`) -> optional save and report.
+insert (edits of the protobuf, `onnx_qat.graph.edit`) -> optional save and report.
 The caller's model object and input file are never changed.
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ import onnx
 
 from .config import QuantizeConfig
 from .errors import ConfigError, ModelError, PlacementError, ScalesError
-from .io.files import check_output_path, write_json
+from .io.files import check_output_and_report, write_json
 from .graph.index import GraphIndex, assign_node_names, subgraphs_of
 from .placement.marks import ActivationMark, Placement
 from .placement.policy import policy_for
 from .scales import ScaleTable
-from .insertion.forms import make_form
+from .insertion.adapters import make_adapter
 from .insertion.targets import Target, get_target
 from .formats.numeric import get_format
 
@@ -38,12 +38,12 @@ REPORT_VERSION = 1
 
 @dataclass(frozen=True)
 class QuantizeResult:
-    """What :func:`quantize` produced.
+    """What [`quantize`][onnx_qat.quantize.quantize] produced.
 
     Attributes:
         model: the Q/DQ ``onnx.ModelProto``.
         scales: the ScaleTable actually used (given, or calibrated).
-        placement: every placement decision (:class:`~onnx_qat.placement.marks.Placement`).
+        placement: every placement decision ([`Placement`][onnx_qat.placement.marks.Placement]).
         target: the deployment target name.
         output: the path written, or None.
         summary: counts (nodes, quantized activations/weights, inserted Q and DQ nodes...).
@@ -56,8 +56,15 @@ class QuantizeResult:
             ``fp8_method="gptq"`` on the E4M3 grid): the
             relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
-            (see :mod:`onnx_qat.accuracy.mixed`); with ``optimize="accuracy"``: each step's output
-            cosine, gain and whether it was kept (see :mod:`onnx_qat.accuracy.optimize`); None otherwise.
+            (see `onnx_qat.accuracy.mixed`); with ``optimize="accuracy"``: each step's output
+            cosine, gain and whether it was kept (see `onnx_qat.accuracy.optimize`); None otherwise.
+        float_parts: with ``float_dtype`` ``fp16``/``bf16``: the
+            [`FloatPartsResult`][onnx_qat.formats.float_parts.FloatPartsResult] (nodes kept FP32 with their
+            reasons, cosines measured); None with FP32 float parts.
+        latency: with ``latency`` (``ort-cpu``): every timed site (float and integer microseconds,
+            gain, decision), the sites kept float for speed, the profile file, and the whole model
+            timed against FP32 (``whole_model``: medians, speed-up, verdict); see
+            `onnx_qat.placement.cpu_latency`. None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -72,15 +79,17 @@ class QuantizeResult:
     awq: Tuple[dict, ...] = field(default=(), repr=False)
     accuracy: Optional[Mapping] = field(default=None, repr=False)
     gptq: Tuple[dict, ...] = field(default=(), repr=False)
+    float_parts: Optional[object] = field(default=None, repr=False)
+    latency: Optional[Mapping] = field(default=None, repr=False)
 
     def save(self, path) -> Path:
-        """Write the Q/DQ model to ``path`` atomically (see :func:`onnx_qat.io.models.save_model`)."""
+        """Write the Q/DQ model to ``path`` atomically (see [`onnx_qat.io.models.save_model`][])."""
         return _io().save_model(self.model, path)
 
     def to_graph(self):
         """The Q/DQ model as a new ``onnx_graphsurgeon.Graph``, ready for further graph surgery
         (``gs.export_onnx(graph)`` gives the ONNX model back). Each call imports a fresh Graph;
-        editing it leaves :attr:`model` unchanged."""
+        editing it leaves `model` unchanged."""
         return _io().to_graph(self.model)
 
     def to_report(self) -> dict:
@@ -103,41 +112,62 @@ class QuantizeResult:
                                                     "awq": [dict(r) for r in self.awq]}),
             **({"gptq": [dict(r) for r in self.gptq]} if self.gptq else {}),
             **({} if self.accuracy is None else {"mixed_precision": dict(self.accuracy)}),
+            **({} if self.float_parts is None else {"float_parts": self.float_parts.to_dict()}),
+            **({} if self.latency is None else {"latency": dict(self.latency)}),
         }
 
     def to_dict(self) -> dict:
-        """Same as :meth:`to_report`."""
+        """Same as [`to_report`][onnx_qat.rewrite.QuantizeResult.to_report]."""
         return self.to_report()
 
     def __str__(self) -> str:
         s = self.summary
         return (f"QuantizeResult(target={self.target}, precision={self.precision}, "
                 f"{s['activations']} activation Q/DQ pairs, "
-                f"{s['weights']} weights, {s['skipped_nodes']} nodes skipped, output={self.output})")
+                f"{s['weights']} weights, {s['skipped_nodes']} node{'' if s['skipped_nodes'] == 1 else 's'} "
+                f"skipped, "
+                + ("" if self.float_parts is None else f"float parts {self.float_parts.float_dtype} "
+                   f"({len(self.float_parts.kept)} nodes kept FP32), ")
+                + f"output={self.output})")
 
 
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
-                    placement: Optional[Placement] = None, calibrator=None) -> QuantizeResult:
-    """The rewrite behind :func:`onnx_qat.quantize`: quantize every site the placement marks.
+                    placement: Optional[Placement] = None, calibrator=None, latency=None,
+                    cpu_vnni: bool = False) -> QuantizeResult:
+    """The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: quantize every site the placement
+    marks.
 
-    ``config`` is the resolved :class:`~onnx_qat.config.QuantizeConfig` and ``calib_kw`` the merged
-    calibration keywords, both already checked by :func:`onnx_qat.quantize` (see there for every
-    argument and what is raised). The accuracy tools call this directly, one layer below the public
-    entry point that dispatches to them. ``calibrator`` (:func:`onnx_qat.calibrate`, passed by
-    :func:`onnx_qat.quantize`) computes the ranges when ``data`` is given: the rewrite does not import
-    the calibration package, whose ``auto`` method inserts its candidate tables through this function.
+    ``config`` is the resolved [`QuantizeConfig`][onnx_qat.config.QuantizeConfig] and ``calib_kw`` the merged
+    calibration keywords, both already checked by [`onnx_qat.quantize`][onnx_qat.quantize.quantize] (see there
+    for every argument and what is raised). The accuracy tools call this directly, one layer below the public
+    entry point that dispatches to them. ``calibrator``
+    ([`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate], passed by
+    [`onnx_qat.quantize`][onnx_qat.quantize.quantize]) computes the ranges when ``data`` is given: the rewrite
+    does not import the calibration package, whose ``auto`` method inserts its candidate tables through this
+    function. ``latency``: a `LatencyOptions` (``ort-cpu`` only): sites whose integer form is not faster on
+    this CPU stay float, and the result is timed against FP32.
+    ``cpu_vnni``: ``ort-cpu`` with calibrated ranges: 8-bit GEMM weights behind signed inputs.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
     inputs = tuple(p for p in (model, scales, data) if isinstance(p, (str, os.PathLike)))
-    out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
-    if report is not None:
-        report_path = check_output_path(report, inputs=inputs, what="report")
-        if out_path is not None and report_path.resolve() == out_path.resolve():
-            raise ConfigError("report and output name the same file")
+    out_path, _ = check_output_and_report(output, report, inputs=inputs)
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
+    latency_decision, every_site = None, None
+    if latency is not None:  # ort-cpu: keep float the sites whose integer kernel is not faster here
+        from .placement.cpu_latency import place_by_latency
+
+        every_site = placement
+        placement, latency_decision = place_by_latency(float_model, index, placement, policy_for(target_obj),
+                                                       config, latency)
+        if not latency_decision.kept_float:
+            every_site = None
+        if placement.empty or len(latency_decision.kept_float) == len(latency_decision.records):
+            raise PlacementError("every quantizable site runs faster in float on this CPU (see the latency "
+                                 "profile): the FP32 model is already the fast form; nothing written")
+        timing_model = float_model.SerializeToString()  # the rewrite edits float_model's nodes
     awq_records: tuple = ()
     gptq_records: tuple = ()
     if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
@@ -157,10 +187,12 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         if scales is None:
             scales = ScaleTable(weights=clip_ranges, producer=rounding if clip_ranges else "weights")
         data = None
-    form = make_form(target_obj)
-    if form is not None and data is not None and "tensors" not in calib_kw:
-        calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(
-            placement.activation_tensors() + form.calibration_tensors(index, placement)))}
+    adapter = make_adapter(target_obj)
+    if adapter is not None and data is not None and "tensors" not in calib_kw:
+        wanted = placement.activation_tensors() + adapter.calibration_tensors(index, placement)
+        if every_site is not None:  # the all-integer alternative is built and timed too
+            wanted += every_site.activation_tensors() + adapter.calibration_tensors(index, every_site)
+        calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(wanted))}
     table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
                                progress, calibrator)
     if fmt.attention:
@@ -175,8 +207,12 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
         table = table.merged(ScaleTable(weights=weight_ranges))
         index = GraphIndex(float_model)
     requantization, storage, finish = (), {}, None
-    if form is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
-        adapted = form.adapt(index, placement, table)
+    calibrated = {}
+    if adapter is not None and data is not None and hasattr(adapter, "nonnegative_inputs"):  # calibrated here
+        calibrated = {"nonnegative": adapter.nonnegative_inputs(float_model, data, placement), "fine": True,
+                      **({"vnni": True} if cpu_vnni else {})}
+    if adapter is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
+        adapted = adapter.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
         if dropped:  # the form rewrites the main graph only: If branches, Loop/Scan bodies stay float in it
@@ -184,7 +220,9 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
                     f"{len(dropped)} subgraph(s) (If branches, Loop/Scan bodies) left float")
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
-        storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights}
+        storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
+                   "full_range": getattr(adapted, "full_range", ()),
+                   "narrow_weights": getattr(adapted, "narrow_weights", ())}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
     storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
@@ -193,9 +231,31 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
     summary = _summary(placement, inserted)
+    latency_report = None
+    if latency_decision is not None:
+        from .placement.cpu_latency import whole_model_timing
+
+        alternative = None
+        if every_site is not None:  # the per-site times miss what a float site costs its neighbours
+            alternative = _all_integer(timing_model, every_site, table, target_obj, adapter, calibrated, fmt,
+                                       config)
+        whole = whole_model_timing(timing_model, qdq_model, latency, alternative)
+        del timing_model
+        if whole.get("chosen") == "every site integer":
+            qdq_model, inserted, placement, requantization = alternative
+            summary = _summary(placement, inserted)
+        latency_report = {**latency_decision.to_dict(), "whole_model": whole}
+        if whole.get("chosen") == "every site integer":  # the per-site decision lost as a whole
+            latency_report.update(kept_float=[], kept_float_per_site=list(latency_decision.kept_float))
+        if whole.get("timed") and whole["speedup"] <= 1.0:
+            note = (f"ort-cpu: the quantized model is NOT faster than FP32 on this CPU "
+                    f"({whole['quantized_ms']} ms against {whole['fp32_ms']} ms, batch {whole['batch']}): "
+                    "deploy the FP32 model here")
+            logger.warning("%s", note)
+            placement = replace(placement, notes=placement.notes + (note,))
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
-                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records))
+                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report)
     if out_path is not None:
         # validated on the very bytes written (nothing is written when onnx.checker refuses them)
         io.save_model(qdq_model, out_path, inputs=inputs, ir_version=qdq_model.ir_version, validate=True)
@@ -225,7 +285,7 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
         else:
             _check_placement(placement, index)
         if placement.empty:
-            raise PlacementError(nothing_to_quantize(placement, _describe(model)))
+            raise PlacementError(nothing_to_quantize(placement, _describe(model), config.precision))
         refuse_non_finite_weights(index, placement, _describe(model))
     return float_model, index, placement
 
@@ -339,16 +399,30 @@ def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
                              "give the float model instead")
 
 
-def nothing_to_quantize(placement: Placement, what: str = "the model") -> str:
-    """The one-line message for a placement with no marks: what was found and what was excluded."""
+def nothing_to_quantize(placement: Placement, what: str = "the model", precision: str = "int8") -> str:
+    """The one-line message for a placement with no marks: what was found and what was excluded,
+    or, when the format quantizes op types the model lacks (``int4``: MatMul/Gemm weights only),
+    that cause and the format to use instead. Options are named as on the command line, with
+    the QuantizeConfig fields of the same names."""
+    from .formats.numeric import get_format
+
     ops = {}
     for d in placement.all_decisions():
         ops[d.op_type] = ops.get(d.op_type, 0) + 1
     found = ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) or "no nodes"
+    fmt = get_format(precision)
+    if fmt.weight_only and not set(fmt.weight_ops) & set(ops):
+        return (f"nothing to quantize in {what}: --precision {fmt.name} quantizes only the weights of "
+                f"{' and '.join(fmt.weight_ops)} nodes, and the model has none (found {found}); use "
+                f"--precision int8 or fp8"
+                + (" for its Conv layers" if {"Conv", "ConvTranspose"} & set(ops) else ""))
     skipped = [d for d in placement.all_decisions() if d.action == "skip"]
     why = "; ".join(f"{d.node}: {d.reason}" for d in skipped[:5]) + (" ..." if len(skipped) > 5 else "")
-    return (f"nothing to quantize in {what}: found {found}; {len(skipped)} node(s) skipped"
-            + (f" ({why})" if why else "") + "; check exclude_nodes/exclude_op_types/min_channels")
+    return (f"nothing to quantize in {what}: found {found}; "
+            f"{len(skipped)} node{'' if len(skipped) == 1 else 's'} skipped"
+            + (f" ({why})" if why else "") + "; see each node's decision with 'onnx-qat inspect' and "
+            "check --exclude-nodes, --exclude-op-types and --min-channels (QuantizeConfig fields "
+            "exclude_nodes, exclude_op_types, min_channels)")
 
 
 def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress,
@@ -371,18 +445,31 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw, pro
         elif isinstance(scales, Mapping):  # {activation tensor: amax}
             source, table = "ScaleTable", ScaleTable(scales, producer="mapping")
         else:
-            source, table = f"ScaleTable {scales}", ScaleTable.load(scales)
+            source, table = _load_scales_file(scales)
+        names, shapes = list(index.all_tensor_names()), index.constant_shapes()
+        for sub_index, _ in nested_indexes(index, placement):  # If branches placement quantizes
+            names.extend(sub_index.all_tensor_names())
+            shapes.update(sub_index.constant_shapes())
+        if source.startswith("TensorRT"):  # a cache names TensorRT's own tensors too: dropped, one warning
+            from .io.tensorrt_cache import names_in_model
+            table = table.subset(names_in_model(table.activations, names, source=source))
         try:
-            names, shapes = list(index.all_tensor_names()), index.constant_shapes()
-            for sub_index, _ in nested_indexes(index, placement):  # If branches placement quantizes
-                names.extend(sub_index.all_tensor_names())
-                shapes.update(sub_index.constant_shapes())
             table.check_names(names, shapes)
         except ScalesError as exc:
             if source == "ScaleTable":
                 raise
             raise ScalesError(f"{source}: {exc}") from None
     return _check_complete(table, placement, source), placement
+
+
+def _load_scales_file(path) -> tuple:
+    """``(source label, table)`` of a ScaleTable JSON file or a TensorRT calibration cache (a file
+    beginning with ``TRT-``, see `onnx_qat.io.tensorrt_cache`)."""
+    from .io.tensorrt_cache import is_tensorrt_cache
+
+    if is_tensorrt_cache(path):
+        return f"TensorRT calibration cache {path}", ScaleTable.from_tensorrt_cache(path)
+    return f"ScaleTable {path}", ScaleTable.load(path)
 
 
 def without_unreached_branches(placement: Placement, table: ScaleTable, in_body: bool = False) -> Placement:
@@ -434,7 +521,7 @@ SOFTMAX_AMAX = 1.0
 
 
 def softmax_ranges(index: GraphIndex, placement: Placement, table: ScaleTable, keep=()) -> ScaleTable:
-    """``table`` with amax :data:`SOFTMAX_AMAX` for every quantized tensor a Softmax produces, except
+    """``table`` with amax `SOFTMAX_AMAX` for every quantized tensor a Softmax produces, except
     those named in ``keep`` (the ranges of a ScaleTable the caller gave, which stay as given)."""
     fixed = {m.tensor: SOFTMAX_AMAX for m in placement.activations
              if getattr(index.producer.get(m.tensor), "op_type", None) == "Softmax" and m.tensor not in keep}
@@ -457,8 +544,8 @@ def _check_complete(table: ScaleTable, placement: Placement, source: str) -> Sca
 def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None):
     """Insert the Q/DQ nodes as edits of ``model`` (which this call owns) and commit them to a new
     ModelProto (``storage``: the target form's ``zero_points``/``unsigned_weights`` for
-    :func:`~onnx_qat.insertion.inserter.insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
-    :meth:`onnx_qat.insertion.ort_cpu.Adapted.finish`)."""
+    `insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
+    `onnx_qat.insertion.ort_cpu.Adapted.finish`)."""
     from .graph.edit import GraphEdit
     from .insertion.inserter import insert_qdq_pairs
 
@@ -482,6 +569,28 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
                 inserted.weights + tuple(r for r in nested if r["kind"] == "weight"))
             drop_unread(committed.graph, shared)  # float weights only quantized branches read
         return committed, inserted
+
+
+def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, target_obj: Target, adapter,
+                 calibrated: Mapping, fmt, config: QuantizeConfig):
+    """The ort-cpu model with every site of ``placement`` (the placement before latency placement)
+    quantized, from a fresh copy of the float model: ``(model, inserted, placement, requantization)``,
+    or None when ``table`` lacks a range it needs."""
+    model = onnx.load_from_string(float_bytes)
+    index = GraphIndex(model)
+    adapted = adapter.adapt(index, placement, table, **calibrated)
+    note = ("ort-cpu latency placement: every site kept integer, which ran faster as a whole model than "
+            "keeping the slower sites float")
+    placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
+    storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
+               "full_range": adapted.full_range, "narrow_weights": adapted.narrow_weights,
+               "precision": fmt.name, "block_size": config.block_size}
+    try:
+        qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
+    except ScalesError as exc:
+        logger.info("ort-cpu latency placement: no all-integer alternative (%s)", exc)
+        return None
+    return qdq, inserted, placed, tuple(adapted.requantization)
 
 
 def _summary(placement: Placement, inserted) -> dict:

@@ -97,7 +97,7 @@ class ScaleTable:
 
     Args:
         activations: ONNX tensor name -> per-tensor amax (finite, > 0).
-        weights: weight initializer name -> :class:`WeightRange` (or a
+        weights: weight initializer name -> [`WeightRange`][onnx_qat.scales.WeightRange] (or a
             ``{"axis": int|None, "amax": [...]}`` dict).
         producer: who made the table (free text, kept in the JSON).
         metadata: extra string key/values kept in the JSON.
@@ -140,7 +140,7 @@ class ScaleTable:
 
     @property
     def weights(self) -> Mapping[str, WeightRange]:
-        """Weight initializer name -> :class:`WeightRange` (read-only)."""
+        """Weight initializer name -> [`WeightRange`][onnx_qat.scales.WeightRange] (read-only)."""
         return self._weights
 
     def activation_scale(self, name: str) -> Optional[float]:
@@ -253,6 +253,48 @@ class ScaleTable:
         """Read and validate a ScaleTable JSON file (size-bounded)."""
         data = read_json(path, what="ScaleTable", error=ScalesError)
         return cls.from_dict(data, source=f"ScaleTable {path}")
+
+    # -- TensorRT calibration caches (see onnx_qat.io.tensorrt_cache) ------------------------------------
+    @classmethod
+    def from_tensorrt_cache(cls, path: PathLike) -> "ScaleTable":
+        """Read a TensorRT calibration cache (``TRT-<version>-<algorithm>`` header, then
+        ``tensor_name: <hex float32 scale>`` lines) as activation ranges, ``amax = scale x 127``; the
+        header is kept in ``metadata["tensorrt_cache_header"]``. See `onnx_qat.io.tensorrt_cache`.
+
+        Raises:
+            ScalesError: the file is not a valid cache (wrong format, non-hex digits, a NaN, infinite,
+                zero or negative scale, no entries); one line naming the file and the line.
+        """
+        from .io.tensorrt_cache import read_tensorrt_cache
+
+        header, ranges = read_tensorrt_cache(path)
+        return cls(ranges, producer=f"tensorrt-cache({header})", metadata={"tensorrt_cache_header": header})
+
+    def to_tensorrt_cache(self, *, tensorrt_version: str, algorithm: str = "EntropyCalibration2") -> str:
+        """The activation ranges as TensorRT calibration cache text (``scale = float32(amax / 127)``).
+
+        Weight ranges are left out (logged at info level): TensorRT's implicit INT8 measures weight
+        scales from the weights. ``tensorrt_version`` (``MAJOR.MINOR.PATCH``, the TensorRT that will read
+        the cache) and ``algorithm`` (the calibrator that hands it to TensorRT) go into the header; see
+        `onnx_qat.io.tensorrt_cache.format_tensorrt_cache`.
+        """
+        from .io.tensorrt_cache import format_tensorrt_cache, logger
+
+        if self._weights:
+            logger.info("the calibration cache holds activation ranges only: %d weight range(s) left out "
+                        "(TensorRT's implicit INT8 measures weight scales from the weights)",
+                        len(self._weights))
+        return format_tensorrt_cache(self._activations, tensorrt_version=tensorrt_version,
+                                     algorithm=algorithm)
+
+    def save_tensorrt_cache(self, path: PathLike, *, tensorrt_version: str,
+                            algorithm: str = "EntropyCalibration2") -> None:
+        """Write [`to_tensorrt_cache`][onnx_qat.scales.ScaleTable.to_tensorrt_cache] to ``path``, atomically
+        (nothing written when it raises)."""
+        from .io.files import atomic_write_text
+
+        text = self.to_tensorrt_cache(tensorrt_version=tensorrt_version, algorithm=algorithm)
+        atomic_write_text(path, text)
 
 
 def _as_weight_range(value, name: str) -> WeightRange:

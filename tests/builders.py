@@ -221,6 +221,62 @@ def depthwise_model(channels: int = 16, expand: int = 2, size: int = 8, seed: in
     return b.build()
 
 
+def mobilenet_v2_model(size: int = 32, batch="N", width: float = 1.0, seed: int = 0) -> onnx.ModelProto:
+    """A MobileNetV2 (Sandler et al. 2018: 17 inverted-residual blocks) initialised as
+    ``keras.applications.MobileNetV2(weights=None)`` exports through tf2onnx: Glorot-uniform kernels
+    (a depthwise kernel's fan-in counts its channels, as Keras computes it), batch normalization at its
+    initial statistics folded into each Conv (weights x 1/sqrt(1 + 1e-3), zero bias), ReLU6 as
+    ``Clip(0, 6)``. Fed images in 0..255, its activations shrink block by block to ~1e-10 at the head.
+
+    input ``input`` [batch,3,size,size] -> ``stem`` (3x3/2) -> blocks ``b{i}_expand`` (1x1),
+    ``b{i}_dw`` (3x3 depthwise), ``b{i}_project`` (1x1, no activation), ``b{i}_add`` where the
+    shape allows -> ``last`` (1x1, 1280) -> ``gap`` -> ``flat`` -> ``fc`` (MatMul) -> ``fc_bias`` ->
+    output ``output`` (logits, 1000 classes). Each activated Conv is followed by ``<conv>_relu6``."""
+    b = GraphBuilder("mobilenet_v2", seed)
+    rng, fold = b.rng, np.float32(1.0 / math.sqrt(1.0 + 1e-3))
+
+    def glorot(shape, fan_in, fan_out):
+        limit = math.sqrt(6.0 / (fan_in + fan_out))
+        return rng.uniform(-limit, limit, shape).astype(np.float32)
+
+    def conv(x, cin, cout, name, k=1, stride=1, group=1, act=True):
+        fan_out = k * k * (cout if group == 1 else 1)
+        w = glorot([cout, cin // group, k, k], k * k * cin, fan_out) * fold
+        ins = [x, b.const(f"{name}.weight", w), b.const(f"{name}.bias", np.zeros(cout, np.float32))]
+        y = b.node("Conv", ins, name=name, kernel_shape=[k, k], strides=[stride, stride],
+                   pads=[(k - 1) // 2] * 4, group=group)
+        if act:
+            lo = b.const(f"{name}.clip_min", np.array(0, np.float32))
+            hi = b.const(f"{name}.clip_max", np.array(6, np.float32))
+            y = b.node("Clip", [y, lo, hi], name=f"{name}_relu6")
+        return y
+
+    def channels(c):
+        return max(8, int(c * width + 4) // 8 * 8)
+
+    x = b.input("input", [batch, 3, size, size])
+    cin = channels(32)
+    y = conv(x, 3, cin, "stem", k=3, stride=2)
+    blocks = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+              (6, 320, 1, 1)]
+    i = 0
+    for expand, c, repeat, first_stride in blocks:
+        for j in range(repeat):
+            stride, cout, mid, h = (first_stride if j == 0 else 1), channels(c), cin * expand, y
+            if expand != 1:
+                h = conv(h, cin, mid, f"b{i}_expand")
+            h = conv(h, mid, mid, f"b{i}_dw", k=3, stride=stride, group=mid)
+            h = conv(h, mid, cout, f"b{i}_project", act=False)
+            y = b.node("Add", [y, h], name=f"b{i}_add") if stride == 1 and cin == cout else h
+            cin, i = cout, i + 1
+    y = conv(y, cin, 1280, "last")
+    y = b.node("Flatten", [b.node("GlobalAveragePool", [y], name="gap")], name="flat")
+    y = b.node("MatMul", [y, b.const("fc.weight", glorot([1280, 1000], 1280, 1000))], name="fc")
+    b.node("Add", [y, b.const("fc.bias", np.zeros(1000, np.float32))], "output", name="fc_bias")
+    b.output("output")
+    return b.build()
+
+
 def transformer_block_model(seq: int = 8, dim: int = 32, heads: int = 2, gelu: str = "erf",
                             mask: str = "-1e9", seed: int = 0) -> onnx.ModelProto:
     """A pre-norm transformer encoder block, input ``input`` [1,S,D] -> output ``output`` [1,S,D].

@@ -3,6 +3,7 @@ of the navigation, or an API object mkdocstrings cannot resolve fails the build,
 Every public name of ``onnx_qat`` and ``tf_bridge`` has its entry on the API pages."""
 import inspect
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -96,3 +97,48 @@ def test_a_page_left_out_of_the_navigation_fails_the_build(tmp_path):
     assert done.returncode != 0
     assert "orphan.md" in done.stdout + done.stderr
 
+
+
+#: Sphinx roles mkdocstrings does not render: a docstring must use Markdown cross-references
+#: ([`name`][identifier]) or inline code instead.
+SPHINX_ROLE = re.compile(r":(func|class|meth|mod|attr|data|exc|obj):`")
+
+
+def literal_roles(site: Path) -> list:
+    """``page: role`` for every literal Sphinx role in the built site's HTML (search index excluded)."""
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        text = page.read_text(encoding="utf-8")
+        found += [f"{page.relative_to(site)}: {m.group(0)}" for m in SPHINX_ROLE.finditer(text)]
+    return found
+
+
+def test_no_literal_sphinx_role_in_the_built_site(site):
+    assert literal_roles(site) == []
+
+
+def test_a_literal_sphinx_role_is_found(tmp_path):
+    page = tmp_path / "api" / "index.html"
+    page.parent.mkdir()
+    page.write_text("<p>What :func:`check` found.</p>", encoding="utf-8")
+    assert literal_roles(tmp_path) == ["api/index.html: :func:`"]
+
+
+def pages_missing_from_home(index: str, pages) -> list:
+    """The navigation's pages (the home page itself excepted) that the home page's table does not link."""
+    linked = set(re.findall(r"\]\(([\w/.-]+\.md)(?:#[\w-]*)?\)", index))
+    return [page for page in pages if page != "index.md" and page not in linked]
+
+
+def test_the_home_page_lists_every_page():
+    from tests.test_docs import nav_pages
+
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    table = index[index.index("## Pages"):]
+    assert pages_missing_from_home(table, nav_pages()) == []
+
+
+def test_a_page_missing_from_the_home_page_is_found():
+    table = "| [Getting started](getting-started.md) | ... |\n| [CLI](cli.md#options) | ... |"
+    assert pages_missing_from_home(table, ["index.md", "getting-started.md", "cli.md", "formats.md"]) == \
+        ["formats.md"]

@@ -111,10 +111,12 @@ def test_no_import_cycle_among_project_modules():
 
 # --------------------------------------------------------------------------- allowed directions
 #: The stage each module belongs to: the package under ``onnx_qat`` (or the root module), except two
-#: finer groups: the targets are data every stage may read, and the weight roundings (AWQ, GPTQ) run
-#: the model, so they sit above placement and runtime although they live with the formats.
-_GROUPS = {"onnx_qat.insertion.targets": "targets", "onnx_qat.formats.awq": "roundings",
-           "onnx_qat.formats.gptq": "roundings", "onnx_qat.placement.residual": "residual"}
+#: finer groups: the targets are data every stage may read; the format passes (the weight roundings AWQ
+#: and GPTQ, the FP16/BF16 float parts) run the model, so they sit above placement and runtime although
+#: they live with the formats; rule 6's choice is shared by placement and check.
+_GROUPS = {"onnx_qat.insertion.targets": "targets", "onnx_qat.formats.awq": "passes",
+           "onnx_qat.formats.gptq": "passes", "onnx_qat.formats.float_parts": "passes",
+           "onnx_qat.formats.float_cast": "passes", "onnx_qat.placement.residual": "residual"}
 _LOW = {"errors", "io", "graph", "formats", "config", "scales", "targets", "residual"}
 #: stage -> the stages it may import (docs/architecture.md shows the same picture).
 ALLOWED = {
@@ -130,14 +132,14 @@ ALLOWED = {
     "runtime": {"errors", "io", "graph"},
     "placement": {"errors", "io", "graph", "formats", "config", "targets", "residual"},
     "insertion": {"errors", "io", "graph", "formats", "config", "scales", "targets", "placement"},
-    "roundings": {"errors", "io", "graph", "formats", "scales", "runtime", "placement"},
+    "passes": {"errors", "io", "graph", "formats", "config", "scales", "runtime", "placement"},
     "check": {"errors", "io", "graph", "formats", "targets", "residual"},
-    "rewrite": _LOW | {"placement", "insertion", "roundings"},
+    "rewrite": _LOW | {"placement", "insertion", "passes"},
     "calibration": _LOW | {"runtime", "placement", "rewrite"},
-    "accuracy": _LOW | {"runtime", "placement", "insertion", "roundings", "calibration", "rewrite"},
-    "quantize": _LOW | {"placement", "calibration", "accuracy", "rewrite", "roundings"},
+    "accuracy": _LOW | {"runtime", "placement", "insertion", "passes", "calibration", "rewrite"},
+    "quantize": _LOW | {"placement", "calibration", "accuracy", "rewrite", "passes"},
     "argtypes": set(),
-    "deploy": _LOW | {"argtypes", "runtime", "check"},
+    "deploy": _LOW | {"argtypes", "runtime", "check", "passes"},
 }
 
 

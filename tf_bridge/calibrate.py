@@ -2,7 +2,7 @@
 
 The model runs eagerly in inference mode with activation quantization switched
 off (weights stay quantized, as they will be deployed); each
-:class:`ActivationQuantizer` collects ``|x|`` statistics of the tensor it sits
+[`ActivationQuantizer`][tf_bridge.ActivationQuantizer] collects ``|x|`` statistics of the tensor it sits
 on, then its ``amax`` is set:
 
 * ``method="max"``: the largest ``|x|`` seen;
@@ -93,7 +93,8 @@ class PercentileCollector(MaxCollector):
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    """Ranges set by :func:`calibrate`: quantizer path -> amax, and how many batches were used."""
+    """Ranges set by [`calibrate`][tf_bridge.calibrate.calibrate]: quantizer path -> amax, and how many
+    batches were used."""
 
     amax: Mapping[str, float]
     batches: int
@@ -202,7 +203,7 @@ def calibrate(q_model, data, method: str = "max", batch_size: int = 32, steps: O
     """Set the range of every activation quantizer of ``q_model`` from ``data``.
 
     Args:
-        q_model: a model returned by :func:`tf_bridge.quantize_model`.
+        q_model: a model returned by [`tf_bridge.quantize_model`][].
         data: a NumPy array (a list or dict of arrays for several inputs), split
             into batches of ``batch_size``; or a ``tf.data.Dataset`` of batches
             (``(x, y)`` elements are fine; ``batch_size`` is then ignored).
@@ -213,7 +214,7 @@ def calibrate(q_model, data, method: str = "max", batch_size: int = 32, steps: O
         progress: show a progress bar on stderr.
 
     Returns:
-        A :class:`CalibrationResult` with the amax set on each quantizer.
+        A [`CalibrationResult`][tf_bridge.calibrate.CalibrationResult] with the amax set on each quantizer.
 
     Raises:
         ModelError: ``q_model`` has no tf_bridge quantizers.

@@ -1,9 +1,9 @@
-"""Step 1 of :func:`tf_bridge.export_onnx`: the float twin through tf2onnx.
+"""Step 1 of [`tf_bridge.export_onnx`][]: the float twin through tf2onnx.
 
 The float twin (same layers, trained weights, inference mode, no quantizers) is converted at a
 pinned opset, each BatchNormalization kept as a Mul/Add beside its Conv (as Keras computes it:
-:data:`GRAPPLER_PASSES`, :func:`_pin_conv_bias`); a conversion that fails, leaves TensorFlow ops
-or makes a graph the ONNX checker refuses is one :class:`onnx_qat.errors.ExportError` line.
+`GRAPPLER_PASSES`, `_pin_conv_bias`); a conversion that fails, leaves TensorFlow ops
+or makes a graph the ONNX checker refuses is one [`onnx_qat.errors.ExportError`][] line.
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def check_converted(proto: onnx.ModelProto, twin, opset: int, failures: Optional
     tf2onnx keeps an op it cannot convert as a node of its TensorFlow type (``Lgamma``,
     ``FFT``...) and returns the graph. Every node, subgraphs included, must be a standard ONNX
     op (domain ``""``, ``ai.onnx`` or ``ai.onnx.ml``) with a schema at the model's opset.
-    ``failures``: tf2onnx's reasons by node name (:class:`Tf2onnxLog`).
+    ``failures``: tf2onnx's reasons by node name (`Tf2onnxLog`).
 
     Raises:
         ExportError: one line naming the ops, their Keras layers and tf2onnx's reasons.
@@ -206,7 +206,7 @@ def _what_to_try(layer: bool = True) -> str:
 #: Mul/Conv push-down folds a BatchNorm's per-channel Mul into the convolution weights. Keras computes
 #: ``conv(x, q(w)) * f``, the folded graph ``conv(x, q(w) * f)``: equal up to the last float bit, enough to
 #: move values lying on a quantizer's rounding boundary by a whole step. Constants are still folded by
-#: tf2onnx (with TensorFlow, op by op) and by its ONNX optimizers; :func:`_pin_conv_bias` keeps those
+#: tf2onnx (with TensorFlow, op by op) and by its ONNX optimizers; `_pin_conv_bias` keeps those
 #: from folding the Mul in their turn.
 GRAPPLER_PASSES = ("function", "dependency")
 
@@ -214,14 +214,14 @@ GRAPPLER_PASSES = ("function", "dependency")
 def _tf2onnx_without_conv_folding(concrete, input_names: List[str], opset: int,
                                   optimizers=None) -> onnx.ModelProto:
     """``tf2onnx.convert.from_function`` for ``concrete``, except that the BatchNorm Mul/Add stay
-    separate from the convolutions (:data:`GRAPPLER_PASSES`); ``input_names`` name the ONNX inputs.
+    separate from the convolutions (`GRAPPLER_PASSES`); ``input_names`` name the ONNX inputs.
 
     The same steps as tf2onnx's, made cheaper where they only cost time and memory:
 
-    * the frozen graph is taken as a GraphDef (:func:`_frozen_graph_def`), without wrapping it in a
+    * the frozen graph is taken as a GraphDef (`_frozen_graph_def`), without wrapping it in a
       new TensorFlow function first (most of the freezing time, and a copy of every weight);
     * tf2onnx's ONNX optimizers (``optimizers``: its own table when None) run in tf2onnx's order
-      and loop (:func:`_optimize_onnx`) without its per-pass recovery, which copies the whole graph,
+      and loop (`_optimize_onnx`) without its per-pass recovery, which copies the whole graph,
       weights included, before every pass, and with the node protos written once at the end instead
       of after every pass (each write copies every weight once more). Where a pass fails, the graph
       is converted again and optimized with that recovery, as ``tf2onnx.convert`` does: the
@@ -278,7 +278,7 @@ _NO_INLINE_ATTRS = ("_XlaMustCompile", "_noinline", "_XlaCompile")
 
 def inlinable(graph_def):
     """A copy of a frozen ``graph_def`` whose function calls can all be inlined by Grappler's
-    ``function`` pass: the attributes of :data:`_NO_INLINE_ATTRS` are dropped from the call nodes
+    ``function`` pass: the attributes of `_NO_INLINE_ATTRS` are dropped from the call nodes
     and from the library's functions. Only the XLA compilation request is dropped; the functions
     compute the same ops, which the conversion reads one by one anyway."""
     from tensorflow.core.framework import graph_pb2

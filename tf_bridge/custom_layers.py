@@ -2,8 +2,9 @@
 
 tf_bridge knows the weighted Keras layers (Conv*, DepthwiseConv*, SeparableConv*,
 Conv*Transpose, Dense) and the pooling layers. A layer class of your own is declared once,
-either with :func:`register_layer_quantization` or, in the shape users of NVIDIA's
-``tensorflow_quantization`` know, by subclassing :class:`BaseQuantizeWrapper`::
+either with [`register_layer_quantization`][tf_bridge.custom_layers.register_layer_quantization] or, in the
+shape users of NVIDIA's ``tensorflow_quantization`` know, by subclassing
+[`BaseQuantizeWrapper`][tf_bridge.custom_layers.BaseQuantizeWrapper]::
 
     class MyDenseQuantizeWrapper(BaseQuantizeWrapper):
         layer_class = MyDense            # or the name "<LayerClass>QuantizeWrapper" alone
@@ -13,14 +14,14 @@ either with :func:`register_layer_quantization` or, in the shape users of NVIDIA
 
 The declaration is honoured everywhere a built-in class is:
 
-* :func:`tf_bridge.quantize_model` quantizes the layer's inputs (an
-  :class:`~tf_bridge.ActivationQuantizer` each) and wraps it in
-  :class:`~tf_bridge.QuantizeWrapper`, which fake-quantizes the declared weights per output
+* [`tf_bridge.quantize_model`][] quantizes the layer's inputs (an
+  [`ActivationQuantizer`][tf_bridge.ActivationQuantizer] each) and wraps it in
+  [`QuantizeWrapper`][tf_bridge.QuantizeWrapper], which fake-quantizes the declared weights per output
   channel (narrow int8 range) on every call;
-* :func:`tf_bridge.calibrate` sets its input ranges like any other;
-* :func:`tf_bridge.describe` / :func:`tf_bridge.quantizer_records` list its weights with
-  their channel axes;
-* :func:`tf_bridge.export_onnx` maps them onto the ONNX graph: the first declared weight is
+* [`tf_bridge.calibrate`][tf_bridge.calibrate.calibrate] sets its input ranges like any other;
+* [`tf_bridge.describe`][tf_bridge.describe.describe] / [`tf_bridge.quantizer_records`][] list its weights
+  with their channel axes;
+* [`tf_bridge.export_onnx`][] maps them onto the ONNX graph: the first declared weight is
   the one whose ONNX node (Conv, MatMul, Gemm) reads the quantized input; each weight is
   matched by its values once its output-channel axis is moved last (the Dense/Conv kernel
   layout), so a weight used transposed by the layer maps too.
@@ -93,7 +94,7 @@ def register_layer_quantization(layer_class: Union[type, str], *,
             (False: only layers named by a spec entry or a case).
 
     Returns:
-        The :class:`LayerQuantization` recorded.
+        The [`LayerQuantization`][tf_bridge.custom_layers.LayerQuantization] recorded.
 
     Raises:
         ConfigError: a bad class, weight axis, input index or flag.
@@ -146,16 +147,18 @@ def registered_layer_classes() -> Tuple[str, ...]:
 class BaseQuantizeWrapper:
     """New layer support in the shape of ``tensorflow_quantization.BaseQuantizeWrapper``.
 
-    Subclassing registers the declaration (:func:`register_layer_quantization`); nothing
-    else is needed, and no ``call`` is written: tf_bridge's own
-    :class:`~tf_bridge.QuantizeWrapper` and :class:`~tf_bridge.ActivationQuantizer` apply it.
+    Subclassing registers the declaration
+    ([`register_layer_quantization`][tf_bridge.custom_layers.register_layer_quantization]); nothing else is
+    needed, and no ``call`` is written: tf_bridge's own [`QuantizeWrapper`][tf_bridge.QuantizeWrapper] and
+    [`ActivationQuantizer`][tf_bridge.ActivationQuantizer] apply it.
 
     Class attributes:
         layer_class: the layer class; when None, a subclass named
             ``"<LayerClass>QuantizeWrapper"`` (the toolkit's convention) declares the class of
             that name, and a subclass named otherwise declares nothing (an intermediate base
             class sharing attributes with its subclasses).
-        weights: ``{attribute: output-channel axis}`` (see :func:`register_layer_quantization`).
+        weights: ``{attribute: output-channel axis}`` (see
+            [`register_layer_quantization`][tf_bridge.custom_layers.register_layer_quantization]).
         input_indices: input positions quantized by default (None: all).
         quantize_by_default: quantized by ``quantization_mode="full"``.
     """

@@ -5,18 +5,21 @@ skip (identity) input of a residual Add and leave the Conv branch float, so the
 Add fuses into the Conv; quantize all inputs of non-commuting ops such as
 Concat; leave Conv -> Sigmoid -> Mul chains unbroken.
 
-* :class:`ResidualConnectionQDQCase` — every ``Add``: skip input(s) quantized,
-  the deepest Conv(+BN/Dropout) branch left float.
-* :class:`ResNetV1QDQCase`, :class:`MobileNetQDQCase` — the residual rule, checked against the
+* [`ResidualConnectionQDQCase`][tf_bridge.custom_qdq_cases.ResidualConnectionQDQCase] — every ``Add``: skip
+  input(s) quantized, the deepest Conv(+BN/Dropout) branch left float.
+* [`ResNetV1QDQCase`][tf_bridge.custom_qdq_cases.ResNetV1QDQCase],
+  [`MobileNetQDQCase`][tf_bridge.custom_qdq_cases.MobileNetQDQCase] — the residual rule, checked against the
   structure those families use.
-* :class:`ResNetV2QDQCase` — the residual rule plus :class:`BNQDQCase` (the input of every
-  BatchNormalization not fed by a Conv: the pre-activations) and :class:`MaxPoolQDQCase` (the
+* [`ResNetV2QDQCase`][tf_bridge.custom_qdq_cases.ResNetV2QDQCase] — the residual rule plus
+  [`BNQDQCase`][tf_bridge.custom_qdq_cases.BNQDQCase] (the input of every
+  BatchNormalization not fed by a Conv: the pre-activations) and
+      [`MaxPoolQDQCase`][tf_bridge.custom_qdq_cases.MaxPoolQDQCase] (the
   input of every MaxPooling2D), as NVIDIA's toolkit places them for ResNet v2.
-* :class:`EfficientNetQDQCase` — the residual rule plus, in squeeze-excite
-  blocks, the feature input of the excite ``Multiply`` (the gate from the
+* [`EfficientNetQDQCase`][tf_bridge.custom_qdq_cases.EfficientNetQDQCase] — the residual rule plus, in
+  squeeze-excite blocks, the feature input of the excite ``Multiply`` (the gate from the
   Conv -> Sigmoid chain stays float).
-* :class:`InceptionQDQCase` — every input of every ``Concatenate``, with one
-  shared scale (rule 7). Fake quantization is elementwise, so quantizing all
+* [`InceptionQDQCase`][tf_bridge.custom_qdq_cases.InceptionQDQCase] — every input of every ``Concatenate``,
+  with one shared scale (rule 7). Fake quantization is elementwise, so quantizing all
   inputs with one amax equals quantizing the output with it: one quantizer sits on
   the Concatenate output and its record lists the inputs sharing its scale.
 """
@@ -26,7 +29,7 @@ import logging
 
 import keras
 
-from .cases import (FUSABLE, CustomQDQInsertionCase, GraphDepth, input_tensors, layers_of_class, producer,
+from .case_base import (FUSABLE, CustomQDQInsertionCase, GraphDepth, input_tensors, layers_of_class, producer,
                     residual_skip_indices)
 from .spec import QuantizationSpec
 

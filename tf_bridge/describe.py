@@ -1,9 +1,9 @@
 """The quantizer state of a QAT model: records for export, a table for people.
 
-:func:`quantizer_records` is what the ONNX export reads: one
-:class:`QuantizerRecord` per activation quantizer and per quantized weight, each
-saying which Keras layer output / input or weight it belongs to and its current
-amax as NumPy. :func:`describe` prints them as a table.
+[`quantizer_records`][tf_bridge.describe.quantizer_records] is what the ONNX export reads: one
+[`QuantizerRecord`][tf_bridge.describe.QuantizerRecord] per activation quantizer and per quantized weight,
+each saying which Keras layer output / input or weight it belongs to and its current
+amax as NumPy. [`describe`][tf_bridge.describe.describe] prints them as a table.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ class QuantizerRecord:
         kind: ``"activation"`` (per tensor, clamp [-128, 127]) or ``"weight"``
             (per channel, clamp [-127, 127]).
         path: the quantizer's layer path, ``"nested_model/layer"`` for nested models
-            (the :class:`ActivationQuantizer`, or the :class:`QuantizeWrapper`).
+            (the [`ActivationQuantizer`][tf_bridge.ActivationQuantizer], or the
+            [`QuantizeWrapper`][tf_bridge.QuantizeWrapper]).
         layer: activation: the layer (or model input) whose output is quantized;
             weight: the wrapped Keras layer.
         tensor: activation: ``"<producer>:<output index>"``; weight: the layer

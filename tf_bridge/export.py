@@ -2,17 +2,18 @@
 
 Steps (each checked; nothing is written unless all pass):
 
-1. the float twin (:func:`tf_bridge.wrap.float_model`: same layers, trained weights,
+1. the float twin ([`tf_bridge.wrap.float_model`][]: same layers, trained weights,
    inference mode, no quantizers) is converted with tf2onnx at a pinned opset, each
    BatchNormalization kept as a Mul/Add beside its Conv (as Keras computes it);
-2. every Keras quantizer is mapped to its ONNX tensor by structure (:mod:`tf_bridge.mapping`:
+2. every Keras quantizer is mapped to its ONNX tensor by structure (`tf_bridge.mapping`:
    layer scopes of the tf2onnx node names and the topology of both graphs; weight values with
    the BatchNorm fold factor confirm each weight);
-3. :func:`onnx_qat.quantize` inserts exactly those Q/DQ pairs with those ranges (no
+3. [`onnx_qat.quantize`][onnx_qat.quantize.quantize] inserts exactly those Q/DQ pairs with those ranges (no
    recalibration). A target that needs ranges no Keras quantizer observes (``ort-cpu``:
    Conv outputs requantized for onnxruntime's integer kernels, typically before a residual
    Add) gets them from ``sample_data`` when the caller gives it (max |x|, as
-   :func:`onnx_qat.calibrate` computes it); generated samples are never used as ranges;
+   [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate] computes it); generated samples are never
+   used as ranges;
 4. parity: the Q/DQ model runs in onnxruntime against the Keras QAT model (run in TensorFlow); its
    difference must be at most 10% of the float ONNX model's difference from the Keras QAT model, at
    most ``ABS_LIMIT`` (2%) of the Keras output's range over the samples (so a float twin whose own
@@ -21,8 +22,8 @@ Steps (each checked; nothing is written unless all pass):
    products in different orders; their sums differ in the last bit, a value lying on a quantizer's
    rounding boundary then moves by a whole step in one engine and not the other, and deeper layers
    carry that on. So when that comparison fails, the Keras QAT model's own graph (fake quantization
-   included) is converted by tf2onnx and run in onnxruntime (:func:`keras_qat_in_onnxruntime`), and
-   the verdict has two parts (:func:`split_parity`). **The export**: the Q/DQ model against that
+   included) is converted by tf2onnx and run in onnxruntime (`keras_qat_in_onnxruntime`), and
+   the verdict has two parts (`split_parity`). **The export**: the Q/DQ model against that
    run, which shares its arithmetic, by the same three limits; this is where an error of the export
    would show. **The engines**: the two runs of the Keras model must agree within 10% of the float
    difference and 2% of the range, or within ``SENSITIVITY_FACTOR`` times the **rounding
@@ -36,12 +37,12 @@ Steps (each checked; nothing is written unless all pass):
    converted, a difference from the run in TensorFlow that only the rounding sensitivity explains
    fails as a ``"rounding cascade"`` (nothing separates the export from the engines then). A target
    other than ``tensorrt`` (``ort-cpu``) is checked as deployed against the tensorrt form of the
-   same scales (:func:`deployed_parity`);
+   same scales (`deployed_parity`);
 5. the Q/DQ model, its ScaleTable JSON (and optionally the float ONNX model) are
-   written atomically, and :func:`onnx_qat.check` gives the TensorRT verdict.
+   written atomically, and [`onnx_qat.check`][onnx_qat.check.check] gives the TensorRT verdict.
 
-One module per step: :mod:`tf_bridge.convert` (1), :mod:`tf_bridge.mapping` (2),
-:mod:`tf_bridge.insert` (3), :mod:`tf_bridge.parity` (4), :mod:`tf_bridge.report` (5); their
+One module per step: `tf_bridge.convert` (1), `tf_bridge.mapping` (2),
+`tf_bridge.insert` (3), `tf_bridge.parity` (4), `tf_bridge.report` (5); their
 public names are importable from here as before.
 """
 from __future__ import annotations
@@ -127,15 +128,15 @@ def _paths(path, save_scales: bool, save_float: bool):
 
 def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sample_data=None,
                 save_scales: bool = True, save_float: bool = False, strict: bool = True,
-                progress: bool = True, precision: str = "int8") -> ExportReport:
+                progress: bool = True, precision: str = "int8", float_dtype: str = "fp32") -> ExportReport:
     """Export a (trained, calibrated) Keras QAT model to a Q/DQ ONNX model with its learned scales.
 
     Args:
-        q_model: a model returned by :func:`tf_bridge.quantize_model` (Functional or
+        q_model: a model returned by [`tf_bridge.quantize_model`][] (Functional or
             Sequential, nested models allowed), calibrated and/or trained.
         path: the Q/DQ ``.onnx`` file to write.
         opset: the ONNX opset tf2onnx converts to (>= 13).
-        target: the :func:`onnx_qat.quantize` deployment target.
+        target: the [`onnx_qat.quantize`][onnx_qat.quantize.quantize] deployment target.
         sample_data: inputs for mapping and parity (an array, or a list with one array per
             model input); None generates 8 standard-normal samples. With a target that
             requantizes tensors no quantizer observes (``ort-cpu``), given data also supplies
@@ -152,9 +153,15 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
         precision: ``"int8"`` (default) or ``"fp8"``: the same learned amax written as FP8 E4M3 Q/DQ
             (``onnx_qat.quantize(precision="fp8")``, target ``tensorrt``), with parity measured
             against the Keras model run with FP8 fake quantization (``tf_bridge.fake_quant.numerics``).
+        float_dtype: the type of the float parts of the written model: ``"fp32"`` (default),
+            ``"fp16"`` or ``"bf16"`` (target ``tensorrt``). Parity is measured with FP32 float parts;
+            the Q/DQ model is then converted by [`onnx_qat.formats.float_parts.cast_float_parts`][]
+            with the learned ranges, measured on ``sample_data`` against the float model (a node whose
+            conversion costs more than 0.002 of output cosine stays FP32);
+            `ExportReport.float_parts` lists the nodes kept FP32 with their reasons.
 
     Returns:
-        An :class:`ExportReport` (paths, mapping table, parity, check verdict).
+        An [`ExportReport`][tf_bridge.export.ExportReport] (paths, mapping table, parity, check verdict).
 
     Raises:
         ExportError: subclassed model, a weight or range that is NaN or Inf (named first),
@@ -175,6 +182,11 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     if precision not in ("int8", "fp8"):
         raise ExportError(f"export_onnx: precision must be 'int8' or 'fp8', got {precision!r} (int4 is "
                           "weight-only: onnx-qat quantize --precision int4 on the float model)")
+    if float_dtype not in ("fp32", "fp16", "bf16"):
+        raise ExportError(f"export_onnx: float_dtype must be 'fp32', 'fp16' or 'bf16', got {float_dtype!r}")
+    if float_dtype != "fp32" and target != "tensorrt":
+        raise ExportError(f"export_onnx: float_dtype {float_dtype!r} is a TensorRT form; target {target!r} "
+                          "keeps FP32 float parts")
     check_exportable(q_model)
     check_finite(q_model)
     if not any(True for _ in iter_quantizer_layers(q_model)):
@@ -213,6 +225,14 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
             [float_values[n] for n in names]))
     if not parity.passed:
         _fail_loudly(parity, strict)
+    parts = None
+    if float_dtype != "fp32":
+        from onnx_qat.formats.float_parts import cast_float_parts
+
+        with step.part(f"float parts in {float_dtype}"):
+            parts = cast_float_parts(result.model, float_dtype, scales=table, data=feeds,
+                                     reference=float_model)
+        result = replace(result, model=parts.model, float_parts=parts)
     step("write")
     if float_path is not None:
         save_model(mapping.model, float_path, inputs=(out,))
@@ -224,7 +244,7 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     report = ExportReport(out, scales_path, float_path, int(opset), result.target, mapping.entries, parity,
                           verdict, MappingProxyType(dict(result.summary)),
                           reproducible and not mapping.baked, mapping.baked, tuple(result.requantization),
-                          tuple(step.timings))
+                          tuple(step.timings), parts)
     logger.info("%s", report)
     return report
 
@@ -249,7 +269,7 @@ def _outputs(value) -> list:
 
 class _Steps:
     """Progress lines on stderr (one per step, and the time each took at the end) and the seconds
-    of every step and timed part (:attr:`ExportReport.timings`)."""
+    of every step and timed part (`ExportReport.timings`)."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and os.environ.get("TF_BRIDGE_QUIET") is None

@@ -9,18 +9,19 @@ same thing), so every detail is fixed here:
 * activations are per tensor with ``qmin = -128``; weights are per channel
   with ``qmin = -127`` (``narrow_range=True``);
 * an ``amax`` that is not finite or not > 0 is replaced by 1.0 (see
-  :func:`safe_amax`): an all-zero weight channel then stays exactly zero;
+  `safe_amax`): an all-zero weight channel then stays exactly zero;
 * gradient (straight-through estimator): ``dy/dx = 1`` where
   ``qmin <= x / scale <= 127`` and 0 outside; ``dy/damax`` is the LSQ form
   ``(q - x/scale) / 127`` inside and ``q / 127`` outside, summed over the
   axes ``amax`` was broadcast along (used only by learnable ranges).
 
-Written with plain TensorFlow ops and :func:`tf.custom_gradient`; it does not
+Written with plain TensorFlow ops and `tf.custom_gradient`; it does not
 use ``tf.quantization.quantize_and_dequantize_v2``, whose per-axis form fails on
-TensorFlow 2.16-2.21. :func:`fake_quant_reference` is the same formula in NumPy.
+TensorFlow 2.16-2.21. [`fake_quant_reference`][tf_bridge.fake_quant.fake_quant_reference] is the same formula
+in NumPy.
 
 Inside ``with numerics("fp8"):`` the same calls compute FP8 E4M3 fake quantization with the same
-amax (:func:`fake_quant_fp8`: ``scale = amax / 448``, ``castToFp8(clip(x / scale, -448, 448))``),
+amax (`fake_quant_fp8`: ``scale = amax / 448``, ``castToFp8(clip(x / scale, -448, 448))``),
 the reference ``tf_bridge.export_onnx(..., precision="fp8")`` measures its FP8 model against.
 """
 from __future__ import annotations
@@ -76,7 +77,7 @@ def fake_quant(x: tf.Tensor, amax: tf.Tensor, narrow_range: bool = False) -> tf.
     return _fake_quant(x, amax, _qmin(narrow_range))
 
 
-#: The numerics :func:`fake_quant` computes (see :func:`numerics`).
+#: The numerics [`fake_quant`][tf_bridge.fake_quant.fake_quant] computes (see `numerics`).
 _PRECISION: contextvars.ContextVar = contextvars.ContextVar("tf_bridge_fake_quant_precision", default="int8")
 #: Largest finite FP8 E4M3 magnitude.
 FP8_MAX = 448.0
@@ -84,8 +85,8 @@ FP8_MAX = 448.0
 
 @contextlib.contextmanager
 def numerics(precision: str):
-    """Within the block, :func:`fake_quant` computes ``precision``'s numerics: ``"int8"`` (the
-    default) or ``"fp8"`` (:func:`fake_quant_fp8` with the same amax). Applies to eager calls and to
+    """Within the block, [`fake_quant`][tf_bridge.fake_quant.fake_quant] computes ``precision``'s numerics:
+    ``"int8"`` (the default) or ``"fp8"`` (`fake_quant_fp8` with the same amax). Applies to eager calls and to
     functions traced inside the block."""
     if precision not in ("int8", "fp8"):
         raise ValueError(f"precision must be 'int8' or 'fp8', got {precision!r}")
@@ -118,8 +119,9 @@ _FORWARD_ONLY: contextvars.ContextVar = contextvars.ContextVar("tf_bridge_fake_q
 
 @contextlib.contextmanager
 def forward_only():
-    """Within the block, :func:`fake_quant` builds only its forward ops (the same ops, the same
-    numbers) without the custom-gradient wrapper, and an activation quantizer called in inference
+    """Within the block, [`fake_quant`][tf_bridge.fake_quant.fake_quant] builds only its forward ops (the same
+    ops, the same numbers) without the custom-gradient wrapper, and an activation quantizer called in
+    inference
     reads whether it has a range once instead of selecting at run time: for a graph that is only
     evaluated with fixed ranges (``export_onnx`` runs the Keras QAT graph in onnxruntime). In
     TensorFlow graphs the wrapper is an ``IdentityN`` over every input and output, which keeps
@@ -133,7 +135,7 @@ def forward_only():
 
 
 def is_forward_only() -> bool:
-    """True inside :func:`forward_only`."""
+    """True inside `forward_only`."""
     return _FORWARD_ONLY.get()
 
 
@@ -174,7 +176,7 @@ def per_channel_amax(w: tf.Tensor, channel_axes: Sequence[int]) -> tf.Tensor:
 
 
 def per_channel_amax_numpy(w: np.ndarray, channel_axes: Sequence[int]) -> np.ndarray:
-    """NumPy twin of :func:`per_channel_amax`, flattened to one value per output channel.
+    """NumPy twin of `per_channel_amax`, flattened to one value per output channel.
 
     The flattening is row-major over ``channel_axes``; for a DepthwiseConv2D
     kernel ``[kh, kw, in, multiplier]`` this is output channel ``c * multiplier + m``,

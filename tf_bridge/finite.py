@@ -1,11 +1,11 @@
 """Finite state: find the weights and quantizer ranges of a Keras model that are not finite.
 
-Used at two places. :func:`check_finite` stops :func:`tf_bridge.export_onnx` before any
-conversion when a weight (kernel, bias, BatchNormalization statistic...) or an activation
+Used at two places. [`check_finite`][tf_bridge.finite.check_finite] stops [`tf_bridge.export_onnx`][] before
+any conversion when a weight (kernel, bias, BatchNormalization statistic...) or an activation
 quantizer's ``amax`` holds NaN or Inf, with one line naming the first ones; without it the
 failure would surface later as an unmappable tensor that names neither the cause nor the layer.
-:class:`tf_bridge.NonFiniteGuard` uses :func:`nonfinite_weights` to name the layer when
-training diverges.
+[`tf_bridge.NonFiniteGuard`][] uses [`nonfinite_weights`][tf_bridge.finite.nonfinite_weights] to name the
+layer when training diverges.
 """
 from __future__ import annotations
 
@@ -77,11 +77,11 @@ def describe_nonfinite(found: List[NonFinite]) -> str:
 
 
 def check_finite(q_model, where: str = "export_onnx") -> None:
-    """Raise :class:`onnx_qat.errors.ExportError` (one line naming the first layer and variables)
+    """Raise [`onnx_qat.errors.ExportError`][] (one line naming the first layer and variables)
     if any weight or quantizer range of ``q_model`` is NaN or Inf.
 
     Args:
-        q_model: a Keras model (a QAT model from :func:`tf_bridge.quantize_model`).
+        q_model: a Keras model (a QAT model from [`tf_bridge.quantize_model`][]).
         where: the caller's name, the start of the message.
     """
     found = nonfinite_weights(q_model)

@@ -1,9 +1,9 @@
 """NonFiniteGuard: one clear line when quantization-aware training diverges.
 
-A QAT model's ``fit`` adds a :class:`NonFiniteGuard` to its callbacks by default. The
-model :func:`tf_bridge.quantize_model` returns is a :class:`QATFunctional` or a
-:class:`QATSequential`: the Keras classes with ``fit`` extended by that one step, registered
-serializable, so a saved and reloaded QAT model keeps the guard. Overriding ``fit`` is the
+A QAT model's ``fit`` adds a [`NonFiniteGuard`][tf_bridge.guard.NonFiniteGuard] to its callbacks by default.
+The model [`tf_bridge.quantize_model`][] returns is a [`QATFunctional`][tf_bridge.guard.QATFunctional] or a
+[`QATSequential`][tf_bridge.guard.QATSequential]: the Keras classes with ``fit`` extended by that one step,
+registered serializable, so a saved and reloaded QAT model keeps the guard. Overriding ``fit`` is the
 Keras 3 hook that stays on whatever training loop ``fit`` runs (``train_step``,
 distribution, ``jit_compile``); a callback list Keras builds itself cannot be extended.
 
@@ -11,12 +11,12 @@ The guard:
 
 * after every training batch, reads the loss Keras reports (no extra computation). When it is
   NaN or Inf, it looks for the weights that are not finite and raises
-  :class:`onnx_qat.errors.TrainingError` with one line naming the first layer (in model order)
+  `onnx_qat.errors.TrainingError` with one line naming the first layer (in model order)
   and its variables; training stops.
 * at the end of every epoch, checks every weight once (a diverged weight whose loss is still
   finite is caught there), and logs one warning line naming the activation quantizers whose
   calibrated range was degenerate and re-seeded from a training batch (see
-  :mod:`tf_bridge.quantizers`).
+  `tf_bridge.quantizers`).
 
 Turning it off: pass ``NonFiniteGuard(enabled=False)`` among ``fit``'s callbacks (a guard
 given by the caller replaces the default one); a ``keras.callbacks.CallbackList`` passed as
@@ -48,7 +48,7 @@ def _reseeded_quantizers(model):
 
 
 class NonFiniteGuard(keras.callbacks.Callback):
-    """Stop ``fit`` with one :class:`onnx_qat.errors.TrainingError` line naming the layer whose
+    """Stop ``fit`` with one `onnx_qat.errors.TrainingError` line naming the layer whose
     weights became NaN or Inf; report re-seeded activation ranges once per quantizer.
 
     Args:
@@ -100,8 +100,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
 
 def with_guard(callbacks):
-    """``callbacks`` with a :class:`NonFiniteGuard` added unless it holds one (a new list; a
-    ``CallbackList`` is returned unchanged)."""
+    """``callbacks`` with a [`NonFiniteGuard`][tf_bridge.guard.NonFiniteGuard] added unless it holds one (a
+    new list; a ``CallbackList`` is returned unchanged)."""
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     callbacks = list(callbacks or ())
@@ -114,11 +114,12 @@ _CALLBACKS_POSITION = 5  # x, y, batch_size, epochs, verbose, callbacks
 
 
 class _GuardedFit:
-    """Mixin: ``fit`` adds a :class:`NonFiniteGuard` unless the caller gives one."""
+    """Mixin: ``fit`` adds a [`NonFiniteGuard`][tf_bridge.guard.NonFiniteGuard] unless the caller gives
+    one."""
 
     def fit(self, *args, **kwargs):
-        """``keras.Model.fit`` with a :class:`NonFiniteGuard` among the callbacks (see the module
-        docstring to turn it off)."""
+        """``keras.Model.fit`` with a [`NonFiniteGuard`][tf_bridge.guard.NonFiniteGuard] among the callbacks
+        (see the module docstring to turn it off)."""
         args = list(args)
         if len(args) > _CALLBACKS_POSITION:
             args[_CALLBACKS_POSITION] = with_guard(args[_CALLBACKS_POSITION])
@@ -129,12 +130,14 @@ class _GuardedFit:
 
 @keras.saving.register_keras_serializable(package="tf_bridge")
 class QATFunctional(_GuardedFit, Functional):
-    """A Functional QAT model: ``keras.Model`` whose ``fit`` adds a :class:`NonFiniteGuard`."""
+    """A Functional QAT model: ``keras.Model`` whose ``fit`` adds a
+    [`NonFiniteGuard`][tf_bridge.guard.NonFiniteGuard]."""
 
 
 @keras.saving.register_keras_serializable(package="tf_bridge")
 class QATSequential(_GuardedFit, keras.Sequential):
-    """A Sequential QAT model: ``keras.Sequential`` whose ``fit`` adds a :class:`NonFiniteGuard`."""
+    """A Sequential QAT model: ``keras.Sequential`` whose ``fit`` adds a
+    [`NonFiniteGuard`][tf_bridge.guard.NonFiniteGuard]."""
 
 
 def _rebuilt(model, functional_class, sequential_class):
@@ -150,7 +153,7 @@ def _rebuilt(model, functional_class, sequential_class):
 
 def guarded(model):
     """The same layers and graph as ``model`` (Functional or Sequential) in a model whose ``fit``
-    adds a :class:`NonFiniteGuard`; ``model`` itself is not changed."""
+    adds a [`NonFiniteGuard`][tf_bridge.guard.NonFiniteGuard]; ``model`` itself is not changed."""
     if isinstance(model, (QATFunctional, QATSequential)):
         return model
     return _rebuilt(model, QATFunctional, QATSequential)

@@ -1,7 +1,8 @@
-"""Step 3 of :func:`tf_bridge.export_onnx`: Q/DQ insertion with the mapped placement and ranges.
+"""Step 3 of [`tf_bridge.export_onnx`][]: Q/DQ insertion with the mapped placement and ranges.
 
-:func:`onnx_qat.quantize` inserts exactly the Keras quantizers' Q/DQ pairs (no recalibration); a
-target that needs ranges no quantizer observes (``ort-cpu``) takes them from the caller's sample data.
+[`onnx_qat.quantize`][onnx_qat.quantize.quantize] inserts exactly the Keras quantizers' Q/DQ pairs (no
+recalibration); a target that needs ranges no quantizer observes (``ort-cpu``) takes them from the caller's
+sample data.
 """
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleT
     from onnx_qat.calibration import calibrate
     from onnx_qat.errors import QatError
     from onnx_qat.graph.index import GraphIndex
-    from onnx_qat.insertion.forms import make_form
+    from onnx_qat.insertion.adapters import make_adapter
 
-    form = make_form(target)
-    needed = () if form is None else tuple(
-        t for t in form.calibration_tensors(GraphIndex(mapping.model), mapping.placement)
+    adapter = make_adapter(target)
+    needed = () if adapter is None else tuple(
+        t for t in adapter.calibration_tensors(GraphIndex(mapping.model), mapping.placement)
         if t not in mapping.scales.activations)
     if not needed:
         return mapping.scales

@@ -2,12 +2,12 @@
 
 ``keras.models.load_model`` rebuilds a model from the archive's ``config.json``; a
 ``Lambda`` layer stores its Python function there as marshalled bytecode, which runs as
-soon as the model is rebuilt. :func:`load_model` never lets that happen: it reads only
-``.keras`` archives, refuses any Python lambda it finds in the configuration before Keras
+soon as the model is rebuilt. [`load_model`][tf_bridge.loading.load_model] never lets that happen: it reads
+only ``.keras`` archives, refuses any Python lambda it finds in the configuration before Keras
 sees it, and passes ``safe_mode=True`` to Keras (which also refuses non-modeling functions,
 external SavedModels and vocabulary files outside the archive), whatever
 ``keras.config.enable_unsafe_deserialization()`` was set to. Every failure is one
-:class:`onnx_qat.errors.ModelError` line naming the file.
+[`onnx_qat.errors.ModelError`][] line naming the file.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def load_model(path, *, custom_objects: Optional[Mapping[str, object]] = None, c
 
     The archive is deserialized with Keras's safe mode, always: Python lambdas (bytecode)
     and other unsafe content are refused without being run. tf_bridge's layers
-    (:class:`~tf_bridge.ActivationQuantizer`, :class:`~tf_bridge.QuantizeWrapper`) are
-    known without an import or a scope, so a saved QAT model reloads with identical outputs
+    ([`ActivationQuantizer`][tf_bridge.ActivationQuantizer], [`QuantizeWrapper`][tf_bridge.QuantizeWrapper])
+    are known without an import or a scope, so a saved QAT model reloads with identical outputs
     and quantizer ranges. The file is only read.
 
     Args:

@@ -3,7 +3,7 @@
 Both sides know the graph: the Keras model its layers and their inputs, the ONNX graph its nodes
 and their names. tf2onnx keeps TensorFlow's op names, which carry the Keras layer scope
 (``model_1/stem_conv_1/convolution``), so every node is read as belonging to a layer
-(:class:`tf_bridge.scopes.LayerScopes`); NHWC Transposes and other nodes tf2onnx adds itself
+(`tf_bridge.scopes.LayerScopes`); NHWC Transposes and other nodes tf2onnx adds itself
 carry no scope and are walked through.
 
 * **Weights.** The quantized kernel of a layer is the weight of the Conv, ConvTranspose, MatMul
@@ -20,11 +20,11 @@ carry no scope and are walked through.
 * **Activations.** A quantizer sits between a producer layer and its consumer layers. For a
   quantized weighted consumer the ONNX tensor is the activation input of its mapped node (before
   a Pad, TensorRT rule 8). For any other consumer (Add, Concatenate, Multiply, pooling...) it is
-  each input of the consumer layer's nodes (:data:`KERAS_TO_ONNX_OPS`, extended with
-  :func:`register_layer_ops`) that comes, through layout ops only, from a node of the producer
-  layer's scope (:meth:`tf_bridge.scopes.LayerScopes.source`); a producer that leaves no node
+  each input of the consumer layer's nodes (`KERAS_TO_ONNX_OPS`, extended with
+  `register_layer_ops`) that comes, through layout ops only, from a node of the producer
+  layer's scope (`tf_bridge.scopes.LayerScopes.source`); a producer that leaves no node
   (Dropout, the input of a nested model) stands for what it reads
-  (:meth:`tf_bridge.scopes.KerasGraph.sources`). No activation value is read, so the mapping is
+  (`tf_bridge.scopes.KerasGraph.sources`). No activation value is read, so the mapping is
   the same whatever the activations hold and on every run.
 * A SeparableConv's depthwise output, quantized inside its wrapper, is the activation input of
   the pointwise Conv its pointwise kernel maps to: both convolutions run in INT8.
@@ -32,7 +32,7 @@ carry no scope and are walked through.
   TensorRT; its fake-quantized values are written into the float weight instead ("baked"),
   so the ONNX model computes exactly what the Keras model computes.
 
-Anything that cannot be mapped raises :class:`onnx_qat.errors.ExportError` naming every such
+Anything that cannot be mapped raises [`onnx_qat.errors.ExportError`][] naming every such
 quantizer and its layer, in one line.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 _CONV = ("Conv",)
 #: The ONNX ops that read a Keras layer's inputs, by layer class (the one table of per-class
-#: knowledge; :func:`register_layer_ops` adds a class). Weighted layers are found by their weights.
+#: knowledge; `register_layer_ops` adds a class). Weighted layers are found by their weights.
 KERAS_TO_ONNX_OPS = {
     "Add": ("Add", "Sum"), "Subtract": ("Sub",), "Multiply": ("Mul",), "Concatenate": ("Concat",),
     "Average": ("Mean", "Add", "Sum", "Div", "Mul"), "Maximum": ("Max",), "Minimum": ("Min",),
@@ -84,7 +84,7 @@ _REGISTERED_OPS: Dict[type, Tuple[str, ...]] = {}
 
 def register_layer_ops(layer_class: type, onnx_ops: Sequence[str]) -> None:
     """Tell the mapping which ONNX op types read the inputs of ``layer_class`` (a custom layer
-    whose tf2onnx conversion the table :data:`KERAS_TO_ONNX_OPS` does not know)."""
+    whose tf2onnx conversion the table `KERAS_TO_ONNX_OPS` does not know)."""
     if not isinstance(layer_class, type) or not onnx_ops:
         raise ExportError("register_layer_ops: give a layer class and at least one ONNX op type")
     _REGISTERED_OPS[layer_class] = tuple(str(op) for op in onnx_ops)
@@ -109,7 +109,7 @@ class MappingEntry:
     """How one Keras quantizer landed in the ONNX graph.
 
     Attributes:
-        quantizer: the Keras quantizer path (see :func:`tf_bridge.quantizer_records`).
+        quantizer: the Keras quantizer path (see [`tf_bridge.quantizer_records`][]).
         kind: ``"activation"`` or ``"weight"``.
         keras: what it quantizes in Keras (``"stem_relu:0 -> conv[0]"``, ``"conv.kernel"``).
         onnx_tensors: the ONNX tensors that carry it (activation input / weight initializer).
@@ -139,8 +139,8 @@ class MappingEntry:
 
 @dataclass(frozen=True)
 class KerasOnnxMapping:
-    """The result of :func:`map_quantizers`: entries, the placement and ScaleTable they define,
-    and the float model to quantize (mapped weights snapped to the Keras int8 grid, see :func:`_snap`)."""
+    """The result of `map_quantizers`: entries, the placement and ScaleTable they define,
+    and the float model to quantize (mapped weights snapped to the Keras int8 grid, see `_snap`)."""
 
     entries: Tuple[MappingEntry, ...]
     placement: Placement
@@ -170,7 +170,7 @@ def _keras_canonical(layer, attr: str, kernel: np.ndarray) -> List[np.ndarray]:
 
 
 def _declared_layout(layer, attr: str, k: np.ndarray) -> np.ndarray:
-    """A weight of a declared layer class (:mod:`tf_bridge.custom_layers`) with its output-channel
+    """A weight of a declared layer class (`tf_bridge.custom_layers`) with its output-channel
     axis moved last, the Dense/Conv kernel layout the forms below start from."""
     declared = registered_quantization(layer)
     axes = dict(declared.weights).get(attr) if declared is not None else None
@@ -211,7 +211,7 @@ def keras_grid(rows: np.ndarray, amax) -> np.ndarray:
 
 
 def _onnx_layout(node: NodeInfo, canonical: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
-    """Inverse of :func:`_onnx_canonical`: a ``[output channel, rest]`` matrix in the node's weight layout."""
+    """Inverse of `_onnx_canonical`: a ``[output channel, rest]`` matrix in the node's weight layout."""
     if node.op_type == "Conv":
         return canonical.reshape(shape)
     if node.op_type == "ConvTranspose":
@@ -270,7 +270,7 @@ class _WeightHit:
 
 
 def _source_in(source: str, wanted) -> bool:
-    """True when a scope from :meth:`LayerScopes.source` (possibly ``"a|b"``) is one of ``wanted``."""
+    """True when a scope from `LayerScopes.source` (possibly ``"a|b"``) is one of ``wanted``."""
     return bool(source) and any(s in wanted for s in source.split("|"))
 
 
@@ -415,7 +415,7 @@ class _Mapper:
         return list(dict.fromkeys((n.name, j) for n, j in (preferred or edges)))
 
     def _error(self, keras_value: np.ndarray, tensor: str) -> float:
-        """:func:`value_error` of a Keras value against an ONNX tensor's value (inf when unknown)."""
+        """`value_error` of a Keras value against an ONNX tensor's value (inf when unknown)."""
         return value_error(keras_value, self.values.get(tensor, np.zeros(0)))
 
 
@@ -633,7 +633,7 @@ def map_quantizers(q_model, model: onnx.ModelProto,
         q_model: the Keras QAT model (read only).
         model: the float ONNX model of its float twin (not modified).
         keras_calls: optional, the twin's layer values on sample data
-            (:func:`tf_bridge.trace.trace_layers`); used only where a layer's weights are found
+            (`tf_bridge.trace.trace_layers`); used only where a layer's weights are found
             outside its scope in several nodes.
         onnx_values: optional, the float ONNX model's tensor values on the same data, by name
             (same use).

@@ -1,7 +1,7 @@
 """Values of ONNX tensors and their comparison with Keras tensors across layouts.
 
 tf2onnx turns NHWC Keras tensors into NCHW ONNX tensors (and back), squeezes
-pooled outputs and unsqueezes 1-D convolutions. :func:`value_error` compares a
+pooled outputs and unsqueezes 1-D convolutions. `value_error` compares a
 Keras array with an ONNX array under each layout the exporter uses, so a tensor
 can be found by what it holds rather than by its (changing) name.
 """

@@ -1,9 +1,9 @@
-"""Step 4 of :func:`tf_bridge.export_onnx`: parity of the Q/DQ model with the Keras QAT model.
+"""Step 4 of [`tf_bridge.export_onnx`][]: parity of the Q/DQ model with the Keras QAT model.
 
-The criterion (see :mod:`tf_bridge.export`), per output: against the Keras QAT model run in
+The criterion (see `tf_bridge.export`), per output: against the Keras QAT model run in
 TensorFlow, within ``RATIO_LIMIT`` of the float model's difference, within ``ABS_LIMIT`` of the
 output range and with top-1 agreement >= ``TOP1_LIMIT``. When that misses, in two parts
-(:func:`split_parity`): **the export** - the Q/DQ model against the Keras QAT graph itself run in
+(`split_parity`): **the export** - the Q/DQ model against the Keras QAT graph itself run in
 onnxruntime (equal arithmetic), by the same three limits - and **the engines** - that run against
 the run in TensorFlow, within ``RATIO_LIMIT`` of the float difference and ``ABS_LIMIT`` of the
 range, or within ``SENSITIVITY_FACTOR`` times the rounding sensitivity measured on the Q/DQ
@@ -11,7 +11,7 @@ model. The second way passes, named in the text as a rounding cascade and logged
 the export is proven on equal arithmetic, and what remains is the Keras model's own
 non-reproducibility across engines, measured, not assumed. Where the Keras graph cannot run in
 onnxruntime, a difference only the rounding sensitivity explains stays FAILED (rounding
-cascade). Typed results: :class:`OutputParity`, :class:`DeployedParity`, :class:`Parity`.
+cascade). Typed results: `OutputParity`, `DeployedParity`, `Parity`.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class OutputParity:
     bound held), ``"rounding"`` (``"tensorflow"`` reference only: only the rounding-sensitivity
     fallback held) or ``""``. ``output_range`` is the range (max - min) of the Keras QAT output
     (run in TensorFlow) over the samples; the Q/DQ model must stay within ``ABS_LIMIT`` of it
-    (:attr:`abs_error`), so that a float twin whose own output explodes cannot make any difference
+    (`abs_error`), so that a float twin whose own output explodes cannot make any difference
     look small.
 
     With the ``"onnxruntime"`` reference, the **engines** part compares the two runs of the Keras
@@ -81,7 +81,7 @@ class OutputParity:
     model's difference from the run in TensorFlow and ``ABS_LIMIT`` of the range: the engines
     agree), ``"rounding"`` (within ``SENSITIVITY_FACTOR`` times the rounding sensitivity
     ``sensitivity``: a rounding cascade, named in the text and logged as a warning by
-    :func:`tf_bridge.export_onnx`, the verdict still PASSED when the export part holds) or ``""``
+    [`tf_bridge.export_onnx`][], the verdict still PASSED when the export part holds) or ``""``
     (beyond both: FAILED). ``cause`` explains a failure: ``"rounding cascade"`` when the
     difference is within ``SENSITIVITY_FACTOR`` times the rounding sensitivity where no
     onnxruntime run of the Keras graph exists (the network itself turns last-bit differences into
@@ -222,8 +222,8 @@ class DeployedParity:
 
 @dataclass(frozen=True)
 class Parity:
-    """The parity verdict: one :class:`OutputParity` per output, the worst layers on failure, and
-    for a target other than ``tensorrt`` one :class:`DeployedParity` per output (``deployed``)."""
+    """The parity verdict: one `OutputParity` per output, the worst layers on failure, and
+    for a target other than ``tensorrt`` one `DeployedParity` per output (``deployed``)."""
 
     outputs: Tuple[OutputParity, ...]
     samples: int
@@ -258,7 +258,7 @@ class Parity:
 def output_parity(names: Sequence[str], keras_qat: Sequence[np.ndarray], qdq: Sequence[np.ndarray],
                   float_onnx: Sequence[np.ndarray], sensitivity: Optional[Sequence[float]] = None
                   ) -> Tuple[OutputParity, ...]:
-    """One :class:`OutputParity` per output against the Keras QAT model run in TensorFlow (the
+    """One `OutputParity` per output against the Keras QAT model run in TensorFlow (the
     criterion of the module docstring: the 10% bound, ``ABS_LIMIT`` of the output range, top-1);
     with ``sensitivity`` (one value per output) the rounding bound is tried where the 10% one
     fails, and a failure within it is reported as a rounding cascade."""
@@ -290,7 +290,7 @@ def split_parity(names: Sequence[str], keras_tf: Sequence[np.ndarray], keras_ort
                  qdq: Sequence[np.ndarray], float_onnx: Sequence[np.ndarray],
                  sensitivity: Sequence[float]) -> Tuple[OutputParity, ...]:
     """Parity in two parts, for when the comparison with the model run in TensorFlow misses the
-    10% bound (see :func:`keras_qat_in_onnxruntime`); an output passes when both hold:
+    10% bound (see `keras_qat_in_onnxruntime`); an output passes when both hold:
 
     * **the export**: the Q/DQ model against the Keras QAT model's own graph run in onnxruntime
       (``keras_ort``), on equal arithmetic: within ``RATIO_LIMIT`` of the float model's
@@ -331,7 +331,7 @@ def _ratio(d_q: float, d_f: float) -> float:
 def deployed_parity(target: str, model: onnx.ModelProto, tensorrt_form: onnx.ModelProto, feeds,
                     names: Sequence[str], keras_tf: Sequence[np.ndarray],
                     float_out: Sequence[np.ndarray]) -> Tuple[DeployedParity, ...]:
-    """:class:`DeployedParity` of ``model`` (the ``target`` form) run by onnxruntime as deployed
+    """`DeployedParity` of ``model`` (the ``target`` form) run by onnxruntime as deployed
     (default graph optimisations, its integer kernels) against ``tensorrt_form`` run with
     optimisations off; it reads no detail of how the target form was made."""
     from onnx_qat.errors import QatError
@@ -357,8 +357,8 @@ def deployed_parity(target: str, model: onnx.ModelProto, tensorrt_form: onnx.Mod
 
 def keras_qat_in_onnxruntime(q_model, opset: int, inputs: Sequence[np.ndarray]) -> Optional[List[np.ndarray]]:
     """The Keras QAT model's outputs computed by onnxruntime: its whole graph, fake quantization
-    included (``Div``, ``Round``, ``Clip``, ``Mul``: :mod:`tf_bridge.fake_quant` op for op),
-    converted by tf2onnx like the float twin. None (logged) when tf2onnx cannot convert it.
+    included (``Div``, ``Round``, ``Clip``, ``Mul``: [`tf_bridge.fake_quant`][tf_bridge.fake_quant.fake_quant]
+    op for op), converted by tf2onnx like the float twin. None (logged) when tf2onnx cannot convert it.
 
     TensorFlow and onnxruntime add the products of a convolution in different orders; their sums
     differ in the last bit (most outputs of any convolution wider than 1x1), and where such a sum
@@ -382,12 +382,12 @@ def keras_qat_in_onnxruntime(q_model, opset: int, inputs: Sequence[np.ndarray]) 
     return [values[o.name] for o in proto.graph.output]
 
 
-#: The relative change :func:`rounding_sensitivity` makes: 2**-22, two units in the last place of a
+#: The relative change `rounding_sensitivity` makes: 2**-22, two units in the last place of a
 #: float32 in [1, 2) (four in [0.5, 1)).
 _NUDGE = 2.0 ** -22
 
 
-#: How many random draws of the nudges' signs :func:`rounding_sensitivity` makes; it reports the
+#: How many random draws of the nudges' signs `rounding_sensitivity` makes; it reports the
 #: largest cascade. Which values a nudge pushes across a rounding boundary depends on the signs, and
 #: the size of the cascade with it (measured on ConvNeXtTiny: 1.3e-6 to 1.4e-5 over ten draws).
 SENSITIVITY_DRAWS = 3
@@ -417,7 +417,7 @@ def rounding_sensitivity(qdq_model: onnx.ModelProto, feeds, names: Sequence[str]
 
 
 def _nudged(qdq_model: onnx.ModelProto, draw: int) -> onnx.ModelProto:
-    """A copy of ``qdq_model`` with the nudges of :func:`rounding_sensitivity`, signs from draw
+    """A copy of ``qdq_model`` with the nudges of `rounding_sensitivity`, signs from draw
     ``draw`` (seeds ``3 * draw``, ``+1``, ``+2``)."""
     copy = onnx.ModelProto()
     copy.CopyFrom(qdq_model)
@@ -484,7 +484,7 @@ _DATA_MOVES = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flat
 
 def _computed(tensor: str, producers) -> bool:
     """A tensor some arithmetic computed: not a model input or constant, nor one only moved
-    (:data:`_DATA_MOVES`) from one."""
+    (`_DATA_MOVES`) from one."""
     seen = 0
     while tensor in producers and seen < 64:
         node = producers[tensor]
@@ -548,11 +548,11 @@ def _parity(q_model, mapping: KerasOnnxMapping, result, float_model, float_value
             keras_tf: List[np.ndarray], opset: int, generated: bool, part=None) -> Parity:
     """The parity verdict of a TensorRT-form ``result`` (see the module docstring): against the
     Keras QAT model run in TensorFlow; when that fails, in two parts against its own graph run in
-    onnxruntime (:func:`split_parity`), or, when that graph cannot be converted, against TensorFlow
+    onnxruntime (`split_parity`), or, when that graph cannot be converted, against TensorFlow
     with the rounding bound tried (a difference only it explains fails as a rounding cascade).
     The worst layers are named on failure; a pass through a rounding cascade of the engines is
     logged as a warning. ``part(name)``, when given, is a context manager timing each run
-    (:attr:`tf_bridge.ExportReport.timings`)."""
+    (`tf_bridge.ExportReport.timings`)."""
     part = part or (lambda name: contextlib.nullcontext())
     with part("Q/DQ model in onnxruntime"):
         qdq_values = run_with_tensors(result.model, feeds)

@@ -1,12 +1,12 @@
-"""Keras layers that hold quantizer state and apply :mod:`tf_bridge.fake_quant`.
+"""Keras layers that hold quantizer state and apply [`tf_bridge.fake_quant`][tf_bridge.fake_quant.fake_quant].
 
-* :class:`ActivationQuantizer` sits on one tensor (a layer output or a model
-  input) and quantizes it per tensor for every quantized consumer of that tensor.
+* [`ActivationQuantizer`][tf_bridge.quantizers.ActivationQuantizer] sits on one tensor (a layer output or a
+  model input) and quantizes it per tensor for every quantized consumer of that tensor.
   Its state is a scalar ``amax`` plus an ``initialized`` flag, both saved with
   the model. It records which layer output it quantizes (``producer``) and which
   layer inputs read it (``consumers``).
-* :class:`QuantizeWrapper` wraps a weighted Keras layer (Dense, Conv*, ...) and
-  quantizes its kernel(s) per output channel on every call; the wrapped layer
+* [`QuantizeWrapper`][tf_bridge.quantizers.QuantizeWrapper] wraps a weighted Keras layer (Dense, Conv*, ...)
+  and quantizes its kernel(s) per output channel on every call; the wrapped layer
   itself is the unchanged Keras layer with its float weights.
 
 Activation ranges while training (``mode``):
@@ -16,7 +16,7 @@ Activation ranges while training (``mode``):
   the updated value; inference uses the stored value.
 * ``"fixed"``: the calibrated ``amax`` is never changed by training.
 * ``"learnable"``: ``amax`` is a trainable weight (gradient of the LSQ form,
-  see :mod:`tf_bridge.fake_quant`), initialised by calibration.
+  see [`tf_bridge.fake_quant`][tf_bridge.fake_quant.fake_quant]), initialised by calibration.
 
 A quantizer that has no range yet warns once. In training it takes the first
 batch's max as its range; in inference it passes values through unquantized.
@@ -28,7 +28,7 @@ lie beyond ``RESEED_RATIO`` (4) times its stored ``amax``. Above
 is replaced by the batch max, exactly as if it had never been set, and the mode's
 rule goes on from there (so the stored ``amax``, which export writes to the
 ScaleTable, is the range training used). ``initialized`` is set to 2 so that
-:class:`tf_bridge.NonFiniteGuard` can name the quantizer.
+[`tf_bridge.NonFiniteGuard`][] can name the quantizer.
 
 Why: ranges calibrated on an untrained network (BatchNormalization still at its
 initial statistics) can be 1e2-1e6 times smaller than the same tensors in training
@@ -75,7 +75,8 @@ UNSET, SET, RESEEDED = 0.0, 1.0, 2.0
 
 
 class UncalibratedQuantizerWarning(UserWarning):
-    """An activation quantizer was used before it had a range (call :func:`tf_bridge.calibrate`)."""
+    """An activation quantizer was used before it had a range (call
+    [`tf_bridge.calibrate`][tf_bridge.calibrate.calibrate])."""
 
 
 def _global_max(value: tf.Tensor) -> tf.Tensor:
@@ -142,7 +143,8 @@ class ActivationQuantizer(keras.layers.Layer):
         self._collector = None
         self._warned = False
         #: the wrapped layer whose internal tensor this quantizer sits on (a SeparableConv's
-        #: depthwise output, see :class:`QuantizeWrapper`); "" for a quantizer between layers.
+        #: depthwise output, see [`QuantizeWrapper`][tf_bridge.quantizers.QuantizeWrapper]); "" for a
+        #: quantizer between layers.
         self.inside = ""
 
     def build(self, input_shape=None):
@@ -227,7 +229,8 @@ class ActivationQuantizer(keras.layers.Layer):
 
     @property
     def calibrated(self) -> bool:
-        """True once a range is set (by calibration, :meth:`set_amax` or training)."""
+        """True once a range is set (by calibration,
+        [`set_amax`][tf_bridge.quantizers.ActivationQuantizer.set_amax] or training)."""
         return float(self.initialized.numpy()) > 0
 
     def amax_value(self) -> Optional[np.ndarray]:
@@ -288,7 +291,7 @@ WEIGHT_RULES: Tuple[Tuple[tuple, Tuple[WeightRule, ...]], ...] = (
 
 def weight_rules_for(layer) -> Tuple[WeightRule, ...]:
     """The weight rules of ``layer`` (empty if tf_bridge cannot quantize its weights); a class
-    declared with :func:`tf_bridge.custom_layers.register_layer_quantization` uses its declaration."""
+    declared with [`tf_bridge.custom_layers.register_layer_quantization`][] uses its declaration."""
     from .custom_layers import registered_quantization
 
     declared = registered_quantization(layer)
@@ -339,7 +342,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
         """Run the wrapped layer with each quantized weight replaced by its fake-quantized value
         (per-channel amax from the current weight, narrow int8 range); gradients reach the float
         weight straight through. A SeparableConv runs as its two convolutions with the depthwise
-        output fake-quantized in between (:attr:`intermediate`)."""
+        output fake-quantized in between (`intermediate`)."""
         mapping = []
         for rule in self.rules:
             var = getattr(self.layer, rule.attr)
@@ -387,7 +390,7 @@ class QuantizeWrapper(keras.layers.Wrapper):
 
     def weight_amax(self) -> dict:
         """``{attr: amax}``: float32 NumPy arrays, one value per output channel (see
-        :func:`tf_bridge.fake_quant.per_channel_amax_numpy` for the channel order)."""
+        `tf_bridge.fake_quant.per_channel_amax_numpy` for the channel order)."""
         return {attr: per_channel_amax_numpy(var.numpy(), axes)
                 for attr, var, axes in self.quantized_weights()}
 

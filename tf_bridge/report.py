@@ -1,4 +1,5 @@
-"""Step 5 of :func:`tf_bridge.export_onnx`: what was written and proved, as :class:`ExportReport`."""
+"""Step 5 of [`tf_bridge.export_onnx`][]: what was written and proved, as
+[`ExportReport`][tf_bridge.report.ExportReport]."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,27 +12,30 @@ from .parity import Parity
 
 @dataclass(frozen=True)
 class ExportReport:
-    """What :func:`export_onnx` wrote and proved.
+    """What [`export_onnx`][tf_bridge.export_onnx] wrote and proved.
 
     Attributes:
         path: the Q/DQ ONNX model.
         scales_path: its ScaleTable JSON (None with ``save_scales=False``).
         float_path: the float ONNX model (None unless ``save_float=True``).
         opset, target: as requested.
-        mapping: one :class:`~tf_bridge.mapping.MappingEntry` per Keras quantizer.
-        parity: the :class:`Parity` verdict against the Keras QAT model.
-        check: the :class:`onnx_qat.check.CheckReport` of the Q/DQ model under the rules of
+        mapping: one `MappingEntry` per Keras quantizer.
+        parity: the `Parity` verdict against the Keras QAT model.
+        check: the [`onnx_qat.check.CheckReport`][] of the Q/DQ model under the rules of
             its ``target`` (``onnx_qat.check(model, target=...)``).
-        summary: counts from :func:`onnx_qat.quantize`.
+        summary: counts from [`onnx_qat.quantize`][onnx_qat.quantize.quantize].
         cli_reproducible: True when ``onnx-qat quantize <float> --scales <json>`` (the default
             placement) gives this very model; False when the Keras placement differs from the
             default one (the Q/DQ model then comes from the Keras placement).
         baked: weights stored fake-quantized in float (their inputs are not quantized).
         requantization: for a target other than ``tensorrt``, the records of the points it adds
-            (:attr:`onnx_qat.quantize.QuantizeResult.requantization`: tensor, Conv, amax, its
+            (`onnx_qat.quantize.QuantizeResult.requantization`: tensor, Conv, amax, its
             source, ``status``); a ``not requantized`` Conv keeps a float output.
-        timings: ``(step, seconds)`` in order: the five steps of :func:`export_onnx` and, named
-            ``"<step>: <part>"``, the timed parts of a step (the parity's runs).
+        timings: ``(step, seconds)`` in order: the five steps of [`export_onnx`][tf_bridge.export_onnx] and,
+            named ``"<step>: <part>"``, the timed parts of a step (the parity's runs).
+        float_parts: with ``float_dtype`` ``fp16``/``bf16``: the
+            [`FloatPartsResult`][onnx_qat.formats.float_parts.FloatPartsResult] (nodes kept FP32 with their
+            reasons, output cosines measured); None with FP32 float parts.
     """
 
     path: Path
@@ -47,6 +51,7 @@ class ExportReport:
     baked: Tuple[str, ...] = ()
     requantization: Tuple[dict, ...] = field(default=(), repr=False)
     timings: Tuple[Tuple[str, float], ...] = field(default=(), repr=False)
+    float_parts: Optional[object] = field(default=None, repr=False)
 
     @property
     def passed(self) -> bool:

@@ -3,15 +3,15 @@
 A TensorFlow SavedModel holds a traced graph and the variables, not the Keras model, and
 tf2onnx converts that graph to a float ONNX model (the fake quantization becomes Round/Clip
 arithmetic, no QuantizeLinear/DequantizeLinear). So every model made by
-:func:`tf_bridge.quantize_model` (or read by :func:`tf_bridge.load_model`) carries a
+[`tf_bridge.quantize_model`][] (or read by [`tf_bridge.load_model`][]) carries a
 *rebuild record*: its Keras configuration (JSON) in a one-entry ``tf.lookup.StaticHashTable``
 attribute. Keras's ``model.export(dir)`` saves lookup tables it finds on the model, so the
 SavedModel holds the configuration next to the variables (the trained weights and every
-quantizer range), and :func:`rebuild_qat_model` builds the same Keras QAT model back from
-the directory, checked against the SavedModel's own ``serve`` function on sample inputs.
+quantizer range), and [`rebuild_qat_model`][tf_bridge.saved_model.rebuild_qat_model] builds the same Keras QAT
+model back from the directory, checked against the SavedModel's own ``serve`` function on sample inputs.
 
-:func:`tf_bridge.compat.utils.convert_saved_model_to_onnx` uses it to export the Q/DQ model
-through :func:`tf_bridge.export_onnx`.
+[`tf_bridge.compat.utils.convert_saved_model_to_onnx`][] uses it to export the Q/DQ model
+through [`tf_bridge.export_onnx`][].
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ _SERVE_RTOL = 1e-4
 
 def attach_rebuild_record(q_model) -> None:
     """Give ``q_model`` its rebuild record (its Keras configuration), so that the SavedModel of
-    ``q_model.export(dir)`` can be rebuilt by :func:`rebuild_qat_model`. Models without
-    tf_bridge quantizers are left alone."""
+    ``q_model.export(dir)`` can be rebuilt by [`rebuild_qat_model`][tf_bridge.saved_model.rebuild_qat_model].
+    Models without tf_bridge quantizers are left alone."""
     import keras
 
     from .describe import iter_quantizer_layers
@@ -94,7 +94,7 @@ def quantizer_variable_names(loaded) -> Tuple[str, ...]:
 
 
 def load_saved_model(directory):
-    """``tf.saved_model.load(directory)``, failures as one :class:`ModelError` line."""
+    """``tf.saved_model.load(directory)``, failures as one [`ModelError`][onnx_qat.errors.ModelError] line."""
     source = Path(directory)
     if not source.is_dir() or not (source / "saved_model.pb").is_file():
         raise ModelError(f"{source}: not a SavedModel directory (no saved_model.pb)")

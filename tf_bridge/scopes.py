@@ -6,10 +6,10 @@ BiasAdd``. A scope component is the layer name, possibly with a ``_<n>`` suffix 
 to keep scopes unique (a second call of a shared layer, a clone of a name already used). Nodes
 tf2onnx adds itself (``Transpose__188``, ``const_fold_opt__12``) carry no layer scope.
 
-:class:`LayerScopes` reads those names against the Keras model's layer tree. A component that
+`LayerScopes` reads those names against the Keras model's layer tree. A component that
 could name two layers (``conv_1`` is layer ``conv_1``, or layer ``conv`` with a suffix) is
 settled by elimination: a layer another component names without doubt is taken off the
-ambiguous one. The Keras side of the topology comes from :class:`KerasGraph`: the producer of
+ambiguous one. The Keras side of the topology comes from `KerasGraph`: the producer of
 every layer input, through layers that leave no node in the ONNX graph (Dropout, an InputLayer
 of a nested model, a layer tf2onnx optimized away).
 """
@@ -25,11 +25,11 @@ from onnx_qat.graph.index import GraphIndex, NodeInfo
 #: ONNX ops that only move data; a Keras tensor crossing into a layer may pass through them.
 LAYOUT_OPS = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Cast")
 #: Keras layers whose own computation is a layout op (their nodes end a walk back, see
-#: :meth:`LayerScopes.source`); the layout nodes of any other layer are tf2onnx's adapters.
+#: `LayerScopes.source`); the layout nodes of any other layer are tf2onnx's adapters.
 LAYOUT_LAYERS = (keras.layers.Reshape, keras.layers.Flatten, keras.layers.Permute)
 #: Graph inputs are scoped as ``INPUT_SCOPE + <graph input name>``.
 INPUT_SCOPE = "input:"
-#: The key of the nodes :func:`scope_operations` gives to a Keras operation.
+#: The key of the nodes `scope_operations` gives to a Keras operation.
 OPERATION_SCOPE = "operation:"
 
 
@@ -63,7 +63,7 @@ class LayerScopes:
 
     Args:
         model: the Keras model tf2onnx converted (the float twin).
-        index: the ONNX graph's :class:`GraphIndex`.
+        index: the ONNX graph's `GraphIndex`.
     """
 
     def __init__(self, model, index: GraphIndex):
@@ -146,8 +146,8 @@ class LayerScopes:
 
     def source(self, tensor: str, reader: str) -> Optional[str]:
         """The scope a tensor read by node ``reader`` comes from: walking back through layout ops
-        (:data:`LAYOUT_OPS`: tf2onnx's NHWC adapters, whichever layer's scope they carry, unless
-        that layer is itself a layout layer, :data:`LAYOUT_LAYERS`) and through a ``Pad`` of the
+        (`LAYOUT_OPS`: tf2onnx's NHWC adapters, whichever layer's scope they carry, unless
+        that layer is itself a layout layer, `LAYOUT_LAYERS`) and through a ``Pad`` of the
         same layer call, the path of the first node of another layer call, ``INPUT_SCOPE + name``
         for a graph input, ``""`` for a tf2onnx node without scope, None for a value made inside
         the same call (a layer called on its own output is two calls, two scopes)."""
@@ -170,7 +170,7 @@ class LayerScopes:
 
     def entry_edges(self, path: str) -> Iterator[Tuple[NodeInfo, int, str]]:
         """``(node, input index, source)`` for every non-constant input of a node of layer ``path``
-        that comes from outside the layer (:meth:`source`), layout nodes only where the layer has
+        that comes from outside the layer (`source`), layout nodes only where the layer has
         nothing else."""
         nodes = self.nodes(path)
         compute = [n for n in nodes if n.op_type not in LAYOUT_OPS] or nodes
@@ -312,7 +312,7 @@ def scope_operations(scopes: LayerScopes, graph: KerasGraph, ops_of) -> List[str
     TensorFlow names such an op without a layer scope (``convnext_tiny_1/Add_3``), so its node carries
     only the model's scope. It is the one node without a layer scope, of an op type ``ops_of`` gives
     for the operation (``Add`` for an ``Add``; any non-layout op when None), whose inputs all come
-    from the scopes that hold the operation's inputs (:meth:`KerasGraph.sources`), read through
+    from the scopes that hold the operation's inputs (`KerasGraph.sources`), read through
     layout ops. Operations are settled in topological order, so one reading another finds it; an
     operation with no such node, or more than one (an operation called twice in one model), is left
     without nodes (and stands for what it reads, as a layer without nodes does).

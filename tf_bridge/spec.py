@@ -7,8 +7,8 @@ whether to quantize the layer's inputs, its weights, and which inputs
 (``quantization_index``: positions among the layer's input tensors, e.g. ``[1]``
 for the second input of an ``Add``; ``None`` means all inputs).
 
-:func:`resolve_plan` turns the default policy, the cases' specs and the user's
-spec into one :class:`LayerDecision` per layer, with this precedence (first wins):
+`resolve_plan` turns the default policy, the cases' specs and the user's
+spec into one `LayerDecision` per layer, with this precedence (first wins):
 user name entry, case name entry, user class entry, case class entry, default
 policy (``"full"`` mode only). Among entries of one spec, the last added wins.
 """
@@ -43,7 +43,7 @@ MODES = ("full", "partial")
 
 @dataclass(frozen=True)
 class SpecEntry:
-    """One entry of a :class:`QuantizationSpec`."""
+    """One entry of a [`QuantizationSpec`][tf_bridge.spec.QuantizationSpec]."""
 
     name: str
     is_keras_class: bool = False
@@ -98,8 +98,8 @@ def _check_bool(value, what: str) -> bool:
 class QuantizationSpec:
     """An ordered list of per-layer or per-class quantization entries.
 
-    Build it with :meth:`add`; pass it to :func:`tf_bridge.quantize_model`, which
-    copies it (the caller's spec is never modified).
+    Build it with [`add`][tf_bridge.spec.QuantizationSpec.add]; pass it to [`tf_bridge.quantize_model`][],
+    which copies it (the caller's spec is never modified).
     """
 
     def __init__(self):
@@ -139,9 +139,10 @@ class QuantizationSpec:
 
     @property
     def layers(self) -> List[SpecEntry]:
-        """The entries as the mutable list NVIDIA's toolkit names ``layers`` (the list :attr:`entries`
-        reads), so a case written for the toolkit can ``spec.layers.extend(other.layers)``; the
-        names of entries put in by hand are checked when the spec is used, as :meth:`add`'s are."""
+        """The entries as the mutable list NVIDIA's toolkit names ``layers`` (the list
+        [`entries`][tf_bridge.spec.QuantizationSpec.entries] reads), so a case written for the toolkit can
+        ``spec.layers.extend(other.layers)``; the names of entries put in by hand are checked when the spec is
+        used, as [`add`][tf_bridge.spec.QuantizationSpec.add]'s are."""
         return self._entries
 
     def copy(self) -> "QuantizationSpec":

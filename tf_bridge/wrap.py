@@ -2,8 +2,8 @@
 
 Functional models are rebuilt with ``keras.models.clone_model(model,
 clone_function=..., call_function=...)``: ``clone_function`` copies each layer
-(config + weights) and wraps weighted layers in :class:`QuantizeWrapper`;
-``call_function`` puts an :class:`ActivationQuantizer` in front of each
+(config + weights) and wraps weighted layers in [`QuantizeWrapper`][tf_bridge.quantizers.QuantizeWrapper];
+``call_function`` puts an [`ActivationQuantizer`][tf_bridge.quantizers.ActivationQuantizer] in front of each
 quantized input. One quantizer serves every quantized consumer of a tensor.
 
 Nested models are handled by this module rather than by ``recursive=True``:
@@ -11,7 +11,7 @@ Keras does not pass ``call_function`` into nested Sequential models, so a
 Sequential model (top level or nested) is rebuilt as a Sequential list with the
 quantizers placed between its layers, and a nested Functional model is cloned
 by the same routine as the top level. Subclassed models cannot be cloned and
-are refused with :class:`onnx_qat.errors.ModelError`.
+are refused with [`onnx_qat.errors.ModelError`][].
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from keras.src.models.functional import Functional
 
 from onnx_qat.errors import ConfigError, ModelError
 
-from .cases import CustomQDQInsertionCase
+from .case_base import CustomQDQInsertionCase
 from .guard import guarded, unguarded
 from .quantizers import MODES as RANGE_MODES
 from .quantizers import ActivationQuantizer, QuantizeWrapper
@@ -64,7 +64,7 @@ def copy_layer(layer):
 
 
 class _Cloner:
-    """Clones one model tree, applying a plan of :class:`LayerDecision` by original layer id."""
+    """Clones one model tree, applying a plan of `LayerDecision` by original layer id."""
 
     def __init__(self, plan: Dict[int, LayerDecision], mode: str, momentum: float):
         self.plan = plan
@@ -204,17 +204,19 @@ def quantize_model(model, quantization_mode: str = "full",
         quantization_mode: ``"full"`` (default policy for every supported layer,
             adjusted by the spec and cases) or ``"partial"`` (only layers named by
             the spec or the cases).
-        quantization_spec: a :class:`QuantizationSpec`; copied, never modified.
-        custom_qdq_cases: a list of :class:`CustomQDQInsertionCase`; each case's
-            returned spec is applied below the user's spec in precedence.
+        quantization_spec: a [`QuantizationSpec`][tf_bridge.spec.QuantizationSpec]; copied, never modified.
+        custom_qdq_cases: a list of
+            [`CustomQDQInsertionCase`][tf_bridge.case_base.CustomQDQInsertionCase]; each case's returned
+            spec is applied below the user's spec in precedence.
         activation_range: ``"ema"`` (default), ``"fixed"`` or ``"learnable"``: how
-            activation ranges move during training (see :mod:`tf_bridge.quantizers`).
+            activation ranges move during training (see `tf_bridge.quantizers`).
         ema_momentum: momentum of the ``"ema"`` update, in [0, 1).
 
     Returns:
-        A new model of the same kind (a :class:`tf_bridge.QATFunctional` or
-        :class:`tf_bridge.QATSequential`: ``fit`` adds a :class:`tf_bridge.NonFiniteGuard`),
-        compiled like the original if it was compiled. Call :func:`tf_bridge.calibrate` before use.
+        A new model of the same kind (a [`tf_bridge.QATFunctional`][] or
+        [`tf_bridge.QATSequential`][]: ``fit`` adds a [`tf_bridge.NonFiniteGuard`][]),
+        compiled like the original if it was compiled. Call
+        [`tf_bridge.calibrate`][tf_bridge.calibrate.calibrate] before use.
 
     Raises:
         ModelError: subclassed or unbuilt model, or a layer that cannot be copied.

@@ -9,9 +9,9 @@ Steps, each printed as a stage line with its time:
    stratified train / validation / test split.
 2. float    — a small Keras CNN with a residual block (Conv2D+BatchNormalization+ReLU,
    a residual Add, max pooling, global average pooling, Dense) trained from fixed seeds.
-3. PTQ      — :func:`tf_bridge.quantize_model` + :func:`tf_bridge.calibrate` only.
+3. PTQ      — [`tf_bridge.quantize_model`][] + [`tf_bridge.calibrate`][tf_bridge.calibrate.calibrate] only.
 4. QAT      — the same, then a short fine-tune with ``fit``.
-5. export   — :func:`tf_bridge.export_onnx` for both (Q/DQ ONNX, ScaleTable JSON, float ONNX).
+5. export   — [`tf_bridge.export_onnx`][] for both (Q/DQ ONNX, ScaleTable JSON, float ONNX).
 6. measure  — accuracy of the float, PTQ and QAT models in onnxruntime on the test split,
    onnxruntime CPU latency FP32 vs INT8 (median of interleaved runs), per-layer
    quantization error (SQNR of each weighted op's output against the float twin).
@@ -61,7 +61,7 @@ logger = logging.getLogger("tools.demo")
 # =========================================================================== options
 @dataclass(frozen=True)
 class DemoOptions:
-    """Every command-line option, validated (see :func:`get_parser` for their meaning)."""
+    """Every command-line option, validated (see `get_parser` for their meaning)."""
 
     out: Path = Path("demo_report")
     epochs: int = 20
@@ -95,7 +95,7 @@ class DemoOptions:
 
 
 def get_parser() -> argparse.ArgumentParser:
-    """The command-line parser (every option is a field of :class:`DemoOptions`)."""
+    """The command-line parser (every option is a field of `DemoOptions`)."""
     d = DemoOptions()
     p = argparse.ArgumentParser(
         prog=PROG, description="Train a CNN on scikit-learn's bundled digits, quantize it (PTQ and QAT), "
@@ -130,7 +130,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def options_from_args(args: argparse.Namespace) -> DemoOptions:
-    """Build :class:`DemoOptions` from parsed arguments (``--quick`` shortens the run)."""
+    """Build `DemoOptions` from parsed arguments (``--quick`` shortens the run)."""
     fields = {f.name for f in dataclasses.fields(DemoOptions)}
     values = {k: v for k, v in vars(args).items() if k in fields}
     values["latency_batches"] = tuple(values["latency_batches"])
@@ -284,7 +284,7 @@ class Exported:
 
 
 def export_model(q_model, models_dir: Path, name: str, data: Splits, progress: bool = True) -> Exported:
-    """:func:`tf_bridge.export_onnx` with the float ONNX and the ScaleTable; parity on the validation split.
+    """[`tf_bridge.export_onnx`][] with the float ONNX and the ScaleTable; parity on the validation split.
 
     ``strict=False``: a parity failure still writes the files, and the demo reports it as a FAIL line.
     """
@@ -411,7 +411,8 @@ def measure_latency(paths: Dict[str, Path], x: np.ndarray, batches: Sequence[int
     """
     from onnx_qat.runtime.sessions import make_session
 
-    sessions = {name: make_session(p, threads=threads) for name, p in paths.items()}
+    # latency of each model as onnxruntime deploys it (graph optimisations on, every form)
+    sessions = {name: make_session(p, threads=threads, optimize=True) for name, p in paths.items()}
     results = []
     for batch in batches:
         xb = np.resize(x, (batch, *x.shape[1:])).astype(np.float32)
@@ -656,8 +657,8 @@ def run_demo(opts: DemoOptions) -> Tuple[report.DemoResults, Dict[str, Path]]:
 
 
 def sensitivity_of(float_path: Path, data: Splits, progress: bool = True):
-    """:func:`onnx_qat.sensitivity` of the float ONNX model: calibrated on the training split, judged
-    on the validation split."""
+    """[`onnx_qat.sensitivity`][onnx_qat.accuracy.sensitivity.sensitivity] of the float ONNX model: calibrated
+    on the training split, judged on the validation split."""
     import onnx_qat
 
     return onnx_qat.sensitivity(str(float_path), data.x_train[:512], eval_data=data.x_val,

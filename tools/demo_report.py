@@ -1,7 +1,7 @@
 """The demo's results, its PNG plots (matplotlib, Agg backend) and its Markdown report.
 
-No TensorFlow here: :class:`DemoResults` holds plain numbers, so the report can be
-written (and tested) from any figures. :func:`write_report` writes ``report.md``,
+No TensorFlow here: `DemoResults` holds plain numbers, so the report can be
+written (and tested) from any figures. `write_report` writes ``report.md``,
 ``results.json`` and the PNGs into one folder, each file atomically.
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ class DemoResults:
         onnx_accuracy: ``{"float"|"ptq"|"qat"|"qat_cpu": %}`` measured in onnxruntime on the exported
             models (``qat_cpu``: the QAT export in the ort-cpu form).
         keras_accuracy: the same models in Keras (float, fake-quantized PTQ and QAT).
-        latency: one :class:`LatencyResult` per model and batch size.
+        latency: one `LatencyResult` per model and batch size.
         checks: ``{"ptq"|"qat": onnx_qat.check report as dict, plus "summary"}``.
         parity: ``{"ptq"|"qat": figures from the export report, plus "summary" and "passed"}``.
         layer_error: ``{"ptq"|"qat": ((layer, SQNR dB), ...)}`` against each model's float twin.
@@ -96,7 +96,8 @@ class DemoResults:
         criteria: the promises, checked.
         files: ``{what: path relative to the report folder}``.
         notes: extra sentences for the report (e.g. why an INT8 model is slow on CPU).
-        sensitivity: :func:`onnx_qat.sensitivity` of the float model (a ``SensitivityResult``), or None.
+        sensitivity: [`onnx_qat.sensitivity`][onnx_qat.accuracy.sensitivity.sensitivity] of the float model (a
+            ``SensitivityResult``), or None.
     """
 
     meta: Mapping[str, object]

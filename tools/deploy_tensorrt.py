@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The old command line of the TensorRT deployment tool; the tool itself is
-:mod:`onnx_qat.deploy.command` (``python tools/deploy_tensorrt.py MODEL.onnx --engine OUT.engine``)."""
+`onnx_qat.deploy.command` (``python tools/deploy_tensorrt.py MODEL.onnx --engine OUT.engine``)."""
 import sys
 from pathlib import Path
 

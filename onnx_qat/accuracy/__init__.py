@@ -1,12 +1,14 @@
-"""Accuracy tools built on the same stages as :func:`onnx_qat.quantize`.
+"""Accuracy tools built on the same stages as [`onnx_qat.quantize`][onnx_qat.quantize.quantize].
 
-* :mod:`.sites` — the *sites* placement quantizes together, read from a Placement's marks.
-* :mod:`.gated` — one onnxruntime session of the Q/DQ model in which every site can be switched
+* `sites` — the *sites* placement quantizes together, read from a Placement's marks.
+* `gated` — one onnxruntime session of the Q/DQ model in which every site can be switched
   between INT8 and float per run (the one inserter's output, each dequantized input behind a gate).
-* :mod:`.cuts` — runs of the gated model that start at a cut, on the tensors the float and the
+* `cuts` — runs of the gated model that start at a cut, on the tensors the float and the
   all-INT8 runs kept there: a setting runs only the part of the graph it changes.
-* :mod:`.sensitivity` — :func:`sensitivity`: per-site output error, ranked, as a typed result.
-* :mod:`.mixed` — automatic mixed precision: the fewest float sites reaching a minimum cosine.
+* [`sensitivity`][onnx_qat.accuracy.sensitivity.sensitivity] —
+  [`sensitivity`][onnx_qat.accuracy.sensitivity.sensitivity]: per-site output error, ranked, as a typed
+  result.
+* `mixed` — automatic mixed precision: the fewest float sites reaching a minimum cosine.
 
 Owns: the loops over the stages that measure and trade accuracy; no second inserter or graph index.
 May import: every stage below the public ``quantize`` (io, graph, formats and roundings, config,

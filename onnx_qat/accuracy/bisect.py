@@ -59,7 +59,7 @@ def bisect(n: int, measure: Callable[[Tuple[int, ...]], OutputError], effect: Ca
 
 def screen(prepared, all_int8: OutputError, which: str, share: float = SCREEN_SHARE,
            on_run=None) -> Dict[int, Tuple[OutputError, int]]:
-    """:func:`bisect` over ``prepared.sites`` for ``which`` = ``only`` or ``all_but``."""
+    """`bisect` over ``prepared.sites`` for ``which`` = ``only`` or ``all_but``."""
     n = len(prepared.sites)
     everything = frozenset(range(n))
     limit = threshold(all_int8, share)

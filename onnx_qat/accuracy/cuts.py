@@ -1,6 +1,6 @@
 """Cuts of the gated model: run only the part of the graph a setting changes.
 
-A setting of the gated model (:mod:`onnx_qat.accuracy.gated`) differs from one of two reference
+A setting of the gated model (`onnx_qat.accuracy.gated`) differs from one of two reference
 settings, every site float or every site INT8, in the gates of some sites. Every node before the
 first node that reads one of those gates computes exactly what it computes in the reference run:
 its inputs do not depend on those gates. So the reference runs keep the tensors that cross a few
@@ -9,7 +9,7 @@ cut nearest before its first changed gate, fed with the reference's tensors at t
 setting with one site changed (``only``: one site in INT8; ``all_but``: one site float) starts,
 on average, halfway through the graph.
 
-:class:`CutPlan` reads the gated graph once: where each gate is first read, which tensors cross
+`CutPlan` reads the gated graph once: where each gate is first read, which tensors cross
 each position, and builds the suffix models (the same nodes, the crossing tensors as inputs).
 """
 from __future__ import annotations

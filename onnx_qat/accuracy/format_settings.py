@@ -1,21 +1,21 @@
 """The accuracy tools in the non-INT8 formats (``fp8``, ``int4``): what differs from INT8.
 
 Sensitivity and automatic mixed precision run the same loop for every format
-(:mod:`onnx_qat.accuracy.prepared`, :mod:`onnx_qat.accuracy.mixed`); a site is what placement
-quantizes together in that format (:mod:`onnx_qat.accuracy.sites`), and a site left "float" keeps
+(`onnx_qat.accuracy.prepared`, `onnx_qat.accuracy.mixed`); a site is what placement
+quantizes together in that format (`onnx_qat.accuracy.sites`), and a site left "float" keeps
 its float tensors (the higher precision). Two things depend on the format:
 
-* **the inserter's format** (:func:`insertion_config`): the gated model and every model built are
+* **the inserter's format** (`insertion_config`): the gated model and every model built are
   written in ``config.precision`` (FP8 E4M3FN Q/DQ, INT4 blockwise weights), with the same
   ``block_size`` and attention choice (FP8's fixed Softmax range included);
-* **where the ranges come from** (:func:`weight_only_ranges`): INT8 and FP8 calibrate activation
+* **where the ranges come from** (`weight_only_ranges`): INT8 and FP8 calibrate activation
   ranges; INT4 is weight-only, so it has no activation range to calibrate. With calibration data,
-  the activation-aware scale search (:func:`onnx_qat.formats.awq.apply_awq`) runs once, on a private copy of
+  the activation-aware scale search (`onnx_qat.formats.awq.apply_awq`) runs once, on a private copy of
   the float model: its edits (weight rows times ``s``, ``1 / s`` folded or put in a ``Mul``) keep the
   float function (exact up to float rounding), so that rescaled float model is the base every
   setting is built from, and its clipped block ranges are the ScaleTable. A weight left float then
   keeps its rescaled float values. With ``int4_method="gptq"`` the rounded weights (and GPTQ's block
-  ranges) are kept apart (:class:`WeightOnly`) and put in place only for the weights quantized.
+  ranges) are kept apart (`WeightOnly`) and put in place only for the weights quantized.
   Without calibration data (or with ``int4_method="rtn"``), round to nearest.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..scales import ScaleTable
 
 
 def insertion_config(config):
-    """The :class:`~onnx_qat.config.QuantizeConfig` the one inserter gets for an accuracy run: the
+    """The [`QuantizeConfig`][onnx_qat.config.QuantizeConfig] the one inserter gets for an accuracy run: the
     format fields of ``config`` (the placement is given, so the placement options do not apply)."""
     from ..config import QuantizeConfig
 
@@ -75,10 +75,10 @@ class WeightOnly:
 
 def weight_only_ranges(float_model, placement, calibration, config, *, progress: bool = True,
                        batch_size: Optional[int] = None) -> WeightOnly:
-    """The :class:`WeightOnly` state of a weight-only format.
+    """The `WeightOnly` state of a weight-only format.
 
     With ``calibration`` data (the calibration part of the data, see
-    :func:`~onnx_qat.accuracy.prepared.split_data`): the rounding ``config.int4_method`` names
+    `split_data`): the rounding ``config.int4_method`` names
     (default AWQ) on a copy of ``float_model``: AWQ's edits make the base model, its block ranges
     the table; GPTQ then rounds the weights of a second copy. Without it, or with
     ``int4_method="rtn"``: round to nearest (an empty table: weights take their own block max) on

@@ -1,7 +1,7 @@
 """One onnxruntime session in which every site can run in INT8 or in float, chosen per run.
 
-The Q/DQ model comes from the one inserter (:func:`onnx_qat.quantize` with the given placement and
-ranges). Each input a site reads through a DequantizeLinear is then put behind
+The Q/DQ model comes from the one inserter ([`onnx_qat.quantize`][onnx_qat.quantize.quantize] with the given
+placement and ranges). Each input a site reads through a DequantizeLinear is then put behind
 ``Where(gate, dequantized, float)``, where ``gate`` is a boolean scalar graph input of that site and
 ``float`` the tensor the float model's node read there (its float weight, or the activation before
 its QuantizeLinear). One session therefore serves every setting: a run with only site *k*'s gate on
@@ -78,15 +78,19 @@ class GatedRunner:
     """Runs the gated model on fixed evaluation feeds for any set of quantized sites.
 
     The settings with every site float and every site INT8 are run once, at construction, and keep
-    the tensors crossing a few cut positions (:mod:`onnx_qat.accuracy.cuts`); any other setting then
+    the tensors crossing a few cut positions (`onnx_qat.accuracy.cuts`); any other setting then
     runs only the graph suffix after the cut nearest before the first gate in which it differs from
     the closer of the two. ``cut_bytes`` bounds the memory those tensors take (0: no cuts, every
-    setting runs the whole graph).
+    setting runs the whole graph). With a ``state`` (``{output: input}``, a stateful model) the feeds
+    run in order with the state fed back, every setting through the whole graph (a suffix would need
+    the state of its own earlier runs).
     """
 
     def __init__(self, gated: onnx.ModelProto, num_sites: int, feeds: Sequence[Mapping[str, np.ndarray]],
-                 outputs: Sequence[str], threads=None, cut_bytes: Optional[int] = None):
+                 outputs: Sequence[str], threads=None, cut_bytes: Optional[int] = None,
+                 state: Optional[Mapping[str, str]] = None):
         from ..runtime.sessions import make_session, needs_exact_qdq
+        from ..runtime.stateful import carry_state
         from .cuts import CUT_CACHE_BYTES, CutPlan
 
         self.num_sites = num_sites
@@ -99,14 +103,15 @@ class GatedRunner:
         self._optimize = not needs_exact_qdq(gated)
         self._true = np.array(True)
         self._false = np.array(False)
-        budget = CUT_CACHE_BYTES if cut_bytes is None else cut_bytes
+        budget = 0 if state else CUT_CACHE_BYTES if cut_bytes is None else cut_bytes
         gates = [f"{GATE_PREFIX}{k}" for k in range(num_sites)]
         self.plan = CutPlan(gated, gates, self.outputs) if budget > 0 and CutPlan.usable(gated) else None
         self.cuts: Tuple[int, ...] = self._choose_cuts(gated, budget) if self.plan is not None else ()
         keep = tuple(dict.fromkeys(t for c in self.cuts for t in self.plan.crossing(c)))
         self._gated = gated if self.cuts else None
-        self.session = make_session(gated, copy=bool(self.cuts), threads=threads, extra_outputs=keep,
-                                    spin=False, optimize=self._optimize)
+        session = make_session(gated, copy=bool(self.cuts), threads=threads, extra_outputs=keep, spin=False,
+                               optimize=self._optimize)
+        self.session = carry_state(session, state)
         self._suffixes: "OrderedDict[int, object]" = OrderedDict()
         self._references = {everything: self._full(range(num_sites) if everything else (), keep)
                             for everything in (False, True)}

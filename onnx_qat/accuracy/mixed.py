@@ -1,10 +1,10 @@
 """Automatic mixed precision: the fewest sites left in float so the output cosine reaches a minimum.
 
-The search runs in the gated session (:mod:`onnx_qat.accuracy.gated`), on ranges calibrated once:
+The search runs in the gated session (`onnx_qat.accuracy.gated`), on ranges calibrated once:
 
 1. every site quantized; done when that already reaches ``min_cosine``;
 2. each site's harm: the output error with only it quantized (one run per site; for more than 16
-   sites by group bisection, :mod:`onnx_qat.accuracy.bisect`, which measures alone only the sites
+   sites by group bisection, `onnx_qat.accuracy.bisect`, which measures alone only the sites
    whose group matters). Harm adds up across sites far better than the gain of leaving one site
    float does: with several broken sites, floating any single one gains little;
 3. sites ordered by harm; a bisection over *k* finds the fewest leading sites whose float
@@ -18,7 +18,7 @@ misses the minimum, the next site in the order is added and the model is built a
 
 "Quantized" is in the format ``config.precision`` names (INT8, FP8, or INT4 weight-only, where a site
 is one weight's blockwise DequantizeLinear); what differs per format is in
-:mod:`onnx_qat.accuracy.format_settings`.
+`onnx_qat.accuracy.format_settings`.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def search(prepared: Prepared, min_cosine: float, budget: int, progress: bool = 
     """``(order, chosen, all_int8, estimate)``: the site indices by harm, the indices to leave float
     (None when the budget cannot reach ``min_cosine``), the all-INT8 error and the chosen setting's
     estimated error (the best one reached when none is chosen). A site always goes float with its
-    partners (:func:`~onnx_qat.accuracy.sites.with_partners`); the budget counts them all."""
+    partners (`with_partners`); the budget counts them all."""
     sites = prepared.sites
     n = len(sites)
     everything = frozenset(range(n))
@@ -106,7 +106,8 @@ def search(prepared: Prepared, min_cosine: float, budget: int, progress: bool = 
 
 def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optional[int], eval_data, scales,
                    data, method: str, config, calib_kw: dict, report, progress: bool):
-    """:func:`onnx_qat.quantize` with automatic mixed precision (see the module docstring)."""
+    """[`onnx_qat.quantize`][onnx_qat.quantize.quantize] with automatic mixed precision (see the module
+    docstring)."""
     import time
 
     from ..io.files import check_output_path, write_json
@@ -160,6 +161,7 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     """The Q/DQ model with ``chosen`` sites excluded from placement, and its verified error."""
     from ..rewrite import quantize_placed
     from ..runtime.sessions import make_session
+    from ..runtime.stateful import carry_state
     from .gated import join_flat
 
     names = [prepared.sites[k].name for k in chosen]
@@ -173,7 +175,7 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     except PlacementError:  # the partners took every remaining site along
         raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "
                             + ", ".join(names[:8]) + "; nothing was written") from None
-    session = make_session(result.model, spin=False)
+    session = carry_state(make_session(result.model, spin=False), prepared.evaluation)
     outputs = list(prepared.reference)
     parts = {name: [] for name in outputs}
     for feed in prepared.feeds:
@@ -220,8 +222,9 @@ def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_flo
 
 def _unreached(min_cosine, budget, best: OutputError, prepared) -> str:
     return (f"output cosine {min_cosine:g} cannot be reached with at most {budget} of "
-            f"{len(prepared.sites)} site(s) left float: the best reached is {best.cosine:.5f} on "
-            f"{prepared.evaluation.num_samples} evaluation sample(s); nothing was written")
+            f"{len(prepared.sites)} site{'' if len(prepared.sites) == 1 else 's'} left float: the best "
+            f"reached is {best.cosine:.5f} on {prepared.evaluation.num_samples} evaluation "
+            f"sample{'' if prepared.evaluation.num_samples == 1 else 's'}; nothing was written")
 
 
 def _bar(total: int, progress: bool):

@@ -1,7 +1,7 @@
 """What sensitivity and mixed precision share: one load, one placement, one calibration, one
 gated session, the float model's outputs once.
 
-:func:`prepare` loads the model, decides placement (the target's policy, with the caller's
+`prepare` loads the model, decides placement (the target's policy, with the caller's
 exclusions), splits the data into a calibration part and an evaluation part, calibrates once,
 inserts Q/DQ once (the one inserter), puts every site behind a gate, and runs the float model once
 on the evaluation data (its outputs are the reference of every later run).
@@ -16,7 +16,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import onnx
 
-from ..errors import ConfigError, DataError, PlacementError
+from ..errors import ConfigError, PlacementError
 from ..scales import ScaleTable
 from .gated import GatedRunner, gate_model, join_flat
 from .sites import Site, sites_of, tensors_to_calibrate
@@ -92,24 +92,25 @@ class Prepared:
 
 def split_data(data, eval_data, model: onnx.ModelProto, holdout: float = HOLDOUT):
     """``(calibration, evaluation)`` Datasets: ``eval_data`` when given, else the last ``holdout``
-    share of ``data`` (at least one sample), which calibration then does not see."""
-    from ..io.data import Dataset, load_data
+    share of ``data`` (at least one sample, or feed), which calibration then does not see
+    (`onnx_qat.io.data.Dataset.split`; a stateful model's held-out part starts from the initial
+    state)."""
+    from ..io.data import load_data
 
     calib = load_data(data, model, what="calibration data")
     if eval_data is not None:
-        return calib, load_data(eval_data, model, what="evaluation data")
-    n = calib.num_samples
-    fixed = calib._fixed_batch or 1  # a model with a fixed batch size takes whole batches of it
-    if n < 2 * fixed or calib.unbatched:
-        raise DataError(f"{calib.source}: {n} sample(s) cannot be split into calibration and evaluation "
-                        "data; give more samples or eval_data (--eval-data)")
-    held = max(fixed, int(round(n * holdout / fixed)) * fixed)
-    arrays = calib.arrays
-    first = {k: np.ascontiguousarray(v[:n - held]) for k, v in arrays.items()}
-    last = {k: np.ascontiguousarray(v[n - held:]) for k, v in arrays.items()}
-    same = {"fixed_batch": calib._fixed_batch, "dtypes": calib._dtypes}
-    return (Dataset(first, source=f"{calib.source} (first {n - held} samples)", **same),
-            Dataset(last, source=f"{calib.source} (last {held} samples, held out)", **same))
+        return calib, load_data(_layout_like(eval_data, data), model, what="evaluation data")
+    return calib.split(holdout)
+
+
+def _layout_like(eval_data, data):
+    """``eval_data`` with ``data``'s state and batch axes unless it has its own."""
+    from ..io.layout import LaidOut, split_layout
+
+    layout = split_layout(data)[1]
+    if isinstance(eval_data, LaidOut) or not (layout.state or layout.batch_axis):
+        return eval_data
+    return LaidOut(eval_data, layout)
 
 
 def _table(scales) -> ScaleTable:
@@ -147,7 +148,7 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     index = GraphIndex(float_model)
     placement = policy_for(config.target).place(index, config)
     if placement.empty:
-        raise PlacementError(nothing_to_quantize(placement))
+        raise PlacementError(nothing_to_quantize(placement, precision=config.precision))
     sites = sites_of(placement, index)
     tensors = tensors_to_calibrate(placement, sites, index)
     del index
@@ -175,8 +176,9 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     del qdq
     feeds = tuple(evaluation.batches(batch_size))
     observed = placement.activation_tensors() if activation_stats is None else tuple(activation_stats)
-    reference, stats = _float_run(float_model, feeds, observed, placement, table)
-    runner = GatedRunner(gated, len(sites), feeds, tuple(reference))
+    state = evaluation.state
+    reference, stats = _float_run(float_model, feeds, observed, placement, table, state)
+    runner = GatedRunner(gated, len(sites), feeds, tuple(reference), state=state)
     return Prepared(base, placement, sites, table, calib, evaluation, feeds, reference, runner,
                     method if scales is None else "given", int4), stats
 
@@ -187,10 +189,12 @@ def _evaluation_only(data, model):
     return load_data(data, model, what="evaluation data")
 
 
-def _float_run(float_model, feeds, observed: Tuple[str, ...], placement, table):
-    """The float model's float outputs on ``feeds`` (flattened) and the statistics of ``observed``."""
+def _float_run(float_model, feeds, observed: Tuple[str, ...], placement, table, state=None):
+    """The float model's float outputs on ``feeds`` (flattened) and the statistics of ``observed``
+    (a stateful model's ``state`` carried from feed to feed)."""
     from ..insertion.inserter import group_amax
     from ..runtime.sessions import make_session
+    from ..runtime.stateful import carry_state
 
     outputs = [o.name for o in float_model.graph.output
                if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
@@ -199,7 +203,7 @@ def _float_run(float_model, feeds, observed: Tuple[str, ...], placement, table):
         raise PlacementError("the model has no float output to measure the quantization error on")
     graph_inputs = {i.name for i in float_model.graph.input}
     fetched = [t for t in observed if t not in graph_inputs and t not in outputs]
-    session = make_session(float_model, extra_outputs=fetched, spin=False)
+    session = carry_state(make_session(float_model, extra_outputs=fetched, spin=False), state)
     amax = group_amax(placement, table)
     stats = {t: _Accumulator(amax.get(t, table.activations.get(t, 0.0))) for t in observed}
     parts: Dict[str, list] = {name: [] for name in outputs}
@@ -207,8 +211,9 @@ def _float_run(float_model, feeds, observed: Tuple[str, ...], placement, table):
         values = dict(zip(outputs + fetched, session.run(outputs + fetched, feed)))
         for name in outputs:
             parts[name].append(values[name])
+        given = getattr(session, "last_given", feed)  # with a carried state input
         for t, acc in stats.items():
-            acc.update(feed[t] if t in feed else values[t])
+            acc.update(given[t] if t in given else values[t])
     # float64 once: every later comparison reads the reference in float64
     reference = {name: join_flat(v).astype(np.float64) for name, v in parts.items()}
     return reference, {t: acc.result() for t, acc in stats.items()}

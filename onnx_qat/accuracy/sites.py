@@ -1,4 +1,4 @@
-"""Sites: what placement quantizes together, read from a :class:`~onnx_qat.placement.marks.Placement`.
+"""Sites: what placement quantizes together, read from a [`Placement`][onnx_qat.placement.marks.Placement].
 
 A site is one node placement decided to quantize (``Decision.action == "quantize"``) with the
 inputs it reads through a DequantizeLinear:
@@ -10,7 +10,7 @@ inputs it reads through a DequantizeLinear:
 * ``concat`` (rule 7): every input of a Concat (one shared scale);
 * ``attention`` (rule 9, ``include_attention``): both inputs of an activation MatMul.
 
-Leaving a site in float is an exclusion of its node (:func:`site_exclusions`), fed back to the same
+Leaving a site in float is an exclusion of its node (`site_exclusions`), fed back to the same
 placement, which then resolves the neighbours (a residual Add whose weighted branch went float is
 no longer a fusable residual; a Concat that feeds nothing quantized stays float).
 """
@@ -69,7 +69,7 @@ def _kind(op_type: str, rule: str) -> str:
 def sites_of(placement: Placement, index=None) -> Tuple[Site, ...]:
     """The sites of ``placement``, in graph order.
 
-    ``index``: the :class:`~onnx_qat.graph.index.GraphIndex` placement ran on. It finds
+    ``index``: the `GraphIndex` placement ran on. It finds
     the weighted op a Pad serves (rule 8) and the partners of residual sites; without it a Pad's
     edge goes to the site its mark's reason names, and no site has partners.
     """
@@ -99,7 +99,7 @@ def sites_of(placement: Placement, index=None) -> Tuple[Site, ...]:
 
 def _partners(name: str, decision, weighted, index) -> Tuple[str, ...]:
     """The quantized weighted ops a residual Add's inputs come from (through the epilogue ops rule 6
-    walks: the same walk, :func:`onnx_qat.placement.handlers._through_epilogue`)."""
+    walks: the same walk, `onnx_qat.placement.handlers._through_epilogue`)."""
     if index is None or _kind(decision.op_type, decision.rule) != "residual":
         return ()
     from ..config import QuantizeConfig
@@ -123,7 +123,7 @@ def _owner_after(node: str, reason: str, quantized, consumers_of) -> "str | None
 
 
 def with_partners(sites: Sequence[Site], chosen: Iterable[int]) -> Tuple[int, ...]:
-    """Site indices ``chosen`` and their partners (see :attr:`Site.partners`), sorted."""
+    """Site indices ``chosen`` and their partners (see `Site.partners`), sorted."""
     position = {s.name: k for k, s in enumerate(sites)}
     out = set(chosen)
     for k in list(out):

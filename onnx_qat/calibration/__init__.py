@@ -1,11 +1,12 @@
 """Calibration: activation ranges from running the float model in onnxruntime.
 
-* :func:`calibrate` — the runner (batches, progress bar, bounded memory) -> ScaleTable.
-* One collector per method, sharing :class:`~.collector.RangeCollector`:
-  :class:`MaxCollector` (``max``), :class:`PercentileCollector` (``percentile``),
-  :class:`EntropyCollector` (``entropy``), :class:`MseCollector` (``mse``),
-  :class:`AutoCollector` (``auto``, the default: the best of max / percentile / mse per tensor,
-  then whole tables judged by the model's output, :mod:`.output_check`).
+* [`calibrate`][onnx_qat.calibration.calibrate] — the runner (batches, progress bar, bounded memory) ->
+  ScaleTable.
+* One collector per method, sharing `RangeCollector`:
+  `MaxCollector` (``max``), `PercentileCollector` (``percentile``),
+  `EntropyCollector` (``entropy``), `MseCollector` (``mse``),
+  `AutoCollector` (``auto``, the default: the best of max / percentile / mse per tensor,
+  then whole tables judged by the model's output, `output_check`).
 
 Owns: running the float model to observe tensors (If branches and Loop/Scan bodies included) and
 turning observations into ranges.

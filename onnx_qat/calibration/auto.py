@@ -1,7 +1,7 @@
 """``auto``: per tensor, the candidate range (max, percentiles, mse) with the least quantization error.
 
-:func:`onnx_qat.calibrate` then judges whole tables by the model's output
-(:mod:`.output_check`): this per-tensor choice, ``max`` everywhere and ``entropy`` everywhere, all
+[`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate] then judges whole tables by the model's output
+(`output_check`): this per-tensor choice, ``max`` everywhere and ``entropy`` everywhere, all
 read from the same histograms.
 """
 from __future__ import annotations
@@ -25,13 +25,13 @@ MAX_PREFERENCE = 0.02
 class AutoCollector(HistogramCollector):
     """amax = the candidate with the least expected squared INT8 error on this tensor's histogram of |x|.
 
-    Candidates: ``max`` (max |x|), ``percentile(P)`` for P in :data:`PERCENTILES`, and ``mse``
+    Candidates: ``max`` (max |x|), ``percentile(P)`` for P in `PERCENTILES`, and ``mse``
     (the error-minimising bin edge of the ``num_bins`` histogram). Each is scored on the finer
     running histogram (``RESOLUTION * num_bins`` bins over [0, max |x|]) with the same error model
     as ``mse`` (values rounded to the INT8 grid, values beyond the range clipped to it). ``max`` wins
-    unless the best candidate's error is lower by more than :data:`MAX_PREFERENCE`; otherwise the
-    lowest error wins (ties go to the wider range). After :meth:`amax`, :attr:`choice` names the
-    winner and :attr:`errors` holds every candidate's (amax, error).
+    unless the best candidate's error is lower by more than `MAX_PREFERENCE`; otherwise the
+    lowest error wins (ties go to the wider range). After `amax`, `choice` names the
+    winner and `errors` holds every candidate's (amax, error).
     """
 
     method = "auto"
@@ -62,7 +62,7 @@ class AutoCollector(HistogramCollector):
         return float(self.hist.max_seen)
 
     def entropy_amax(self) -> float:
-        """The ``entropy`` range (the guarded KL search of :mod:`.entropy`) from the same histogram."""
+        """The ``entropy`` range (the guarded KL search of `entropy`) from the same histogram."""
         entropy = EntropyCollector(self.num_bins)
         entropy.hist = self.hist
         return float(entropy.amax())

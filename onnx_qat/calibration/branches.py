@@ -1,10 +1,10 @@
 """Observing tensors inside If branches and Loop/Scan bodies, which onnxruntime cannot return as graph
 outputs.
 
-:class:`BranchRunner` answers ``run(names, feed)`` like an onnxruntime session. Tensors of the main
+`BranchRunner` answers ``run(names, feed)`` like an onnxruntime session. Tensors of the main
 graph are fetched as extra outputs. For tensors inside the branches of an If, it first runs the
 model to read the If's condition on this batch, then runs a copy of the model in which that If is
-replaced by the branch it takes (:func:`onnx_qat.graph.subgraphs.inline_branches`); there the branch's
+replaced by the branch it takes (`onnx_qat.graph.subgraphs.inline_branches`); there the branch's
 tensors are main-graph tensors. Nested Ifs are resolved the same way, one level per copy. Copies
 are made once per combination of conditions met, so a dataset that always takes one branch costs
 one copy. Only the branch that really runs is observed on each batch, as it would run in
@@ -12,7 +12,7 @@ deployment; a branch no batch takes gets no range (quantize then names the tenso
 
 A tensor of a Loop or Scan body takes one value per iteration. The runner fetches it from a copy of
 the model in which it is an extra scan output of the body
-(:func:`onnx_qat.graph.subgraphs.expose_iterations`): the values of every iteration, stacked, so
+(`onnx_qat.graph.subgraphs.expose_iterations`): the values of every iteration, stacked, so
 every calibration method sees all iterations. A body whose tensor shapes change across iterations
 cannot be exposed so (onnxruntime refuses the copy): its tensors, like those of an If inside a body,
 come back as None and get no range. A name that is no tensor of the model is a ModelError.
@@ -49,7 +49,7 @@ def _defined_inside(node: onnx.NodeProto) -> set:
 
 def make_runner(model: onnx.ModelProto, names: Sequence[str]):
     """An onnxruntime session fetching ``names`` as extra outputs when all are main-graph tensors,
-    else a :class:`BranchRunner` (``model`` is then copied, never changed)."""
+    else a `BranchRunner` (``model`` is then copied, never changed)."""
     from ..runtime.sessions import _tensor_names, make_session
 
     main = _tensor_names(model.graph)
@@ -64,15 +64,15 @@ class BranchRunner:
 
     Args:
         model: a float ModelProto (not changed).
-        names: the tensors :meth:`run` will be asked for.
+        names: the tensors `run` will be asked for.
 
     Raises:
         ModelError: a name is not a tensor of the model (in no graph, nor in any subgraph).
 
     A tensor of a Loop/Scan body comes back as its values of every iteration stacked on a new first
-    axis (:func:`onnx_qat.graph.subgraphs.expose_iterations`). A body whose tensor shape changes across
+    axis (`onnx_qat.graph.subgraphs.expose_iterations`). A body whose tensor shape changes across
     iterations cannot give them (onnxruntime refuses the copy): that node's tensors then join
-    :attr:`unobservable` and come back as None, like a tensor of an If inside a Loop/Scan body.
+    `unobservable` and come back as None, like a tensor of an If inside a Loop/Scan body.
     """
 
     def __init__(self, model: onnx.ModelProto, names: Sequence[str]):
@@ -124,7 +124,7 @@ class BranchRunner:
     def _recover(self, feed: Dict[str, np.ndarray], error: Exception) -> None:
         """After onnxruntime failed on the copy with body tensors exposed: keep the Loop/Scan nodes
         whose tensors it can give on ``feed``, one node at a time; the others' tensors become
-        :attr:`unobservable`. Raises ``error`` again when the failure is not theirs."""
+        `unobservable`. Raises ``error`` again when the failure is not theirs."""
         kept: List[str] = []
         self._build([])
         try:
@@ -148,7 +148,7 @@ class BranchRunner:
     def run(self, names: Sequence[str], feed: Dict[str, np.ndarray]) -> List[Optional[np.ndarray]]:
         """The values of ``names`` (among those given at construction) on one batch: a Loop/Scan
         body's tensor stacked over its iterations; None for the tensors of a branch this batch
-        does not take and for :attr:`unobservable` ones."""
+        does not take and for `unobservable` ones."""
         from ..graph.subgraphs import inline_branches
 
         try:

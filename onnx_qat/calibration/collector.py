@@ -2,7 +2,7 @@
 
 A collector sees one tensor's values batch by batch (finite magnitudes only: the
 runner removes NaN/Inf first) and keeps a fixed-size summary, so memory does not
-grow with the number of samples. :meth:`RangeCollector.amax` turns the summary into
+grow with the number of samples. `RangeCollector.amax` turns the summary into
 one range.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 class RangeCollector(abc.ABC):
     """Running statistics of one tensor's magnitudes, reduced batch by batch.
 
-    Subclasses set :attr:`method` and implement :meth:`update`, :meth:`amax` and
-    :meth:`state_nbytes`.
+    Subclasses set `method` and implement `update`, `amax` and
+    `state_nbytes`.
     """
 
     method: ClassVar[str] = ""
@@ -174,9 +174,9 @@ class AbsHistogram:
 class HistogramCollector(RangeCollector):
     """Base of the histogram methods.
 
-    Keeps an :class:`AbsHistogram` with ``RESOLUTION`` times ``num_bins`` running bins;
+    Keeps an `AbsHistogram` with ``RESOLUTION`` times ``num_bins`` running bins;
     at the end it is re-binned onto ``num_bins`` bins over ``[0, max |x|]`` and the
-    method's :meth:`_threshold` reads that.
+    method's `_threshold` reads that.
     """
 
     RESOLUTION = 4

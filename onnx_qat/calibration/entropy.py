@@ -19,13 +19,13 @@ max_clipped=0`` gives the unguarded search of TensorRT's description):
   (a constant background repeats one value per channel thousands of times, as text images do),
   every wide range spreads each spike over its level's bins and scores badly, so the divergence
   falls towards the narrowest candidates and clips a fifth of the values of such tensors;
-* **at most** :data:`MAX_CLIPPED` **of the values are clipped** (amax >= the 99.9th percentile of
+* **at most** `MAX_CLIPPED` **of the values are clipped** (amax >= the 99.9th percentile of
   |x|). KL counts how many values are clipped, not how far: a separate cluster of large values
   (a gate that is fully open on a few positions) folds into P's last bin at a small divergence,
   although clipping it halves exactly the values that carry the signal. Rare outliers, the case
   the method is made for, stay clippable.
 
-Before the search bin 0 takes bin 1's count (:func:`zero_bin_suppressed`), as NVIDIA's reference
+Before the search bin 0 takes bin 1's count (`zero_bin_suppressed`), as NVIDIA's reference
 implementation of this calibrator does (pytorch-quantization, ``calib/histogram.py``): the spike of
 exact zeros after a ReLU would otherwise drive the threshold far too low.
 
@@ -51,7 +51,7 @@ MAX_CLIPPED = 1e-3
 
 class EntropyCollector(HistogramCollector):
     """amax = the threshold minimising KL(P || Q) over the histogram (TensorRT's entropy calibrator),
-    searched from half the range and clipping at most :data:`MAX_CLIPPED` of the values."""
+    searched from half the range and clipping at most `MAX_CLIPPED` of the values."""
 
     method = "entropy"
 
@@ -123,7 +123,7 @@ def kl_divergence_at(counts: np.ndarray, i: int, levels: int) -> float:
 
 
 def kl_divergences(counts: np.ndarray, start: int, stop: int, levels: int) -> np.ndarray:
-    """KL(P || Q) of :func:`kl_divergence_at` for every threshold ``start..stop`` at once.
+    """KL(P || Q) of `kl_divergence_at` for every threshold ``start..stop`` at once.
 
     Per threshold ``i`` the sums reduce to ``levels`` terms read from prefix sums built once:
     ``KL = (sum p log p - sum_j p_j log q_j) / sum p - log sum p + log sum q``, where ``p_j`` is

@@ -4,7 +4,7 @@ A tensor's own quantization error does not say what its range does to the output
 large values can cost more downstream than their share of the error shows, and the errors of many
 tensors add up). So ``auto`` builds a few complete tables from the one calibration pass -- ``max``
 everywhere, each tensor's least-error candidate, the guarded ``entropy`` everywhere -- inserts each
-with the one inserter, runs the quantized model on (the first :data:`CHECK_SAMPLES` samples of) the
+with the one inserter, runs the quantized model on (the first `CHECK_SAMPLES` samples of) the
 calibration data and keeps the table whose output is closest to the float model's (the worst output's
 cosine; ties keep the earlier table, ``max`` first).
 """
@@ -26,7 +26,12 @@ CHECK_SAMPLES = 64
 
 def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16):
     """The first ``count`` samples of ``dataset`` as arrays; the dataset itself when it has no more
-    (or its inputs have no sample axis)."""
+    (or its inputs have no sample axis); of a stream of feeds or a stateful model's data, the first
+    ``count`` feeds (steps), as a dataset that runs them in order."""
+    from ..io.feeds import FeedStream
+
+    if isinstance(dataset, FeedStream) or dataset.state:  # feeds (or steps) run in order: the first ones
+        return dataset.take(count)
     if len(dataset) <= count or dataset.unbatched:
         return dataset
     parts: Dict[str, list] = {}
@@ -42,8 +47,8 @@ def first_samples(dataset, count: int = CHECK_SAMPLES, batch_size: int = 16):
 
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
     """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1), as
-    :func:`onnx_qat.runtime.compare.output_figures` measures it (the figure
-    :func:`onnx_qat.accuracy.prepared.output_error` reports too; calibration does not import the
+    `onnx_qat.runtime.compare.output_figures` measures it (the figure
+    `onnx_qat.accuracy.prepared.output_error` reports too; calibration does not import the
     accuracy tools, which plain ``quantize`` never loads)."""
     from ..runtime.compare import output_figures
 
@@ -57,7 +62,7 @@ def choose_by_output(model, feeds, tables: Mapping[str, Mapping[str, float]], *,
 
     ``tables`` maps a name to ``{activation tensor: amax}`` covering every activation placement
     quantizes; each is inserted by the rewrite behind
-    :func:`onnx_qat.quantize` (:func:`onnx_qat.rewrite.quantize_placed`) with ``config`` and
+    [`onnx_qat.quantize`][onnx_qat.quantize.quantize] (`onnx_qat.rewrite.quantize_placed`) with ``config`` and
     ``placement_options``. A table that cannot be inserted (e.g. it lacks an activation placement
     quantizes) scores -inf (logged at debug level); when none can, the first table is returned.
     """

@@ -36,8 +36,9 @@ METHODS: Mapping[str, Callable[..., RangeCollector]] = {
     "auto": lambda percentile, num_bins: AutoCollector(num_bins),
 }
 
-#: The method :func:`calibrate` and :func:`onnx_qat.quantize` use when none is given: ``auto`` beat
-#: ``max`` on every real model measured (docs/sensitivity.md, "Calibration methods on real models").
+#: The method [`calibrate`][onnx_qat.calibration.runner.calibrate] and
+#: [`onnx_qat.quantize`][onnx_qat.quantize.quantize] use when none is given: ``auto`` beat ``max`` on every
+#: real model measured (docs/sensitivity.md, "Calibration methods on real models").
 DEFAULT_METHOD = "auto"
 
 #: amax given to a tensor that was zero on every sample (a ScaleTable refuses 0).
@@ -50,9 +51,9 @@ MASK_MAGNITUDE = 1e8
 class TensorObserver:
     """One tensor's collector behind the non-finite guard.
 
-    NaN, ±Inf and masking magnitudes (>= :data:`MASK_MAGNITUDE`) are counted and left
-    out of the statistics; :meth:`result` warns about them, raises DataError when
-    nothing finite was seen, and gives an all-zero tensor :data:`ZERO_TENSOR_AMAX`.
+    NaN, ±Inf and masking magnitudes (>= `MASK_MAGNITUDE`) are counted and left
+    out of the statistics; `result` warns about them, raises DataError when
+    nothing finite was seen, and gives an all-zero tensor `ZERO_TENSOR_AMAX`.
     """
 
     __slots__ = ("name", "collector", "seen", "ignored")
@@ -128,13 +129,15 @@ def _check_options(method: str, percentile, num_bins, batch_size) -> None:
 
 def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 99.99, num_bins: int = 2048,
               batch_size: int = 16, config=None, tensors: Optional[Iterable[str]] = None,
-              progress: bool = True, output=None, **placement_options) -> ScaleTable:
+              progress: bool = True, output=None, state: Optional[Mapping[str, str]] = None,
+              batch_axis: Optional[Mapping[str, int]] = None, **placement_options) -> ScaleTable:
     """Compute activation ranges of ``model`` on ``data`` with onnxruntime.
 
     Args:
         model: a float ONNX model (``ModelProto``, not modified, or a path).
-        data: calibration data: an ``.npz`` path, a dict of arrays, an array or a
-            :class:`~onnx_qat.io.data.Dataset` (see :func:`onnx_qat.load_data`).
+        data: calibration data: an ``.npz`` path, a dict of arrays, an array, a stream of feeds
+            (a directory or list of ``.npz`` files, a list or iterator of feed dicts, an object with
+            ``get_next()``) or a `Dataset` (see [`onnx_qat.load_data`][onnx_qat.io.data.load_data]).
         method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
             of the max, percentile and mse candidates quantizes that tensor with the least error,
             ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
@@ -146,23 +149,29 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         percentile: for ``method="percentile"``, in (0, 100].
         num_bins: histogram bins for the histogram methods (a power of two >= 256).
         batch_size: samples per onnxruntime run.
-        config: a :class:`~onnx_qat.config.QuantizeConfig`; with ``placement_options``
+        config: a [`QuantizeConfig`][onnx_qat.config.QuantizeConfig]; with ``placement_options``
             (its field names) it decides which tensors are observed.
         tensors: observe exactly these tensors instead of placement's activation tensors.
         progress: show a tqdm progress bar on stderr.
         output: when given, the ScaleTable is also saved there (atomically).
+        state: ``{output: input}`` of a stateful model: the data runs in order, each run's
+            ``output`` fed to the next run as ``input`` (the first feed gives the initial state).
+        batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first.
 
     Returns:
-        A :class:`~onnx_qat.scales.ScaleTable` of per-tensor activation amax whose
+        A [`ScaleTable`][onnx_qat.scales.ScaleTable] of per-tensor activation amax whose
         producer names the method.
 
     Raises:
         ModelError, DataError, ConfigError, PlacementError, OutputError: one line each.
     """
     from ..io.data import load_data
+    from ..io.layout import with_layout
     from ..io.files import check_output_path
     from ..io.models import load_model
+    from ..runtime.stateful import carry_state, state_outputs
     _check_options(method, percentile, num_bins, batch_size)
+    data = with_layout(data, state=state, batch_axis=batch_axis)
     if output is not None:
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
     proto = load_model(model)
@@ -172,7 +181,9 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     observers = {n: TensorObserver(n, make_collector(method, percentile=percentile, num_bins=num_bins))
                  for n in names}
     fetched = [n for n in names if n not in graph_inputs]
-    session = make_runner(proto, fetched)  # proto is this function's own copy
+    # proto is this function's own copy; a stateful model's runs also fetch its state outputs
+    run_outputs = fetched + [o for o in state_outputs(dataset) if o not in fetched]
+    session = carry_state(make_runner(proto, run_outputs), dataset)
     del proto  # the session holds the weights now
     reached = _observe(session, dataset, observers, fetched, batch_size, progress, f"calibrate ({method})")
     reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
@@ -197,7 +208,7 @@ def _auto_tables(model, dataset, observers, amax, meta, *, config, batch_size: i
                  placement_options) -> Dict[str, float]:
     """``auto``'s final table: the per-tensor least-error choice, ``max`` or ``entropy`` everywhere,
     whichever gives the model output closest to the float model's on the calibration data
-    (:mod:`.output_check`; the per-tensor choice when the tables cannot be inserted, e.g. because
+    (`output_check`; the per-tensor choice when the tables cannot be inserted, e.g. because
     explicit ``tensors`` leave out an activation placement quantizes). Records the per-tensor picks
     (``auto_choices``), the winning table (``auto_table``) and each table's output cosine
     (``auto_output_cosine``) in ``meta``."""
@@ -234,7 +245,7 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
     """Run every batch once and reduce each observed tensor into its observer (fed inputs from the feed).
 
     When only graph inputs are observed the model is not run at all. ``session`` may be a
-    :class:`~onnx_qat.calibration.branches.BranchRunner`, which gives None for the tensors of If
+    `BranchRunner`, which gives None for the tensors of If
     branches a batch does not take (and a Loop/Scan body's tensors stacked over its iterations).
     Returns the names observed on at least one batch.
     """
@@ -249,8 +260,9 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
         except Exception as exc:
             raise ModelError(f"onnxruntime failed on batch {index} of {dataset.source}: "
                              f"{brief(exc, 300)}") from None
+        given = getattr(session, "last_given", feed)  # a stateful model's carried state input too
         for name, observer in observers.items():
-            value = values.pop(name) if name in values else feed[name]
+            value = values.pop(name) if name in values else given[name]
             if value is not None:
                 observer.update(value)
                 reached.add(name)

@@ -5,8 +5,8 @@ The rules read a model exported by any tool (this project, onnxruntime's
 explicit-quantization INT8 path will refuse (``error``) or run slower than it
 could (``warning``). Each rule is one small function ``rule_cN_...`` with its
 source in the docstring, in a module per rule family (``rules_*.py``, over the
-per-graph index of ``index.py``); :data:`RULES` below is the one table of rules
-that :func:`check` runs, where every rule is registered.
+per-graph index of ``index.py``); `RULES` below is the one table of rules
+that [`check`][onnx_qat.check.check] runs, where every rule is registered.
 
 Sources cited by the rules:
 
@@ -15,6 +15,8 @@ Sources cited by the rules:
   weights).
 * [TRT-PL] TensorRT Developer Guide, "Q/DQ Layer-Placement Recommendations"
   (quantize the inputs of weighted ops, residual Add fusion, commuting ops).
+* [TRT-ST] TensorRT 11 Developer Guide, "Precision Control", "Strongly Typed Networks" (rule C15
+  and the precision map, `onnx_qat.check.precision`).
 * [ONNX-TRT] onnx-tensorrt ``docs/operators.md`` (QuantizeLinear/DequantizeLinear
   need opset >= 13 for per-axis scales, zero point 0; QLinear* and *Integer ops are
   not supported).
@@ -39,11 +41,14 @@ from .rules_values import (
     rule_c4_ort_cpu_zero_points, rule_c4_zero_points, rule_c5_scales, rule_c6_per_channel,
 )
 from . import rules_formats
-from .rules_pairs import rule_c7_q_without_dq, rule_c8_dq_source, rule_c9_weighted_ops
+from .rules_pairs import (rule_c7_q_without_dq, rule_c8_dq_source, rule_c9_ort_cpu_weighted_ops,
+                          rule_c9_weighted_ops)
 from .rules_fusion import (
     rule_c10_residual_float_skip, rule_c11_residual_conv_branch_quantized, rule_c12_pad_conv,
     rule_c14_qdq_inside_fusion,
 )
+from .precision import PrecisionMap, lazy_precision_map
+from .rules_precision import rule_c15_fp32_weighted_ops
 from .report import MODEL_NODE, Finding  # noqa: F401  (re-exported)
 from .index import WEIGHTED_OPS  # noqa: F401  (re-exported)
 from .rules_ops import FORBIDDEN_OPS  # noqa: F401  (re-exported)
@@ -58,6 +63,9 @@ ORT_CPU_RULES: Dict[str, Tuple[Optional[Callable], str]] = {
     "C11": (None, "the Conv output feeding a residual Add is a requantization point (CPU1): "
                   "onnxruntime forms QLinearConv only with a QuantizeLinear on the Conv output"),
     "C14": (None, "a Q/DQ between Conv and Relu is a requantization point (CPU1), for QLinearConv"),
+    "C15": (None, "a TensorRT strongly typed build's precision; onnxruntime picks its own kernels"),
+    "C9": (rule_c9_ort_cpu_weighted_ops, "a weighted op kept float for speed (CPU3) may read a requantized "
+                                         "(CPU1) activation"),
 }
 
 
@@ -81,6 +89,8 @@ RULES: Tuple[Tuple[str, str, str, Callable], ...] = (
     ("C13", WARNING, "the model has Q/DQ nodes at all", rule_c13_not_quantized),
     ("C14", WARNING, "no Q/DQ inside a weighted op -> BatchNormalization/activation fusion",
      rule_c14_qdq_inside_fusion),
+    ("C15", WARNING, "no FP32 Conv/ConvTranspose/Gemm/MatMul among FP16/BF16 compute (strongly typed build)",
+     rule_c15_fp32_weighted_ops),
 ) + rules_formats.RULES  # F1-F5: the FP8 and INT4 forms
 
 
@@ -118,7 +128,7 @@ def _inferred_value_info(model):
 
 
 def _lazy_inference(model) -> Callable[[], list]:
-    """:func:`_inferred_value_info` of ``model``, run the first time it is called (if ever)."""
+    """`_inferred_value_info` of ``model``, run the first time it is called (if ever)."""
     done: list = []
 
     def infer() -> list:
@@ -130,7 +140,8 @@ def _lazy_inference(model) -> Callable[[], list]:
 
 
 def _rules_for(target) -> Tuple[Callable, ...]:
-    """The rule functions :func:`check` runs for ``target`` (a target name, or None for tensorrt)."""
+    """The rule functions [`check`][onnx_qat.check.check] runs for ``target`` (a target name, or None for
+    tensorrt)."""
     from ..insertion.targets import get_target
 
     name = get_target(target).name
@@ -147,13 +158,16 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
             an ``onnx.ModelProto`` (read only, never modified) or an ``onnx_graphsurgeon.Graph``
             (exported with ``gs.export_onnx``, never modified).
         target: ``None``/``"tensorrt"`` (every rule), or ``"ort-cpu"``: the rules that apply to
-            that form, with :data:`ORT_CPU_RULES` replacing C4 and leaving out C11 and C14.
+            that form, with `ORT_CPU_RULES` replacing C4 and C9 and leaving out C11 and C14.
         path: the file an in-memory ``model`` was read from or written to, named in the
-            report (:attr:`CheckReport.model`); default: ``model`` itself when it is a path.
+            report (`CheckReport.model`); default: ``model`` itself when it is a path.
 
     Returns:
-        A :class:`CheckReport`; ``bool(report)`` is True when no rule found an
-        error. The rules (C1-C14) are listed in :data:`RULES` and docs/check-rules.md.
+        A [`CheckReport`][onnx_qat.check.CheckReport]; ``bool(report)`` is True when no rule found an
+        error. The rules (C1-C15, F1-F5) are listed in `RULES` and docs/check-rules.md.
+        ``report.precision_map`` ([`PrecisionMap`][onnx_qat.check.precision.PrecisionMap]) tells the
+        precision TensorRT runs each compute node in under a strongly typed build and the Q/DQ
+        nodes left unfused; it is built on first access (the report keeps the model until then).
 
     Raises:
         ModelError: the model cannot be read.
@@ -172,10 +186,12 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
             findings.extend(rule(proto, graphs))
         num_q = sum(node.is_q for g in graphs for node in g.qdq)
         num_dq = sum(not node.is_q for g in graphs for node in g.qdq)
+        built = graphs[0]._memo.get("precision_map", {}).get("map") if graphs else None  # by rule C15
         del graphs  # freed by reference counting while the collector is paused
     for finding in findings:
         logger.debug("check %s", finding)
-    return CheckReport(tuple(findings), num_q, num_dq, label, opset)
+    precision = built or lazy_precision_map(proto, opset)
+    return CheckReport(tuple(findings), num_q, num_dq, label, opset, precision)
 
 
-__all__ = ["check", "CheckReport", "Finding", "RULES", "ORT_CPU_RULES", "ERROR", "WARNING"]
+__all__ = ["check", "CheckReport", "Finding", "PrecisionMap", "RULES", "ORT_CPU_RULES", "ERROR", "WARNING"]

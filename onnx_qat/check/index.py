@@ -1,8 +1,8 @@
-"""The per-graph index every rule reads (:class:`_Graph`, built once per graph and
-subgraph by :func:`_all_graphs`) and the small helpers the rules share.
+"""The per-graph index every rule reads (`_Graph`, built once per graph and
+subgraph by `_all_graphs`) and the small helpers the rules share.
 
-Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
-:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in its one table,
+`onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
 import math
@@ -11,6 +11,7 @@ from itertools import compress
 from sys import intern
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+from ..graph.constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS
 from ..graph.ops import WEIGHTED_OPS
 
 
@@ -19,7 +20,6 @@ _UINT8 = 2  # onnx.TensorProto.UINT8: what a QuantizeLinear without a zero point
 _DATA_MOVEMENT = frozenset({
     "Pad", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Slice", "MaxPool",
 })
-_CONST_PASS = frozenset({"Identity", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Cast", "Flatten"})
 
 
 # -- a read-only index of one graph --------------------------------------------------------------
@@ -103,8 +103,8 @@ class _Graph:
 
     Nodes are held as parallel lists indexed by their position (op type, input names), not as
     one object per node: on a 10^5-node model the per-node objects cost more to build and to free
-    than all the rules that read them. Only the Q/DQ nodes get a record (:class:`_QDQ`), since
-    they are what most rules visit. Node names are read when a finding names a node (:meth:`name`).
+    than all the rules that read them. Only the Q/DQ nodes get a record (`_QDQ`), since
+    they are what most rules visit. Node names are read when a finding names a node (`name`).
     """
 
     graph: object                         # the onnx.GraphProto
@@ -112,7 +112,7 @@ class _Graph:
     ops: List[str]
     node_inputs: List[List[str]]
     producer: Dict[str, int]
-    #: node indices reading each QuantizeLinear output (one entry per reading input), see :meth:`readers`
+    #: node indices reading each QuantizeLinear output (one entry per reading input), see `readers`
     q_readers: Dict[str, List[int]]
     constants: Dict[str, object]          # name -> onnx.TensorProto (converted lazily)
     types: _Types
@@ -144,7 +144,7 @@ class _Graph:
         return cache[tensor]
 
     def prejudge(self, key: str, tensors, data_type: int, dtype: str, accept: Callable, verdict) -> frozenset:
-        """Settle :meth:`memo` ``(key, tensor)`` as ``verdict`` for every tensor among ``tensors``
+        """Settle `memo` ``(key, tensor)`` as ``verdict`` for every tensor among ``tensors``
         (constants of element type ``data_type``, NumPy ``dtype``, stored as raw bytes) whose
         elements all pass ``accept`` (a vectorized test), in one NumPy pass over all of them, and
         return the names so settled. The others are left to the rule's own per-tensor judgement,
@@ -216,7 +216,7 @@ class _Graph:
 
         Raw bytes of exactly one element are passed over without reading the dims (a costly field
         on many small tensors): the value then has one element, or cannot be read, whatever the
-        dims say, so :meth:`value_shape` is a one-element shape or None."""
+        dims say, so `value_shape` is a one-element shape or None."""
         sizes, stored = _itemsizes(), self._stored
         shapes = {}
         for name in tensors:
@@ -266,17 +266,19 @@ class _Graph:
         return "" if idx is None else self.name(idx)
 
     def is_constant(self, tensor: str) -> bool:
-        """Initializer or Constant output, possibly through shape-only ops (Transpose, Cast...)."""
+        """Initializer or Constant output, possibly through the ops of
+        `CONSTANT_PASS_OPS` (Transpose, Cast...): the one meaning of
+        "constant" (`onnx_qat.graph.constants`)."""
         constants, producer = self.constants, self.producer
         seen = 0
-        while tensor and seen < 16:
+        while tensor and seen < MAX_CONSTANT_HOPS:
             if tensor in constants:
                 return True
             idx = producer.get(tensor)
-            if idx is None or self.ops[idx] not in _CONST_PASS:
+            if idx is None or self.ops[idx] not in CONSTANT_PASS_OPS:
                 return False
             inputs = self.node_inputs[idx]
-            if any(i and i not in constants for i in inputs[1:]):
+            if any(i and i not in constants and not self.is_constant(i) for i in inputs[1:]):
                 return False
             tensor, seen = (inputs[0] if inputs else ""), seen + 1
         return False
@@ -353,7 +355,7 @@ _ITEMSIZES: Dict[int, int] = {}
 
 
 def _itemsizes() -> Dict[int, int]:
-    """Element type -> bytes per element, for the types whose raw bytes :func:`_to_array` reads in
+    """Element type -> bytes per element, for the types whose raw bytes `_to_array` reads in
     place (``model_io.tensor_array``); built on first use (``model_io`` imports onnx)."""
     if not _ITEMSIZES:
         from ..io.models import _RAW_DTYPES
@@ -389,7 +391,7 @@ def _constant_tensor(node):
 def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, list]:
     """One pass over ``graph``'s nodes: op types, inputs, producers, constants, Q/DQ nodes; then
     the readers of the QuantizeLinear outputs. Also returns ``(node index, attribute)`` of every
-    graph-valued attribute, in node and attribute order, for :func:`_walk`.
+    graph-valued attribute, in node and attribute order, for `_walk`.
 
     Each node's fields are read from the protobuf once (``[:]`` of a repeated string field is the
     cheapest copy). Every node's attributes are looked at, since any node may carry a subgraph;

@@ -1,10 +1,11 @@
-"""What :func:`onnx_qat.check` returns: :class:`CheckReport` (and its findings).
+"""What [`onnx_qat.check`][onnx_qat.check.check] returns: [`CheckReport`][onnx_qat.check.report.CheckReport]
+(and its findings).
 
-Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
-:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in its one table,
+`onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 
@@ -19,7 +20,7 @@ class Finding:
     """One problem found by one rule.
 
     Attributes:
-        rule: rule id, ``"C1"`` ... (see :data:`RULES` and docs/check-rules.md).
+        rule: rule id, ``"C1"`` ... (see `RULES` and docs/check-rules.md).
         severity: ``"error"`` (TensorRT refuses it or computes something else) or
             ``"warning"`` (it builds, but slower or less accurately than it could).
         node: name of the offending node (``"(model)"`` for model-level findings).
@@ -41,7 +42,7 @@ class Finding:
 
 @dataclass(frozen=True)
 class CheckReport:
-    """What :func:`check` found. ``bool(report)`` is True when there is no error.
+    """What [`check`][onnx_qat.check.check] found. ``bool(report)`` is True when there is no error.
 
     Attributes:
         findings: every finding, ordered by rule id then node order in the graph.
@@ -49,6 +50,9 @@ class CheckReport:
         num_dq: number of DequantizeLinear nodes.
         model: the model's path when given one, else ``""``.
         opset: the default-domain opset version (None when the model imports none).
+        precision_map: the [`PrecisionMap`][onnx_qat.check.precision.PrecisionMap] (a property): each
+            compute node's precision under a strongly typed TensorRT build and the Q/DQ nodes left
+            unfused, built on first access (None for reports not made by [`check`][onnx_qat.check.check]).
     """
 
     findings: Tuple[Finding, ...] = ()
@@ -56,6 +60,18 @@ class CheckReport:
     num_dq: int = 0
     model: str = ""
     opset: Optional[int] = None
+    #: the PrecisionMap, or a function building it on first access (see
+    #: [`precision_map`][onnx_qat.check.report.CheckReport.precision_map])
+    precision_source: Optional[object] = field(default=None, compare=False, repr=False)
+
+    @property
+    def precision_map(self):
+        """The [`PrecisionMap`][onnx_qat.check.precision.PrecisionMap], built on first access (then kept)."""
+        source = self.precision_source
+        if callable(source):
+            source = source()
+            object.__setattr__(self, "precision_source", source)
+        return source
 
     @property
     def errors(self) -> Tuple[Finding, ...]:
@@ -75,13 +91,20 @@ class CheckReport:
     def __bool__(self) -> bool:
         return self.passed
 
+    @property
+    def quantized(self) -> bool:
+        """True when the model has at least one QuantizeLinear or DequantizeLinear node (rule C13)."""
+        return bool(self.num_q or self.num_dq)
+
     def rules(self) -> Tuple[str, ...]:
         """The ids of the rules that found something (sorted, unique)."""
         return tuple(sorted({f.rule for f in self.findings}, key=_rule_key))
 
     def summary(self) -> str:
-        """One line: verdict, counts of errors/warnings, counts of Q and DQ nodes."""
-        verdict = "PASSED" if self.passed else "FAILED"
+        """One line: verdict, counts of errors/warnings, counts of Q and DQ nodes. The verdict is
+        ``PASSED``, ``FAILED`` (an error), or ``NOT QUANTIZED`` for a model without any Q/DQ node
+        and no error (exit code 0 like ``PASSED``: rule C13 is a warning)."""
+        verdict = "FAILED" if not self.passed else "PASSED" if self.quantized else "NOT QUANTIZED"
         where = f" | {self.model}" if self.model else ""
         n_err, n_warn = len(self.errors), len(self.warnings)
         return (f"{verdict}{where} | {n_err} error{'s' if n_err != 1 else ''}, "
@@ -99,6 +122,7 @@ class CheckReport:
             "opset": self.opset,
             "num_q": self.num_q,
             "num_dq": self.num_dq,
+            "quantized": self.quantized,
             "num_errors": len(self.errors),
             "num_warnings": len(self.warnings),
             "findings": [f.to_dict() for f in self.findings],

@@ -1,10 +1,10 @@
-"""Rules F1-F5: the FP8 and INT4 forms, run by :func:`onnx_qat.check` after C1-C14.
+"""Rules F1-F5: the FP8 and INT4 forms, run by [`onnx_qat.check`][onnx_qat.check.check] after C1-C14.
 
-Each rule reads the same per-graph index as the INT8 rules (the ``graphs`` :func:`onnx_qat.check`
-builds) and yields :class:`~onnx_qat.check.Finding` records. The INT8 rules leave FP8 and INT4
-Q/DQ to these: C4 skips their zero points (:func:`other_format`), C6 skips blockwise scales
-(:func:`blocked`), C9 accepts a weight-only INT4 weight without an activation Q/DQ
-(:func:`weight_only`).
+Each rule reads the same per-graph index as the INT8 rules (the ``graphs``
+[`onnx_qat.check`][onnx_qat.check.check] builds) and yields `Finding` records. The INT8 rules leave FP8 and
+INT4 Q/DQ to these: C4 skips their zero points (`other_format`), C6 skips blockwise scales
+(`blocked`), C9 accepts a weight-only INT4 weight without an activation Q/DQ
+(`weight_only`).
 
 Sources:
 
@@ -202,7 +202,7 @@ def rule_f5_int4_zero_points(model, graphs) -> Iterator[Finding]:
 
 
 #: (rule id, severity it can report, one-line description, function), appended to
-#: :data:`onnx_qat.check.RULES`.
+#: `onnx_qat.check.RULES`.
 RULES = (
     ("F1", ERROR, "FP8 Q/DQ: float8e4m3fn with a constant zero point of 0", rule_f1_fp8_zero_points),
     ("F2", ERROR, "opset >= 19 for FP8 Q/DQ, >= 21 for INT4 and blockwise Q/DQ", rule_f2_opset_of_form),

@@ -1,8 +1,8 @@
 """C10-C12 and C14: the fusions TensorRT makes (residual Add into the Conv, Pad into
 the Conv, Conv -> BatchNormalization -> activation).
 
-Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
-:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in its one table,
+`onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
 from typing import Iterator, List

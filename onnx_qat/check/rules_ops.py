@@ -1,7 +1,7 @@
 """C1-C3 and C13: opsets, the op types TensorRT imports, quantized biases, Q/DQ at all.
 
-Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
-:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in its one table,
+`onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -91,4 +91,5 @@ def rule_c13_not_quantized(model, graphs) -> Iterator[Finding]:
     """
     if not any(g.qdq for g in graphs):
         yield Finding("C13", WARNING, MODEL_NODE, "not quantized: the model has no QuantizeLinear/"
-                      "DequantizeLinear nodes")
+                      "DequantizeLinear nodes, so TensorRT builds it in float; quantize it first "
+                      "('onnx-qat quantize')")

@@ -1,8 +1,8 @@
 """C7-C9: how Q/DQ nodes pair up, what feeds a DequantizeLinear, weighted ops quantized
 on both inputs or neither.
 
-Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
-:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in its one table,
+`onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -71,6 +71,20 @@ def rule_c9_weighted_ops(model, graphs) -> Iterator[Finding]:
     Source: [TRT-PL] "quantize all inputs of weighted operations (Convolution,
     Transposed Convolution and GEMM)".
     """
+    yield from _c9_findings(graphs, activation_only_ok=False)
+
+
+def rule_c9_ort_cpu_weighted_ops(model, graphs) -> Iterator[Finding]:
+    """C9 for the ``ort-cpu`` target (error): a weighted op with a constant weight must not have its
+    weight quantized alone (onnxruntime would dequantize the weight at every run and compute in float).
+    Its activation alone may be quantized: a float Conv reading the requantization point (CPU1) of the
+    Conv before it, kept float because its integer kernel is not faster on the CPU (rule CPU3,
+    `onnx_qat.placement.cpu_latency`), dequantizes that input and runs the float kernel.
+    """
+    yield from _c9_findings(graphs, activation_only_ok=True)
+
+
+def _c9_findings(graphs, activation_only_ok: bool) -> Iterator[Finding]:
     for g in graphs:
         for i in g.indices_of(WEIGHTED_OPS):
             w = _weight_input(g, i)
@@ -80,6 +94,8 @@ def rule_c9_weighted_ops(model, graphs) -> Iterator[Finding]:
             act = 1 - w if g.ops[i] in ("Gemm", "MatMul") else 0
             act_q = _fed_by_dq(g, _input(inputs, act), through_movement=True)
             w_q = _fed_by_dq(g, _input(inputs, w), through_movement=True)
+            if activation_only_ok and act_q and not w_q:
+                continue
             if act_q != w_q and not (w_q and rules_formats.weight_only(g, _input(inputs, w))):
                 which, other = ("weight", "activation") if w_q else ("activation", "weight")
                 tensor = _input(inputs, act if w_q else w)

@@ -1,7 +1,7 @@
 """C4-C6: zero points, scales and per-channel axes of every Q/DQ node.
 
-Part of :mod:`onnx_qat.check`, which registers the rules in its one table,
-:data:`onnx_qat.check.RULES`; sources are cited as in its docstring."""
+Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in its one table,
+`onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
 import math
@@ -76,7 +76,7 @@ def _first_nonzero(values) -> Optional[int]:
 def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
     """C4 for the ``ort-cpu`` target (error): zero points constant, int8 zeros or uint8 0 / 128.
 
-    The ort-cpu form (:mod:`onnx_qat.insertion.ort_cpu`) stores activations as uint8 with zero point 128 (or 0
+    The ort-cpu form (`onnx_qat.insertion.ort_cpu`) stores activations as uint8 with zero point 128 (or 0
     where they are non-negative) and some weights as uint8 ``q + 128``: the same values as int8 with
     zero point 0. Any other zero point is not a form that target writes.
     """

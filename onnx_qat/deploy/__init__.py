@@ -1,7 +1,7 @@
 """TensorRT deployment: the build, timing and verification behind ``onnx-qat deploy`` (and the old
 ``tools/deploy_tensorrt.py`` command line). TensorRT and CUDA are imported lazily, in
-:mod:`.backend` only.
+`backend` only.
 
-Owns: :mod:`.command` (arguments, gate, onnxruntime validation, report), :mod:`.backend`.
+Owns: `command` (arguments, gate, onnxruntime validation, report), `backend`.
 May import: every other stage (it is the last one); nothing imports it but the CLI.
 """

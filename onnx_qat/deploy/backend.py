@@ -1,19 +1,23 @@
-"""Everything that touches TensorRT or CUDA for ``tools/deploy_tensorrt.py``.
+"""Everything that touches TensorRT or CUDA for ``onnx-qat deploy`` (`onnx_qat.deploy.command`).
 
-TensorRT and cuda-python are optional (``pip install "onnx-qat[tensorrt]"``) and
+TensorRT and cuda-python are optional (``pip install ".[tensorrt]"`` in the checkout) and
 are imported lazily, inside the functions that need them, so this module
 imports on any machine. Missing packages or a missing GPU raise
-:class:`onnx_qat.errors.TensorRTUnavailable` with one line saying what to
+[`onnx_qat.errors.TensorRTUnavailable`][] with one line saying what to
 install.
 
-Build modes (see :func:`choose_build_mode`):
+Build modes (see `choose_build_mode`):
 
 * ``strongly-typed`` — TensorRT >= 10: the network is created with
   ``NetworkDefinitionCreationFlag.STRONGLY_TYPED``; tensor types come from the
   ONNX model and its Q/DQ nodes (explicit quantization). No calibrator, no INT8
   flag. (TensorRT Developer Guide, "Explicit Quantization" and "Strongly Typed
-  Networks".)
-* ``weakly-typed`` — TensorRT >= 10 with ``--fp16``: a strongly typed network
+  Networks".) TensorRT 11 builds nothing else: the flag is deprecated there and
+  ignored (strong typing is always on), and ``BuilderFlag.FP16``/``INT8`` are
+  removed (TensorRT 11 migration guide, "Strongly Typed Networks Are Now
+  Required", "Removed Python APIs"); ``--fp16`` then means FP16 float parts,
+  which `onnx_qat.deploy.command` writes into the model before the build.
+* ``weakly-typed`` — TensorRT 10 with ``--fp16``: a strongly typed network
   cannot take ``BuilderFlag.FP16``, so layers the Q/DQ nodes leave in float are
   allowed to run in FP16 through the INT8 + FP16 builder flags (still no
   calibrator: the Q/DQ scales are used).
@@ -23,7 +27,7 @@ Build modes (see :func:`choose_build_mode`):
 CUDA memory, streams and events go through cuda-python's runtime bindings
 (``cuda.bindings.runtime``, or ``cuda.cudart`` in cuda-python < 12.6).
 
-The layer-information analysis (:func:`analyse_layers`) is pure Python on the
+The layer-information analysis (`analyse_layers`) is pure Python on the
 engine inspector's JSON and is used and tested without TensorRT.
 """
 from __future__ import annotations
@@ -43,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 #: One line telling users how to get TensorRT (used in every "missing" message).
 INSTALL_HINT = ('to build the engine, install it on a machine with an NVIDIA GPU and driver: '
-                'pip install "onnx-qat[tensorrt]" (the tensorrt and cuda-python wheels; '
+                'pip install ".[tensorrt]" in the onnx-qat checkout (the tensorrt and cuda-python wheels; '
                 'or from NVIDIA\'s index: pip install tensorrt --extra-index-url https://pypi.nvidia.com)')
 #: Oldest TensorRT the flag-based build supports (name-based I/O API, explicit quantization).
 MIN_TENSORRT = (8, 6)
@@ -74,7 +78,7 @@ class BuildSettings:
 
     fp16: bool = False
     workspace_bytes: Optional[int] = None
-    #: the model's Q/DQ form (``int8``, ``fp8`` or ``int4``, see :func:`model_precision`): FP8 and INT4
+    #: the model's Q/DQ form (``int8``, ``fp8`` or ``int4``, see `model_precision`): FP8 and INT4
     #: networks are built strongly typed (TensorRT >= 10), their types read from the Q/DQ nodes.
     precision: str = "int8"
     profiles: Tuple[ShapeProfile, ...] = ()
@@ -193,22 +197,43 @@ def version_tuple(text: str) -> Tuple[int, ...]:
 def choose_build_mode(version: str, fp16: bool, precision: str = "int8") -> str:
     """The build mode for a TensorRT version: see the module docstring. FP8 and INT4 Q/DQ models build
     strongly typed only (TensorRT 10: the FP8/INT4 types come from the network, not from builder flags).
+    TensorRT >= 11 builds strongly typed whatever is asked (``fp16`` there means FP16 float parts in
+    the model, see `converts_float_parts`).
 
     Raises:
-        ConfigError: FP8/INT4 with ``fp16`` (weakly typed) or with TensorRT < 10.
+        ConfigError: FP8/INT4 with ``fp16`` on TensorRT 10 (weakly typed) or with TensorRT < 10.
     """
     major = version_tuple(version)[0] if version_tuple(version) else 0
+    if major >= 11:
+        return STRONGLY_TYPED
     if precision != "int8":
         if major < 10:
             raise ConfigError(f"{precision} Q/DQ models need TensorRT >= 10 (strongly typed network); "
                               f"found TensorRT {version}")
         if fp16:
             raise ConfigError(f"{precision} Q/DQ models build as strongly typed networks, which take no "
-                              "--fp16 flag; drop it (give the model FP16 casts instead)")
+                              "--fp16 flag on TensorRT 10; drop it (or give the model FP16 float parts: "
+                              "onnx-qat quantize --float-dtype fp16; TensorRT 11 converts them itself)")
         return STRONGLY_TYPED
     if major >= 10:
         return WEAKLY_TYPED if fp16 else STRONGLY_TYPED
     return FLAG_BASED
+
+
+def converts_float_parts(version: Optional[str], fp16: bool) -> bool:
+    """Whether ``--fp16`` means converting the model's float parts to FP16 before the build: on
+    TensorRT >= 11 (strongly typed only, no FP16 builder flag). False without TensorRT (``version``
+    None: the build stops before it anyway) and on older versions (which take the FP16 flag)."""
+    major = version_tuple(version)[0] if version and version_tuple(version) else 0
+    return bool(fp16) and major >= 11
+
+
+def installed_tensorrt_version() -> Optional[str]:
+    """The version of the TensorRT that `import_tensorrt` finds, or None when there is none."""
+    try:
+        return str(import_tensorrt().__version__)
+    except TensorRTUnavailable:
+        return None
 
 
 def _failed(cudart, err) -> bool:
@@ -595,4 +620,97 @@ __all__ = [
     "ShapeProfile", "BuildSettings", "BuildResult", "LayerSummary", "EngineRunner", "INSTALL_HINT",
     "import_tensorrt", "import_cudart", "require_gpu", "choose_build_mode", "version_tuple", "build_engine",
     "analyse_layers", "tensor_precision", "STRONGLY_TYPED", "WEAKLY_TYPED", "FLAG_BASED",
+    "converts_float_parts", "installed_tensorrt_version", "compare_precisions", "PrecisionComparison",
 ]
+
+
+# --------------------------------------------------------------------------- precision map vs engine (pure)
+#: Inspector precision each precision-map entry should show on its layer's first input (INT4 weight-only
+#: layers read float activations: not compared).
+_EXPECTED_ENGINE = {"int8": "INT8", "fp8": "FP8", "fp16": "FP16", "bf16": "BF16", "fp32": "FP32"}
+
+
+@dataclass(frozen=True)
+class PrecisionRow:
+    """One compute node: the precision map's word and the engine layer that runs it."""
+
+    node: str
+    op_type: str
+    expected: str
+    layer: str = ""
+    engine: str = ""
+    status: str = "missing"   # "agrees", "differs", "missing" (no layer names it), "not compared"
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"node": self.node, "op_type": self.op_type, "precision_map": self.expected,
+                "layer": self.layer, "engine": self.engine, "status": self.status}
+
+
+@dataclass(frozen=True)
+class PrecisionComparison:
+    """The precision map (from the ONNX model, before the build) beside the engine inspector's layers."""
+
+    rows: Tuple[PrecisionRow, ...] = ()
+    detailed: bool = True
+
+    def count(self, status: str) -> int:
+        """Rows of ``status``."""
+        return sum(row.status == status for row in self.rows)
+
+    def differing(self) -> Tuple[PrecisionRow, ...]:
+        """The rows whose engine layer runs in another precision than the map says."""
+        return tuple(row for row in self.rows if row.status == "differs")
+
+    def summary(self, limit: int = 5) -> str:
+        """One line: how many nodes agree, differ, are missing; the first differences named."""
+        if not self.detailed:
+            return "precision map vs engine: not compared (the engine has no detailed layer information)"
+        shown = ", ".join(f"{r.node} (map {r.expected}, engine {r.engine})" for r in self.differing()[:limit])
+        return (f"precision map vs engine: {self.count('agrees')} of {len(self.rows)} compute nodes agree, "
+                f"{self.count('differs')} differ, {self.count('missing')} in no layer (folded), "
+                f"{self.count('not compared')} not compared" + (f"; differ: {shown}" if shown else ""))
+
+    def to_dict(self) -> dict:
+        """JSON-ready form, layer by layer."""
+        return {"detailed": self.detailed, "agree": self.count("agrees"), "differ": self.count("differs"),
+                "missing": self.count("missing"), "not_compared": self.count("not compared"),
+                "rows": [row.to_dict() for row in self.rows]}
+
+
+def compare_precisions(precision_map, info_json: str) -> PrecisionComparison:
+    """Put each compute node of ``precision_map`` ([`onnx_qat.check.precision.PrecisionMap`][])
+    beside the engine layer that runs it (found by the ONNX node names in the inspector's layer
+    ``Metadata`` or layer name) and the precision of that layer's first input.
+
+    A node the map says runs quantized (INT8/FP8) agrees when its layer reads INT8/FP8; a float node
+    when its layer reads that float type. Weight-only INT4 nodes are not compared (their layers read
+    float activations). Nodes in no layer were folded or removed by TensorRT.
+    """
+    try:
+        doc = json.loads(info_json)
+    except ValueError:
+        raise QatError("the engine inspector returned text that is not JSON") from None
+    layers = doc.get("Layers", []) if isinstance(doc, dict) else []
+    detailed = any(isinstance(layer, dict) for layer in layers)
+    by_node: Dict[str, Tuple[str, str]] = {}
+    for layer in layers:
+        if not isinstance(layer, dict):
+            continue
+        inputs = [t for t in layer.get("Inputs", []) if isinstance(t, dict)]
+        precision = tensor_precision(inputs[0].get("Format/Datatype", "")) if inputs else "UNKNOWN"
+        for origin in _layer_origins(layer):
+            by_node.setdefault(origin, (str(layer.get("Name", "?")), precision))
+    rows = []
+    for entry in precision_map.nodes:
+        expected = _EXPECTED_ENGINE.get(entry.precision)
+        found = by_node.get(entry.node)
+        if found is None:
+            rows.append(PrecisionRow(entry.node, entry.op_type, entry.precision))
+        elif expected is None or not detailed:
+            rows.append(PrecisionRow(entry.node, entry.op_type, entry.precision, found[0], found[1],
+                                     "not compared"))
+        else:
+            status = "agrees" if found[1] == expected else "differs"
+            rows.append(PrecisionRow(entry.node, entry.op_type, entry.precision, found[0], found[1], status))
+    return PrecisionComparison(tuple(rows), detailed)

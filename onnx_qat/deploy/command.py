@@ -4,7 +4,13 @@
 
 Steps (each a small function below, each recorded in the JSON report):
 
-1. gate      — :func:`onnx_qat.check` (TensorRT-readiness rules); refuse unless ``--force``.
+1. gate      — [`onnx_qat.check`][onnx_qat.check.check] (TensorRT-readiness rules); refuse unless ``--force``.
+The
+   check's precision map (each compute node's precision under a strongly typed build) goes into
+   the report. With ``--fp16`` on TensorRT >= 11 (strongly typed only, no FP16 builder flag) the
+   model's float parts are converted to FP16 first ([`onnx_qat.formats.float_parts.cast_float_parts`][],
+   measured on ``--data`` when given; nodes FP16 cannot serve stay FP32, with their reason), and
+   every later step uses the converted model.
 2. validate  — run the model in onnxruntime on ``--data`` (or generated inputs) and
    report the outputs' health (NaN/Inf, constant outputs, value ranges) and the
    accuracy against ``--labels``; refuse an unhealthy model unless ``--force``.
@@ -12,12 +18,14 @@ Steps (each a small function below, each recorded in the JSON report):
    quantization, no calibrator, no INT8 flag); TensorRT 8.6/9: flag-based build. FP8 and INT4
    (weight-only) Q/DQ models (``onnx-qat quantize --precision fp8|int4``) build strongly typed
    only, so they need TensorRT >= 10 and no ``--fp16``. The onnxruntime run of step 2 uses graph
-   optimisations off for FP8 models (onnxruntime 1.31's QDQ fusion refuses FP8 MatMuls).
+   optimisations off for TensorRT-form Q/DQ models (exact Q/DQ arithmetic, as TensorRT computes it,
+   not onnxruntime's fused integer CPU kernels; onnxruntime 1.31's QDQ fusion also refuses FP8 MatMuls).
    Engine and timing cache are written atomically.
 4. measure   — GPU latency (mean, median, p90, p99) and throughput with CUDA events.
 5. verify    — engine outputs vs onnxruntime (max abs/rel difference, top-1
    agreement), accuracy vs labels, per-layer precision from the engine inspector
-   and the Q/DQ nodes TensorRT did not fuse.
+   and the Q/DQ nodes TensorRT did not fuse; the precision map beside the inspector's layers,
+   node by node (`onnx_qat.deploy.backend.compare_precisions`).
 
 Without TensorRT or a GPU, steps 1-2 run, the report is written, and the script
 stops with one line naming what is missing (exit code 2).
@@ -26,15 +34,13 @@ Exit codes: 0 success; 1 the engine was built but verification failed (parity
 below ``--min-top1``/above ``--max-abs``); 2 refused, bad input or usage, or
 TensorRT/GPU missing; 3 internal error; 130 interrupted.
 
-All TensorRT and CUDA code lives in :mod:`onnx_qat.deploy.backend`, imported lazily.
+All TensorRT and CUDA code lives in `onnx_qat.deploy.backend`, imported lazily.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
-import re
 import sys
 import time
 import traceback
@@ -44,174 +50,16 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np  # noqa: E402
 
-from onnx_qat.argtypes import number_in, positive_number, whole_number  # noqa: E402
+from .options import (  # noqa: F401  (re-exported: the options are part of this command's interface)
+    PROG, DeployOptions, UsageError, get_parser, options_from_args, parse_shape_spec,
+)
 from onnx_qat.io.files import json_safe  # noqa: E402
 from onnx_qat.errors import ConfigError, DataError, OutputError, QatError, TensorRTUnavailable  # noqa: E402
 
-PROG = "deploy_tensorrt.py"
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: float_parts and precision (the precision map, then beside the engine's layers)
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 logger = logging.getLogger("onnx_qat.deploy.command")
-
-
-# =========================================================================== options
-@dataclass(frozen=True)
-class DeployOptions:
-    """Every command-line option, validated (see :func:`get_parser` for their meaning)."""
-
-    model: Path
-    engine: Path
-    report: Optional[Path] = None
-    data: Optional[Path] = None
-    labels: Optional[str] = None
-    num_samples: int = 16
-    seed: int = 0
-    shapes: Tuple = ()
-    batch: Optional[int] = None
-    fp16: bool = False
-    workspace_mib: Optional[int] = None
-    timing_cache: Optional[Path] = None
-    iterations: int = 100
-    warmup: int = 10
-    min_top1: float = 0.99
-    max_abs: Optional[float] = None
-    skip_validation: bool = False
-    force: bool = False
-    progress: bool = True
-    verbose: bool = False
-
-    def to_dict(self) -> dict:
-        """JSON-ready form for the report."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Path):
-                value = str(value)
-            elif f.name == "shapes":
-                value = [p.to_dict() for p in value]
-            out[f.name] = value
-        return out
-
-
-class UsageError(Exception):
-    """A command-line usage problem; printed as one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line (no usage dump)."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see '{self.prog} --help')")
-
-
-def parse_shape_spec(text: str):
-    """``NAME:MIN[,OPT,MAX]`` with dims joined by ``x`` -> :class:`onnx_qat.deploy.backend.ShapeProfile`.
-
-    One shape gives a static profile (min = opt = max). Dimensions must be whole
-    numbers > 0 with min <= opt <= max in every dimension.
-    """
-    from onnx_qat.deploy.backend import ShapeProfile
-
-    name, sep, dims_text = str(text).rpartition(":")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME:MIN,OPT,MAX "
-                                         f"(e.g. input:1x3x224x224,8x3x224x224,32x3x224x224)")
-    parts = dims_text.split(",")
-    if len(parts) not in (1, 3):
-        raise argparse.ArgumentTypeError(f"{text!r}: give one shape or three (min,opt,max), not {len(parts)}")
-    shapes = []
-    for part in parts:
-        if not re.fullmatch(r"\d+(x\d+)*", part.strip()):
-            raise argparse.ArgumentTypeError(f"{text!r}: shape {part!r} is not dimensions joined by 'x' "
-                                             f"(e.g. 8x3x224x224)")
-        dims = tuple(int(d) for d in part.strip().split("x"))
-        if any(d <= 0 for d in dims):
-            raise argparse.ArgumentTypeError(f"{text!r}: dimensions must be > 0")
-        shapes.append(dims)
-    low, opt, high = (shapes * 3)[:3] if len(shapes) == 1 else shapes
-    if not len(low) == len(opt) == len(high):
-        raise argparse.ArgumentTypeError(f"{text!r}: min, opt and max shapes have different ranks")
-    if any(not a <= b <= c for a, b, c in zip(low, opt, high)):
-        raise argparse.ArgumentTypeError(f"{text!r}: need min <= opt <= max in every dimension")
-    return ShapeProfile(name, low, opt, high)
-
-
-def get_parser() -> argparse.ArgumentParser:
-    """The command-line parser (no heavy imports)."""
-    p = _Parser(prog=PROG, description=(
-        "Gate, validate, build, time and verify a TensorRT INT8 engine from a Q/DQ ONNX model "
-        "(explicit quantization). Without TensorRT or a GPU the check and onnxruntime validation "
-        "still run and the report is written; the script then stops with exit code 2."),
-        epilog="exit codes: 0 success, 1 engine built but verification failed, 2 refused / bad input / "
-               "TensorRT or GPU missing, 3 internal error, 130 interrupted")
-    p.add_argument("model", type=Path, help="the Q/DQ ONNX model (e.g. written by 'onnx-qat quantize')")
-    p.add_argument("--engine", type=Path, required=True, metavar="OUT.engine",
-                   help="where to write the serialized TensorRT engine (written atomically)")
-    p.add_argument("--report", type=Path, metavar="REPORT.json",
-                   help="write a JSON report of every step done (also when the script stops early)")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", type=Path, metavar="DATA.npz",
-                   help="inputs for validation, verification and timing: an .npz whose keys are the model's "
-                        "input names, first axis = samples (default: generated random inputs)")
-    g.add_argument("--labels", metavar="LABELS",
-                   help="class labels for accuracy: a .npy file of integer labels (or one-hot rows), or the "
-                        "name of an array inside DATA.npz")
-    g.add_argument("--num-samples", type=whole_number(1), default=16, metavar="N",
-                   help="number of generated input samples when no --data is given (default 16)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
-    b = p.add_argument_group("build")
-    b.add_argument("--shapes", type=parse_shape_spec, action="append", default=[],
-                   metavar="NAME:MIN,OPT,MAX",
-                   help="optimization-profile shapes of an input with dynamic dimensions, dims joined by "
-                        "'x', e.g. input:1x3x224x224,8x3x224x224,32x3x224x224 (one shape = static); "
-                        "repeat per input. Runs use the OPT shape's batch")
-    b.add_argument("--batch", type=whole_number(1), metavar="N",
-                   help="batch size when only the first dimension is dynamic: profile min 1, opt N, max N "
-                        "(default: 1, or the model's fixed batch)")
-    b.add_argument("--fp16", action="store_true",
-                   help="let layers left unquantized run in FP16 (TensorRT >= 10: weakly typed build with "
-                        "the INT8+FP16 flags instead of the strongly typed one)")
-    b.add_argument("--workspace", type=whole_number(1), dest="workspace_mib", metavar="MIB",
-                   help="builder workspace memory-pool limit in MiB (default: TensorRT's, the GPU's memory)")
-    b.add_argument("--timing-cache", type=Path, metavar="CACHE",
-                   help="timing cache file: read when it exists, written (atomically) after the build")
-    m = p.add_argument_group("measure and verify")
-    m.add_argument("--iterations", type=whole_number(1), default=100,
-                   help="timed runs after warm-up (default 100)")
-    m.add_argument("--warmup", type=whole_number(0), default=10, help="untimed warm-up runs (default 10)")
-    m.add_argument("--min-top1", type=number_in(0.0, 1.0), default=0.99,
-                   help="least top-1 agreement between engine and onnxruntime outputs (default 0.99)")
-    m.add_argument("--max-abs", type=positive_number,
-                   help="largest allowed max-abs difference between engine and onnxruntime "
-                        "(default: no limit)")
-    s = p.add_argument_group("control")
-    s.add_argument("--skip-validation", action="store_true",
-                   help="skip the onnxruntime run before the build and the engine-vs-onnxruntime comparison "
-                        "(the check still runs; accuracy vs --labels is still measured on the engine)")
-    s.add_argument("--force", action="store_true",
-                   help="build even when the check finds errors or the onnxruntime outputs are unhealthy")
-    s.add_argument("--no-progress", action="store_true", help="no progress bars")
-    s.add_argument("-v", "--verbose", action="store_true",
-                   help="debug logging (TensorRT's verbose log included) and tracebacks on errors")
-    return p
-
-
-def options_from_args(args: argparse.Namespace) -> DeployOptions:
-    """Turn parsed arguments into a validated :class:`DeployOptions`."""
-    names = [p.name for p in args.shapes]
-    duplicated = sorted({n for n in names if names.count(n) > 1})
-    if duplicated:
-        raise UsageError(f"argument --shapes: input {duplicated[0]!r} is given more than once")
-    if args.shapes and args.batch is not None:
-        raise UsageError("arguments --shapes and --batch: give the batch inside --shapes, not both")
-    return DeployOptions(
-        model=args.model, engine=args.engine, report=args.report, data=args.data, labels=args.labels,
-        num_samples=args.num_samples, seed=args.seed, shapes=tuple(args.shapes), batch=args.batch,
-        fp16=args.fp16, workspace_mib=args.workspace_mib, timing_cache=args.timing_cache,
-        iterations=args.iterations, warmup=args.warmup, min_top1=args.min_top1, max_abs=args.max_abs,
-        skip_validation=args.skip_validation, force=args.force, progress=not args.no_progress,
-        verbose=args.verbose)
 
 
 # =========================================================================== typed results
@@ -337,10 +185,12 @@ class DeployReport:
     parity: Optional[list] = None
     accuracy: Optional[dict] = None
     layers: Optional[dict] = None
+    float_parts: Optional[dict] = None
+    precision: Optional[dict] = None
     version: int = REPORT_VERSION
 
     def to_dict(self) -> dict:
-        """JSON-ready form (non-finite floats become the strings ``"NaN"``, ``"Infinity"``...)."""
+        """JSON-ready form (non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"``)."""
         return json_safe(dataclasses.asdict(self))
 
     def write(self, path: Optional[Path]) -> None:
@@ -391,7 +241,7 @@ def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str,
                     min_top1: float = 0.99, max_abs: Optional[float] = None) -> Tuple[OutputParity, ...]:
     """Compare every output of ``reference`` (onnxruntime) with ``candidate`` (the engine).
 
-    The figures are :func:`onnx_qat.runtime.compare.output_figures`' (the one comparator: ``max_rel``
+    The figures are `onnx_qat.runtime.compare.output_figures`' (the one comparator: ``max_rel``
     relative to ``|a|`` floored at ``REL_FLOOR`` times the largest ``|a|``; ``top1`` the fraction of
     rows whose argmax over the last axis agrees, outputs with a class axis only). An output passes
     when its top-1 agreement is at least ``min_top1`` and, when given, its max abs
@@ -468,11 +318,14 @@ def _labels_path(opts: DeployOptions) -> Optional[Path]:
     return path if path.exists() or opts.data is None or path.suffix in (".npy", ".npz") else None
 
 
-def resolve_profiles(specs, shapes: Sequence, batch: Optional[int]) -> Tuple[Tuple, int]:
+def resolve_profiles(specs, shapes: Sequence, batch: Optional[int],
+                     data_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> Tuple[Tuple, int]:
     """Optimization profiles for the model's inputs and the batch size runs use.
 
     Inputs named in ``shapes`` use those; inputs whose only dynamic dimension is the
-    first get min 1, opt/max ``batch`` (default 1); other dynamic inputs are an error.
+    first get min 1, opt/max ``batch`` (default 1); inputs with other dynamic dimensions
+    take them from ``data_shapes`` (one sample's shape per input, from ``--data``), else
+    they are an error naming the dimensions.
     """
     from onnx_qat.deploy.backend import ShapeProfile
 
@@ -485,12 +338,11 @@ def resolve_profiles(specs, shapes: Sequence, batch: Optional[int]) -> Tuple[Tup
         profile = given.get(spec.name)
         dims = spec.shape
         if profile is None and dims is not None and any(d is None for d in dims):
-            if any(d is None for d in dims[1:]):
-                raise ConfigError(f"model input {spec.describe()} has dynamic dimensions other than the "
-                                  f"batch; give its shapes with --shapes {spec.name}:MIN,OPT,MAX")
+            rest = tuple(dims[1:])
+            if any(d is None for d in rest):
+                rest = _rest_from_data(spec, (data_shapes or {}).get(spec.name))
             n = batch or 1
-            profile = ShapeProfile(spec.name, (1,) + tuple(dims[1:]), (n,) + tuple(dims[1:]),
-                                   (n,) + tuple(dims[1:]))
+            profile = ShapeProfile(spec.name, (1,) + rest, (n,) + rest, (n,) + rest)
         elif profile is None and dims is not None and batch is not None and dims and dims[0] != batch:
             raise ConfigError(f"model input {spec.describe()} has a fixed batch of {dims[0]}; "
                               f"--batch {batch} cannot change it (export the model with a dynamic batch "
@@ -501,6 +353,23 @@ def resolve_profiles(specs, shapes: Sequence, batch: Optional[int]) -> Tuple[Tup
         elif dims:
             run_batch = run_batch or dims[0]
     return tuple(profiles), int(run_batch or 1)
+
+
+def _rest_from_data(spec, sample: Optional[Tuple[int, ...]]) -> Tuple[int, ...]:
+    """The non-batch dimensions of ``spec`` fixed by one data sample's shape, or a ConfigError
+    naming the dynamic dimensions (by their symbolic names) when there is no data for them."""
+    dynamic = ", ".join(spec.dynamic_names(1))
+    if sample is None:
+        raise ConfigError(f"model input {spec.describe()} has dynamic dimensions other than the batch "
+                          f"({dynamic}); give --data, whose arrays fix them, or their sizes with --shapes "
+                          f"{spec.name}:MIN,OPT,MAX (dims joined by 'x')")
+    return tuple(int(d) for d in sample)
+
+
+def sample_shapes(dataset) -> Dict[str, Tuple[int, ...]]:
+    """One sample's shape per input of ``dataset`` (the batch axis left out)."""
+    first = next(iter(dataset.batches(1)), {})
+    return {name: tuple(np.shape(array))[1:] for name, array in first.items()}
 
 
 def _check_profile_fits(profile, by_name) -> None:
@@ -603,7 +472,7 @@ def _check_labels(labels: Optional[np.ndarray], num_samples: int, what) -> Optio
 
 # =========================================================================== steps
 def gate(opts: DeployOptions):
-    """Step 1: :func:`onnx_qat.check` on the model file; returns the CheckReport."""
+    """Step 1: [`onnx_qat.check`][onnx_qat.check.check] on the model file; returns the CheckReport."""
     from onnx_qat.check import check
 
     return check(str(opts.model))
@@ -617,7 +486,7 @@ def run_onnxruntime(model, dataset, batch_size: int, progress: bool) -> Dict[str
 
 
 def validate(model, dataset, labels, source: str, batch_size: int, progress: bool):
-    """Step 2: run the model in onnxruntime; return (:class:`Validation`, outputs)."""
+    """Step 2: run the model in onnxruntime; return (`Validation`, outputs)."""
     start = time.perf_counter()
     outputs = run_onnxruntime(model, dataset, batch_size, progress)
     seconds = time.perf_counter() - start
@@ -626,8 +495,9 @@ def validate(model, dataset, labels, source: str, batch_size: int, progress: boo
     return Validation(source, int(dataset.num_samples), batch_size, seconds, health, acc), outputs
 
 
-def build(model, opts: DeployOptions, profiles):
-    """Step 3: build the engine (TensorRT imported here); write engine and timing cache atomically."""
+def build(model, opts: DeployOptions, profiles, converted: bool = False):
+    """Step 3: build the engine (TensorRT imported here); write engine and timing cache atomically.
+    ``converted``: ``model`` is no longer the file's (its float parts were converted)."""
     from onnx_qat.io.files import atomic_write_bytes
     from . import backend as trt_backend
 
@@ -639,6 +509,10 @@ def build(model, opts: DeployOptions, profiles):
     from onnx_qat.io.models import EXTERNAL_DATA_THRESHOLD
 
     model_bytes = model.SerializeToString() if model.ByteSize() < EXTERNAL_DATA_THRESHOLD else None
+    if model_bytes is None and converted:
+        raise ConfigError(f"{opts.model} is over 2 GB: its FP16 float parts cannot be handed to TensorRT "
+                          "in memory; write them first (onnx-qat quantize --float-dtype fp16) and deploy "
+                          "that model without --fp16")
     result = trt_backend.build_engine(model_bytes, str(opts.model), settings)
     atomic_write_bytes(opts.engine, result.engine)
     if opts.timing_cache is not None and result.timing_cache:
@@ -702,7 +576,7 @@ def _stop(report: DeployReport, opts: DeployOptions, status: str, code: int, mes
     report = dataclasses.replace(report, status=status, exit_code=code, message=message)
     report.write(opts.report)
     prefix = "error: " if code == EXIT_USAGE and status != "tensorrt-unavailable" else ""
-    print(f"{PROG}: {prefix}{message}", file=sys.stderr if code else sys.stdout)
+    print(f"{opts.prog}: {prefix}{message}", file=sys.stderr if code else sys.stdout)
     return code
 
 
@@ -720,10 +594,14 @@ def run(opts: DeployOptions) -> int:
         return _stop(report, opts, "refused", EXIT_USAGE,
                      f"{opts.model} is not TensorRT-ready (check rules {rules}); fix the findings above or "
                      f"pass --force to build anyway")
+    if not checked.quantized and not opts.allow_float:
+        return _stop(report, opts, "refused", EXIT_USAGE,
+                     f"{opts.model} has no Q/DQ nodes (check rule C13), so TensorRT would build a float "
+                     f"engine; quantize it first ('onnx-qat quantize') or pass --allow-float")
     state = _Progress(report)
     try:
         model = load_model(opts.model)
-        return _run_after_gate(opts, state, model, model_input_specs(model))
+        return _run_after_gate(opts, state, model, model_input_specs(model), checked.precision_map)
     except TensorRTUnavailable as exc:
         done = "check done" if opts.skip_validation else "check and onnxruntime validation done"
         return _stop(state.report, opts, "tensorrt-unavailable", EXIT_USAGE,
@@ -755,9 +633,49 @@ class _Progress:
         return self.report
 
 
-def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs) -> int:
-    profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch)
-    dataset, labels, source = load_inputs(opts, model, specs, profiles)
+def convert_float_parts(model, opts: DeployOptions, tensorrt_version: str):
+    """``--fp16`` on TensorRT >= 11: the model with its float parts in FP16
+    ([`onnx_qat.formats.float_parts.cast_float_parts`][], measured on ``--data`` when given); returns
+    ``(model, FloatPartsResult)``."""
+    from ..formats.float_parts import cast_float_parts
+
+    result = cast_float_parts(model, "fp16", data=str(opts.data) if opts.data is not None else None,
+                              progress=opts.progress)
+    kept = ", ".join(str(k) for k in result.kept[:5]) + (" ..." if len(result.kept) > 5 else "")
+    print(f"float parts: converted to FP16 for TensorRT {tensorrt_version}'s strongly typed build; "
+          f"{len(result.kept)} node(s) kept FP32" + (f" ({kept})" if kept else ""))
+    return result.model, result
+
+
+def precision_of(model):
+    """The precision map of ``model`` (`onnx_qat.check.CheckReport.precision_map`)."""
+    from onnx_qat.check import check
+
+    return check(model).precision_map
+
+
+def _precision_dict(pmap) -> dict:
+    """The report's ``precision`` entry before the build: counts, FP32 weighted ops, unfused Q/DQ."""
+    return {"counts": pmap.counts(), "fp32_weighted": [e.to_dict() for e in pmap.fp32_compute(True)],
+            "unfused_qdq": [u.to_dict() for u in pmap.unfused]}
+
+
+def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs, pmap) -> int:
+    from . import backend as trt_backend
+
+    version = trt_backend.installed_tensorrt_version() if opts.fp16 else None
+    if trt_backend.converts_float_parts(version, opts.fp16):
+        model, converted = convert_float_parts(model, opts, version)
+        pmap = precision_of(model)
+        state.update(float_parts=converted.to_dict())
+    state.update(precision=_precision_dict(pmap))
+    print(pmap.summary())
+    if opts.data is not None:  # the data's arrays fix the dimensions --shapes does not give
+        dataset, labels, source = load_inputs(opts, model, specs, ())
+        profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch, sample_shapes(dataset))
+    else:
+        profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch)
+        dataset, labels, source = load_inputs(opts, model, specs, profiles)
     reference = None
     if not opts.skip_validation:
         validation, reference = validate(model, dataset, labels, source, batch_size, opts.progress)
@@ -772,16 +690,16 @@ def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs) -> int:
                          f"onnxruntime outputs of {opts.model} are unhealthy ({validation.problems[0]}); "
                          f"pass --force to build anyway")
     state.update(status="validated").write(opts.report)
-    result = build(model, opts, profiles)
+    result = build(model, opts, profiles, converted=state.report.float_parts is not None)
     state.update(status="built", build=result.to_dict())
     print(f"build: {result.mode} {result.precision} engine with TensorRT {result.tensorrt_version} "
           f"on {result.device} in "
           f"{result.seconds:.1f} s -> {opts.engine}")
-    return _measure_and_verify(opts, state, model, dataset, labels, reference, profiles, batch_size)
+    return _measure_and_verify(opts, state, model, dataset, labels, reference, profiles, batch_size, pmap)
 
 
 def _measure_and_verify(opts, state: _Progress, model, dataset, labels, reference, profiles,
-                        batch_size) -> int:
+                        batch_size, pmap) -> int:
     from . import backend as trt_backend
 
     min_batch = min((p.min[0] for p in profiles), default=batch_size)
@@ -789,7 +707,9 @@ def _measure_and_verify(opts, state: _Progress, model, dataset, labels, referenc
         latency = measure(runner, dataset, batch_size, opts)
         print(latency)
         outputs = run_engine(runner, dataset, batch_size, max(min_batch, 1), opts.progress)
-        layers = trt_backend.analyse_layers(runner.layer_information(), qdq_node_names(model))
+        info = runner.layer_information()
+        layers = trt_backend.analyse_layers(info, qdq_node_names(model))
+        beside = trt_backend.compare_precisions(pmap, info)
     parity = () if reference is None else compare_outputs(reference, outputs, min_top1=opts.min_top1,
                                                           max_abs=opts.max_abs)
     for line in parity:
@@ -800,8 +720,10 @@ def _measure_and_verify(opts, state: _Progress, model, dataset, labels, referenc
     fp8 = f"{layers.fp8} FP8, " if layers.fp8 else ""
     print(f"layers: {layers.int8} INT8, {fp8}{layers.higher} higher precision, {layers.other} other of "
           f"{layers.total}; Q/DQ not fused: {', '.join(layers.unfused_qdq) or 'none'}")
+    print(beside.summary())
     report = state.update(latency=latency.to_dict(), parity=[p.to_dict() for p in parity], accuracy=acc,
-                          layers=layers.to_dict())
+                          layers=layers.to_dict(),
+                          precision={**(state.report.precision or {}), "engine": beside.to_dict()})
     if reference is None:
         return _stop(report, opts, "built", EXIT_OK,
                      f"engine {opts.engine} built; not compared with onnxruntime (--skip-validation)")
@@ -815,6 +737,17 @@ def _measure_and_verify(opts, state: _Progress, model, dataset, labels, referenc
 def _configure_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+
+
+def run_reported(opts: DeployOptions) -> int:
+    """`run`, with an error it already printed and reported turned into exit code 2 (what
+    ``onnx-qat deploy`` calls; other errors propagate to the caller's handler)."""
+    try:
+        return run(opts)
+    except _AlreadyReported as exc:
+        if opts.verbose:
+            traceback.print_exception(exc.__cause__)
+        return EXIT_USAGE
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

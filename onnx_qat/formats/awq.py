@@ -8,7 +8,7 @@ for ``alpha`` in 0, 0.05 ... 1 and keeps the one with the least relative output 
 ``sum_i ||x W_i - (x / s) Q(s W_i)||^2 / ||x W_i||^2`` on the calibration rows (``alpha = 0`` is
 plain round-to-nearest, so the search never does worse than it on those rows). ``s`` multiplies
 the weight rows; then each block's range is shrunk where that lowers its activation-weighted error
-(:func:`search_clip`), and the block ranges go to the inserter through the ScaleTable. ``1 / s``
+(`search_clip`), and the block ranges go to the inserter through the ScaleTable. ``1 / s``
 is folded into the op that produces ``x``:
 
 * LayerNormalization with constant scale (and bias): both divided by ``s``;
@@ -46,8 +46,8 @@ MAX_ROWS = 1024
 def apply_awq(model, index: GraphIndex, placement: Placement, data, block_size: int, *,
               progress: bool = False, batch_size: Optional[int] = None) -> Tuple[Tuple[dict, ...], dict]:
     """Search and apply AWQ scales for every group of INT4 weight marks; edits ``model``'s constants in
-    place (``model`` is the private float copy :func:`onnx_qat.quantize` owns); then choose each
-    block's clipping range (:func:`search_clip`).
+    place (``model`` is the private float copy [`onnx_qat.quantize`][onnx_qat.quantize.quantize] owns); then
+    choose each block's clipping range (`search_clip`).
 
     Returns ``(records, ranges)``: one record per group (the activation, its weights, where ``1 / s``
     went and why, the chosen ``alpha``, the relative output errors of round-to-nearest, of the scaled
@@ -109,7 +109,7 @@ def _block_max(matrix: np.ndarray, block_size: int) -> np.ndarray:
 
 def search_clip(matrix: np.ndarray, rows: np.ndarray, block_size: int) -> np.ndarray:
     """Per block of ``matrix [K, N]`` (blocks along K), the clipping range ``r * max|w|`` (``r`` among
-    :data:`CLIP_RATIOS`) with the least output error of that block on the activation ``rows [n, K]``,
+    `CLIP_RATIOS`) with the least output error of that block on the activation ``rows [n, K]``,
     ``E[(x_b . (Q(w_b) - w_b))^2] = e^T C_b e`` with ``C_b`` the block's activation second moments;
     returns the block amax grid ``[K / block_size, N]``.
 
@@ -124,7 +124,7 @@ def search_clip(matrix: np.ndarray, rows: np.ndarray, block_size: int) -> np.nda
 
 
 def clip_with_moments(blocks: np.ndarray, moments: np.ndarray) -> np.ndarray:
-    """:func:`search_clip` on ``blocks [groups, B, N]`` with each block's activation second moments
+    """`search_clip` on ``blocks [groups, B, N]`` with each block's activation second moments
     ``moments [groups, B, B]`` given: the block amax ``[groups, N]``."""
     blocks = np.asarray(blocks, np.float32)
     moments = np.asarray(moments, np.float32)
@@ -174,12 +174,13 @@ def search_scale(rows: np.ndarray, matrices: List[np.ndarray], block_size: int):
 
 # --------------------------------------------------------------------------- graph
 def _groups(index: GraphIndex, placement: Placement) -> Dict[str, list]:
-    """Activation tensor -> the marked MatMul/Gemm nodes reading it as input 0 (graph order)."""
+    """Activation tensor -> the marked MatMul/Gemm nodes reading it as input 0 (graph order); a weight
+    folded through a Transpose or Reshape (not stored as it is used) is left to round to nearest."""
     groups: Dict[str, list] = {}
     for mark in placement.weights:
         node = index.by_name.get(mark.node)
         trans_a = node is not None and node.op_type == "Gemm" and int(node.attr("transA", 0) or 0)
-        if node is None or mark.input_index != 1 or trans_a:
+        if node is None or mark.input_index != 1 or trans_a or not index.is_stored_constant(mark.tensor):
             continue
         groups.setdefault(node.inputs[0], []).append(node)
     return groups
@@ -224,7 +225,7 @@ def _weighted_producer(index: GraphIndex, tensor: str):
 
 def _private_constant(index: GraphIndex, tensor: str, node) -> bool:
     """``tensor`` is a float32 constant read only by ``node``."""
-    proto = index.constant_proto(tensor)
+    proto = index.constant_proto(tensor) if index.is_stored_constant(tensor) else None
     return proto is not None and proto.data_type == 1 and \
         {n.name for n, _ in index.consumers(tensor)} == {node.name}
 
@@ -314,7 +315,7 @@ def _insert_muls(model, muls) -> None:
 
 def _activation_rows(model, tensors, data, progress: bool,
                      batch_size: Optional[int]) -> Dict[str, np.ndarray]:
-    """Up to :data:`MAX_ROWS` rows ``[n, K]`` of each activation over the calibration data (a fixed
+    """Up to `MAX_ROWS` rows ``[n, K]`` of each activation over the calibration data (a fixed
     random subset when there are more)."""
     from ..io.data import load_data
     from ..runtime.sessions import make_session, run_batches

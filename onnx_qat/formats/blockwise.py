@@ -1,10 +1,10 @@
 """Numerics of the non-int8 formats: FP8 E4M3FN casts, INT4 block scales and INT4 packing.
 
-* :func:`to_fp8` — ``castToFp8(clip(x / s, -448, 448))`` (round to nearest, ties to even), as
+* `to_fp8` — ``castToFp8(clip(x / s, -448, 448))`` (round to nearest, ties to even), as
   the raw E4M3FN bytes ONNX stores.
-* :func:`block_amax`, :func:`quantize_blocks` — symmetric INT4 per-block quantization along
+* `block_amax`, `quantize_blocks` — symmetric INT4 per-block quantization along
   one axis: ``scale = amax_block / 7``, ``q = clip(round_half_to_even(w / scale), -8, 7)``.
-* :func:`pack_int4`, :func:`unpack_int4` — two 4-bit values per byte, the first in the low
+* `pack_int4`, `unpack_int4` — two 4-bit values per byte, the first in the low
   nibble (ONNX's INT4 layout; an odd count leaves the last high nibble zero).
 
 Source: TensorRT Developer Guide, "Quantization Schemes"; ONNX IR "4-bit integer types".

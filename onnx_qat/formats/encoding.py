@@ -1,9 +1,9 @@
 """How each numeric format stores a weight: the grid, the scale rule, the zero point, the layout.
 
-:func:`encode_weight` turns a float weight (and its amax: the weight's own, or a ScaleTable's) into
+`encode_weight` turns a float weight (and its amax: the weight's own, or a ScaleTable's) into
 what the one inserter writes for every format alike: the stored initializer's bytes, the scale, the
 zero point and the DequantizeLinear's ``axis`` and ``block_size``
-(:meth:`onnx_qat.insertion.inserter` writes them; rule 2, and the FP8/INT4 forms of
+(`onnx_qat.insertion.inserter` writes them; rule 2, and the FP8/INT4 forms of
 docs/formats.md):
 
 * ``int8``: ``q = clip(round_half_to_even(w / scale), -127, 127)``, ``scale = amax / 127`` per output
@@ -54,7 +54,7 @@ def quantize_weight(values: np.ndarray, axis: Optional[int], amax: Optional[Sequ
     """Symmetric per-channel (or per-tensor) weight quantization.
 
     ``scale = amax / 127`` per channel (amax from the argument, else max |w|); a channel
-    whose scale would be zero or subnormal gets :data:`ZERO_CHANNEL_SCALE` (logged).
+    whose scale would be zero or subnormal gets `ZERO_CHANNEL_SCALE` (logged).
     ``q = clip(round_half_to_even(w / scale), -127, 127)`` as int8.
 
     Returns ``(q int8 array, scale float32 array of one value per channel)``.
@@ -93,7 +93,7 @@ def usable_scales(scale: np.ndarray) -> np.ndarray:
 def zero_point(fmt: Format, shape: Tuple[int, ...], *, unsigned: bool = False) -> tuple:
     """``(type, raw bytes, shape)`` of a weight zero point of ``fmt``: 0 (all zero bits: int8, FP8,
     packed INT4), or 128 of uint8 for an ``unsigned`` int8 weight; ``type`` is a NumPy dtype or an
-    ONNX element type number, as :meth:`onnx_qat.graph.edit.GraphEdit.add_raw_initializer` takes."""
+    ONNX element type number, as `onnx_qat.graph.edit.GraphEdit.add_raw_initializer` takes."""
     if fmt is INT8:
         zero = np.full(shape, 128 if unsigned else 0, np.uint8 if unsigned else np.int8)
         return zero.dtype, zero.tobytes(), tuple(shape)
@@ -107,7 +107,7 @@ class EncodedWeight(NamedTuple):
 
     data: tuple  #: ``(type, raw little-endian bytes, shape)`` of the stored initializer
     scale: np.ndarray  #: float32: ``()`` per tensor, one value per channel, or the block grid
-    zero: tuple  #: the zero point, as :func:`zero_point` gives it
+    zero: tuple  #: the zero point, as `zero_point` gives it
     axis: Optional[int]  #: DequantizeLinear's ``axis`` (None: per tensor)
     block_size: Optional[int]  #: DequantizeLinear's ``block_size`` (INT4), else None
     amax: np.ndarray  #: the amax per channel or block (zero channels are reported)

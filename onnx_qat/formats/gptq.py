@@ -1,6 +1,6 @@
 """Error-compensating INT4 rounding (GPTQ-style), after the activation-aware scales.
 
-``int4_method="gptq"``: the activation-aware scale search (:mod:`onnx_qat.formats.awq`) runs first; then
+``int4_method="gptq"``: the activation-aware scale search (`onnx_qat.formats.awq`) runs first; then
 each constant MatMul/Gemm weight ``W [K, N]`` (``K`` the reduction axis) read by activation ``x`` is
 rounded input channel by input channel, and the rounding error of each row is spread over the rows
 not rounded yet so that the layer's output on the calibration data, ``X W``, moves least
@@ -10,18 +10,19 @@ Transformers", ICLR 2023, Algorithm 1). The weights of the error spreading come 
 an input channel that is always zero gets no compensation. Rows are rounded in order, so each INT4
 block (``block_size`` rows along ``K``) is rounded whole before the next: its per-column range is
 chosen when the block starts, on the weights as updated so far, among
-:data:`~onnx_qat.formats.awq.CLIP_RATIOS` × max |w| by the block's error weighted with ``H``'s diagonal
-block (AWQ's clipping search, :func:`onnx_qat.formats.awq.clip_with_moments`).
+`CLIP_RATIOS` × max |w| by the block's error weighted with ``H``'s diagonal
+block (AWQ's clipping search, `onnx_qat.formats.awq.clip_with_moments`).
 
-The rounded weights replace the float ones in the private float model :func:`onnx_qat.quantize`
-owns and their block ranges go to the ScaleTable; the rounded values lie exactly on the INT4 grid
-those ranges define (``q × scale``, with the scale the inserter computes), so the one inserter
-stores exactly the INT4 values chosen here. Activations are the float model's (after the AWQ edits),
+The rounded weights replace the float ones in the private float model
+[`onnx_qat.quantize`][onnx_qat.quantize.quantize] owns and their block ranges go to the ScaleTable; the
+rounded values lie exactly on the INT4 grid those ranges define (``q × scale``, with the scale the inserter
+computes), so the one inserter stores exactly the INT4 values chosen here. Activations are the float model's
+(after the AWQ edits),
 not those of already quantized layers: each weight is rounded on its own.
 
-``fp8_method="gptq"`` runs the same loop (:func:`compensated_rounding`) on the FP8 E4M3 grid of each
-output channel's scale (``max |w| / 448`` of the float weight): :func:`gptq_round_fp8`,
-:func:`apply_gptq_fp8`. Those per-channel ranges go to the ScaleTable, so the FP8 initializer the
+``fp8_method="gptq"`` runs the same loop (`compensated_rounding`) on the FP8 E4M3 grid of each
+output channel's scale (``max |w| / 448`` of the float weight): `gptq_round_fp8`,
+`apply_gptq_fp8`. Those per-channel ranges go to the ScaleTable, so the FP8 initializer the
 inserter writes holds the rounded values bit for bit.
 """
 from __future__ import annotations
@@ -138,9 +139,9 @@ def output_error(matrix: np.ndarray, rounded: np.ndarray, hessian: np.ndarray) -
 def apply_gptq(model, placement: Placement, data, block_size: int, *, progress: bool = False,
                batch_size: Optional[int] = None) -> Tuple[Tuple[dict, ...], dict]:
     """Round every INT4 weight mark's weight of ``model`` (the private float copy, after the AWQ
-    edits) with :func:`gptq_round` on the Hessians of its input over ``data``; replaces the weights in
+    edits) with `gptq_round` on the Hessians of its input over ``data``; replaces the weights in
     place. Returns ``(records, ranges)``: per weight the activation, its calibration rows, the relative
-    output errors (:func:`output_error`) of round to nearest with the block max and of the GPTQ
+    output errors (`output_error`) of round to nearest with the block max and of the GPTQ
     rounding; and the block ranges ``{weight: WeightRange(axis, amax, block_size)}`` for the
     ScaleTable."""
     from .awq import _set_weight_matrix, stored_transposed
@@ -171,13 +172,13 @@ def apply_gptq(model, placement: Placement, data, block_size: int, *, progress: 
 def apply_gptq_fp8(model, placement: Placement, data, *, skip=(), progress: bool = False,
                    batch_size: Optional[int] = None) -> Tuple[Tuple[dict, ...], dict]:
     """Round every FP8 per-channel weight of a constant 2-D MatMul/Gemm weight of ``model`` (the
-    private float copy) with :func:`gptq_round_fp8` on the Hessians of its input over ``data``, each
+    private float copy) with `gptq_round_fp8` on the Hessians of its input over ``data``, each
     output channel's range its max |w|; replaces the weights in place. Returns ``(records, ranges)``:
     per weight the activation, its calibration rows and the relative output errors
-    (:func:`output_error`) of round to nearest and of GPTQ; and ``{weight: WeightRange(axis, amax)}``
+    (`output_error`) of round to nearest and of GPTQ; and ``{weight: WeightRange(axis, amax)}``
     for the ScaleTable, so the inserter uses the scales the rounding used. Other weights (Conv,
     per-tensor marks, weights named in ``skip``: given ranges) keep round to nearest, and so does a
-    weight whose input has fewer than :data:`MIN_ROWS_PER_CHANNEL` calibration rows per input channel
+    weight whose input has fewer than `MIN_ROWS_PER_CHANNEL` calibration rows per input channel
     (with a warning: GPTQ would fit those rows; measured on the benchmark CNN's Gemm head, 32 rows for
     128 channels, it lowered the error on the calibration rows 100× and the cosine on unseen data)."""
     from .awq import _set_weight_matrix, stored_transposed
@@ -205,7 +206,7 @@ def apply_gptq_fp8(model, placement: Placement, data, *, skip=(), progress: bool
 
 def _weights_with_hessians(model, index: GraphIndex, readers: Dict[str, list], data, progress: bool,
                            batch_size: Optional[int]):
-    """Per weight of ``readers`` (:func:`_weight_readers`): ``(weight, its first reader, the weight
+    """Per weight of ``readers`` (`_weight_readers`): ``(weight, its first reader, the weight
     as [K, N], the Hessian summed over its readers' inputs, the first reader's calibration rows)``,
     with every input's Hessian collected in one pass over ``data`` (none when ``readers`` is empty)."""
     from .awq import _weight_matrix
@@ -240,6 +241,8 @@ def _weight_readers(index: GraphIndex, placement: Placement) -> Dict[str, list]:
         if node is None or mark.input_index != 1 or node.op_type not in ("MatMul", "Gemm"):
             continue
         if node.op_type == "Gemm" and int(node.attr("transA", 0) or 0):
+            continue
+        if not index.is_stored_constant(mark.tensor):  # folded through a Transpose...: round to nearest
             continue
         shape = index.constant_shape(mark.tensor)
         if shape is not None and len(shape) != 2:

@@ -1,9 +1,9 @@
 """Numeric formats of Q/DQ as data: ``int8``, ``fp8`` and ``int4``.
 
-A :class:`Format` says how a quantized tensor is stored and which marks apply; placement
-(:func:`onnx_qat.placement.format_marks.adapt_placement`), the one inserter
-(:mod:`onnx_qat.insertion.inserter`) and the checker (:mod:`onnx_qat.check.rules_formats`) read the same
-record, so the three never disagree on a format. The :mod:`onnx_qat.insertion.targets` Target says how
+A `Format` says how a quantized tensor is stored and which marks apply; placement
+(`onnx_qat.placement.format_marks.adapt_placement`), the one inserter
+(`onnx_qat.insertion.inserter`) and the checker (`onnx_qat.check.rules_formats`) read the same
+record, so the three never disagree on a format. The `onnx_qat.insertion.targets` Target says how
 the same marks are deployed (TensorRT, onnxruntime CPU); the format says which numbers.
 
 ==========  ==============  ==============  ===========  =====  =====================================
@@ -98,16 +98,30 @@ PRECISIONS = tuple(FORMATS)
 TENSORRT_BLOCK_SIZES = (64, 128)
 DEFAULT_BLOCK_SIZE = 128
 #: How INT4 weights are rounded (``int4_method``): round to nearest with each block's max; AWQ's
-#: activation-aware scales and clipping (:mod:`onnx_qat.formats.awq`); AWQ then GPTQ's error-compensating
-#: rounding (:mod:`onnx_qat.formats.gptq`). The last two need calibration data.
+#: activation-aware scales and clipping (`onnx_qat.formats.awq`); AWQ then GPTQ's error-compensating
+#: rounding (`onnx_qat.formats.gptq`). The last two need calibration data.
 INT4_METHODS = ("rtn", "awq", "gptq")
 #: How FP8 weights are rounded (``fp8_method``): round to nearest on each output channel's E4M3 grid,
-#: or GPTQ's error-compensating rounding on that grid (:mod:`onnx_qat.formats.gptq`, needs calibration data).
+#: or GPTQ's error-compensating rounding on that grid (`onnx_qat.formats.gptq`, needs calibration data).
 FP8_METHODS = ("rtn", "gptq")
 
 
+#: The node metadata key (``NodeProto.metadata_props``) a float-parts conversion writes on every node it
+#: keeps FP32 on purpose, with the reason as value (`onnx_qat.formats.float_parts`); the precision map and
+#: check rule C15 read it.
+KEEP_FP32_KEY = "onnx_qat.keep_fp32"
+
+
+def kept_fp32_reason(node) -> Optional[str]:
+    """The reason a float-parts conversion kept ``node`` (a NodeProto) FP32, or None when it did not."""
+    for entry in getattr(node, "metadata_props", ()):
+        if entry.key == KEEP_FP32_KEY:
+            return entry.value
+    return None
+
+
 def get_format(precision) -> Format:
-    """The :class:`Format` named ``precision`` (a Format passes through; None is int8)."""
+    """The `Format` named ``precision`` (a Format passes through; None is int8)."""
     if isinstance(precision, Format):
         return precision
     if precision is None:
@@ -119,4 +133,5 @@ def get_format(precision) -> Format:
 
 
 __all__ = ["Format", "FORMATS", "PRECISIONS", "INT8", "FP8", "INT4", "get_format",
-           "DEFAULT_BLOCK_SIZE", "TENSORRT_BLOCK_SIZES", "INT4_METHODS"]
+           "DEFAULT_BLOCK_SIZE", "TENSORRT_BLOCK_SIZES", "INT4_METHODS", "KEEP_FP32_KEY",
+           "kept_fp32_reason"]

@@ -2,8 +2,8 @@
 
 The rewrite of a model is a set of local edits: new QuantizeLinear/DequantizeLinear nodes,
 consumers pointed at their outputs, float weights replaced by integer initializers, and (for
-the ``ort-cpu`` form) a few nodes folded away. :class:`GraphEdit` makes these edits on the
-``onnx.ModelProto`` the caller owns, with lookups built once, and :meth:`GraphEdit.commit`
+the ``ort-cpu`` form) a few nodes folded away. `GraphEdit` makes these edits on the
+``onnx.ModelProto`` the caller owns, with lookups built once, and `GraphEdit.commit`
 writes the result as a new ModelProto in one pass:
 
 * every new node goes just before the first node that reads its output (the order of the
@@ -28,7 +28,8 @@ import numpy as np
 import onnx
 
 from ..io.models import target_ir_version, tensor_array
-from .index import DEFAULT_DOMAINS, MAX_IDENTITY_HOPS
+from .constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS, fold_chain
+from .index import DEFAULT_DOMAINS
 
 _NP_TO_ONNX = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int8): onnx.TensorProto.INT8,
                np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.int32): onnx.TensorProto.INT32,
@@ -38,7 +39,7 @@ _GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 def make_tensor(name: str, values: np.ndarray) -> onnx.TensorProto:
-    """A TensorProto holding ``values`` as little-endian raw bytes (types of :data:`_NP_TO_ONNX`)."""
+    """A TensorProto holding ``values`` as little-endian raw bytes (types of `_NP_TO_ONNX`)."""
     values = np.asarray(values)
     dtype = values.dtype
     data_type = _NP_TO_ONNX.get(dtype)
@@ -59,18 +60,18 @@ def make_node(op_type: str, name: str, inputs: Sequence[str], outputs: Sequence[
 
 
 class GraphEdit:
-    """Edits of ``model``'s main graph, applied by :meth:`commit`.
+    """Edits of ``model``'s main graph, applied by `commit`.
 
     Args:
         model: an ``onnx.ModelProto`` the caller owns, with unique node names (as
-            :func:`onnx_qat.graph.index.assign_node_names` gives). Its nodes are changed
-            in place by the edits (inputs rewired, attributes set); :meth:`commit` builds the
+            `onnx_qat.graph.index.assign_node_names` gives). Its nodes are changed
+            in place by the edits (inputs rewired, attributes set); `commit` builds the
             result as a new ModelProto, so the caller can free ``model`` afterwards.
         names: for the edit of a subgraph (wrapped in a ModelProto): a set of every name used in
             the whole model, shared by the edits of all its graphs; new names are added to it, so
             no two graphs create the same name.
         outer_constants: for the edit of a subgraph: name -> TensorProto of the constants of the
-            enclosing graphs (initializers and Constant values), read by :meth:`constant`.
+            enclosing graphs (initializers and Constant values), read by `constant`.
     """
 
     def __init__(self, model: onnx.ModelProto, *, names: Optional[Set[str]] = None,
@@ -115,7 +116,7 @@ class GraphEdit:
         return self._used
 
     def _inner_names(self) -> Set[str]:
-        """:func:`subgraph_names` of the original nodes, walked once (edits never touch subgraphs)."""
+        """`subgraph_names` of the original nodes, walked once (edits never touch subgraphs)."""
         if self._subgraph_names is None:
             self._subgraph_names = subgraph_names(self.nodes)
         return self._subgraph_names
@@ -138,33 +139,38 @@ class GraphEdit:
         return found
 
     def constant(self, tensor: str) -> Tuple[np.ndarray, onnx.TensorProto, List[onnx.NodeProto]]:
-        """``(value, its TensorProto, the Constant/Identity nodes producing it)`` of a constant tensor
-        (an initializer or a ``Constant`` output, possibly through Identity nodes); ValueError when
-        ``tensor`` is not constant. The value is read in place (no copy of raw data)."""
+        """``(value, the source TensorProto, the nodes producing it)`` of a constant tensor (an
+        initializer or a ``Constant`` output, possibly through the ops of
+        `CONSTANT_PASS_OPS`, nearest ``tensor`` first); ValueError
+        when ``tensor`` is not constant. Through Identity nodes only, the value is read in place (no
+        copy of raw data); through a Transpose, Reshape... it is folded (a new array)."""
         chain: List[onnx.NodeProto] = []
-        name = tensor
-        for _ in range(MAX_IDENTITY_HOPS):
+        name, source = tensor, None
+        for _ in range(MAX_CONSTANT_HOPS):
             proto = self.initializer(name)
             if proto is not None:
-                return tensor_array(proto), proto, chain
+                source = proto
+                break
             producer = self.producer.get(name)
             if producer is None:
                 break
             chain.append(producer)
             if producer.op_type == "Constant" and producer.domain in DEFAULT_DOMAINS:
-                value = next((a.t for a in producer.attribute if a.name == "value"), None)
-                if value is not None:
-                    return tensor_array(value), value, chain
+                source = next((a.t for a in producer.attribute if a.name == "value"), None)
                 break
-            if producer.op_type != "Identity" or not producer.input:
+            if producer.op_type not in CONSTANT_PASS_OPS or producer.domain not in DEFAULT_DOMAINS \
+                    or not producer.input:
                 break
             name = producer.input[0]
-        else:
-            name = ""
-        outer = self.outer_constants.get(name) if name and name not in self.producer else None
-        if outer is not None:  # an outer-scope constant (this edit is a subgraph's)
-            return tensor_array(outer), outer, chain
-        raise ValueError(f"weight {tensor!r} is not a constant")
+        if source is None and name and name not in self.producer:  # an outer-scope constant
+            source = self.outer_constants.get(name)
+        if source is None:
+            raise ValueError(f"weight {tensor!r} is not a constant")
+        passing = [n for n in chain if n.op_type != "Constant"]
+        if all(n.op_type == "Identity" for n in passing):
+            return tensor_array(source), source, chain
+        value = fold_chain(passing, np.asarray(tensor_array(source)), lambda t: self.constant(t)[0])
+        return value, source, chain
 
     def initializer(self, name: str) -> Optional[onnx.TensorProto]:
         """The initializer (original or added by this edit) named ``name``, or None."""
@@ -196,11 +202,11 @@ class GraphEdit:
         return name
 
     def add_raw_initializer(self, base: str, dtype: np.dtype, raw: bytes, dims: Sequence[int] = ()) -> str:
-        """A new initializer of NumPy type ``dtype`` (one of :data:`_NP_TO_ONNX`, or an ONNX element
+        """A new initializer of NumPy type ``dtype`` (one of `_NP_TO_ONNX`, or an ONNX element
         type number such as ``TensorProto.FLOAT8E4M3FN``, whose raw layout the caller made) and shape ``dims``
         holding ``raw``, its little-endian bytes, with a fresh name from ``base``; returns its name.
         For callers that made the bytes already (of many scalars at once, or shared by many
-        initializers): :meth:`add_initializer` costs a NumPy array per call."""
+        initializers): `add_initializer` costs a NumPy array per call."""
         name = self.fresh(base)
         data_type = dtype if isinstance(dtype, int) else _NP_TO_ONNX[np.dtype(dtype)]
         self._new_initializers[name] = onnx.TensorProto(name=name, data_type=data_type, dims=dims,
@@ -234,7 +240,7 @@ class GraphEdit:
 
     def release_if_unread(self, initializers: Iterable[str] = (),
                           nodes: Iterable[onnx.NodeProto] = ()) -> None:
-        """At :meth:`commit`, drop these initializers and Constant/Identity nodes if nothing reads
+        """At `commit`, drop these initializers and Constant/Identity nodes if nothing reads
         them then (nodes are checked in the order given: list a chain from its reader's end)."""
         self._maybe_unread.extend(initializers)
         self._maybe_dead.extend(nodes)
@@ -277,7 +283,7 @@ class GraphEdit:
         return out
 
     def _read_counts(self) -> Dict[str, int]:
-        """How often each tensor that :meth:`release_if_unread` asks about (and the inputs of the
+        """How often each tensor that `release_if_unread` asks about (and the inputs of the
         nodes it lists) is read by a live node, a graph output or a subgraph."""
         wanted = set(self._maybe_unread)
         for node in self._maybe_dead:

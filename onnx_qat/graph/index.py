@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
+import numpy as np
 import onnx
 from onnx import helper
 
+from .constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS
+
 #: Domains that mean the standard ONNX operator set.
 DEFAULT_DOMAINS = ("", "ai.onnx")
-#: How many Identity nodes a constant is followed through (here and in ``GraphEdit.constant``).
-MAX_IDENTITY_HOPS = 8
 
 
 def unique_node_names(nodes: Iterable[onnx.NodeProto]) -> List[str]:
@@ -26,10 +27,10 @@ def unique_node_names(nodes: Iterable[onnx.NodeProto]) -> List[str]:
 
 
 def _unique_names(names: List[str], op_types: List[str]) -> List[str]:
-    """:func:`unique_node_names` from the names and op types already read from the nodes.
+    """`unique_node_names` from the names and op types already read from the nodes.
 
     A model whose nodes all have distinct non-empty names (every model ``onnx_qat.quantize``
-    indexes, after :func:`assign_node_names`) keeps them as they are, checked with one set.
+    indexes, after `assign_node_names`) keeps them as they are, checked with one set.
     """
     if all(names) and len(set(names)) == len(names):
         return list(names)
@@ -46,7 +47,7 @@ def _unique_names(names: List[str], op_types: List[str]) -> List[str]:
 
 
 def assign_node_names(model) -> None:
-    """Give every node of ``model``'s main graph the name :func:`unique_node_names` chooses (in place),
+    """Give every node of ``model``'s main graph the name `unique_node_names` chooses (in place),
     and likewise every node of each subgraph (unique within its own graph).
 
     Use only on a model you own (``onnx_qat.quantize`` calls it on its private copy) so that
@@ -155,22 +156,23 @@ class GraphIndex:
         self.graph_inputs = tuple(i.name for i in graph.input)
         self.graph_outputs = frozenset(o.name for o in graph.output)
         #: Element types declared by graph inputs, outputs and value_info (an initializer's own
-        #: type, read when asked, comes first: see :meth:`dtype`).
+        #: type, read when asked, comes first: see `dtype`).
         self.declared_dtypes: Dict[str, int] = {}
         for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
             if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
                 self.declared_dtypes[vi.name] = vi.type.tensor_type.elem_type
+        self._folded: Dict[str, onnx.TensorProto] = {}
         self._constants = self._constant_names()
         self._subgraph_nodes: Optional[frozenset] = None
         self._sorted: Optional[bool] = None
 
     def _constant_names(self) -> frozenset:
-        """Every tensor name :meth:`constant_source` resolves: the initializers, and outputs of
+        """Every tensor name `constant_source` resolves: the initializers, and outputs of
         Constant and Identity nodes that resolve (no other tensor can), so that
-        :meth:`is_constant` is one set lookup."""
+        `is_constant` is one set lookup."""
         names = set(self.initializers)
         for node in self.nodes:
-            if node.op_type in ("Constant", "Identity"):
+            if node.op_type == "Constant" or node.op_type in CONSTANT_PASS_OPS:
                 names.update(t for t in node.outputs if self.constant_source(t) is not None)
         if self.outer is not None:  # outer-scope constants this subgraph reads
             local = set(self.producer) | set(self.graph_inputs)
@@ -199,7 +201,7 @@ class GraphIndex:
 
     @property
     def subgraph_nodes(self) -> frozenset:
-        """Names of the nodes holding subgraphs (If, Loop, Scan...: :attr:`NodeInfo.has_subgraphs`);
+        """Names of the nodes holding subgraphs (If, Loop, Scan...: `NodeInfo.has_subgraphs`);
         found on first use by reading the attributes of the nodes that have any."""
         if self._subgraph_nodes is None:
             found = []
@@ -234,38 +236,78 @@ class GraphIndex:
         return self._sorted
 
     # -- constants ------------------------------------------------------------------
-    def constant_source(self, tensor: str) -> Optional[str]:
-        """The initializer or ``Constant``-node output that ``tensor`` is (through Identity nodes), or None.
+    def constant_chain(self, tensor: str) -> Optional[Tuple[str, Tuple[NodeInfo, ...]]]:
+        """``(source, chain)`` when ``tensor`` is constant (`onnx_qat.graph.constants`): the
+        initializer or ``Constant``-node output it comes from, and the nodes of
+        `CONSTANT_PASS_OPS` between (nearest ``tensor`` first, each
+        with constant other inputs); None when it is not constant. An outer-scope constant has an
+        empty chain here (its own graph's index knows the rest).
 
         An initializer also listed as a graph input counts as constant (old exporters list every
-        initializer as an input; :func:`onnx_qat.io.models.load_model` removes those inputs).
+        initializer as an input; `onnx_qat.io.models.load_model` removes those inputs).
         """
-        for _ in range(MAX_IDENTITY_HOPS):
+        chain: List[NodeInfo] = []
+        for _ in range(MAX_CONSTANT_HOPS):
             if tensor in self.initializers:
-                return tensor
+                return tensor, tuple(chain)
             node = self.producer.get(tensor)
             if node is None:
                 outer = self.outer
-                if outer is None or tensor in self.graph_inputs:
+                if outer is None or tensor in self.graph_inputs or outer.constant_source(tensor) is None:
                     return None
-                return outer.constant_source(tensor)
+                return tensor, tuple(chain)
             if node.op_type == "Constant" and node.standard and node.attr("value") is not None:
-                return tensor
-            if node.op_type != "Identity" or not node.inputs:
+                return tensor, tuple(chain)
+            if node.op_type not in CONSTANT_PASS_OPS or not node.standard or not node.inputs \
+                    or any(t and self.constant_source(t) is None for t in node.inputs[1:]):
                 return None
+            chain.append(node)
             tensor = node.inputs[0]
         return None
 
+    def constant_source(self, tensor: str) -> Optional[str]:
+        """The initializer or ``Constant``-node output that ``tensor`` comes from (see
+        `constant_chain`), or None when ``tensor`` is not constant."""
+        found = self.constant_chain(tensor)
+        return None if found is None else found[0]
+
     def is_constant(self, tensor: str) -> bool:
-        """True when ``tensor`` is an initializer or a Constant (possibly through Identity)."""
+        """True when ``tensor`` is constant: an initializer or a Constant, possibly through the ops of
+        `CONSTANT_PASS_OPS` (one meaning everywhere)."""
         return tensor in self._constants
 
+    def is_stored_constant(self, tensor: str) -> bool:
+        """True when ``tensor`` is constant and its value is the stored one (through Identity nodes
+        at most): what a pass may edit in place (AWQ, GPTQ); a folded constant is computed."""
+        found = self.constant_chain(tensor) if tensor in self._constants else None
+        return found is not None and all(n.op_type == "Identity" for n in found[1])
+
     def constant_proto(self, tensor: str) -> Optional[onnx.TensorProto]:
-        """The TensorProto holding ``tensor``'s value (initializer or Constant ``value``), or None."""
+        """The TensorProto holding ``tensor``'s value (initializer or Constant ``value``), or None; for
+        a constant folded through Transpose, Reshape... a new TensorProto of the folded value (made
+        once; editing it changes nothing in the model)."""
         found = self.initializers.get(tensor)
         if found is not None or tensor not in self._constants:
             return found
-        source = self.constant_source(tensor)
+        source, chain = self.constant_chain(tensor)
+        proto = self._stored_proto(source)
+        if all(n.op_type == "Identity" for n in chain):
+            return proto
+        folded = self._folded.get(tensor)
+        if folded is None:
+            from onnx import numpy_helper
+
+            from .constants import fold_chain
+
+            def value_of(name):
+                other = self.constant_proto(name)
+                return None if other is None else numpy_helper.to_array(other)
+
+            value = fold_chain([n.proto for n in chain], numpy_helper.to_array(proto), value_of)
+            folded = self._folded[tensor] = numpy_helper.from_array(np.ascontiguousarray(value), tensor)
+        return folded
+
+    def _stored_proto(self, source: str) -> Optional[onnx.TensorProto]:
         if source in self.initializers:
             return self.initializers[source]
         if source not in self.producer or source in self.graph_inputs:  # an outer-scope constant
@@ -279,10 +321,11 @@ class GraphIndex:
         return None if proto is None else tuple(proto.dims[:])
 
     def constant_shapes(self) -> Dict[str, Tuple[int, ...]]:
-        """Shape of every constant tensor name (initializers, Constant outputs, Identity of those)."""
+        """Shape of every constant tensor name (initializers, Constant outputs, and what passes them on)."""
         shapes = {name: tuple(t.dims[:]) for name, t in self.initializers.items()}
         for node in self.nodes:
-            if node.op_type in ("Constant", "Identity") and node.outputs:
+            if (node.op_type == "Constant" or node.op_type in CONSTANT_PASS_OPS) and node.outputs \
+                    and node.outputs[0] in self._constants:
                 shape = self.constant_shape(node.outputs[0])
                 if shape is not None:
                     shapes[node.outputs[0]] = shape

@@ -2,19 +2,19 @@
 model copies calibration runs to observe their tensors.
 
 Placement places each branch of an If and the body of each Loop and Scan with the same handler table
-as the main graph (:meth:`onnx_qat.placement.policy.TensorRTPolicy.place`; the marks of a subgraph sit
-in :attr:`onnx_qat.placement.marks.Placement.subgraphs`); the inserter runs on each of them
-(:mod:`onnx_qat.insertion.subgraphs`) with :func:`outer_constants` and :func:`model_names` from here.
+as the main graph (`onnx_qat.placement.policy.TensorRTPolicy.place`; the marks of a subgraph sit
+in `onnx_qat.placement.marks.Placement.subgraphs`); the inserter runs on each of them
+(`onnx_qat.insertion.subgraphs`) with `outer_constants` and `model_names` from here.
 This module does the graph-level things that differ for a subgraph:
 
-* :func:`drop_unread` removes a float weight of an enclosing graph that only quantized subgraphs read
+* `drop_unread` removes a float weight of an enclosing graph that only quantized subgraphs read
   (its int8 copy lives in the subgraphs).
-* :func:`inline_branches` makes a copy of a model in which chosen If nodes are replaced by the nodes
+* `inline_branches` makes a copy of a model in which chosen If nodes are replaced by the nodes
   of one of their branches. onnxruntime cannot return a tensor of a subgraph as a graph output; in
   the inlined copy it is a main-graph tensor. Calibration
-  (:class:`onnx_qat.calibration.branches.BranchRunner`) runs the original model to learn which
+  (`onnx_qat.calibration.branches.BranchRunner`) runs the original model to learn which
   branch each If takes on a batch, then the copy with that branch inlined.
-* :func:`expose_iterations` makes a copy of a model in which chosen tensors of Loop/Scan bodies are
+* `expose_iterations` makes a copy of a model in which chosen tensors of Loop/Scan bodies are
   extra scan outputs of their bodies and extra outputs of their nodes: a body tensor takes one
   value per iteration, and onnxruntime stacks the values of every iteration there, so calibration
   gives one range covering all iterations (one Q/DQ pair in the body serves every iteration).
@@ -124,7 +124,7 @@ def expose_iterations(model: onnx.ModelProto, names) -> Tuple[onnx.ModelProto, D
     Tensors of If branches inside a body are not exposed (only the branch taken runs in an
     iteration, and a scan output needs a value every iteration). ONNX requires a scan output's
     shape to stay the same across iterations: where a body tensor's shape changes, onnxruntime
-    refuses the copy when it runs (:class:`onnx_qat.calibration.branches.BranchRunner` then drops
+    refuses the copy when it runs (`onnx_qat.calibration.branches.BranchRunner` then drops
     that node's tensors).
 
     Returns:
@@ -152,7 +152,7 @@ def expose_iterations(model: onnx.ModelProto, names) -> Tuple[onnx.ModelProto, D
 
 def _expose_in(graph: onnx.GraphProto, wanted: Set[str], fresh, types: Mapping[str, int]) -> Dict[str, str]:
     """Expose the ``wanted`` tensors of the Loop/Scan bodies of ``graph`` as outputs of their
-    nodes (see :func:`expose_iterations`); wanted name -> tensor of ``graph``."""
+    nodes (see `expose_iterations`); wanted name -> tensor of ``graph``."""
     found: Dict[str, str] = {}
     for node in graph.node:
         if node.op_type not in LOOP_OPS or node.domain not in ("", "ai.onnx") or not wanted - set(found):

@@ -1,6 +1,6 @@
 """The one inserter: placement marks + a ScaleTable -> QuantizeLinear/DequantizeLinear nodes.
 
-Works on a :class:`~onnx_qat.graph.edit.GraphEdit` of the model's protobuf. Every node it
+Works on a `GraphEdit` of the model's protobuf. Every node it
 creates has a readable name derived from the tensor it quantizes:
 
 * activation ``t``: ``t_QuantizeLinear`` -> ``t_DequantizeLinear`` with initializers
@@ -8,7 +8,7 @@ creates has a readable name derived from the tensor it quantizes:
 * weight ``w``: int8 initializer ``w_quantized`` -> ``w_DequantizeLinear`` with
   ``w_scale`` / ``w_zero_point`` (1-D per channel with the ``axis`` attribute, or scalars).
 
-The numeric format (:mod:`onnx_qat.formats.numeric`) decides the stored types and the scale rule:
+The numeric format (`onnx_qat.formats.numeric`) decides the stored types and the scale rule:
 ``int8`` (above), ``fp8`` (E4M3FN activations and per-channel weights, zero points of type
 float8e4m3fn and value 0, scale ``amax / 448``) or ``int4`` (weights only: an INT4 initializer
 and a DequantizeLinear with ``axis`` and ``block_size``, one scale per block, ``amax / 7``).
@@ -40,6 +40,8 @@ from .targets import Target, get_target
 logger = logging.getLogger(__name__)
 
 _FLOAT32 = np.dtype(np.float32)
+#: Weight range of ``narrow_weights`` (see `insert_qdq_pairs`): 2 x 255 x 63 = 32130 < 2**15.
+NARROW_WEIGHT_RANGE = (-63, 63)
 
 @dataclass(frozen=True)
 class InsertionResult:
@@ -69,7 +71,7 @@ def activation_scale(amax: float, qmax: float = 127.0) -> np.float32:
 
 
 def activation_scales(amaxes: Sequence[float], qmax: float = 127.0) -> np.ndarray:
-    """:func:`activation_scale` of every amax in one NumPy pass (the same float32 values); the
+    """`activation_scale` of every amax in one NumPy pass (the same float32 values); the
     first unusable one raises its ScalesError."""
     with np.errstate(over="ignore"):
         scales = (np.asarray(amaxes, dtype=np.float64) / qmax).astype(np.float32)
@@ -81,7 +83,7 @@ def activation_scales(amaxes: Sequence[float], qmax: float = 127.0) -> np.ndarra
 
 
 #: Weights of at most this many values are quantized in batches of the same shape and axis
-#: (:func:`quantize_small_weights`); a batch holds at most :data:`_BATCH_VALUES` values.
+#: (`quantize_small_weights`); a batch holds at most `_BATCH_VALUES` values.
 SMALL_WEIGHT = 4096
 _BATCH_VALUES = 1 << 22
 
@@ -89,13 +91,13 @@ _BATCH_VALUES = 1 << 22
 def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int] = INT8_QRANGE):
     """``(tensor, axis) -> (q, scale, amax)`` for the small float32 weights among ``keys`` whose range
     comes from their values (no ScaleTable entry), quantized with one NumPy call per batch of equal
-    shapes: the same numbers as :func:`quantize_weight` one by one, without its per-call cost, which
+    shapes: the same numbers as `quantize_weight` one by one, without its per-call cost, which
     dominates for the 10^4-10^5 tiny weights of a large graph. Other weights are left out."""
     return {key: found[:3] for key, found in _quantize_small(edit, keys, scales, qrange).items()}
 
 
 def _quantize_small(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int]):
-    """:func:`quantize_small_weights`, each entry with the weight's :meth:`GraphEdit.constant` as a
+    """`quantize_small_weights`, each entry with the weight's `GraphEdit.constant` as a
     fourth item (so the inserter does not read the weight again)."""
     buckets: Dict[tuple, list] = {}
     for key in keys:
@@ -125,8 +127,8 @@ def _quantize_small(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int
 
 
 def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange):
-    """:func:`quantize_weight` of each ``stack[i]`` (no ScaleTable range): ``[(q, scale, amax, usable)]``,
-    ``usable`` False when a channel's scale is not (zero range: :func:`quantize_weight` handles it)."""
+    """`quantize_weight` of each ``stack[i]`` (no ScaleTable range): ``[(q, scale, amax, usable)]``,
+    ``usable`` False when a channel's scale is not (zero range: `quantize_weight` handles it)."""
     count = stack.shape[0]
     if axis is None:
         rows = stack.reshape(count, 1, -1)
@@ -168,23 +170,30 @@ def missing_activations(placement: Placement, scales: ScaleTable) -> Tuple[str, 
 # --------------------------------------------------------------------------- insertion
 def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, target="tensorrt", *,
                      progress: bool = False, zero_points: Optional[Dict[str, int]] = None,
-                     unsigned_weights=(), precision="int8", block_size: int = 128) -> InsertionResult:
+                     unsigned_weights=(), precision="int8", block_size: int = 128,
+                     full_range=(), narrow_weights=()) -> InsertionResult:
     """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
-    :meth:`~onnx_qat.graph.edit.GraphEdit.commit`).
+    `commit`).
 
     Args:
-        edit: a :class:`~onnx_qat.graph.edit.GraphEdit` of the model whose node names placement used.
-        placement: the marks from :func:`onnx_qat.place`.
+        edit: a `GraphEdit` of the model whose node names placement used.
+        placement: the marks from [`onnx_qat.place`][onnx_qat.placement.policy.place].
         scales: activation amax per tensor; optional weight amax (otherwise from the weights).
-        target: a :class:`~onnx_qat.insertion.targets.Target` or its name.
+        target: a `Target` or its name.
         progress: show a progress bar on stderr.
         zero_points: activation tensor -> zero point overriding the target's (the ``ort-cpu``
             form uses 0 for non-negative tensors); the records then carry ``zero_point``.
         unsigned_weights: weight tensors stored as uint8 ``q + 128`` with zero point 128 instead of
             int8 ``q`` with zero point 0 (the same dequantized values).
         precision: the numeric format (``"int8"``, ``"fp8"``, ``"int4"`` or a
-            :class:`~onnx_qat.formats.numeric.Format`); the target's dtypes apply to ``int8`` only.
+            `Format`); the target's dtypes apply to ``int8`` only.
         block_size: values per INT4 weight scale along the mark's axis (``int4``).
+        full_range: activation tensors stored as uint8 with zero point 0 over the whole grid 0..255:
+            scale ``amax / 255`` instead of ``amax / 127`` (the ``ort-cpu`` form's non-negative
+            tensors with calibrated ranges, see `onnx_qat.insertion.ort_cpu`).
+        narrow_weights: int8 weight tensors stored in [-63, 63] (scale ``amax / 63``): read by
+            onnxruntime's uint8 x int8 kernels with activations up to 255, their pair sums stay within
+            16 bits on CPUs without VNNI (the ``ort-cpu`` form with calibrated ranges).
 
     Raises:
         ScalesError: a quantized activation has no range in ``scales``, or a weight range
@@ -195,15 +204,18 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"ScaleTable has no range for {len(missing)} quantized tensor(s): {shown}")
     return _Inserter(edit, get_target(target), zero_points, unsigned_weights, get_format(precision),
-                     block_size).run(placement, scales, progress)
+                     block_size, full_range, narrow_weights).run(placement, scales, progress)
 
 
 class _Inserter:
     """One insertion run over one graph edit."""
 
     def __init__(self, edit: GraphEdit, target: Target, zero_points: Optional[Dict[str, int]] = None,
-                 unsigned_weights=(), fmt: Format = INT8, block_size: int = 128):
+                 unsigned_weights=(), fmt: Format = INT8, block_size: int = 128, full_range=(),
+                 narrow_weights=()):
         self.edit = edit
+        self.full_range = frozenset(full_range)
+        self.narrow_weights = frozenset(narrow_weights)
         self.target = target
         self.format = fmt
         self.block_size = block_size
@@ -219,6 +231,10 @@ class _Inserter:
         # every activation scale at once: float values for the records, raw float32 bytes for the
         # initializers (per-tensor NumPy scalars would cost more than the rest of a pair's insertion)
         act_scales = activation_scales([amaxes[m.tensor] for m in marks], self.format.qmax)
+        if self.full_range:  # uint8 zero point 0 over 0..255 (ort-cpu): a grid twice as fine
+            fine = np.array([m.tensor in self.full_range for m in marks], bool)
+            halved = (np.asarray([amaxes[m.tensor] for m in marks], np.float64) / 255.0).astype(np.float32)
+            act_scales = np.where(fine & (halved >= TINY), halved, act_scales).astype(np.float32)
         raw = _le_bytes(act_scales)
         for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
             records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4]))
@@ -229,8 +245,8 @@ class _Inserter:
         axes_per_tensor: Dict[str, int] = {}
         for tensor, _ in groups:
             axes_per_tensor[tensor] = axes_per_tensor.get(tensor, 0) + 1
-        ready = _quantize_small(self.edit, list(groups), scales, INT8_QRANGE) \
-            if self.format is INT8 else {}
+        ready = _quantize_small(self.edit, [k for k in groups if k[0] not in self.narrow_weights], scales,
+                                INT8_QRANGE) if self.format is INT8 else {}
         for (tensor, axis), marks in groups.items():
             base = tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
             records_w.append(self.weight(tensor, base, axis, marks, scales, ready.pop((tensor, axis), None)))
@@ -240,7 +256,7 @@ class _Inserter:
 
     def _zero_point(self, shape: Tuple[int, ...], value: int, dtype) -> tuple:
         """``(NumPy type, raw bytes, shape)`` of a zero point of ``dtype`` and ``shape`` filled with
-        ``value``, for :meth:`~onnx_qat.graph.edit.GraphEdit.add_raw_initializer` (made once per
+        ``value``, for `add_raw_initializer` (made once per
         shape, value and type: every pair and weight of a kind shares them)."""
         key = (shape, value, dtype)
         found = self._zero_points.get(key)
@@ -259,7 +275,7 @@ class _Inserter:
     # -- the two kinds of insertion
     def activation(self, mark: ActivationMark, amax: float, scale: float, scale_raw: bytes) -> dict:
         """One QuantizeLinear -> DequantizeLinear pair on ``mark.tensor`` for its listed consumers
-        (``scale``: its float32 scale from :func:`activation_scales` as a float, ``scale_raw``: as
+        (``scale``: its float32 scale from `activation_scales` as a float, ``scale_raw``: as
         4 little-endian bytes)."""
         edit, target, base = self.edit, self.target, mark.tensor
         consumers = [(edit.node(n), i) for n, i in mark.consumers]
@@ -286,9 +302,9 @@ class _Inserter:
 
     def weight(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],
                scales: ScaleTable, ready=None) -> dict:
-        """The stored weight (its format's encoding, :func:`onnx_qat.formats.encoding.encode_weight`) +
+        """The stored weight (its format's encoding, `onnx_qat.formats.encoding.encode_weight`) +
         a DequantizeLinear for one constant weight, for the marked inputs (``ready``: an INT8 weight's
-        ``(q, scale, amax, constant)`` from :func:`_quantize_small`, or None)."""
+        ``(q, scale, amax, constant)`` from `_quantize_small`, or None)."""
         edit, fmt = self.edit, self.format
         consumers = [(edit.node(m.node), m.input_index) for m in marks]
         unsigned = tensor in self.unsigned_weights
@@ -303,8 +319,9 @@ class _Inserter:
             else:
                 amax, table_axis = _weight_range(scales, tensor, axis, values)
                 use_axis = axis if amax is None else table_axis
+            qrange = NARROW_WEIGHT_RANGE if tensor in self.narrow_weights else INT8_QRANGE
             encoded = encode_weight(fmt, values, use_axis, amax, block_size=self.block_size,
-                                    unsigned=unsigned, name=tensor)
+                                    unsigned=unsigned, name=tensor, qrange=qrange)
             source = "weights" if amax is None else "scale table"
         q_name = edit.add_raw_initializer(f"{base}_quantized", *encoded.data)
         scale_name = edit.add_initializer(f"{base}_scale", encoded.scale)
@@ -317,7 +334,7 @@ class _Inserter:
         self.rewire([dq], consumers, dq.output[0])
         # the float weight (and the Constant/Identity nodes making it) go once nothing else reads them
         edit.release_if_unread(initializers=[proto.name] if not chain else
-                               [t for t in chain[-1].input if edit.initializer(t) is not None],
+                               [t for n in chain for t in n.input if edit.initializer(t) is not None],
                                nodes=chain)
         record = {"kind": "weight", "tensor": tensor, "nodes": [f"{m.node}:{m.input_index}" for m in marks],
                   "dequantize_node": dq.name, "initializer": q_name, "axis": encoded.axis,
@@ -330,6 +347,8 @@ class _Inserter:
             record["block_size"] = int(encoded.block_size)
         if unsigned:
             record["zero_point"] = 128
+        if tensor in self.narrow_weights:
+            record["range"] = list(NARROW_WEIGHT_RANGE)
         return record
 
 

@@ -22,11 +22,24 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    ``clip(round(x / s) + 128, 0, 255) - 128 == clip(round(x / s), -128, 127)``, so every
    dequantized value is bit-identical to the int8, zero-point-0 form; weights stay int8
    symmetric per channel;
-2. activations known to be non-negative (produced by Relu, directly or through pooling and
-   shape ops) use zero point 0 instead: values 0..127 as before, no 16-bit saturation, and
-   onnxruntime drops the Relu in front of such a QuantizeLinear. The clamp moves from ``amax`` to
-   ``255/127 * amax``: only values above the tensor's amax differ (kept instead of clamped). The
-   report's notes count these tensors;
+2. activations known to be non-negative (produced by Relu or by a Clip with a constant lower bound
+   >= 0 such as ReLU6, directly or through pooling and shape ops; with calibration ``data``, also
+   graph inputs that are >= 0 on every calibration sample, as images are) use zero point 0 instead,
+   and onnxruntime drops the Relu/Clip in front of such a QuantizeLinear. With a given ScaleTable
+   (ranges learned in QAT) the scale stays ``amax / 127``: values 0..127 as before and the clamp
+   moves from ``amax`` to ``255/127 * amax`` (only values above the tensor's amax differ: kept
+   instead of clamped). With ranges calibrated in the same call (``data``), nothing was learned at
+   that scale, so these tensors use the whole grid: scale ``amax / 255``, twice as fine, clamped at
+   ``amax`` (onnxruntime's own ``quantize_static`` also spends all 256 levels on a tensor that is
+   never negative; measured on a random-weight MobileNetV2, the output error went from 1.25x to
+   0.91-1.01x that form's). Concat inputs sharing one scale (rule 7) take it only when all of them
+   have zero point 0. The report's notes count these tensors.
+
+   Zero point 0 on ReLU6 outputs also avoids a fusion hazard: onnxruntime's ``ClipQuantFusion``
+   removes a Clip in front of a QuantizeLinear whose representable range lies inside the Clip's
+   up to an *absolute* float32 epsilon (1.19e-7), so with zero point 128 and a scale below ~9e-10
+   (deep activations of an untrained network) ``Clip(0, 6)`` went and negative values flowed on
+   (mean output error 0.2-0.6 of the output range on MobileNetV2);
 3. weights of ops whose activation input keeps zero point 128 (a graph input such as an image,
    or any tensor whose sign is unknown) are stored as uint8 ``q + 128`` with zero point 128 (the
    same values): onnxruntime then uses its uint8 x uint8 kernel, slower but free of saturation;
@@ -35,13 +48,13 @@ So this form differs from ``tensorrt`` in these ways, and only these:
 
    * the scale of the next quantized tensor when the Conv output reaches it through a
      single-consumer chain of ops that commute exactly with quantization (Relu, MaxPool,
-     Reshape..., Pad with zeros): the quantized consumers then see the same values up to the
-     tensor's amax and no learned scale changes (``scale_from`` in the report). When that tensor
-     has zero point 0 (2.) the point takes zero point 0 too: ``Conv -> Q -> DQ -> Relu -> Q`` then
-     has one scale and one zero point, onnxruntime drops the Relu and the DQ -> Q pair and the
-     ``QLinearConv`` writes the quantized tensor directly (measured on ResNet50: no Q/DQ node left
-     between ``QLinearConv`` s, 6-7% faster than zero point 128 there, which kept a DQ -> Q pair per
-     point; the price is the clamp of 2.);
+     Reshape..., Pad with zeros, Clip with constant bounds): the quantized consumers then see the
+     same values up to the tensor's amax and no learned scale changes (``scale_from`` in the
+     report). When that tensor has zero point 0 (2.) the point takes zero point 0 and the same
+     scale too: ``Conv -> Q -> DQ -> Relu -> Q`` then has one scale and one zero point,
+     onnxruntime drops the Relu and the DQ -> Q pair and the ``QLinearConv`` writes the quantized
+     tensor directly (measured on ResNet50: no Q/DQ node left between ``QLinearConv`` s, 6-7%
+     faster than zero point 128 there, which kept a DQ -> Q pair per point);
    * otherwise the Conv output's own range from the ScaleTable (``onnx_qat.quantize`` with
      ``data`` calibrates these tensors too);
    * when the table has no range for it, no point is added: that Conv keeps a float output
@@ -57,7 +70,7 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    of 4. Without the fold no QuantizeLinear sits on the Conv output and it runs in float.
 
 Every learned scale is kept unchanged; each requantization point and each fold is listed in
-:meth:`onnx_qat.quantize.QuantizeResult.to_report` under ``requantization`` (folds with rule
+`onnx_qat.quantize.QuantizeResult.to_report` under ``requantization`` (folds with rule
 ``CPU2``, status ``folded``, just before the point of the same Conv).
 """
 from __future__ import annotations
@@ -80,11 +93,13 @@ REQUANT_OPS = ("Conv",)
 #: the scale used after them gives bit-identical quantized values downstream.
 EXACT_OPS = ("Relu", "MaxPool", "GlobalMaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze",
              "Identity")
-#: How far a requantization point looks forward through :data:`EXACT_OPS` for a quantized tensor.
+#: How far a requantization point looks forward through `EXACT_OPS` for a quantized tensor.
 _MAX_LOOKAHEAD = 8
 RULE = "CPU1"
-#: Rule name of a per-channel Mul/Add folded into the quantized Conv before it (see :class:`ScaleFold`).
+#: Rule name of a per-channel Mul/Add folded into the quantized Conv before it (see `ScaleFold`).
 FOLD_RULE = "CPU2"
+#: Rule name of a MatMul kept apart from its bias Add (see `BiasSplit`).
+SPLIT_RULE = "CPU4"
 #: Largest and smallest non-zero ``|k|`` a fold accepts (the weight scale is multiplied by it).
 _FOLD_K_RANGE = (1e-20, 1e20)
 _FLOAT = 1  # onnx.TensorProto.FLOAT (onnx is not imported at module level)
@@ -129,10 +144,42 @@ class ScaleFold:
 
 
 @dataclass(frozen=True)
+class BiasSplit:
+    """A quantized MatMul whose output only feeds an Add of a constant bias (rule CPU4).
+
+    onnxruntime's ``MatMulAddFusion`` (graph optimization level "extended", before its QDQ fusions)
+    turns ``DQ(x), DQ(W) -> MatMul -> Add(b)`` into a float ``Gemm`` that dequantizes ``W`` at every
+    run: the integer kernel is never used and the model runs slower than FP32 (measured on a
+    ViT-B/16-size encoder block: the weight DequantizeLinear took as long as the Gemm). Kept apart:
+
+    * a MatMul whose input is known to be 2-D (a Flatten or Gemm output, or a Reshape to 2-D) becomes a
+      ``Gemm`` without bias (the same product): onnxruntime runs it as ``QGemm``, then the float Add;
+    * otherwise the Add reads the bias reshaped to ``[1, N]`` (the same broadcast on inputs of rank >= 3):
+      the fusion takes only a rank-1 bias there, so the MatMul becomes ``MatMulIntegerToFloat``.
+
+    No value changes in either case.
+    """
+
+    node: str
+    add: str
+    bias: str
+    as_gemm: bool
+
+    def record(self) -> dict:
+        """The report record (listed under ``requantization``)."""
+        how = ("written as a Gemm without bias (QGemm)" if self.as_gemm else
+               f"bias {self.bias!r} read as [1, N] (MatMulIntegerToFloat)")
+        return {"tensor": self.bias, "node": self.node, "op_type": "MatMul", "rule": SPLIT_RULE,
+                "status": "kept apart", "add": self.add,
+                "reason": f"MatMul {self.node!r} and bias Add {self.add!r} kept apart from onnxruntime's "
+                          f"MatMulAddFusion (a float Gemm dequantizing the weight at every run): {how}"}
+
+
+@dataclass(frozen=True)
 class Adapted:
     """The ort-cpu placement, ScaleTable, report records (requantization points and folds), per-tensor
     zero points, the weights stored as uint8 with zero point 128, and the scale folds to apply to the
-    graph after Q/DQ insertion (:meth:`finish`)."""
+    graph after Q/DQ insertion (`finish`)."""
 
     placement: Placement
     table: ScaleTable
@@ -140,11 +187,17 @@ class Adapted:
     zero_points: Dict[str, int]
     unsigned_weights: Tuple[str, ...] = ()
     folds: Tuple[ScaleFold, ...] = ()
+    full_range: Tuple[str, ...] = ()
+    splits: Tuple[BiasSplit, ...] = ()
+    narrow_weights: Tuple[str, ...] = ()
 
     def finish(self, edit) -> Tuple[str, ...]:
-        """Apply :attr:`folds` to ``edit`` (the :class:`~onnx_qat.graph.edit.GraphEdit` after
-        :func:`~onnx_qat.insertion.inserter.insert_qdq_pairs`); the names of the Convs folded."""
-        return fold_scale_ops(edit, self.folds)
+        """Apply `folds` and `splits` to ``edit`` (the
+        `GraphEdit` after `insert_qdq_pairs`);
+        the names of the Convs folded."""
+        folded = fold_scale_ops(edit, self.folds)
+        split_bias_adds(edit, self.splits)
+        return folded
 
 
 @dataclass(frozen=True)
@@ -166,7 +219,7 @@ class RequantPoint:
     reason: str
 
 
-class OrtCpuForm:
+class OrtCpuAdapter:
     """The ort-cpu adjustments to a TensorRT placement: uint8 activations and requantization points."""
 
     def folds(self, index: GraphIndex, placement: Placement) -> Tuple[ScaleFold, ...]:
@@ -179,13 +232,15 @@ class OrtCpuForm:
     def points(self, index: GraphIndex, placement: Placement,
                folds: Optional[Tuple[ScaleFold, ...]] = None) -> Tuple[RequantPoint, ...]:
         """The requantization points for ``placement``, in graph order (see the module docstring); a
-        Conv with a fold (``folds``, by default :meth:`folds`) has its point on the fold's output."""
+        Conv with a fold (``folds``, by default `folds`) has its point on the fold's output."""
         marked = {m.tensor for m in placement.activations}
         weighted = {w.node for w in placement.weights}
         folded = {f.node: f.output for f in (self.folds(index, placement) if folds is None else folds)}
         points = []
         for node in index.nodes:
-            if node.op_type not in REQUANT_OPS or node.name not in weighted or not node.outputs:
+            if node.name not in weighted or not node.outputs or not node.standard:
+                continue
+            if node.op_type not in REQUANT_OPS:
                 continue
             out = folded.get(node.name, node.outputs[0])
             if not out or out in index.graph_outputs or not index.consumers(out):
@@ -205,11 +260,38 @@ class OrtCpuForm:
         return tuple(p.tensor for p in self.points(index, placement)
                      if p.scale_from is None and p.tensor not in marked)
 
-    def adapt(self, index: GraphIndex, placement: Placement, table: ScaleTable) -> Adapted:
+    @staticmethod
+    def nonnegative_inputs(model, data, placement: Placement) -> Tuple[str, ...]:
+        """Quantized graph inputs of ``model`` whose every value in the calibration ``data`` is >= 0
+        (images in 0..255 or 0..1): they take zero point 0 and the whole uint8 grid, as onnxruntime's
+        own ``quantize_static`` does from their calibrated minimum. Read batch by batch."""
+        from ..io.data import load_data
+
+        marked = set(placement.activation_tensors())
+        dataset = load_data(data, model, what="calibration data")
+        names = [n for n in dataset.input_names if n in marked]
+        if not names:
+            return ()
+        low = {n: np.inf for n in names}
+        for batch in dataset.batches(64):
+            for name in names:
+                values = np.asarray(batch[name])
+                # a NaN (min is NaN) or a non-float input counts as possibly negative
+                lowest = float(values.min()) if values.size and values.dtype.kind == "f" else -1.0
+                low[name] = lowest if np.isnan(lowest) else min(low[name], lowest)
+        return tuple(n for n in names if low[n] >= 0.0)
+
+    def adapt(self, index: GraphIndex, placement: Placement, table: ScaleTable,
+              nonnegative: Tuple[str, ...] = (), fine: bool = False, vnni: bool = False) -> Adapted:
         """The placement with the requantization points added, the table with their ranges, the zero
         point of every quantized activation, the scale folds, and one report record per point
         (``status`` "added", "extended", "already quantized" or "not requantized") and per fold
-        (rule CPU2, ``status`` "folded", just before its Conv's point)."""
+        (rule CPU2, ``status`` "folded", just before its Conv's point). ``nonnegative``: graph inputs
+        known to be >= 0 (`nonnegative_inputs` on the calibration data): zero point 0 for them.
+        ``fine``: the ranges were calibrated for this model (not learned in QAT): tensors with zero point 0
+        use the whole uint8 grid (scale ``amax / 255``, `Adapted.full_range`), and GEMM weights behind
+        zero-point-128 inputs are stored in 7 bits (`Adapted.narrow_weights`), or with ``vnni`` (CPUs
+        whose int8 dot products sum in 32 bits) as plain 8-bit int8."""
         from .inserter import group_amax
 
         amaxes = group_amax(placement, table)
@@ -221,13 +303,20 @@ class OrtCpuForm:
         records = tuple(self._apply(point, index, marks, amaxes, table, added, notes) for point in points)
         order = index.production_order()
         activations = tuple(sorted(marks.values(), key=lambda m: (order.get(m.tensor, len(order)), m.tensor)))
-        zero_points, note = _zero_points(index, activations, points, records)
+        zero_points, note = _zero_points(index, activations, points, records, nonnegative, fine)
         notes += [note] if note else []
         new_placement = Placement(activations, placement.weights, placement.decisions, tuple(notes))
         new_table = table if not added else table.merged(
             ScaleTable(added, producer=table.producer, metadata=dict(table.metadata)))
+        full = _full_range(activations, zero_points) if fine else ()
         unsigned = _unsigned_weights(placement, activations, zero_points)
-        return Adapted(new_placement, new_table, _with_folds(records, folds), zero_points, unsigned, folds)
+        narrow: Tuple[str, ...] = ()
+        if fine:  # calibrated: uint8 x int8 kernels with 7-bit weights where inputs reach 255 (fast, exact)
+            narrow = () if vnni else _wide_input_weights(index, placement, activations, zero_points)
+            unsigned = ()
+        splits = bias_splits(index, placement)
+        records = _with_folds(records, folds) + tuple(s.record() for s in splits)
+        return Adapted(new_placement, new_table, records, zero_points, unsigned, folds, full, splits, narrow)
 
     def _apply(self, point: RequantPoint, index: GraphIndex, marks: Dict[str, ActivationMark], amaxes,
                table: ScaleTable, added: Dict[str, float], notes: List[str]) -> dict:
@@ -269,15 +358,19 @@ class OrtCpuForm:
         return None, "missing from the scale table"
 
 
-def _zero_points(index: GraphIndex, activations, points, records) -> Tuple[Dict[str, int], str]:
+def _zero_points(index: GraphIndex, activations, points, records, nonnegative: Tuple[str, ...] = (),
+                 fine: bool = False) -> Tuple[Dict[str, int], str]:
     """Zero point per quantized tensor, and a report note.
 
-    0 for non-negative tensors (:func:`_nonnegative`) and for the requantization points that take the
-    scale of such a tensor (their values reach it through Relu, so clamping at 0 is exact there and
-    onnxruntime then joins the two Q/DQ pairs into one ``QLinearConv`` output); 128 otherwise.
+    0 for non-negative tensors (`_nonnegative`, and the graph inputs in ``nonnegative``) and for
+    the requantization points that take the scale of such a tensor (their values reach it through Relu
+    or Clip, so clamping at 0 is exact there and onnxruntime then joins the two Q/DQ pairs into one
+    ``QLinearConv`` output); 128 otherwise.
     """
-    zero_points = {m.tensor: (0 if _nonnegative(m.tensor, index) else 128) for m in activations}
-    nonnegative = sum(1 for zp in zero_points.values() if zp == 0)
+    known = set(nonnegative) & set(index.graph_inputs)
+    zero_points = {m.tensor: (0 if m.tensor in known or _nonnegative(m.tensor, index) else 128)
+                   for m in activations}
+    count = sum(1 for zp in zero_points.values() if zp == 0)
     joined = 0
     for point, record in zip(points, records):
         if record["status"] == "added" and point.scale_from is not None \
@@ -285,11 +378,51 @@ def _zero_points(index: GraphIndex, activations, points, records) -> Tuple[Dict[
             zero_points[point.tensor] = 0
             joined += 1
     note = ""
-    if nonnegative or joined:
-        note = (f"ort-cpu: {nonnegative} non-negative tensor(s) and {joined} requantization point(s) taking "
+    if (count or joined) and fine:
+        inputs = f" (graph inputs >= 0 on the calibration data: {', '.join(sorted(known))})" if known else ""
+        note = (f"ort-cpu: {count} non-negative tensor(s){inputs} and {joined} requantization point(s) "
+                "taking the scale of one use uint8 zero point 0 over the whole grid 0..255 (calibrated "
+                "ranges: scale amax / 255, twice as fine as the tensorrt form's, the same clamp at amax; "
+                "Concat groups mixing signs keep amax / 127)")
+    elif count or joined:
+        note = (f"ort-cpu: {count} non-negative tensor(s) and {joined} requantization point(s) taking "
                 "the scale of one use uint8 zero point 0: the same values as the tensorrt form up to the "
                 "tensor's amax; above it values are kept (up to 255/127 x amax) instead of clamped")
     return zero_points, note
+
+
+def _full_range(activations, zero_points) -> Tuple[str, ...]:
+    """Tensors with zero point 0 stored over the whole uint8 grid (scale ``amax / 255``); a tensor of a
+    scale group (Concat inputs, rule 7) only when every tensor of its group has zero point 0, so the
+    group keeps one scale."""
+    mixed = {m.scale_group for m in activations if m.scale_group and zero_points.get(m.tensor) != 0}
+    return tuple(m.tensor for m in activations
+                 if zero_points.get(m.tensor) == 0 and (not m.scale_group or m.scale_group not in mixed))
+
+
+def _wide_input_weights(index: GraphIndex, placement: Placement, activations, zero_points) -> Tuple[str, ...]:
+    """Weights of GEMM-kernel ops whose activation input has zero point 128 (its sign unknown: every
+    value stored around 128, up to 255): stored in [-63, 63] so that onnxruntime's uint8 x int8 GEMM
+    kernels, which add pairs of products in 16 bits on CPUs without VNNI (``vpmaddubsw``), cannot
+    saturate (2 x 255 x 63 < 2**15), instead of uint8 ``q + 128`` for its slower uint8 x uint8 kernel.
+    Depthwise Convs (one input channel per group) keep [-127, 127]: onnxruntime's depthwise kernel sums
+    in 32 bits. Zero-point-0 inputs keep [-127, 127] too: their values sit near 0 and reach 255 only in
+    the tails (onnxruntime's own ``quantize_static`` makes the same choice for non-negative tensors)."""
+    wide = {}
+    for mark in activations:
+        for node, position in mark.consumers:
+            if position == 0:
+                wide[node] = zero_points.get(mark.tensor, 128) != 0
+    return tuple(sorted({w.tensor for w in placement.weights
+                         if wide.get(w.node, True) and not _depthwise(index, w.node, w.tensor)}))
+
+
+def _depthwise(index: GraphIndex, node: str, weight: str) -> bool:
+    """True for a Conv with one input channel per group and more than one group."""
+    info = index.by_name.get(node)
+    shape = index.constant_shape(weight)
+    return (info is not None and info.op_type == "Conv" and shape is not None and len(shape) >= 3
+            and shape[1] == 1 and int(info.attr("group", 1)) > 1)
 
 
 def _unsigned_weights(placement: Placement, activations, zero_points) -> Tuple[str, ...]:
@@ -304,18 +437,52 @@ def _unsigned_weights(placement: Placement, activations, zero_points) -> Tuple[s
 
 
 def _nonnegative(tensor: str, index: GraphIndex) -> bool:
-    """True when ``tensor`` is a Relu output, directly or through :data:`SIGN_PRESERVING_OPS` or Pads
-    with constant zeros."""
+    """True when ``tensor`` is a Relu output or the output of a Clip with a constant lower bound >= 0
+    (ReLU6), directly or through `SIGN_PRESERVING_OPS` or Pads with constant zeros."""
     for _ in range(_MAX_LOOKAHEAD):
         node = index.producer.get(tensor)
         if node is None or not node.standard or not node.inputs:
             return False
         if node.op_type == "Relu":
             return True
+        if node.op_type == "Clip":
+            bounds = _clip_bounds(node, index)
+            return bounds is not None and bounds[0] >= 0.0
         if node.op_type not in SIGN_PRESERVING_OPS and not _zero_pad(node, index):
             return False
         tensor = node.inputs[0]
     return False
+
+
+def _clip_bounds(node, index: GraphIndex) -> Optional[Tuple[float, float]]:
+    """``(min, max)`` of a Clip whose bounds are constants (inputs since opset 11, attributes before;
+    an absent bound is -inf / +inf); None when a bound is computed at run time."""
+    if node.op_type != "Clip":
+        return None
+    if len(node.inputs) == 1 and (node.attr("min") is not None or node.attr("max") is not None):
+        return float(node.attr("min", -np.inf)), float(node.attr("max", np.inf))
+    bounds = [-np.inf, np.inf]
+    for position in (1, 2):
+        name = node.inputs[position] if len(node.inputs) > position else ""
+        if not name:
+            continue
+        proto = index.constant_proto(name)
+        if proto is None:
+            return None
+        from onnx import numpy_helper
+
+        value = numpy_helper.to_array(proto).reshape(-1)
+        if value.size != 1 or not np.isfinite(value[0]):
+            return None
+        bounds[position - 1] = float(value[0])
+    return bounds[0], bounds[1]
+
+
+def _exact_op(node, index: GraphIndex) -> bool:
+    """True for ops that commute exactly with quantization at one scale: `EXACT_OPS`, Pads
+    with constant zeros, and Clips with constant bounds (clamping the dequantized integers to
+    ``[lo, hi]`` and quantizing again gives the integers of the clamped float value)."""
+    return node.op_type in EXACT_OPS or _zero_pad(node, index) or _clip_bounds(node, index) is not None
 
 
 def _zero_pad(node, index: GraphIndex) -> bool:
@@ -333,14 +500,14 @@ def _zero_pad(node, index: GraphIndex) -> bool:
 
 
 def _exact_downstream(tensor: str, index: GraphIndex, marked) -> Optional[str]:
-    """The first quantized tensor after ``tensor`` along a single-consumer chain of :data:`EXACT_OPS`
-    (and Pads with constant zeros)."""
+    """The first quantized tensor after ``tensor`` along a single-consumer chain of ops that commute
+    exactly with quantization (`_exact_op`)."""
     for _ in range(_MAX_LOOKAHEAD):
         consumers = index.consumers(tensor)
         if tensor in index.graph_outputs or len(consumers) != 1:
             return None
         node, position = consumers[0]
-        exact = node.op_type in EXACT_OPS or _zero_pad(node, index)
+        exact = node.standard and _exact_op(node, index)
         if not exact or position != 0 or not node.outputs or not node.standard:
             return None
         tensor = node.outputs[0]
@@ -362,7 +529,7 @@ def _with_folds(records: Tuple[dict, ...], folds: Tuple[ScaleFold, ...]) -> Tupl
 
 
 def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]:
-    """The fold for Conv ``node`` (see :class:`ScaleFold`), or None when something does not fit:
+    """The fold for Conv ``node`` (see `ScaleFold`), or None when something does not fit:
     the weight is not a float32 initializer quantized per output channel (or per tensor) read by this
     Conv only; the bias is not a float32 ``[C]`` initializer; the output does
     not feed exactly one Mul by a constant per-channel vector; a tensor in between is quantized."""
@@ -376,7 +543,7 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
     if step is None:
         return None
     weight = node.inputs[1]
-    proto = index.constant_proto(weight)
+    proto = index.constant_proto(weight) if index.is_stored_constant(weight) else None  # edited in place
     if proto is None or proto.data_type != _FLOAT or len(proto.dims) < 3 or len(index.consumers(weight)) != 1:
         return None
     channels, rank = int(proto.dims[0]), len(proto.dims)
@@ -441,15 +608,15 @@ def _channel_vector(node, position: int, index: GraphIndex, channels: int, rank:
 
 
 def _usable_factors(k: np.ndarray) -> bool:
-    """True when every non-zero ``|k|`` is within :data:`_FOLD_K_RANGE` (the weight scale is multiplied
+    """True when every non-zero ``|k|`` is within `_FOLD_K_RANGE` (the weight scale is multiplied
     by it and must stay a positive finite float32)."""
     magnitude = np.abs(k[k != 0]).astype(np.float64)
     return bool(np.all((magnitude >= _FOLD_K_RANGE[0]) & (magnitude <= _FOLD_K_RANGE[1])))
 
 
 def fold_scale_ops(edit, folds) -> Tuple[str, ...]:
-    """Fold each :class:`ScaleFold` into its Conv, as edits of ``edit`` (a
-    :class:`~onnx_qat.graph.edit.GraphEdit` after Q/DQ insertion): new weight integers, weight scales
+    """Fold each `ScaleFold` into its Conv, as edits of ``edit`` (a
+    `GraphEdit` after Q/DQ insertion): new weight integers, weight scales
     and bias; the Mul/Add (and Constant nodes only they read) removed; the Conv writes the fold's
     output tensor. A fold whose Conv does not have the expected ``DequantizeLinear`` weight is left
     out with a warning. Returns the Convs folded."""
@@ -460,7 +627,7 @@ def fold_scale_ops(edit, folds) -> Tuple[str, ...]:
 
 
 def _fold_one(fold: ScaleFold, edit, readers) -> bool:
-    """Apply one fold (see :func:`fold_scale_ops`); False (graph unchanged) when it does not fit."""
+    """Apply one fold (see `fold_scale_ops`); False (graph unchanged) when it does not fit."""
     conv, mul = edit.by_name.get(fold.node), edit.by_name.get(fold.mul)
     add = edit.by_name.get(fold.add) if fold.add else None
     parts = _fold_parts(conv, mul, add, fold, edit, readers)
@@ -569,4 +736,85 @@ def _unlink(conv, mul, add, edit) -> None:
     edit.producer[out] = conv
 
 
-__all__ = ["OrtCpuForm", "Adapted", "RequantPoint", "ScaleFold", "fold_scale_ops", "REQUANT_OPS", "EXACT_OPS"]
+# --------------------------------------------------------------------------- MatMul + bias (CPU4)
+#: Single-input ops that keep their input's rank (walked back to find a MatMul input's rank).
+_SAME_RANK_OPS = ("Relu", "Clip", "Sigmoid", "Tanh", "Identity", "Cast", "LeakyRelu", "Elu", "HardSigmoid",
+                  "HardSwish", "Softplus", "Neg", "Abs", "Erf", "Gelu")
+
+
+def bias_splits(index: GraphIndex, placement: Placement) -> Tuple[BiasSplit, ...]:
+    """The quantized MatMuls (constant 2-D weight) whose output feeds only an Add of a constant bias
+    of ``N`` values, in graph order (see `BiasSplit`)."""
+    weighted = {w.node for w in placement.weights if w.input_index == 1}
+    marked = {m.tensor for m in placement.activations}
+    found = []
+    for node in index.nodes:
+        if node.op_type != "MatMul" or node.name not in weighted or not node.standard \
+                or len(node.inputs) != 2:
+            continue
+        w_shape = index.constant_shape(node.inputs[1])
+        out = node.outputs[0] if node.outputs else ""
+        consumers = index.consumers(out) if out else []
+        if w_shape is None or len(w_shape) != 2 or out in index.graph_outputs or out in marked \
+                or len(consumers) != 1:
+            continue
+        add, position = consumers[0]
+        bias = add.inputs[1 - position] if add.op_type == "Add" and len(add.inputs) == 2 else ""
+        b_shape = index.constant_shape(bias) if bias and add.standard else None
+        if b_shape is None or not b_shape or any(d != 1 for d in b_shape[:-1]) \
+                or b_shape[-1] not in (1, w_shape[1]):
+            continue
+        rank = _rank(node.inputs[0], index)
+        if rank != 2 and len(b_shape) != 1:
+            continue  # a bias of rank >= 2 already stays out of the fusion on inputs of rank >= 3
+        found.append(BiasSplit(node.name, add.name, bias, rank == 2))
+    return tuple(found)
+
+
+def _rank(tensor: str, index: GraphIndex) -> Optional[int]:
+    """The rank of ``tensor`` when its producer says it (Flatten, Gemm: 2; Reshape to a constant shape),
+    through ops that keep the rank; else None."""
+    for _ in range(_MAX_LOOKAHEAD):
+        node = index.producer.get(tensor)
+        if node is None or not node.standard or not node.inputs:
+            return None
+        if node.op_type in ("Flatten", "Gemm"):
+            return 2
+        if node.op_type == "Reshape" and len(node.inputs) > 1:
+            shape = index.constant_shape(node.inputs[1])
+            return None if shape is None or len(shape) != 1 else int(shape[0])
+        if node.op_type not in _SAME_RANK_OPS:
+            return None
+        tensor = node.inputs[0]
+    return None
+
+
+def split_bias_adds(edit, splits) -> Tuple[str, ...]:
+    """Apply each `BiasSplit` to ``edit`` (after Q/DQ insertion): the MatMul becomes a Gemm,
+    or its Add reads a ``[1, N]`` copy of the bias. Returns the MatMuls changed."""
+    done = []
+    for split in splits:
+        matmul, add = edit.by_name.get(split.node), edit.by_name.get(split.add)
+        if matmul is None or add is None or matmul.op_type != "MatMul":
+            continue
+        if split.as_gemm:
+            matmul.op_type = "Gemm"
+        else:
+            proto = edit.initializer(split.bias)
+            if proto is None or split.bias not in add.input:
+                logger.warning("ort-cpu: bias %r of %r is not an initializer; MatMulAddFusion may fuse it",
+                               split.bias, split.add)
+                continue
+            from ..io.models import tensor_array
+
+            values = np.asarray(tensor_array(proto)).reshape(1, -1)
+            name = edit.add_initializer(f"{split.bias}_row", values)
+            position = list(add.input).index(split.bias)
+            add.input[position] = name
+            edit.release_if_unread(initializers=[split.bias])
+        done.append(split.node)
+    return tuple(done)
+
+
+__all__ = ["OrtCpuAdapter", "Adapted", "RequantPoint", "ScaleFold", "BiasSplit", "fold_scale_ops",
+           "bias_splits", "split_bias_adds", "REQUANT_OPS", "EXACT_OPS"]

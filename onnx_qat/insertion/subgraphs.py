@@ -1,9 +1,9 @@
 """Q/DQ insertion inside If branches and Loop/Scan bodies: the one inserter
-(:func:`onnx_qat.insertion.inserter.insert_qdq_pairs`) run on each branch or body, wrapped in a
+(`onnx_qat.insertion.inserter.insert_qdq_pairs`) run on each branch or body, wrapped in a
 ModelProto, with outer-scope constants readable (a branch's weight may be an initializer or Constant of
 an enclosing graph) and names unique across the whole model; the edited graph replaces the original
 in its node. A float weight of an enclosing graph that only quantized subgraphs read is dropped there
-afterwards (:func:`onnx_qat.graph.subgraphs.drop_unread`): its int8 copy lives in the subgraphs.
+afterwards (`onnx_qat.graph.subgraphs.drop_unread`): its int8 copy lives in the subgraphs.
 """
 from __future__ import annotations
 
@@ -20,23 +20,23 @@ from .inserter import insert_qdq_pairs
 def insert_into_subgraphs(model: onnx.ModelProto, placement: Placement, scales, target, *,
                           names: Optional[Set[str]] = None, inherited=None, precision="int8",
                           block_size: int = 128) -> List[dict]:
-    """Insert the Q/DQ of every :class:`~onnx_qat.placement.marks.SubgraphPlacement` of ``placement``
-    into the matching If branch or Loop/Scan body of ``model`` (a model :func:`onnx_qat.quantize`
-    owns; its nodes get their edited subgraphs in place). Nested subgraphs are edited first, then
-    the graph holding them.
+    """Insert the Q/DQ of every `SubgraphPlacement` of ``placement``
+    into the matching If branch or Loop/Scan body of ``model`` (a model
+    [`onnx_qat.quantize`][onnx_qat.quantize.quantize] owns; its nodes get their edited subgraphs in place).
+    Nested subgraphs are edited first, then the graph holding them.
 
     Args:
         model: the ModelProto whose main graph ``placement`` describes.
         placement: the main graph's placement.
-        scales: the :class:`~onnx_qat.scales.ScaleTable` (ranges of branch tensors included).
-        target: the :class:`~onnx_qat.insertion.targets.Target` or its name.
+        scales: the [`ScaleTable`][onnx_qat.scales.ScaleTable] (ranges of branch tensors included).
+        target: the `Target` or its name.
         names: every name of the model, shared by all edits (made here when None).
         inherited: internal: constants of the graphs enclosing ``model.graph``.
         precision, block_size: the numeric format, as
-            :func:`onnx_qat.insertion.inserter.insert_qdq_pairs` takes it.
+            `onnx_qat.insertion.inserter.insert_qdq_pairs` takes it.
 
     Returns:
-        The inserted records (as :class:`~onnx_qat.insertion.inserter.InsertionResult` holds them), each with
+        The inserted records (as `InsertionResult` holds them), each with
         ``"subgraph"``: ``"<node>/<attribute>"`` (e.g. ``"choose/then_branch"``, ``"refine/body"``).
     """
     if not placement.subgraphs:

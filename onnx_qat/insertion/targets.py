@@ -1,6 +1,6 @@
 """Deployment targets: the forms the same placement and scales take in the output model.
 
-A :class:`Target` says which placement policy decides where Q/DQ goes and how the
+A `Target` says which placement policy decides where Q/DQ goes and how the
 inserted nodes look (integer types, zero points, clamping ranges). Two forms:
 
 * ``"tensorrt"``: TensorRT explicit quantization, symmetric int8 everywhere (zero
@@ -10,15 +10,16 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
   activations uint8 with zero point 128 (bit-identical values, faster x86 kernels), or 0 where
   they are non-negative, and requantization points on quantized Conv outputs so onnxruntime
   forms ``QLinearConv``; a per-channel Mul/Add after a quantized Conv (an unfolded
-  BatchNormalization) is folded into the Conv's quantized weight and bias first (see
-  :mod:`onnx_qat.insertion.ort_cpu`; ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that
-  apply to this form).
+  BatchNormalization) is folded into the Conv's quantized weight and bias first; a quantized MatMul
+  is kept apart from its bias Add; with calibrated ranges, zero-point-0 tensors use the whole uint8
+  grid and GEMM weights behind zero-point-128 inputs 7 bits (see `onnx_qat.insertion.ort_cpu`;
+  ``onnx_qat.check(model, target="ort-cpu")`` checks the rules that apply to this form).
 
-Targets are registered in :data:`_TARGETS`; the inserter reads every dtype and zero point
+Targets are registered in `_TARGETS`; the inserter reads every dtype and zero point
 from the target, never from constants of its own. A target is data only: it names its placement
-policy (looked up by :func:`onnx_qat.placement.policy.policy_for`) and its optional form (made by
-:func:`onnx_qat.insertion.forms.make_form`), and imports neither, so the modules that read a target
-never import back up. A form adjusts the placement and ScaleTable after ranges are known
+policy (looked up by `onnx_qat.placement.policy.policy_for`) and its optional adapter (made by
+`onnx_qat.insertion.adapters.make_adapter`), and imports neither, so the modules that read a target
+never import back up. An adapter adjusts the placement and ScaleTable after ranges are known
 (``calibration_tensors`` and ``adapt``), and may edit the graph after Q/DQ insertion (``adapt``'s
 result's ``finish(edit)``).
 """
@@ -42,13 +43,15 @@ class Target:
         activation_dtype: integer type of quantized activations (QuantizeLinear output).
         activation_zero_point: their zero point.
         policy: the name of the placement policy (a key of
-            :data:`onnx_qat.placement.policy.POLICIES`).
-        form: None, or the name of the form (a key of :data:`onnx_qat.insertion.forms.FORMS`): an
+            `onnx_qat.placement.policy.POLICIES`).
+        adapter: None, or the name of the adapter (a key of `onnx_qat.insertion.adapters.ADAPTERS`): an
             object with ``calibration_tensors(index, placement)`` and ``adapt(index, placement,
-            table)`` (see :class:`onnx_qat.insertion.ort_cpu.OrtCpuForm`); what ``adapt`` returns may have a
-            ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
-            :class:`~onnx_qat.graph.edit.GraphEdit` after Q/DQ insertion
-            (see :meth:`onnx_qat.insertion.ort_cpu.Adapted.finish`).
+            table, **calibrated)`` (see `onnx_qat.insertion.ort_cpu.OrtCpuAdapter`; when the ranges
+            are calibrated in the same call and the adapter has ``nonnegative_inputs(model, data,
+            placement)``, ``calibrated`` is ``nonnegative=<its result>, fine=True``); what ``adapt``
+            returns may have a ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
+            `GraphEdit` after Q/DQ insertion
+            (see `onnx_qat.insertion.ort_cpu.Adapted.finish`).
     """
 
     name: str
@@ -56,11 +59,11 @@ class Target:
     activation_dtype: type
     activation_zero_point: int
     policy: str = "tensorrt"
-    form: Optional[str] = None
+    adapter: Optional[str] = None
 
     def to_dict(self) -> dict:
         """JSON-ready description (used in reports). The weights' type and range are the numeric
-        format's (:mod:`onnx_qat.formats.numeric`; INT8 for both targets): a target only adds the
+        format's (`onnx_qat.formats.numeric`; INT8 for both targets): a target only adds the
         activations' form."""
         from ..formats.encoding import INT8_QRANGE
 
@@ -85,13 +88,13 @@ TENSORRT = Target(
 
 ORT_CPU = Target(
     name="ort-cpu",
-    description="onnxruntime CPU: uint8 activations with zero point 128, or 0 where non-negative (same "
-                "scales), int8 per-channel weights, Conv outputs requantized for QLinearConv (per-channel "
-                "Mul/Add after a Conv folded into it first)",
+    description="onnxruntime CPU: uint8 activations with zero point 128, or 0 where non-negative, int8 "
+                "per-channel weights, Conv outputs requantized for QLinearConv (per-channel Mul/Add after a "
+                "Conv folded into it first), MatMuls kept apart from their bias Add",
     activation_dtype=np.uint8,
     activation_zero_point=128,
     policy="tensorrt",
-    form="ort-cpu",
+    adapter="ort-cpu",
 )
 
 #: Registered targets by name.
@@ -99,7 +102,7 @@ _TARGETS: Dict[str, Target] = {"tensorrt": TENSORRT, "ort-cpu": ORT_CPU}
 
 
 def get_target(target) -> Target:
-    """The :class:`Target` named ``target`` (a Target passes through)."""
+    """The `Target` named ``target`` (a Target passes through)."""
     if isinstance(target, Target):
         return target
     if target is None:

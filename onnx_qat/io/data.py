@@ -3,14 +3,14 @@
 The ``.npz`` format: one array per graph input, keyed by the input name, whose
 first axis counts samples (``x: float32[N, 3, 32, 32]`` for an input
 ``x: float32[batch, 3, 32, 32]``). A single-input model accepts one array under any
-key. Files are read by :mod:`onnx_qat.io.npz` a batch at a time, never whole and never
+key. Files are read by `onnx_qat.io.npz` a batch at a time, never whole and never
 unpickled: object arrays are refused from their header.
 
 Contract:
 
-* :func:`load_data` ``(source, model_or_specs, *, what="data") -> Dataset``
-* :class:`Dataset` with ``num_samples``, ``input_names``, ``batches(batch_size)``, ``take(n)``
-* :func:`generate_data` ``(model_or_specs, num_samples=8, seed=0) -> Dataset``
+* [`load_data`][onnx_qat.io.data.load_data] ``(source, model_or_specs, *, what="data") -> Dataset``
+* `Dataset` with ``num_samples``, ``input_names``, ``batches(batch_size)``, ``take(n)``
+* `generate_data` ``(model_or_specs, num_samples=8, seed=0) -> Dataset``
 """
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import DataError, ModelError, brief
+from ..errors import DataError, ModelError
 from .npz import MemberReader, NpzMember, read_members
+from .values import announce_cast as _announce_cast, check_dtype as _check_dtype, convert as _convert, \
+    to_dtype as _to_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +113,8 @@ def _read_only(column):
 class Dataset:
     """Validated model inputs: one array per graph input, first axis = samples.
 
-    Build it with :func:`load_data` or :func:`generate_data`. Data from an ``.npz`` file
-    stays in the file: :meth:`batches` reads one batch at a time, so memory does not grow
+    Build it with [`load_data`][onnx_qat.io.data.load_data] or `generate_data`. Data from an ``.npz`` file
+    stays in the file: `batches` reads one batch at a time, so memory does not grow
     with the number of samples. In-memory arrays are read-only.
 
     Attributes:
@@ -121,16 +123,20 @@ class Dataset:
         source: where the data came from (for messages).
     """
 
-    __slots__ = ("_columns", "_dtypes", "input_names", "num_samples", "source", "_unbatched", "_fixed_batch")
+    __slots__ = ("_columns", "_dtypes", "input_names", "num_samples", "source", "_unbatched", "_fixed_batch",
+                 "state", "_constants", "_initial", "_axes")
 
     def __init__(self, arrays: Mapping[str, np.ndarray], *, source: str = "data",
                  unbatched: Sequence[str] = (), fixed_batch: Optional[int] = None,
-                 dtypes: Optional[Mapping[str, np.dtype]] = None):
-        names = tuple(arrays)
+                 dtypes: Optional[Mapping[str, np.dtype]] = None, constants: Optional[Mapping] = None,
+                 initial: Optional[Mapping] = None, axes: Optional[Mapping[str, int]] = None,
+                 state: Optional[Mapping[str, str]] = None):
+        constants, initial = dict(constants or {}), dict(initial or {})
+        names = tuple(arrays) + tuple(constants) + tuple(initial)
         if not names:
             raise DataError(f"{source} holds no arrays")
         columns = {name: _read_only(_column(value)) for name, value in arrays.items()}
-        counts = {int(c.shape[0]) if len(c.shape) else 0 for c in columns.values()}
+        counts = {int(c.shape[0]) if len(c.shape) else 0 for c in columns.values()} or {1}
         if len(counts) != 1:
             raise DataError(f"{source}: arrays have different sample counts {sorted(counts)}")
         dtypes = dtypes or {}
@@ -141,12 +147,22 @@ class Dataset:
         self.source = source
         self._unbatched = frozenset(unbatched)
         self._fixed_batch = fixed_batch
+        self._constants = MappingProxyType({k: _frozen(v) for k, v in constants.items()})
+        self._initial = MappingProxyType({k: _frozen(v) for k, v in initial.items()})
+        self._axes = MappingProxyType(dict(axes or {}))
+        self.state = MappingProxyType(dict(state or {}))
+
+    @property
+    def constants(self) -> Mapping[str, np.ndarray]:
+        """Inputs given once and fed in every run (a 0-d scalar such as a sample rate)."""
+        return self._constants
 
     @property
     def arrays(self) -> Mapping[str, np.ndarray]:
-        """Input name -> read-only array (first axis = samples).
+        """Input name -> read-only array (first axis = samples; an input with a declared batch axis
+        has it moved first here). Constants and an initial state are not included.
 
-        Data streamed from an ``.npz`` file is read into memory whole here; :meth:`batches`
+        Data streamed from an ``.npz`` file is read into memory whole here; `batches`
         is the bounded way to go through it.
         """
         arrays = {}
@@ -179,8 +195,8 @@ class Dataset:
         """The batch size actually fed: 1 for models without a sample axis, the model's fixed batch if any."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise DataError(f"batch size must be a whole number >= 1, got {batch_size!r}")
-        if self._unbatched:
-            return 1
+        if self._unbatched or (self.state and not self._fixed_batch):
+            return 1  # a stateful model runs its samples one step at a time
         if self._fixed_batch:
             return self._fixed_batch
         return int(batch_size)
@@ -198,11 +214,16 @@ class Dataset:
                 feed = {}
                 for name, reader in readers.items():
                     chunk = _to_dtype(reader.read(count), self._dtypes[name])
+                    if name in self._axes:
+                        chunk = np.moveaxis(chunk, 0, self._axes[name])
                     feed[name] = np.require(chunk[0] if name in self._unbatched else chunk, requirements="C")
+                feed.update(self._constants)
+                if start == 0:
+                    feed.update(self._initial)
                 yield feed
 
     def num_batches(self, batch_size: int) -> int:
-        """How many feeds :meth:`batches` yields."""
+        """How many feeds `batches` yields."""
         size = self.batch_size_for(batch_size)
         return -(-self.num_samples // size)
 
@@ -214,48 +235,106 @@ class Dataset:
         if self._fixed_batch and n % self._fixed_batch:
             n = max(self._fixed_batch, n - n % self._fixed_batch)
         return Dataset({k: c.head(n) for k, c in self._columns.items()}, source=self.source,
-                       unbatched=tuple(self._unbatched), fixed_batch=self._fixed_batch, dtypes=self._dtypes)
+                       **self._same())
+
+    def _same(self) -> dict:
+        """The keywords that make a part of this dataset like it."""
+        return {"unbatched": tuple(self._unbatched), "fixed_batch": self._fixed_batch, "dtypes": self._dtypes,
+                "constants": self._constants, "initial": self._initial, "axes": self._axes,
+                "state": self.state}
+
+    def split(self, holdout: float) -> Tuple["Dataset", "Dataset"]:
+        """``(first, last)``: the last ``holdout`` share of the samples (at least one; whole fixed
+        batches) held out. Both parts keep the constants; a stateful model's held-out part starts
+        from the same initial state. The samples are read into memory here.
+
+        Raises:
+            DataError: too few samples to split, or a model without a sample axis.
+        """
+        n = self.num_samples
+        fixed = self._fixed_batch or 1  # a model with a fixed batch size takes whole batches of it
+        if n < 2 * fixed or self.unbatched:
+            noun = "sample" if n == 1 else "samples"
+            raise DataError(f"{self.source}: {n} {noun} cannot be split into calibration and evaluation "
+                            "data; give more samples or eval_data (--eval-data)")
+        held = max(fixed, int(round(n * holdout / fixed)) * fixed)
+        arrays = self.arrays
+        first = {k: np.ascontiguousarray(v[:n - held]) for k, v in arrays.items()}
+        last = {k: np.ascontiguousarray(v[n - held:]) for k, v in arrays.items()}
+        return (Dataset(first, source=f"{self.source} (first {n - held} samples)", **self._same()),
+                Dataset(last, source=f"{self.source} (last {held} samples, held out)", **self._same()))
 
     def _raw_columns(self) -> Dict[str, "_ArrayColumn | _FileColumn"]:
         """The columns as stored (files in their own dtype), for validating against other inputs."""
         return dict(self._columns)
 
 
-def _to_dtype(values: np.ndarray, want: np.dtype) -> np.ndarray:
-    """``values`` in dtype ``want`` (already checked to convert safely)."""
-    if values.dtype == want:
-        return values
-    with np.errstate(over="ignore", invalid="ignore"):
-        return values.astype(want)
+def _frozen(value) -> np.ndarray:
+    array = np.array(value)  # our own copy, read-only
+    array.flags.writeable = False
+    return array
 
 
 # --------------------------------------------------------------------------- loading
-def load_data(source, model_or_specs, *, what: str = "data") -> Dataset:
-    """Load and validate model inputs.
+def load_data(source, model_or_specs, *, what: str = "data", state: Optional[Mapping[str, str]] = None,
+              batch_axis: Optional[Mapping[str, int]] = None) -> Dataset:
+    """Load and validate model inputs: samples (an ``.npz`` file, arrays) or a stream of feeds.
 
     An ``.npz`` file is not read into memory: its headers are checked, its values are
     checked in one pass of a few megabytes at a time, and the returned dataset reads it
-    again batch by batch (:meth:`Dataset.batches`), so memory does not grow with the
+    again batch by batch (`Dataset.batches`), so memory does not grow with the
     number of samples. Arrays stored column-major (Fortran order) are read whole.
+
+    An input the model declares 0-d (a sample rate) may be given once as a 0-d array and is fed in
+    every run. A stream of feeds (`onnx_qat.io.feeds`: a directory or list of ``.npz`` files, a
+    list or iterator of feed dicts, an object with ``get_next()``) gives a
+    `FeedStream`, one run per feed.
 
     Args:
         source: a path to an ``.npz`` file (keys = graph input names, first axis =
             samples; a single-input model accepts one array under any key), a mapping
-            of input name to array, one array (single-input models), a list of such
-            mappings (batches, concatenated), or a :class:`Dataset`.
+            of input name to array, one array (single-input models), a stream of feeds
+            (see above), a `Dataset`, or any of these with a layout attached by
+            `onnx_qat.io.feeds.with_layout`.
         model_or_specs: the model (``ModelProto`` or path) or its
-            :func:`~onnx_qat.io.models.model_input_specs`.
+            `model_input_specs`.
         what: how to call the data in messages (e.g. ``"calibration data"``).
+        state: ``{output: input}``: a stateful model; each run's output becomes the next run's
+            input. The data gives the initial state once (an ``.npz`` key, the first feed), and
+            samples then run one per step, in order.
+        batch_axis: ``{input: axis}`` for inputs whose batch (sample) axis is not the first.
 
     Raises:
         DataError: one line naming the file and key: missing or extra keys, sample
             counts that differ, shapes or dtypes that do not fit the model, NaN/Inf
             (with the first sample holding one), zero samples, object arrays,
-            unreadable files.
+            unreadable files; for feeds, the feed: no feeds at all, a feed missing an input.
+        ConfigError: a state or batch-axis name that is not the model's output or input.
     """
+    from .feeds import FeedStream, is_feed_source, open_feeds
+    from .layout import make_layout, split_layout
+
+    source, layout = split_layout(source)
+    if state is not None or batch_axis is not None:
+        layout = make_layout(state if state is not None else layout.state,
+                             batch_axis if batch_axis is not None else layout.batch_axis)
     specs = _specs(model_or_specs)
+    outputs = _output_names(model_or_specs)
+    if isinstance(source, FeedStream):
+        if layout.state or layout.batch_axis:
+            source = FeedStream(source._once if source._once is not None else source._items, source._specs,
+                                layout, source=source.source)
+        source.layout.check(specs, outputs)
+        return source.bind(specs)
+    if is_feed_source(source):
+        return open_feeds(source, specs, layout, what=what, outputs=outputs)
+    layout.check(specs, outputs)
     if isinstance(source, Dataset):
         columns, label = source._raw_columns(), source.source
+        for name, axis in source._axes.items():  # held with the batch axis first: as given again
+            columns[name] = np.moveaxis(_whole(columns[name]), 0, axis)
+        columns.update(source._constants)
+        columns.update(source._initial)
     elif isinstance(source, (str, os.PathLike)):
         label = f"{what} {source}"
         columns = _read_npz(Path(source), label)
@@ -263,12 +342,31 @@ def load_data(source, model_or_specs, *, what: str = "data") -> Dataset:
         label, columns = what, {"<array>": source}
     elif isinstance(source, Mapping):
         label, columns = what, dict(source)
-    elif isinstance(source, (list, tuple)) and source and all(isinstance(b, Mapping) for b in source):
-        label, columns = what, _concat_batches(source, what)
     else:
         raise DataError(f"{what} must be an .npz path, a dict of arrays, an array or a Dataset; "
                         f"got {type(source).__name__}")
-    return _validate(columns, specs, label)
+    if isinstance(source, Dataset) and not (layout.state or layout.batch_axis):
+        layout = _layout_of(source)
+    return _validate(columns, specs, label, layout, announce=not isinstance(source, Dataset))
+
+
+def _layout_of(dataset: Dataset):
+    from .layout import make_layout
+
+    return make_layout(dataset.state, dataset._axes)
+
+
+def _output_names(model_or_specs) -> Optional[Tuple[str, ...]]:
+    """The model's output names; None when only input specs were given."""
+    import onnx
+
+    from .models import InputSpec
+
+    if isinstance(model_or_specs, (list, tuple)) and all(isinstance(s, InputSpec) for s in model_or_specs):
+        return None
+    if isinstance(model_or_specs, onnx.ModelProto):
+        return tuple(o.name for o in model_or_specs.graph.output)
+    return None
 
 
 def _specs(model_or_specs):
@@ -306,28 +404,20 @@ def _read_npz(path: Path, label: str) -> Dict[str, _FileColumn]:
     return {key: _FileColumn(member) for key, member in read_members(path, label).items()}
 
 
-def _concat_batches(batches, what: str) -> Dict[str, np.ndarray]:
-    keys = tuple(batches[0])
-    for i, batch in enumerate(batches):
-        if tuple(batch) != keys:
-            raise DataError(f"{what}: batch {i} has keys {sorted(batch)}, batch 0 has {sorted(keys)}")
-    try:
-        return {k: np.concatenate([np.asarray(b[k]) for b in batches], axis=0) for k in keys}
-    except ValueError as exc:
-        raise DataError(f"{what}: batches cannot be joined ({brief(exc, first_line=True)})") from None
-
-
 # --------------------------------------------------------------------------- validation
 #: Bytes of stored values checked at a time when an ``.npz`` file is validated.
 CHECK_CHUNK_BYTES = 4 * 1024 ** 2
 
 
-def _match_keys(columns: Dict[str, object], specs, label: str) -> Dict[str, object]:
+def _match_keys(columns: Dict[str, object], specs, label: str, announce: bool = False) -> Dict[str, object]:
     names = [s.name for s in specs]
     if not columns:
         raise DataError(f"{label} holds no arrays; expected {', '.join(repr(n) for n in names)}")
     if len(specs) == 1 and len(columns) == 1:
-        return {names[0]: next(iter(columns.values()))}
+        key = next(iter(columns))
+        if announce and key != names[0] and key != "<array>":
+            logger.warning("%s: key %r is read as the model's only input %r", label, key, names[0])
+        return {names[0]: columns[key]}
     extra = [k for k in columns if k not in names]
     if extra:
         raise DataError(f"{label}: key {extra[0]!r} is not a model input (inputs: {', '.join(names)})")
@@ -338,13 +428,35 @@ def _match_keys(columns: Dict[str, object], specs, label: str) -> Dict[str, obje
     return {n: columns[n] for n in names}
 
 
-def _validate(columns: Dict[str, object], specs, label: str) -> Dataset:
-    """Headers first (keys, dtypes, shapes, counts), then the values of every input."""
-    matched = {k: _column(v) for k, v in _match_keys(columns, specs, label).items()}
+def _validate(columns: Dict[str, object], specs, label: str, layout=None, announce: bool = False) -> Dataset:
+    """Headers first (keys, dtypes, shapes, counts), then the values of every input. ``announce``:
+    say (one warning line each) when a key is renamed or a dtype converted."""
+    from .layout import DataLayout
+
+    layout = layout or DataLayout()
+    matched = {k: _column(v) for k, v in _match_keys(columns, specs, label, announce).items()}
+    once, axes = {"constants": {}, "initial": {}}, {}
+    for spec in list(specs):
+        column = matched[spec.name]
+        state = spec.name in layout.state_inputs
+        if state or (spec.shape == () and column.shape == ()):
+            once["initial" if state else "constants"][spec.name] = _given_once(column, spec, label)
+            del matched[spec.name]
+            continue
+        axis = layout.axis(spec)
+        if axis:
+            matched[spec.name] = _ArrayColumn(np.moveaxis(_whole(column), axis, 0))
+            axes[spec.name] = axis
+    specs = [_moved(s, axes[s.name]) if s.name in axes else s for s in specs if s.name in matched]
+    if not specs:  # every input given once: one run
+        dtypes = {k: np.dtype(v.dtype) for d in once.values() for k, v in d.items()}
+        return Dataset({}, source=label, dtypes=dtypes, state=layout.state, **once)
     unbatched, fixed = [], set()
     for spec in specs:
         column = matched[spec.name]
         _check_dtype(column.dtype, spec, label)
+        if announce and column.dtype != np.dtype(spec.dtype):
+            _announce_cast(column.dtype, np.dtype(spec.dtype), spec.name, label)
         mode = _fit_shape(column.shape, spec, label)
         if mode == "unbatched":
             unbatched.append(spec.name)
@@ -360,7 +472,47 @@ def _validate(columns: Dict[str, object], specs, label: str) -> Dataset:
     fixed_batch = _fixed_batch(fixed, unbatched, count, label)
     checked = {spec.name: _check_values(matched[spec.name], spec, label) for spec in specs}
     dtypes = {spec.name: np.dtype(spec.dtype) for spec in specs}
-    return Dataset(checked, source=label, unbatched=unbatched, fixed_batch=fixed_batch, dtypes=dtypes)
+    return Dataset(checked, source=label, unbatched=unbatched, fixed_batch=fixed_batch, dtypes=dtypes,
+                   axes=axes, state=layout.state, **once)
+
+
+def _whole(column) -> np.ndarray:
+    """All of a column's values in memory (a file member read whole, 0-d included)."""
+    if isinstance(column, _ArrayColumn):
+        return column.array
+    member = column.member
+    if not member.shape:
+        import zipfile
+
+        from numpy.lib import format as npy_format
+
+        with zipfile.ZipFile(member.path) as archive, archive.open(member.member) as stream:
+            return npy_format.read_array(stream, allow_pickle=False)
+    with column.open() as reader:
+        return reader.read(column.shape[0])
+
+
+def _moved(spec, axis: int):
+    """``spec`` with its batch axis ``axis`` moved first (as the data is held)."""
+    from .models import InputSpec
+
+    shape = list(spec.shape)
+    shape.insert(0, shape.pop(axis))
+    return InputSpec(spec.name, spec.dtype, tuple(shape))
+
+
+def _given_once(column, spec, label: str) -> np.ndarray:
+    """An input given once (a 0-d constant, a stateful model's initial state): its shape is the
+    model input's own, fed as it is."""
+    value = _whole(column)
+    _check_dtype(value.dtype, spec, label)
+    if spec.shape is not None and (value.ndim != len(spec.shape) or any(
+            w is not None and w != h for h, w in zip(value.shape, spec.shape))):
+        dims = ",".join("N" if d is None else str(d) for d in spec.shape)
+        raise DataError(f"{label}: key {spec.name!r} has shape {list(value.shape)}; it is given once (a "
+                        f"scalar or the initial state) and needs the model input's shape [{dims}]")
+    converted = _convert(np.asarray(value), np.dtype(spec.dtype), spec.name, label, 0)
+    return np.require(converted, requirements="C")
 
 
 def _fixed_batch(fixed: set, unbatched: list, count: int, label: str) -> Optional[int]:
@@ -386,31 +538,6 @@ def _check_values(column, spec, label: str):
     return column
 
 
-def _check_dtype(have: np.dtype, spec, label: str) -> None:
-    key, want = spec.name, np.dtype(spec.dtype)
-    if have == want:
-        return
-    if have.kind in "OUSVMm" or have.hasobject:
-        raise DataError(f"{label}: key {key!r} has dtype {have}, the model input needs {want}")
-    ok = np.can_cast(have, want, "same_kind") or (have.kind in "biu" and want.kind in "fc")
-    if want.kind == "b" and have.kind != "b":
-        ok = False
-    if not ok:
-        raise DataError(f"{label}: key {key!r} has dtype {have}, which does not convert safely to the "
-                        f"model's {want}; save it as {want}")
-
-
-def _convert(values: np.ndarray, want: np.dtype, key: str, label: str, first: int) -> np.ndarray:
-    """``values`` (samples ``first``...) in the model's dtype, after the range and finiteness checks."""
-    if values.dtype.kind in "iu" and want.kind in "iu" and values.size and values.dtype != want:
-        info = np.iinfo(want)
-        if values.min() < info.min or values.max() > info.max:
-            raise DataError(f"{label}: key {key!r} has values outside the range of the model's {want}")
-    converted = _to_dtype(values, want)
-    _check_finite(converted, key, label, first)
-    return converted
-
-
 def _fit_shape(shape: Tuple[int, ...], spec, label: str) -> str:
     """'batched' (first axis = the model's batch axis) or 'unbatched' (model has no sample axis)."""
     shape = tuple(shape)
@@ -423,7 +550,7 @@ def _fit_shape(shape: Tuple[int, ...], spec, label: str) -> str:
         return "batched"
     if len(shape) == len(want) + 1 and _dims_fit(shape[1:], want):
         return "unbatched"
-    expected = ",".join("N" if d is None else str(d) for d in want[1:])
+    expected = ",".join(spec.dim_label(axis) for axis in range(1, len(want)))
     expected = f"[N{',' if expected else ''}{expected}]" if want else "[N]"
     raise DataError(f"{label}: key {spec.name!r} has shape {list(shape)}, the model input "
                     f"{spec.name!r} needs {expected} (first axis = samples)")
@@ -431,23 +558,6 @@ def _fit_shape(shape: Tuple[int, ...], spec, label: str) -> str:
 
 def _dims_fit(have: Tuple[int, ...], want: Tuple[Optional[int], ...]) -> bool:
     return len(have) == len(want) and all(w is None or h == w for h, w in zip(have, want))
-
-
-def _check_finite(arr: np.ndarray, key: str, label: str, first: int = 0) -> None:
-    """One line naming the key and the first sample (counted from ``first``) holding NaN or Inf."""
-    if arr.dtype.kind not in "fc" or arr.size == 0:
-        return
-    finite = np.isfinite(arr)
-    if finite.all():
-        return
-    per_sample = finite.reshape(finite.shape[0], -1) if finite.ndim else finite.reshape(1, -1)
-    index = int(np.argmin(per_sample.all(axis=1)))
-    sample = np.asarray(arr[index] if arr.ndim else arr)
-    bad = int(sample.size - np.count_nonzero(per_sample[index]))
-    nan = int(np.count_nonzero(np.isnan(sample)))
-    kinds = "NaN" if nan == bad else ("Inf" if nan == 0 else "NaN/Inf")
-    raise DataError(f"{label}: key {key!r} has {bad} {kinds} value(s) in sample {first + index}; "
-                    f"give finite numbers")
 
 
 # --------------------------------------------------------------------------- generation

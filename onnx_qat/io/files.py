@@ -31,7 +31,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 def check_output_path(path: PathLike, *, inputs: tuple = (), what: str = "output") -> Path:
     """Validate an output path before any work is done and return it as a ``Path``.
 
-    Raises :class:`OutputError` when the path is a directory, its directory is
+    Raises [`OutputError`][onnx_qat.errors.OutputError] when the path is a directory, its directory is
     missing or not writable, or it names the same file as one of ``inputs``.
     """
     out = Path(path)
@@ -82,6 +82,21 @@ def signals_held() -> Iterator[None]:
             _deliver(pending[0], previous[pending[0]])
 
 
+def check_output_and_report(output, report, *, inputs: tuple = ()):
+    """``(output path or None, report path or None)``, both checked by `check_output_path` before any
+    work (``inputs``: the paths among the caller's inputs); a ConfigError when they name one file."""
+    import os
+
+    from ..errors import ConfigError
+
+    paths = tuple(p for p in inputs if isinstance(p, (str, os.PathLike)))
+    out_path = None if output is None else check_output_path(output, inputs=paths, what="output")
+    report_path = None if report is None else check_output_path(report, inputs=paths, what="report")
+    if out_path is not None and report_path is not None and report_path.resolve() == out_path.resolve():
+        raise ConfigError("report and output name the same file")
+    return out_path, report_path
+
+
 def _deliver(signum: int, handler) -> None:
     """Hand a deferred signal to the handler that was in place when it arrived."""
     if callable(handler):
@@ -93,7 +108,7 @@ def _deliver(signum: int, handler) -> None:
 def make_temp_beside(target: Path) -> tuple:
     """Create ``.<name>.*.partial`` beside ``target``; return ``(fd, path)``.
 
-    Call inside :func:`signals_held` together with registering the path for clean-up.
+    Call inside `signals_held` together with registering the path for clean-up.
     """
     try:
         return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=str(target.parent or "."))
@@ -166,12 +181,12 @@ def json_safe(obj):
 
 
 def dumps_json(obj) -> str:
-    """``obj`` as stable, indented JSON (sorted keys), sanitised by :func:`json_safe`."""
+    """``obj`` as stable, indented JSON (sorted keys), sanitised by `json_safe`."""
     return json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False)
 
 
 def write_json(path: PathLike, obj) -> Path:
-    """Write ``obj`` as stable, indented JSON (sorted keys, :func:`json_safe`) atomically."""
+    """Write ``obj`` as stable, indented JSON (sorted keys, `json_safe`) atomically."""
     return atomic_write_text(path, dumps_json(obj) + "\n")
 
 

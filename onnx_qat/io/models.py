@@ -1,16 +1,16 @@
 """Model I/O edges: the only place ONNX protobufs are read and written.
 
-* :func:`load_model` reads a model (path or ``ModelProto``, never mutated), loads
+* [`load_model`][onnx_qat.io.models.load_model] reads a model (path or ``ModelProto``, never mutated), loads
   external data from the model's own directory only, validates it, upgrades
   default-domain opsets below 13 and sets an IR version onnxruntime and TensorRT load.
-* :func:`save_model` writes atomically, with one ``<file name>.data`` external-data
+* [`save_model`][onnx_qat.io.models.save_model] writes atomically, with one ``<file name>.data`` external-data
   file beside the model when the protobuf would exceed the 2 GB protobuf limit.
-* :func:`to_graph` / :func:`from_graph` are the onnx-graphsurgeon edge: a caller's ``gs.Graph`` is
+* `to_graph` / `from_graph` are the onnx-graphsurgeon edge: a caller's ``gs.Graph`` is
   accepted wherever a model is (exported, never changed), and a result is given back as one.
-* :func:`model_input_specs` describes the graph inputs a data file must feed.
+* `model_input_specs` describes the graph inputs a data file must feed.
 
-Every problem a user can cause is a :class:`~onnx_qat.errors.ModelError` (or
-:class:`~onnx_qat.errors.OutputError` for output paths) with one line.
+Every problem a user can cause is a [`ModelError`][onnx_qat.errors.ModelError] (or
+[`OutputError`][onnx_qat.errors.OutputError] for output paths) with one line.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Tuple, Union
 
@@ -41,7 +41,8 @@ ModelSource = Union[PathLike, onnx.ModelProto, "onnx_graphsurgeon.Graph"]  # noq
 MIN_OPSET = 13
 #: Highest IR version written: onnxruntime 1.31 loads <= 13 and TensorRT 10 loads <= 10.
 MAX_IR_VERSION = 10
-#: Serialized size above which :func:`save_model` moves tensor data to an external file.
+#: Serialized size above which [`save_model`][onnx_qat.io.models.save_model] moves tensor data to an external
+#: file.
 EXTERNAL_DATA_THRESHOLD = 2_000_000_000
 #: Tensors at least this large go to the external-data file (smaller ones stay inline).
 EXTERNAL_TENSOR_MIN_BYTES = 1024
@@ -64,15 +65,33 @@ class InputSpec:
         dtype: its NumPy element type.
         shape: its dimensions; ``None`` for a symbolic or unknown dimension.
             ``None`` for the whole shape when the rank is unknown.
+        dim_names: the symbolic names of the dimensions (``"batch"``, ``"height"``; None where a
+            dimension is fixed or unnamed), for messages only; ``()`` when not known.
     """
 
     name: str
     dtype: np.dtype
     shape: Optional[Tuple[Optional[int], ...]]
+    dim_names: Tuple[Optional[str], ...] = dataclass_field(default=(), compare=False)
+
+    def dim_label(self, axis: int) -> str:
+        """How messages name dimension ``axis``: its size, its symbolic name, or ``N``."""
+        if self.shape is not None and self.shape[axis] is not None:
+            return str(self.shape[axis])
+        name = self.dim_names[axis] if axis < len(self.dim_names) else None
+        return name if name and len(name) <= 24 else "N"
+
+    def dynamic_names(self, start: int = 0) -> Tuple[str, ...]:
+        """The labels of the dynamic dimensions from ``start`` on (``("height", "width")``)."""
+        if self.shape is None:
+            return ()
+        return tuple(self.dim_label(axis) if self.dim_label(axis) != "N" else f"dimension {axis}"
+                     for axis in range(start, len(self.shape)) if self.shape[axis] is None)
 
     def describe(self) -> str:
-        """``name float32[N,3,32,32]``-style text for messages."""
-        dims = "?" if self.shape is None else ",".join("N" if d is None else str(d) for d in self.shape)
+        """``name float32[batch,3,height,width]``-style text for messages (``N`` for an unnamed
+        dynamic dimension)."""
+        dims = "?" if self.shape is None else ",".join(self.dim_label(a) for a in range(len(self.shape)))
         return f"{self.name} {np.dtype(self.dtype).name}[{dims}]"
 
 
@@ -83,7 +102,7 @@ def load_model(source: ModelSource, *, upgrade_opset: bool = True, min_opset: in
 
     Args:
         source: a path to an ``.onnx`` file, a ``ModelProto`` (copied, never mutated), or an
-            ``onnx_graphsurgeon.Graph`` (exported with :func:`from_graph`, never mutated).
+            ``onnx_graphsurgeon.Graph`` (exported with `from_graph`, never mutated).
         upgrade_opset: convert a default-domain opset below ``min_opset`` with
             onnx's version converter (initializers listed as graph inputs are removed
             from the inputs first, as the converter needs).
@@ -202,7 +221,7 @@ def model_byte_size(model: onnx.ModelProto, facts: Optional["_InitializerFacts"]
 
     Initializer sizes are estimated from their shapes first: asking protobuf to size
     a message over 2 GB would serialize (and fail) at the cost of gigabytes of memory.
-    ``facts``: the model's :func:`_initializer_facts` when the caller has them already.
+    ``facts``: the model's `_initializer_facts` when the caller has them already.
     """
     estimate = (facts or _initializer_facts(model)).bytes
     if estimate >= 2 ** 31:
@@ -256,7 +275,7 @@ def _without_initializer_data(model: onnx.ModelProto) -> onnx.ModelProto:
     return light
 
 
-#: NumPy types (little-endian) of the element types :func:`tensor_array` reads from raw bytes in place.
+#: NumPy types (little-endian) of the element types `tensor_array` reads from raw bytes in place.
 _RAW_DTYPES = {
     onnx.TensorProto.FLOAT: "<f4", onnx.TensorProto.UINT8: "u1", onnx.TensorProto.INT8: "i1",
     onnx.TensorProto.UINT16: "<u2", onnx.TensorProto.INT16: "<i2", onnx.TensorProto.INT32: "<i4",
@@ -366,7 +385,7 @@ _TENSOR_ATTRS = frozenset((onnx.AttributeProto.UNDEFINED,
 def _has_external_outside_initializers(model: onnx.ModelProto) -> bool:
     """Whether a tensor other than a main-graph initializer (a sparse initializer, a Constant's
     value, a subgraph's or a function's tensor) keeps its data in an external file (the main
-    graph's initializers are tested in :func:`_initializer_facts`' pass)."""
+    graph's initializers are tested in `_initializer_facts`' pass)."""
     external = onnx.TensorProto.EXTERNAL
     return any(t.data_location == external for t in _all_tensors(model, main_initializers=False))
 
@@ -457,7 +476,7 @@ def target_ir_version(model: onnx.ModelProto, data_types: Optional[Iterable[int]
     """The IR version to write.
 
     The lowest version the opsets, model-local functions and element types need is
-    the floor. A model at or below :data:`MAX_IR_VERSION` keeps its own version (when
+    the floor. A model at or below `MAX_IR_VERSION` keeps its own version (when
     high enough); a higher one (onnx >= 1.23 writes 14, onnxruntime 1.31 loads <= 13,
     TensorRT 10 <= 10) is lowered to that floor. ``data_types``: the element types of the main
     graph's initializers when the caller knows them already (else they are read).
@@ -483,13 +502,13 @@ def save_model(model: onnx.ModelProto, path: PathLike, *, inputs: Iterable = (),
         model: the model (not modified).
         path: the ``.onnx`` file to write.
         inputs: paths that must not be overwritten (the input model, data files...).
-        ir_version: IR version to write; default :func:`target_ir_version`.
+        ir_version: IR version to write; default `target_ir_version`.
         external_data_threshold: when the serialized model would be larger than this
             many bytes, tensor data goes to one ``<file name>.data`` file beside the
             model (also written atomically). Default: just under protobuf's 2 GB limit.
         validate: run ``onnx.checker`` (``full_check=False``) first and write nothing when it
             fails. A model saved in one file is checked on the very bytes written (serialized
-            once); a larger one as :func:`validate_model` does.
+            once); a larger one as `validate_model` does.
 
     Raises:
         OutputError: the path is a directory, in a missing or read-only directory, or
@@ -665,8 +684,9 @@ def is_graph(obj) -> bool:
 def to_graph(model: ModelSource):
     """The model as a new ``onnx_graphsurgeon.Graph``, ready for further graph surgery.
 
-    ``model``: a ``ModelProto`` (imported as it is, not changed) or anything :func:`load_model`
-    reads. Raises ModelError when onnx-graphsurgeon cannot import it.
+    ``model``: a ``ModelProto`` (imported as it is, not changed) or anything
+    [`load_model`][onnx_qat.io.models.load_model] reads. Raises ModelError when onnx-graphsurgeon cannot
+    import it.
     """
     import onnx_graphsurgeon as gs
 
@@ -680,8 +700,9 @@ def to_graph(model: ModelSource):
 
 def from_graph(graph) -> onnx.ModelProto:
     """A new ``ModelProto`` of an ``onnx_graphsurgeon.Graph`` (``gs.export_onnx``; the Graph is read,
-    never changed). Tensors without a known type are allowed here: :func:`load_model` then runs
-    ``onnx.checker`` on the result. Raises ModelError when graphsurgeon cannot export it."""
+    never changed). Tensors without a known type are allowed here:
+    [`load_model`][onnx_qat.io.models.load_model] then runs ``onnx.checker`` on the result. Raises ModelError
+    when graphsurgeon cannot export it."""
     import onnx_graphsurgeon as gs
 
     try:
@@ -736,7 +757,8 @@ def _input_spec(value_info: onnx.ValueInfoProto) -> InputSpec:
         return InputSpec(value_info.name, dtype, None)
     dims = tuple(int(d.dim_value) if d.HasField("dim_value") and d.dim_value > 0 else None
                  for d in ttype.shape.dim)
-    return InputSpec(value_info.name, dtype, dims)
+    names = tuple(d.dim_param or None if size is None else None for d, size in zip(ttype.shape.dim, dims))
+    return InputSpec(value_info.name, dtype, dims, names)
 
 
 __all__ = [

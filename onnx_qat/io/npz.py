@@ -7,10 +7,11 @@ literal, never a pickle) and its rows are then read in order, as many as asked f
 memory stays bounded by one batch whatever the number of samples. Compressed members
 (``np.savez_compressed``) are decompressed sequentially, which is just as bounded.
 
-* :func:`read_members` ``(path, label) -> {key: NpzMember}`` — headers only.
-* :meth:`NpzMember.open` — a :class:`MemberReader` whose :meth:`~MemberReader.read` yields rows.
+* `read_members` ``(path, label) -> {key: NpzMember}`` — headers only.
+* `NpzMember.open` — a `MemberReader` whose `read` yields rows.
+* `read_feed` ``(path, label) -> {key: array}`` — a small archive holding one feed, read whole.
 
-Errors are :class:`~onnx_qat.errors.DataError` lines naming ``label`` and the key.
+Errors are [`DataError`][onnx_qat.errors.DataError] lines naming ``label`` and the key.
 Object (pickled) arrays are refused from their header, before any of their bytes is read.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ class NpzMember:
         shape: the array's shape.
         dtype: the stored dtype (possibly non-native byte order).
         fortran_order: True when the array was stored column-major (its rows are then not
-            contiguous: :meth:`MemberReader.read` reads the whole member once).
+            contiguous: `MemberReader.read` reads the whole member once).
         label: how to call the archive in messages.
     """
 
@@ -66,9 +67,9 @@ class NpzMember:
 
 
 class MemberReader:
-    """Sequential row reader of one :class:`NpzMember` (a context manager).
+    """Sequential row reader of one `NpzMember` (a context manager).
 
-    :meth:`read` returns the next ``count`` rows as a new array of the stored dtype.
+    `read` returns the next ``count`` rows as a new array of the stored dtype.
     """
 
     def __init__(self, member: NpzMember):
@@ -212,4 +213,38 @@ def _unreadable(label: str, key: str, exc: BaseException) -> DataError:
     return DataError(f"{label}: key {key!r} cannot be read ({brief(exc, first_line=True)})")
 
 
-__all__ = ["NpzMember", "MemberReader", "read_members"]
+def read_feed(path: Path, label: str, *, headers_only: bool = False) -> Dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file holding one feed (0-d arrays included), read whole.
+
+    With ``headers_only`` no value is read: each array is a zero-strided stand-in of its shape and
+    dtype (for checking a list of files before any is run).
+
+    Raises:
+        DataError: as `read_members`; a file that is not an ``.npz`` archive or holds none.
+    """
+    if not path.is_file():
+        raise DataError(f"{label} does not exist")
+    with open(path, "rb") as handle:
+        magic = handle.read(6)
+    if not magic.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        raise DataError(f"{label} is not an .npz archive; save each feed with np.savez")
+    members = read_members(path, label)
+    if not members:
+        raise DataError(f"{label} holds no arrays")
+    if headers_only:
+        return {key: np.broadcast_to(np.zeros((), m.dtype.newbyteorder("=")), m.shape)
+                for key, m in members.items()}
+    arrays = {}
+    for key, member in members.items():
+        try:
+            with zipfile.ZipFile(path) as archive, archive.open(member.member) as stream:
+                array = npy_format.read_array(stream, allow_pickle=False)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise _unreadable(label, key, exc) from None
+        if array.shape != member.shape or array.dtype != member.dtype:
+            raise DataError(f"{label}: key {key!r} changed while it was being read; read it again")
+        arrays[key] = array
+    return arrays
+
+
+__all__ = ["NpzMember", "MemberReader", "read_members", "read_feed"]

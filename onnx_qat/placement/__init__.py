@@ -1,10 +1,11 @@
 """Placement: where Q/DQ goes, decided before anything is inserted.
 
-* :func:`place` — run the target's policy on a model and return a :class:`Placement`.
-* :mod:`.marks` — the records handlers produce (ActivationMark, WeightMark, Decision, Placement).
-* :mod:`.handlers` — the numbered TensorRT rules, one documented unit each.
-* :mod:`.policy` — the op type -> handler table and rule 10 (one Q/DQ per tensor).
-* :mod:`.format_marks` — which marks each numeric format keeps (INT4: weight marks only).
+* [`place`][onnx_qat.placement.place] — run the target's policy on a model and return a
+  [`Placement`][onnx_qat.placement.Placement].
+* `marks` — the records handlers produce (ActivationMark, WeightMark, Decision, Placement).
+* `handlers` — the numbered TensorRT rules, one documented unit each.
+* `policy` — the op type -> handler table and rule 10 (one Q/DQ per tensor).
+* `format_marks` — which marks each numeric format keeps (INT4: weight marks only).
 
 Owns: the placement rules (one home for each, the residual-Add rule included) and their marks.
 May import: io, graph (the graph model: index, ``WEIGHTED_OPS``), formats, config, the targets

@@ -2,7 +2,7 @@
 
 ``int8`` and ``fp8`` keep the TensorRT policy's placement as it is (``fp8`` differs only in
 ``include_attention``'s default, which the policy reads from the config). ``int4`` is weight-only:
-:func:`weight_only_marks` keeps the weight marks of MatMul/Gemm whose reduction dimension the
+`weight_only_marks` keeps the weight marks of MatMul/Gemm whose reduction dimension the
 block size divides, moves them to the block axis, and drops every activation mark.
 
 Rule W4 (int4): a blockwise DequantizeLinear on each constant 2-D MatMul/Gemm weight, blocks

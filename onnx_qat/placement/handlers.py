@@ -1,8 +1,8 @@
 """The numbered TensorRT placement rules, one documented unit each.
 
-Handlers look at one node (through a :class:`~onnx_qat.graph.index.GraphIndex`)
+Handlers look at one node (through a `GraphIndex`)
 and return marks; they never touch a graph. The policy
-(:mod:`onnx_qat.placement.policy`) maps op types to these handlers and merges the
+(`onnx_qat.placement.policy`) maps op types to these handlers and merges the
 marks (rule 10). Rule numbers follow the rules table of docs/placement.md.
 
 Public sources:
@@ -43,7 +43,7 @@ _MAX_CONCAT_LOOKAHEAD = 8
 
 @dataclass(frozen=True)
 class NodeResult:
-    """What a handler decided for one node: marks plus its :class:`Decision`.
+    """What a handler decided for one node: marks plus its `Decision`.
 
     ``shares`` names tensors that join ``scale_group`` if some other rule quantizes them
     (the output of a quantized Concat shares its inputs' scale, rule 7).
@@ -172,7 +172,7 @@ class WeightedOpHandler:
     never their outputs.
 
     One Q/DQ on the activation (per tensor) and one DQ on the constant weight (per channel,
-    axis from :func:`rule3_weight_axis`). Rule 9 guards apply here: a weight that is not a
+    axis from `rule3_weight_axis`). Rule 9 guards apply here: a weight that is not a
     constant, too few channels (``min_channels``) and attention-score MatMuls (both inputs
     activations, skipped unless ``include_attention``) leave the node in float.
 
@@ -304,7 +304,7 @@ def _made_after(sources: Set[str], tensor: str, idx: GraphIndex) -> bool:
 
 
 def _computed_from_walk(tensor: str, sources: Set[str], ctx: PlacementContext) -> bool:
-    """The bounded backward walk behind :func:`_computed_from`: depth-first over non-constant
+    """The bounded backward walk behind `_computed_from`: depth-first over non-constant
     inputs, stopping at quantized weighted ops, at most ``_MAX_BRANCH_WALK`` tensors."""
     idx = ctx.index
     frontier, seen = [tensor], {tensor}
@@ -409,7 +409,7 @@ class ResidualSumHandler(ResidualAddHandler):
     """Rule 6 (Sum): a ``Sum`` is a residual join under the rule of Add, on its first two inputs.
 
     * Two inputs (as old exporters, e.g. Caffe2-converted models, write a residual join): exactly
-      the rule of :class:`ResidualAddHandler`.
+      the rule of `ResidualAddHandler`.
     * More inputs (rule 6b): TensorRT's ONNX parser imports ``Sum`` as a left-to-right chain of
       element-wise sums, ``((x0 + x1) + x2) + ...``. Only the first link adds two tensors of the
       graph, so only it can fuse into the weighted op producing ``x0`` or ``x1`` (rule 6 applies to
@@ -553,7 +553,7 @@ class SubgraphHandler:
     are activations of the body like graph inputs. The two branches of an If never run together, so a
     tensor of the If's scope read by both is quantized in each branch that quantizes it; a body's
     Q/DQ pair serves every iteration (one range for all of them, which calibration observes over
-    every iteration: :mod:`onnx_qat.calibration.branches`). Subgraphs whose tensor names are not
+    every iteration: `onnx_qat.calibration.branches`). Subgraphs whose tensor names are not
     unique in the model (a name defined in both branches, or shadowing an outer one) are left
     untouched: ranges are kept per tensor name.
 
@@ -600,10 +600,10 @@ class SubgraphHandler:
                           subgraphs=tuple(found))
 
 
-#: the former name of :class:`SubgraphHandler` (which placed If branches only)
+#: the former name of `SubgraphHandler` (which placed If branches only)
 IfBranchHandler = SubgraphHandler
 
-#: op types whose subgraphs :class:`SubgraphHandler` places
+#: op types whose subgraphs `SubgraphHandler` places
 SUBGRAPH_OPS = ("If", "Loop", "Scan")
 
 

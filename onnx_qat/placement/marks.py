@@ -1,10 +1,10 @@
 """What placement decides, as plain immutable records (no graph objects).
 
-Handlers only produce these marks; :mod:`onnx_qat.insertion.inserter` is the one place
+Handlers only produce these marks; `onnx_qat.insertion.inserter` is the one place
 that turns marks plus a ScaleTable into QuantizeLinear/DequantizeLinear nodes.
 
-The records made once per node or per mark (:class:`ActivationMark`, :class:`WeightMark`,
-:class:`Decision`) are frozen dataclasses with a written-out ``__init__`` that stores the fields
+The records made once per node or per mark (`ActivationMark`, `WeightMark`,
+`Decision`) are frozen dataclasses with a written-out ``__init__`` that stores the fields
 straight into the new instance's ``__dict__``. It makes the same object as the generated one,
 which calls ``object.__setattr__`` once per field (the price of ``frozen``) and takes twice as
 long; a 50,000-node model makes ~10^5 of these records.
@@ -107,10 +107,11 @@ class Placement:
     """The full placement decided for a graph, before any node is inserted.
 
     ``subgraphs`` holds the placement of each subgraph quantized in place (the branches of an If),
-    each a :class:`SubgraphPlacement` whose marks name nodes and tensors of that subgraph. The
+    each a `SubgraphPlacement` whose marks name nodes and tensors of that subgraph. The
     ``activations``, ``weights`` and ``decisions`` fields are this graph's own; the ``all_*``
-    methods, :meth:`activation_tensors`, :attr:`empty`, :meth:`counts` and :meth:`decision_for`
-    include the subgraphs.
+    methods, [`activation_tensors`][onnx_qat.placement.marks.Placement.activation_tensors],
+    [`empty`][onnx_qat.placement.marks.Placement.empty], [`counts`][onnx_qat.placement.marks.Placement.counts]
+    and [`decision_for`][onnx_qat.placement.marks.Placement.decision_for] include the subgraphs.
     """
 
     activations: Tuple[ActivationMark, ...] = ()

@@ -1,8 +1,8 @@
 """The TensorRT placement policy: a table from op type to handler, and ``place()``.
 
 Placement is decided completely before anything is inserted: handlers return marks,
-:func:`rule10_merge` turns them into one ActivationMark per tensor, and the result is a
-:class:`~onnx_qat.placement.marks.Placement` that :mod:`onnx_qat.insertion.inserter` consumes.
+`rule10_merge` turns them into one ActivationMark per tensor, and the result is a
+[`Placement`][onnx_qat.placement.marks.Placement] that `onnx_qat.insertion.inserter` consumes.
 """
 from __future__ import annotations
 
@@ -209,13 +209,13 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
     return tuple(merged)
 
 
-#: Placement policies by the name a :class:`~onnx_qat.insertion.targets.Target` gives in its ``policy`` field.
+#: Placement policies by the name a `Target` gives in its ``policy`` field.
 POLICIES: Mapping[str, type] = MappingProxyType({"tensorrt": TensorRTPolicy})
 
 
 def policy_for(target):
-    """A fresh placement policy of a deployment target (a :class:`~onnx_qat.insertion.targets.Target` or
-    its name; see :mod:`onnx_qat.insertion.targets`)."""
+    """A fresh placement policy of a deployment target (a `Target` or
+    its name; see `onnx_qat.insertion.targets`)."""
     from ..insertion.targets import get_target
 
     return POLICIES[get_target(target).policy]()
@@ -226,15 +226,15 @@ def place(model, *, config: Optional[QuantizeConfig] = None, **options) -> Place
 
     Args:
         model: an ``onnx.ModelProto``, an ``onnx_graphsurgeon.Graph`` or a path to a model (the
-            last two loaded with :func:`onnx_qat.io.models.load_model`, which upgrades opset < 13;
+            last two loaded with [`onnx_qat.io.models.load_model`][], which upgrades opset < 13;
             a Graph is exported, never modified).
-        config: a :class:`~onnx_qat.config.QuantizeConfig`; ``options`` (its field names:
+        config: a [`QuantizeConfig`][onnx_qat.config.QuantizeConfig]; ``options`` (its field names:
             ``target``, ``exclude_nodes``, ``exclude_op_types``, ``min_channels``,
             ``include_attention``, ``precision``, ``block_size``) override its fields.
 
     Returns:
-        A :class:`~onnx_qat.placement.marks.Placement`: the activation and weight marks, one
-        :class:`~onnx_qat.placement.marks.Decision` per node with its rule and reason, and notes.
+        A [`Placement`][onnx_qat.placement.marks.Placement]: the activation and weight marks, one
+        `Decision` per node with its rule and reason, and notes.
         Nodes without a name are referred to as ``<op_type>_<position>``.
     """
     config = QuantizeConfig.from_options(config, **options)

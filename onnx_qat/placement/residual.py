@@ -6,9 +6,9 @@ than one addend comes from a weighted op, the *longest* branch back to where the
 branch, not the 1x1 projection shortcut) is the one to fuse; on a tie, the first of them.
 
 Three places apply the rule to their own view of the graph and ask this module for the choice:
-placement (:class:`onnx_qat.placement.handlers.ResidualAddHandler`, on the ONNX graph), the Keras
-cases (:func:`tf_bridge.cases.residual_skip_indices`, on the Keras layer graph, before export) and
-the checker (rules C10/C11, :mod:`onnx_qat.check.rules_fusion`, on any tool's Q/DQ model).
+placement (`onnx_qat.placement.handlers.ResidualAddHandler`, on the ONNX graph), the Keras
+cases (`tf_bridge.case_base.residual_skip_indices`, on the Keras layer graph, before export) and
+the checker (rules C10/C11, `onnx_qat.check.rules_fusion`, on any tool's Q/DQ model).
 
 Source: TensorRT Developer Guide, "Q/DQ Layer-Placement Recommendations" (residual element-wise
 addition fusion: quantize the skip input, leave the convolution's output float).
@@ -36,7 +36,7 @@ def fused_addend(from_weighted: Sequence[bool], branch_lengths: Sequence[int] = 
 
 
 def skip_addends(from_weighted: Sequence[bool], branch_lengths: Sequence[int] = ()) -> Tuple[int, ...]:
-    """The addends to quantize when one is fused: every addend but :func:`fused_addend`'s (empty when
+    """The addends to quantize when one is fused: every addend but `fused_addend`'s (empty when
     none is fused)."""
     fused = fused_addend(from_weighted, branch_lengths)
     if fused is None:

@@ -1,6 +1,7 @@
 """Running models in onnxruntime: sessions (exact Q/DQ arithmetic or fused kernels, cancellable
-runs) and ``compare``, the one comparator of two models' outputs.
+runs), a stateful model's state carried from run to run, and ``compare``, the one comparator of two
+models' outputs.
 
-Owns: :mod:`.sessions`, :mod:`.compare`.
+Owns: `sessions`, `stateful`, `compare`.
 May import: ``onnx_qat.io``, ``onnx_qat.graph``; never placement, insertion or the accuracy tools.
 """

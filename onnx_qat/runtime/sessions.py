@@ -1,9 +1,9 @@
 """onnxruntime sessions and batched runs, shared by calibration, compare and the tools.
 
-* :func:`make_session` — a deterministic CPU session for a model, optionally with
+* `make_session` — a deterministic CPU session for a model, optionally with
   intermediate tensors exposed as extra outputs (on a copy of the model).
-* :func:`run_batches` — yield each batch's outputs (calibration reduces them at once).
-* :func:`run_model` — all outputs for a whole dataset, joined over batches.
+* `run_batches` — yield each batch's outputs (calibration reduces them at once).
+* `run_model` — all outputs for a whole dataset, joined over batches.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def make_session(model, *, threads: Optional[int] = None,
 
     Args:
         model: a ``ModelProto`` (not modified) or a path (read with
-            :func:`~onnx_qat.io.models.load_model`).
+            [`load_model`][onnx_qat.io.models.load_model]).
         threads: intra-op threads (``None``: onnxruntime's default).
         providers: execution providers, in order of preference.
         extra_outputs: tensor names to expose as additional graph outputs (on a copy),
@@ -47,9 +47,9 @@ def make_session(model, *, threads: Optional[int] = None,
             given the extra outputs in place, saving a copy of a large model.
         optimize: ``False`` turns onnxruntime's graph optimisations off, so
             QuantizeLinear/DequantizeLinear compute exactly their definition instead of
-            being fused into onnxruntime's own integer kernels. ``None`` (the default): on,
-            except for a model holding FP8 tensors (:func:`needs_exact_qdq`), which onnxruntime
-            1.31's QDQ fusion turns into an invalid ``MatMulIntegerToFloat``.
+            being fused into onnxruntime's own integer kernels. ``None`` (the default): off for a
+            TensorRT-form Q/DQ model and any FP8 model (`needs_exact_qdq`: TensorRT's
+            arithmetic), on otherwise (float models, the ``ort-cpu`` form run as deployed).
         spin: ``False`` keeps the intra-op threads from spinning after their work
             (``session.intra_op.allow_spinning = 0``): less CPU time for many short runs
             with Python work in between, and on a loaded machine.
@@ -134,12 +134,38 @@ _FLOAT8_TYPES = frozenset({17, 18, 19, 20})
 
 
 def needs_exact_qdq(model: onnx.ModelProto) -> bool:
-    """True when ``model`` holds an FP8 initializer (an FP8 Q/DQ model): onnxruntime must run it with
-    graph optimisations off (its QDQ fusion makes an FP8 Q/DQ MatMul an invalid MatMulIntegerToFloat)."""
+    """True when onnxruntime must run ``model`` with graph optimisations off, so that every
+    QuantizeLinear/DequantizeLinear computes its definition: a model holding Q/DQ nodes in TensorRT's
+    form (signed or FP8 zero points, or none), whose numbers must be TensorRT's arithmetic, not those
+    of onnxruntime's fused CPU kernels (on ``keras.applications.MobileNetV2(weights=None)``, whose
+    activations shrink to ~1e-10, the optimized session's output has cosine 0.32 against the float
+    model where the exact arithmetic gives 0.9994; turning off only the QDQ transformers,
+    ``session.disable_quant_qdq``, does not restore it), and any FP8 model (onnxruntime 1.31's QDQ
+    fusion makes an FP8 Q/DQ MatMul an invalid MatMulIntegerToFloat). False for float models and for
+    the ``ort-cpu`` form (uint8 activation zero points), which is judged as deployed."""
     if any(t.data_type in _FLOAT8_TYPES for t in model.graph.initializer):
         return True
-    return any(a.name == "value" and a.t.data_type in _FLOAT8_TYPES
-               for n in model.graph.node if n.op_type == "Constant" for a in n.attribute)
+    if any(a.name == "value" and a.t.data_type in _FLOAT8_TYPES
+           for n in model.graph.node if n.op_type == "Constant" for a in n.attribute):
+        return True
+    return is_tensorrt_form(model)
+
+
+def is_tensorrt_form(model: onnx.ModelProto) -> bool:
+    """``model``'s main graph holds QuantizeLinear/DequantizeLinear nodes and no QuantizeLinear with a
+    uint8 zero point (the ``ort-cpu`` form's activations) nor an onnxruntime integer op
+    (``QLinear*``, ``*Integer``): TensorRT's explicit-quantization form."""
+    initializers = {t.name: t.data_type for t in model.graph.initializer}
+    qdq = False
+    for node in model.graph.node:
+        if node.op_type.startswith("QLinear") or node.op_type in ("ConvInteger", "MatMulInteger"):
+            return False
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            qdq = True
+            if node.op_type == "QuantizeLinear" and len(node.input) > 2 and \
+                    initializers.get(node.input[2]) == onnx.TensorProto.UINT8:
+                return False
+    return qdq
 
 
 def _read_in_subgraphs(graph: onnx.GraphProto) -> set:
@@ -187,7 +213,7 @@ def _tensor_names(graph: onnx.GraphProto) -> set:
 
 
 def session_input_specs(session) -> Tuple[InputSpec, ...]:
-    """The session's inputs as :class:`~onnx_qat.io.models.InputSpec` (symbolic dims None)."""
+    """The session's inputs as `InputSpec` (symbolic dims None)."""
     specs = []
     for arg in session.get_inputs():
         dtype = _ORT_DTYPES.get(arg.type)
@@ -204,7 +230,10 @@ def _session_and_data(model_or_session, data, threads=None):
         session = model_or_session
     else:
         session = make_session(model_or_session, threads=threads)
-    dataset = data if isinstance(data, Dataset) else load_data(data, session_input_specs(session))
+    from ..io.feeds import FeedStream
+
+    ready = isinstance(data, (Dataset, FeedStream))
+    dataset = data if ready else load_data(data, session_input_specs(session))
     return session, dataset
 
 
@@ -223,8 +252,12 @@ def run_batches(session, dataset: Dataset, *, batch_size: int = 16, outputs: Opt
                 progress: bool = False, desc: str = "onnxruntime") -> Iterator[Dict[str, np.ndarray]]:
     """Run ``session`` on ``dataset`` batch by batch and yield ``{output name: array}`` per batch.
 
-    A tqdm progress bar goes to stderr when ``progress`` is true.
+    A tqdm progress bar goes to stderr when ``progress`` is true. Data of a stateful model runs in
+    order, each run's state outputs fed to the next (`onnx_qat.runtime.stateful.carry_state`).
     """
+    from .stateful import carry_state
+
+    session = carry_state(session, dataset)
     names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
     known = {o.name for o in session.get_outputs()}
     unknown = [n for n in names if n not in known]
@@ -245,7 +278,7 @@ def run_model(model_or_session, data, *, batch_size: int = 16, outputs: Optional
 
     Args:
         model_or_session: a ``ModelProto``, a path, or an onnxruntime ``InferenceSession``.
-        data: anything :func:`onnx_qat.load_data` accepts, or a :class:`~onnx_qat.io.data.Dataset`.
+        data: anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts, or a `Dataset`.
         batch_size: samples per onnxruntime run (a model with a fixed batch size uses its own).
         outputs: output names to fetch (default: all graph outputs).
         progress: show a tqdm progress bar on stderr.
@@ -259,7 +292,19 @@ def run_model(model_or_session, data, *, batch_size: int = 16, outputs: Optional
     for batch in run_batches(session, dataset, batch_size=batch_size, outputs=outputs, progress=progress):
         for name, value in batch.items():
             parts.setdefault(name, []).append(np.asarray(value))
-    return {name: _join(name, values, dataset.unbatched) for name, values in parts.items()}
+    return {name: join_outputs(name, values, dataset) for name, values in parts.items()}
+
+
+def join_outputs(name: str, values, dataset: Dataset) -> np.ndarray:
+    """One output's per-run values joined: concatenated on the first axis (models without a sample
+    axis: stacked); flattened when the runs' outputs differ after the first axis and the data is a
+    stream of feeds or declares batch axes (the batch is then not the output's first axis either)."""
+    from ..io.feeds import FeedStream
+
+    loose = isinstance(dataset, FeedStream) or bool(getattr(dataset, "_axes", None))
+    if loose and len({np.shape(v)[1:] for v in values}) > 1:
+        return np.concatenate([np.ravel(v) for v in values])
+    return _join(name, values, dataset.unbatched)
 
 
 def _join(name: str, values, unbatched: bool) -> np.ndarray:

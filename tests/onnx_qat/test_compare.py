@@ -106,3 +106,51 @@ def test_mismatched_outputs_and_inputs():
         compare(_classifier(), _classifier(), {"x": np.ones((2, 7), np.float32)})
     with pytest.raises(ConfigError):
         compare(_classifier(), _classifier(), {"x": X}, min_top1=99)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tensorrt_form_is_judged_by_exact_qdq_arithmetic_not_fused_cpu_kernels(seed):
+    """``keras.applications.MobileNetV2(weights=None)``'s initialization (inputs 0..255) shrinks the
+    activations to ~1e-9: onnxruntime's optimized session of the TensorRT form loses the output, the
+    exact Q/DQ arithmetic keeps it, and compare judges the TensorRT form by the latter."""
+    import onnx_qat
+    from onnx_qat.runtime.sessions import needs_exact_qdq
+    from tests.builders import mobilenet_v2_model
+
+    model = mobilenet_v2_model(size=32, width=0.25, seed=seed)
+    x = np.random.default_rng(seed).uniform(0, 255, (8, 3, 32, 32)).astype(np.float32)
+    trt = onnx_qat.quantize(model, data={"input": x}, method="max", progress=False).model
+    cpu = onnx_qat.quantize(model, data={"input": x}, method="max", target="ort-cpu", progress=False).model
+    assert needs_exact_qdq(trt) and not needs_exact_qdq(cpu) and not needs_exact_qdq(model)
+    exact = compare(model, trt, {"input": x}, min_cosine=None)
+    fused = compare(model, trt, {"input": x}, min_cosine=None, exact_qdq=False)
+    assert exact.outputs[0].cosine > 0.99
+    assert fused.outputs[0].cosine < 0.9  # what onnxruntime's fused CPU kernels give
+    forced = compare(model, trt, {"input": x}, min_cosine=None, exact_qdq=True)  # float model unoptimized too
+    assert forced.outputs[0].cosine == pytest.approx(exact.outputs[0].cosine, abs=1e-6)
+    with pytest.raises(ConfigError, match="exact_qdq"):
+        compare(model, trt, {"input": x}, exact_qdq="yes")
+
+
+def test_cli_compare_exact_qdq_options(tmp_path, capsys):
+    import json
+
+    import onnx_qat
+    from onnx_qat.cli import main
+    from tests.builders import mobilenet_v2_model
+
+    model = mobilenet_v2_model(size=32, width=0.25)
+    x = np.random.default_rng(0).uniform(0, 255, (4, 3, 32, 32)).astype(np.float32)
+    trt = onnx_qat.quantize(model, data={"input": x}, method="max", progress=False).model
+    paths = [tmp_path / "f.onnx", tmp_path / "q.onnx"]
+    onnx.save(model, paths[0])
+    onnx.save(trt, paths[1])
+    np.savez(tmp_path / "d.npz", input=x)
+    cosines = {}
+    for flag in ("--exact-qdq", "--no-exact-qdq", None):
+        argv = ["compare", *map(str, paths), "--data", str(tmp_path / "d.npz"), "--json",
+                "--min-cosine", "0.9"]
+        code = main(argv + ([flag] if flag else []))
+        cosines[flag] = (code, json.loads(capsys.readouterr().out)["outputs"][0]["cosine"])
+    assert cosines[None][0] == 0 and cosines["--exact-qdq"][0] == 0 and cosines["--no-exact-qdq"][0] == 1
+    assert cosines[None][1] == pytest.approx(cosines["--exact-qdq"][1], abs=1e-6)

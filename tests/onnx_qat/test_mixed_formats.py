@@ -78,7 +78,8 @@ def test_fp8_reached_without_float_sites_is_the_default_fp8_model_byte_for_byte(
 def test_fp8_budget_failure_names_the_best_cosine_and_writes_nothing(tmp_path):
     model = outlier_channel_model("conv3", seed=1, factor=1e6)
     out, rep = tmp_path / "q.onnx", tmp_path / "r.json"
-    with pytest.raises(onnx_qat.AccuracyError, match=r"at most 0 of 6 site\(s\).*best reached is 0\.\d+"):
+    with pytest.raises(onnx_qat.AccuracyError,
+                       match=r"at most 0 of 6 sites left float.*best reached is 0\.\d+"):
         onnx_qat.quantize(model, out, data=_conv_inputs(16, 1), precision="fp8", min_cosine=0.99,
                           max_float_sites=0, report=rep, progress=False)
     with pytest.raises(onnx_qat.AccuracyError, match="one FP8 site left"):
@@ -165,7 +166,8 @@ def test_int4_reached_without_float_sites_is_the_default_int4_model_byte_for_byt
 def test_int4_budget_failure_writes_nothing(tmp_path):
     model = _grid_mlp()
     out = tmp_path / "q.onnx"
-    with pytest.raises(onnx_qat.AccuracyError, match=r"at most 0 of 4 site\(s\).*best reached is 0\.\d+"):
+    with pytest.raises(onnx_qat.AccuracyError,
+                       match=r"at most 0 of 4 sites left float.*best reached is 0\.\d+"):
         onnx_qat.quantize(model, out, data=_mlp_inputs(32, 3), precision="int4", block_size=64,
                           min_cosine=0.995, max_float_sites=0, progress=False)
     assert not out.exists()

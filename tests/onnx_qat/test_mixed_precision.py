@@ -88,7 +88,8 @@ def test_every_site_left_float_gives_a_check_clean_model(build):
 def test_budget_failure_writes_nothing(tmp_path):
     model = outlier_channel_model("conv2", factor=1000.0)
     out, rep = tmp_path / "q.onnx", tmp_path / "r.json"
-    with pytest.raises(onnx_qat.AccuracyError, match=r"at most 0 of 6 site\(s\).*best reached is 0\.\d+"):
+    with pytest.raises(onnx_qat.AccuracyError,
+                       match=r"at most 0 of 6 sites left float.*best reached is 0\.\d+"):
         onnx_qat.quantize(model, out, data=_inputs(16, 0), min_cosine=0.99, max_float_sites=0, report=rep,
                           progress=False)
     assert not out.exists() and not rep.exists()
@@ -106,7 +107,7 @@ def test_cli_min_cosine_summary_report_and_budget_exit(tmp_path, capsys):
                         "--report", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert code == EXIT_OK
-    assert "mixed precision: 1 of 6 site(s) left float (conv3)" in out and "0 errors, 0 warnings" in out
+    assert "mixed precision: 1 of 6 sites left float (conv3)" in out and "0 errors, 0 warnings" in out
     saved = json.loads((tmp_path / "r.json").read_text())["mixed_precision"]
     assert saved["cosine_after"] >= 0.99 > saved["cosine_before"]
     code = main(base + ["-o", str(tmp_path / "q2.onnx"), "--min-cosine", "0.99", "--max-float-sites", "0"])

@@ -109,8 +109,8 @@ def test_each_fold_is_listed_before_its_requantization_point(forms):
     report = json.loads(json.dumps(cpu.to_report()))
     records = [(r["rule"], r["node"], r["status"]) for r in report["requantization"]]
     assert records == [("CPU2", "c1", "folded"), ("CPU1", "c1", "added"),
-                       ("CPU2", "c2", "folded"), ("CPU1", "c2", "added")]
-    fold1, point1, fold2, point2 = report["requantization"]
+                       ("CPU2", "c2", "folded"), ("CPU1", "c2", "added"), ("CPU4", "fc", "kept apart")]
+    fold1, point1, fold2, point2, _ = report["requantization"]
     assert fold1["folded"] == ["mul1", "add1"] and fold2["folded"] == ["mul2", "add2"]
     assert (fold1["channels"], fold1["negative_k"], fold1["zero_k"]) == (C1, 2, 1)
     assert (fold2["channels"], fold2["negative_k"], fold2["zero_k"]) == (C2, 2, 1)
@@ -264,11 +264,11 @@ def test_a_fold_the_graph_does_not_fit_is_left_out(caplog):
     """``fold_scale_ops`` on a graph without the expected weight DequantizeLinear (here the float model)
     changes nothing and says so."""
     from onnx_qat.graph.edit import GraphEdit
-    from onnx_qat.insertion.ort_cpu import OrtCpuForm, fold_scale_ops
+    from onnx_qat.insertion.ort_cpu import OrtCpuAdapter, fold_scale_ops
     from onnx_qat.graph.index import GraphIndex
 
     model = bn_net(True)
-    folds = OrtCpuForm().folds(GraphIndex(model), onnx_qat.place(model))
+    folds = OrtCpuAdapter().folds(GraphIndex(model), onnx_qat.place(model))
     assert [f.node for f in folds] == ["c1", "c2"]
     edit = GraphEdit(model)
     assert fold_scale_ops(edit, folds) == ()

@@ -13,8 +13,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx_qat.graph.constants import MAX_CONSTANT_HOPS
 from onnx_qat.graph.index import (
-    MAX_IDENTITY_HOPS, GraphIndex, NodeInfo, assign_node_names, unique_node_names,
+    GraphIndex, NodeInfo, assign_node_names, unique_node_names,
 )
 from onnx_qat.placement.handlers import NodeResult
 from onnx_qat.placement.marks import ActivationMark, Decision, WeightMark
@@ -34,7 +35,7 @@ def _awkward_model() -> onnx.ModelProto:
     for i in range(3):
         chain = b.node("Identity", [chain], f"id_short{i}", name=f"id_short{i}")
     chain = w
-    for i in range(MAX_IDENTITY_HOPS + 1):  # longer than the hop limit: its end is not a constant
+    for i in range(MAX_CONSTANT_HOPS + 1):  # longer than the hop limit: its end is not a constant
         chain = b.node("Identity", [chain], f"id_long{i}", name=f"id_long{i}")
     y = b.node("Conv", [x, w], "y", name="conv", kernel_shape=[1, 1])
     s = b.node("Mul", [y, "id_short2"], "s", name="scale")

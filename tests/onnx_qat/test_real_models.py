@@ -101,6 +101,58 @@ def test_text_detector_quantized_output_passes_its_own_check_and_stays_close(det
     assert np.abs(ref - got).mean() < 0.02 and cosine(ref, got) > 0.9
 
 
+def test_text_detector_with_fp16_float_parts_keeps_check_cosine_and_halves_the_float_bytes(det_model):
+    """``--float-dtype fp16`` on the real PP-OCRv4 detector: check 0 errors, no FP32
+    Conv/MatMul/Gemm outside the reported keep-list, cosine within 0.002 of the FP32 float parts'
+    (FP16 storage emulated), float initializers half the bytes."""
+    from onnx_qat.formats.float_parts import emulate_in_fp32
+    from onnx_qat.formats.float_cast import tensor_types
+
+    calib = np.concatenate([text_image(["Quantize me", "INT8 text 42"]),
+                            text_image(["TensorRT ready", "hello"])])
+    fp32 = onnx_qat.quantize(det_model, data={"x": calib}, batch_size=1, progress=False)
+    fp16 = onnx_qat.quantize(det_model, data={"x": calib}, batch_size=1, float_dtype="fp16", progress=False)
+    assert not onnx_qat.check(fp16.model).errors
+    kept = {k.node: k for k in fp16.float_parts.kept}
+    assert kept["p2o.BatchNormalization.1"].rule == "weight"  # a variance of 9.8e7 stays FP32
+    types = tensor_types(fp16.model)
+    assert [n.name for n in fp16.model.graph.node if n.op_type in ("Conv", "ConvTranspose", "MatMul", "Gemm")
+            and types.get(n.output[0]) == 1 and n.name not in kept] == []
+    held_out = np.concatenate([text_image(lines) for lines in (["Held out line", "0123456789"],
+                                                               ["Another test", "quick brown fox"])])
+    ref = np.concatenate([run(onnx_qat.load_model(det_model), {"x": h[None]})[0] for h in held_out])
+    c32 = cosine(ref, np.concatenate([run(fp32.model, {"x": h[None]})[0] for h in held_out]))
+    low = emulate_in_fp32(fp16.model)
+    c16 = cosine(ref, np.concatenate([run(low, {"x": h[None]})[0] for h in held_out]))
+    assert c16 >= c32 - 0.002, (c32, c16)
+    sizes = {1: 4, 10: 2}
+    float_bytes = [sum(int(np.prod(t.dims)) * sizes[t.data_type] for t in m.graph.initializer
+                       if t.data_type in sizes) for m in (fp32.model, fp16.model)]
+    assert float_bytes[1] <= 0.55 * float_bytes[0], float_bytes
+
+def test_text_detector_from_a_tensorrt_calibration_cache(det_model, tmp_path):
+    """The detector's ranges as a TensorRT cache (written the way TensorRT writes one, plus names of
+    tensors TensorRT makes itself): quantize from the cache gives the very model quantize gives from
+    the same ranges, passes its own check, and its precision map runs every Conv in INT8."""
+    calib = np.concatenate([text_image(["Quantize me", "INT8 text 42"]),
+                            text_image(["TensorRT ready", "hi"])])
+    table = onnx_qat.calibrate(det_model, {"x": calib}, method="max", batch_size=1, progress=False)
+    cache = tmp_path / "det.cache"
+    table.save_tensorrt_cache(cache, tensorrt_version="8.6.1")
+    with open(cache, "a") as extra:
+        extra.write("(Unnamed Layer* 7) [Shuffle]_output: 3c010204\n")
+    from_cache = onnx_qat.quantize(det_model, scales=str(cache), progress=False).model
+    ranges = onnx_qat.ScaleTable(table.activations)
+    from_table = onnx_qat.quantize(det_model, scales=ranges, progress=False).model
+    assert from_cache.SerializeToString() == from_table.SerializeToString()
+    report = onnx_qat.check(from_cache)
+    assert report.findings == ()
+    pmap = report.precision_map
+    convs = [e for e in pmap.nodes if e.op_type == "Conv"]
+    assert len(convs) >= 60 and all(e.precision == "int8" for e in convs)
+    assert [u.rule for u in pmap.unfused] == ["U1"]
+
+
 # --------------------------------------------------------------------------- voice activity
 def voiced(frames: int, seed: int) -> np.ndarray:
     """A voiced, speech-like 16 kHz signal (a pitch-modulated harmonic series switched on and off like

@@ -145,7 +145,9 @@ def test_report_json_text_and_chart(tmp_path):
     assert saved["format"] == "onnx-qat-sensitivity" and saved["sites"][0]["name"] == "conv2"
     assert saved["sites"][0]["only"]["cosine"] == pytest.approx(result.sites[0].only.cosine)
     text = str(result)
-    assert text.splitlines()[3].split()[:2] == ["1", "conv2"]
+    lines = text.splitlines()  # the all-sites line, the note on the method, the heading, dashes, rows
+    assert "ranges calibrated with max" in lines[0] and lines[1].startswith("note: quantize's default")
+    assert lines[4].split()[:2] == ["1", "conv2"]
     png = tmp_path / "c.png"
     result.plot(png, top=3)
     head = png.read_bytes()[:24]
@@ -162,6 +164,7 @@ def test_cli_sensitivity_writes_report_and_chart(tmp_path, capsys):
                  str(tmp_path / "r.json"), "--plot", str(tmp_path / "c.png"), "--top", "2", "--no-progress"])
     out = capsys.readouterr().out
     assert code == EXIT_OK
-    assert out.splitlines()[3].split()[:2] == ["1", "conv3"] and "... 4 more site(s)" in out
+    assert out.splitlines()[4].split()[:2] == ["1", "conv3"]
+    assert "... 4 more sites (--top shows more; the JSON report holds every site)" in out
     assert json.loads((tmp_path / "r.json").read_text())["sites"][0]["name"] == "conv3"
     assert (tmp_path / "c.png").stat().st_size > 5000

@@ -88,6 +88,9 @@ def test_learned_scales_are_unchanged(cnn):
     assert trt_scales and all(cpu_scales[t] == s for t, s in trt_scales.items())
     # the requantization points reuse the scale of the quantized tensor they reach
     for point in cpu.requantization:
+        if point["rule"] == "CPU4":  # the fc MatMul kept apart from its bias Add: no scale of its own
+            assert point["status"] == "kept apart" and point["node"] == "fc"
+            continue
         assert point["status"] == "added"
         downstream = point["amax_source"].split("'")[1]
         assert cpu_scales[point["tensor"]] == trt_scales[downstream]

@@ -47,7 +47,7 @@ def _proto_bytes(model: onnx.ModelProto) -> bytes:
     ({"input": np.array([{"a": 1}, {"b": 2}], dtype=object)}, ("dtype",)),
     ({"input": np.zeros((0, 16, 8, 8), np.float32)}, ("zero samples",)),
     ([{"input": np.zeros((1, 16, 8, 8), np.float32)}, {"other": np.zeros((1, 16, 8, 8), np.float32)}],
-     ("batch",)),
+     ("feed 1", "'other'")),
     ("not a file name.npz", ("does not exist",)),
     (42, ("int",)),
 ], ids=["nan", "shape", "object", "empty", "batch-keys", "missing-path", "wrong-type"])

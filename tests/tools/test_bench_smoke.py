@@ -20,6 +20,10 @@ EXPECTED = {
                     "ort-cpu target speed-up over FP32, each model alone",
                     "floor: tensorrt target vs itself with each input one float32 ulp up",
                     "ort-cpu vs tensorrt target: top-1 agreement on inputs FP32 decides"),
+    "cpu_models": ("tiny ViT: ort-cpu speed-up over FP32, batch 1",
+                   "tiny ViT: ort-cpu speed-up over FP32, batch 2",
+                   "tiny ViT: ort-cpu time / onnxruntime uint8 form, batch 1",
+                   "tiny ViT: ort-cpu error / onnxruntime uint8 form error"),
     "rewrite_speed": ("per-node cost growth",),
     "calibration": ("max time / onnxruntime MinMax", "entropy time / onnxruntime Entropy",
                     "max: peak RSS at"),
@@ -28,6 +32,8 @@ EXPECTED = {
                 "cnn: onnx-qat int8 cosine to FP32", "cnn: onnx-qat int4 AWQ quantize time"),
     "sensitivity": ("sensitivity time, ", "min-cosine time / sensitivity time"),
     "export_speed": ("export_onnx time, ", "export_onnx peak memory, "),
+    "float_parts": ("quantize --float-dtype fp16 / fp32, time", "float parts' bytes fp16 / fp32",
+                    "output cosine drop fp16 vs fp32 float parts"),
 }
 
 
@@ -59,9 +65,9 @@ def _check_rows(doc, markdown, stdout, name):
 
 
 def test_quick_onnx_benchmarks_write_their_tables(tmp_path):
-    stdout, doc, markdown = _bench(tmp_path, "cpu_latency", "rewrite_speed", "calibration")
+    stdout, doc, markdown = _bench(tmp_path, "cpu_latency", "cpu_models", "rewrite_speed", "calibration")
     assert doc["format"] == "onnx-qat-bench" and doc["quick"] is True and doc["machine"]["cpus"]
-    for name in ("cpu_latency", "rewrite_speed", "calibration"):
+    for name in ("cpu_latency", "cpu_models", "rewrite_speed", "calibration"):
         _check_rows(doc, markdown, stdout, name)
     assert markdown.startswith("# onnx-qat benchmarks (quick)")
 
@@ -108,3 +114,10 @@ def test_quick_formats_benchmark_writes_its_table(tmp_path):
     modelopt = [r for r in doc["rows"] if "ModelOpt" in r["figure"]]
     assert modelopt and all(r["status"] in ("SKIP", "PASS", "MISS", "INFO") for r in modelopt)
     assert all(r["detail"] for r in modelopt if r["status"] == "SKIP")  # skipped with a reason
+
+
+def test_quick_float_parts_benchmark_writes_its_table(tmp_path):
+    stdout, doc, markdown = _bench(tmp_path, "float_parts")
+    _check_rows(doc, markdown, stdout, "float_parts")
+    rows = {r["figure"]: r for r in doc["rows"] if r["bench"] == "float_parts"}
+    assert rows["float parts' bytes fp16 / fp32, tiny CNN"]["value"] == pytest.approx(0.5, abs=0.01)

@@ -453,14 +453,28 @@ def test_tensor_precision_from_inspector_formats(fmt, precision):
 @pytest.mark.parametrize("version, fp16, mode", [
     ("10.3.0.26", False, trt_backend.STRONGLY_TYPED), ("10.0.1", True, trt_backend.WEAKLY_TYPED),
     ("8.6.1", False, trt_backend.FLAG_BASED), ("9.2.0", True, trt_backend.FLAG_BASED),
+    ("11.4.0", False, trt_backend.STRONGLY_TYPED), ("11.0.0", True, trt_backend.STRONGLY_TYPED),
 ])
 def test_build_mode_follows_the_tensorrt_version(version, fp16, mode):
     assert trt_backend.choose_build_mode(version, fp16) == mode
+    if version.startswith("11"):  # FP8 and INT4 with --fp16 too: the float parts are converted first
+        assert trt_backend.choose_build_mode(version, fp16, "fp8") == trt_backend.STRONGLY_TYPED
+
+
+@pytest.mark.parametrize("version, fp16, converts", [
+    ("11.4.0", True, True), ("11.0.1.5", True, True), ("11.4.0", False, False), ("10.13.2", True, False),
+    ("8.6.1", True, False), (None, True, False),
+])
+def test_fp16_converts_the_float_parts_only_on_tensorrt_11(version, fp16, converts):
+    assert trt_backend.converts_float_parts(version, fp16) is converts
 
 
 # --------------------------------------------------------------------------- API stand-in (CPU)
 # A CPU stand-in for the parts of the TensorRT and cuda-python APIs the script calls (names and
-# signatures from the TensorRT 10 Python API reference and cuda-python's runtime bindings). The
+# signatures from the TensorRT 10 and 11 Python API references and cuda-python's runtime bindings;
+# TensorRT 11 as its migration guide describes it: BuilderFlag.FP16/INT8 removed,
+# NetworkDefinitionCreationFlag.STRONGLY_TYPED kept but ignored, the inspector's "Bindings" list
+# replaced by "I/O Tensors" objects). The
 # "engine" is the ONNX model run by onnxruntime; "device memory" is host memory. It checks how the
 # script drives the API (network flags, builder flags, profiles, timing cache, buffers, events, the
 # report) on machines without a GPU. It says nothing about TensorRT's own numerics or speed: the
@@ -479,12 +493,12 @@ class _StandInTensorRT(types.ModuleType):
         self.__version__ = version
         self.calls = {"network_flags": [], "builder_flags": [], "profiles": [], "pool_limits": [],
                       "verbosity": [], "timing_cache_in": []}
-        major = int(version.split(".")[0])
+        major = self.major = int(version.split(".")[0])
         flags = {"STRONGLY_TYPED": 1} if major >= 10 else {"EXPLICIT_BATCH": 0}
         if 9 <= major <= 10:
             flags.update(EXPLICIT_BATCH=0, STRONGLY_TYPED=1)
         self.NetworkDefinitionCreationFlag = _Enum(**flags)
-        self.BuilderFlag = _Enum(INT8=2, FP16=0)
+        self.BuilderFlag = _Enum(REFIT=5) if major >= 11 else _Enum(INT8=2, FP16=0)
         self.MemoryPoolType = _Enum(WORKSPACE=0)
         self.ProfilingVerbosity = _Enum(LAYER_NAMES_ONLY=0, NONE=1, DETAILED=2)
         self.LayerInformationFormat = _Enum(ONELINE=0, JSON=1)
@@ -627,8 +641,9 @@ class _Engine:
     def __init__(self, trt, model_bytes):
         self.trt, self.model = trt, onnx.load_from_string(model_bytes)
         options = ort.SessionOptions()
-        if trt_backend.model_precision(self.model) == "fp8":  # onnxruntime's QDQ fusion refuses FP8 MatMuls
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        # the stand-in computes as TensorRT does: every Q/DQ by its definition, none of onnxruntime's
+        # fused integer kernels (MatMulNBits, QLinearConv...), as the onnxruntime gate of step 2 does
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         self.session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
         self.names = ([i.name for i in self.session.get_inputs()]
                       + [o.name for o in self.session.get_outputs()])
@@ -703,6 +718,11 @@ class _Inspector:
             if node.op_type == "DequantizeLinear":
                 pending.append(node.name)
                 continue
+            if node.op_type in ("Relu", "BatchNormalization") and layers \
+                    and layers[-1]["LayerType"] == "Conv":
+                layers[-1]["Name"] += f" + {node.name}"  # fused into the convolution, as TensorRT does
+                layers[-1]["Metadata"] += f"\x1e[ONNX Layer: {node.name}]"
+                continue
             in_fmt = int8 if pending else "Row major linear FP32"
             out_fmt = int8 if node.op_type == "QuantizeLinear" else "Row major linear FP32"
             names = pending + [node.name]
@@ -711,6 +731,11 @@ class _Inspector:
                            "Inputs": [{"Name": node.input[0], "Format/Datatype": in_fmt}],
                            "Outputs": [{"Name": node.output[0], "Format/Datatype": out_fmt}]})
             pending = []
+        if self.engine.trt.major >= 11:
+            return json.dumps({"Layers": layers, "I/O Tensors": [
+                {"Name": n, "IOMode": "Input" if i < self.engine.num_inputs else "Output",
+                 "DataType": "Float"}
+                for i, n in enumerate(self.engine.names)]})
         return json.dumps({"Layers": layers, "Bindings": self.engine.names})
 
 
@@ -888,7 +913,7 @@ def test_standin_parity_failure_is_exit_1(good_model, tmp_path, capsys, standin)
 
 # --------------------------------------------------------------------------- real TensorRT (GPU machines)
 def _require_tensorrt_and_gpu():
-    pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install 'onnx-qat[tensorrt]')")
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (pip install '.[tensorrt]')")
     try:
         trt_backend.require_gpu()
     except trt_backend.TensorRTUnavailable as exc:
@@ -961,3 +986,163 @@ def test_standin_fp8_refuses_weakly_typed_builds(version, extra, words, tmp_path
     code, _, err = run_main([_formats_model(tmp_path, "fp8"), "--engine", tmp_path / "m.engine",
                              "--iterations", "2", "--no-progress"] + extra, capsys)
     assert code == 2 and words in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ TensorRT 11 and the precision map
+def test_standin_tensorrt_11_builds_strongly_typed_and_puts_the_map_beside_the_engine(
+        good_model, tmp_path, capsys, standin):
+    trt, _ = standin("11.4.0")
+    report = tmp_path / "r.json"
+    code, out, err = run_main([good_model, "--engine", tmp_path / "m.engine", "--report", report,
+                               "--iterations", "2", "--no-progress"], capsys)
+    assert code == 0, err
+    assert trt.calls["network_flags"] == [1 << trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED]
+    assert trt.calls["builder_flags"] == []  # TensorRT 11 has no INT8/FP16 flags to set
+    data = json.loads(report.read_text())
+    assert data["version"] == deploy.REPORT_VERSION == 2
+    assert data["build"]["mode"] == "strongly-typed" and data["float_parts"] is None
+    precision = data["precision"]
+    assert precision["counts"] == {"int8": 2, "fp32": 2}  # conv and its relu; pool and flatten
+    assert precision["unfused_qdq"][0]["node"] == "input_q" and precision["unfused_qdq"][0]["rule"] == "U1"
+    engine = precision["engine"]
+    assert (engine["agree"], engine["differ"], engine["missing"]) == (4, 0, 0)
+    rows = {row["node"]: row for row in engine["rows"]}
+    assert rows["relu"]["layer"] == "input_dq + weight_dq + conv + relu" and rows["relu"]["engine"] == "INT8"
+    assert "precision map vs engine: 4 of 4 compute nodes agree, 0 differ" in out
+    assert "precision (strongly typed build): 2 INT8, 2 FP32" in out
+
+
+def test_standin_tensorrt_11_fp16_converts_the_float_parts(good_model, tmp_path, capsys, standin):
+    pytest.importorskip("onnx_qat.formats.float_parts",
+                        reason="the FP16 float-parts conversion (onnx_qat.formats.float_parts) is not "
+                               "in this tree")
+    trt, _ = standin("11.4.0")
+    report, engine = tmp_path / "r.json", tmp_path / "m.engine"
+    code, out, err = run_main([good_model, "--engine", engine, "--report", report, "--fp16",
+                               "--iterations", "2", "--no-progress"], capsys)
+    assert code == 0, err
+    assert trt.calls["builder_flags"] == [] and "float parts: converted to FP16" in out
+    built = onnx.load_from_string(engine.read_bytes())  # the stand-in's "engine" is the model it was given
+    assert TensorProto.FLOAT16 in {i.data_type for i in built.graph.initializer}
+    data = json.loads(report.read_text())
+    assert data["float_parts"]["float_dtype"] == "fp16"
+    assert "fp16" in data["precision"]["counts"] and data["status"] == "verified"
+
+
+def test_without_tensorrt_the_report_holds_the_precision_map(good_model, tmp_path, capsys, no_tensorrt):
+    report = tmp_path / "r.json"
+    code, out, err = run_main([good_model, "--engine", tmp_path / "m.engine", "--report", report, "--fp16",
+                               "--no-progress"], capsys)
+    assert code == 2 and "TensorRT is not installed" in err
+    data = json.loads(report.read_text())
+    assert data["status"] == "tensorrt-unavailable" and data["float_parts"] is None  # no TensorRT 11: as is
+    assert data["precision"]["counts"] == {"int8": 2, "fp32": 2} and "engine" not in data["precision"]
+
+
+def _precision_map_of(model):
+    from onnx_qat.check import check
+    return check(model).precision_map
+
+
+def test_compare_precisions_names_the_layers_that_differ():
+    pmap = _precision_map_of(qdq_conv_model())
+    fp16 = "Channel major FP16 format where channel % 8 == 0"
+    info = json.dumps({"Layers": [
+        {"Name": "input_q", "LayerType": "Scale", "Inputs": [_region("input", "Row major linear FP32")]},
+        {"Name": "input_dq + weight_dq + conv + relu", "LayerType": "CaskConvolution",
+         "Inputs": [_region("x_q", "Thirty-two wide channel vectorized row major Int8 format")]},
+        {"Name": "pool", "LayerType": "CaskPooling", "Inputs": [_region("relu_out", fp16)]},
+    ], "I/O Tensors": [{"Name": "input"}, {"Name": "output"}]})
+    result = trt_backend.compare_precisions(pmap, info)
+    rows = {row.node: row for row in result.rows}
+    assert rows["conv"].status == rows["relu"].status == "agrees"
+    assert (rows["pool"].status, rows["pool"].engine, rows["pool"].expected) == ("differs", "FP16", "fp32")
+    assert rows["flatten"].status == "missing"  # no layer names it: folded by TensorRT
+    assert "differ: pool (map fp32, engine FP16)" in result.summary()
+    names_only = trt_backend.compare_precisions(pmap, json.dumps({"Layers": ["a", "b"]}))
+    assert not names_only.detailed and "not compared" in names_only.summary()
+
+
+# ------------------------------------------------------------------ onnx-qat deploy (the packaged command)
+def run_cli(argv, capsys):
+    from onnx_qat import cli
+
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_onnx_qat_deploy_help_in_a_subprocess():
+    listed = subprocess.run([sys.executable, "-m", "onnx_qat", "--help"], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert listed.returncode == 0 and "deploy" in listed.stdout
+    out = subprocess.run([sys.executable, "-m", "onnx_qat", "deploy", "--help"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    for option in ("--engine", "--report", "--data", "--shapes", "--fp16", "--timing-cache", "--min-top1",
+                   "--skip-validation", "--force", "--verbose", "--quiet", "--no-progress"):
+        assert option in out.stdout
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--shapes", "input"], "argument --shapes"),
+    (["--shapes", "input:1x4x8x8", "--batch", "2"], "arguments --shapes and --batch"),
+    (["--iterations", "0"], "argument --iterations"),
+])
+def test_onnx_qat_deploy_usage_errors_are_one_line(extra, words, good_model, tmp_path, capsys):
+    code, _, err = run_cli(["deploy", good_model, "--engine", tmp_path / "m.engine"] + extra, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("onnx-qat: error: ") and words in lines[0]
+    assert not (tmp_path / "m.engine").exists()
+
+
+def test_onnx_qat_deploy_refusals_and_missing_tensorrt(good_model, uint8_model, tmp_path, capsys,
+                                                       no_tensorrt):
+    code, _, err = run_cli(["deploy", good_model, "--engine", good_model], capsys)
+    assert code == 2 and err.startswith("onnx-qat: error: ") and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(["deploy", uint8_model, "--engine", tmp_path / "m.engine"], capsys)
+    assert code == 2 and "onnx-qat: error: " in err and "not TensorRT-ready" in err
+    report = tmp_path / "r.json"
+    code, out, err = run_cli(["deploy", good_model, "--engine", tmp_path / "m.engine", "--report", report,
+                              "--no-progress"], capsys)
+    assert code == 2 and err.strip().splitlines()[-1].startswith("onnx-qat: stopped before the build")
+    assert "TensorRT is not installed" in err and "onnxruntime: ok" in out
+    data = json.loads(report.read_text())
+    assert data["status"] == "tensorrt-unavailable" and data["options"]["progress"] is False
+    assert "prog" not in data["options"]
+
+
+def test_onnx_qat_deploy_builds_with_the_standin(good_model, tmp_path, capsys, standin):
+    trt, _ = standin("11.4.0")
+    report = tmp_path / "r.json"
+    code, out, err = run_cli(["-q", "deploy", good_model, "--engine", tmp_path / "m.engine",
+                              "--report", report, "--iterations", "3"], capsys)
+    assert code == 0, err
+    assert out == "" and err == ""  # -q: only errors, and there are none
+    data = json.loads(report.read_text())
+    assert data["status"] == "verified" and data["latency"]["iterations"] == 3
+    assert data["precision"]["engine"]["agree"] == 4
+    code, out, _ = run_cli(["deploy", good_model, "--engine", tmp_path / "m.engine", "--iterations", "2",
+                            "--no-progress"], capsys)
+    last = out.strip().splitlines()[-1]
+    assert code == 0 and last == f"onnx-qat: engine {tmp_path / 'm.engine'} built and verified"
+
+
+def test_onnx_qat_deploy_parity_failure_is_exit_1(good_model, tmp_path, capsys, standin):
+    standin("11.4.0")
+    original = _Context.execute_async_v3
+
+    def zeros(self, stream):  # the "engine" answers zeros
+        original(self, stream)
+        name = self.engine.names[-1]
+        size = int(np.prod(self.shapes[name])) * 4
+        ctypes.memset(self.addresses[name], 0, size)
+        return True
+
+    _Context.execute_async_v3 = zeros
+    try:
+        code, _, err = run_cli(["deploy", good_model, "--engine", tmp_path / "m.engine", "--iterations", "2",
+                                "--no-progress", "--max-abs", "1e-3"], capsys)
+    finally:
+        _Context.execute_async_v3 = original
+    assert code == 1 and err.strip().startswith("onnx-qat: engine") and "differs from onnxruntime" in err

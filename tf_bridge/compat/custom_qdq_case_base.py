@@ -2,6 +2,6 @@
 (``tensorflow_quantization.custom_qdq_case_base``)."""
 from __future__ import annotations
 
-from ..cases import CustomQDQInsertionCase
+from ..case_base import CustomQDQInsertionCase
 
 __all__ = ["CustomQDQInsertionCase"]

@@ -1,14 +1,15 @@
 """``quantize_model``, ``QuantizationSpec`` and ``LayerConfig`` as ``tensorflow_quantization.quantize``
 has them.
 
-* :class:`QuantizationSpec` is tf_bridge's spec, which has the toolkit's ``.layers``: the mutable
-  list of entries (the same list as ``.entries`` reads), so cases written for the toolkit that do
-  ``spec.layers.extend(other.layers)`` keep working.
-* :class:`LayerConfig` is tf_bridge's :class:`~tf_bridge.spec.SpecEntry` (same fields:
+* [`QuantizationSpec`][tf_bridge.spec.QuantizationSpec] is tf_bridge's spec, which has the toolkit's
+  ``.layers``: the mutable list of entries (the same list as ``.entries`` reads), so cases written for the
+  toolkit that do ``spec.layers.extend(other.layers)`` keep working.
+* `LayerConfig` is tf_bridge's `SpecEntry` (same fields:
   ``name``, ``is_keras_class``, ``quantize_input``, ``quantize_weight``, ``quantization_index``).
-* :func:`quantize_model` behaves as the toolkit's where a spec entry names no layer of the
+* [`quantize_model`][tf_bridge.compat.quantize.quantize_model] behaves as the toolkit's where a spec entry
+  names no layer of the
   model: it warns and goes on (``unknown_names="warn"``, the default here); ``"raise"`` gives
-  tf_bridge's own behaviour (:func:`tf_bridge.quantize_model` raises a ``ConfigError`` naming
+  tf_bridge's own behaviour ([`tf_bridge.quantize_model`][] raises a ``ConfigError`` naming
   the closest layer names).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Optional, Sequence
 from onnx_qat.errors import ConfigError
 
 from .. import spec as _spec
-from ..cases import CustomQDQInsertionCase
+from ..case_base import CustomQDQInsertionCase
 from ..wrap import quantize_model as _quantize_model
 
 logger = logging.getLogger(__name__)
@@ -55,26 +56,26 @@ def quantize_model(model, quantization_mode: str = "full",
                    quantization_spec: Optional[_spec.QuantizationSpec] = None,
                    custom_qdq_cases: Optional[Sequence[CustomQDQInsertionCase]] = None,
                    *, unknown_names: str = "warn", activation_range: str = "ema", ema_momentum: float = 0.99):
-    """:func:`tf_bridge.quantize_model` with the toolkit's handling of unknown layer names.
+    """[`tf_bridge.quantize_model`][] with the toolkit's handling of unknown layer names.
 
     Args:
         model: a built Functional or Sequential Keras model (not modified).
         quantization_mode: ``"full"`` or ``"partial"``.
-        quantization_spec: a :class:`QuantizationSpec`; copied, never modified.
-        custom_qdq_cases: a list of :class:`~tf_bridge.CustomQDQInsertionCase`.
+        quantization_spec: a [`QuantizationSpec`][tf_bridge.spec.QuantizationSpec]; copied, never modified.
+        custom_qdq_cases: a list of [`CustomQDQInsertionCase`][tf_bridge.CustomQDQInsertionCase].
         unknown_names: ``"warn"`` (the toolkit's behaviour: a spec entry naming no layer is
-            ignored with an :class:`UnknownLayerNameWarning`) or ``"raise"`` (tf_bridge's: a
-            ``ConfigError`` naming the closest layer names).
-        activation_range: as for :func:`tf_bridge.quantize_model`.
-        ema_momentum: as for :func:`tf_bridge.quantize_model`.
+            ignored with an [`UnknownLayerNameWarning`][tf_bridge.compat.quantize.UnknownLayerNameWarning]) or
+            ``"raise"`` (tf_bridge's: a ``ConfigError`` naming the closest layer names).
+        activation_range: as for [`tf_bridge.quantize_model`][].
+        ema_momentum: as for [`tf_bridge.quantize_model`][].
 
     Returns:
-        The QAT model (see :func:`tf_bridge.quantize_model`). Layer names are kept (the
+        The QAT model (see [`tf_bridge.quantize_model`][]). Layer names are kept (the
         toolkit's ``quant_<name>`` renaming is not done).
 
     Raises:
         ConfigError: a bad argument; ``"partial"`` mode without a spec or cases.
-        ModelError: see :func:`tf_bridge.quantize_model`.
+        ModelError: see [`tf_bridge.quantize_model`][].
     """
     if unknown_names not in UNKNOWN_NAMES:
         raise ConfigError(f"unknown_names must be one of {', '.join(UNKNOWN_NAMES)}, got {unknown_names!r}")

@@ -1,7 +1,7 @@
 """``BaseQuantizeWrapper`` where the toolkit keeps it (``tensorflow_quantization.quantize_wrapper_base``).
 
 Subclassing it declares how a layer class of your own is quantized; see
-:mod:`tf_bridge.custom_layers`.
+`tf_bridge.custom_layers`.
 """
 from __future__ import annotations
 

@@ -2,20 +2,21 @@
 
 The two converters never write a float model silently:
 
-* a QAT model (made by :func:`tf_bridge.quantize_model`; in memory, a ``.keras`` file, or the
-  SavedModel of ``q_model.export(dir)``) is exported through :func:`tf_bridge.export_onnx`: the
+* a QAT model (made by [`tf_bridge.quantize_model`][]; in memory, a ``.keras`` file, or the
+  SavedModel of ``q_model.export(dir)``) is exported through [`tf_bridge.export_onnx`][]: the
   TensorRT Q/DQ ONNX model with the learned ranges, its parity with the Keras QAT model proven
-  in onnxruntime, and its :func:`onnx_qat.check` verdict in the returned report;
-* a Q/DQ model that breaks a TensorRT rule of :func:`onnx_qat.check` (a spec that quantizes a
-  Conv's input but not its weight, rule C9) is written with a :class:`CheckFailedWarning`;
+  in onnxruntime, and its [`onnx_qat.check`][onnx_qat.check.check] verdict in the returned report;
+* a Q/DQ model that breaks a TensorRT rule of [`onnx_qat.check`][onnx_qat.check.check] (a spec that quantizes
+  a Conv's input but not its weight, rule C9) is written with a `CheckFailedWarning`;
 * a model without tf_bridge quantizers is converted to a float ONNX model by tf2onnx, with a
-  :class:`FloatModelWarning` saying so (the toolkit's workflow converts the FP32 baseline too);
+  [`FloatModelWarning`][tf_bridge.compat.utils.FloatModelWarning] saying so (the toolkit's workflow converts
+  the FP32 baseline too);
 * a SavedModel that holds quantizer variables but cannot be rebuilt is refused in one line
   saying what to do.
 
 Plain ``python -m tf2onnx.convert --saved-model`` on a QAT SavedModel cannot be intercepted: it
 writes a float graph of the fake quantization (Round/Clip arithmetic, no Q/DQ). Use these
-converters or :func:`tf_bridge.export_onnx` for the Q/DQ model.
+converters or [`tf_bridge.export_onnx`][] for the Q/DQ model.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ class CreateAssetsFolders:
         Path(self.base).mkdir(parents=True, exist_ok=True)
 
     def add_folder(self, folder_name: str) -> None:
-        """Create ``<base>/<folder_name>`` and make it the attribute ``folder_name`` (a :class:`Folder`).
+        """Create ``<base>/<folder_name>`` and make it the attribute ``folder_name`` (a `Folder`).
         Artifacts an earlier run left at the four known paths are removed; other files are kept."""
         setattr(self, folder_name, Folder(Path(self.base, folder_name)))
 
@@ -98,7 +99,8 @@ def _float_warning(what: str, onnx_model_path) -> None:
 
 
 class CheckFailedWarning(UserWarning):
-    """The Q/DQ model written breaks a TensorRT rule of :func:`onnx_qat.check` (its report says which)."""
+    """The Q/DQ model written breaks a TensorRT rule of [`onnx_qat.check`][onnx_qat.check.check] (its report
+    says which)."""
 
 
 class UncalibratedExportWarning(UserWarning):
@@ -121,7 +123,7 @@ def _copy_model(q_model):
 
 
 def _export(q_model, onnx_model_path, opset, sample_data, target, uncalibrated, owned: bool):
-    """:func:`tf_bridge.export_onnx`, after calibrating (a copy of) a model whose activation
+    """[`tf_bridge.export_onnx`][], after calibrating (a copy of) a model whose activation
     quantizers have no range yet when ``uncalibrated="calibrate"``."""
     from ..calibrate import calibrate
     from ..describe import quantizer_records
@@ -152,24 +154,24 @@ def convert_keras_model_to_onnx(keras_model, onnx_model_path, opset: int = 13, *
     """Write the ONNX model of an in-memory Keras model.
 
     Args:
-        keras_model: a QAT model (its Q/DQ ONNX through :func:`tf_bridge.export_onnx`, which needs
+        keras_model: a QAT model (its Q/DQ ONNX through [`tf_bridge.export_onnx`][], which needs
             it calibrated or trained) or a float model (a float ONNX model, with a
-            :class:`FloatModelWarning`).
+            [`FloatModelWarning`][tf_bridge.compat.utils.FloatModelWarning]).
         onnx_model_path: the ``.onnx`` file to write.
         opset: the ONNX opset (>= 13; the toolkit's default 13).
         sample_data: inputs for the export's mapping and parity proof (None: generated).
         target: the deployment target of the Q/DQ model (``"tensorrt"``, ``"ort-cpu"``).
         uncalibrated: what to do with a QAT model whose activation quantizers have no range
             yet: ``"calibrate"`` (the toolkit converts such a model: a copy is calibrated on
-            ``sample_data`` or generated inputs, with an :class:`UncalibratedExportWarning`;
-            ``keras_model`` is not modified) or ``"raise"`` (an ``ExportError``, as
-            :func:`tf_bridge.export_onnx` does).
+            ``sample_data`` or generated inputs, with an
+            [`UncalibratedExportWarning`][tf_bridge.compat.utils.UncalibratedExportWarning]; ``keras_model``
+            is not modified) or ``"raise"`` (an ``ExportError``, as [`tf_bridge.export_onnx`][] does).
 
     Returns:
-        The :class:`tf_bridge.ExportReport` of a QAT model; None for a float model.
+        The [`tf_bridge.ExportReport`][] of a QAT model; None for a float model.
 
     Raises:
-        ExportError: see :func:`tf_bridge.export_onnx`.
+        ExportError: see [`tf_bridge.export_onnx`][].
     """
     if _quantized(keras_model):
         return _export(keras_model, onnx_model_path, opset, sample_data, target, uncalibrated, owned=False)
@@ -187,9 +189,9 @@ def convert_saved_model_to_onnx(saved_model_dir, onnx_model_path, opset: int = 1
                                 target: str = "tensorrt", uncalibrated: str = "calibrate"):
     """Write the ONNX model of a SavedModel directory (``model.export(dir)``) or a ``.keras`` file.
 
-    A QAT model's SavedModel carries its Keras configuration (:mod:`tf_bridge.saved_model`): the
+    A QAT model's SavedModel carries its Keras configuration (`tf_bridge.saved_model`): the
     Keras QAT model is rebuilt from it (checked against the SavedModel's ``serve`` function) and
-    exported through :func:`tf_bridge.export_onnx`.
+    exported through [`tf_bridge.export_onnx`][].
 
     Args:
         saved_model_dir: the SavedModel directory, or a ``.keras`` file.
@@ -197,11 +199,12 @@ def convert_saved_model_to_onnx(saved_model_dir, onnx_model_path, opset: int = 1
         opset: the ONNX opset (>= 13).
         sample_data: inputs for the export's mapping and parity proof (None: generated).
         target: the deployment target of the Q/DQ model.
-        uncalibrated: ``"calibrate"`` or ``"raise"``, as for :func:`convert_keras_model_to_onnx`.
+        uncalibrated: ``"calibrate"`` or ``"raise"``, as for
+            [`convert_keras_model_to_onnx`][tf_bridge.compat.utils.convert_keras_model_to_onnx].
 
     Returns:
-        The :class:`tf_bridge.ExportReport` of a QAT model; None for a float model (written with a
-        :class:`FloatModelWarning`).
+        The [`tf_bridge.ExportReport`][] of a QAT model; None for a float model (written with a
+        [`FloatModelWarning`][tf_bridge.compat.utils.FloatModelWarning]).
 
     Raises:
         ExportError: a SavedModel with quantizer variables but no rebuild record (one line saying
@@ -259,7 +262,7 @@ def _check_graph_model(model, layer_name) -> None:
 
 
 def _predecessors(layer) -> List[dict]:
-    from ..cases import input_tensors, producer
+    from ..case_base import input_tensors, producer
 
     if not layer._inbound_nodes:
         return []
@@ -313,7 +316,8 @@ class KerasModelTraveller:
     """Walks a Keras model, nested models included, and lists or prints its layers.
 
     Args:
-        print_layer_config: also print each layer's ``get_config()`` in :meth:`get_layer_information`.
+        print_layer_config: also print each layer's ``get_config()`` in
+            [`get_layer_information`][tf_bridge.compat.utils.KerasModelTraveller.get_layer_information].
     """
 
     def __init__(self, print_layer_config: bool = False) -> None:

@@ -14,12 +14,14 @@ import time
 import traceback
 from pathlib import Path
 
-from . import calibration, cpu_latency, export_speed, format_peers, qat_step, rewrite_speed, sensitivity
+from . import (calibration, cpu_latency, cpu_models, export_speed, float_parts, format_peers, qat_step,
+               rewrite_speed, sensitivity)
 from .table import Row, format_table, write_results
 
-BENCHMARKS = {"cpu_latency": cpu_latency.run, "rewrite_speed": rewrite_speed.run,
-              "calibration": calibration.run, "qat_step": qat_step.run, "formats": format_peers.run,
-              "sensitivity": sensitivity.run, "export_speed": export_speed.run}
+BENCHMARKS = {"cpu_latency": cpu_latency.run, "cpu_models": cpu_models.run,
+              "rewrite_speed": rewrite_speed.run, "calibration": calibration.run, "qat_step": qat_step.run,
+              "formats": format_peers.run, "sensitivity": sensitivity.run, "export_speed": export_speed.run,
+              "float_parts": float_parts.run}
 
 
 def get_parser() -> argparse.ArgumentParser:

@@ -4,8 +4,8 @@ FP32; our ``tensorrt`` target run in onnxruntime; our ``ort-cpu`` target; onnxru
 ``quantize_static`` with its defaults, with asymmetric uint8 activations (its fastest x86 form) and with
 symmetric int8 settings. One ScaleTable (``max`` calibration) feeds both of our targets. Every session
 uses 2 intra-op threads; runs are interleaved (A B C ... A B C) and medians compared. For latency the
-ResNet50 takes its standard 224 x 224 input (:data:`SIZE`); the numerics rows use the same network at
-96 x 96 (:data:`NUMERICS_SIZE`), whose random-weight logits are less tied (see :func:`_numerics` for
+ResNet50 takes its standard 224 x 224 input (`SIZE`); the numerics rows use the same network at
+96 x 96 (`NUMERICS_SIZE`), whose random-weight logits are less tied (see `_numerics` for
 how top-1 agreement is judged).
 
 One more row reads onnxruntime's own profile of FP32 and ort-cpu runs: the time of the convolution
@@ -15,7 +15,7 @@ give; a model whose time is nearly all convolution runs about that much faster, 
 Each session has its own intra-op thread pool, and onnxruntime's pool threads spin for a while after a
 run before they sleep. Interleaved, the threads of the session that just ran would spin on the cores the
 next one needs (on 2 cores: a third of ResNet50's FP32 time and of the ort-cpu time), so the measured
-sessions are made with ``session.intra_op.allow_spinning = 0`` (:data:`NO_SPIN`), every form alike. One
+sessions are made with ``session.intra_op.allow_spinning = 0`` (`NO_SPIN`), every form alike. One
 more row checks that this flatters no form: the same speed-up with each model run alone, back to back,
 with onnxruntime's default spinning.
 """
@@ -37,9 +37,9 @@ SIZE = 224
 #: Input size for the numerics rows: with random weights, the 224 x 224 network's logits are nearly tied
 #: (FP32 and the tensorrt form agree on top-1 for only ~84% of inputs), so top-1 agreement there measures
 #: ties, not the target; at 96 x 96 the conditioned network ties less often (about 96% agreement), and the
-#: top-1 goal is judged on the inputs FP32 decides (:func:`_numerics`).
+#: top-1 goal is judged on the inputs FP32 decides (`_numerics`).
 NUMERICS_SIZE = 96
-#: Samples for the numerics rows (at :data:`NUMERICS_SIZE`).
+#: Samples for the numerics rows (at `NUMERICS_SIZE`).
 NUMERICS_SAMPLES = 256
 #: Session settings of every measured session: no spinning of idle intra-op threads (see the module doc).
 NO_SPIN = {"session.intra_op.allow_spinning": "0"}
@@ -66,7 +66,7 @@ def _ort_static(float_path: Path, out: Path, name: str, calib: np.ndarray, **set
 
 def _session(model, threads: int = 2, optimize: bool = True, config=None):
     """An onnxruntime CPU session of ``model`` (path or proto); ``config``: session config entries
-    (default :data:`NO_SPIN`; ``{}`` keeps onnxruntime's defaults)."""
+    (default `NO_SPIN`; ``{}`` keeps onnxruntime's defaults)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -106,12 +106,12 @@ def _build(path: Path, name: str, calib: np.ndarray, workdir: Path,
     from onnxruntime.quantization import QuantType
 
     import onnx_qat
-    from onnx_qat.insertion.ort_cpu import OrtCpuForm
+    from onnx_qat.insertion.ort_cpu import OrtCpuAdapter
     from onnx_qat.graph.index import GraphIndex
 
     proto = onnx_qat.load_model(path)
     placement = onnx_qat.place(proto)
-    extra = OrtCpuForm().calibration_tensors(GraphIndex(proto), placement)
+    extra = OrtCpuAdapter().calibration_tensors(GraphIndex(proto), placement)
     table = onnx_qat.calibrate(proto, {name: calib}, method="max", batch_size=8, progress=False,
                                tensors=placement.activation_tensors() + extra)
     forms: Dict[str, object] = {"fp32": path}

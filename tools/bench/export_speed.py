@@ -4,7 +4,7 @@ Each network runs in a child process (``python -m tools.bench.export_speed --wor
 never loads into the benchmark's own process and each peak is the network's own. The worker builds the
 network (``weights=None``, 10 classes), quantizes it (``tf_bridge.quantize_model``), calibrates it on 8
 uniform x255 samples and exports it with those samples (``strict=False``: the time is the same whatever
-the verdict). Figures: the export's seconds (the steps of :attr:`tf_bridge.ExportReport.timings`
+the verdict). Figures: the export's seconds (the steps of `tf_bridge.ExportReport.timings`
 in the detail) and the peak resident memory while it ran (sampled every 20 ms, in GiB, and the rise
 over the memory the process held before the export). Full run: ResNet50 at 224x224 (the memory goal
 is 6 GiB) and EfficientNetB0 at 64x64; ``--quick``: a small residual CNN at 16x16.

@@ -3,7 +3,7 @@ here (on the encoder also FP8 with the attention products kept float, ``include_
 with AWQ then GPTQ rounding at blocks of 128 and 64, and automatic mixed precision: FP8 with
 ``min_cosine=0.995`` and 0.996 and INT4 AWQ with ``min_cosine=0.99``, with the sites they leave float): cosine
 to FP32 on unseen inputs, model file size against FP32, quantize time; NVIDIA ModelOpt's FP8 and INT4
-modes on the same models and data when it is installed (in its own venv, see :data:`MODELOPT_PYTHON`):
+modes on the same models and data when it is installed (in its own venv, see `MODELOPT_PYTHON`):
 ``modelopt.onnx.quantization.quantize(quantize_mode="fp8" | "int4")`` on CPU with FP32 kept for the
 unquantized parts, INT4 with ``calibration_method="awq_clip"`` and block size 128 (its ``awq_lite`` fails
 on these graphs: "cannot reshape array of size 256 into shape ()", ModelOpt 0.47.0).
@@ -173,8 +173,8 @@ def _outputs(model, data) -> np.ndarray:
 
 def _ours(path: Path, data: Path, precision: str, awq: bool, out: Path, **options):
     """``(seconds, QuantizeResult)`` to quantize ``path`` (calibration, AWQ and the mixed-precision
-    search included) and write ``out``; ``options`` go to :func:`onnx_qat.quantize` (e.g.
-    ``include_attention=False``, ``min_cosine=0.995``)."""
+    search included) and write ``out``; ``options`` go to [`onnx_qat.quantize`][onnx_qat.quantize.quantize]
+    (e.g. ``include_attention=False``, ``min_cosine=0.995``)."""
     import onnx_qat
 
     start = time.perf_counter()

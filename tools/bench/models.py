@@ -1,15 +1,15 @@
 """Models and data for the benchmarks.
 
-* :func:`resnet50` — a Keras ``ResNet50`` with random weights, exported with tf2onnx (built in a child
+* `resnet50` — a Keras ``ResNet50`` with random weights, exported with tf2onnx (built in a child
   process, so TensorFlow never loads into the measuring process). Random weights alone give a network
   whose activations, and quantization errors, grow without bound from block to block, which says
   nothing about a trained model; so the batch-normalization statistics are set from one batch of the
   benchmark data (every channel normalized, as after training) and the last batch normalization of
   each residual branch is scaled by 0.2 (residual branches start small, as in trained ResNets).
-* :func:`tiny_cnn` — a small float CNN (Conv/Relu/MaxPool/residual Add/GlobalAveragePool/Gemm) built
+* `tiny_cnn` — a small float CNN (Conv/Relu/MaxPool/residual Add/GlobalAveragePool/Gemm) built
   with ``onnx.helper`` for ``--quick`` runs.
-* :func:`residual_net` — a synthetic residual net of a given node count for the rewrite benchmark.
-* :func:`detector` — a YOLOv8n-shaped one-stage detector (63 Convs with SiLU, C2f blocks with residual
+* `residual_net` — a synthetic residual net of a given node count for the rewrite benchmark.
+* `detector` — a YOLOv8n-shaped one-stage detector (63 Convs with SiLU, C2f blocks with residual
   Adds and Concats, SPPF, an FPN/PAN neck with Resize, three decoupled heads) with random weights whose
   activations stay in range (each Conv's output channels normalised on a batch of the benchmark images,
   as batch normalization after training leaves them), for the sensitivity benchmark.
@@ -60,7 +60,7 @@ def _export_resnet50(out: Path, size: int, seed: int) -> None:
 
 
 def build_keras_resnet50(size: int, seed: int = 0):
-    """The Keras ResNet50 of :func:`resnet50` (random weights, conditioned batch normalization)."""
+    """The Keras ResNet50 of `resnet50` (random weights, conditioned batch normalization)."""
     import keras
 
     keras.utils.set_random_seed(seed)
@@ -155,7 +155,7 @@ def residual_net(nodes: int, channels: int = 16, seed: int = 0):
 
 
 class _Net:
-    """A tiny graph writer for :func:`detector` (Conv+SiLU with normalised outputs)."""
+    """A tiny graph writer for `detector` (Conv+SiLU with normalised outputs)."""
 
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
@@ -269,15 +269,61 @@ def _normalise_convs(model, calib: np.ndarray) -> None:
         inits[node.input[2]].CopyFrom(numpy_helper.from_array(b.astype(np.float32), node.input[2]))
 
 
+#: ``keras.applications`` models `keras_app` exports (``weights=None``).
+KERAS_APPS = ("ResNet50", "MobileNetV2", "EfficientNetB0", "ConvNeXtTiny")
+
+
+def keras_app(name: str, path: Path, size: int, *, seed: int = 0) -> Path:
+    """Write ``keras.applications.<name>(weights=None)`` (``size`` x ``size`` x 3 input, inputs 0..255,
+    logits output; converted by ``tf_bridge.convert.convert_float_twin``) as ONNX to ``path`` (in a
+    child process, once); its batch normalization statistics are set from one batch of 0..255 images
+    (training-mode call with momentum 0), so activations keep the magnitudes a trained network has
+    instead of shrinking."""
+    from .measure import python_module, run_process
+
+    path = Path(path)
+    if not path.exists():
+        run_process(python_module("tools.bench.models", "keras-app", "--name", name, "--size", str(size),
+                                  "--seed", str(seed), "--out", str(path)))
+    return path
+
+
+def _export_keras_app(name: str, out: Path, size: int, seed: int) -> None:
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+
+    from onnx_qat.io.models import save_model
+    from tf_bridge.convert import convert_float_twin
+
+    keras.utils.set_random_seed(seed)
+    model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=1000,
+                                              classifier_activation=None)
+    bns = [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.BatchNormalization)]
+    momenta = [bn.momentum for bn in bns]
+    for bn in bns:
+        bn.momentum = 0.0
+    model(images(16, size, seed=seed + 1000), training=True)
+    for bn, momentum in zip(bns, momenta):
+        bn.momentum = momentum
+    save_model(convert_float_twin(model, 17), out)  # the project's conversion (GELU, depthwise...)
+
+
 def main(argv=None) -> int:
-    """``python -m tools.bench.models resnet50 --size S --out P``: export the benchmark ResNet50."""
+    """``python -m tools.bench.models resnet50 --size S --out P``: export the benchmark ResNet50;
+    ``python -m tools.bench.models keras-app --name NAME --size S --out P``: one of `KERAS_APPS`."""
     parser = argparse.ArgumentParser(prog="python -m tools.bench.models")
-    parser.add_argument("which", choices=["resnet50"])
+    parser.add_argument("which", choices=["resnet50", "keras-app"])
+    parser.add_argument("--name", choices=KERAS_APPS, default="ResNet50")
     parser.add_argument("--size", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    _export_resnet50(Path(args.out), args.size, args.seed)
+    if args.which == "resnet50":
+        _export_resnet50(Path(args.out), args.size, args.seed)
+    else:
+        _export_keras_app(args.name, Path(args.out), args.size, args.seed)
     return 0
 
 

@@ -1,9 +1,10 @@
-"""CustomQDQInsertionCase (the extension point) and the Keras-graph helpers cases use.
+"""CustomQDQInsertionCase, the base class of pattern cases (the extension point), and the Keras-graph
+helpers cases use.
 
-A case looks at the (float) Keras model and returns a :class:`QuantizationSpec`
-of extra entries; :func:`tf_bridge.quantize_model` applies it below the user's
+A case looks at the (float) Keras model and returns a [`QuantizationSpec`][tf_bridge.spec.QuantizationSpec]
+of extra entries; [`tf_bridge.quantize_model`][] applies it below the user's
 own spec in precedence. The built-in cases live in
-:mod:`tf_bridge.custom_qdq_cases`.
+[`tf_bridge.custom_qdq_cases`][].
 """
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ FUSABLE = (
 class CustomQDQInsertionCase:
     """Base class of pattern-based quantization rules.
 
-    Subclasses implement :meth:`case`; :meth:`info` describes the case (by default
-    the first line of the class docstring).
+    Subclasses implement [`case`][tf_bridge.case_base.CustomQDQInsertionCase.case];
+    [`info`][tf_bridge.case_base.CustomQDQInsertionCase.info] describes the case (by default the first
+    line of the class docstring).
     """
 
     def info(self) -> str:
@@ -118,7 +120,7 @@ def fusable_source(tensor) -> Optional[keras.layers.Layer]:
 
 def residual_skip_indices(add_layer, depth: GraphDepth) -> Tuple[int, ...]:
     """Inputs of an Add to quantize under TensorRT's residual rule
-    (:func:`onnx_qat.placement.residual.skip_addends`, the rule placement and check apply too).
+    (`onnx_qat.placement.residual.skip_addends`, the rule placement and check apply too).
 
     The input coming from a Conv branch is left float (TensorRT fuses the Add into
     that Conv); if several inputs come from Convs, the deepest branch is the fused

@@ -1,0 +1,876 @@
+"""``cast_float_parts``: the float parts of a model (float or Q/DQ) in FP16 or BF16.
+
+TensorRT 11 builds strongly typed networks only: every layer runs in the type the ONNX model gives
+it, so float parts left FP32 run in FP32 (TensorRT Developer Guide, "Strongly Typed Networks").
+This module gives every float initializer and every float tensor between ops the chosen type,
+Q/DQ scales included (opset 19, where QuantizeLinear/DequantizeLinear take FP16/BF16 scales), and
+keeps FP32 what must stay FP32, each with its reason ([`KeptNode`][onnx_qat.formats.float_parts.KeptNode]):
+
+========== ===============================================================================
+rule       a node stays FP32 when
+========== ===============================================================================
+excluded   the caller named it (``exclude_nodes``, regular expressions)
+tensorrt   TensorRT does not run its op in the type: with BF16, ``DeformConv``, ``GridSample``,
+           ``Mish``, ``NonMaxSuppression``, ``NonZero``, ``RoiAlign`` (onnx-tensorrt
+           ``docs/operators.md``, TensorRT 10: FP32 and FP16 only)
+schema     its ONNX schema (at the model's opset) takes no such type, it holds an If/Loop/Scan
+           body, it is an op of another domain (types unknown), or its tensors' types are unknown
+weight     a constant it reads holds values beyond the type's largest finite value
+range      a tensor it reads or writes has a calibrated or measured range beyond the type's
+           largest value / `RANGE_HEADROOM` (FP16: 32752), or all of whose values are
+           subnormal in it (below FP16's 2^-14)
+scale      its Q/DQ scale cannot be held in the type within its precision (it would round to
+           zero, or move by more than the type's epsilon of the largest scale), or it reads a
+           DequantizeLinear kept for that reason
+measured   on ``data``, the model's output cosine lost more than ``max_cosine_drop`` and this node
+           added the largest relative error (or the first non-finite value) of those left
+fusion     a DequantizeLinear feeding only kept nodes stays with them, so that TensorRT still fuses
+           DQ into its consumer (a DQ -> Cast -> Conv chain would not fuse)
+========== ===============================================================================
+
+Every kept node carries its reason in its own ``metadata_props`` (key `KEEP_FP32_KEY`,
+``onnx_qat.keep_fp32``; node metadata since onnx 1.16, IR 10), and the model says its float type
+under `FLOAT_DTYPE_KEY`: ``onnx-qat check`` reads them to tell FP32 compute kept on purpose
+from FP32 compute forgotten ([`kept_fp32_nodes`][onnx_qat.formats.float_parts.kept_fp32_nodes]).
+
+Graph inputs and outputs keep their types by default (a Cast at the boundary); with
+``keep_io_types=False`` they take the low type (outputs an FP32-kept node produces stay FP32).
+
+onnxruntime 1.31 runs FP16 models on CPU: ops without an FP16 CPU kernel run in FP32 between Casts
+its session inserts (its ``InsertCastTransformer``), which it drops between consecutive such ops, so
+runs of them see no FP16 rounding in between. It has no BF16 Conv or MatMul on CPU. The measurement
+therefore runs, for both types, the emulation
+[`emulate_in_fp32`][onnx_qat.formats.float_parts.emulate_in_fp32]: the same graph in FP32 with every FP16/BF16
+tensor rounded to its type where it is produced (FP16/BF16 storage, FP32 arithmetic, as TensorRT's
+reduced-precision kernels accumulate).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..config import FLOAT_DTYPES
+from ..errors import ConfigError, ModelError
+from .numeric import KEEP_FP32_KEY, kept_fp32_reason
+from .float_cast import BF16, FP16, LowType, cast_graph, has_subgraph, read_in_subgraphs, schema_of, \
+    slot_admits, tensor_types
+
+logger = logging.getLogger(__name__)
+
+LOW_TYPES: Mapping[str, LowType] = MappingProxyType({"fp16": FP16, "bf16": BF16})
+#: Model ``metadata_props`` key of the float parts' type (``fp16`` or ``bf16``).
+FLOAT_DTYPE_KEY = "onnx_qat.float_dtype"
+#: A tensor whose range exceeds the type's largest value divided by this stays FP32 (headroom for
+#: inputs beyond the calibration data).
+RANGE_HEADROOM = 2.0
+#: Default of ``max_cosine_drop``: the output cosine may fall by at most this much (measured on
+#: ``data``) against the FP32 float parts.
+MAX_COSINE_DROP = 0.002
+#: Samples of ``data`` the measurement runs on (the first ones).
+MEASURE_SAMPLES = 4
+#: Rounds of the measured search (one node tried per round).
+MAX_ROUNDS = 12
+#: The measured search stops after this many rounds in a row whose node did not lower the drop.
+MAX_MISSES = 3
+#: Ops TensorRT runs in FP32 and FP16 but not BF16 (onnx-tensorrt ``docs/operators.md``, TensorRT
+#: 10: "Supported Types" FP32, FP16).
+TENSORRT_NO_BF16 = frozenset({"DeformConv", "GridSample", "Mish", "NonMaxSuppression", "NonZero", "RoiAlign"})
+#: Opset where QuantizeLinear/DequantizeLinear take FP16/BF16 scales (ONNX operator docs).
+QDQ_LOW_OPSET = 19
+#: Opset where Conv, ConvTranspose, pooling and most activations take BF16 (ONNX operator docs).
+BF16_OPSET = 22
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+@dataclass(frozen=True)
+class KeptNode:
+    """A node left in FP32, and why (``rule``: see the module's table)."""
+
+    node: str
+    op_type: str
+    rule: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"node": self.node, "op_type": self.op_type, "rule": self.rule, "reason": self.reason}
+
+    def __str__(self) -> str:
+        return f"{self.node} ({self.op_type}): {self.reason}"
+
+
+@dataclass(frozen=True)
+class FloatPartsResult:
+    """What [`cast_float_parts`][onnx_qat.formats.float_parts.cast_float_parts] produced.
+
+    Attributes:
+        model: the converted ``onnx.ModelProto``.
+        float_dtype: ``fp32`` (nothing changed), ``fp16`` or ``bf16``.
+        kept: the nodes left FP32 with their reasons.
+        summary: counts (nodes, low nodes, low initializers, Casts added, ...).
+        measurement: with ``data``: samples, and per output the cosine of the FP32 float parts and of
+            the converted model against the reference, the rounds of the search; None without data.
+        notes: anything else worth knowing (FP32 slots the ONNX schemas require, opset raised...).
+    """
+
+    model: onnx.ModelProto = field(repr=False)
+    float_dtype: str
+    kept: Tuple[KeptNode, ...] = ()
+    summary: Mapping[str, int] = field(default_factory=dict)
+    measurement: Optional[Mapping] = field(default=None, repr=False)
+    notes: Tuple[str, ...] = ()
+
+    def kept_compute(self, ops: Sequence[str] = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+                     ) -> Tuple[KeptNode, ...]:
+        """The kept nodes of op types ``ops`` (FP32 compute TensorRT will run)."""
+        return tuple(k for k in self.kept if k.op_type in ops)
+
+    def to_dict(self) -> dict:
+        return {"float_dtype": self.float_dtype, "summary": dict(self.summary),
+                "kept_fp32": [k.to_dict() for k in self.kept], "notes": list(self.notes),
+                **({} if self.measurement is None else {"measurement": _plain(self.measurement)})}
+
+    def __str__(self) -> str:
+        s = self.summary
+        text = (f"float parts {self.float_dtype}: {s.get('low_nodes', 0)} of {s.get('nodes', 0)} nodes, "
+                f"{s.get('low_initializers', 0)} initializers, {s.get('casts', 0)} Casts, "
+                f"{len(self.kept)} nodes kept FP32")
+        return text + "".join(f"\n  kept FP32: {k}" for k in self.kept[:20]) + \
+            (f"\n  ... {len(self.kept) - 20} more" if len(self.kept) > 20 else "")
+
+
+def _plain(value):
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def get_low_type(float_dtype) -> Optional[LowType]:
+    """The `LowType` named ``float_dtype``; None for ``fp32``."""
+    if float_dtype in (None, "fp32"):
+        return None
+    if isinstance(float_dtype, LowType):
+        return float_dtype
+    found = LOW_TYPES.get(float_dtype)
+    if found is None:
+        raise ConfigError(f"float_dtype must be one of {', '.join(FLOAT_DTYPES)}; got {float_dtype!r}")
+    return found
+
+
+def check_float_dtype(float_dtype) -> str:
+    """``float_dtype`` validated (None is ``fp32``)."""
+    get_low_type(float_dtype)
+    return "fp32" if float_dtype is None else float_dtype
+
+
+# --------------------------------------------------------------------------- public entry point
+def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = True, data=None,
+                     reference=None, exclude_nodes: Iterable[str] = (),
+                     max_cosine_drop: float = MAX_COSINE_DROP, num_samples: int = MEASURE_SAMPLES,
+                     progress: bool = False) -> FloatPartsResult:
+    """The model with its float parts in ``float_dtype`` (``fp16``, ``bf16``; ``fp32`` changes nothing).
+
+    Args:
+        model: a float or Q/DQ model: path, ``onnx.ModelProto`` (never modified) or
+            ``onnx_graphsurgeon.Graph``.
+        float_dtype: ``"fp16"``, ``"bf16"`` or ``"fp32"``.
+        scales: a [`ScaleTable`][onnx_qat.scales.ScaleTable] (or its JSON path): its activation ranges
+            keep FP32 the tensors whose range the type cannot hold. The scales of the model's
+            QuantizeLinear nodes are read as ranges too.
+        keep_io_types: graph inputs and outputs keep their types, with a Cast at the boundary
+            (default); False: they take ``float_dtype`` too.
+        data: inputs to measure on (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts; the
+            first ``num_samples``): the ranges of every float tensor, and the output cosine. While the
+            converted model's cosine against ``reference`` is more than ``max_cosine_drop`` below the
+            FP32 float parts', the node adding the most error is kept FP32 (up to
+            `MAX_ROUNDS` nodes; a note says when the budget is not met). Without data only the
+            static rules and the given ranges apply.
+        reference: the model the cosines are measured against (e.g. the FP32 float model before
+            quantization); None: ``model`` itself (then the converted model's cosine against it must
+            stay >= 1 - ``max_cosine_drop``).
+        exclude_nodes: regular expressions (``re.fullmatch``) of node names to keep FP32.
+        max_cosine_drop: see ``data``.
+        num_samples: samples of ``data`` measured on.
+        progress: progress bars on stderr.
+
+    Returns:
+        A [`FloatPartsResult`][onnx_qat.formats.float_parts.FloatPartsResult]: the model and every node kept
+        FP32 with its reason.
+
+    Raises:
+        ConfigError: a bad option. ModelError: the model cannot be read, already holds FP16/BF16
+            float parts, or its opset cannot be raised to the one FP16/BF16 Q/DQ scales (19) or BF16
+            convolutions (22) need.
+    """
+    from ..io.models import load_model
+
+    low = get_low_type(float_dtype)
+    patterns = _patterns(exclude_nodes)
+    if isinstance(max_cosine_drop, bool) or not isinstance(max_cosine_drop, (int, float)) \
+            or not 0.0 <= max_cosine_drop < 1.0:
+        raise ConfigError(f"max_cosine_drop must be a number in [0, 1), got {max_cosine_drop!r}")
+    proto = load_model(model)
+    if low is None:
+        return FloatPartsResult(proto, "fp32", summary=MappingProxyType({"nodes": len(proto.graph.node)}))
+    _refuse_converted(proto)
+    proto, notes = _raise_opset(proto, low)
+    table = _load_table(scales)
+    types = tensor_types(proto)
+    kept = _static_keeps(proto, low, types, patterns)
+    ranges = _given_ranges(proto, table)
+    measure = None
+    if data is not None:
+        measure = _Measure(proto, types, data, reference, num_samples, progress)
+        ranges.update({t: r for t, r in measure.ranges.items() if t not in ranges})
+    _add(kept, _scale_keeps(proto, low))
+    _add(kept, _range_keeps(proto, low, ranges, types))
+    measurement = None
+    converted, stats, kept = _convert(proto, low, kept, types, keep_io_types)
+    if measure is not None:
+        converted, stats, kept, measurement, more = _search(measure, proto, low, kept, types, keep_io_types,
+                                                           max_cosine_drop, converted, stats)
+        notes += more
+    notes += tuple(f"{node} {slot}: {why}" for node, slot, why in stats.fp32_slots[:20])
+    missing = ort_cpu_missing_kernels(converted, low, stats.low_names)
+    if missing:
+        how = "it runs them in FP32 between Casts it inserts" if low is FP16 else "it cannot run the model"
+        notes += (f"onnxruntime's CPU provider has no {low.name.upper()} kernel for "
+                  f"{', '.join(missing)} ({how}): "
+                  "numbers are validated on emulate_in_fp32(model), FP16/BF16 storage with FP32 arithmetic, "
+                  "which the measurement runs",)
+    _write_metadata(converted, low, kept)
+    summary = {"nodes": len(proto.graph.node), "low_nodes": stats.low_nodes,
+               "low_initializers": stats.low_initializers, "low_copies": stats.low_copies,
+               "casts": stats.casts, "kept_fp32": len(kept)}
+    result = FloatPartsResult(converted, low.name, tuple(kept.values()), MappingProxyType(summary),
+                              measurement, tuple(notes))
+    logger.info("%s", result)
+    return result
+
+
+def quantize_with_float_parts(quantize_fp32, model, output, report, *, data, float_dtype: str,
+                              keep_io_types: bool, inputs: tuple, progress: bool):
+    """[`onnx_qat.quantize`][onnx_qat.quantize.quantize] with ``float_dtype`` ``fp16``/``bf16``: the Q/DQ
+    model ``quantize_fp32()`` returns (FP32 float parts, nothing written), converted by
+    [`cast_float_parts`][onnx_qat.formats.float_parts.cast_float_parts] with its ScaleTable, measured on
+    ``data`` against the float ``model``; then written to ``output`` and ``report`` (both checked before any
+    work)."""
+    import dataclasses
+    import os
+
+    from ..io.files import check_output_and_report, write_json
+    from ..io.models import save_model
+
+    paths = tuple(p for p in inputs if isinstance(p, (str, os.PathLike)))
+    out_path, _ = check_output_and_report(output, report, inputs=paths)
+    result = quantize_fp32()
+    parts = cast_float_parts(result.model, float_dtype, scales=result.scales, keep_io_types=keep_io_types,
+                             data=data, reference=None if data is None else model, progress=progress)
+    result = dataclasses.replace(result, model=parts.model, output=out_path, float_parts=parts)
+    if out_path is not None:
+        save_model(parts.model, out_path, inputs=paths, ir_version=parts.model.ir_version, validate=True)
+    if report is not None:
+        write_json(report, result.to_report())
+    return result
+
+
+# --------------------------------------------------------------------------- steps
+def _patterns(exclude_nodes) -> Tuple["re.Pattern", ...]:
+    if isinstance(exclude_nodes, str):
+        exclude_nodes = (exclude_nodes,)
+    out = []
+    for p in exclude_nodes or ():
+        if not isinstance(p, str) or not p:
+            raise ConfigError(f"exclude_nodes must hold non-empty strings, got {p!r}")
+        try:
+            out.append(re.compile(p))
+        except re.error as exc:
+            raise ConfigError(f"exclude_nodes: {p!r} is not a regular expression: {exc}") from None
+    return tuple(out)
+
+
+def _refuse_converted(model: onnx.ModelProto) -> None:
+    if any(p.key == FLOAT_DTYPE_KEY for p in model.metadata_props) or any(
+            t.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for t in model.graph.initializer):
+        raise ModelError("the model already holds FP16/BF16 float parts; give the FP32 model")
+
+
+def _raise_opset(model: onnx.ModelProto, low: LowType):
+    from ..io.models import _upgrade, default_opset
+
+    has_qdq = any(n.op_type in _QDQ for n in model.graph.node)
+    need = max(QDQ_LOW_OPSET if has_qdq else 0, BF16_OPSET if low is BF16 else 0)
+    current = default_opset(model)
+    if current >= need:
+        return model, ()
+    upgraded = _upgrade(model, need, "model")  # raises ModelError when onnx's converter cannot
+    why = "BF16 operators" if need == BF16_OPSET else "FP16/BF16 Q/DQ scales"
+    return upgraded, (f"opset raised from {current} to {need} ({why})",)
+
+
+def _load_table(scales):
+    if scales is None:
+        return None
+    from ..scales import ScaleTable
+
+    if isinstance(scales, ScaleTable):
+        return scales
+    if isinstance(scales, Mapping):
+        return ScaleTable(scales)
+    return ScaleTable.load(scales)
+
+
+def _add(kept: Dict[str, KeptNode], more: Mapping[str, KeptNode]) -> None:
+    for name, k in more.items():
+        kept.setdefault(name, k)
+
+
+def _static_keeps(model, low: LowType, types, patterns) -> Dict[str, KeptNode]:
+    """Nodes kept by the ``excluded``, ``tensorrt``, ``schema`` and ``weight`` rules."""
+    from ..io.models import default_opset, tensor_array
+
+    opset = default_opset(model)
+    constants = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:  # Constant nodes' values count as constants too
+        if node.op_type == "Constant" and node.output:
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            if value is not None:
+                constants.setdefault(node.output[0], value)
+    kept: Dict[str, KeptNode] = {}
+    for node in model.graph.node:
+        floats = [t for t in list(node.input) + list(node.output) if t and types.get(t) == TensorProto.FLOAT]
+        if not floats:
+            continue
+        why = None
+        if any(p.fullmatch(node.name) for p in patterns):
+            why = ("excluded", "excluded by the caller (exclude_nodes)")
+        elif low is BF16 and node.op_type in TENSORRT_NO_BF16:
+            why = ("tensorrt", f"TensorRT runs {node.op_type} in FP32/FP16 only (onnx-tensorrt operators.md)")
+        elif has_subgraph(node):
+            why = ("schema", "holds an If/Loop/Scan body (bodies are not converted)")
+        elif node.domain not in ("", "ai.onnx"):
+            why = ("schema", f"op of domain {node.domain!r}: its type constraints are unknown here")
+        elif schema_of(node, opset) is None:
+            why = ("schema", f"no ONNX schema for {node.op_type} at opset {opset}")
+        elif any(t and not types.get(t) for t in list(node.input) + list(node.output)):
+            why = ("schema", "the type of one of its tensors is unknown to shape inference")
+        elif not _any_low_slot(node, schema_of(node, opset), types, low):
+            continue
+        else:
+            reads = list(node.output) if node.op_type == "Constant" else list(node.input)
+            for t in reads:
+                if t in constants and constants[t].data_type == TensorProto.FLOAT:
+                    values = tensor_array(constants[t])
+                    peak = float(np.max(np.abs(values))) if values.size else 0.0
+                    if peak > low.max:
+                        why = ("weight", f"constant {t!r} holds {peak:.4g}, beyond {low.name.upper()}'s "
+                                         f"{low.max:.6g}")
+                        break
+        if why is not None:
+            kept[node.name] = KeptNode(node.name, node.op_type, *why)
+    return kept
+
+
+def _any_low_slot(node, schema, types, low) -> bool:
+    if node.op_type in ("Cast", "Constant", "ConstantOfShape"):
+        return True
+    return any(types.get(t) == TensorProto.FLOAT and slot_admits(schema, out, i, low.type_str)
+               for out, names in ((False, node.input), (True, node.output)) for i, t in enumerate(names) if t)
+
+
+def _given_ranges(model, table) -> Dict[str, float]:
+    """Tensor -> amax from the ScaleTable and from the model's QuantizeLinear scales."""
+    from ..io.models import tensor_array
+
+    ranges = dict(table.activations) if table is not None else {}
+    constants = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "QuantizeLinear" and len(node.input) > 1 and node.input[1] in constants:
+            qmax = _qmax(node, constants)
+            scale = tensor_array(constants[node.input[1]])
+            if scale.size == 1 and node.input[0] not in ranges:
+                ranges[node.input[0]] = float(np.abs(scale).max()) * qmax
+    return ranges
+
+
+def _qmax(node, constants) -> float:
+    zp = constants.get(node.input[2]) if len(node.input) > 2 else None
+    dtype = zp.data_type if zp is not None else TensorProto.UINT8
+    return {TensorProto.FLOAT8E4M3FN: 448.0, TensorProto.INT4: 7.0, TensorProto.UINT8: 255.0,
+            TensorProto.INT16: 32767.0, TensorProto.UINT16: 65535.0}.get(dtype, 127.0)
+
+
+def _range_keeps(model, low: LowType, ranges: Mapping[str, float], types) -> Dict[str, KeptNode]:
+    """Producers and float consumers of tensors whose range the type cannot hold."""
+    limit, floor = low.max / RANGE_HEADROOM, low.normal_min
+    producer = {t: n for n in model.graph.node for t in n.output}
+    consumers: Dict[str, List[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for t in n.input:
+            consumers.setdefault(t, []).append(n)
+    kept: Dict[str, KeptNode] = {}
+    for tensor, amax in ranges.items():
+        if types.get(tensor) != TensorProto.FLOAT or not np.isfinite(amax):
+            continue
+        if getattr(producer.get(tensor), "op_type", None) == "Constant":
+            continue  # a constant: the weight rule judges its values (tiny ones round by < 2^-25)
+        if amax > limit:
+            reason = (f"tensor {tensor!r} reaches {amax:.4g}, beyond {low.name.upper()}'s {low.max:.6g} / "
+                      f"{RANGE_HEADROOM:g}")
+        elif 0.0 < amax < floor:
+            reason = f"tensor {tensor!r} stays below {amax:.3g}: subnormal in {low.name.upper()}"
+        else:
+            continue
+        for node in [producer.get(tensor)] + consumers.get(tensor, []):
+            if node is not None:
+                kept.setdefault(node.name, KeptNode(node.name, node.op_type, "range", reason))
+    return kept
+
+
+def _scale_keeps(model, low: LowType) -> Dict[str, KeptNode]:
+    """Q/DQ nodes whose scale the type cannot hold, and the nodes reading a kept DQ."""
+    from ..io.models import tensor_array
+
+    constants = {t.name: t for t in model.graph.initializer}
+    consumers: Dict[str, List[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for t in n.input:
+            consumers.setdefault(t, []).append(n)
+    kept: Dict[str, KeptNode] = {}
+    for node in model.graph.node:
+        if node.op_type not in _QDQ or len(node.input) < 2 or node.input[1] not in constants:
+            continue
+        scale = tensor_array(constants[node.input[1]])
+        if scale.dtype != np.float32 or not scale.size:
+            continue
+        if scale_fits(scale, low):
+            continue
+        reason = (f"scale {node.input[1]!r} (down to {float(np.min(scale)):.3g}) does not fit "
+                  f"{low.name.upper()} within its precision")
+        kept[node.name] = KeptNode(node.name, node.op_type, "scale", reason)
+        dqs = [node] if node.op_type == "DequantizeLinear" else \
+            [c for c in consumers.get(node.output[0], []) if c.op_type == "DequantizeLinear"]
+        for dq in dqs:
+            kept.setdefault(dq.name, KeptNode(dq.name, dq.op_type, "scale", reason))
+            for c in consumers.get(dq.output[0], []):
+                kept.setdefault(c.name, KeptNode(c.name, c.op_type, "scale",
+                                                 f"reads DequantizeLinear {dq.name!r} kept FP32 ({reason})"))
+    return kept
+
+
+def scale_fits(scale: np.ndarray, low: LowType) -> bool:
+    """Whether Q/DQ scales ``scale`` can be stored in ``low``: rounded to it, and a scale that would
+    round to zero raised to its smallest positive value (`low_scale`), no scale moves by more
+    than the type's epsilon of the largest one (a per-channel weight's dead channels, scales ~1e-30,
+    then dequantize to values that small against the tensor's largest: below FP16's own precision)."""
+    scale = np.asarray(scale, dtype=np.float32)
+    stored = low_scale(scale, low)
+    return bool(np.all(np.isfinite(stored)) and
+                float(np.max(np.abs(stored - scale))) <= low.eps * float(np.max(np.abs(scale))))
+
+
+def low_scale(scale: np.ndarray, low: LowType) -> np.ndarray:
+    """``scale`` rounded to ``low`` (as float32), none below the type's smallest positive value."""
+    return np.maximum(low.round(scale), np.float32(low.tiny))
+
+
+def _fusion_keeps(model, kept: Dict[str, KeptNode]) -> onnx.ModelProto:
+    """Keep with their consumers the DequantizeLinear nodes feeding kept nodes: a DQ whose readers
+    are all kept is kept; one also read by converted nodes is duplicated, the copy (kept) feeding
+    the kept readers. Edits ``model`` in place and adds to ``kept``."""
+    g = model.graph
+    producer = {t: n for n in g.node for t in n.output}
+    readers: Dict[str, List[onnx.NodeProto]] = {}
+    for n in g.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+    used = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
+    copies: List[Tuple[onnx.NodeProto, onnx.NodeProto]] = []
+    for node in list(g.node):
+        if node.name not in kept or node.op_type in _QDQ:
+            continue
+        for i, t in enumerate(node.input):
+            dq = producer.get(t)
+            if dq is None or dq.op_type != "DequantizeLinear" or dq.name in kept:
+                continue
+            why = f"feeds {node.name!r}, kept FP32: TensorRT fuses a DQ into its consumer only without a Cast"
+            if all(r.name in kept for r in readers.get(t, [])):
+                kept[dq.name] = KeptNode(dq.name, dq.op_type, "fusion", why)
+                continue
+            copy = onnx.NodeProto()
+            copy.CopyFrom(dq)
+            copy.name, copy.output[0] = _fresh(used, f"{dq.name}/fp32"), _fresh(used, f"{t}/fp32")
+            node.input[i] = copy.output[0]
+            kept[copy.name] = KeptNode(copy.name, dq.op_type, "fusion", why)
+            copies.append((dq, copy))
+    if copies:
+        order = []
+        after = {}
+        for dq, copy in copies:
+            after.setdefault(id(dq), []).append(copy)
+        for n in g.node:
+            order.append(n)
+            order.extend(after.get(id(n), []))
+        del g.node[:]
+        g.node.extend(order)
+    return model
+
+
+def _fresh(used: set, base: str) -> str:
+    name, k = base, 1
+    while name in used:
+        name, k = f"{base}_{k}", k + 1
+    used.add(name)
+    return name
+
+
+def _convert(proto, low, kept, types, keep_io_types):
+    """A converted copy of ``proto`` with ``kept`` nodes FP32: (model, CastStats, kept)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    kept = dict(kept)
+    _fusion_keeps(model, kept)
+    local_types = dict(types)
+    for n in model.graph.node:  # the DQ copies' outputs
+        for t in n.output:
+            if t not in local_types and t.endswith("/fp32"):
+                local_types[t] = TensorProto.FLOAT
+    scales = {n.input[1] for n in proto.graph.node if n.op_type in _QDQ and len(n.input) > 1}
+    stats = cast_graph(model, low, kept, local_types, keep_io_types=keep_io_types,
+                       pinned=read_in_subgraphs(model.graph))
+    _floor_low_scales(model, proto, low, scales)
+    return model, stats, kept
+
+
+def _floor_low_scales(model, proto, low: LowType, scales) -> None:
+    """Store every Q/DQ scale ``model`` holds in ``low`` (or a low copy of) from its FP32 value in
+    ``proto`` through `low_scale`: none rounds to zero."""
+    from ..io.models import tensor_array
+
+    originals = {t.name: t for t in proto.graph.initializer if t.name in scales}
+    for tensor in model.graph.initializer:
+        if tensor.data_type != low.onnx_type:
+            continue
+        base = tensor.name if tensor.name in originals else tensor.name.rsplit(f"/{low.name}", 1)[0]
+        if base in originals:
+            values = tensor_array(originals[base])
+            stored = low_scale(values, low)
+            if np.any(stored != low.round(values)):
+                tensor.CopyFrom(low.tensor(tensor.name, stored))
+
+
+def _write_metadata(model: onnx.ModelProto, low: LowType, kept: Mapping[str, KeptNode]) -> None:
+    """Mark every kept node (``NodeProto.metadata_props`` `KEEP_FP32_KEY` = its reason) and
+    the model (``metadata_props`` `FLOAT_DTYPE_KEY` = the type)."""
+    props = [p for p in model.metadata_props if p.key != FLOAT_DTYPE_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(props)
+    model.metadata_props.add(key=FLOAT_DTYPE_KEY, value=low.name)
+    for node in model.graph.node:
+        k = kept.get(node.name)
+        if k is not None:
+            mine = [p for p in node.metadata_props if p.key != KEEP_FP32_KEY]
+            del node.metadata_props[:]
+            node.metadata_props.extend(mine)
+            node.metadata_props.add(key=KEEP_FP32_KEY, value=k.reason)
+
+
+def kept_fp32_nodes(model: onnx.ModelProto) -> Dict[str, str]:
+    """``{node name: reason}`` of the main-graph nodes a float-parts conversion kept FP32 on purpose
+    (their ``metadata_props`` entry `KEEP_FP32_KEY`)."""
+    found = {n.name: kept_fp32_reason(n) for n in model.graph.node}
+    return {name: reason for name, reason in found.items() if reason is not None}
+
+
+# --------------------------------------------------------------------------- measurement
+class _Measure:
+    """Runs on a few samples: the FP32 float parts with every float tensor exposed (ranges, values),
+    the reference's outputs, and any converted model's."""
+
+    def __init__(self, proto, types, data, reference, num_samples: int, progress: bool):
+        from ..io.data import load_data
+        from ..io.models import load_model
+
+        self.dataset = load_data(data, proto).take(num_samples)
+        self.progress = progress
+        self.outputs = [o.name for o in proto.graph.output]
+        self.floats = [t for n in proto.graph.node for t in n.output
+                       if t and types.get(t) == TensorProto.FLOAT and t not in self.outputs]
+        self.proto = proto
+        self._values32: Optional[Dict[str, np.ndarray]] = None
+        self.ranges: Dict[str, float] = {}
+        ref = None if reference is None else load_model(reference)
+        if ref is not None:
+            missing = [o for o in self.outputs if o not in self.outputs_of(ref)]
+            if missing:
+                raise ModelError(f"the reference model has no output {missing[0]!r}: give the float model "
+                                 "of the same graph (or reference=None)")
+            self.reference = self._run(ref, self.outputs, optimize=None)  # a float model, as deployed
+        # every float tensor's range from the exact run (optimisations off: exposing them costs little)
+        self.outputs32 = self._run(proto, self.outputs + self.floats, ranges=self.ranges)
+        if ref is None:
+            self.reference = dict(self.outputs32)
+
+    @property
+    def values32(self) -> Dict[str, np.ndarray]:
+        """Every float tensor of the FP32 float parts (run again only when the search needs them)."""
+        if self._values32 is None:
+            self._values32 = self._run(self.proto, self.outputs + self.floats, keep=True)
+        return self._values32
+
+    def _run(self, model, names, ranges=None, keep=False, optimize=False) -> Dict[str, np.ndarray]:
+        """The graph outputs (and with ``keep`` every tensor of ``names``) over the samples, flattened;
+        ``ranges`` collects every tensor's max |value| (finite ones only)."""
+        from ..runtime.sessions import make_session, run_batches
+
+        session = make_session(model, extra_outputs=[n for n in names if n not in self.outputs_of(model)],
+                               optimize=optimize, spin=False)
+        parts: Dict[str, list] = {}
+        for batch in run_batches(session, self.dataset, batch_size=4, outputs=names, progress=self.progress,
+                                 desc="float parts"):
+            for name, value in batch.items():
+                value = np.asarray(value, dtype=np.float32)
+                if ranges is not None and value.size and np.all(np.isfinite(value)):
+                    ranges[name] = max(ranges.get(name, 0.0), float(np.max(np.abs(value))))
+                if keep or name in self.outputs:
+                    parts.setdefault(name, []).append(value.reshape(-1))
+        return {name: np.concatenate(v) for name, v in parts.items()}
+
+    def noise(self, low: LowType) -> Dict[str, float]:
+        """Per output, how much the FP32 float parts' cosine against the reference moves when every
+        float input moves by half a ``low`` step (times 1 ± eps/2, seeded signs): the model's own
+        rounding noise, which an INT8 model whose values sit near rounding boundaries amplifies."""
+        from ..runtime.sessions import make_session
+
+        session = make_session(self.proto, optimize=False, spin=False)
+        rng = np.random.default_rng(0)
+        parts: Dict[str, list] = {}
+        for feed in self.dataset.batches(4):
+            moved = {k: (v * (1 + low.eps / 2 * rng.choice([-1.0, 1.0], size=np.shape(v)))).astype(v.dtype)
+                     if np.asarray(v).dtype.kind == "f" else v for k, v in feed.items()}
+            for name, value in zip(self.outputs, session.run(self.outputs, moved)):
+                parts.setdefault(name, []).append(np.asarray(value, np.float32).reshape(-1))
+        moved_cos = self.cosines({k: np.concatenate(v) for k, v in parts.items()})
+        base = self.cosines(self.outputs32)
+        return {o: abs(base[o] - moved_cos[o]) for o in self.outputs}
+
+    @staticmethod
+    def outputs_of(model) -> set:
+        return {o.name for o in model.graph.output}
+
+    def run_low(self, model, low: LowType, names, keep=False, low_tensors=None) -> Dict[str, np.ndarray]:
+        return self._run(_emulate(model, low, low_tensors), names, keep=keep)
+
+    def cosines(self, values) -> Dict[str, float]:
+        from ..runtime.compare import output_figures
+
+        return {o: output_figures(self.reference[o], values[o])["cosine"] for o in self.outputs}
+
+
+def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop, converted, stats):
+    """Keep FP32 the node adding the most error while an output's cosine falls more than ``max_drop``
+    below the FP32 float parts' and more than the model's own rounding noise (`_Measure.noise`);
+    after `MAX_MISSES` rounds in a row that did not lower the worst drop by a quarter of
+    ``max_drop`` the search stops, and the nodes kept since the last round that did are undone. A
+    node is kept with the nodes computing its FP32 inputs: an ill-conditioned node (``x - mean``,
+    a cancellation) needs them unrounded."""
+    base = measure.cosines(measure.outputs32)
+    names = measure.outputs + list(measure.floats)
+    cos = measure.cosines(measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors))
+    noise: Optional[Dict[str, float]] = None
+    rounds = misses = 0
+    tried: set = set()
+    best = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos)
+    while True:
+        short = {o: base[o] - cos[o] for o in measure.outputs if not cos[o] >= base[o] - max_drop}
+        if not short or rounds >= MAX_ROUNDS or misses >= MAX_MISSES:
+            break
+        noise = measure.noise(low) if noise is None else noise
+        if all(short[o] <= noise[o] for o in short):
+            break
+        values = measure.run_low(converted, low, [n for n in names if _has_tensor(converted, n)], keep=True,
+                                 low_tensors=stats.low_tensors)
+        culprit = _worst_node(proto, measure, values, set(kept) | tried)
+        if culprit is None:
+            break
+        rounds += 1
+        node, err = culprit
+        tried.add(node.name)
+        worst = max(short, key=short.get)
+        trial = dict(kept)
+        trial[node.name] = KeptNode(node.name, node.op_type, "measured",
+                                    f"output {worst!r} cosine fell by {short[worst]:.2g} in "
+                                    f"{low.name.upper()} (> {max_drop:g}); this node added relative error "
+                                    f"{err:.2g}")
+        for feeder in _float_producers(proto, node, types):  # its inputs unrounded: an ill-conditioned
+            trial.setdefault(feeder.name, KeptNode(  # node (x - mean, cancellation) needs them so
+                feeder.name, feeder.op_type, "measured",
+                f"feeds {node.name!r}, kept FP32 by measurement: its input must not be rounded"))
+        converted, stats, kept = _convert(proto, low, trial, types, keep_io_types)
+        cos = measure.cosines(measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors))
+        if max(base[o] - cos[o] for o in measure.outputs) < best[0] - max_drop / 4:  # a real gain
+            best, misses = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos), 0
+        else:
+            misses += 1
+    if misses:  # the nodes kept since the last improvement did not help: undone
+        converted, stats, kept, cos = best[1:]
+    short = {o: base[o] - cos[o] for o in measure.outputs if not cos[o] >= base[o] - max_drop}
+    notes: Tuple[str, ...] = ()
+    if short:
+        within = noise is not None and all(short[o] <= noise[o] for o in short)
+        moved = ", ".join(f"{o} {base[o]:.5f} -> {cos[o]:.5f}" for o in short)
+        sizes = ", ".join(f"{noise[o]:.2g}" for o in short) if within else ""
+        why = (f", within the INT8 model's own rounding noise ({sizes}: its output cosine moves that much "
+               f"when its inputs move by half a {low.name.upper()} step)" if within
+               else f" after {rounds} rounds")
+        notes = (f"the output cosine stays more than {max_drop:g} below the FP32 float parts' "
+                 f"({moved}){why}",)
+        logger.warning("%s", notes[0])
+    measurement = {"samples": measure.dataset.num_samples, "rounds": rounds, "max_cosine_drop": max_drop,
+                   "outputs": {o: {"cosine_fp32": base[o], "cosine": cos[o]} for o in measure.outputs},
+                   **({} if noise is None else {"rounding_noise": dict(noise)})}
+    return converted, stats, kept, measurement, notes
+
+
+def _float_producers(model, node, types) -> List[onnx.NodeProto]:
+    """The nodes computing ``node``'s FP32 inputs (not Constant nodes, not DequantizeLinear: their
+    values are exact)."""
+    producer = {t: n for n in model.graph.node for t in n.output}
+    found = []
+    for t in node.input:
+        p = producer.get(t)
+        if p is not None and types.get(t) == TensorProto.FLOAT and p.op_type not in ("Constant", *_QDQ):
+            found.append(p)
+    return found
+
+
+def _has_tensor(model, name) -> bool:
+    return any(name in n.output for n in model.graph.node) or any(i.name == name for i in model.graph.input)
+
+
+def _worst_node(proto, measure: _Measure, values, kept):
+    """The converted compute node adding the most relative error (a node making a finite tensor
+    non-finite first of all), with that error; None when none is left."""
+    ref = measure.values32
+    err: Dict[str, float] = {}
+    for t, v in values.items():
+        r = ref.get(t)
+        if r is None or r.shape != v.shape:
+            continue
+        if not np.all(np.isfinite(v)) and np.all(np.isfinite(r)):
+            err[t] = float("inf")
+            continue
+        norm = float(np.linalg.norm(r))
+        err[t] = float(np.linalg.norm(v.astype(np.float64) - r)) / norm if norm > 0 else 0.0
+    producer = {t: n for n in proto.graph.node for t in n.output}
+    best, best_err = None, 0.0
+    for node in proto.graph.node:
+        if node.name in kept or node.op_type in _QDQ or node.op_type == "Cast":
+            continue
+        out = max((err.get(t, 0.0) for t in node.output), default=0.0)
+        inputs = []
+        for t in node.input:
+            p = producer.get(t)
+            if p is not None and p.op_type == "DequantizeLinear":  # through the Q/DQ pair
+                q = producer.get(p.input[0])
+                t = q.input[0] if q is not None and q.op_type == "QuantizeLinear" else t
+            inputs.append(err.get(t, 0.0))
+        local = out - max(inputs, default=0.0) if np.isfinite(out) else (
+            float("inf") if all(np.isfinite(inputs)) else 0.0)
+        if local > best_err:
+            best, best_err = node, local
+    return None if best is None else (best, best_err)
+
+
+def ort_cpu_missing_kernels(model: onnx.ModelProto, low: LowType, nodes: Iterable[str]) -> Tuple[str, ...]:
+    """Op types of ``model``'s main-graph ``nodes`` (names) that onnxruntime's CPU provider (the
+    installed build) has no kernel for in ``low``, read from its kernel registry (empty when the
+    registry cannot be read)."""
+    try:
+        from onnxruntime.capi import _pybind_state
+
+        defs = _pybind_state.get_all_opkernel_def()
+    except Exception:  # noqa: BLE001 - an onnxruntime without the registry: nothing to say
+        return ()
+    with_low = {k.op_name for k in defs
+                if k.provider == "CPUExecutionProvider" and k.domain in ("", "ai.onnx")
+                and any(low.type_str in types for types in k.type_constraints.values())}
+    names = set(nodes)
+    used = dict.fromkeys(n.op_type for n in model.graph.node if n.name in names and n.op_type != "Cast")
+    return tuple(op for op in used if op not in with_low)
+
+
+# --------------------------------------------------------------------------- emulation
+def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto:
+    """A copy of ``model`` (FP16 or BF16 float parts) onnxruntime's CPU provider runs as TensorRT
+    stores the numbers: every FP16/BF16 tensor computed in FP32 and rounded to its type where it is
+    produced (a Cast to the type and back), initializers as their exact FP32 values, FP16/BF16 graph
+    inputs and outputs as FP32. ``float_dtype``: ``fp16`` or ``bf16`` (None: the model's
+    `FLOAT_DTYPE_KEY`).
+
+    This is what the measurement of [`cast_float_parts`][onnx_qat.formats.float_parts.cast_float_parts] runs,
+    for both types: onnxruntime has no BF16 Conv or MatMul on CPU, and its FP16 session computes consecutive
+        ops without an FP16 CPU
+    kernel in FP32 with no rounding between them (its ``InsertCastTransformer`` drops the Cast pairs
+    between them), which can hide the cost of FP16 storage there.
+    """
+    if float_dtype is None:
+        float_dtype = {p.key: p.value for p in model.metadata_props}.get(FLOAT_DTYPE_KEY)
+        if float_dtype is None:
+            raise ConfigError("emulate_in_fp32: give float_dtype ('fp16' or 'bf16'); the model does not say")
+    low = get_low_type(float_dtype)
+    if low is None:
+        raise ConfigError("emulate_in_fp32: float_dtype must be 'fp16' or 'bf16'")
+    return _emulate(model, low)
+
+
+def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None) -> onnx.ModelProto:
+    """[`emulate_in_fp32`][onnx_qat.formats.float_parts.emulate_in_fp32]; ``low_tensors``: the node outputs of
+    type ``low`` when known (else shape inference tells)."""
+    from ..io.models import tensor_array
+
+    if low_tensors is None:
+        types = tensor_types(model)
+        low_tensors = {t for t, ty in types.items() if ty == low.onnx_type}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    for t in g.initializer:
+        if t.data_type == low.onnx_type:
+            t.CopyFrom(onnx.numpy_helper.from_array(np.asarray(tensor_array(t), np.float32), t.name))
+    for info in list(g.value_info) + list(g.input) + list(g.output):
+        if info.type.tensor_type.elem_type == low.onnx_type:
+            info.type.tensor_type.elem_type = TensorProto.FLOAT
+    nodes = []
+    used = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
+    for node in g.node:
+        for attr in node.attribute:
+            if attr.name in ("to", "dtype") and attr.i == low.onnx_type:
+                attr.i = TensorProto.FLOAT
+            if attr.name == "value" and attr.t.data_type == low.onnx_type:
+                attr.t.CopyFrom(onnx.numpy_helper.from_array(np.asarray(tensor_array(attr.t), np.float32)))
+        nodes.append(node)
+        for i, t in enumerate(node.output):
+            if t and t in low_tensors:
+                raw = _fresh(used, f"{t}/exact")
+                node.output[i] = raw
+                mid = _fresh(used, f"{t}/rounded")
+                nodes.append(helper.make_node("Cast", [raw], [mid], to=low.onnx_type))
+                nodes.append(helper.make_node("Cast", [mid], [t], to=TensorProto.FLOAT))
+    del g.node[:]
+    g.node.extend(nodes)
+    return out
+
+
+__all__ = ["cast_float_parts", "quantize_with_float_parts", "FloatPartsResult", "KeptNode", "FLOAT_DTYPES",
+           "KEEP_FP32_KEY",
+           "FLOAT_DTYPE_KEY", "kept_fp32_nodes", "emulate_in_fp32", "get_low_type", "check_float_dtype",
+           "TENSORRT_NO_BF16"]

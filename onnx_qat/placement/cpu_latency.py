@@ -1,0 +1,553 @@
+"""Latency-aware placement for the ``ort-cpu`` target: quantize a site only where onnxruntime's
+integer kernel is faster than float on this machine.
+
+onnxruntime's integer CPU kernels do not win everywhere: depthwise convolutions and small GEMMs
+often run slower as ``QLinearConv`` / ``MatMulIntegerToFloat`` than in float (DESIGN hazards;
+measured on AVX2 and AVX-512 VNNI alike), and which ones lose depends on the CPU's instructions
+(AVX2, AVX-512 VNNI, AMX), the onnxruntime version, the thread count and the shapes. So each
+*site* (a weighted op the placement quantizes: Conv, Gemm, MatMul with a constant weight) is timed
+here, at the model's shapes and the session's thread count, in two one-op models run by
+onnxruntime with all optimizations on:
+
+* a Conv as it sits between integer Convs of the form, reading and writing uint8: integer
+  ``DQ(x), DQ(W) -> Conv -> Q`` (one ``QLinearConv``) against the float Conv, float in and out.
+  (The float Conv cannot be timed between a DequantizeLinear and a QuantizeLinear: onnxruntime
+  1.31 quantizes a float constant weight there itself and runs ``QLinearConv`` again.);
+* a Gemm/MatMul, whose input usually comes from a float op: integer ``Q -> DQ(x), DQ(W) -> MatMul``
+  (``MatMulIntegerToFloat`` / ``QGemm``, the input's QuantizeLinear counted) against float
+  ``x -> MatMul(W) -> y``.
+
+The two are run interleaved and their medians compared; a site stays float (rule ``CPU3``, reason
+with both times) only when the integer median exceeds `FLOAT_MARGIN` (1.1) times the float one.
+Sites with the same op, shapes and attributes are measured once (ResNet50 has 53 Convs of 23 kinds).
+
+One-op timings do not see everything a float site costs in the model: the dequantization of its
+input and the quantization of its output, and what onnxruntime then fuses around it. So when some
+site is kept float, [`onnx_qat.quantize`][onnx_qat.quantize.quantize] also builds the model with every
+site integer (same ranges), times FP32 and both models interleaved at the end, and writes the faster
+quantized one; the report says which (``whole_model.chosen``) and whether it beats FP32.
+
+Measurements are kept in a *latency profile*, a JSON file keyed by site kind, written for one
+machine: its CPU model, the CPU flags that select onnxruntime's integer kernels (``avx2``,
+``avx512f``, ``avx512_vnni``, ``avx_vnni``, ``amx_int8``...), the onnxruntime version and the thread
+count. By default each machine has its own file in ``~/.cache/onnx-qat/latency/`` (``$XDG_CACHE_HOME``
+if set) named by a hash of that key, so a second run on the same machine measures nothing and a
+VNNI machine measures its own. ``latency_profile=FILE`` (``--latency-profile``) reads and extends the
+given file instead, e.g. one measured on the deployment machine (then used as it is, with a note when
+its machine differs from this one).
+
+Sources: onnxruntime's quantization docs ("Quantize ONNX models", section on x86 performance: u8s8
+without VNNI saturates, VNNI and AMX kernels are faster) and the QDQ node-unit fusions of its CPU
+provider (``QLinearConv``, ``QGemm``, ``MatMulIntegerToFloat``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..graph.index import GraphIndex
+from .marks import Placement
+
+logger = logging.getLogger(__name__)
+
+RULE = "CPU3"
+PROFILE_FORMAT = "onnx-qat-latency-profile"
+PROFILE_VERSION = 1
+#: CPU flags that decide which integer kernels onnxruntime's MLAS picks on x86 (and ARM dot products).
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
+                "amx_int8", "asimddp", "i8mm")
+#: A site stays float only when its integer form takes more than this many times the float time: one
+#: site's two medians differ by up to ~10% from run to run on a loaded machine, and a float site
+#: between integer ones also costs its neighbours' fusions, which the one-op timing does not see.
+FLOAT_MARGIN = 1.1
+#: Op types timed as sites.
+SITE_OPS = ("Conv", "Gemm", "MatMul")
+#: Each kind is run until both forms have this many timed runs or this much time has passed.
+_RUNS = (3, 15)
+_SECONDS_PER_KIND = 0.25
+
+
+# --------------------------------------------------------------------------- the machine
+def machine_key(threads: int) -> Dict[str, object]:
+    """What a measurement depends on: CPU model, kernel-selecting CPU flags, onnxruntime version,
+    intra-op threads (0: onnxruntime's default, one per physical core)."""
+    import onnxruntime
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")) and ":" in line:
+                flags |= set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"cpu": model, "flags": sorted(f for f in KERNEL_FLAGS if f in flags),
+            "onnxruntime": onnxruntime.__version__, "threads": int(threads)}
+
+
+def default_profile_path(threads: int) -> Path:
+    """This machine's profile file in the cache directory (see the module docstring)."""
+    key = machine_key(threads)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "onnx-qat" / "latency" / f"{digest}.json"
+
+
+# --------------------------------------------------------------------------- the profile
+@dataclass
+class LatencyProfile:
+    """Measured medians (microseconds) per site kind, for one machine (`machine_key`)."""
+
+    machine: Dict[str, object]
+    sites: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    path: Optional[Path] = None
+
+    @classmethod
+    def load(cls, path, threads: int) -> "LatencyProfile":
+        """The profile in ``path``, or an empty one for this machine when the file does not exist.
+
+        Raises:
+            ConfigError: the file exists but is not a latency profile (one line saying why).
+        """
+        path = Path(path)
+        if not path.exists():
+            return cls(machine_key(threads), {}, path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"latency profile {path}: not readable JSON ({exc})") from None
+        if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT or \
+                raw.get("version") != PROFILE_VERSION or not isinstance(raw.get("sites"), dict):
+            raise ConfigError(f"latency profile {path}: not an {PROFILE_FORMAT} "
+                              f"version {PROFILE_VERSION} file")
+        sites = {}
+        for kind, entry in raw["sites"].items():
+            values = (entry or {}).get("float_us"), (entry or {}).get("int_us")
+            if not all(isinstance(v, (int, float)) and np.isfinite(v) and v > 0 for v in values):
+                raise ConfigError(f"latency profile {path}: site {kind!r} needs positive float_us and int_us")
+            sites[kind] = {"float_us": float(values[0]), "int_us": float(values[1])}
+        return cls(dict(raw.get("machine") or {}), sites, path)
+
+    def save(self) -> None:
+        """Write the profile to `path` (atomically; the folder is created)."""
+        from ..io.files import write_json
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "machine": self.machine,
+                               "sites": self.sites})
+
+
+# --------------------------------------------------------------------------- sites
+@dataclass(frozen=True)
+class Site:
+    """One quantized weighted op: its node, op type and the kind it is measured as."""
+
+    node: str
+    op_type: str
+    kind: str
+    spec: Mapping = field(compare=False, repr=False)
+
+
+def sites_of(index: GraphIndex, placement: Placement, shapes: Mapping[str, Tuple[int, ...]]) -> List[Site]:
+    """The placement's quantized Conv/Gemm/MatMul nodes with a constant weight and a known input shape,
+    in graph order, each with its kind (op, shapes, attributes)."""
+    weighted = {w.node: w for w in placement.weights if w.input_index == 1}
+    found = []
+    for node in index.nodes:
+        mark = weighted.get(node.name)
+        if node.op_type not in SITE_OPS or mark is None or not node.standard or not node.inputs:
+            continue
+        x_shape = shapes.get(node.inputs[0])
+        w_proto = index.constant_proto(node.inputs[1]) if len(node.inputs) > 1 else None
+        if x_shape is None or w_proto is None or w_proto.data_type != 1:
+            continue
+        bias = len(node.inputs) > 2 and bool(node.inputs[2]) \
+            and index.constant_proto(node.inputs[2]) is not None
+        attrs = {a.name: _attr_value(a) for a in node.proto.attribute}
+        spec = {"op": node.op_type, "x": list(x_shape), "w": [int(d) for d in w_proto.dims], "bias": bias,
+                "attrs": attrs, "axis": mark.axis}
+        found.append(Site(node.name, node.op_type, json.dumps(spec, sort_keys=True), spec))
+    return found
+
+
+def _attr_value(attribute):
+    from onnx import helper
+
+    value = helper.get_attribute_value(attribute)
+    if isinstance(value, bytes):
+        return value.decode()
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def input_shapes(model, batch: int) -> Dict[str, Tuple[int, ...]]:
+    """Static shapes of every tensor of ``model`` (onnx shape inference; symbolic or unknown first
+    dimensions of graph inputs set to ``batch``); tensors whose shape stays unknown are left out."""
+    import onnx
+
+    probe = _without_weight_data(model)
+    inits = {i.name for i in probe.graph.initializer}
+    for value in probe.graph.input:
+        if value.name in inits:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        for position, dim in enumerate(dims):
+            if not dim.HasField("dim_value") or dim.dim_value <= 0:
+                dim.Clear()
+                dim.dim_value = batch if position == 0 else 1
+    try:
+        inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - shape inference failing leaves every site unmeasured
+        logger.warning("latency placement: shape inference failed (%s); no site is timed", exc)
+        return {}
+    shapes = {}
+    for value in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
+        dims = value.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+            shapes[value.name] = tuple(int(d.dim_value) for d in dims)
+    return shapes
+
+
+def _without_weight_data(model):
+    """A copy of ``model`` whose float initializers of more than 64 values keep their type and dims but
+    not their data: shape inference needs only those (and the values of small integer constants such as
+    Reshape shapes), and copying ResNet50's 100 MB of weights would cost more than the inference."""
+    import onnx
+
+    probe = onnx.ModelProto()
+    probe.ir_version = model.ir_version
+    probe.opset_import.extend(model.opset_import)
+    graph = probe.graph
+    source = model.graph
+    graph.node.extend(source.node)
+    graph.input.extend(source.input)
+    graph.output.extend(source.output)
+    graph.value_info.extend(source.value_info)
+    for init in source.initializer:
+        size = int(np.prod(init.dims)) if init.dims else 1
+        if init.data_type == onnx.TensorProto.FLOAT and size > 64:
+            stub = graph.initializer.add()
+            stub.name, stub.data_type = init.name, init.data_type
+            stub.dims.extend(init.dims)
+        else:
+            graph.initializer.append(init)
+    return probe
+
+
+# --------------------------------------------------------------------------- one-op models
+def _site_models(spec: Mapping, seed: int = 0):
+    """``(float model, integer model, float feed, integer feed)`` of one site kind."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    op, x_shape, w_shape = spec["op"], tuple(spec["x"]), tuple(spec["w"])
+    w = (rng.standard_normal(w_shape) * 0.05).astype(np.float32)
+    attrs = dict(spec["attrs"])
+    out_channels = w_shape[0] if op == "Conv" or (op == "Gemm" and attrs.get("transB")) else w_shape[-1]
+    b = (rng.standard_normal(out_channels) * 0.01).astype(np.float32)
+    axis = spec.get("axis")
+    reduce = None if axis is None else tuple(i for i in range(w.ndim) if i != axis)
+    amax = np.abs(w).max(axis=reduce)
+    w_scale = np.maximum(np.asarray(amax, np.float32) / 127.0, 1e-8).astype(np.float32)
+    shape = [1] * w.ndim
+    if axis is not None:
+        shape[axis] = -1
+    w_q = np.clip(np.round(w / w_scale.reshape(shape)), -127, 127).astype(np.int8)
+    x = rng.uniform(0, 1, x_shape).astype(np.float32)
+    names = ["x", "w"] + (["b"] if spec["bias"] else [])
+
+    def build(nodes, inits, x_type, y_type):
+        graph = helper.make_graph(nodes, "site", [helper.make_tensor_value_info("x", x_type, list(x_shape))],
+                                  [helper.make_tensor_value_info("y", y_type, None)], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        return model
+
+    bias_init = [numpy_helper.from_array(b, "b")] if spec["bias"] else []
+    consts = [numpy_helper.from_array(w_q, "w_q"), numpy_helper.from_array(w_scale, "w_s"),
+              numpy_helper.from_array(np.zeros(w_scale.shape, np.int8), "w_zp"),
+              numpy_helper.from_array(np.array(1.0 / 255, np.float32), "x_s"),
+              numpy_helper.from_array(np.array(0, np.uint8), "x_zp"),
+              numpy_helper.from_array(np.array(0.05, np.float32), "y_s"),
+              numpy_helper.from_array(np.array(128, np.uint8), "y_zp")] + bias_init
+    w_dq = helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_zp"], ["w"],
+                            **({} if axis is None else {"axis": int(axis)}))
+    op_inputs = ["x_dq", "w"] + (["b"] if spec["bias"] else [])
+    if op == "Conv":  # uint8 in, uint8 out: QLinearConv, as between integer Convs of the form
+        nodes = [helper.make_node("DequantizeLinear", ["x", "x_s", "x_zp"], ["x_dq"]), w_dq,
+                 helper.make_node(op, op_inputs, ["y_f"], **attrs),
+                 helper.make_node("QuantizeLinear", ["y_f", "y_s", "y_zp"], ["y"])]
+        int_model, int_feed = build(nodes, consts, TensorProto.UINT8, TensorProto.UINT8), \
+            np.round(x * 255).astype(np.uint8)
+    else:  # float in (quantized here), float out: QGemm / MatMulIntegerToFloat
+        nodes = [helper.make_node("QuantizeLinear", ["x", "x_s", "x_zp"], ["x_q"]),
+                 helper.make_node("DequantizeLinear", ["x_q", "x_s", "x_zp"], ["x_dq"]), w_dq,
+                 helper.make_node(op, op_inputs, ["y"], **attrs)]
+        int_model, int_feed = build(nodes, consts, TensorProto.FLOAT, TensorProto.FLOAT), x
+    float_model = build([helper.make_node(op, names, ["y"], **attrs)],
+                        [numpy_helper.from_array(w, "w")] + bias_init, TensorProto.FLOAT, TensorProto.FLOAT)
+    return float_model, int_model, x, int_feed
+
+
+def _session(model, threads: int):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    source = model if isinstance(model, bytes) else model.SerializeToString()
+    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+
+
+def measure_kind(spec: Mapping, threads: int) -> Dict[str, float]:
+    """Median run time (microseconds) of one site kind in float and in the integer form,
+    interleaved (float, integer, float, ...), after one warm-up run of each."""
+    float_model, int_model, float_feed, int_feed = _site_models(spec)
+    runs = [(_session(float_model, threads), float_feed), (_session(int_model, threads), int_feed)]
+    times: Tuple[List[float], List[float]] = ([], [])
+    for session, feed in runs:
+        session.run(None, {"x": feed})
+    start = time.perf_counter()
+    while len(times[0]) < _RUNS[1] and (len(times[0]) < _RUNS[0] or
+                                         time.perf_counter() - start < _SECONDS_PER_KIND):
+        for (session, feed), bucket in zip(runs, times):
+            t0 = time.perf_counter()
+            session.run(None, {"x": feed})
+            bucket.append(time.perf_counter() - t0)
+    return {"float_us": 1e6 * statistics.median(times[0]), "int_us": 1e6 * statistics.median(times[1])}
+
+
+# --------------------------------------------------------------------------- the decision
+@dataclass(frozen=True)
+class LatencyDecision:
+    """Which sites stay float for speed, and one record per site (node, kind's times, gain, source)."""
+
+    kept_float: Tuple[str, ...]
+    records: Tuple[dict, ...]
+    profile_path: Optional[str]
+    measured_kinds: int
+    seconds: float
+    notes: Tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"rule": RULE, "profile": self.profile_path, "kinds_measured": self.measured_kinds,
+                "seconds": round(self.seconds, 3), "kept_float": list(self.kept_float),
+                "sites": [dict(r) for r in self.records], "notes": list(self.notes)}
+
+
+def decide(model, index: GraphIndex, placement: Placement, *, profile=None, threads: int = 0,
+           batch: int = 1, save: bool = True) -> LatencyDecision:
+    """Time each site of ``placement`` (or read it from the profile) and decide float or integer.
+
+    Args:
+        model: the float ``onnx.ModelProto`` ``index`` indexes.
+        profile: a profile file path (read, extended with what is measured here, written back), or
+            None for this machine's cache file (`default_profile_path`).
+        threads: onnxruntime intra-op threads of the deployment session (0: its default).
+        batch: the batch size symbolic first dimensions are timed at.
+        save: write the extended profile back.
+    """
+    start = time.perf_counter()
+    path = Path(profile) if profile is not None else default_profile_path(threads)
+    loaded = LatencyProfile.load(path, threads)
+    here = machine_key(threads)
+    notes = []
+    if loaded.sites and loaded.machine and loaded.machine != here:
+        notes.append(f"latency profile {path} was measured on another machine or setup "
+                     f"({_describe(loaded.machine)}); its times are used as they are "
+                     f"(this one: {_describe(here)})")
+    shapes = input_shapes(model, batch)
+    sites = sites_of(index, placement, shapes)
+    unmeasurable = sorted({w.node for w in placement.weights} - {s.node for s in sites}
+                          & {n.name for n in index.nodes if n.op_type in SITE_OPS})
+    measured = 0
+    for site in sites:
+        if site.kind not in loaded.sites:
+            loaded.sites[site.kind] = measure_kind(site.spec, threads)
+            measured += 1
+    if measured and save:
+        if not loaded.machine:
+            loaded.machine = here
+        loaded.save()
+    records, kept = [], []
+    for site in sites:
+        times = loaded.sites[site.kind]
+        gain = times["float_us"] / times["int_us"]
+        integer = times["int_us"] <= FLOAT_MARGIN * times["float_us"]
+        if not integer:
+            kept.append(site.node)
+        records.append({"node": site.node, "op_type": site.op_type, "float_us": round(times["float_us"], 1),
+                        "int_us": round(times["int_us"], 1), "gain": round(gain, 3),
+                        "decision": "integer" if integer else "float", "kind": _short(site.spec)})
+    if unmeasurable:
+        notes.append(f"{len(unmeasurable)} quantized site(s) without a static input shape are quantized "
+                     f"untimed (e.g. {unmeasurable[0]!r})")
+    return LatencyDecision(tuple(kept), tuple(records), str(path), measured, time.perf_counter() - start,
+                           tuple(notes))
+
+
+def _describe(machine: Mapping) -> str:
+    flags = ",".join(machine.get("flags") or []) or "no listed flags"
+    return (f"{machine.get('cpu', '?')}, {flags}, onnxruntime {machine.get('onnxruntime', '?')}, "
+            f"{machine.get('threads', '?')} threads")
+
+
+def _short(spec: Mapping) -> str:
+    """A readable kind: ``Conv x[1,64,56,56] w[64,1,3,3] group=64``."""
+    extras = []
+    if spec["op"] == "Conv":
+        group, strides = spec["attrs"].get("group", 1), spec["attrs"].get("strides")
+        extras += [f"group={group}"] if group != 1 else []
+        extras += [f"strides={strides}"] if strides and any(s != 1 for s in strides) else []
+    shape = ",".join(str(d) for d in spec["x"])
+    weight = ",".join(str(d) for d in spec["w"])
+    return " ".join([f"{spec['op']} x[{shape}] w[{weight}]"] + extras)
+
+
+def kept_float_decisions(decision: LatencyDecision, index: GraphIndex):
+    """The placement ``Decision`` records (action ``skip``, rule CPU3) of the sites kept float."""
+    from .marks import Decision
+
+    by_node = {r["node"]: r for r in decision.records}
+    found = []
+    for name in decision.kept_float:
+        record, node = by_node[name], index.by_name[name]
+        found.append(Decision(name, node.op_type, "skip", RULE,
+                              f"kept float for speed: integer {record['int_us']:.0f} us vs float "
+                              f"{record['float_us']:.0f} us on this CPU ({record['kind']})"))
+    return tuple(found)
+
+
+def time_models(models: Mapping[str, object], feeds: Mapping[str, np.ndarray], threads: int = 0,
+                rounds: int = 5) -> Dict[str, float]:
+    """Median seconds per run of each model (protos), run interleaved ``rounds`` times after a warm-up."""
+    sessions = {k: _session(m, threads) for k, m in models.items()}
+    for session in sessions.values():
+        session.run(None, dict(feeds))
+    times: Dict[str, List[float]] = {k: [] for k in sessions}
+    for _ in range(rounds):
+        for key, session in sessions.items():
+            t0 = time.perf_counter()
+            session.run(None, dict(feeds))
+            times[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# --------------------------------------------------------------------------- the rewrite's two steps
+@dataclass(frozen=True)
+class LatencyOptions:
+    """How [`onnx_qat.quantize`][onnx_qat.quantize.quantize] places by latency (``latency=`` keyword).
+
+    Attributes:
+        profile: the latency profile file to read and extend, or None for this machine's cache file.
+        threads: onnxruntime intra-op threads the model will run with (0: onnxruntime's default).
+        batch: batch size for symbolic first dimensions (the deployment batch).
+        rounds: interleaved runs of the whole-model timing at the end (FP32 against the result).
+    """
+
+    profile: Optional[str] = None
+    threads: int = 0
+    batch: int = 1
+    rounds: int = 3
+
+    @classmethod
+    def resolve(cls, value) -> Optional["LatencyOptions"]:
+        """``None``/``False``/``"off"``: no latency placement; ``True``/``"measure"``: this machine's
+        cache; a path: that profile file; a LatencyOptions passes through.
+
+        Raises:
+            ConfigError: any other value.
+        """
+        if value is None or value is False or value == "off":
+            return None
+        if value is True or value == "measure":
+            return cls()
+        if isinstance(value, cls):
+            if isinstance(value.threads, bool) or not isinstance(value.threads, int) or value.threads < 0 \
+                    or isinstance(value.batch, bool) or not isinstance(value.batch, int) or value.batch < 1:
+                raise ConfigError("latency options: threads must be a whole number >= 0 and batch >= 1")
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return cls(profile=os.fspath(value))
+        raise ConfigError(f"latency must be None, 'off', 'measure', a profile path or LatencyOptions, "
+                          f"not {type(value).__name__}")
+
+
+def place_by_latency(model, index: GraphIndex, placement: Placement, policy, config,
+                     options: LatencyOptions) -> Tuple[Placement, LatencyDecision]:
+    """Decide (`decide`) and, when some sites stay float, place again with them excluded; the
+    placement decisions of those sites say rule CPU3 with both measured times."""
+    import re
+    from dataclasses import replace
+
+    decision = decide(model, index, placement, profile=options.profile, threads=options.threads,
+                      batch=options.batch)
+    for note in decision.notes:
+        logger.warning("%s", note)
+    if not decision.kept_float:
+        return replace(placement, notes=placement.notes + decision.notes), decision
+    patterns = tuple(re.escape(name) for name in decision.kept_float)
+    placed = policy.place(index, replace(config, exclude_nodes=tuple(config.exclude_nodes) + patterns))
+    ours = {d.node: d for d in kept_float_decisions(decision, index)}
+    decisions = tuple(ours.get(d.node, d) for d in placed.decisions)
+    note = (f"ort-cpu latency placement: {len(decision.kept_float)} of {len(decision.records)} timed site(s) "
+            f"kept float for speed (integer not faster on this CPU), e.g. {decision.kept_float[0]!r}")
+    logger.info("%s", note)
+    return replace(placed, decisions=decisions, notes=placed.notes + decision.notes + (note,)), decision
+
+
+def whole_model_timing(float_model, qdq_model, options: LatencyOptions,
+                       alternative=None) -> Dict[str, object]:
+    """FP32 (``float_model``: a ModelProto or its serialized bytes) against the quantized model,
+    interleaved, at the options' batch and threads: medians (milliseconds), speed-up, and a plain
+    verdict. ``alternative``: ``(model, ...)`` with every site integer, timed in the same runs; the
+    faster of the two quantized models is ``chosen`` (``"latency placement"`` or
+    ``"every site integer"``) and is the one the figures describe."""
+    import onnx
+
+    if isinstance(float_model, bytes):
+        float_model = onnx.load_from_string(float_model)
+    shapes = input_shapes(float_model, options.batch)
+    inits = {i.name for i in float_model.graph.initializer}
+    feeds, rng = {}, np.random.default_rng(0)
+    for value in float_model.graph.input:
+        if value.name in inits:
+            continue
+        if value.type.tensor_type.elem_type != onnx.TensorProto.FLOAT or value.name not in shapes:
+            return {"timed": False, "reason": f"input {value.name!r} is not a float32 tensor of known shape"}
+        feeds[value.name] = rng.standard_normal(shapes[value.name]).astype(np.float32)
+    models = {"fp32": float_model, "quantized": qdq_model}
+    if alternative is not None:
+        models["every site integer"] = alternative[0]
+    medians = time_models(models, feeds, options.threads, options.rounds)
+    chosen = "latency placement"
+    extra = {}
+    if alternative is not None:
+        extra = {"latency_placement_ms": round(1e3 * medians["quantized"], 3),
+                 "every_site_integer_ms": round(1e3 * medians["every site integer"], 3)}
+        if medians["every site integer"] < medians["quantized"]:
+            chosen, medians["quantized"] = "every site integer", medians["every site integer"]
+    speedup = medians["fp32"] / medians["quantized"]
+    verdict = "faster than FP32" if speedup > 1.0 else "NOT faster than FP32"
+    return {"timed": True, "batch": options.batch, "threads": options.threads, "rounds": options.rounds,
+            "fp32_ms": round(1e3 * medians["fp32"], 3), "quantized_ms": round(1e3 * medians["quantized"], 3),
+            "speedup": round(speedup, 3), "verdict": verdict, "chosen": chosen, **extra}
+
+
+__all__ = ["LatencyProfile", "LatencyDecision", "LatencyOptions", "Site", "decide", "place_by_latency",
+           "whole_model_timing", "machine_key", "default_profile_path",
+           "sites_of", "input_shapes", "measure_kind", "time_models", "kept_float_decisions", "RULE",
+           "KERNEL_FLAGS"]

@@ -1,0 +1,395 @@
+"""Float parts in FP16/BF16 (``onnx_qat.formats.float_parts``): each keep rule, the typed rewrite,
+quantize/CLI integration, the numbers against the FP32 float parts."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+
+import onnx_qat
+from onnx_qat.errors import ConfigError, ModelError
+from onnx_qat.formats.float_parts import (
+    FLOAT_DTYPE_KEY,
+    KEEP_FP32_KEY,
+    cast_float_parts,
+    emulate_in_fp32,
+    kept_fp32_nodes,
+)
+from tests.builders import (
+    GraphBuilder,
+    assert_check_clean,
+    conv_bn_relu_model,
+    cosine,
+    mobilenet_v2_model,
+    random_inputs,
+    residual_block_model,
+    run,
+    transformer_block_model,
+)
+
+LOW = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+WEIGHTED = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+
+
+def float_types(model):
+    """{tensor: element type} of every initializer and every node output shape inference types."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {
+        i.name: i.type.tensor_type.elem_type
+        for i in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input)
+    }
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    return types
+
+
+def fp32_compute(model, kept=()):
+    """Weighted nodes whose output is FP32, less the names in ``kept``."""
+    types = float_types(model)
+    return [
+        n.name
+        for n in model.graph.node
+        if n.op_type in WEIGHTED and types.get(n.output[0]) == TensorProto.FLOAT and n.name not in kept
+    ]
+
+
+def run_each(model, feeds):
+    """The first output over every sample of ``feeds`` (one run per sample: the builders' models take
+    batch 1)."""
+    count = len(next(iter(feeds.values())))
+    return np.concatenate([run(model, {k: v[i : i + 1] for k, v in feeds.items()})[0] for i in range(count)])
+
+
+def run_low(model, feeds, dtype="fp16"):
+    return run(model if dtype == "fp16" else emulate_in_fp32(model, dtype), feeds)
+
+
+def file_bytes(model):
+    return sum(len(t.raw_data) for t in model.graph.initializer if t.data_type in (1, 10, 16))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_float_model_every_float_part_takes_the_type(dtype, seed):
+    model = residual_block_model(projection=True, seed=seed)
+    before = model.SerializeToString()
+    feeds = random_inputs(model, seed=seed)
+    result = cast_float_parts(model, dtype)
+    assert model.SerializeToString() == before  # the caller's model is never changed
+    out = result.model
+    assert result.kept == ()
+    assert all(t.data_type == LOW[dtype] for t in out.graph.initializer if t.data_type != TensorProto.INT64)
+    assert fp32_compute(out) == []
+    # the graph keeps its FP32 input and output, with a Cast at each end
+    assert out.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert out.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert [n.op_type for n in out.graph.node].count("Cast") == 2
+    assert file_bytes(out) == file_bytes(model) // 2
+    ref = run(model, feeds)[0]
+    got = run_low(out, feeds, dtype)[0]
+    assert got.dtype == np.float32
+    assert cosine(ref, got) > (0.9999 if dtype == "fp16" else 0.999)
+    assert {p.key: p.value for p in out.metadata_props}[FLOAT_DTYPE_KEY] == dtype
+
+
+def test_keep_io_types_false_gives_low_inputs_and_outputs():
+    model = conv_bn_relu_model()
+    out = cast_float_parts(model, "fp16", keep_io_types=False).model
+    assert out.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    assert out.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    assert "Cast" not in [n.op_type for n in out.graph.node]
+    feeds = {k: v.astype(np.float16) for k, v in random_inputs(model).items()}
+    got = run(out, feeds)[0]
+    assert got.dtype == np.float16
+    assert cosine(run(model, {k: v.astype(np.float32) for k, v in feeds.items()})[0], got) > 0.9999
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_quantize_fp16_checks_clean_and_keeps_the_cosine(precision, scale):
+    model = residual_block_model(projection=True)
+    feeds = {k: v * scale for k, v in random_inputs(model, num=8, seed=1).items()}
+    data = {k: np.concatenate([v] * 2) for k, v in feeds.items()}
+    fp32 = onnx_qat.quantize(model, data=data, precision=precision, progress=False)
+    fp16 = onnx_qat.quantize(model, data=data, precision=precision, float_dtype="fp16", progress=False)
+    assert_check_clean(fp16.model)
+    assert fp16.float_parts is not None and fp16.float_parts.float_dtype == "fp16"
+    assert onnx_qat.io.models.default_opset(fp16.model) >= 19
+    scales = [
+        n.input[1] for n in fp16.model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+    ]
+    inits = {t.name: t for t in fp16.model.graph.initializer}
+    assert scales and all(inits[s].data_type == TensorProto.FLOAT16 for s in scales)
+    assert fp32_compute(fp16.model) == []
+    ref = run_each(model, feeds)
+    c32, c16 = cosine(ref, run_each(fp32.model, feeds)), cosine(ref, run_each(fp16.model, feeds))
+    assert c16 >= c32 - 0.002
+    assert file_bytes(fp16.model) < 0.55 * file_bytes(fp32.model) + 64
+    report = fp16.to_report()["float_parts"]
+    assert report["float_dtype"] == "fp16" and report["kept_fp32"] == []
+    assert (
+        report["measurement"]["outputs"]["output"]["cosine"]
+        >= report["measurement"]["outputs"]["output"]["cosine_fp32"] - 0.002
+    )
+
+
+def test_quantize_bf16_raises_the_opset_and_is_validated_by_emulation():
+    model = residual_block_model()
+    feeds = random_inputs(model, num=8, seed=2)
+    fp32 = onnx_qat.quantize(model, data=feeds, progress=False)
+    bf16 = onnx_qat.quantize(model, data=feeds, float_dtype="bf16", progress=False)
+    assert onnx_qat.io.models.default_opset(bf16.model) >= 22
+    assert_check_clean(bf16.model)
+    ref = run_each(model, feeds)
+    c32, c16 = (
+        cosine(ref, run_each(fp32.model, feeds)),
+        cosine(ref, run_each(emulate_in_fp32(bf16.model), feeds)),
+    )
+    assert c16 >= c32 - 0.002
+    measured = bf16.float_parts.measurement["outputs"]["output"]
+    first = {k: v[:4] for k, v in feeds.items()}  # the measurement runs on the first 4 samples
+    assert bf16.float_parts.measurement["samples"] == 4
+    assert measured["cosine"] == pytest.approx(
+        cosine(run_each(model, first), run_each(emulate_in_fp32(bf16.model), first)), abs=1e-6)
+
+
+def test_attention_mask_beyond_fp16_keeps_its_add_and_softmax_fp32_with_reasons():
+    model = transformer_block_model()
+    feeds = random_inputs(model, num=4, seed=0)
+    result = onnx_qat.quantize(model, data=feeds, float_dtype="fp16", progress=False)
+    kept = {k.node: k for k in result.float_parts.kept}
+    assert kept["mask_add"].rule == "weight" and "65504" in kept["mask_add"].reason
+    assert kept["softmax"].rule == "range"
+    marks = kept_fp32_nodes(result.model)
+    assert set(marks) == set(kept) and marks["mask_add"] == kept["mask_add"].reason
+    node = next(n for n in result.model.graph.node if n.name == "mask_add")
+    assert [p.key for p in node.metadata_props] == [KEEP_FP32_KEY]
+    assert fp32_compute(result.model) == []
+    assert_check_clean(result.model)
+    ref = run_each(model, feeds)
+    fp32 = onnx_qat.quantize(model, data=feeds, progress=False)
+    assert cosine(ref, run_each(result.model, feeds)) >= cosine(ref, run_each(fp32.model, feeds)) - 0.002
+
+
+def test_a_range_from_the_scale_table_beyond_fp16_keeps_producer_and_consumers():
+    model = residual_block_model()
+    result = cast_float_parts(model, "fp16", scales={"stem_relu_out": 1e5})
+    kept = {k.node: k.rule for k in result.kept}
+    assert kept == {"stem_relu": "range", "conv1": "range", "add": "range"}
+    assert sorted(fp32_compute(result.model)) == ["conv1"]
+    assert fp32_compute(result.model, kept) == []
+
+
+def test_a_scale_fp16_cannot_hold_keeps_its_qdq_and_consumer():
+    model = conv_bn_relu_model()
+    weight = next(t for t in model.graph.initializer if t.name == "conv.weight")
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * np.float32(1e-6), weight.name))
+    feeds = random_inputs(model, num=4)
+    result = onnx_qat.quantize(model, data=feeds, float_dtype="fp16", progress=False)
+    kept = {k.node: k for k in result.float_parts.kept}
+    weight_dq = next(
+        n.name
+        for n in result.model.graph.node
+        if n.op_type == "DequantizeLinear" and n.input[0].startswith("conv.weight")
+    )
+    assert kept[weight_dq].rule == "scale" and "does not fit FP16" in kept[weight_dq].reason
+    assert "conv" in kept
+    report = onnx_qat.check(result.model)
+    assert not report.errors
+    inits = {t.name: t for t in result.model.graph.initializer}
+    for node in result.model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.name in kept:
+            assert inits[node.input[1]].data_type == TensorProto.FLOAT
+    ref = run_each(model, feeds)
+    fp32 = onnx_qat.quantize(model, data=feeds, progress=False)
+    assert cosine(ref, run_each(result.model, feeds)) >= cosine(ref, run_each(fp32.model, feeds)) - 0.002
+
+
+def _cancellation_model():
+    """y = ((x + 1000) - 1000) @ W: in FP16 the shift leaves x a step of 0.5."""
+    b = GraphBuilder("cancel", 0)
+    x = b.input("x", [4, 16])
+    s = b.node("Add", [x, b.const("shift", np.float32(1000.0))], name="shift")
+    u = b.node("Sub", [s, b.const("unshift", np.float32(1000.0))], name="unshift")
+    b.node("MatMul", [u, b.weight("w", [16, 8])], "y", name="proj")
+    b.output("y")
+    return b.build()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_site_costing_cosine_in_fp16_is_measured_and_kept_fp32(seed):
+    model = _cancellation_model()
+    feeds = {"x": np.random.default_rng(seed).uniform(0, 1, (4, 16)).astype(np.float32)}
+    blind = cast_float_parts(model, "fp16")
+    assert cosine(run(model, feeds)[0], run(emulate_in_fp32(blind.model), feeds)[0]) < 0.99  # FP16 storage
+    result = cast_float_parts(model, "fp16", data=feeds)
+    kept = {k.node: k for k in result.kept}
+    # the cancelling Sub, and with it the Add it reads: its input must not be rounded
+    assert kept["unshift"].rule == "measured" and "cosine fell" in kept["unshift"].reason
+    assert kept["shift"].rule == "measured" and "must not be rounded" in kept["shift"].reason
+    assert "proj" not in kept  # the MatMul stays FP16
+    m = result.measurement["outputs"]["y"]
+    assert m["cosine"] >= m["cosine_fp32"] - 0.002 and result.measurement["rounds"] == 1
+    assert cosine(run(model, feeds)[0], run(emulate_in_fp32(result.model), feeds)[0]) >= 0.998
+
+
+def test_bf16_keeps_ops_tensorrt_does_not_run_in_bf16():
+    b = GraphBuilder("mish", 0)
+    x = b.input("x", [1, 16, 4, 4])
+    y = b.node("Mish", [b.conv(x, 16, 16, "conv")], name="mish")
+    b.node("Relu", [y], "y", name="relu")
+    b.output("y")
+    model = b.build(opset=18)
+    bf16 = {k.node: k for k in cast_float_parts(model, "bf16").kept}
+    assert (
+        list(bf16) == ["mish"] and bf16["mish"].rule == "tensorrt" and "onnx-tensorrt" in bf16["mish"].reason
+    )
+    assert cast_float_parts(model, "fp16").kept == ()
+
+
+def test_schema_fp32_slots_stay_fp32_and_the_model_runs():
+    b = GraphBuilder("resize", 0)
+    x = b.input("x", [1, 16, 4, 4])
+    y = b.node(
+        "Resize",
+        [b.conv(x, 16, 16, "conv"), "", b.const("scales", np.array([1, 1, 2, 2], np.float32))],
+        name="resize",
+        mode="nearest",
+    )
+    b.node("Relu", [y], "y", name="relu")
+    b.output("y")
+    model = b.build(opset=13)
+    result = cast_float_parts(model, "fp16")
+    inits = {t.name: t.data_type for t in result.model.graph.initializer}
+    assert inits["scales"] == TensorProto.FLOAT and inits["conv.weight"] == TensorProto.FLOAT16
+    feeds = random_inputs(model)
+    assert cosine(run(model, feeds)[0], run(result.model, feeds)[0]) > 0.9999
+
+
+def test_bad_options_and_converted_models_are_refused():
+    model = conv_bn_relu_model()
+    with pytest.raises(ConfigError, match="float_dtype"):
+        cast_float_parts(model, "fp8")
+    with pytest.raises(ConfigError, match="float_dtype"):
+        onnx_qat.quantize(model, data=random_inputs(model), float_dtype="half", progress=False)
+    with pytest.raises(ConfigError, match="TensorRT form"):
+        onnx_qat.quantize(
+            model, data=random_inputs(model), float_dtype="fp16", target="ort-cpu", progress=False
+        )
+    with pytest.raises(ConfigError, match="max_cosine_drop"):
+        cast_float_parts(model, "fp16", max_cosine_drop=2)
+    with pytest.raises(ModelError, match="already holds"):
+        cast_float_parts(cast_float_parts(model, "fp16").model, "fp16")
+    assert cast_float_parts(model, "fp32").model.graph == model.graph
+
+
+def test_cli_quantize_float_dtype_prints_the_kept_list(tmp_path, capsys):
+    from onnx_qat.cli import main
+
+    model = transformer_block_model()
+    src, data, out, rep = tmp_path / "m.onnx", tmp_path / "d.npz", tmp_path / "q.onnx", tmp_path / "r.json"
+    onnx.save(model, src)
+    np.savez(data, **random_inputs(model, num=4))
+    code = main(
+        [
+            "quantize",
+            str(src),
+            "--data",
+            str(data),
+            "-o",
+            str(out),
+            "--float-dtype",
+            "fp16",
+            "--report",
+            str(rep),
+            "--no-progress",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert code == 0
+    assert (
+        "float parts fp16" in text and "kept FP32: mask_add (Add)" in text and "0 errors, 0 warnings" in text
+    )
+    saved = onnx.load(out)
+    assert kept_fp32_nodes(saved)["mask_add"].startswith("constant 'attn_mask'")
+    assert json.loads(rep.read_text())["float_parts"]["kept_fp32"][0]["node"] in ("mask_add", "softmax")
+    bad = tmp_path / "bad.onnx"
+    assert main(["quantize", str(src), "--data", str(data), "-o", str(bad), "--float-io"]) == 2
+    assert not bad.exists()
+
+
+def test_mobilenet_v2_shaped_model_fp16_within_the_budget():
+    model = mobilenet_v2_model(size=32, width=0.25)
+    x = np.random.default_rng(0).uniform(0, 255, (8, 3, 32, 32)).astype(np.float32)
+    fp32 = onnx_qat.quantize(model, data={"input": x}, progress=False)
+    fp16 = onnx_qat.quantize(model, data={"input": x}, float_dtype="fp16", progress=False)
+    assert not onnx_qat.check(fp16.model).errors
+    kept = {k.node for k in fp16.float_parts.kept}
+    assert fp32_compute(fp16.model, kept) == []
+    feeds = {"input": x}
+    ref = run_each(model, feeds)
+    assert cosine(ref, run_each(fp16.model, feeds)) >= cosine(ref, run_each(fp32.model, feeds)) - 0.002
+
+
+def test_graph_outputs_read_inside_if_bodies_keep_their_type():
+    from tests.builders import if_cnn_model
+
+    model = if_cnn_model()
+    result = cast_float_parts(model, "fp16")
+    feeds = random_inputs(model)
+    assert all(k.rule == "schema" for k in result.kept)
+    assert cosine(run(model, feeds)[0], run(result.model, feeds)[0]) > 0.999
+
+
+def test_initializer_values_round_to_the_type():
+    model = conv_bn_relu_model()
+    out = cast_float_parts(model, "fp16").model
+    w32 = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "conv.weight"))
+    w16 = numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == "conv.weight"))
+    assert w16.dtype == np.float16 and np.array_equal(w16, w32.astype(np.float16))
+
+
+def test_a_constant_node_beyond_fp16_keeps_its_reader_fp32():
+    b = GraphBuilder("mask", 0)
+    x = b.input("x", [2, 8])
+    mask = b.node(
+        "Constant",
+        [],
+        "mask",
+        name="mask_const",
+        value=numpy_helper.from_array(np.array([0.0, -1e9] * 4, np.float32)),
+    )
+    y = b.node("Add", [b.linear(x, 8, 8, "proj", bias=False), mask], name="masked")
+    b.node("Softmax", [y], "y", name="softmax", axis=-1)
+    b.output("y")
+    model = b.build()
+    result = cast_float_parts(model, "fp16")
+    kept = {k.node: k.rule for k in result.kept}
+    assert kept["masked"] == "weight" and "mask_const" in kept
+    feeds = random_inputs(model)
+    got = run(emulate_in_fp32(result.model), feeds)[0]
+    assert np.all(np.isfinite(got)) and cosine(run(model, feeds)[0], got) > 0.999
+
+
+def test_the_notes_name_the_ops_onnxruntime_has_no_fp16_cpu_kernel_for():
+    from onnx_qat.formats.float_cast import FP16
+    from onnx_qat.formats.float_parts import ort_cpu_missing_kernels
+
+    result = cast_float_parts(conv_bn_relu_model(), "fp16")
+    missing = ort_cpu_missing_kernels(result.model, FP16, [n.name for n in result.model.graph.node])
+    assert "Cast" not in missing
+    if missing:  # this onnxruntime build lacks some FP16 CPU kernels: the result says which
+        assert any(", ".join(missing) in note for note in result.notes)
+
+
+def test_quantize_with_scales_converts_without_measuring_and_writes_nothing_on_bad_paths(tmp_path):
+    model = residual_block_model()
+    table = onnx_qat.calibrate(model, random_inputs(model, num=4), method="max", progress=False)
+    result = onnx_qat.quantize(model, tmp_path / "q.onnx", scales=table, float_dtype="fp16", progress=False)
+    assert result.float_parts.measurement is None and (tmp_path / "q.onnx").exists()
+    assert_check_clean(onnx.load(tmp_path / "q.onnx"))
+    with pytest.raises(onnx_qat.OutputError):
+        onnx_qat.quantize(model, tmp_path / "missing" / "q.onnx", scales=table, float_dtype="fp16")
+    with pytest.raises(ConfigError, match="keep_io_types"):
+        onnx_qat.quantize(model, scales=table, float_dtype="fp16", keep_io_types="no")

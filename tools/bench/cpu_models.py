@@ -1,0 +1,316 @@
+"""cpu_models: the ``ort-cpu`` form against FP32 and onnxruntime's own static quantization, per model.
+
+Models (224 x 224 images, random weights as ``weights=None`` gives them, logits out): Keras
+``ResNet50``, ``MobileNetV2``, ``EfficientNetB0`` and ``ConvNeXtTiny`` (exported with tf2onnx in a child
+process, so TensorFlow never loads here; skipped with the reason when TensorFlow is missing), a ViT-style
+encoder built in code at ViT-B/16's sizes (`vit_encoder`: 16 x 16 patches, 12 layers, width 768,
+12 heads, MLP 3072, 197 tokens), and the real PP-OCRv4 text detector when
+``tools/real_models.py`` has cached it (320 x 320 pages and photos).
+
+Per model, three forms, all calibrated on the same 16 samples: FP32; ours
+(``onnx_qat.quantize(target="ort-cpu", method="max", latency=...)``: latency-aware placement with a
+profile kept in the work directory, so the whole-model check of `onnx_qat.placement.cpu_latency`
+runs); onnxruntime's ``quantize_static`` in its fast x86 form (QDQ, uint8 activations, int8 weights,
+MinMax). Each is timed at batch 1 and 8, 2 intra-op threads, sessions without thread spinning, the
+three run interleaved (A B C A B C ...) and medians compared. Errors: mean absolute difference from
+FP32 over 8 further samples, as a fraction of FP32's output range (both quantized forms on the same
+samples).
+
+The machine's load (``os.getloadavg``) is in each row's detail: on a shared machine the ratios are what
+to read, not the times.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from .measure import interleaved_medians
+from .table import Goal, Row, ratio, skip
+
+NAME = "cpu_models"
+KERAS_MODELS = ("ResNet50", "MobileNetV2", "EfficientNetB0", "ConvNeXtTiny")
+BATCHES = (1, 8)
+THREADS = 2
+CALIB_SAMPLES, TEST_SAMPLES = 16, 8
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- models
+def keras_model(name: str, path: Path, size: int = 224) -> Path:
+    """Export ``keras.applications.<name>(weights=None)`` (logits) to ``path`` in a child process."""
+    from .measure import python_module, run_process
+
+    if not path.exists():
+        run_process(python_module("tools.bench.cpu_models", name, "--size", str(size), "--out", str(path)))
+    return path
+
+
+def _export_keras(name: str, size: int, out: Path) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import tensorflow as tf
+    import tf2onnx
+
+    from onnx_qat.io.models import save_model
+
+    keras.utils.set_random_seed(0)
+    model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=1000,
+                                              classifier_activation=None)
+    spec = (tf.TensorSpec((None, size, size, 3), tf.float32, name="input"),)
+    proto, _ = tf2onnx.convert.from_keras(model, input_signature=spec, opset=17)
+    left = sorted({n.op_type for n in proto.graph.node if n.op_type in ("StatefulPartitionedCall", "Erfc")})
+    if left:  # tf2onnx 1.17 on Keras 3 ConvNeXt: depthwise convs stay calls, exact GELU uses Erfc
+        raise RuntimeError(f"tf2onnx {tf2onnx.__version__} leaves {', '.join(left)} unconverted in "
+                           f"keras.applications.{name}; no ONNX model to measure")
+    save_model(proto, out)
+
+
+def vit_encoder(*, size: int = 224, patch: int = 16, layers: int = 12, width: int = 768, heads: int = 12,
+                mlp: int = 3072, classes: int = 1000, seed: int = 0):
+    """A ViT encoder as ONNX (opset 17): patch Conv, class token and position embedding, ``layers``
+    pre-norm blocks (LayerNormalization, Q/K/V MatMul + bias, scaled-dot-product attention over
+    ``heads``, output projection, residual Add; LayerNormalization, MLP with Gelu (Erf form), residual),
+    final LayerNormalization, the class token through a MatMul head. Weights normal(0, 0.02) as ViT
+    initializes them; input ``input`` [N, 3, size, size]."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    tokens, dh = (size // patch) ** 2 + 1, width // heads
+
+    def const(name, array):
+        inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def weight(name, shape, std=0.02):
+        return const(name, (rng.standard_normal(shape) * std).astype(np.float32))
+
+    def node(op, inputs, name, **attrs):
+        nodes.append(helper.make_node(op, inputs, [f"{name}_out"], name=name, **attrs))
+        return f"{name}_out"
+
+    def linear(x, din, dout, name):
+        y = node("MatMul", [x, weight(f"{name}.weight", [din, dout])], name)
+        return node("Add", [y, const(f"{name}.bias", np.zeros(dout, np.float32))], f"{name}_bias")
+
+    def layer_norm(x, name):
+        return node("LayerNormalization", [x, const(f"{name}.gamma", np.ones(width, np.float32)),
+                                           const(f"{name}.beta", np.zeros(width, np.float32))],
+                    name, axis=-1, epsilon=1e-6)
+
+    one = const("one", np.array(1.0, np.float32))
+    half = const("half", np.array(0.5, np.float32))
+    sqrt2 = const("sqrt2", np.array(np.sqrt(2.0), np.float32))
+    heads_shape = const("heads_shape", np.array([0, tokens, heads, dh], np.int64))
+    merge_shape = const("merge_shape", np.array([0, tokens, width], np.int64))
+    x = node("Conv", ["input", weight("patch.weight", [width, 3, patch, patch]),
+                      const("patch.bias", np.zeros(width, np.float32))], "patch",
+             kernel_shape=[patch, patch], strides=[patch, patch])
+    patch_shape = const("patch_shape", np.array([0, width, tokens - 1], np.int64))
+    x = node("Reshape", [x, patch_shape], "patch_reshape")
+    x = node("Transpose", [x], "patch_tokens", perm=[0, 2, 1])
+    cls = node("Expand", [weight("cls_token", [1, 1, width]),
+                          node("Concat", [node("Slice", [node("Shape", [x], "shape"),
+                                                         const("s0", np.array([0], np.int64)),
+                                                         const("s1", np.array([1], np.int64))], "batch"),
+                                          const("cls_rest", np.array([1, width], np.int64))], "cls_shape",
+                               axis=0)], "cls")
+    x = node("Concat", [cls, x], "tokens", axis=1)
+    x = node("Add", [x, weight("pos_embed", [1, tokens, width])], "pos")
+    scale = const("attn_scale", np.array(1.0 / np.sqrt(dh), np.float32))
+    for i in range(layers):
+        h = layer_norm(x, f"l{i}_ln1")
+        q, k, v = (node("Transpose", [node("Reshape", [linear(h, width, width, f"l{i}_{t}"), heads_shape],
+                                           f"l{i}_{t}_heads")], f"l{i}_{t}_t",
+                        perm=[0, 2, 3, 1] if t == "k" else [0, 2, 1, 3]) for t in "qkv")
+        scores = node("Mul", [node("MatMul", [q, k], f"l{i}_scores"), scale], f"l{i}_scale")
+        ctx = node("MatMul", [node("Softmax", [scores], f"l{i}_softmax", axis=-1), v], f"l{i}_context")
+        ctx = node("Reshape", [node("Transpose", [ctx], f"l{i}_merge_t", perm=[0, 2, 1, 3]), merge_shape],
+                   f"l{i}_merge")
+        x = node("Add", [x, linear(ctx, width, width, f"l{i}_proj")], f"l{i}_res1")
+        h = linear(layer_norm(x, f"l{i}_ln2"), width, mlp, f"l{i}_fc1")
+        erf = node("Erf", [node("Div", [h, sqrt2], f"l{i}_gelu_div")], f"l{i}_gelu_erf")
+        gelu = node("Mul", [node("Mul", [h, half], f"l{i}_gelu_half"),
+                            node("Add", [erf, one], f"l{i}_gelu_add")], f"l{i}_gelu")
+        x = node("Add", [x, linear(gelu, mlp, width, f"l{i}_fc2")], f"l{i}_res2")
+    x = layer_norm(x, "final_ln")
+    cls_out = node("Gather", [x, const("cls_index", np.array(0, np.int64))], "cls_out", axis=1)
+    logits = linear(cls_out, width, classes, "head")
+    graph = helper.make_graph(nodes, "vit", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
+                                                                          ["N", 3, size, size])],
+                              [helper.make_tensor_value_info(logits, TensorProto.FLOAT, ["N", classes])],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tools.bench")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def _tiny_cnn_model():
+    from . import models
+
+    return models.tiny_cnn()
+
+
+# --------------------------------------------------------------------------- one model
+def _session(model, threads: int = THREADS, optimize: bool = True):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level = threads, 1, 3
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    source = str(model) if isinstance(model, (str, Path)) else model.SerializeToString()
+    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+
+
+def _ort_uint8(path: Path, out: Path, name: str, calib: np.ndarray) -> Path:
+    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{name: calib[i:i + 1]} for i in range(len(calib))])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    if not out.exists():
+        quantize_static(str(path), str(out), Reader(), activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8)
+    return out
+
+
+def _outputs(session, name: str, data: np.ndarray) -> np.ndarray:
+    return np.concatenate([session.run(None, {name: data[i:i + 1]})[0] for i in range(len(data))])
+
+
+def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np.ndarray, workdir: Path,
+                  batches=BATCHES, rounds: int = 5, latency: bool = True) -> List[Row]:
+    """The rows of one model (see the module docstring); ``latency=False`` quantizes every site (the
+    quick run: a tiny model's sites may all time slower in integer, and then nothing is written)."""
+    import onnx_qat
+    from onnx_qat.placement.cpu_latency import LatencyOptions
+
+    profile = workdir / "latency_profile.json"
+    options = LatencyOptions(profile=str(profile), threads=THREADS) if latency else None
+    ours = onnx_qat.quantize(str(path), data={name: calib}, method="max", target="ort-cpu", progress=False,
+                             latency=options)
+    theirs = _ort_uint8(path, workdir / f"{path.stem}_ort_u8.onnx", name, calib)
+    forms = {"fp32": path, "ours": ours.model, "ort": theirs}
+    sessions = {k: _session(v) for k, v in forms.items()}
+    load = "load {:.1f}/{:.1f}/{:.1f}".format(*os.getloadavg())
+    rows = []
+    for batch in batches:
+        feed = {name: np.concatenate([test] * (1 + batch // len(test)))[:batch]}
+        medians = interleaved_medians({k: (lambda s=s: s.run(None, feed)) for k, s in sessions.items()},
+                                      repeats=rounds, warmup=1)
+        ms = {k: 1e3 * v for k, v in medians.items()}
+        detail = (f"batch {batch}, {THREADS} threads, medians of {rounds} interleaved runs: "
+                  f"FP32 {ms['fp32']:.1f} ms, ort-cpu {ms['ours']:.1f} ms, "
+                  f"onnxruntime uint8 {ms['ort']:.1f} ms; {load}")
+        rows += [Row(NAME, f"{label}: ort-cpu speed-up over FP32, batch {batch}",
+                     ratio(ms["fp32"], ms["ours"]), Goal(">=", 1.0), detail),
+                 Row(NAME, f"{label}: ort-cpu time / onnxruntime uint8 form, batch {batch}",
+                     ratio(ms["ours"], ms["ort"]), Goal("<=", 1.0), detail),
+                 Row(NAME, f"{label}: onnxruntime uint8 form speed-up over FP32, batch {batch}",
+                     ratio(ms["fp32"], ms["ort"]), None, detail)]
+    ref = _outputs(sessions["fp32"], name, test)
+    spread = float(ref.max() - ref.min()) or 1.0
+    err_ours = float(np.abs(_outputs(sessions["ours"], name, test) - ref).mean()) / spread
+    err_ort = float(np.abs(_outputs(sessions["ort"], name, test) - ref).mean()) / spread
+    latency = ours.latency or {}
+    whole = latency.get("whole_model", {})
+    rows.append(Row(NAME, f"{label}: ort-cpu error / onnxruntime uint8 form error", ratio(err_ours, err_ort),
+                    Goal("<=", 1.0),
+                    f"mean |output - FP32| / FP32 output range over {len(test)} samples: "
+                    f"ort-cpu {err_ours:.4g}, onnxruntime {err_ort:.4g}; latency placement: "
+                    f"{len(latency.get('kept_float', []))} of "
+                    f"{len(latency.get('sites', []))} sites kept float, {whole.get('chosen', '-')}"))
+    return rows
+
+
+# --------------------------------------------------------------------------- the benchmark
+def _images(num: int, size: int, seed: int, channels_last: bool) -> np.ndarray:
+    shape = (num, size, size, 3) if channels_last else (num, 3, size, size)
+    return np.random.default_rng(seed).uniform(0, 255, shape).astype(np.float32)
+
+
+def _cases(workdir: Path, quick: bool) -> List[Tuple[str, object]]:
+    """``(label, builder)`` pairs; a builder returns ``(path, input name, calib, test)`` or raises."""
+    import onnx
+
+    def code_model(label, build, size, channels_last=False):
+        def make():
+            path = workdir / (re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".onnx")
+            if not path.exists():
+                onnx.save(build(), str(path))
+            return (path, "input", _images(CALIB_SAMPLES, size, 1, channels_last),
+                    _images(TEST_SAMPLES, size, 2, channels_last))
+        return label, make
+
+    if quick:
+        return [code_model("tiny ViT", lambda: vit_encoder(size=32, patch=8, layers=2, width=64, heads=4,
+                                                            mlp=128, classes=10), 32)]
+    cases = []
+    for name in KERAS_MODELS:
+        def make(name=name):
+            path = keras_model(name, workdir / f"keras_{name}.onnx")
+            return path, "input", _images(CALIB_SAMPLES, 224, 1, True), _images(TEST_SAMPLES, 224, 2, True)
+        cases.append((f"Keras {name}", make))
+    cases.append(code_model("ViT-B/16-size encoder", vit_encoder, 224))
+    cases.append(("PP-OCRv4 detector (real)", _detector))
+    return cases
+
+
+def _detector():
+    from tools import real_models
+
+    path = Path.home() / ".cache" / "onnx-qat-real-models" / "models" / "ocr-det.onnx"  # real_models' default
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not cached (make real-models)")
+    calib, test = real_models.inputs("ocr-det", "calib")["x"], real_models.inputs("ocr-det", "eval")["x"]
+    return path, "x", calib, test
+
+
+def run(workdir: Path, *, quick: bool = False) -> List[Row]:
+    """Measure and return the cpu_models rows (one SKIP row per model that cannot be built)."""
+    workdir = Path(workdir)
+    rows: List[Row] = []
+    for label, make in _cases(workdir, quick):
+        try:
+            path, name, calib, test = make()
+            rows += measure_model(label, path, name, calib, test, workdir,
+                                  batches=(1, 2) if quick else BATCHES, rounds=2 if quick else 5,
+                                  latency=not quick)
+        except Exception as exc:  # noqa: BLE001 - one model failing (no TensorFlow, no cache, an export
+            # tf2onnx cannot convert) gives one SKIP row with the reason; the other models still run
+            logger.warning("cpu_models: %s skipped", label, exc_info=True)
+            why = f"{type(exc).__name__}: {exc}"[:200]
+            rows.append(skip(NAME, f"{label}: ort-cpu speed-up over FP32", why))
+    return rows
+
+
+def main(argv=None) -> int:
+    """``python -m tools.bench.cpu_models NAME --size S --out P``: export one Keras application."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.cpu_models")
+    parser.add_argument("which", choices=KERAS_MODELS)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    _export_keras(args.which, args.size, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""FP16 float parts on real and held-out models: the figures of docs/formats.md.
+
+``python tools/float_parts_models.py [--workdir DIR] [--only NAME] [--size S] [--method M] [--json OUT]``
+quantizes each model twice on its calibration inputs (``--method``, default ``max``), with FP32 and
+with FP16 float parts
+(``--float-dtype fp16``), and measures on its evaluation inputs (never calibrated on):
+
+* the output cosine of each against the FP32 float model (FP16 through
+  [`onnx_qat.formats.float_parts.emulate_in_fp32`][], FP16 storage with FP32 arithmetic, and through
+  onnxruntime's own FP16 session);
+* ``check``'s errors and warnings on the FP16 model;
+* the FP32 Conv/ConvTranspose/MatMul/Gemm nodes outside the reported keep-list (must be none);
+* the bytes of the float initializers, FP16 against FP32;
+* the nodes kept FP32, by rule.
+
+Models: the real pretrained ones of `tools.real_models` (from its download cache; a model not
+there is reported as skipped) and ``keras.applications`` ResNet50, MobileNetV2, EfficientNetB0 and
+ConvNeXtTiny (``weights=None``, batch normalization set from one batch of 0..255 images; exported
+with TensorFlow in a child process once, into the workdir; inputs 0..255).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Dict
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+REAL = ("ocr-det", "ocr-rec", "ocr-cls", "orientation", "magika")
+WEIGHTED = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+
+
+def _keras_inputs(path: Path, size: int, split: str) -> Dict[str, np.ndarray]:
+    import onnx
+
+    from tools.bench.models import images
+
+    name = onnx.load(str(path), load_external_data=False).graph.input[0].name
+    return {name: images(16 if split == "calib" else 8, size, seed=1 if split == "calib" else 2)}
+
+
+def _outputs(model, feeds, exact: bool = True) -> np.ndarray:
+    from onnx_qat.runtime.sessions import make_session
+
+    session = make_session(model, optimize=False if exact else True)
+    count = len(next(iter(feeds.values())))
+    fixed = any(isinstance(d, int) and d == 1 for d in (session.get_inputs()[0].shape or [])[:1])
+    step = 1 if fixed else count
+    parts = [session.run(None, {k: v[i : i + step] for k, v in feeds.items()}) for i in range(0, count, step)]
+    return np.concatenate(
+        [
+            np.concatenate(
+                [
+                    np.asarray(p[j], np.float64).reshape(len(p[j]) if np.ndim(p[j]) else 1, -1)
+                    for j in range(len(p))
+                ],
+                axis=1,
+            )
+            for p in parts
+        ]
+    )
+
+
+def _fp32_weighted(model, kept) -> list:
+    from onnx_qat.formats.float_cast import tensor_types
+
+    types = tensor_types(model)
+    return [
+        n.name
+        for n in model.graph.node
+        if n.op_type in WEIGHTED and types.get(n.output[0]) == 1 and n.name not in kept
+    ]
+
+
+def _float_bytes(model) -> int:
+    sizes = {1: 4, 10: 2, 16: 2}
+    return sum(
+        int(np.prod(t.dims, dtype=np.int64)) * sizes[t.data_type]
+        for t in model.graph.initializer
+        if t.data_type in sizes
+    )
+
+
+def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> dict:
+    import onnx_qat
+    from onnx_qat.formats.float_parts import emulate_in_fp32
+    from onnx_qat.runtime.compare import output_figures
+
+    q32 = onnx_qat.quantize(str(path), data=calib, method=method, progress=False)
+    q16 = onnx_qat.quantize(str(path), data=calib, method=method, float_dtype="fp16", progress=False)
+    ref = _outputs(onnx_qat.io.models.load_model(str(path)), evaluation)
+    cos32 = output_figures(ref, _outputs(q32.model, evaluation))["cosine"]
+    cos16 = output_figures(ref, _outputs(emulate_in_fp32(q16.model, "fp16"), evaluation))["cosine"]
+    native = output_figures(ref, _outputs(q16.model, evaluation))["cosine"]
+    report = onnx_qat.check(q16.model)
+    kept = {k.node: k for k in q16.float_parts.kept}
+    return {
+        "model": name,
+        "cosine_fp32_parts": cos32,
+        "cosine_fp16_parts": cos16,
+        "cosine_fp16_ort": native,
+        "drop": cos32 - cos16,
+        "check_errors": len(report.errors),
+        "check_warnings": len(report.warnings),
+        "fp32_weighted_outside_keep_list": _fp32_weighted(q16.model, kept),
+        "float_bytes_ratio": _float_bytes(q16.model) / max(_float_bytes(q32.model), 1),
+        "kept": len(kept),
+        "kept_by_rule": dict(Counter(k.rule for k in kept.values())),
+        "kept_weighted": sorted(k.node for k in kept.values() if k.op_type in WEIGHTED),
+        "eval_samples": len(next(iter(evaluation.values()))),
+    }
+
+
+def table(rows) -> str:
+    lines = [
+        "| model | cosine FP32 parts | cosine FP16 parts | drop | check errors / warnings | "
+        "FP32 weighted ops outside keep-list | float bytes FP16/FP32 | kept FP32 (by rule) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | skipped: {r['skipped']} | | | | | | |")
+            continue
+        rules = ", ".join(f"{k} {v}" for k, v in sorted(r["kept_by_rule"].items())) or "none"
+        lines.append(
+            f"| {r['model']} | {r['cosine_fp32_parts']:.5f} | {r['cosine_fp16_parts']:.5f} | "
+            f"{r['drop']:+.1e} | {r['check_errors']} / {r['check_warnings']} | "
+            f"{len(r['fp32_weighted_outside_keep_list'])} | {r['float_bytes_ratio']:.2f} | "
+            f"{r['kept']} ({rules}) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from tools import real_models
+    from tools.bench.models import KERAS_APPS, keras_app
+
+    parser = argparse.ArgumentParser(
+        prog="python tools/float_parts_models.py", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "onnx-qat-real-models"))
+    parser.add_argument("--only", action="append", default=None, choices=list(REAL) + list(KERAS_APPS))
+    parser.add_argument("--size", type=int, default=160, help="input size of the Keras models")
+    parser.add_argument("--method", default="max", help="calibration method (default max: fast)")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir)
+    rows = []
+    for name in args.only or list(REAL) + list(KERAS_APPS):
+        print(f"[float-parts] {name} ...", file=sys.stderr, flush=True)
+        try:
+            if name in REAL:
+                path = workdir / "models" / f"{name}.onnx"
+                if not path.exists():
+                    rows.append(
+                        {"model": name, "skipped": f"{path} missing (run tools/real_models.py online)"}
+                    )
+                    continue
+                calib, evaluation = real_models.inputs(name, "calib"), real_models.inputs(name, "eval")
+            else:
+                path = keras_app(name, workdir / f"keras_{name}_{args.size}.onnx", args.size)
+                calib, evaluation = (
+                    _keras_inputs(path, args.size, "calib"),
+                    _keras_inputs(path, args.size, "eval"),
+                )
+            rows.append(measure(name, path, calib, evaluation, args.method))
+        except Exception as exc:  # noqa: BLE001 - one model failing must not hide the others
+            rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})
+        print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
