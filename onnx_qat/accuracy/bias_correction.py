@@ -95,7 +95,7 @@ def _with_bias_inputs(qdq: onnx.ModelProto, biases: Dict[str, np.ndarray]) -> on
 def correct_biases(float_model, qdq: onnx.ModelProto, placement, data, *,
                    time_budget: float = TIME_BUDGET, batch_size: int = 16) -> Tuple[dict, ...]:
     """Correct the biases of ``float_model`` (a private copy, edited in place) from which ``qdq`` was
-    built (same node and tensor names), on the first :data:`MAX_SAMPLES` samples of ``data``.
+    built (same node and tensor names), on the first `MAX_SAMPLES` samples of ``data``.
 
     Returns one record per corrected layer: ``node``, ``depth``, ``shift`` (the largest per-channel
     mean shift removed, relative to the output's standard deviation in the float model), or

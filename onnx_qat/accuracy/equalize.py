@@ -147,7 +147,7 @@ def _channel_sqnr(w: np.ndarray) -> float:
 
 
 def equalize(model, *, max_sweeps: int = MAX_SWEEPS) -> Tuple[dict, ...]:
-    """Equalize every pair :func:`find_pairs` finds in ``model`` (a private copy, edited in place).
+    """Equalize every pair `find_pairs` finds in ``model`` (a private copy, edited in place).
 
     Returns one record per pair: ``first``, ``second``, ``activation`` (the op between, or none),
     ``depthwise`` (the second is depthwise), per-channel INT8 weight SQNR of both weights ``before`` and

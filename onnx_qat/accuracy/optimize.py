@@ -4,15 +4,15 @@ only where it raises the output cosine on the evaluation data.
 The steps, in order, on a private copy of the float model:
 
 1. ``calibrate``: ranges with ``auto`` (or the ``method`` given) on the calibration data: the baseline,
-   what plain :func:`onnx_qat.quantize` gives;
-2. ``equalize``: cross-layer equalization (:mod:`.equalize`; float function unchanged), then the
+   what plain `onnx_qat.quantize` gives;
+2. ``equalize``: cross-layer equalization (`onnx_qat.accuracy.equalize`; float function unchanged), then the
    ranges calibrated again on the equalized model;
-3. ``smooth``: activation smoothing (:mod:`.smooth`, SmoothQuant-style; float function unchanged),
+3. ``smooth``: activation smoothing (`onnx_qat.accuracy.smooth`, SmoothQuant-style; float function unchanged),
    then the ranges calibrated again;
-4. ``rounding``: error-compensated INT8 weight rounding (:mod:`.rounding`, GPTQ-style, bounded by
+4. ``rounding``: error-compensated INT8 weight rounding (`onnx_qat.accuracy.rounding`, GPTQ-style, bounded by
    ``time_budget``);
 5. ``bias_correction``: the mean shift of each quantized weighted op folded into its bias, in graph
-   order (:mod:`.bias_correction`).
+   order (`onnx_qat.accuracy.bias_correction`).
 
 After each step the Q/DQ model is built by the one inserter and its output cosine against the float
 model measured on the evaluation data (``eval_data``, or the last quarter of ``data``, then not
@@ -39,7 +39,7 @@ STEPS = ("calibrate", "equalize", "smooth", "rounding", "bias_correction")
 
 
 def check_optimize(optimize) -> Optional[str]:
-    """``optimize`` validated (None or one of :data:`OPTIMIZE`)."""
+    """``optimize`` validated (None or one of `OPTIMIZE`)."""
     if optimize is None:
         return None
     if optimize not in OPTIMIZE:
@@ -49,7 +49,7 @@ def check_optimize(optimize) -> Optional[str]:
 
 def quantize_optimized(model, output, *, data, eval_data, method: str, config, calib_kw: dict, report,
                        progress: bool, time_budget: float):
-    """:func:`onnx_qat.quantize` with ``optimize="accuracy"`` (see the module docstring)."""
+    """`onnx_qat.quantize` with ``optimize="accuracy"`` (see the module docstring)."""
     import dataclasses
     import os
 

@@ -1,7 +1,7 @@
 """Error-compensated INT8 weight rounding (GPTQ-style) for Conv, Gemm and MatMul weights.
 
 Round to nearest picks each weight's INT8 value on its own. GPTQ (Frantar et al., ICLR 2023,
-Algorithm 1; the loop is :func:`onnx_qat.formats.gptq.compensated_rounding`, shared with the INT4 and FP8
+Algorithm 1; the loop is `onnx_qat.formats.gptq.compensated_rounding`, shared with the INT4 and FP8
 roundings) rounds the reduction axis one row at a time and spreads each row's rounding error over
 the rows not rounded yet, weighted by the inverse of ``H = Σ xᵀx`` of the layer's input on the
 calibration data, so that the layer's output ``x W`` moves least. Here the grid is INT8 with the
@@ -9,12 +9,12 @@ per-output-channel scale round to nearest uses (``max |w| / 127``), so the scale
 and the inserter are unchanged: only which integer each weight takes differs.
 
 A Conv is a matrix product over its input patches: its Hessian is built from patches (im2col) at
-up to :data:`MAX_ROWS` sampled output positions per batch, one ``[K, K]`` matrix per group
+up to `MAX_ROWS` sampled output positions per batch, one ``[K, K]`` matrix per group
 (``K = C_in / group · kh · kw``; a depthwise Conv has one 9×9 matrix per channel for a 3×3
 kernel). Activations are the float model's.
 
 A weight keeps round to nearest when its input has fewer than
-:data:`~onnx_qat.formats.gptq.MIN_ROWS_PER_CHANNEL` calibration rows per reduction row (GPTQ would fit
+`onnx_qat.formats.gptq.MIN_ROWS_PER_CHANNEL` calibration rows per reduction row (GPTQ would fit
 those rows), when GPTQ does not lower the output error on the calibration rows, when its layout is
 not handled (ConvTranspose, a Conv that is not 2-D or uses ``auto_pad``, a per-tensor weight), or
 once ``time_budget`` seconds are spent. Each weight gets a record saying which and why.

@@ -4,7 +4,7 @@ An activation quantized per tensor whose channels differ widely in range (a few 
 after a LayerNorm, as in transformers) loses its small channels to the outliers' scale. Its weights
 are quantized per output channel, so they can take the range instead: input channel ``j`` of the
 activation is divided by ``s_j = a_j^α / w_j^(1-α)`` (``a_j``: the channel's max |x| on the
-calibration data; ``w_j``: max |w| of the weights' input channel ``j``; ``α`` = :data:`ALPHA`) and
+calibration data; ``w_j``: max |w| of the weights' input channel ``j``; ``α`` = `ALPHA`) and
 row ``j`` of every consumer's weight multiplied by it (Xiao et al., "SmoothQuant: Accurate and
 Efficient Post-Training Quantization for Large Language Models", ICML 2023, section 4).
 
@@ -14,7 +14,7 @@ BatchNormalization (scale and bias), a Mul by a constant then an Add of a consta
 written out), a Conv/Gemm/MatMul (its output channels, and the Add of a constant bias after it).
 Every reader of the activation must be a weighted op reading it as input 0 with a private constant
 weight. A tensor is smoothed only where its channel ranges are uneven: the largest at least
-:data:`MIN_SPREAD` times the median.
+`MIN_SPREAD` times the median.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def _conv_trailing(index, node) -> int:
 
 
 def _fits(value: np.ndarray, how: str, channels: int) -> bool:
-    """``value`` can be divided per channel as ``how`` says (see :func:`_divide`)."""
+    """``value`` can be divided per channel as ``how`` says (see `_divide`)."""
     if how.startswith("broadcast:"):
         shape = (channels,) + (1,) * int(how.split(":")[1])
         return value.size == 1 or (value.shape[-len(shape):] == shape and value.size == channels)
