@@ -111,7 +111,7 @@ def _supported(node, weight: np.ndarray, axis) -> str:
 
 def round_int8(model, placement, data, *, input_amax: Optional[Mapping[str, float]] = None,
                time_budget: float = TIME_BUDGET, batch_size: int = 16, skip=(), seed: int = 0,
-               progress: bool = False, observed=None) -> Tuple[Tuple[dict, ...], dict]:
+               progress: bool = False, observed=None, damp: Optional[float] = None) -> Tuple[Tuple[dict, ...], dict]:
     """Round the INT8 weights placement quantizes in ``model`` (a private float copy, edited in place)
     with GPTQ on the Hessians of their inputs over ``data``.
 
@@ -130,9 +130,13 @@ def round_int8(model, placement, data, *, input_amax: Optional[Mapping[str, floa
 
     ``observed`` (a model with the same node names, e.g. the Q/DQ model) is run instead of ``model``
     to collect the inputs: each weighted op's input 0 there (its dequantized input in a Q/DQ model).
+    ``damp``: share of the mean Hessian diagonal added to it (default GPTQ's 0.01). Larger values
+    spread less of each row's error; on the PP-OCRv4 recognizer with INT8 activations the output
+    cosine moved without a trend (0.954 / 0.958 / 0.961 / 0.974 / 0.966 / 0.974 for 0.1 / 1 / 3 / 10 /
+    30 / 100; round to nearest 0.967), so the default is kept.
     """
     from ..formats.encoding import ZERO_CHANNEL_SCALE
-    from ..formats.gptq import MIN_ROWS_PER_CHANNEL, compensated_rounding, output_error
+    from ..formats.gptq import DAMP, MIN_ROWS_PER_CHANNEL, compensated_rounding, output_error
     from ..graph.index import GraphIndex
     from ..scales import WeightRange
     from .equalize import read_constant, write_constant
@@ -185,7 +189,8 @@ def round_int8(model, placement, data, *, input_amax: Optional[Mapping[str, floa
             s = scale[g]
             rounded[g] = compensated_rounding(
                 mats[g], layer.hessian[g], k,
-                lambda _g, _b, _h, s=s: (lambda row: np.clip(np.rint(row / s), -QMAX, QMAX) * s))
+                lambda _g, _b, _h, s=s: (lambda row: np.clip(np.rint(row / s), -QMAX, QMAX) * s),
+                DAMP if damp is None else damp)
             w, h = mats[g], layer.hessian[g]
             signal = float(np.sum(w * (h @ w)))
             total += signal
