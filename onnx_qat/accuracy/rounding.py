@@ -111,7 +111,8 @@ def _supported(node, weight: np.ndarray, axis) -> str:
 
 def round_int8(model, placement, data, *, input_amax: Optional[Mapping[str, float]] = None,
                time_budget: float = TIME_BUDGET, batch_size: int = 16, skip=(), seed: int = 0,
-               progress: bool = False, observed=None, damp: Optional[float] = None) -> Tuple[Tuple[dict, ...], dict]:
+               progress: bool = False, observed=None,
+               damp: Optional[float] = None) -> Tuple[Tuple[dict, ...], dict]:
     """Round the INT8 weights placement quantizes in ``model`` (a private float copy, edited in place)
     with GPTQ on the Hessians of their inputs over ``data``.
 
