@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import re
 import signal
 import sys
@@ -929,10 +930,21 @@ def _fail(message: str, code: int, verbose: int) -> int:
 
 
 def _stopped(what: str, code: int, verbose: int) -> int:
-    """A signal stopped the run: one line (after any progress bar), the traceback with --verbose."""
+    """A signal stopped the run: one line (after any progress bar), the traceback with --verbose.
+
+    Outputs were cleaned up while the exception unwound. When an onnxruntime call was interrupted,
+    the process ends here with ``os._exit``: tearing the interpreter down after it would abort the
+    process (`onnx_qat.runtime.interrupts.interrupted`).
+    """
+    from .runtime.interrupts import interrupted
+
     if verbose:
         traceback.print_exc(file=sys.stderr)
     print(f"\n{PROG}: {what}", file=sys.stderr)
+    if interrupted():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping, Optional
 
-from .calibration.runner import DEFAULT_METHOD, calibrate
+from .calibration.runner import DEFAULT_METHOD
 from .config import QuantizeConfig
 from .errors import ConfigError
 from .formats.numeric import get_format
@@ -198,7 +198,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                               config=config, calib_kw=calib_kw, report=report, progress=progress)
     return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
-                           placement=placement, calibrator=calibrate, latency=latency_options,
+                           placement=placement, latency=latency_options,
                            cpu_vnni=cpu_vnni)
 
 

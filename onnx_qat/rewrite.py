@@ -26,6 +26,7 @@ from .scales import ScaleTable
 from .insertion.adapters import make_adapter
 from .insertion.targets import Target, get_target
 from .formats.numeric import get_format
+from .insertion.inserter import without_unreached_branches  # noqa: F401  (re-exported for onnx_qat.quantize)
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class QuantizeResult:
 
 def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
-                    placement: Optional[Placement] = None, calibrator=None, latency=None,
+                    placement: Optional[Placement] = None, latency=None,
                     cpu_vnni: bool = False) -> QuantizeResult:
     """The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: quantize every site the placement
     marks.
@@ -141,13 +142,13 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
     ``config`` is the resolved [`QuantizeConfig`][onnx_qat.config.QuantizeConfig] and ``calib_kw`` the merged
     calibration keywords, both already checked by [`onnx_qat.quantize`][onnx_qat.quantize.quantize] (see there
     for every argument and what is raised). The accuracy tools call this directly, one layer below the public
-    entry point that dispatches to them. ``calibrator``
-    ([`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate], passed by
-    [`onnx_qat.quantize`][onnx_qat.quantize.quantize]) computes the ranges when ``data`` is given: the rewrite
-    does not import the calibration package, whose ``auto`` method inserts its candidate tables through this
-    function. ``latency``: a `LatencyOptions` (``ort-cpu`` only): sites whose integer form is not faster on
-    this CPU stay float, and the result is timed against FP32.
-    ``cpu_vnni``: ``ort-cpu`` with calibrated ranges: 8-bit GEMM weights behind signed inputs.
+    entry point that dispatches to them. With ``data``, the ranges come from one calibration pass
+    over the loaded model (`onnx_qat.calibration.runner.collect`); for ``auto`` the candidate
+    tables it returns are judged with this model and placement
+    (`onnx_qat.calibration.choice.choose`): the model is loaded and placed once. ``latency``: a
+    `LatencyOptions` (``ort-cpu`` only): sites whose integer form is not faster on this CPU stay float,
+    and the result is timed against FP32. ``cpu_vnni``: ``ort-cpu`` with calibrated ranges: 8-bit GEMM
+    weights behind signed inputs.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -194,7 +195,7 @@ def quantize_placed(model, output=None, *, scales, data, method: str, config: Qu
             wanted += every_site.activation_tensors() + adapter.calibration_tensors(index, every_site)
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(wanted))}
     table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
-                               progress, calibrator)
+                               progress)
     if fmt.attention:
         if config.include_attention:  # a range the caller's own ScaleTable gives is kept
             keep = table.activations if scales is not None else ()
@@ -425,19 +426,15 @@ def nothing_to_quantize(placement: Placement, what: str = "the model", precision
             "exclude_nodes, exclude_op_types, min_channels)")
 
 
-def _ranges(model, index, placement, scales, data, method, config, calib_kw, progress,
-            calibrator=None) -> Tuple[ScaleTable, Placement]:
+def _ranges(model, index, placement, scales, data, method, config, calib_kw,
+            progress) -> Tuple[ScaleTable, Placement]:
     """``(ScaleTable, placement)``: the table loaded/validated, or calibrated on ``data``; when
     calibrated, the If branches no batch took are dropped from the placement (left float, with a note).
 
     Problems with a ScaleTable given as a file name that file in the message.
     """
     if scales is None:
-        table = _calibrated(model, placement, data, method, config, calib_kw, progress, calibrator)
-        placement = without_unreached_branches(placement, table)
-        if placement.empty:
-            raise PlacementError("nothing to quantize: the calibration data took no If branch (nor observed "
-                                 "a Loop/Scan body) that placement quantizes")
+        table, placement = _calibrated(model, placement, data, method, config, calib_kw, progress)
         return _check_complete(table, placement, "calibrated ScaleTable"), placement
     with _io().cyclic_gc_paused():  # a table of 10^4-10^5 ranges; the index and placement stay alive
         if isinstance(scales, ScaleTable):
@@ -472,46 +469,33 @@ def _load_scales_file(path) -> tuple:
     return f"ScaleTable {path}", ScaleTable.load(path)
 
 
-def without_unreached_branches(placement: Placement, table: ScaleTable, in_body: bool = False) -> Placement:
-    """``placement`` less the subgraph placements whose activations ``table`` has no range for:
-    calibration observes only the If branch each batch takes, so a branch no batch took stays float;
-    a Loop/Scan body whose tensor shapes change across iterations (or an If inside a body) cannot be
-    observed per iteration and stays float too. A note says which."""
-    from .insertion.inserter import missing_activations
+def _calibrated(model, placement, data, method, config, calib_kw, progress) -> Tuple[ScaleTable, Placement]:
+    """Calibrate ``model`` (the rewrite's own loaded copy, not changed) on ``data`` for ``placement``,
+    and for ``auto`` choose among the candidate tables with this model and placement: the ScaleTable
+    and the placement less the If branches / Loop bodies calibration could not observe (each named
+    in a note and a warning, `onnx_qat.insertion.inserter.without_unreached_branches`)."""
+    from .calibration.runner import auto_table, collect
+    from .io.data import load_data
 
-    if not placement.subgraphs:
-        return placement
-    kept, notes = [], list(placement.notes)
-    for sub in placement.subgraphs:
-        missing = missing_activations(sub.placement, table)
-        if missing and sub.attribute == "body":
-            notes.append(f"Loop/Scan node {sub.node!r}: calibration could not observe its body per iteration "
-                         f"(e.g. {missing[0]!r}: a shape that changes across iterations, or inside an If); "
-                         "left float")
-            logger.warning("%s", notes[-1])
-        elif missing and in_body:
-            notes.append(f"If node {sub.node!r} inside a Loop/Scan body: calibration cannot observe its "
-                         f"{sub.attribute} per iteration; left float")
-            logger.warning("%s", notes[-1])
-        elif missing:
-            notes.append(f"If node {sub.node!r}: no calibration batch took its {sub.attribute}; left float")
-            logger.warning("%s", notes[-1])
-        else:
-            inner = without_unreached_branches(sub.placement, table, in_body or sub.attribute == "body")
-            notes.extend(inner.notes[len(sub.placement.notes):])  # a nested drop is noted at the top
-            kept.append(replace(sub, placement=replace(inner, notes=sub.placement.notes)))
-    return replace(placement, subgraphs=tuple(kept), notes=tuple(notes))
+    options = dict(calib_kw)
+    tensors = options.pop("tensors", None) or placement.activation_tensors()
+    unknown = sorted(set(options) - {"percentile", "num_bins", "batch_size"})
+    if unknown:
+        raise ConfigError(f"unknown calibration option {unknown[0]!r}; the options are percentile, num_bins, "
+                          "batch_size and tensors")
+    dataset = load_data(data, model, what="calibration data")
+    result = collect(model, dataset, tensors, method=method, progress=progress, **options)
+    reached = without_unreached_branches(placement, result.table())
+    if reached.empty:
+        raise PlacementError("nothing to quantize: the calibration data took no If branch (nor observed "
+                             "a Loop/Scan body) that placement quantizes")
+    if method != "auto":
+        return result.table(), reached
+    from .calibration.choice import choose
 
-
-def _calibrated(model, placement, data, method, config, calib_kw, progress, calibrator) -> ScaleTable:
-    import inspect
-
-    if calibrator is None:
-        raise ConfigError("calibration data was given, but no calibrator: call onnx_qat.quantize")
-    calibrate = calibrator
-    if "tensors" in inspect.signature(calibrate).parameters and "tensors" not in calib_kw:
-        calib_kw = {**calib_kw, "tensors": placement.activation_tensors()}  # placement is already known
-    return calibrate(model, data, method=method, config=config, progress=progress, **calib_kw)
+    best, cosines = choose(model, reached, result, target=config.target, precision=config.precision,
+                           block_size=config.block_size)
+    return auto_table(result, best, cosines), reached
 
 
 #: Softmax outputs lie in [0, 1]: with FP8 their range is fixed, not calibrated (data-independent, as

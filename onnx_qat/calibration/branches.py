@@ -54,7 +54,7 @@ def make_runner(model: onnx.ModelProto, names: Sequence[str]):
 
     main = _tensor_names(model.graph)
     if all(n in main for n in names):
-        return make_session(model, extra_outputs=names, copy=False)
+        return make_session(model, extra_outputs=names)  # the model is not changed
     return BranchRunner(model, names)
 
 

@@ -54,24 +54,28 @@ _FLOAT32_SCALE_FLOOR = 1e-37
 class AbsHistogram:
     """A histogram of |x| over ``[0, top]`` with ``num_bins`` equal bins, grown without a second pass.
 
-    ``top`` starts at the first non-zero maximum. When a batch brings a larger
-    maximum, ``top`` doubles (as often as needed) and every group of adjacent bins
-    is summed into one: the re-binning is exact because bin edges stay aligned.
-    The largest value therefore always lies in the upper half of the range, so at
-    least ``num_bins / 2`` bins cover the data. Zeros seen before the first
-    non-zero value are kept and added to bin 0.
+    ``top`` is always a power of two: the smallest one at or above the largest value seen. When a
+    batch brings a larger maximum, ``top`` doubles (as often as needed) and every group of adjacent
+    bins is summed into one: the re-binning is exact because bin edges stay aligned. The largest
+    value therefore always lies in the upper half of the range, so at least ``num_bins / 2`` bins
+    cover the data. Because the edges depend only on the values (never on the order of the batches),
+    two histograms of parts of the data `merge` into exactly the histogram of all of it, and
+    batches may be counted in any grouping: small batches are buffered and binned together (one
+    pass per ``num_bins`` values instead of one per batch). Zeros count in bin 0.
     """
 
-    __slots__ = ("num_bins", "counts", "top", "max_seen", "_pending_zeros")
+    __slots__ = ("num_bins", "_counts", "top", "max_seen", "_pending_zeros", "_buffer", "_buffered")
 
     def __init__(self, num_bins: int = 2048):
         if num_bins < 2 or num_bins & (num_bins - 1):
             raise ValueError(f"num_bins must be a power of two >= 2, got {num_bins}")
         self.num_bins = int(num_bins)
-        self.counts = np.zeros(self.num_bins, dtype=np.int64)
+        self._counts = np.zeros(self.num_bins, dtype=np.int64)
         self.top = 0.0
         self.max_seen = 0.0
         self._pending_zeros = 0
+        self._buffer: list = []  # small batches (their magnitudes or signed values) not binned yet
+        self._buffered = 0
 
     def update(self, magnitudes: np.ndarray, *, peak: "float | None" = None, signed: bool = False) -> None:
         """Add finite, non-negative values (``peak``: their maximum, when already known).
@@ -89,50 +93,103 @@ class AbsHistogram:
             if self.top == 0.0:
                 self._pending_zeros += values.size
             else:
-                self.counts[0] += values.size
+                self._counts[0] += values.size
             return
         self.max_seen = max(self.max_seen, batch_max)
-        if self.top == 0.0:
-            self.top = batch_max
-            self.counts[0] += self._pending_zeros
-            self._pending_zeros = 0
-        elif batch_max > self.top:
+        if values.size < self.num_bins:  # binned later with others: the counts do not depend on it
+            self._buffer.append(np.abs(values) if signed else values.copy())
+            self._buffered += values.size
+            if self._buffered >= self.num_bins:
+                self._flush()
+            return
+        self._count(values, batch_max, signed)
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        values = np.concatenate(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
+        self._buffer, self._buffered = [], 0
+        self._count(values, float(values.max()), False)
+
+    def _count(self, values: np.ndarray, batch_max: float, signed: bool) -> None:
+        if batch_max > self.top:
             self._grow(batch_max)
-        self.counts += np.bincount(self._bin_index(values, signed), minlength=self.num_bins)
+        self._counts += np.bincount(self._bin_index(values, signed), minlength=self.num_bins)
 
     def _bin_index(self, values: np.ndarray, signed: bool) -> np.ndarray:
-        """The bin of each |value| (values at or above ``top`` go to the last bin)."""
-        if values.dtype == np.float32 and self.top > _FLOAT32_SCALE_FLOOR * self.num_bins:
-            position = values * np.float32(self.num_bins / self.top)  # float32 throughout
-        else:  # divide before scaling: num_bins / top would overflow for denormal tops
+        """The bin of each |value| (values at or above ``top`` go to the last bin).
+
+        ``num_bins / top`` is a power of two, so each position is computed exactly (float32 or
+        float64 alike): a value's bin never depends on the precision used.
+        """
+        factor = self.num_bins / self.top
+        if values.dtype == np.float32 and _FLOAT32_SCALE_FLOOR < factor < 1.0 / _FLOAT32_SCALE_FLOOR:
+            position = values * np.float32(factor)  # float32 throughout
+        else:
             position = values.astype(np.float64)
-            position /= self.top
-            position *= self.num_bins
+            position *= factor
         if signed:
             np.abs(position, out=position)
         index = position.astype(np.intp)
         return np.minimum(index, self.num_bins - 1, out=index)
 
     def _grow(self, new_max: float) -> None:
-        top, doublings = self.top, 0
-        while top < new_max:
+        top = float(2.0 ** np.ceil(np.log2(new_max)))
+        while top < new_max:  # guard against log2 rounding
             top *= 2.0
-            doublings += 1
+        if self.top == 0.0:
+            self.top = top
+            self._counts[0] += self._pending_zeros
+            self._pending_zeros = 0
+            return
+        doublings = int(round(np.log2(top / self.top)))
         self.top = top
-        if 2 ** min(doublings, 62) >= self.num_bins:
-            total = int(self.counts.sum())
-            self.counts[:] = 0
-            self.counts[0] = total
+        if doublings >= 62 or 2 ** doublings >= self.num_bins:
+            total = int(self._counts.sum())
+            self._counts[:] = 0
+            self._counts[0] = total
             return
         factor = 2 ** doublings
-        merged = self.counts.reshape(-1, factor).sum(axis=1)
-        self.counts[:] = 0
-        self.counts[: merged.size] = merged
+        merged = self._counts.reshape(-1, factor).sum(axis=1)
+        self._counts[:] = 0
+        self._counts[: merged.size] = merged
+
+    def merge(self, other: "AbsHistogram") -> None:
+        """Add the counts of ``other`` (a histogram of other values, same ``num_bins``): the result is
+        exactly the histogram of both sets of values, in any order."""
+        if other.num_bins != self.num_bins:
+            raise ValueError(f"cannot merge histograms of {other.num_bins} and {self.num_bins} bins")
+        other._flush()
+        self.max_seen = max(self.max_seen, other.max_seen)
+        if other.top == 0.0:
+            if self.top == 0.0:
+                self._pending_zeros += other._pending_zeros
+            else:
+                self._counts[0] += other._pending_zeros
+            return
+        if other.top > self.top:
+            self._grow(other.top)
+        counts = other._counts
+        if other.top < self.top:
+            factor = int(round(self.top / other.top))
+            counts = np.zeros(self.num_bins, dtype=np.int64) if factor >= self.num_bins else \
+                np.concatenate([counts.reshape(-1, factor).sum(axis=1),
+                                np.zeros(self.num_bins - self.num_bins // factor, np.int64)])
+            if factor >= self.num_bins:
+                counts[0] = int(other._counts.sum())
+        self._counts += counts
+
+    @property
+    def counts(self) -> np.ndarray:
+        """The ``num_bins`` counts over ``[0, top]`` (buffered values binned first)."""
+        self._flush()
+        return self._counts
 
     @property
     def total(self) -> int:
         """Number of values counted."""
-        return int(self.counts.sum()) + self._pending_zeros
+        self._flush()
+        return int(self._counts.sum()) + self._pending_zeros
 
     @property
     def bin_width(self) -> float:
@@ -148,11 +205,13 @@ class AbsHistogram:
 
     def used_bins(self) -> int:
         """Index one past the last non-empty bin (0 when empty)."""
-        nonzero = np.flatnonzero(self.counts)
+        self._flush()
+        nonzero = np.flatnonzero(self._counts)
         return int(nonzero[-1]) + 1 if nonzero.size else 0
 
     def nbytes(self) -> int:
-        return int(self.counts.nbytes) + 32
+        """Bytes held: the counts and at most ``num_bins`` buffered values."""
+        return int(self._counts.nbytes) + 8 * self.num_bins + 32
 
     def final(self, num_bins: int) -> "tuple[np.ndarray, float]":
         """Counts re-binned onto ``num_bins`` equal bins over ``[0, max_seen]``, and their width.
@@ -161,9 +220,10 @@ class AbsHistogram:
         spread evenly within a bin), so the result barely depends on how the range grew
         across batches. Every value lands in some bin: the total is preserved.
         """
+        self._flush()
         top = self.max_seen
         fine_edges = np.linspace(0.0, self.top, self.num_bins + 1)
-        cumulative = np.concatenate([[0.0], np.cumsum(self.counts, dtype=np.float64)])
+        cumulative = np.concatenate([[0.0], np.cumsum(self._counts, dtype=np.float64)])
         cumulative[1:] += self._pending_zeros
         edges = np.linspace(0.0, top, num_bins + 1)
         at_edges = np.interp(edges, fine_edges, cumulative)
@@ -205,3 +265,57 @@ class HistogramCollector(RangeCollector):
     @abc.abstractmethod
     def _threshold(self, counts: np.ndarray, width: float) -> float:
         """The method's threshold from ``num_bins`` counts of width ``width`` starting at 0."""
+
+
+#: `coarse_to_fine` scores every ``COARSE_STRIDE``-th candidate first ...
+COARSE_STRIDE = 8
+#: ... then every candidate within one stride of the ``COARSE_KEEP`` best of those.
+COARSE_KEEP = 4
+
+
+def coarse_to_fine(score, start: int, stop: int, *, widest: bool = True):
+    """The candidate in ``start..stop`` (whole bins) with the least finite ``score``, or None when no
+    score is finite: `coarse_to_fine_rows` of one row (``score`` maps an array of candidates
+    ``[1, K]`` to their scores ``[1, K]``)."""
+    best = coarse_to_fine_rows(score, np.array([start]), np.array([stop]), widest=widest)[0]
+    return None if best < 0 else int(best)
+
+
+def coarse_to_fine_rows(score, start: np.ndarray, stop: np.ndarray, *, widest: bool = True) -> np.ndarray:
+    """For each row ``r``, the candidate in ``start[r]..stop[r]`` (whole bins) with the least finite
+    score (-1 when none is finite, or when ``stop[r] < start[r]``).
+
+    ``score`` maps candidates ``[R, K]`` (one row of candidates per row) to scores ``[R, K]``. Every
+    `COARSE_STRIDE`-th candidate from ``start`` (and ``stop``) is scored, then every candidate
+    within one stride of the `COARSE_KEEP` best of those: about 1/6 of an exhaustive search
+    over 2048 bins, the same answer wherever the score varies smoothly at the scale of 8 bins (a
+    quantization error or divergence over 128 levels does; a jagged score may land on a
+    near-minimum). ``widest``: among equal scores the largest candidate (clips least), else the
+    smallest. Many rows at once cost little more than one: the histograms of all tensors are searched
+    together (`onnx_qat.calibration.auto.analyze`).
+    """
+    start = np.asarray(start, dtype=np.intp)
+    stop = np.asarray(stop, dtype=np.intp)
+    rows = start.size
+    grid = np.arange(0, max(int((stop - start).max()), 0) + 1, COARSE_STRIDE, dtype=np.intp)
+    coarse = start[:, None] + grid[None, :]
+    valid = coarse <= stop[:, None]
+    on_grid = (stop - start) % COARSE_STRIDE == 0
+    coarse = np.concatenate([np.where(valid, coarse, stop[:, None]), stop[:, None]], axis=1)
+    valid = np.concatenate([valid, (~on_grid & (stop >= start))[:, None]], axis=1)
+    scores = np.where(valid, np.asarray(score(coarse), dtype=np.float64), np.inf)
+    scores = np.where(np.isfinite(scores), scores, np.inf)
+    none = ~np.isfinite(scores).any(axis=1)
+    keep = min(COARSE_KEEP, coarse.shape[1])
+    order = np.argsort(scores, axis=1, kind="stable")[:, :keep]
+    picked = np.take_along_axis(coarse, order, axis=1)
+    offsets = np.arange(-(COARSE_STRIDE - 1), COARSE_STRIDE, dtype=np.intp)
+    fine = np.concatenate([(picked[:, :, None] + offsets[None, None, :]).reshape(rows, -1), picked], axis=1)
+    fine = np.clip(fine, start[:, None], np.maximum(stop, start)[:, None])
+    fine_scores = np.asarray(score(fine), dtype=np.float64)
+    fine_scores = np.where(np.isfinite(fine_scores), fine_scores, np.inf)
+    best = fine_scores.min(axis=1, keepdims=True)
+    ties = (fine_scores == best) & np.isfinite(best)
+    chosen = np.where(ties, fine, -1).max(axis=1) if widest else \
+        np.where(ties, fine, np.iinfo(np.intp).max).min(axis=1)
+    return np.where(none | ~ties.any(axis=1), -1, chosen)

@@ -11,9 +11,11 @@ import json
 import logging
 import os
 from collections import Counter
-from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
+import onnx
 
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
 from ..scales import ScaleTable
@@ -127,6 +129,46 @@ def _check_options(method: str, percentile, num_bins, batch_size) -> None:
         raise ConfigError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What one calibration pass over the data gives: ranges, and for ``auto`` the evidence to choose.
+
+    Attributes:
+        ranges: ``{tensor: amax}`` of the method for every observed tensor (``auto``: each tensor's
+            least-error candidate, the ``tensor`` table).
+        unobserved: the tensors no batch reached (tensors of If branches no batch took, of Loop/Scan
+            bodies that cannot be observed per iteration); they have no range.
+        metadata: the ScaleTable metadata (method, samples, bins).
+        producer: the ScaleTable producer.
+        candidates: ``auto`` only: the whole tables to choose from, ``{"max": ..., "tensor": ...,
+            "entropy": ...}``, all read from the same histograms.
+        choices: ``auto`` only: ``{tensor: candidate}`` of the per-tensor table.
+        check_feeds: ``auto`` only: the calibration batches holding the first `CHECK_SAMPLES`
+            samples, which the candidate tables are judged on.
+        reference: ``auto`` only: the float model's float outputs on ``check_feeds`` (flattened and
+            joined over the batches), taken during the calibration run itself.
+    """
+
+    ranges: Mapping[str, float]
+    unobserved: Tuple[str, ...]
+    metadata: Mapping[str, str]
+    producer: str
+    candidates: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    choices: Mapping[str, str] = field(default_factory=dict)
+    check_feeds: Tuple[dict, ...] = field(default=(), repr=False)
+    reference: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def table(self, name: Optional[str] = None, **metadata) -> ScaleTable:
+        """The ScaleTable of `ranges` (or of candidate ``name``), with ``metadata`` added."""
+        amax = self.ranges if name is None else self.candidates[name]
+        return ScaleTable(dict(amax), producer=self.producer, metadata={**self.metadata, **metadata})
+
+
+#: Samples of the calibration data ``auto``'s candidate tables are judged on (the calibration batches
+#: holding them): bounds the cost of the judgement to one quantized run per table on these.
+CHECK_SAMPLES = 64
+
+
 def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 99.99, num_bins: int = 2048,
               batch_size: int = 16, config=None, tensors: Optional[Iterable[str]] = None,
               progress: bool = True, output=None, state: Optional[Mapping[str, str]] = None,
@@ -141,17 +183,19 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
             of the max, percentile and mse candidates quantizes that tensor with the least error,
             ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
-            model's on the first 64 calibration samples; the metadata keys ``auto_table``,
-            ``auto_output_cosine`` and ``auto_choices`` record the choice), ``"max"`` (max |x|),
-            ``"percentile"`` (the ``percentile``-th percentile of |x|), ``"entropy"`` (TensorRT's
-            KL-divergence threshold, guarded) or ``"mse"`` (threshold with the least expected
-            quantization error).
+            model's on the first 64 calibration samples, `choose`;
+            the metadata keys ``auto_table``, ``auto_output_cosine`` and ``auto_choices`` record
+            the choice), ``"max"`` (max |x|), ``"percentile"`` (the ``percentile``-th percentile of
+            |x|), ``"entropy"`` (TensorRT's KL-divergence threshold, guarded) or ``"mse"``
+            (threshold with the least expected quantization error).
         percentile: for ``method="percentile"``, in (0, 100].
         num_bins: histogram bins for the histogram methods (a power of two >= 256).
         batch_size: samples per onnxruntime run.
         config: a [`QuantizeConfig`][onnx_qat.config.QuantizeConfig]; with ``placement_options``
             (its field names) it decides which tensors are observed.
-        tensors: observe exactly these tensors instead of placement's activation tensors.
+        tensors: observe exactly these tensors instead of placement's activation tensors (with
+            ``auto``, tables that leave out an activation placement quantizes cannot be judged by
+            the output: the per-tensor table is kept, with a warning and ``auto_table`` ``tensor``).
         progress: show a tqdm progress bar on stderr.
         output: when given, the ScaleTable is also saved there (atomically).
         state: ``{output: input}`` of a stateful model: the data runs in order, each run's
@@ -169,108 +213,171 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     from ..io.layout import with_layout
     from ..io.files import check_output_path
     from ..io.models import load_model
-    from ..runtime.stateful import carry_state, state_outputs
     _check_options(method, percentile, num_bins, batch_size)
     data = with_layout(data, state=state, batch_axis=batch_axis)
     if output is not None:
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
     proto = load_model(model)
-    names = _tensors_to_observe(proto, tensors, config, placement_options)
+    placement = None
+    if tensors is None or method == "auto":  # auto's tables are judged with the placement
+        placement = _placement(proto, config, placement_options)
+    names = _tensors_to_observe(placement if tensors is None else None, tensors, config, placement_options)
     dataset = load_data(data, proto, what="calibration data")
-    graph_inputs = set(dataset.input_names)
-    observers = {n: TensorObserver(n, make_collector(method, percentile=percentile, num_bins=num_bins))
-                 for n in names}
-    fetched = [n for n in names if n not in graph_inputs]
-    # proto is this function's own copy; a stateful model's runs also fetch its state outputs
-    run_outputs = fetched + [o for o in state_outputs(dataset) if o not in fetched]
-    session = carry_state(make_runner(proto, run_outputs), dataset)
-    del proto  # the session holds the weights now
-    reached = _observe(session, dataset, observers, fetched, batch_size, progress, f"calibrate ({method})")
-    reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
-    unreached = [name for name in names if name not in reached]
-    if unreached:
+    result = collect(proto, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
+                     batch_size=batch_size, progress=progress)
+    if result.unobserved:
         logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
                        "that cannot be observed per iteration (e.g. %r); they get no range",
-                       len(unreached), unreached[0])
-    amax = {name: observer.result() for name, observer in observers.items() if name in reached}
-    meta = _metadata(method, percentile, num_bins, dataset.num_samples)
-    if method == "auto":
-        amax = _auto_tables(model, dataset, observers, amax, meta, config=config, batch_size=batch_size,
-                            placement_options=placement_options)
-    table = ScaleTable(amax, producer=f"onnx_qat.calibrate(method={_describe(method, percentile)})",
-                       metadata=meta)
+                       len(result.unobserved), result.unobserved[0])
+    if method != "auto":
+        table = result.table()
+    else:
+        from ..config import QuantizeConfig
+        from ..insertion.inserter import missing_activations, without_unreached_branches
+        from .choice import choose
+
+        resolved = QuantizeConfig.from_options(config, **placement_options)
+        reached = without_unreached_branches(placement, result.table())
+        if missing_activations(reached, result.table()):
+            logger.warning("auto calibration: the tensors observed leave out activations placement "
+                           "quantizes, so the candidate tables cannot be judged by the model's output; "
+                           "keeping each tensor's least-error candidate")
+            table = auto_table(result, "tensor", {})
+        else:
+            best, cosines = choose(proto, reached, result, target=resolved.target,
+                                   precision=resolved.precision, block_size=resolved.block_size)
+            table = auto_table(result, best, cosines)
     if output is not None:
         table.save(output)
     return table
 
 
-def _auto_tables(model, dataset, observers, amax, meta, *, config, batch_size: int,
-                 placement_options) -> Dict[str, float]:
-    """``auto``'s final table: the per-tensor least-error choice, ``max`` or ``entropy`` everywhere,
-    whichever gives the model output closest to the float model's on the calibration data
-    (`output_check`; the per-tensor choice when the tables cannot be inserted, e.g. because
-    explicit ``tensors`` leave out an activation placement quantizes). Records the per-tensor picks
-    (``auto_choices``), the winning table (``auto_table``) and each table's output cosine
-    (``auto_output_cosine``) in ``meta``."""
-    from ..io.models import load_model
-    from .output_check import choose_by_output, first_samples
-
-    def guarded(value: float) -> float:
-        return value if value > 0.0 else ZERO_TENSOR_AMAX
-
-    choices = {name: observers[name].collector.choice for name in amax}
-    tables = {"max": {n: guarded(observers[n].collector.max_amax()) for n in amax}, "tensor": amax,
-              "entropy": {n: guarded(observers[n].collector.entropy_amax()) for n in amax}}
-    best, cosines = choose_by_output(load_model(model), first_samples(dataset, batch_size=batch_size),
-                                     tables, config=config, batch_size=batch_size,
-                                     placement_options=placement_options)
-    if not np.isfinite(max(cosines.values())):
-        best = "tensor"
-    else:
+def auto_table(result: Calibration, best: str, cosines: Mapping[str, float]) -> ScaleTable:
+    """``auto``'s ScaleTable: candidate ``best`` of ``result``, its metadata recording the per-tensor
+    picks (``auto_choices``: the candidate names, or ``best`` everywhere for a whole-model table),
+    the table kept (``auto_table``) and each table's output cosine (``auto_output_cosine``)."""
+    choices = dict(result.choices) if best == "tensor" else {name: best for name in result.ranges}
+    meta = {"auto_table": best, "auto_choices": json.dumps(choices, sort_keys=True, separators=(",", ":"))}
+    if cosines:
         meta["auto_output_cosine"] = json.dumps({k: round(v, 6) for k, v in cosines.items()},
                                                 sort_keys=True, separators=(",", ":"))
         logger.info("auto calibration: output cosine on the calibration data %s; keeping %s",
                     ", ".join(f"{k} {v:.5f}" for k, v in cosines.items()), best)
-        if best != "tensor":
-            choices = {name: best for name in amax}
-    meta["auto_table"] = best
-    meta["auto_choices"] = json.dumps(choices, sort_keys=True, separators=(",", ":"))
     counts = Counter(choices.values())
     logger.info("auto calibration: %s", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    return dict(tables[best])
+    return result.table(best, **meta)
+
+
+def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: str = DEFAULT_METHOD,
+            percentile: float = 99.99, num_bins: int = 2048, batch_size: int = 16,
+            progress: bool = True) -> Calibration:
+    """One calibration pass of ``model`` (a loaded float ModelProto, not changed) over ``dataset``
+    (a `Dataset`), observing ``names``: the `Calibration` (ranges, and
+    for ``auto`` the candidate tables, the check batches and the float outputs on them).
+
+    This is all calibration does: choosing among ``auto``'s tables is the caller's (it holds the
+    placement the tables are inserted with: `onnx_qat.calibration.choice.choose`).
+    """
+    from ..runtime.stateful import carry_state, state_outputs
+
+    _check_options(method, percentile, num_bins, batch_size)
+    names = tuple(dict.fromkeys(names))
+    graph_inputs = set(dataset.input_names)
+    observers = {n: TensorObserver(n, make_collector(method, percentile=percentile, num_bins=num_bins))
+                 for n in names}
+    fetched = [n for n in names if n not in graph_inputs]
+    outputs: Tuple[str, ...] = ()
+    if method == "auto":
+        outputs = tuple(o.name for o in model.graph.output
+                        if o.type.tensor_type.elem_type in _FLOAT_TYPES and o.name not in graph_inputs)
+    # a stateful model's runs also fetch its state outputs, fed back into the next run
+    run_outputs = list(dict.fromkeys(fetched + list(outputs) + list(state_outputs(dataset))))
+    session = carry_state(make_runner(model, run_outputs), dataset)
+    reached, kept = _observe(session, dataset, observers, fetched, batch_size, progress,
+                             f"calibrate ({method})", outputs)
+    reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
+    del session
+    unobserved = tuple(name for name in names if name not in reached)
+    if method == "auto":  # every tensor's searches at once
+        from .auto import analyze
+
+        analyze([observers[name].collector for name in names if name in reached])
+    ranges = {name: observer.result() for name, observer in observers.items() if name in reached}
+    meta = _metadata(method, percentile, num_bins, dataset.num_samples)
+    producer = f"onnx_qat.calibrate(method={_describe(method, percentile)})"
+    if method != "auto":
+        return Calibration(ranges, unobserved, meta, producer)
+
+    def guarded(value: float) -> float:
+        return value if value > 0.0 else ZERO_TENSOR_AMAX
+
+    candidates = {"max": {n: guarded(observers[n].collector.max_amax()) for n in ranges}, "tensor": ranges,
+                  "entropy": {n: guarded(observers[n].collector.entropy_amax()) for n in ranges}}
+    choices = {name: observers[name].collector.choice for name in ranges}
+    feeds = tuple(feed for feed, _ in kept)
+    reference = {name: np.concatenate([values[name].ravel() for _, values in kept]) for name in outputs} \
+        if kept else {}
+    return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference)
+
+
+_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                onnx.TensorProto.BFLOAT16)
 
 
 def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, batch_size: int,
-             progress: bool, desc: str) -> set:
+             progress: bool, desc: str, outputs: Sequence[str] = ()):
     """Run every batch once and reduce each observed tensor into its observer (fed inputs from the feed).
 
-    When only graph inputs are observed the model is not run at all. ``session`` may be a
-    `BranchRunner`, which gives None for the tensors of If
-    branches a batch does not take (and a Loop/Scan body's tensors stacked over its iterations).
-    Returns the names observed on at least one batch.
+    When only graph inputs are observed (and no ``outputs`` are asked for) the model is not run at
+    all. ``session`` may be a `BranchRunner`, which gives None
+    for the tensors of If branches a batch does not take (and a Loop/Scan body's tensors stacked over
+    its iterations). Returns the names observed on at least one batch, and ``(feed, {output: value})``
+    of the batches holding the first `CHECK_SAMPLES` samples (when ``outputs`` are given).
     """
     from ..runtime.sessions import feeds_with_progress
 
     reached = set()
+    kept: list = []
+    samples = 0
+    asked = list(dict.fromkeys(list(fetched) + list(outputs)))
     for index, feed in enumerate(feeds_with_progress(dataset, batch_size, progress, desc)):
         try:
-            values = dict(zip(fetched, session.run(fetched, feed))) if fetched else {}
+            values = dict(zip(asked, session.run(asked, feed))) if asked else {}
         except QatError:
             raise
         except Exception as exc:
             raise ModelError(f"onnxruntime failed on batch {index} of {dataset.source}: "
                              f"{brief(exc, 300)}") from None
         given = getattr(session, "last_given", feed)  # a stateful model's carried state input too
+        if outputs and samples < CHECK_SAMPLES:
+            kept.append((given, {name: values[name] for name in outputs}))
+            samples += _samples_in(dataset, given)
         for name, observer in observers.items():
             value = values.pop(name) if name in values else given[name]
             if value is not None:
                 observer.update(value)
                 reached.add(name)
         del values, feed
-    return reached
+    return reached, kept
 
 
-def _tensors_to_observe(proto, tensors, config, placement_options) -> Tuple[str, ...]:
+def _samples_in(dataset, feed) -> int:
+    """Samples one run of ``dataset`` holds: one for a model without a sample axis, a stream of feeds or
+    a stateful model's step; else the feed's first axis."""
+    from ..io.data import Dataset
+
+    if not isinstance(dataset, Dataset) or dataset.unbatched or dataset.state:
+        return 1
+    return len(next(iter(feed.values())))
+
+
+def _placement(proto, config, placement_options):
+    from ..placement import place
+
+    return place(proto, config=config, **placement_options)
+
+
+def _tensors_to_observe(placement, tensors, config, placement_options) -> Tuple[str, ...]:
     if tensors is not None:
         if isinstance(tensors, str):
             tensors = (tensors,)
@@ -278,9 +385,6 @@ def _tensors_to_observe(proto, tensors, config, placement_options) -> Tuple[str,
         if not names:
             raise ConfigError("tensors is empty; give at least one tensor name, or None to use placement")
         return names
-    from ..placement import place
-
-    placement = place(proto, config=config, **placement_options)
     names = placement.activation_tensors()
     if not names:
         from ..config import QuantizeConfig

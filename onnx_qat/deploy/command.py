@@ -151,6 +151,7 @@ class OutputParity:
     top1: Optional[float]
     passed: bool
     reason: str = ""
+    cosine: Optional[float] = None
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -158,9 +159,10 @@ class OutputParity:
 
     def __str__(self) -> str:
         top1 = f" | top-1 {100 * self.top1:.1f}%" if self.top1 is not None else ""
+        cosine = f" | cosine {self.cosine:.5f}" if self.cosine is not None else ""
         tail = f" | {self.reason}" if self.reason else ""
         return (f"{'PASSED' if self.passed else 'FAILED'} | output {self.name!r} | "
-                f"max abs {self.max_abs:.3e} | max rel {self.max_rel:.3e}{top1}{tail}")
+                f"max abs {self.max_abs:.3e} | max rel {self.max_rel:.3e}{cosine}{top1}{tail}")
 
 
 @dataclass(frozen=True)
@@ -238,14 +240,18 @@ def has_class_axis(array: np.ndarray) -> bool:
 
 
 def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], *,
-                    min_top1: float = 0.99, max_abs: Optional[float] = None) -> Tuple[OutputParity, ...]:
+                    min_top1: float = 0.99, max_abs: Optional[float] = None, min_cosine: float = 0.99,
+                    class_outputs=None) -> Tuple[OutputParity, ...]:
     """Compare every output of ``reference`` (onnxruntime) with ``candidate`` (the engine).
 
     The figures are `onnx_qat.runtime.compare.output_figures`' (the one comparator: ``max_rel``
-    relative to ``|a|`` floored at ``REL_FLOOR`` times the largest ``|a|``; ``top1`` the fraction of
-    rows whose argmax over the last axis agrees, outputs with a class axis only). An output passes
-    when its top-1 agreement is at least ``min_top1`` and, when given, its max abs
-    difference is at most ``max_abs``.
+    relative to ``|a|`` floored at ``REL_FLOOR`` times the largest ``|a|``). ``top1``, the fraction of
+    rows whose argmax over the last axis agrees, is reported and judged only for outputs that hold
+    class scores: those named in ``class_outputs`` (`onnx_qat.runtime.compare.class_score_outputs`
+    of the model) and any rank-2 ``[samples, classes]`` output; on a detector's ``[N, 22, 2100]`` the
+    argmax of the last axis is no class. An output passes when its cosine is at least ``min_cosine``,
+    its top-1 agreement (class outputs) at least ``min_top1`` and, when given, its max abs difference
+    at most ``max_abs``.
     """
     from onnx_qat.runtime.compare import output_figures
 
@@ -263,14 +269,17 @@ def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str,
                                         f"{list(ref.shape)}"))
             continue
         figures = output_figures(ref, got)
-        agree = figures["top1"] if ref.size else None
+        scores = ref.ndim == 2 or name in (class_outputs or ())
+        agree = figures["top1"] if ref.size and scores else None
         reasons = []
+        if ref.size and not figures["cosine"] >= min_cosine:
+            reasons.append(f"cosine {figures['cosine']:.5f} < {min_cosine}")
         if agree is not None and agree < min_top1:
             reasons.append(f"top-1 agreement {100 * agree:.1f}% < {100 * min_top1:.1f}%")
         if max_abs is not None and not figures["max_abs"] <= max_abs:
             reasons.append(f"max abs {figures['max_abs']:.3e} > {max_abs:.3e}")
         results.append(OutputParity(name, figures["max_abs"], figures["max_rel"], figures["mean_abs"], agree,
-                                    not reasons, "; ".join(reasons)))
+                                    not reasons, "; ".join(reasons), figures["cosine"]))
     return tuple(results)
 
 
@@ -710,8 +719,11 @@ def _measure_and_verify(opts, state: _Progress, model, dataset, labels, referenc
         info = runner.layer_information()
         layers = trt_backend.analyse_layers(info, qdq_node_names(model))
         beside = trt_backend.compare_precisions(pmap, info)
+    from onnx_qat.runtime.compare import class_score_outputs
+
     parity = () if reference is None else compare_outputs(reference, outputs, min_top1=opts.min_top1,
-                                                          max_abs=opts.max_abs)
+                                                          max_abs=opts.max_abs, min_cosine=opts.min_cosine,
+                                                          class_outputs=class_score_outputs(model))
     for line in parity:
         print(f"parity: {line}")
     acc = {"tensorrt": accuracy(outputs, labels),

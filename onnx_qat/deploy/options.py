@@ -44,6 +44,7 @@ class DeployOptions:
     iterations: int = 100
     warmup: int = 10
     min_top1: float = 0.99
+    min_cosine: float = 0.99
     max_abs: Optional[float] = None
     skip_validation: bool = False
     force: bool = False
@@ -165,7 +166,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed runs after warm-up (default 100)")
     m.add_argument("--warmup", type=whole_number(0), default=10, help="untimed warm-up runs (default 10)")
     m.add_argument("--min-top1", type=number_in(0.0, 1.0), default=0.99,
-                   help="least top-1 agreement between engine and onnxruntime outputs (default 0.99)")
+                   help="least top-1 agreement between engine and onnxruntime, outputs holding class "
+                        "scores only (rank 2, or written by a Softmax; default 0.99)")
+    m.add_argument("--min-cosine", type=number_in(-1.0, 1.0), default=0.99,
+                   help="least cosine between engine and onnxruntime outputs, every output (default 0.99)")
     m.add_argument("--max-abs", type=positive_number,
                    help="largest allowed max-abs difference between engine and onnxruntime "
                         "(default: no limit)")
@@ -194,6 +198,7 @@ def options_from_args(args: argparse.Namespace, *, prog: str = PROG) -> DeployOp
         num_samples=args.num_samples, seed=args.seed, shapes=tuple(args.shapes), batch=args.batch,
         fp16=args.fp16, workspace_mib=args.workspace_mib, timing_cache=args.timing_cache,
         iterations=args.iterations, warmup=args.warmup, min_top1=args.min_top1, max_abs=args.max_abs,
+        min_cosine=args.min_cosine,
         skip_validation=args.skip_validation, force=args.force, allow_float=args.allow_float,
         progress=not (args.no_progress or getattr(args, "quiet", False)), verbose=bool(args.verbose),
         prog=prog)

@@ -21,7 +21,7 @@ topological and deterministic; graph inputs and outputs are not changed.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -165,6 +165,35 @@ def missing_activations(placement: Placement, scales: ScaleTable) -> Tuple[str, 
     (a scale-group member is covered when any member of its group has one)."""
     have = group_amax(placement, scales)
     return tuple(m.tensor for m in placement.activations if m.tensor not in have)
+
+
+def without_unreached_branches(placement: Placement, table: ScaleTable, in_body: bool = False) -> Placement:
+    """``placement`` less the subgraph placements whose activations ``table`` has no range for:
+    calibration observes only the If branch each batch takes, so a branch no batch took stays float;
+    a Loop/Scan body whose tensor shapes change across iterations (or an If inside a body) cannot be
+    observed per iteration and stays float too. A note says which."""
+    if not placement.subgraphs:
+        return placement
+    kept, notes = [], list(placement.notes)
+    for sub in placement.subgraphs:
+        missing = missing_activations(sub.placement, table)
+        if missing and sub.attribute == "body":
+            notes.append(f"Loop/Scan node {sub.node!r}: calibration could not observe its body per iteration "
+                         f"(e.g. {missing[0]!r}: a shape that changes across iterations, or inside an If); "
+                         "left float")
+            logger.warning("%s", notes[-1])
+        elif missing and in_body:
+            notes.append(f"If node {sub.node!r} inside a Loop/Scan body: calibration cannot observe its "
+                         f"{sub.attribute} per iteration; left float")
+            logger.warning("%s", notes[-1])
+        elif missing:
+            notes.append(f"If node {sub.node!r}: no calibration batch took its {sub.attribute}; left float")
+            logger.warning("%s", notes[-1])
+        else:
+            inner = without_unreached_branches(sub.placement, table, in_body or sub.attribute == "body")
+            notes.extend(inner.notes[len(sub.placement.notes):])  # a nested drop is noted at the top
+            kept.append(replace(sub, placement=replace(inner, notes=sub.placement.notes)))
+    return replace(placement, subgraphs=tuple(kept), notes=tuple(notes))
 
 
 # --------------------------------------------------------------------------- insertion

@@ -2,6 +2,7 @@
 runs), a stateful model's state carried from run to run, and ``compare``, the one comparator of two
 models' outputs.
 
-Owns: `sessions`, `stateful`, `compare`.
+Owns: `sessions`, `stateful` (state carried between runs), `compare`, `chunked` (a large model run
+piece by piece), `interrupts` (onnxruntime calls that SIGINT/SIGTERM stop within a moment).
 May import: ``onnx_qat.io``, ``onnx_qat.graph``; never placement, insertion or the accuracy tools.
 """

@@ -41,10 +41,10 @@ def make_session(model, *, threads: Optional[int] = None,
             [`load_model`][onnx_qat.io.models.load_model]).
         threads: intra-op threads (``None``: onnxruntime's default).
         providers: execution providers, in order of preference.
-        extra_outputs: tensor names to expose as additional graph outputs (on a copy),
-            e.g. the activations calibration observes.
+        extra_outputs: tensor names to expose as additional graph outputs (on the session's own
+            copy of the graph, weights not copied), e.g. the activations calibration observes.
         copy: with ``False`` a ``ModelProto`` the caller owns and no longer needs is
-            given the extra outputs in place, saving a copy of a large model.
+            given the extra outputs in place.
         optimize: ``False`` turns onnxruntime's graph optimisations off, so
             QuantizeLinear/DequantizeLinear compute exactly their definition instead of
             being fused into onnxruntime's own integer kernels. ``None`` (the default): off for a
@@ -63,8 +63,12 @@ def make_session(model, *, threads: Optional[int] = None,
     owned = not isinstance(model, onnx.ModelProto)
     proto = load_model(model) if owned else model
     extra = tuple(dict.fromkeys(extra_outputs))
-    if extra or proto.ir_version != target_ir_version(proto):
-        proto = with_outputs(proto, extra, copy=copy and not owned)
+    pending: Tuple[str, ...] = ()
+    if copy and not owned:  # the outputs go on the session's own copy of the graph (weights not copied)
+        _check_tensor_names(proto, extra)
+        pending = extra
+    elif extra or proto.ir_version != target_ir_version(proto):
+        proto = with_outputs(proto, extra, copy=False)
     if optimize is None:
         optimize = not needs_exact_qdq(proto)
     options = ort.SessionOptions()
@@ -81,7 +85,7 @@ def make_session(model, *, threads: Optional[int] = None,
             raise ConfigError(f"threads must be a whole number >= 1, got {threads!r}")
         options.intra_op_num_threads = threads
     try:
-        return _session_weights_in_memory(ort, proto, options, providers)
+        return _session_weights_in_memory(ort, proto, options, providers, pending)
     except (ModelError, ConfigError):
         raise
     except Exception as exc:
@@ -94,14 +98,18 @@ _NUMPY_TYPES = frozenset({1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13})
 IN_MEMORY_WEIGHT_BYTES = 1024
 
 
-def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers):
-    """A session whose large weights reach onnxruntime as arrays (``add_external_initializers``).
+def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers, extra_outputs=()):
+    """A session whose large weights reach onnxruntime as arrays (``add_external_initializers``),
+    built and run so that a signal stops it (`InterruptibleSession`).
 
     Only the graph is serialized: the weights are neither copied into protobuf bytes nor parsed
     again by onnxruntime, and no 2 GB limit applies (no temporary file for large models). The
     session keeps the arrays alive (onnxruntime reads the weights from their buffers).
     """
     light = copy_except_initializers(proto)
+    present = {o.name for o in light.graph.output}
+    light.graph.output.extend(onnx.ValueInfoProto(name=n) for n in extra_outputs if n not in present)
+    light.ir_version = target_ir_version(light)
     names, values = [], []
     # onnxruntime replaces only initializers main-graph nodes read (it drops unread ones, and hands
     # those read in subgraphs down to them): the others stay serialized
@@ -124,9 +132,11 @@ def _session_weights_in_memory(ort, proto: onnx.ModelProto, options, providers):
         light.graph.initializer.append(tensor)
     if names:
         options.add_external_initializers(names, values)
-    session = ort.InferenceSession(light.SerializeToString(), options, providers=list(providers))
-    session._onnx_qat_weights = values
-    return session
+    from .interrupts import InterruptibleSession, call_interruptibly
+
+    session = call_interruptibly(ort.InferenceSession, light.SerializeToString(), options,
+                                 providers=list(providers))
+    return InterruptibleSession(session, values)
 
 
 #: ONNX element types of FP8 tensors (float8e4m3fn/fnuz, float8e5m2/fnuz).
@@ -193,16 +203,24 @@ def with_outputs(model: onnx.ModelProto, names: Iterable[str], *, copy: bool = T
     if copy:
         model, original = onnx.ModelProto(), model
         model.CopyFrom(original)
-    known = _tensor_names(model.graph)
+    names = tuple(names)
+    _check_tensor_names(model, names)
     present = {o.name for o in model.graph.output}
     for name in names:
-        if name not in known:
-            raise ModelError(f"tensor {name!r} is not produced by any node or input of the model")
         if name not in present:
             model.graph.output.append(onnx.ValueInfoProto(name=name))
             present.add(name)
     model.ir_version = target_ir_version(model)
     return model
+
+
+def _check_tensor_names(model: onnx.ModelProto, names: Sequence[str]) -> None:
+    if not names:
+        return
+    known = _tensor_names(model.graph)
+    for name in names:
+        if name not in known:
+            raise ModelError(f"tensor {name!r} is not produced by any node or input of the model")
 
 
 def _tensor_names(graph: onnx.GraphProto) -> set:

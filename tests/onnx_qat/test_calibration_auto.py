@@ -118,9 +118,9 @@ def test_quantize_auto_is_check_clean_and_cli_accepts_it(tmp_path):
 # --------------------------------------------------------------------------- the output check
 def _output_cosine(model, quantized, data) -> float:
     from onnx_qat.accuracy.prepared import output_error
-    from onnx_qat.runtime.sessions import run_model
+    from onnx_qat.runtime.sessions import make_session, run_model
 
-    ref, got = run_model(model, data), run_model(quantized, data)
+    ref, got = run_model(model, data), run_model(make_session(quantized, optimize=False), data)
     return output_error({k: v.ravel() for k, v in ref.items()}, {k: v.ravel() for k, v in got.items()}).cosine
 
 
@@ -164,20 +164,28 @@ def test_auto_with_a_subset_of_tensors_keeps_the_per_tensor_choice():
 
 
 def test_output_check_runs_on_the_first_64_samples_only():
-    from onnx_qat.calibration.output_check import CHECK_SAMPLES, first_samples
+    from onnx_qat.calibration import collect
+    from onnx_qat.calibration.runner import CHECK_SAMPLES
+    from onnx_qat.runtime.sessions import run_model
 
     model, data = _conv_model(), _data(100)
     dataset = onnx_qat.load_data(data, model)
-    feeds = first_samples(dataset, batch_size=16)
-    assert CHECK_SAMPLES == 64 and feeds["x"].shape == (64, 3, 8, 8)
-    np.testing.assert_array_equal(feeds["x"], data["x"][:64])
-    small = onnx_qat.load_data(_data(12), model)
-    assert first_samples(small) is small
+    names = onnx_qat.place(model).activation_tensors()
+    result = collect(model, dataset, names, method="auto", batch_size=16, progress=False)
+    assert CHECK_SAMPLES == 64 and len(result.check_feeds) == 4
+    np.testing.assert_array_equal(np.concatenate([f["x"] for f in result.check_feeds]), data["x"][:64])
+    expected = run_model(model, {"x": data["x"][:64]})
+    assert set(result.reference) == set(expected)
+    for name, values in expected.items():  # taken during the calibration run itself
+        np.testing.assert_allclose(result.reference[name], values.ravel(), rtol=1e-6, atol=1e-6)
+    small = collect(model, onnx_qat.load_data(_data(12), model), names, method="auto", progress=False)
+    assert sum(len(f["x"]) for f in small.check_feeds) == 12
+    assert set(small.candidates) == {"max", "tensor", "entropy"} and set(small.choices) == set(names)
 
 
 def test_output_check_cosine_is_the_accuracy_tools_cosine():
     from onnx_qat.accuracy.prepared import output_error
-    from onnx_qat.calibration.output_check import worst_cosine
+    from onnx_qat.calibration.choice import worst_cosine
 
     rng = np.random.default_rng(0)
     ref = {"a": rng.standard_normal(500), "b": rng.standard_normal(40), "z": np.zeros(5)}
@@ -185,3 +193,35 @@ def test_output_check_cosine_is_the_accuracy_tools_cosine():
     assert worst_cosine(ref, got) == pytest.approx(output_error(ref, got).cosine, abs=1e-12)
     assert worst_cosine(ref, got) < 0.99
     assert worst_cosine({"z": np.zeros(3)}, {"z": np.ones(3)}) == 0.0
+
+
+# --------------------------------------------------------------------------- calibration one way
+def test_unobserved_branch_is_reported_and_the_tables_are_still_judged():
+    """A branch no batch took is named in the placement's notes (and a warning), and ``auto`` judges
+    its tables by the output anyway: nothing falls back silently to the per-tensor table."""
+    model = builders.if_cnn_model()
+    rng = np.random.default_rng(0)
+    data = {"input": (rng.standard_normal((6, 3, 8, 8)) + 1.0).astype(np.float32)}  # always one branch
+    result = onnx_qat.quantize(model, data=data, batch_size=2, progress=False)  # auto, the default
+    assert any("no calibration batch took its else_branch" in note for note in result.placement.notes)
+    cosines = json.loads(result.scales.metadata["auto_output_cosine"])
+    assert set(cosines) == {"max", "tensor", "entropy"} and min(cosines.values()) > 0.9
+    assert result.scales.metadata["auto_table"] in cosines
+    builders.assert_check_clean(result.model)
+    table = calibrate(model, data, batch_size=2, progress=False)  # the same choice through calibrate()
+    assert json.loads(table.metadata["auto_output_cosine"]) == cosines
+
+
+def test_quantize_with_auto_loads_and_places_the_model_once(monkeypatch):
+    import onnx_qat.io.models as model_io
+    import onnx_qat.placement.policy as policy
+
+    loads, places = [], []
+    load, place = model_io.load_model, policy.TensorRTPolicy.place
+    monkeypatch.setattr(model_io, "load_model", lambda *a, **k: loads.append(1) or load(*a, **k))
+    monkeypatch.setattr(policy.TensorRTPolicy, "place",
+                        lambda self, *a, **k: places.append(1) or place(self, *a, **k))
+    model, data = _conv_model(), _data(24)
+    result = onnx_qat.quantize(model, data=data, progress=False)
+    assert result.scales.metadata["auto_table"] in ("max", "tensor", "entropy")
+    assert (len(loads), len(places)) == (1, 1)

@@ -133,26 +133,42 @@ class StderrReader:
         return self.text
 
 
-def _interrupt_during_calibration(directory: Path, command: str, sig: int):
+def _interrupt_during_calibration(directory: Path, command: str, sig: int, *extra: str, wait: float = 0.5):
     out = directory / ("out.json" if command == "calibrate" else "out.onnx")
-    args = [command, "model.onnx", "-o", out.name, "--data", "calib.npz", "--method", "percentile"]
+    args = [command, "model.onnx", "-o", out.name, "--data", "calib.npz", "--method", "percentile", *extra]
     before = support.snapshot(directory)
     proc = subprocess.Popen(support.cli_command(*args), cwd=directory, env=support.cli_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     reader = StderrReader(proc)
     try:
         assert reader.wait_for("calibrate (", timeout=120), f"calibration never started:\n{reader.text}"
-        time.sleep(0.5)
+        time.sleep(wait)
         assert proc.poll() is None, "calibration finished before the signal; make slow_model slower"
         proc.send_signal(sig)
+        sent = time.monotonic()
         stderr = reader.finish()
+        elapsed = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert support.snapshot(directory) == before, "an input changed or an output appeared"
     assert not out.exists() and not support.partial_files(directory)
+    if extra:
+        return proc.returncode, stderr, elapsed
     return proc.returncode, stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_inside_one_long_onnxruntime_run_stops_within_2_s(slow_workspace, sig):
+    """All 256 samples in one batch: a single onnxruntime run of about 15 s, the signal sent a
+    second into it. The run is on a worker thread (onnx_qat.runtime.interrupts): the main thread handles
+    the signal at once and tells the run to terminate."""
+    code, stderr, elapsed = _interrupt_during_calibration(slow_workspace, "quantize", sig,
+                                                          "--batch-size", "256", wait=1.0)
+    assert code == (EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_TERMINATED), stderr
+    assert elapsed < 2.0, f"exit {elapsed:.1f} s after the signal"
+    assert "Traceback" not in stderr and len(support.error_lines(stderr)) == 1, stderr
 
 
 @pytest.mark.parametrize("command", ["quantize", "calibrate"])

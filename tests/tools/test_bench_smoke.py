@@ -34,6 +34,7 @@ EXPECTED = {
     "export_speed": ("export_onnx time, ", "export_onnx peak memory, "),
     "float_parts": ("quantize --float-dtype fp16 / fp32, time", "float parts' bytes fp16 / fp32",
                     "output cosine drop fp16 vs fp32 float parts"),
+    "calibration_scale": ("quantize --method auto / --method max, time, ", "auto's extra cost per node, "),
 }
 
 
@@ -70,6 +71,11 @@ def test_quick_onnx_benchmarks_write_their_tables(tmp_path):
     for name in ("cpu_latency", "cpu_models", "rewrite_speed", "calibration"):
         _check_rows(doc, markdown, stdout, name)
     assert markdown.startswith("# onnx-qat benchmarks (quick)")
+
+
+def test_quick_calibration_scale_writes_its_table(tmp_path):
+    stdout, doc, markdown = _bench(tmp_path, "calibration_scale")
+    _check_rows(doc, markdown, stdout, "calibration_scale")
 
 
 def test_quick_qat_step_writes_its_table(tmp_path):

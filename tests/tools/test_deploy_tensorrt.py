@@ -1146,3 +1146,19 @@ def test_onnx_qat_deploy_parity_failure_is_exit_1(good_model, tmp_path, capsys, 
     finally:
         _Context.execute_async_v3 = original
     assert code == 1 and err.strip().startswith("onnx-qat: engine") and "differs from onnxruntime" in err
+
+
+def test_compare_outputs_judges_top1_only_on_class_scores_and_every_output_on_cosine():
+    """A detector's [N, 22, 100] output has no classes on its last axis: no top-1 figure and no top-1
+    gate there, its cosine judged instead; a softmax output named in class_outputs keeps the top-1."""
+    rng = np.random.default_rng(4)
+    boxes = rng.standard_normal((2, 22, 100)).astype(np.float32)
+    shuffled = boxes.copy()
+    shuffled[:, :, :50] += 0.05 * rng.standard_normal((2, 22, 50)).astype(np.float32)  # argmaxes move
+    (close,) = deploy.compare_outputs({"boxes": boxes}, {"boxes": shuffled})
+    assert close.top1 is None and close.passed and close.cosine > 0.99 and "top-1" not in str(close)
+    (far,) = deploy.compare_outputs({"boxes": boxes}, {"boxes": -boxes})
+    assert not far.passed and far.reason.startswith("cosine -1.00000 < 0.99")
+    probs = rng.uniform(size=(2, 5, 10)).astype(np.float32)
+    (judged,) = deploy.compare_outputs({"p": probs}, {"p": probs[..., ::-1].copy()}, class_outputs={"p"})
+    assert judged.top1 is not None and "top-1" in judged.reason

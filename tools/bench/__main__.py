@@ -14,12 +14,13 @@ import time
 import traceback
 from pathlib import Path
 
-from . import (calibration, cpu_latency, cpu_models, export_speed, float_parts, format_peers, qat_step,
-               rewrite_speed, sensitivity)
+from . import (calibration, calibration_scale, cpu_latency, cpu_models, export_speed, float_parts, format_peers,
+               qat_step, rewrite_speed, sensitivity)
 from .table import Row, format_table, write_results
 
 BENCHMARKS = {"cpu_latency": cpu_latency.run, "cpu_models": cpu_models.run,
-              "rewrite_speed": rewrite_speed.run, "calibration": calibration.run, "qat_step": qat_step.run,
+              "rewrite_speed": rewrite_speed.run, "calibration": calibration.run,
+              "calibration_scale": calibration_scale.run, "qat_step": qat_step.run,
               "formats": format_peers.run, "sensitivity": sensitivity.run, "export_speed": export_speed.run,
               "float_parts": float_parts.run}
 

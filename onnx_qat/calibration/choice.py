@@ -1,0 +1,136 @@
+"""``auto``'s choice: the candidate table whose quantized model's output is closest to the float model's.
+
+A tensor's own quantization error does not say what its range does to the output (clipping a few
+large values can cost more downstream than their share of the error shows, and the errors of many
+tensors add up). So `collect` gives ``auto``'s candidate tables
+from its one pass -- ``max`` everywhere, each tensor's least-error candidate, the guarded ``entropy``
+everywhere -- with the float model's outputs on the calibration batches holding the first
+`CHECK_SAMPLES` samples. `choose` judges them with the
+model and placement its caller already holds (the rewrite behind
+[`onnx_qat.quantize`][onnx_qat.quantize.quantize], or
+[`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]):
+
+* one Q/DQ model: the placement's main-graph marks inserted by the one inserter
+  (`onnx_qat.insertion.inserter.insert_qdq_pairs`) into a copy of the model, each activation pair's
+  scale a graph input instead of a constant;
+* one set of sessions for it, piece by piece (`onnx_qat.runtime.chunked.ChunkedSession`: their cost
+  grows linearly with the graph), graph optimisations off: exact Q/DQ arithmetic, as TensorRT
+  computes it;
+* one run per table on the check batches, the table's scales fed as inputs.
+
+The table with the highest worst-output cosine wins (ties keep the earlier table, ``max`` first).
+If branches and Loop/Scan bodies are judged float (their marks are inserted in the final model
+only): a model whose quantized activations all sit in them (silero-vad's) keeps each tensor's
+least-error candidate, since no table changes what the check runs. The placement given is the one
+after calibration, so a branch no batch took is already left out and named in the placement's
+notes. A table that cannot be inserted raises: nothing is bypassed silently.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Dict, List, Mapping, Tuple
+
+import numpy as np
+import onnx
+
+logger = logging.getLogger(__name__)
+
+
+def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
+    """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1), as
+    `onnx_qat.runtime.compare.output_figures` measures it (the figure
+    `onnx_qat.accuracy.prepared.output_error` reports too)."""
+    from ..runtime.compare import output_figures
+
+    return min([1.0] + [output_figures(ref, candidate[name])["cosine"] for name, ref in reference.items()])
+
+
+def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt", precision="int8",
+           block_size: int = 128) -> Tuple[str, Dict[str, float]]:
+    """``(name of the best candidate table, {table name: output cosine})``.
+
+    Args:
+        model: the float model (not changed), the one ``placement`` was decided on.
+        placement: the placement the tables are inserted with (its main graph).
+        calibration: a `Calibration` of ``method="auto"``.
+        target, precision, block_size: as for the rewrite (the target's activation dtype and zero
+            point, the format's scale rule).
+
+    Raises:
+        ScalesError: a table lacks a range for an activation the placement quantizes.
+    """
+    from ..runtime.chunked import ChunkedSession
+
+    tables = calibration.candidates
+    if not tables:
+        raise ValueError("choose() needs the candidate tables of an 'auto' calibration")
+    if not calibration.check_feeds or not calibration.reference:
+        logger.warning("auto calibration: the model has no float output to judge the tables by; "
+                       "keeping each tensor's least-error candidate")
+        return "tensor", {}
+    if not placement.activations:  # every quantized activation sits in an If branch or a Loop/Scan body
+        logger.warning("auto calibration: every quantized activation sits in an If branch or a Loop/Scan "
+                       "body, which the output check runs float; keeping each tensor's least-error "
+                       "candidate")
+        return "tensor", {}
+    judge, scale_inputs = judge_model(model, placement, tables["max"], target=target, precision=precision,
+                                      block_size=block_size)
+    outputs = list(calibration.reference)
+    session = ChunkedSession(judge, outputs)
+    del judge
+    cosines: Dict[str, float] = {}
+    for name, amax in tables.items():
+        scales = _scale_feeds(placement, amax, scale_inputs, precision)
+        got: Dict[str, List[np.ndarray]] = {o: [] for o in outputs}
+        for feed in calibration.check_feeds:
+            for o, value in zip(outputs, session.run(outputs, {**feed, **scales})):
+                got[o].append(np.asarray(value).ravel())
+        cosines[name] = worst_cosine(calibration.reference, {o: np.concatenate(v) for o, v in got.items()})
+    best = next(iter(tables))
+    for name in tables:
+        if cosines[name] > cosines[best]:
+            best = name
+    return best, cosines
+
+
+def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *, target="tensorrt",
+                precision="int8", block_size: int = 128):
+    """A copy of ``model`` with ``placement``'s main-graph marks inserted from ``table``, each
+    activation pair's scale a float32 scalar graph input: ``(model, {activation tensor: input name})``."""
+    from ..graph.edit import GraphEdit
+    from ..insertion.inserter import insert_qdq_pairs
+    from ..scales import ScaleTable
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    edit = GraphEdit(copy)
+    inserted = insert_qdq_pairs(edit, replace(placement, subgraphs=()), ScaleTable(dict(table)), target,
+                                precision=precision, block_size=block_size)
+    judge = edit.commit()
+    nodes = {n.name: n for n in judge.graph.node if n.op_type == "QuantizeLinear"}
+    scale_inputs = {r["tensor"]: nodes[r["quantize_node"]].input[1] for r in inserted.activations}
+    names = set(scale_inputs.values())
+    kept = [t for t in judge.graph.initializer if t.name not in names]
+    del judge.graph.initializer[:]
+    judge.graph.initializer.extend(kept)
+    judge.graph.input.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [])
+                             for n in sorted(names))
+    return judge, scale_inputs
+
+
+def _scale_feeds(placement, amax: Mapping[str, float], scale_inputs: Mapping[str, str],
+                 precision) -> Dict[str, np.ndarray]:
+    """The scale of every activation pair under table ``amax`` (scale groups share their largest
+    range), as the inserter computes it: ``{scale input: float32 scalar}``."""
+    from ..formats.numeric import get_format
+    from ..insertion.inserter import activation_scales, group_amax
+    from ..scales import ScaleTable
+
+    amaxes = group_amax(placement, ScaleTable(dict(amax)))
+    tensors = list(scale_inputs)
+    scales = activation_scales([amaxes[t] for t in tensors], get_format(precision).qmax)
+    return {scale_inputs[t]: np.array(s, dtype=np.float32) for t, s in zip(tensors, scales)}
+
+
+__all__ = ["choose", "judge_model", "worst_cosine"]

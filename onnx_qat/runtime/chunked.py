@@ -1,0 +1,137 @@
+"""Running a large model as consecutive pieces, each its own onnxruntime session.
+
+onnxruntime's session creation grows faster than the graph: on the benchmark's residual graphs
+(``tools/bench/models.residual_net``) a session of 10,000 float nodes took 0.9 s and one of 50,000
+about 17 times as long, and a Q/DQ model of 25,000 nodes 12-15 times as long as one of 5,000 (graph
+optimisations off; with them on, onnxruntime's QDQ transformers took 566 s on the 25,000-node model).
+`ChunkedSession` cuts the node list (which ONNX keeps in topological order) into runs of
+about `CHUNK_NODES` nodes and runs them one after the other: each piece's inputs are the
+tensors it reads from before it (graph inputs, earlier pieces' outputs, names its If/Loop/Scan
+bodies read from the outer scope), its outputs the tensors later pieces or the caller read. The
+cost of the sessions then grows linearly with the graph, and a tensor lives only until its last
+reader has run. The arithmetic is the whole model's: every node computes the same values from
+the same inputs (graph optimisations off, so no fusion differs between the pieces and the whole).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper
+
+#: Nodes per piece: small enough for onnxruntime's session creation to stay fast (about 0.1 s for
+#: 2,000 float nodes), large enough that the per-piece overhead of a run stays small.
+CHUNK_NODES = 2000
+
+
+class _Piece:
+    __slots__ = ("nodes", "inputs", "outputs", "initializers", "sessions")
+
+    def __init__(self, nodes, inputs, outputs, initializers):
+        self.nodes, self.inputs, self.outputs, self.initializers = nodes, inputs, outputs, initializers
+        self.sessions: Dict[tuple, object] = {}
+
+
+class ChunkedSession:
+    """Runs ``model`` piece by piece (see the module docstring); answers ``run(outputs, feed)`` like an
+    onnxruntime session.
+
+    Args:
+        model: a ``ModelProto`` (not changed; the pieces hold copies of its nodes and initializers).
+        outputs: the tensors `run` may be asked for (default: the graph outputs).
+        chunk_nodes: nodes per piece.
+
+    A piece's session is built when values first reach it, its inputs declared with their dtypes
+    and shapes, the batch size (the first axis of the feed's first batched input) as the symbolic
+    dimension ``N`` wherever it occurs: onnxruntime builds a session of known shapes several times
+    faster than one whose input shapes are unknown. Values of another shape (a smaller last batch)
+    get a session of their own.
+    """
+
+    def __init__(self, model: onnx.ModelProto, outputs: Optional[Sequence[str]] = None, *,
+                 chunk_nodes: int = CHUNK_NODES):
+        from ..graph.edit import subgraph_names
+
+        graph = model.graph
+        self.model_info = (list(model.opset_import), model.ir_version, list(model.functions))
+        self.outputs = tuple(o.name for o in graph.output) if outputs is None else tuple(outputs)
+        initializers = {t.name: t for t in graph.initializer}
+        nodes = list(graph.node)
+        produced: Dict[str, int] = {}
+        bounds = list(range(0, len(nodes), max(1, int(chunk_nodes)))) + [len(nodes)]
+        reads: List[List[str]] = []
+        for k in range(len(bounds) - 1):
+            part = nodes[bounds[k]:bounds[k + 1]]
+            names: Dict[str, None] = {}
+            for node in part:
+                names.update(dict.fromkeys(t for t in node.input if t))
+            holders = [n for n in part if n.attribute and any(
+                a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)]
+            if holders:  # outer-scope names the bodies read: known before the piece
+                known = set(produced) | set(initializers) | {i.name for i in graph.input}
+                names.update(dict.fromkeys(sorted(subgraph_names(holders) & known)))
+            reads.append(list(names))
+            for node in part:
+                for t in node.output:
+                    if t:
+                        produced[t] = k
+        last: Dict[str, int] = {}
+        for k, names in enumerate(reads):
+            for t in names:
+                last[t] = k
+        count = len(reads)
+        for t in self.outputs:
+            last[t] = count
+        self.pieces: List[_Piece] = []
+        for k, names in enumerate(reads):
+            part = nodes[bounds[k]:bounds[k + 1]]
+            inside = {t for node in part for t in node.output if t}
+            inputs = [t for t in names if t not in inside and t not in initializers]
+            inits = [initializers[t] for t in names if t in initializers and t not in inside]
+            outputs_k = [t for t in dict.fromkeys(t for node in part for t in node.output if t)
+                         if last.get(t, -1) > k]
+            self.pieces.append(_Piece(part, inputs, outputs_k, inits))
+        #: after piece k, the tensors no later piece (nor the caller) reads
+        self.dead: List[List[str]] = [[] for _ in range(count)]
+        for t, k in last.items():
+            if k < count:
+                self.dead[k].append(t)
+
+    def _session(self, piece: _Piece, live: Mapping[str, np.ndarray], batch: Optional[int]):
+        from .sessions import make_session
+
+        # scalars (e.g. scales fed as inputs) keep the dtype they first came with: only the shapes of
+        # the others tell sessions apart
+        key = tuple(tuple("N" if d == batch else d for d in np.shape(live[t])) for t in piece.inputs
+                    if np.ndim(live[t]))
+        session = piece.sessions.get(key)
+        if session is not None:
+            return session
+        opsets, ir_version, functions = self.model_info
+        inputs = [helper.make_tensor_value_info(
+            t, helper.np_dtype_to_tensor_dtype(np.asarray(live[t]).dtype),
+            ["N" if d == batch else d for d in np.shape(live[t])]) for t in piece.inputs]
+        graph = helper.make_graph(piece.nodes, "piece", inputs,
+                                  [onnx.ValueInfoProto(name=t) for t in piece.outputs], piece.initializers)
+        model = helper.make_model(graph, opset_imports=opsets, functions=functions)
+        model.ir_version = ir_version
+        session = piece.sessions[key] = make_session(model, optimize=False, copy=False)
+        return session
+
+    def run(self, outputs: Optional[Sequence[str]], feed: Mapping[str, np.ndarray], run_options=None) -> list:
+        """The values of ``outputs`` (None: those given at construction) on ``feed``."""
+        wanted = self.outputs if outputs is None else tuple(outputs)
+        live = dict(feed)
+        batch = next((np.shape(v)[0] for v in feed.values() if np.ndim(v)), None)
+        for piece, dead in zip(self.pieces, self.dead):
+            if piece.outputs:
+                session = self._session(piece, live, batch)
+                values = session.run(piece.outputs, {t: live[t] for t in piece.inputs}, run_options)
+                live.update(zip(piece.outputs, values))
+            for t in dead:
+                live.pop(t, None)
+        return [live[t] for t in wanted]
+
+
+__all__ = ["ChunkedSession", "CHUNK_NODES"]
