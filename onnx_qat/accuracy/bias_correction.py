@@ -104,7 +104,6 @@ def correct_biases(float_model, qdq: onnx.ModelProto, placement, data, *,
     import time
 
     start = time.perf_counter()
-    from ..calibration.output_check import first_samples
     from ..io.data import load_data
     from ..graph.index import GraphIndex
     from ..runtime.sessions import make_session
@@ -115,9 +114,12 @@ def correct_biases(float_model, qdq: onnx.ModelProto, placement, data, *,
     if not targets:
         return ()
     dataset = load_data(data, float_model, what="calibration data")
-    feeds = first_samples(dataset, MAX_SAMPLES, batch_size)
-    feeds = list(load_data(feeds, float_model, what="calibration data").batches(batch_size)) \
-        if isinstance(feeds, dict) else list(feeds.batches(batch_size))
+    feeds, taken = [], 0
+    for feed in dataset.batches(batch_size):  # the first MAX_SAMPLES samples, whole batches
+        feeds.append(feed)
+        taken += len(np.asarray(next(iter(feed.values())))) if feed and not dataset.unbatched else 1
+        if taken >= MAX_SAMPLES:
+            break
     outputs = [t[2] for t in targets]
     reference = _means(make_session(float_model, extra_outputs=outputs, spin=False), feeds, targets)
     biases = {bias: read_constant(index, bias) for _, bias, _, _ in targets}
