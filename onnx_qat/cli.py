@@ -285,8 +285,13 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-float-sites", metavar="N", type=whole_number(0), default=None,
                        help="with --min-cosine: at most N sites in float (default: no limit)")
     group.add_argument("--eval-data", metavar="NPZ", nargs="+", default=None,
-                       help="with --min-cosine: data the cosine is measured on, as --data (default: the last "
-                            "quarter of --data, which calibration then does not see)")
+                       help="with --min-cosine or --optimize: data the cosine is measured on, as --data "
+                            "(default: the last quarter of --data, which calibration then does not see)")
+    group.add_argument("--optimize", choices=("accuracy",), default=None,
+                       help="accuracy: also run cross-layer equalization, activation smoothing, "
+                            "error-compensated INT8 weight rounding and bias correction, each kept only "
+                            "where it raises the output cosine on the evaluation data (slower than the "
+                            "default; needs --data)")
 
 
 def _add_check(sub) -> None:
@@ -610,8 +615,16 @@ def cmd_quantize(args) -> int:
         raise UsageError("one of the arguments --data --scales is required")
     mixed = {k: v for k, v in (("min_cosine", args.min_cosine), ("max_float_sites", args.max_float_sites),
                                ("eval_data", eval_data)) if v is not None}
-    if mixed and args.min_cosine is None:
-        raise UsageError("--max-float-sites and --eval-data apply only with --min-cosine")
+    optimize = getattr(args, "optimize", None)
+    if optimize is not None and (args.min_cosine is not None or args.max_float_sites is not None
+                                 or args.data is None):
+        raise UsageError("--optimize needs --data and does not combine with --scales, --min-cosine or "
+                         "--max-float-sites")
+    if mixed and args.min_cosine is None and not (optimize and set(mixed) == {"eval_data"}):
+        raise UsageError("--max-float-sites and --eval-data apply only with --min-cosine (--eval-data also "
+                         "with --optimize)")
+    if optimize is not None:
+        mixed["optimize"] = optimize
     if args.float_io and args.float_dtype in (None, "fp32"):
         raise UsageError("--float-io applies only with --float-dtype fp16 or bf16")
     latency = _latency_keyword(args)
@@ -623,7 +636,8 @@ def cmd_quantize(args) -> int:
                       **_placement_keywords(args), **mixed, **layout, **latency)
     _say(args, _quantize_summary(args, result))
     if result.accuracy is not None:
-        _say(args, _mixed_summary(result.accuracy))
+        _say(args, _optimize_summary(result.accuracy) if "steps" in result.accuracy
+             else _mixed_summary(result.accuracy))
     if result.float_parts is not None:
         _say(args, _float_parts_summary(result.float_parts))
     if result.latency is not None:
@@ -725,6 +739,18 @@ def _float_parts_summary(parts) -> str:
     lines += [f"  kept FP32: {k}" for k in parts.kept]
     lines += [f"  note: {n}" for n in parts.notes]
     return "\n".join(lines)
+
+
+def _optimize_summary(info) -> str:
+    """One line for --optimize accuracy: each step's output cosine, gain and whether it was kept."""
+    def step(s) -> str:
+        if s["gain"] is None:
+            return f"{s['step']} {s['cosine']:.5f}"
+        return f"{s['step']} {s['cosine']:.5f} ({s['gain']:+.5f}, {'kept' if s['kept'] else 'undone'})"
+
+    steps = "; ".join(step(s) for s in info["steps"])
+    return (f"optimize accuracy: output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} on "
+            f"{info['eval_samples']} eval samples | {steps}")
 
 
 def _mixed_summary(info) -> str:

@@ -33,7 +33,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
              float_dtype: Optional[str] = None, keep_io_types: bool = True,
              state: Optional[Mapping[str, str]] = None, batch_axis: Optional[Mapping[str, int]] = None,
-             latency=None, cpu_vnni: bool = False, **calibration_kwargs) -> QuantizeResult:
+             latency=None, cpu_vnni: bool = False, optimize: Optional[str] = None,
+             **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
@@ -86,7 +87,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             products), with ``int4`` a site is one weight's blockwise DequantizeLinear (AWQ runs
             once on the calibration part of ``data``; without ``data``, round to nearest).
         max_float_sites: with ``min_cosine``: at most this many sites in float (default: no limit).
-        eval_data: with ``min_cosine``: the data the output cosine is measured on.
+        eval_data: with ``min_cosine`` or ``optimize``: the data the output cosine is measured on.
         float_dtype: the type of everything Q/DQ leaves in float: ``"fp32"`` (default), ``"fp16"``
             or ``"bf16"``, for every ``precision`` (TensorRT 11 builds strongly typed networks: FP32
             float parts run in FP32). The Q/DQ model is converted by
@@ -117,6 +118,13 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             products sum in 32 bits (x86 AVX-512 VNNI, AVX-VNNI or AMX): Conv/Gemm/MatMul weights behind
             zero-point-128 inputs keep 8 bits instead of 7 (more accurate; on an x86 CPU with AVX2 only,
             onnxruntime's 16-bit pair sums can then overflow). See `onnx_qat.insertion.ort_cpu`.
+        optimize: ``"accuracy"``: also run the post-training steps of `onnx_qat.accuracy.optimize`
+            (cross-layer equalization, activation smoothing, error-compensated INT8 weight rounding,
+            bias correction), each kept only where it raises the output cosine on ``eval_data``
+            (default: the last quarter of ``data``, then not calibrated on); ``QuantizeResult.accuracy``
+            lists what each step gained. Needs ``data``; slower than the default (several calibrations
+            and evaluation runs). Does not combine with ``min_cosine``, ``state``, ``latency`` or
+            ``cpu_vnni``.
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -141,7 +149,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                              config=replace(config, float_dtype="fp32"), progress=progress,
                              placement=placement,
                              min_cosine=min_cosine, max_float_sites=max_float_sites, eval_data=eval_data,
-                             calibration_options=calibration_options, **calibration_kwargs),
+                             optimize=optimize, calibration_options=calibration_options,
+                             **calibration_kwargs),
             model, output, report, data=data, float_dtype=config.float_dtype, keep_io_types=keep_io_types,
             inputs=(model, scales, data), progress=progress)
     fmt = get_format(config.precision)
@@ -165,6 +174,19 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                           "without min_cosine")
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
+    if optimize is not None:
+        from .accuracy.optimize import check_optimize, quantize_optimized
+        from .accuracy.rounding import TIME_BUDGET
+
+        check_optimize(optimize)
+        if data is None or min_cosine is not None or max_float_sites is not None or placement is not None:
+            raise ConfigError("optimize='accuracy' needs data, and does not combine with scales, min_cosine "
+                              "or a placement")
+        if state or latency_options is not None or cpu_vnni:
+            raise ConfigError("optimize='accuracy' does not combine with state, latency or cpu_vnni")
+        return quantize_optimized(model, output, data=data, eval_data=eval_data,
+                                  method=method or DEFAULT_METHOD, config=config, calib_kw=calib_kw,
+                                  report=report, progress=progress, time_budget=TIME_BUDGET)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
         from .accuracy.mixed import check_options, quantize_mixed
 

@@ -57,7 +57,8 @@ class QuantizeResult:
             ``fp8_method="gptq"`` on the E4M3 grid): the
             relative output errors on the calibration data of round to nearest and of GPTQ.
         accuracy: with ``min_cosine``: the sites left float and the output cosine before and after
-            (see `onnx_qat.accuracy.mixed`); None otherwise.
+            (see `onnx_qat.accuracy.mixed`); with ``optimize="accuracy"``: each step's output
+            cosine, gain and whether it was kept (see `onnx_qat.accuracy.optimize`); None otherwise.
         float_parts: with ``float_dtype`` ``fp16``/``bf16``: the
             [`FloatPartsResult`][onnx_qat.formats.float_parts.FloatPartsResult] (nodes kept FP32 with their
             reasons, cosines measured); None with FP32 float parts.

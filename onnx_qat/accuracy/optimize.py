@@ -1,0 +1,224 @@
+"""``optimize="accuracy"`` (``--optimize accuracy``): the post-training steps that measured best, each kept
+only where it raises the output cosine on the evaluation data.
+
+The steps, in order, on a private copy of the float model:
+
+1. ``calibrate``: ranges with ``auto`` (or the ``method`` given) on the calibration data: the baseline,
+   what plain `onnx_qat.quantize` gives;
+2. ``equalize``: cross-layer equalization (`onnx_qat.accuracy.equalize`; float function unchanged), then the
+   ranges calibrated again on the equalized model;
+3. ``smooth``: activation smoothing (`onnx_qat.accuracy.smooth`, SmoothQuant-style; float function unchanged),
+   then the ranges calibrated again;
+4. ``rounding``: error-compensated INT8 weight rounding (`onnx_qat.accuracy.rounding`, GPTQ-style, bounded by
+   ``time_budget``);
+5. ``bias_correction``: the mean shift of each quantized weighted op folded into its bias, in graph
+   order (`onnx_qat.accuracy.bias_correction`).
+
+After each step the Q/DQ model is built by the one inserter and its output cosine against the float
+model measured on the evaluation data (``eval_data``, or the last quarter of ``data``, then not
+calibrated on). A step that does not raise it is undone. The report (``QuantizeResult.accuracy``) lists
+every step: its cosine, its gain over the step before, whether it was kept, its seconds and records.
+Steps 4 and 5 apply to INT8; other precisions run steps 1 to 3.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import onnx
+
+from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Values of ``optimize``.
+OPTIMIZE = ("accuracy",)
+#: Steps in the order they run.
+STEPS = ("calibrate", "equalize", "smooth", "rounding", "bias_correction")
+
+
+def check_optimize(optimize) -> Optional[str]:
+    """``optimize`` validated (None or one of `OPTIMIZE`)."""
+    if optimize is None:
+        return None
+    if optimize not in OPTIMIZE:
+        raise ConfigError(f"optimize must be one of {', '.join(OPTIMIZE)}, got {optimize!r}")
+    return optimize
+
+
+def quantize_optimized(model, output, *, data, eval_data, method: str, config, calib_kw: dict, report,
+                       progress: bool, time_budget: float):
+    """`onnx_qat.quantize` with ``optimize="accuracy"`` (see the module docstring)."""
+    import dataclasses
+    import os
+
+    from ..calibration import calibrate
+    from ..io.files import check_output_path, write_json
+    from ..formats.numeric import get_format
+    from ..io.models import load_model, save_model
+    from ..graph.index import assign_node_names
+    from ..rewrite import refuse_quantized
+    from .prepared import split_data
+
+    start = time.perf_counter()
+    inputs = tuple(p for p in (model, data, eval_data) if isinstance(p, (str, os.PathLike)))
+    out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
+    if report is not None:
+        check_output_path(report, inputs=inputs, what="report")
+    fmt = get_format(config.precision)
+    if fmt.weight_only:
+        raise ConfigError(f"optimize='accuracy' needs activation ranges; precision {fmt.name} is weight-only")
+    float_model = load_model(model, min_opset=fmt.min_opset)
+    refuse_quantized(float_model)
+    assign_node_names(float_model)
+    calib, evaluation = split_data(data, eval_data, float_model)
+    kw = {k: v for k, v in calib_kw.items() if k != "tensors"}
+    batch_size = kw.get("batch_size", 16)
+    judge = _Judge(float_model, evaluation, config, batch_size)
+
+    def calibrated(source):
+        return calibrate(source, calib, method=method, config=config, progress=progress, **kw)
+
+    steps = []
+    clock = time.perf_counter()
+    table = calibrated(float_model)
+    best = judge(float_model, table)
+    steps.append(_step("calibrate", best, None, True, clock, method=method))
+
+    clock = time.perf_counter()
+    trial = _copy(float_model)
+    from .equalize import equalize
+
+    pairs = equalize(trial)
+    if pairs:
+        trial_table = calibrated(trial)
+        cosine = judge(trial, trial_table)
+        kept = cosine > best.cosine
+        steps.append(_step("equalize", cosine, best, kept, clock, pairs=list(pairs)))
+        if kept:
+            float_model, table, best = trial, trial_table, cosine
+    else:
+        steps.append(_step("equalize", best, best, False, clock, pairs=[], note="no Conv pair to equalize"))
+
+    clock = time.perf_counter()
+    trial = _copy(float_model)
+    from .smooth import smooth
+
+    tensors = smooth(trial, calib, batch_size=batch_size)
+    if tensors:
+        trial_table = calibrated(trial)
+        cosine = judge(trial, trial_table)
+        kept = cosine > best.cosine
+        steps.append(_step("smooth", cosine, best, kept, clock, tensors=list(tensors)))
+        if kept:
+            float_model, table, best = trial, trial_table, cosine
+    else:
+        steps.append(_step("smooth", best, best, False, clock, tensors=[],
+                           note="no activation with uneven channel ranges the graph can absorb"))
+
+    if fmt.name == "int8":
+        clock = time.perf_counter()
+        trial = _copy(float_model)
+        from .rounding import round_int8
+
+        records, ranges = round_int8(trial, best.placement, calib, time_budget=time_budget,
+                                     batch_size=batch_size, skip=set(table.weights), progress=progress)
+        if ranges:
+            trial_table = table.merged(_weights(ranges))
+            cosine = judge(trial, trial_table)
+            kept = cosine > best.cosine
+            steps.append(_step("rounding", cosine, best, kept, clock, weights=list(records)))
+            if kept:
+                float_model, table, best = trial, trial_table, cosine
+        else:
+            steps.append(_step("rounding", best, best, False, clock, weights=list(records),
+                               note="no weight could be rounded"))
+
+        clock = time.perf_counter()
+        trial = _copy(float_model)
+        from .bias_correction import correct_biases
+
+        layers = correct_biases(trial, best.result.model, best.placement, calib, batch_size=batch_size)
+        if layers:
+            cosine = judge(trial, table)
+            kept = cosine > best.cosine
+            steps.append(_step("bias_correction", cosine, best, kept, clock, layers=list(layers)))
+            if kept:
+                float_model, best = trial, cosine
+        else:
+            steps.append(_step("bias_correction", best, best, False, clock, layers=[],
+                               note="no quantized layer with a bias"))
+
+    result = best.result
+    info = {"optimize": "accuracy", "steps": steps, "cosine_before": steps[0]["cosine"],
+            "cosine_after": best.cosine, "eval_samples": evaluation.num_samples,
+            "calibration_samples": calib.num_samples, "seconds": round(time.perf_counter() - start, 3)}
+    result = dataclasses.replace(result, output=out_path, accuracy=info)
+    if out_path is not None:
+        save_model(result.model, out_path, inputs=inputs, ir_version=result.model.ir_version, validate=True)
+    if report is not None:
+        write_json(report, result.to_report())
+    return result
+
+
+class _Measured(float):
+    """An output cosine that remembers the Q/DQ model it was measured on."""
+
+    def __new__(cls, cosine: float, result):
+        value = super().__new__(cls, cosine)
+        value.result = result
+        value.placement = result.placement
+        return value
+
+    @property
+    def cosine(self) -> float:
+        return float(self)
+
+
+class _Judge:
+    """Builds the Q/DQ model of a float model and a table, and measures its output cosine against the
+    original float model on the evaluation data."""
+
+    def __init__(self, float_model, evaluation, config, batch_size: int):
+        from ..runtime.sessions import run_model
+
+        self.config, self.batch_size = config, batch_size
+        self.feeds = evaluation
+        reference = run_model(float_model, evaluation, batch_size=batch_size)
+        self.reference = {k: v.ravel() for k, v in reference.items() if v.dtype.kind == "f"}
+
+    def __call__(self, float_model, table) -> _Measured:
+        from ..rewrite import quantize_placed
+        from ..runtime.sessions import run_model
+        from .prepared import output_error
+
+        result = quantize_placed(float_model, scales=table, data=None, method="max", config=self.config,
+                                 calib_kw={}, progress=False)
+        got = run_model(result.model, self.feeds, batch_size=self.batch_size)
+        cosine = output_error(self.reference, {k: got[k].ravel() for k in self.reference}).cosine
+        return _Measured(cosine, result)
+
+
+def _step(name: str, cosine, before, kept: bool, clock: float, **details) -> dict:
+    record = {"step": name, "cosine": float(cosine),
+              "gain": None if before is None else float(cosine) - float(before), "kept": kept,
+              "seconds": round(time.perf_counter() - clock, 3), **details}
+    logger.info("optimize accuracy: %s: cosine %.5f%s", name, float(cosine),
+                "" if before is None else f" ({'kept' if kept else 'undone'})")
+    return record
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+def _weights(ranges):
+    from ..scales import ScaleTable
+
+    return ScaleTable(weights=ranges)
+
+
+__all__ = ["quantize_optimized", "check_optimize", "OPTIMIZE", "STEPS"]

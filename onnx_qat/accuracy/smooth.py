@@ -1,0 +1,219 @@
+"""Activation smoothing (SmoothQuant-style): outlier input channels moved into the weights that read them.
+
+An activation quantized per tensor whose channels differ widely in range (a few outlier channels
+after a LayerNorm, as in transformers) loses its small channels to the outliers' scale. Its weights
+are quantized per output channel, so they can take the range instead: input channel ``j`` of the
+activation is divided by ``s_j = a_j^α / w_j^(1-α)`` (``a_j``: the channel's max |x| on the
+calibration data; ``w_j``: max |w| of the weights' input channel ``j``; ``α`` = `ALPHA`) and
+row ``j`` of every consumer's weight multiplied by it (Xiao et al., "SmoothQuant: Accurate and
+Efficient Post-Training Quantization for Large Language Models", ICML 2023, section 4).
+
+The division is folded into what produces the activation, so the graph keeps its nodes and the float
+function is unchanged up to float rounding: a LayerNormalization (its scale and bias), a
+BatchNormalization (scale and bias), a Mul by a constant then an Add of a constant (a LayerNorm
+written out), a Conv/Gemm/MatMul (its output channels, and the Add of a constant bias after it).
+Every reader of the activation must be a weighted op reading it as input 0 with a private constant
+weight. A tensor is smoothed only where its channel ranges are uneven: the largest at least
+`MIN_SPREAD` times the median.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .constants import private, read_constant, sole_consumer, write_constant
+
+logger = logging.getLogger(__name__)
+
+#: SmoothQuant's migration strength (0.5: the range split evenly between activation and weight).
+ALPHA = 0.5
+#: A tensor is smoothed when its largest channel range is at least this many times the median.
+MIN_SPREAD = 8.0
+#: Op types whose input 0 may be smoothed, and the axis of their input channels.
+READERS = {"MatMul": -1, "Gemm": -1, "Conv": 1}
+
+
+def _weight_rows(index, node, channels: int) -> Optional[np.ndarray]:
+    """``node``'s weight as ``[input channels, rest]`` (None when it is not a private constant of the
+    right shape)."""
+    w = read_constant(index, node.inputs[1]) if len(node.inputs) > 1 else None
+    if w is None or not private(index, node.inputs[1], node.name):
+        return None
+    if node.op_type == "Conv":
+        if int(node.attr("group", 1) or 1) != 1 or w.shape[1] != channels:
+            return None
+        return np.moveaxis(w, 1, 0).reshape(channels, -1)
+    if w.ndim != 2 or (node.op_type == "Gemm" and int(node.attr("transA", 0) or 0)):
+        return None
+    transposed = node.op_type == "Gemm" and bool(int(node.attr("transB", 0) or 0))
+    w = w.T if transposed else w
+    return w if w.shape[0] == channels else None
+
+
+def _scale_weight(index, node, s: np.ndarray) -> None:
+    w = read_constant(index, node.inputs[1])
+    if node.op_type == "Conv":
+        w = w * s.reshape(1, -1, *([1] * (w.ndim - 2)))
+    elif node.op_type == "Gemm" and int(node.attr("transB", 0) or 0):
+        w = w * s[None, :]
+    else:
+        w = w * s[:, None]
+    write_constant(index, node.inputs[1], w.astype(np.float32))
+
+
+def _fold_targets(index, tensor: str, channels: int, axis: int,
+                  trailing: int) -> Optional[List[Tuple[str, str]]]:
+    """``[(constant, how)]`` to divide per channel so that ``tensor`` is divided by ``s``, or None
+    (``trailing``: the tensor's dimensions after the channel axis; 0 when it is the last)."""
+    node = index.producer.get(tensor)
+    if node is None:
+        return None
+    consts = [t for t in node.inputs if t and index.is_constant(t)]
+    if node.op_type == "Add" and len(consts) == 1 and private(index, consts[0], node.name):
+        other = next(t for t in node.inputs if t != consts[0])
+        inner = _fold_targets(index, other, channels, axis, trailing) \
+            if sole_consumer(index, other) is not None else None
+        return None if inner is None else inner + [(consts[0], f"broadcast:{trailing}")]
+    if node.op_type == "Mul" and len(consts) == 1 and private(index, consts[0], node.name):
+        return [(consts[0], f"broadcast:{trailing}")]
+    if node.op_type == "LayerNormalization" and axis == -1:
+        return [(t, "channel") for t in node.inputs[1:3] if t] \
+            if all(private(index, t, node.name) for t in node.inputs[1:3] if t) else None
+    if node.op_type == "BatchNormalization" and axis == 1:
+        return [(node.inputs[1], "channel"), (node.inputs[2], "channel")] \
+            if all(private(index, t, node.name) for t in node.inputs[1:3]) else None
+    if node.op_type in ("Conv", "Gemm", "MatMul") and len(node.inputs) > 1 and \
+            private(index, node.inputs[1], node.name):
+        found = [(node.inputs[1], f"out:{node.op_type}:{int(node.attr('transB', 0) or 0)}")]
+        if len(node.inputs) > 2 and node.inputs[2]:
+            if not private(index, node.inputs[2], node.name):
+                return None
+            found.append((node.inputs[2], "channel"))
+        return found
+    return None
+
+
+def _divide(index, tensor: str, how: str, s: np.ndarray, axis: int) -> bool:
+    """Divide ``tensor`` by ``s`` along its channel axis (``how``); False when its shape does not allow."""
+    value = read_constant(index, tensor)
+    if how.startswith("broadcast:"):  # an element-wise constant: scalar or one value per channel
+        shape = (s.size,) + (1,) * int(how.split(":")[1])
+        if value.size == 1:
+            value = np.full(shape, float(value.reshape(-1)[0]), np.float32)
+        if value.shape[-len(shape):] != shape or value.size != s.size:
+            return False
+        write_constant(index, tensor, (value / s.reshape(value.shape)).astype(np.float32))
+        return True
+    if how == "channel":
+        if value.size == 1:  # a scalar becomes one value per channel
+            value = np.full(s.shape, float(value.reshape(-1)[0]), np.float32)
+        if value.size != s.size:
+            return False
+        write_constant(index, tensor, (value / s.reshape(value.shape)).astype(np.float32))
+        return True
+    _, op, transposed = how.split(":")
+    if op == "Conv":
+        out = value / s.reshape((-1,) + (1,) * (value.ndim - 1))
+    elif transposed == "1":
+        out = value / s[:, None]
+    else:
+        out = value / s[None, :]
+    write_constant(index, tensor, out.astype(np.float32))
+    return True
+
+
+def _conv_trailing(index, node) -> int:
+    """Dimensions after the channel axis of a Conv's input (its weight's rank less 2)."""
+    shape = index.constant_shape(node.inputs[1]) or ()
+    return max(len(shape) - 2, 0)
+
+
+def _fits(value: np.ndarray, how: str, channels: int) -> bool:
+    """``value`` can be divided per channel as ``how`` says (see `_divide`)."""
+    if how.startswith("broadcast:"):
+        shape = (channels,) + (1,) * int(how.split(":")[1])
+        return value.size == 1 or (value.shape[-len(shape):] == shape and value.size == channels)
+    if how == "channel":
+        return value.size in (1, channels)
+    return True
+
+
+def smooth(model, data, *, alpha: float = ALPHA, min_spread: float = MIN_SPREAD, batch_size: int = 16,
+           tensors=None) -> Tuple[dict, ...]:
+    """Smooth every activation of ``model`` (a private copy, edited in place) that qualifies (see the
+    module docstring), with channel ranges measured on ``data``; ``tensors`` limits the candidates.
+
+    Returns one record per smoothed tensor: ``tensor``, ``readers``, ``spread_before`` and
+    ``spread_after`` (largest channel range over the median, on the calibration data).
+    """
+    from ..graph.index import GraphIndex
+
+    index = GraphIndex(model)
+    candidates: Dict[str, Tuple[int, list]] = {}
+    for node in index.nodes:
+        if node.op_type not in READERS or not node.inputs or \
+                (tensors is not None and node.inputs[0] not in tensors):
+            continue
+        x = node.inputs[0]
+        if x in candidates or index.is_constant(x) or x in index.graph_inputs:
+            continue
+        readers = [n for n, i in index.consumers(x)]
+        if any(n.op_type not in READERS or n.inputs[0] != x for n in readers) or \
+                len({READERS[n.op_type] for n in readers}) != 1:
+            continue
+        candidates[x] = (READERS[node.op_type], readers)
+    if not candidates:
+        return ()
+    ranges = _channel_ranges(model, data, {x: a for x, (a, _) in candidates.items()}, batch_size)
+    records = []
+    for x, (axis, readers) in candidates.items():
+        a = ranges.get(x)
+        if a is None or not np.all(np.isfinite(a)):
+            continue
+        spread = float(a.max() / max(np.median(a), 1e-12))
+        if spread < min_spread:
+            continue
+        rows = [_weight_rows(index, n, a.size) for n in readers]
+        trailing = 0 if axis == -1 else _conv_trailing(index, readers[0])
+        targets = _fold_targets(index, x, a.size, axis, trailing)
+        if any(r is None for r in rows) or targets is None:
+            continue
+        w = np.max([np.abs(r).max(axis=1) for r in rows], axis=0)
+        live = (a > 0) & (w > 0)
+        s = np.ones_like(a)
+        s[live] = a[live] ** alpha / w[live] ** (1 - alpha)
+        s[live] /= np.exp(np.mean(np.log(s[live])))  # geometric mean 1: ranges keep their magnitude
+        if not all(_fits(read_constant(index, t), how, a.size) for t, how in targets):
+            continue
+        for t, how in targets:
+            _divide(index, t, how, s, axis)
+        for n in readers:
+            _scale_weight(index, n, s)
+        after = a / s
+        records.append({"tensor": x, "readers": [n.name for n in readers],
+                        "spread_before": round(spread, 2),
+                        "spread_after": round(float(after.max() / max(np.median(after), 1e-12)), 2)})
+        logger.info("smooth %s: channel spread %.1f -> %.1f", x, spread, records[-1]["spread_after"])
+    return tuple(records)
+
+
+def _channel_ranges(model, data, axes: Dict[str, int], batch_size: int) -> Dict[str, np.ndarray]:
+    """max |x| per channel of each tensor in ``axes`` over ``data`` (float model)."""
+    from ..io.data import load_data
+    from ..runtime.sessions import make_session, run_batches
+
+    names = list(axes)
+    session = make_session(model, extra_outputs=names, spin=False)
+    dataset = load_data(data, model, what="calibration data")
+    found: Dict[str, np.ndarray] = {}
+    for values in run_batches(session, dataset, batch_size=batch_size, outputs=names):
+        for name in names:
+            v = np.abs(np.moveaxis(np.asarray(values[name], np.float32), axes[name], -1))
+            peak = v.reshape(-1, v.shape[-1]).max(axis=0).astype(np.float64)
+            found[name] = peak if name not in found else np.maximum(found[name], peak)
+    return found
+
+
+__all__ = ["smooth", "ALPHA", "MIN_SPREAD"]

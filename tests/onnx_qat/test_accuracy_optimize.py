@@ -1,0 +1,383 @@
+"""optimize="accuracy": cross-layer equalization, INT8 GPTQ rounding, bias correction, the recipe."""
+import numpy as np
+import onnx
+import pytest
+
+import onnx_qat
+from onnx_qat.accuracy.bias_correction import correct_biases
+from onnx_qat.accuracy.equalize import equalize, find_pairs
+from onnx_qat.accuracy.rounding import round_int8
+from onnx_qat.errors import ConfigError
+from onnx_qat.placement import place
+from onnx_qat.graph.index import GraphIndex
+from onnx_qat.scales import ScaleTable
+from tests.builders import GraphBuilder, assert_check_clean, cosine, run
+
+
+def spread_pair_model(seed: int = 0, spread: float = 1000.0, activation: str = "Relu", channels: int = 16,
+                      size: int = 12) -> onnx.ModelProto:
+    """conv1 (1x1, 4 -> C) -> activation -> depthwise conv2 (3x3, group C) -> conv3 (1x1, C -> 8).
+
+    conv1's output channels are scaled by factors spread log-uniformly over [1, ``spread``] and conv2's
+    matching channels by the inverse: the same function as the unscaled network, with channel ranges
+    ``spread`` apart in the tensor between conv1 and conv2 (one INT8 activation scale)."""
+    b = GraphBuilder("spread", seed)
+    x = b.input("input", ["N", 4, size, size])
+    factors = np.logspace(0, np.log10(spread), channels).astype(np.float32)
+    b.rng.shuffle(factors)
+    w1 = (b.rng.standard_normal((channels, 4, 1, 1)) * 0.5).astype(np.float32) * factors[:, None, None, None]
+    b1 = (np.abs(b.rng.standard_normal(channels)) * 0.1).astype(np.float32) * factors
+    w2 = (b.rng.standard_normal((channels, 1, 3, 3)) * 0.3).astype(np.float32) / factors[:, None, None, None]
+    y = b.node("Conv", [x, b.const("conv1.weight", w1), b.const("conv1.bias", b1)], name="conv1",
+               kernel_shape=[1, 1])
+    if activation == "Relu":
+        y = b.node("Relu", [y], name="act")
+    elif activation == "ReLU6":
+        y = b.node("Clip", [y, b.const("zero", np.float32(0)), b.const("six", np.float32(6.0 * spread))],
+                   name="act")
+    zeros = np.zeros(channels, np.float32)
+    y = b.node("Conv", [y, b.const("conv2.weight", w2), b.const("conv2.bias", zeros)],
+               name="conv2", kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=channels)
+    y = b.node("Relu", [y], name="act2")
+    b.conv(y, channels, 8, "conv3", k=1)
+    b.node("Identity", ["conv3_out"], "output", name="out")
+    b.output("output")
+    return b.build()
+
+
+def _feeds(seed: int, n: int = 8, size: int = 12, scale: float = 1.0):
+    rng = np.random.default_rng(seed)
+    return {"input": (rng.standard_normal((n, 4, size, size)) * scale).astype(np.float32)}
+
+
+def _quantized_cosine(model, calib, evaluation) -> float:
+    result = onnx_qat.quantize(model, data=calib, method="max", progress=False)
+    assert_check_clean(result.model)
+    return cosine(run(model, evaluation)[0], run(result.model, evaluation)[0])
+
+
+# ------------------------------------------------------------------ cross-layer equalization
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("activation", ["Relu", "none"])
+def test_equalization_recovers_a_depthwise_pair_with_channels_1000x_apart(seed, activation):
+    model = spread_pair_model(seed, activation=activation)
+    calib, evaluation = _feeds(seed), _feeds(seed + 100)
+    before = _quantized_cosine(model, calib, evaluation)
+    equalized = onnx.ModelProto()
+    equalized.CopyFrom(model)
+    records = equalize(equalized)
+    pair = next(r for r in records if r["first"] == "conv1")
+    assert pair["second"] == "conv2" and pair["depthwise"]
+    assert pair["activation"] == ("Relu" if activation == "Relu" else "none")
+    assert pair["gain_db"] > 0.0
+    after = _quantized_cosine(equalized, calib, evaluation)
+    assert before < 0.97, before  # the small channels are lost in the shared activation scale
+    assert after > 0.995 and after - before > 0.03, (before, after)
+
+
+@pytest.mark.parametrize("activation", ["Relu", "ReLU6", "none"])
+@pytest.mark.parametrize("scale", [0.01, 1.0, 100.0])
+def test_equalization_keeps_the_float_function(activation, scale):
+    model = spread_pair_model(3, activation=activation)
+    original = onnx.ModelProto()
+    original.CopyFrom(model)
+    equalized = onnx.ModelProto()
+    equalized.CopyFrom(model)
+    assert equalize(equalized)
+    assert model == original  # the caller's model is untouched
+    feeds = _feeds(7, scale=scale)
+    ref, got = run(model, feeds)[0], run(equalized, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+    onnx.checker.check_model(equalized)
+
+
+def test_equalization_rewrites_relu6_as_relu_and_a_per_channel_bound():
+    model = spread_pair_model(0, activation="ReLU6")
+    equalize(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert "Clip" not in ops and "Min" in ops
+    result = onnx_qat.quantize(model, data=_feeds(0), method="max", progress=False)
+    assert_check_clean(result.model)
+
+
+def test_equalization_skips_a_tensor_with_two_readers():
+    b = GraphBuilder("fork", 0)
+    x = b.input("input", [1, 4, 8, 8])
+    y = b.conv(x, 4, 8, "conv1", k=1)
+    b.conv(y, 8, 8, "conv2", k=1)
+    b.node("Add", ["conv2_out", y], "output", name="add")
+    b.output("output")
+    assert find_pairs(GraphIndex(b.build())) == []
+
+
+# ------------------------------------------------------------------ INT8 GPTQ rounding
+def correlated_model(seed: int = 0, features: int = 64, hidden: int = 32):
+    """input [N, 8] -> MatMul with a fixed [8, 64] mixing (low-rank, correlated features) -> MatMul ``fc``
+    [64, 32] (the weight GPTQ rounds) -> output."""
+    b = GraphBuilder("correlated", seed)
+    x = b.input("input", ["N", 8])
+    mix = b.rng.standard_normal((8, features)).astype(np.float32)
+    h = b.node("MatMul", [x, b.const("mix", mix)], name="mix")
+    h = b.node("Relu", [h], name="relu")
+    b.node("MatMul", [h, b.weight("fc.weight", [features, hidden])], "output", name="fc")
+    b.output("output")
+    return b.build()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_int8_rounding_lowers_the_output_error_and_stays_on_the_inserters_grid(seed):
+    model = correlated_model(seed)
+    rng = np.random.default_rng(seed)
+    data = {"input": rng.standard_normal((512, 8)).astype(np.float32)}
+    evaluation = {"input": rng.standard_normal((256, 8)).astype(np.float32)}
+    placement = place(model)
+    rounded = onnx.ModelProto()
+    rounded.CopyFrom(model)
+    records, ranges = round_int8(rounded, placement, data)
+    fc = next(r for r in records if r["node"] == "fc")
+    assert fc["method"] == "gptq" and fc["gptq_error"] < 0.7 * fc["rtn_error"], fc
+    assert "fc.weight" in ranges
+    # weights only (activations float): the rounded weights against round to nearest, unseen data
+    index = GraphIndex(rounded)
+    from onnx_qat.accuracy.constants import read_constant
+
+    w = read_constant(GraphIndex(model), "fc.weight")
+    scale = (np.abs(w).max(axis=0) / 127).astype(np.float32)
+    nearest = np.clip(np.rint(w / scale), -127, 127) * scale
+    h = np.maximum(evaluation["input"] @ read_constant(index, "mix"), 0)
+    ref = h @ w
+    err_rtn = np.linalg.norm(h @ nearest - ref)
+    err_gptq = np.linalg.norm(h @ read_constant(index, "fc.weight") - ref)
+    assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
+    # the inserter stores exactly the rounded values with the ranges given
+    table = onnx_qat.calibrate(rounded, data, method="max", progress=False).merged(ScaleTable(weights=ranges))
+    result = onnx_qat.quantize(rounded, scales=table, progress=False)
+    q = {t.name: onnx.numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    dequantized = q["fc.weight_quantized"].astype(np.float32) * q["fc.weight_scale"]
+    np.testing.assert_array_equal(dequantized, read_constant(index, "fc.weight"))
+    assert_check_clean(result.model)
+
+
+def test_int8_rounding_handles_depthwise_and_grouped_convs():
+    model = spread_pair_model(0, spread=1.0)
+    data = _feeds(0, n=16)
+    rounded = onnx.ModelProto()
+    rounded.CopyFrom(model)
+    records, ranges = round_int8(rounded, place(model), data)
+    by_node = {r["node"]: r for r in records}
+    assert by_node["conv2"]["method"] == "gptq"  # depthwise: one 9x9 Hessian per channel
+    assert all(r["gptq_error"] <= r["rtn_error"] for r in records if r["method"] == "gptq")
+    assert "conv2.weight" in ranges and len(ranges["conv2.weight"].amax) == 16
+
+
+def test_int8_rounding_respects_its_time_budget():
+    model = correlated_model(0)
+    data = {"input": np.random.default_rng(0).standard_normal((512, 8)).astype(np.float32)}
+    records, ranges = round_int8(model, place(model), data, time_budget=0.0)
+    assert not ranges and all(r["method"] == "rtn" for r in records)
+    assert any("time budget" in r.get("reason", "") for r in records)
+
+
+# ------------------------------------------------------------------ bias correction
+def shifted_input_model(seed: int = 0, cin: int = 64, cout: int = 16):
+    """A 1x1 Conv over 64 channels whose inputs have a large positive mean (the rounding errors of a
+    channel's weights then add up to a mean shift of its output) -> output."""
+    b = GraphBuilder("shifted", seed)
+    x = b.input("input", ["N", cin, 4, 4])
+    b.conv(x, cin, cout, "conv", k=1)
+    b.node("Identity", ["conv_out"], "output", name="out")
+    b.output("output")
+    return b.build()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bias_correction_removes_the_mean_shift_of_the_quantized_output(seed):
+    model = shifted_input_model(seed)
+    rng = np.random.default_rng(seed)
+    calib = {"input": (4.0 + rng.uniform(-0.5, 0.5, (64, 64, 4, 4))).astype(np.float32)}
+    evaluation = {"input": (4.0 + rng.uniform(-0.5, 0.5, (32, 64, 4, 4))).astype(np.float32)}
+    result = onnx_qat.quantize(model, data=calib, method="max", progress=False)
+    ref = run(model, evaluation)[0]
+
+    def shift(qdq):
+        return float(np.abs((run(qdq, evaluation)[0] - ref).mean(axis=(0, 2, 3))).max())
+
+    corrected = onnx.ModelProto()
+    corrected.CopyFrom(model)
+    records = correct_biases(corrected, result.model, result.placement, calib)
+    assert [r["node"] for r in records] == ["conv"]
+    changed = [t.name for t, u in zip(model.graph.initializer, corrected.graph.initializer) if t != u]
+    assert changed == ["conv.bias"]  # only the bias moved
+    again = onnx_qat.quantize(corrected, scales=result.scales, progress=False)
+    assert_check_clean(again.model)
+    assert shift(again.model) < 0.2 * shift(result.model), (shift(again.model), shift(result.model))
+
+
+# ------------------------------------------------------------------ the recipe
+def test_optimize_accuracy_keeps_the_steps_that_help_and_reports_each():
+    model = spread_pair_model(0)
+    data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
+    plain = onnx_qat.quantize(model, data=data, progress=False)
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    assert_check_clean(result.model)
+    info = result.accuracy
+    steps = {s["step"]: s for s in info["steps"]}
+    assert list(steps) == ["calibrate", "equalize", "smooth", "rounding", "bias_correction"]
+    assert steps["equalize"]["kept"] and steps["equalize"]["gain"] > 0.02
+    assert info["cosine_after"] >= info["cosine_before"] + 0.02
+    assert all(s["kept"] == (s["gain"] is None or s["gain"] > 0) for s in info["steps"])
+    evaluation = _feeds(50)
+    ref = run(model, evaluation)[0]
+    assert cosine(run(result.model, evaluation)[0], ref) > cosine(run(plain.model, evaluation)[0], ref) + 0.02
+    assert result.to_report()["mixed_precision"]["optimize"] == "accuracy"
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"optimize": "speed"}, "optimize must be one of accuracy"),
+    ({"optimize": "accuracy", "min_cosine": 0.99}, "does not combine"),
+])
+def test_optimize_refuses_bad_options(kw, message):
+    model = spread_pair_model(0)
+    with pytest.raises(ConfigError, match=message):
+        onnx_qat.quantize(model, data=_feeds(0), progress=False, **kw)
+
+
+def test_optimize_refuses_given_scales():
+    model = spread_pair_model(0)
+    table = onnx_qat.calibrate(model, _feeds(0), method="max", progress=False)
+    with pytest.raises(ConfigError):
+        onnx_qat.quantize(model, scales=table, optimize="accuracy", progress=False)
+
+
+def test_cli_optimize_accuracy(tmp_path, capsys):
+    from onnx_qat.cli import main
+
+    model = spread_pair_model(0)
+    path, data, out = tmp_path / "m.onnx", tmp_path / "d.npz", tmp_path / "q.onnx"
+    onnx.save(model, path)
+    np.savez(data, input=np.concatenate([_feeds(0)["input"], _feeds(1)["input"]]))
+    assert main(["quantize", str(path), "--data", str(data), "--optimize", "accuracy", "-o", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "optimize accuracy: output cosine" in said and "equalize" in said
+    assert "0 errors, 0 warnings" in said
+    assert main(["quantize", str(path), "--data", str(data), "--optimize", "accuracy", "--min-cosine", "0.9",
+                 "-o", str(tmp_path / "q2.onnx")]) == 2
+    assert not (tmp_path / "q2.onnx").exists()
+
+
+def test_optimize_accuracy_in_fp8_equalizes_and_passes_check():
+    model = spread_pair_model(0)
+    data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", precision="fp8", progress=False)
+    assert result.precision == "fp8"
+    assert [s["step"] for s in result.accuracy["steps"]] == ["calibrate", "equalize", "smooth"]
+    assert_check_clean(result.model)
+
+
+def test_optimize_accuracy_refuses_int4():
+    with pytest.raises(ConfigError, match="weight-only"):
+        onnx_qat.quantize(spread_pair_model(0), data=_feeds(0), optimize="accuracy", precision="int4",
+                          progress=False)
+
+
+# ------------------------------------------------------------------ activation smoothing
+def outlier_layernorm_model(seed: int = 0, dim: int = 32, factor: float = 200.0,
+                            decomposed: bool = False):
+    """input [N, 8, dim] -> LayerNormalization (or its Mul/Add tail) whose scale makes channel 0 an
+    outlier ``factor`` times the others -> MatMul ``fc`` (its weight row 0 divided by ``factor``: the
+    outlier is what the activation carries, not what the output needs) -> Relu -> MatMul ``out``."""
+    from onnx import TensorProto
+
+    b = GraphBuilder("outlier_ln", seed)
+    x = b.input("input", ["N", 8, dim])
+    gamma = b.rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    gamma[0] *= factor
+    beta = (b.rng.standard_normal(dim) * 0.1).astype(np.float32)
+    if decomposed:
+        mean = b.node("ReduceMean", [x], name="mean", axes=[-1], keepdims=1)
+        centred = b.node("Sub", [x, mean], name="centre")
+        var = b.node("ReduceMean", [b.node("Mul", [centred, centred], name="square")], name="var",
+                     axes=[-1], keepdims=1)
+        std = b.node("Sqrt", [b.node("Add", [var, b.const("eps", np.float32(1e-5))], name="add_eps")],
+                     name="sqrt")
+        normed = b.node("Div", [centred, std], name="div")
+        scaled = b.node("Mul", [normed, b.const("gamma", gamma)], name="scale")
+        y = b.node("Add", [scaled, b.const("beta", beta)], name="shift")
+    else:
+        y = b.node("LayerNormalization", [x, b.const("gamma", gamma), b.const("beta", beta)], name="ln",
+                   axis=-1, epsilon=1e-5)
+    w = (b.rng.standard_normal((dim, dim)) * 0.3).astype(np.float32)
+    w[0] /= factor
+    y = b.node("Relu", [b.node("MatMul", [y, b.const("fc.weight", w)], name="fc")], name="relu")
+    b.node("MatMul", [y, b.weight("out.weight", [dim, 16])], "output", name="out")
+    b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
+    return b.build(opset=17) if not decomposed else b.build(opset=13)
+
+
+def _ln_feeds(seed: int, n: int = 16, dim: int = 32):
+    return {"input": np.random.default_rng(seed).standard_normal((n, 8, dim)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_smoothing_recovers_an_outlier_activation_channel(decomposed, seed):
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_layernorm_model(seed, decomposed=decomposed)
+    calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
+    before = _quantized_cosine(model, calib, evaluation)
+    smoothed = onnx.ModelProto()
+    smoothed.CopyFrom(model)
+    records = smooth(smoothed, calib)
+    fc = next(r for r in records if r["readers"] == ["fc"])
+    assert fc["spread_before"] > 50 and fc["spread_after"] < 0.2 * fc["spread_before"], fc
+    after = _quantized_cosine(smoothed, calib, evaluation)
+    assert after > before + 0.01 and after > 0.99, (before, after)
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+@pytest.mark.parametrize("scale", [0.1, 1.0, 30.0])
+def test_smoothing_keeps_the_float_function(decomposed, scale):
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_layernorm_model(2, decomposed=decomposed)
+    smoothed = onnx.ModelProto()
+    smoothed.CopyFrom(model)
+    assert smooth(smoothed, _ln_feeds(2))
+    feeds = {"input": _ln_feeds(9)["input"] * scale}
+    ref, got = run(model, feeds)[0], run(smoothed, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+
+
+def test_smoothing_leaves_even_channels_alone():
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_layernorm_model(0, factor=1.0)
+    assert smooth(model, _ln_feeds(0)) == ()
+
+
+def test_optimize_accuracy_keeps_smoothing_on_an_outlier_channel():
+    model = outlier_layernorm_model(0)
+    data = {"input": np.concatenate([_ln_feeds(0)["input"], _ln_feeds(1)["input"]])}
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    steps = {s["step"]: s for s in result.accuracy["steps"]}
+    assert steps["smooth"]["kept"] and steps["smooth"]["gain"] > 0.005, steps["smooth"]
+    assert_check_clean(result.model)
+
+
+def test_bias_correction_respects_its_time_budget():
+    model = shifted_input_model(0)
+    calib = {"input": (4.0 + np.random.default_rng(0).uniform(-0.5, 0.5, (16, 64, 4, 4))).astype(np.float32)}
+    result = onnx_qat.quantize(model, data=calib, method="max", progress=False)
+    corrected = onnx.ModelProto()
+    corrected.CopyFrom(model)
+    records = correct_biases(corrected, result.model, result.placement, calib, time_budget=-1.0)
+    assert records[0]["skipped"].startswith("time budget") and corrected == model
+
+
+def test_optimize_accuracy_for_the_ort_cpu_target_passes_its_check():
+    model = spread_pair_model(1)
+    data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", target="ort-cpu", progress=False)
+    assert result.target == "ort-cpu" and result.accuracy["cosine_after"] > 0.99
+    assert_check_clean(result.model, target="ort-cpu")
