@@ -1,7 +1,7 @@
 """``onnx_qat.quantize``: float ONNX + ranges -> TensorRT-ready Q/DQ ONNX.
 
 The public entry point. It resolves and checks the options, then either runs the rewrite
-(`onnx_qat.rewrite.quantize_placed`: load -> place -> ranges -> insert -> save) or, with
+(`onnx_qat.rewrite.rewrite_model`: load -> place -> ranges -> insert -> save) or, with
 ``min_cosine``, automatic mixed precision (`onnx_qat.accuracy.mixed`), which itself calls the
 same rewrite. The accuracy tools import `onnx_qat.rewrite`, never this module, so no import
 runs back up. The caller's model object and input file are never changed.
@@ -18,7 +18,7 @@ from .formats.numeric import get_format
 from .io.layout import with_layout
 from .placement.marks import Placement
 from .rewrite import (QUANTIZED_OPS, REPORT_FORMAT, REPORT_VERSION, QuantizeResult,  # noqa: F401
-                      check_sources, nested_indexes, nothing_to_quantize, quantize_placed,
+                      check_sources, nested_indexes, nothing_to_quantize, rewrite_model,
                       refuse_non_finite_weights, refuse_quantized, softmax_ranges,
                       without_unreached_branches)
 
@@ -196,7 +196,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
                               eval_data=eval_data, scales=scales, data=data, method=method or "max",
                               config=config, calib_kw=calib_kw, report=report, progress=progress)
-    return quantize_placed(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
+    return rewrite_model(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
                            placement=placement, latency=latency_options,
                            cpu_vnni=cpu_vnni)

@@ -132,7 +132,7 @@ class QuantizeResult:
                 + f"output={self.output})")
 
 
-def quantize_placed(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
+def rewrite_model(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
                     placement: Optional[Placement] = None, latency=None,
                     cpu_vnni: bool = False) -> QuantizeResult:
@@ -598,5 +598,5 @@ def _io():
     return model_io
 
 
-__all__ = ["quantize_placed", "QuantizeResult", "refuse_quantized", "nothing_to_quantize"]
+__all__ = ["rewrite_model", "QuantizeResult", "refuse_quantized", "nothing_to_quantize"]
 

@@ -159,7 +159,7 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
 
 def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     """The Q/DQ model with ``chosen`` sites excluded from placement, and its verified error."""
-    from ..rewrite import quantize_placed
+    from ..rewrite import rewrite_model
     from ..runtime.sessions import make_session
     from ..runtime.stateful import carry_state
     from .gated import join_flat
@@ -170,7 +170,7 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     source = prepared.float_model if prepared.int4 is None else \
         prepared.int4.model(float_weights=[w for k in chosen for w in prepared.sites[k].weights])
     try:
-        result = quantize_placed(source, scales=prepared.table, data=None, method="max",
+        result = rewrite_model(source, scales=prepared.table, data=None, method="max",
                                  config=excluded, calib_kw={}, progress=False)
     except PlacementError:  # the partners took every remaining site along
         raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "

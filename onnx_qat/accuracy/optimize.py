@@ -189,11 +189,11 @@ class _Judge:
         self.reference = {k: v.ravel() for k, v in reference.items() if v.dtype.kind == "f"}
 
     def __call__(self, float_model, table) -> _Measured:
-        from ..rewrite import quantize_placed
+        from ..rewrite import rewrite_model
         from ..runtime.sessions import run_model
         from .prepared import output_error
 
-        result = quantize_placed(float_model, scales=table, data=None, method="max", config=self.config,
+        result = rewrite_model(float_model, scales=table, data=None, method="max", config=self.config,
                                  calib_kw={}, progress=False)
         got = run_model(result.model, self.feeds, batch_size=self.batch_size)
         cosine = output_error(self.reference, {k: got[k].ravel() for k in self.reference}).cosine

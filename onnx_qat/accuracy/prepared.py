@@ -135,7 +135,7 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     from ..config import QuantizeConfig
     from ..io.models import load_model
     from ..graph.index import GraphIndex, assign_node_names
-    from ..rewrite import nothing_to_quantize, quantize_placed, refuse_quantized
+    from ..rewrite import nothing_to_quantize, rewrite_model, refuse_quantized
     from ..placement.policy import policy_for
 
     from ..formats.numeric import get_format
@@ -169,7 +169,7 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
         calib, evaluation = split_data(data, eval_data, float_model)
         table = calibrate(float_model, calib, method=method, tensors=tensors,
                           progress=progress, batch_size=batch_size, **dict(calibration_options or {}))
-    qdq = quantize_placed(base if int4 is None else int4.model(), scales=table, data=None, method="max",
+    qdq = rewrite_model(base if int4 is None else int4.model(), scales=table, data=None, method="max",
                           config=insertion_config(config), calib_kw={}, placement=placement,
                           progress=False).model
     gated = gate_model(qdq, base, sites)
