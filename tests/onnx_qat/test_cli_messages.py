@@ -98,7 +98,7 @@ def test_usage_rules_between_options_point_at_the_command_help(conv_files, capsy
                  "--max-float-sites", "2"]) == EXIT_USAGE
     _, err = err_lines(capsys)
     assert err == ["onnx-qat: error: --max-float-sites and --eval-data apply only with --min-cosine "
-                   "(see 'onnx-qat quantize --help')"]
+                   "(--eval-data also with --optimize) (see 'onnx-qat quantize --help')"]
 
 
 def test_sensitivity_help_reads_as_sentences():
