@@ -18,7 +18,7 @@ import onnx
 
 from .config import QuantizeConfig
 from .errors import ConfigError, ModelError, PlacementError, ScalesError
-from .io.files import check_output_and_report, write_json
+from .io.files import check_output_and_report
 from .graph.index import GraphIndex, assign_node_names, subgraphs_of
 from .placement.marks import ActivationMark, Placement
 from .placement.policy import policy_for
@@ -257,12 +257,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
                             fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report)
-    if out_path is not None:
-        # validated on the very bytes written (nothing is written when onnx.checker refuses them)
-        io.save_model(qdq_model, out_path, inputs=inputs, ir_version=qdq_model.ir_version, validate=True)
-        logger.info("wrote %s", out_path)
-    if report is not None:
-        write_json(report, result.to_report())
+    io.write_outputs(qdq_model, out_path, report, result.to_report, inputs=inputs)
     return result
 
 

@@ -110,8 +110,8 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
     docstring)."""
     import time
 
-    from ..io.files import check_output_path, write_json
-    from ..io.models import save_model
+    from ..io.files import check_output_path
+    from ..io.models import write_outputs
     start = time.perf_counter()
     inputs = tuple(p for p in (model, scales, data, eval_data) if isinstance(p, (str, os.PathLike)))
     out_path = None if output is None else check_output_path(output, inputs=inputs, what="output")
@@ -150,10 +150,7 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
     if prepared.int4 is not None:
         result = dataclasses.replace(result, awq=prepared.int4.awq, gptq=prepared.int4.gptq)
     result = dataclasses.replace(result, output=out_path, accuracy=info)
-    if out_path is not None:
-        save_model(result.model, out_path, inputs=inputs, ir_version=result.model.ir_version, validate=True)
-    if report is not None:
-        write_json(report, result.to_report())
+    write_outputs(result.model, out_path, report, result.to_report, inputs=inputs)
     return result
 
 

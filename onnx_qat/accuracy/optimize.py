@@ -54,9 +54,9 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
     import os
 
     from ..calibration import calibrate
-    from ..io.files import check_output_path, write_json
+    from ..io.files import check_output_path
     from ..formats.numeric import get_format
-    from ..io.models import load_model, save_model
+    from ..io.models import load_model, write_outputs
     from ..graph.index import assign_node_names
     from ..rewrite import refuse_quantized
     from .prepared import split_data
@@ -155,10 +155,7 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
             "cosine_after": best.cosine, "eval_samples": evaluation.num_samples,
             "calibration_samples": calib.num_samples, "seconds": round(time.perf_counter() - start, 3)}
     result = dataclasses.replace(result, output=out_path, accuracy=info)
-    if out_path is not None:
-        save_model(result.model, out_path, inputs=inputs, ir_version=result.model.ir_version, validate=True)
-    if report is not None:
-        write_json(report, result.to_report())
+    write_outputs(result.model, out_path, report, result.to_report, inputs=inputs)
     return result
 
 

@@ -266,8 +266,8 @@ def quantize_with_float_parts(quantize_fp32, model, output, report, *, data, flo
     import dataclasses
     import os
 
-    from ..io.files import check_output_and_report, write_json
-    from ..io.models import save_model
+    from ..io.files import check_output_and_report
+    from ..io.models import write_outputs
 
     paths = tuple(p for p in inputs if isinstance(p, (str, os.PathLike)))
     out_path, _ = check_output_and_report(output, report, inputs=paths)
@@ -275,10 +275,7 @@ def quantize_with_float_parts(quantize_fp32, model, output, report, *, data, flo
     parts = cast_float_parts(result.model, float_dtype, scales=result.scales, keep_io_types=keep_io_types,
                              data=data, reference=None if data is None else model, progress=progress)
     result = dataclasses.replace(result, model=parts.model, output=out_path, float_parts=parts)
-    if out_path is not None:
-        save_model(parts.model, out_path, inputs=paths, ir_version=parts.model.ir_version, validate=True)
-    if report is not None:
-        write_json(report, result.to_report())
+    write_outputs(parts.model, out_path, report, result.to_report, inputs=paths)
     return result
 
 

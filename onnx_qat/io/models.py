@@ -493,6 +493,20 @@ def target_ir_version(model: onnx.ModelProto, data_types: Optional[Iterable[int]
 
 
 # --------------------------------------------------------------------------- saving
+def write_outputs(model: onnx.ModelProto, output: Optional[PathLike], report: Optional[PathLike],
+                  report_of, *, inputs: Iterable = ()) -> None:
+    """The end of every quantize path: ``model`` saved to ``output`` (validated on the very bytes
+    written, see `save_model`) and ``report_of()`` (a JSON-ready dict) written to ``report``, each only
+    when given. Both paths were checked before any work (`onnx_qat.io.files.check_output_and_report`)."""
+    if output is not None:
+        save_model(model, output, inputs=inputs, ir_version=model.ir_version, validate=True)
+        logger.info("wrote %s", output)
+    if report is not None:
+        from .files import write_json
+
+        write_json(report, report_of())
+
+
 def save_model(model: onnx.ModelProto, path: PathLike, *, inputs: Iterable = (),
                ir_version: Optional[int] = None,
                external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, validate: bool = False) -> Path:
