@@ -86,36 +86,35 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
     best = judge(float_model, table)
     steps.append(_step("calibrate", best, None, True, clock, method=method))
 
+    def attempt(name, clock, trial, found, table_of, note, **details):
+        """Judge the edited copy ``trial`` (when its step ``found`` anything to do) with the table
+        ``table_of()`` gives, record the step, and keep the edit only where the cosine rises."""
+        nonlocal float_model, table, best
+        if not found:
+            steps.append(_step(name, best, best, False, clock, note=note, **details))
+            return
+        trial_table = table_of()
+        cosine = judge(trial, trial_table)
+        kept = cosine > best.cosine
+        steps.append(_step(name, cosine, best, kept, clock, **details))
+        if kept:
+            float_model, table, best = trial, trial_table, cosine
+
     clock = time.perf_counter()
     trial = _copy(float_model)
     from .equalize import equalize
 
     pairs = equalize(trial)
-    if pairs:
-        trial_table = calibrated(trial)
-        cosine = judge(trial, trial_table)
-        kept = cosine > best.cosine
-        steps.append(_step("equalize", cosine, best, kept, clock, pairs=list(pairs)))
-        if kept:
-            float_model, table, best = trial, trial_table, cosine
-    else:
-        steps.append(_step("equalize", best, best, False, clock, pairs=[], note="no Conv pair to equalize"))
+    attempt("equalize", clock, trial, pairs, lambda: calibrated(trial), "no Conv pair to equalize",
+            pairs=list(pairs))
 
     clock = time.perf_counter()
     trial = _copy(float_model)
     from .smooth import smooth
 
     tensors = smooth(trial, calib, batch_size=batch_size)
-    if tensors:
-        trial_table = calibrated(trial)
-        cosine = judge(trial, trial_table)
-        kept = cosine > best.cosine
-        steps.append(_step("smooth", cosine, best, kept, clock, tensors=list(tensors)))
-        if kept:
-            float_model, table, best = trial, trial_table, cosine
-    else:
-        steps.append(_step("smooth", best, best, False, clock, tensors=[],
-                           note="no activation with uneven channel ranges the graph can absorb"))
+    attempt("smooth", clock, trial, tensors, lambda: calibrated(trial),
+            "no activation with uneven channel ranges the graph can absorb", tensors=list(tensors))
 
     if fmt.name == "int8":
         clock = time.perf_counter()
@@ -124,31 +123,16 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
 
         records, ranges = round_int8(trial, best.placement, calib, time_budget=time_budget,
                                      batch_size=batch_size, skip=set(table.weights), progress=progress)
-        if ranges:
-            trial_table = table.merged(_weights(ranges))
-            cosine = judge(trial, trial_table)
-            kept = cosine > best.cosine
-            steps.append(_step("rounding", cosine, best, kept, clock, weights=list(records)))
-            if kept:
-                float_model, table, best = trial, trial_table, cosine
-        else:
-            steps.append(_step("rounding", best, best, False, clock, weights=list(records),
-                               note="no weight could be rounded"))
+        attempt("rounding", clock, trial, ranges, lambda: table.merged(_weights(ranges)),
+                "no weight could be rounded", weights=list(records))
 
         clock = time.perf_counter()
         trial = _copy(float_model)
         from .bias_correction import correct_biases
 
         layers = correct_biases(trial, best.result.model, best.placement, calib, batch_size=batch_size)
-        if layers:
-            cosine = judge(trial, table)
-            kept = cosine > best.cosine
-            steps.append(_step("bias_correction", cosine, best, kept, clock, layers=list(layers)))
-            if kept:
-                float_model, best = trial, cosine
-        else:
-            steps.append(_step("bias_correction", best, best, False, clock, layers=[],
-                               note="no quantized layer with a bias"))
+        attempt("bias_correction", clock, trial, layers, lambda: table, "no quantized layer with a bias",
+                layers=list(layers))
 
     result = best.result
     info = {"optimize": "accuracy", "steps": steps, "cosine_before": steps[0]["cosine"],
