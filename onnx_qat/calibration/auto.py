@@ -10,10 +10,10 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from .collector import HistogramCollector
+from .collector import HistogramCollector, final_rows
 from .entropy import EntropyCollector
 from .mse import MseCollector, edge_mse_rows, mse_thresholds
-from .percentile import PercentileCollector
+from .percentile import PercentileCollector, percentile_rows
 
 #: Percentiles of |x| tried as candidates.
 PERCENTILES = (99.9, 99.99, 99.999)
@@ -104,23 +104,20 @@ def analyze(collectors) -> None:
 
 def _analyze_rows(group) -> None:
     first = group[0]
-    finals = [c.hist.final(c.num_bins) for c in group]
-    counts = np.stack([f[0] for f in finals])
-    widths = np.array([f[1] for f in finals])
+    hists = [c.hist for c in group]
+    counts, widths = final_rows(hists, first.num_bins)
     peaks = np.array([c.hist.max_seen for c in group])
     found = {"max": peaks}
-    for i, method in enumerate(first._methods[:-1]):  # the percentiles: cheap, one histogram at a time
-        found[method.describe()] = np.array([c._methods[i]._threshold(counts[r], widths[r])
-                                             for r, c in enumerate(group)])
+    for method in first._methods[:-1]:  # the percentiles
+        found[method.describe()] = percentile_rows(counts, widths, method.percentile) \
+            if method.percentile < 100.0 else peaks
     found["mse"] = mse_thresholds(counts) * widths
     for name in found:
         if name != "max":
             found[name] = np.minimum(np.maximum(found[name], widths), peaks)
     names = list(found)
     candidates = np.stack([found[n] for n in names], axis=1)  # [R, candidates]
-    fine = [c.hist.final(c.num_bins * c.RESOLUTION) for c in group]
-    fine_counts = np.stack([f[0] for f in fine])
-    fine_width = np.array([f[1] for f in fine])
+    fine_counts, fine_width = final_rows(hists, first.num_bins * first.RESOLUTION)
     # quantization_mse of the fine bin centers, level by level (the thresholds in fine bins)
     errors = edge_mse_rows(fine_counts, candidates / fine_width[:, None]) * fine_width[:, None] ** 2
     entropy = EntropyCollector(first.num_bins)

@@ -18,6 +18,10 @@ model and placement its caller already holds (the rewrite behind
   computes it;
 * one run per table on the check batches, the table's scales fed as inputs.
 
+Large graphs are judged on fewer samples (`judge_samples`): each judged sample costs one run of the
+whole Q/DQ model per table, so the samples are bounded by `JUDGE_NODE_SAMPLES` (nodes x samples),
+never fewer than `MIN_JUDGE_SAMPLES`; every model up to 1,250 nodes keeps all 64.
+
 The table with the highest worst-output cosine wins (ties keep the earlier table, ``max`` first).
 If branches and Loop/Scan bodies are judged float (their marks are inserted in the final model
 only): a model whose quantized activations all sit in them (silero-vad's) keeps each tensor's
@@ -35,6 +39,22 @@ import numpy as np
 import onnx
 
 logger = logging.getLogger(__name__)
+
+#: Nodes x samples the judgement runs at most per table: 64 samples up to 1,250 nodes, then fewer, so
+#: that the judgement's cost stops growing with the graph's size times the samples (at 10,000 nodes
+#: the runs of 64 samples cost more than the calibration pass itself).
+JUDGE_NODE_SAMPLES = 80_000
+#: Samples the tables are always judged on (when the calibration data has them).
+MIN_JUDGE_SAMPLES = 8
+
+
+def judge_samples(nodes: int) -> int:
+    """How many of the first calibration samples the tables of a ``nodes``-node model are judged on:
+    `CHECK_SAMPLES` (64), or ``JUDGE_NODE_SAMPLES // nodes`` when fewer, but at least
+    `MIN_JUDGE_SAMPLES` (8 from 10,000 nodes on)."""
+    from .runner import CHECK_SAMPLES
+
+    return max(MIN_JUDGE_SAMPLES, min(CHECK_SAMPLES, JUDGE_NODE_SAMPLES // max(int(nodes), 1)))
 
 
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
@@ -133,4 +153,4 @@ def _scale_feeds(placement, amax: Mapping[str, float], scale_inputs: Mapping[str
     return {scale_inputs[t]: np.array(s, dtype=np.float32) for t, s in zip(tensors, scales)}
 
 
-__all__ = ["choose", "judge_model", "worst_cosine"]
+__all__ = ["choose", "judge_model", "judge_samples", "worst_cosine"]

@@ -144,7 +144,8 @@ class Calibration:
             "entropy": ...}``, all read from the same histograms.
         choices: ``auto`` only: ``{tensor: candidate}`` of the per-tensor table.
         check_feeds: ``auto`` only: the calibration batches holding the first `CHECK_SAMPLES`
-            samples, which the candidate tables are judged on.
+            samples (fewer on large graphs, `onnx_qat.calibration.choice.judge_samples`), which the
+            candidate tables are judged on.
         reference: ``auto`` only: the float model's float outputs on ``check_feeds`` (flattened and
             joined over the batches), taken during the calibration run itself.
     """
@@ -165,7 +166,8 @@ class Calibration:
 
 
 #: Samples of the calibration data ``auto``'s candidate tables are judged on (the calibration batches
-#: holding them): bounds the cost of the judgement to one quantized run per table on these.
+#: holding them): bounds the cost of the judgement to one quantized run per table on these. Large
+#: graphs are judged on fewer (`onnx_qat.calibration.choice.judge_samples`).
 CHECK_SAMPLES = 64
 
 
@@ -293,8 +295,10 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     # a stateful model's runs also fetch its state outputs, fed back into the next run
     run_outputs = list(dict.fromkeys(fetched + list(outputs) + list(state_outputs(dataset))))
     session = carry_state(make_runner(model, run_outputs), dataset)
+    from .choice import judge_samples
+
     reached, kept = _observe(session, dataset, observers, fetched, batch_size, progress,
-                             f"calibrate ({method})", outputs)
+                             f"calibrate ({method})", outputs, judge_samples(len(model.graph.node)))
     reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
     del session
     unobserved = tuple(name for name in names if name not in reached)
@@ -325,14 +329,14 @@ _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorPro
 
 
 def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, batch_size: int,
-             progress: bool, desc: str, outputs: Sequence[str] = ()):
+             progress: bool, desc: str, outputs: Sequence[str] = (), check_samples: int = CHECK_SAMPLES):
     """Run every batch once and reduce each observed tensor into its observer (fed inputs from the feed).
 
     When only graph inputs are observed (and no ``outputs`` are asked for) the model is not run at
     all. ``session`` may be a `BranchRunner`, which gives None
     for the tensors of If branches a batch does not take (and a Loop/Scan body's tensors stacked over
     its iterations). Returns the names observed on at least one batch, and ``(feed, {output: value})``
-    of the batches holding the first `CHECK_SAMPLES` samples (when ``outputs`` are given).
+    of the batches holding the first ``check_samples`` samples (when ``outputs`` are given).
     """
     from ..runtime.sessions import feeds_with_progress
 
@@ -349,7 +353,7 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
             raise ModelError(f"onnxruntime failed on batch {index} of {dataset.source}: "
                              f"{brief(exc, 300)}") from None
         given = getattr(session, "last_given", feed)  # a stateful model's carried state input too
-        if outputs and samples < CHECK_SAMPLES:
+        if outputs and samples < check_samples:
             kept.append((given, {name: values[name] for name in outputs}))
             samples += _samples_in(dataset, given)
         for name, observer in observers.items():

@@ -225,3 +225,25 @@ def test_quantize_with_auto_loads_and_places_the_model_once(monkeypatch):
     result = onnx_qat.quantize(model, data=data, progress=False)
     assert result.scales.metadata["auto_table"] in ("max", "tensor", "entropy")
     assert (len(loads), len(places)) == (1, 1)
+
+
+def test_large_graphs_are_judged_on_fewer_samples():
+    from onnx import TensorProto, helper
+
+    from onnx_qat.calibration import collect
+    from onnx_qat.calibration.choice import JUDGE_NODE_SAMPLES, MIN_JUDGE_SAMPLES, judge_samples
+    from onnx_qat.calibration.runner import CHECK_SAMPLES
+
+    assert [judge_samples(n) for n in (1, 566, 1250, 1251, 2000, 10_000, 50_000)] == \
+        [64, 64, 64, 63, 40, 8, 8]
+    assert JUDGE_NODE_SAMPLES // 1250 == CHECK_SAMPLES and MIN_JUDGE_SAMPLES == 8
+    nodes = [helper.make_node("Relu", ["x" if i == 0 else f"r{i - 1}"], [f"r{i}"]) for i in range(2000)]
+    x, out = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 4]) for n in ("x", "r1999"))
+    graph = helper.make_graph(nodes, "chain", [x], [out])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    data = {"x": np.random.default_rng(0).standard_normal((100, 4)).astype(np.float32)}
+    result = collect(model, onnx_qat.load_data(data, model), ["x", "r5"], method="auto", batch_size=16,
+                     progress=False)
+    kept = np.concatenate([f["x"] for f in result.check_feeds])  # the batches holding the first 40 samples
+    np.testing.assert_array_equal(kept, data["x"][:48])
+    np.testing.assert_allclose(result.reference["r1999"], np.maximum(data["x"][:48], 0).ravel())
