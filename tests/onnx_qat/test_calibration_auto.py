@@ -273,3 +273,20 @@ def test_a_table_replaces_the_kept_one_only_when_most_samples_agree():
     # outputs that do not lead with the same axis: one error per batch
     got = {"y": [np.array([1.0, 2.0, 3.0, 5.0])], "z": [np.array([[2.0, 1.0]])]}
     np.testing.assert_allclose(sample_errors(reference, got, {"y": 30.0, "z": 8.0}), [1.0 / 30.0 + 1.0 / 8.0])
+
+
+def test_analysis_on_threads_gives_the_numbers_of_one_thread(monkeypatch):
+    from onnx_qat.calibration import auto
+
+    rng = np.random.default_rng(3)
+    count = 3 * auto.ANALYSIS_ROWS + 5  # four groups, the last one short
+    values = [rng.standard_t(3, 4000).astype(np.float32) * (1 + i % 5) for i in range(count)]
+    results = []
+    for threads in (1, 4):
+        monkeypatch.setattr(auto, "ANALYSIS_THREADS", threads)
+        monkeypatch.setattr(auto, "_cores", lambda: 4)
+        collectors = [_fed(v, batch=1000) for v in values]
+        auto.analyze(collectors)
+        results.append([(c.amax(), c.choice, c.entropy_amax(), sorted(c.errors.items())) for c in collectors])
+    assert results[0] == results[1]
+    assert {r[1] for r in results[0]} >= {"max"} and len(results[0]) == len(values)
