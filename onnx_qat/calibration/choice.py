@@ -48,6 +48,10 @@ import onnx
 
 logger = logging.getLogger(__name__)
 
+#: Samples of the calibration data ``auto``'s candidate tables are judged on (the calibration batches
+#: holding them): bounds the cost of the judgement to one quantized run per table on these. Large
+#: graphs are judged on fewer (`judge_samples`).
+CHECK_SAMPLES = 64
 #: Nodes x samples the judgement runs at most per table: 64 samples up to 625 nodes, then fewer, so
 #: that the judgement's cost stops growing with the graph's size times the samples (at 10,000 nodes
 #: the runs of 64 samples cost more than the calibration pass itself).
@@ -63,8 +67,6 @@ def judge_samples(nodes: int) -> int:
     """How many of the first calibration samples the tables of a ``nodes``-node model are judged on:
     `CHECK_SAMPLES` (64), or ``JUDGE_NODE_SAMPLES // nodes`` when fewer, but at least
     `MIN_JUDGE_SAMPLES` (4 from 10,000 nodes on)."""
-    from .runner import CHECK_SAMPLES
-
     return max(MIN_JUDGE_SAMPLES, min(CHECK_SAMPLES, JUDGE_NODE_SAMPLES // max(int(nodes), 1)))
 
 

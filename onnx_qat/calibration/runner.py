@@ -20,6 +20,7 @@ import onnx
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
 from ..scales import ScaleTable
 from .branches import make_runner
+from .choice import CHECK_SAMPLES, judge_samples
 from .auto import AutoCollector
 from .collector import RangeCollector
 from .entropy import EntropyCollector
@@ -165,10 +166,6 @@ class Calibration:
         return ScaleTable(dict(amax), producer=self.producer, metadata={**self.metadata, **metadata})
 
 
-#: Samples of the calibration data ``auto``'s candidate tables are judged on (the calibration batches
-#: holding them): bounds the cost of the judgement to one quantized run per table on these. Large
-#: graphs are judged on fewer (`onnx_qat.calibration.choice.judge_samples`).
-CHECK_SAMPLES = 64
 
 
 def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 99.99, num_bins: int = 2048,
@@ -295,8 +292,6 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     # a stateful model's runs also fetch its state outputs, fed back into the next run
     run_outputs = list(dict.fromkeys(fetched + list(outputs) + list(state_outputs(dataset))))
     session = carry_state(make_runner(model, run_outputs), dataset)
-    from .choice import judge_samples
-
     reached, kept = _observe(session, dataset, observers, fetched, batch_size, progress,
                              f"calibrate ({method})", outputs, judge_samples(len(model.graph.node)))
     reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
