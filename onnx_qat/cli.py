@@ -182,7 +182,8 @@ def _calibration_options(parser: argparse.ArgumentParser) -> None:
                        help="how activation ranges are chosen from the data (default: auto; with "
                             "--min-cosine and for sensitivity: max; auto: of max everywhere, the "
                             "least-error range per tensor and entropy everywhere, the table whose output "
-                            "is closest to the float model's on the calibration data)")
+                            "is closest to the float model's on the calibration data, leaving max "
+                            "only where the samples agree)")
     group.add_argument("--percentile", metavar="P", type=number_in(0.0, 100.0, low_open=True), default=None,
                        help="percentile of |x| kept by --method percentile, in (0, 100] (default 99.99)")
     group.add_argument("--batch-size", metavar="N", type=whole_number(1), default=None,

@@ -40,8 +40,8 @@ METHODS: Mapping[str, Callable[..., RangeCollector]] = {
 }
 
 #: The method [`calibrate`][onnx_qat.calibration.runner.calibrate] and
-#: [`onnx_qat.quantize`][onnx_qat.quantize.quantize] use when none is given: ``auto`` beat ``max`` on every
-#: real model measured (docs/sensitivity.md, "Calibration methods on real models").
+#: [`onnx_qat.quantize`][onnx_qat.quantize.quantize] use when none is given: ``auto`` matched or beat
+#: ``max`` on every real model measured (docs/sensitivity.md, "Calibration methods on real models").
 DEFAULT_METHOD = "auto"
 
 #: amax given to a tensor that was zero on every sample (a ScaleTable refuses 0).
@@ -182,7 +182,8 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
             of the max, percentile and mse candidates quantizes that tensor with the least error,
             ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
-            model's on the first 64 calibration samples, `choose`;
+            model's on the first 64 calibration samples (fewer on graphs over 625 nodes), a later
+            table replacing an earlier one only where the samples agree, `choose`;
             the metadata keys ``auto_table``, ``auto_output_cosine`` and ``auto_choices`` record
             the choice), ``"max"`` (max |x|), ``"percentile"`` (the ``percentile``-th percentile of
             |x|), ``"entropy"`` (TensorRT's KL-divergence threshold, guarded) or ``"mse"``
