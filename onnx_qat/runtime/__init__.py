@@ -3,6 +3,7 @@ runs), a stateful model's state carried from run to run, and ``compare``, the on
 models' outputs.
 
 Owns: `sessions`, `stateful` (state carried between runs), `compare`, `chunked` (a large model run
-piece by piece), `interrupts` (onnxruntime calls that SIGINT/SIGTERM stop within a moment).
+piece by piece), `interrupts` (onnxruntime calls that SIGINT/SIGTERM stop within a moment),
+`workers` (independent work units on worker processes, results in submission order).
 May import: ``onnx_qat.io``, ``onnx_qat.graph``; never placement, insertion or the accuracy tools.
 """
