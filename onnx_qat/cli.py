@@ -189,6 +189,15 @@ def _calibration_options(parser: argparse.ArgumentParser) -> None:
                        help="samples per onnxruntime run (default: the library default)")
 
 
+def _worker_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """The ``workers`` keyword: --workers."""
+    group = parser.add_argument_group("work spread over processes (workers=)")
+    group.add_argument("--workers", metavar="N", type=whole_number(1), default=None,
+                       help=f"worker processes {what} run on, each with its own onnxruntime sessions and "
+                            "cores/N threads; results are identical for any N; 1: in this process "
+                            "(default: one per core within memory, one for short runs)")
+
+
 def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate",
                        help="run the float model on data; write activation ranges (ScaleTable JSON)",
@@ -248,6 +257,7 @@ def _add_quantize(sub) -> None:
     _layout_options(p)
     _placement_options(p)
     _mixed_precision_options(p)
+    _worker_options(p, "--min-cosine's settings")
     _latency_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_quantize)
@@ -379,6 +389,7 @@ def _add_sensitivity(sub) -> None:
     _calibration_options(p)
     _layout_options(p)
     _placement_options(p)
+    _worker_options(p, "the settings")
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_sensitivity)
 
@@ -633,7 +644,7 @@ def cmd_quantize(args) -> int:
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=data,
                       progress=_progress(args), keep_io_types=not args.float_io, **calib,
-                      **_placement_keywords(args), **mixed, **layout, **latency)
+                      **_placement_keywords(args), **mixed, **layout, **latency, workers=args.workers)
     _say(args, _quantize_summary(args, result))
     if result.accuracy is not None:
         _say(args, _optimize_summary(result.accuracy) if "steps" in result.accuracy
@@ -868,7 +879,7 @@ def cmd_sensitivity(args) -> int:
     extra = {"percentile": calib.pop("percentile")} if "percentile" in calib else {}
     result = sensitivity(args.model, data, eval_data=eval_data, metric=args.metric,
                          progress=_progress(args), calibration_options=extra, **calib,
-                         **_placement_keywords(args), **layout)
+                         **_placement_keywords(args), **layout, workers=args.workers)
     _say(args, result.table(top=args.top))
     if args.output is not None:
         result.save(args.output)

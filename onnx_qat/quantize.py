@@ -34,7 +34,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              float_dtype: Optional[str] = None, keep_io_types: bool = True,
              state: Optional[Mapping[str, str]] = None, batch_axis: Optional[Mapping[str, int]] = None,
              latency=None, cpu_vnni: bool = False, optimize: Optional[str] = None,
-             **calibration_kwargs) -> QuantizeResult:
+             workers: Optional[int] = None, **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
@@ -125,6 +125,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             lists what each step gained. Needs ``data``; slower than the default (several calibrations
             and evaluation runs). Does not combine with ``min_cosine``, ``state``, ``latency`` or
             ``cpu_vnni``.
+        workers: with ``min_cosine``: worker processes the search's settings run on, each with its own
+            sessions and ``cores // workers`` onnxruntime threads (`onnx_qat.accuracy.parallel`); the
+            result is identical for any count. ``1``: in this process. None (the default): one per
+            usable core within memory, and this process alone when the runs are estimated to be too
+            short to gain from workers (docs/performance.md, "Work spread over cores and machines").
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -195,7 +200,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             raise ConfigError("eval_data applies with min_cosine; min_cosine does not take a placement")
         return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
                               eval_data=eval_data, scales=scales, data=data, method=method or "max",
-                              config=config, calib_kw=calib_kw, report=report, progress=progress)
+                              config=config, calib_kw=calib_kw, report=report, progress=progress,
+                              workers=workers)
     return rewrite_model(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
                            placement=placement, latency=latency_options,
