@@ -8,13 +8,15 @@ given. `WorkerPool.map` sends units one at a time to whichever worker is free an
 in the order of the units, so the answer never depends on how many workers there were or which one
 ran what.
 
-Workers are started with the ``spawn`` method (a fresh interpreter: no inherited onnxruntime threads
-or locks, the same on Linux, macOS and Windows). They ignore SIGINT: Ctrl-C reaches the whole process
-group, and only the main process decides; when it unwinds (KeyboardInterrupt, the CLI's SIGTERM,
-an error), `WorkerPool.close` terminates every worker (SIGTERM, then SIGKILL after
-`STOP_WAIT` s) and reaps it. On Linux a worker also dies with its parent (``PR_SET_PDEATHSIG``), so a
-parent killed outright leaves no orphan. A unit that raises in a worker surfaces in the main process
-as one line: a `QatError` as the same error class and message, anything else as
+Each worker is a fresh interpreter (``python -c``, talking over a socket pair; no inherited
+onnxruntime threads or locks, and the caller's ``__main__`` is never imported again, so scripts need no
+``if __name__ == "__main__"`` guard), in a session of its own: a terminal's Ctrl-C reaches only the
+main process, which decides (the worker also ignores SIGINT). When the main process unwinds
+(KeyboardInterrupt, the CLI's SIGTERM, an error), `WorkerPool.close` terminates every worker
+(SIGTERM, then SIGKILL after `STOP_WAIT` s) and reaps it. On Linux a worker also dies with its parent
+(``PR_SET_PDEATHSIG``), so a parent killed outright leaves no orphan (Linux and macOS: the socket is
+handed to the worker as an inherited file descriptor). A unit that raises in a worker surfaces in the
+main process as one line: a `QatError` as the same error class and message, anything else as
 [`WorkerError`][onnx_qat.errors.WorkerError] naming the worker and the unit; a worker that dies
 (out of memory, a crash) is a `WorkerError` with its exit code.
 
@@ -28,6 +30,7 @@ import logging
 import os
 import pickle
 import signal
+import subprocess
 import sys
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
@@ -161,8 +164,6 @@ class WorkerPool:
     """
 
     def __init__(self, job, workers: int, *, threads: Optional[int] = None, name: str = "work"):
-        import multiprocessing
-
         check_workers(workers)
         self.name = name
         self.threads = threads_per_worker(workers) if threads is None else threads
@@ -172,18 +173,13 @@ class WorkerPool:
             blob = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - a job that cannot travel is a bug of its maker
             raise WorkerError(f"{name}: the job cannot be sent to worker processes: {brief(exc)}") from None
-        context = multiprocessing.get_context("spawn")
         self._procs: List[Any] = []
         self._conns: List[Any] = []
         try:
             for k in range(workers):
-                mine, theirs = context.Pipe(duplex=True)
-                proc = context.Process(target=_worker_main, args=(theirs, os.getpid(), self.threads),
-                                       name=f"onnx-qat-{name}-{k}", daemon=True)
-                proc.start()
-                theirs.close()
+                proc, conn = _spawn(self.threads)
                 self._procs.append(proc)
-                self._conns.append(mine)
+                self._conns.append(conn)
             for conn in self._conns:
                 conn.send_bytes(blob)
         except BaseException:
@@ -232,7 +228,7 @@ class WorkerPool:
         for worker in range(self.workers):
             feed(worker)
         while left:
-            ready = wait(self._conns + [p.sentinel for p in self._procs], SLICE)
+            ready = wait(self._conns, SLICE)  # a worker that ends closes its socket: readable too
             for worker, conn in enumerate(self._conns):
                 if conn not in ready:
                     continue
@@ -250,9 +246,6 @@ class WorkerPool:
                 else:
                     raise self._error(worker, message, units)
                 feed(worker)
-            for worker, proc in enumerate(self._procs):
-                if proc.sentinel in ready and not self._conns[worker].poll():
-                    raise self._ended(worker)
 
     def _receive(self, worker: int):
         try:
@@ -262,9 +255,12 @@ class WorkerPool:
 
     def _ended(self, worker: int) -> WorkerError:
         proc = self._procs[worker]
-        proc.join(STOP_WAIT)  # reaped, so its exit code is known
+        try:
+            code = proc.wait(STOP_WAIT)  # reaped, so its exit code is known
+        except subprocess.TimeoutExpired:
+            code = None
         return WorkerError(f"{self.name}: worker {worker + 1} of {self.workers} ended unexpectedly "
-                           f"(exit code {proc.exitcode}{_why(proc.exitcode)})")
+                           f"(exit code {code}{_why(code)})")
 
     def _error(self, worker: int, message, units) -> QatError:
         _, index, kind, text = message
@@ -286,13 +282,14 @@ class WorkerPool:
             except (OSError, ValueError):
                 pass
         for proc in self._procs:
-            if proc.is_alive():
+            if proc.poll() is None:
                 proc.terminate()
         for proc in self._procs:
-            proc.join(STOP_WAIT)
-            if proc.is_alive():
+            try:
+                proc.wait(STOP_WAIT)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(STOP_WAIT)
+                proc.wait()
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._closed = [], [], True
@@ -306,13 +303,42 @@ def _why(code) -> str:
     return ""
 
 
+def _spawn(threads: int):
+    """One worker: a new interpreter running `_worker_main`, in a session of its own (a terminal's
+    Ctrl-C reaches only the main process), talking over a socket pair. Nothing of the caller's
+    ``__main__`` is imported again (unlike ``multiprocessing``'s spawn), so a script calling the API
+    needs no ``if __name__ == "__main__"`` guard."""
+    import json
+    import socket
+    from multiprocessing.connection import Connection
+
+    mine, theirs = socket.socketpair()
+    try:
+        bootstrap = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+                     "from onnx_qat.runtime.workers import _worker_main; "
+                     "_worker_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))")
+        args = [sys.executable, "-c", bootstrap, json.dumps([p for p in sys.path if p]), str(theirs.fileno()),
+                str(os.getpid()), str(threads)]
+        proc = subprocess.Popen(args, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, Connection(mine.detach())
+
+
 # ------------------------------------------------------------------------------ in the worker process
-def _worker_main(conn, parent: int, threads: int) -> None:
+def _worker_main(fd: int, parent: int, threads: int) -> None:
     """A worker's life: load the job, then run units until told to stop or the parent goes away."""
+    from multiprocessing.connection import Connection
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     _die_with_parent()
     if os.getppid() != parent:  # the parent ended before the line above took effect
         return
+    conn = Connection(fd)
     try:
         job = pickle.loads(conn.recv_bytes())
         run = job.start(threads)

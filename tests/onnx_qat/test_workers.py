@@ -146,17 +146,17 @@ def test_sigint_in_the_main_process_stops_the_map_within_two_seconds_and_reaps_t
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
-def test_workers_die_with_a_parent_killed_outright(tmp_path):
+def test_a_script_without_main_guard_works_and_its_workers_die_with_it_killed_outright(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from onnx_qat.runtime.workers import WorkerPool
         from tests.onnx_qat.test_workers import SquareJob
-        if __name__ == "__main__":
-            pool = WorkerPool(SquareJob(), workers=2)
-            pool.map([(1, 0), (2, 0)])
-            print(" ".join(str(p.pid) for p in pool._procs), flush=True)
-            pool.map([(k, 60.0) for k in range(2)])
+        # no `if __name__ == "__main__"` guard: workers never import the caller's script again
+        pool = WorkerPool(SquareJob(), workers=2)
+        pool.map([(1, 0), (2, 0)])
+        print(" ".join(str(p.pid) for p in pool._procs), flush=True)
+        pool.map([(k, 60.0) for k in range(2)])
     """)
     path = tmp_path / "parent.py"
     path.write_text(script)
