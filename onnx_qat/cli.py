@@ -221,6 +221,7 @@ def _add_calibrate(sub) -> None:
                        help="with --format tensorrt-cache: the calibrator named in the header "
                             "(default EntropyCalibration2; use the one that will read the cache)")
     _calibration_options(p)
+    _worker_options(p, "calibration's batches")
     _layout_options(p)
     _placement_options(p)
     _global_options(p, suppress=True)
@@ -257,7 +258,7 @@ def _add_quantize(sub) -> None:
     _layout_options(p)
     _placement_options(p)
     _mixed_precision_options(p)
-    _worker_options(p, "--min-cosine's settings")
+    _worker_options(p, "calibration's batches and --min-cosine's settings")
     _latency_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_quantize)
@@ -590,7 +591,7 @@ def cmd_calibrate(args) -> int:
     _check_outputs([("--output", args.output)], [args.model, *_data_paths(data)])
     from .calibration import DEFAULT_METHOD, calibrate
     table = calibrate(args.model, data, output=None if cache else args.output, progress=_progress(args),
-                      **kw)
+                      workers=args.workers, **kw)
     method = _method_summary(table) or f"ranges: {kw.get('method', DEFAULT_METHOD)}"
     if cache:
         table.save_tensorrt_cache(args.output, tensorrt_version=args.tensorrt_version,

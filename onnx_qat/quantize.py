@@ -125,11 +125,14 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             lists what each step gained. Needs ``data``; slower than the default (several calibrations
             and evaluation runs). Does not combine with ``min_cosine``, ``state``, ``latency`` or
             ``cpu_vnni``.
-        workers: with ``min_cosine``: worker processes the search's settings run on, each with its own
-            sessions and ``cores // workers`` onnxruntime threads (`onnx_qat.accuracy.parallel`); the
-            result is identical for any count. ``1``: in this process. None (the default): one per
-            usable core within memory, and this process alone when the runs are estimated to be too
-            short to gain from workers (docs/performance.md, "Work spread over cores and machines").
+        workers: worker processes the calibration's batches are split over (contiguous parts, the
+            collectors merged exactly: `onnx_qat.calibration.parallel`) and, with ``min_cosine``, the
+            search's settings run on (`onnx_qat.accuracy.parallel`), each with its own sessions and
+            ``cores // workers`` onnxruntime threads; the model written is identical for any count.
+            ``1``: in this process. None (the default): one per usable core within memory, and this
+            process alone when the work is estimated to be too short to gain from workers
+            (docs/performance.md, "Work spread over cores and machines"). A stateful model (``state``)
+            is calibrated in one process.
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -202,6 +205,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                               eval_data=eval_data, scales=scales, data=data, method=method or "max",
                               config=config, calib_kw=calib_kw, report=report, progress=progress,
                               workers=workers)
+    if data is not None:  # calibration's batches on `workers` processes (onnx_qat.calibration.parallel)
+        calib_kw = {**calib_kw, "workers": workers}
     return rewrite_model(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
                            placement=placement, latency=latency_options,

@@ -474,7 +474,7 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> T
 
     options = dict(calib_kw)
     tensors = options.pop("tensors", None) or placement.activation_tensors()
-    unknown = sorted(set(options) - {"percentile", "num_bins", "batch_size"})
+    unknown = sorted(set(options) - {"percentile", "num_bins", "batch_size", "workers"})
     if unknown:
         raise ConfigError(f"unknown calibration option {unknown[0]!r}; the options are percentile, num_bins, "
                           "batch_size and tensors")

@@ -156,8 +156,8 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
         base, table = int4.base, int4.table
     else:
         calib, evaluation = split_data(data, eval_data, float_model)
-        table = calibrate(float_model, calib, method=method, tensors=tensors,
-                          progress=progress, batch_size=batch_size, **dict(calibration_options or {}))
+        table = calibrate(float_model, calib, method=method, tensors=tensors, progress=progress,
+                          batch_size=batch_size, workers=workers, **dict(calibration_options or {}))
     qdq = rewrite_model(base if int4 is None else int4.model(), scales=table, data=None, method="max",
                           config=insertion_config(config), calib_kw={}, placement=placement,
                           progress=False).model

@@ -46,6 +46,12 @@ class RangeCollector(abc.ABC):
         """Options of this collector, for the ScaleTable's producer/metadata."""
         return self.method
 
+    def merge(self, other: "RangeCollector") -> None:
+        """Add what ``other`` (a collector of the same kind and options, fed other batches) has seen:
+        the result is the collector of both sets of batches, exactly, in any order (calibration on
+        worker processes merges each part's collectors, `onnx_qat.calibration.parallel`)."""
+        raise TypeError(f"{type(self).__name__} cannot merge")
+
 
 #: Below ``this * num_bins`` a top's bin scale no longer fits a float32 (it would overflow).
 _FLOAT32_SCALE_FLOOR = 1e-37
@@ -253,6 +259,10 @@ class HistogramCollector(RangeCollector):
 
     def state_nbytes(self) -> int:
         return self.hist.nbytes()
+
+    def merge(self, other: "HistogramCollector") -> None:
+        """Merge ``other``'s histogram (`AbsHistogram.merge`: exact)."""
+        self.hist.merge(other.hist)
 
     def amax(self) -> float:
         if self.hist.max_seen <= 0.0:

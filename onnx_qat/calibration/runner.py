@@ -7,6 +7,7 @@ histogram), so memory does not grow with the number of samples.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -90,6 +91,12 @@ class TensorObserver:
         self.ignored += int(magnitudes.size - np.count_nonzero(keep))
         self.collector.update(magnitudes[keep])
 
+    def merge(self, other: "TensorObserver") -> None:
+        """Add what ``other`` (the same tensor's observer over other batches) has seen."""
+        self.seen += other.seen
+        self.ignored += other.ignored
+        self.collector.merge(other.collector)
+
     def result(self) -> float:
         """The final amax (finite, > 0)."""
         if self.seen and self.ignored == self.seen:
@@ -115,6 +122,13 @@ def make_collector(method: str, *, percentile: float = 99.99, num_bins: int = 20
     if factory is None:
         raise ConfigError(f"unknown calibration method {method!r}; choose one of {', '.join(METHODS)}")
     return factory(percentile, num_bins)
+
+
+def new_observers(names: Sequence[str], method: str, percentile: float, num_bins: int
+                  ) -> Dict[str, TensorObserver]:
+    """One new `TensorObserver` of ``method``'s collector per tensor name."""
+    return {n: TensorObserver(n, make_collector(method, percentile=percentile, num_bins=num_bins))
+            for n in names}
 
 
 def _check_options(method: str, percentile, num_bins, batch_size) -> None:
@@ -172,7 +186,8 @@ CHECK_SAMPLES = 64
 def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 99.99, num_bins: int = 2048,
               batch_size: int = 16, config=None, tensors: Optional[Iterable[str]] = None,
               progress: bool = True, output=None, state: Optional[Mapping[str, str]] = None,
-              batch_axis: Optional[Mapping[str, int]] = None, **placement_options) -> ScaleTable:
+              batch_axis: Optional[Mapping[str, int]] = None, workers: Optional[int] = None,
+              **placement_options) -> ScaleTable:
     """Compute activation ranges of ``model`` on ``data`` with onnxruntime.
 
     Args:
@@ -201,6 +216,12 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         state: ``{output: input}`` of a stateful model: the data runs in order, each run's
             ``output`` fed to the next run as ``input`` (the first feed gives the initial state).
         batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first.
+        workers: worker processes the batches are split over, in contiguous parts, each with its own
+            session and ``cores // workers`` onnxruntime threads; the parts' collectors are merged
+            exactly, so the ranges are identical for any count (`onnx_qat.calibration.parallel`).
+            ``1``: in this process. None (the default): one per usable core within memory when the
+            batches are estimated to take long enough to gain from workers, else this process. A
+            stateful model (``state``) is calibrated in one process (its feeds run in order).
 
     Returns:
         A [`ScaleTable`][onnx_qat.scales.ScaleTable] of per-tensor activation amax whose
@@ -213,7 +234,10 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     from ..io.layout import with_layout
     from ..io.files import check_output_path
     from ..io.models import load_model
+    from ..runtime.workers import check_workers
+
     _check_options(method, percentile, num_bins, batch_size)
+    check_workers(workers)
     data = with_layout(data, state=state, batch_axis=batch_axis)
     if output is not None:
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
@@ -224,7 +248,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     names = _tensors_to_observe(placement if tensors is None else None, tensors, config, placement_options)
     dataset = load_data(data, proto, what="calibration data")
     result = collect(proto, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
-                     batch_size=batch_size, progress=progress)
+                     batch_size=batch_size, progress=progress, workers=workers)
     if result.unobserved:
         logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
                        "that cannot be observed per iteration (e.g. %r); they get no range",
@@ -270,21 +294,25 @@ def auto_table(result: Calibration, best: str, cosines: Mapping[str, float]) -> 
 
 def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: str = DEFAULT_METHOD,
             percentile: float = 99.99, num_bins: int = 2048, batch_size: int = 16,
-            progress: bool = True) -> Calibration:
+            progress: bool = True, workers: Optional[int] = 1) -> Calibration:
     """One calibration pass of ``model`` (a loaded float ModelProto, not changed) over ``dataset``
     (a `Dataset`), observing ``names``: the `Calibration` (ranges, and
     for ``auto`` the candidate tables, the check batches and the float outputs on them).
+    With ``workers`` other than 1 the batches are split over worker processes and the collectors
+    merged exactly (`onnx_qat.calibration.parallel`; None: as many as pay).
 
     This is all calibration does: choosing among ``auto``'s tables is the caller's (it holds the
     placement the tables are inserted with: `onnx_qat.calibration.choice.choose`).
     """
     from ..runtime.stateful import carry_state, state_outputs
+    from ..runtime.workers import check_workers
+    from .parallel import observe_split, split_reason
 
     _check_options(method, percentile, num_bins, batch_size)
+    check_workers(workers)
     names = tuple(dict.fromkeys(names))
     graph_inputs = set(dataset.input_names)
-    observers = {n: TensorObserver(n, make_collector(method, percentile=percentile, num_bins=num_bins))
-                 for n in names}
+    observers = new_observers(names, method, percentile, num_bins)
     fetched = [n for n in names if n not in graph_inputs]
     outputs: Tuple[str, ...] = ()
     if method == "auto":
@@ -292,11 +320,21 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
                         if o.type.tensor_type.elem_type in _FLOAT_TYPES and o.name not in graph_inputs)
     # a stateful model's runs also fetch its state outputs, fed back into the next run
     run_outputs = list(dict.fromkeys(fetched + list(outputs) + list(state_outputs(dataset))))
-    session = carry_state(make_runner(model, run_outputs), dataset)
-    reached, kept = _observe(session, dataset, observers, fetched, batch_size, progress,
-                             f"calibrate ({method})", outputs)
-    reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
-    del session
+    desc = f"calibrate ({method})"
+    why = "" if workers == 1 else split_reason(model, dataset, run_outputs)
+    if workers != 1 and not why:
+        fresh = functools.partial(new_observers, names, method, percentile, num_bins)
+        reached, kept = observe_split(model, dataset, observers, fetched, outputs, run_outputs,
+                                      new_observers=fresh, observe_feeds=observe_feeds,
+                                      count_samples=_samples_in, check_samples=CHECK_SAMPLES,
+                                      batch_size=batch_size, progress=progress, desc=desc, workers=workers)
+    else:
+        if why and workers is not None:
+            logger.warning("note: %s; --workers does not apply to it", why)
+        session = carry_state(make_runner(model, run_outputs), dataset)
+        reached, kept = _observe(session, dataset, observers, fetched, batch_size, progress, desc, outputs)
+        reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
+        del session
     unobserved = tuple(name for name in names if name not in reached)
     if method == "auto":  # every tensor's searches at once
         from .auto import analyze
@@ -336,11 +374,21 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
     """
     from ..runtime.sessions import feeds_with_progress
 
+    feeds = feeds_with_progress(dataset, batch_size, progress, desc)
+    reached, kept, _ = observe_feeds(session, dataset, feeds, observers, fetched, outputs)
+    return reached, kept
+
+
+def observe_feeds(session, dataset, feeds, observers: Dict[str, TensorObserver], fetched,
+                  outputs: Sequence[str] = (), samples: int = 0, first_batch: int = 0):
+    """`_observe`'s loop over ``feeds`` (a contiguous part of ``dataset``'s batches whose first sample
+    is ``samples`` and first batch ``first_batch``): ``(names reached, kept check batches, samples
+    counted)``; samples are counted only while batches are kept. Calibration on worker processes
+    runs the same loop on each part (`onnx_qat.calibration.parallel`)."""
     reached = set()
     kept: list = []
-    samples = 0
     asked = list(dict.fromkeys(list(fetched) + list(outputs)))
-    for index, feed in enumerate(feeds_with_progress(dataset, batch_size, progress, desc)):
+    for index, feed in enumerate(feeds, first_batch):
         try:
             values = dict(zip(asked, session.run(asked, feed))) if asked else {}
         except QatError:
@@ -358,7 +406,7 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
                 observer.update(value)
                 reached.add(name)
         del values, feed
-    return reached, kept
+    return reached, kept, samples
 
 
 def _samples_in(dataset, feed) -> int:
@@ -366,7 +414,10 @@ def _samples_in(dataset, feed) -> int:
     a stateful model's step; else the feed's first axis."""
     from ..io.data import Dataset
 
-    if not isinstance(dataset, Dataset) or dataset.unbatched or dataset.state:
+    per_sample = getattr(dataset, "per_sample", None)  # a part of the data in a worker says it
+    if per_sample is None:
+        per_sample = isinstance(dataset, Dataset) and not dataset.unbatched and not dataset.state
+    if not per_sample:
         return 1
     return len(next(iter(feed.values())))
 

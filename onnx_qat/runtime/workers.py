@@ -198,36 +198,41 @@ class WorkerPool:
         self.close()
         return False
 
-    def map(self, units: Iterable, on_result: Optional[Callable[[int, Any], None]] = None) -> list:
+    def map(self, units: Iterable, on_result: Optional[Callable[[int, Any], None]] = None, *,
+            keep: bool = True) -> list:
         """Every unit's result, in the order of ``units``. ``on_result(index, result)`` is called as
-        each result arrives (in any order), e.g. to move a progress bar."""
+        each result arrives (in any order), e.g. to move a progress bar or to merge results at once.
+        ``units`` is read lazily, one unit per free worker (a generator keeps memory bounded); with
+        ``keep=False`` results are only handed to ``on_result`` and the list returned is empty."""
         if self._closed:
             raise WorkerError(f"{self.name}: the worker processes were already stopped")
-        units = list(units)
-        results: list = [None] * len(units)
-        todo = list(range(len(units)))[::-1]  # popped from the end: submission order
-        busy = {}  # worker -> unit index
+        results: list = []
         try:
-            self._run(units, todo, busy, results, on_result)
+            self._run(iter(enumerate(units)), results if keep else None, on_result)
         except BaseException:
             self._closed = True  # busy workers would answer late: the pool is done
             raise
         return results
 
-    def _run(self, units, todo, busy, results, on_result) -> None:
+    def _run(self, todo, results: Optional[list], on_result) -> None:
         from multiprocessing.connection import wait
 
-        left = len(units)
+        busy = {}  # worker -> unit index
 
         def feed(worker: int) -> None:
-            if todo and self._ready[worker] and worker not in busy:
-                index = todo.pop()
+            if self._ready[worker] and worker not in busy:
+                item = next(todo, None)
+                if item is None:
+                    return
+                index, unit = item
                 busy[worker] = index
-                self._conns[worker].send((index, units[index]))
+                if results is not None:
+                    results.append(None)
+                self._conns[worker].send((index, unit))
 
         for worker in range(self.workers):
             feed(worker)
-        while left:
+        while busy or not all(self._ready):
             ready = wait(self._conns, SLICE)  # a worker that ends closes its socket: readable too
             for worker, conn in enumerate(self._conns):
                 if conn not in ready:
@@ -238,13 +243,13 @@ class WorkerPool:
                 elif message[0] == "ok":
                     _, index, value = message
                     del busy[worker]
-                    results[index] = value
-                    left -= 1
+                    if results is not None:
+                        results[index] = value
                     self.units_done += 1
                     if on_result is not None:
                         on_result(index, value)
                 else:
-                    raise self._error(worker, message, units)
+                    raise self._error(worker, message)
                 feed(worker)
 
     def _receive(self, worker: int):
@@ -262,7 +267,7 @@ class WorkerPool:
         return WorkerError(f"{self.name}: worker {worker + 1} of {self.workers} ended unexpectedly "
                            f"(exit code {code}{_why(code)})")
 
-    def _error(self, worker: int, message, units) -> QatError:
+    def _error(self, worker: int, message) -> QatError:
         _, index, kind, text = message
         if kind is not None:
             from .. import errors
@@ -270,7 +275,7 @@ class WorkerPool:
             cls = getattr(errors, kind, None)
             if isinstance(cls, type) and issubclass(cls, QatError):
                 return cls(text)
-        where = "starting" if index is None else f"unit {index + 1} of {len(units)}"
+        where = "starting" if index is None else f"unit {index + 1}"
         return WorkerError(f"{self.name}: worker {worker + 1} of {self.workers} failed ({where}): {text}")
 
     def close(self) -> None:

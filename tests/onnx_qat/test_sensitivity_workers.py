@@ -123,19 +123,24 @@ def _children(pid: int) -> list:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_during_the_settings_stops_the_workers_within_2_s(tmp_path, sig):
+@pytest.mark.parametrize("command", ["sensitivity", "calibrate"])
+def test_a_signal_while_workers_run_stops_them_within_2_s(tmp_path, sig, command):
+    """The signal goes to the main process only (as `kill` sends it) while its two workers run the
+    settings or calibration's batches."""
     from tests.reliability.test_atomic_and_signals import StderrReader, slow_model
 
     support.save(slow_model(layers=6, channels=32), tmp_path / "model.onnx")
-    np.savez(tmp_path / "calib.npz", input=_images(64, 0, 32, channels=32))
+    samples, extra = (64, ["--method", "max"]) if command == "sensitivity" else \
+        (512, ["--method", "entropy", "--batch-size", "4"])
+    np.savez(tmp_path / "calib.npz", input=_images(samples, 0, 32, channels=32))
     before = support.snapshot(tmp_path)
-    proc = subprocess.Popen(support.cli_command("sensitivity", "model.onnx", "--data", "calib.npz", "-o",
-                                                "out.json", "--workers", "2", "--method", "max"),
+    proc = subprocess.Popen(support.cli_command(command, "model.onnx", "--data", "calib.npz", "-o",
+                                                "out.json", "--workers", "2", *extra),
                             cwd=tmp_path, env=support.cli_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     reader = StderrReader(proc)
     try:
-        assert reader.wait_for("sensitivity", timeout=120), reader.text
+        assert reader.wait_for(command[:9], timeout=120), reader.text
         deadline = time.monotonic() + 30
         workers = _children(proc.pid)
         while len([p for p in workers if _cmdline(p)]) < 2 and time.monotonic() < deadline:

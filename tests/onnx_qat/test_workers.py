@@ -80,6 +80,10 @@ def test_results_come_in_submission_order_and_match_one_process():
     assert {r[2] for r in results} == {1}
     local = map_units(SquareJob(offset=5), units, 1)
     assert [r[0] for r in local] == [r[0] for r in results]
+    with WorkerPool(SquareJob(), workers=2, threads=1) as pool:  # a generator, results not kept
+        got = {}
+        assert pool.map(((k, 0.0) for k in range(7)), on_result=got.__setitem__, keep=False) == []
+        assert {i: r[0] for i, r in got.items()} == {k: k * k for k in range(7)}
     assert local[0][1] == os.getpid() and local[0][2] is None  # in this process, default threads
     assert not any(_alive(pid) for pid in pids)
 
@@ -100,7 +104,7 @@ def test_a_unit_error_is_one_line_naming_worker_and_unit_and_our_errors_keep_the
         pids = _pids(pool)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("sensitivity: worker ") and "(unit 3 of 3)" in message
+    assert message.startswith("sensitivity: worker ") and "(unit 3)" in message
     assert "ValueError: bad unit second line" in message
     assert not any(_alive(pid) for pid in pids)
     with WorkerPool(SquareJob(), workers=2) as pool:
