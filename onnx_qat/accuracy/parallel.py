@@ -109,17 +109,30 @@ class PooledSettings:
 
 
 def worker_bytes(gated_bytes: int, feeds: Sequence[Mapping[str, np.ndarray]],
-                 reference: Mapping[str, np.ndarray], cut_bytes: int) -> int:
-    """Estimated memory of one worker beyond its imports: the gated model three times (its protobuf,
-    the session's weights, the kernels' packed copies), the feeds and the reference twice (received,
-    then held by the runner) and the cut cache's bound."""
+                 reference: Mapping[str, np.ndarray], cut_bytes: int, peak_bytes: int = 0) -> int:
+    """Estimated memory of one worker beyond its imports: the larger of (the gated model three times:
+    its protobuf, the session's weights, the kernels' packed copies; the feeds and the reference twice:
+    received, then held by the runner) and ``peak_bytes`` (this process's peak so far, which ran the
+    float model on the same feeds: onnxruntime's activations are in it), plus the cut cache's bound."""
     data = sum(np.asarray(v).nbytes for f in feeds for v in f.values())
     data += sum(np.asarray(v).nbytes for v in reference.values())
-    return 3 * gated_bytes + 2 * data + cut_bytes
+    return max(3 * gated_bytes + 2 * data, peak_bytes) + cut_bytes
+
+
+def peak_memory() -> int:
+    """This process's peak resident memory in bytes (0 where the system does not say)."""
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+    except (ImportError, OSError, AttributeError):
+        return 0
 
 
 def choose_workers(workers: Optional[int], *, gated_bytes: int, feeds, reference, num_sites: int,
-                   float_seconds: float, cut_bytes: int) -> int:
+                   float_seconds: float, cut_bytes: int, peak_bytes: int = 0) -> int:
     """The worker count: ``workers`` when given; else one when the settings are estimated to take less
     than `MIN_WORK_STARTS` worker start-ups (``float_seconds``, the float model's run on the evaluation
     data, times ``num_sites + 1``), else `default_workers` for `worker_bytes` each."""
@@ -130,7 +143,8 @@ def choose_workers(workers: Optional[int], *, gated_bytes: int, feeds, reference
         return workers
     if float_seconds * (num_sites + 1) < MIN_WORK_STARTS * WORKER_START_SECONDS:
         return 1
-    return default_workers(worker_bytes(gated_bytes, feeds, reference, cut_bytes), units=num_sites + 1)
+    return default_workers(worker_bytes(gated_bytes, feeds, reference, cut_bytes, peak_bytes),
+                           units=num_sites + 1)
 
 
 def settings_runner(gated, num_sites: int, feeds, reference: Dict[str, np.ndarray], state, workers: int):
@@ -144,4 +158,4 @@ def settings_runner(gated, num_sites: int, feeds, reference: Dict[str, np.ndarra
 
 
 __all__ = ["LocalSettings", "PooledSettings", "SettingsJob", "settings_runner", "choose_workers",
-           "worker_bytes", "MIN_WORK_STARTS"]
+           "worker_bytes", "peak_memory", "MIN_WORK_STARTS"]

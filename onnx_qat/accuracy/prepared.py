@@ -175,10 +175,11 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
 
 def _settings_runner(gated, sites, feeds, reference, state, workers, float_seconds: float):
     from .cuts import CUT_CACHE_BYTES
-    from .parallel import choose_workers, settings_runner
+    from .parallel import choose_workers, peak_memory, settings_runner
 
     workers = choose_workers(workers, gated_bytes=gated.ByteSize(), feeds=feeds, reference=reference,
-                             num_sites=len(sites), float_seconds=float_seconds, cut_bytes=CUT_CACHE_BYTES)
+                             num_sites=len(sites), float_seconds=float_seconds, cut_bytes=CUT_CACHE_BYTES,
+                             peak_bytes=peak_memory())
     return settings_runner(gated, len(sites), feeds, reference, state, workers)
 
 

@@ -87,6 +87,10 @@ def test_default_worker_count_rule():
     need = worker_bytes(10 << 20, feeds, reference, 1 << 20)
     assert need == 3 * (10 << 20) + 2 * (4 * 3 * 8 * 8 * 4 + 40 * 8) + (1 << 20)
     assert choose_workers(None, float_seconds=1.0, **kw) == default_workers(need, units=31)
+    peak = 2 << 30  # this process's peak, when larger, stands for the activations
+    assert worker_bytes(10 << 20, feeds, reference, 1 << 20, peak) == peak + (1 << 20)
+    assert choose_workers(None, float_seconds=1.0, peak_bytes=peak, **kw) == \
+        default_workers(peak + (1 << 20), units=31)
     with pytest.raises(onnx_qat.ConfigError, match="workers must be a whole number >= 1, got 0"):
         onnx_qat.sensitivity(outlier_channel_model(), {"input": _images(8, 0, 8, 16)}, workers=0,
                              progress=False)
