@@ -190,12 +190,17 @@ def _calibration_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _worker_options(parser: argparse.ArgumentParser, what: str) -> None:
-    """The ``workers`` keyword: --workers."""
-    group = parser.add_argument_group("work spread over processes (workers=)")
+    """The ``workers`` and ``ray`` keywords: --workers, --ray."""
+    group = parser.add_argument_group("work spread over processes and machines (workers=, ray=)")
     group.add_argument("--workers", metavar="N", type=whole_number(1), default=None,
                        help=f"worker processes {what} run on, each with its own onnxruntime sessions and "
                             "cores/N threads; results are identical for any N; 1: in this process "
                             "(default: one per core within memory, one for short runs)")
+    group.add_argument("--ray", metavar="ADDRESS", nargs="?", const=True, default=None,
+                       help=f"run {what} as Ray actors: on the cluster at ADDRESS (auto, HOST:6379, "
+                            "ray://HOST:10001), or without ADDRESS on the one RAY_ADDRESS names or a new "
+                            "local one; --workers N actors (default: one per CPU of the cluster); needs "
+                            "pip install 'onnx-qat[ray]'")
 
 
 def _add_calibrate(sub) -> None:
@@ -591,7 +596,7 @@ def cmd_calibrate(args) -> int:
     _check_outputs([("--output", args.output)], [args.model, *_data_paths(data)])
     from .calibration import DEFAULT_METHOD, calibrate
     table = calibrate(args.model, data, output=None if cache else args.output, progress=_progress(args),
-                      workers=args.workers, **kw)
+                      workers=args.workers, ray=args.ray, **kw)
     method = _method_summary(table) or f"ranges: {kw.get('method', DEFAULT_METHOD)}"
     if cache:
         table.save_tensorrt_cache(args.output, tensorrt_version=args.tensorrt_version,
@@ -645,7 +650,8 @@ def cmd_quantize(args) -> int:
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=data,
                       progress=_progress(args), keep_io_types=not args.float_io, **calib,
-                      **_placement_keywords(args), **mixed, **layout, **latency, workers=args.workers)
+                      **_placement_keywords(args), **mixed, **layout, **latency, workers=args.workers,
+                      ray=args.ray)
     _say(args, _quantize_summary(args, result))
     if result.accuracy is not None:
         _say(args, _optimize_summary(result.accuracy) if "steps" in result.accuracy
@@ -880,7 +886,7 @@ def cmd_sensitivity(args) -> int:
     extra = {"percentile": calib.pop("percentile")} if "percentile" in calib else {}
     result = sensitivity(args.model, data, eval_data=eval_data, metric=args.metric,
                          progress=_progress(args), calibration_options=extra, **calib,
-                         **_placement_keywords(args), **layout, workers=args.workers)
+                         **_placement_keywords(args), **layout, workers=args.workers, ray=args.ray)
     _say(args, result.table(top=args.top))
     if args.output is not None:
         result.save(args.output)
@@ -978,6 +984,8 @@ def _data_hint(message: str, argv: Optional[Sequence[str]]) -> str:
     if "arguments are required" in message and ("--data" in words or "--eval-data" in words) and \
             any(str(w).lower().endswith(".onnx") for w in words):
         return "; --data and --eval-data take one or more paths, so give the model(s) before them"
+    if "arguments are required" in message and "--ray" in words:
+        return "; --ray takes an optional ADDRESS, so give the model before it (or write --ray=ADDRESS)"
     return ""
 
 

@@ -86,13 +86,14 @@ class SettingsJob:
 
 
 class PooledSettings:
-    """Settings run on a `WorkerPool` of ``workers`` processes."""
+    """Settings run on a `WorkerPool` of ``workers`` processes, or on Ray actors (``spec.ray``;
+    ``workers`` None: as many as the cluster's CPUs, at most ``units``)."""
 
-    def __init__(self, job: SettingsJob, workers: int):
-        from ..runtime.workers import WorkerPool
+    def __init__(self, job: SettingsJob, workers: Optional[int], spec=None, units: Optional[int] = None):
+        from ..runtime.workers import WorkerSpec, start_pool
 
-        self.pool = WorkerPool(job, workers, name="settings")
-        self.workers = workers
+        self.pool = start_pool(job, spec or WorkerSpec(workers), workers, name="settings", units=units)
+        self.workers = self.pool.workers
         self.runs = 0
 
     def errors(self, settings: Iterable[Iterable[int]], on_run: Optional[Callable[[], None]] = None
@@ -131,30 +132,35 @@ def peak_memory() -> int:
         return 0
 
 
-def choose_workers(workers: Optional[int], *, gated_bytes: int, feeds, reference, num_sites: int,
-                   float_seconds: float, cut_bytes: int, peak_bytes: int = 0) -> int:
-    """The worker count: ``workers`` when given; else one when the settings are estimated to take less
-    than `MIN_WORK_STARTS` worker start-ups (``float_seconds``, the float model's run on the evaluation
-    data, times ``num_sites + 1``), else `default_workers` for `worker_bytes` each."""
-    from ..runtime.workers import WORKER_START_SECONDS, check_workers, default_workers
+def choose_workers(workers, *, gated_bytes: int, feeds, reference, num_sites: int,
+                   float_seconds: float, cut_bytes: int, peak_bytes: int = 0) -> Optional[int]:
+    """The worker count of ``workers`` (a count or a `WorkerSpec`): the count when given;
+    with Ray and no count, None (the cluster's CPUs decide); else one when the settings are estimated
+    to take less than `MIN_WORK_STARTS` worker start-ups (``float_seconds``, the float model's run on
+    the evaluation data, times ``num_sites + 1``), else `default_workers` for `worker_bytes` each."""
+    from ..runtime.workers import WORKER_START_SECONDS, default_workers, worker_spec
 
-    check_workers(workers)
-    if workers is not None:
-        return workers
+    spec = worker_spec(workers)
+    if spec.count is not None or spec.ray is not None:
+        return spec.count
     if float_seconds * (num_sites + 1) < MIN_WORK_STARTS * WORKER_START_SECONDS:
         return 1
     return default_workers(worker_bytes(gated_bytes, feeds, reference, cut_bytes, peak_bytes),
                            units=num_sites + 1)
 
 
-def settings_runner(gated, num_sites: int, feeds, reference: Dict[str, np.ndarray], state, workers: int):
-    """`LocalSettings` for one worker, else `PooledSettings` on ``workers`` processes."""
+def settings_runner(gated, num_sites: int, feeds, reference: Dict[str, np.ndarray], state,
+                    workers: Optional[int], spec=None):
+    """`LocalSettings` for one worker without Ray, else `PooledSettings` on ``workers`` processes
+    (or Ray actors, ``spec.ray``)."""
     from .gated import GatedRunner
 
-    if workers == 1:
+    if workers == 1 and (spec is None or spec.ray is None):
         return LocalSettings(GatedRunner(gated, num_sites, feeds, tuple(reference), state=state), reference)
-    logger.info("running the settings on %d worker processes", workers)
-    return PooledSettings(SettingsJob(gated, num_sites, feeds, reference, state), workers)
+    pooled = PooledSettings(SettingsJob(gated, num_sites, feeds, reference, state), workers, spec,
+                            units=num_sites + 1)
+    logger.info("running the settings on %d workers", pooled.workers)
+    return pooled
 
 
 __all__ = ["LocalSettings", "PooledSettings", "SettingsJob", "settings_runner", "choose_workers",

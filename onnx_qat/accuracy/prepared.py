@@ -110,16 +110,16 @@ def _table(scales) -> ScaleTable:
 
 def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, config=None,
             batch_size: int = 16, progress: bool = True, calibration_options: Optional[Mapping] = None,
-            activation_stats: Optional[Sequence[str]] = (), workers: Optional[int] = 1
+            activation_stats: Optional[Sequence[str]] = (), workers=1
             ) -> Tuple[Prepared, Dict[str, dict]]:
     """Everything later runs share (see the module docstring), and the statistics (amax, clipped
     share, quantization SQNR) of the activation tensors ``activation_stats`` on the evaluation data
-    (None: every activation tensor placement quantizes). The settings run on ``workers`` processes
-    (None: `onnx_qat.accuracy.parallel.choose_workers`); close the result (``with prepared:``) to stop
-    them."""
-    from ..runtime.workers import check_workers
+    (None: every activation tensor placement quantizes). The settings (and the calibration's batches)
+    run on ``workers`` processes (a count, None for `onnx_qat.accuracy.parallel.choose_workers`, or a
+    `WorkerSpec`, Ray included); close the result (``with prepared:``) to stop them."""
+    from ..runtime.workers import worker_spec
 
-    check_workers(workers)
+    workers = worker_spec(workers)
     from ..calibration import calibrate
     from ..config import QuantizeConfig
     from ..io.models import load_model
@@ -177,10 +177,10 @@ def _settings_runner(gated, sites, feeds, reference, state, workers, float_secon
     from .cuts import CUT_CACHE_BYTES
     from .parallel import choose_workers, peak_memory, settings_runner
 
-    workers = choose_workers(workers, gated_bytes=gated.ByteSize(), feeds=feeds, reference=reference,
-                             num_sites=len(sites), float_seconds=float_seconds, cut_bytes=CUT_CACHE_BYTES,
-                             peak_bytes=peak_memory())
-    return settings_runner(gated, len(sites), feeds, reference, state, workers)
+    count = choose_workers(workers, gated_bytes=gated.ByteSize(), feeds=feeds, reference=reference,
+                           num_sites=len(sites), float_seconds=float_seconds, cut_bytes=CUT_CACHE_BYTES,
+                           peak_bytes=peak_memory())
+    return settings_runner(gated, len(sites), feeds, reference, state, count, workers)
 
 
 def _evaluation_only(data, model):

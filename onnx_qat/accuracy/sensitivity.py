@@ -227,7 +227,7 @@ def _fmt_db(value: float) -> str:
 def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None, metric: str = "cosine",
                 config=None, batch_size: int = 16, progress: bool = True, exhaustive: bool = False,
                 calibration_options=None, state=None, batch_axis=None, workers: Optional[int] = None,
-                **placement_options) -> SensitivityResult:
+                ray=None, **placement_options) -> SensitivityResult:
     """Measure how much each quantized site costs in output accuracy.
 
     Args:
@@ -258,6 +258,10 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
             identical for any count. ``1``: in this process. None (the default): one per usable core
             within memory, and this process alone when the runs are estimated to be too short to gain
             from workers (docs/performance.md, "Work spread over cores and machines").
+        ray: run the settings (and the calibration's batches) as Ray actors instead of local
+            processes: True for the cluster ``ray.init()`` finds (``RAY_ADDRESS``) or starts locally,
+            or a cluster address (``"auto"``, ``"ray://HOST:10001"``); ``workers`` actors (None: one
+            per CPU of the cluster). Needs the ``ray`` extra (`onnx_qat.runtime.ray_workers`).
 
     Returns:
         A [`SensitivityResult`][onnx_qat.accuracy.sensitivity.SensitivityResult], most sensitive site first.
@@ -266,6 +270,9 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
 
     if metric not in METRICS:
         raise ConfigError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
+    from ..runtime.workers import worker_spec
+
+    workers = worker_spec(workers, ray)  # a bad count, or Ray missing: one line before any work
     from ..io.layout import with_layout
 
     config = QuantizeConfig.from_options(config, **placement_options)

@@ -165,7 +165,9 @@ class AbsHistogram:
         exactly the histogram of both sets of values, in any order."""
         if other.num_bins != self.num_bins:
             raise ValueError(f"cannot merge histograms of {other.num_bins} and {self.num_bins} bins")
-        other._flush()
+        if other._buffer:  # binned on a copy: ``other`` stays as it is (it may be read-only, from Ray)
+            other = other._copy()
+            other._flush()
         self.max_seen = max(self.max_seen, other.max_seen)
         if other.top == 0.0:
             if self.top == 0.0:
@@ -184,6 +186,13 @@ class AbsHistogram:
             if factor >= self.num_bins:
                 counts[0] = int(other._counts.sum())
         self._counts += counts
+
+    def _copy(self) -> "AbsHistogram":
+        copy = AbsHistogram(self.num_bins)
+        copy._counts = np.array(self._counts)
+        copy.top, copy.max_seen, copy._pending_zeros = self.top, self.max_seen, self._pending_zeros
+        copy._buffer, copy._buffered = list(self._buffer), self._buffered
+        return copy
 
     @property
     def counts(self) -> np.ndarray:

@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..runtime.workers import worker_spec  # noqa: F401  (the API's workers/ray keywords, for quantize)
+
 logger = logging.getLogger(__name__)
 
 #: With ``workers=None``: calibration estimated to take less than this many worker start-ups stays in
@@ -117,12 +119,12 @@ def observe_split(model, dataset, observers: Dict[str, object], fetched: Sequenc
         seconds = time.perf_counter() - started
         rest = None if total is None else total - 1
         count = 1 if first is None else _worker_count(workers, model, first, observers, seconds, rest)
-        if count == 1:
+        if (count == 1 and workers.ray is None) or rest == 0:
             more, more_kept, _ = observe_feeds(session, dataset, _counted(feeds, bar), observers, fetched,
                                                outputs, samples, 1)
             return reached | more, kept + more_kept
         del session
-        logger.info("calibration: the batches after the first on %d worker processes", count)
+
         job = CollectJob(model, fetched, outputs, run_outputs, new_observers, observe_feeds, dataset)
         parts_kept: Dict[int, list] = {}
 
@@ -135,10 +137,11 @@ def observe_split(model, dataset, observers: Dict[str, object], fetched: Sequenc
                 parts_kept[index] = their_kept
             bar.update(batches)
 
-        size = max(1, -(-rest // (count * PARTS_PER_WORKER))) if rest else 1
-        from ..runtime.workers import WorkerPool
+        from ..runtime.workers import start_pool
 
-        with WorkerPool(job, count, name="calibration") as pool:
+        with start_pool(job, workers, count, name="calibration", units=rest) as pool:
+            logger.info("calibration: the batches after the first on %d workers", pool.workers)
+            size = max(1, -(-rest // (pool.workers * PARTS_PER_WORKER))) if rest else 1
             counting = (lambda feed: count_samples(dataset, feed)) if outputs else None
             pool.map(_parts(feeds, size, 1, samples, counting, check_samples), merge, keep=False)
         for index in sorted(parts_kept):
@@ -171,16 +174,19 @@ def _counted(feeds, bar):
         bar.update(1)
 
 
-def _worker_count(workers: Optional[int], model, first: dict, observers, seconds: float,
-                  batches: Optional[int]) -> int:
-    """``workers`` when given (no more than the batches left); else one when the batches left are
-    unknown (a stream) or estimated to take less than `MIN_WORK_STARTS` worker start-ups, and
-    `default_workers` otherwise (each holding the model three times over, two parts of data in flight
-    and its collectors)."""
+def _worker_count(workers, model, first: dict, observers, seconds: float,
+                  batches: Optional[int]) -> Optional[int]:
+    """The count of ``workers`` (a `WorkerSpec`) when given (no more than the batches left); with Ray
+    and no count, None (the cluster's CPUs decide); else one when the batches left are unknown (a
+    stream) or estimated to take less than `MIN_WORK_STARTS` worker start-ups, and `default_workers`
+    otherwise (each holding the model three times over, two parts of data in flight and its
+    collectors)."""
     from ..runtime.workers import WORKER_START_SECONDS, default_workers
 
-    if workers is not None:
-        return max(1, workers if batches is None else min(workers, batches))
+    if workers.count is not None:
+        return max(1, workers.count if batches is None else min(workers.count, batches))
+    if workers.ray is not None:
+        return None
     if not batches or seconds * batches < MIN_WORK_STARTS * WORKER_START_SECONDS:
         return 1
     batch_bytes = sum(np.asarray(v).nbytes for v in first.values())

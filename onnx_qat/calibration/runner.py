@@ -186,7 +186,7 @@ CHECK_SAMPLES = 64
 def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 99.99, num_bins: int = 2048,
               batch_size: int = 16, config=None, tensors: Optional[Iterable[str]] = None,
               progress: bool = True, output=None, state: Optional[Mapping[str, str]] = None,
-              batch_axis: Optional[Mapping[str, int]] = None, workers: Optional[int] = None,
+              batch_axis: Optional[Mapping[str, int]] = None, workers: Optional[int] = None, ray=None,
               **placement_options) -> ScaleTable:
     """Compute activation ranges of ``model`` on ``data`` with onnxruntime.
 
@@ -222,6 +222,10 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
             ``1``: in this process. None (the default): one per usable core within memory when the
             batches are estimated to take long enough to gain from workers, else this process. A
             stateful model (``state``) is calibrated in one process (its feeds run in order).
+        ray: split the batches over Ray actors instead of local processes: True for the cluster
+            ``ray.init()`` finds (``RAY_ADDRESS``) or starts locally, or a cluster address; ``workers``
+            actors (None: one per CPU of the cluster). Needs the ``ray`` extra
+            (`onnx_qat.runtime.ray_workers`).
 
     Returns:
         A [`ScaleTable`][onnx_qat.scales.ScaleTable] of per-tensor activation amax whose
@@ -234,10 +238,10 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     from ..io.layout import with_layout
     from ..io.files import check_output_path
     from ..io.models import load_model
-    from ..runtime.workers import check_workers
+    from ..runtime.workers import worker_spec
 
     _check_options(method, percentile, num_bins, batch_size)
-    check_workers(workers)
+    workers = worker_spec(workers, ray)
     data = with_layout(data, state=state, batch_axis=batch_axis)
     if output is not None:
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
@@ -294,22 +298,23 @@ def auto_table(result: Calibration, best: str, cosines: Mapping[str, float]) -> 
 
 def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: str = DEFAULT_METHOD,
             percentile: float = 99.99, num_bins: int = 2048, batch_size: int = 16,
-            progress: bool = True, workers: Optional[int] = 1) -> Calibration:
+            progress: bool = True, workers=1) -> Calibration:
     """One calibration pass of ``model`` (a loaded float ModelProto, not changed) over ``dataset``
     (a `Dataset`), observing ``names``: the `Calibration` (ranges, and
     for ``auto`` the candidate tables, the check batches and the float outputs on them).
-    With ``workers`` other than 1 the batches are split over worker processes and the collectors
-    merged exactly (`onnx_qat.calibration.parallel`; None: as many as pay).
+    With ``workers`` other than 1 (a count, None for as many as pay, or a `WorkerSpec`, Ray included)
+    the batches are split over worker processes and the collectors merged exactly
+    (`onnx_qat.calibration.parallel`).
 
     This is all calibration does: choosing among ``auto``'s tables is the caller's (it holds the
     placement the tables are inserted with: `onnx_qat.calibration.choice.choose`).
     """
     from ..runtime.stateful import carry_state, state_outputs
-    from ..runtime.workers import check_workers
+    from ..runtime.workers import worker_spec
     from .parallel import observe_split, split_reason
 
     _check_options(method, percentile, num_bins, batch_size)
-    check_workers(workers)
+    workers = worker_spec(workers)
     names = tuple(dict.fromkeys(names))
     graph_inputs = set(dataset.input_names)
     observers = new_observers(names, method, percentile, num_bins)
@@ -321,16 +326,16 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     # a stateful model's runs also fetch its state outputs, fed back into the next run
     run_outputs = list(dict.fromkeys(fetched + list(outputs) + list(state_outputs(dataset))))
     desc = f"calibrate ({method})"
-    why = "" if workers == 1 else split_reason(model, dataset, run_outputs)
-    if workers != 1 and not why:
+    why = "" if workers.local else split_reason(model, dataset, run_outputs)
+    if not workers.local and not why:
         fresh = functools.partial(new_observers, names, method, percentile, num_bins)
         reached, kept = observe_split(model, dataset, observers, fetched, outputs, run_outputs,
                                       new_observers=fresh, observe_feeds=observe_feeds,
                                       count_samples=_samples_in, check_samples=CHECK_SAMPLES,
                                       batch_size=batch_size, progress=progress, desc=desc, workers=workers)
     else:
-        if why and workers is not None:
-            logger.warning("note: %s; --workers does not apply to it", why)
+        if why and (workers.count is not None or workers.ray is not None):
+            logger.warning("note: %s; --workers and --ray do not apply to it", why)
         session = carry_state(make_runner(model, run_outputs), dataset)
         reached, kept = _observe(session, dataset, observers, fetched, batch_size, progress, desc, outputs)
         reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches

@@ -32,6 +32,7 @@ import pickle
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 from ..errors import ConfigError, QatError, WorkerError, brief
@@ -397,6 +398,50 @@ def _die_with_parent() -> None:
         pass
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Where work units run: ``count`` workers (None: the caller's default rule), as local processes
+    (`WorkerPool`) or, with ``ray`` (True: the cluster ``ray.init()`` finds or starts; a string: that
+    cluster's address), as Ray actors (`onnx_qat.runtime.ray_workers.RayPool`)."""
+
+    count: Optional[int] = None
+    ray: Any = None
+
+    @property
+    def local(self) -> bool:
+        """True when everything runs in this process (one worker, no Ray)."""
+        return self.count == 1 and self.ray is None
+
+
+def worker_spec(workers=None, ray=None) -> WorkerSpec:
+    """The `WorkerSpec` of the API's ``workers`` and ``ray`` keywords (a `WorkerSpec` is kept as
+    it is). Refuses a bad count or ``ray`` value (`ConfigError`) and, when ``ray`` is asked for and
+    Ray is not installed, says so in one line (`WorkerError`) before any work."""
+    if isinstance(workers, WorkerSpec):
+        return workers
+    check_workers(workers)
+    if ray is False:
+        ray = None
+    if ray is not None:
+        if not (ray is True or isinstance(ray, str)):
+            raise ConfigError(f"ray must be True or a Ray cluster address (a string), got {ray!r}")
+        from .ray_workers import ray_module
+
+        ray_module()
+    return WorkerSpec(workers, ray)
+
+
+def start_pool(job, spec: WorkerSpec, count: Optional[int], *, name: str = "work",
+               units: Optional[int] = None):
+    """A `WorkerPool` of ``count`` processes, or with ``spec.ray`` a
+    `RayPool` of ``count`` actors (None: as many as the cluster's CPUs, at most ``units``)."""
+    if spec.ray is not None:
+        from .ray_workers import RayPool
+
+        return RayPool(job, count, address=spec.ray, name=name, units=units)
+    return WorkerPool(job, count, name=name)
+
+
 def map_units(job, units: Sequence, workers: int, *, name: str = "work", on_result=None) -> list:
     """``job``'s results for ``units``: in this process when ``workers`` is 1 (``job.start(None)``:
     onnxruntime's default threads), else on a `WorkerPool` of ``workers`` processes."""
@@ -412,6 +457,6 @@ def map_units(job, units: Sequence, workers: int, *, name: str = "work", on_resu
         return pool.map(units, on_result)
 
 
-__all__ = ["WorkerPool", "ModelPayload", "map_units", "default_workers", "threads_per_worker", "usable_cores",
-           "available_memory", "check_workers", "SLICE", "STOP_WAIT", "WORKER_BASE_BYTES", "MEMORY_SHARE",
-           "WORKER_START_SECONDS"]
+__all__ = ["WorkerPool", "WorkerSpec", "worker_spec", "start_pool", "ModelPayload", "map_units",
+           "default_workers", "threads_per_worker", "usable_cores", "available_memory", "check_workers",
+           "SLICE", "STOP_WAIT", "WORKER_BASE_BYTES", "MEMORY_SHARE", "WORKER_START_SECONDS"]
