@@ -980,12 +980,13 @@ def _parse(argv: Optional[Sequence[str]]):
 
 def _data_hint(message: str, argv: Optional[Sequence[str]]) -> str:
     """A missing model after ``--data PATH MODEL``: say that --data took it (it takes several paths)."""
-    words = list(sys.argv[1:] if argv is None else argv)
-    if "arguments are required" in message and ("--data" in words or "--eval-data" in words) and \
-            any(str(w).lower().endswith(".onnx") for w in words):
-        return "; --data and --eval-data take one or more paths, so give the model(s) before them"
-    if "arguments are required" in message and "--ray" in words:
+    words = [str(w) for w in (sys.argv[1:] if argv is None else argv)]
+    after_ray = words[words.index("--ray") + 1] if "--ray" in words[:-1] else ""
+    if "arguments are required" in message and after_ray.lower().endswith(".onnx"):
         return "; --ray takes an optional ADDRESS, so give the model before it (or write --ray=ADDRESS)"
+    if "arguments are required" in message and ("--data" in words or "--eval-data" in words) and \
+            any(w.lower().endswith(".onnx") for w in words):
+        return "; --data and --eval-data take one or more paths, so give the model(s) before them"
     return ""
 
 

@@ -76,3 +76,11 @@ def test_ray_missing_is_one_line_and_exit_2(tmp_path):
                      "(pinned in constraints.txt)"], proc.stderr
     with pytest.raises(onnx_qat.ConfigError, match="ray must be True or a Ray cluster address"):
         onnx_qat.calibrate(residual_block_model(), {"input": _images(4, 1)}, ray=3, progress=False)
+
+
+def test_a_model_after_ray_is_explained(capsys):
+    from onnx_qat.cli import EXIT_USAGE, main
+
+    assert main(["sensitivity", "--ray", "m.onnx", "--data", "d.npz"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--ray takes an optional ADDRESS, so give the model before it (or write --ray=ADDRESS)" in err
