@@ -88,11 +88,16 @@ def _hwm(pid: int) -> int:
 
 
 def _timed(fn: Callable[[], object]):
-    """``(result, wall s, load average before, load average after)``."""
+    """``(result, wall s, load average before, load average after, CPU s)``: the CPU time of this
+    process (onnxruntime's threads included) and of the worker processes it reaped."""
     before = os.getloadavg()[0]
+    times = os.times()
     start = time.perf_counter()
     out = fn()
-    return out, time.perf_counter() - start, before, os.getloadavg()[0]
+    wall = time.perf_counter() - start
+    after = os.times()
+    cpu = sum(after[:4]) - sum(times[:4])  # user + system, of this process and its reaped children
+    return out, wall, before, os.getloadavg()[0], cpu
 
 
 def _built_detector(workdir: Path):
@@ -136,15 +141,15 @@ def run(workdir: Path, *, quick: bool = False) -> List[Row]:
     def sens(workers: int):
         return onnx_qat.sensitivity(str(path), calib, eval_data=evaluation, progress=False, workers=workers)
 
-    one, t1, l1a, l1b = _timed(lambda: sens(1))
+    one, t1, l1a, l1b, cpu1 = _timed(lambda: sens(1))
     with WorkerMemory() as memory:
-        two, t2, l2a, l2b = _timed(lambda: sens(2))
+        two, t2, l2a, l2b, cpu2 = _timed(lambda: sens(2))
     same = one == two and [s.only.cosine for s in one.sites] == [s.only.cosine for s in two.sites]
     rows = [Row(NAME, f"sensitivity 1 worker / 2 workers, {what}, {len(one)} sites", ratio(t1, t2),
                 None if quick else Goal(">=", SPEEDUP_GOAL),
                 f"wall {t1:.1f} s (load {l1a:.1f}->{l1b:.1f}) vs {t2:.1f} s (load {l2a:.1f}->{l2b:.1f}) on "
-                f"{cores} cores; {one.runs} runs each; figures identical: {'yes' if same else 'NO'}; "
-                f"{memory.summary()}")]
+                f"{cores} cores; CPU {cpu1:.1f} s vs {cpu2:.1f} s (workers included); {one.runs} runs each; "
+                f"figures identical: {'yes' if same else 'NO'}; {memory.summary()}")]
     samples = 64 if not quick else 16
     data = {k: np.concatenate([v] * (samples // len(v))) for k, v in calib.items()}
 
@@ -152,11 +157,12 @@ def run(workdir: Path, *, quick: bool = False) -> List[Row]:
         return onnx_qat.calibrate(str(path), data, method="entropy", batch_size=4, workers=workers,
                                   progress=False)
 
-    c1, u1, m1a, m1b = _timed(lambda: calib_run(1))
-    c2, u2, m2a, m2b = _timed(lambda: calib_run(2))
+    c1, u1, m1a, m1b, k1 = _timed(lambda: calib_run(1))
+    c2, u2, m2a, m2b, k2 = _timed(lambda: calib_run(2))
     rows.append(Row(NAME, f"calibration (entropy, {samples} samples, batches of 4) 1 worker / 2 workers",
                     ratio(u1, u2), None,
                     f"wall {u1:.1f} s (load {m1a:.1f}->{m1b:.1f}) vs {u2:.1f} s (load {m2a:.1f}->{m2b:.1f}); "
+                    f"CPU {k1:.1f} s vs {k2:.1f} s; "
                     f"ranges identical: {'yes' if c1.activations == c2.activations else 'NO'}"))
     return rows
 
