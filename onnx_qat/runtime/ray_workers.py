@@ -73,9 +73,6 @@ class _Actor:
     def __init__(self, blob: bytes, threads: int):
         self.run = pickle.loads(blob).start(threads)
 
-    def ready(self) -> bool:
-        return True
-
     def unit(self, unit):
         try:
             return "ok", self.run(unit)
@@ -121,6 +118,7 @@ class RayPool:
 
     @property
     def workers(self) -> int:
+        """The number of actors."""
         return len(self._actors)
 
     def __enter__(self) -> "RayPool":

@@ -190,6 +190,7 @@ class WorkerPool:
 
     @property
     def workers(self) -> int:
+        """The number of worker processes."""
         return len(self._procs)
 
     def __enter__(self) -> "WorkerPool":
