@@ -12,8 +12,8 @@ in the order asked, so the figures and every decision taken from them are identi
 workers (tested bit for bit).
 
 ``workers=None`` chooses with `choose_workers`: one per usable core while `MEMORY_SHARE` of the
-available memory holds them at `worker_bytes` each, and one (this process, no worker) when the
-settings are estimated to take less than starting workers would save.
+available memory holds them at `worker_bytes` each, and one (this process, no worker) when they are
+not estimated to finish sooner than this process alone (`pays_off`).
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from .figures import OutputError, output_error
 
 logger = logging.getLogger(__name__)
 
-#: With ``workers=None``: settings estimated to take less than this many worker start-ups stay in this
-#: process (an estimate: the float model's run on the evaluation data times the sites, plus one).
-MIN_WORK_STARTS = 4
+#: A worker's overhead before its first setting, in float passes over the evaluation data: building the
+#: gated session and its two reference runs (every site float, every site quantized).
+OVERHEAD_PASSES = 3
 
 
 class LocalSettings:
@@ -134,19 +134,20 @@ def peak_memory() -> int:
 
 def choose_workers(workers, *, gated_bytes: int, feeds, reference, num_sites: int,
                    float_seconds: float, cut_bytes: int, peak_bytes: int = 0) -> Optional[int]:
-    """The worker count of ``workers`` (a count or a `WorkerSpec`): the count when given;
-    with Ray and no count, None (the cluster's CPUs decide); else one when the settings are estimated
-    to take less than `MIN_WORK_STARTS` worker start-ups (``float_seconds``, the float model's run on
-    the evaluation data, times ``num_sites + 1``), else `default_workers` for `worker_bytes` each."""
-    from ..runtime.workers import WORKER_START_SECONDS, default_workers, worker_spec
+    """The worker count of ``workers`` (a count or a `WorkerSpec`): the count when given; with Ray and
+    no count, None (the cluster's CPUs decide); else `default_workers` for `worker_bytes` each, when
+    that many are estimated to pay off (`pays_off`: the settings take about ``float_seconds``, the
+    float model's session and run on the evaluation data, each, ``num_sites + 1`` of them, and each
+    worker first pays a start-up and `OVERHEAD_PASSES` such passes), else one."""
+    from ..runtime.workers import WORKER_START_SECONDS, default_workers, pays_off, worker_spec
 
     spec = worker_spec(workers)
     if spec.count is not None or spec.ray is not None:
         return spec.count
-    if float_seconds * (num_sites + 1) < MIN_WORK_STARTS * WORKER_START_SECONDS:
-        return 1
-    return default_workers(worker_bytes(gated_bytes, feeds, reference, cut_bytes, peak_bytes),
-                           units=num_sites + 1)
+    count = default_workers(worker_bytes(gated_bytes, feeds, reference, cut_bytes, peak_bytes),
+                            units=num_sites + 1)
+    overhead = WORKER_START_SECONDS + OVERHEAD_PASSES * float_seconds
+    return count if pays_off(float_seconds * (num_sites + 1), overhead, count) else 1
 
 
 def settings_runner(gated, num_sites: int, feeds, reference: Dict[str, np.ndarray], state,
@@ -164,4 +165,4 @@ def settings_runner(gated, num_sites: int, feeds, reference: Dict[str, np.ndarra
 
 
 __all__ = ["LocalSettings", "PooledSettings", "SettingsJob", "settings_runner", "choose_workers",
-           "worker_bytes", "peak_memory", "MIN_WORK_STARTS"]
+           "worker_bytes", "peak_memory", "OVERHEAD_PASSES"]

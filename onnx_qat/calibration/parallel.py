@@ -15,8 +15,9 @@ order of the data.
 
 Not split: a stateful model (``state``: each step needs the state the previous step produced, so its
 feeds run in order in one process), a model whose observed tensors lie in If branches or Loop/Scan
-bodies (`BranchRunner`), and, with ``workers=None``, data whose batches are estimated to take less
-than `MIN_WORK_STARTS` worker start-ups (the first batch's time times the number of batches).
+bodies (`BranchRunner`), and, with ``workers=None``, data whose remaining batches workers are not
+estimated to finish sooner (`pays_off`: the first batch's time times the batches left, against a
+worker's start-up and session build, timed on this process's own build).
 """
 from __future__ import annotations
 
@@ -30,9 +31,6 @@ from ..runtime.workers import worker_spec  # noqa: F401  (the API's workers/ray 
 
 logger = logging.getLogger(__name__)
 
-#: With ``workers=None``: calibration estimated to take less than this many worker start-ups stays in
-#: this process.
-MIN_WORK_STARTS = 4
 #: Parts per worker the data is cut into (several, so that a slow part does not leave the others idle).
 PARTS_PER_WORKER = 4
 
@@ -110,7 +108,9 @@ def observe_split(model, dataset, observers: Dict[str, object], fetched: Sequenc
     feeds = iter(dataset.batches(batch_size))
     bar = _bar(total, progress, desc)
     try:
+        started = time.perf_counter()
         session = make_runner(model, list(run_outputs))
+        build = time.perf_counter() - started
         first = next(feeds, None)
         started = time.perf_counter()
         reached, kept, samples = observe_feeds(session, dataset, [] if first is None else [first], observers,
@@ -118,7 +118,7 @@ def observe_split(model, dataset, observers: Dict[str, object], fetched: Sequenc
         bar.update(1)
         seconds = time.perf_counter() - started
         rest = None if total is None else total - 1
-        count = 1 if first is None else _worker_count(workers, model, first, observers, seconds, rest)
+        count = 1 if first is None else _worker_count(workers, model, first, observers, seconds, rest, build)
         if (count == 1 and workers.ray is None) or rest == 0:
             more, more_kept, _ = observe_feeds(session, dataset, _counted(feeds, bar), observers, fetched,
                                                outputs, samples, 1)
@@ -174,25 +174,27 @@ def _counted(feeds, bar):
         bar.update(1)
 
 
-def _worker_count(workers, model, first: dict, observers, seconds: float,
-                  batches: Optional[int]) -> Optional[int]:
+def _worker_count(workers, model, first: dict, observers, seconds: float, batches: Optional[int],
+                  build: float = 0.0) -> Optional[int]:
     """The count of ``workers`` (a `WorkerSpec`) when given (no more than the batches left); with Ray
     and no count, None (the cluster's CPUs decide); else one when the batches left are unknown (a
-    stream) or estimated to take less than `MIN_WORK_STARTS` worker start-ups, and `default_workers`
-    otherwise (each holding the model three times over, two parts of data in flight and its
-    collectors)."""
-    from ..runtime.workers import WORKER_START_SECONDS, default_workers
+    stream), and otherwise `default_workers` (each holding the model three times over, two parts of
+    data in flight and its collectors) when they pay off (`pays_off`: ``seconds``, the first batch's
+    run, times the ``batches`` left, against a worker's start-up and a session ``build`` as long as
+    this process's), else one."""
+    from ..runtime.workers import WORKER_START_SECONDS, default_workers, pays_off
 
     if workers.count is not None:
         return max(1, workers.count if batches is None else min(workers.count, batches))
     if workers.ray is not None:
         return None
-    if not batches or seconds * batches < MIN_WORK_STARTS * WORKER_START_SECONDS:
+    if not batches:
         return 1
     batch_bytes = sum(np.asarray(v).nbytes for v in first.values())
     per_part = batch_bytes * max(1, batches // PARTS_PER_WORKER)
     state = sum(o.collector.state_nbytes() for o in observers.values())
-    return default_workers(3 * model.ByteSize() + 2 * per_part + 2 * state, units=batches)
+    count = default_workers(3 * model.ByteSize() + 2 * per_part + 2 * state, units=batches)
+    return count if pays_off(seconds * batches, WORKER_START_SECONDS + build, count) else 1
 
 
 def _bar(total: int, enabled: bool, desc: str):
@@ -204,4 +206,4 @@ def _bar(total: int, enabled: bool, desc: str):
                 disable=not enabled)
 
 
-__all__ = ["observe_split", "split_reason", "CollectJob", "MIN_WORK_STARTS", "PARTS_PER_WORKER"]
+__all__ = ["observe_split", "split_reason", "CollectJob", "PARTS_PER_WORKER"]

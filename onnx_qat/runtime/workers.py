@@ -48,8 +48,8 @@ STOP_WAIT = 1.0
 WORKER_BASE_BYTES = 256 << 20
 #: Share of the available memory all workers together may be estimated to take.
 MEMORY_SHARE = 0.5
-#: Seconds to start one worker and load its imports (measured about 1 s on a loaded 2-core machine):
-#: work shorter than a few of these stays in the main process by default.
+#: Seconds to start one worker and load its imports (measured about 1 s on a loaded 2-core machine),
+#: part of a worker's overhead in `pays_off`.
 WORKER_START_SECONDS = 1.0
 
 
@@ -97,6 +97,19 @@ def default_workers(per_worker_bytes: int, units: Optional[int] = None, *, cores
     if units is not None:
         count = min(count, max(1, units))
     return count
+
+
+#: Workers are started by default only when they are estimated to take at most this share of the
+#: time of one process.
+PAYOFF_SHARE = 0.8
+
+
+def pays_off(serial_seconds: float, overhead_seconds: float, count: int) -> bool:
+    """True when ``count`` workers are estimated to finish the work sooner than one process: the work's
+    time in one process (``serial_seconds``) shared out, plus what each worker pays before its first
+    unit (``overhead_seconds``: starting, loading the model, building its session, running any
+    references), is at most `PAYOFF_SHARE` of ``serial_seconds``."""
+    return count > 1 and serial_seconds / count + overhead_seconds <= PAYOFF_SHARE * serial_seconds
 
 
 def threads_per_worker(workers: int, cores: Optional[int] = None) -> int:
@@ -460,4 +473,5 @@ def map_units(job, units: Sequence, workers: int, *, name: str = "work", on_resu
 
 __all__ = ["WorkerPool", "WorkerSpec", "worker_spec", "start_pool", "ModelPayload", "map_units",
            "default_workers", "threads_per_worker", "usable_cores", "available_memory", "check_workers",
-           "SLICE", "STOP_WAIT", "WORKER_BASE_BYTES", "MEMORY_SHARE", "WORKER_START_SECONDS"]
+           "pays_off", "SLICE", "STOP_WAIT", "WORKER_BASE_BYTES", "MEMORY_SHARE", "WORKER_START_SECONDS",
+           "PAYOFF_SHARE"]

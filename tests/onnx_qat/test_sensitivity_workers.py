@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import onnx_qat
-from onnx_qat.accuracy.parallel import MIN_WORK_STARTS, choose_workers, worker_bytes
+from onnx_qat.accuracy.parallel import OVERHEAD_PASSES, choose_workers, worker_bytes
 from onnx_qat.cli import EXIT_OK, EXIT_USAGE, main
-from onnx_qat.runtime.workers import WORKER_START_SECONDS, default_workers
+from onnx_qat.runtime.workers import WORKER_START_SECONDS, default_workers, pays_off
 from tests.builders import mobilenet_v2_model, outlier_channel_model
 from tests.onnx_qat.test_real_models import det_model  # noqa: F401  (the cached PP-OCRv4 detector)
 from tests.reliability import support
@@ -82,15 +82,17 @@ def test_default_worker_count_rule():
     reference = {"output": np.zeros(40, np.float64)}
     kw = dict(gated_bytes=10 << 20, feeds=feeds, reference=reference, num_sites=30, cut_bytes=1 << 20)
     assert choose_workers(3, float_seconds=0.0, **kw) == 3  # given: kept
-    short = MIN_WORK_STARTS * WORKER_START_SECONDS / 31 * 0.9
-    assert choose_workers(None, float_seconds=short, **kw) == 1  # too short to gain from workers
+    # 31 settings of t s each in one process, against t * 31 / n + start + 3 t on n workers
+    assert not pays_off(31 * 0.01, WORKER_START_SECONDS + OVERHEAD_PASSES * 0.01, 2)
+    assert choose_workers(None, float_seconds=0.01, **kw) == 1  # too short to gain from workers
+    assert pays_off(31 * 1.0, WORKER_START_SECONDS + OVERHEAD_PASSES * 1.0, 2)
+    assert not pays_off(100.0, 0.0, 1) and not pays_off(10.0, 4.5, 2) and pays_off(10.0, 3.0, 2)
     need = worker_bytes(10 << 20, feeds, reference, 1 << 20)
     assert need == 3 * (10 << 20) + 2 * (4 * 3 * 8 * 8 * 4 + 40 * 8) + (1 << 20)
-    assert choose_workers(None, float_seconds=1.0, **kw) == default_workers(need, units=31)
+    expected = default_workers(need, units=31)
+    assert choose_workers(None, float_seconds=1.0, **kw) == (expected if expected > 1 else 1)
     peak = 2 << 30  # this process's peak, when larger, stands for the activations
     assert worker_bytes(10 << 20, feeds, reference, 1 << 20, peak) == peak + (1 << 20)
-    assert choose_workers(None, float_seconds=1.0, peak_bytes=peak, **kw) == \
-        default_workers(peak + (1 << 20), units=31)
     with pytest.raises(onnx_qat.ConfigError, match="workers must be a whole number >= 1, got 0"):
         onnx_qat.sensitivity(outlier_channel_model(), {"input": _images(8, 0, 8, 16)}, workers=0,
                              progress=False)
