@@ -48,9 +48,11 @@ def connect(address) -> bool:
     """Join (or start) the Ray cluster ``address`` names (see the module docstring); True when this
     call started Ray in this process (the caller then shuts it down)."""
     ray = ray_module()
+    local = address in (True, "", None)
+    if not local:
+        _check_reachable(address)
     if ray.is_initialized():
         return False
-    local = address in (True, "", None)
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # onnx_qat, for the actors
     try:
         ray.init(**({} if local else {"address": address}), include_dashboard=False, log_to_driver=False,
@@ -59,6 +61,26 @@ def connect(address) -> bool:
         where = "start a local Ray cluster" if local else f"connect to the Ray cluster at {address}"
         raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
     return True
+
+
+#: Seconds to wait for a cluster address to accept a connection before giving up.
+CONNECT_TIMEOUT = 5.0
+
+
+def _check_reachable(address: str) -> None:
+    """Fail at once, in one line, when ``HOST:PORT`` (or ``ray://HOST:PORT``) accepts no connection
+    (``ray.init`` itself retries for minutes). Other forms (``auto``) are left to Ray."""
+    import socket
+
+    where = address[len("ray://"):] if address.startswith("ray://") else address
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as exc:
+        raise WorkerError(f"cannot connect to the Ray cluster at {address}: "
+                          f"{exc.strerror or type(exc).__name__}") from None
 
 
 def cluster_cpus() -> int:

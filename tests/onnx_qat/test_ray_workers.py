@@ -78,6 +78,18 @@ def test_ray_missing_is_one_line_and_exit_2(tmp_path):
         onnx_qat.calibrate(residual_block_model(), {"input": _images(4, 1)}, ray=3, progress=False)
 
 
+def test_an_address_nothing_listens_on_is_one_line_at_once(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -c constraints.txt '.[ray]')")
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(WorkerError, match=rf"^cannot connect to the Ray cluster at 127.0.0.1:{port}: "):
+        onnx_qat.calibrate(residual_block_model(), {"input": _images(8, 1)}, ray=f"127.0.0.1:{port}",
+                           workers=2, batch_size=2, progress=False)
+
+
 def test_a_model_after_ray_is_explained(capsys):
     from onnx_qat.cli import EXIT_USAGE, main
 
