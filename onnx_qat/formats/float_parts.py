@@ -41,8 +41,10 @@ its session inserts (its ``InsertCastTransformer``), which it drops between cons
 runs of them see no FP16 rounding in between. It has no BF16 Conv or MatMul on CPU. The measurement
 therefore runs, for both types, the emulation
 [`emulate_in_fp32`][onnx_qat.formats.float_parts.emulate_in_fp32]: the same graph in FP32 with every FP16/BF16
-tensor rounded to its type where it is produced (FP16/BF16 storage, FP32 arithmetic, as TensorRT's
-reduced-precision kernels accumulate).
+tensor TensorRT stores rounded to its type where it is produced (FP16/BF16 storage, FP32 arithmetic,
+as TensorRT's reduced-precision kernels accumulate); the tensors inside a fused INT8/FP8 kernel
+(DQ outputs, accumulator, fused epilogue up to the requantizing QuantizeLinear) are never stored and
+stay unrounded ([`fused_tensors`][onnx_qat.check.precision.fused_tensors]).
 """
 from __future__ import annotations
 
@@ -806,18 +808,25 @@ def ort_cpu_missing_kernels(model: onnx.ModelProto, low: LowType, nodes: Iterabl
 
 
 # --------------------------------------------------------------------------- emulation
-def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto:
+def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None, *, fusions: bool = True) -> onnx.ModelProto:
     """A copy of ``model`` (FP16 or BF16 float parts) onnxruntime's CPU provider runs as TensorRT
-    stores the numbers: every FP16/BF16 tensor computed in FP32 and rounded to its type where it is
-    produced (a Cast to the type and back), initializers as their exact FP32 values, FP16/BF16 graph
-    inputs and outputs as FP32. ``float_dtype``: ``fp16`` or ``bf16`` (None: the model's
-    `FLOAT_DTYPE_KEY`).
+    stores the numbers: every FP16/BF16 tensor TensorRT stores computed in FP32 and rounded to its
+    type where it is produced (a Cast to the type and back), initializers as their exact FP32
+    values, FP16/BF16 graph inputs and outputs as FP32. ``float_dtype``: ``fp16`` or ``bf16`` (None:
+    the model's `FLOAT_DTYPE_KEY`).
+
+    With ``fusions`` (the default) the tensors TensorRT computes inside a fused INT8/FP8 kernel and
+    never stores are not rounded
+    ([`fused_tensors`][onnx_qat.check.precision.fused_tensors]: the DequantizeLinear outputs a
+    quantized Conv/Gemm/MatMul reads, its accumulator and the fused BatchNormalization, activation
+    and residual Add results up to the QuantizeLinear that requantizes them); ``fusions=False``
+    rounds every FP16/BF16 tensor, stricter than TensorRT.
 
     This is what the measurement of [`cast_float_parts`][onnx_qat.formats.float_parts.cast_float_parts] runs,
-    for both types: onnxruntime has no BF16 Conv or MatMul on CPU, and its FP16 session computes consecutive
-        ops without an FP16 CPU
-    kernel in FP32 with no rounding between them (its ``InsertCastTransformer`` drops the Cast pairs
-    between them), which can hide the cost of FP16 storage there.
+    for both types: onnxruntime has no BF16 Conv or MatMul on CPU, and its FP16 session computes
+    consecutive ops without an FP16 CPU kernel in FP32 with no rounding between them (its
+    ``InsertCastTransformer`` drops the Cast pairs between them) but rounds the tensors inside the
+    fused kernels, so it neither matches TensorRT nor bounds it.
     """
     if float_dtype is None:
         float_dtype = {p.key: p.value for p in model.metadata_props}.get(FLOAT_DTYPE_KEY)
@@ -826,17 +835,20 @@ def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto
     low = get_low_type(float_dtype)
     if low is None:
         raise ConfigError("emulate_in_fp32: float_dtype must be 'fp16' or 'bf16'")
-    return _emulate(model, low)
+    return _emulate(model, low, fusions=fusions)
 
 
-def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None) -> onnx.ModelProto:
+def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None, fusions: bool = True) -> onnx.ModelProto:
     """[`emulate_in_fp32`][onnx_qat.formats.float_parts.emulate_in_fp32]; ``low_tensors``: the node outputs of
     type ``low`` when known (else shape inference tells)."""
+    from ..check.precision import fused_tensors
     from ..io.models import tensor_array
 
     if low_tensors is None:
         types = tensor_types(model)
         low_tensors = {t for t, ty in types.items() if ty == low.onnx_type}
+    if fusions:
+        low_tensors = set(low_tensors) - fused_tensors(model)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph

@@ -393,3 +393,40 @@ def test_quantize_with_scales_converts_without_measuring_and_writes_nothing_on_b
         onnx_qat.quantize(model, tmp_path / "missing" / "q.onnx", scales=table, float_dtype="fp16")
     with pytest.raises(ConfigError, match="keep_io_types"):
         onnx_qat.quantize(model, scales=table, float_dtype="fp16", keep_io_types="no")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_emulation_leaves_unrounded_only_what_a_fused_int8_kernel_never_stores(seed):
+    """The tensors inside a fused INT8 Conv kernel (its input and weight DQ outputs, the Conv output
+    and its fused Relu/residual Add up to the QuantizeLinear) are not rounded to FP16; every tensor
+    a float op reads or a graph output is."""
+    from onnx_qat.check.precision import QUANTIZED, build_precision_map, fused_tensors
+    from onnx_qat.check.index import _all_graphs
+    from onnx_qat.io.models import default_opset
+
+    model = residual_block_model(projection=True, seed=seed)
+    x = random_inputs(model, num=8, seed=seed)
+    fp16 = onnx_qat.quantize(model, data=x, float_dtype="fp16", progress=False).model
+    fused = fused_tensors(fp16)
+    pmap = build_precision_map(fp16, _all_graphs(fp16, default_opset(fp16), None))
+    precision = {e.node: e.precision for e in pmap.nodes}
+    producer = {t: n for n in fp16.graph.node for t in n.output}
+    readers = {}
+    for n in fp16.graph.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+    quantized = [n for n in fp16.graph.node if precision.get(n.name) == "int8" and n.op_type == "Conv"]
+    assert len(quantized) == 4  # stem, two in the block, the projection
+    for conv in quantized:  # its DQ inputs (activation and weight) are never stored in FP16
+        assert all(t in fused for t in conv.input[:2])
+    for t in fused:
+        assert producer[t].op_type == "DequantizeLinear" or precision[producer[t].name] in QUANTIZED
+        assert all(r.op_type == "QuantizeLinear" or precision.get(r.name) in QUANTIZED for r in readers[t])
+    assert not fused & {o.name for o in fp16.graph.output}
+    assert any(producer[t].op_type == "Conv" for t in fused)  # a Conv requantized in its epilogue
+    rounded = [n for n in emulate_in_fp32(fp16).graph.node if n.op_type == "Cast"]
+    strict = [n for n in emulate_in_fp32(fp16, fusions=False).graph.node if n.op_type == "Cast"]
+    assert len(strict) - len(rounded) == 2 * len(fused)  # one Cast pair less per fused tensor
+    ref, q32 = run_each(model, x), onnx_qat.quantize(model, data=x, progress=False).model
+    c32 = cosine(ref, run_each(q32, x))
+    assert cosine(ref, run_each(emulate_in_fp32(fp16), x)) >= c32 - 0.002
