@@ -222,6 +222,16 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
     proto = load_model(model)
     if low is None:
         return FloatPartsResult(proto, "fp32", summary=MappingProxyType({"nodes": len(proto.graph.node)}))
+    return _cast_loaded(proto, low, scales=scales, keep_io_types=keep_io_types, data=data,
+                        reference=None if reference is None or data is None else load_model(reference),
+                        patterns=patterns, max_cosine_drop=max_cosine_drop, num_samples=num_samples,
+                        progress=progress)
+
+
+def _cast_loaded(proto: onnx.ModelProto, low: LowType, *, scales, keep_io_types: bool, data, reference,
+                 patterns, max_cosine_drop: float, num_samples: int, progress: bool) -> FloatPartsResult:
+    """`cast_float_parts` on a loaded and validated ``proto`` the caller owns (``reference``: a loaded
+    model or None)."""
     _refuse_converted(proto)
     proto, notes = _raise_opset(proto, low)
     table = _load_table(scales)
@@ -273,9 +283,15 @@ def quantize_with_float_parts(quantize_fp32, model, output, report, *, data, flo
 
     paths = tuple(p for p in inputs if isinstance(p, (str, os.PathLike)))
     out_path, _ = check_output_and_report(output, report, inputs=paths)
+    from ..io.models import load_model
+
     result = quantize_fp32()
-    parts = cast_float_parts(result.model, float_dtype, scales=result.scales, keep_io_types=keep_io_types,
-                             data=data, reference=None if data is None else model, progress=progress)
+    # the Q/DQ model is quantize's own, and the float model was validated when quantize loaded it: neither
+    # is copied or checked again
+    reference = None if data is None else load_model(model, check=False)
+    parts = _cast_loaded(result.model, get_low_type(float_dtype), scales=result.scales,
+                         keep_io_types=keep_io_types, data=data, reference=reference, patterns=(),
+                         max_cosine_drop=MAX_COSINE_DROP, num_samples=MEASURE_SAMPLES, progress=progress)
     result = dataclasses.replace(result, model=parts.model, output=out_path, float_parts=parts)
     write_outputs(parts.model, out_path, report, result.to_report, inputs=paths)
     return result
@@ -596,7 +612,6 @@ class _Measure:
 
     def __init__(self, proto, types, data, reference, num_samples: int, progress: bool):
         from ..io.data import load_data
-        from ..io.models import load_model
 
         self.dataset = load_data(data, proto).take(num_samples)
         self.progress = progress
@@ -606,7 +621,7 @@ class _Measure:
         self.proto = proto
         self._values32: Optional[Dict[str, np.ndarray]] = None
         self.ranges: Dict[str, float] = {}
-        ref = None if reference is None else load_model(reference)
+        ref = reference
         if ref is not None:
             missing = [o for o in self.outputs if o not in self.outputs_of(ref)]
             if missing:
@@ -637,8 +652,10 @@ class _Measure:
                                  desc="float parts"):
             for name, value in batch.items():
                 value = np.asarray(value, dtype=np.float32)
-                if ranges is not None and value.size and np.all(np.isfinite(value)):
-                    ranges[name] = max(ranges.get(name, 0.0), float(np.max(np.abs(value))))
+                if ranges is not None and value.size:
+                    peak = max(float(value.max()), -float(value.min()))  # NaN or inf: not finite
+                    if np.isfinite(peak):
+                        ranges[name] = max(ranges.get(name, 0.0), peak)
                 if keep or name in self.outputs:
                     parts.setdefault(name, []).append(value.reshape(-1))
         return {name: np.concatenate(v) for name, v in parts.items()}
