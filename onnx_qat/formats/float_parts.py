@@ -60,15 +60,13 @@ from onnx import TensorProto, helper
 
 from ..config import FLOAT_DTYPES
 from ..errors import ConfigError, ModelError
-from .numeric import KEEP_FP32_KEY, kept_fp32_reason
+from .numeric import FLOAT_DTYPE_KEY, KEEP_FP32_KEY, float_dtype_of, kept_fp32_reason
 from .float_cast import BF16, FP16, LowType, cast_graph, has_subgraph, read_in_subgraphs, schema_of, \
     slot_admits, tensor_types
 
 logger = logging.getLogger(__name__)
 
 LOW_TYPES: Mapping[str, LowType] = MappingProxyType({"fp16": FP16, "bf16": BF16})
-#: Model ``metadata_props`` key of the float parts' type (``fp16`` or ``bf16``).
-FLOAT_DTYPE_KEY = "onnx_qat.float_dtype"
 #: A tensor whose range exceeds the type's largest value divided by this stays FP32 (headroom for
 #: inputs beyond the calibration data).
 RANGE_HEADROOM = 2.0
@@ -313,7 +311,7 @@ def _patterns(exclude_nodes) -> Tuple["re.Pattern", ...]:
 
 
 def _refuse_converted(model: onnx.ModelProto) -> None:
-    if any(p.key == FLOAT_DTYPE_KEY for p in model.metadata_props) or any(
+    if float_dtype_of(model) not in (None, "fp32") or any(
             t.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for t in model.graph.initializer):
         raise ModelError("the model already holds FP16/BF16 float parts; give the FP32 model")
 
