@@ -73,7 +73,8 @@ RANGE_HEADROOM = 2.0
 #: Default of ``max_cosine_drop``: the output cosine may fall by at most this much (measured on
 #: ``data``) against the FP32 float parts.
 MAX_COSINE_DROP = 0.002
-#: Samples of ``data`` the measurement runs on (the first ones).
+#: Samples of ``data`` the measurement runs on (spread evenly over its first 16 x this many:
+#: `onnx_qat.io.data.Dataset.spread`).
 MEASURE_SAMPLES = 4
 #: Rounds of the measured search (one node tried per round).
 MAX_ROUNDS = 12
@@ -187,8 +188,10 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
             QuantizeLinear nodes are read as ranges too.
         keep_io_types: graph inputs and outputs keep their types, with a Cast at the boundary
             (default); False: they take ``float_dtype`` too.
-        data: inputs to measure on (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts; the
-            first ``num_samples``): the ranges of every float tensor, and the output cosine. While the
+        data: inputs to measure on (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts;
+            ``num_samples`` of them spread evenly over its first 16 x ``num_samples``,
+            [`Dataset.spread`][onnx_qat.io.data.Dataset.spread]): the ranges of every float tensor,
+            and the output cosine. While the
             converted model's cosine against ``reference`` is more than ``max_cosine_drop`` below the
             FP32 float parts', the node adding the most error is kept FP32 (up to
             `MAX_ROUNDS` nodes; a note says when the budget is not met). Without data only the
@@ -611,7 +614,7 @@ class _Measure:
     def __init__(self, proto, types, data, reference, num_samples: int, progress: bool):
         from ..io.data import load_data
 
-        self.dataset = load_data(data, proto).take(num_samples)
+        self.dataset = load_data(data, proto).spread(num_samples)
         self.progress = progress
         self.outputs = [o.name for o in proto.graph.output]
         self.floats = [t for n in proto.graph.node for t in n.output
