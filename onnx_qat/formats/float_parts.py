@@ -23,7 +23,9 @@ scale      its Q/DQ scale cannot be held in the type within its precision (it wo
            zero, or move by more than the type's epsilon of the largest scale), or it reads a
            DequantizeLinear kept for that reason
 measured   on ``data``, the model's output cosine lost more than ``max_cosine_drop`` and this node
-           added the largest relative error (or the first non-finite value) of those left
+           added the largest relative error (or the first non-finite value) of those left; or, when
+           no single node lowers the drop, it belongs to the group kept FP32 together that does
+           (found by shrinking the group of all converted compute nodes, `MAX_GROUP_TRIALS`)
 fusion     a DequantizeLinear feeding only kept nodes stays with them, so that TensorRT still fuses
            DQ into its consumer (a DQ -> Cast -> Conv chain would not fuse)
 ========== ===============================================================================
@@ -80,6 +82,8 @@ MEASURE_SAMPLES = 4
 MAX_ROUNDS = 12
 #: The measured search stops after this many rounds in a row whose node did not lower the drop.
 MAX_MISSES = 3
+#: Measured conversions of the group search that follows when no single node lowers the drop.
+MAX_GROUP_TRIALS = 12
 #: Ops TensorRT runs in FP32 and FP16 but not BF16 (onnx-tensorrt ``docs/operators.md``, TensorRT
 #: 10: "Supported Types" FP32, FP16).
 TENSORRT_NO_BF16 = frozenset({"DeformConv", "GridSample", "Mish", "NonMaxSuppression", "NonZero", "RoiAlign"})
@@ -740,6 +744,13 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     if misses:  # the nodes kept since the last improvement did not help: undone
         converted, stats, kept, cos = best[1:]
     short = {o: base[o] - cos[o] for o in measure.outputs if not cos[o] >= base[o] - max_drop}
+    group_trials = 0
+    if short and noise is not None and not all(short[o] <= noise[o] for o in short):
+        found, group_trials = _group_search(measure, proto, low, kept, types, keep_io_types, max_drop, base,
+                                            short)
+        if found is not None:
+            converted, stats, kept, cos = found
+            short = {}
     notes: Tuple[str, ...] = ()
     if short:
         within = noise is not None and all(short[o] <= noise[o] for o in short)
@@ -751,10 +762,68 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
         notes = (f"the output cosine stays more than {max_drop:g} below the FP32 float parts' "
                  f"({moved}){why}",)
         logger.warning("%s", notes[0])
-    measurement = {"samples": measure.dataset.num_samples, "rounds": rounds, "max_cosine_drop": max_drop,
+    measurement = {"samples": measure.dataset.num_samples, "rounds": rounds, "group_trials": group_trials,
+                   "max_cosine_drop": max_drop,
                    "outputs": {o: {"cosine_fp32": base[o], "cosine": cos[o]} for o in measure.outputs},
                    **({} if noise is None else {"rounding_noise": dict(noise)})}
     return converted, stats, kept, measurement, notes
+
+
+def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop, base, short):
+    """When no single node lowers the drop enough: keep FP32 a group of the converted compute nodes
+    that brings every output within ``max_drop`` of the FP32 float parts, found by shrinking the
+    group of all of them (delta debugging: convert back halves, then quarters... of the group, in
+    graph order, while the budget still holds), at most `MAX_GROUP_TRIALS` measured conversions.
+    Returns ``((converted, stats, kept, cosines) or None, trials)``."""
+    skip = (*_QDQ, "Cast", "Constant")
+    group = [n for n in proto.graph.node if n.name and n.name not in kept and n.op_type not in skip
+             and any(types.get(t) == TensorProto.FLOAT for t in list(n.input) + list(n.output) if t)]
+    trials = 0
+
+    def attempt(nodes):
+        nonlocal trials
+        trials += 1
+        trial = dict(kept)
+        for n in nodes:
+            trial[n.name] = KeptNode(n.name, n.op_type, "measured", "")
+        converted, stats, trial = _convert(proto, low, trial, types, keep_io_types)
+        cos = measure.cosines(measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors))
+        within = all(cos[o] >= base[o] - max_drop for o in measure.outputs)
+        return within, (converted, stats, trial, cos)
+
+    if not group:
+        return None, trials
+    within, found = attempt(group)
+    if not within:
+        return None, trials
+    parts = 2
+    while trials < MAX_GROUP_TRIALS and len(group) > 1 and parts <= len(group):
+        size = -(-len(group) // parts)
+        shrunk = False
+        for start in range(0, len(group), size):
+            if trials >= MAX_GROUP_TRIALS:
+                break
+            rest = group[:start] + group[start + size:]
+            if not rest:
+                continue
+            ok, result = attempt(rest)
+            if ok:
+                group, found, shrunk = rest, result, True
+                break
+        if not shrunk:
+            parts *= 2
+        else:
+            parts = max(2, parts - 1)
+    converted, stats, trial, cos = found
+    worst = max(short, key=short.get)
+    reason = (f"output {worst!r} cosine fell by {short[worst]:.2g} in {low.name.upper()} (> {max_drop:g}) "
+              f"and no single node lowered it; with these {len(group)} nodes kept FP32 together it falls by "
+              f"{max(base[worst] - cos[worst], 0.0):.2g} (group found by shrinking in {trials} measured "
+              "conversions)")
+    names = {n.name for n in group}
+    trial = {k: KeptNode(v.node, v.op_type, "measured", reason) if k in names else v
+             for k, v in trial.items()}
+    return (converted, stats, trial, cos), trials
 
 
 def _float_producers(model, node, types) -> List[onnx.NodeProto]:

@@ -430,3 +430,41 @@ def test_emulation_leaves_unrounded_only_what_a_fused_int8_kernel_never_stores(s
     ref, q32 = run_each(model, x), onnx_qat.quantize(model, data=x, progress=False).model
     c32 = cosine(ref, run_each(q32, x))
     assert cosine(ref, run_each(emulate_in_fp32(fp16), x)) >= c32 - 0.002
+
+
+def _deep_cancellation_model():
+    """y = (((x + 1000) * 1 * 1 * 1 * 1) - 1000) @ W, and a second output z = relu(x @ W2) @ W3: keeping
+    the Sub and the Mul feeding it FP32 leaves the other Muls rounding at 1000 (a step of 0.5), so no
+    single node (with its producers) lowers the drop; the six nodes of the chain together do."""
+    b = GraphBuilder("deep_cancel", 0)
+    x = b.input("x", [4, 16])
+    t = b.node("Add", [x, b.const("shift", np.float32(1000.0))], name="shift")
+    for i in range(4):
+        t = b.node("Mul", [t, b.const(f"one{i}", np.float32(1.0))], name=f"same{i}")
+    u = b.node("Sub", [t, b.const("unshift", np.float32(1000.0))], name="unshift")
+    b.node("MatMul", [u, b.weight("w", [16, 8])], "y", name="proj")
+    h = b.node("Relu", [b.node("MatMul", [x, b.weight("w2", [16, 16])], name="fc1")], name="relu")
+    b.node("MatMul", [h, b.weight("w3", [16, 8])], "z", name="fc2")
+    b.output("y")
+    b.output("z")
+    return b.build()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_when_no_single_node_helps_a_group_is_kept_fp32(seed):
+    model = _deep_cancellation_model()
+    feeds = {"x": np.random.default_rng(seed).uniform(0, 1, (4, 16)).astype(np.float32)}
+    result = cast_float_parts(model, "fp16", data=feeds)
+    measured = {k.node: k for k in result.kept if k.rule == "measured"}
+    assert set(measured) == {"shift", "same0", "same1", "same2", "same3", "unshift"}
+    assert all("no single node lowered it; with these 6 nodes kept FP32 together" in k.reason
+               for k in measured.values())
+    assert measured["shift"].reason.startswith("output 'y' cosine fell by")
+    assert "proj" not in measured and "fc1" not in measured and "fc2" not in measured
+    m = result.measurement
+    assert 0 < m["group_trials"] <= 12 and m["rounds"] >= 3
+    assert all(v["cosine"] >= v["cosine_fp32"] - 0.002 for v in m["outputs"].values())
+    y, z = run(model, feeds)
+    y16, z16 = run(emulate_in_fp32(result.model), feeds)
+    assert cosine(y, y16) >= 0.998 and cosine(z, z16) >= 0.998
+    assert not result.notes or "stays more than" not in " ".join(result.notes)
