@@ -163,6 +163,8 @@ def test_cli_writes_the_map_and_prints_its_summary(tmp_path, capsys):
     assert main(["check", str(path), "--precision-map", str(out)]) == EXIT_OK
     printed = capsys.readouterr().out
     assert "precision (strongly typed build): 14 INT8, 20 FP32" in printed and f"wrote {out}" in printed
+    assert "NOTE    C15  (model): 2 Conv/ConvTranspose/Gemm/MatMul (scores, context) run in FP32" in printed
+    assert "0 errors, 0 warnings" in printed
     data = json.loads(out.read_text())
     assert data["format"] == "onnx-qat-precision-map" and data["counts"] == {"int8": 14, "fp32": 20}
     assert {n["node"] for n in data["nodes"] if n["precision"] == "fp32" and n["op_type"] == "MatMul"} == \
