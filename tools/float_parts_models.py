@@ -93,7 +93,7 @@ def _float_bytes(model) -> int:
 
 def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> dict:
     import onnx_qat
-    from onnx_qat.formats.float_parts import emulate_in_fp32
+    from onnx_qat.formats.float_parts import emulate_in_fp32, jittered
     from onnx_qat.runtime.compare import output_figures
 
     q32 = onnx_qat.quantize(str(path), data=calib, method=method, progress=False)
@@ -102,7 +102,8 @@ def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> di
     cos32 = output_figures(ref, _outputs(q32.model, evaluation))["cosine"]
     # the INT8 model's own rounding noise on these inputs: the largest move of its cosine when every
     # QuantizeLinear input moves by FP16-sized rounding errors (uniform in +-2^-12 relative, 4 seeds)
-    noise = max(abs(cos32 - output_figures(ref, _outputs(_jittered(q32.model, seed), evaluation))["cosine"])
+    noise = max(abs(cos32 - output_figures(ref, _outputs(jittered(q32.model, 2.0**-12, seed),
+                                                          evaluation))["cosine"])
                 for seed in range(4))
     cos16 = output_figures(ref, _outputs(emulate_in_fp32(q16.model, "fp16"), evaluation))["cosine"]
     native = output_figures(ref, _outputs(q16.model, evaluation))["cosine"]
@@ -125,31 +126,6 @@ def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> di
         "kept_weighted": sorted(k.node for k in kept.values() if k.op_type in WEIGHTED),
         "eval_samples": len(next(iter(evaluation.values()))),
     }
-
-
-def _jittered(model, seed: int):
-    """A copy of ``model`` whose every QuantizeLinear input is multiplied by ``1 + u``, ``u`` uniform in
-    +-2^-12 (half an FP16 step, relative; onnxruntime's seeded RandomUniformLike)."""
-    import onnx
-    from onnx import helper, numpy_helper
-
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    nodes = []
-    for i, node in enumerate(out.graph.node):
-        if node.op_type == "QuantizeLinear":
-            t = node.input[0]
-            r, f, moved = f"{t}/jitter{i}", f"{t}/factor{i}", f"{t}/jittered{i}"
-            nodes += [helper.make_node("RandomUniformLike", [t], [r], low=-(2.0**-12), high=2.0**-12,
-                                       seed=float(seed * 100003 + i)),
-                      helper.make_node("Add", [r, "jitter/one"], [f]),
-                      helper.make_node("Mul", [t, f], [moved])]
-            node.input[0] = moved
-        nodes.append(node)
-    out.graph.initializer.append(numpy_helper.from_array(np.float32(1.0), "jitter/one"))
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
 
 
 def table(rows) -> str:

@@ -667,15 +667,17 @@ class _Measure:
 
     def noise(self, low: LowType) -> Dict[str, float]:
         """Per output, how much the FP32 float parts' cosine against the reference moves when every
-        float input moves by half a ``low`` step (times 1 ± eps/2, seeded signs): the model's own
-        rounding noise, which an INT8 model whose values sit near rounding boundaries amplifies."""
+        float input, and every QuantizeLinear's input, moves by a rounding error of ``low`` (times
+        1 + u, u uniform in ± eps/2, seeded): the model's own rounding noise, which an INT8 model
+        whose values sit near rounding boundaries amplifies (an input quantized at once, from an
+        8-bit image, barely moves: the QuantizeLinear inputs inside the network do)."""
         from ..runtime.sessions import make_session
 
-        session = make_session(self.proto, optimize=False, spin=False)
+        session = make_session(jittered(self.proto, low.eps / 2), optimize=False, spin=False)
         rng = np.random.default_rng(0)
         parts: Dict[str, list] = {}
         for feed in self.dataset.batches(4):
-            moved = {k: (v * (1 + low.eps / 2 * rng.choice([-1.0, 1.0], size=np.shape(v)))).astype(v.dtype)
+            moved = {k: (v * (1 + rng.uniform(-low.eps / 2, low.eps / 2, size=np.shape(v)))).astype(v.dtype)
                      if np.asarray(v).dtype.kind == "f" else v for k, v in feed.items()}
             for name, value in zip(self.outputs, session.run(self.outputs, moved)):
                 parts.setdefault(name, []).append(np.asarray(value, np.float32).reshape(-1))
@@ -757,7 +759,8 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
         moved = ", ".join(f"{o} {base[o]:.5f} -> {cos[o]:.5f}" for o in short)
         sizes = ", ".join(f"{noise[o]:.2g}" for o in short) if within else ""
         why = (f", within the INT8 model's own rounding noise ({sizes}: its output cosine moves that much "
-               f"when its inputs move by half a {low.name.upper()} step)" if within
+               f"when its inputs and every QuantizeLinear input move by a {low.name.upper()} rounding error)"
+               if within
                else f" after {rounds} rounds")
         notes = (f"the output cosine stays more than {max_drop:g} below the FP32 float parts' "
                  f"({moved}){why}",)
@@ -824,6 +827,34 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
     trial = {k: KeptNode(v.node, v.op_type, "measured", reason) if k in names else v
              for k, v in trial.items()}
     return (converted, stats, trial, cos), trials
+
+
+def jittered(model: onnx.ModelProto, size: float, seed: int = 0) -> onnx.ModelProto:
+    """A copy of ``model`` whose every main-graph QuantizeLinear input is multiplied by ``1 + u``, ``u``
+    uniform in ± ``size`` (onnxruntime's seeded ``RandomUniformLike``, one seed per node): rounding
+    errors of a float type before every quantization, in random directions."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    used = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
+    one = _fresh(used, "jitter/one")
+    nodes = []
+    for i, node in enumerate(g.node):
+        if node.op_type == "QuantizeLinear" and node.input and node.input[0]:
+            t = node.input[0]
+            noise, factor, moved = (_fresh(used, f"{t}/jitter"), _fresh(used, f"{t}/jitter_factor"),
+                                    _fresh(used, f"{t}/jittered"))
+            nodes += [helper.make_node("RandomUniformLike", [t], [noise], low=-float(size), high=float(size),
+                                       seed=float(seed * 100003 + i)),
+                      helper.make_node("Add", [noise, one], [factor]),
+                      helper.make_node("Mul", [t, factor], [moved])]
+            node.input[0] = moved
+        nodes.append(node)
+    if len(nodes) > len(g.node):
+        g.initializer.append(onnx.numpy_helper.from_array(np.float32(1.0), one))
+    del g.node[:]
+    g.node.extend(nodes)
+    return out
 
 
 def _float_producers(model, node, types) -> List[onnx.NodeProto]:
@@ -967,6 +998,5 @@ def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None, fusions: bo
 
 
 __all__ = ["cast_float_parts", "quantize_with_float_parts", "FloatPartsResult", "KeptNode", "FLOAT_DTYPES",
-           "KEEP_FP32_KEY",
-           "FLOAT_DTYPE_KEY", "kept_fp32_nodes", "emulate_in_fp32", "get_low_type", "check_float_dtype",
-           "TENSORRT_NO_BF16"]
+           "KEEP_FP32_KEY", "FLOAT_DTYPE_KEY", "kept_fp32_nodes", "emulate_in_fp32", "jittered",
+           "get_low_type", "check_float_dtype", "TENSORRT_NO_BF16"]

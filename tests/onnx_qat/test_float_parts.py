@@ -468,3 +468,20 @@ def test_when_no_single_node_helps_a_group_is_kept_fp32(seed):
     y16, z16 = run(emulate_in_fp32(result.model), feeds)
     assert cosine(y, y16) >= 0.998 and cosine(z, z16) >= 0.998
     assert not result.notes or "stays more than" not in " ".join(result.notes)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_jittered_moves_every_quantize_input_by_at_most_its_size_the_same_way_each_time(seed):
+    from onnx_qat.formats.float_parts import jittered
+
+    model = residual_block_model(projection=True, seed=seed)
+    x = random_inputs(model, num=4, seed=seed)
+    q = onnx_qat.quantize(model, data=x, progress=False).model
+    moved = jittered(q, 2.0**-11, seed=seed)
+    assert sum(n.op_type == "RandomUniformLike" for n in moved.graph.node) == sum(
+        n.op_type == "QuantizeLinear" for n in q.graph.node)
+    feeds = {"input": x["input"][:1]}
+    first, again, exact = run(moved, feeds)[0], run(moved, feeds)[0], run(q, feeds)[0]
+    np.testing.assert_array_equal(first, again)  # seeded
+    assert 0.999 < cosine(first, exact) < 1.0  # a few values cross a rounding boundary, no more
+    assert len(q.graph.node) == len(onnx_qat.quantize(model, data=x, progress=False).model.graph.node)
