@@ -197,9 +197,10 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
             [`Dataset.spread`][onnx_qat.io.data.Dataset.spread]): the ranges of every float tensor,
             and the output cosine. While the
             converted model's cosine against ``reference`` is more than ``max_cosine_drop`` below the
-            FP32 float parts', the node adding the most error is kept FP32 (up to
-            `MAX_ROUNDS` nodes; a note says when the budget is not met). Without data only the
-            static rules and the given ranges apply.
+            FP32 float parts' and more than the model's own rounding noise, the node adding the most
+            error is kept FP32 (up to `MAX_ROUNDS` nodes), or, when no single node lowers the drop, a
+            group of nodes found by shrinking (`MAX_GROUP_TRIALS` measured conversions); a note says
+            when the budget is not met. Without data only the static rules and the given ranges apply.
         reference: the model the cosines are measured against (e.g. the FP32 float model before
             quantization); None: ``model`` itself (then the converted model's cosine against it must
             stay >= 1 - ``max_cosine_drop``).
