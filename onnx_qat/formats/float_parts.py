@@ -46,7 +46,7 @@ therefore runs, for both types, the emulation
 tensor TensorRT stores rounded to its type where it is produced (FP16/BF16 storage, FP32 arithmetic,
 as TensorRT's reduced-precision kernels accumulate); the tensors inside a fused INT8/FP8 kernel
 (DQ outputs, accumulator, fused epilogue up to the requantizing QuantizeLinear) are never stored and
-stay unrounded ([`fused_tensors`][onnx_qat.check.precision.fused_tensors]).
+stay unrounded (``onnx_qat.check.precision.fused_tensors``).
 """
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
             (default); False: they take ``float_dtype`` too.
         data: inputs to measure on (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts;
             ``num_samples`` of them spread evenly over its first 16 x ``num_samples``,
-            [`Dataset.spread`][onnx_qat.io.data.Dataset.spread]): the ranges of every float tensor,
+            ``onnx_qat.io.data.Dataset.spread``): the ranges of every float tensor,
             and the output cosine. While the
             converted model's cosine against ``reference`` is more than ``max_cosine_drop`` below the
             FP32 float parts' and more than the model's own rounding noise, the node adding the most
@@ -936,7 +936,7 @@ def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None, *, fusions: bool =
 
     With ``fusions`` (the default) the tensors TensorRT computes inside a fused INT8/FP8 kernel and
     never stores are not rounded
-    ([`fused_tensors`][onnx_qat.check.precision.fused_tensors]: the DequantizeLinear outputs a
+    (``onnx_qat.check.precision.fused_tensors``: the DequantizeLinear outputs a
     quantized Conv/Gemm/MatMul reads, its accumulator and the fused BatchNormalization, activation
     and residual Add results up to the QuantizeLinear that requantizes them); ``fusions=False``
     rounds every FP16/BF16 tensor, stricter than TensorRT.
