@@ -285,12 +285,10 @@ def quantize_with_float_parts(quantize_fp32, model, output, report, *, data, flo
     import os
 
     from ..io.files import check_output_and_report
-    from ..io.models import write_outputs
+    from ..io.models import load_model, write_outputs
 
     paths = tuple(p for p in inputs if isinstance(p, (str, os.PathLike)))
     out_path, _ = check_output_and_report(output, report, inputs=paths)
-    from ..io.models import load_model
-
     result = quantize_fp32()
     # the Q/DQ model is quantize's own, and the float model was validated when quantize loaded it: neither
     # is copied or checked again
