@@ -417,7 +417,36 @@ def _given_ranges(model, table) -> Dict[str, float]:
             scale = tensor_array(constants[node.input[1]])
             if scale.size == 1 and node.input[0] not in ranges:
                 ranges[node.input[0]] = float(np.abs(scale).max()) * qmax
+        elif node.op_type == "DequantizeLinear" and len(node.input) > 1 and node.input[1] in constants \
+                and node.output and node.output[0] not in ranges:
+            ranges[node.output[0]] = _dq_range(node, constants)
     return ranges
+
+
+def _dq_range(node, constants) -> float:
+    """The largest |value| a DequantizeLinear outputs: from its constant codes, zero points and scales
+    (per channel along its axis) when it has them, else the largest code of its type times its
+    largest scale."""
+    from ..io.models import tensor_array
+
+    scale = np.abs(tensor_array(constants[node.input[1]]).astype(np.float64))
+    data = constants.get(node.input[0])
+    if data is None or not scale.size:
+        return _qmax(node, constants) * float(scale.max(initial=0.0))
+    codes = tensor_array(data).astype(np.float64)
+    zp = constants.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    zero = np.zeros(1) if zp is None else tensor_array(zp).astype(np.float64)
+    if scale.size == 1 and zero.size == 1:
+        return float(np.abs(codes - zero.reshape(-1)[0]).max(initial=0.0) * scale.reshape(-1)[0])
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+    blocked = any(a.name == "block_size" and a.i for a in node.attribute)
+    if blocked or codes.ndim == 0 or codes.shape[axis % codes.ndim] != scale.size \
+            or zero.size not in (1, scale.size):
+        return float((np.abs(codes).max(initial=0.0) + np.abs(zero).max()) * scale.max())
+    shape = [1] * codes.ndim
+    shape[axis % codes.ndim] = -1
+    shifted = codes - (zero.reshape(-1)[0] if zero.size == 1 else zero.reshape(shape))
+    return float((np.abs(shifted) * scale.reshape(shape)).max(initial=0.0))
 
 
 def _qmax(node, constants) -> float:
@@ -620,7 +649,9 @@ class _Measure:
         self.dataset = load_data(data, proto).spread(num_samples)
         self.progress = progress
         self.outputs = [o.name for o in proto.graph.output]
-        self.floats = [t for n in proto.graph.node for t in n.output
+        # every float tensor but the DequantizeLinear outputs, whose ranges their codes and scales
+        # give (`_dq_range`): exposing them copies every dequantized weight on each run
+        self.floats = [t for n in proto.graph.node if n.op_type != "DequantizeLinear" for t in n.output
                        if t and types.get(t) == TensorProto.FLOAT and t not in self.outputs]
         self.proto = proto
         self._values32: Optional[Dict[str, np.ndarray]] = None

@@ -485,3 +485,27 @@ def test_jittered_moves_every_quantize_input_by_at_most_its_size_the_same_way_ea
     np.testing.assert_array_equal(first, again)  # seeded
     assert 0.999 < cosine(first, exact) < 1.0  # a few values cross a rounding boundary, no more
     assert len(q.graph.node) == len(onnx_qat.quantize(model, data=x, progress=False).model.graph.node)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_dequantize_ranges_come_from_codes_and_scales_without_running(precision):
+    """A weight DQ's range is its largest dequantized value exactly; an activation DQ's is bounded by
+    its largest code times its scale, never below what it outputs."""
+    from onnx_qat.formats.float_parts import _given_ranges
+    from onnx_qat.runtime.sessions import make_session
+
+    model = residual_block_model(projection=True, seed=2)
+    x = random_inputs(model, num=4, seed=2)
+    q = onnx_qat.quantize(model, data=x, precision=precision, progress=False).model
+    ranges = _given_ranges(q, None)
+    inits = {t.name for t in q.graph.initializer}
+    dqs = [n for n in q.graph.node if n.op_type == "DequantizeLinear"]
+    names = [n.output[0] for n in dqs]
+    session = make_session(q, extra_outputs=names, optimize=False)
+    values = dict(zip(names, session.run(names, {"input": x["input"][:1]})))
+    for node in dqs:
+        actual = float(np.abs(values[node.output[0]]).max())
+        if node.input[0] in inits:  # a weight: exact
+            assert ranges[node.output[0]] == pytest.approx(actual, rel=1e-6), node.name
+        else:
+            assert ranges[node.output[0]] >= actual, node.name
