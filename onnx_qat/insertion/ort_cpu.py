@@ -40,6 +40,11 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    up to an *absolute* float32 epsilon (1.19e-7), so with zero point 128 and a scale below ~9e-10
    (deep activations of an untrained network) ``Clip(0, 6)`` went and negative values flowed on
    (mean output error 0.2-0.6 of the output range on MobileNetV2);
+   With calibrated extremes (the ScaleTable's ``bounds``), a tensor of unknown sign that lies mostly on
+   one side of zero (its shorter side at most half its longer one) is stored over an asymmetric uint8
+   range instead: ``[min, max]`` clipped to ``[-amax, amax]`` and holding 0, scale ``(max - min) / 255``,
+   the zero point that puts 0 on the grid, as onnxruntime's ``quantize_static`` does
+   (`asymmetric_range`, `ASYMMETRIC_SPAN`);
 3. weights of ops whose activation input keeps zero point 128 (a graph input such as an image,
    or any tensor whose sign is unknown) are stored as uint8 ``q + 128`` with zero point 128 (the
    same values): onnxruntime then uses its uint8 x uint8 kernel, slower but free of saturation;
@@ -178,8 +183,9 @@ class BiasSplit:
 @dataclass(frozen=True)
 class Adapted:
     """The ort-cpu placement, ScaleTable, report records (requantization points and folds), per-tensor
-    zero points, the weights stored as uint8 with zero point 128, and the scale folds to apply to the
-    graph after Q/DQ insertion (`finish`)."""
+    zero points, the weights stored as uint8 with zero point 128, the scale folds to apply to the
+    graph after Q/DQ insertion (`finish`), and the scales of the tensors stored with an asymmetric
+    range (``range_scales``, their zero points in ``zero_points``)."""
 
     placement: Placement
     table: ScaleTable
@@ -190,6 +196,7 @@ class Adapted:
     full_range: Tuple[str, ...] = ()
     splits: Tuple[BiasSplit, ...] = ()
     narrow_weights: Tuple[str, ...] = ()
+    range_scales: Dict[str, float] = field(default_factory=dict)
 
     def finish(self, edit) -> Tuple[str, ...]:
         """Apply `folds` and `splits` to ``edit`` (the
@@ -305,9 +312,14 @@ class OrtCpuAdapter:
         activations = tuple(sorted(marks.values(), key=lambda m: (order.get(m.tensor, len(order)), m.tensor)))
         zero_points, note = _zero_points(index, activations, points, records, nonnegative, fine)
         notes += [note] if note else []
+        own = {p.tensor: r["amax"] for p, r in zip(points, records) if r["status"] == "added"}
+        range_scales, note = _asymmetric(activations, zero_points, {**amaxes, **own}, table, points, records)
+        notes += [note] if note else []
         new_placement = Placement(activations, placement.weights, placement.decisions, tuple(notes))
         new_table = table if not added else table.merged(
-            ScaleTable(added, producer=table.producer, metadata=dict(table.metadata)))
+            ScaleTable(added, producer=table.producer, metadata=dict(table.metadata),
+                       bounds={k: b for k, b in table.bounds.items()  # a point with its own range
+                               if k in added and table.activations.get(k) == added[k]}))
         full = _full_range(activations, zero_points) if fine else ()
         unsigned = _unsigned_weights(placement, activations, zero_points)
         narrow: Tuple[str, ...] = ()
@@ -316,7 +328,8 @@ class OrtCpuAdapter:
             unsigned = ()
         splits = bias_splits(index, placement)
         records = _with_folds(records, folds) + tuple(s.record() for s in splits)
-        return Adapted(new_placement, new_table, records, zero_points, unsigned, folds, full, splits, narrow)
+        return Adapted(new_placement, new_table, records, zero_points, unsigned, folds, full, splits, narrow,
+                       range_scales)
 
     def _apply(self, point: RequantPoint, index: GraphIndex, marks: Dict[str, ActivationMark], amaxes,
                table: ScaleTable, added: Dict[str, float], notes: List[str]) -> dict:
@@ -389,6 +402,73 @@ def _zero_points(index: GraphIndex, activations, points, records, nonnegative: T
                 "the scale of one use uint8 zero point 0: the same values as the tensorrt form up to the "
                 "tensor's amax; above it values are kept (up to 255/127 x amax) instead of clamped")
     return zero_points, note
+
+
+#: A tensor takes an asymmetric range only when it spans at most this fraction of ``[-amax, amax]`` (its
+#: shorter side at most half its longer one: a grid at least 1.33x finer). Nearly symmetric tensors gain
+#: little and their shorter side is clipped at the calibrated extreme, which new data passes more often
+#: than the longer one: measured on MobileNetV2s built in code (3 seeds), applying it to every tensor
+#: raised the output error by up to 7% on two seeds; with this limit no tensor of theirs changes.
+ASYMMETRIC_SPAN = 0.75
+
+
+def asymmetric_range(amax: float, low: float, high: float) -> Optional[Tuple[float, int]]:
+    """``(scale, zero point)`` of the uint8 grid over a tensor's calibrated extremes ``low..high`` clipped
+    to ``[-amax, amax]`` (what the symmetric range keeps) and widened to hold 0, as onnxruntime's
+    ``quantize_static`` computes a uint8 activation's range (``compute_scale_zp`` in
+    ``onnxruntime/python/tools/quantization/quant_utils.py``: ``rmin = min(rmin, 0)``, ``rmax = max(rmax,
+    0)``, ``scale = (rmax - rmin) / 255``, ``zero_point = round(-rmin / scale)``); None when that range is
+    empty or its scale too small for float32."""
+    from ..formats.encoding import TINY
+
+    lo = min(max(float(low), -float(amax)), 0.0)
+    hi = max(min(float(high), float(amax)), 0.0)
+    scale = np.float32((hi - lo) / 255.0)
+    if not hi > lo or not np.isfinite(scale) or scale < TINY:
+        return None
+    zero = int(np.clip(np.round(-lo / float(scale)), 0, 255))
+    return float(scale), zero
+
+
+def _asymmetric(activations, zero_points: Dict[str, int], amaxes, table: ScaleTable, points,
+                records) -> Tuple[Dict[str, float], str]:
+    """``{tensor: scale}`` of the zero-point-128 tensors whose calibrated extremes are in ``table.bounds``
+    and span at most `ASYMMETRIC_SPAN` of the symmetric range, stored over `asymmetric_range` instead
+    (their new zero points are written into ``zero_points``), and a report note. A scale group (Concat
+    inputs, rule 7) takes the range of all its members' extremes together, only when every member has
+    extremes and zero point 128; a requantization point that takes the scale of such a tensor
+    (``scale_from``) takes its zero point too, so onnxruntime still joins the two Q/DQ pairs."""
+    bounds = table.bounds
+    if not bounds:
+        return {}, ""
+    follows = {p.tensor for p, r in zip(points, records)
+               if r["status"] == "added" and p.scale_from is not None}
+    groups: Dict[str, List[ActivationMark]] = {}
+    for mark in activations:
+        if mark.tensor in follows:
+            continue  # takes the scale (and zero point) of the tensor it reaches, below
+        groups.setdefault(mark.scale_group or f"\0{mark.tensor}", []).append(mark)
+    chosen: Dict[str, Tuple[float, int]] = {}
+    for members in groups.values():
+        names = [m.tensor for m in members]
+        if any(zero_points.get(n) != 128 or n not in bounds or n not in amaxes for n in names):
+            continue
+        amax = max(amaxes[n] for n in names)
+        found = asymmetric_range(amax, min(bounds[n][0] for n in names), max(bounds[n][1] for n in names))
+        if found is not None and found[0] * 255.0 <= ASYMMETRIC_SPAN * 2.0 * amax:
+            chosen.update({n: found for n in names})
+    for point, record in zip(points, records):
+        if record["status"] == "added" and point.scale_from in chosen:
+            chosen[point.tensor] = chosen[point.scale_from]
+    for name, (_, zero) in chosen.items():
+        zero_points[name] = zero
+    if not chosen:
+        return {}, ""
+    note = (f"ort-cpu: {len(chosen)} tensor(s) of unknown sign use an asymmetric uint8 range from their "
+            "calibrated extremes (the table's bounds) clipped to [-amax, amax] and holding 0: scale "
+            "(max - min) / 255 and the zero point that puts 0 on the grid, as onnxruntime's own "
+            "quantize_static does")
+    return {name: scale for name, (scale, _) in chosen.items()}, note
 
 
 def _full_range(activations, zero_points) -> Tuple[str, ...]:
@@ -816,5 +896,6 @@ def split_bias_adds(edit, splits) -> Tuple[str, ...]:
     return tuple(done)
 
 
-__all__ = ["OrtCpuAdapter", "Adapted", "RequantPoint", "ScaleFold", "BiasSplit", "fold_scale_ops",
+__all__ = ["OrtCpuAdapter", "Adapted", "asymmetric_range", "RequantPoint", "ScaleFold", "BiasSplit",
+           "fold_scale_ops",
            "bias_splits", "split_bias_adds", "REQUANT_OPS", "EXACT_OPS"]

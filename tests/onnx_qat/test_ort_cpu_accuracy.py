@@ -144,10 +144,17 @@ def test_clip_with_a_run_time_bound_is_not_taken_as_non_negative():
     assert zps["clip_out"] == 128
 
 
-def test_graph_input_with_negative_calibration_values_keeps_zero_point_128():
+def test_graph_input_with_negative_calibration_values_takes_its_asymmetric_range():
+    """Images shifted below 0 are not non-negative (no zero point 0 over 0..amax); their calibrated
+    extremes give an asymmetric range instead, [min, max] / 255 as onnxruntime's own form has it."""
     model = B.mobilenet_v2_model(32, width=0.5)
-    calib = _images(1, 32) - 1.0  # one value below 0 is enough
+    calib = _images(1, 32) - 1.0
     result = onnx_qat.quantize(model, data={"input": calib}, method="max", target="ort-cpu", progress=False)
     acts = {r["tensor"]: r for r in result.inserted if r["kind"] == "activation"}
-    assert acts["input"]["zero_point"] == 128
-    assert acts["input"]["scale"] == float(np.float32(acts["input"]["amax"] / 127.0))
+    low, high = float(calib.min()), float(calib.max())
+    assert acts["input"]["zero_point"] == round(-low / ((high - low) / 255.0)) == 1
+    assert acts["input"]["scale"] == pytest.approx((high - low) / 255.0, rel=1e-6)
+    symmetric = onnx_qat.quantize(model, scales=onnx_qat.ScaleTable(result.scales.activations),
+                                  target="ort-cpu", progress=False)
+    records = {r["tensor"]: r for r in symmetric.inserted if r["kind"] == "activation"}
+    assert records["input"]["zero_point"] == 128
