@@ -40,11 +40,10 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    up to an *absolute* float32 epsilon (1.19e-7), so with zero point 128 and a scale below ~9e-10
    (deep activations of an untrained network) ``Clip(0, 6)`` went and negative values flowed on
    (mean output error 0.2-0.6 of the output range on MobileNetV2);
-   With calibrated extremes (the ScaleTable's ``bounds``), a tensor of unknown sign that lies mostly on
-   one side of zero (its shorter side at most half its longer one) is stored over an asymmetric uint8
-   range instead: ``[min, max]`` clipped to ``[-amax, amax]`` and holding 0, scale ``(max - min) / 255``,
-   the zero point that puts 0 on the grid, as onnxruntime's ``quantize_static`` does
-   (`asymmetric_range`, `ASYMMETRIC_SPAN`);
+   With calibrated extremes (the ScaleTable's ``bounds``), a tensor of unknown sign is stored over an
+   asymmetric uint8 range instead: ``[min, max]`` clipped to ``[-amax, amax]`` and holding 0, scale
+   ``(max - min) / 255``, the zero point that puts 0 on the grid, as onnxruntime's ``quantize_static``
+   does (`asymmetric_range`);
 3. weights of ops whose activation input keeps zero point 128 (a graph input such as an image,
    or any tensor whose sign is unknown) are stored as uint8 ``q + 128`` with zero point 128 (the
    same values): onnxruntime then uses its uint8 x uint8 kernel, slower but free of saturation;
@@ -404,14 +403,6 @@ def _zero_points(index: GraphIndex, activations, points, records, nonnegative: T
     return zero_points, note
 
 
-#: A tensor takes an asymmetric range only when it spans at most this fraction of ``[-amax, amax]`` (its
-#: shorter side at most half its longer one: a grid at least 1.33x finer). Nearly symmetric tensors gain
-#: little and their shorter side is clipped at the calibrated extreme, which new data passes more often
-#: than the longer one: measured on MobileNetV2s built in code (3 seeds), applying it to every tensor
-#: raised the output error by up to 7% on two seeds; with this limit no tensor of theirs changes.
-ASYMMETRIC_SPAN = 0.75
-
-
 def asymmetric_range(amax: float, low: float, high: float) -> Optional[Tuple[float, int]]:
     """``(scale, zero point)`` of the uint8 grid over a tensor's calibrated extremes ``low..high`` clipped
     to ``[-amax, amax]`` (what the symmetric range keeps) and widened to hold 0, as onnxruntime's
@@ -432,8 +423,8 @@ def asymmetric_range(amax: float, low: float, high: float) -> Optional[Tuple[flo
 
 def _asymmetric(activations, zero_points: Dict[str, int], amaxes, table: ScaleTable, points,
                 records) -> Tuple[Dict[str, float], str]:
-    """``{tensor: scale}`` of the zero-point-128 tensors whose calibrated extremes are in ``table.bounds``
-    and span at most `ASYMMETRIC_SPAN` of the symmetric range, stored over `asymmetric_range` instead
+    """``{tensor: scale}`` of the zero-point-128 tensors whose calibrated extremes are in ``table.bounds``,
+    stored over `asymmetric_range` instead
     (their new zero points are written into ``zero_points``), and a report note. A scale group (Concat
     inputs, rule 7) takes the range of all its members' extremes together, only when every member has
     extremes and zero point 128; a requantization point that takes the scale of such a tensor
@@ -455,7 +446,7 @@ def _asymmetric(activations, zero_points: Dict[str, int], amaxes, table: ScaleTa
             continue
         amax = max(amaxes[n] for n in names)
         found = asymmetric_range(amax, min(bounds[n][0] for n in names), max(bounds[n][1] for n in names))
-        if found is not None and found[0] * 255.0 <= ASYMMETRIC_SPAN * 2.0 * amax:
+        if found is not None:
             chosen.update({n: found for n in names})
     for point, record in zip(points, records):
         if record["status"] == "added" and point.scale_from in chosen:
@@ -481,8 +472,9 @@ def _full_range(activations, zero_points) -> Tuple[str, ...]:
 
 
 def _wide_input_weights(index: GraphIndex, placement: Placement, activations, zero_points) -> Tuple[str, ...]:
-    """Weights of GEMM-kernel ops whose activation input has zero point 128 (its sign unknown: every
-    value stored around 128, up to 255): stored in [-63, 63] so that onnxruntime's uint8 x int8 GEMM
+    """Weights of GEMM-kernel ops whose activation input has a zero point other than 0 (128, or an
+    asymmetric range's: its sign unknown, values stored around the zero point, up to 255): stored in
+    [-63, 63] so that onnxruntime's uint8 x int8 GEMM
     kernels, which add pairs of products in 16 bits on CPUs without VNNI (``vpmaddubsw``), cannot
     saturate (2 x 255 x 63 < 2**15), instead of uint8 ``q + 128`` for its slower uint8 x uint8 kernel.
     Depthwise Convs (one input channel per group) keep [-127, 127]: onnxruntime's depthwise kernel sums
