@@ -109,6 +109,10 @@ SPLIT_RULE = "CPU4"
 GATE_RULE = "CPU5"
 #: The range of a Sigmoid output.
 SIGMOID_AMAX = 1.0
+#: Rule name of a residual join left float in this form (see `_float_joins`).
+JOIN_RULE = "CPU6"
+#: The placement rules of residual joins' skip inputs (rule 6, and rule 6b for Sum).
+_JOIN_RULES = ("R6", "R6b")
 #: Largest and smallest non-zero ``|k|`` a fold accepts (the weight scale is multiplied by it).
 _FOLD_K_RANGE = (1e-20, 1e20)
 _FLOAT = 1  # onnx.TensorProto.FLOAT (onnx is not imported at module level)
@@ -313,6 +317,7 @@ class OrtCpuAdapter:
         points = self.points(index, placement, folds)
         records = tuple(self._apply(point, index, marks, amaxes, table, added, notes) for point in points)
         records += tuple(_quantize_gates(index, marks, added, table))
+        records += tuple(_float_joins(index, marks))
         order = index.production_order()
         activations = tuple(sorted(marks.values(), key=lambda m: (order.get(m.tensor, len(order)), m.tensor)))
         zero_points, note = _zero_points(index, activations, points, records, nonnegative, fine)
@@ -433,6 +438,44 @@ def _gates_once(index: GraphIndex, marks: Dict[str, ActivationMark], added: Dict
                             "status": "quantized gate", "sigmoid": sigmoid.name, "amax": amax,
                             "swish": source == other, "reason": why})
             break
+    return records
+
+
+def _float_joins(index: GraphIndex, marks: Dict[str, ActivationMark]) -> List[dict]:
+    """Rule CPU6: the skip inputs of residual joins that run in float in onnxruntime lose their Q/DQ (in
+    ``marks``); one report record per join.
+
+    Placement rule 6 quantizes a residual Add's skip input alone so that TensorRT fuses the Add into the
+    Conv that computes the other input. onnxruntime's CPU provider has no such fusion: it runs an Add on
+    integers only as ``QLinearAdd``, with every input dequantized and the output quantized. When no other
+    input of the join is quantized (a transformer's residual stream: ``x + (MatMul -> bias Add)``), the
+    join runs in float anyway, and the skip's Q/DQ pair only rounds the residual stream, which carries the
+    model's largest values: measured on a ViT encoder built in code (random weights, images 0..255), the
+    output error fell from 1.13x onnxruntime's own form's to 0.03x without those pairs. A skip input that
+    also feeds a quantized op keeps its pair there."""
+    records = []
+    for tensor, mark in list(marks.items()):
+        if mark.rule not in _JOIN_RULES:
+            continue
+        keep, dropped = [], []
+        for name, position in mark.consumers:
+            join = index.by_name.get(name)
+            found = join.inputs if join is not None else ()
+            inputs = [(i, t) for i, t in enumerate(found) if i != position and t]
+            quantized = any(t in marks and (name, i) in marks[t].consumers for i, t in inputs)
+            (keep if quantized or not inputs else dropped).append((name, position))
+        if not dropped:
+            continue
+        if keep:
+            marks[tensor] = ActivationMark(tensor, tuple(keep), mark.rule, mark.reason, mark.scale_group)
+        else:
+            del marks[tensor]
+        for name, _ in dropped:
+            why = (f"residual join {name!r} has no other quantized input, so onnxruntime runs it in float: "
+                   f"the Q/DQ pair on its skip input {tensor!r} (placement rule {mark.rule}, a TensorRT "
+                   "fusion) is left out")
+            records.append({"tensor": tensor, "node": name, "op_type": index.by_name[name].op_type,
+                            "rule": JOIN_RULE, "status": "left float", "reason": why})
     return records
 
 
