@@ -72,6 +72,11 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    weight is ``k[c]`` times the old one, exactly up to the float32 rounding of the scale product,
    and the Conv output is the old Add (or Mul) output, which then takes the requantization point
    of 4. Without the fold no QuantizeLinear sits on the Conv output and it runs in float.
+6. *Sigmoid gates* (rule CPU5, `_quantize_gates`): ``Mul(x, Sigmoid(s))`` between quantized tensors gets
+   a Q/DQ pair on the Sigmoid output, so it runs as ``QLinearSigmoid`` and ``QLinearMul`` instead of in
+   float between a DequantizeLinear and a QuantizeLinear;
+7. *float joins* (rule CPU6, `_float_joins`): a residual join with no other quantized input runs in
+   float in onnxruntime, so its skip input loses the pair placement rule 6 gives it for TensorRT.
 
 Every learned scale is kept unchanged; each requantization point and each fold is listed in
 `onnx_qat.quantize.QuantizeResult.to_report` under ``requantization`` (folds with rule
