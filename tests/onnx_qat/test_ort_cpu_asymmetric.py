@@ -181,3 +181,14 @@ def test_the_tensorrt_form_ignores_bounds():
     without = onnx_qat.quantize(model, scales=ScaleTable(table.activations), progress=False).model
     assert with_bounds.SerializeToString() == without.SerializeToString()
     assert all(zp == 0 for _, zp in _quant_params(with_bounds).values())
+
+
+def test_bounds_leave_out_masking_constants_and_non_finite_values():
+    from onnx_qat.calibration.runner import TensorObserver, make_collector
+
+    observer = TensorObserver("t", make_collector("max"))
+    observer.update(np.array([-1e9, -2.0, 0.5, 3.0, np.inf], np.float32))
+    observer.update(np.array([1.5, -0.5], np.float32))
+    assert observer.bounds() == (-2.0, 3.0) and observer.result() == 3.0
+    empty = TensorObserver("u", make_collector("max"))
+    assert empty.bounds() is None
