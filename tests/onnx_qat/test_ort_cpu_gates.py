@@ -84,3 +84,21 @@ def test_the_tensorrt_form_has_no_gate_marks():
     model = swish_model()
     result = onnx_qat.quantize(model, data={"input": _data(0)}, method="max", progress=False)
     assert "sig_out" not in B.qdq_pairs(result.model)
+
+
+def test_gates_with_a_given_scale_table(tmp_path):
+    """A ScaleTable given (ranges for the placement's tensors and the Convs' outputs, as a calibrated
+    quantize writes it; ``onnx-qat calibrate`` observes the placement's tensors only, and without the
+    Conv output's range its requantization point and the gate are not formed): the gate's Sigmoid output
+    takes amax 1 (it has no range in the table) at zero point 0, and the chain still runs on integers."""
+    model = swish_model(seed=2)
+    first = onnx_qat.quantize(model, data={"input": _data(2)}, method="max", target="ort-cpu", progress=False)
+    table = first.scales.subset([t for t in first.scales.activations if t != "sig_out"])
+    result = onnx_qat.quantize(model, scales=table, target="ort-cpu", progress=False)
+    gate = next(r for r in result.requantization if r["rule"] == GATE_RULE)
+    assert gate["tensor"] == "sig_out" and gate["amax"] == 1.0
+    acts = {r["tensor"]: r for r in result.inserted if r["kind"] == "activation"}
+    assert acts["sig_out"]["zero_point"] == 0 and acts["sig_out"]["scale"] == pytest.approx(1 / 127)
+    ops = B.optimized_ops(result.model, tmp_path)
+    assert "QLinearSigmoid" in ops and "QLinearMul" in ops and not _FLOAT_GATE_OPS & set(ops), ops
+    B.assert_check_clean(result.model, target="ort-cpu")
