@@ -749,10 +749,14 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
 
 
 def _own_bias(node, bias: str, index: GraphIndex, weights, channels: int) -> bool:
-    """True when ``bias`` is a float32 ``[C]`` initializer, not quantized. Other Convs may read it too
-    (an exporter may share one zero bias between Convs of the same width): the fold gives its Conv
-    a bias of its own and leaves the shared one as it is."""
+    """True when ``bias`` is a float32 ``[C]`` initializer or ``Constant`` output (as Paddle's exporter
+    writes biases), not quantized. Other Convs may read it too (an exporter may share one zero bias
+    between Convs of the same width): the fold gives its Conv a bias of its own and leaves the shared
+    one as it is."""
     proto = index.initializers.get(bias)
+    producer = index.producer.get(bias)
+    if proto is None and producer is not None and producer.op_type == "Constant" and producer.standard:
+        proto = index.constant_proto(bias)
     return (proto is not None and proto.data_type == _FLOAT and tuple(proto.dims) == (channels,)
             and (node.name, 2) not in weights)
 
@@ -832,7 +836,9 @@ def _fold_one(fold: ScaleFold, edit, readers) -> bool:
     new_bias = (old * fold.k.astype(np.float64) + fold.b.astype(np.float64)).astype(np.float32)
     bias_name = edit.add_initializer(f"{fold.node}_folded_bias", new_bias)
     if len(conv.input) > 2:
-        edit.release_if_unread(initializers=[conv.input[2]])
+        old = edit.producer.get(conv.input[2])
+        edit.release_if_unread(initializers=[conv.input[2]],
+                               nodes=[old] if old is not None and old.op_type == "Constant" else [])
         conv.input[2] = bias_name
     else:
         conv.input.append(bias_name)
@@ -867,6 +873,9 @@ def _fold_parts(conv, mul, add, fold: ScaleFold, edit, readers):
     protos = [edit.initializer(t) for t in dq.input]
     bias = conv.input[2] if len(conv.input) > 2 and conv.input[2] else None
     bias_proto = None if bias is None else edit.initializer(bias)
+    made_by = edit.producer.get(bias) if bias is not None else None
+    if bias_proto is None and made_by is not None and made_by.op_type == "Constant":
+        bias_proto = edit.constant(bias)[1]  # a Constant node's value
     if any(p is None for p in protos) or (bias is not None and bias_proto is None):
         return None
     from ..io.models import tensor_array
