@@ -57,15 +57,18 @@ class TensorObserver:
     NaN, ±Inf and masking magnitudes (>= `MASK_MAGNITUDE`) are counted and left
     out of the statistics; `result` warns about them, raises DataError when
     nothing finite was seen, and gives an all-zero tensor `ZERO_TENSOR_AMAX`.
+    Whatever the method, the smallest and largest value kept are tracked too (`bounds`).
     """
 
-    __slots__ = ("name", "collector", "seen", "ignored")
+    __slots__ = ("name", "collector", "seen", "ignored", "low", "high")
 
     def __init__(self, name: str, collector: RangeCollector):
         self.name = name
         self.collector = collector
         self.seen = 0
         self.ignored = 0
+        self.low = np.inf
+        self.high = -np.inf
 
     def update(self, values: np.ndarray) -> None:
         """Reduce one batch of the tensor into the running statistics.
@@ -82,14 +85,19 @@ class TensorObserver:
         if values.size == 0:
             return
         self.seen += values.size
-        peak = max(-float(values.min()), float(values.max()))  # NaN when any value is NaN
+        low, high = float(values.min()), float(values.max())
+        peak = max(-low, high)  # NaN when any value is NaN
         if peak < MASK_MAGNITUDE:  # False for NaN and Inf too
+            self.low, self.high = min(self.low, low), max(self.high, high)
             self.collector.update_values(values, peak)
             return
         magnitudes = np.abs(values)
         keep = magnitudes < MASK_MAGNITUDE
         self.ignored += int(magnitudes.size - np.count_nonzero(keep))
-        self.collector.update(magnitudes[keep])
+        kept = values[keep]
+        if kept.size:
+            self.low, self.high = min(self.low, float(kept.min())), max(self.high, float(kept.max()))
+        self.collector.update(np.abs(kept))
 
     def merge(self, other: "TensorObserver") -> None:
         """Add what ``other`` (the same tensor's observer over other batches) has seen."""
@@ -114,6 +122,12 @@ class TensorObserver:
                            ZERO_TENSOR_AMAX)
             return ZERO_TENSOR_AMAX
         return amax
+
+    def bounds(self) -> Optional[Tuple[float, float]]:
+        """``(min, max)`` of the finite values kept (not masking constants), or None when none was."""
+        if not self.low <= self.high:
+            return None
+        return float(self.low), float(self.high)
 
 
 def make_collector(method: str, *, percentile: float = 99.99, num_bins: int = 2048) -> RangeCollector:
@@ -161,6 +175,8 @@ class Calibration:
             samples, which the candidate tables are judged on.
         reference: ``auto`` only: the float model's float outputs on ``check_feeds`` (flattened and
             joined over the batches), taken during the calibration run itself.
+        bounds: ``{tensor: (min, max)}`` of the finite values seen, whatever the method (the ScaleTable's
+            ``bounds``: the ``ort-cpu`` target's asymmetric ranges).
     """
 
     ranges: Mapping[str, float]
@@ -171,11 +187,13 @@ class Calibration:
     choices: Mapping[str, str] = field(default_factory=dict)
     check_feeds: Tuple[dict, ...] = field(default=(), repr=False)
     reference: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
+    bounds: Mapping[str, Tuple[float, float]] = field(default_factory=dict)
 
     def table(self, name: Optional[str] = None, **metadata) -> ScaleTable:
-        """The ScaleTable of `ranges` (or of candidate ``name``), with ``metadata`` added."""
+        """The ScaleTable of `ranges` (or of candidate ``name``), with ``metadata`` and `bounds` added."""
         amax = self.ranges if name is None else self.candidates[name]
-        return ScaleTable(dict(amax), producer=self.producer, metadata={**self.metadata, **metadata})
+        return ScaleTable(dict(amax), producer=self.producer, metadata={**self.metadata, **metadata},
+                          bounds={k: v for k, v in self.bounds.items() if k in amax})
 
 
 #: Samples of the calibration data ``auto``'s candidate tables are judged on (the calibration batches
@@ -346,10 +364,11 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
 
         analyze([observers[name].collector for name in names if name in reached])
     ranges = {name: observer.result() for name, observer in observers.items() if name in reached}
+    bounds = {name: found for name in ranges for found in (observers[name].bounds(),) if found is not None}
     meta = _metadata(method, percentile, num_bins, dataset.num_samples)
     producer = f"onnx_qat.calibrate(method={_describe(method, percentile)})"
     if method != "auto":
-        return Calibration(ranges, unobserved, meta, producer)
+        return Calibration(ranges, unobserved, meta, producer, bounds=bounds)
 
     def guarded(value: float) -> float:
         return value if value > 0.0 else ZERO_TENSOR_AMAX
@@ -360,7 +379,7 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     feeds = tuple(feed for feed, _ in kept)
     reference = {name: np.concatenate([values[name].ravel() for _, values in kept]) for name in outputs} \
         if kept else {}
-    return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference)
+    return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference, bounds)
 
 
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
