@@ -100,9 +100,11 @@ class TensorObserver:
         self.collector.update(np.abs(kept))
 
     def merge(self, other: "TensorObserver") -> None:
-        """Add what ``other`` (the same tensor's observer over other batches) has seen."""
+        """Add what ``other`` (the same tensor's observer over other batches) has seen (exactly: counts
+        add, `bounds` take the smaller minimum and the larger maximum, collectors merge)."""
         self.seen += other.seen
         self.ignored += other.ignored
+        self.low, self.high = min(self.low, other.low), max(self.high, other.high)
         self.collector.merge(other.collector)
 
     def result(self) -> float:

@@ -33,6 +33,7 @@ def test_every_method_gives_the_ranges_of_one_process(method):
     two = onnx_qat.calibrate(model, data, workers=2, **kw)
     assert one.activations == two.activations  # float equality: bit for bit
     assert one.metadata == two.metadata  # auto: the same table kept, the same output cosines
+    assert one.bounds == two.bounds and one.bounds  # the ort-cpu target's (min, max), whatever the method
     assert len(one.activations) >= 3
 
 
@@ -67,11 +68,13 @@ def test_histograms_of_parts_merge_into_the_one_of_the_whole():
         assert a.amax() == one.amax(), method
 
 
-def test_quantize_writes_the_same_model_with_workers(tmp_path):
+@pytest.mark.parametrize("target", ["tensorrt", "ort-cpu"])
+def test_quantize_writes_the_same_model_with_workers(target):
+    """ort-cpu also reads each activation's calibrated (min, max): merged exactly too."""
     model = residual_block_model(projection=True)
     data = {"input": _images(32, 8, 8, 16)}
-    one = onnx_qat.quantize(model, data=data, batch_size=4, workers=1, progress=False).model
-    two = onnx_qat.quantize(model, data=data, batch_size=4, workers=2, progress=False).model
+    one = onnx_qat.quantize(model, data=data, batch_size=4, workers=1, target=target, progress=False).model
+    two = onnx_qat.quantize(model, data=data, batch_size=4, workers=2, target=target, progress=False).model
     assert one.SerializeToString() == two.SerializeToString()
 
 
