@@ -223,7 +223,8 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
             placement = replace(placement, notes=placement.notes + (note,))
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
                    "full_range": getattr(adapted, "full_range", ()),
-                   "narrow_weights": getattr(adapted, "narrow_weights", ())}
+                   "narrow_weights": getattr(adapted, "narrow_weights", ()),
+                   "range_scales": getattr(adapted, "range_scales", {})}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
     storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
@@ -254,6 +255,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
                     "deploy the FP32 model here")
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
+    _record_fp32_float_parts(qdq_model)
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
                             fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report)
@@ -262,6 +264,18 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
 
 
 # --------------------------------------------------------------------------- steps
+def _record_fp32_float_parts(model: onnx.ModelProto) -> None:
+    """Say in ``model``'s metadata (`onnx_qat.formats.numeric.FLOAT_DTYPE_KEY` = ``fp32``) that its float
+    parts are FP32 on purpose: check rule C15 then reports its FP32 Conv/Gemm/MatMul as a note (for
+    weakly typed builds, which pick FP16 themselves) instead of warning as it does for a Q/DQ model
+    that does not say (TensorRT 11's strongly typed build runs them in FP32). The float-parts
+    conversion replaces the entry with its type."""
+    from .formats.numeric import FLOAT_DTYPE_KEY
+
+    if not any(p.key == FLOAT_DTYPE_KEY for p in model.metadata_props):
+        model.metadata_props.add(key=FLOAT_DTYPE_KEY, value="fp32")
+
+
 def _load_and_place(model, placement: Optional[Placement], target_obj: Target, config: QuantizeConfig):
     """Load the float model (a private copy with unique node names), index it once, and decide
     (or check the given) placement; refuse models with nothing to quantize or non-finite weights.
@@ -474,7 +488,7 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> T
 
     options = dict(calib_kw)
     tensors = options.pop("tensors", None) or placement.activation_tensors()
-    unknown = sorted(set(options) - {"percentile", "num_bins", "batch_size"})
+    unknown = sorted(set(options) - {"percentile", "num_bins", "batch_size", "workers"})
     if unknown:
         raise ConfigError(f"unknown calibration option {unknown[0]!r}; the options are percentile, num_bins, "
                           "batch_size and tensors")
@@ -563,7 +577,7 @@ def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, ta
     placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
     storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
                "full_range": adapted.full_range, "narrow_weights": adapted.narrow_weights,
-               "precision": fmt.name, "block_size": config.block_size}
+               "range_scales": adapted.range_scales, "precision": fmt.name, "block_size": config.block_size}
     try:
         qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
     except ScalesError as exc:

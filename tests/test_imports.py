@@ -132,7 +132,7 @@ ALLOWED = {
     "runtime": {"errors", "io", "graph"},
     "placement": {"errors", "io", "graph", "formats", "config", "targets", "residual"},
     "insertion": {"errors", "io", "graph", "formats", "config", "scales", "targets", "placement"},
-    "passes": {"errors", "io", "graph", "formats", "config", "scales", "runtime", "placement"},
+    "passes": {"errors", "io", "graph", "formats", "config", "scales", "runtime", "placement", "check"},
     "check": {"errors", "io", "graph", "formats", "targets", "residual"},
     "rewrite": _LOW | {"placement", "insertion", "passes", "runtime", "calibration"},
     "calibration": _LOW | {"runtime", "placement", "insertion"},

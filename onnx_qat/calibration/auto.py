@@ -55,6 +55,11 @@ class AutoCollector(HistogramCollector):
         self._analysis = None
         super().update_values(values, peak)
 
+    def merge(self, other: "AutoCollector") -> None:
+        """Merge ``other``'s histogram (exact); the candidates are searched again."""
+        self._analysis = None
+        super().merge(other)
+
     def candidates(self) -> Dict[str, float]:
         """``{candidate name: amax}`` from what was seen so far (empty when everything was zero)."""
         if self.hist.max_seen <= 0.0:

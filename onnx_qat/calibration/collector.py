@@ -46,6 +46,12 @@ class RangeCollector(abc.ABC):
         """Options of this collector, for the ScaleTable's producer/metadata."""
         return self.method
 
+    def merge(self, other: "RangeCollector") -> None:
+        """Add what ``other`` (a collector of the same kind and options, fed other batches) has seen:
+        the result is the collector of both sets of batches, exactly, in any order (calibration on
+        worker processes merges each part's collectors, `onnx_qat.calibration.parallel`)."""
+        raise TypeError(f"{type(self).__name__} cannot merge")
+
 
 #: Below ``this * num_bins`` a top's bin scale no longer fits a float32 (it would overflow).
 _FLOAT32_SCALE_FLOOR = 1e-37
@@ -159,7 +165,9 @@ class AbsHistogram:
         exactly the histogram of both sets of values, in any order."""
         if other.num_bins != self.num_bins:
             raise ValueError(f"cannot merge histograms of {other.num_bins} and {self.num_bins} bins")
-        other._flush()
+        if other._buffer:  # binned on a copy: ``other`` stays as it is (it may be read-only, from Ray)
+            other = other._copy()
+            other._flush()
         self.max_seen = max(self.max_seen, other.max_seen)
         if other.top == 0.0:
             if self.top == 0.0:
@@ -178,6 +186,13 @@ class AbsHistogram:
             if factor >= self.num_bins:
                 counts[0] = int(other._counts.sum())
         self._counts += counts
+
+    def _copy(self) -> "AbsHistogram":
+        copy = AbsHistogram(self.num_bins)
+        copy._counts = np.array(self._counts)
+        copy.top, copy.max_seen, copy._pending_zeros = self.top, self.max_seen, self._pending_zeros
+        copy._buffer, copy._buffered = list(self._buffer), self._buffered
+        return copy
 
     @property
     def counts(self) -> np.ndarray:
@@ -280,6 +295,10 @@ class HistogramCollector(RangeCollector):
 
     def state_nbytes(self) -> int:
         return self.hist.nbytes()
+
+    def merge(self, other: "HistogramCollector") -> None:
+        """Merge ``other``'s histogram (`AbsHistogram.merge`: exact)."""
+        self.hist.merge(other.hist)
 
     def amax(self) -> float:
         if self.hist.max_seen <= 0.0:

@@ -34,7 +34,7 @@ import logging
 from typing import Callable, Dict, Optional, Tuple
 
 from ..errors import ModelError
-from .report import CheckReport, ERROR, WARNING
+from .report import CheckReport, ERROR, NOTE, WARNING
 from .index import _all_graphs
 from .rules_ops import rule_c13_not_quantized, rule_c1_opset, rule_c2_forbidden_ops, rule_c3_int32_bias
 from .rules_values import (
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 #: Rules the ``ort-cpu`` target replaces (rule function) or leaves out (None), with the reason.
 ORT_CPU_RULES: Dict[str, Tuple[Optional[Callable], str]] = {
-    "C4": (rule_c4_ort_cpu_zero_points, "uint8 activations with zero point 128 or 0 (same values)"),
+    "C4": (rule_c4_ort_cpu_zero_points, "uint8 activations with zero point 128, 0 or an asymmetric range's"),
     "C11": (None, "the Conv output feeding a residual Add is a requantization point (CPU1): "
                   "onnxruntime forms QLinearConv only with a QuantizeLinear on the Conv output"),
     "C14": (None, "a Q/DQ between Conv and Relu is a requantization point (CPU1), for QLinearConv"),
@@ -89,7 +89,8 @@ RULES: Tuple[Tuple[str, str, str, Callable], ...] = (
     ("C13", WARNING, "the model has Q/DQ nodes at all", rule_c13_not_quantized),
     ("C14", WARNING, "no Q/DQ inside a weighted op -> BatchNormalization/activation fusion",
      rule_c14_qdq_inside_fusion),
-    ("C15", WARNING, "no FP32 Conv/ConvTranspose/Gemm/MatMul among FP16/BF16 compute (strongly typed build)",
+    ("C15", WARNING, "no FP32 Conv/ConvTranspose/Gemm/MatMul among FP16/BF16 or quantized compute (strongly "
+                     "typed build; a note when the model says its float parts are FP32 on purpose)",
      rule_c15_fp32_weighted_ops),
 ) + rules_formats.RULES  # F1-F5: the FP8 and INT4 forms
 
@@ -191,7 +192,10 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
     for finding in findings:
         logger.debug("check %s", finding)
     precision = built or lazy_precision_map(proto, opset)
-    return CheckReport(tuple(findings), num_q, num_dq, label, opset, precision)
+    notes = tuple(f for f in findings if f.severity == NOTE)
+    return CheckReport(tuple(f for f in findings if f.severity != NOTE), num_q, num_dq, label, opset,
+                       precision, notes=notes)
 
 
-__all__ = ["check", "CheckReport", "Finding", "PrecisionMap", "RULES", "ORT_CPU_RULES", "ERROR", "WARNING"]
+__all__ = ["check", "CheckReport", "Finding", "PrecisionMap", "RULES", "ORT_CPU_RULES", "ERROR", "WARNING",
+           "NOTE"]

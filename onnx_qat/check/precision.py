@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 from ..formats.numeric import kept_fp32_reason
 from .index import WEIGHTED_OPS, _DATA_MOVEMENT, _input, _weight_input
@@ -425,6 +425,56 @@ def build_precision_map(model, graphs) -> PrecisionMap:
     return PrecisionMap(tuple(nodes), tuple(unfused))
 
 
+#: Precisions whose kernels take quantized inputs and accumulate in INT32/FP32, requantizing their
+#: output in the epilogue when a QuantizeLinear follows (INT4 is weight-only: float activations).
+_QUANT_KERNELS = frozenset({"int8", "fp8"})
+
+
+def fused_tensors(model) -> FrozenSet[str]:
+    """The main-graph float tensors of ``model`` TensorRT computes inside a fused INT8/FP8 kernel and
+    never stores in a float type.
+
+    A tensor is one when its producer runs quantized (an INT8/FP8 Conv/Gemm/MatMul, an op fused into
+    one, a quantizable op fused with its DQ and Q nodes, a data-movement op on quantized data, or a
+    DequantizeLinear that is not left standalone by rule U2) and every reader of it is a
+    QuantizeLinear or runs quantized too, and it is no graph output. Such a kernel reads the INT8/FP8
+    data, accumulates in INT32/FP32 and, when a QuantizeLinear follows, writes INT8/FP8 directly: the
+    DQ outputs, the accumulator, the fused BatchNormalization/activation/residual Add results between
+    them never exist as FP16/BF16 tensors ([TRT-EQ], "Q/DQ Layer-Placement Recommendations": when the
+    output of a fused convolution is quantized, the trailing Q layer is fused with it and its output
+    is INT8; a quantizable op is fused with its input DQ and output Q nodes).
+    """
+    from ..io.models import cyclic_gc_paused, default_opset
+    from .index import _all_graphs
+
+    with cyclic_gc_paused():
+        g = _all_graphs(model, default_opset(model), None)[0]
+        builder = _Builder(g, _Types(g, None))
+        for i in range(len(g.ops)):
+            decided = builder.decide(i)
+            if decided is not None:
+                builder.precision[i] = decided
+        standalone = {u.node for u in _unfused(g, builder, True)}
+    quantized = set()
+    for i in range(len(g.ops)):
+        record = g.qdq_at.get(i)
+        if record is not None and not record.is_q:
+            data_type = _quant_name(g, builder.types, record)
+            if data_type in _QUANT_KERNELS and g.name(i) not in standalone:
+                quantized.add(i)
+        elif builder.precision.get(i, ("",))[0] in _QUANT_KERNELS:
+            quantized.add(i)
+    found = set()
+    for i in quantized:
+        for out in g.graph.node[i].output:
+            readers = builder.readers(out)
+            if not out or out in g.outputs or not readers:
+                continue
+            if all(r in quantized or getattr(g.qdq_at.get(r), "is_q", False) for r in readers):
+                found.add(out)
+    return frozenset(found)
+
+
 def _kept_reason(node) -> Optional[str]:
     reason = kept_fp32_reason(node)
     return None if reason is None else reason or "no reason given"
@@ -470,4 +520,5 @@ def precision_map_of(model, graphs) -> PrecisionMap:
 
 
 __all__ = ["PrecisionMap", "NodePrecision", "UnfusedQDQ", "PRECISIONS",
-           "build_precision_map", "precision_map_of", "lazy_precision_map", "computes_in_reduced_float"]
+           "build_precision_map", "precision_map_of", "lazy_precision_map", "computes_in_reduced_float",
+           "fused_tensors"]

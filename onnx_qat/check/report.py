@@ -11,6 +11,8 @@ from typing import Optional, Tuple
 
 ERROR = "error"
 WARNING = "warning"
+#: A fact worth knowing that asks for no change (`CheckReport.notes`; never counted as a warning).
+NOTE = "note"
 MODEL_NODE = "(model)"
 
 
@@ -21,8 +23,9 @@ class Finding:
 
     Attributes:
         rule: rule id, ``"C1"`` ... (see `RULES` and docs/check-rules.md).
-        severity: ``"error"`` (TensorRT refuses it or computes something else) or
-            ``"warning"`` (it builds, but slower or less accurately than it could).
+        severity: ``"error"`` (TensorRT refuses it or computes something else),
+            ``"warning"`` (it builds, but slower or less accurately than it could) or ``"note"`` (a
+            fact worth knowing, no change asked; kept in `CheckReport.notes`, not in ``findings``).
         node: name of the offending node (``"(model)"`` for model-level findings).
         message: one sentence saying what is wrong and what to do.
     """
@@ -53,6 +56,8 @@ class CheckReport:
         precision_map: the [`PrecisionMap`][onnx_qat.check.precision.PrecisionMap] (a property): each
             compute node's precision under a strongly typed TensorRT build and the Q/DQ nodes left
             unfused, built on first access (None for reports not made by [`check`][onnx_qat.check.check]).
+        notes: findings of severity ``"note"`` (e.g. rule C15 on a model whose float parts are FP32 on
+            purpose): printed and in the JSON, never errors or warnings.
     """
 
     findings: Tuple[Finding, ...] = ()
@@ -63,6 +68,7 @@ class CheckReport:
     #: the PrecisionMap, or a function building it on first access (see
     #: [`precision_map`][onnx_qat.check.report.CheckReport.precision_map])
     precision_source: Optional[object] = field(default=None, compare=False, repr=False)
+    notes: Tuple[Finding, ...] = ()
 
     @property
     def precision_map(self):
@@ -112,7 +118,7 @@ class CheckReport:
                 f"{self.num_q} QuantizeLinear, {self.num_dq} DequantizeLinear")
 
     def __str__(self) -> str:
-        return "\n".join([str(f) for f in self.findings] + [self.summary()])
+        return "\n".join([str(f) for f in self.findings + self.notes] + [self.summary()])
 
     def to_dict(self) -> dict:
         """JSON-ready form (what ``onnx-qat check --json`` prints)."""
@@ -126,6 +132,7 @@ class CheckReport:
             "num_errors": len(self.errors),
             "num_warnings": len(self.warnings),
             "findings": [f.to_dict() for f in self.findings],
+            "notes": [f.to_dict() for f in self.notes],
         }
 
 

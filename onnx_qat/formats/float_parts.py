@@ -23,7 +23,9 @@ scale      its Q/DQ scale cannot be held in the type within its precision (it wo
            zero, or move by more than the type's epsilon of the largest scale), or it reads a
            DequantizeLinear kept for that reason
 measured   on ``data``, the model's output cosine lost more than ``max_cosine_drop`` and this node
-           added the largest relative error (or the first non-finite value) of those left
+           added the largest relative error (or the first non-finite value) of those left; or, when
+           no single node lowers the drop, it belongs to the group kept FP32 together that does
+           (found by shrinking the group of all converted compute nodes, `MAX_GROUP_TRIALS`)
 fusion     a DequantizeLinear feeding only kept nodes stays with them, so that TensorRT still fuses
            DQ into its consumer (a DQ -> Cast -> Conv chain would not fuse)
 ========== ===============================================================================
@@ -41,8 +43,10 @@ its session inserts (its ``InsertCastTransformer``), which it drops between cons
 runs of them see no FP16 rounding in between. It has no BF16 Conv or MatMul on CPU. The measurement
 therefore runs, for both types, the emulation
 [`emulate_in_fp32`][onnx_qat.formats.float_parts.emulate_in_fp32]: the same graph in FP32 with every FP16/BF16
-tensor rounded to its type where it is produced (FP16/BF16 storage, FP32 arithmetic, as TensorRT's
-reduced-precision kernels accumulate).
+tensor TensorRT stores rounded to its type where it is produced (FP16/BF16 storage, FP32 arithmetic,
+as TensorRT's reduced-precision kernels accumulate); the tensors inside a fused INT8/FP8 kernel
+(DQ outputs, accumulator, fused epilogue up to the requantizing QuantizeLinear) are never stored and
+stay unrounded (``onnx_qat.check.precision.fused_tensors``).
 """
 from __future__ import annotations
 
@@ -58,27 +62,28 @@ from onnx import TensorProto, helper
 
 from ..config import FLOAT_DTYPES
 from ..errors import ConfigError, ModelError
-from .numeric import KEEP_FP32_KEY, kept_fp32_reason
+from .numeric import FLOAT_DTYPE_KEY, KEEP_FP32_KEY, float_dtype_of, kept_fp32_reason
 from .float_cast import BF16, FP16, LowType, cast_graph, has_subgraph, read_in_subgraphs, schema_of, \
     slot_admits, tensor_types
 
 logger = logging.getLogger(__name__)
 
 LOW_TYPES: Mapping[str, LowType] = MappingProxyType({"fp16": FP16, "bf16": BF16})
-#: Model ``metadata_props`` key of the float parts' type (``fp16`` or ``bf16``).
-FLOAT_DTYPE_KEY = "onnx_qat.float_dtype"
 #: A tensor whose range exceeds the type's largest value divided by this stays FP32 (headroom for
 #: inputs beyond the calibration data).
 RANGE_HEADROOM = 2.0
 #: Default of ``max_cosine_drop``: the output cosine may fall by at most this much (measured on
 #: ``data``) against the FP32 float parts.
 MAX_COSINE_DROP = 0.002
-#: Samples of ``data`` the measurement runs on (the first ones).
+#: Samples of ``data`` the measurement runs on (spread evenly over its first 16 x this many:
+#: `onnx_qat.io.data.Dataset.spread`).
 MEASURE_SAMPLES = 4
 #: Rounds of the measured search (one node tried per round).
 MAX_ROUNDS = 12
 #: The measured search stops after this many rounds in a row whose node did not lower the drop.
 MAX_MISSES = 3
+#: Measured conversions of the group search that follows when no single node lowers the drop.
+MAX_GROUP_TRIALS = 12
 #: Ops TensorRT runs in FP32 and FP16 but not BF16 (onnx-tensorrt ``docs/operators.md``, TensorRT
 #: 10: "Supported Types" FP32, FP16).
 TENSORRT_NO_BF16 = frozenset({"DeformConv", "GridSample", "Mish", "NonMaxSuppression", "NonZero", "RoiAlign"})
@@ -187,12 +192,15 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
             QuantizeLinear nodes are read as ranges too.
         keep_io_types: graph inputs and outputs keep their types, with a Cast at the boundary
             (default); False: they take ``float_dtype`` too.
-        data: inputs to measure on (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts; the
-            first ``num_samples``): the ranges of every float tensor, and the output cosine. While the
+        data: inputs to measure on (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts;
+            ``num_samples`` of them spread evenly over its first 16 x ``num_samples``,
+            ``onnx_qat.io.data.Dataset.spread``): the ranges of every float tensor,
+            and the output cosine. While the
             converted model's cosine against ``reference`` is more than ``max_cosine_drop`` below the
-            FP32 float parts', the node adding the most error is kept FP32 (up to
-            `MAX_ROUNDS` nodes; a note says when the budget is not met). Without data only the
-            static rules and the given ranges apply.
+            FP32 float parts' and more than the model's own rounding noise, the node adding the most
+            error is kept FP32 (up to `MAX_ROUNDS` nodes), or, when no single node lowers the drop, a
+            group of nodes found by shrinking (`MAX_GROUP_TRIALS` measured conversions); a note says
+            when the budget is not met. Without data only the static rules and the given ranges apply.
         reference: the model the cosines are measured against (e.g. the FP32 float model before
             quantization); None: ``model`` itself (then the converted model's cosine against it must
             stay >= 1 - ``max_cosine_drop``).
@@ -220,6 +228,16 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
     proto = load_model(model)
     if low is None:
         return FloatPartsResult(proto, "fp32", summary=MappingProxyType({"nodes": len(proto.graph.node)}))
+    return _cast_loaded(proto, low, scales=scales, keep_io_types=keep_io_types, data=data,
+                        reference=None if reference is None or data is None else load_model(reference),
+                        patterns=patterns, max_cosine_drop=max_cosine_drop, num_samples=num_samples,
+                        progress=progress)
+
+
+def _cast_loaded(proto: onnx.ModelProto, low: LowType, *, scales, keep_io_types: bool, data, reference,
+                 patterns, max_cosine_drop: float, num_samples: int, progress: bool) -> FloatPartsResult:
+    """`cast_float_parts` on a loaded and validated ``proto`` the caller owns (``reference``: a loaded
+    model or None)."""
     _refuse_converted(proto)
     proto, notes = _raise_opset(proto, low)
     table = _load_table(scales)
@@ -267,13 +285,17 @@ def quantize_with_float_parts(quantize_fp32, model, output, report, *, data, flo
     import os
 
     from ..io.files import check_output_and_report
-    from ..io.models import write_outputs
+    from ..io.models import load_model, write_outputs
 
     paths = tuple(p for p in inputs if isinstance(p, (str, os.PathLike)))
     out_path, _ = check_output_and_report(output, report, inputs=paths)
     result = quantize_fp32()
-    parts = cast_float_parts(result.model, float_dtype, scales=result.scales, keep_io_types=keep_io_types,
-                             data=data, reference=None if data is None else model, progress=progress)
+    # the Q/DQ model is quantize's own, and the float model was validated when quantize loaded it: neither
+    # is copied or checked again
+    reference = None if data is None else load_model(model, check=False)
+    parts = _cast_loaded(result.model, get_low_type(float_dtype), scales=result.scales,
+                         keep_io_types=keep_io_types, data=data, reference=reference, patterns=(),
+                         max_cosine_drop=MAX_COSINE_DROP, num_samples=MEASURE_SAMPLES, progress=progress)
     result = dataclasses.replace(result, model=parts.model, output=out_path, float_parts=parts)
     write_outputs(parts.model, out_path, report, result.to_report, inputs=paths)
     return result
@@ -295,7 +317,7 @@ def _patterns(exclude_nodes) -> Tuple["re.Pattern", ...]:
 
 
 def _refuse_converted(model: onnx.ModelProto) -> None:
-    if any(p.key == FLOAT_DTYPE_KEY for p in model.metadata_props) or any(
+    if float_dtype_of(model) not in (None, "fp32") or any(
             t.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for t in model.graph.initializer):
         raise ModelError("the model already holds FP16/BF16 float parts; give the FP32 model")
 
@@ -395,7 +417,36 @@ def _given_ranges(model, table) -> Dict[str, float]:
             scale = tensor_array(constants[node.input[1]])
             if scale.size == 1 and node.input[0] not in ranges:
                 ranges[node.input[0]] = float(np.abs(scale).max()) * qmax
+        elif node.op_type == "DequantizeLinear" and len(node.input) > 1 and node.input[1] in constants \
+                and node.output and node.output[0] not in ranges:
+            ranges[node.output[0]] = _dq_range(node, constants)
     return ranges
+
+
+def _dq_range(node, constants) -> float:
+    """The largest |value| a DequantizeLinear outputs: from its constant codes, zero points and scales
+    (per channel along its axis) when it has them, else the largest code of its type times its
+    largest scale."""
+    from ..io.models import tensor_array
+
+    scale = np.abs(tensor_array(constants[node.input[1]]).astype(np.float64))
+    data = constants.get(node.input[0])
+    if data is None or not scale.size:
+        return _qmax(node, constants) * float(scale.max(initial=0.0))
+    codes = tensor_array(data).astype(np.float64)
+    zp = constants.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    zero = np.zeros(1) if zp is None else tensor_array(zp).astype(np.float64)
+    if scale.size == 1 and zero.size == 1:
+        return float(np.abs(codes - zero.reshape(-1)[0]).max(initial=0.0) * scale.reshape(-1)[0])
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+    blocked = any(a.name == "block_size" and a.i for a in node.attribute)
+    if blocked or codes.ndim == 0 or codes.shape[axis % codes.ndim] != scale.size \
+            or zero.size not in (1, scale.size):
+        return float((np.abs(codes).max(initial=0.0) + np.abs(zero).max()) * scale.max())
+    shape = [1] * codes.ndim
+    shape[axis % codes.ndim] = -1
+    shifted = codes - (zero.reshape(-1)[0] if zero.size == 1 else zero.reshape(shape))
+    return float((np.abs(shifted) * scale.reshape(shape)).max(initial=0.0))
 
 
 def _qmax(node, constants) -> float:
@@ -594,17 +645,18 @@ class _Measure:
 
     def __init__(self, proto, types, data, reference, num_samples: int, progress: bool):
         from ..io.data import load_data
-        from ..io.models import load_model
 
-        self.dataset = load_data(data, proto).take(num_samples)
+        self.dataset = load_data(data, proto).spread(num_samples)
         self.progress = progress
         self.outputs = [o.name for o in proto.graph.output]
-        self.floats = [t for n in proto.graph.node for t in n.output
+        # every float tensor but the DequantizeLinear outputs, whose ranges their codes and scales
+        # give (`_dq_range`): exposing them copies every dequantized weight on each run
+        self.floats = [t for n in proto.graph.node if n.op_type != "DequantizeLinear" for t in n.output
                        if t and types.get(t) == TensorProto.FLOAT and t not in self.outputs]
         self.proto = proto
         self._values32: Optional[Dict[str, np.ndarray]] = None
         self.ranges: Dict[str, float] = {}
-        ref = None if reference is None else load_model(reference)
+        ref = reference
         if ref is not None:
             missing = [o for o in self.outputs if o not in self.outputs_of(ref)]
             if missing:
@@ -635,23 +687,27 @@ class _Measure:
                                  desc="float parts"):
             for name, value in batch.items():
                 value = np.asarray(value, dtype=np.float32)
-                if ranges is not None and value.size and np.all(np.isfinite(value)):
-                    ranges[name] = max(ranges.get(name, 0.0), float(np.max(np.abs(value))))
+                if ranges is not None and value.size:
+                    peak = max(float(value.max()), -float(value.min()))  # NaN or inf: not finite
+                    if np.isfinite(peak):
+                        ranges[name] = max(ranges.get(name, 0.0), peak)
                 if keep or name in self.outputs:
                     parts.setdefault(name, []).append(value.reshape(-1))
         return {name: np.concatenate(v) for name, v in parts.items()}
 
     def noise(self, low: LowType) -> Dict[str, float]:
         """Per output, how much the FP32 float parts' cosine against the reference moves when every
-        float input moves by half a ``low`` step (times 1 ± eps/2, seeded signs): the model's own
-        rounding noise, which an INT8 model whose values sit near rounding boundaries amplifies."""
+        float input, and every QuantizeLinear's input, moves by a rounding error of ``low`` (times
+        1 + u, u uniform in ± eps/2, seeded): the model's own rounding noise, which an INT8 model
+        whose values sit near rounding boundaries amplifies (an input quantized at once, from an
+        8-bit image, barely moves: the QuantizeLinear inputs inside the network do)."""
         from ..runtime.sessions import make_session
 
-        session = make_session(self.proto, optimize=False, spin=False)
+        session = make_session(jittered(self.proto, low.eps / 2), optimize=False, spin=False)
         rng = np.random.default_rng(0)
         parts: Dict[str, list] = {}
         for feed in self.dataset.batches(4):
-            moved = {k: (v * (1 + low.eps / 2 * rng.choice([-1.0, 1.0], size=np.shape(v)))).astype(v.dtype)
+            moved = {k: (v * (1 + rng.uniform(-low.eps / 2, low.eps / 2, size=np.shape(v)))).astype(v.dtype)
                      if np.asarray(v).dtype.kind == "f" else v for k, v in feed.items()}
             for name, value in zip(self.outputs, session.run(self.outputs, moved)):
                 parts.setdefault(name, []).append(np.asarray(value, np.float32).reshape(-1))
@@ -720,21 +776,115 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     if misses:  # the nodes kept since the last improvement did not help: undone
         converted, stats, kept, cos = best[1:]
     short = {o: base[o] - cos[o] for o in measure.outputs if not cos[o] >= base[o] - max_drop}
+    group_trials = 0
+    if short and noise is not None and not all(short[o] <= noise[o] for o in short):
+        found, group_trials = _group_search(measure, proto, low, kept, types, keep_io_types, max_drop, base,
+                                            short)
+        if found is not None:
+            converted, stats, kept, cos = found
+            short = {}
     notes: Tuple[str, ...] = ()
     if short:
         within = noise is not None and all(short[o] <= noise[o] for o in short)
         moved = ", ".join(f"{o} {base[o]:.5f} -> {cos[o]:.5f}" for o in short)
         sizes = ", ".join(f"{noise[o]:.2g}" for o in short) if within else ""
         why = (f", within the INT8 model's own rounding noise ({sizes}: its output cosine moves that much "
-               f"when its inputs move by half a {low.name.upper()} step)" if within
+               f"when its inputs and every QuantizeLinear input move by a {low.name.upper()} rounding error)"
+               if within
                else f" after {rounds} rounds")
         notes = (f"the output cosine stays more than {max_drop:g} below the FP32 float parts' "
                  f"({moved}){why}",)
         logger.warning("%s", notes[0])
-    measurement = {"samples": measure.dataset.num_samples, "rounds": rounds, "max_cosine_drop": max_drop,
+    measurement = {"samples": measure.dataset.num_samples, "rounds": rounds, "group_trials": group_trials,
+                   "max_cosine_drop": max_drop,
                    "outputs": {o: {"cosine_fp32": base[o], "cosine": cos[o]} for o in measure.outputs},
                    **({} if noise is None else {"rounding_noise": dict(noise)})}
     return converted, stats, kept, measurement, notes
+
+
+def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop, base, short):
+    """When no single node lowers the drop enough: keep FP32 a group of the converted compute nodes
+    that brings every output within ``max_drop`` of the FP32 float parts, found by shrinking the
+    group of all of them (delta debugging: convert back halves, then quarters... of the group, in
+    graph order, while the budget still holds), at most `MAX_GROUP_TRIALS` measured conversions.
+    Returns ``((converted, stats, kept, cosines) or None, trials)``."""
+    skip = (*_QDQ, "Cast", "Constant")
+    group = [n for n in proto.graph.node if n.name and n.name not in kept and n.op_type not in skip
+             and any(types.get(t) == TensorProto.FLOAT for t in list(n.input) + list(n.output) if t)]
+    trials = 0
+
+    def attempt(nodes):
+        nonlocal trials
+        trials += 1
+        trial = dict(kept)
+        for n in nodes:
+            trial[n.name] = KeptNode(n.name, n.op_type, "measured", "")
+        converted, stats, trial = _convert(proto, low, trial, types, keep_io_types)
+        cos = measure.cosines(measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors))
+        within = all(cos[o] >= base[o] - max_drop for o in measure.outputs)
+        return within, (converted, stats, trial, cos)
+
+    if not group:
+        return None, trials
+    within, found = attempt(group)
+    if not within:
+        return None, trials
+    parts = 2
+    while trials < MAX_GROUP_TRIALS and len(group) > 1 and parts <= len(group):
+        size = -(-len(group) // parts)
+        shrunk = False
+        for start in range(0, len(group), size):
+            if trials >= MAX_GROUP_TRIALS:
+                break
+            rest = group[:start] + group[start + size:]
+            if not rest:
+                continue
+            ok, result = attempt(rest)
+            if ok:
+                group, found, shrunk = rest, result, True
+                break
+        if not shrunk:
+            parts *= 2
+        else:
+            parts = max(2, parts - 1)
+    converted, stats, trial, cos = found
+    worst = max(short, key=short.get)
+    reason = (f"output {worst!r} cosine fell by {short[worst]:.2g} in {low.name.upper()} (> {max_drop:g}) "
+              f"and no single node lowered it; with these {len(group)} nodes kept FP32 together it falls by "
+              f"{max(base[worst] - cos[worst], 0.0):.2g} (group found by shrinking in {trials} measured "
+              "conversions)")
+    names = {n.name for n in group}
+    trial = {k: KeptNode(v.node, v.op_type, "measured", reason) if k in names else v
+             for k, v in trial.items()}
+    return (converted, stats, trial, cos), trials
+
+
+def jittered(model: onnx.ModelProto, size: float, seed: int = 0) -> onnx.ModelProto:
+    """A copy of ``model`` whose every main-graph QuantizeLinear input is multiplied by ``1 + u``, ``u``
+    uniform in ± ``size`` (onnxruntime's seeded ``RandomUniformLike``, one seed per node): rounding
+    errors of a float type before every quantization, in random directions."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    used = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
+    one = _fresh(used, "jitter/one")
+    nodes = []
+    for i, node in enumerate(g.node):
+        if node.op_type == "QuantizeLinear" and node.input and node.input[0]:
+            t = node.input[0]
+            noise, factor, moved = (_fresh(used, f"{t}/jitter"), _fresh(used, f"{t}/jitter_factor"),
+                                    _fresh(used, f"{t}/jittered"))
+            nodes += [helper.make_node("RandomUniformLike", [t], [noise], low=-float(size), high=float(size),
+                                       seed=float(seed * 100003 + i)),
+                      helper.make_node("Add", [noise, one], [factor]),
+                      helper.make_node("Mul", [t, factor], [moved])]
+            node.input[0] = moved
+        nodes.append(node)
+    if len(nodes) > len(g.node):
+        g.initializer.append(onnx.numpy_helper.from_array(np.float32(1.0), one))
+    del g.node[:]
+    g.node.extend(nodes)
+    return out
 
 
 def _float_producers(model, node, types) -> List[onnx.NodeProto]:
@@ -806,18 +956,25 @@ def ort_cpu_missing_kernels(model: onnx.ModelProto, low: LowType, nodes: Iterabl
 
 
 # --------------------------------------------------------------------------- emulation
-def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto:
+def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None, *, fusions: bool = True) -> onnx.ModelProto:
     """A copy of ``model`` (FP16 or BF16 float parts) onnxruntime's CPU provider runs as TensorRT
-    stores the numbers: every FP16/BF16 tensor computed in FP32 and rounded to its type where it is
-    produced (a Cast to the type and back), initializers as their exact FP32 values, FP16/BF16 graph
-    inputs and outputs as FP32. ``float_dtype``: ``fp16`` or ``bf16`` (None: the model's
-    `FLOAT_DTYPE_KEY`).
+    stores the numbers: every FP16/BF16 tensor TensorRT stores computed in FP32 and rounded to its
+    type where it is produced (a Cast to the type and back), initializers as their exact FP32
+    values, FP16/BF16 graph inputs and outputs as FP32. ``float_dtype``: ``fp16`` or ``bf16`` (None:
+    the model's `FLOAT_DTYPE_KEY`).
+
+    With ``fusions`` (the default) the tensors TensorRT computes inside a fused INT8/FP8 kernel and
+    never stores are not rounded
+    (``onnx_qat.check.precision.fused_tensors``: the DequantizeLinear outputs a
+    quantized Conv/Gemm/MatMul reads, its accumulator and the fused BatchNormalization, activation
+    and residual Add results up to the QuantizeLinear that requantizes them); ``fusions=False``
+    rounds every FP16/BF16 tensor, stricter than TensorRT.
 
     This is what the measurement of [`cast_float_parts`][onnx_qat.formats.float_parts.cast_float_parts] runs,
-    for both types: onnxruntime has no BF16 Conv or MatMul on CPU, and its FP16 session computes consecutive
-        ops without an FP16 CPU
-    kernel in FP32 with no rounding between them (its ``InsertCastTransformer`` drops the Cast pairs
-    between them), which can hide the cost of FP16 storage there.
+    for both types: onnxruntime has no BF16 Conv or MatMul on CPU, and its FP16 session computes
+    consecutive ops without an FP16 CPU kernel in FP32 with no rounding between them (its
+    ``InsertCastTransformer`` drops the Cast pairs between them) but rounds the tensors inside the
+    fused kernels, so it neither matches TensorRT nor bounds it.
     """
     if float_dtype is None:
         float_dtype = {p.key: p.value for p in model.metadata_props}.get(FLOAT_DTYPE_KEY)
@@ -826,17 +983,20 @@ def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None) -> onnx.ModelProto
     low = get_low_type(float_dtype)
     if low is None:
         raise ConfigError("emulate_in_fp32: float_dtype must be 'fp16' or 'bf16'")
-    return _emulate(model, low)
+    return _emulate(model, low, fusions=fusions)
 
 
-def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None) -> onnx.ModelProto:
+def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None, fusions: bool = True) -> onnx.ModelProto:
     """[`emulate_in_fp32`][onnx_qat.formats.float_parts.emulate_in_fp32]; ``low_tensors``: the node outputs of
     type ``low`` when known (else shape inference tells)."""
+    from ..check.precision import fused_tensors
     from ..io.models import tensor_array
 
     if low_tensors is None:
         types = tensor_types(model)
         low_tensors = {t for t, ty in types.items() if ty == low.onnx_type}
+    if fusions:
+        low_tensors = set(low_tensors) - fused_tensors(model)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
@@ -868,6 +1028,5 @@ def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None) -> onnx.Mod
 
 
 __all__ = ["cast_float_parts", "quantize_with_float_parts", "FloatPartsResult", "KeptNode", "FLOAT_DTYPES",
-           "KEEP_FP32_KEY",
-           "FLOAT_DTYPE_KEY", "kept_fp32_nodes", "emulate_in_fp32", "get_low_type", "check_float_dtype",
-           "TENSORRT_NO_BF16"]
+           "KEEP_FP32_KEY", "FLOAT_DTYPE_KEY", "kept_fp32_nodes", "emulate_in_fp32", "jittered",
+           "get_low_type", "check_float_dtype", "TENSORRT_NO_BF16"]

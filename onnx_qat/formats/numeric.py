@@ -112,6 +112,21 @@ FP8_METHODS = ("rtn", "gptq")
 KEEP_FP32_KEY = "onnx_qat.keep_fp32"
 
 
+#: The model metadata key (``ModelProto.metadata_props``) saying the type of the float parts: ``fp16`` or
+#: ``bf16`` (written by the float-parts conversion), ``fp32`` (written by ``quantize`` with
+#: ``float_dtype="fp32"``: FP32 on purpose, for weakly typed TensorRT builds that pick FP16 themselves).
+#: Check rule C15 reads it.
+FLOAT_DTYPE_KEY = "onnx_qat.float_dtype"
+
+
+def float_dtype_of(model) -> Optional[str]:
+    """The float parts' type ``model`` (a ModelProto) records under `FLOAT_DTYPE_KEY`, or None."""
+    for entry in getattr(model, "metadata_props", ()):
+        if entry.key == FLOAT_DTYPE_KEY:
+            return entry.value
+    return None
+
+
 def kept_fp32_reason(node) -> Optional[str]:
     """The reason a float-parts conversion kept ``node`` (a NodeProto) FP32, or None when it did not."""
     for entry in getattr(node, "metadata_props", ()):
@@ -132,6 +147,7 @@ def get_format(precision) -> Format:
     return found
 
 
-__all__ = ["Format", "FORMATS", "PRECISIONS", "INT8", "FP8", "INT4", "get_format",
+__all__ = ["Format", "FORMATS", "PRECISIONS", "INT8", "FP8", "INT4", "get_format", "FLOAT_DTYPE_KEY",
+           "float_dtype_of",
            "DEFAULT_BLOCK_SIZE", "TENSORRT_BLOCK_SIZES", "INT4_METHODS", "KEEP_FP32_KEY",
            "kept_fp32_reason"]

@@ -237,6 +237,20 @@ class Dataset:
         return Dataset({k: c.head(n) for k, c in self._columns.items()}, source=self.source,
                        **self._same())
 
+    def spread(self, n: int, window: int = 16) -> "Dataset":
+        """``n`` samples evenly spread over the first ``window`` x ``n`` (data often comes grouped by
+        kind: photos, then pages), read into memory; the first ``n`` for a stateful model, whose
+        samples are a sequence, or a model with a fixed batch size."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise DataError(f"number of samples must be a whole number >= 1, got {n!r}")
+        if self.state or self._fixed_batch or n >= self.num_samples:
+            return self.take(n)
+        part = self.take(min(self.num_samples, int(window) * int(n)))
+        picked = np.unique(np.linspace(0, part.num_samples - 1, int(n)).round().astype(np.int64))
+        arrays = {k: np.ascontiguousarray(v[picked]) for k, v in part.arrays.items()}
+        return Dataset(arrays, source=f"{self.source} ({len(picked)} samples spread over {part.num_samples})",
+                       **self._same())
+
     def _same(self) -> dict:
         """The keywords that make a part of this dataset like it."""
         return {"unbatched": tuple(self._unbatched), "fixed_batch": self._fixed_batch, "dtypes": self._dtypes,

@@ -227,6 +227,11 @@ class FeedStream:
             raise DataError(f"number of feeds must be a whole number >= 1, got {n!r}")
         return self._with_items(tuple(itertools.islice(self._raw(), int(n))), self.source)
 
+    def spread(self, n: int) -> "FeedStream":
+        """The first ``n`` feeds, as `take`: a stream is read in order (a stateful model's feeds are a
+        sequence), so it is not sampled across (`onnx_qat.io.data.Dataset.spread` is)."""
+        return self.take(n)
+
     def split(self, holdout: float) -> Tuple["FeedStream", "FeedStream"]:
         """``(first, last)``: the last ``holdout`` share of the feeds (at least one) held out.
 

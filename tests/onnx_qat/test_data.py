@@ -331,3 +331,17 @@ def test_scalar_input_feeds_are_zero_dimensional(tmp_path):
     data = load_data(tmp_path / "zero_d.npz", specs)
     (feed,) = list(data.batches(4))
     assert data.num_samples == 1 and feed["s"].shape == () and feed["s"].dtype == np.int64 and feed["s"] == 3
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_spread_takes_samples_evenly_over_a_window(tmp_path, streamed):
+    arrays = _good(40)
+    data = load_data(_save(tmp_path, arrays) if streamed else arrays, _two_input_model())
+    four = data.spread(4)  # over all 40 (fewer than 16 x 4)
+    np.testing.assert_array_equal(four.arrays["x"], arrays["x"][[0, 13, 26, 39]])
+    np.testing.assert_array_equal(four.arrays["mask"], arrays["mask"][[0, 13, 26, 39]])
+    two = data.spread(2, window=4)  # over the first 8
+    np.testing.assert_array_equal(two.arrays["ids"], arrays["ids"][[0, 7]])
+    assert data.spread(50).num_samples == 40
+    with pytest.raises(DataError):
+        data.spread(0)

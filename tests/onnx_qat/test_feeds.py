@@ -335,3 +335,16 @@ def test_an_onnxruntime_calibration_data_reader_is_a_source_of_feeds():
     want = onnx_qat.calibrate(model, feeds, method="max", state=STATE, progress=False).activations
     got = onnx_qat.calibrate(model, Steps(feeds), method="max", state=STATE, progress=False)
     assert got.activations == want and got.metadata["calibration_samples"] == "16"
+
+
+def test_fp16_float_parts_measure_on_the_first_feeds_of_a_stream(tmp_path):
+    """A stream is measured on its first feeds, in order (spread over it would break the state)."""
+    from onnx_qat.formats.float_parts import cast_float_parts
+
+    model, feeds = rnn_model(seed=3), stream(seed=3)
+    explicit, _ = unrolled(model, feeds)  # every input in every feed
+    folder = save_dir(tmp_path / "feeds", explicit)
+    result = cast_float_parts(model, "fp16", data=folder)
+    assert result.measurement["samples"] == min(4, len(feeds))
+    out = result.measurement["outputs"]
+    assert out and all(v["cosine"] >= v["cosine_fp32"] - 0.002 for v in out.values())

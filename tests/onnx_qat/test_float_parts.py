@@ -393,3 +393,119 @@ def test_quantize_with_scales_converts_without_measuring_and_writes_nothing_on_b
         onnx_qat.quantize(model, tmp_path / "missing" / "q.onnx", scales=table, float_dtype="fp16")
     with pytest.raises(ConfigError, match="keep_io_types"):
         onnx_qat.quantize(model, scales=table, float_dtype="fp16", keep_io_types="no")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_emulation_leaves_unrounded_only_what_a_fused_int8_kernel_never_stores(seed):
+    """The tensors inside a fused INT8 Conv kernel (its input and weight DQ outputs, the Conv output
+    and its fused Relu/residual Add up to the QuantizeLinear) are not rounded to FP16; every tensor
+    a float op reads or a graph output is."""
+    from onnx_qat.check.precision import QUANTIZED, build_precision_map, fused_tensors
+    from onnx_qat.check.index import _all_graphs
+    from onnx_qat.io.models import default_opset
+
+    model = residual_block_model(projection=True, seed=seed)
+    x = random_inputs(model, num=8, seed=seed)
+    fp16 = onnx_qat.quantize(model, data=x, float_dtype="fp16", progress=False).model
+    fused = fused_tensors(fp16)
+    pmap = build_precision_map(fp16, _all_graphs(fp16, default_opset(fp16), None))
+    precision = {e.node: e.precision for e in pmap.nodes}
+    producer = {t: n for n in fp16.graph.node for t in n.output}
+    readers = {}
+    for n in fp16.graph.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+    quantized = [n for n in fp16.graph.node if precision.get(n.name) == "int8" and n.op_type == "Conv"]
+    assert len(quantized) == 4  # stem, two in the block, the projection
+    for conv in quantized:  # its DQ inputs (activation and weight) are never stored in FP16
+        assert all(t in fused for t in conv.input[:2])
+    for t in fused:
+        assert producer[t].op_type == "DequantizeLinear" or precision[producer[t].name] in QUANTIZED
+        assert all(r.op_type == "QuantizeLinear" or precision.get(r.name) in QUANTIZED for r in readers[t])
+    assert not fused & {o.name for o in fp16.graph.output}
+    assert any(producer[t].op_type == "Conv" for t in fused)  # a Conv requantized in its epilogue
+    rounded = [n for n in emulate_in_fp32(fp16).graph.node if n.op_type == "Cast"]
+    strict = [n for n in emulate_in_fp32(fp16, fusions=False).graph.node if n.op_type == "Cast"]
+    assert len(strict) - len(rounded) == 2 * len(fused)  # one Cast pair less per fused tensor
+    ref, q32 = run_each(model, x), onnx_qat.quantize(model, data=x, progress=False).model
+    c32 = cosine(ref, run_each(q32, x))
+    assert cosine(ref, run_each(emulate_in_fp32(fp16), x)) >= c32 - 0.002
+
+
+def _deep_cancellation_model():
+    """y = (((x + 1000) * 1 * 1 * 1 * 1) - 1000) @ W, and a second output z = relu(x @ W2) @ W3: keeping
+    the Sub and the Mul feeding it FP32 leaves the other Muls rounding at 1000 (a step of 0.5), so no
+    single node (with its producers) lowers the drop; the six nodes of the chain together do."""
+    b = GraphBuilder("deep_cancel", 0)
+    x = b.input("x", [4, 16])
+    t = b.node("Add", [x, b.const("shift", np.float32(1000.0))], name="shift")
+    for i in range(4):
+        t = b.node("Mul", [t, b.const(f"one{i}", np.float32(1.0))], name=f"same{i}")
+    u = b.node("Sub", [t, b.const("unshift", np.float32(1000.0))], name="unshift")
+    b.node("MatMul", [u, b.weight("w", [16, 8])], "y", name="proj")
+    h = b.node("Relu", [b.node("MatMul", [x, b.weight("w2", [16, 16])], name="fc1")], name="relu")
+    b.node("MatMul", [h, b.weight("w3", [16, 8])], "z", name="fc2")
+    b.output("y")
+    b.output("z")
+    return b.build()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_when_no_single_node_helps_a_group_is_kept_fp32(seed):
+    model = _deep_cancellation_model()
+    feeds = {"x": np.random.default_rng(seed).uniform(0, 1, (4, 16)).astype(np.float32)}
+    result = cast_float_parts(model, "fp16", data=feeds)
+    measured = {k.node: k for k in result.kept if k.rule == "measured"}
+    assert set(measured) == {"shift", "same0", "same1", "same2", "same3", "unshift"}
+    assert all("no single node lowered it; with these 6 nodes kept FP32 together" in k.reason
+               for k in measured.values())
+    assert measured["shift"].reason.startswith("output 'y' cosine fell by")
+    assert "proj" not in measured and "fc1" not in measured and "fc2" not in measured
+    m = result.measurement
+    assert 0 < m["group_trials"] <= 12 and m["rounds"] >= 3
+    assert all(v["cosine"] >= v["cosine_fp32"] - 0.002 for v in m["outputs"].values())
+    y, z = run(model, feeds)
+    y16, z16 = run(emulate_in_fp32(result.model), feeds)
+    assert cosine(y, y16) >= 0.998 and cosine(z, z16) >= 0.998
+    assert not result.notes or "stays more than" not in " ".join(result.notes)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_jittered_moves_every_quantize_input_by_at_most_its_size_the_same_way_each_time(seed):
+    from onnx_qat.formats.float_parts import jittered
+
+    model = residual_block_model(projection=True, seed=seed)
+    x = random_inputs(model, num=4, seed=seed)
+    q = onnx_qat.quantize(model, data=x, progress=False).model
+    moved = jittered(q, 2.0**-11, seed=seed)
+    assert sum(n.op_type == "RandomUniformLike" for n in moved.graph.node) == sum(
+        n.op_type == "QuantizeLinear" for n in q.graph.node)
+    feeds = {"input": x["input"][:1]}
+    first, again, exact = run(moved, feeds)[0], run(moved, feeds)[0], run(q, feeds)[0]
+    np.testing.assert_array_equal(first, again)  # seeded
+    assert 0.999 < cosine(first, exact) < 1.0  # a few values cross a rounding boundary, no more
+    assert len(q.graph.node) == len(onnx_qat.quantize(model, data=x, progress=False).model.graph.node)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_dequantize_ranges_come_from_codes_and_scales_without_running(precision):
+    """A weight DQ's range is its largest dequantized value exactly; an activation DQ's is bounded by
+    its largest code times its scale, never below what it outputs."""
+    from onnx_qat.formats.float_parts import _given_ranges
+    from onnx_qat.runtime.sessions import make_session
+
+    model = residual_block_model(projection=True, seed=2)
+    x = random_inputs(model, num=4, seed=2)
+    q = onnx_qat.quantize(model, data=x, precision=precision, progress=False).model
+    ranges = _given_ranges(q, None)
+    inits = {t.name for t in q.graph.initializer}
+    dqs = [n for n in q.graph.node if n.op_type == "DequantizeLinear"]
+    names = [n.output[0] for n in dqs]
+    session = make_session(q, extra_outputs=names, optimize=False)
+    values = dict(zip(names, session.run(names, {"input": x["input"][:1]})))
+    for node in dqs:
+        actual = float(np.abs(values[node.output[0]]).max())
+        if node.input[0] in inits:  # a weight: exact
+            assert ranges[node.output[0]] == pytest.approx(actual, rel=1e-6), node.name
+        else:
+            assert ranges[node.output[0]] >= actual, node.name

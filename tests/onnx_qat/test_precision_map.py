@@ -47,7 +47,52 @@ def test_transformer_names_its_fp32_attention_products():
     assert _by_node(pmap)["q_bias"].reason == "fused into 'q'"  # the bias Add runs in the MatMul
     assert pmap.counts()["int8"] == 14 and pmap.counts()["fp32"] == 20
     assert "FP32 Conv/Gemm/MatMul: 2 (scores, context)" in pmap.summary()
-    assert report.findings == ()  # float parts all FP32: consistent, listed in the map, no warning
+    assert report.findings == ()  # float parts FP32 on purpose (quantize says so): a note, no warning
+    (note,) = report.notes
+    assert note.rule == "C15" and note.severity == "note" and note.node == "(model)"
+    assert note.message.startswith("2 Conv/ConvTranspose/Gemm/MatMul (scores, context) run in FP32")
+    assert "onnx_qat.float_dtype=fp32" in note.message and "--float-dtype fp16" in note.message
+    assert str(note) in str(report) and report.to_dict()["notes"][0]["rule"] == "C15"
+    assert report.to_dict()["num_warnings"] == 0
+
+
+def _without_float_dtype(model):
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    keep = [p for p in out.metadata_props if p.key != "onnx_qat.float_dtype"]
+    del out.metadata_props[:]
+    out.metadata_props.extend(keep)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_c15_warns_about_fp32_matmuls_of_a_quantized_model_that_does_not_say_why(seed):
+    """Another tool's INT8 model (or a hand-edited one) with FP32 attention products: TensorRT 11 runs
+    them in FP32, and nothing says that is meant: one warning each."""
+    quantized = _quantized(transformer_block_model(seed=seed), seed=seed)
+    assert {p.key: p.value for p in quantized.metadata_props}["onnx_qat.float_dtype"] == "fp32"
+    report = check(_without_float_dtype(quantized))
+    c15 = [f for f in report.findings if f.rule == "C15"]
+    assert [(f.node, f.severity) for f in c15] == [("scores", "warning"), ("context", "warning")]
+    assert all("does not say its float parts are FP32 on purpose" in f.message for f in c15)
+    assert report.notes == () and report.passed
+
+
+def test_c15_says_nothing_about_an_all_int8_model_or_a_float_one():
+    """No FP32 weighted op beside quantized compute (every Conv INT8), or no quantized compute at all
+    (a float model, which C13 reports): C15 is silent, with or without the record."""
+    int8 = _without_float_dtype(_quantized(residual_block_model()))
+    assert not [f for f in check(int8).findings + check(int8).notes if f.rule == "C15"]
+    floats = check(transformer_block_model())
+    assert not [f for f in floats.findings + floats.notes if f.rule == "C15"]
+
+
+def test_fp16_float_parts_replace_the_fp32_record():
+    model = transformer_block_model()
+    data = random_inputs(model, num=4, seed=0)
+    fp16 = onnx_qat.quantize(model, data=data, float_dtype="fp16", progress=False).model
+    assert {p.key: p.value for p in fp16.metadata_props}["onnx_qat.float_dtype"] == "fp16"
+    assert [p.key for p in fp16.metadata_props].count("onnx_qat.float_dtype") == 1
 
 
 def test_fp8_and_int4_forms():
@@ -118,6 +163,8 @@ def test_cli_writes_the_map_and_prints_its_summary(tmp_path, capsys):
     assert main(["check", str(path), "--precision-map", str(out)]) == EXIT_OK
     printed = capsys.readouterr().out
     assert "precision (strongly typed build): 14 INT8, 20 FP32" in printed and f"wrote {out}" in printed
+    assert "NOTE    C15  (model): 2 Conv/ConvTranspose/Gemm/MatMul (scores, context) run in FP32" in printed
+    assert "0 errors, 0 warnings" in printed
     data = json.loads(out.read_text())
     assert data["format"] == "onnx-qat-precision-map" and data["counts"] == {"int8": 14, "fp32": 20}
     assert {n["node"] for n in data["nodes"] if n["precision"] == "fp32" and n["op_type"] == "MatMul"} == \

@@ -4,7 +4,7 @@ Each pair of commands runs as whole processes on the same model and calibration 
 least disturbed run of each counting: with the default calibration (``auto``; the goal, one run each)
 and with ``--method max`` (the fastest calibration, where the conversion's share is largest; two
 runs each, no goal). The FP16 run converts the Q/DQ model
-([`onnx_qat.formats.float_parts.cast_float_parts`][]) and measures it on the first 4 samples
+([`onnx_qat.formats.float_parts.cast_float_parts`][]) and measures it on 4 samples spread over the data
 (ranges of every float tensor, the output cosine of the float model, of the FP32 and of the FP16
 float parts). Its report gives the cosines and the nodes kept FP32; the float bytes are the written
 models' float initializers.
