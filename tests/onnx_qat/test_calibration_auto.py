@@ -249,6 +249,11 @@ def test_large_graphs_are_judged_on_fewer_samples():
     kept = np.concatenate([f["x"] for f in result.check_feeds])  # the batches holding the first 20 samples
     np.testing.assert_array_equal(kept, data["x"][:32])
     np.testing.assert_allclose(result.reference["r1999"], np.maximum(data["x"][:32], 0).ravel())
+    # the batches split over worker processes keep the same check batches
+    split = collect(model, onnx_qat.load_data(data, model), ["x", "r5"], method="auto", batch_size=16,
+                    progress=False, workers=2)
+    np.testing.assert_array_equal(np.concatenate([f["x"] for f in split.check_feeds]), data["x"][:32])
+    np.testing.assert_array_equal(split.reference["r1999"], result.reference["r1999"])
 
 
 def test_a_table_replaces_the_kept_one_only_when_most_samples_agree():
