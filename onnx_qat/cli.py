@@ -269,10 +269,13 @@ def _latency_options(parser: argparse.ArgumentParser) -> None:
                        help="onnxruntime intra-op threads the model will run with (default 0: its default)")
     group.add_argument("--latency-batch", metavar="N", type=whole_number(1), default=None,
                        help="batch size the model will run at, for symbolic batch dimensions (default 1)")
-    group.add_argument("--cpu-vnni", action="store_true",
-                       help="--target ort-cpu with --data: the model will run on CPUs with AVX-512 VNNI, "
-                            "AVX-VNNI or AMX: keep 8-bit weights behind signed inputs (more accurate; may "
-                            "overflow on AVX2-only CPUs)")
+    group.add_argument("--cpu-vnni", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                       help="--target ort-cpu with --data: width of Conv/Gemm/MatMul weights behind signed "
+                            "inputs. auto (default): 8 bits when this CPU sums int8 dot products in 32 bits "
+                            "(AVX-512 VNNI, AVX-VNNI, AMX, ARM64), else 7; --cpu-vnni (on): 8 bits, the "
+                            "model runs on such CPUs only (more accurate; may overflow on AVX2-only CPUs)")
+    group.add_argument("--no-cpu-vnni", dest="cpu_vnni", action="store_const", const="off",
+                       help="same as --cpu-vnni off: 7-bit weights behind signed inputs, exact on every CPU")
 
 
 def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
@@ -628,8 +631,7 @@ def cmd_quantize(args) -> int:
     if args.float_io and args.float_dtype in (None, "fp32"):
         raise UsageError("--float-io applies only with --float-dtype fp16 or bf16")
     latency = _latency_keyword(args)
-    if args.cpu_vnni:
-        latency["cpu_vnni"] = True
+    latency["cpu_vnni"] = {"on": True, "off": False}.get(args.cpu_vnni, "auto")
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=data,
                       progress=_progress(args), keep_io_types=not args.float_io, **calib,
@@ -640,6 +642,11 @@ def cmd_quantize(args) -> int:
              else _mixed_summary(result.accuracy))
     if result.float_parts is not None:
         _say(args, _float_parts_summary(result.float_parts))
+    ort_cpu = getattr(result, "ort_cpu", None)
+    if ort_cpu is not None:
+        _say(args, f"ort-cpu weights behind signed inputs: {ort_cpu['weight_bits']} bits "
+                   f"(--cpu-vnni {'on' if ort_cpu['cpu_vnni'] else 'off'}, {ort_cpu['chosen_by']}: "
+                   f"{ort_cpu['reason']})")
     if result.latency is not None:
         _say(args, _latency_summary(result.latency))
     report = _check_written(result.model, args.output, result.target)

@@ -66,6 +66,10 @@ class QuantizeResult:
             gain, decision), the sites kept float for speed, the profile file, and the whole model
             timed against FP32 (``whole_model``: medians, speed-up, verdict); see
             `onnx_qat.placement.cpu_latency`. None otherwise.
+        ort_cpu: ``target="ort-cpu"`` with calibration data: the weight width chosen for Conv/Gemm/MatMul
+            weights behind signed inputs (``cpu_vnni``, ``weight_bits`` 8 or 7, ``chosen_by``
+            ``"option"``/``"auto"``/``"latency profile"``, ``reason``; see
+            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`). None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -82,6 +86,7 @@ class QuantizeResult:
     gptq: Tuple[dict, ...] = field(default=(), repr=False)
     float_parts: Optional[object] = field(default=None, repr=False)
     latency: Optional[Mapping] = field(default=None, repr=False)
+    ort_cpu: Optional[Mapping] = field(default=None, repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see [`onnx_qat.io.models.save_model`][])."""
@@ -115,6 +120,7 @@ class QuantizeResult:
             **({} if self.accuracy is None else {"mixed_precision": dict(self.accuracy)}),
             **({} if self.float_parts is None else {"float_parts": self.float_parts.to_dict()}),
             **({} if self.latency is None else {"latency": dict(self.latency)}),
+            **({} if self.ort_cpu is None else {"ort_cpu": dict(self.ort_cpu)}),
         }
 
     def to_dict(self) -> dict:
@@ -135,7 +141,7 @@ class QuantizeResult:
 def rewrite_model(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
                     placement: Optional[Placement] = None, latency=None,
-                    cpu_vnni: bool = False) -> QuantizeResult:
+                    cpu_vnni=False) -> QuantizeResult:
     """The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: quantize every site the placement
     marks.
 
@@ -147,8 +153,10 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     tables it returns are judged with this model and placement
     (`onnx_qat.calibration.choice.choose`): the model is loaded and placed once. ``latency``: a
     `LatencyOptions` (``ort-cpu`` only): sites whose integer form is not faster on this CPU stay float,
-    and the result is timed against FP32. ``cpu_vnni``: ``ort-cpu`` with calibrated ranges: 8-bit GEMM
-    weights behind signed inputs.
+    and the result is timed against FP32. ``cpu_vnni``: ``ort-cpu`` with calibrated ranges: True for
+    8-bit GEMM weights behind signed inputs, False for 7-bit, ``"auto"`` to follow this machine
+    (`onnx_qat.placement.cpu_latency.resolve_cpu_vnni`); the choice and its reason are in
+    ``QuantizeResult.ort_cpu`` and a note.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -156,13 +164,19 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     out_path, _ = check_output_and_report(output, report, inputs=inputs)
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
+    width = None  # ort-cpu with calibrated ranges: GEMM weights behind signed inputs in 8 or 7 bits
+    if data is not None and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
+        from .placement.cpu_latency import resolve_cpu_vnni
+
+        width = resolve_cpu_vnni(cpu_vnni, profile=None if latency is None else latency.profile,
+                                 threads=0 if latency is None else latency.threads)
     latency_decision, every_site = None, None
     if latency is not None:  # ort-cpu: keep float the sites whose integer kernel is not faster here
         from .placement.cpu_latency import place_by_latency
 
         every_site = placement
         placement, latency_decision = place_by_latency(float_model, index, placement, policy_for(target_obj),
-                                                       config, latency)
+                                                       config, latency, cpu_vnni=width)
         if not latency_decision.kept_float:
             every_site = None
         if placement.empty or len(latency_decision.kept_float) == len(latency_decision.records):
@@ -211,7 +225,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     calibrated = {}
     if adapter is not None and data is not None and hasattr(adapter, "nonnegative_inputs"):  # calibrated here
         calibrated = {"nonnegative": adapter.nonnegative_inputs(float_model, data, placement), "fine": True,
-                      **({"vnni": True} if cpu_vnni else {})}
+                      **({"vnni": True} if width is not None and width["cpu_vnni"] else {})}
     if adapter is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = adapter.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
@@ -255,10 +269,16 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
                     "deploy the FP32 model here")
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
+    if width is not None:
+        note = (f"ort-cpu: Conv/Gemm/MatMul weights behind signed inputs in {width['weight_bits']} bits "
+                f"(cpu_vnni {'on' if width['cpu_vnni'] else 'off'}, {width['chosen_by']}: {width['reason']})")
+        logger.info("%s", note)
+        placement = replace(placement, notes=placement.notes + (note,))
     _record_fp32_float_parts(qdq_model)
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
-                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report)
+                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report,
+                            ort_cpu=None if width is None else MappingProxyType(dict(width)))
     io.write_outputs(qdq_model, out_path, report, result.to_report, inputs=inputs)
     return result
 

@@ -190,3 +190,76 @@ def test_cli_latency_profile(tmp_path, capsys):
     assert main(["quantize", str(src), "-o", str(tmp_path / "x.onnx"), "--data", str(data),
                  "--latency-threads", "2"]) == 2
     assert not (tmp_path / "x.onnx").exists()
+
+
+def _signed_net_and_data():
+    """``expand_conv`` reads the signed graph input (zero point 128): its weight width follows cpu_vnni."""
+    model = B.depthwise_model(channels=16, expand=2, size=8)
+    return model, {"input": np.random.default_rng(0).standard_normal((4, 16, 8, 8)).astype(np.float32)}
+
+
+def test_auto_weight_width_is_recorded_in_and_read_from_a_latency_profile(tmp_path):
+    """This machine's profile records the auto choice of ``cpu_vnni``; a profile from another machine
+    that records one decides ``"auto"`` (it describes the deployment machine); forcing still wins."""
+    model, data = _signed_net_and_data()
+    profile = tmp_path / "here.json"
+    _profile(model, profile)
+    result = onnx_qat.quantize(model, data=data, method="max", target="ort-cpu", progress=False,
+                               latency=str(profile))
+    assert result.ort_cpu["chosen_by"] == "auto" and result.latency["kinds_measured"] == 0
+    saved = json.loads(profile.read_text())
+    assert saved["cpu_vnni"] == {"cpu_vnni": result.ort_cpu["cpu_vnni"], "reason": result.ort_cpu["reason"]}
+    for recorded in (True, False):
+        other = tmp_path / f"other_{recorded}.json"
+        other.write_text(json.dumps({**saved, "machine": {**saved["machine"], "cpu": "deployment CPU"},
+                                     "cpu_vnni": {"cpu_vnni": recorded, "reason": "measured there"}}))
+        choice = L.resolve_cpu_vnni("auto", profile=other)
+        assert choice["cpu_vnni"] is recorded and choice["chosen_by"] == "latency profile"
+        assert "deployment CPU" in choice["reason"] and "measured there" in choice["reason"]
+        assert L.resolve_cpu_vnni(not recorded, profile=other)["cpu_vnni"] is (not recorded)
+        out = onnx_qat.quantize(model, data=data, method="max", target="ort-cpu", progress=False,
+                                latency=str(other))
+        weights = {r["tensor"]: r for r in out.inserted if r["kind"] == "weight"}
+        assert weights["expand_conv.weight"].get("range") == (None if recorded else [-63, 63])
+        assert out.ort_cpu["chosen_by"] == "latency profile"
+        assert json.loads(other.read_text())["cpu_vnni"]["reason"] == "measured there"  # not overwritten
+
+
+def test_a_bad_recorded_weight_width_is_a_config_error(tmp_path):
+    model, _ = _signed_net_and_data()
+    profile = tmp_path / "p.json"
+    _profile(model, profile)
+    profile.write_text(json.dumps({**json.loads(profile.read_text()), "cpu_vnni": {"cpu_vnni": "yes"}}))
+    with pytest.raises(ConfigError, match="'cpu_vnni' needs a boolean"):
+        L.LatencyProfile.load(profile, 0)
+
+
+def test_cli_cpu_vnni_auto_on_off(tmp_path, capsys):
+    """``--cpu-vnni`` (on), ``--no-cpu-vnni`` / ``--cpu-vnni off``, and the default ``auto``: the summary
+    and the report say which width and why; forcing 8 bits without --data is exit 2, nothing written."""
+    import platform
+
+    model, data = _signed_net_and_data()
+    src, npz = tmp_path / "m.onnx", tmp_path / "d.npz"
+    onnx.save(model, str(src))
+    np.savez(npz, **data)
+    wide, _ = L.wide_dot_products(L.machine_key(0)["flags"], platform.machine())
+    for flags, bits, by in (([], 8 if wide else 7, "auto"), (["--cpu-vnni"], 8, "option"),
+                            (["--no-cpu-vnni"], 7, "option"), (["--cpu-vnni", "off"], 7, "option"),
+                            (["--cpu-vnni", "auto"], 8 if wide else 7, "auto")):
+        out, rep = tmp_path / "q.onnx", tmp_path / "r.json"
+        code = main(["quantize", str(src), "-o", str(out), "--data", str(npz), "--method", "max",
+                     "--target", "ort-cpu", "--report", str(rep), *flags])
+        shown = capsys.readouterr().out
+        assert code == 0, shown
+        assert f"ort-cpu weights behind signed inputs: {bits} bits" in shown and f", {by}: " in shown
+        report = json.loads(rep.read_text())
+        assert report["ort_cpu"]["weight_bits"] == bits and report["ort_cpu"]["chosen_by"] == by
+        weights = {r["tensor"]: r for r in report["inserted"] if r["kind"] == "weight"}
+        assert weights["expand_conv.weight"].get("range") == (None if bits == 8 else [-63, 63])
+    scales = tmp_path / "s.json"
+    onnx_qat.calibrate(model, data, method="max").save(scales)
+    bad = tmp_path / "bad.onnx"
+    assert main(["quantize", str(src), "-o", str(bad), "--scales", str(scales), "--target", "ort-cpu",
+                 "--cpu-vnni"]) == 2
+    assert not bad.exists() and "cpu_vnni" in capsys.readouterr().err
