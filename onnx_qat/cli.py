@@ -693,6 +693,13 @@ def _latency_summary(latency) -> str:
         if "every_site_integer_ms" in whole:
             lines.append(f"whole model: latency placement {whole['latency_placement_ms']:.2f} ms, every site "
                          f"integer {whole['every_site_integer_ms']:.2f} ms: kept {whole['chosen']}")
+        fallback = latency.get("fallback")
+        if fallback:
+            kept = "kept the fallback" if fallback["chosen"] == "fallback" else "kept the model as it was"
+            lines.append(f"whole-model guard: first timing {whole['first']['speedup']:.2f}x FP32, so "
+                         f"{len(fallback['kept_float'])} least-gaining site(s) kept float too and timed "
+                         f"again: {fallback['fallback_ms']:.2f} ms against {fallback['before_ms']:.2f} ms: "
+                         f"{kept}")
         lines.append(f"whole model, batch {whole['batch']}: {whole['quantized_ms']:.2f} ms against FP32 "
                      f"{whole['fp32_ms']:.2f} ms ({whole['speedup']:.2f}x): {whole['verdict']}")
     else:

@@ -256,13 +256,30 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
             alternative = _all_integer(timing_model, every_site, table, target_obj, adapter, calibrated, fmt,
                                        config)
         whole = whole_model_timing(timing_model, qdq_model, latency, alternative)
-        del timing_model
         if whole.get("chosen") == "every site integer":
             qdq_model, inserted, placement, requantization = alternative
             summary = _summary(placement, inserted)
         latency_report = {**latency_decision.to_dict(), "whole_model": whole}
         if whole.get("chosen") == "every site integer":  # the per-site decision lost as a whole
             latency_report.update(kept_float=[], kept_float_per_site=list(latency_decision.kept_float))
+        if whole.get("timed") and whole["speedup"] <= 1.0:  # the guard: fewer sites integer, timed once
+            qdq_model, inserted, placement, requantization, fallback = _fall_back(
+                timing_model, (qdq_model, inserted, placement, requantization), latency_decision,
+                table, target_obj, adapter, calibrated, fmt, config, latency)
+            if fallback is not None:  # the second timing's figures replace the first's (kept under "first")
+                latency_report["fallback"] = fallback
+                summary = _summary(placement, inserted)
+                first = {k: whole[k] for k in ("fp32_ms", "quantized_ms", "speedup", "rounds")}
+                chosen = fallback["chosen"] == "fallback"
+                whole = {**whole, "fp32_ms": fallback["fp32_ms"], "speedup": fallback["speedup"],
+                         "quantized_ms": fallback["fallback_ms" if chosen else "before_ms"],
+                         "rounds": fallback["rounds"], "first": first,
+                         "verdict": ("faster than FP32" if fallback["speedup"] > 1.0
+                                     else "NOT faster than FP32"),
+                         **({"chosen": "fallback"} if chosen else {})}
+                latency_report["whole_model"] = whole
+                if chosen:
+                    latency_report["kept_float"] = list(latency_report["kept_float"]) + fallback["kept_float"]
         if whole.get("timed") and whole["speedup"] <= 1.0:
             note = (f"ort-cpu: the quantized model is NOT faster than FP32 on this CPU "
                     f"({whole['quantized_ms']} ms against {whole['fp32_ms']} ms, batch {whole['batch']}): "
@@ -274,6 +291,8 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
                 f"(cpu_vnni {'on' if width['cpu_vnni'] else 'off'}, {width['chosen_by']}: {width['reason']})")
         logger.info("%s", note)
         placement = replace(placement, notes=placement.notes + (note,))
+    if latency_decision is not None:
+        del timing_model
     _record_fp32_float_parts(qdq_model)
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
@@ -604,6 +623,62 @@ def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, ta
         logger.info("ort-cpu latency placement: no all-integer alternative (%s)", exc)
         return None
     return qdq, inserted, placed, tuple(adapted.requantization)
+
+
+def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_obj: Target, adapter,
+               calibrated: Mapping, fmt, config: QuantizeConfig, options):
+    """The whole-model guard of latency placement: the quantized model ``current`` (``(model,
+    inserted, placement, requantization)``) timed slower than FP32, so the least-gaining half of its
+    integer sites (`onnx_qat.placement.cpu_latency.fallback_sites`) is kept float too, the model is
+    rebuilt from the same ranges, and FP32, ``current`` and the rebuilt model are timed once more,
+    interleaved; the faster quantized model is returned with the record of what was tried
+    (``kept_float``, the three medians, ``chosen``), or ``current`` and None when no fallback can be
+    built."""
+    from .placement.cpu_latency import fallback_sites, fallback_timing
+
+    import re
+
+    model_now, _, placement_now, _ = current
+    float_now = {r["node"] for r in decision.records} - {w.node for w in placement_now.weights}
+    drop = fallback_sites(decision, exclude=float_now)
+    if not drop:
+        return (*current, None)
+    model = onnx.load_from_string(float_bytes)
+    index = GraphIndex(model)
+    excluded = tuple(re.escape(n) for n in sorted(float_now | set(drop)))
+    placed = policy_for(target_obj).place(index, replace(config, exclude_nodes=tuple(config.exclude_nodes)
+                                                         + excluded))
+    if placed.empty:
+        return (*current, None)
+    from .placement.marks import Decision
+
+    ours = {d.node: d for d in placement_now.decisions if d.node in float_now}
+    by_node = {r["node"]: r for r in decision.records}
+    for name in drop:
+        record = by_node[name]
+        ours[name] = Decision(name, record["op_type"], "skip", "CPU3",
+                              f"kept float by the whole-model guard (model slower than FP32; this site's "
+                              f"measured gain {record['gain']:.2f}x, among the least)")
+    placed = replace(placed, decisions=tuple(ours.get(d.node, d) for d in placed.decisions))
+    try:
+        adapted = adapter.adapt(index, placed, table, **calibrated)
+        note = (f"ort-cpu whole-model guard: the quantized model timed slower than FP32, so {len(drop)} "
+                f"least-gaining site(s) were kept float too (e.g. {drop[0]!r}) and the model timed again")
+        placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
+        storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
+                   "full_range": adapted.full_range, "narrow_weights": adapted.narrow_weights,
+                   "range_scales": adapted.range_scales, "precision": fmt.name,
+                   "block_size": config.block_size}
+        qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
+    except ScalesError as exc:
+        logger.info("ort-cpu whole-model guard: no fallback model (%s)", exc)
+        return (*current, None)
+    timing = fallback_timing(float_bytes, model_now, qdq, options)
+    record = {"kept_float": list(drop), **timing}
+    logger.info("ort-cpu whole-model guard: %s", record)
+    if timing["chosen"] == "fallback":
+        return qdq, inserted, placed, tuple(adapted.requantization), record
+    return (*current, record)
 
 
 def _summary(placement: Placement, inserted) -> dict:

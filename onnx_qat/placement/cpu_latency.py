@@ -661,7 +661,41 @@ def whole_model_timing(float_model, qdq_model, options: LatencyOptions,
             "speedup": round(speedup, 3), "verdict": verdict, "chosen": chosen, **extra}
 
 
+def fallback_sites(decision: "LatencyDecision", exclude=()) -> Tuple[str, ...]:
+    """The sites the whole-model guard keeps float when the quantized model is not faster than FP32:
+    the least-gaining half (at least one) of the sites the profile put in integer, by measured gain
+    (float time / integer time), lowest first; ``exclude``: sites not to name (already float)."""
+    integer = sorted((r for r in decision.records if r["decision"] == "integer" and r["node"] not in exclude),
+                     key=lambda r: (r["gain"], r["node"]))
+    if len(integer) < 2:  # dropping the only integer site leaves the FP32 model
+        return ()
+    return tuple(r["node"] for r in integer[:max(1, len(integer) // 2)])
+
+
+def fallback_timing(float_model, current, fallback, options: LatencyOptions) -> Dict[str, object]:
+    """FP32, the quantized model and its fallback (fewer sites integer), timed interleaved once as
+    `whole_model_timing` times them: medians (milliseconds) and which quantized model is faster."""
+    import onnx
+
+    if isinstance(float_model, bytes):
+        float_model = onnx.load_from_string(float_model)
+    shapes = input_shapes(float_model, options.batch)
+    inits = {i.name for i in float_model.graph.initializer}
+    rng = np.random.default_rng(0)
+    feeds = {v.name: rng.standard_normal(shapes[v.name]).astype(np.float32)
+             for v in float_model.graph.input if v.name not in inits}
+    medians, rounds = _interleaved({"fp32": float_model, "before": current, "fallback": fallback}, feeds,
+                                   options.threads, options.rounds, WHOLE_MODEL_SECONDS)
+    chosen = "fallback" if medians["fallback"] < medians["before"] else "unchanged"
+    best = min(medians["fallback"], medians["before"])
+    return {"rounds": rounds, "fp32_ms": round(1e3 * medians["fp32"], 3),
+            "before_ms": round(1e3 * medians["before"], 3),
+            "fallback_ms": round(1e3 * medians["fallback"], 3),
+            "speedup": round(medians["fp32"] / best, 3), "chosen": chosen}
+
+
 __all__ = ["LatencyProfile", "LatencyDecision", "LatencyOptions", "Site", "decide", "place_by_latency",
            "whole_model_timing", "machine_key", "default_profile_path",
            "sites_of", "input_shapes", "measure_kind", "time_models", "kept_float_decisions", "RULE",
-           "KERNEL_FLAGS", "WIDE_DOT_FLAGS", "wide_dot_products", "resolve_cpu_vnni"]
+           "KERNEL_FLAGS", "WIDE_DOT_FLAGS", "fallback_sites", "fallback_timing", "wide_dot_products",
+           "resolve_cpu_vnni"]

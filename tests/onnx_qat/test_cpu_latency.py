@@ -291,3 +291,83 @@ def test_a_kind_measured_slower_in_integer_is_measured_again(tmp_path, monkeypat
     assert len(calls) == 5 and decision.measured_kinds == 4  # 4 kinds, dw twice
     saved = json.loads(L.default_profile_path(0).read_text())["sites"]
     assert saved[dw_kind] == {"float_us": 100.0, "int_us": min(300.0, second[1])}
+
+
+def test_fallback_sites_are_the_least_gaining_half():
+    records = tuple({"node": n, "decision": d, "gain": g} for n, d, g in
+                    (("a", "integer", 3.0), ("b", "integer", 1.2), ("c", "float", 0.5), ("d", "integer", 1.5),
+                     ("e", "integer", 2.0)))
+    decision = L.LatencyDecision(("c",), records, None, 0, 0.0)
+    assert L.fallback_sites(decision, exclude={"c"}) == ("b", "d")
+    assert L.fallback_sites(decision, exclude={"c", "a", "b"}) == ("d",)
+    assert L.fallback_sites(decision, exclude={"a", "b", "c", "d"}) == ()  # never the last integer site
+
+
+@pytest.mark.parametrize("second", [None, "fallback", "unchanged"])
+def test_whole_model_guard_keeps_the_least_gaining_sites_float(tmp_path, monkeypatch, second):
+    """When the final timing says the quantized model is not faster than FP32 (given here: that timing
+    is replaced by a verdict of 0.5x), the least-gaining half of the integer sites by the profile is kept
+    float too, FP32 and both quantized models are timed once more (for real with ``second`` None, else
+    given: the fallback faster at 1.2x FP32, or the model unchanged at 0.9x), and the faster quantized
+    model is written; the report's ``latency.fallback`` says what was tried and which was kept, and
+    ``whole_model`` gives the second timing (the first under ``first``)."""
+    model = _net()
+    profile = tmp_path / "profile.json"
+    _profile(model, profile)
+    raw = json.loads(profile.read_text())
+    index, placement = GraphIndex(model), onnx_qat.place(model, target="ort-cpu")
+    gains = {"c1": 4.0, "dw": 1.2, "c2": 1.5, "fc": 3.0}
+    for site in L.sites_of(index, placement, L.input_shapes(model, 1)):
+        raw["sites"][site.kind] = {"float_us": 100.0, "int_us": 100.0 / gains[site.node]}
+    profile.write_text(json.dumps(raw))
+    slow = {"timed": True, "batch": 1, "threads": 0, "rounds": 3, "fp32_ms": 1.0, "quantized_ms": 2.0,
+            "speedup": 0.5, "verdict": "NOT faster than FP32", "chosen": "latency placement"}
+    monkeypatch.setattr(L, "whole_model_timing", lambda *args, **kwargs: dict(slow))
+    if second is not None:
+        given = {"rounds": 3, "fp32_ms": 1.2, "before_ms": 1.33,
+                 "fallback_ms": 1.0 if second == "fallback" else 1.5,
+                 "speedup": 1.2 if second == "fallback" else 0.902, "chosen": second}
+        monkeypatch.setattr(L, "fallback_timing", lambda *args, **kwargs: dict(given))
+    out = tmp_path / "q.onnx"
+    result = onnx_qat.quantize(model, out, data=_data(), method="max", target="ort-cpu", progress=False,
+                               latency=str(profile))
+    fallback = result.latency["fallback"]
+    assert fallback["kept_float"] == ["dw", "c2"]
+    assert fallback["chosen"] in ("fallback", "unchanged")
+    assert fallback["fp32_ms"] > 0 and fallback["before_ms"] > 0 and fallback["fallback_ms"] > 0
+    weights = {w.node for w in result.placement.weights}
+    decisions = {d.node: d for d in result.placement.all_decisions()}
+    whole = result.latency["whole_model"]
+    if second is not None:
+        assert fallback["chosen"] == second
+    assert whole["first"]["speedup"] == 0.5 and whole["speedup"] == fallback["speedup"]
+    if fallback["chosen"] == "fallback":
+        assert weights == {"c1", "fc"} and whole["quantized_ms"] == fallback["fallback_ms"]
+        assert decisions["dw"].rule == "CPU3" and "whole-model guard" in decisions["dw"].reason
+        assert set(result.latency["kept_float"]) == {"dw", "c2"} and whole["chosen"] == "fallback"
+    else:
+        assert weights == {"c1", "dw", "c2", "fc"} and whole["quantized_ms"] == fallback["before_ms"]
+        assert result.latency["kept_float"] == []
+    assert (whole["speedup"] <= 1.0) == any("NOT faster than FP32" in n for n in result.placement.notes)
+    B.assert_check_clean(onnx.load(str(out)), target="ort-cpu")
+
+
+def test_cli_prints_the_whole_model_guard(tmp_path, capsys, monkeypatch):
+    model = _net()
+    src, out, data, profile = (tmp_path / n for n in ("m.onnx", "q.onnx", "d.npz", "p.json"))
+    onnx.save(model, str(src))
+    np.savez(data, **_data())
+    _profile(model, profile)
+    slow = {"timed": True, "batch": 1, "threads": 0, "rounds": 3, "fp32_ms": 1.0, "quantized_ms": 2.0,
+            "speedup": 0.5, "verdict": "NOT faster than FP32", "chosen": "latency placement"}
+    monkeypatch.setattr(L, "whole_model_timing", lambda *args, **kwargs: dict(slow))
+    monkeypatch.setattr(L, "fallback_timing", lambda *args, **kwargs: {
+        "rounds": 3, "fp32_ms": 1.2, "before_ms": 1.33, "fallback_ms": 1.0, "speedup": 1.2,
+        "chosen": "fallback"})
+    code = main(["quantize", str(src), "-o", str(out), "--data", str(data), "--method", "max",
+                 "--target", "ort-cpu", "--latency-profile", str(profile)])
+    shown = capsys.readouterr().out
+    assert code == 0
+    assert "whole-model guard: first timing 0.50x FP32, so 2 least-gaining site(s) kept float too" in shown
+    assert "1.00 ms against 1.33 ms: kept the fallback" in shown
+    assert "whole model, batch 1: 1.00 ms against FP32 1.20 ms (1.20x): faster than FP32" in shown
