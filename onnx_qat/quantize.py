@@ -112,8 +112,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             (e.g. one measured on the deployment machine); or a
             `LatencyOptions` (``threads``, ``batch`` of
             the deployment session). The result is timed against FP32 at the end
-            (``QuantizeResult.latency``, the report's ``latency``; a note says so plainly when it is
-            not faster).
+            (``QuantizeResult.latency``, the report's ``latency``); when it is not faster, the
+            least-gaining half of its integer sites is kept float too and the models are timed once
+            more, the faster written (``latency["fallback"]``); a note says so plainly when the
+            written model is still not faster.
         cpu_vnni: ``target="ort-cpu"`` with ``data``: the width of Conv/Gemm/MatMul weights behind
             zero-point-128 inputs. ``"auto"`` (default): 8 bits when the machine quantizing the model
             sums int8 dot products in 32 bits (x86 AVX-512 VNNI, AVX-VNNI or AMX; ARM64), else 7

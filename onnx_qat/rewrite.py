@@ -64,7 +64,8 @@ class QuantizeResult:
             reasons, cosines measured); None with FP32 float parts.
         latency: with ``latency`` (``ort-cpu``): every timed site (float and integer microseconds,
             gain, decision), the sites kept float for speed, the profile file, and the whole model
-            timed against FP32 (``whole_model``: medians, speed-up, verdict); see
+            timed against FP32 (``whole_model``: medians, speed-up, verdict), and, when that found it
+            not faster, what the whole-model guard tried (``fallback``); see
             `onnx_qat.placement.cpu_latency`. None otherwise.
         ort_cpu: ``target="ort-cpu"`` with calibration data: the weight width chosen for Conv/Gemm/MatMul
             weights behind signed inputs (``cpu_vnni``, ``weight_bits`` 8 or 7, ``chosen_by``
