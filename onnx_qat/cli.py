@@ -269,13 +269,14 @@ def _latency_options(parser: argparse.ArgumentParser) -> None:
                        help="onnxruntime intra-op threads the model will run with (default 0: its default)")
     group.add_argument("--latency-batch", metavar="N", type=whole_number(1), default=None,
                        help="batch size the model will run at, for symbolic batch dimensions (default 1)")
-    group.add_argument("--cpu-vnni", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
-                       help="--target ort-cpu with --data: width of Conv/Gemm/MatMul weights behind signed "
-                            "inputs. auto (default): 8 bits when this CPU sums int8 dot products in 32 bits "
-                            "(AVX-512 VNNI, AVX-VNNI, AMX, ARM64), else 7; --cpu-vnni (on): 8 bits, the "
-                            "model runs on such CPUs only (more accurate; may overflow on AVX2-only CPUs)")
+    group.add_argument("--cpu-vnni", dest="cpu_vnni", action="store_const", const="on", default="auto",
+                       help="--target ort-cpu with --data: keep 8-bit Conv/Gemm/MatMul weights behind signed "
+                            "inputs: the model runs on CPUs whose int8 dot products sum in 32 bits (AVX-512 "
+                            "VNNI, AVX-VNNI, AMX, ARM64); more accurate, may overflow on AVX2-only CPUs. "
+                            "Default (neither flag): 8 bits when this CPU is such a CPU, else 7")
     group.add_argument("--no-cpu-vnni", dest="cpu_vnni", action="store_const", const="off",
-                       help="same as --cpu-vnni off: 7-bit weights behind signed inputs, exact on every CPU")
+                       help="--target ort-cpu with --data: 7-bit weights behind signed inputs, exact on "
+                            "every CPU")
 
 
 def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
@@ -645,7 +646,7 @@ def cmd_quantize(args) -> int:
     ort_cpu = getattr(result, "ort_cpu", None)
     if ort_cpu is not None:
         _say(args, f"ort-cpu weights behind signed inputs: {ort_cpu['weight_bits']} bits "
-                   f"(--cpu-vnni {'on' if ort_cpu['cpu_vnni'] else 'off'}, {ort_cpu['chosen_by']}: "
+                   f"(as {'--cpu-vnni' if ort_cpu['cpu_vnni'] else '--no-cpu-vnni'}, {ort_cpu['chosen_by']}: "
                    f"{ort_cpu['reason']})")
     if result.latency is not None:
         _say(args, _latency_summary(result.latency))

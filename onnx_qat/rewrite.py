@@ -289,7 +289,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
             placement = replace(placement, notes=placement.notes + (note,))
     if width is not None:
         note = (f"ort-cpu: Conv/Gemm/MatMul weights behind signed inputs in {width['weight_bits']} bits "
-                f"(cpu_vnni {'on' if width['cpu_vnni'] else 'off'}, {width['chosen_by']}: {width['reason']})")
+                f"(cpu_vnni={width['cpu_vnni']}, {width['chosen_by']}: {width['reason']})")
         logger.info("%s", note)
         placement = replace(placement, notes=placement.notes + (note,))
     if latency_decision is not None:

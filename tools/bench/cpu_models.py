@@ -271,7 +271,7 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
     return rows
 
 
-_WIDTHS = {True: "8-bit weights (--cpu-vnni auto: this CPU sums int8 products in 32 bits)",
+_WIDTHS = {True: "8-bit weights (cpu_vnni auto: this CPU sums int8 products in 32 bits)",
            False: "7-bit weights behind signed inputs"}
 def wide_dot_products() -> bool:
     """True when ``cpu_vnni="auto"`` gives 8-bit weights on this CPU
