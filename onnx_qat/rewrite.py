@@ -166,7 +166,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
     width = None  # ort-cpu with calibrated ranges: GEMM weights behind signed inputs in 8 or 7 bits
-    if data is not None and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
+    if data is not None and not fmt.weight_only and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
         from .placement.cpu_latency import resolve_cpu_vnni
 
         width = resolve_cpu_vnni(cpu_vnni, profile=None if latency is None else latency.profile,
