@@ -286,10 +286,14 @@ def _latency_options(parser: argparse.ArgumentParser) -> None:
                        help="onnxruntime intra-op threads the model will run with (default 0: its default)")
     group.add_argument("--latency-batch", metavar="N", type=whole_number(1), default=None,
                        help="batch size the model will run at, for symbolic batch dimensions (default 1)")
-    group.add_argument("--cpu-vnni", action="store_true",
-                       help="--target ort-cpu with --data: the model will run on CPUs with AVX-512 VNNI, "
-                            "AVX-VNNI or AMX: keep 8-bit weights behind signed inputs (more accurate; may "
-                            "overflow on AVX2-only CPUs)")
+    group.add_argument("--cpu-vnni", dest="cpu_vnni", action="store_const", const="on", default="auto",
+                       help="--target ort-cpu with --data: keep 8-bit Conv/Gemm/MatMul weights behind signed "
+                            "inputs: the model runs on CPUs whose int8 dot products sum in 32 bits (AVX-512 "
+                            "VNNI, AVX-VNNI, AMX, ARM64); more accurate, may overflow on AVX2-only CPUs. "
+                            "Default (neither flag): 8 bits when this CPU is such a CPU, else 7")
+    group.add_argument("--no-cpu-vnni", dest="cpu_vnni", action="store_const", const="off",
+                       help="--target ort-cpu with --data: 7-bit weights behind signed inputs, exact on "
+                            "every CPU")
 
 
 def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
@@ -646,8 +650,7 @@ def cmd_quantize(args) -> int:
     if args.float_io and args.float_dtype in (None, "fp32"):
         raise UsageError("--float-io applies only with --float-dtype fp16 or bf16")
     latency = _latency_keyword(args)
-    if args.cpu_vnni:
-        latency["cpu_vnni"] = True
+    latency["cpu_vnni"] = {"on": True, "off": False}.get(args.cpu_vnni, "auto")
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=data,
                       progress=_progress(args), keep_io_types=not args.float_io, **calib,
@@ -659,6 +662,11 @@ def cmd_quantize(args) -> int:
              else _mixed_summary(result.accuracy))
     if result.float_parts is not None:
         _say(args, _float_parts_summary(result.float_parts))
+    ort_cpu = getattr(result, "ort_cpu", None)
+    if ort_cpu is not None:
+        _say(args, f"ort-cpu weights behind signed inputs: {ort_cpu['weight_bits']} bits "
+                   f"(as {'--cpu-vnni' if ort_cpu['cpu_vnni'] else '--no-cpu-vnni'}, {ort_cpu['chosen_by']}: "
+                   f"{ort_cpu['reason']})")
     if result.latency is not None:
         _say(args, _latency_summary(result.latency))
     report = _check_written(result.model, args.output, result.target)
@@ -705,6 +713,13 @@ def _latency_summary(latency) -> str:
         if "every_site_integer_ms" in whole:
             lines.append(f"whole model: latency placement {whole['latency_placement_ms']:.2f} ms, every site "
                          f"integer {whole['every_site_integer_ms']:.2f} ms: kept {whole['chosen']}")
+        fallback = latency.get("fallback")
+        if fallback:
+            kept = "kept the fallback" if fallback["chosen"] == "fallback" else "kept the model as it was"
+            lines.append(f"whole-model guard: first timing {whole['first']['speedup']:.2f}x FP32, so "
+                         f"{len(fallback['kept_float'])} least-gaining site(s) kept float too and timed "
+                         f"again: {fallback['fallback_ms']:.2f} ms against {fallback['before_ms']:.2f} ms: "
+                         f"{kept}")
         lines.append(f"whole model, batch {whole['batch']}: {whole['quantized_ms']:.2f} ms against FP32 "
                      f"{whole['fp32_ms']:.2f} ms ({whole['speedup']:.2f}x): {whole['verdict']}")
     else:

@@ -33,7 +33,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              int4_method: Optional[str] = None, fp8_method: Optional[str] = None,
              float_dtype: Optional[str] = None, keep_io_types: bool = True,
              state: Optional[Mapping[str, str]] = None, batch_axis: Optional[Mapping[str, int]] = None,
-             latency=None, cpu_vnni: bool = False, optimize: Optional[str] = None,
+             latency=None, cpu_vnni="auto", optimize: Optional[str] = None,
              workers: Optional[int] = None, ray=None, **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
@@ -112,12 +112,18 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             (e.g. one measured on the deployment machine); or a
             `LatencyOptions` (``threads``, ``batch`` of
             the deployment session). The result is timed against FP32 at the end
-            (``QuantizeResult.latency``, the report's ``latency``; a note says so plainly when it is
-            not faster).
-        cpu_vnni: ``target="ort-cpu"`` with ``data`` only: the model will run on CPUs whose int8 dot
-            products sum in 32 bits (x86 AVX-512 VNNI, AVX-VNNI or AMX): Conv/Gemm/MatMul weights behind
-            zero-point-128 inputs keep 8 bits instead of 7 (more accurate; on an x86 CPU with AVX2 only,
-            onnxruntime's 16-bit pair sums can then overflow). See `onnx_qat.insertion.ort_cpu`.
+            (``QuantizeResult.latency``, the report's ``latency``); when it is not faster, the
+            least-gaining half of its integer sites is kept float too and the models are timed once
+            more, the faster written (``latency["fallback"]``); a note says so plainly when the
+            written model is still not faster.
+        cpu_vnni: ``target="ort-cpu"`` with ``data``: the width of Conv/Gemm/MatMul weights behind
+            zero-point-128 inputs. ``"auto"`` (default): 8 bits when the machine quantizing the model
+            sums int8 dot products in 32 bits (x86 AVX-512 VNNI, AVX-VNNI or AMX; ARM64), else 7
+            (a given latency profile from another machine that records its choice is followed
+            instead); ``True``: 8 bits, the model will run on such CPUs only (more accurate; on an
+            x86 CPU with AVX2 only, onnxruntime's 16-bit pair sums can then overflow); ``False``: 7
+            bits, exact on every CPU. The choice and why: ``QuantizeResult.ort_cpu`` and a note. See
+            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`, `onnx_qat.insertion.ort_cpu`.
         optimize: ``"accuracy"``: also run the post-training steps of `onnx_qat.accuracy.optimize`
             (cross-layer equalization, activation smoothing, error-compensated INT8 weight rounding,
             bias correction), each kept only where it raises the output cosine on ``eval_data``
@@ -179,9 +185,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     data = with_layout(data, state=state, batch_axis=batch_axis)
     eval_data = with_layout(eval_data, state=state, batch_axis=batch_axis)
     latency_options = _latency_options(latency, config, placement, min_cosine, max_float_sites, eval_data)
-    if not isinstance(cpu_vnni, bool):
-        raise ConfigError(f"cpu_vnni must be True or False, got {cpu_vnni!r}")
-    if cpu_vnni and (config.target != "ort-cpu" or min_cosine is not None or data is None):
+    if not (isinstance(cpu_vnni, bool) or (isinstance(cpu_vnni, str) and cpu_vnni == "auto")):
+        raise ConfigError(f"cpu_vnni must be True, False or 'auto', got {cpu_vnni!r}")
+    if cpu_vnni is True and (config.target != "ort-cpu" or min_cosine is not None or data is None):
         raise ConfigError("cpu_vnni applies to target 'ort-cpu' with calibration data (data), "
                           "without min_cosine")
     from .calibration.parallel import worker_spec
@@ -197,7 +203,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         if data is None or min_cosine is not None or max_float_sites is not None or placement is not None:
             raise ConfigError("optimize='accuracy' needs data, and does not combine with scales, min_cosine "
                               "or a placement")
-        if state or latency_options is not None or cpu_vnni:
+        if state or latency_options is not None or cpu_vnni is True:
             raise ConfigError("optimize='accuracy' does not combine with state, latency or cpu_vnni")
         return quantize_optimized(model, output, data=data, eval_data=eval_data,
                                   method=method or DEFAULT_METHOD, config=config, calib_kw=calib_kw,

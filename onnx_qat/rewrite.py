@@ -64,8 +64,13 @@ class QuantizeResult:
             reasons, cosines measured); None with FP32 float parts.
         latency: with ``latency`` (``ort-cpu``): every timed site (float and integer microseconds,
             gain, decision), the sites kept float for speed, the profile file, and the whole model
-            timed against FP32 (``whole_model``: medians, speed-up, verdict); see
+            timed against FP32 (``whole_model``: medians, speed-up, verdict), and, when that found it
+            not faster, what the whole-model guard tried (``fallback``); see
             `onnx_qat.placement.cpu_latency`. None otherwise.
+        ort_cpu: ``target="ort-cpu"`` with calibration data: the weight width chosen for Conv/Gemm/MatMul
+            weights behind signed inputs (``cpu_vnni``, ``weight_bits`` 8 or 7, ``chosen_by``
+            ``"option"``/``"auto"``/``"latency profile"``, ``reason``; see
+            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`). None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -82,6 +87,7 @@ class QuantizeResult:
     gptq: Tuple[dict, ...] = field(default=(), repr=False)
     float_parts: Optional[object] = field(default=None, repr=False)
     latency: Optional[Mapping] = field(default=None, repr=False)
+    ort_cpu: Optional[Mapping] = field(default=None, repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see [`onnx_qat.io.models.save_model`][])."""
@@ -115,6 +121,7 @@ class QuantizeResult:
             **({} if self.accuracy is None else {"mixed_precision": dict(self.accuracy)}),
             **({} if self.float_parts is None else {"float_parts": self.float_parts.to_dict()}),
             **({} if self.latency is None else {"latency": dict(self.latency)}),
+            **({} if self.ort_cpu is None else {"ort_cpu": dict(self.ort_cpu)}),
         }
 
     def to_dict(self) -> dict:
@@ -135,7 +142,7 @@ class QuantizeResult:
 def rewrite_model(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
                     placement: Optional[Placement] = None, latency=None,
-                    cpu_vnni: bool = False) -> QuantizeResult:
+                    cpu_vnni=False) -> QuantizeResult:
     """The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: quantize every site the placement
     marks.
 
@@ -147,8 +154,10 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     tables it returns are judged with this model and placement
     (`onnx_qat.calibration.choice.choose`): the model is loaded and placed once. ``latency``: a
     `LatencyOptions` (``ort-cpu`` only): sites whose integer form is not faster on this CPU stay float,
-    and the result is timed against FP32. ``cpu_vnni``: ``ort-cpu`` with calibrated ranges: 8-bit GEMM
-    weights behind signed inputs.
+    and the result is timed against FP32. ``cpu_vnni``: ``ort-cpu`` with calibrated ranges: True for
+    8-bit GEMM weights behind signed inputs, False for 7-bit, ``"auto"`` to follow this machine
+    (`onnx_qat.placement.cpu_latency.resolve_cpu_vnni`); the choice and its reason are in
+    ``QuantizeResult.ort_cpu`` and a note.
     """
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -156,13 +165,19 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     out_path, _ = check_output_and_report(output, report, inputs=inputs)
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
+    width = None  # ort-cpu with calibrated ranges: GEMM weights behind signed inputs in 8 or 7 bits
+    if data is not None and not fmt.weight_only and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
+        from .placement.cpu_latency import resolve_cpu_vnni
+
+        width = resolve_cpu_vnni(cpu_vnni, profile=None if latency is None else latency.profile,
+                                 threads=0 if latency is None else latency.threads)
     latency_decision, every_site = None, None
     if latency is not None:  # ort-cpu: keep float the sites whose integer kernel is not faster here
         from .placement.cpu_latency import place_by_latency
 
         every_site = placement
         placement, latency_decision = place_by_latency(float_model, index, placement, policy_for(target_obj),
-                                                       config, latency)
+                                                       config, latency, cpu_vnni=width)
         if not latency_decision.kept_float:
             every_site = None
         if placement.empty or len(latency_decision.kept_float) == len(latency_decision.records):
@@ -211,7 +226,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     calibrated = {}
     if adapter is not None and data is not None and hasattr(adapter, "nonnegative_inputs"):  # calibrated here
         calibrated = {"nonnegative": adapter.nonnegative_inputs(float_model, data, placement), "fine": True,
-                      **({"vnni": True} if cpu_vnni else {})}
+                      **({"vnni": True} if width is not None and width["cpu_vnni"] else {})}
     if adapter is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = adapter.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
@@ -242,23 +257,48 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
             alternative = _all_integer(timing_model, every_site, table, target_obj, adapter, calibrated, fmt,
                                        config)
         whole = whole_model_timing(timing_model, qdq_model, latency, alternative)
-        del timing_model
         if whole.get("chosen") == "every site integer":
             qdq_model, inserted, placement, requantization = alternative
             summary = _summary(placement, inserted)
         latency_report = {**latency_decision.to_dict(), "whole_model": whole}
         if whole.get("chosen") == "every site integer":  # the per-site decision lost as a whole
             latency_report.update(kept_float=[], kept_float_per_site=list(latency_decision.kept_float))
+        if whole.get("timed") and whole["speedup"] <= 1.0:  # the guard: fewer sites integer, timed once
+            qdq_model, inserted, placement, requantization, fallback = _fall_back(
+                timing_model, (qdq_model, inserted, placement, requantization), latency_decision,
+                table, target_obj, adapter, calibrated, fmt, config, latency)
+            if fallback is not None:  # the second timing's figures replace the first's (kept under "first")
+                latency_report["fallback"] = fallback
+                summary = _summary(placement, inserted)
+                first = {k: whole[k] for k in ("fp32_ms", "quantized_ms", "speedup", "rounds")}
+                chosen = fallback["chosen"] == "fallback"
+                whole = {**whole, "fp32_ms": fallback["fp32_ms"], "speedup": fallback["speedup"],
+                         "quantized_ms": fallback["fallback_ms" if chosen else "before_ms"],
+                         "rounds": fallback["rounds"], "first": first,
+                         "verdict": ("faster than FP32" if fallback["speedup"] > 1.0
+                                     else "NOT faster than FP32"),
+                         **({"chosen": "fallback"} if chosen else {})}
+                latency_report["whole_model"] = whole
+                if chosen:
+                    latency_report["kept_float"] = list(latency_report["kept_float"]) + fallback["kept_float"]
         if whole.get("timed") and whole["speedup"] <= 1.0:
             note = (f"ort-cpu: the quantized model is NOT faster than FP32 on this CPU "
                     f"({whole['quantized_ms']} ms against {whole['fp32_ms']} ms, batch {whole['batch']}): "
                     "deploy the FP32 model here")
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
+    if width is not None:
+        note = (f"ort-cpu: Conv/Gemm/MatMul weights behind signed inputs in {width['weight_bits']} bits "
+                f"(cpu_vnni={width['cpu_vnni']}, {width['chosen_by']}: {width['reason']})")
+        logger.info("%s", note)
+        placement = replace(placement, notes=placement.notes + (note,))
+    if latency_decision is not None:
+        del timing_model
     _record_fp32_float_parts(qdq_model)
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
-                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report)
+                            fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report,
+                            ort_cpu=None if width is None else MappingProxyType(dict(width)))
     io.write_outputs(qdq_model, out_path, report, result.to_report, inputs=inputs)
     return result
 
@@ -584,6 +624,62 @@ def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, ta
         logger.info("ort-cpu latency placement: no all-integer alternative (%s)", exc)
         return None
     return qdq, inserted, placed, tuple(adapted.requantization)
+
+
+def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_obj: Target, adapter,
+               calibrated: Mapping, fmt, config: QuantizeConfig, options):
+    """The whole-model guard of latency placement: the quantized model ``current`` (``(model,
+    inserted, placement, requantization)``) timed slower than FP32, so the least-gaining half of its
+    integer sites (`onnx_qat.placement.cpu_latency.fallback_sites`) is kept float too, the model is
+    rebuilt from the same ranges, and FP32, ``current`` and the rebuilt model are timed once more,
+    interleaved; the faster quantized model is returned with the record of what was tried
+    (``kept_float``, the three medians, ``chosen``), or ``current`` and None when no fallback can be
+    built."""
+    from .placement.cpu_latency import fallback_sites, fallback_timing
+
+    import re
+
+    model_now, _, placement_now, _ = current
+    float_now = {r["node"] for r in decision.records} - {w.node for w in placement_now.weights}
+    drop = fallback_sites(decision, exclude=float_now)
+    if not drop:
+        return (*current, None)
+    model = onnx.load_from_string(float_bytes)
+    index = GraphIndex(model)
+    excluded = tuple(re.escape(n) for n in sorted(float_now | set(drop)))
+    placed = policy_for(target_obj).place(index, replace(config, exclude_nodes=tuple(config.exclude_nodes)
+                                                         + excluded))
+    if placed.empty:
+        return (*current, None)
+    from .placement.marks import Decision
+
+    ours = {d.node: d for d in placement_now.decisions if d.node in float_now}
+    by_node = {r["node"]: r for r in decision.records}
+    for name in drop:
+        record = by_node[name]
+        ours[name] = Decision(name, record["op_type"], "skip", "CPU3",
+                              f"kept float by the whole-model guard (model slower than FP32; this site's "
+                              f"measured gain {record['gain']:.2f}x, among the least)")
+    placed = replace(placed, decisions=tuple(ours.get(d.node, d) for d in placed.decisions))
+    try:
+        adapted = adapter.adapt(index, placed, table, **calibrated)
+        note = (f"ort-cpu whole-model guard: the quantized model timed slower than FP32, so {len(drop)} "
+                f"least-gaining site(s) were kept float too (e.g. {drop[0]!r}) and the model timed again")
+        placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
+        storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
+                   "full_range": adapted.full_range, "narrow_weights": adapted.narrow_weights,
+                   "range_scales": adapted.range_scales, "precision": fmt.name,
+                   "block_size": config.block_size}
+        qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
+    except ScalesError as exc:
+        logger.info("ort-cpu whole-model guard: no fallback model (%s)", exc)
+        return (*current, None)
+    timing = fallback_timing(float_bytes, model_now, qdq, options)
+    record = {"kept_float": list(drop), **timing}
+    logger.info("ort-cpu whole-model guard: %s", record)
+    if timing["chosen"] == "fallback":
+        return qdq, inserted, placed, tuple(adapted.requantization), record
+    return (*current, record)
 
 
 def _summary(placement: Placement, inserted) -> dict:

@@ -190,3 +190,183 @@ def test_cli_latency_profile(tmp_path, capsys):
     assert main(["quantize", str(src), "-o", str(tmp_path / "x.onnx"), "--data", str(data),
                  "--latency-threads", "2"]) == 2
     assert not (tmp_path / "x.onnx").exists()
+
+
+def _signed_net_and_data():
+    """``expand_conv`` reads the signed graph input (zero point 128): its weight width follows cpu_vnni."""
+    model = B.depthwise_model(channels=16, expand=2, size=8)
+    return model, {"input": np.random.default_rng(0).standard_normal((4, 16, 8, 8)).astype(np.float32)}
+
+
+def test_auto_weight_width_is_recorded_in_and_read_from_a_latency_profile(tmp_path):
+    """This machine's profile records the auto choice of ``cpu_vnni``; a profile from another machine
+    that records one decides ``"auto"`` (it describes the deployment machine); forcing still wins."""
+    model, data = _signed_net_and_data()
+    profile = tmp_path / "here.json"
+    _profile(model, profile)
+    result = onnx_qat.quantize(model, data=data, method="max", target="ort-cpu", progress=False,
+                               latency=str(profile))
+    assert result.ort_cpu["chosen_by"] == "auto" and result.latency["kinds_measured"] == 0
+    saved = json.loads(profile.read_text())
+    assert saved["cpu_vnni"] == {"cpu_vnni": result.ort_cpu["cpu_vnni"], "reason": result.ort_cpu["reason"]}
+    for recorded in (True, False):
+        other = tmp_path / f"other_{recorded}.json"
+        other.write_text(json.dumps({**saved, "machine": {**saved["machine"], "cpu": "deployment CPU"},
+                                     "cpu_vnni": {"cpu_vnni": recorded, "reason": "measured there"}}))
+        choice = L.resolve_cpu_vnni("auto", profile=other)
+        assert choice["cpu_vnni"] is recorded and choice["chosen_by"] == "latency profile"
+        assert "deployment CPU" in choice["reason"] and "measured there" in choice["reason"]
+        assert L.resolve_cpu_vnni(not recorded, profile=other)["cpu_vnni"] is (not recorded)
+        out = onnx_qat.quantize(model, data=data, method="max", target="ort-cpu", progress=False,
+                                latency=str(other))
+        weights = {r["tensor"]: r for r in out.inserted if r["kind"] == "weight"}
+        assert weights["expand_conv.weight"].get("range") == (None if recorded else [-63, 63])
+        assert out.ort_cpu["chosen_by"] == "latency profile"
+        assert json.loads(other.read_text())["cpu_vnni"]["reason"] == "measured there"  # not overwritten
+
+
+def test_a_bad_recorded_weight_width_is_a_config_error(tmp_path):
+    model, _ = _signed_net_and_data()
+    profile = tmp_path / "p.json"
+    _profile(model, profile)
+    profile.write_text(json.dumps({**json.loads(profile.read_text()), "cpu_vnni": {"cpu_vnni": "yes"}}))
+    with pytest.raises(ConfigError, match="'cpu_vnni' needs a boolean"):
+        L.LatencyProfile.load(profile, 0)
+
+
+def test_cli_cpu_vnni_auto_on_off(tmp_path, capsys):
+    """``--cpu-vnni``, ``--no-cpu-vnni``, and the default (neither: ``auto``): the summary
+    and the report say which width and why; forcing 8 bits without --data is exit 2, nothing written."""
+    import platform
+
+    model, data = _signed_net_and_data()
+    src, npz = tmp_path / "m.onnx", tmp_path / "d.npz"
+    onnx.save(model, str(src))
+    np.savez(npz, **data)
+    wide, _ = L.wide_dot_products(L.machine_key(0)["flags"], platform.machine())
+    for flags, bits, by in (([], 8 if wide else 7, "auto"), (["--cpu-vnni"], 8, "option"),
+                            (["--no-cpu-vnni"], 7, "option")):
+        out, rep = tmp_path / "q.onnx", tmp_path / "r.json"
+        code = main(["quantize", str(src), "-o", str(out), "--data", str(npz), "--method", "max",
+                     "--target", "ort-cpu", "--report", str(rep), *flags])
+        shown = capsys.readouterr().out
+        assert code == 0, shown
+        assert f"ort-cpu weights behind signed inputs: {bits} bits" in shown and f", {by}: " in shown
+        report = json.loads(rep.read_text())
+        assert report["ort_cpu"]["weight_bits"] == bits and report["ort_cpu"]["chosen_by"] == by
+        weights = {r["tensor"]: r for r in report["inserted"] if r["kind"] == "weight"}
+        assert weights["expand_conv.weight"].get("range") == (None if bits == 8 else [-63, 63])
+    scales = tmp_path / "s.json"
+    onnx_qat.calibrate(model, data, method="max").save(scales)
+    bad = tmp_path / "bad.onnx"
+    assert main(["quantize", str(src), "-o", str(bad), "--scales", str(scales), "--target", "ort-cpu",
+                 "--cpu-vnni"]) == 2
+    assert not bad.exists() and "cpu_vnni" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("second, kept", [((100.0, 80.0), ()), ((100.0, 300.0), ("dw",))])
+def test_a_kind_measured_slower_in_integer_is_measured_again(tmp_path, monkeypatch, second, kept):
+    """A first measurement saying integer is slower (here 300 us against 100 us for ``dw``) is taken
+    again, and each form keeps the lower of its two medians: a second measurement of 80 us makes the
+    site integer, one that confirms the loss keeps it float. Kinds measured faster are measured once.
+    (The measurement is replaced by given times: which times come back is what this tests.)"""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = _net()
+    index, placement = GraphIndex(model), onnx_qat.place(model, target="ort-cpu")
+    dw_kind = next(s.kind for s in L.sites_of(index, placement, L.input_shapes(model, 1)) if s.node == "dw")
+    calls = []
+
+    def measure(spec, threads):
+        kind = json.dumps(spec, sort_keys=True)
+        calls.append(kind)
+        if spec == json.loads(dw_kind):
+            first = calls.count(kind) == 1
+            return dict(zip(("float_us", "int_us"), (100.0, 300.0) if first else second))
+        return {"float_us": 100.0, "int_us": 50.0}
+
+    monkeypatch.setattr(L, "measure_kind", measure)
+    decision = L.decide(model, index, placement)
+    assert decision.kept_float == kept
+    assert len(calls) == 5 and decision.measured_kinds == 4  # 4 kinds, dw twice
+    saved = json.loads(L.default_profile_path(0).read_text())["sites"]
+    assert saved[dw_kind] == {"float_us": 100.0, "int_us": min(300.0, second[1])}
+
+
+def test_fallback_sites_are_the_least_gaining_half():
+    records = tuple({"node": n, "decision": d, "gain": g} for n, d, g in
+                    (("a", "integer", 3.0), ("b", "integer", 1.2), ("c", "float", 0.5), ("d", "integer", 1.5),
+                     ("e", "integer", 2.0)))
+    decision = L.LatencyDecision(("c",), records, None, 0, 0.0)
+    assert L.fallback_sites(decision, exclude={"c"}) == ("b", "d")
+    assert L.fallback_sites(decision, exclude={"c", "a", "b"}) == ("d",)
+    assert L.fallback_sites(decision, exclude={"a", "b", "c", "d"}) == ()  # never the last integer site
+
+
+@pytest.mark.parametrize("second", [None, "fallback", "unchanged"])
+def test_whole_model_guard_keeps_the_least_gaining_sites_float(tmp_path, monkeypatch, second):
+    """When the final timing says the quantized model is not faster than FP32 (given here: that timing
+    is replaced by a verdict of 0.5x), the least-gaining half of the integer sites by the profile is kept
+    float too, FP32 and both quantized models are timed once more (for real with ``second`` None, else
+    given: the fallback faster at 1.2x FP32, or the model unchanged at 0.9x), and the faster quantized
+    model is written; the report's ``latency.fallback`` says what was tried and which was kept, and
+    ``whole_model`` gives the second timing (the first under ``first``)."""
+    model = _net()
+    profile = tmp_path / "profile.json"
+    _profile(model, profile)
+    raw = json.loads(profile.read_text())
+    index, placement = GraphIndex(model), onnx_qat.place(model, target="ort-cpu")
+    gains = {"c1": 4.0, "dw": 1.2, "c2": 1.5, "fc": 3.0}
+    for site in L.sites_of(index, placement, L.input_shapes(model, 1)):
+        raw["sites"][site.kind] = {"float_us": 100.0, "int_us": 100.0 / gains[site.node]}
+    profile.write_text(json.dumps(raw))
+    slow = {"timed": True, "batch": 1, "threads": 0, "rounds": 3, "fp32_ms": 1.0, "quantized_ms": 2.0,
+            "speedup": 0.5, "verdict": "NOT faster than FP32", "chosen": "latency placement"}
+    monkeypatch.setattr(L, "whole_model_timing", lambda *args, **kwargs: dict(slow))
+    if second is not None:
+        given = {"rounds": 3, "fp32_ms": 1.2, "before_ms": 1.33,
+                 "fallback_ms": 1.0 if second == "fallback" else 1.5,
+                 "speedup": 1.2 if second == "fallback" else 0.902, "chosen": second}
+        monkeypatch.setattr(L, "fallback_timing", lambda *args, **kwargs: dict(given))
+    out = tmp_path / "q.onnx"
+    result = onnx_qat.quantize(model, out, data=_data(), method="max", target="ort-cpu", progress=False,
+                               latency=str(profile))
+    fallback = result.latency["fallback"]
+    assert fallback["kept_float"] == ["dw", "c2"]
+    assert fallback["chosen"] in ("fallback", "unchanged")
+    assert fallback["fp32_ms"] > 0 and fallback["before_ms"] > 0 and fallback["fallback_ms"] > 0
+    weights = {w.node for w in result.placement.weights}
+    decisions = {d.node: d for d in result.placement.all_decisions()}
+    whole = result.latency["whole_model"]
+    if second is not None:
+        assert fallback["chosen"] == second
+    assert whole["first"]["speedup"] == 0.5 and whole["speedup"] == fallback["speedup"]
+    if fallback["chosen"] == "fallback":
+        assert weights == {"c1", "fc"} and whole["quantized_ms"] == fallback["fallback_ms"]
+        assert decisions["dw"].rule == "CPU3" and "whole-model guard" in decisions["dw"].reason
+        assert set(result.latency["kept_float"]) == {"dw", "c2"} and whole["chosen"] == "fallback"
+    else:
+        assert weights == {"c1", "dw", "c2", "fc"} and whole["quantized_ms"] == fallback["before_ms"]
+        assert result.latency["kept_float"] == []
+    assert (whole["speedup"] <= 1.0) == any("NOT faster than FP32" in n for n in result.placement.notes)
+    B.assert_check_clean(onnx.load(str(out)), target="ort-cpu")
+
+
+def test_cli_prints_the_whole_model_guard(tmp_path, capsys, monkeypatch):
+    model = _net()
+    src, out, data, profile = (tmp_path / n for n in ("m.onnx", "q.onnx", "d.npz", "p.json"))
+    onnx.save(model, str(src))
+    np.savez(data, **_data())
+    _profile(model, profile)
+    slow = {"timed": True, "batch": 1, "threads": 0, "rounds": 3, "fp32_ms": 1.0, "quantized_ms": 2.0,
+            "speedup": 0.5, "verdict": "NOT faster than FP32", "chosen": "latency placement"}
+    monkeypatch.setattr(L, "whole_model_timing", lambda *args, **kwargs: dict(slow))
+    monkeypatch.setattr(L, "fallback_timing", lambda *args, **kwargs: {
+        "rounds": 3, "fp32_ms": 1.2, "before_ms": 1.33, "fallback_ms": 1.0, "speedup": 1.2,
+        "chosen": "fallback"})
+    code = main(["quantize", str(src), "-o", str(out), "--data", str(data), "--method", "max",
+                 "--target", "ort-cpu", "--latency-profile", str(profile)])
+    shown = capsys.readouterr().out
+    assert code == 0
+    assert "whole-model guard: first timing 0.50x FP32, so 2 least-gaining site(s) kept float too" in shown
+    assert "1.00 ms against 1.33 ms: kept the fallback" in shown
+    assert "whole model, batch 1: 1.00 ms against FP32 1.20 ms (1.20x): faster than FP32" in shown

@@ -17,7 +17,8 @@ def _block_data(seed: int, num: int = 8, seq: int = 16, dim: int = 64):
 @pytest.fixture(scope="module")
 def block():
     model = B.transformer_block_model(seq=16, dim=64, heads=4)
-    result = onnx_qat.quantize(model, data=_block_data(1), method="max", target="ort-cpu", progress=False)
+    result = onnx_qat.quantize(model, data=_block_data(1), method="max", target="ort-cpu", progress=False,
+                               cpu_vnni=False)  # the portable form, whatever CPU runs the tests
     return model, result
 
 
@@ -90,7 +91,8 @@ def test_a_given_scale_table_keeps_8_bit_unsigned_weights(block):
 def test_depthwise_weights_keep_8_bits():
     model = B.depthwise_model(channels=16, expand=2, size=8)
     data = {"input": np.random.default_rng(0).standard_normal((4, 16, 8, 8)).astype(np.float32)}
-    result = onnx_qat.quantize(model, data=data, method="max", target="ort-cpu", progress=False)
+    result = onnx_qat.quantize(model, data=data, method="max", target="ort-cpu", progress=False,
+                               cpu_vnni=False)
     weights = {r["tensor"]: r for r in result.inserted if r["kind"] == "weight"}
     assert "range" not in weights["dw_conv.weight"]  # its kernel sums in 32 bits
     assert weights["expand_conv.weight"]["range"] == [-63, 63]  # reads the signed graph input
@@ -116,3 +118,53 @@ def test_cpu_vnni_needs_the_ort_cpu_target_and_data(block):
         onnx_qat.quantize(model, data=_block_data(1), target="tensorrt", progress=False, cpu_vnni=True)
     with pytest.raises(ConfigError, match="cpu_vnni"):
         onnx_qat.quantize(model, scales=calibrated.scales, target="ort-cpu", progress=False, cpu_vnni=True)
+
+
+@pytest.mark.parametrize("flags, arch, wide", [
+    (["avx2", "avx512f", "avx512bw"], "x86_64", False),  # AVX-512 core: vpmaddubsw, 16-bit pair sums
+    (["avx2"], "x86_64", False),
+    (["avx2", "avx512f", "avx512_vnni"], "x86_64", True),
+    (["avx2", "avx_vnni"], "AMD64", True),
+    (["avx2", "amx_tile", "amx_int8"], "x86_64", True),
+    ([], "aarch64", True),  # NEON widening multiply-accumulate: 32-bit sums on every ARM64 CPU
+    (["asimddp"], "arm64", True),
+    ([], "riscv64", False),  # unknown: the form exact everywhere
+])
+def test_wide_dot_products_follows_the_kernels(flags, arch, wide):
+    from onnx_qat.placement.cpu_latency import wide_dot_products
+
+    got, reason = wide_dot_products(flags, arch)
+    assert got is wide and reason
+
+
+def test_cpu_vnni_auto_follows_this_machine(block):
+    """The default (``"auto"``): 8-bit weights where this CPU sums int8 products in 32 bits, 7-bit
+    otherwise; the result, the report and a note say which and why."""
+    import platform
+
+    from onnx_qat.placement.cpu_latency import machine_key, wide_dot_products
+
+    model, _ = block
+    result = onnx_qat.quantize(model, data=_block_data(1), method="max", target="ort-cpu", progress=False)
+    wide, reason = wide_dot_products(machine_key(0)["flags"], platform.machine())
+    assert dict(result.ort_cpu) == {"cpu_vnni": wide, "weight_bits": 8 if wide else 7, "chosen_by": "auto",
+                                    "reason": reason}
+    q = {r["tensor"]: r for r in result.inserted if r["kind"] == "weight"}["q.weight"]
+    assert q.get("range") == (None if wide else [-63, 63])
+    report = result.to_report()
+    assert report["ort_cpu"]["cpu_vnni"] is wide
+    prefix = f"ort-cpu: Conv/Gemm/MatMul weights behind signed inputs in {8 if wide else 7} bits"
+    assert any(n.startswith(prefix) for n in report["notes"])
+    forced = onnx_qat.quantize(model, data=_block_data(1), method="max", target="ort-cpu", progress=False,
+                               cpu_vnni=not wide)
+    assert forced.ort_cpu["chosen_by"] == "option" and forced.ort_cpu["cpu_vnni"] is (not wide)
+
+
+def test_cpu_vnni_rejects_other_values(block):
+    from onnx_qat.errors import ConfigError
+
+    model, _ = block
+    for value in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="cpu_vnni must be True, False or 'auto'"):
+            onnx_qat.quantize(model, data=_block_data(1), target="ort-cpu", progress=False, cpu_vnni=value)
+

@@ -11,12 +11,12 @@ encoder built in code at ViT-B/16's sizes (`vit_encoder`: 16 x 16 patches, 12 la
 Per model, three forms, all calibrated on the same 16 samples: FP32; ours
 (``onnx_qat.quantize(target="ort-cpu", method="max", latency=...)``: latency-aware placement with a
 profile kept in the work directory, so the whole-model check of `onnx_qat.placement.cpu_latency` runs;
-``cpu_vnni=True`` on a CPU with VNNI or AMX, `wide_dot_products`, whose error the default 7-bit-weight
-form's error follows in a row of its own); onnxruntime's ``quantize_static`` in its fast x86 form (QDQ,
-uint8 activations, int8 weights, MinMax). Each is timed at batch 1 and 8, 2 intra-op threads, sessions
-without thread spinning, the three run interleaved (A B C A B C ...) and medians compared. Errors: mean
-absolute difference from FP32 over 8 further samples, as a fraction of FP32's output range (both quantized
-forms on the same samples).
+the default ``cpu_vnni="auto"``: 8-bit weights on a CPU with VNNI or AMX, `wide_dot_products`, where
+the error of the 7-bit-weight form, ``cpu_vnni=False``, follows in a row of its own); onnxruntime's
+``quantize_static`` in its fast x86 form (QDQ, uint8 activations, int8 weights, MinMax). Each is timed
+at batch 1 and 8, 2 intra-op threads, sessions without thread spinning, the three run interleaved
+(A B C A B C ...) and medians compared. Errors: mean absolute difference from FP32 over 8 further
+samples, as a fraction of FP32's output range (both quantized forms on the same samples).
 
 The machine's load (``os.getloadavg``) is in each row's detail: on a shared machine the ratios are what
 to read, not the times.
@@ -224,11 +224,11 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
 
     profile = workdir / "latency_profile.json"
     options = LatencyOptions(profile=str(profile), threads=THREADS) if latency else None
-    vnni = wide_dot_products()
     ours = onnx_qat.quantize(str(path), data={name: calib}, method="max", target="ort-cpu", progress=False,
-                             latency=options, cpu_vnni=vnni)
+                             latency=options)  # cpu_vnni "auto": the width this CPU gives
+    vnni = bool(ours.ort_cpu["cpu_vnni"])
     portable = onnx_qat.quantize(str(path), data={name: calib}, method="max", target="ort-cpu",
-                                 progress=False) if vnni else None
+                                 progress=False, cpu_vnni=False) if vnni else None
     theirs = _ort_uint8(path, workdir / f"{path.stem}_ort_u8.onnx", name, calib)
     forms = {"fp32": path, "ours": ours.model, "ort": theirs}
     sessions = {k: _session(v) for k, v in forms.items()}
@@ -266,23 +266,22 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
     if err_portable is not None:
         rows.append(Row(NAME, f"{label}: 7-bit-weight form (any x86 CPU) error / onnxruntime form error",
                         ratio(err_portable, err_ort), None,
-                        f"the default form, exact on CPUs without VNNI (every site integer): "
+                        f"the --no-cpu-vnni form, exact on CPUs without VNNI (every site integer): "
                         f"{err_portable:.4g}"))
     return rows
 
 
-_WIDTHS = {True: "8-bit weights (--cpu-vnni: this CPU sums int8 products in 32 bits)",
+_WIDTHS = {True: "8-bit weights (cpu_vnni auto: this CPU sums int8 products in 32 bits)",
            False: "7-bit weights behind signed inputs"}
-#: CPU flags of int8 dot products summed in 32 bits (no 16-bit pair saturation): ``cpu_vnni`` holds.
-WIDE_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
-
-
 def wide_dot_products() -> bool:
-    """True when this CPU has one of `WIDE_DOT_FLAGS`: the benchmark then measures the form a user
-    deploying on it would write (``cpu_vnni=True``, 8-bit weights as onnxruntime's form has them)."""
-    from onnx_qat.placement.cpu_latency import machine_key
+    """True when ``cpu_vnni="auto"`` gives 8-bit weights on this CPU
+    (`onnx_qat.placement.cpu_latency.wide_dot_products`): the benchmark's main form then has them,
+    as onnxruntime's form does, and a further row gives the 7-bit form's error."""
+    import platform
 
-    return bool(set(machine_key(THREADS)["flags"]) & set(WIDE_DOT_FLAGS))
+    from onnx_qat.placement.cpu_latency import machine_key, wide_dot_products as wide
+
+    return wide(machine_key(THREADS)["flags"], platform.machine())[0]
 
 
 # --------------------------------------------------------------------------- the benchmark
