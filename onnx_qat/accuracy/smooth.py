@@ -12,6 +12,16 @@ The division is folded into what produces the activation, so the graph keeps its
 function is unchanged up to float rounding: a LayerNormalization (its scale and bias), a
 BatchNormalization (scale and bias), a Mul by a constant then an Add of a constant (a LayerNorm
 written out), a Conv/Gemm/MatMul (its output channels, and the Add of a constant bias after it).
+Where the producer cannot absorb the division because it is not homogeneous (a GELU, written as one
+``Gelu`` node or as its ``Erf`` expression, a Sigmoid, a Tanh, ...: any op of `POINTWISE_PRODUCERS`),
+an explicit ``Mul`` by ``1 / s`` (one constant per channel) is inserted right after it and every reader
+reads the ``Mul``'s output instead. Placement then puts the readers' Q/DQ pair after the ``Mul``, on
+the tensor the weighted op reads. TensorRT fuses adjacent pointwise layers into one pointwise layer,
+and the activation, the ``Mul`` and the QuantizeLinear after them are such a chain (TensorRT
+documentation, "Layer Fusion Catalog": PointWise fusion,
+https://docs.nvidia.com/deeplearning/tensorrt/latest/performance/fusion-catalog.html), so the
+``Mul`` adds no kernel of its own.
+
 Every reader of the activation must be a weighted op reading it as input 0 with a private constant
 weight. A tensor is smoothed only where its channel ranges are uneven: the largest at least
 `MIN_SPREAD` times the median.
@@ -33,6 +43,11 @@ ALPHA = 0.5
 MIN_SPREAD = 8.0
 #: Op types whose input 0 may be smoothed, and the axis of their input channels.
 READERS = {"MatMul": -1, "Gemm": -1, "Conv": 1}
+#: Element-wise producers after which a ``Mul`` by ``1 / s`` is inserted when the division cannot be folded
+#: into them (TensorRT fuses the ``Mul`` with them into one pointwise kernel).
+POINTWISE_PRODUCERS = ("Gelu", "Erf", "Mul", "Add", "Sub", "Div", "Sigmoid", "Tanh", "Relu", "LeakyRelu",
+                       "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish", "Softplus", "Softsign", "Mish",
+                       "Clip", "PRelu", "Abs", "Neg", "Exp", "Sqrt", "Pow")
 
 
 def _weight_rows(index, node, channels: int) -> Optional[np.ndarray]:
@@ -141,12 +156,14 @@ def _fits(value: np.ndarray, how: str, channels: int) -> bool:
 
 
 def smooth(model, data, *, alpha: float = ALPHA, min_spread: float = MIN_SPREAD, batch_size: int = 16,
-           tensors=None) -> Tuple[dict, ...]:
+           tensors=None, insert_mul: bool = True) -> Tuple[dict, ...]:
     """Smooth every activation of ``model`` (a private copy, edited in place) that qualifies (see the
-    module docstring), with channel ranges measured on ``data``; ``tensors`` limits the candidates.
+    module docstring), with channel ranges measured on ``data``; ``tensors`` limits the candidates;
+    ``insert_mul=False`` smooths only where the producer absorbs the division (no node added).
 
-    Returns one record per smoothed tensor: ``tensor``, ``readers``, ``spread_before`` and
-    ``spread_after`` (largest channel range over the median, on the calibration data).
+    Returns one record per smoothed tensor: ``tensor``, ``readers``, ``how`` (``"folded"`` into the
+    producer, or ``"mul"``: a ``Mul`` inserted after it), ``producer`` (its op type), ``spread_before``
+    and ``spread_after`` (largest channel range over the median, on the calibration data).
     """
     from ..graph.index import GraphIndex
 
@@ -167,7 +184,7 @@ def smooth(model, data, *, alpha: float = ALPHA, min_spread: float = MIN_SPREAD,
     if not candidates:
         return ()
     ranges = _channel_ranges(model, data, {x: a for x, (a, _) in candidates.items()}, batch_size)
-    records = []
+    records, muls = [], []
     for x, (axis, readers) in candidates.items():
         a = ranges.get(x)
         if a is None or not np.all(np.isfinite(a)):
@@ -177,26 +194,70 @@ def smooth(model, data, *, alpha: float = ALPHA, min_spread: float = MIN_SPREAD,
             continue
         rows = [_weight_rows(index, n, a.size) for n in readers]
         trailing = 0 if axis == -1 else _conv_trailing(index, readers[0])
-        targets = _fold_targets(index, x, a.size, axis, trailing)
-        if any(r is None for r in rows) or targets is None:
+        if any(r is None for r in rows):
+            continue
+        targets = None if x in index.graph_outputs else _fold_targets(index, x, a.size, axis, trailing)
+        if targets is not None and not all(_fits(read_constant(index, t), how, a.size) for t, how in targets):
+            targets = None
+        producer = index.producer.get(x)
+        if targets is None and not (insert_mul and producer is not None and producer.standard and
+                                    producer.op_type in POINTWISE_PRODUCERS):
             continue
         w = np.max([np.abs(r).max(axis=1) for r in rows], axis=0)
         live = (a > 0) & (w > 0)
         s = np.ones_like(a)
         s[live] = a[live] ** alpha / w[live] ** (1 - alpha)
         s[live] /= np.exp(np.mean(np.log(s[live])))  # geometric mean 1: ranges keep their magnitude
-        if not all(_fits(read_constant(index, t), how, a.size) for t, how in targets):
-            continue
-        for t, how in targets:
-            _divide(index, t, how, s, axis)
+        if targets is None:
+            inverse = (1.0 / s).astype(np.float32).reshape((-1,) + (1,) * trailing)
+            muls.append((x, producer.position, [n.position for n in readers], inverse))
+        else:
+            for t, how in targets:
+                _divide(index, t, how, s, axis)
         for n in readers:
             _scale_weight(index, n, s)
         after = a / s
         records.append({"tensor": x, "readers": [n.name for n in readers],
+                        "how": "folded" if targets is not None else "mul",
+                        "producer": None if producer is None else producer.op_type,
                         "spread_before": round(spread, 2),
                         "spread_after": round(float(after.max() / max(np.median(after), 1e-12)), 2)})
-        logger.info("smooth %s: channel spread %.1f -> %.1f", x, spread, records[-1]["spread_after"])
+        logger.info("smooth %s: channel spread %.1f -> %.1f (%s)", x, spread, records[-1]["spread_after"],
+                    records[-1]["how"])
+    _insert_muls(model, muls)
     return tuple(records)
+
+
+def _insert_muls(model, muls) -> None:
+    """For each ``(x, producer position, reader positions, inverse)``: a ``Mul(x, inverse)`` placed right
+    after the producer of ``x``, its output read (as input 0) by the readers instead of ``x``."""
+    if not muls:
+        return
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    taken = {n.name for n in graph.node} | {t.name for t in graph.initializer} | \
+        {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+    after = {}
+    for x, producer, readers, inverse in muls:
+        base, k = f"{x}_smooth", 0
+        while {f"{base}_Mul", f"{base}_inv_scale", base} & taken:
+            k += 1
+            base = f"{x}_smooth{k}"
+        taken.update((f"{base}_Mul", f"{base}_inv_scale", base))
+        graph.initializer.append(numpy_helper.from_array(inverse, f"{base}_inv_scale"))
+        for position in readers:
+            graph.node[position].input[0] = base
+        after[producer] = helper.make_node("Mul", [x, f"{base}_inv_scale"], [base], name=f"{base}_Mul")
+    nodes = []
+    for position, node in enumerate(graph.node):
+        copy = type(node)()
+        copy.CopyFrom(node)
+        nodes.append(copy)
+        if position in after:
+            nodes.append(after[position])
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _channel_ranges(model, data, axes: Dict[str, int], batch_size: int) -> Dict[str, np.ndarray]:
@@ -216,4 +277,4 @@ def _channel_ranges(model, data, axes: Dict[str, int], batch_size: int) -> Dict[
     return found
 
 
-__all__ = ["smooth", "ALPHA", "MIN_SPREAD"]
+__all__ = ["smooth", "ALPHA", "MIN_SPREAD", "POINTWISE_PRODUCERS"]
