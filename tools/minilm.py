@@ -48,7 +48,10 @@ LAYERS, DIM, HEADS, FFN, SEQ, EPS = 6, 384, 12, 1536, 64, 1e-12
 #: Node-name patterns of each group of linears (every layer).
 GROUPS = {"qkv": r"l\d+\.(q|k|v)", "attention output": r"l\d+\.out", "ffn up": r"l\d+\.ffn1",
           "ffn down": r"l\d+\.ffn2"}
-ROWS = ("max", "auto", "optimize", "smooth", "groups")
+ROWS = ("max", "auto", "optimize", "smooth", "groups", "split")
+#: FFN-down input channels whose activation range times weight-row range is over this many times the
+#: median are split out in the ``split`` row.
+SPLIT_RATIO = 50.0
 
 
 # --------------------------------------------------------------------------- weights
@@ -207,6 +210,75 @@ def _smoothed(model, calib):
     return copy, records
 
 
+def split_outliers(model, calib, ratio: float = SPLIT_RATIO):
+    """A copy of ``model`` where the FFN-down input channels whose product ``a_j * w_j`` (max |x| of
+    the channel on ``calib`` times max |w| of its weight row) is over ``ratio`` times the median are
+    taken out of the FFN-down MatMul (its rows zeroed, the channel zeroed by a ``Mul`` mask) and read by
+    a separate MatMul (``Gather`` of the channels, their weight rows) whose output is added after the
+    bias: the float function is unchanged, both MatMuls are quantized (INT8, each with its own
+    activation scale). Returns ``(model, [(node, channels, product / median)])``.
+
+    A measurement of where the FFN-down error comes from, not a step of the library."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from onnx_qat.runtime.sessions import make_session
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    inits = {t.name: t for t in graph.initializer}
+    downs = [n for n in graph.node if n.op_type == "MatMul" and n.name.endswith(".ffn2")]
+    names = [n.input[0] for n in downs]
+    values = dict(zip(names, make_session(model, extra_outputs=names, spin=False).run(names, calib)))
+    extra, added, found = [], {}, []
+    for node in downs:
+        x, weight = node.input[0], numpy_helper.to_array(inits[node.input[1]]).copy()
+        product = np.abs(values[x]).reshape(-1, weight.shape[0]).max(0) * np.abs(weight).max(1)
+        channels = np.flatnonzero(product > ratio * np.median(product))
+        if not channels.size:
+            continue
+        ratios = np.round(product[channels] / np.median(product)).tolist()
+        found.append((node.name, channels.tolist(), ratios))
+        mask = np.ones(weight.shape[0], np.float32)
+        mask[channels] = 0
+        rows = weight[channels].copy()
+        weight[channels] = 0
+        inits[node.input[1]].CopyFrom(numpy_helper.from_array(weight, node.input[1]))
+        graph.initializer.extend([numpy_helper.from_array(mask, f"{x}_keep"),
+                                  numpy_helper.from_array(channels.astype(np.int64), f"{x}_outliers"),
+                                  numpy_helper.from_array(rows, f"{node.name}_outlier.weight")])
+        extra += [helper.make_node("Mul", [x, f"{x}_keep"], [f"{x}_kept"], name=f"{x}_keep_Mul"),
+                  helper.make_node("Gather", [x, f"{x}_outliers"], [f"{x}_outlier"], name=f"{x}_Gather",
+                                   axis=-1),
+                  helper.make_node("MatMul", [f"{x}_outlier", f"{node.name}_outlier.weight"],
+                                   [f"{node.name}_outlier_out"], name=f"{node.name}_outlier")]
+        node.input[0] = f"{x}_kept"
+        added[f"{node.name}_bias_out"] = f"{node.name}_outlier_out"
+    for node in graph.node:
+        for k, t in enumerate(node.input):
+            if t in added:
+                node.input[k] = f"{t}_split"
+    extra += [helper.make_node("Add", [t, c], [f"{t}_split"], name=f"{t}_split_Add")
+              for t, c in added.items()]
+    _sorted(graph, list(graph.node) + extra)
+    return copy, found
+
+
+def _sorted(graph, nodes) -> None:
+    """``graph``'s nodes set to ``nodes`` in topological order."""
+    ready = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {""}
+    ordered, rest = [], [type(n)() for n in nodes]
+    for copy, node in zip(rest, nodes):
+        copy.CopyFrom(node)
+    while rest:
+        k = next(k for k, n in enumerate(rest) if all(t in ready for t in n.input))
+        ordered.append(rest.pop(k))
+        ready.update(ordered[-1].output)
+    del graph.node[:]
+    graph.node.extend(ordered)
+
+
 def measure(workdir: Path, rows=ROWS, gelu: str = "erf", method: str = "auto") -> dict:
     w = weights(workdir)
     model = encoder(w, gelu)
@@ -239,6 +311,17 @@ def measure(workdir: Path, rows=ROWS, gelu: str = "erf", method: str = "auto") -
                 label: _quantized(source, calib, test, reference, method=method,
                                   exclude_nodes=others)["cosine"]
                 for label, source in (("plain", model), ("smoothed", smoothed[0]))}
+    if "split" in rows:
+        start = time.perf_counter()
+        split, channels = split_outliers(model, calib)
+        spent = time.perf_counter() - start
+        found["split"] = {"channels": channels, "split_seconds": spent,
+                          "float_max_abs_difference": float(np.abs(_output(split, test) - reference).max())}
+        for name in ("max", "auto"):
+            found["split"][name] = _quantized(split, calib, test, reference, method=name)
+            found["split"][f"{name}, ffn down only"] = _quantized(
+                split, calib, test, reference, method=name,
+                exclude_nodes=tuple(p for g, p in GROUPS.items() if g != "ffn down"))["cosine"]
     return found
 
 
