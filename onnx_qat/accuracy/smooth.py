@@ -22,9 +22,15 @@ documentation, "Layer Fusion Catalog": PointWise fusion,
 https://docs.nvidia.com/deeplearning/tensorrt/latest/performance/fusion-catalog.html), so the
 ``Mul`` adds no kernel of its own.
 
-Every reader of the activation must be a weighted op reading it as input 0 with a private constant
-weight. A tensor is smoothed only where its channel ranges are uneven: the largest at least
-`MIN_SPREAD` times the median.
+Every weighted reader (MatMul, Gemm, Conv reading the activation as input 0) must have a private
+constant weight. A tensor is smoothed only where its channel ranges are uneven (the largest at least
+`MIN_SPREAD` times the median) and smoothing makes them less so: a channel whose weight row is as
+much an outlier as the channel itself (the product ``a_j * w_j`` is what is large) has nothing to
+migrate, and the tensor is left alone.
+
+A tensor read by other nodes as well (a LayerNorm output that also feeds a residual Add) is smoothed
+with a ``Mul`` that only the weighted readers read; it sits right before their QuantizeLinear, a
+pointwise layer TensorRT fuses with it.
 """
 from __future__ import annotations
 
@@ -176,16 +182,18 @@ def smooth(model, data, *, alpha: float = ALPHA, min_spread: float = MIN_SPREAD,
         x = node.inputs[0]
         if x in candidates or index.is_constant(x) or x in index.graph_inputs:
             continue
-        readers = [n for n, i in index.consumers(x)]
-        if any(n.op_type not in READERS or n.inputs[0] != x for n in readers) or \
-                len({READERS[n.op_type] for n in readers}) != 1:
+        consumers = [n for n, i in index.consumers(x)]
+        readers = [n for n in consumers
+                   if n.op_type in READERS and n.inputs[0] == x and x not in n.inputs[1:]]
+        shared = len(readers) != len(consumers) or x in index.graph_outputs
+        if len({READERS[n.op_type] for n in readers}) != 1 or (shared and not insert_mul):
             continue
-        candidates[x] = (READERS[node.op_type], readers)
+        candidates[x] = (READERS[node.op_type], readers, shared)
     if not candidates:
         return ()
-    ranges = _channel_ranges(model, data, {x: a for x, (a, _) in candidates.items()}, batch_size)
+    ranges = _channel_ranges(model, data, {x: a for x, (a, _, _) in candidates.items()}, batch_size)
     records, muls = [], []
-    for x, (axis, readers) in candidates.items():
+    for x, (axis, readers, shared) in candidates.items():
         a = ranges.get(x)
         if a is None or not np.all(np.isfinite(a)):
             continue
@@ -196,18 +204,24 @@ def smooth(model, data, *, alpha: float = ALPHA, min_spread: float = MIN_SPREAD,
         trailing = 0 if axis == -1 else _conv_trailing(index, readers[0])
         if any(r is None for r in rows):
             continue
-        targets = None if x in index.graph_outputs else _fold_targets(index, x, a.size, axis, trailing)
+        targets = None if shared else _fold_targets(index, x, a.size, axis, trailing)
         if targets is not None and not all(_fits(read_constant(index, t), how, a.size) for t, how in targets):
             targets = None
         producer = index.producer.get(x)
-        if targets is None and not (insert_mul and producer is not None and producer.standard and
-                                    producer.op_type in POINTWISE_PRODUCERS):
+        if targets is None and not (insert_mul and producer is not None and (shared or (
+                producer.standard and producer.op_type in POINTWISE_PRODUCERS))):
             continue
         w = np.max([np.abs(r).max(axis=1) for r in rows], axis=0)
         live = (a > 0) & (w > 0)
         s = np.ones_like(a)
         s[live] = a[live] ** alpha / w[live] ** (1 - alpha)
         s[live] /= np.exp(np.mean(np.log(s[live])))  # geometric mean 1: ranges keep their magnitude
+        after = a / s
+        spread_after = float(after.max() / max(np.median(after), 1e-12))
+        if spread_after >= spread:  # the outlier is in the weights' rows too: nothing to migrate
+            logger.debug("smooth %s: left alone, channel spread %.1f would become %.1f", x, spread,
+                         spread_after)
+            continue
         if targets is None:
             inverse = (1.0 / s).astype(np.float32).reshape((-1,) + (1,) * trailing)
             muls.append((x, producer.position, [n.position for n in readers], inverse))
@@ -216,12 +230,11 @@ def smooth(model, data, *, alpha: float = ALPHA, min_spread: float = MIN_SPREAD,
                 _divide(index, t, how, s, axis)
         for n in readers:
             _scale_weight(index, n, s)
-        after = a / s
-        records.append({"tensor": x, "readers": [n.name for n in readers],
+        records.append({"tensor": x, "readers": [n.name for n in readers], "shared": shared,
                         "how": "folded" if targets is not None else "mul",
                         "producer": None if producer is None else producer.op_type,
                         "spread_before": round(spread, 2),
-                        "spread_after": round(float(after.max() / max(np.median(after), 1e-12)), 2)})
+                        "spread_after": round(spread_after, 2)})
         logger.info("smooth %s: channel spread %.1f -> %.1f (%s)", x, spread, records[-1]["spread_after"],
                     records[-1]["how"])
     _insert_muls(model, muls)

@@ -282,10 +282,12 @@ def test_optimize_accuracy_refuses_int4():
 
 # ------------------------------------------------------------------ activation smoothing
 def outlier_layernorm_model(seed: int = 0, dim: int = 32, factor: float = 200.0,
-                            decomposed: bool = False):
+                            decomposed: bool = False, residual: bool = False):
     """input [N, 8, dim] -> LayerNormalization (or its Mul/Add tail) whose scale makes channel 0 an
     outlier ``factor`` times the others -> MatMul ``fc`` (its weight row 0 divided by ``factor``: the
-    outlier is what the activation carries, not what the output needs) -> Relu -> MatMul ``out``."""
+    outlier is what the activation carries, not what the output needs) -> Relu -> MatMul ``out``.
+    ``residual``: the LayerNorm output is also added to the Relu's output (a post-LN transformer's
+    shortcut), and ``out`` reads the sum with its row 0 divided by ``factor``."""
     from onnx import TensorProto
 
     b = GraphBuilder("outlier_ln", seed)
@@ -308,8 +310,12 @@ def outlier_layernorm_model(seed: int = 0, dim: int = 32, factor: float = 200.0,
                    axis=-1, epsilon=1e-5)
     w = (b.rng.standard_normal((dim, dim)) * 0.3).astype(np.float32)
     w[0] /= factor
-    y = b.node("Relu", [b.node("MatMul", [y, b.const("fc.weight", w)], name="fc")], name="relu")
-    b.node("MatMul", [y, b.weight("out.weight", [dim, 16])], "output", name="out")
+    h = b.node("Relu", [b.node("MatMul", [y, b.const("fc.weight", w)], name="fc")], name="relu")
+    w_out = (b.rng.standard_normal((dim, 16)) * 0.3).astype(np.float32)
+    if residual:
+        h = b.node("Add", [y, h], name="shortcut")
+        w_out[0] /= factor
+    b.node("MatMul", [h, b.const("out.weight", w_out)], "output", name="out")
     b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
     return b.build(opset=17) if not decomposed else b.build(opset=13)
 
@@ -385,11 +391,12 @@ def test_optimize_accuracy_for_the_ort_cpu_target_passes_its_check():
 
 # ------------------------------------------------------------------ smoothing through a GELU: an inserted Mul
 def outlier_gelu_model(seed: int = 0, dim: int = 32, ffn: int = 64, factor: float = 100.0,
-                       gelu: str = "Gelu") -> onnx.ModelProto:
+                       gelu: str = "Gelu", row_factor: float = 0.0) -> onnx.ModelProto:
     """input [N, 8, dim] -> MatMul ``fc1`` (+ bias; its column 0 times ``factor``) -> GELU -> MatMul
-    ``fc2`` (its row 0 divided by ``factor``) -> output: GELU output channel 0 is an outlier ``factor``
-    times the others. ``gelu``: ``"Gelu"`` (one node, opset 20) or ``"erf"``
-    (``(x * 0.5) * (1 + erf(x / sqrt 2))``, opset 17: its last Mul has no constant to fold into)."""
+    ``fc2`` (its row 0 divided by ``factor``, or times ``row_factor`` when given) -> output: GELU
+    output channel 0 is an outlier ``factor`` times the others. ``gelu``: ``"Gelu"`` (one node, opset
+    20) or ``"erf"`` (``(x * 0.5) * (1 + erf(x / sqrt 2))``, opset 17: its last Mul has no constant to
+    fold into)."""
     from onnx import TensorProto
 
     b = GraphBuilder("outlier_gelu", seed)
@@ -408,7 +415,7 @@ def outlier_gelu_model(seed: int = 0, dim: int = 32, ffn: int = 64, factor: floa
         g = b.node("Mul", [half, b.node("Add", [erf, b.const("one", np.float32(1))], name="gelu_add")],
                    name="gelu")
     w2 = (b.rng.standard_normal((ffn, dim)) / np.sqrt(ffn)).astype(np.float32)
-    w2[0] /= factor
+    w2[0] = w2[0] * row_factor if row_factor else w2[0] / factor
     b.node("MatMul", [g, b.const("fc2.weight", w2)], "output", name="fc2")
     b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
     return b.build(opset=20 if gelu == "Gelu" else 17)
@@ -473,3 +480,37 @@ def test_optimize_accuracy_keeps_smoothing_through_a_gelu():
     assert steps["smooth"]["kept"] and steps["smooth"]["gain"] > 0.002, steps["smooth"]
     assert steps["smooth"]["tensors"][0]["how"] == "mul"
     assert_check_clean(result.model)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_smoothing_a_layernorm_output_that_feeds_a_shortcut_too(seed):
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_layernorm_model(seed, residual=True)
+    calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
+    before = _quantized_cosine(model, calib, evaluation)
+    smoothed = onnx.ModelProto()
+    smoothed.CopyFrom(model)
+    records = smooth(smoothed, calib)
+    fc = next(r for r in records if r["readers"] == ["fc"])
+    assert (fc["how"], fc["shared"], fc["producer"]) == ("mul", True, "LayerNormalization"), fc
+    index = GraphIndex(smoothed)
+    # the shortcut still reads the LayerNorm output itself; fc reads the Mul
+    assert "shortcut" in {n.name for n, _ in index.consumers(fc["tensor"])}
+    assert index.producer[index.nodes[[n.name for n in index.nodes].index("fc")].inputs[0]].op_type == "Mul"
+    feeds = {"input": _ln_feeds(9)["input"] * 3.0}
+    ref, got = run(model, feeds)[0], run(smoothed, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+    after = _quantized_cosine(smoothed, calib, evaluation)  # check clean inside
+    assert before < 0.8 and after > 0.999, (before, after)  # measured: 0.45-0.65 -> 0.9996-0.9999
+
+
+def test_smoothing_leaves_an_outlier_that_its_weight_row_shares_alone():
+    """Channel 0 is 100x the others and so is its weight row (x 1000): dividing it by s_j would make the
+    channel spread worse, not better; the tensor is left alone."""
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_gelu_model(0, row_factor=1000.0)
+    original = onnx.ModelProto()
+    original.CopyFrom(model)
+    assert smooth(model, _ln_feeds(0)) == () and model == original
