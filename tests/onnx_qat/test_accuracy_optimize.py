@@ -391,19 +391,28 @@ def test_optimize_accuracy_for_the_ort_cpu_target_passes_its_check():
 
 # ------------------------------------------------------------------ smoothing through a GELU: an inserted Mul
 def outlier_gelu_model(seed: int = 0, dim: int = 32, ffn: int = 64, factor: float = 100.0,
-                       gelu: str = "Gelu", row_factor: float = 0.0) -> onnx.ModelProto:
+                       gelu: str = "Gelu", row_factor: float = 0.0, bias: bool = False,
+                       massive: float = 0.0) -> onnx.ModelProto:
     """input [N, 8, dim] -> MatMul ``fc1`` (+ bias; its column 0 times ``factor``) -> GELU -> MatMul
     ``fc2`` (its row 0 divided by ``factor``, or times ``row_factor`` when given) -> output: GELU
     output channel 0 is an outlier ``factor`` times the others. ``gelu``: ``"Gelu"`` (one node, opset
     20) or ``"erf"`` (``(x * 0.5) * (1 + erf(x / sqrt 2))``, opset 17: its last Mul has no constant to
-    fold into)."""
+    fold into). ``bias``: an Add of a constant bias after ``fc2`` (then an Identity to the output, or
+    a LayerNormalization with ``massive``).
+    ``massive``: instead of ``factor``, channel 0 is ``massive`` at token 0 and near 0 elsewhere (fc1's
+    bias is per token), as trained transformers' "massive activations" are."""
     from onnx import TensorProto
 
     b = GraphBuilder("outlier_gelu", seed)
     x = b.input("input", ["N", 8, dim])
     w1 = (b.rng.standard_normal((dim, ffn)) / np.sqrt(dim)).astype(np.float32)
-    w1[:, 0] *= factor
     b1 = (b.rng.standard_normal(ffn) * 0.1).astype(np.float32)
+    if massive:  # channel 0 dormant (GELU of about -4) except on token 0
+        b1 = np.tile(b1, (8, 1))
+        b1[:, 0], b1[0, 0] = -4.0, massive
+        w1[:, 0] *= 0.1
+    else:
+        w1[:, 0] *= factor
     h = b.node("Add", [b.node("MatMul", [x, b.const("fc1.weight", w1)], name="fc1"), b.const("fc1.bias", b1)],
                name="fc1_bias")
     if gelu == "Gelu":
@@ -416,7 +425,18 @@ def outlier_gelu_model(seed: int = 0, dim: int = 32, ffn: int = 64, factor: floa
                    name="gelu")
     w2 = (b.rng.standard_normal((ffn, dim)) / np.sqrt(ffn)).astype(np.float32)
     w2[0] = w2[0] * row_factor if row_factor else w2[0] / factor
-    b.node("MatMul", [g, b.const("fc2.weight", w2)], "output", name="fc2")
+    if bias:
+        y = b.node("MatMul", [g, b.const("fc2.weight", w2)], name="fc2")
+        bias_values = (b.rng.standard_normal(dim) * 0.1).astype(np.float32)
+        y = b.node("Add", [y, b.const("fc2.bias", bias_values)], name="fc2_bias")
+        if massive:  # each token's output normalized, as the LayerNorm after a transformer's FFN does
+            b.node("LayerNormalization", [y, b.const("ln.gamma", np.ones(dim, np.float32)),
+                                          b.const("ln.beta", np.zeros(dim, np.float32))], "output", name="ln",
+                   axis=-1, epsilon=1e-5)
+        else:
+            b.node("Identity", [y], "output", name="out")
+    else:
+        b.node("MatMul", [g, b.const("fc2.weight", w2)], "output", name="fc2")
     b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
     return b.build(opset=20 if gelu == "Gelu" else 17)
 
@@ -510,7 +530,41 @@ def test_smoothing_leaves_an_outlier_that_its_weight_row_shares_alone():
     channel spread worse, not better; the tensor is left alone."""
     from onnx_qat.accuracy.smooth import smooth
 
-    model = outlier_gelu_model(0, row_factor=1000.0)
+    model = outlier_gelu_model(0, row_factor=1000.0, bias=True)
     original = onnx.ModelProto()
     original.CopyFrom(model)
-    assert smooth(model, _ln_feeds(0)) == () and model == original
+    assert smooth(model, _ln_feeds(0), split=False) == () and model == original
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_smoothing_splits_out_a_massive_channel_whose_weight_row_is_an_outlier_too(seed):
+    """Channel 0 is 100 at token 0 and near 0 elsewhere, and its weight row is 10x the others: an
+    outlier product that smoothing hardly helps. Split out into a MatMul of its own (INT8, its own
+    activation scale), exact in float, the cosine recovers."""
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_gelu_model(seed, row_factor=10.0, bias=True, massive=100.0)
+    calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
+    before = _quantized_cosine(model, calib, evaluation)
+    smoothed_only = onnx.ModelProto()
+    smoothed_only.CopyFrom(model)
+    assert smooth(smoothed_only, calib, split=False)[0]["how"] == "mul"
+    without_split = _quantized_cosine(smoothed_only, calib, evaluation)
+    split = onnx.ModelProto()
+    split.CopyFrom(model)
+    records = smooth(split, calib)
+    fc2 = next(r for r in records if r["readers"] == ["fc2"])
+    assert fc2["how"] == "split" and [j for j, _ in fc2["split"]] == [0] and fc2["split"][0][1] > 300, fc2
+    ops = [n.op_type for n in split.graph.node]
+    assert (ops.count("Gather"), ops.count("MatMul"), len(ops)) == (1, 3, len(model.graph.node) + 4), ops
+    feeds = {"input": _ln_feeds(9)["input"] * 2.0}
+    ref, got = run(model, feeds)[0], run(split, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    result = onnx_qat.quantize(split, data=calib, method="max", progress=False)
+    assert_check_clean(result.model)
+    produced = {o: n for n in result.model.graph.node for o in n.output}
+    matmuls = [n for n in result.model.graph.node if n.op_type == "MatMul"]
+    assert all(produced[n.input[1]].op_type == "DequantizeLinear" for n in matmuls)  # every one INT8
+    after = cosine(run(split, evaluation)[0], run(result.model, evaluation)[0])
+    # measured: 0.965-0.966 plain, 0.983-0.985 smoothed only, 0.9998-0.9999 split
+    assert before < 0.97 and without_split < 0.99 and after > 0.999, (before, without_split, after)
