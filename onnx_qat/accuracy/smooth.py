@@ -26,7 +26,7 @@ Every weighted reader (MatMul, Gemm, Conv reading the activation as input 0) mus
 constant weight. A tensor is smoothed only where its channel ranges are uneven (the largest at least
 `MIN_SPREAD` times the median) and smoothing makes them less so: a channel whose weight row is as
 much an outlier as the channel itself (the product ``a_j * w_j`` is what is large) has nothing to
-migrate, and the tensor is left alone.
+migrate; such channels are split out (below), and where they cannot be the tensor is left alone.
 
 Where the product is the outlier (a channel ``a_j`` far above the others *and* read by a weight row
 ``w_j`` far above the others: trained transformers' "massive activations", one channel huge on one
