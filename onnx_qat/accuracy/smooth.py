@@ -229,8 +229,9 @@ def _spread(a: np.ndarray) -> float:
 
 def _smooth_one(index, edits, x, a, axis, readers, shared, *, alpha, min_spread, insert_mul,
                 split_ratio) -> Optional[dict]:
-    """Smooth (and split) ``x`` read by ``readers`` along ``axis``; its record, or None when left alone."""
-    if a is None or not np.all(np.isfinite(a)) or not np.any(a > 0):
+    """Smooth (and split) ``x`` read by ``readers`` along ``axis``; its record, or None when left alone
+    (also when ``x`` is the output a split has added to: its producer's weight no longer tells it all)."""
+    if a is None or not np.all(np.isfinite(a)) or not np.any(a > 0) or x in edits.targets:
         return None
     rows = [_weight_rows(index, n, a.size) for n in readers]
     if any(r is None for r in rows):
@@ -249,7 +250,7 @@ def _smooth_one(index, edits, x, a, axis, readers, shared, *, alpha, min_spread,
     seen = a[keep]
     s = np.ones_like(a)
     spread_after = _spread(seen)
-    if _spread(seen) >= min_spread:
+    if spread_after >= min_spread:
         live = keep & (a > 0) & (w > 0)
         s[live] = a[live] ** alpha / w[live] ** (1 - alpha)
         s[live] /= np.exp(np.mean(np.log(s[live])))  # geometric mean 1: ranges keep their magnitude
@@ -318,6 +319,7 @@ class _Edits:
             {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
         self.after: Dict[int, list] = {}
         self.gathers: Dict[str, str] = {}
+        self.targets: set = set()  # the tensors a split's side output is added to
 
     def name(self, base: str) -> str:
         name, k = base, 0
@@ -357,6 +359,7 @@ class _Edits:
                                         f"{x}_split", axis=-1)
         at = _split_target(index, reader)
         target = at.outputs[0]
+        self.targets.add(target)
         weight = self.constant(f"{reader.name}_split.weight", rows)
         part = self.node(reader.position, "MatMul", [self.gathers[x], weight], f"{reader.name}_split")
         readers = index.consumers(target)

@@ -608,3 +608,36 @@ def test_splitting_a_tensor_read_by_two_matmuls():
     np.testing.assert_allclose(run(split, evaluation)[0], run(model, evaluation)[0], atol=1e-5)
     after = _quantized_cosine(split, calib, evaluation)
     assert before < 0.85 and after > 0.999, (before, after)  # measured: 0.81 -> 0.9998
+
+
+def test_a_split_output_read_by_the_next_matmul_keeps_the_float_function():
+    """fc2 (split, no bias) feeds fc3 directly, and fc2's output has an outlier channel of its own:
+    smoothing it would divide fc2's weight columns but not the split MatMul's, so it is left alone."""
+    from onnx import TensorProto
+
+    from onnx_qat.accuracy.smooth import smooth
+
+    b = GraphBuilder("chain", 0)
+    x = b.input("input", ["N", 8, 32])
+    w1 = (b.rng.standard_normal((32, 64)) / np.sqrt(32)).astype(np.float32)
+    w1[:, 0] *= 0.1
+    b1 = np.tile((b.rng.standard_normal(64) * 0.1).astype(np.float32), (8, 1))
+    b1[:, 0], b1[0, 0] = -4.0, 100.0
+    h = b.node("Add", [b.node("MatMul", [x, b.const("fc1.weight", w1)], name="fc1"), b.const("fc1.bias", b1)],
+               name="fc1_bias")
+    w2 = (b.rng.standard_normal((64, 32)) / 8).astype(np.float32)
+    w2[0] *= 10.0
+    w2[:, 3] *= 30.0  # output channel 3 of fc2: an outlier for fc3
+    y = b.node("MatMul", [b.node("Gelu", [h], name="gelu"), b.const("fc2.weight", w2)], name="fc2")
+    w3 = (b.rng.standard_normal((32, 32)) / np.sqrt(32)).astype(np.float32)
+    w3[3] /= 30.0
+    b.node("MatMul", [y, b.const("fc3.weight", w3)], "output", name="fc3")
+    b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
+    model = b.build(opset=20)
+    edited = onnx.ModelProto()
+    edited.CopyFrom(model)
+    records = smooth(edited, _ln_feeds(0))
+    assert [(r["readers"], r["how"]) for r in records] == [(["fc2"], "split")], records
+    feeds = _ln_feeds(5)
+    ref = run(model, feeds)[0]
+    np.testing.assert_allclose(run(edited, feeds)[0], ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
