@@ -28,7 +28,7 @@ import types
 
 from .errors import (  # noqa: F401  (cheap, and users catch these)
     AccuracyError, ConfigError, DataError, ExportError, ModelError, OutputError, PlacementError, QatError,
-    ScalesError, TensorRTUnavailable,
+    ScalesError, TensorRTUnavailable, WorkerError,
 )
 
 __version__ = "0.1.0"
@@ -92,5 +92,5 @@ def __dir__():
 
 __all__ = sorted(_LAZY) + [
     "QatError", "ModelError", "DataError", "ScalesError", "PlacementError", "OutputError",
-    "ConfigError", "ExportError", "AccuracyError", "TensorRTUnavailable",
+    "ConfigError", "ExportError", "AccuracyError", "TensorRTUnavailable", "WorkerError",
 ]

@@ -182,11 +182,26 @@ def _calibration_options(parser: argparse.ArgumentParser) -> None:
                        help="how activation ranges are chosen from the data (default: auto; with "
                             "--min-cosine and for sensitivity: max; auto: of max everywhere, the "
                             "least-error range per tensor and entropy everywhere, the table whose output "
-                            "is closest to the float model's on the calibration data)")
+                            "is closest to the float model's on the calibration data, leaving max "
+                            "only where the samples agree)")
     group.add_argument("--percentile", metavar="P", type=number_in(0.0, 100.0, low_open=True), default=None,
                        help="percentile of |x| kept by --method percentile, in (0, 100] (default 99.99)")
     group.add_argument("--batch-size", metavar="N", type=whole_number(1), default=None,
                        help="samples per onnxruntime run (default: the library default)")
+
+
+def _worker_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """The ``workers`` and ``ray`` keywords: --workers, --ray."""
+    group = parser.add_argument_group("work spread over processes and machines (workers=, ray=)")
+    group.add_argument("--workers", metavar="N", type=whole_number(1), default=None,
+                       help=f"worker processes {what} run on, each with its own onnxruntime sessions and "
+                            "cores/N threads; results are identical for any N; 1: in this process "
+                            "(default: one per core within memory, one for short runs)")
+    group.add_argument("--ray", metavar="ADDRESS", nargs="?", const=True, default=None,
+                       help=f"run {what} as Ray actors: on the cluster at ADDRESS (auto, HOST:6379, "
+                            "ray://HOST:10001), or without ADDRESS on the one RAY_ADDRESS names or a new "
+                            "local one; --workers N actors (default: one per CPU of the cluster); needs "
+                            "pip install 'onnx-qat[ray]'")
 
 
 def _add_calibrate(sub) -> None:
@@ -212,6 +227,7 @@ def _add_calibrate(sub) -> None:
                        help="with --format tensorrt-cache: the calibrator named in the header "
                             "(default EntropyCalibration2; use the one that will read the cache)")
     _calibration_options(p)
+    _worker_options(p, "calibration's batches")
     _layout_options(p)
     _placement_options(p)
     _global_options(p, suppress=True)
@@ -248,6 +264,7 @@ def _add_quantize(sub) -> None:
     _layout_options(p)
     _placement_options(p)
     _mixed_precision_options(p)
+    _worker_options(p, "calibration's batches and --min-cosine's settings")
     _latency_options(p)
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_quantize)
@@ -379,6 +396,7 @@ def _add_sensitivity(sub) -> None:
     _calibration_options(p)
     _layout_options(p)
     _placement_options(p)
+    _worker_options(p, "the settings")
     _global_options(p, suppress=True)
     p.set_defaults(handler=cmd_sensitivity)
 
@@ -579,7 +597,7 @@ def cmd_calibrate(args) -> int:
     _check_outputs([("--output", args.output)], [args.model, *_data_paths(data)])
     from .calibration import DEFAULT_METHOD, calibrate
     table = calibrate(args.model, data, output=None if cache else args.output, progress=_progress(args),
-                      **kw)
+                      workers=args.workers, ray=args.ray, **kw)
     method = _method_summary(table) or f"ranges: {kw.get('method', DEFAULT_METHOD)}"
     if cache:
         table.save_tensorrt_cache(args.output, tensorrt_version=args.tensorrt_version,
@@ -633,7 +651,8 @@ def cmd_quantize(args) -> int:
     from .quantize import quantize
     result = quantize(args.model, output=args.output, scales=args.scales, data=data,
                       progress=_progress(args), keep_io_types=not args.float_io, **calib,
-                      **_placement_keywords(args), **mixed, **layout, **latency)
+                      **_placement_keywords(args), **mixed, **layout, **latency, workers=args.workers,
+                      ray=args.ray)
     _say(args, _quantize_summary(args, result))
     if result.accuracy is not None:
         _say(args, _optimize_summary(result.accuracy) if "steps" in result.accuracy
@@ -868,7 +887,7 @@ def cmd_sensitivity(args) -> int:
     extra = {"percentile": calib.pop("percentile")} if "percentile" in calib else {}
     result = sensitivity(args.model, data, eval_data=eval_data, metric=args.metric,
                          progress=_progress(args), calibration_options=extra, **calib,
-                         **_placement_keywords(args), **layout)
+                         **_placement_keywords(args), **layout, workers=args.workers, ray=args.ray)
     _say(args, result.table(top=args.top))
     if args.output is not None:
         result.save(args.output)
@@ -962,9 +981,12 @@ def _parse(argv: Optional[Sequence[str]]):
 
 def _data_hint(message: str, argv: Optional[Sequence[str]]) -> str:
     """A missing model after ``--data PATH MODEL``: say that --data took it (it takes several paths)."""
-    words = list(sys.argv[1:] if argv is None else argv)
+    words = [str(w) for w in (sys.argv[1:] if argv is None else argv)]
+    after_ray = words[words.index("--ray") + 1] if "--ray" in words[:-1] else ""
+    if "arguments are required" in message and after_ray.lower().endswith(".onnx"):
+        return "; --ray takes an optional ADDRESS, so give the model before it (or write --ray=ADDRESS)"
     if "arguments are required" in message and ("--data" in words or "--eval-data" in words) and \
-            any(str(w).lower().endswith(".onnx") for w in words):
+            any(w.lower().endswith(".onnx") for w in words):
         return "; --data and --eval-data take one or more paths, so give the model(s) before them"
     return ""
 

@@ -59,6 +59,12 @@ class TrainingError(QatError):
     """Quantization-aware training diverged: the loss or a weight became NaN or Inf."""
 
 
+class WorkerError(QatError):
+    """A worker process (``workers=`` > 1, or a Ray task) failed on a unit with an error that is not the
+    project's own, or ended unexpectedly (out of memory, a crash); or ``ray=`` was asked for and Ray is
+    missing or unreachable. The machine or a bug, not the input."""
+
+
 class TensorRTUnavailable(QatError):
     """TensorRT or a CUDA GPU is not available on this machine."""
 
@@ -91,5 +97,6 @@ __all__ = [
     "ConfigError",
     "ExportError",
     "AccuracyError",
+    "WorkerError",
     "TensorRTUnavailable",
 ]

@@ -34,7 +34,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
              float_dtype: Optional[str] = None, keep_io_types: bool = True,
              state: Optional[Mapping[str, str]] = None, batch_axis: Optional[Mapping[str, int]] = None,
              latency=None, cpu_vnni: bool = False, optimize: Optional[str] = None,
-             **calibration_kwargs) -> QuantizeResult:
+             workers: Optional[int] = None, ray=None, **calibration_kwargs) -> QuantizeResult:
     """Insert QuantizeLinear/DequantizeLinear pairs where the target (TensorRT) wants them, in the
     numeric format ``precision`` (INT8 by default; FP8 E4M3; INT4 weight-only).
 
@@ -125,6 +125,18 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             lists what each step gained. Needs ``data``; slower than the default (several calibrations
             and evaluation runs). Does not combine with ``min_cosine``, ``state``, ``latency`` or
             ``cpu_vnni``.
+        workers: worker processes the calibration's batches are split over (contiguous parts, the
+            collectors merged exactly: `onnx_qat.calibration.parallel`) and, with ``min_cosine``, the
+            search's settings run on (`onnx_qat.accuracy.parallel`), each with its own sessions and
+            ``cores // workers`` onnxruntime threads; the model written is identical for any count.
+            ``1``: in this process. None (the default): one per usable core within memory, and this
+            process alone when the work is estimated to be too short to gain from workers
+            (docs/performance.md, "Work spread over cores and machines"). A stateful model (``state``)
+            is calibrated in one process.
+        ray: the same work as Ray actors instead of local processes: True for the cluster
+            ``ray.init()`` finds (``RAY_ADDRESS``) or starts locally, or a cluster address
+            (``"auto"``, ``"ray://HOST:10001"``); ``workers`` actors (None: one per CPU of the cluster).
+            Needs the ``ray`` extra (`onnx_qat.runtime.ray_workers`).
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
@@ -172,6 +184,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     if cpu_vnni and (config.target != "ort-cpu" or min_cosine is not None or data is None):
         raise ConfigError("cpu_vnni applies to target 'ort-cpu' with calibration data (data), "
                           "without min_cosine")
+    from .calibration.parallel import worker_spec
+
+    workers = worker_spec(workers, ray)  # a bad count, or Ray missing: one line before any work
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if optimize is not None:
@@ -195,7 +210,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             raise ConfigError("eval_data applies with min_cosine; min_cosine does not take a placement")
         return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
                               eval_data=eval_data, scales=scales, data=data, method=method or "max",
-                              config=config, calib_kw=calib_kw, report=report, progress=progress)
+                              config=config, calib_kw=calib_kw, report=report, progress=progress,
+                              workers=workers)
+    if data is not None:  # calibration's batches on `workers` processes (onnx_qat.calibration.parallel)
+        calib_kw = {**calib_kw, "workers": workers}
     return rewrite_model(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
                            config=config, calib_kw=calib_kw, report=report, progress=progress,
                            placement=placement, latency=latency_options,

@@ -223,7 +223,8 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
             placement = replace(placement, notes=placement.notes + (note,))
         storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
                    "full_range": getattr(adapted, "full_range", ()),
-                   "narrow_weights": getattr(adapted, "narrow_weights", ())}
+                   "narrow_weights": getattr(adapted, "narrow_weights", ()),
+                   "range_scales": getattr(adapted, "range_scales", {})}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     del index  # placement is decided; freeing its index lowers the rewrite's memory peak
     storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
@@ -487,7 +488,7 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> T
 
     options = dict(calib_kw)
     tensors = options.pop("tensors", None) or placement.activation_tensors()
-    unknown = sorted(set(options) - {"percentile", "num_bins", "batch_size"})
+    unknown = sorted(set(options) - {"percentile", "num_bins", "batch_size", "workers"})
     if unknown:
         raise ConfigError(f"unknown calibration option {unknown[0]!r}; the options are percentile, num_bins, "
                           "batch_size and tensors")
@@ -576,7 +577,7 @@ def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, ta
     placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
     storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
                "full_range": adapted.full_range, "narrow_weights": adapted.narrow_weights,
-               "precision": fmt.name, "block_size": config.block_size}
+               "range_scales": adapted.range_scales, "precision": fmt.name, "block_size": config.block_size}
     try:
         qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
     except ScalesError as exc:

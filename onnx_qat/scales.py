@@ -29,8 +29,18 @@ block of ``B`` values along ``axis``, in C order over the block grid (the weight
 
       "weights": {"ffn1.weight": {"axis": 0, "block_size": 128, "amax": [0.12, 0.09, ...]}}
 
-A table is written as version 1 unless it holds a block entry (so version-1 readers still read
-every table without one); both versions are read.
+Version 3 adds the calibrated extremes of activations: ``"bounds"`` maps a tensor that has an
+amax to ``[min, max]``, the smallest and largest finite value calibration saw (either may have
+any sign; ``min <= max``)::
+
+      "bounds": {"conv1_out": [-0.31, 5.1], "gate": [0.02, 0.98]}
+
+The amax stays the range every target uses; the ``ort-cpu`` target also reads the bounds to store
+a tensor whose values are mostly on one side of zero with an asymmetric uint8 range (see
+`onnx_qat.insertion.ort_cpu`); the TensorRT form ignores them (symmetric signed INT8).
+
+A table is written with the lowest version that holds it: 3 with bounds, else 2 with a block
+entry, else 1 (so older readers still read every table without the newer entries); all three are read.
 """
 from __future__ import annotations
 
@@ -43,11 +53,11 @@ from .errors import ScalesError
 from .io.files import PathLike, read_json, write_json
 
 FORMAT = "onnx-qat-scales"
-#: The newest version written (only for tables with block ranges; others are written as version 1).
-VERSION = 2
+#: The newest version written (only for tables with bounds; see `ScaleTable.to_dict`).
+VERSION = 3
 #: Versions read.
-VERSIONS = (1, 2)
-_TOP_KEYS = {"format", "version", "producer", "activations", "weights", "metadata"}
+VERSIONS = (1, 2, 3)
+_TOP_KEYS = {"format", "version", "producer", "activations", "weights", "metadata", "bounds"}
 
 
 def _check_amax(value, where: str) -> float:
@@ -59,6 +69,19 @@ def _check_amax(value, where: str) -> float:
     if value <= 0.0:
         raise ScalesError(f"{where}: amax {value} must be > 0")
     return value
+
+
+def _check_bounds(name: str, value) -> Tuple[float, float]:
+    """``(min, max)`` of an activation's bounds entry: two finite numbers, ``min <= max``."""
+    if isinstance(value, Mapping) or not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ScalesError(f"bounds of {name!r}: expected [min, max], got {value!r}")
+    low, high = value
+    for bound in (low, high):
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound):
+            raise ScalesError(f"bounds of {name!r}: {bound!r} is not a finite number")
+    if low > high:
+        raise ScalesError(f"bounds of {name!r}: min {low} is above max {high}")
+    return float(low), float(high)
 
 
 @dataclass(frozen=True)
@@ -101,9 +124,12 @@ class ScaleTable:
             ``{"axis": int|None, "amax": [...]}`` dict).
         producer: who made the table (free text, kept in the JSON).
         metadata: extra string key/values kept in the JSON.
+        bounds: activation tensor name -> ``(min, max)``, the calibrated extremes (finite,
+            ``min <= max``); every name must also have an amax in ``activations``. Optional: read by
+            the ``ort-cpu`` target only (asymmetric uint8 ranges).
     """
 
-    __slots__ = ("_activations", "_weights", "producer", "metadata")
+    __slots__ = ("_activations", "_weights", "producer", "metadata", "_bounds")
 
     def __init__(
         self,
@@ -112,6 +138,7 @@ class ScaleTable:
         *,
         producer: str = "",
         metadata: Optional[Mapping[str, str]] = None,
+        bounds: Optional[Mapping[str, Tuple[float, float]]] = None,
     ):
         acts = {}
         for name, value in dict(activations or {}).items():
@@ -123,6 +150,12 @@ class ScaleTable:
             if not isinstance(name, str) or not name:
                 raise ScalesError(f"weight name must be a non-empty string, got {name!r}")
             wts[name] = _as_weight_range(value, name)
+        extremes = {}
+        for name, value in dict(bounds or {}).items():
+            if name not in acts:
+                raise ScalesError(f"bounds name {name!r}, which has no activation amax in the table")
+            extremes[name] = _check_bounds(name, value)
+        object.__setattr__(self, "_bounds", MappingProxyType(dict(sorted(extremes.items()))))
         object.__setattr__(self, "_activations", MappingProxyType(dict(sorted(acts.items()))))
         object.__setattr__(self, "_weights", MappingProxyType(dict(sorted(wts.items()))))
         object.__setattr__(self, "producer", str(producer))
@@ -143,6 +176,11 @@ class ScaleTable:
         """Weight initializer name -> [`WeightRange`][onnx_qat.scales.WeightRange] (read-only)."""
         return self._weights
 
+    @property
+    def bounds(self) -> Mapping[str, Tuple[float, float]]:
+        """Tensor name -> ``(min, max)`` seen in calibration (read-only; only the tensors that have them)."""
+        return self._bounds
+
     def activation_scale(self, name: str) -> Optional[float]:
         """``amax / 127`` for an activation tensor, or None when it is not in the table."""
         amax = self._activations.get(name)
@@ -159,19 +197,23 @@ class ScaleTable:
                 f"producer={self.producer!r})")
 
     def merged(self, other: "ScaleTable") -> "ScaleTable":
-        """A new table with ``other``'s entries added (``other`` wins on conflicts)."""
+        """A new table with ``other``'s entries added (``other`` wins on conflicts; an activation
+        ``other`` gives keeps ``other``'s bounds, or none)."""
+        kept = {k: v for k, v in self._bounds.items() if k not in other.activations}
         return ScaleTable(
             {**self._activations, **other.activations},
             {**self._weights, **other.weights},
             producer=other.producer or self.producer,
             metadata={**self.metadata, **other.metadata},
+            bounds={**kept, **other.bounds},
         )
 
     def subset(self, activations: Iterable[str]) -> "ScaleTable":
-        """A new table holding only the named activations (weights kept)."""
+        """A new table holding only the named activations (and their bounds; weights kept)."""
         keep = set(activations)
         return ScaleTable({k: v for k, v in self._activations.items() if k in keep}, self._weights,
-                          producer=self.producer, metadata=self.metadata)
+                          producer=self.producer, metadata=self.metadata,
+                          bounds={k: v for k, v in self._bounds.items() if k in keep})
 
     # -- validation against a model ----------------------------------------------
     def check_names(self, tensor_names: Iterable[str], weight_shapes: Mapping[str, Tuple[int, ...]]) -> None:
@@ -205,16 +247,19 @@ class ScaleTable:
 
     # -- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The JSON-ready form (see module docstring): version 2 when a weight has block ranges, else 1."""
+        """The JSON-ready form (see module docstring): version 3 with bounds, else 2 when a weight has
+        block ranges, else 1 (``"bounds"`` only when there are some)."""
         blocks = any(w.block_size is not None for w in self._weights.values())
+        extra = {"bounds": {k: list(v) for k, v in self._bounds.items()}} if self._bounds else {}
         return {
             "format": FORMAT,
-            "version": VERSION if blocks else 1,
+            "version": 3 if self._bounds else 2 if blocks else 1,
             "producer": self.producer,
             "activations": dict(self._activations),
             "weights": {k: {"axis": w.axis, **({} if w.block_size is None else {"block_size": w.block_size}),
                             "amax": list(w.amax)} for k, w in self._weights.items()},
             "metadata": dict(self.metadata),
+            **extra,
         }
 
     @classmethod
@@ -234,13 +279,16 @@ class ScaleTable:
         acts = data.get("activations", {})
         wts = data.get("weights", {})
         meta = data.get("metadata", {})
-        for key, val in (("activations", acts), ("weights", wts), ("metadata", meta)):
+        bounds = data.get("bounds", {})
+        for key, val in (("activations", acts), ("weights", wts), ("metadata", meta), ("bounds", bounds)):
             if not isinstance(val, Mapping):
                 raise ScalesError(f"{source}: {key!r} must be an object")
         if version == 1 and any(isinstance(w, Mapping) and "block_size" in w for w in wts.values()):
             raise ScalesError(f"{source}: block_size needs version 2")
+        if version < 3 and "bounds" in data:
+            raise ScalesError(f"{source}: 'bounds' needs version 3")
         try:
-            return cls(acts, wts, producer=str(data.get("producer", "")), metadata=meta)
+            return cls(acts, wts, producer=str(data.get("producer", "")), metadata=meta, bounds=bounds)
         except ScalesError as exc:
             raise ScalesError(f"{source}: {exc}") from None
 

@@ -9,6 +9,9 @@
   [`sensitivity`][onnx_qat.accuracy.sensitivity.sensitivity]: per-site output error, ranked, as a typed
   result.
 * `mixed` — automatic mixed precision: the fewest float sites reaching a minimum cosine.
+* `parallel` — the settings run in this process or on worker processes / Ray actors (``workers=``,
+  ``ray=``), the same figures either way; `figures` — `OutputError`, how far outputs are from the
+  float model's.
 
 Owns: the loops over the stages that measure and trade accuracy; no second inserter or graph index.
 May import: every stage below the public ``quantize`` (io, graph, formats and roundings, config,

@@ -12,7 +12,7 @@ With ``s`` sites that matter out of ``n`` this takes about ``2 s log2(n / s)`` r
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, List, Tuple
 
 from .prepared import OutputError
 
@@ -31,29 +31,32 @@ def threshold(all_int8: OutputError, share: float = SCREEN_SHARE) -> float:
     return max(SCREEN_FLOOR, share * (1.0 - all_int8.cosine))
 
 
-def bisect(n: int, measure: Callable[[Tuple[int, ...]], OutputError], effect: Callable[[OutputError], float],
-           whole: OutputError, limit: float, on_run=None) -> Dict[int, Tuple[OutputError, int]]:
+def bisect(n: int, measure: Callable[[List[Tuple[int, ...]]], List[OutputError]],
+           effect: Callable[[OutputError], float], whole: OutputError, limit: float,
+           on_run=None) -> Dict[int, Tuple[OutputError, int]]:
     """``{site index: (error, group size)}`` for sites ``0..n-1`` (size 1: measured exactly).
 
-    ``measure(group)`` runs one setting for a group of site indices; ``effect(error)`` is the group's
-    cosine effect; ``whole`` is the already known error of the group of every site.
+    ``measure(groups)`` runs one setting per group of site indices and returns their errors in order;
+    ``effect(error)`` is a group's cosine effect; ``whole`` is the already known error of the group of
+    every site. The groups are split level by level and each level's halves are measured together (on
+    several workers at once when there are: `onnx_qat.accuracy.parallel`); whether a group is split
+    depends only on its own error, so the groups measured and the answer are those of splitting one
+    group at a time. ``on_run()`` is called after each run.
     """
     out: Dict[int, Tuple[OutputError, int]] = {}
-    stack = [(tuple(range(n)), whole)]
-    while stack:
-        group, error = stack.pop()
-        if len(group) == 1:
-            out[group[0]] = (error, 1)
-            continue
-        if effect(error) < limit:
-            for k in group:
-                out[k] = (error, len(group))
-            continue
-        mid = len(group) // 2
-        for half in (group[mid:], group[:mid]):
-            stack.append((half, measure(half)))
-            if on_run is not None:
-                on_run()
+    level = [(tuple(range(n)), whole)]
+    while level:
+        halves: List[Tuple[int, ...]] = []
+        for group, error in level:
+            if len(group) == 1:
+                out[group[0]] = (error, 1)
+            elif effect(error) < limit:
+                for k in group:
+                    out[k] = (error, len(group))
+            else:
+                mid = len(group) // 2
+                halves += [group[:mid], group[mid:]]
+        level = list(zip(halves, measure(halves, on_run))) if halves else []
     return out
 
 
@@ -64,20 +67,17 @@ def screen(prepared, all_int8: OutputError, which: str, share: float = SCREEN_SH
     everything = frozenset(range(n))
     limit = threshold(all_int8, share)
     if which == "only":
-        return bisect(n, lambda g: prepared.error(g), lambda e: 1.0 - e.cosine, all_int8, limit, on_run)
-    return bisect(n, lambda g: prepared.error(everything - set(g)), lambda e: e.cosine - all_int8.cosine,
-                  FLOAT, limit, on_run)
+        return bisect(n, prepared.errors, lambda e: 1.0 - e.cosine, all_int8, limit, on_run)
+    return bisect(n, lambda groups, done: prepared.errors([everything - set(g) for g in groups], done),
+                  lambda e: e.cosine - all_int8.cosine, FLOAT, limit, on_run)
 
 
 def exhaustive(prepared, which: str, on_run=None) -> Dict[int, Tuple[OutputError, int]]:
-    """One exact run per site for ``which`` = ``only`` or ``all_but``."""
+    """One exact run per site for ``which`` = ``only`` or ``all_but`` (all settings at once, on
+    several workers when there are)."""
     n = len(prepared.sites)
-    out = {}
-    for k in range(n):
-        out[k] = (prepared.error((k,) if which == "only" else (i for i in range(n) if i != k)), 1)
-        if on_run is not None:
-            on_run()
-    return out
+    settings = [(k,) if which == "only" else tuple(i for i in range(n) if i != k) for k in range(n)]
+    return {k: (error, 1) for k, error in enumerate(prepared.errors(settings, on_run))}
 
 
 __all__ = ["bisect", "screen", "exhaustive", "threshold", "SCREEN_SHARE", "FLOAT", "MIN_SITES"]

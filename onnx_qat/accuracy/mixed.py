@@ -105,7 +105,7 @@ def search(prepared: Prepared, min_cosine: float, budget: int, progress: bool = 
 
 
 def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optional[int], eval_data, scales,
-                   data, method: str, config, calib_kw: dict, report, progress: bool):
+                   data, method: str, config, calib_kw: dict, report, progress: bool, workers=None):
     """[`onnx_qat.quantize`][onnx_qat.quantize.quantize] with automatic mixed precision (see the module
     docstring)."""
     import time
@@ -123,9 +123,10 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
     batch_size = kw.pop("batch_size", 16)
     kw.pop("tensors", None)
     prepared, _ = prepare(model, data, scales=scales, method=method, eval_data=eval_data, config=config,
-                          batch_size=batch_size, progress=progress, calibration_options=kw)
+                          batch_size=batch_size, progress=progress, calibration_options=kw, workers=workers)
     budget = len(prepared.sites) if max_float_sites is None else max_float_sites
-    order, chosen, all_int8, estimate = search(prepared, min_cosine, budget, progress)
+    with prepared:  # the settings on `workers` processes (onnx_qat.accuracy.parallel), stopped after
+        order, chosen, all_int8, estimate = search(prepared, min_cosine, budget, progress)
     if chosen is None:
         if budget >= len(prepared.sites):
             raise AccuracyError(f"output cosine {min_cosine:g} is reached only with every site in float "
@@ -205,7 +206,7 @@ def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_flo
         "cosine_before": all_int8.cosine, "cosine_estimate": estimate.cosine, "cosine_after": verified.cosine,
         "before": all_int8.to_dict(), "after": verified.to_dict(),
         "int8_weighted_ops": int8, "weighted_ops": total, "method": prepared.method,
-        "runs": prepared.runner.runs, "seconds": round(seconds, 3),
+        "runs": prepared.runs, "seconds": round(seconds, 3),
     }
     if result.precision != "int8":  # INT8 reports keep their fields as they were
         info.pop("int8_weighted_ops")

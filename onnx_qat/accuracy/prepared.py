@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
 
 from ..errors import ConfigError, PlacementError
 from ..scales import ScaleTable
-from .gated import GatedRunner, gate_model, join_flat
+from .figures import OutputError, output_error
+from .gated import gate_model, join_flat
 from .sites import Site, sites_of, tensors_to_calibrate
 
 logger = logging.getLogger(__name__)
@@ -27,46 +29,6 @@ logger = logging.getLogger(__name__)
 HOLDOUT = 0.25
 #: Metrics a ranking or a threshold can use.
 METRICS = ("cosine", "sqnr", "max_abs")
-
-
-@dataclass(frozen=True)
-class OutputError:
-    """How far a model's outputs are from the float model's, over the evaluation data.
-
-    The worst output counts: the smallest cosine, the smallest SQNR (dB), the largest max abs.
-    """
-
-    cosine: float
-    sqnr_db: float
-    max_abs: float
-
-    def value(self, metric: str) -> float:
-        """The figure ``metric`` names (``cosine``, ``sqnr`` or ``max_abs``)."""
-        return {"cosine": self.cosine, "sqnr": self.sqnr_db, "max_abs": self.max_abs}[metric]
-
-    def to_dict(self) -> dict:
-        """JSON-ready form."""
-        return {"cosine": self.cosine, "sqnr_db": self.sqnr_db, "max_abs": self.max_abs}
-
-    def __str__(self) -> str:
-        return f"cosine {self.cosine:.5f}, SQNR {self.sqnr_db:.1f} dB, max abs {self.max_abs:.3g}"
-
-
-def output_error(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> OutputError:
-    """The worst cosine, SQNR and max abs over the float outputs of two runs (flattened arrays)."""
-    cos, sqnr, mabs = 1.0, math.inf, 0.0
-    for name, ref in reference.items():
-        r = ref.astype(np.float64, copy=False)
-        c = np.array(candidate[name], dtype=np.float64)  # a copy of our own: the difference goes in place
-        signal, cc, rc = float(r @ r), float(c @ c), float(r @ c)
-        diff = np.subtract(r, c, out=c)
-        noise = float(diff @ diff)
-        norms = math.sqrt(signal * cc)
-        cos = min(cos, rc / norms if norms else (1.0 if noise == 0 else 0.0))
-        sqnr = min(sqnr, math.inf if noise == 0 else (-math.inf if signal == 0
-                                                          else 10 * math.log10(signal / noise)))
-        mabs = max(mabs, max(float(diff.max()), -float(diff.min())) if diff.size else 0.0)
-    return OutputError(cos, sqnr, mabs)
 
 
 @dataclass
@@ -81,13 +43,34 @@ class Prepared:
     evaluation: object  # Dataset the errors are measured on
     feeds: Tuple[Dict[str, np.ndarray], ...]
     reference: Dict[str, np.ndarray]
-    runner: GatedRunner
+    runner: object  # the settings runner: LocalSettings or PooledSettings (onnx_qat.accuracy.parallel)
     method: str
     int4: object = None  # precision int4: the WeightOnly state (onnx_qat.accuracy.format_settings)
 
     def error(self, quantized) -> OutputError:
         """Output error with exactly the sites ``quantized`` (indices) in INT8, in the gated session."""
-        return output_error(self.reference, self.runner.run(quantized))
+        return self.runner.errors([quantized])[0]
+
+    def errors(self, settings, on_run=None) -> List[OutputError]:
+        """`error` of each setting (an iterable of site indices), in order; on the workers when there
+        are several (`onnx_qat.accuracy.parallel`). ``on_run()`` is called after each run."""
+        return self.runner.errors(list(settings), on_run)
+
+    @property
+    def runs(self) -> int:
+        """Settings run so far."""
+        return self.runner.runs
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (the local runner needs nothing)."""
+        self.runner.close()
+
+    def __enter__(self) -> "Prepared":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
 
 
 def split_data(data, eval_data, model: onnx.ModelProto, holdout: float = HOLDOUT):
@@ -127,10 +110,16 @@ def _table(scales) -> ScaleTable:
 
 def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, config=None,
             batch_size: int = 16, progress: bool = True, calibration_options: Optional[Mapping] = None,
-            activation_stats: Optional[Sequence[str]] = ()) -> Tuple[Prepared, Dict[str, dict]]:
+            activation_stats: Optional[Sequence[str]] = (), workers=1
+            ) -> Tuple[Prepared, Dict[str, dict]]:
     """Everything later runs share (see the module docstring), and the statistics (amax, clipped
     share, quantization SQNR) of the activation tensors ``activation_stats`` on the evaluation data
-    (None: every activation tensor placement quantizes)."""
+    (None: every activation tensor placement quantizes). The settings (and the calibration's batches)
+    run on ``workers`` processes (a count, None for `onnx_qat.accuracy.parallel.choose_workers`, or a
+    `WorkerSpec`, Ray included); close the result (``with prepared:``) to stop them."""
+    from ..runtime.workers import worker_spec
+
+    workers = worker_spec(workers)
     from ..calibration import calibrate
     from ..config import QuantizeConfig
     from ..io.models import load_model
@@ -167,8 +156,8 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
         base, table = int4.base, int4.table
     else:
         calib, evaluation = split_data(data, eval_data, float_model)
-        table = calibrate(float_model, calib, method=method, tensors=tensors,
-                          progress=progress, batch_size=batch_size, **dict(calibration_options or {}))
+        table = calibrate(float_model, calib, method=method, tensors=tensors, progress=progress,
+                          batch_size=batch_size, workers=workers, **dict(calibration_options or {}))
     qdq = rewrite_model(base if int4 is None else int4.model(), scales=table, data=None, method="max",
                           config=insertion_config(config), calib_kw={}, placement=placement,
                           progress=False).model
@@ -177,10 +166,21 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     feeds = tuple(evaluation.batches(batch_size))
     observed = placement.activation_tensors() if activation_stats is None else tuple(activation_stats)
     state = evaluation.state
+    started = time.perf_counter()
     reference, stats = _float_run(float_model, feeds, observed, placement, table, state)
-    runner = GatedRunner(gated, len(sites), feeds, tuple(reference), state=state)
+    runner = _settings_runner(gated, sites, feeds, reference, state, workers, time.perf_counter() - started)
     return Prepared(base, placement, sites, table, calib, evaluation, feeds, reference, runner,
                     method if scales is None else "given", int4), stats
+
+
+def _settings_runner(gated, sites, feeds, reference, state, workers, float_seconds: float):
+    from .cuts import CUT_CACHE_BYTES
+    from .parallel import choose_workers, peak_memory, settings_runner
+
+    count = choose_workers(workers, gated_bytes=gated.ByteSize(), feeds=feeds, reference=reference,
+                           num_sites=len(sites), float_seconds=float_seconds, cut_bytes=CUT_CACHE_BYTES,
+                           peak_bytes=peak_memory())
+    return settings_runner(gated, len(sites), feeds, reference, state, count, workers)
 
 
 def _evaluation_only(data, model):

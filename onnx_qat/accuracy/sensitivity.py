@@ -226,8 +226,8 @@ def _fmt_db(value: float) -> str:
 
 def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None, metric: str = "cosine",
                 config=None, batch_size: int = 16, progress: bool = True, exhaustive: bool = False,
-                calibration_options=None, state=None, batch_axis=None,
-                **placement_options) -> SensitivityResult:
+                calibration_options=None, state=None, batch_axis=None, workers: Optional[int] = None,
+                ray=None, **placement_options) -> SensitivityResult:
     """Measure how much each quantized site costs in output accuracy.
 
     Args:
@@ -253,6 +253,15 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
             each run's ``output`` fed to the next as ``input`` (the first feed gives the initial
             state; a held-out quarter starts from it again).
         batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first.
+        workers: worker processes the settings run on, each with its own sessions and
+            ``cores // workers`` onnxruntime threads (`onnx_qat.accuracy.parallel`); the figures are
+            identical for any count. ``1``: in this process. None (the default): one per usable core
+            within memory, and this process alone when the runs are estimated to be too short to gain
+            from workers (docs/performance.md, "Work spread over cores and machines").
+        ray: run the settings (and the calibration's batches) as Ray actors instead of local
+            processes: True for the cluster ``ray.init()`` finds (``RAY_ADDRESS``) or starts locally,
+            or a cluster address (``"auto"``, ``"ray://HOST:10001"``); ``workers`` actors (None: one
+            per CPU of the cluster). Needs the ``ray`` extra (`onnx_qat.runtime.ray_workers`).
 
     Returns:
         A [`SensitivityResult`][onnx_qat.accuracy.sensitivity.SensitivityResult], most sensitive site first.
@@ -261,6 +270,9 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
 
     if metric not in METRICS:
         raise ConfigError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
+    from ..runtime.workers import worker_spec
+
+    workers = worker_spec(workers, ray)  # a bad count, or Ray missing: one line before any work
     from ..io.layout import with_layout
 
     config = QuantizeConfig.from_options(config, **placement_options)
@@ -269,7 +281,28 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
     start = time.perf_counter()
     prepared, act_stats = prepare(model, data, scales=scales, method=method, eval_data=eval_data,
                                   config=config, batch_size=batch_size, progress=progress,
-                                  calibration_options=calibration_options, activation_stats=None)
+                                  calibration_options=calibration_options, activation_stats=None,
+                                  workers=workers)
+    with prepared:
+        only, all_but, all_int8 = _measure(prepared, exhaustive, progress)
+    sites = prepared.sites
+    weights = _weight_stats(prepared)
+
+    def key(k):  # sites measured alone first (bisection measures alone the ones that matter)
+        return (only[k][1] > 1, -_loss(only[k][0], metric), _loss(all_but[k][0], metric), sites[k].name)
+
+    result_sites = tuple(
+        SiteSensitivity(sites[k], only[k][0], all_but[k][0], _site_tensors(sites[k], act_stats, weights),
+                        rank, only[k][1], all_but[k][1])
+        for rank, k in enumerate(sorted(range(len(sites)), key=key), 1))
+    return SensitivityResult(result_sites, metric, all_int8, prepared.method, prepared.evaluation.num_samples,
+                             prepared.runs, time.perf_counter() - start, config.precision,
+                             getattr(prepared.evaluation, "source", ""), _ranges(prepared))
+
+
+def _measure(prepared, exhaustive: bool, progress: bool):
+    """``(only, all_but, all_int8)``: every site's two errors (`onnx_qat.accuracy.bisect`) and the
+    all-sites error."""
     from . import bisect
 
     sites = prepared.sites
@@ -286,18 +319,7 @@ def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None
             all_but = bisect.screen(prepared, all_int8, "all_but", on_run=lambda: bar.update(1))
     finally:
         bar.close()
-    weights = _weight_stats(prepared)
-
-    def key(k):  # sites measured alone first (bisection measures alone the ones that matter)
-        return (only[k][1] > 1, -_loss(only[k][0], metric), _loss(all_but[k][0], metric), sites[k].name)
-
-    result_sites = tuple(
-        SiteSensitivity(sites[k], only[k][0], all_but[k][0], _site_tensors(sites[k], act_stats, weights),
-                        rank, only[k][1], all_but[k][1])
-        for rank, k in enumerate(sorted(range(len(sites)), key=key), 1))
-    return SensitivityResult(result_sites, metric, all_int8, prepared.method, prepared.evaluation.num_samples,
-                             prepared.runner.runs, time.perf_counter() - start, config.precision,
-                             getattr(prepared.evaluation, "source", ""), _ranges(prepared))
+    return only, all_but, all_int8
 
 
 def _ranges(prepared) -> str:

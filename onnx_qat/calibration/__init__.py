@@ -10,6 +10,8 @@
   `EntropyCollector` (``entropy``), `MseCollector` (``mse``),
   `AutoCollector` (``auto``, the default: the best of max / percentile / mse per tensor,
   then whole tables judged by the model's output, `choice`).
+* `parallel` — the batches split over worker processes or Ray actors in contiguous parts, each
+  part's collectors merged exactly into one pass's (``workers=``, ``ray=``).
 
 Owns: running the float model to observe tensors (If branches and Loop/Scan bodies included),
 turning observations into ranges and, for ``auto``, judging its candidate tables by the output

@@ -47,15 +47,24 @@ def _defined_inside(node: onnx.NodeProto) -> set:
     return names
 
 
-def make_runner(model: onnx.ModelProto, names: Sequence[str]):
-    """An onnxruntime session fetching ``names`` as extra outputs when all are main-graph tensors,
-    else a `BranchRunner` (``model`` is then copied, never changed)."""
-    from ..runtime.sessions import _tensor_names, make_session
+def make_runner(model: onnx.ModelProto, names: Sequence[str], threads: Optional[int] = None):
+    """An onnxruntime session fetching ``names`` as extra outputs when all are main-graph tensors
+    (``threads``: its intra-op threads, None for onnxruntime's default), else a `BranchRunner`
+    (``model`` is then copied, never changed)."""
+    from ..runtime.sessions import make_session
+
+    if in_main_graph(model, names):
+        return make_session(model, extra_outputs=names, threads=threads)  # the model is not changed
+    return BranchRunner(model, names)
+
+
+def in_main_graph(model: onnx.ModelProto, names: Sequence[str]) -> bool:
+    """True when every one of ``names`` is a tensor of ``model``'s main graph (no If branch or
+    Loop/Scan body to observe)."""
+    from ..runtime.sessions import _tensor_names
 
     main = _tensor_names(model.graph)
-    if all(n in main for n in names):
-        return make_session(model, extra_outputs=names)  # the model is not changed
-    return BranchRunner(model, names)
+    return all(n in main for n in names)
 
 
 class BranchRunner:

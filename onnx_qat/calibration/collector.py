@@ -46,6 +46,12 @@ class RangeCollector(abc.ABC):
         """Options of this collector, for the ScaleTable's producer/metadata."""
         return self.method
 
+    def merge(self, other: "RangeCollector") -> None:
+        """Add what ``other`` (a collector of the same kind and options, fed other batches) has seen:
+        the result is the collector of both sets of batches, exactly, in any order (calibration on
+        worker processes merges each part's collectors, `onnx_qat.calibration.parallel`)."""
+        raise TypeError(f"{type(self).__name__} cannot merge")
+
 
 #: Below ``this * num_bins`` a top's bin scale no longer fits a float32 (it would overflow).
 _FLOAT32_SCALE_FLOOR = 1e-37
@@ -159,7 +165,9 @@ class AbsHistogram:
         exactly the histogram of both sets of values, in any order."""
         if other.num_bins != self.num_bins:
             raise ValueError(f"cannot merge histograms of {other.num_bins} and {self.num_bins} bins")
-        other._flush()
+        if other._buffer:  # binned on a copy: ``other`` stays as it is (it may be read-only, from Ray)
+            other = other._copy()
+            other._flush()
         self.max_seen = max(self.max_seen, other.max_seen)
         if other.top == 0.0:
             if self.top == 0.0:
@@ -178,6 +186,13 @@ class AbsHistogram:
             if factor >= self.num_bins:
                 counts[0] = int(other._counts.sum())
         self._counts += counts
+
+    def _copy(self) -> "AbsHistogram":
+        copy = AbsHistogram(self.num_bins)
+        copy._counts = np.array(self._counts)
+        copy.top, copy.max_seen, copy._pending_zeros = self.top, self.max_seen, self._pending_zeros
+        copy._buffer, copy._buffered = list(self._buffer), self._buffered
+        return copy
 
     @property
     def counts(self) -> np.ndarray:
@@ -220,15 +235,42 @@ class AbsHistogram:
         spread evenly within a bin), so the result barely depends on how the range grew
         across batches. Every value lands in some bin: the total is preserved.
         """
-        self._flush()
-        top = self.max_seen
-        fine_edges = np.linspace(0.0, self.top, self.num_bins + 1)
-        cumulative = np.concatenate([[0.0], np.cumsum(self._counts, dtype=np.float64)])
-        cumulative[1:] += self._pending_zeros
-        edges = np.linspace(0.0, top, num_bins + 1)
-        at_edges = np.interp(edges, fine_edges, cumulative)
-        at_edges[-1] = cumulative[-1]
-        return np.diff(at_edges), top / num_bins
+        counts, widths = final_rows([self], num_bins)
+        return counts[0], float(widths[0])
+
+
+def final_rows(hists, num_bins: int) -> "tuple[np.ndarray, np.ndarray]":
+    """`AbsHistogram.final` of many histograms of the same number of running bins at once:
+    counts ``[R, num_bins]`` and widths ``[R]``.
+
+    The interpolation is ``np.interp``'s arithmetic written out for all rows (the running bins' edges
+    are multiples of a power of two, so each position's bin is found exactly by a division): the same
+    numbers as ``np.interp`` row by row, without a NumPy call per histogram.
+    """
+    for hist in hists:
+        hist._flush()
+    size = hists[0].num_bins
+    counts = np.stack([hist._counts for hist in hists])
+    tops = np.array([hist.top for hist in hists], dtype=np.float64)
+    peaks = np.array([hist.max_seen for hist in hists], dtype=np.float64)
+    cumulative = np.zeros((len(hists), size + 1))
+    np.cumsum(counts, axis=1, dtype=np.float64, out=cumulative[:, 1:])
+    cumulative[:, 1:] += np.array([hist._pending_zeros for hist in hists], dtype=np.float64)[:, None]
+    steps = tops / size  # the running bins' width: a power of two
+    edges = np.arange(num_bins + 1, dtype=np.float64)[None, :] * (peaks / num_bins)[:, None]
+    edges[:, -1] = peaks  # as np.linspace(0, max_seen, num_bins + 1) has them
+    if not np.all(steps >= np.finfo(np.float64).tiny):  # subnormal steps: divisions may round
+        at_edges = np.stack([np.interp(e, np.linspace(0.0, t, size + 1), c)
+                             for e, t, c in zip(edges, tops, cumulative)])
+    else:
+        lower = np.minimum((edges / steps[:, None]).astype(np.intp), size - 1)
+        left = np.take_along_axis(cumulative, lower, axis=1)
+        right = np.take_along_axis(cumulative, lower + 1, axis=1)
+        knots = lower * steps[:, None]
+        slope = (right - left) / steps[:, None]
+        at_edges = np.where(knots == edges, left, slope * (edges - knots) + left)
+    at_edges[:, -1] = cumulative[:, -1]
+    return np.diff(at_edges, axis=1), peaks / num_bins
 
 
 class HistogramCollector(RangeCollector):
@@ -253,6 +295,10 @@ class HistogramCollector(RangeCollector):
 
     def state_nbytes(self) -> int:
         return self.hist.nbytes()
+
+    def merge(self, other: "HistogramCollector") -> None:
+        """Merge ``other``'s histogram (`AbsHistogram.merge`: exact)."""
+        self.hist.merge(other.hist)
 
     def amax(self) -> float:
         if self.hist.max_seen <= 0.0:

@@ -150,40 +150,50 @@ def kl_at(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarray
 
 def kl_rows(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarray:
     """`kl_divergences` of many histograms at once: ``counts`` ``[R, n]``, ``thresholds``
-    ``[R, K]`` (bins, each in ``levels..n``) -> ``[R, K]``."""
+    ``[R, K]`` (bins, each in ``levels..n``) -> ``[R, K]``.
+
+    The prefix sums are read by flat indices (one gather per array for all rows) and every
+    elementwise step writes into its own result: the values of the straightforward form, bit for bit,
+    at about half its cost on thousands of histograms.
+    """
     counts = np.asarray(counts, dtype=np.float64)
     thresholds = np.asarray(thresholds, dtype=np.intp)
-    rows = counts.shape[0]
+    rows, n = counts.shape
     zero = np.zeros((rows, 1))
-
-    def take(values, index):
-        return np.take_along_axis(values, index.reshape(rows, -1), axis=1).reshape(index.shape)
-
-    prefix = np.concatenate([zero, np.cumsum(counts, axis=1)], axis=1)
-    prefix_nonzero = np.concatenate([zero, np.cumsum(counts > 0, axis=1, dtype=np.float64)], axis=1)
-    prefix_plogp = np.concatenate([zero, np.cumsum(_xlogx(counts), axis=1)], axis=1)
-    total = prefix[:, -1:]
+    prefix = np.concatenate([zero, np.cumsum(counts, axis=1)], axis=1).ravel()
+    prefix_nonzero = np.concatenate([zero, np.cumsum(counts > 0, axis=1, dtype=np.float64)], axis=1).ravel()
+    prefix_plogp = np.concatenate([zero, np.cumsum(_xlogx(counts), axis=1)], axis=1).ravel()
+    row_start = np.arange(rows, dtype=np.intp)[:, None] * (n + 1)  # each row's offset in the flat prefixes
+    total = prefix[row_start + n]
     last = thresholds - 1
-    tail = total - take(prefix, thresholds)
-    at_last = take(counts, last)
+    tail = total - prefix[row_start + thresholds]
+    at_last = counts.ravel()[row_start // (n + 1) * n + last]
     p_last = at_last + tail  # the last bin of P takes the clipped tail
-    # ceil(j * i / levels)
+    # ceil(j * i / levels), as flat indices into the prefixes
     edges = -((-np.arange(levels + 1)[None, None, :] * thresholds[:, :, None]) // levels)
-    summed = take(prefix, edges)
-    level_sum = summed[..., 1:] - summed[..., :-1]
-    nonzero = take(prefix_nonzero, edges)
-    level_nonzero = nonzero[..., 1:] - nonzero[..., :-1]
+    edges += row_start[:, :, None]
+    summed = prefix[edges]
+    level_sum = np.subtract(summed[..., 1:], summed[..., :-1])
+    nonzero = prefix_nonzero[edges]
+    del edges
+    level_nonzero = np.subtract(nonzero[..., 1:], nonzero[..., :-1])
+    del nonzero
     level_nonzero[..., -1] += (p_last > 0) & (at_last <= 0)
-    level_p = level_sum.copy()
-    level_p[..., -1] += tail
     used = level_nonzero > 0
-    per_bin = np.where(used, level_sum / np.where(used, level_nonzero, 1.0), 0.0)
-    log_q = np.where(used & (per_bin > 0), np.log(np.where(per_bin > 0, per_bin, 1.0)), 0.0)
-    p_log_p = take(prefix_plogp, last) + _xlogx(p_last)
-    q_sum = np.where(used, level_sum, 0.0).sum(axis=2)
-    bad = (q_sum <= 0) | (used & (per_bin <= 0)).any(axis=2) | (total <= 0)
+    # a level with no non-empty bin sums to exactly 0: the sum over used levels is the sum over all
+    q_sum = level_sum.sum(axis=2)
+    per_bin = np.divide(level_sum, level_nonzero, out=np.zeros_like(level_sum), where=used)
+    del level_nonzero
+    positive = per_bin > 0
+    bad = (q_sum <= 0) | (used & ~positive).any(axis=2) | (total <= 0)
+    del used
+    log_q = np.log(per_bin, out=np.zeros_like(per_bin), where=positive)
+    del per_bin, positive
+    level_sum[..., -1] += tail  # level_sum is P's levels from here on
+    log_q *= level_sum
+    p_log_p = prefix_plogp[row_start + last] + _xlogx(p_last)
     safe_total = np.where(total > 0, total, 1.0)
-    kl = ((p_log_p - (level_p * log_q).sum(axis=2)) / safe_total - np.log(safe_total)
+    kl = ((p_log_p - log_q.sum(axis=2)) / safe_total - np.log(safe_total)
           + np.log(np.where(q_sum > 0, q_sum, 1.0)))
     return np.where(bad, np.inf, kl)
 

@@ -32,3 +32,7 @@ class MaxCollector(RangeCollector):
 
     def state_nbytes(self) -> int:
         return 8
+
+    def merge(self, other: "MaxCollector") -> None:
+        """The larger of the two maxima (exact)."""
+        self._max = max(self._max, other._max)

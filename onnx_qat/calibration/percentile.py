@@ -23,13 +23,21 @@ class PercentileCollector(HistogramCollector):
     def _threshold(self, counts: np.ndarray, width: float) -> float:
         if self.percentile >= 100.0:
             return self.hist.max_seen
-        cumulative = np.cumsum(counts)
-        target = cumulative[-1] * self.percentile / 100.0
-        index = int(np.searchsorted(cumulative, target, side="left"))
-        index = min(index, counts.size - 1)
-        below = cumulative[index - 1] if index else 0.0
-        inside = (target - below) / counts[index] if counts[index] else 1.0
-        return (index + inside) * width
+        return float(percentile_rows(counts[None, :], np.array([width]), self.percentile)[0])
 
     def describe(self) -> str:
         return f"percentile({self.percentile:g})"
+
+
+def percentile_rows(counts: np.ndarray, widths: np.ndarray, percentile: float) -> np.ndarray:
+    """The ``percentile``-th percentile (below 100) of each row of ``counts`` ``[R, n]`` (bins of width
+    ``widths[r]`` from 0), linearly interpolated inside the bin where the cumulative count reaches it."""
+    counts = np.asarray(counts)
+    cumulative = np.cumsum(counts, axis=1)
+    target = cumulative[:, -1] * percentile / 100.0
+    index = np.minimum((cumulative < target[:, None]).sum(axis=1), counts.shape[1] - 1)  # searchsorted, left
+    rows = np.arange(counts.shape[0])
+    below = np.where(index > 0, cumulative[rows, index - 1], 0.0)
+    at = counts[rows, index]
+    inside = np.divide(target - below, at, out=np.ones_like(target, dtype=np.float64), where=at != 0)
+    return (index + inside) * widths

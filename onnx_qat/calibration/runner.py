@@ -7,6 +7,7 @@ histogram), so memory does not grow with the number of samples.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import onnx
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
 from ..scales import ScaleTable
 from .branches import make_runner
+from .choice import CHECK_SAMPLES, judge_samples
 from .auto import AutoCollector
 from .collector import RangeCollector
 from .entropy import EntropyCollector
@@ -39,8 +41,8 @@ METHODS: Mapping[str, Callable[..., RangeCollector]] = {
 }
 
 #: The method [`calibrate`][onnx_qat.calibration.runner.calibrate] and
-#: [`onnx_qat.quantize`][onnx_qat.quantize.quantize] use when none is given: ``auto`` beat ``max`` on every
-#: real model measured (docs/sensitivity.md, "Calibration methods on real models").
+#: [`onnx_qat.quantize`][onnx_qat.quantize.quantize] use when none is given: ``auto`` matched or beat
+#: ``max`` on every real model measured (docs/sensitivity.md, "Calibration methods on real models").
 DEFAULT_METHOD = "auto"
 
 #: amax given to a tensor that was zero on every sample (a ScaleTable refuses 0).
@@ -56,15 +58,18 @@ class TensorObserver:
     NaN, ±Inf and masking magnitudes (>= `MASK_MAGNITUDE`) are counted and left
     out of the statistics; `result` warns about them, raises DataError when
     nothing finite was seen, and gives an all-zero tensor `ZERO_TENSOR_AMAX`.
+    Whatever the method, the smallest and largest value kept are tracked too (`bounds`).
     """
 
-    __slots__ = ("name", "collector", "seen", "ignored")
+    __slots__ = ("name", "collector", "seen", "ignored", "low", "high")
 
     def __init__(self, name: str, collector: RangeCollector):
         self.name = name
         self.collector = collector
         self.seen = 0
         self.ignored = 0
+        self.low = np.inf
+        self.high = -np.inf
 
     def update(self, values: np.ndarray) -> None:
         """Reduce one batch of the tensor into the running statistics.
@@ -81,14 +86,27 @@ class TensorObserver:
         if values.size == 0:
             return
         self.seen += values.size
-        peak = max(-float(values.min()), float(values.max()))  # NaN when any value is NaN
+        low, high = float(values.min()), float(values.max())
+        peak = max(-low, high)  # NaN when any value is NaN
         if peak < MASK_MAGNITUDE:  # False for NaN and Inf too
+            self.low, self.high = min(self.low, low), max(self.high, high)
             self.collector.update_values(values, peak)
             return
         magnitudes = np.abs(values)
         keep = magnitudes < MASK_MAGNITUDE
         self.ignored += int(magnitudes.size - np.count_nonzero(keep))
-        self.collector.update(magnitudes[keep])
+        kept = values[keep]
+        if kept.size:
+            self.low, self.high = min(self.low, float(kept.min())), max(self.high, float(kept.max()))
+        self.collector.update(np.abs(kept))
+
+    def merge(self, other: "TensorObserver") -> None:
+        """Add what ``other`` (the same tensor's observer over other batches) has seen (exactly: counts
+        add, `bounds` take the smaller minimum and the larger maximum, collectors merge)."""
+        self.seen += other.seen
+        self.ignored += other.ignored
+        self.low, self.high = min(self.low, other.low), max(self.high, other.high)
+        self.collector.merge(other.collector)
 
     def result(self) -> float:
         """The final amax (finite, > 0)."""
@@ -108,6 +126,12 @@ class TensorObserver:
             return ZERO_TENSOR_AMAX
         return amax
 
+    def bounds(self) -> Optional[Tuple[float, float]]:
+        """``(min, max)`` of the finite values kept (not masking constants), or None when none was."""
+        if not self.low <= self.high:
+            return None
+        return float(self.low), float(self.high)
+
 
 def make_collector(method: str, *, percentile: float = 99.99, num_bins: int = 2048) -> RangeCollector:
     """A new collector for ``method`` (validated options)."""
@@ -115,6 +139,13 @@ def make_collector(method: str, *, percentile: float = 99.99, num_bins: int = 20
     if factory is None:
         raise ConfigError(f"unknown calibration method {method!r}; choose one of {', '.join(METHODS)}")
     return factory(percentile, num_bins)
+
+
+def new_observers(names: Sequence[str], method: str, percentile: float, num_bins: int
+                  ) -> Dict[str, TensorObserver]:
+    """One new `TensorObserver` of ``method``'s collector per tensor name."""
+    return {n: TensorObserver(n, make_collector(method, percentile=percentile, num_bins=num_bins))
+            for n in names}
 
 
 def _check_options(method: str, percentile, num_bins, batch_size) -> None:
@@ -144,9 +175,12 @@ class Calibration:
             "entropy": ...}``, all read from the same histograms.
         choices: ``auto`` only: ``{tensor: candidate}`` of the per-tensor table.
         check_feeds: ``auto`` only: the calibration batches holding the first `CHECK_SAMPLES`
-            samples, which the candidate tables are judged on.
+            samples (fewer on large graphs, `onnx_qat.calibration.choice.judge_samples`), which the
+            candidate tables are judged on.
         reference: ``auto`` only: the float model's float outputs on ``check_feeds`` (flattened and
             joined over the batches), taken during the calibration run itself.
+        bounds: ``{tensor: (min, max)}`` of the finite values seen, whatever the method (the ScaleTable's
+            ``bounds``: the ``ort-cpu`` target's asymmetric ranges).
     """
 
     ranges: Mapping[str, float]
@@ -157,22 +191,22 @@ class Calibration:
     choices: Mapping[str, str] = field(default_factory=dict)
     check_feeds: Tuple[dict, ...] = field(default=(), repr=False)
     reference: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
+    bounds: Mapping[str, Tuple[float, float]] = field(default_factory=dict)
 
     def table(self, name: Optional[str] = None, **metadata) -> ScaleTable:
-        """The ScaleTable of `ranges` (or of candidate ``name``), with ``metadata`` added."""
+        """The ScaleTable of `ranges` (or of candidate ``name``), with ``metadata`` and `bounds` added."""
         amax = self.ranges if name is None else self.candidates[name]
-        return ScaleTable(dict(amax), producer=self.producer, metadata={**self.metadata, **metadata})
+        return ScaleTable(dict(amax), producer=self.producer, metadata={**self.metadata, **metadata},
+                          bounds={k: v for k, v in self.bounds.items() if k in amax})
 
 
-#: Samples of the calibration data ``auto``'s candidate tables are judged on (the calibration batches
-#: holding them): bounds the cost of the judgement to one quantized run per table on these.
-CHECK_SAMPLES = 64
 
 
 def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 99.99, num_bins: int = 2048,
               batch_size: int = 16, config=None, tensors: Optional[Iterable[str]] = None,
               progress: bool = True, output=None, state: Optional[Mapping[str, str]] = None,
-              batch_axis: Optional[Mapping[str, int]] = None, **placement_options) -> ScaleTable:
+              batch_axis: Optional[Mapping[str, int]] = None, workers: Optional[int] = None, ray=None,
+              **placement_options) -> ScaleTable:
     """Compute activation ranges of ``model`` on ``data`` with onnxruntime.
 
     Args:
@@ -183,7 +217,8 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
             of the max, percentile and mse candidates quantizes that tensor with the least error,
             ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
-            model's on the first 64 calibration samples, `choose`;
+            model's on the first 64 calibration samples (fewer on graphs over 625 nodes), a later
+            table replacing an earlier one only where the samples agree, `choose`;
             the metadata keys ``auto_table``, ``auto_output_cosine`` and ``auto_choices`` record
             the choice), ``"max"`` (max |x|), ``"percentile"`` (the ``percentile``-th percentile of
             |x|), ``"entropy"`` (TensorRT's KL-divergence threshold, guarded) or ``"mse"``
@@ -201,6 +236,16 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         state: ``{output: input}`` of a stateful model: the data runs in order, each run's
             ``output`` fed to the next run as ``input`` (the first feed gives the initial state).
         batch_axis: ``{input: axis}`` for inputs whose batch axis is not the first.
+        workers: worker processes the batches are split over, in contiguous parts, each with its own
+            session and ``cores // workers`` onnxruntime threads; the parts' collectors are merged
+            exactly, so the ranges are identical for any count (`onnx_qat.calibration.parallel`).
+            ``1``: in this process. None (the default): one per usable core within memory when the
+            batches are estimated to take long enough to gain from workers, else this process. A
+            stateful model (``state``) is calibrated in one process (its feeds run in order).
+        ray: split the batches over Ray actors instead of local processes: True for the cluster
+            ``ray.init()`` finds (``RAY_ADDRESS``) or starts locally, or a cluster address; ``workers``
+            actors (None: one per CPU of the cluster). Needs the ``ray`` extra
+            (`onnx_qat.runtime.ray_workers`).
 
     Returns:
         A [`ScaleTable`][onnx_qat.scales.ScaleTable] of per-tensor activation amax whose
@@ -213,7 +258,10 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     from ..io.layout import with_layout
     from ..io.files import check_output_path
     from ..io.models import load_model
+    from ..runtime.workers import worker_spec
+
     _check_options(method, percentile, num_bins, batch_size)
+    workers = worker_spec(workers, ray)
     data = with_layout(data, state=state, batch_axis=batch_axis)
     if output is not None:
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
@@ -224,7 +272,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     names = _tensors_to_observe(placement if tensors is None else None, tensors, config, placement_options)
     dataset = load_data(data, proto, what="calibration data")
     result = collect(proto, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
-                     batch_size=batch_size, progress=progress)
+                     batch_size=batch_size, progress=progress, workers=workers)
     if result.unobserved:
         logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
                        "that cannot be observed per iteration (e.g. %r); they get no range",
@@ -270,21 +318,26 @@ def auto_table(result: Calibration, best: str, cosines: Mapping[str, float]) -> 
 
 def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: str = DEFAULT_METHOD,
             percentile: float = 99.99, num_bins: int = 2048, batch_size: int = 16,
-            progress: bool = True) -> Calibration:
+            progress: bool = True, workers=1) -> Calibration:
     """One calibration pass of ``model`` (a loaded float ModelProto, not changed) over ``dataset``
     (a `Dataset`), observing ``names``: the `Calibration` (ranges, and
     for ``auto`` the candidate tables, the check batches and the float outputs on them).
+    With ``workers`` other than 1 (a count, None for as many as pay, or a `WorkerSpec`, Ray included)
+    the batches are split over worker processes and the collectors merged exactly
+    (`onnx_qat.calibration.parallel`).
 
     This is all calibration does: choosing among ``auto``'s tables is the caller's (it holds the
     placement the tables are inserted with: `onnx_qat.calibration.choice.choose`).
     """
     from ..runtime.stateful import carry_state, state_outputs
+    from ..runtime.workers import worker_spec
+    from .parallel import observe_split, split_reason
 
     _check_options(method, percentile, num_bins, batch_size)
+    workers = worker_spec(workers)
     names = tuple(dict.fromkeys(names))
     graph_inputs = set(dataset.input_names)
-    observers = {n: TensorObserver(n, make_collector(method, percentile=percentile, num_bins=num_bins))
-                 for n in names}
+    observers = new_observers(names, method, percentile, num_bins)
     fetched = [n for n in names if n not in graph_inputs]
     outputs: Tuple[str, ...] = ()
     if method == "auto":
@@ -292,21 +345,35 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
                         if o.type.tensor_type.elem_type in _FLOAT_TYPES and o.name not in graph_inputs)
     # a stateful model's runs also fetch its state outputs, fed back into the next run
     run_outputs = list(dict.fromkeys(fetched + list(outputs) + list(state_outputs(dataset))))
-    session = carry_state(make_runner(model, run_outputs), dataset)
-    reached, kept = _observe(session, dataset, observers, fetched, batch_size, progress,
-                             f"calibrate ({method})", outputs)
-    reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
-    del session
+    desc = f"calibrate ({method})"
+    check = judge_samples(len(model.graph.node))  # auto's check batches: fewer samples on large graphs
+    why = "" if workers.local else split_reason(model, dataset, run_outputs)
+    if not workers.local and not why:
+        fresh = functools.partial(new_observers, names, method, percentile, num_bins)
+        reached, kept = observe_split(model, dataset, observers, fetched, outputs, run_outputs,
+                                      new_observers=fresh,
+                                      observe_feeds=functools.partial(observe_feeds, check_samples=check),
+                                      count_samples=_samples_in, check_samples=check,
+                                      batch_size=batch_size, progress=progress, desc=desc, workers=workers)
+    else:
+        if why and (workers.count is not None or workers.ray is not None):
+            logger.warning("note: %s; --workers and --ray do not apply to it", why)
+        session = carry_state(make_runner(model, run_outputs), dataset)
+        reached, kept = _observe(session, dataset, observers, fetched, batch_size, progress, desc, outputs,
+                                 check)
+        reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
+        del session
     unobserved = tuple(name for name in names if name not in reached)
     if method == "auto":  # every tensor's searches at once
         from .auto import analyze
 
         analyze([observers[name].collector for name in names if name in reached])
     ranges = {name: observer.result() for name, observer in observers.items() if name in reached}
+    bounds = {name: found for name in ranges for found in (observers[name].bounds(),) if found is not None}
     meta = _metadata(method, percentile, num_bins, dataset.num_samples)
     producer = f"onnx_qat.calibrate(method={_describe(method, percentile)})"
     if method != "auto":
-        return Calibration(ranges, unobserved, meta, producer)
+        return Calibration(ranges, unobserved, meta, producer, bounds=bounds)
 
     def guarded(value: float) -> float:
         return value if value > 0.0 else ZERO_TENSOR_AMAX
@@ -317,7 +384,7 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     feeds = tuple(feed for feed, _ in kept)
     reference = {name: np.concatenate([values[name].ravel() for _, values in kept]) for name in outputs} \
         if kept else {}
-    return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference)
+    return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference, bounds)
 
 
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
@@ -325,22 +392,35 @@ _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorPro
 
 
 def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, batch_size: int,
-             progress: bool, desc: str, outputs: Sequence[str] = ()):
+             progress: bool, desc: str, outputs: Sequence[str] = (), check_samples: int = CHECK_SAMPLES):
     """Run every batch once and reduce each observed tensor into its observer (fed inputs from the feed).
 
     When only graph inputs are observed (and no ``outputs`` are asked for) the model is not run at
     all. ``session`` may be a `BranchRunner`, which gives None
     for the tensors of If branches a batch does not take (and a Loop/Scan body's tensors stacked over
     its iterations). Returns the names observed on at least one batch, and ``(feed, {output: value})``
-    of the batches holding the first `CHECK_SAMPLES` samples (when ``outputs`` are given).
+    of the batches holding the first ``check_samples`` samples (when ``outputs`` are given).
     """
     from ..runtime.sessions import feeds_with_progress
 
+    feeds = feeds_with_progress(dataset, batch_size, progress, desc)
+    reached, kept, _ = observe_feeds(session, dataset, feeds, observers, fetched, outputs,
+                                     check_samples=check_samples)
+    return reached, kept
+
+
+def observe_feeds(session, dataset, feeds, observers: Dict[str, TensorObserver], fetched,
+                  outputs: Sequence[str] = (), samples: int = 0, first_batch: int = 0,
+                  check_samples: int = CHECK_SAMPLES):
+    """`_observe`'s loop over ``feeds`` (a contiguous part of ``dataset``'s batches whose first sample
+    is ``samples`` and first batch ``first_batch``): ``(names reached, kept check batches, samples
+    counted)``; batches are kept while fewer than ``check_samples`` samples were, and samples are
+    counted only then. Calibration on worker processes
+    runs the same loop on each part (`onnx_qat.calibration.parallel`)."""
     reached = set()
     kept: list = []
-    samples = 0
     asked = list(dict.fromkeys(list(fetched) + list(outputs)))
-    for index, feed in enumerate(feeds_with_progress(dataset, batch_size, progress, desc)):
+    for index, feed in enumerate(feeds, first_batch):
         try:
             values = dict(zip(asked, session.run(asked, feed))) if asked else {}
         except QatError:
@@ -349,7 +429,7 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
             raise ModelError(f"onnxruntime failed on batch {index} of {dataset.source}: "
                              f"{brief(exc, 300)}") from None
         given = getattr(session, "last_given", feed)  # a stateful model's carried state input too
-        if outputs and samples < CHECK_SAMPLES:
+        if outputs and samples < check_samples:
             kept.append((given, {name: values[name] for name in outputs}))
             samples += _samples_in(dataset, given)
         for name, observer in observers.items():
@@ -358,7 +438,7 @@ def _observe(session, dataset, observers: Dict[str, TensorObserver], fetched, ba
                 observer.update(value)
                 reached.add(name)
         del values, feed
-    return reached, kept
+    return reached, kept, samples
 
 
 def _samples_in(dataset, feed) -> int:
@@ -366,7 +446,10 @@ def _samples_in(dataset, feed) -> int:
     a stateful model's step; else the feed's first axis."""
     from ..io.data import Dataset
 
-    if not isinstance(dataset, Dataset) or dataset.unbatched or dataset.state:
+    per_sample = getattr(dataset, "per_sample", None)  # a part of the data in a worker says it
+    if per_sample is None:
+        per_sample = isinstance(dataset, Dataset) and not dataset.unbatched and not dataset.state
+    if not per_sample:
         return 1
     return len(next(iter(feed.values())))
 

@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 #: Rules the ``ort-cpu`` target replaces (rule function) or leaves out (None), with the reason.
 ORT_CPU_RULES: Dict[str, Tuple[Optional[Callable], str]] = {
-    "C4": (rule_c4_ort_cpu_zero_points, "uint8 activations with zero point 128 or 0 (same values)"),
+    "C4": (rule_c4_ort_cpu_zero_points, "uint8 activations with zero point 128, 0 or an asymmetric range's"),
     "C11": (None, "the Conv output feeding a residual Add is a requantization point (CPU1): "
                   "onnxruntime forms QLinearConv only with a QuantizeLinear on the Conv output"),
     "C14": (None, "a Q/DQ between Conv and Relu is a requantization point (CPU1), for QLinearConv"),

@@ -74,18 +74,19 @@ def _first_nonzero(values) -> Optional[int]:
 
 
 def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
-    """C4 for the ``ort-cpu`` target (error): zero points constant, int8 zeros or uint8 0 / 128.
+    """C4 for the ``ort-cpu`` target (error): zero points constant, int8 zeros or uint8 (any value).
 
-    The ort-cpu form (`onnx_qat.insertion.ort_cpu`) stores activations as uint8 with zero point 128 (or 0
-    where they are non-negative) and some weights as uint8 ``q + 128``: the same values as int8 with
-    zero point 0. Any other zero point is not a form that target writes.
+    The ort-cpu form (`onnx_qat.insertion.ort_cpu`) stores activations as uint8 with zero point 128 (0
+    where they are non-negative, the zero point of an asymmetric range where calibration gave the
+    tensor's extremes) and some weights as uint8 ``q + 128``; int8 tensors (weights) stay symmetric.
+    An int8 zero point other than 0 is not a form that target writes.
     """
     import numpy as np
     from onnx import TensorProto
     for g in graphs:
         zero_points = [node.zp for node in _qdq_nodes(g) if node.zp]
         good = g.prejudge("C4-ort-cpu", zero_points, TensorProto.INT8, "i1", _is_zero, False) | \
-            g.prejudge("C4-ort-cpu", zero_points, TensorProto.UINT8, "u1", _is_zero_or_128, False)
+            g.prejudge("C4-ort-cpu", zero_points, TensorProto.UINT8, "u1", _any_value, False)
         for node in _qdq_nodes(g):
             zp = node.zp
             if zp in good:
@@ -99,16 +100,19 @@ def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
             allowed = _ORT_CPU_ZERO_POINTS.get(g.elem_type(zp))
             if allowed is None or g.memo("C4-ort-cpu", zp, lambda values: values is not None
                                          and not np.isin(values, allowed).all()):
-                yield Finding("C4", ERROR, name, f"zero point {zp!r} is not int8 0 or uint8 0/128, "
+                yield Finding("C4", ERROR, name, f"zero point {zp!r} is not int8 0 or uint8, "
                               "the zero points of the ort-cpu form")
 
 
-#: Element type -> the zero-point values the ort-cpu form writes (int8 0; uint8 0 or 128).
-_ORT_CPU_ZERO_POINTS = {3: (0,), 2: (0, 128)}
+#: Element type -> the zero-point values the ort-cpu form writes (int8 0; uint8 any: 0 for non-negative
+#: tensors, 128 for symmetric ones, another value for an asymmetric calibrated range).
+_ORT_CPU_ZERO_POINTS = {3: (0,), 2: tuple(range(256))}
 
 
-def _is_zero_or_128(values):
-    return (values == 0) | (values == 128)
+def _any_value(values):
+    import numpy as np
+
+    return np.ones(values.shape, bool)
 
 
 def rule_c5_scales(model, graphs) -> Iterator[Finding]:

@@ -200,7 +200,7 @@ def without_unreached_branches(placement: Placement, table: ScaleTable, in_body:
 def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, target="tensorrt", *,
                      progress: bool = False, zero_points: Optional[Dict[str, int]] = None,
                      unsigned_weights=(), precision="int8", block_size: int = 128,
-                     full_range=(), narrow_weights=()) -> InsertionResult:
+                     full_range=(), narrow_weights=(), range_scales=None) -> InsertionResult:
     """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
     `commit`).
 
@@ -223,6 +223,10 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         narrow_weights: int8 weight tensors stored in [-63, 63] (scale ``amax / 63``): read by
             onnxruntime's uint8 x int8 kernels with activations up to 255, their pair sums stay within
             16 bits on CPUs without VNNI (the ``ort-cpu`` form with calibrated ranges).
+        range_scales: activation tensor -> its scale, for tensors stored with an asymmetric range (the
+            ``ort-cpu`` form's tensors of unknown sign with calibrated extremes,
+            `onnx_qat.insertion.ort_cpu.asymmetric_range`); their zero points come from
+            ``zero_points``. Overrides the scale rule (and ``full_range``) for those tensors.
 
     Raises:
         ScalesError: a quantized activation has no range in ``scales``, or a weight range
@@ -233,7 +237,7 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"ScaleTable has no range for {len(missing)} quantized tensor(s): {shown}")
     return _Inserter(edit, get_target(target), zero_points, unsigned_weights, get_format(precision),
-                     block_size, full_range, narrow_weights).run(placement, scales, progress)
+                     block_size, full_range, narrow_weights, range_scales).run(placement, scales, progress)
 
 
 class _Inserter:
@@ -241,8 +245,9 @@ class _Inserter:
 
     def __init__(self, edit: GraphEdit, target: Target, zero_points: Optional[Dict[str, int]] = None,
                  unsigned_weights=(), fmt: Format = INT8, block_size: int = 128, full_range=(),
-                 narrow_weights=()):
+                 narrow_weights=(), range_scales=None):
         self.edit = edit
+        self.range_scales = dict(range_scales or {})
         self.full_range = frozenset(full_range)
         self.narrow_weights = frozenset(narrow_weights)
         self.target = target
@@ -264,6 +269,10 @@ class _Inserter:
             fine = np.array([m.tensor in self.full_range for m in marks], bool)
             halved = (np.asarray([amaxes[m.tensor] for m in marks], np.float64) / 255.0).astype(np.float32)
             act_scales = np.where(fine & (halved >= TINY), halved, act_scales).astype(np.float32)
+        if self.range_scales:  # asymmetric uint8 ranges (ort-cpu): scale and zero point given
+            given = [self.range_scales.get(m.tensor) for m in marks]
+            act_scales = np.array([s if g is None else g for s, g in zip(act_scales.tolist(), given)],
+                                  np.float32)
         raw = _le_bytes(act_scales)
         for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
             records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4]))

@@ -40,6 +40,10 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    up to an *absolute* float32 epsilon (1.19e-7), so with zero point 128 and a scale below ~9e-10
    (deep activations of an untrained network) ``Clip(0, 6)`` went and negative values flowed on
    (mean output error 0.2-0.6 of the output range on MobileNetV2);
+   With calibrated extremes (the ScaleTable's ``bounds``), a tensor of unknown sign is stored over an
+   asymmetric uint8 range instead: ``[min, max]`` clipped to ``[-amax, amax]`` and holding 0, scale
+   ``(max - min) / 255``, the zero point that puts 0 on the grid, as onnxruntime's ``quantize_static``
+   does (`asymmetric_range`);
 3. weights of ops whose activation input keeps zero point 128 (a graph input such as an image,
    or any tensor whose sign is unknown) are stored as uint8 ``q + 128`` with zero point 128 (the
    same values): onnxruntime then uses its uint8 x uint8 kernel, slower but free of saturation;
@@ -68,6 +72,11 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    weight is ``k[c]`` times the old one, exactly up to the float32 rounding of the scale product,
    and the Conv output is the old Add (or Mul) output, which then takes the requantization point
    of 4. Without the fold no QuantizeLinear sits on the Conv output and it runs in float.
+6. *Sigmoid gates* (rule CPU5, `_quantize_gates`): ``Mul(x, Sigmoid(s))`` between quantized tensors gets
+   a Q/DQ pair on the Sigmoid output, so it runs as ``QLinearSigmoid`` and ``QLinearMul`` instead of in
+   float between a DequantizeLinear and a QuantizeLinear;
+7. *float joins* (rule CPU6, `_float_joins`): a residual join with no other quantized input runs in
+   float in onnxruntime, so its skip input loses the pair placement rule 6 gives it for TensorRT.
 
 Every learned scale is kept unchanged; each requantization point and each fold is listed in
 `onnx_qat.quantize.QuantizeResult.to_report` under ``requantization`` (folds with rule
@@ -100,6 +109,15 @@ RULE = "CPU1"
 FOLD_RULE = "CPU2"
 #: Rule name of a MatMul kept apart from its bias Add (see `BiasSplit`).
 SPLIT_RULE = "CPU4"
+#: Rule name of a Sigmoid gate (swish ``x * Sigmoid(x)``, a squeeze-excitation ``x * Sigmoid(s)``) run on
+#: onnxruntime's integer kernels (see `_quantize_gates`).
+GATE_RULE = "CPU5"
+#: The range of a Sigmoid output.
+SIGMOID_AMAX = 1.0
+#: Rule name of a residual join left float in this form (see `_float_joins`).
+JOIN_RULE = "CPU6"
+#: The placement rules of residual joins' skip inputs (rule 6, and rule 6b for Sum).
+_JOIN_RULES = ("R6", "R6b")
 #: Largest and smallest non-zero ``|k|`` a fold accepts (the weight scale is multiplied by it).
 _FOLD_K_RANGE = (1e-20, 1e20)
 _FLOAT = 1  # onnx.TensorProto.FLOAT (onnx is not imported at module level)
@@ -178,8 +196,9 @@ class BiasSplit:
 @dataclass(frozen=True)
 class Adapted:
     """The ort-cpu placement, ScaleTable, report records (requantization points and folds), per-tensor
-    zero points, the weights stored as uint8 with zero point 128, and the scale folds to apply to the
-    graph after Q/DQ insertion (`finish`)."""
+    zero points, the weights stored as uint8 with zero point 128, the scale folds to apply to the
+    graph after Q/DQ insertion (`finish`), and the scales of the tensors stored with an asymmetric
+    range (``range_scales``, their zero points in ``zero_points``)."""
 
     placement: Placement
     table: ScaleTable
@@ -190,6 +209,7 @@ class Adapted:
     full_range: Tuple[str, ...] = ()
     splits: Tuple[BiasSplit, ...] = ()
     narrow_weights: Tuple[str, ...] = ()
+    range_scales: Dict[str, float] = field(default_factory=dict)
 
     def finish(self, edit) -> Tuple[str, ...]:
         """Apply `folds` and `splits` to ``edit`` (the
@@ -301,13 +321,20 @@ class OrtCpuAdapter:
         folds = self.folds(index, placement)
         points = self.points(index, placement, folds)
         records = tuple(self._apply(point, index, marks, amaxes, table, added, notes) for point in points)
+        records += tuple(_quantize_gates(index, marks, added, table))
+        records += tuple(_float_joins(index, marks))
         order = index.production_order()
         activations = tuple(sorted(marks.values(), key=lambda m: (order.get(m.tensor, len(order)), m.tensor)))
         zero_points, note = _zero_points(index, activations, points, records, nonnegative, fine)
         notes += [note] if note else []
+        own = {p.tensor: r["amax"] for p, r in zip(points, records) if r["status"] == "added"}
+        range_scales, note = _asymmetric(activations, zero_points, {**amaxes, **own}, table, points, records)
+        notes += [note] if note else []
         new_placement = Placement(activations, placement.weights, placement.decisions, tuple(notes))
         new_table = table if not added else table.merged(
-            ScaleTable(added, producer=table.producer, metadata=dict(table.metadata)))
+            ScaleTable(added, producer=table.producer, metadata=dict(table.metadata),
+                       bounds={k: b for k, b in table.bounds.items()  # a point with its own range
+                               if k in added and table.activations.get(k) == added[k]}))
         full = _full_range(activations, zero_points) if fine else ()
         unsigned = _unsigned_weights(placement, activations, zero_points)
         narrow: Tuple[str, ...] = ()
@@ -316,7 +343,8 @@ class OrtCpuAdapter:
             unsigned = ()
         splits = bias_splits(index, placement)
         records = _with_folds(records, folds) + tuple(s.record() for s in splits)
-        return Adapted(new_placement, new_table, records, zero_points, unsigned, folds, full, splits, narrow)
+        return Adapted(new_placement, new_table, records, zero_points, unsigned, folds, full, splits, narrow,
+                       range_scales)
 
     def _apply(self, point: RequantPoint, index: GraphIndex, marks: Dict[str, ActivationMark], amaxes,
                table: ScaleTable, added: Dict[str, float], notes: List[str]) -> dict:
@@ -358,6 +386,104 @@ class OrtCpuAdapter:
         return None, "missing from the scale table"
 
 
+def _quantize_gates(index: GraphIndex, marks: Dict[str, ActivationMark], added: Dict[str, float],
+                    table: ScaleTable) -> List[dict]:
+    """Rule CPU5: Sigmoid gates on onnxruntime's integer kernels, in ``marks``/``added``; one report record
+    each.
+
+    A ``Mul(x, Sigmoid(s))`` (swish when ``s`` is ``x``, as EfficientNet writes it; a squeeze-excitation
+    scale otherwise) whose output is quantized for every consumer, and whose ``x`` and ``s`` are quantized
+    (a placement mark or a requantization point), otherwise runs in float between a DequantizeLinear and a
+    QuantizeLinear: measured on EfficientNetB0, that float work cost more than its integer Convs saved.
+    Quantizing the Sigmoid output too (range 0..1, zero point 0) and letting ``x`` and ``s`` reach the
+    Sigmoid and the Mul through their one Q/DQ pair gives onnxruntime's QDQ fusions ``DQ -> Sigmoid -> Q``
+    (``QLinearSigmoid``, a lookup table) and ``DQ, DQ -> Mul -> Q`` (``QLinearMul``): the chain stays in
+    uint8 from Conv to Conv (source: onnxruntime's QDQ selector-action transformer registers Sigmoid as a
+    unary and Mul as a binary QDQ node unit, ``qdq_selector_action_transformer.cc``)."""
+    records: List[dict] = []
+    while True:  # a gate may make another one's output quantized for every consumer: until none is new
+        found = _gates_once(index, marks, added, table)
+        if not found:
+            return records
+        records += found
+
+
+def _gates_once(index: GraphIndex, marks: Dict[str, ActivationMark], added: Dict[str, float],
+                table: ScaleTable) -> List[dict]:
+    """One pass of `_quantize_gates` over the graph: the gates quantized in it."""
+    records = []
+    for node in index.nodes:
+        if node.op_type != "Mul" or not node.standard or len(node.inputs) != 2 or not node.outputs:
+            continue
+        out = node.outputs[0]
+        mark = marks.get(out)
+        readers = {(n.name, i) for n, i in index.consumers(out)}
+        if mark is None or set(mark.consumers) != readers or out in index.graph_outputs:
+            continue
+        for position in (0, 1):
+            gate, other = node.inputs[position], node.inputs[1 - position]
+            sigmoid = index.producer.get(gate)
+            if sigmoid is None or sigmoid.op_type != "Sigmoid" or not sigmoid.standard or gate in marks \
+                    or gate in index.graph_outputs or len(index.consumers(gate)) != 1:
+                continue
+            source = sigmoid.inputs[0]
+            if source not in marks or other not in marks:
+                continue
+            for tensor, reader in ((source, (sigmoid.name, 0)), (other, (node.name, 1 - position))):
+                held = marks[tensor]
+                if reader not in held.consumers:
+                    marks[tensor] = ActivationMark(tensor, held.consumers + (reader,), held.rule, held.reason,
+                                                   scale_group=held.scale_group)
+            amax = table.activations.get(gate, SIGMOID_AMAX)
+            why = (f"Sigmoid {sigmoid.name!r} and Mul {node.name!r} run as QLinearSigmoid and QLinearMul: "
+                   "the gate's output quantized (0..1, zero point 0), both inputs read through one Q/DQ")
+            marks[gate] = ActivationMark(gate, ((node.name, position),), GATE_RULE, why)
+            added[gate] = amax
+            records.append({"tensor": gate, "node": node.name, "op_type": "Mul", "rule": GATE_RULE,
+                            "status": "quantized gate", "sigmoid": sigmoid.name, "amax": amax,
+                            "swish": source == other, "reason": why})
+            break
+    return records
+
+
+def _float_joins(index: GraphIndex, marks: Dict[str, ActivationMark]) -> List[dict]:
+    """Rule CPU6: the skip inputs of residual joins that run in float in onnxruntime lose their Q/DQ (in
+    ``marks``); one report record per join.
+
+    Placement rule 6 quantizes a residual Add's skip input alone so that TensorRT fuses the Add into the
+    Conv that computes the other input. onnxruntime's CPU provider has no such fusion: it runs an Add on
+    integers only as ``QLinearAdd``, with every input dequantized and the output quantized. When no other
+    input of the join is quantized (a transformer's residual stream: ``x + (MatMul -> bias Add)``), the
+    join runs in float anyway, and the skip's Q/DQ pair only rounds the residual stream, which carries the
+    model's largest values: measured on a ViT encoder built in code (random weights, images 0..255), the
+    output error fell from 1.13x onnxruntime's own form's to 0.03x without those pairs. A skip input that
+    also feeds a quantized op keeps its pair there."""
+    records = []
+    for tensor, mark in list(marks.items()):
+        if mark.rule not in _JOIN_RULES:
+            continue
+        keep, dropped = [], []
+        for name, position in mark.consumers:
+            join = index.by_name.get(name)
+            found = join.inputs if join is not None else ()
+            inputs = [(i, t) for i, t in enumerate(found) if i != position and t]
+            quantized = any(t in marks and (name, i) in marks[t].consumers for i, t in inputs)
+            (keep if quantized or not inputs else dropped).append((name, position))
+        if not dropped:
+            continue
+        if keep:
+            marks[tensor] = ActivationMark(tensor, tuple(keep), mark.rule, mark.reason, mark.scale_group)
+        else:
+            del marks[tensor]
+        for name, _ in dropped:
+            why = (f"residual join {name!r} has no other quantized input, so onnxruntime runs it in float: "
+                   f"the Q/DQ pair on its skip input {tensor!r} (placement rule {mark.rule}, a TensorRT "
+                   "fusion) is left out")
+            records.append({"tensor": tensor, "node": name, "op_type": index.by_name[name].op_type,
+                            "rule": JOIN_RULE, "status": "left float", "reason": why})
+    return records
+
+
 def _zero_points(index: GraphIndex, activations, points, records, nonnegative: Tuple[str, ...] = (),
                  fine: bool = False) -> Tuple[Dict[str, int], str]:
     """Zero point per quantized tensor, and a report note.
@@ -391,6 +517,65 @@ def _zero_points(index: GraphIndex, activations, points, records, nonnegative: T
     return zero_points, note
 
 
+def asymmetric_range(amax: float, low: float, high: float) -> Optional[Tuple[float, int]]:
+    """``(scale, zero point)`` of the uint8 grid over a tensor's calibrated extremes ``low..high`` clipped
+    to ``[-amax, amax]`` (what the symmetric range keeps) and widened to hold 0, as onnxruntime's
+    ``quantize_static`` computes a uint8 activation's range (``compute_scale_zp`` in
+    ``onnxruntime/python/tools/quantization/quant_utils.py``: ``rmin = min(rmin, 0)``, ``rmax = max(rmax,
+    0)``, ``scale = (rmax - rmin) / 255``, ``zero_point = round(-rmin / scale)``); None when that range is
+    empty or its scale too small for float32."""
+    from ..formats.encoding import TINY
+
+    lo = min(max(float(low), -float(amax)), 0.0)
+    hi = max(min(float(high), float(amax)), 0.0)
+    scale = np.float32((hi - lo) / 255.0)
+    if not hi > lo or not np.isfinite(scale) or scale < TINY:
+        return None
+    zero = int(np.clip(np.round(-lo / float(scale)), 0, 255))
+    return float(scale), zero
+
+
+def _asymmetric(activations, zero_points: Dict[str, int], amaxes, table: ScaleTable, points,
+                records) -> Tuple[Dict[str, float], str]:
+    """``{tensor: scale}`` of the zero-point-128 tensors whose calibrated extremes are in ``table.bounds``,
+    stored over `asymmetric_range` instead
+    (their new zero points are written into ``zero_points``), and a report note. A scale group (Concat
+    inputs, rule 7) takes the range of all its members' extremes together, only when every member has
+    extremes and zero point 128; a requantization point that takes the scale of such a tensor
+    (``scale_from``) takes its zero point too, so onnxruntime still joins the two Q/DQ pairs."""
+    bounds = table.bounds
+    if not bounds:
+        return {}, ""
+    follows = {p.tensor for p, r in zip(points, records)
+               if r["status"] == "added" and p.scale_from is not None}
+    groups: Dict[str, List[ActivationMark]] = {}
+    for mark in activations:
+        if mark.tensor in follows:
+            continue  # takes the scale (and zero point) of the tensor it reaches, below
+        groups.setdefault(mark.scale_group or f"\0{mark.tensor}", []).append(mark)
+    chosen: Dict[str, Tuple[float, int]] = {}
+    for members in groups.values():
+        names = [m.tensor for m in members]
+        if any(zero_points.get(n) != 128 or n not in bounds or n not in amaxes for n in names):
+            continue
+        amax = max(amaxes[n] for n in names)
+        found = asymmetric_range(amax, min(bounds[n][0] for n in names), max(bounds[n][1] for n in names))
+        if found is not None:
+            chosen.update({n: found for n in names})
+    for point, record in zip(points, records):
+        if record["status"] == "added" and point.scale_from in chosen:
+            chosen[point.tensor] = chosen[point.scale_from]
+    for name, (_, zero) in chosen.items():
+        zero_points[name] = zero
+    if not chosen:
+        return {}, ""
+    note = (f"ort-cpu: {len(chosen)} tensor(s) of unknown sign use an asymmetric uint8 range from their "
+            "calibrated extremes (the table's bounds) clipped to [-amax, amax] and holding 0: scale "
+            "(max - min) / 255 and the zero point that puts 0 on the grid, as onnxruntime's own "
+            "quantize_static does")
+    return {name: scale for name, (scale, _) in chosen.items()}, note
+
+
 def _full_range(activations, zero_points) -> Tuple[str, ...]:
     """Tensors with zero point 0 stored over the whole uint8 grid (scale ``amax / 255``); a tensor of a
     scale group (Concat inputs, rule 7) only when every tensor of its group has zero point 0, so the
@@ -401,8 +586,9 @@ def _full_range(activations, zero_points) -> Tuple[str, ...]:
 
 
 def _wide_input_weights(index: GraphIndex, placement: Placement, activations, zero_points) -> Tuple[str, ...]:
-    """Weights of GEMM-kernel ops whose activation input has zero point 128 (its sign unknown: every
-    value stored around 128, up to 255): stored in [-63, 63] so that onnxruntime's uint8 x int8 GEMM
+    """Weights of GEMM-kernel ops whose activation input has a zero point other than 0 (128, or an
+    asymmetric range's: its sign unknown, values stored around the zero point, up to 255): stored in
+    [-63, 63] so that onnxruntime's uint8 x int8 GEMM
     kernels, which add pairs of products in 16 bits on CPUs without VNNI (``vpmaddubsw``), cannot
     saturate (2 x 255 x 63 < 2**15), instead of uint8 ``q + 128`` for its slower uint8 x uint8 kernel.
     Depthwise Convs (one input channel per group) keep [-127, 127]: onnxruntime's depthwise kernel sums
@@ -443,7 +629,7 @@ def _nonnegative(tensor: str, index: GraphIndex) -> bool:
         node = index.producer.get(tensor)
         if node is None or not node.standard or not node.inputs:
             return False
-        if node.op_type == "Relu":
+        if node.op_type in ("Relu", "Sigmoid"):
             return True
         if node.op_type == "Clip":
             bounds = _clip_bounds(node, index)
@@ -563,10 +749,14 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
 
 
 def _own_bias(node, bias: str, index: GraphIndex, weights, channels: int) -> bool:
-    """True when ``bias`` is a float32 ``[C]`` initializer, not quantized. Other Convs may read it too
-    (an exporter may share one zero bias between Convs of the same width): the fold gives its Conv
-    a bias of its own and leaves the shared one as it is."""
+    """True when ``bias`` is a float32 ``[C]`` initializer or ``Constant`` output (as Paddle's exporter
+    writes biases), not quantized. Other Convs may read it too (an exporter may share one zero bias
+    between Convs of the same width): the fold gives its Conv a bias of its own and leaves the shared
+    one as it is."""
     proto = index.initializers.get(bias)
+    producer = index.producer.get(bias)
+    if proto is None and producer is not None and producer.op_type == "Constant" and producer.standard:
+        proto = index.constant_proto(bias)
     return (proto is not None and proto.data_type == _FLOAT and tuple(proto.dims) == (channels,)
             and (node.name, 2) not in weights)
 
@@ -646,7 +836,9 @@ def _fold_one(fold: ScaleFold, edit, readers) -> bool:
     new_bias = (old * fold.k.astype(np.float64) + fold.b.astype(np.float64)).astype(np.float32)
     bias_name = edit.add_initializer(f"{fold.node}_folded_bias", new_bias)
     if len(conv.input) > 2:
-        edit.release_if_unread(initializers=[conv.input[2]])
+        old = edit.producer.get(conv.input[2])
+        edit.release_if_unread(initializers=[conv.input[2]],
+                               nodes=[old] if old is not None and old.op_type == "Constant" else [])
         conv.input[2] = bias_name
     else:
         conv.input.append(bias_name)
@@ -681,6 +873,9 @@ def _fold_parts(conv, mul, add, fold: ScaleFold, edit, readers):
     protos = [edit.initializer(t) for t in dq.input]
     bias = conv.input[2] if len(conv.input) > 2 and conv.input[2] else None
     bias_proto = None if bias is None else edit.initializer(bias)
+    made_by = edit.producer.get(bias) if bias is not None else None
+    if bias_proto is None and made_by is not None and made_by.op_type == "Constant":
+        bias_proto = edit.constant(bias)[1]  # a Constant node's value
     if any(p is None for p in protos) or (bias is not None and bias_proto is None):
         return None
     from ..io.models import tensor_array
@@ -816,5 +1011,6 @@ def split_bias_adds(edit, splits) -> Tuple[str, ...]:
     return tuple(done)
 
 
-__all__ = ["OrtCpuAdapter", "Adapted", "RequantPoint", "ScaleFold", "BiasSplit", "fold_scale_ops",
+__all__ = ["OrtCpuAdapter", "Adapted", "asymmetric_range", "RequantPoint", "ScaleFold", "BiasSplit",
+           "fold_scale_ops",
            "bias_splits", "split_bias_adds", "REQUANT_OPS", "EXACT_OPS"]

@@ -3,6 +3,8 @@ runs), a stateful model's state carried from run to run, and ``compare``, the on
 models' outputs.
 
 Owns: `sessions`, `stateful` (state carried between runs), `compare`, `chunked` (a large model run
-piece by piece), `interrupts` (onnxruntime calls that SIGINT/SIGTERM stop within a moment).
+piece by piece), `interrupts` (onnxruntime calls that SIGINT/SIGTERM stop within a moment),
+`workers` (independent work units on worker processes, results in submission order), `ray_workers`
+(the same units as Ray actors on a cluster; Ray imported only there).
 May import: ``onnx_qat.io``, ``onnx_qat.graph``; never placement, insertion or the accuracy tools.
 """

@@ -116,7 +116,9 @@ class ChunkedSession:
                                   [onnx.ValueInfoProto(name=t) for t in piece.outputs], piece.initializers)
         model = helper.make_model(graph, opset_imports=opsets, functions=functions)
         model.ir_version = ir_version
-        session = piece.sessions[key] = make_session(model, optimize=False, copy=False)
+        # no spinning: the pieces run one after the other, with Python work in between, so a piece's
+        # threads waiting for work would only take the cores the next piece needs
+        session = piece.sessions[key] = make_session(model, optimize=False, copy=False, spin=False)
         return session
 
     def run(self, outputs: Optional[Sequence[str]], feed: Mapping[str, np.ndarray], run_options=None) -> list:

@@ -141,7 +141,9 @@ def test_auto_keeps_the_table_whose_output_is_closest_and_records_the_cosines(se
     cosines = json.loads(table.metadata["auto_output_cosine"])
     assert set(cosines) == {"max", "tensor", "entropy"}
     best = table.metadata["auto_table"]
-    assert cosines[best] == max(cosines.values())
+    # the closest table, or one kept because the closer one's lead rests on too few samples (here
+    # entropy's lead of 3e-5 on seed 1: choice.beats)
+    assert cosines[best] == max(cosines.values()) or max(cosines.values()) - cosines[best] < 1e-4
     assert cosines[best] >= cosines["max"] > 0.9  # never worse than max on the data it saw
     expected = {"max": "max", "entropy": "entropy"}.get(best)
     if expected:  # a whole-model table equals that method's ranges
@@ -225,3 +227,71 @@ def test_quantize_with_auto_loads_and_places_the_model_once(monkeypatch):
     result = onnx_qat.quantize(model, data=data, progress=False)
     assert result.scales.metadata["auto_table"] in ("max", "tensor", "entropy")
     assert (len(loads), len(places)) == (1, 1)
+
+
+def test_large_graphs_are_judged_on_fewer_samples():
+    from onnx import TensorProto, helper
+
+    from onnx_qat.calibration import collect
+    from onnx_qat.calibration.choice import JUDGE_NODE_SAMPLES, MIN_JUDGE_SAMPLES, judge_samples
+    from onnx_qat.calibration.runner import CHECK_SAMPLES
+
+    assert [judge_samples(n) for n in (1, 566, 625, 626, 2000, 10_000, 50_000)] == \
+        [64, 64, 64, 63, 20, 4, 4]
+    assert JUDGE_NODE_SAMPLES // 625 == CHECK_SAMPLES and MIN_JUDGE_SAMPLES == 4
+    nodes = [helper.make_node("Relu", ["x" if i == 0 else f"r{i - 1}"], [f"r{i}"]) for i in range(2000)]
+    x, out = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 4]) for n in ("x", "r1999"))
+    graph = helper.make_graph(nodes, "chain", [x], [out])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    data = {"x": np.random.default_rng(0).standard_normal((100, 4)).astype(np.float32)}
+    result = collect(model, onnx_qat.load_data(data, model), ["x", "r5"], method="auto", batch_size=16,
+                     progress=False)
+    kept = np.concatenate([f["x"] for f in result.check_feeds])  # the batches holding the first 20 samples
+    np.testing.assert_array_equal(kept, data["x"][:32])
+    np.testing.assert_allclose(result.reference["r1999"], np.maximum(data["x"][:32], 0).ravel())
+    # the batches split over worker processes keep the same check batches
+    split = collect(model, onnx_qat.load_data(data, model), ["x", "r5"], method="auto", batch_size=16,
+                    progress=False, workers=2)
+    np.testing.assert_array_equal(np.concatenate([f["x"] for f in split.check_feeds]), data["x"][:32])
+    np.testing.assert_array_equal(split.reference["r1999"], result.reference["r1999"])
+
+
+def test_a_table_replaces_the_kept_one_only_when_most_samples_agree():
+    from onnx_qat.calibration.choice import EVIDENCE, beats, sample_errors
+
+    kept = np.array([0.010, 0.012, 0.011, 0.009, 0.010, 0.011, 0.012, 0.010])
+    assert beats(kept * 0.5, kept)  # lower on every sample
+    assert not beats(kept, kept) and not beats(kept * 1.5, kept)
+    # a lower sum that two samples make (the angle classifier's case): not enough
+    lucky = kept.copy()
+    lucky[[0, 1]] = 0.0
+    lucky[2:] += 0.001
+    assert lucky.sum() < kept.sum() and not beats(lucky, kept)
+    gain = kept - lucky
+    assert gain.mean() < EVIDENCE * gain.std(ddof=1) / np.sqrt(gain.size)
+    assert beats(np.array([0.1]), np.array([0.2])) and not beats(np.array([0.2]), np.array([0.1]))
+    # per-sample errors: rows of the batches, each output's squared error over its energy
+    reference = {"y": np.array([1.0, 2.0, 3.0, 4.0]), "z": np.array([2.0, 2.0])}
+    got = {"y": [np.array([[1.0, 2.0], [3.0, 5.0]])], "z": [np.array([[2.0], [1.0]])]}
+    errors = sample_errors(reference, got, {"y": 30.0, "z": 8.0})
+    np.testing.assert_allclose(errors, [0.0, 1.0 / 30.0 + 1.0 / 8.0])
+    # outputs that do not lead with the same axis: one error per batch
+    got = {"y": [np.array([1.0, 2.0, 3.0, 5.0])], "z": [np.array([[2.0, 1.0]])]}
+    np.testing.assert_allclose(sample_errors(reference, got, {"y": 30.0, "z": 8.0}), [1.0 / 30.0 + 1.0 / 8.0])
+
+
+def test_analysis_on_threads_gives_the_numbers_of_one_thread(monkeypatch):
+    from onnx_qat.calibration import auto
+
+    rng = np.random.default_rng(3)
+    count = 3 * auto.ANALYSIS_ROWS + 5  # four groups, the last one short
+    values = [rng.standard_t(3, 4000).astype(np.float32) * (1 + i % 5) for i in range(count)]
+    results = []
+    for threads in (1, 4):
+        monkeypatch.setattr(auto, "ANALYSIS_THREADS", threads)
+        monkeypatch.setattr(auto, "_cores", lambda: 4)
+        collectors = [_fed(v, batch=1000) for v in values]
+        auto.analyze(collectors)
+        results.append([(c.amax(), c.choice, c.entropy_amax(), sorted(c.errors.items())) for c in collectors])
+    assert results[0] == results[1]
+    assert {r[1] for r in results[0]} >= {"max"} and len(results[0]) == len(values)

@@ -265,3 +265,40 @@ def test_float32_and_float64_bins_agree():
     tiny = AbsHistogram(1024)
     tiny.update(np.array([0.0, 1e-40, 3e-41], np.float32))  # a top whose float32 bin scale overflows
     assert tiny.total == 3 and tiny.counts[512:].sum() == 1 and tiny.counts[0] == 1  # max in the upper half
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-3, 1.0, 7.5, 1e30])
+def test_final_rows_are_np_interp_row_by_row(scale):
+    """The vectorised re-binning gives np.interp's numbers bit for bit, and the percentile of many
+    rows the one-row search's."""
+    from onnx_qat.calibration.collector import final_rows
+    from onnx_qat.calibration.percentile import percentile_rows
+
+    rng = np.random.default_rng(int(np.log10(scale) + 40))
+    hists = []
+    for i in range(12):
+        hist = AbsHistogram(8192)
+        for b in range(4):
+            values = np.abs(rng.standard_t(3, 3000) * scale * (1 + i) * (b + 1))
+            values[: 100 * (i % 3)] = 0.0
+            hist.update(values.astype(np.float32 if i % 2 else np.float64))
+        hists.append(hist)
+    for num_bins in (2048, 8192):
+        counts, widths = final_rows(hists, num_bins)
+        for row, hist in enumerate(hists):
+            fine = np.concatenate([[0.0], np.cumsum(hist.counts, dtype=np.float64)]) + \
+                np.r_[0.0, np.full(hist.num_bins, float(hist._pending_zeros))]
+            edges = np.linspace(0.0, hist.max_seen, num_bins + 1)
+            at = np.interp(edges, np.linspace(0.0, hist.top, 8193), fine)
+            at[-1] = fine[-1]
+            np.testing.assert_array_equal(counts[row], np.diff(at))
+            assert widths[row] == hist.max_seen / num_bins
+        for pct in (99.0, 99.99):
+            rows = percentile_rows(counts, widths, pct)
+            for row in range(len(hists)):
+                cumulative = np.cumsum(counts[row])
+                target = cumulative[-1] * pct / 100.0
+                index = min(int(np.searchsorted(cumulative, target, side="left")), num_bins - 1)
+                below = cumulative[index - 1] if index else 0.0
+                inside = (target - below) / counts[row][index] if counts[row][index] else 1.0
+                assert rows[row] == (index + inside) * widths[row]

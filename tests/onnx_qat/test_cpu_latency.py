@@ -76,6 +76,8 @@ def test_a_site_slower_in_integer_stays_float_with_both_times_in_the_report(tmp_
     whole = latency["whole_model"]
     assert whole["timed"] and whole["chosen"] in ("latency placement", "every site integer")
     assert whole["fp32_ms"] > 0 and whole["quantized_ms"] > 0
+    # at least the options' 3 rounds; a model this small gets more within WHOLE_MODEL_SECONDS, up to 5x
+    assert 3 < whole["rounds"] <= 3 * L.MAX_ROUNDS_FACTOR
     weights = {r["nodes"][0].split(":")[0] for r in result.inserted if r["kind"] == "weight"}
     if whole["chosen"] == "latency placement":
         assert latency["kept_float"] == ["dw"] and weights == {"c1", "c2", "fc"}
@@ -88,6 +90,14 @@ def test_a_site_slower_in_integer_stays_float_with_both_times_in_the_report(tmp_
     B.assert_check_clean(result.model, target="ort-cpu")
     report = json.loads(json.dumps(result.to_report()))
     assert report["latency"]["rule"] == "CPU3" and report["latency"]["profile"] == str(profile)
+
+
+def test_time_models_runs_its_rounds_then_more_while_time_allows():
+    model = _net()
+    feeds = {"input": _data()["input"][:1]}
+    medians, rounds = L._interleaved({"a": model, "b": model}, feeds, 1, 2, 0.0)
+    assert rounds == 2 and set(medians) == {"a", "b"} and all(v > 0 for v in medians.values())
+    assert L._interleaved({"a": model}, feeds, 1, 2, 60.0)[1] == 2 * L.MAX_ROUNDS_FACTOR
 
 
 def test_within_the_margin_a_site_stays_integer(tmp_path):

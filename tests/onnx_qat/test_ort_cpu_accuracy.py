@@ -61,17 +61,22 @@ def _error(got: np.ndarray, ref: np.ndarray) -> float:
 @pytest.mark.parametrize("seed,size,width,high",
                          [(0, 32, 0.5, 255.0), (1, 32, 0.5, 1.0), (2, 48, 0.75, 255.0)])
 def test_mobilenet_v2_error_no_larger_than_onnxruntime_own_form(seed, size, width, high, tmp_path):
-    """Measured ratios (ours / onnxruntime's) 1.00-1.02 on these three settings (0.96-1.08 over seeds
-    0-2 x the three; 7-bit weights behind signed inputs cost the rest, see test_ort_cpu_kernels.py); the
-    ort-cpu form before the fix: 0.24 of the output range here, 55x onnxruntime's."""
+    """Ratios (ours / onnxruntime's) measured on these three settings: 8-bit weights as onnxruntime's form
+    has them (``cpu_vnni``) 0.91-0.97; the default 7-bit weights behind inputs that are not non-negative
+    (exact on CPUs without VNNI, see test_ort_cpu_kernels.py) 0.96-1.07 (1.00-1.02 with symmetric
+    ranges, 0.91-0.98 with 8 bits). The ort-cpu form before the ClipQuantFusion fix: 0.24 of the output
+    range here, 55x onnxruntime's."""
     model = B.mobilenet_v2_model(size, width=width, seed=seed)
     calib, test = _images(10 + seed, size, high), _images(20 + seed, size, high)
     result = onnx_qat.quantize(model, data={"input": calib}, method="max", target="ort-cpu", progress=False)
     assert min(result.scales.activations.values()) < 1e-8  # the regime that broke: scales ~1e-12
+    wide = onnx_qat.quantize(model, data={"input": calib}, method="max", target="ort-cpu", progress=False,
+                             cpu_vnni=True)
     ref = _outputs(model, test)
     ours = _error(_outputs(result.model, test), ref)
     theirs = _error(_outputs(_ort_uint8(model, calib, tmp_path), test), ref)
-    assert ours <= 1.05 * theirs, (ours, theirs)
+    assert _error(_outputs(wide.model, test), ref) <= theirs
+    assert ours <= 1.1 * theirs, (ours, theirs)
     assert ours < 0.01
     B.assert_check_clean(result.model, target="ort-cpu")
 
@@ -90,8 +95,11 @@ def test_relu6_outputs_take_zero_point_0_and_the_whole_grid():
     # a Conv feeding a ReLU6 is requantized with the ReLU6 output's scale (Clip commutes exactly)
     points = {p["node"]: p for p in result.requantization if p["rule"] == "CPU1"}
     assert points["b1_expand"]["amax_source"] == "scale of 'b1_expand_relu6_out'"
-    signed = [t for t, r in acts.items() if r["zero_point"] == 128]
-    assert signed and all(acts[t]["scale"] == float(np.float32(acts[t]["amax"] / 127.0)) for t in signed)
+    # the others (sign unknown) take their calibrated extremes' asymmetric range, never coarser than
+    # the symmetric amax / 127
+    signed = [t for t, r in acts.items() if r["zero_point"] != 0]
+    assert signed and all(acts[t]["scale"] <= float(np.float32(acts[t]["amax"] / 127.0)) for t in signed)
+    assert all(t in result.scales.bounds for t in signed)
 
 
 def test_deployed_equals_reference_arithmetic_where_scales_are_tiny():
@@ -144,10 +152,17 @@ def test_clip_with_a_run_time_bound_is_not_taken_as_non_negative():
     assert zps["clip_out"] == 128
 
 
-def test_graph_input_with_negative_calibration_values_keeps_zero_point_128():
+def test_graph_input_with_negative_calibration_values_takes_its_asymmetric_range():
+    """Images shifted below 0 are not non-negative (no zero point 0 over 0..amax); their calibrated
+    extremes give an asymmetric range instead, [min, max] / 255 as onnxruntime's own form has it."""
     model = B.mobilenet_v2_model(32, width=0.5)
-    calib = _images(1, 32) - 1.0  # one value below 0 is enough
+    calib = _images(1, 32) - 1.0
     result = onnx_qat.quantize(model, data={"input": calib}, method="max", target="ort-cpu", progress=False)
     acts = {r["tensor"]: r for r in result.inserted if r["kind"] == "activation"}
-    assert acts["input"]["zero_point"] == 128
-    assert acts["input"]["scale"] == float(np.float32(acts["input"]["amax"] / 127.0))
+    low, high = float(calib.min()), float(calib.max())
+    assert acts["input"]["zero_point"] == round(-low / ((high - low) / 255.0)) == 1
+    assert acts["input"]["scale"] == pytest.approx((high - low) / 255.0, rel=1e-6)
+    symmetric = onnx_qat.quantize(model, scales=onnx_qat.ScaleTable(result.scales.activations),
+                                  target="ort-cpu", progress=False)
+    records = {r["tensor"]: r for r in symmetric.inserted if r["kind"] == "activation"}
+    assert records["input"]["zero_point"] == 128

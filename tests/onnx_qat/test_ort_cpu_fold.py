@@ -274,3 +274,25 @@ def test_a_fold_the_graph_does_not_fit_is_left_out(caplog):
     assert fold_scale_ops(edit, folds) == ()
     assert {"mul1", "add1", "mul2", "add2"} <= {n.name for n in edit.commit().graph.node}
     assert "keeps its scale ops" in caplog.text
+
+
+def test_a_bias_made_by_a_constant_node_folds_too(tmp_path):
+    """Paddle's exporter writes Conv biases as Constant nodes (the PP-OCRv4 detector: 28 Conv -> Mul -> Add
+    chains, none folded before): the fold reads the bias from the Constant, gives the Conv a bias of its
+    own and drops the Constant once nothing reads it."""
+    model = bn_net(bias=True)
+    conv = next(n for n in model.graph.node if n.name == "c1")
+    bias = next(i for i in model.graph.initializer if i.name == conv.input[2])
+    model.graph.initializer.remove(bias)
+    constant = helper.make_node("Constant", [], [bias.name], name="c1_bias_const", value=bias)
+    model.graph.node.insert(0, constant)
+    onnx.checker.check_model(model)
+    cpu = onnx_qat.quantize(model, scales=_calibrated(model), target="ort-cpu", progress=False)
+    folds = [r for r in cpu.requantization if r["rule"] == "CPU2"]
+    assert {r["node"] for r in folds} == {"c1", "c2"}
+    assert "c1_bias_const" not in {n.name for n in cpu.model.graph.node}
+    assert B.optimized_ops(cpu.model, tmp_path).count("QLinearConv") == 2
+    B.assert_check_clean(cpu.model, target="ort-cpu")
+    feeds = B.random_inputs(model, num=1, seed=1)
+    ref, got = B.run(model, feeds)[0], B.run_optimized(cpu.model, feeds)
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()

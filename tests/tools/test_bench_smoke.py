@@ -35,6 +35,7 @@ EXPECTED = {
     "float_parts": ("quantize --float-dtype fp16 / fp32, time", "float parts' bytes fp16 / fp32",
                     "output cosine drop fp16 vs fp32 float parts"),
     "calibration_scale": ("quantize --method auto / --method max, time, ", "auto's extra cost per node, "),
+    "workers": ("sensitivity 1 worker / 2 workers, ", "calibration (entropy, "),
 }
 
 
@@ -101,6 +102,13 @@ def test_quick_export_speed_writes_its_table(tmp_path):
 def test_quick_sensitivity_writes_its_table(tmp_path):
     stdout, doc, markdown = _bench(tmp_path, "sensitivity")
     _check_rows(doc, markdown, stdout, "sensitivity")
+
+
+def test_quick_workers_writes_its_table(tmp_path):
+    stdout, doc, markdown = _bench(tmp_path, "workers")
+    _check_rows(doc, markdown, stdout, "workers")
+    for row in (r for r in doc["rows"] if r["bench"] == "workers"):
+        assert "identical: yes" in row["detail"], row  # the same figures with 2 workers
 
 
 def test_goal_statuses_follow_the_values():

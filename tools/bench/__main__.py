@@ -15,14 +15,14 @@ import traceback
 from pathlib import Path
 
 from . import (calibration, calibration_scale, cpu_latency, cpu_models, export_speed, float_parts,
-               format_peers, qat_step, rewrite_speed, sensitivity)
+               format_peers, qat_step, rewrite_speed, sensitivity, workers)
 from .table import Row, format_table, write_results
 
 BENCHMARKS = {"cpu_latency": cpu_latency.run, "cpu_models": cpu_models.run,
               "rewrite_speed": rewrite_speed.run, "calibration": calibration.run,
               "calibration_scale": calibration_scale.run, "qat_step": qat_step.run,
               "formats": format_peers.run, "sensitivity": sensitivity.run, "export_speed": export_speed.run,
-              "float_parts": float_parts.run}
+              "float_parts": float_parts.run, "workers": workers.run}
 
 
 def get_parser() -> argparse.ArgumentParser:

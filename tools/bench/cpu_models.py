@@ -2,19 +2,21 @@
 
 Models (224 x 224 images, random weights as ``weights=None`` gives them, logits out): Keras
 ``ResNet50``, ``MobileNetV2``, ``EfficientNetB0`` and ``ConvNeXtTiny`` (exported with tf2onnx in a child
-process, so TensorFlow never loads here; skipped with the reason when TensorFlow is missing), a ViT-style
+process, so TensorFlow never loads here; ConvNeXtTiny through the project's own converter,
+`PROJECT_CONVERTER`; skipped with the reason when TensorFlow is missing), a ViT-style
 encoder built in code at ViT-B/16's sizes (`vit_encoder`: 16 x 16 patches, 12 layers, width 768,
 12 heads, MLP 3072, 197 tokens), and the real PP-OCRv4 text detector when
 ``tools/real_models.py`` has cached it (320 x 320 pages and photos).
 
 Per model, three forms, all calibrated on the same 16 samples: FP32; ours
 (``onnx_qat.quantize(target="ort-cpu", method="max", latency=...)``: latency-aware placement with a
-profile kept in the work directory, so the whole-model check of `onnx_qat.placement.cpu_latency`
-runs); onnxruntime's ``quantize_static`` in its fast x86 form (QDQ, uint8 activations, int8 weights,
-MinMax). Each is timed at batch 1 and 8, 2 intra-op threads, sessions without thread spinning, the
-three run interleaved (A B C A B C ...) and medians compared. Errors: mean absolute difference from
-FP32 over 8 further samples, as a fraction of FP32's output range (both quantized forms on the same
-samples).
+profile kept in the work directory, so the whole-model check of `onnx_qat.placement.cpu_latency` runs;
+``cpu_vnni=True`` on a CPU with VNNI or AMX, `wide_dot_products`, whose error the default 7-bit-weight
+form's error follows in a row of its own); onnxruntime's ``quantize_static`` in its fast x86 form (QDQ,
+uint8 activations, int8 weights, MinMax). Each is timed at batch 1 and 8, 2 intra-op threads, sessions
+without thread spinning, the three run interleaved (A B C A B C ...) and medians compared. Errors: mean
+absolute difference from FP32 over 8 further samples, as a fraction of FP32's output range (both quantized
+forms on the same samples).
 
 The machine's load (``os.getloadavg``) is in each row's detail: on a shared machine the ratios are what
 to read, not the times.
@@ -34,6 +36,10 @@ from .table import Goal, Row, ratio, skip
 
 NAME = "cpu_models"
 KERAS_MODELS = ("ResNet50", "MobileNetV2", "EfficientNetB0", "ConvNeXtTiny")
+#: Exported with the project's own converter (`tf_bridge.convert`): plain tf2onnx 1.17 leaves Keras 3
+#: ConvNeXt's grouped (depthwise) convolutions as ``StatefulPartitionedCall`` and its exact GELU as
+#: ``Erfc``, which that converter turns into a grouped ``Conv`` and ``1 - Erf`` (docs/round-trip.md).
+PROJECT_CONVERTER = ("ConvNeXtTiny",)
 BATCHES = (1, 8)
 THREADS = 2
 CALIB_SAMPLES, TEST_SAMPLES = 16, 8
@@ -61,13 +67,31 @@ def _export_keras(name: str, size: int, out: Path) -> None:
     keras.utils.set_random_seed(0)
     model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=1000,
                                               classifier_activation=None)
-    spec = (tf.TensorSpec((None, size, size, 3), tf.float32, name="input"),)
-    proto, _ = tf2onnx.convert.from_keras(model, input_signature=spec, opset=17)
+    if name in PROJECT_CONVERTER:
+        proto = _convert_with_tf_bridge(model)
+    else:
+        spec = (tf.TensorSpec((None, size, size, 3), tf.float32, name="input"),)
+        proto, _ = tf2onnx.convert.from_keras(model, input_signature=spec, opset=17)
     left = sorted({n.op_type for n in proto.graph.node if n.op_type in ("StatefulPartitionedCall", "Erfc")})
-    if left:  # tf2onnx 1.17 on Keras 3 ConvNeXt: depthwise convs stay calls, exact GELU uses Erfc
+    if left:
         raise RuntimeError(f"tf2onnx {tf2onnx.__version__} leaves {', '.join(left)} unconverted in "
                            f"keras.applications.{name}; no ONNX model to measure")
     save_model(proto, out)
+
+
+def _convert_with_tf_bridge(model):
+    """``model`` converted by the project's own Keras export path (`tf_bridge.convert.convert_float_twin`,
+    opset 17), its one graph input renamed ``input``."""
+    from tf_bridge.convert import convert_float_twin
+
+    proto = convert_float_twin(model, 17)
+    old = proto.graph.input[0].name
+    proto.graph.input[0].name = "input"
+    for node in proto.graph.node:
+        for position, tensor in enumerate(node.input):
+            if tensor == old:
+                node.input[position] = "input"
+    return proto
 
 
 def vit_encoder(*, size: int = 224, patch: int = 16, layers: int = 12, width: int = 768, heads: int = 12,
@@ -200,8 +224,11 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
 
     profile = workdir / "latency_profile.json"
     options = LatencyOptions(profile=str(profile), threads=THREADS) if latency else None
+    vnni = wide_dot_products()
     ours = onnx_qat.quantize(str(path), data={name: calib}, method="max", target="ort-cpu", progress=False,
-                             latency=options)
+                             latency=options, cpu_vnni=vnni)
+    portable = onnx_qat.quantize(str(path), data={name: calib}, method="max", target="ort-cpu",
+                                 progress=False) if vnni else None
     theirs = _ort_uint8(path, workdir / f"{path.stem}_ort_u8.onnx", name, calib)
     forms = {"fp32": path, "ours": ours.model, "ort": theirs}
     sessions = {k: _session(v) for k, v in forms.items()}
@@ -225,6 +252,8 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
     spread = float(ref.max() - ref.min()) or 1.0
     err_ours = float(np.abs(_outputs(sessions["ours"], name, test) - ref).mean()) / spread
     err_ort = float(np.abs(_outputs(sessions["ort"], name, test) - ref).mean()) / spread
+    err_portable = None if portable is None else \
+        float(np.abs(_outputs(_session(portable.model), name, test) - ref).mean()) / spread
     latency = ours.latency or {}
     whole = latency.get("whole_model", {})
     rows.append(Row(NAME, f"{label}: ort-cpu error / onnxruntime uint8 form error", ratio(err_ours, err_ort),
@@ -232,8 +261,28 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
                     f"mean |output - FP32| / FP32 output range over {len(test)} samples: "
                     f"ort-cpu {err_ours:.4g}, onnxruntime {err_ort:.4g}; latency placement: "
                     f"{len(latency.get('kept_float', []))} of "
-                    f"{len(latency.get('sites', []))} sites kept float, {whole.get('chosen', '-')}"))
+                    f"{len(latency.get('sites', []))} sites kept float, {whole.get('chosen', '-')}; "
+                    f"{_WIDTHS[vnni]}"))
+    if err_portable is not None:
+        rows.append(Row(NAME, f"{label}: 7-bit-weight form (any x86 CPU) error / onnxruntime form error",
+                        ratio(err_portable, err_ort), None,
+                        f"the default form, exact on CPUs without VNNI (every site integer): "
+                        f"{err_portable:.4g}"))
     return rows
+
+
+_WIDTHS = {True: "8-bit weights (--cpu-vnni: this CPU sums int8 products in 32 bits)",
+           False: "7-bit weights behind signed inputs"}
+#: CPU flags of int8 dot products summed in 32 bits (no 16-bit pair saturation): ``cpu_vnni`` holds.
+WIDE_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def wide_dot_products() -> bool:
+    """True when this CPU has one of `WIDE_DOT_FLAGS`: the benchmark then measures the form a user
+    deploying on it would write (``cpu_vnni=True``, 8-bit weights as onnxruntime's form has them)."""
+    from onnx_qat.placement.cpu_latency import machine_key
+
+    return bool(set(machine_key(THREADS)["flags"]) & set(WIDE_DOT_FLAGS))
 
 
 # --------------------------------------------------------------------------- the benchmark

@@ -1,8 +1,10 @@
-"""rewrite_speed: ``onnx-qat quantize --scales`` on synthetic residual nets against the graphsurgeon floor.
+"""rewrite_speed: ``onnx-qat quantize --scales`` on synthetic residual nets against two floors.
 
-The floor is what any onnx-graphsurgeon rewrite pays with no change at all: load the model, import it,
-export it, save it. Both run as whole processes (interpreter start and imports included) and each is
-measured alone (wall time, and its own peak RSS from ``os.wait4``).
+The graphsurgeon floor is what any onnx-graphsurgeon rewrite pays with no change at all: load the model,
+import it, export it, save it. The protobuf floor is parsing and serializing the model alone (``onnx.load``
+then ``onnx.save``): what no rewrite of the file can go below. All run as whole processes (interpreter
+start and imports included) and each is measured alone (wall time, and its own peak RSS from
+``os.wait4``), interleaved, the least disturbed of the repeats counting.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ NAME = "rewrite_speed"
 FLOOR = ("import sys, onnx, onnx_graphsurgeon as gs\n"
          "graph = gs.import_onnx(onnx.load(sys.argv[1]))\n"
          "onnx.save(gs.export_onnx(graph), sys.argv[2])\n")
+PROTOBUF_FLOOR = "import sys, onnx\nonnx.save(onnx.load(sys.argv[1]), sys.argv[2])\n"
+#: Goal of the rewrite against the protobuf floor at the largest size (issue 30).
+PROTOBUF_GOAL = 3.0
 
 
 def _prepare(workdir: Path, nodes: int):
@@ -34,14 +39,16 @@ def _prepare(workdir: Path, nodes: int):
 def _measure(workdir: Path, nodes: int, repeats: int):
     path, scales, count = _prepare(workdir, nodes)
     floor_cmd = [sys.executable, "-c", FLOOR, str(path), str(workdir / f"floor_{nodes}.onnx")]
+    proto_cmd = [sys.executable, "-c", PROTOBUF_FLOOR, str(path), str(workdir / f"protobuf_{nodes}.onnx")]
     ours_cmd = python_module("onnx_qat", "quantize", str(path), "--scales", str(scales), "-o",
                              str(workdir / f"qdq_{nodes}.onnx"), "--no-progress", "-q")
-    floor, ours = [], []
+    floor, proto, ours = [], [], []
     for _ in range(repeats):  # interleaved
         floor.append(run_process(floor_cmd))
+        proto.append(run_process(proto_cmd))
         ours.append(run_process(ours_cmd))
     best = lambda runs: min(runs, key=lambda r: r.seconds)  # noqa: E731  (least disturbed run)
-    return count, best(floor), best(ours)
+    return count, best(floor), best(ours), best(proto)
 
 
 def run(workdir: Path, *, quick: bool = False, sizes: Sequence[int] = ()) -> List[Row]:
@@ -52,7 +59,10 @@ def run(workdir: Path, *, quick: bool = False, sizes: Sequence[int] = ()) -> Lis
     small, large = sizes[0], sizes[-1]
     rows = []
     for n in sizes:
-        count, floor, ours = results[n]
+        count, floor, ours, proto = results[n]
+        rows.append(Row(NAME, f"quantize / protobuf floor (load + save), time, {count} nodes",
+                        ratio(ours.seconds, proto.seconds), Goal("<=", PROTOBUF_GOAL) if n == large else None,
+                        f"whole process, best of {repeats}: {ours.seconds:.1f} s vs {proto.seconds:.1f} s"))
         rows.append(Row(NAME, f"quantize / graphsurgeon floor, time, {count} nodes",
                         ratio(ours.seconds, floor.seconds), Goal("<=", 1.5, 2.0) if n == large else None,
                         f"whole process, best of {repeats}: {ours.seconds:.1f} s vs {floor.seconds:.1f} s"))

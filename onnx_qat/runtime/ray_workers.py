@@ -1,0 +1,228 @@
+"""The same work units on a Ray cluster: one Ray actor per worker, the job sent once through Ray's
+object store.
+
+`RayPool` has `WorkerPool`'s interface (``map``, ``close``, a context manager) and
+its guarantees: units go one at a time to whichever actor is free, results come back in the order of
+the units, a unit failing with one of the project's errors surfaces as that error and anything else
+as a one-line `WorkerError`. Each actor is started with ``num_cpus=threads`` (one by default); it
+unpickles the job and calls its ``start(threads)`` once, then answers units.
+
+`connect` joins a cluster: ``ray=True`` (``--ray`` without an address) is ``ray.init()``: the
+cluster ``RAY_ADDRESS`` names, else a new local one (which the pool shuts down when it closes); an
+address (``"auto"``, ``"HOST:6379"``, ``"ray://HOST:10001"``) is ``ray.init(address=...)``. Either way
+the job's runtime environment uploads the ``onnx_qat`` package (``py_modules``), so the cluster's
+nodes need NumPy, onnx and onnxruntime but not onnx_qat. When Ray is already initialized in this
+process (``ray.init(...)`` called by the user) that cluster is used as it is and left running: its
+workers must then import onnx_qat themselves (installed there, or the user's own runtime
+environment). Ray is an optional dependency (``pip install onnx-qat[ray]``), imported only here.
+
+The main process waits on ``ray.wait`` in short slices, so SIGINT/SIGTERM unwind it at once; the
+actors are killed on the way out (`RayPool.close`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from typing import Any, Callable, Iterable, List, Optional
+
+from ..errors import ConfigError, QatError, WorkerError, brief
+
+logger = logging.getLogger(__name__)
+
+#: Seconds the main process waits on the actors between chances to handle a signal.
+SLICE = 0.05
+
+
+def ray_module():
+    """``ray``, or a one-line `WorkerError` when it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise WorkerError("--ray needs Ray, which is not installed: pip install 'onnx-qat[ray]' "
+                          "(pinned in constraints.txt)") from None
+    return ray
+
+
+def connect(address) -> bool:
+    """Join (or start) the Ray cluster ``address`` names (see the module docstring); True when this
+    call started Ray in this process (the caller then shuts it down)."""
+    ray = ray_module()
+    local = address in (True, "", None)
+    if not local:
+        _check_reachable(address)
+    if ray.is_initialized():
+        return False
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # onnx_qat, for the actors
+    try:
+        ray.init(**({} if local else {"address": address}), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.ERROR, runtime_env={"py_modules": [package]})
+    except Exception as exc:  # noqa: BLE001 - Ray's own errors, one line
+        where = "start a local Ray cluster" if local else f"connect to the Ray cluster at {address}"
+        raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
+    return True
+
+
+#: Seconds to wait for a cluster address to accept a connection before giving up.
+CONNECT_TIMEOUT = 5.0
+
+
+def _check_reachable(address: str) -> None:
+    """Fail at once, in one line, when ``HOST:PORT`` (or ``ray://HOST:PORT``) accepts no connection
+    (``ray.init`` itself retries for minutes). Other forms (``auto``) are left to Ray."""
+    import socket
+
+    where = address[len("ray://"):] if address.startswith("ray://") else address
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as exc:
+        raise WorkerError(f"cannot connect to the Ray cluster at {address}: "
+                          f"{exc.strerror or type(exc).__name__}") from None
+
+
+def cluster_cpus() -> int:
+    """The CPUs of the cluster Ray is connected to (at least 1)."""
+    ray = ray_module()
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+class _Actor:
+    """One worker on the cluster: the job's ``start(threads)`` once, then units."""
+
+    def __init__(self, blob: bytes, threads: int):
+        self.run = pickle.loads(blob).start(threads)
+
+    def unit(self, unit):
+        try:
+            return "ok", self.run(unit)
+        except QatError as exc:
+            return "error", type(exc).__name__, str(exc)
+        except Exception as exc:  # noqa: BLE001 - answered as one line
+            return "error", None, f"{type(exc).__name__}: {brief(exc, 300)}"
+
+
+class RayPool:
+    """``workers`` Ray actors running one job's units (see the module docstring).
+
+    Args:
+        job: a picklable object whose ``start(threads)`` returns the function each unit is given to.
+        workers: actors to start (None: the cluster's CPUs divided by ``threads``, at most ``units``).
+        address: what `connect` joins.
+        threads: onnxruntime intra-op threads of each actor (and its ``num_cpus``; default 1).
+        name: what messages call the work.
+        units: how many units will come, when known (bounds the default count).
+    """
+
+    def __init__(self, job, workers: Optional[int], *, address=True, threads: Optional[int] = None,
+                 name: str = "work", units: Optional[int] = None):
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise ConfigError(f"workers must be a whole number >= 1, got {workers!r}")
+        self.name = name
+        self.threads = threads or 1
+        self.units_done = 0
+        self._closed = False
+        self._started = connect(address)
+        try:
+            ray = ray_module()
+            count = workers or max(1, cluster_cpus() // self.threads)
+            if units is not None:
+                count = max(1, min(count, units))
+            blob = ray.put(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
+            actor = ray.remote(_Actor).options(num_cpus=self.threads)
+            self._actors: List[Any] = [actor.remote(blob, self.threads) for _ in range(count)]
+        except BaseException:
+            self.close()
+            raise
+        logger.info("%s: %d Ray actors", name, count)
+
+    @property
+    def workers(self) -> int:
+        """The number of actors."""
+        return len(self._actors)
+
+    def __enter__(self) -> "RayPool":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def map(self, units: Iterable, on_result: Optional[Callable[[int, Any], None]] = None, *,
+            keep: bool = True) -> list:
+        """As `WorkerPool.map`: results in the order of ``units``,
+        ``on_result(index, result)`` as each arrives, ``units`` read lazily."""
+        if self._closed:
+            raise WorkerError(f"{self.name}: the Ray actors were already stopped")
+        results: list = []
+        try:
+            self._run(iter(enumerate(units)), results if keep else None, on_result)
+        except BaseException:
+            self._closed = True
+            raise
+        return results
+
+    def _run(self, todo, results, on_result) -> None:
+        ray = ray_module()
+        pending = {}  # object ref -> (actor, unit index)
+
+        def feed(actor: int) -> None:
+            item = next(todo, None)
+            if item is None:
+                return
+            index, unit = item
+            if results is not None:
+                results.append(None)
+            pending[self._actors[actor].unit.remote(unit)] = (actor, index)
+
+        for actor in range(self.workers):
+            feed(actor)
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=SLICE)
+            for ref in done:
+                actor, index = pending.pop(ref)
+                try:
+                    answer = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - the actor died or could not start
+                    raise WorkerError(f"{self.name}: Ray actor {actor + 1} of {self.workers} failed: "
+                                      f"{brief(exc, 300, first_line=True)}") from None
+                if answer[0] != "ok":
+                    raise _error(self.name, actor, self.workers, index, answer)
+                if results is not None:
+                    results[index] = answer[1]
+                self.units_done += 1
+                if on_result is not None:
+                    on_result(index, answer[1])
+                feed(actor)
+
+    def close(self) -> None:
+        """Kill the actors; shut Ray down when this pool started it. Safe to call more than once."""
+        try:
+            import ray
+        except ImportError:
+            return
+        for actor in getattr(self, "_actors", []):
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._actors, self._closed = [], True
+        if self._started and ray.is_initialized():
+            ray.shutdown()
+            self._started = False
+
+
+def _error(name: str, actor: int, workers: int, index: int, answer) -> QatError:
+    _, kind, text = answer
+    if kind is not None:
+        from .. import errors
+
+        cls = getattr(errors, kind, None)
+        if isinstance(cls, type) and issubclass(cls, QatError):
+            return cls(text)
+    return WorkerError(f"{name}: Ray actor {actor + 1} of {workers} failed (unit {index + 1}): {text}")
+
+
+__all__ = ["RayPool", "connect", "ray_module", "cluster_cpus", "SLICE"]
