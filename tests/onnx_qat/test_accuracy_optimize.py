@@ -282,10 +282,12 @@ def test_optimize_accuracy_refuses_int4():
 
 # ------------------------------------------------------------------ activation smoothing
 def outlier_layernorm_model(seed: int = 0, dim: int = 32, factor: float = 200.0,
-                            decomposed: bool = False):
+                            decomposed: bool = False, residual: bool = False):
     """input [N, 8, dim] -> LayerNormalization (or its Mul/Add tail) whose scale makes channel 0 an
     outlier ``factor`` times the others -> MatMul ``fc`` (its weight row 0 divided by ``factor``: the
-    outlier is what the activation carries, not what the output needs) -> Relu -> MatMul ``out``."""
+    outlier is what the activation carries, not what the output needs) -> Relu -> MatMul ``out``.
+    ``residual``: the LayerNorm output is also added to the Relu's output (a post-LN transformer's
+    shortcut), and ``out`` reads the sum with its row 0 divided by ``factor``."""
     from onnx import TensorProto
 
     b = GraphBuilder("outlier_ln", seed)
@@ -308,8 +310,12 @@ def outlier_layernorm_model(seed: int = 0, dim: int = 32, factor: float = 200.0,
                    axis=-1, epsilon=1e-5)
     w = (b.rng.standard_normal((dim, dim)) * 0.3).astype(np.float32)
     w[0] /= factor
-    y = b.node("Relu", [b.node("MatMul", [y, b.const("fc.weight", w)], name="fc")], name="relu")
-    b.node("MatMul", [y, b.weight("out.weight", [dim, 16])], "output", name="out")
+    h = b.node("Relu", [b.node("MatMul", [y, b.const("fc.weight", w)], name="fc")], name="relu")
+    w_out = (b.rng.standard_normal((dim, 16)) * 0.3).astype(np.float32)
+    if residual:
+        h = b.node("Add", [y, h], name="shortcut")
+        w_out[0] /= factor
+    b.node("MatMul", [h, b.const("out.weight", w_out)], "output", name="out")
     b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
     return b.build(opset=17) if not decomposed else b.build(opset=13)
 
@@ -381,3 +387,257 @@ def test_optimize_accuracy_for_the_ort_cpu_target_passes_its_check():
     result = onnx_qat.quantize(model, data=data, optimize="accuracy", target="ort-cpu", progress=False)
     assert result.target == "ort-cpu" and result.accuracy["cosine_after"] > 0.99
     assert_check_clean(result.model, target="ort-cpu")
+
+
+# ------------------------------------------------------------------ smoothing through a GELU: an inserted Mul
+def outlier_gelu_model(seed: int = 0, dim: int = 32, ffn: int = 64, factor: float = 100.0,
+                       gelu: str = "Gelu", row_factor: float = 0.0, bias: bool = False,
+                       massive: float = 0.0) -> onnx.ModelProto:
+    """input [N, 8, dim] -> MatMul ``fc1`` (+ bias; its column 0 times ``factor``) -> GELU -> MatMul
+    ``fc2`` (its row 0 divided by ``factor``, or times ``row_factor`` when given) -> output: GELU
+    output channel 0 is an outlier ``factor`` times the others. ``gelu``: ``"Gelu"`` (one node, opset
+    20) or ``"erf"`` (``(x * 0.5) * (1 + erf(x / sqrt 2))``, opset 17: its last Mul has no constant to
+    fold into). ``bias``: an Add of a constant bias after ``fc2`` (then an Identity to the output, or
+    a LayerNormalization with ``massive``).
+    ``massive``: instead of ``factor``, channel 0 is ``massive`` at token 0 and near 0 elsewhere (fc1's
+    bias is per token), as trained transformers' "massive activations" are."""
+    from onnx import TensorProto
+
+    b = GraphBuilder("outlier_gelu", seed)
+    x = b.input("input", ["N", 8, dim])
+    w1 = (b.rng.standard_normal((dim, ffn)) / np.sqrt(dim)).astype(np.float32)
+    b1 = (b.rng.standard_normal(ffn) * 0.1).astype(np.float32)
+    if massive:  # channel 0 dormant (GELU of about -4) except on token 0
+        b1 = np.tile(b1, (8, 1))
+        b1[:, 0], b1[0, 0] = -4.0, massive
+        w1[:, 0] *= 0.1
+    else:
+        w1[:, 0] *= factor
+    h = b.node("Add", [b.node("MatMul", [x, b.const("fc1.weight", w1)], name="fc1"), b.const("fc1.bias", b1)],
+               name="fc1_bias")
+    if gelu == "Gelu":
+        g = b.node("Gelu", [h], name="gelu")
+    else:
+        half = b.node("Mul", [h, b.const("half", np.float32(0.5))], name="gelu_half")
+        erf = b.node("Erf", [b.node("Div", [h, b.const("sqrt2", np.float32(np.sqrt(2)))], name="gelu_div")],
+                     name="gelu_erf")
+        g = b.node("Mul", [half, b.node("Add", [erf, b.const("one", np.float32(1))], name="gelu_add")],
+                   name="gelu")
+    w2 = (b.rng.standard_normal((ffn, dim)) / np.sqrt(ffn)).astype(np.float32)
+    w2[0] = w2[0] * row_factor if row_factor else w2[0] / factor
+    if bias:
+        y = b.node("MatMul", [g, b.const("fc2.weight", w2)], name="fc2")
+        bias_values = (b.rng.standard_normal(dim) * 0.1).astype(np.float32)
+        y = b.node("Add", [y, b.const("fc2.bias", bias_values)], name="fc2_bias")
+        if massive:  # each token's output normalized, as the LayerNorm after a transformer's FFN does
+            b.node("LayerNormalization", [y, b.const("ln.gamma", np.ones(dim, np.float32)),
+                                          b.const("ln.beta", np.zeros(dim, np.float32))], "output", name="ln",
+                   axis=-1, epsilon=1e-5)
+        else:
+            b.node("Identity", [y], "output", name="out")
+    else:
+        b.node("MatMul", [g, b.const("fc2.weight", w2)], "output", name="fc2")
+    b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
+    return b.build(opset=20 if gelu == "Gelu" else 17)
+
+
+@pytest.mark.parametrize("gelu", ["Gelu", "erf"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_smoothing_through_a_gelu_inserts_a_mul_and_recovers_the_outlier(gelu, seed):
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_gelu_model(seed, gelu=gelu)
+    calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
+    before = _quantized_cosine(model, calib, evaluation)
+    smoothed = onnx.ModelProto()
+    smoothed.CopyFrom(model)
+    records = smooth(smoothed, calib)
+    fc2 = next(r for r in records if r["readers"] == ["fc2"])
+    assert fc2["how"] == "mul" and fc2["producer"] == ("Gelu" if gelu == "Gelu" else "Mul"), fc2
+    assert fc2["spread_before"] > 30 and fc2["spread_after"] < 0.2 * fc2["spread_before"], fc2
+    mul = next(n for n in smoothed.graph.node if n.op_type == "Mul" and n.input[0] == fc2["tensor"])
+    assert len(smoothed.graph.node) == len(model.graph.node) + 1
+    result = onnx_qat.quantize(smoothed, data=calib, method="max", progress=False)
+    assert_check_clean(result.model)
+    # the Q/DQ pair fc2 reads sits after the Mul, on the tensor fc2 reads
+    nodes = {n.name: n for n in result.model.graph.node}
+    dq = next(n for n in result.model.graph.node if n.output[0] == nodes["fc2"].input[0])
+    q = next(n for n in result.model.graph.node if n.output[0] == dq.input[0])
+    assert (dq.op_type, q.op_type, q.input[0]) == ("DequantizeLinear", "QuantizeLinear", mul.output[0])
+    after = cosine(run(smoothed, evaluation)[0], run(result.model, evaluation)[0])
+    assert before < 0.95 and after > 0.999, (before, after)  # measured: 0.83-0.85 -> 0.9998
+
+
+@pytest.mark.parametrize("gelu", ["Gelu", "erf"])
+@pytest.mark.parametrize("scale", [0.1, 1.0, 30.0])
+def test_smoothing_through_a_gelu_keeps_the_float_function(gelu, scale):
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_gelu_model(3, gelu=gelu)
+    smoothed = onnx.ModelProto()
+    smoothed.CopyFrom(model)
+    assert [r["how"] for r in smooth(smoothed, _ln_feeds(3))] == ["mul"]
+    onnx.checker.check_model(smoothed)
+    feeds = {"input": _ln_feeds(9)["input"] * scale}
+    ref, got = run(model, feeds)[0], run(smoothed, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+
+
+def test_smoothing_without_insert_mul_leaves_a_gelu_alone():
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_gelu_model(0)
+    original = onnx.ModelProto()
+    original.CopyFrom(model)
+    assert smooth(model, _ln_feeds(0), insert_mul=False) == () and model == original
+
+
+def test_optimize_accuracy_keeps_smoothing_through_a_gelu():
+    model = outlier_gelu_model(0, gelu="erf")
+    data = {"input": np.concatenate([_ln_feeds(0)["input"], _ln_feeds(1)["input"]])}
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    steps = {s["step"]: s for s in result.accuracy["steps"]}
+    assert steps["smooth"]["kept"] and steps["smooth"]["gain"] > 0.002, steps["smooth"]
+    assert steps["smooth"]["tensors"][0]["how"] == "mul"
+    assert_check_clean(result.model)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_smoothing_a_layernorm_output_that_feeds_a_shortcut_too(seed):
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_layernorm_model(seed, residual=True)
+    calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
+    before = _quantized_cosine(model, calib, evaluation)
+    smoothed = onnx.ModelProto()
+    smoothed.CopyFrom(model)
+    records = smooth(smoothed, calib)
+    fc = next(r for r in records if r["readers"] == ["fc"])
+    assert (fc["how"], fc["shared"], fc["producer"]) == ("mul", True, "LayerNormalization"), fc
+    index = GraphIndex(smoothed)
+    # the shortcut still reads the LayerNorm output itself; fc reads the Mul
+    assert "shortcut" in {n.name for n, _ in index.consumers(fc["tensor"])}
+    assert index.producer[index.nodes[[n.name for n in index.nodes].index("fc")].inputs[0]].op_type == "Mul"
+    feeds = {"input": _ln_feeds(9)["input"] * 3.0}
+    ref, got = run(model, feeds)[0], run(smoothed, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+    after = _quantized_cosine(smoothed, calib, evaluation)  # check clean inside
+    assert before < 0.8 and after > 0.999, (before, after)  # measured: 0.45-0.65 -> 0.9996-0.9999
+
+
+def test_smoothing_leaves_an_outlier_that_its_weight_row_shares_alone():
+    """Channel 0 is 100x the others and so is its weight row (x 1000): dividing it by s_j would make the
+    channel spread worse, not better; the tensor is left alone."""
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_gelu_model(0, row_factor=1000.0, bias=True)
+    original = onnx.ModelProto()
+    original.CopyFrom(model)
+    assert smooth(model, _ln_feeds(0), split=False) == () and model == original
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_smoothing_splits_out_a_massive_channel_whose_weight_row_is_an_outlier_too(seed):
+    """Channel 0 is 100 at token 0 and near 0 elsewhere, and its weight row is 10x the others: an
+    outlier product that smoothing hardly helps. Split out into a MatMul of its own (INT8, its own
+    activation scale), exact in float, the cosine recovers."""
+    from onnx_qat.accuracy.smooth import smooth
+
+    model = outlier_gelu_model(seed, row_factor=10.0, bias=True, massive=100.0)
+    calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
+    before = _quantized_cosine(model, calib, evaluation)
+    smoothed_only = onnx.ModelProto()
+    smoothed_only.CopyFrom(model)
+    assert smooth(smoothed_only, calib, split=False)[0]["how"] == "mul"
+    without_split = _quantized_cosine(smoothed_only, calib, evaluation)
+    split = onnx.ModelProto()
+    split.CopyFrom(model)
+    records = smooth(split, calib)
+    fc2 = next(r for r in records if r["readers"] == ["fc2"])
+    assert fc2["how"] == "split" and [j for j, _ in fc2["split"]] == [0] and fc2["split"][0][1] > 300, fc2
+    ops = [n.op_type for n in split.graph.node]
+    assert (ops.count("Gather"), ops.count("MatMul"), len(ops)) == (1, 3, len(model.graph.node) + 4), ops
+    feeds = {"input": _ln_feeds(9)["input"] * 2.0}
+    ref, got = run(model, feeds)[0], run(split, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    result = onnx_qat.quantize(split, data=calib, method="max", progress=False)
+    assert_check_clean(result.model)
+    produced = {o: n for n in result.model.graph.node for o in n.output}
+    matmuls = [n for n in result.model.graph.node if n.op_type == "MatMul"]
+    assert all(produced[n.input[1]].op_type == "DequantizeLinear" for n in matmuls)  # every one INT8
+    after = cosine(run(split, evaluation)[0], run(result.model, evaluation)[0])
+    # measured: 0.965-0.966 plain, 0.983-0.985 smoothed only, 0.9998-0.9999 split
+    assert before < 0.97 and without_split < 0.99 and after > 0.999, (before, without_split, after)
+
+
+def test_splitting_a_tensor_read_by_two_matmuls():
+    """The massive GELU channel read by two MatMuls (outputs added, then a LayerNorm): one Gather,
+    one split MatMul and one Add per reader; exact in float, check clean, the cosine recovers."""
+    from onnx import TensorProto
+
+    from onnx_qat.accuracy.smooth import smooth
+
+    b = GraphBuilder("two_readers", 0)
+    x = b.input("input", ["N", 8, 32])
+    w1 = (b.rng.standard_normal((32, 64)) / np.sqrt(32)).astype(np.float32)
+    w1[:, 0] *= 0.1
+    b1 = np.tile((b.rng.standard_normal(64) * 0.1).astype(np.float32), (8, 1))
+    b1[:, 0], b1[0, 0] = -4.0, 100.0  # channel 0: dormant except on token 0
+    h = b.node("Add", [b.node("MatMul", [x, b.const("fc1.weight", w1)], name="fc1"), b.const("fc1.bias", b1)],
+               name="fc1_bias")
+    g = b.node("Gelu", [h], name="gelu")
+    outs = []
+    for k in ("a", "b"):
+        w2 = (b.rng.standard_normal((64, 32)) / 8).astype(np.float32)
+        w2[0] *= 10.0
+        outs.append(b.node("MatMul", [g, b.const(f"fc2{k}.weight", w2)], name=f"fc2{k}"))
+    y = b.node("Add", outs, name="sum")
+    b.node("LayerNormalization", [y, b.const("gamma", np.ones(32, np.float32)),
+                                  b.const("beta", np.zeros(32, np.float32))], "output", name="ln", axis=-1)
+    b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
+    model = b.build(opset=20)
+    calib, evaluation = _ln_feeds(0), _ln_feeds(100)
+    before = _quantized_cosine(model, calib, evaluation)
+    split = onnx.ModelProto()
+    split.CopyFrom(model)
+    (record,) = smooth(split, calib)
+    assert record["how"] == "split" and record["readers"] == ["fc2a", "fc2b"], record
+    assert [j for j, _ in record["split"]] == [0], record
+    ops = [n.op_type for n in split.graph.node]
+    assert (ops.count("Gather"), ops.count("MatMul"), ops.count("Add")) == (1, 5, 4), ops
+    np.testing.assert_allclose(run(split, evaluation)[0], run(model, evaluation)[0], atol=1e-5)
+    after = _quantized_cosine(split, calib, evaluation)
+    assert before < 0.85 and after > 0.999, (before, after)  # measured: 0.81 -> 0.9998
+
+
+def test_a_split_output_read_by_the_next_matmul_keeps_the_float_function():
+    """fc2 (split, no bias) feeds fc3 directly, and fc2's output has an outlier channel of its own:
+    smoothing it would divide fc2's weight columns but not the split MatMul's, so it is left alone."""
+    from onnx import TensorProto
+
+    from onnx_qat.accuracy.smooth import smooth
+
+    b = GraphBuilder("chain", 0)
+    x = b.input("input", ["N", 8, 32])
+    w1 = (b.rng.standard_normal((32, 64)) / np.sqrt(32)).astype(np.float32)
+    w1[:, 0] *= 0.1
+    b1 = np.tile((b.rng.standard_normal(64) * 0.1).astype(np.float32), (8, 1))
+    b1[:, 0], b1[0, 0] = -4.0, 100.0
+    h = b.node("Add", [b.node("MatMul", [x, b.const("fc1.weight", w1)], name="fc1"), b.const("fc1.bias", b1)],
+               name="fc1_bias")
+    w2 = (b.rng.standard_normal((64, 32)) / 8).astype(np.float32)
+    w2[0] *= 10.0
+    w2[:, 3] *= 30.0  # output channel 3 of fc2: an outlier for fc3
+    y = b.node("MatMul", [b.node("Gelu", [h], name="gelu"), b.const("fc2.weight", w2)], name="fc2")
+    w3 = (b.rng.standard_normal((32, 32)) / np.sqrt(32)).astype(np.float32)
+    w3[3] /= 30.0
+    b.node("MatMul", [y, b.const("fc3.weight", w3)], "output", name="fc3")
+    b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
+    model = b.build(opset=20)
+    edited = onnx.ModelProto()
+    edited.CopyFrom(model)
+    records = smooth(edited, _ln_feeds(0))
+    assert [(r["readers"], r["how"]) for r in records] == [(["fc2"], "split")], records
+    feeds = _ln_feeds(5)
+    ref = run(model, feeds)[0]
+    np.testing.assert_allclose(run(edited, feeds)[0], ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
