@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 #: Rules the ``ort-cpu`` target replaces (rule function) or leaves out (None), with the reason.
 ORT_CPU_RULES: Dict[str, Tuple[Optional[Callable], str]] = {
     "C4": (rule_c4_ort_cpu_zero_points, "uint8 activations with zero point 128, 0 or an asymmetric range's"),
+    "C10": (None, "onnxruntime has no Add-into-Conv/MatMul fusion (its QDQ transformer runs an Add on "
+                  "integers only as QLinearAdd, every input from a DequantizeLinear): a join with both "
+                  "addends float runs in float and a Q/DQ on its skip alone would only round it (CPU6)"),
     "C11": (None, "the Conv output feeding a residual Add is a requantization point (CPU1): "
                   "onnxruntime forms QLinearConv only with a QuantizeLinear on the Conv output"),
     "C14": (None, "a Q/DQ between Conv and Relu is a requantization point (CPU1), for QLinearConv"),
@@ -159,7 +162,7 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
             an ``onnx.ModelProto`` (read only, never modified) or an ``onnx_graphsurgeon.Graph``
             (exported with ``gs.export_onnx``, never modified).
         target: ``None``/``"tensorrt"`` (every rule), or ``"ort-cpu"``: the rules that apply to
-            that form, with `ORT_CPU_RULES` replacing C4 and C9 and leaving out C11 and C14.
+            that form, with `ORT_CPU_RULES` replacing C4 and C9 and leaving out C10, C11 and C14.
         path: the file an in-memory ``model`` was read from or written to, named in the
             report (`CheckReport.model`); default: ``model`` itself when it is a path.
 

@@ -48,3 +48,47 @@ def test_a_join_with_a_quantized_branch_keeps_its_skip_pair(tmp_path):
     assert not [r for r in result.requantization if r["rule"] == JOIN_RULE]
     assert ("add", 1) in B.qdq_pairs(result.model)["stem_relu_out"]
     B.assert_check_clean(result.model, target="ort-cpu")
+
+
+def _matmul_join_model(kind: str, seed: int = 0):
+    """Joins whose addends come from bias-free MatMuls, as ``check`` rule C10 sees them: ``split``:
+    ``x @ Wa + x @ Wb`` (a split projection, both addends from quantized MatMuls); ``attention``:
+    ``x + LayerNorm(x) @ Wo`` (an output projection without bias and its skip)."""
+    b = B.GraphBuilder(f"{kind}_join", seed)
+    x = b.input("input", [1, 8, 32])
+    if kind == "split":
+        left, right = b.linear(x, 32, 32, "a", bias=False), b.linear(x, 32, 32, "b", bias=False)
+    else:
+        gamma = b.const("ln.gamma", np.ones(32, np.float32))
+        beta = b.const("ln.beta", np.zeros(32, np.float32))
+        h = b.node("LayerNormalization", [x, gamma, beta], name="ln", axis=-1, epsilon=1e-5)
+        left, right = x, b.linear(h, 32, 32, "out_proj", bias=False)
+    b.node("Add", [left, right], "output", name="join")
+    b.output("output")
+    return b.build()
+
+
+@pytest.mark.parametrize("kind", ["split", "attention"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_matmul_joins_check_clean_in_both_forms(kind, seed, tmp_path):
+    """The ort-cpu form of a join fed by quantized MatMuls has no Q/DQ on either addend (rule CPU6:
+    onnxruntime runs it in float beside MatMulIntegerToFloat); its own check (rule C10 is TensorRT's
+    Add-into-MatMul fusion and is left out for ort-cpu) finds nothing, while the tensorrt rules would still
+    ask for the skip's pair. The tensorrt form keeps rule 6's pair and checks clean."""
+    model = _matmul_join_model(kind, seed)
+    calib, test = _block_data(seed, scale=4.0), _block_data(seed + 1, num=4, scale=4.0)
+    cpu = onnx_qat.quantize(model, data={"input": calib}, method="max", target="ort-cpu", progress=False)
+    trt = onnx_qat.quantize(model, data={"input": calib}, method="max", progress=False)
+    B.assert_check_clean(cpu.model, target="ort-cpu")
+    B.assert_check_clean(trt.model)
+    skip = "b_out" if kind == "split" else "input"
+    assert ("join", 1 if kind == "split" else 0) in B.qdq_pairs(trt.model)[skip]
+    assert not [t for t, uses in B.qdq_pairs(cpu.model).items() if any(n == "join" for n, _ in uses)]
+    assert [r["node"] for r in cpu.requantization if r["rule"] == JOIN_RULE] == ["join"]
+    as_tensorrt = onnx_qat.check(cpu.model)
+    assert [f.rule for f in as_tensorrt.warnings] == ["C10"]  # the TensorRT fusion the CPU form does without
+    ops = B.optimized_ops(cpu.model, tmp_path)
+    assert ops.count("MatMulIntegerToFloat") == (2 if kind == "split" else 1) and "QLinearAdd" not in ops
+    ref = np.stack([B.run(model, {"input": x[None]})[0] for x in test])
+    out = np.stack([B.run_optimized(cpu.model, {"input": x[None]}) for x in test])
+    assert B.cosine(out, ref) > 0.999
