@@ -277,9 +277,8 @@ class OrtCpuAdapter:
     def calibration_tensors(self, index: GraphIndex, placement: Placement) -> Tuple[str, ...]:
         """Tensors whose own range the requantization points need (to calibrate with the placement's)."""
         marked = {m.tensor for m in placement.activations}
-        own = tuple(p.tensor for p in self.points(index, placement)
-                    if p.scale_from is None and p.tensor not in marked)
-        return own + tuple(t for t in gate_candidates(index) if t not in marked)
+        return tuple(p.tensor for p in self.points(index, placement)
+                     if p.scale_from is None and p.tensor not in marked)
 
     @staticmethod
     def nonnegative_inputs(model, data, placement: Placement) -> Tuple[str, ...]:
@@ -396,9 +395,8 @@ def _quantize_gates(index: GraphIndex, marks: Dict[str, ActivationMark], added: 
     scale otherwise) whose output is quantized for every consumer, and whose ``x`` and ``s`` are quantized
     (a placement mark or a requantization point), otherwise runs in float between a DequantizeLinear and a
     QuantizeLinear: measured on EfficientNetB0, that float work cost more than its integer Convs saved.
-    Quantizing the Sigmoid output too (zero point 0, range `gate_amax`: the calibrated one, at most 1) and
-    letting ``x`` and ``s`` reach the Sigmoid and the Mul through their one Q/DQ pair gives onnxruntime's QDQ
-    fusions ``DQ -> Sigmoid -> Q``
+    Quantizing the Sigmoid output too (range 0..1, zero point 0) and letting ``x`` and ``s`` reach the
+    Sigmoid and the Mul through their one Q/DQ pair gives onnxruntime's QDQ fusions ``DQ -> Sigmoid -> Q``
     (``QLinearSigmoid``, a lookup table) and ``DQ, DQ -> Mul -> Q`` (``QLinearMul``): the chain stays in
     uint8 from Conv to Conv (source: onnxruntime's QDQ selector-action transformer registers Sigmoid as a
     unary and Mul as a binary QDQ node unit, ``qdq_selector_action_transformer.cc``)."""
@@ -408,28 +406,6 @@ def _quantize_gates(index: GraphIndex, marks: Dict[str, ActivationMark], added: 
         if not found:
             return records
         records += found
-
-
-def gate_candidates(index: GraphIndex) -> Tuple[str, ...]:
-    """Sigmoid outputs read only by a two-input Mul: the tensors rule CPU5 may quantize, calibrated with the
-    placement's (`OrtCpuAdapter.calibration_tensors`) so that a gate's grid spans its observed range."""
-    found = []
-    for node in index.nodes:
-        if node.op_type != "Sigmoid" or not node.standard or not node.outputs or not node.outputs[0]:
-            continue
-        readers = index.consumers(node.outputs[0])
-        if len(readers) == 1 and readers[0][0].op_type == "Mul" and len(readers[0][0].inputs) == 2:
-            found.append(node.outputs[0])
-    return tuple(found)
-
-
-def gate_amax(table: ScaleTable, gate: str) -> float:
-    """The range of Sigmoid output ``gate``: its calibrated (or given) amax where ``table`` has one, at most
-    `SIGMOID_AMAX`; `SIGMOID_AMAX` otherwise."""
-    amax = table.activations.get(gate)
-    if amax is None or not np.isfinite(amax) or not amax > 0:
-        return SIGMOID_AMAX
-    return min(float(amax), SIGMOID_AMAX)
 
 
 def _gates_once(index: GraphIndex, marks: Dict[str, ActivationMark], added: Dict[str, float],
@@ -458,10 +434,9 @@ def _gates_once(index: GraphIndex, marks: Dict[str, ActivationMark], added: Dict
                 if reader not in held.consumers:
                     marks[tensor] = ActivationMark(tensor, held.consumers + (reader,), held.rule, held.reason,
                                                    scale_group=held.scale_group)
-            amax = gate_amax(table, gate)
+            amax = table.activations.get(gate, SIGMOID_AMAX)
             why = (f"Sigmoid {sigmoid.name!r} and Mul {node.name!r} run as QLinearSigmoid and QLinearMul: "
-                   f"the gate's output quantized (0..{amax:.4g}, zero point 0), both inputs read through "
-                   "one Q/DQ")
+                   "the gate's output quantized (0..1, zero point 0), both inputs read through one Q/DQ")
             marks[gate] = ActivationMark(gate, ((node.name, position),), GATE_RULE, why)
             added[gate] = amax
             records.append({"tensor": gate, "node": node.name, "op_type": "Mul", "rule": GATE_RULE,
