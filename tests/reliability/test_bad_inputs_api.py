@@ -279,11 +279,17 @@ def _calls(path: Path):
             yield node, owner, name
 
 
+#: The only unpickling allowed: a worker reading the job its own main process pickled and sent over a
+#: socket pair that process created (onnx_qat.runtime.workers), or put into the Ray object store of
+#: the cluster the user chose (onnx_qat.runtime.ray_workers). No user file is ever unpickled.
+WORKER_IPC_UNPICKLING = {"onnx_qat/runtime/workers.py", "onnx_qat/runtime/ray_workers.py"}
+
+
 def test_no_eval_exec_or_unpickling_of_user_data_in_the_sources():
-    """No ``eval``/``exec``, no pickle/marshal/shelve loads, and every ``np.load`` passes
-    ``allow_pickle=False``, in the library, the Keras bridge and the tools."""
+    """No ``eval``/``exec``, no pickle/marshal/shelve loads outside the workers' own messages, and
+    every ``np.load`` passes ``allow_pickle=False``, in the library, the Keras bridge and the tools."""
     root = Path(__file__).resolve().parents[2]
-    problems, np_loads = [], 0
+    problems, np_loads, ipc = [], 0, set()
     for package in ("onnx_qat", "tf_bridge", "tools"):
         for path in sorted((root / package).rglob("*.py")):
             for node, owner, name in _calls(path):
@@ -292,7 +298,11 @@ def test_no_eval_exec_or_unpickling_of_user_data_in_the_sources():
                     problems.append(f"{where}: {name}()")
                 unpicklers = ("pickle", "marshal", "shelve", "dill", "cloudpickle")
                 if owner in unpicklers and name in ("load", "loads", "open"):
-                    problems.append(f"{where}: {owner}.{name}()")
+                    relative = path.relative_to(root).as_posix()
+                    if owner == "pickle" and name == "loads" and relative in WORKER_IPC_UNPICKLING:
+                        ipc.add(relative)
+                    else:
+                        problems.append(f"{where}: {owner}.{name}()")
                 if owner == "np" and name == "load":
                     np_loads += 1
                     flags = {k.arg: getattr(k.value, "value", None) for k in node.keywords}
@@ -300,3 +310,4 @@ def test_no_eval_exec_or_unpickling_of_user_data_in_the_sources():
                         problems.append(f"{where}: np.load without allow_pickle=False")
     assert not problems, "\n".join(problems)
     assert np_loads >= 2, "the scan should have seen the .npz readers"
+    assert ipc == WORKER_IPC_UNPICKLING, "the allowance names files that no longer unpickle: drop them"
