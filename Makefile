@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[tf,test,demo,docs]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[tf,test,demo,docs,ray]"
 	$(PY) -c "import tensorflow, keras, tf2onnx, onnx, onnxruntime, onnx_graphsurgeon; print('stack: tensorflow', tensorflow.__version__, '| keras', keras.__version__, '| tf2onnx', tf2onnx.__version__, '| onnx', onnx.__version__, '| onnxruntime', onnxruntime.__version__)"
 	touch $(STAMP)
 
