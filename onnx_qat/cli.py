@@ -179,8 +179,10 @@ def _calibration_options(parser: argparse.ArgumentParser) -> None:
     """Keywords of onnx_qat.calibrate: method, percentile, batch_size."""
     group = parser.add_argument_group("calibration options (onnx_qat.calibrate)")
     group.add_argument("--method", choices=METHODS, default=None,
-                       help="how activation ranges are chosen from the data (default: auto; with "
-                            "--min-cosine and for sensitivity: max; auto: of max everywhere, the "
+                       help="how activation ranges are chosen from the data (default: auto; for "
+                            "sensitivity: max; with --min-cosine, auto searches each tensor's range "
+                            "with the float sites, another method only the float sites; auto: of max "
+                            "everywhere, the "
                             "least-error range per tensor and entropy everywhere, the table whose output "
                             "is closest to the float model's on the calibration data)")
     group.add_argument("--percentile", metavar="P", type=number_in(0.0, 100.0, low_open=True), default=None,
@@ -280,8 +282,10 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("automatic mixed precision (onnx_qat.quantize)")
     group.add_argument("--min-cosine", metavar="C", type=number_in(0.0, 1.0, low_open=True), default=None,
                        help="leave the fewest sites in float so the output cosine against the float model "
-                            "reaches C on the evaluation data (in any --precision; an int4 site is one "
-                            "weight); exit 2 and write nothing when it cannot")
+                            "reaches C on the evaluation data, choosing each activation's range among "
+                            "auto's candidates first (with --method auto, the default; in any "
+                            "--precision; an int4 site is one weight); exit 2 and write nothing when it "
+                            "cannot")
     group.add_argument("--max-float-sites", metavar="N", type=whole_number(0), default=None,
                        help="with --min-cosine: at most N sites in float (default: no limit)")
     group.add_argument("--eval-data", metavar="NPZ", nargs="+", default=None,
