@@ -766,7 +766,21 @@ def _mixed_summary(info) -> str:
             + f" | output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} "
             f"(min {info['min_cosine']:g}, {info['eval_samples']} eval samples) | "
             f"{info.get('quantized_weighted_ops', info.get('int8_weighted_ops'))}/{info['weighted_ops']} "
-            f"weighted ops {info.get('precision', 'int8').upper()}")
+            f"weighted ops {info.get('precision', 'int8').upper()}" + _ranges_summary(info.get("ranges")))
+
+
+def _ranges_summary(ranges) -> str:
+    """The range search's part of the --min-cosine line: the whole table it started from and the
+    tensors whose range it changed."""
+    from collections import Counter
+
+    if not ranges:
+        return ""
+    kept = ranges.get("changes", []) + ranges.get("returned", [])
+    changed = {t: c["to"] for c in kept for t in c["tensors"]}
+    counts = Counter(changed.values())
+    detail = f" ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})" if counts else ""
+    return f" | ranges: {ranges['start']} table, {_count(len(changed), 'tensor')} changed{detail}"
 
 
 def cmd_check(args) -> int:

@@ -95,3 +95,26 @@ def test_candidates_leave_out_ranges_that_repeat():
     found = candidates({"max": 10.0, "percentile(99.999)": 9.95, "percentile(99.99)": 8.0,
                         "percentile(99.9)": 4.0, "mse": 4.02, "entropy": 6.0})
     assert found == [("max", 10.0), ("percentile(99.99)", 8.0), ("percentile(99.9)", 4.0), ("entropy", 6.0)]
+
+
+def test_cli_names_the_start_table_and_the_ranges_changed(tmp_path, capsys):
+    import json
+
+    import onnx
+
+    from onnx_qat.cli import EXIT_OK, main
+
+    calib = _inputs(32, 4)
+    onnx.save(rare_outlier_model("conv3", calib, seed=3), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", **calib)
+    np.savez(tmp_path / "e.npz", **_inputs(16, 5))
+    code = main(["quantize", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--eval-data",
+                 str(tmp_path / "e.npz"), "-o", str(tmp_path / "q.onnx"), "--min-cosine", "0.99",
+                 "--report", str(tmp_path / "r.json"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK and "0 errors, 0 warnings" in out
+    saved = json.loads((tmp_path / "r.json").read_text())["mixed_precision"]
+    assert saved["float_sites"] == [] and saved["cosine_after"] >= 0.99
+    change = saved["ranges"]["changes"][0]
+    assert "mixed precision: 0 of 8 sites left float" in out
+    assert f"ranges: {saved['ranges']['start']} table, 1 tensor changed ({change['to']} 1)" in out
