@@ -148,7 +148,8 @@ def _table(scales) -> ScaleTable:
 def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, config=None,
             batch_size: int = 16, progress: bool = True, calibration_options: Optional[Mapping] = None,
             activation_stats: Optional[Sequence[str]] = (),
-            range_candidates: bool = False) -> Tuple[Prepared, Dict[str, dict]]:
+            range_candidates: bool = False, weight_scales: Optional[ScaleTable] = None
+            ) -> Tuple[Prepared, Dict[str, dict]]:
     """Everything later runs share (see the module docstring), and the statistics (amax, clipped
     share, quantization SQNR) of the activation tensors ``activation_stats`` on the evaluation data
     (None: every activation tensor placement quantizes).
@@ -157,7 +158,9 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     ranges): keep every candidate range of every tensor (``Prepared.options``, from `auto`'s one
     pass, `onnx_qat.calibration.runner.collect`) and make the activation scales of the gated model
     inputs, so that a setting can choose each tensor's range (`onnx_qat.accuracy.ranges`). The
-    gated model starts from each tensor's least-error candidate (``auto``'s per-tensor table)."""
+    gated model starts from each tensor's least-error candidate (``auto``'s per-tensor table);
+    ``weight_scales`` (a ScaleTable) gives weight ranges to use instead of each weight's own max
+    (weights already rounded onto their grid)."""
     from ..calibration import calibrate
     from ..config import QuantizeConfig
     from ..io.models import load_model
@@ -198,6 +201,8 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
         if range_candidates and method == "auto":
             found = _collect(float_model, calib, tensors, batch_size, progress, calibration_options)
             table, options = found.table(), found.options
+            if weight_scales is not None:
+                table = table.merged(ScaleTable(weights=dict(weight_scales.weights)))
         else:
             table = calibrate(float_model, calib, method=method, tensors=tensors,
                               progress=progress, batch_size=batch_size, **dict(calibration_options or {}))

@@ -271,6 +271,45 @@ def back_to_int8(state: RangeSearch, order: Sequence[int], chosen: List[int], es
     return chosen, estimate
 
 
+def tune_table(float_model, data, eval_data, *, config, weights=None, batch_size: int = 16,
+               progress: bool = False):
+    """``optimize="accuracy"``'s ``ranges`` step: every site in INT8, the best whole table and then each
+    harmful site's activation ranges chosen among ``auto``'s candidates (steps 1-3 of the search, never
+    stopping early). Returns ``(ScaleTable, records)``: the chosen activation ranges (with the weight
+    ranges of ``weights``, a ScaleTable or None, kept) and what each step did."""
+    from ..scales import ScaleTable
+
+    prepared, _ = prepare_candidates(float_model, data, eval_data, config, batch_size, progress, weights)
+    state = RangeSearch(prepared, dict(prepared.table.activations), {})
+    current = start(state)
+    n = len(prepared.sites)
+    found = bisect.exhaustive(prepared, "only") if n <= bisect.MIN_SITES else \
+        bisect.screen(prepared, current, "only")
+    order = harm_order(prepared.sites, found)
+    alone = [k for k in order if found[k][1] == 1 and 1.0 - found[k][0].cosine >= bisect.threshold(current)]
+    current = tune(state, alone, current, 1.1)
+    state.records.update(tuned=current.cosine, runs=prepared.runner.runs,
+                         sites=per_site(state, ()))
+    table = ScaleTable(dict(state.amax), dict(prepared.table.weights), producer=prepared.table.producer,
+                       metadata={**prepared.table.metadata, "range_search": _choice_json(state)})
+    return table, state.records
+
+
+def prepare_candidates(float_model, data, eval_data, config, batch_size: int, progress: bool, weights=None):
+    """`onnx_qat.accuracy.prepared.prepare` with ``auto``'s candidates kept and the scales as inputs."""
+    from .prepared import prepare
+
+    return prepare(float_model, data, method="auto", eval_data=eval_data, config=config,
+                   batch_size=batch_size, progress=progress, range_candidates=True,
+                   weight_scales=weights if weights is not None and weights.weights else None)
+
+
+def _choice_json(state: RangeSearch) -> str:
+    import json
+
+    return json.dumps(dict(sorted(state.choice.items())), separators=(",", ":"))
+
+
 def per_site(state: RangeSearch, float_sites: Sequence[int]) -> Dict[str, Dict[str, str]]:
     """``{site: {activation tensor: candidate}}`` of the sites left quantized."""
     sites = state.prepared.sites
@@ -278,5 +317,5 @@ def per_site(state: RangeSearch, float_sites: Sequence[int]) -> Dict[str, Dict[s
             for k, s in enumerate(sites) if k not in set(float_sites) and s.activations}
 
 
-__all__ = ["search_ranges", "RangeSearch", "candidates", "whole_table", "min_gain", "per_site",
+__all__ = ["search_ranges", "tune_table", "RangeSearch", "candidates", "whole_table", "min_gain", "per_site",
            "WHOLE_TABLES", "CANDIDATES", "SAME_RANGE", "MIN_GAIN_SHARE"]

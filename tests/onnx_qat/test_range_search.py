@@ -118,3 +118,36 @@ def test_cli_names_the_start_table_and_the_ranges_changed(tmp_path, capsys):
     change = saved["ranges"]["changes"][0]
     assert "mixed precision: 0 of 8 sites left float" in out
     assert f"ranges: {saved['ranges']['start']} table, 1 tensor changed ({change['to']} 1)" in out
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_tune_table_chooses_the_outlier_tensors_range(seed):
+    """``--optimize accuracy``'s ranges step on its own: every site INT8, the outlier tensor's range
+    chosen by the output, the other tensors left as the best whole table has them."""
+    from onnx_qat.accuracy.ranges import tune_table
+    from onnx_qat.config import QuantizeConfig
+
+    calib, search = _inputs(32, seed + 1), _inputs(16, seed + 2)
+    model = rare_outlier_model("conv3", calib, seed=seed)
+    table, records = tune_table(model, calib, search, config=QuantizeConfig())
+    assert [c["tensors"] for c in records["changes"]] == [["relu2_out"]]
+    assert records["changes"][0]["to"].startswith("percentile") and records["tuned"] >= 0.99
+    assert records["whole_tables"][records["start"]] < 0.99
+    built = onnx_qat.quantize(model, scales=table, progress=False)
+    assert_check_clean(built.model)
+    default = onnx_qat.quantize(model, data=calib, progress=False)
+    unseen = _inputs(16, seed + 9)
+    assert onnx_qat.compare(model, built.model, unseen, min_cosine=0.99).passed
+    assert not onnx_qat.compare(model, default.model, unseen, min_cosine=0.99).passed
+
+
+def test_optimize_accuracy_runs_the_ranges_step_and_reports_it():
+    calib = _inputs(32, 1)
+    model = rare_outlier_model("conv3", calib, seed=0)
+    result = onnx_qat.quantize(model, data=calib, eval_data=_inputs(16, 2), optimize="accuracy",
+                               progress=False)
+    steps = {s["step"]: s for s in result.accuracy["steps"]}
+    assert list(steps)[3] == "ranges" and steps["ranges"]["kept"] == (steps["ranges"]["gain"] > 0)
+    assert steps["ranges"]["start"] in ("tensor", "max", "entropy", "mse", "percentile(99.99)")
+    assert result.accuracy["cosine_after"] >= 0.99
+    assert_check_clean(result.model)
