@@ -292,8 +292,9 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
                        help="with --min-cosine or --optimize: data the cosine is measured on, as --data "
                             "(default: the last quarter of --data, which calibration then does not see)")
     group.add_argument("--optimize", choices=("accuracy",), default=None,
-                       help="accuracy: also run cross-layer equalization, activation smoothing, "
-                            "error-compensated INT8 weight rounding and bias correction, each kept only "
+                       help="accuracy: also run cross-layer equalization, activation smoothing, a "
+                            "range per activation among auto's candidates, error-compensated INT8 weight "
+                            "rounding and bias correction, each kept only "
                             "where it raises the output cosine on the evaluation data (slower than the "
                             "default; needs --data)")
 

@@ -121,8 +121,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             zero-point-128 inputs keep 8 bits instead of 7 (more accurate; on an x86 CPU with AVX2 only,
             onnxruntime's 16-bit pair sums can then overflow). See `onnx_qat.insertion.ort_cpu`.
         optimize: ``"accuracy"``: also run the post-training steps of `onnx_qat.accuracy.optimize`
-            (cross-layer equalization, activation smoothing, error-compensated INT8 weight rounding,
-            bias correction), each kept only where it raises the output cosine on ``eval_data``
+            (cross-layer equalization, activation smoothing, each activation's range chosen among
+            ``auto``'s candidates, error-compensated INT8 weight rounding, bias correction), each kept
+            only where it raises the output cosine on ``eval_data``
             (default: the last quarter of ``data``, then not calibrated on); ``QuantizeResult.accuracy``
             lists what each step gained. Needs ``data``; slower than the default (several calibrations
             and evaluation runs). Does not combine with ``min_cosine``, ``state``, ``latency`` or

@@ -195,7 +195,16 @@ def search_ranges(prepared: Prepared, min_cosine: float, budget: int, on_run=Non
     sites = prepared.sites
     n = len(sites)
     state = RangeSearch(prepared, dict(prepared.table.activations), {}, on_run=on_run)
+    runs = state.records.setdefault("runs", {})
+    counted = prepared.runner.runs
+
+    def step_done(name: str) -> None:
+        nonlocal counted
+        runs[name] = prepared.runner.runs - counted
+        counted = prepared.runner.runs
+
     all_int8 = current = start(state)
+    step_done("whole_tables")
     if current.cosine >= min_cosine:
         return state, tuple(range(n)), (), all_int8, current
     run = (lambda: on_run()) if on_run is not None else None
@@ -203,11 +212,13 @@ def search_ranges(prepared: Prepared, min_cosine: float, budget: int, on_run=Non
         found = bisect.exhaustive(prepared, "only", run)
     else:
         found = bisect.screen(prepared, current, "only", on_run=run)
+    step_done("harm")
     order = harm_order(sites, found)
     alone = [k for k in order if found[k][1] == 1 and 1.0 - found[k][0].cosine >= bisect.threshold(current)]
     before = dict(state.amax)
     current = tune(state, alone, current, min_cosine)
     state.records["tuned"] = current.cosine
+    step_done("ranges")
     if current.cosine >= min_cosine:
         return state, order, (), all_int8, current
     prepared.runner.set_reference(range(n), prepared.scale_feeds(state.amax), default=True)
@@ -229,9 +240,11 @@ def search_ranges(prepared: Prepared, min_cosine: float, budget: int, on_run=Non
         return cache[key]
 
     chosen, estimate = fewest_float(sites, order, losses, with_float, min_cosine, budget, current)
+    step_done("float_sites")
     if chosen is None:
         return state, order, None, all_int8, estimate
     chosen, estimate = back_to_int8(state, order, list(chosen), estimate, min_cosine)
+    step_done("back_to_int8")
     return state, order, tuple(chosen), all_int8, estimate
 
 
