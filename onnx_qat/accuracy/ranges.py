@@ -13,7 +13,8 @@ of quantized sites *and* a range per tensor; every trial is one call of
    sites, as the plain search);
 3. **ranges**: for the sites measured alone, most harmful first, each activation tensor's other
    candidates are tried with every site in INT8 (a scale group changes as one); the best is kept when
-   it raises the output cosine by more than `min_gain`. Stops as soon as ``min_cosine`` is reached;
+   it raises the output cosine by more than `min_gain`, on at least `MIN_SAMPLE_SHARE` of the
+   evaluation samples taken alone (`better`). Stops as soon as ``min_cosine`` is reached;
 4. **float sites**: the sites whose harm changed are measured again, then the fewest leading sites in
    harm order whose fallback reaches the minimum, pruned (`onnx_qat.accuracy.fewest.fewest_float`);
 5. **ranges before float**: each float site, least harmful first, goes back to INT8 when some
@@ -25,12 +26,15 @@ later trial differs from it in one tensor or site and runs only the graph after 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
+
 from . import bisect
 from .fewest import fewest_float, harm_order
-from .prepared import OutputError, Prepared
+from .prepared import OutputError, Prepared, output_error
 from .sites import with_partners
 
 logger = logging.getLogger(__name__)
@@ -49,9 +53,45 @@ MIN_GAIN_SHARE = 0.005
 MIN_GAIN_FLOOR = 1e-6
 
 
+#: ... and only when it raises the cosine of at least this share of the evaluation samples, each
+#: taken alone (a sign test against a gain that a few samples make: with 4 samples, 3 of them).
+MIN_SAMPLE_SHARE = 2 / 3
+
+
 def min_gain(error: OutputError) -> float:
     """The least cosine gain that keeps a range change (see `MIN_GAIN_SHARE`)."""
     return max(MIN_GAIN_FLOOR, MIN_GAIN_SHARE * (1.0 - error.cosine))
+
+
+def sample_cosines(prepared: Prepared, outputs: Mapping[str, np.ndarray]) -> Optional[np.ndarray]:
+    """The worst output cosine of each evaluation sample alone (None where the outputs cannot be split
+    by sample: a stateful or unbatched dataset, or outputs whose size the sample count does not
+    divide)."""
+    data = prepared.evaluation
+    samples = getattr(data, "num_samples", 0)
+    if not samples or getattr(data, "state", None) or getattr(data, "unbatched", True):
+        return None
+    worst = np.ones(samples)
+    for name, ref in prepared.reference.items():
+        if ref.size % samples:
+            return None
+        r = ref.reshape(samples, -1)
+        c = np.asarray(outputs[name], dtype=np.float64).reshape(samples, -1)
+        norms = np.sqrt(np.einsum("ij,ij->i", r, r) * np.einsum("ij,ij->i", c, c))
+        dots = np.einsum("ij,ij->i", r, c)
+        worst = np.minimum(worst, np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), 1.0))
+    return worst
+
+
+def better(trial: OutputError, trial_samples, current: OutputError, current_samples) -> bool:
+    """Whether a trial beats the current setting: a cosine gain above `min_gain`, on at least
+    `MIN_SAMPLE_SHARE` of the samples when they can be told apart."""
+    if trial.cosine <= current.cosine + min_gain(current):
+        return False
+    if trial_samples is None or current_samples is None:
+        return True
+    return int(np.count_nonzero(trial_samples > current_samples)) >= \
+        math.ceil(MIN_SAMPLE_SHARE * len(trial_samples) - 1e-9)
 
 
 @dataclass
@@ -65,16 +105,23 @@ class RangeSearch:
     float_sites: Tuple[int, ...] = ()
     records: Dict[str, object] = field(default_factory=dict)
     on_run: Optional[Callable[[], None]] = None
+    samples: Optional[np.ndarray] = None  # each evaluation sample's cosine in the current setting
 
     def evaluate(self, float_sites: Sequence[int] = (), amax: Optional[Mapping[str, float]] = None
                  ) -> OutputError:
         """The one evaluation every trial is: output error with ``float_sites`` (and their partners)
         float, every other site quantized, under ``amax`` (default: the current table)."""
+        return self.evaluate_samples(float_sites, amax)[0]
+
+    def evaluate_samples(self, float_sites: Sequence[int] = (), amax: Optional[Mapping[str, float]] = None):
+        """`evaluate`, and each evaluation sample's cosine (`sample_cosines`)."""
         sites = self.prepared.sites
         on = set(range(len(sites))) - set(with_partners(sites, float_sites))
         if self.on_run is not None:
             self.on_run()
-        return self.prepared.error(on, self.amax if amax is None else amax)
+        prepared = self.prepared
+        outputs = prepared.runner.run(on, prepared.scale_feeds(self.amax if amax is None else amax))
+        return output_error(prepared.reference, outputs), sample_cosines(prepared, outputs)
 
     def accept(self, amax: Mapping[str, float], float_sites: Sequence[int], default: bool = False) -> None:
         """Make ``amax`` and ``float_sites`` current, and the runner's reference."""
@@ -130,10 +177,11 @@ def start(state: RangeSearch) -> OutputError:
     cosines, best, best_error = {}, None, None
     for name in WHOLE_TABLES:
         amax, choice = whole_table(state.prepared, name)
-        error = state.evaluate((), amax)
+        error, samples = state.evaluate_samples((), amax)
         cosines[name] = error.cosine
         if best_error is None or error.cosine > best_error.cosine:
             best, best_error, best_choice, best_amax = name, error, choice, amax
+            state.samples = samples
     state.choice = best_choice
     state.accept(best_amax, (), default=True)
     state.records.update(start=best, whole_tables=cosines)
@@ -161,15 +209,16 @@ def tune(state: RangeSearch, site_order: Sequence[int], current: OutputError, mi
             if group in tried or tensor not in prepared.options or tensor not in prepared.scale_inputs:
                 continue
             tried.add(group)
-            best, best_error = None, current
+            best, best_error, best_samples = None, current, state.samples
             for name, amax in candidates(prepared.options[tensor]):
                 if name == state.choice.get(tensor):
                     continue
                 trial = dict(state.amax)
                 trial.update({t: prepared.options.get(t, {}).get(name, amax) for t in group})
-                error = state.evaluate(float_sites, trial)
-                if error.cosine > best_error.cosine + min_gain(best_error):
-                    best, best_error = (name, trial), error
+                error, samples = state.evaluate_samples(float_sites, trial)
+                if better(error, samples, best_error, best_samples) and \
+                        better(error, samples, current, state.samples):
+                    best, best_error, best_samples = (name, trial), error, samples
             if best is None:
                 continue
             name, trial = best
@@ -181,7 +230,7 @@ def tune(state: RangeSearch, site_order: Sequence[int], current: OutputError, mi
             for t in group:
                 state.choice[t] = name
             state.accept(trial, float_sites)
-            current = best_error
+            current, state.samples = best_error, best_samples
             if current.cosine >= min_cosine:
                 break
     return current
@@ -330,5 +379,6 @@ def per_site(state: RangeSearch, float_sites: Sequence[int]) -> Dict[str, Dict[s
             for k, s in enumerate(sites) if k not in set(float_sites) and s.activations}
 
 
-__all__ = ["search_ranges", "tune_table", "RangeSearch", "candidates", "whole_table", "min_gain", "per_site",
-           "WHOLE_TABLES", "CANDIDATES", "SAME_RANGE", "MIN_GAIN_SHARE"]
+__all__ = ["search_ranges", "tune_table", "RangeSearch", "candidates", "whole_table", "min_gain", "better",
+           "sample_cosines", "per_site", "WHOLE_TABLES", "CANDIDATES", "SAME_RANGE", "MIN_GAIN_SHARE",
+           "MIN_SAMPLE_SHARE"]

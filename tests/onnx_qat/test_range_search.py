@@ -151,3 +151,32 @@ def test_optimize_accuracy_runs_the_ranges_step_and_reports_it():
     assert steps["ranges"]["start"] in ("tensor", "max", "entropy", "mse", "percentile(99.99)")
     assert result.accuracy["cosine_after"] >= 0.99
     assert_check_clean(result.model)
+
+
+def test_a_gain_most_samples_do_not_share_is_not_kept():
+    from onnx_qat.accuracy.prepared import OutputError
+    from onnx_qat.accuracy.ranges import better
+
+    now, now_samples = OutputError(0.95, 10.0, 1.0), np.array([0.95, 0.95, 0.95, 0.95])
+    gain = OutputError(0.96, 11.0, 1.0)
+    assert better(gain, np.array([0.96, 0.96, 0.94, 0.99]), now, now_samples)  # 3 of 4 samples
+    assert not better(gain, np.array([0.99, 0.99, 0.94, 0.94]), now, now_samples)  # 2 of 4: two samples' gain
+    assert not better(OutputError(0.95001, 10.0, 1.0), None, now, None)  # below the least gain
+    assert better(gain, None, now, None)
+
+
+def test_sample_cosines_are_each_samples_own_figure():
+    from onnx_qat.accuracy.prepared import output_error
+    from onnx_qat.accuracy.ranges import sample_cosines
+
+    model = residual_block_model()
+    data = _inputs(24, 4, scale=2.0)
+    prepared, _ = prepare(model, data, method="auto", range_candidates=True, progress=False)
+    outputs = prepared.runner.run(range(len(prepared.sites)))
+    per_sample = sample_cosines(prepared, outputs)
+    samples = prepared.evaluation.num_samples
+    assert per_sample.shape == (samples,)
+    for i in (0, samples - 1):
+        one = {k: v.reshape(samples, -1)[i] for k, v in outputs.items()}
+        ref = {k: v.reshape(samples, -1)[i] for k, v in prepared.reference.items()}
+        assert per_sample[i] == pytest.approx(output_error(ref, one).cosine, abs=1e-9)
