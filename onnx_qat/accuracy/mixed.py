@@ -16,6 +16,10 @@ neighbours: a residual Add or Concat next to a float site is re-decided), the Q/
 by the one inserter, and its cosine is measured again on the evaluation data. When the built model
 misses the minimum, the next site in the order is added and the model is built again.
 
+With ``method="auto"`` (the default) the search also chooses each activation tensor's range among
+``auto``'s candidates, and leaves a site float only where no range choice reaches the minimum
+(`onnx_qat.accuracy.ranges`); the steps above are then the search with one fixed table.
+
 "Quantized" is in the format ``config.precision`` names (INT8, FP8, or INT4 weight-only, where a site
 is one weight's blockwise DequantizeLinear); what differs per format is in
 `onnx_qat.accuracy.format_settings`.
