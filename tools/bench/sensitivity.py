@@ -1,13 +1,14 @@
 """sensitivity: ``onnx_qat.sensitivity`` and ``quantize(min_cosine=...)`` on a 62-Conv text detector.
 
 The model is the PP-OCRv4 DB text detector from the ``rapidocr-onnxruntime`` wheel (what
-``tools/real_models.py`` measures as ``ocr-det``), at 320x320 on real inputs: 8 of scikit-image's
-sample photos and 8 pages of text rendered with Pillow's font, for calibration and (other photos,
-other texts) for evaluation, 16 samples each. Without the wheel (offline) its rows are SKIPs with
-the reason. The goals: sensitivity within 60 s on 2 cores; ``--min-cosine 0.99`` (its default search
-over each activation's range and the float sites) within 120 s and twice the sensitivity time.
-Both run once in this process; the machine is shared, so every row gives the wall time, this process's CPU time (onnxruntime's threads included) and the load average over the
-run. ``--quick`` runs a tiny CNN: it checks the rows, not the goals.
+``tools/real_models.py`` measures as ``ocr-det``), at 320x320 on real inputs: 8 of scikit-image's sample
+photos and 8 pages of text rendered with Pillow's font, for calibration and (other photos, other texts)
+for evaluation, 16 samples each. Without the wheel (offline) its rows are SKIPs with the reason. The
+goals: sensitivity within 60 s on 2 cores; ``--min-cosine 0.99`` (its default search over each
+activation's range and the float sites) within 120 s and twice the sensitivity time. Both run once in
+this process; the machine is shared, so every row gives the wall time, this process's CPU time
+(onnxruntime's threads included) and the load average over the run. ``--quick`` runs a tiny CNN: it
+checks the rows, not the goals.
 """
 from __future__ import annotations
 
