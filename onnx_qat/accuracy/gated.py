@@ -96,6 +96,7 @@ def lift_scales(gated: onnx.ModelProto, tensors: Iterable[str]) -> Dict[str, Tup
         if node.op_type == "DequantizeLinear" and node.input:
             readers.setdefault(node.input[0], []).append(node)
     lifted: Dict[str, Tuple[str, np.ndarray]] = {}
+    replaced = set()
     for node in graph.node:
         if node.op_type != "QuantizeLinear" or node.input[0] not in wanted or len(node.input) < 2 \
                 or node.input[1] not in inits:
@@ -107,15 +108,27 @@ def lift_scales(gated: onnx.ModelProto, tensors: Iterable[str]) -> Dict[str, Tup
         name = lifted[tensor][0]
         for reader in [node] + readers.get(node.output[0], []):
             if len(reader.input) > 1 and reader.input[1] in inits:
+                replaced.add(reader.input[1])
                 reader.input[1] = name
-    used = {i for n in graph.node for i in n.input}
-    kept = [t for t in graph.initializer if t.name in used]
+    used = _read_anywhere(graph)  # a replaced scale still read elsewhere (a body, another pair) stays
+    kept = [t for t in graph.initializer if t.name not in replaced or t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(kept)
     for name, value in lifted.values():
         graph.input.append(helper.make_tensor_value_info(
             name, helper.np_dtype_to_tensor_dtype(value.dtype), list(value.shape)))
     return lifted
+
+
+def _read_anywhere(graph: onnx.GraphProto) -> set:
+    """Names read by any node of ``graph`` or of the subgraphs its nodes hold."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            for body in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                names.update(_read_anywhere(body))
+    return names
 
 
 class GatedRunner:

@@ -180,3 +180,16 @@ def test_sample_cosines_are_each_samples_own_figure():
         one = {k: v.reshape(samples, -1)[i] for k, v in outputs.items()}
         ref = {k: v.reshape(samples, -1)[i] for k, v in prepared.reference.items()}
         assert per_sample[i] == pytest.approx(output_error(ref, one).cosine, abs=1e-9)
+
+
+@pytest.mark.parametrize("build", ["if_cnn_model", "loop_cnn_model"])
+def test_models_with_bodies_search_their_main_graph_ranges_and_stay_check_clean(build):
+    """If/Loop bodies keep their scale initializers (they may read outer ones): the search changes the
+    main graph's ranges, every setting runs whole (no cuts), and the result passes check."""
+    import tests.builders as builders
+
+    model = getattr(builders, build)()
+    result = onnx_qat.quantize(model, data=builders.random_inputs(model, 24, seed=1), min_cosine=0.999,
+                               progress=False)
+    assert result.accuracy["cosine_after"] >= 0.999 and "ranges" in result.accuracy
+    assert_check_clean(result.model)
