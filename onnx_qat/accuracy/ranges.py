@@ -14,7 +14,9 @@ of quantized sites *and* a range per tensor; every trial is one call of
 3. **ranges**: for the sites measured alone, most harmful first, each activation tensor's other
    candidates are tried with every site in INT8 (a scale group changes as one); the best is kept when
    it raises the output cosine by more than `min_gain`, on at least `MIN_SAMPLE_SHARE` of the
-   evaluation samples taken alone (`better`). Stops as soon as ``min_cosine`` is reached;
+   evaluation samples taken alone (`better`), and when it also raises the output cosine on the first
+   calibration samples, which no trial was chosen by (`Confirmation`; changes that fail this are
+   recorded as ``unconfirmed``). Stops as soon as ``min_cosine`` is reached;
 4. **float sites**: the sites whose harm changed are measured again, then the fewest leading sites in
    harm order whose fallback reaches the minimum, pruned (`onnx_qat.accuracy.fewest.fewest_float`);
 5. **ranges before float**: each float site, least harmful first, goes back to INT8 when some
@@ -58,6 +60,10 @@ MIN_GAIN_FLOOR = 1e-6
 MIN_SAMPLE_SHARE = 2 / 3
 
 
+#: Calibration samples a range change is confirmed on (`Confirmation`), at most.
+CONFIRM_SAMPLES = 64
+
+
 def min_gain(error: OutputError) -> float:
     """The least cosine gain that keeps a range change (see `MIN_GAIN_SHARE`)."""
     return max(MIN_GAIN_FLOOR, MIN_GAIN_SHARE * (1.0 - error.cosine))
@@ -94,6 +100,45 @@ def better(trial: OutputError, trial_samples, current: OutputError, current_samp
         math.ceil(MIN_SAMPLE_SHARE * len(trial_samples) - 1e-9)
 
 
+class Confirmation:
+    """The output cosine on samples the search does not judge on: the first `CONFIRM_SAMPLES` of the
+    calibration data (the candidate ranges come from their statistics, but no trial is chosen by their
+    outputs). A range change the evaluation samples choose is kept only when it raises this cosine
+    too (`tune`). One whole run of the gated session per check, on the session the search already
+    has; ``usable`` is False (nothing confirmed) without calibration data, with a stateful model or
+    with settings on workers."""
+
+    def __init__(self, prepared: Prepared, batch_size: int = 16):
+        runner = getattr(prepared.runner, "runner", None)
+        data = prepared.calibration
+        self.usable = runner is not None and data is not None and not getattr(data, "state", None) \
+            and bool(prepared.scale_inputs)
+        self.runs = 0
+        if not self.usable:
+            return
+        self.prepared, self.runner = prepared, runner
+        self.feeds = tuple(data.take(CONFIRM_SAMPLES).batches(batch_size))
+        self.reference = {k: v.astype(np.float64) for k, v in self._outputs((), None).items()}
+
+    def _outputs(self, on, scales) -> Dict[str, np.ndarray]:
+        from .gated import join_flat
+
+        runner = self.runner
+        switches = {**runner._gates(set(on)), **runner.scales, **dict(scales or {})}
+        parts: Dict[str, list] = {name: [] for name in runner.outputs}
+        for feed in self.feeds:
+            for name, value in zip(runner.outputs, runner.session.run(runner.outputs, {**feed, **switches})):
+                parts[name].append(value)
+        return {name: join_flat(v) for name, v in parts.items()}
+
+    def cosine(self, float_sites: Sequence[int], amax: Mapping[str, float]) -> float:
+        """Output cosine with ``float_sites`` float and every other site quantized under ``amax``."""
+        sites = self.prepared.sites
+        on = set(range(len(sites))) - set(with_partners(sites, float_sites))
+        self.runs += 1
+        return output_error(self.reference, self._outputs(on, self.prepared.scale_feeds(amax))).cosine
+
+
 @dataclass
 class RangeSearch:
     """The state of one search (see the module docstring): the table, each tensor's candidate, the
@@ -106,6 +151,8 @@ class RangeSearch:
     records: Dict[str, object] = field(default_factory=dict)
     on_run: Optional[Callable[[], None]] = None
     samples: Optional[np.ndarray] = None  # each evaluation sample's cosine in the current setting
+    confirm: Optional[Confirmation] = None  # the samples a kept range change must also gain on
+    confirmed: Optional[float] = None  # their cosine in the current setting
 
     def evaluate(self, float_sites: Sequence[int] = (), amax: Optional[Mapping[str, float]] = None
                  ) -> OutputError:
@@ -222,6 +269,19 @@ def tune(state: RangeSearch, site_order: Sequence[int], current: OutputError, mi
             if best is None:
                 continue
             name, trial = best
+            if state.confirm is not None and state.confirm.usable:
+                if state.confirmed is None:
+                    state.confirmed = state.confirm.cosine(float_sites, state.amax)
+                confirmed = state.confirm.cosine(float_sites, trial)
+                if confirmed <= state.confirmed:
+                    state.records.setdefault("unconfirmed", []).append(
+                        {"site": prepared.sites[k].name, "tensors": list(group), "to": name,
+                         "cosine_after": best_error.cosine, "confirm_before": state.confirmed,
+                         "confirm_after": confirmed})
+                    logger.info("range search: %s on %s not confirmed on the calibration samples "
+                                "(%.5f -> %.5f)", name, ", ".join(group), state.confirmed, confirmed)
+                    continue
+                state.confirmed = confirmed
             changes.append({"site": prepared.sites[k].name, "tensors": list(group),
                             "from": state.choice.get(tensor, "auto"), "to": name,
                             "cosine_before": current.cosine, "cosine_after": best_error.cosine})
@@ -233,6 +293,8 @@ def tune(state: RangeSearch, site_order: Sequence[int], current: OutputError, mi
             current, state.samples = best_error, best_samples
             if current.cosine >= min_cosine:
                 break
+    if state.confirm is not None and state.confirm.runs:
+        state.records["confirm_runs"] = state.confirm.runs
     return current
 
 
@@ -243,7 +305,8 @@ def search_ranges(prepared: Prepared, min_cosine: float, budget: int, on_run=Non
     cannot reach ``min_cosine``."""
     sites = prepared.sites
     n = len(sites)
-    state = RangeSearch(prepared, dict(prepared.table.activations), {}, on_run=on_run)
+    state = RangeSearch(prepared, dict(prepared.table.activations), {}, on_run=on_run,
+                        confirm=Confirmation(prepared))
     runs = state.records.setdefault("runs", {})
     counted = prepared.runner.runs
 
@@ -342,7 +405,7 @@ def tune_table(float_model, data, eval_data, *, config, weights=None, batch_size
     from ..scales import ScaleTable
 
     prepared, _ = prepare_candidates(float_model, data, eval_data, config, batch_size, progress, weights)
-    state = RangeSearch(prepared, dict(prepared.table.activations), {})
+    state = RangeSearch(prepared, dict(prepared.table.activations), {}, confirm=Confirmation(prepared))
     current = start(state)
     n = len(prepared.sites)
     found = bisect.exhaustive(prepared, "only") if n <= bisect.MIN_SITES else \

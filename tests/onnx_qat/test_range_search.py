@@ -193,3 +193,41 @@ def test_models_with_bodies_search_their_main_graph_ranges_and_stay_check_clean(
                                progress=False)
     assert result.accuracy["cosine_after"] >= 0.999 and "ranges" in result.accuracy
     assert_check_clean(result.model)
+
+
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_confirmation_measures_the_calibration_samples_as_a_built_model(scale):
+    """The samples a range change must also gain on: the first calibration samples, figures as the
+    model built with those ranges gives them there (every site float: the float model itself)."""
+    from onnx_qat.accuracy.gated import join_flat
+    from onnx_qat.accuracy.ranges import CONFIRM_SAMPLES, Confirmation
+
+    model = residual_block_model()
+    prepared, _ = prepare(model, _inputs(24, 5, scale=scale), method="auto", range_candidates=True,
+                          progress=False)
+    confirm = Confirmation(prepared)
+    assert confirm.usable and prepared.calibration.num_samples <= CONFIRM_SAMPLES
+    n = len(prepared.sites)
+    assert confirm.cosine(range(n), prepared.table.activations) == pytest.approx(1.0, abs=1e-12)
+    amax, _ = whole_table(prepared, "max")
+    built = onnx_qat.quantize(model, scales=dict(amax), progress=False).model
+    outputs = list(prepared.reference)
+    runs = {}
+    for name, m in (("float", model), ("built", built)):
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        parts = [session.run(outputs, feed) for feed in confirm.feeds]
+        runs[name] = {o: join_flat([p[i] for p in parts]) for i, o in enumerate(outputs)}
+    expected = output_error({k: v.astype(np.float64) for k, v in runs["float"].items()}, runs["built"]).cosine
+    assert expected < 0.99999
+    assert confirm.cosine((), amax) == pytest.approx(expected, abs=1e-6)
+    assert confirm.runs == 2
+
+
+def test_confirmation_is_off_with_given_scales():
+    from onnx_qat.accuracy.ranges import Confirmation
+
+    model = residual_block_model()
+    data = _inputs(16, 6)
+    table = onnx_qat.calibrate(model, data, progress=False)
+    prepared, _ = prepare(model, None, scales=table, eval_data=data, progress=False)
+    assert not Confirmation(prepared).usable
