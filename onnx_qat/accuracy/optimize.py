@@ -127,7 +127,7 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
                                     batch_size=batch_size, progress=progress)
         attempt("ranges", clock, float_model, True, lambda: tuned, "", start=records.get("start"),
                 changes=list(records.get("changes", [])), unconfirmed=list(records.get("unconfirmed", [])),
-                runs=records.get("runs"))
+                confirmed=records.get("confirmed"), runs=records.get("runs"))
 
     if fmt.name == "int8":
         clock = time.perf_counter()

@@ -401,7 +401,10 @@ def tune_table(float_model, data, eval_data, *, config, weights=None, batch_size
     """``optimize="accuracy"``'s ``ranges`` step: every site in INT8, the best whole table and then each
     harmful site's activation ranges chosen among ``auto``'s candidates (steps 1-3 of the search, never
     stopping early). Returns ``(ScaleTable, records)``: the chosen activation ranges (with the weight
-    ranges of ``weights``, a ScaleTable or None, kept) and what each step did."""
+    ranges of ``weights``, a ScaleTable or None, kept) and what each step did. When ``weights`` has
+    activation ranges and the chosen ones do not raise the output cosine on the first calibration
+    samples over them (`Confirmation`), ``weights``' own activation ranges are returned instead
+    (``records["confirmed"]`` False, with both cosines)."""
     from ..scales import ScaleTable
 
     prepared, _ = prepare_candidates(float_model, data, eval_data, config, batch_size, progress, weights)
@@ -415,6 +418,16 @@ def tune_table(float_model, data, eval_data, *, config, weights=None, batch_size
     current = tune(state, alone, current, 1.1)
     state.records.update(tuned=current.cosine, runs=prepared.runner.runs,
                          sites=per_site(state, ()))
+    given = dict(weights.activations) if weights is not None else {}
+    if given and state.confirm.usable:
+        before, after = state.confirm.cosine((), given), state.confirm.cosine((), state.amax)
+        state.records.update(confirmed=after > before, confirm_before=before, confirm_after=after,
+                             confirm_runs=state.confirm.runs)
+        if after <= before:
+            logger.info("ranges: the chosen ranges are not confirmed on the calibration samples "
+                        "(%.5f -> %.5f); the given ranges kept", before, after)
+            return ScaleTable(given, dict(prepared.table.weights), producer=weights.producer,
+                              metadata=dict(weights.metadata), bounds=dict(weights.bounds)), state.records
     table = ScaleTable(dict(state.amax), dict(prepared.table.weights), producer=prepared.table.producer,
                        metadata={**prepared.table.metadata, "range_search": _choice_json(state)},
                        bounds=dict(prepared.table.bounds))

@@ -231,3 +231,57 @@ def test_confirmation_is_off_with_given_scales():
     table = onnx_qat.calibrate(model, data, progress=False)
     prepared, _ = prepare(model, None, scales=table, eval_data=data, progress=False)
     assert not Confirmation(prepared).usable
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_change_the_calibration_samples_do_not_confirm_is_not_kept(seed):
+    """The outlier tensor's range change (kept above) with a confirmation that sees it lower the
+    cosine: recorded as unconfirmed, the table left as it was; with one that sees it gain: kept."""
+    from onnx_qat.accuracy.ranges import RangeSearch, start, tune
+
+    class Confirming:  # the calibration samples' cosine: the start table 0.9, anything else ``after``
+        usable = True
+
+        def __init__(self, after):
+            self.after, self.runs, self.start = after, 0, None
+
+        def cosine(self, float_sites, amax):
+            self.runs += 1
+            self.start = self.start or dict(amax)
+            return 0.9 if dict(amax) == self.start else self.after
+
+    calib, search = _inputs(32, seed + 1), _inputs(16, seed + 2)
+    model = rare_outlier_model("conv3", calib, seed=seed)
+    for after, kept in ((0.8, False), (0.95, True)):
+        prepared, _ = prepare(model, calib, method="auto", eval_data=search, range_candidates=True,
+                              progress=False)
+        state = RangeSearch(prepared, dict(prepared.table.activations), {}, confirm=Confirming(after))
+        current = start(state)
+        table = dict(state.amax)
+        tuned = tune(state, range(len(prepared.sites)), current, 1.1)
+        changes, unconfirmed = state.records.get("changes", []), state.records.get("unconfirmed", [])
+        if kept:
+            assert [c["tensors"] for c in changes] == [["relu2_out"]]
+            assert tuned.cosine > current.cosine and state.amax != table
+        else:  # every change is refused, the outlier tensor's first
+            assert changes == [] and unconfirmed[0]["tensors"] == ["relu2_out"]
+            assert unconfirmed[0]["confirm_after"] == 0.8 < unconfirmed[0]["confirm_before"] == 0.9
+            assert tuned == current and state.amax == table
+        assert state.records["confirm_runs"] == state.confirm.runs >= 2
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_tune_table_keeps_the_given_ranges_unless_the_calibration_samples_confirm(seed):
+    from onnx_qat.accuracy.ranges import tune_table
+    from onnx_qat.config import QuantizeConfig
+
+    calib, search = _inputs(32, seed + 1), _inputs(16, seed + 2)
+    model = rare_outlier_model("conv3", calib, seed=seed)
+    given = onnx_qat.calibrate(model, calib, method="max", progress=False)
+    table, records = tune_table(model, calib, search, config=QuantizeConfig(), weights=given)
+    assert records["confirmed"] and records["confirm_after"] > records["confirm_before"]
+    assert table.activations["relu2_out"] < 0.5 * given.activations["relu2_out"]  # the outlier clipped
+    again, records = tune_table(model, calib, search, config=QuantizeConfig(), weights=table)
+    # nothing better than the tuned ranges on the calibration samples: they come back as given
+    assert not records["confirmed"] and records["confirm_after"] <= records["confirm_before"]
+    assert dict(again.activations) == dict(table.activations)
