@@ -179,8 +179,10 @@ def _calibration_options(parser: argparse.ArgumentParser) -> None:
     """Keywords of onnx_qat.calibrate: method, percentile, batch_size."""
     group = parser.add_argument_group("calibration options (onnx_qat.calibrate)")
     group.add_argument("--method", choices=METHODS, default=None,
-                       help="how activation ranges are chosen from the data (default: auto; with "
-                            "--min-cosine and for sensitivity: max; auto: of max everywhere, the "
+                       help="how activation ranges are chosen from the data (default: auto; for "
+                            "sensitivity: max; with --min-cosine, auto searches each tensor's range "
+                            "with the float sites, another method only the float sites; auto: of max "
+                            "everywhere, the "
                             "least-error range per tensor and entropy everywhere, the table whose output "
                             "is closest to the float model's on the calibration data, leaving max "
                             "only where the samples agree)")
@@ -301,16 +303,19 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("automatic mixed precision (onnx_qat.quantize)")
     group.add_argument("--min-cosine", metavar="C", type=number_in(0.0, 1.0, low_open=True), default=None,
                        help="leave the fewest sites in float so the output cosine against the float model "
-                            "reaches C on the evaluation data (in any --precision; an int4 site is one "
-                            "weight); exit 2 and write nothing when it cannot")
+                            "reaches C on the evaluation data, choosing each activation's range among "
+                            "auto's candidates first (with --method auto, the default; in any "
+                            "--precision; an int4 site is one weight); exit 2 and write nothing when it "
+                            "cannot")
     group.add_argument("--max-float-sites", metavar="N", type=whole_number(0), default=None,
                        help="with --min-cosine: at most N sites in float (default: no limit)")
     group.add_argument("--eval-data", metavar="NPZ", nargs="+", default=None,
                        help="with --min-cosine or --optimize: data the cosine is measured on, as --data "
                             "(default: the last quarter of --data, which calibration then does not see)")
     group.add_argument("--optimize", choices=("accuracy",), default=None,
-                       help="accuracy: also run cross-layer equalization, activation smoothing, "
-                            "error-compensated INT8 weight rounding and bias correction, each kept only "
+                       help="accuracy: also run cross-layer equalization, activation smoothing, a "
+                            "range per activation among auto's candidates, error-compensated INT8 weight "
+                            "rounding and bias correction, each kept only "
                             "where it raises the output cosine on the evaluation data (slower than the "
                             "default; needs --data)")
 
@@ -796,7 +801,21 @@ def _mixed_summary(info) -> str:
             + f" | output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} "
             f"(min {info['min_cosine']:g}, {info['eval_samples']} eval samples) | "
             f"{info.get('quantized_weighted_ops', info.get('int8_weighted_ops'))}/{info['weighted_ops']} "
-            f"weighted ops {info.get('precision', 'int8').upper()}")
+            f"weighted ops {info.get('precision', 'int8').upper()}" + _ranges_summary(info.get("ranges")))
+
+
+def _ranges_summary(ranges) -> str:
+    """The range search's part of the --min-cosine line: the whole table it started from and the
+    tensors whose range it changed."""
+    from collections import Counter
+
+    if not ranges:
+        return ""
+    kept = ranges.get("changes", []) + ranges.get("returned", [])
+    changed = {t: c["to"] for c in kept for t in c["tensors"]}
+    counts = Counter(changed.values())
+    detail = f" ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})" if counts else ""
+    return f" | ranges: {ranges['start']} table, {_count(len(changed), 'tensor')} changed{detail}"
 
 
 def cmd_check(args) -> int:

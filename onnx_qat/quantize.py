@@ -53,8 +53,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             `onnx_qat.formats.awq`).
         method: calibration method when ``data`` is given: ``auto``, ``max``, ``percentile``,
             ``entropy`` or ``mse`` (see [`onnx_qat.calibrate`][onnx_qat.calibration.runner.calibrate]). None:
-            ``auto``; with ``min_cosine``, ``max`` (the mixed-precision search calibrates once and judges
-            every site on the output itself).
+            ``auto``. With ``min_cosine``, ``auto`` (the default) searches each activation tensor's range
+            among ``auto``'s candidates together with the float sites (`onnx_qat.accuracy.ranges`);
+            another method calibrates once and the search chooses only the float sites.
         config: a [`QuantizeConfig`][onnx_qat.config.QuantizeConfig]; the keywords ``target``,
             ``exclude_nodes``, ``exclude_op_types``, ``min_channels``, ``include_attention``,
             ``precision``, ``block_size``, ``int4_method`` and ``fp8_method`` override its fields.
@@ -82,7 +83,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         min_cosine: automatic mixed precision: leave the fewest sites (`onnx_qat.accuracy.sites`)
             in float so that the output cosine against the float model reaches this on
             ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
-            built is measured again. ``QuantizeResult.accuracy`` tells which sites stay float.
+            built is measured again. ``QuantizeResult.accuracy`` tells which sites stay float and
+            (``method="auto"``, the default) each quantized site's range candidate.
             Every ``precision``: with ``fp8`` the sites are the INT8 ones (plus the attention
             products), with ``int4`` a site is one weight's blockwise DequantizeLinear (AWQ runs
             once on the calibration part of ``data``; without ``data``, round to nearest).
@@ -125,8 +127,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             bits, exact on every CPU. The choice and why: ``QuantizeResult.ort_cpu`` and a note. See
             `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`, `onnx_qat.insertion.ort_cpu`.
         optimize: ``"accuracy"``: also run the post-training steps of `onnx_qat.accuracy.optimize`
-            (cross-layer equalization, activation smoothing, error-compensated INT8 weight rounding,
-            bias correction), each kept only where it raises the output cosine on ``eval_data``
+            (cross-layer equalization, activation smoothing, each activation's range chosen among
+            ``auto``'s candidates, error-compensated INT8 weight rounding, bias correction), each kept
+            only where it raises the output cosine on ``eval_data``
             (default: the last quarter of ``data``, then not calibrated on); ``QuantizeResult.accuracy``
             lists what each step gained. Needs ``data``; slower than the default (several calibrations
             and evaluation runs). Does not combine with ``min_cosine``, ``state``, ``latency`` or
@@ -215,7 +218,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         if min_cosine is None or placement is not None:
             raise ConfigError("eval_data applies with min_cosine; min_cosine does not take a placement")
         return quantize_mixed(model, output, min_cosine=min_cosine, max_float_sites=max_float_sites,
-                              eval_data=eval_data, scales=scales, data=data, method=method or "max",
+                              eval_data=eval_data, scales=scales, data=data, method=method or "auto",
                               config=config, calib_kw=calib_kw, report=report, progress=progress,
                               workers=workers)
     if data is not None:  # calibration's batches on `workers` processes (onnx_qat.calibration.parallel)

@@ -860,6 +860,38 @@ def outlier_channel_model(hot: str = "conv2", convs: int = 4, channels: int = 16
     return model
 
 
+def rare_outlier_model(hot: str = "conv3", data: Optional[Dict[str, np.ndarray]] = None, convs: int = 6,
+                       factor: float = 1e4, tail: float = 2.5, seed: int = 3) -> onnx.ModelProto:
+    """`outlier_channel_model` (``convs`` Conv-Relu layers) whose input to ``hot`` has *rare* outliers:
+    channel 0 of the Conv before ``hot`` gets its bias lowered by its mean plus ``tail`` standard
+    deviations on ``data`` (so that after the Relu it is zero but for about 1% of its values), then
+    that channel is scaled up by ``factor`` and ``hot``'s weights on it down by it (the float function
+    is unchanged). ``hot``'s ``max`` range is then set by a few values ``factor`` times larger than all
+    others, which quantize to zero; clipping the rare ones (``percentile(99.9)``) loses little of the
+    output, leaving ``hot`` in float loses nothing."""
+    import onnxruntime as ort
+
+    model = outlier_channel_model(hot, convs=convs, seed=seed, factor=1.0)
+    k = int(hot[len("conv"):])
+    before = f"conv{k - 1}"
+    node = next(n for n in model.graph.node if n.name == before)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None))
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    pre = session.run([node.output[0]], data)[0][:, 0]
+    inits = {t.name: t for t in model.graph.initializer}
+    arrays = {n: numpy_helper.to_array(inits[n]).copy() for n in
+              (f"{before}.weight", f"{before}.bias", f"{hot}.weight")}
+    arrays[f"{before}.bias"][0] -= pre.mean() + tail * pre.std()
+    arrays[f"{before}.weight"][0] *= factor
+    arrays[f"{before}.bias"][0] *= factor
+    arrays[f"{hot}.weight"][:, 0] /= factor
+    for name, array in arrays.items():
+        inits[name].CopyFrom(numpy_helper.from_array(array.astype(np.float32), name))
+    return model
+
+
 def assert_check_clean(model: onnx.ModelProto, target: Optional[str] = None) -> None:
     """Assert ``onnx_qat.check`` finds 0 errors AND 0 warnings in ``model`` (the rewriter's own
     output must pass its own check cleanly); on failure, print every finding and the subgraph

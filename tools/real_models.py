@@ -290,11 +290,23 @@ def measure(name: str, path: Path, *, peer: bool = True) -> dict:
                         "search_samples": len(next(iter(search.values()))),
                         "unseen_samples": len(next(iter(unseen.values()))),
                         "float_sites": [s["name"] for s in info["float_sites"]], "sites": info["sites"],
+                        "ranges": _ranges_row(info.get("ranges")),
                         "int8": _weighted_share(result), "seconds": time.perf_counter() - start,
                         "check": str(onnx_qat.check(result.model).summary())}
     except onnx_qat.AccuracyError as exc:
         row["mixed"] = {"error": str(exc), "seconds": time.perf_counter() - start}
     return row
+
+
+def _ranges_row(ranges) -> dict:
+    """The range search's choice for the JSON rows: the whole table it started from, the tensors
+    whose range it changed, and each quantized site's candidates."""
+    if not ranges:
+        return {}
+    kept = ranges.get("changes", []) + ranges.get("returned", [])
+    changed = {t: c["to"] for c in kept for t in c["tensors"]}
+    return {"start": ranges["start"], "changed": changed, "sites": ranges.get("sites", {}),
+            "runs": ranges.get("runs")}
 
 
 def optimized(path: Path, calib, evaluation) -> dict:
@@ -329,8 +341,11 @@ def table(rows: List[dict]) -> str:
         if "error" in m:
             mixed = f"not reached ({m['error'][:60]}) | - | - | {m['seconds']:.0f} s"
         else:
+            chosen = m.get("ranges") or {}
+            ranges = f" ({chosen['start']} table, {len(chosen['changed'])} ranges changed)" if chosen else ""
             mixed = (f"{m['cosine']:.4f} ({m['search_cosine']:.4f}) | "
-                     f"{len(m['float_sites'])} of {m['sites']} | {share(m['int8'])} | {m['seconds']:.0f} s")
+                     f"{len(m['float_sites'])} of {m['sites']}{ranges} | {share(m['int8'])} | "
+                     f"{m['seconds']:.0f} s")
         others = " | ".join(f"{r[k]['cosine']:.4f}" for k in ("percentile", "mse", "entropy"))
         peer = r.get("ort-entropy", {"skipped": "not measured (--no-peer)"})
         others += f" | {peer['cosine']:.4f}" if "cosine" in peer else f" | skipped: {peer['skipped']}"

@@ -16,6 +16,10 @@ neighbours: a residual Add or Concat next to a float site is re-decided), the Q/
 by the one inserter, and its cosine is measured again on the evaluation data. When the built model
 misses the minimum, the next site in the order is added and the model is built again.
 
+With ``method="auto"`` (the default) the search also chooses each activation tensor's range among
+``auto``'s candidates, and leaves a site float only where no range choice reaches the minimum
+(`onnx_qat.accuracy.ranges`); the steps above are then the search with one fixed table.
+
 "Quantized" is in the format ``config.precision`` names (INT8, FP8, or INT4 weight-only, where a site
 is one weight's blockwise DequantizeLinear); what differs per format is in
 `onnx_qat.accuracy.format_settings`.
@@ -33,6 +37,7 @@ from ..formats.numeric import get_format
 from . import bisect
 from .format_settings import precision_name
 from .prepared import OutputError, Prepared, output_error, prepare
+from .fewest import fewest_float, harm_order
 from .sites import site_exclusions, with_partners
 
 logger = logging.getLogger(__name__)
@@ -80,28 +85,9 @@ def search(prepared: Prepared, min_cosine: float, budget: int, progress: bool = 
     finally:
         bar.close()
     losses = [found[k][0] for k in range(n)]  # output error with only this site in INT8
-    order = tuple(sorted(range(n), key=lambda k: (found[k][1] > 1, losses[k].cosine, sites[k].name)))
-    limit = 0
-    while limit < n and len(with_partners(sites, order[:limit + 1])) <= min(budget, n - 1):
-        limit += 1
-    if limit == 0 or with_float(order[:limit]).cosine < min_cosine:
-        best = max((with_float(order[:k]) for k in range(1, limit + 1)), key=lambda e: e.cosine,
-                   default=all_int8)
-        return order, None, all_int8, best
-    low, high = 1, limit  # with_float(order[:high]) reaches the minimum
-    while low < high:
-        mid = (low + high) // 2
-        if with_float(order[:mid]).cosine >= min_cosine:
-            high = mid
-        else:
-            low = mid + 1
-    chosen = list(order[:high])
-    for k in sorted(chosen, key=lambda k: -losses[k].cosine):  # the least harmful first
-        rest = [i for i in chosen if i != k]
-        if rest and with_float(rest).cosine >= min_cosine:
-            chosen = rest
-    chosen = with_partners(sites, chosen)
-    return order, chosen, all_int8, with_float(chosen)
+    order = harm_order(sites, found)
+    chosen, best = fewest_float(sites, order, losses, with_float, min_cosine, budget, all_int8)
+    return order, chosen, all_int8, best
 
 
 def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optional[int], eval_data, scales,
@@ -123,10 +109,23 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
     batch_size = kw.pop("batch_size", 16)
     kw.pop("tensors", None)
     prepared, _ = prepare(model, data, scales=scales, method=method, eval_data=eval_data, config=config,
-                          batch_size=batch_size, progress=progress, calibration_options=kw, workers=workers)
+                          batch_size=batch_size, progress=progress, calibration_options=kw, workers=workers,
+                          range_candidates=method == "auto")
     budget = len(prepared.sites) if max_float_sites is None else max_float_sites
+    ranges = None
     with prepared:  # the settings on `workers` processes (onnx_qat.accuracy.parallel), stopped after
-        order, chosen, all_int8, estimate = search(prepared, min_cosine, budget, progress)
+        if prepared.scale_inputs:  # auto's candidates: each tensor's range is searched too (in this process)
+            from .ranges import search_ranges
+
+            bar = _bar(None, progress)
+            try:
+                ranges, order, chosen, all_int8, estimate = search_ranges(prepared, min_cosine, budget,
+                                                                          lambda: bar.update(1))
+            finally:
+                bar.close()
+            prepared.table = _chosen_table(prepared.table, ranges)
+        else:
+            order, chosen, all_int8, estimate = search(prepared, min_cosine, budget, progress)
     if chosen is None:
         if budget >= len(prepared.sites):
             raise AccuracyError(f"output cosine {min_cosine:g} is reached only with every site in float "
@@ -148,11 +147,26 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
         chosen = grown
     info = _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_float_sites, result,
                     time.perf_counter() - start)
+    if ranges is not None:
+        from .ranges import per_site
+
+        info["ranges"] = {**ranges.records, "sites": per_site(ranges, chosen)}
     if prepared.int4 is not None:
         result = dataclasses.replace(result, awq=prepared.int4.awq, gptq=prepared.int4.gptq)
     result = dataclasses.replace(result, output=out_path, accuracy=info)
     write_outputs(result.model, out_path, report, result.to_report, inputs=inputs)
     return result
+
+
+def _chosen_table(table, ranges):
+    """The ScaleTable of the range search's choice (its metadata naming each tensor's candidate)."""
+    import json
+
+    from ..scales import ScaleTable
+
+    meta = {**table.metadata, "range_search": json.dumps(dict(sorted(ranges.choice.items())),
+                                                         separators=(",", ":"))}
+    return ScaleTable(dict(ranges.amax), producer=table.producer, metadata=meta, bounds=dict(table.bounds))
 
 
 def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):

@@ -9,16 +9,19 @@ The steps, in order, on a private copy of the float model:
    ranges calibrated again on the equalized model;
 3. ``smooth``: activation smoothing (`onnx_qat.accuracy.smooth`, SmoothQuant-style; float function unchanged),
    then the ranges calibrated again;
-4. ``rounding``: error-compensated INT8 weight rounding (`onnx_qat.accuracy.rounding`, GPTQ-style, bounded by
+4. ``ranges`` (with ``method="auto"``, the default): each activation's range chosen among ``auto``'s
+   candidates by the output on the evaluation data (`onnx_qat.accuracy.ranges.tune_table`: the best
+   whole table, then each harmful site's tensors);
+5. ``rounding``: error-compensated INT8 weight rounding (`onnx_qat.accuracy.rounding`, GPTQ-style, bounded by
    ``time_budget``);
-5. ``bias_correction``: the mean shift of each quantized weighted op folded into its bias, in graph
+6. ``bias_correction``: the mean shift of each quantized weighted op folded into its bias, in graph
    order (`onnx_qat.accuracy.bias_correction`).
 
 After each step the Q/DQ model is built by the one inserter and its output cosine against the float
 model measured on the evaluation data (``eval_data``, or the last quarter of ``data``, then not
 calibrated on). A step that does not raise it is undone. The report (``QuantizeResult.accuracy``) lists
 every step: its cosine, its gain over the step before, whether it was kept, its seconds and records.
-Steps 4 and 5 apply to INT8; other precisions run steps 1 to 3.
+Steps 5 and 6 apply to INT8; other precisions run steps 1 to 4.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ logger = logging.getLogger(__name__)
 #: Values of ``optimize``.
 OPTIMIZE = ("accuracy",)
 #: Steps in the order they run.
-STEPS = ("calibrate", "equalize", "smooth", "rounding", "bias_correction")
+STEPS = ("calibrate", "equalize", "smooth", "ranges", "rounding", "bias_correction")
 
 
 def check_optimize(optimize) -> Optional[str]:
@@ -115,6 +118,16 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
     tensors = smooth(trial, calib, batch_size=batch_size)
     attempt("smooth", clock, trial, tensors, lambda: calibrated(trial),
             "no activation with uneven channel ranges the graph can absorb", tensors=list(tensors))
+
+    if method == "auto":
+        clock = time.perf_counter()
+        from .ranges import tune_table
+
+        tuned, records = tune_table(float_model, calib, evaluation, config=config, weights=table,
+                                    batch_size=batch_size, progress=progress)
+        attempt("ranges", clock, float_model, True, lambda: tuned, "", start=records.get("start"),
+                changes=list(records.get("changes", [])), unconfirmed=list(records.get("unconfirmed", [])),
+                confirmed=records.get("confirmed"), runs=records.get("runs"))
 
     if fmt.name == "int8":
         clock = time.perf_counter()

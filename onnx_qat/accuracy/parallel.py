@@ -55,6 +55,17 @@ class LocalSettings:
                 on_run()
         return out
 
+    def run(self, quantized: Iterable[int], scales: Optional[Mapping[str, np.ndarray]] = None
+            ) -> Dict[str, np.ndarray]:
+        """The outputs of one setting with the activation scales ``scales`` fed (`GatedRunner.run`):
+        what the range search (`onnx_qat.accuracy.ranges`) runs, only in this process."""
+        return self.runner.run(quantized, scales)
+
+    def set_reference(self, quantized: Iterable[int], scales: Optional[Mapping[str, np.ndarray]] = None,
+                      default: bool = False) -> None:
+        """`GatedRunner.set_reference` (the range search's accepted changes)."""
+        self.runner.set_reference(quantized, scales, default=default)
+
     def close(self) -> None:
         """Nothing to stop."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -20,7 +20,7 @@ import onnx
 from ..errors import ConfigError, PlacementError
 from ..scales import ScaleTable
 from .figures import OutputError, output_error
-from .gated import gate_model, join_flat
+from .gated import gate_model, join_flat, lift_scales
 from .sites import Site, sites_of, tensors_to_calibrate
 
 logger = logging.getLogger(__name__)
@@ -46,10 +46,21 @@ class Prepared:
     runner: object  # the settings runner: LocalSettings or PooledSettings (onnx_qat.accuracy.parallel)
     method: str
     int4: object = None  # precision int4: the WeightOnly state (onnx_qat.accuracy.format_settings)
+    #: with range candidates (``prepare(..., range_candidates=True)``): ``{tensor: {candidate: amax}}``
+    #: of every calibrated tensor, and ``{tensor: scale input}`` of the gated model's lifted scales
+    options: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    scale_inputs: Mapping[str, str] = field(default_factory=dict)
+    qmax: float = 127.0
 
-    def error(self, quantized) -> OutputError:
-        """Output error with exactly the sites ``quantized`` (indices) in INT8, in the gated session."""
-        return self.runner.errors([quantized])[0]
+    def error(self, quantized, amax: Optional[Mapping[str, float]] = None) -> OutputError:
+        """Output error with exactly the sites ``quantized`` (indices) in INT8, in the gated session;
+        with ``amax`` (``{tensor: amax}``, every activation the placement quantizes), the activation
+        ranges of that table instead of the ones the gated model was built with (needs
+        ``scale_inputs``, whose runner is always this process's `LocalSettings`). Every trial of a
+        search is one call of this function."""
+        if amax is None:
+            return self.runner.errors([quantized])[0]
+        return output_error(self.reference, self.runner.run(quantized, self.scale_feeds(amax)))
 
     def errors(self, settings, on_run=None) -> List[OutputError]:
         """`error` of each setting (an iterable of site indices), in order; on the workers when there
@@ -71,6 +82,18 @@ class Prepared:
     def __exit__(self, *exc) -> bool:
         self.close()
         return False
+
+    def scale_feeds(self, amax: Optional[Mapping[str, float]]) -> Optional[Dict[str, np.ndarray]]:
+        """``{scale input: float32 scale}`` of the lifted scales under ``{tensor: amax}`` (scale groups
+        share their largest range, as the inserter computes them); None for None."""
+        if amax is None:
+            return None
+        from ..insertion.inserter import activation_scales, group_amax
+
+        grouped = group_amax(self.placement, ScaleTable(dict(amax)))
+        tensors = [t for t in self.scale_inputs if t in grouped]
+        values = activation_scales([grouped[t] for t in tensors], self.qmax)
+        return {self.scale_inputs[t]: np.asarray(v, dtype=np.float32) for t, v in zip(tensors, values)}
 
 
 def split_data(data, eval_data, model: onnx.ModelProto, holdout: float = HOLDOUT):
@@ -110,13 +133,24 @@ def _table(scales) -> ScaleTable:
 
 def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, config=None,
             batch_size: int = 16, progress: bool = True, calibration_options: Optional[Mapping] = None,
-            activation_stats: Optional[Sequence[str]] = (), workers=1
+            activation_stats: Optional[Sequence[str]] = (), workers=1,
+            range_candidates: bool = False, weight_scales: Optional[ScaleTable] = None
             ) -> Tuple[Prepared, Dict[str, dict]]:
     """Everything later runs share (see the module docstring), and the statistics (amax, clipped
     share, quantization SQNR) of the activation tensors ``activation_stats`` on the evaluation data
     (None: every activation tensor placement quantizes). The settings (and the calibration's batches)
     run on ``workers`` processes (a count, None for `onnx_qat.accuracy.parallel.choose_workers`, or a
-    `WorkerSpec`, Ray included); close the result (``with prepared:``) to stop them."""
+    `WorkerSpec`, Ray included); close the result (``with prepared:``) to stop them.
+
+    ``range_candidates`` (with ``method="auto"``, calibration data and a format with activation
+    ranges): keep every candidate range of every tensor (``Prepared.options``, from `auto`'s one
+    pass, `onnx_qat.calibration.runner.collect`) and make the activation scales of the gated model
+    inputs, so that a setting can choose each tensor's range (`onnx_qat.accuracy.ranges`). The
+    gated model starts from each tensor's least-error candidate (``auto``'s per-tensor table);
+    ``weight_scales`` (a ScaleTable) gives weight ranges to use instead of each weight's own max
+    (weights already rounded onto their grid). With range candidates the settings run in this process
+    whatever ``workers`` says (`LocalSettings`: the search's trials feed scales and move the runner's
+    reference, which worker processes do not share); the calibration pass still uses ``workers``."""
     from ..runtime.workers import worker_spec
 
     workers = worker_spec(workers)
@@ -144,6 +178,7 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     if data is None and eval_data is None:
         raise ConfigError("give data (calibration data) or eval_data")
     base, int4 = float_model, None  # the model every setting is built from (int4: after the AWQ edits)
+    options: Mapping[str, Mapping[str, float]] = {}
     if scales is not None:
         table = _table(scales)
         calib = None
@@ -156,21 +191,58 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
         base, table = int4.base, int4.table
     else:
         calib, evaluation = split_data(data, eval_data, float_model)
-        table = calibrate(float_model, calib, method=method, tensors=tensors, progress=progress,
-                          batch_size=batch_size, workers=workers, **dict(calibration_options or {}))
+        if range_candidates and method == "auto":
+            found = _collect(float_model, calib, tensors, batch_size, progress, calibration_options, workers)
+            table, options = found.table(), found.options
+            if weight_scales is not None:
+                table = table.merged(ScaleTable(weights=dict(weight_scales.weights)))
+        else:
+            table = calibrate(float_model, calib, method=method, tensors=tensors, progress=progress,
+                              batch_size=batch_size, workers=workers, **dict(calibration_options or {}))
     qdq = rewrite_model(base if int4 is None else int4.model(), scales=table, data=None, method="max",
                           config=insertion_config(config), calib_kw={}, placement=placement,
                           progress=False).model
     gated = gate_model(qdq, base, sites)
     del qdq
+    lifted = lift_scales(gated, placement.activation_tensors()) if options else {}
     feeds = tuple(evaluation.batches(batch_size))
     observed = placement.activation_tensors() if activation_stats is None else tuple(activation_stats)
     state = evaluation.state
     started = time.perf_counter()
     reference, stats = _float_run(float_model, feeds, observed, placement, table, state)
-    runner = _settings_runner(gated, sites, feeds, reference, state, workers, time.perf_counter() - started)
+    if lifted:
+        runner = _local_runner(gated, sites, feeds, reference, state, lifted, workers)
+    else:
+        runner = _settings_runner(gated, sites, feeds, reference, state, workers,
+                                  time.perf_counter() - started)
     return Prepared(base, placement, sites, table, calib, evaluation, feeds, reference, runner,
-                    method if scales is None else "given", int4), stats
+                    method if scales is None else "given", int4, options,
+                    {t: name for t, (name, _) in lifted.items()}, get_format(config.precision).qmax), stats
+
+
+def _collect(float_model, calib, tensors, batch_size: int, progress: bool, calibration_options, workers):
+    """``auto``'s one calibration pass with every candidate range kept (`Calibration.options`)."""
+    from ..calibration.runner import collect
+
+    kw = {k: v for k, v in dict(calibration_options or {}).items() if k == "num_bins"}
+    found = collect(float_model, calib, tensors, method="auto", batch_size=batch_size, progress=progress,
+                    workers=workers, **kw)
+    if found.unobserved:
+        logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
+                       "(e.g. %r); they get no range", len(found.unobserved), found.unobserved[0])
+    return found
+
+
+def _local_runner(gated, sites, feeds, reference, state, lifted, workers):
+    """`LocalSettings` on a gated runner fed the lifted scales (see `prepare`'s range candidates)."""
+    from .gated import GatedRunner
+    from .parallel import LocalSettings
+
+    if workers.ray is not None or (workers.count or 1) > 1:
+        logger.info("the range search's settings run in this process (--workers applies to its calibration)")
+    scales = {name: value for name, value in lifted.values()}
+    return LocalSettings(GatedRunner(gated, len(sites), feeds, tuple(reference), state=state, scales=scales),
+                         reference)
 
 
 def _settings_runner(gated, sites, feeds, reference, state, workers, float_seconds: float):

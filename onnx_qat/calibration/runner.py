@@ -181,6 +181,10 @@ class Calibration:
             joined over the batches), taken during the calibration run itself.
         bounds: ``{tensor: (min, max)}`` of the finite values seen, whatever the method (the ScaleTable's
             ``bounds``: the ``ort-cpu`` target's asymmetric ranges).
+        options: ``auto`` only: every candidate range of every tensor, ``{tensor: {candidate: amax}}``
+            (``max``, ``percentile(99.9)``, ``percentile(99.99)``, ``percentile(99.999)``, ``mse``,
+            ``entropy``), all read from the same histograms: what a search over each tensor's range
+            (`onnx_qat.accuracy.ranges`) chooses from.
     """
 
     ranges: Mapping[str, float]
@@ -192,6 +196,7 @@ class Calibration:
     check_feeds: Tuple[dict, ...] = field(default=(), repr=False)
     reference: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
     bounds: Mapping[str, Tuple[float, float]] = field(default_factory=dict)
+    options: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
 
     def table(self, name: Optional[str] = None, **metadata) -> ScaleTable:
         """The ScaleTable of `ranges` (or of candidate ``name``), with ``metadata`` and `bounds` added."""
@@ -381,10 +386,14 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     candidates = {"max": {n: guarded(observers[n].collector.max_amax()) for n in ranges}, "tensor": ranges,
                   "entropy": {n: guarded(observers[n].collector.entropy_amax()) for n in ranges}}
     choices = {name: observers[name].collector.choice for name in ranges}
+    options = {name: {**{c: guarded(amax) for c, (amax, _) in observers[name].collector.errors.items()},
+                      "entropy": candidates["entropy"][name]} if observers[name].collector.errors else
+               {"max": candidates["max"][name], "entropy": candidates["entropy"][name]} for name in ranges}
     feeds = tuple(feed for feed, _ in kept)
     reference = {name: np.concatenate([values[name].ravel() for _, values in kept]) for name in outputs} \
         if kept else {}
-    return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference, bounds)
+    return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference, bounds,
+                       options)
 
 
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,

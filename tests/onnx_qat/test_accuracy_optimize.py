@@ -222,7 +222,7 @@ def test_optimize_accuracy_keeps_the_steps_that_help_and_reports_each():
     assert_check_clean(result.model)
     info = result.accuracy
     steps = {s["step"]: s for s in info["steps"]}
-    assert list(steps) == ["calibrate", "equalize", "smooth", "rounding", "bias_correction"]
+    assert list(steps) == ["calibrate", "equalize", "smooth", "ranges", "rounding", "bias_correction"]
     assert steps["equalize"]["kept"] and steps["equalize"]["gain"] > 0.02
     assert info["cosine_after"] >= info["cosine_before"] + 0.02
     assert all(s["kept"] == (s["gain"] is None or s["gain"] > 0) for s in info["steps"])
@@ -270,7 +270,7 @@ def test_optimize_accuracy_in_fp8_equalizes_and_passes_check():
     data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
     result = onnx_qat.quantize(model, data=data, optimize="accuracy", precision="fp8", progress=False)
     assert result.precision == "fp8"
-    assert [s["step"] for s in result.accuracy["steps"]] == ["calibrate", "equalize", "smooth"]
+    assert [s["step"] for s in result.accuracy["steps"]] == ["calibrate", "equalize", "smooth", "ranges"]
     assert_check_clean(result.model)
 
 

@@ -44,7 +44,7 @@ def test_leaves_exactly_the_sensitive_site_float(hot, seed):
 
 def test_many_sites_through_group_bisection_leave_exactly_the_sensitive_site_float():
     model = outlier_channel_model("conv13", convs=24, seed=2, factor=1000.0)
-    result = onnx_qat.quantize(model, data=_inputs(24, 2), min_cosine=0.99, progress=False)
+    result = onnx_qat.quantize(model, data=_inputs(24, 2), min_cosine=0.99, method="max", progress=False)
     info = result.accuracy
     assert [s["name"] for s in info["float_sites"]] == ["conv13"] and info["sites"] == 26
     assert info["runs"] < 26, info  # fewer runs than one per site
@@ -128,11 +128,11 @@ def test_options_are_validated():
 
 
 def test_reached_without_float_sites_is_the_default_model_byte_for_byte():
-    """With nothing left float the result is exactly what quantize gives with ``max`` (the method
-    of ``min_cosine`` when none is given) on the calibration split."""
+    """With nothing left float the result is exactly what quantize gives with the same method on the
+    calibration split (``max``; with ``auto``'s range search, the whole table it starts from)."""
     model = outlier_channel_model("conv2", seed=5, factor=2.0)
     data = _inputs(16, 5)
-    mixed = onnx_qat.quantize(model, data=data, min_cosine=0.5, progress=False)
+    mixed = onnx_qat.quantize(model, data=data, min_cosine=0.5, method="max", progress=False)
     assert mixed.accuracy["float_sites"] == []
     default = onnx_qat.quantize(model, data={"input": data["input"][:12]}, method="max", progress=False)
     assert mixed.model.SerializeToString() == default.model.SerializeToString()

@@ -228,7 +228,9 @@ def test_angle_classifier_sensitivity_and_min_cosine_reach_what_max_misses(cls_m
     assert judged["entropy"] > judged["max"] and default.scales.metadata["auto_table"] == "max"
     assert cosine(ref_eval, run(default.model, evaluation)[0]) >= max_eval - 1e-6
 
-    mixed = onnx_qat.quantize(cls_model, data=calib, eval_data=evaluation, min_cosine=0.997, progress=False)
+    # the search over float sites alone, with max ranges
+    mixed = onnx_qat.quantize(cls_model, data=calib, eval_data=evaluation, min_cosine=0.997, method="max",
+                              progress=False)
     assert_check_clean(mixed.model)
     floats = [site["name"] for site in mixed.accuracy["float_sites"]]
     assert 1 <= len(floats) <= 8 and mixed.accuracy["sites"] >= 70, (floats, mixed.accuracy["sites"])
@@ -247,3 +249,11 @@ def test_angle_classifier_sensitivity_and_min_cosine_reach_what_max_misses(cls_m
     assert len(ranked) == mixed.accuracy["sites"]
     top = set(floats) & set(ranked[:5])  # measured: 4 of the 5 most sensitive sites are among the 6 float
     assert result.all_int8.cosine < 0.995 and len(top) >= 3, (result.all_int8, ranked[:5], floats)
+
+    # the default search, over each activation's range too, reaches it with fewer sites float
+    # (measured: none, from auto's per-tensor table)
+    ranged = onnx_qat.quantize(cls_model, data=calib, eval_data=evaluation, min_cosine=0.997, progress=False)
+    assert_check_clean(ranged.model)
+    assert len(ranged.accuracy["float_sites"]) < len(floats), ranged.accuracy["float_sites"]
+    assert cosine(ref_eval, run(ranged.model, evaluation)[0]) >= 0.997
+    assert cosine(ref_unseen, run(ranged.model, unseen)[0]) > 0.98

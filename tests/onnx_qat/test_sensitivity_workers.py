@@ -67,6 +67,21 @@ def test_min_cosine_chooses_the_same_sites_with_two_workers():
         assert one[key] == two[key], key
 
 
+@pytest.mark.parametrize("seed", [4, 9])
+def test_min_cosine_range_search_with_two_workers_matches_one(seed):
+    """The default method (auto): the range search's settings run in this process, its calibration pass
+    on the workers; the candidate ranges, the search and the model written are those of one process."""
+    model = mobilenet_v2_model(size=16, width=0.5, seed=seed)
+    data = {"input": _images(12, seed + 1, 16)}
+    kw = dict(data=data, min_cosine=0.9995, progress=False)
+    one = onnx_qat.quantize(model, workers=1, **kw)
+    two = onnx_qat.quantize(model, workers=2, **kw)
+    assert "ranges" in one.accuracy and one.accuracy["ranges"]["runs"]["whole_tables"] == 5
+    for key in ("float_sites", "cosine_before", "cosine_estimate", "cosine_after", "runs", "ranges"):
+        assert one.accuracy[key] == two.accuracy[key], key
+    assert one.model.SerializeToString() == two.model.SerializeToString()
+
+
 def test_the_detector_on_two_workers_matches_one(det_model):  # noqa: F811
     """The real PP-OCRv4 text detector (cached by tests/onnx_qat/test_real_models.py, skipped offline)."""
     data = {"x": _images(6, 11, 96)}

@@ -1,0 +1,461 @@
+"""Automatic mixed precision that also chooses ranges: each tensor's range method and the float sites.
+
+`auto`'s one calibration pass gives every activation tensor several candidate ranges (``max``,
+``percentile(99.9 / 99.99 / 99.999)``, ``mse``, ``entropy``: `Calibration.options`). In the gated
+session (`onnx_qat.accuracy.gated`) the activation scales are graph inputs, so a setting is a set
+of quantized sites *and* a range per tensor; every trial is one call of
+[`Prepared.error`][onnx_qat.accuracy.prepared.Prepared.error]. The search:
+
+1. **whole tables**: every site in INT8 under each whole table (`WHOLE_TABLES`: ``auto``'s per-tensor
+   table, then ``max``, ``entropy``, ``mse`` and ``percentile(99.99)`` everywhere); the best one is the
+   start. Done when it reaches ``min_cosine``;
+2. **harm**: each site's output error with only it quantized (group bisection for more than 16
+   sites, as the plain search);
+3. **ranges**: for the sites measured alone, most harmful first, each activation tensor's other
+   candidates are tried with every site in INT8 (a scale group changes as one); the best is kept when
+   it raises the output cosine by more than `min_gain`, on at least `MIN_SAMPLE_SHARE` of the
+   evaluation samples taken alone (`better`), and when it also raises the output cosine on the first
+   calibration samples, which no trial was chosen by (`Confirmation`; changes that fail this are
+   recorded as ``unconfirmed``). Stops as soon as ``min_cosine`` is reached;
+4. **float sites**: the sites whose harm changed are measured again, then the fewest leading sites in
+   harm order whose fallback reaches the minimum, pruned (`onnx_qat.accuracy.fewest.fewest_float`);
+5. **ranges before float**: each float site, least harmful first, goes back to INT8 when some
+   candidate range of its tensors keeps the minimum.
+
+Each accepted change becomes the gated runner's reference (`GatedRunner.set_reference`), so every
+later trial differs from it in one tensor or site and runs only the graph after it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import bisect
+from .fewest import fewest_float, harm_order
+from .prepared import OutputError, Prepared, output_error
+from .sites import with_partners
+
+logger = logging.getLogger(__name__)
+
+#: The whole tables tried first, in this order (ties keep the earlier one): ``tensor`` is ``auto``'s
+#: per-tensor table (each tensor's least-error candidate), the others one candidate everywhere.
+WHOLE_TABLES = ("tensor", "max", "entropy", "mse", "percentile(99.99)")
+#: Candidate ranges per tensor, in the order they are tried.
+CANDIDATES = ("max", "percentile(99.999)", "percentile(99.99)", "percentile(99.9)", "mse", "entropy")
+#: A candidate within this relative distance of one already listed for the tensor is the same range.
+SAME_RANGE = 0.01
+#: A range change is kept only when it raises the output cosine by more than this share of the loss
+#: left (1 - cosine), and never by less than `MIN_GAIN_FLOOR`: gains below that are noise of the
+#: evaluation data more often than they carry over to other inputs.
+MIN_GAIN_SHARE = 0.005
+MIN_GAIN_FLOOR = 1e-6
+
+
+#: ... and only when it raises the cosine of at least this share of the evaluation samples, each
+#: taken alone (a sign test against a gain that a few samples make: with 4 samples, 3 of them).
+MIN_SAMPLE_SHARE = 2 / 3
+
+
+#: Calibration samples a range change is confirmed on (`Confirmation`), at most.
+CONFIRM_SAMPLES = 64
+
+
+def min_gain(error: OutputError) -> float:
+    """The least cosine gain that keeps a range change (see `MIN_GAIN_SHARE`)."""
+    return max(MIN_GAIN_FLOOR, MIN_GAIN_SHARE * (1.0 - error.cosine))
+
+
+def sample_cosines(prepared: Prepared, outputs: Mapping[str, np.ndarray]) -> Optional[np.ndarray]:
+    """The worst output cosine of each evaluation sample alone (None where the outputs cannot be split
+    by sample: a stateful or unbatched dataset, or outputs whose size the sample count does not
+    divide)."""
+    data = prepared.evaluation
+    samples = getattr(data, "num_samples", 0)
+    if not samples or getattr(data, "state", None) or getattr(data, "unbatched", True):
+        return None
+    worst = np.ones(samples)
+    for name, ref in prepared.reference.items():
+        if ref.size % samples:
+            return None
+        r = ref.reshape(samples, -1)
+        c = np.asarray(outputs[name], dtype=np.float64).reshape(samples, -1)
+        norms = np.sqrt(np.einsum("ij,ij->i", r, r) * np.einsum("ij,ij->i", c, c))
+        dots = np.einsum("ij,ij->i", r, c)
+        worst = np.minimum(worst, np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), 1.0))
+    return worst
+
+
+def better(trial: OutputError, trial_samples, current: OutputError, current_samples) -> bool:
+    """Whether a trial beats the current setting: a cosine gain above `min_gain`, on at least
+    `MIN_SAMPLE_SHARE` of the samples when they can be told apart."""
+    if trial.cosine <= current.cosine + min_gain(current):
+        return False
+    if trial_samples is None or current_samples is None:
+        return True
+    return int(np.count_nonzero(trial_samples > current_samples)) >= \
+        math.ceil(MIN_SAMPLE_SHARE * len(trial_samples) - 1e-9)
+
+
+class Confirmation:
+    """The output cosine on samples the search does not judge on: the first `CONFIRM_SAMPLES` of the
+    calibration data (the candidate ranges come from their statistics, but no trial is chosen by their
+    outputs). A range change the evaluation samples choose is kept only when it raises this cosine
+    too (`tune`). One whole run of the gated session per check, on the session the search already
+    has; ``usable`` is False (nothing confirmed) without calibration data, with a stateful model or
+    with settings on workers."""
+
+    def __init__(self, prepared: Prepared, batch_size: int = 16):
+        runner = getattr(prepared.runner, "runner", None)
+        data = prepared.calibration
+        self.usable = runner is not None and data is not None and not getattr(data, "state", None) \
+            and bool(prepared.scale_inputs)
+        self.runs = 0
+        if not self.usable:
+            return
+        self.prepared, self.runner = prepared, runner
+        self.feeds = tuple(data.take(CONFIRM_SAMPLES).batches(batch_size))
+        self.reference = {k: v.astype(np.float64) for k, v in self._outputs((), None).items()}
+
+    def _outputs(self, on, scales) -> Dict[str, np.ndarray]:
+        from .gated import join_flat
+
+        runner = self.runner
+        switches = {**runner._gates(set(on)), **runner.scales, **dict(scales or {})}
+        parts: Dict[str, list] = {name: [] for name in runner.outputs}
+        for feed in self.feeds:
+            for name, value in zip(runner.outputs, runner.session.run(runner.outputs, {**feed, **switches})):
+                parts[name].append(value)
+        return {name: join_flat(v) for name, v in parts.items()}
+
+    def cosine(self, float_sites: Sequence[int], amax: Mapping[str, float]) -> float:
+        """Output cosine with ``float_sites`` float and every other site quantized under ``amax``."""
+        sites = self.prepared.sites
+        on = set(range(len(sites))) - set(with_partners(sites, float_sites))
+        self.runs += 1
+        return output_error(self.reference, self._outputs(on, self.prepared.scale_feeds(amax))).cosine
+
+
+@dataclass
+class RangeSearch:
+    """The state of one search (see the module docstring): the table, each tensor's candidate, the
+    float sites, and what each step did (``records``)."""
+
+    prepared: Prepared
+    amax: Dict[str, float]
+    choice: Dict[str, str]
+    float_sites: Tuple[int, ...] = ()
+    records: Dict[str, object] = field(default_factory=dict)
+    on_run: Optional[Callable[[], None]] = None
+    samples: Optional[np.ndarray] = None  # each evaluation sample's cosine in the current setting
+    confirm: Optional[Confirmation] = None  # the samples a kept range change must also gain on
+    confirmed: Optional[float] = None  # their cosine in the current setting
+
+    def evaluate(self, float_sites: Sequence[int] = (), amax: Optional[Mapping[str, float]] = None
+                 ) -> OutputError:
+        """The one evaluation every trial is: output error with ``float_sites`` (and their partners)
+        float, every other site quantized, under ``amax`` (default: the current table)."""
+        return self.evaluate_samples(float_sites, amax)[0]
+
+    def evaluate_samples(self, float_sites: Sequence[int] = (), amax: Optional[Mapping[str, float]] = None):
+        """`evaluate`, and each evaluation sample's cosine (`sample_cosines`)."""
+        sites = self.prepared.sites
+        on = set(range(len(sites))) - set(with_partners(sites, float_sites))
+        if self.on_run is not None:
+            self.on_run()
+        prepared = self.prepared
+        outputs = prepared.runner.run(on, prepared.scale_feeds(self.amax if amax is None else amax))
+        return output_error(prepared.reference, outputs), sample_cosines(prepared, outputs)
+
+    def accept(self, amax: Mapping[str, float], float_sites: Sequence[int], default: bool = False) -> None:
+        """Make ``amax`` and ``float_sites`` current, and the runner's reference."""
+        self.amax = dict(amax)
+        self.float_sites = with_partners(self.prepared.sites, float_sites)
+        on = set(range(len(self.prepared.sites))) - set(self.float_sites)
+        self.prepared.runner.set_reference(on, self.prepared.scale_feeds(self.amax), default=default)
+
+
+def candidates(options: Mapping[str, float]) -> List[Tuple[str, float]]:
+    """``[(candidate, amax)]`` of one tensor in `CANDIDATES` order, a range within `SAME_RANGE` of an
+    earlier one left out."""
+    out: List[Tuple[str, float]] = []
+    for name in CANDIDATES:
+        amax = options.get(name)
+        if amax is None or any(abs(amax - a) <= SAME_RANGE * max(a, amax) for _, a in out):
+            continue
+        out.append((name, float(amax)))
+    return out
+
+
+def candidate_name(options: Mapping[str, float], amax: float) -> str:
+    """The candidate of ``options`` whose range is ``amax`` (``auto``'s per-tensor table names one)."""
+    for name in CANDIDATES:
+        if name in options and abs(options[name] - amax) <= 1e-6 * max(amax, 1e-30):
+            return name
+    return "auto"
+
+
+def whole_table(prepared: Prepared, name: str) -> Tuple[Dict[str, float], Dict[str, str]]:
+    """``(amax, choice)`` of whole table ``name`` (`WHOLE_TABLES`) over every calibrated tensor."""
+    base = dict(prepared.table.activations)
+    if name == "tensor":
+        return base, {t: candidate_name(prepared.options.get(t, {}), a) for t, a in base.items()}
+    amax = {t: float(prepared.options.get(t, {}).get(name, a)) for t, a in base.items()}
+    return amax, {t: name if name in prepared.options.get(t, {}) else "max" for t in base}
+
+
+def groups_of(prepared: Prepared) -> Dict[str, Tuple[str, ...]]:
+    """Tensor -> the tensors sharing its scale (rule 7's Concat groups; a tensor alone otherwise)."""
+    members: Dict[str, List[str]] = {}
+    for mark in prepared.placement.activations:
+        if mark.scale_group:
+            members.setdefault(mark.scale_group, []).append(mark.tensor)
+    out = {}
+    for mark in prepared.placement.activations:
+        out[mark.tensor] = tuple(members[mark.scale_group]) if mark.scale_group else (mark.tensor,)
+    return out
+
+
+def start(state: RangeSearch) -> OutputError:
+    """Step 1: the best whole table, made current (every site INT8)."""
+    cosines, best, best_error = {}, None, None
+    for name in WHOLE_TABLES:
+        amax, choice = whole_table(state.prepared, name)
+        error, samples = state.evaluate_samples((), amax)
+        cosines[name] = error.cosine
+        if best_error is None or error.cosine > best_error.cosine:
+            best, best_error, best_choice, best_amax = name, error, choice, amax
+            state.samples = samples
+    state.choice = best_choice
+    state.accept(best_amax, (), default=True)
+    state.records.update(start=best, whole_tables=cosines)
+    logger.info("range search: whole tables %s; starting from %s",
+                ", ".join(f"{k} {v:.5f}" for k, v in cosines.items()), best)
+    return best_error
+
+
+def tune(state: RangeSearch, site_order: Sequence[int], current: OutputError, min_cosine: float,
+         float_sites: Sequence[int] = ()) -> OutputError:
+    """Step 3: for each site of ``site_order`` (not float), each of its activation tensors' other
+    candidates in the current setting; the best kept when it gains more than `min_gain`. Stops at
+    ``min_cosine``. Returns the current error."""
+    prepared = state.prepared
+    groups = groups_of(prepared)
+    tried = set()
+    changes = state.records.setdefault("changes", [])
+    for k in site_order:
+        if current.cosine >= min_cosine:
+            break
+        if k in state.float_sites:
+            continue
+        for tensor in prepared.sites[k].activations:
+            group = groups.get(tensor, (tensor,))
+            if group in tried or tensor not in prepared.options or tensor not in prepared.scale_inputs:
+                continue
+            tried.add(group)
+            best, best_error, best_samples = None, current, state.samples
+            for name, amax in candidates(prepared.options[tensor]):
+                if name == state.choice.get(tensor):
+                    continue
+                trial = dict(state.amax)
+                trial.update({t: prepared.options.get(t, {}).get(name, amax) for t in group})
+                error, samples = state.evaluate_samples(float_sites, trial)
+                if better(error, samples, best_error, best_samples) and \
+                        better(error, samples, current, state.samples):
+                    best, best_error, best_samples = (name, trial), error, samples
+            if best is None:
+                continue
+            name, trial = best
+            if state.confirm is not None and state.confirm.usable:
+                if state.confirmed is None:
+                    state.confirmed = state.confirm.cosine(float_sites, state.amax)
+                confirmed = state.confirm.cosine(float_sites, trial)
+                if confirmed <= state.confirmed:
+                    state.records.setdefault("unconfirmed", []).append(
+                        {"site": prepared.sites[k].name, "tensors": list(group), "to": name,
+                         "cosine_after": best_error.cosine, "confirm_before": state.confirmed,
+                         "confirm_after": confirmed})
+                    logger.info("range search: %s on %s not confirmed on the calibration samples "
+                                "(%.5f -> %.5f)", name, ", ".join(group), state.confirmed, confirmed)
+                    continue
+                state.confirmed = confirmed
+            changes.append({"site": prepared.sites[k].name, "tensors": list(group),
+                            "from": state.choice.get(tensor, "auto"), "to": name,
+                            "cosine_before": current.cosine, "cosine_after": best_error.cosine})
+            logger.info("range search: %s -> %s on %s: cosine %.5f -> %.5f", state.choice.get(tensor),
+                        name, ", ".join(group), current.cosine, best_error.cosine)
+            for t in group:
+                state.choice[t] = name
+            state.accept(trial, float_sites)
+            current, state.samples = best_error, best_samples
+            if current.cosine >= min_cosine:
+                break
+    if state.confirm is not None and state.confirm.runs:
+        state.records["confirm_runs"] = state.confirm.runs
+    return current
+
+
+def search_ranges(prepared: Prepared, min_cosine: float, budget: int, on_run=None):
+    """The whole search (module docstring): ``(state, order, chosen, all_int8, estimate)`` as
+    `onnx_qat.accuracy.mixed.search` gives them (``all_int8``: every site INT8 under the start table),
+    with ``state`` the chosen table and what each step did; ``chosen`` is None when the budget
+    cannot reach ``min_cosine``."""
+    sites = prepared.sites
+    n = len(sites)
+    state = RangeSearch(prepared, dict(prepared.table.activations), {}, on_run=on_run,
+                        confirm=Confirmation(prepared))
+    runs = state.records.setdefault("runs", {})
+    counted = prepared.runner.runs
+
+    def step_done(name: str) -> None:
+        nonlocal counted
+        runs[name] = prepared.runner.runs - counted
+        counted = prepared.runner.runs
+
+    all_int8 = current = start(state)
+    step_done("whole_tables")
+    if current.cosine >= min_cosine:
+        return state, tuple(range(n)), (), all_int8, current
+    run = (lambda: on_run()) if on_run is not None else None
+    if n <= bisect.MIN_SITES:
+        found = bisect.exhaustive(prepared, "only", run)
+    else:
+        found = bisect.screen(prepared, current, "only", on_run=run)
+    step_done("harm")
+    order = harm_order(sites, found)
+    alone = [k for k in order if found[k][1] == 1 and 1.0 - found[k][0].cosine >= bisect.threshold(current)]
+    before = dict(state.amax)
+    current = tune(state, alone, current, min_cosine)
+    state.records["tuned"] = current.cosine
+    step_done("ranges")
+    if current.cosine >= min_cosine:
+        return state, order, (), all_int8, current
+    prepared.runner.set_reference(range(n), prepared.scale_feeds(state.amax), default=True)
+    changed = {t for t in state.amax if state.amax[t] != before.get(t)}
+    found = dict(found)
+    for k in alone:  # the harm of a site whose ranges changed, measured again
+        if changed & set(sites[k].activations):
+            found[k] = (prepared.error((k,), state.amax), 1)
+            if on_run is not None:
+                on_run()
+    order = harm_order(sites, found)
+    losses = [found[k][0] for k in range(n)]
+    cache: Dict[frozenset, OutputError] = {}
+
+    def with_float(indices) -> OutputError:
+        key = frozenset(with_partners(sites, indices))
+        if key not in cache:
+            cache[key] = state.evaluate(tuple(key))
+        return cache[key]
+
+    chosen, estimate = fewest_float(sites, order, losses, with_float, min_cosine, budget, current)
+    step_done("float_sites")
+    if chosen is None:
+        return state, order, None, all_int8, estimate
+    chosen, estimate = back_to_int8(state, order, list(chosen), estimate, min_cosine)
+    step_done("back_to_int8")
+    return state, order, tuple(chosen), all_int8, estimate
+
+
+def back_to_int8(state: RangeSearch, order: Sequence[int], chosen: List[int], estimate: OutputError,
+                 min_cosine: float):
+    """Step 5: each float site, least harmful first, back in INT8 with the first of its tensors'
+    candidate ranges that keeps ``min_cosine``. ``(chosen, error)``."""
+    prepared = state.prepared
+    sites = prepared.sites
+    groups = groups_of(prepared)
+    returned = state.records.setdefault("returned", [])
+    for k in [k for k in reversed(order) if k in chosen]:
+        rest = [i for i in chosen if i != k]
+        if not rest or len(with_partners(sites, rest)) != len(rest):
+            continue  # a site that goes float with a residual partner stays with it
+        for tensor in sites[k].activations:
+            if tensor not in prepared.options or tensor not in prepared.scale_inputs:
+                continue
+            group = groups.get(tensor, (tensor,))
+            for name, amax in candidates(prepared.options[tensor]):
+                if name == state.choice.get(tensor):
+                    continue
+                trial = dict(state.amax)
+                trial.update({t: prepared.options.get(t, {}).get(name, amax) for t in group})
+                error = state.evaluate(rest, trial)
+                if error.cosine >= min_cosine:
+                    returned.append({"site": sites[k].name, "tensors": list(group),
+                                     "from": state.choice.get(tensor, "auto"), "to": name,
+                                     "cosine": error.cosine})
+                    for t in group:
+                        state.choice[t] = name
+                    state.amax = trial
+                    chosen, estimate = rest, error
+                    break
+            if k not in chosen:
+                break
+    return chosen, estimate
+
+
+def tune_table(float_model, data, eval_data, *, config, weights=None, batch_size: int = 16,
+               progress: bool = False):
+    """``optimize="accuracy"``'s ``ranges`` step: every site in INT8, the best whole table and then each
+    harmful site's activation ranges chosen among ``auto``'s candidates (steps 1-3 of the search, never
+    stopping early). Returns ``(ScaleTable, records)``: the chosen activation ranges (with the weight
+    ranges of ``weights``, a ScaleTable or None, kept) and what each step did. When ``weights`` has
+    activation ranges and the chosen ones do not raise the output cosine on the first calibration
+    samples over them (`Confirmation`), ``weights``' own activation ranges are returned instead
+    (``records["confirmed"]`` False, with both cosines)."""
+    from ..scales import ScaleTable
+
+    prepared, _ = prepare_candidates(float_model, data, eval_data, config, batch_size, progress, weights)
+    state = RangeSearch(prepared, dict(prepared.table.activations), {}, confirm=Confirmation(prepared))
+    current = start(state)
+    n = len(prepared.sites)
+    found = bisect.exhaustive(prepared, "only") if n <= bisect.MIN_SITES else \
+        bisect.screen(prepared, current, "only")
+    order = harm_order(prepared.sites, found)
+    alone = [k for k in order if found[k][1] == 1 and 1.0 - found[k][0].cosine >= bisect.threshold(current)]
+    current = tune(state, alone, current, 1.1)
+    state.records.update(tuned=current.cosine, runs=prepared.runner.runs,
+                         sites=per_site(state, ()))
+    given = dict(weights.activations) if weights is not None else {}
+    if given and state.confirm.usable:
+        before, after = state.confirm.cosine((), given), state.confirm.cosine((), state.amax)
+        state.records.update(confirmed=after > before, confirm_before=before, confirm_after=after,
+                             confirm_runs=state.confirm.runs)
+        if after <= before:
+            logger.info("ranges: the chosen ranges are not confirmed on the calibration samples "
+                        "(%.5f -> %.5f); the given ranges kept", before, after)
+            return ScaleTable(given, dict(prepared.table.weights), producer=weights.producer,
+                              metadata=dict(weights.metadata), bounds=dict(weights.bounds)), state.records
+    table = ScaleTable(dict(state.amax), dict(prepared.table.weights), producer=prepared.table.producer,
+                       metadata={**prepared.table.metadata, "range_search": _choice_json(state)},
+                       bounds=dict(prepared.table.bounds))
+    return table, state.records
+
+
+def prepare_candidates(float_model, data, eval_data, config, batch_size: int, progress: bool, weights=None):
+    """`onnx_qat.accuracy.prepared.prepare` with ``auto``'s candidates kept and the scales as inputs."""
+    from .prepared import prepare
+
+    return prepare(float_model, data, method="auto", eval_data=eval_data, config=config,
+                   batch_size=batch_size, progress=progress, range_candidates=True,
+                   weight_scales=weights if weights is not None and weights.weights else None)
+
+
+def _choice_json(state: RangeSearch) -> str:
+    import json
+
+    return json.dumps(dict(sorted(state.choice.items())), separators=(",", ":"))
+
+
+def per_site(state: RangeSearch, float_sites: Sequence[int]) -> Dict[str, Dict[str, str]]:
+    """``{site: {activation tensor: candidate}}`` of the sites left quantized."""
+    sites = state.prepared.sites
+    return {s.name: {t: state.choice.get(t, "auto") for t in s.activations}
+            for k, s in enumerate(sites) if k not in set(float_sites) and s.activations}
+
+
+__all__ = ["search_ranges", "tune_table", "RangeSearch", "candidates", "whole_table", "min_gain", "better",
+           "sample_cosines", "per_site", "WHOLE_TABLES", "CANDIDATES", "SAME_RANGE", "MIN_GAIN_SHARE",
+           "MIN_SAMPLE_SHARE"]
