@@ -141,7 +141,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             ``1``: in this process. None (the default): one per usable core within memory, and this
             process alone when the work is estimated to be too short to gain from workers
             (docs/performance.md, "Work spread over cores and machines"). A stateful model (``state``)
-            is calibrated in one process.
+            is calibrated in one process. Refused (`ConfigError`) where there is nothing to spread: a
+            rewrite from ``scales`` without ``data`` or ``min_cosine``, and ``optimize``.
         ray: the same work as Ray actors instead of local processes: True for the cluster
             ``ray.init()`` finds (``RAY_ADDRESS``) or starts locally, or a cluster address
             (``"auto"``, ``"ray://HOST:10001"``); ``workers`` actors (None: one per CPU of the cluster).
@@ -195,6 +196,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                           "without min_cosine")
     from .calibration.parallel import worker_spec
 
+    if (workers is not None or ray not in (None, False)) and (
+            optimize is not None or (data is None and min_cosine is None)):
+        raise ConfigError("workers and ray spread calibration (data) and min_cosine's search; they do not "
+                          "apply to a rewrite from scales alone or to optimize='accuracy'")
     workers = worker_spec(workers, ray)  # a bad count, or Ray missing: one line before any work
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)

@@ -106,3 +106,22 @@ def test_cli_calibrate_workers(tmp_path):
                      str(n), "--no-progress", "-q"]) == EXIT_OK
     one, two = (json.loads((tmp_path / f"s{n}.json").read_text()) for n in (1, 2))
     assert one == two
+
+
+def test_workers_are_refused_where_there_is_nothing_to_spread(tmp_path):
+    """A rewrite from given scales and --optimize accuracy run in this process: asking for workers
+    there is one line (exit 2 on the command line), never silently ignored, and nothing is written."""
+    model = residual_block_model(projection=True)
+    data = {"input": _images(16, 3, 8, 16)}
+    table = onnx_qat.calibrate(model, data, method="max", workers=1, progress=False)
+    for kw in ({"scales": table, "workers": 2}, {"scales": table, "ray": True},
+               {"data": data, "optimize": "accuracy", "workers": 2}):
+        with pytest.raises(onnx_qat.ConfigError, match="do not apply to a rewrite from scales alone"):
+            onnx_qat.quantize(model, progress=False, **kw)
+    assert onnx_qat.quantize(model, scales=table, progress=False).model is not None
+    support.save(model, tmp_path / "m.onnx")
+    table.save(str(tmp_path / "s.json"))
+    out = tmp_path / "q.onnx"
+    code = main(["quantize", str(tmp_path / "m.onnx"), "--scales", str(tmp_path / "s.json"), "-o", str(out),
+                 "--workers", "2", "--no-progress", "-q"])
+    assert code == 2 and not out.exists()
