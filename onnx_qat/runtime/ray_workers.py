@@ -24,9 +24,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, List, Optional
 
-from ..errors import ConfigError, QatError, WorkerError, brief
+from ..errors import QatError, WorkerError, brief
+from .pool_base import PoolBase, check_workers, describe_error, raised_error
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +99,11 @@ class _Actor:
     def unit(self, unit):
         try:
             return "ok", self.run(unit)
-        except QatError as exc:
-            return "error", type(exc).__name__, str(exc)
         except Exception as exc:  # noqa: BLE001 - answered as one line
-            return "error", None, f"{type(exc).__name__}: {brief(exc, 300)}"
+            return ("error", *describe_error(exc))
 
 
-class RayPool:
+class RayPool(PoolBase):
     """``workers`` Ray actors running one job's units (see the module docstring).
 
     Args:
@@ -116,10 +115,11 @@ class RayPool:
         units: how many units will come, when known (bounds the default count).
     """
 
+    members = "Ray actors"
+
     def __init__(self, job, workers: Optional[int], *, address=True, threads: Optional[int] = None,
                  name: str = "work", units: Optional[int] = None):
-        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-            raise ConfigError(f"workers must be a whole number >= 1, got {workers!r}")
+        check_workers(workers)
         self.name = name
         self.threads = threads or 1
         self.units_done = 0
@@ -142,27 +142,6 @@ class RayPool:
     def workers(self) -> int:
         """The number of actors."""
         return len(self._actors)
-
-    def __enter__(self) -> "RayPool":
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self.close()
-        return False
-
-    def map(self, units: Iterable, on_result: Optional[Callable[[int, Any], None]] = None, *,
-            keep: bool = True) -> list:
-        """As `WorkerPool.map`: results in the order of ``units``,
-        ``on_result(index, result)`` as each arrives, ``units`` read lazily."""
-        if self._closed:
-            raise WorkerError(f"{self.name}: the Ray actors were already stopped")
-        results: list = []
-        try:
-            self._run(iter(enumerate(units)), results if keep else None, on_result)
-        except BaseException:
-            self._closed = True
-            raise
-        return results
 
     def _run(self, todo, results, on_result) -> None:
         ray = ray_module()
@@ -216,12 +195,9 @@ class RayPool:
 
 def _error(name: str, actor: int, workers: int, index: int, answer) -> QatError:
     _, kind, text = answer
-    if kind is not None:
-        from .. import errors
-
-        cls = getattr(errors, kind, None)
-        if isinstance(cls, type) and issubclass(cls, QatError):
-            return cls(text)
+    own = raised_error(kind, text)
+    if own is not None:
+        return own
     return WorkerError(f"{name}: Ray actor {actor + 1} of {workers} failed (unit {index + 1}): {text}")
 
 

@@ -33,9 +33,10 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ..errors import ConfigError, QatError, WorkerError, brief
+from .pool_base import PoolBase, check_workers, describe_error, raised_error
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +52,6 @@ MEMORY_SHARE = 0.5
 #: Seconds to start one worker and load its imports (measured about 1 s on a loaded 2-core machine),
 #: part of a worker's overhead in `pays_off`.
 WORKER_START_SECONDS = 1.0
-
-
-def check_workers(workers, what: str = "workers") -> None:
-    """Refuse a worker count that is not None or a whole number >= 1."""
-    if workers is None:
-        return
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ConfigError(f"{what} must be a whole number >= 1, got {workers!r}")
 
 
 def usable_cores() -> int:
@@ -162,7 +155,7 @@ class ModelPayload:
         return model
 
 
-class WorkerPool:
+class WorkerPool(PoolBase):
     """``workers`` worker processes running one job's units (see the module docstring).
 
     Use it as a context manager (the workers are terminated on the way out, whatever happens)::
@@ -205,29 +198,6 @@ class WorkerPool:
     def workers(self) -> int:
         """The number of worker processes."""
         return len(self._procs)
-
-    def __enter__(self) -> "WorkerPool":
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self.close()
-        return False
-
-    def map(self, units: Iterable, on_result: Optional[Callable[[int, Any], None]] = None, *,
-            keep: bool = True) -> list:
-        """Every unit's result, in the order of ``units``. ``on_result(index, result)`` is called as
-        each result arrives (in any order), e.g. to move a progress bar or to merge results at once.
-        ``units`` is read lazily, one unit per free worker (a generator keeps memory bounded); with
-        ``keep=False`` results are only handed to ``on_result`` and the list returned is empty."""
-        if self._closed:
-            raise WorkerError(f"{self.name}: the worker processes were already stopped")
-        results: list = []
-        try:
-            self._run(iter(enumerate(units)), results if keep else None, on_result)
-        except BaseException:
-            self._closed = True  # busy workers would answer late: the pool is done
-            raise
-        return results
 
     def _run(self, todo, results: Optional[list], on_result) -> None:
         from multiprocessing.connection import wait
@@ -284,12 +254,9 @@ class WorkerPool:
 
     def _error(self, worker: int, message) -> QatError:
         _, index, kind, text = message
-        if kind is not None:
-            from .. import errors
-
-            cls = getattr(errors, kind, None)
-            if isinstance(cls, type) and issubclass(cls, QatError):
-                return cls(text)
+        own = raised_error(kind, text)
+        if own is not None:
+            return own
         where = "starting" if index is None else f"unit {index + 1}"
         return WorkerError(f"{self.name}: worker {worker + 1} of {self.workers} failed ({where}): {text}")
 
@@ -365,7 +332,7 @@ def _worker_main(fd: int, parent: int, threads: int) -> None:
     except (EOFError, OSError):
         return
     except BaseException as exc:  # noqa: BLE001 - reported to the main process, which raises it
-        _send(conn, ("error", None, *_describe(exc)))
+        _send(conn, ("error", None, *describe_error(exc)))
         return
     _send(conn, ("ready",))
     while True:
@@ -379,7 +346,7 @@ def _worker_main(fd: int, parent: int, threads: int) -> None:
         try:
             reply = ("ok", index, run(unit))
         except BaseException as exc:  # noqa: BLE001
-            reply = ("error", index, *_describe(exc))
+            reply = ("error", index, *describe_error(exc))
         if not _send(conn, reply):
             return
 
@@ -390,13 +357,6 @@ def _send(conn, message) -> bool:
         return True
     except (OSError, ValueError):
         return False
-
-
-def _describe(exc: BaseException):
-    """``(QatError class name or None, one line)``."""
-    if isinstance(exc, QatError):
-        return type(exc).__name__, str(exc)
-    return None, f"{type(exc).__name__}: {brief(exc, 300)}"
 
 
 def _die_with_parent() -> None:
