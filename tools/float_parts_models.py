@@ -21,9 +21,11 @@ there is reported as skipped) and ``keras.applications`` ResNet50, MobileNetV2, 
 ConvNeXtTiny (``weights=None``, batch normalization set from one batch of 0..255 images; exported
 with TensorFlow in a child process once, into the workdir; inputs 0..255).
 
-``--eval-large`` measures on more evaluation inputs where more can be made: 96 text lines for the
-PP-OCR angle classifier (random phrases of the evaluation vocabulary, both angles, seeded) instead
-of its 16, and 64 images instead of 8 for the Keras models. A drop of 0.002 in the output cosine is
+``--eval-large`` measures on more evaluation inputs where more can be made: 256 text lines for the
+PP-OCR angle classifier (random phrases of the evaluation vocabulary, both angles, seeded;
+``--angle-lines`` sets the count) instead of its 16, and 64 images instead of 8 for the Keras
+models. The table's header line gives the machine (CPU model, cores) and the load average at the
+start and end of the run. A drop of 0.002 in the output cosine is
 below what 8 or 16 samples resolve on some models (see the rounding-noise column); the larger set
 tells a real FP16 cost from a few samples near a decision boundary.
 """
@@ -57,7 +59,7 @@ def _keras_inputs(path: Path, size: int, split: str, large: bool = False) -> Dic
     return {name: images(count, size, seed=1 if split == "calib" else 2)}
 
 
-def _angle_lines(count: int = 96, seed: int = 0) -> Dict[str, np.ndarray]:
+def _angle_lines(count: int = 256, seed: int = 0) -> Dict[str, np.ndarray]:
     """``count`` text lines for the PP-OCR angle classifier, none of them a calibration line: random
     phrases of 2-6 words of the evaluation vocabulary, every other one turned by 180 degrees."""
     import random
@@ -154,23 +156,39 @@ def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> di
     }
 
 
+def machine() -> str:
+    """The CPU model, the cores and the load average (1, 5, 15 minutes) of this machine."""
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return f"{model}, {os.cpu_count()} cores, load average {load}"
+
+
 def table(rows) -> str:
     lines = [
         "| model | cosine FP32 parts | cosine FP16 parts | drop | INT8 rounding noise | "
         "check errors / warnings | FP32 weighted ops outside keep-list | float bytes FP16/FP32 | "
-        "kept FP32 (by rule) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "kept FP32 (by rule) | eval inputs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {r['model']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         rules = ", ".join(f"{k} {v}" for k, v in sorted(r["kept_by_rule"].items())) or "none"
         lines.append(
             f"| {r['model']} | {r['cosine_fp32_parts']:.5f} | {r['cosine_fp16_parts']:.5f} | "
             f"{r['drop']:+.1e} | {r['rounding_noise']:.1e} | {r['check_errors']} / {r['check_warnings']} | "
             f"{len(r['fp32_weighted_outside_keep_list'])} | {r['float_bytes_ratio']:.2f} | "
-            f"{r['kept']} ({rules}) |"
+            f"{r['kept']} ({rules}) | {r['eval_samples']} |"
         )
     return "\n".join(lines)
 
@@ -188,8 +206,11 @@ def main(argv=None) -> int:
     parser.add_argument("--method", default="max", help="calibration method (default max: fast)")
     parser.add_argument("--eval-large", action="store_true",
                         help="more evaluation inputs where they can be made (angle classifier, Keras models)")
+    parser.add_argument("--angle-lines", type=int, default=256,
+                        help="with --eval-large: text lines for the angle classifier (default 256)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
+    start = machine()
     workdir = Path(args.workdir)
     rows = []
     for name in args.only or list(REAL) + list(KERAS_APPS):
@@ -204,7 +225,7 @@ def main(argv=None) -> int:
                     continue
                 calib, evaluation = real_models.inputs(name, "calib"), real_models.inputs(name, "eval")
                 if args.eval_large and name == "ocr-cls":
-                    evaluation = _angle_lines()
+                    evaluation = _angle_lines(args.angle_lines)
             else:
                 path = keras_app(name, workdir / f"keras_{name}_{args.size}.onnx", args.size)
                 calib, evaluation = (
@@ -215,9 +236,10 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - one model failing must not hide the others
             rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})
         print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
+    print(f"machine: {start}; at the end: load average {machine().rsplit('load average ', 1)[1]}")
     print(table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"machine": start, "rows": rows}, indent=1, default=str))
     return 0
 
 

@@ -63,6 +63,22 @@ class LowType:
                 return values.astype(np.float16).astype(np.float32)
         return _bf16_bits_to_float(_float_to_bf16_bits(values))
 
+    def round_up(self, values: np.ndarray) -> np.ndarray:
+        """``values`` (float32, none negative) rounded to this type toward +inf, as float32: for each,
+        the smallest value of the type not below it (a Q/DQ scale stored so that the range it
+        quantizes never shrinks)."""
+        values = np.asarray(values, dtype=np.float32)
+        nearest = self.round(values)
+        below = nearest < values
+        if not np.any(below):
+            return nearest
+        if self.onnx_type == TensorProto.FLOAT16:
+            with np.errstate(over="ignore"):
+                above = np.nextafter(nearest.astype(np.float16), np.float16(np.inf)).astype(np.float32)
+        else:
+            above = _bf16_bits_to_float(_float_to_bf16_bits(nearest) + np.uint16(1))
+        return np.where(below, above, nearest)
+
     def tensor(self, name: str, values: np.ndarray) -> TensorProto:
         """An initializer ``name`` holding ``values`` in this type (raw little-endian bytes)."""
         values = np.asarray(values, dtype=np.float32)

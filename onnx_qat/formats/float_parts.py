@@ -3,8 +3,14 @@
 TensorRT 11 builds strongly typed networks only: every layer runs in the type the ONNX model gives
 it, so float parts left FP32 run in FP32 (TensorRT Developer Guide, "Strongly Typed Networks").
 This module gives every float initializer and every float tensor between ops the chosen type,
-Q/DQ scales included (opset 19, where QuantizeLinear/DequantizeLinear take FP16/BF16 scales), and
-keeps FP32 what must stay FP32, each with its reason ([`KeptNode`][onnx_qat.formats.float_parts.KeptNode]):
+Q/DQ scales included (opset 19, where QuantizeLinear/DequantizeLinear take FP16/BF16 scales: a
+QuantizeLinear's input and scale share one type, ``T1``, in opsets 19-22; opset 23 lets them
+differ, but onnxruntime 1.31's CPU kernels fail on an FP32 scale with an FP16 input,
+onnxruntime#32719). An activation's scale (`activation_scales`: a QuantizeLinear's, and its
+DequantizeLinear's) is rounded up to the type (`low_scale`), so the range it quantizes never
+shrinks below the calibrated one; a weight's DequantizeLinear scale is rounded to the nearest
+value. It keeps FP32 what must stay FP32, each with its reason
+([`KeptNode`][onnx_qat.formats.float_parts.KeptNode]):
 
 ========== ===============================================================================
 rule       a node stays FP32 when
@@ -493,13 +499,14 @@ def _scale_keeps(model, low: LowType) -> Dict[str, KeptNode]:
         for t in n.input:
             consumers.setdefault(t, []).append(n)
     kept: Dict[str, KeptNode] = {}
+    activations = activation_scales(model)
     for node in model.graph.node:
         if node.op_type not in _QDQ or len(node.input) < 2 or node.input[1] not in constants:
             continue
         scale = tensor_array(constants[node.input[1]])
         if scale.dtype != np.float32 or not scale.size:
             continue
-        if scale_fits(scale, low):
+        if scale_fits(scale, low, up=node.input[1] in activations):
             continue
         reason = (f"scale {node.input[1]!r} (down to {float(np.min(scale)):.3g}) does not fit "
                   f"{low.name.upper()} within its precision")
@@ -514,20 +521,41 @@ def _scale_keeps(model, low: LowType) -> Dict[str, KeptNode]:
     return kept
 
 
-def scale_fits(scale: np.ndarray, low: LowType) -> bool:
-    """Whether Q/DQ scales ``scale`` can be stored in ``low``: rounded to it, and a scale that would
-    round to zero raised to its smallest positive value (`low_scale`), no scale moves by more
-    than the type's epsilon of the largest one (a per-channel weight's dead channels, scales ~1e-30,
-    then dequantize to values that small against the tensor's largest: below FP16's own precision)."""
+def scale_fits(scale: np.ndarray, low: LowType, up: bool = False) -> bool:
+    """Whether Q/DQ scales ``scale`` can be stored in ``low``: rounded to it (toward +inf with
+    ``up``), and a scale that would round to zero raised to its smallest positive value
+    (`low_scale`), no scale moves by more than the type's epsilon of the largest one (a per-channel
+    weight's dead channels, scales ~1e-30, then dequantize to values that small against the
+    tensor's largest: below FP16's own precision)."""
     scale = np.asarray(scale, dtype=np.float32)
-    stored = low_scale(scale, low)
+    stored = low_scale(scale, low, up)
     return bool(np.all(np.isfinite(stored)) and
                 float(np.max(np.abs(stored - scale))) <= low.eps * float(np.max(np.abs(scale))))
 
 
-def low_scale(scale: np.ndarray, low: LowType) -> np.ndarray:
-    """``scale`` rounded to ``low`` (as float32), none below the type's smallest positive value."""
-    return np.maximum(low.round(scale), np.float32(low.tiny))
+def low_scale(scale: np.ndarray, low: LowType, up: bool = False) -> np.ndarray:
+    """``scale`` rounded to ``low`` (as float32), none below the type's smallest positive value:
+    to the nearest value, or with ``up`` (an activation's scale, `activation_scales`) to the
+    nearest not below it, so that the range the QuantizeLinear covers (127 x scale for INT8)
+    never shrinks below the calibrated one."""
+    rounded = low.round_up(scale) if up else low.round(scale)
+    return np.maximum(rounded, np.float32(low.tiny))
+
+
+def activation_scales(model: onnx.ModelProto) -> set:
+    """Names of the scales of ``model``'s QuantizeLinear nodes and of the DequantizeLinear nodes
+    they feed: the scales whose rounding to a low type moves an activation's quantization grid
+    (a weight's DequantizeLinear only rescales fixed codes)."""
+    produced = {t: n for n in model.graph.node for t in n.output}
+    names = set()
+    for node in model.graph.node:
+        if len(node.input) < 2:
+            continue
+        if node.op_type == "QuantizeLinear" or (
+                node.op_type == "DequantizeLinear"
+                and getattr(produced.get(node.input[0]), "op_type", None) == "QuantizeLinear"):
+            names.add(node.input[1])
+    return names
 
 
 def _fusion_keeps(model, kept: Dict[str, KeptNode]) -> onnx.ModelProto:
@@ -594,13 +622,13 @@ def _convert(proto, low, kept, types, keep_io_types):
     scales = {n.input[1] for n in proto.graph.node if n.op_type in _QDQ and len(n.input) > 1}
     stats = cast_graph(model, low, kept, local_types, keep_io_types=keep_io_types,
                        pinned=read_in_subgraphs(model.graph))
-    _floor_low_scales(model, proto, low, scales)
+    _store_low_scales(model, proto, low, scales, activation_scales(proto))
     return model, stats, kept
 
 
-def _floor_low_scales(model, proto, low: LowType, scales) -> None:
+def _store_low_scales(model, proto, low: LowType, scales, activations) -> None:
     """Store every Q/DQ scale ``model`` holds in ``low`` (or a low copy of) from its FP32 value in
-    ``proto`` through `low_scale`: none rounds to zero."""
+    ``proto`` through `low_scale`: none rounds to zero, and the ``activations`` scales round up."""
     from ..io.models import tensor_array
 
     originals = {t.name: t for t in proto.graph.initializer if t.name in scales}
@@ -610,7 +638,7 @@ def _floor_low_scales(model, proto, low: LowType, scales) -> None:
         base = tensor.name if tensor.name in originals else tensor.name.rsplit(f"/{low.name}", 1)[0]
         if base in originals:
             values = tensor_array(originals[base])
-            stored = low_scale(values, low)
+            stored = low_scale(values, low, up=base in activations)
             if np.any(stored != low.round(values)):
                 tensor.CopyFrom(low.tensor(tensor.name, stored))
 
@@ -1029,4 +1057,5 @@ def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None, fusions: bo
 
 __all__ = ["cast_float_parts", "quantize_with_float_parts", "FloatPartsResult", "KeptNode", "FLOAT_DTYPES",
            "KEEP_FP32_KEY", "FLOAT_DTYPE_KEY", "kept_fp32_nodes", "emulate_in_fp32", "jittered",
-           "get_low_type", "check_float_dtype", "TENSORRT_NO_BF16"]
+           "get_low_type", "check_float_dtype", "TENSORRT_NO_BF16", "activation_scales", "low_scale",
+           "scale_fits"]

@@ -509,3 +509,59 @@ def test_dequantize_ranges_come_from_codes_and_scales_without_running(precision)
             assert ranges[node.output[0]] == pytest.approx(actual, rel=1e-6), node.name
         else:
             assert ranges[node.output[0]] >= actual, node.name
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("seed", [0, 5])
+def test_round_up_gives_the_smallest_value_of_the_type_not_below(dtype, seed):
+    from onnx_qat.formats.float_parts import get_low_type
+
+    low = get_low_type(dtype)
+    rng = np.random.default_rng(seed)
+    values = (10.0 ** rng.uniform(-6, 3, 2000)).astype(np.float32)
+    values[:4] = [1.0, 0.5, 3.0, 2.0**-10]  # exactly representable: unchanged
+    up = low.round_up(values)
+    assert np.all(up >= values) and np.array_equal(low.round(up), up)
+    assert np.array_equal(up[:4], values[:4])
+    moved = up > values
+    assert 0.3 < moved.mean() < 1.0  # most random values are not representable
+    # the next value of the type below each rounded one is below its value: nothing smaller fits
+    below = (np.nextafter(up.astype(np.float16), np.float16(0)).astype(np.float32) if dtype == "fp16"
+             else (up.view(np.uint32) - np.uint32(1 << 16)).view(np.float32))
+    assert np.all(below[moved] < values[moved])
+    normal = values >= low.normal_min  # within one step of the type: eps relative where it is normal
+    assert np.all((up - values)[normal] <= low.eps * values[normal])
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("seed, scale", [(1, 1.0), (2, 30.0)])
+def test_activation_scales_round_up_weight_scales_to_nearest(dtype, seed, scale):
+    """An activation's Q/DQ scale is stored in the low type rounded up, so 127 x scale still
+    covers the calibrated amax (no value the calibration saw is clipped); a weight's DequantizeLinear
+    scale is stored to the nearest value."""
+    from onnx_qat.formats.float_parts import activation_scales, get_low_type
+
+    low = get_low_type(dtype)
+    model = residual_block_model(projection=True, seed=seed)
+    data = {k: v * scale for k, v in random_inputs(model, num=8, seed=seed).items()}
+    fp32 = onnx_qat.quantize(model, data=data, method="max", progress=False)
+    low_model = onnx_qat.quantize(model, data=data, method="max", float_dtype=dtype, progress=False).model
+    assert_check_clean(low_model)
+    s32 = {t.name: numpy_helper.to_array(t).astype(np.float32) for t in fp32.model.graph.initializer}
+    stored = {t.name: onnx_qat.io.models.tensor_array(t).astype(np.float32)
+              for t in low_model.graph.initializer if t.data_type == LOW[dtype]}
+    acts = activation_scales(fp32.model)
+    quantized = {n.input[0]: n.input[1] for n in fp32.model.graph.node if n.op_type == "QuantizeLinear"}
+    assert acts == set(quantized.values())
+    moved = 0
+    for name in acts:
+        assert np.all(stored[name] >= s32[name]) and np.all(stored[name] - s32[name] <= low.eps * s32[name])
+        moved += int(np.any(stored[name] > low.round(s32[name])))
+    assert moved >= 1  # some scale rounded up where nearest would have gone down
+    covered = [(127.0 * float(np.max(stored[name])), fp32.scales.activations[tensor])
+               for tensor, name in quantized.items() if tensor in fp32.scales.activations]
+    assert covered and all(r >= amax * (1 - 1e-6) for r, amax in covered)  # 127 x scale >= amax
+    weights = {n.input[1] for n in fp32.model.graph.node if n.op_type == "DequantizeLinear"} - acts
+    assert weights
+    for name in weights:
+        assert np.array_equal(stored[name], np.maximum(low.round(s32[name]), np.float32(low.tiny)))
