@@ -608,8 +608,9 @@ def _fresh(used: set, base: str) -> str:
     return name
 
 
-def _convert(proto, low, kept, types, keep_io_types):
-    """A converted copy of ``proto`` with ``kept`` nodes FP32: (model, CastStats, kept)."""
+def _convert(proto, low, kept, types, keep_io_types, up: bool = True):
+    """A converted copy of ``proto`` with ``kept`` nodes FP32: (model, CastStats, kept); ``up``: the
+    activation scales rounded up (else to the nearest value, `low_scale`)."""
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     kept = dict(kept)
@@ -622,7 +623,7 @@ def _convert(proto, low, kept, types, keep_io_types):
     scales = {n.input[1] for n in proto.graph.node if n.op_type in _QDQ and len(n.input) > 1}
     stats = cast_graph(model, low, kept, local_types, keep_io_types=keep_io_types,
                        pinned=read_in_subgraphs(model.graph))
-    _store_low_scales(model, proto, low, scales, activation_scales(proto))
+    _store_low_scales(model, proto, low, scales, activation_scales(proto) if up else set())
     return model, stats, kept
 
 
@@ -766,6 +767,9 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     base = measure.cosines(measure.outputs32)
     names = measure.outputs + list(measure.floats)
     cos = measure.cosines(measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors))
+    converted, stats, kept, cos, up, rounding = _choose_scale_rounding(measure, proto, low, kept, types,
+                                                                        keep_io_types, base,
+                                                                        (converted, stats, kept, cos))
     noise: Optional[Dict[str, float]] = None
     rounds = misses = 0
     tried: set = set()
@@ -795,7 +799,7 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
             trial.setdefault(feeder.name, KeptNode(  # node (x - mean, cancellation) needs them so
                 feeder.name, feeder.op_type, "measured",
                 f"feeds {node.name!r}, kept FP32 by measurement: its input must not be rounded"))
-        converted, stats, kept = _convert(proto, low, trial, types, keep_io_types)
+        converted, stats, kept = _convert(proto, low, trial, types, keep_io_types, up)
         cos = measure.cosines(measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors))
         if max(base[o] - cos[o] for o in measure.outputs) < best[0] - max_drop / 4:  # a real gain
             best, misses = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos), 0
@@ -807,7 +811,7 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     group_trials = 0
     if short and noise is not None and not all(short[o] <= noise[o] for o in short):
         found, group_trials = _group_search(measure, proto, low, kept, types, keep_io_types, max_drop, base,
-                                            short)
+                                            short, up)
         if found is not None:
             converted, stats, kept, cos = found
             short = {}
@@ -824,13 +828,40 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
                  f"({moved}){why}",)
         logger.warning("%s", notes[0])
     measurement = {"samples": measure.dataset.num_samples, "rounds": rounds, "group_trials": group_trials,
-                   "max_cosine_drop": max_drop,
+                   "max_cosine_drop": max_drop, "scale_rounding": rounding,
                    "outputs": {o: {"cosine_fp32": base[o], "cosine": cos[o]} for o in measure.outputs},
                    **({} if noise is None else {"rounding_noise": dict(noise)})}
     return converted, stats, kept, measurement, notes
 
 
-def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop, base, short):
+def _choose_scale_rounding(measure: _Measure, proto, low, kept, types, keep_io_types, base, rounded_up):
+    """The activation scales rounded up (``rounded_up``: converted, stats, kept, cosines) or to the
+    nearest value, whichever brings the worst output cosine closer to the FP32 float parts' on the
+    measured samples (up when they tie, or when no scale differs). Both are within one step of the
+    type; which one an INT8 model's rounding boundaries favour is measured, not assumed.
+    Returns ``(converted, stats, kept, cosines, up, {"chosen", "drop_up", "drop_nearest"})``."""
+    converted, stats, kept, cos = rounded_up
+    drop_up = max(base[o] - cos[o] for o in measure.outputs)
+    from ..io.models import tensor_array
+
+    acts = activation_scales(proto)
+    values = [tensor_array(t) for t in proto.graph.initializer if t.name in acts]
+    if not any(not np.array_equal(low.round_up(v), low.round(v)) for v in values):
+        return converted, stats, kept, cos, True, {"chosen": "up", "drop_up": drop_up,
+                                                   "drop_nearest": drop_up}
+    near = _convert(proto, low, kept, types, keep_io_types, up=False)
+    near_cos = measure.cosines(measure.run_low(near[0], low, measure.outputs,
+                                               low_tensors=near[1].low_tensors))
+    drop_near = max(base[o] - near_cos[o] for o in measure.outputs)
+    rounding = {"chosen": "nearest" if drop_near < drop_up else "up", "drop_up": drop_up,
+                "drop_nearest": drop_near}
+    if drop_near < drop_up:
+        return (*near, near_cos, False, rounding)
+    return converted, stats, kept, cos, True, rounding
+
+
+def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop, base, short,
+                  up: bool = True):
     """When no single node lowers the drop enough: keep FP32 a group of the converted compute nodes
     that brings every output within ``max_drop`` of the FP32 float parts, found by shrinking the
     group of all of them (delta debugging: convert back halves, then quarters... of the group, in
@@ -847,7 +878,7 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
         trial = dict(kept)
         for n in nodes:
             trial[n.name] = KeptNode(n.name, n.op_type, "measured", "")
-        converted, stats, trial = _convert(proto, low, trial, types, keep_io_types)
+        converted, stats, trial = _convert(proto, low, trial, types, keep_io_types, up)
         cos = measure.cosines(measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors))
         within = all(cos[o] >= base[o] - max_drop for o in measure.outputs)
         return within, (converted, stats, trial, cos)

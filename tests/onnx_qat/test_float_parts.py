@@ -533,35 +533,67 @@ def test_round_up_gives_the_smallest_value_of_the_type_not_below(dtype, seed):
     assert np.all((up - values)[normal] <= low.eps * values[normal])
 
 
+def _stored_scales(fp32_model, low_model, low):
+    """{scale name: (FP32 value, value stored in the low type)} of every Q/DQ scale."""
+    s32 = {t.name: numpy_helper.to_array(t).astype(np.float32) for t in fp32_model.graph.initializer}
+    return {t.name: (s32[t.name], onnx_qat.io.models.tensor_array(t).astype(np.float32))
+            for t in low_model.graph.initializer if t.data_type == low.onnx_type and t.name in s32}
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("seed, scale", [(1, 1.0), (2, 30.0)])
 def test_activation_scales_round_up_weight_scales_to_nearest(dtype, seed, scale):
-    """An activation's Q/DQ scale is stored in the low type rounded up, so 127 x scale still
-    covers the calibrated amax (no value the calibration saw is clipped); a weight's DequantizeLinear
-    scale is stored to the nearest value."""
+    """Without data: an activation's Q/DQ scale is stored in the low type rounded up, so 127 x scale
+    still covers the calibrated amax (no value the calibration saw is clipped); a weight's
+    DequantizeLinear scale is stored to the nearest value."""
     from onnx_qat.formats.float_parts import activation_scales, get_low_type
 
     low = get_low_type(dtype)
     model = residual_block_model(projection=True, seed=seed)
     data = {k: v * scale for k, v in random_inputs(model, num=8, seed=seed).items()}
     fp32 = onnx_qat.quantize(model, data=data, method="max", progress=False)
-    low_model = onnx_qat.quantize(model, data=data, method="max", float_dtype=dtype, progress=False).model
+    low_model = cast_float_parts(fp32.model, dtype, scales=fp32.scales).model
     assert_check_clean(low_model)
-    s32 = {t.name: numpy_helper.to_array(t).astype(np.float32) for t in fp32.model.graph.initializer}
-    stored = {t.name: onnx_qat.io.models.tensor_array(t).astype(np.float32)
-              for t in low_model.graph.initializer if t.data_type == LOW[dtype]}
+    stored = _stored_scales(fp32.model, low_model, low)
     acts = activation_scales(fp32.model)
     quantized = {n.input[0]: n.input[1] for n in fp32.model.graph.node if n.op_type == "QuantizeLinear"}
     assert acts == set(quantized.values())
     moved = 0
     for name in acts:
-        assert np.all(stored[name] >= s32[name]) and np.all(stored[name] - s32[name] <= low.eps * s32[name])
-        moved += int(np.any(stored[name] > low.round(s32[name])))
+        s32, s_low = stored[name]
+        assert np.all(s_low >= s32) and np.all(s_low - s32 <= low.eps * s32)
+        moved += int(np.any(s_low > low.round(s32)))
     assert moved >= 1  # some scale rounded up where nearest would have gone down
-    covered = [(127.0 * float(np.max(stored[name])), fp32.scales.activations[tensor])
+    covered = [(127.0 * float(np.max(stored[name][1])), fp32.scales.activations[tensor])
                for tensor, name in quantized.items() if tensor in fp32.scales.activations]
     assert covered and all(r >= amax * (1 - 1e-6) for r, amax in covered)  # 127 x scale >= amax
     weights = {n.input[1] for n in fp32.model.graph.node if n.op_type == "DequantizeLinear"} - acts
     assert weights
     for name in weights:
-        assert np.array_equal(stored[name], np.maximum(low.round(s32[name]), np.float32(low.tiny)))
+        s32, s_low = stored[name]
+        assert np.array_equal(s_low, np.maximum(low.round(s32), np.float32(low.tiny)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_with_data_the_measured_better_scale_rounding_is_kept_and_reported(seed):
+    """With data, both roundings of the activation scales are measured and the one whose output
+    cosine stays closer to the FP32 float parts' is kept; the report says which, with both drops."""
+    from onnx_qat.formats.float_parts import activation_scales, get_low_type
+
+    low = get_low_type("fp16")
+    model = residual_block_model(projection=True, seed=seed)
+    data = random_inputs(model, num=16, seed=seed)
+    fp32 = onnx_qat.quantize(model, data=data, method="max", progress=False)
+    result = onnx_qat.quantize(model, data=data, method="max", float_dtype="fp16", progress=False)
+    assert_check_clean(result.model)
+    rounding = result.float_parts.measurement["scale_rounding"]
+    assert rounding["chosen"] in ("up", "nearest")
+    assert rounding["chosen"] == ("nearest" if rounding["drop_nearest"] < rounding["drop_up"] else "up")
+    stored = _stored_scales(fp32.model, result.model, low)
+    for name in activation_scales(fp32.model):
+        s32, s_low = stored[name]
+        want = low.round_up(s32) if rounding["chosen"] == "up" else low.round(s32)
+        assert np.array_equal(s_low, np.maximum(want, np.float32(low.tiny))), name
+    outputs = result.float_parts.measurement["outputs"]["output"]
+    assert outputs["cosine_fp32"] - outputs["cosine"] == pytest.approx(
+        min(rounding["drop_up"], rounding["drop_nearest"]), abs=1e-9)

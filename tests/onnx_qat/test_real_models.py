@@ -257,3 +257,40 @@ def test_angle_classifier_sensitivity_and_min_cosine_reach_what_max_misses(cls_m
     assert len(ranged.accuracy["float_sites"]) < len(floats), ranged.accuracy["float_sites"]
     assert cosine(ref_eval, run(ranged.model, evaluation)[0]) >= 0.997
     assert cosine(ref_unseen, run(ranged.model, unseen)[0]) > 0.98
+
+
+@pytest.mark.slow
+def test_angle_classifier_fp16_float_parts_within_the_budget_on_256_lines(cls_model):
+    """``--float-dtype fp16`` on PP-OCR's angle classifier, judged on 256 rendered text lines (both
+    angles) it was never calibrated on: check clean, and the output cosine (FP16 storage emulated)
+    within 0.002 of the FP32 float parts'. The activation scales are stored rounded up to FP16;
+    stored rounded to the nearest value instead, the same model loses more (measured +0.0023 on
+    these lines, against -0.0007)."""
+    from onnx import numpy_helper
+
+    from onnx_qat.formats.float_parts import activation_scales, emulate_in_fp32
+    from onnx_qat.io.models import tensor_array
+    from tools.float_parts_models import _angle_lines
+    from tools.real_models import inputs
+
+    calib, lines = inputs("ocr-cls", "calib"), _angle_lines(256)
+    fp32 = onnx_qat.quantize(cls_model, data=calib, method="max", progress=False)
+    fp16 = onnx_qat.quantize(cls_model, data=calib, method="max", float_dtype="fp16", progress=False)
+    assert_check_clean(fp16.model)
+
+    def outputs(model):
+        return np.concatenate([run(model, {"x": lines["x"][i:i + 32]})[0] for i in range(0, 256, 32)])
+
+    ref = outputs(onnx_qat.load_model(cls_model))
+    c32 = cosine(ref, outputs(fp32.model))
+    low = emulate_in_fp32(fp16.model)
+    c16 = cosine(ref, outputs(low))
+    assert c16 >= c32 - 0.002, (c32, c16)
+    originals = {t.name: tensor_array(t) for t in fp32.model.graph.initializer}
+    nearest, acts = emulate_in_fp32(fp16.model), activation_scales(fp32.model)
+    for t in nearest.graph.initializer:
+        if t.name in acts:
+            assert np.all(tensor_array(t) >= originals[t.name])
+            rounded = originals[t.name].astype(np.float16).astype(np.float32)
+            t.CopyFrom(numpy_helper.from_array(rounded, t.name))
+    assert cosine(ref, outputs(nearest)) < c16 - 0.001
