@@ -9,7 +9,10 @@ differ, but onnxruntime 1.31's CPU kernels fail on an FP32 scale with an FP16 in
 onnxruntime#32719). An activation's scale (`activation_scales`: a QuantizeLinear's, and its
 DequantizeLinear's) is rounded up to the type (`low_scale`), so the range it quantizes never
 shrinks below the calibrated one; a weight's DequantizeLinear scale is rounded to the nearest
-value. It keeps FP32 what must stay FP32, each with its reason
+value. With data, the activation scales rounded to the nearest value are measured too, and the
+rounding whose output cosine stays closer to the FP32 float parts' is kept (a change of less than
+one FP16 step in every activation scale moves an INT8 model's cosine by about the budget, in either
+direction). It keeps FP32 what must stay FP32, each with its reason
 ([`KeptNode`][onnx_qat.formats.float_parts.KeptNode]):
 
 ========== ===============================================================================
@@ -126,7 +129,9 @@ class FloatPartsResult:
         kept: the nodes left FP32 with their reasons.
         summary: counts (nodes, low nodes, low initializers, Casts added, ...).
         measurement: with ``data``: samples, and per output the cosine of the FP32 float parts and of
-            the converted model against the reference, the rounds of the search; None without data.
+            the converted model against the reference, the rounds of the search, the activation
+            scales' rounding (``scale_rounding``: ``chosen``, ``drop_up``, ``drop_nearest``); None
+            without data.
         notes: anything else worth knowing (FP32 slots the ONNX schemas require, opset raised...).
     """
 
@@ -203,7 +208,9 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
             ``onnx_qat.io.data.Dataset.spread``): the ranges of every float tensor,
             and the output cosine. While the
             converted model's cosine against ``reference`` is more than ``max_cosine_drop`` below the
-            FP32 float parts' and more than the model's own rounding noise, the node adding the most
+            FP32 float parts' and more than the model's own rounding noise (with the activation scales
+            rounded up or to the nearest value, whichever measures closer: ``measurement["scale_rounding"]``),
+            the node adding the most
             error is kept FP32 (up to `MAX_ROUNDS` nodes), or, when no single node lowers the drop, a
             group of nodes found by shrinking (`MAX_GROUP_TRIALS` measured conversions); a note says
             when the budget is not met. Without data only the static rules and the given ranges apply.
