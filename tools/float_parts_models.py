@@ -23,11 +23,12 @@ with TensorFlow in a child process once, into the workdir; inputs 0..255).
 
 ``--eval-large`` measures on more evaluation inputs where more can be made: 256 text lines for the
 PP-OCR angle classifier (random phrases of the evaluation vocabulary, both angles, seeded;
-``--angle-lines`` sets the count) instead of its 16, and 64 images instead of 8 for the Keras
-models. The table's header line gives the machine (CPU model, cores) and the load average at the
-start and end of the run. A drop of 0.002 in the output cosine is
-below what 8 or 16 samples resolve on some models (see the rounding-noise column); the larger set
-tells a real FP16 cost from a few samples near a decision boundary.
+``--angle-lines`` sets the count) instead of its 16, the PP-OCR detector's 8 evaluation inputs
+and 32 more rendered pages of 6 random phrases each (``--detector-pages``), and 64 images instead
+of 8 for the Keras models. A drop of 0.002 in the output cosine is below what 8 or 16 samples
+resolve on some models (see the rounding-noise column); the larger set tells a real FP16 cost from
+a few samples near a decision boundary. The line above the table gives the machine (CPU model,
+cores) and the load average at the start and end of the run.
 """
 
 from __future__ import annotations
@@ -75,6 +76,23 @@ def _angle_lines(count: int = 256, seed: int = 0) -> Dict[str, np.ndarray]:
             texts.append(text)
     images = [real_models._text_image(t, 48, 192, angle=180 * (i % 2)) for i, t in enumerate(texts)]
     return {"x": real_models._normalise(images, (0.5,) * 3, (0.5,) * 3)}
+
+
+def _detector_pages(count: int = 32, seed: int = 0) -> Dict[str, np.ndarray]:
+    """The PP-OCR detector's evaluation inputs and ``count`` more 320 x 320 pages of 6 lines of 2-5
+    random words of the evaluation vocabulary each (seeded), normalized as its inputs are."""
+    import random
+
+    from tools import real_models
+
+    rng = random.Random(seed)
+    vocab = " ".join(real_models.EVAL_WORDS).split()
+    def phrase() -> str:
+        return " ".join(rng.choice(vocab) for _ in range(rng.randint(2, 5)))
+
+    pages = [real_models._page([phrase() for _ in range(6)], 320) for _ in range(count)]
+    more = real_models._normalise(pages, *real_models.IMAGENET, bgr=True)
+    return {"x": np.concatenate([real_models.inputs("ocr-det", "eval")["x"], more])}
 
 
 def _outputs(model, feeds, exact: bool = True) -> np.ndarray:
@@ -208,6 +226,8 @@ def main(argv=None) -> int:
                         help="more evaluation inputs where they can be made (angle classifier, Keras models)")
     parser.add_argument("--angle-lines", type=int, default=256,
                         help="with --eval-large: text lines for the angle classifier (default 256)")
+    parser.add_argument("--detector-pages", type=int, default=32,
+                        help="with --eval-large: pages added to the detector's 8 inputs (default 32)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     start = machine()
@@ -226,6 +246,8 @@ def main(argv=None) -> int:
                 calib, evaluation = real_models.inputs(name, "calib"), real_models.inputs(name, "eval")
                 if args.eval_large and name == "ocr-cls":
                     evaluation = _angle_lines(args.angle_lines)
+                elif args.eval_large and name == "ocr-det":
+                    evaluation = _detector_pages(args.detector_pages)
             else:
                 path = keras_app(name, workdir / f"keras_{name}_{args.size}.onnx", args.size)
                 calib, evaluation = (
