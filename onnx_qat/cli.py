@@ -775,6 +775,10 @@ def _float_parts_summary(parts) -> str:
         for name, m in parts.measurement["outputs"].items():
             lines[0] += (f" | output {name!r} cosine {m['cosine']:.5f} "
                          f"(FP32 float parts {m['cosine_fp32']:.5f}, {parts.measurement['samples']} samples)")
+        rounding = parts.measurement.get("scale_rounding")
+        if rounding:
+            lines.append(f"  activation scales rounded {rounding['chosen']} (worst cosine drop: up "
+                         f"{rounding['drop_up']:+.2g}, nearest {rounding['drop_nearest']:+.2g})")
     lines += [f"  kept FP32: {k}" for k in parts.kept]
     lines += [f"  note: {n}" for n in parts.notes]
     return "\n".join(lines)

@@ -311,6 +311,8 @@ def test_cli_quantize_float_dtype_prints_the_kept_list(tmp_path, capsys):
     assert (
         "float parts fp16" in text and "kept FP32: mask_add (Add)" in text and "0 errors, 0 warnings" in text
     )
+    rounding = json.loads(rep.read_text())["float_parts"]["measurement"]["scale_rounding"]
+    assert f"activation scales rounded {rounding['chosen']} (worst cosine drop: up" in text
     saved = onnx.load(out)
     assert kept_fp32_nodes(saved)["mask_add"].startswith("constant 'attn_mask'")
     assert json.loads(rep.read_text())["float_parts"]["kept_fp32"][0]["node"] in ("mask_add", "softmax")
