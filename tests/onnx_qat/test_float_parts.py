@@ -599,3 +599,22 @@ def test_with_data_the_measured_better_scale_rounding_is_kept_and_reported(seed)
     outputs = result.float_parts.measurement["outputs"]["output"]
     assert outputs["cosine_fp32"] - outputs["cosine"] == pytest.approx(
         min(rounding["drop_up"], rounding["drop_nearest"]), abs=1e-9)
+
+
+def test_activation_scales_are_those_of_quantize_nodes_and_the_dequantize_nodes_they_feed():
+    from onnx import helper
+
+    from onnx_qat.formats.float_parts import activation_scales
+
+    inits = [numpy_helper.from_array(np.float32(v), n) for n, v in (("s_q", 0.1), ("s_dq", 0.1))]
+    inits += [numpy_helper.from_array(np.full(4, 0.01, np.float32), "s_w"),
+              numpy_helper.from_array(np.ones((4, 4, 1, 1), np.int8), "w_q"),
+              numpy_helper.from_array(np.int8(0), "zp")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s_q", "zp"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s_dq", "zp"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w_q", "s_w"], ["w"], axis=0),
+             helper.make_node("Conv", ["xd", "w"], ["y"])]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4, 2, 2]) for n in ("x", "y")]
+    graph = helper.make_graph(nodes, "g", io[:1], io[1:], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    assert activation_scales(model) == {"s_q", "s_dq"}
