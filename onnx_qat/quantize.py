@@ -172,9 +172,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                              placement=placement,
                              min_cosine=min_cosine, max_float_sites=max_float_sites, eval_data=eval_data,
                              optimize=optimize, calibration_options=calibration_options,
-                             **calibration_kwargs),
-            model, output, report, data=data, float_dtype=config.float_dtype, keep_io_types=keep_io_types,
-            inputs=(model, scales, data), progress=progress)
+                             state=state, batch_axis=batch_axis, latency=latency, cpu_vnni=cpu_vnni,
+                             workers=workers, ray=ray, **calibration_kwargs),
+            model, output, report, data=with_layout(data, state=state, batch_axis=batch_axis),
+            float_dtype=config.float_dtype, keep_io_types=keep_io_types, inputs=(model, scales, data),
+            progress=progress)
     fmt = get_format(config.precision)
     if config.int4_method in ("awq", "gptq") and data is None:
         raise ConfigError(f"int4_method {config.int4_method!r} needs calibration data (data, --data)")

@@ -140,7 +140,8 @@ def slot_admits(schema, outputs: bool, index: int, type_str: str) -> bool:
 
 
 def tensor_types(model: onnx.ModelProto) -> Dict[str, int]:
-    """Element type of every main-graph tensor onnx's shape inference can tell (0 is unknown)."""
+    """Element type of every tensor of the main graph and of its If/Loop/Scan bodies onnx's shape
+    inference can tell (0 is unknown)."""
     from ..io.models import copy_except_initializers
 
     light = copy_except_initializers(model)
@@ -154,13 +155,45 @@ def tensor_types(model: onnx.ModelProto) -> Dict[str, int]:
     except Exception:  # noqa: BLE001 - a model shape inference cannot read: what the file says
         inferred = light.graph
     types: Dict[str, int] = {}
-    for info in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
-        if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
-            types[info.name] = info.type.tensor_type.elem_type
-    for tensor in model.graph.initializer:
-        types[tensor.name] = tensor.data_type
+    for graph in all_graphs(inferred):  # If/Loop/Scan bodies too: their tensors' names are their own
+        for info in list(graph.value_info) + list(graph.input) + list(graph.output):
+            if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
+                types.setdefault(info.name, info.type.tensor_type.elem_type)
+    for graph in all_graphs(model):
+        for tensor in graph.initializer:
+            types[tensor.name] = tensor.data_type
     _propagate(model, types)
     return types
+
+
+def all_graphs(model) -> List[onnx.GraphProto]:
+    """The main graph of ``model`` (a ModelProto or a GraphProto) and every If/Loop/Scan body in it
+    (nested ones too), outer first."""
+    found, stack = [], [model.graph if isinstance(model, onnx.ModelProto) else model]
+    while stack:
+        graph = stack.pop(0)
+        found.append(graph)
+        for node in graph.node:
+            stack.extend(body for _, _, body in node_bodies(node))
+    return found
+
+
+def node_bodies(node: onnx.NodeProto) -> List[Tuple[str, int, onnx.GraphProto]]:
+    """``(attribute name, position, graph)`` of every body ``node`` holds (an If's branches, a
+    Loop's or Scan's body)."""
+    found = []
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            found.append((attr.name, 0, attr.g))
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            found.extend((attr.name, i, g) for i, g in enumerate(attr.graphs))
+    return found
+
+
+def body_prefix(prefix: str, node: onnx.NodeProto, index: int, attr: str) -> str:
+    """The prefix of the names of the nodes inside body ``attr`` of ``node`` (``index``: its place in
+    its graph; ``prefix``: that graph's), as ``onnx-qat check`` names them: ``parent/attribute/``."""
+    return f"{prefix}{node.name or f'<{node.op_type} #{index}>'}/{attr}/"
 
 
 def _propagate(model: onnx.ModelProto, types: Dict[str, int]) -> None:
@@ -169,7 +202,7 @@ def _propagate(model: onnx.ModelProto, types: Dict[str, int]) -> None:
     from ..io.models import default_opset
 
     opset = default_opset(model)
-    for node in model.graph.node:
+    for node in (n for g in all_graphs(model) for n in g.node):
         missing = [i for i, t in enumerate(node.output) if t and not types.get(t)]
         if not missing:
             continue
@@ -233,16 +266,20 @@ class _Names:
 
 
 def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types: Mapping[str, int], *,
-               keep_io_types: bool = True, pinned: Iterable[str] = ()) -> CastStats:
+               keep_io_types: bool = True, pinned: Iterable[str] = (), reserved: Iterable[str] = ()
+               ) -> CastStats:
     """Rewrite ``model`` (owned by the caller, edited in place) so that every main-graph node not in
     ``keep`` computes in ``low`` where its schema allows; ``types`` from `tensor_types`;
-    ``pinned``: tensor names that must stay FP32 under their own name (read inside subgraphs)."""
+    ``pinned``: tensor names that must stay FP32 under their own name (read inside subgraphs);
+    ``reserved``: names new tensors and nodes must not take (those of enclosing and sibling graphs,
+    when ``model`` holds an If/Loop/Scan body as its graph)."""
     from ..io.models import default_opset, tensor_array
 
     g = model.graph
     opset = default_opset(model)
     keep = set(keep)
     names = _Names(model)
+    names.used.update(reserved)
     initializers = {t.name: t for t in g.initializer}
     graph_inputs = {i.name for i in g.input}
     outputs = {o.name for o in g.output}
@@ -412,5 +449,5 @@ def has_subgraph(node: onnx.NodeProto) -> bool:
 
 
 __all__ = ["LowType", "FP16", "BF16", "cast_graph", "tensor_types", "schema_of", "slot_admits",
-           "CastStats", "read_in_subgraphs", "has_subgraph"]
+           "CastStats", "read_in_subgraphs", "has_subgraph", "all_graphs", "node_bodies", "body_prefix"]
 

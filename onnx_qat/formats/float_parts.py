@@ -72,8 +72,8 @@ from onnx import TensorProto, helper
 from ..config import FLOAT_DTYPES
 from ..errors import ConfigError, ModelError
 from .numeric import FLOAT_DTYPE_KEY, KEEP_FP32_KEY, float_dtype_of, kept_fp32_reason
-from .float_cast import BF16, FP16, LowType, cast_graph, has_subgraph, read_in_subgraphs, schema_of, \
-    slot_admits, tensor_types
+from .float_cast import BF16, FP16, CastStats, LowType, all_graphs, body_prefix, cast_graph, has_subgraph, \
+    node_bodies, read_in_subgraphs, schema_of, slot_admits, tensor_types
 
 logger = logging.getLogger(__name__)
 
@@ -253,16 +253,20 @@ def _cast_loaded(proto: onnx.ModelProto, low: LowType, *, scales, keep_io_types:
     model or None)."""
     _refuse_converted(proto)
     proto, notes = _raise_opset(proto, low)
+    _name_body_nodes(proto)
     table = _load_table(scales)
     types = tensor_types(proto)
     kept = _static_keeps(proto, low, types, patterns)
     ranges = _given_ranges(proto, table)
+    for prefix, body in _bodies(proto):
+        ranges.update({t: r for t, r in _given_ranges(body, None).items() if t not in ranges})
     measure = None
     if data is not None:
         measure = _Measure(proto, types, data, reference, num_samples, progress)
         ranges.update({t: r for t, r in measure.ranges.items() if t not in ranges})
-    _add(kept, _scale_keeps(proto, low))
-    _add(kept, _range_keeps(proto, low, ranges, types))
+    for prefix, graph in [("", proto.graph), *_bodies(proto)]:
+        _add(kept, _qualified(_scale_keeps(graph, low), prefix))
+        _add(kept, _qualified(_range_keeps(graph, low, ranges, types), prefix))
     measurement = None
     converted, stats, kept = _convert(proto, low, kept, types, keep_io_types)
     if measure is not None:
@@ -278,7 +282,7 @@ def _cast_loaded(proto: onnx.ModelProto, low: LowType, *, scales, keep_io_types:
                   "numbers are validated on emulate_in_fp32(model), FP16/BF16 storage with FP32 arithmetic, "
                   "which the measurement runs",)
     _write_metadata(converted, low, kept)
-    summary = {"nodes": len(proto.graph.node), "low_nodes": stats.low_nodes,
+    summary = {"nodes": sum(len(g.node) for g in all_graphs(proto)), "low_nodes": stats.low_nodes,
                "low_initializers": stats.low_initializers, "low_copies": stats.low_copies,
                "casts": stats.casts, "kept_fp32": len(kept)}
     result = FloatPartsResult(converted, low.name, tuple(kept.values()), MappingProxyType(summary),
@@ -331,14 +335,15 @@ def _patterns(exclude_nodes) -> Tuple["re.Pattern", ...]:
 
 def _refuse_converted(model: onnx.ModelProto) -> None:
     if float_dtype_of(model) not in (None, "fp32") or any(
-            t.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for t in model.graph.initializer):
+            t.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+            for g in all_graphs(model) for t in g.initializer):
         raise ModelError("the model already holds FP16/BF16 float parts; give the FP32 model")
 
 
 def _raise_opset(model: onnx.ModelProto, low: LowType):
     from ..io.models import _upgrade, default_opset
 
-    has_qdq = any(n.op_type in _QDQ for n in model.graph.node)
+    has_qdq = any(n.op_type in _QDQ for g in all_graphs(model) for n in g.node)
     need = max(QDQ_LOW_OPSET if has_qdq else 0, BF16_OPSET if low is BF16 else 0)
     current = default_opset(model)
     if current >= need:
@@ -365,29 +370,84 @@ def _add(kept: Dict[str, KeptNode], more: Mapping[str, KeptNode]) -> None:
         kept.setdefault(name, k)
 
 
-def _static_keeps(model, low: LowType, types, patterns) -> Dict[str, KeptNode]:
-    """Nodes kept by the ``excluded``, ``tensorrt``, ``schema`` and ``weight`` rules."""
-    from ..io.models import default_opset, tensor_array
+def _graph(model) -> onnx.GraphProto:
+    return model.graph if isinstance(model, onnx.ModelProto) else model
 
-    opset = default_opset(model)
-    constants = {t.name: t for t in model.graph.initializer}
-    for node in model.graph.node:  # Constant nodes' values count as constants too
+
+def _bodies(model, prefix: str = "") -> List[Tuple[str, onnx.GraphProto]]:
+    """``(prefix, body)`` of every If/Loop/Scan body of ``model`` (a ModelProto or GraphProto), nested
+    ones too, depth first; ``prefix``: how ``onnx-qat check`` and the kept list name the body's nodes
+    (``parent/attribute/``, `body_prefix`)."""
+    found = []
+    for i, node in enumerate(_graph(model).node):
+        for attr, _, body in node_bodies(node):
+            inner = body_prefix(prefix, node, i, attr)
+            found.append((inner, body))
+            found.extend(_bodies(body, inner))
+    return found
+
+
+def _qualified(kept: Mapping[str, KeptNode], prefix: str) -> Dict[str, KeptNode]:
+    """``kept`` (keyed by node names of one body) keyed and named by their names in the model."""
+    if not prefix:
+        return dict(kept)
+    return {prefix + name: KeptNode(prefix + name, k.op_type, k.rule, k.reason) for name, k in kept.items()}
+
+
+def _name_body_nodes(model: onnx.ModelProto) -> None:
+    """Give a name to every unnamed node holding a body and every unnamed node inside a body
+    (``<op>_<n>``, unique in the model), so that the kept list and ``check`` name them the same way
+    before and after Casts are inserted. Edits ``model`` (the caller's own copy)."""
+    from ..graph.subgraphs import model_names
+
+    graphs = all_graphs(model)
+    if not any((not n.name and (g is not model.graph or has_subgraph(n))) for g in graphs for n in g.node):
+        return
+    used = model_names(model)
+    for g in graphs:
+        for n in g.node:
+            if not n.name and (g is not model.graph or has_subgraph(n)):
+                n.name = _fresh(used, f"{n.op_type}_{len(used)}")
+
+
+def _static_keeps(model, low: LowType, types, patterns) -> Dict[str, KeptNode]:
+    """Nodes kept by the ``excluded``, ``tensorrt``, ``schema`` and ``weight`` rules, in the main graph
+    and in every If/Loop/Scan body (named ``parent/attribute/node`` there)."""
+    from ..io.models import default_opset
+
+    kept: Dict[str, KeptNode] = {}
+    _static_keeps_in(model.graph, "", {}, default_opset(model), low, types, patterns, kept)
+    return kept
+
+
+def _static_keeps_in(graph, prefix, outer, opset, low, types, patterns, kept) -> None:
+    """`_static_keeps` of ``graph`` (its nodes named ``prefix`` + name; ``outer``: the constants of the
+    enclosing graphs), then of its bodies."""
+    from ..io.models import tensor_array
+
+    constants = dict(outer)
+    constants.update((t.name, t) for t in graph.initializer)
+    for node in graph.node:  # Constant nodes' values count as constants too
         if node.op_type == "Constant" and node.output:
             value = next((a.t for a in node.attribute if a.name == "value"), None)
             if value is not None:
                 constants.setdefault(node.output[0], value)
-    kept: Dict[str, KeptNode] = {}
-    for node in model.graph.node:
+    for index, node in enumerate(graph.node):
+        for attr, _, body in node_bodies(node):
+            _static_keeps_in(body, body_prefix(prefix, node, index, attr), constants, opset, low, types,
+                             patterns, kept)
         floats = [t for t in list(node.input) + list(node.output) if t and types.get(t) == TensorProto.FLOAT]
         if not floats:
             continue
+        name = prefix + node.name
         why = None
-        if any(p.fullmatch(node.name) for p in patterns):
+        if any(p.fullmatch(name) or p.fullmatch(node.name) for p in patterns):
             why = ("excluded", "excluded by the caller (exclude_nodes)")
         elif low is BF16 and node.op_type in TENSORRT_NO_BF16:
             why = ("tensorrt", f"TensorRT runs {node.op_type} in FP32/FP16 only (onnx-tensorrt operators.md)")
         elif has_subgraph(node):
-            why = ("schema", "holds an If/Loop/Scan body (bodies are not converted)")
+            why = ("schema", "holds If/Loop/Scan bodies: its inputs and outputs keep their types (its bodies "
+                             "are converted inside, with Casts at their boundary)")
         elif node.domain not in ("", "ai.onnx"):
             why = ("schema", f"op of domain {node.domain!r}: its type constraints are unknown here")
         elif schema_of(node, opset) is None:
@@ -407,8 +467,7 @@ def _static_keeps(model, low: LowType, types, patterns) -> Dict[str, KeptNode]:
                                          f"{low.max:.6g}")
                         break
         if why is not None:
-            kept[node.name] = KeptNode(node.name, node.op_type, *why)
-    return kept
+            kept[name] = KeptNode(name, node.op_type, *why)
 
 
 def _any_low_slot(node, schema, types, low) -> bool:
@@ -423,8 +482,8 @@ def _given_ranges(model, table) -> Dict[str, float]:
     from ..io.models import tensor_array
 
     ranges = dict(table.activations) if table is not None else {}
-    constants = {t.name: t for t in model.graph.initializer}
-    for node in model.graph.node:
+    constants = {t.name: t for t in _graph(model).initializer}
+    for node in _graph(model).node:
         if node.op_type == "QuantizeLinear" and len(node.input) > 1 and node.input[1] in constants:
             qmax = _qmax(node, constants)
             scale = tensor_array(constants[node.input[1]])
@@ -472,9 +531,9 @@ def _qmax(node, constants) -> float:
 def _range_keeps(model, low: LowType, ranges: Mapping[str, float], types) -> Dict[str, KeptNode]:
     """Producers and float consumers of tensors whose range the type cannot hold."""
     limit, floor = low.max / RANGE_HEADROOM, low.normal_min
-    producer = {t: n for n in model.graph.node for t in n.output}
+    producer = {t: n for n in _graph(model).node for t in n.output}
     consumers: Dict[str, List[onnx.NodeProto]] = {}
-    for n in model.graph.node:
+    for n in _graph(model).node:
         for t in n.input:
             consumers.setdefault(t, []).append(n)
     kept: Dict[str, KeptNode] = {}
@@ -500,14 +559,14 @@ def _scale_keeps(model, low: LowType) -> Dict[str, KeptNode]:
     """Q/DQ nodes whose scale the type cannot hold, and the nodes reading a kept DQ."""
     from ..io.models import tensor_array
 
-    constants = {t.name: t for t in model.graph.initializer}
+    constants = {t.name: t for t in _graph(model).initializer}
     consumers: Dict[str, List[onnx.NodeProto]] = {}
-    for n in model.graph.node:
+    for n in _graph(model).node:
         for t in n.input:
             consumers.setdefault(t, []).append(n)
     kept: Dict[str, KeptNode] = {}
     activations = activation_scales(model)
-    for node in model.graph.node:
+    for node in _graph(model).node:
         if node.op_type not in _QDQ or len(node.input) < 2 or node.input[1] not in constants:
             continue
         scale = tensor_array(constants[node.input[1]])
@@ -553,9 +612,9 @@ def activation_scales(model: onnx.ModelProto) -> set:
     """Names of the scales of ``model``'s QuantizeLinear nodes and of the DequantizeLinear nodes
     they feed: the scales whose rounding to a low type moves an activation's quantization grid
     (a weight's DequantizeLinear only rescales fixed codes)."""
-    produced = {t: n for n in model.graph.node for t in n.output}
+    produced = {t: n for n in _graph(model).node for t in n.output}
     names = set()
-    for node in model.graph.node:
+    for node in _graph(model).node:
         if len(node.input) < 2:
             continue
         if node.op_type == "QuantizeLinear" or (
@@ -631,7 +690,61 @@ def _convert(proto, low, kept, types, keep_io_types, up: bool = True):
     stats = cast_graph(model, low, kept, local_types, keep_io_types=keep_io_types,
                        pinned=read_in_subgraphs(model.graph))
     _store_low_scales(model, proto, low, scales, activation_scales(proto) if up else set())
+    if any(has_subgraph(n) for n in model.graph.node):
+        stats = _convert_bodies(model, low, kept, local_types, stats, up)
     return model, stats, kept
+
+
+def _convert_bodies(model: onnx.ModelProto, low: LowType, kept: Dict[str, KeptNode], types, stats: CastStats,
+                    up: bool) -> CastStats:
+    """Convert every If/Loop/Scan body of ``model`` (its main graph converted already), nested ones too,
+    with the rules of the main graph and ``kept`` (names ``parent/attribute/node``; DQ copies for
+    kept nodes added to it). Each body's inputs and outputs keep their types (Casts inside it), so an
+    If's two branches and its outputs, and a Loop's carried state in and out, keep one type; a tensor
+    of an enclosing graph a body reads stays FP32 under its own name there (``pinned``) and is cast
+    inside the body where a low reader wants it. Returns ``stats`` with the bodies' counts added (their
+    ``low_names`` qualified)."""
+    from ..graph.subgraphs import model_names
+
+    reserved = model_names(model)
+    keys = ("low_nodes", "low_outputs", "low_initializers", "low_copies", "casts")
+    totals = {key: getattr(stats, key) for key in keys}
+    slots, low_names, low_tensors = list(stats.fp32_slots), list(stats.low_names), set(stats.low_tensors)
+
+    def walk(graph: onnx.GraphProto, prefix: str) -> None:
+        for index, node in enumerate(graph.node):
+            for attr, _, body in node_bodies(node):
+                inner = body_prefix(prefix, node, index, attr)
+                view = onnx.ModelProto()
+                view.ir_version = model.ir_version
+                view.opset_import.extend(model.opset_import)
+                view.graph.CopyFrom(body)
+                original = onnx.ModelProto()
+                original.CopyFrom(view)
+                local = {n.name: kept[inner + n.name] for n in body.node if inner + n.name in kept}
+                before = set(local)
+                _fusion_keeps(view, local)
+                kept.update(_qualified({k: v for k, v in local.items() if k not in before}, inner))
+                local_types = dict(types)
+                for n in view.graph.node:  # the DQ copies' outputs
+                    for t in n.output:
+                        if t not in local_types and t.endswith("/fp32"):
+                            local_types[t] = TensorProto.FLOAT
+                scales = {n.input[1] for n in original.graph.node if n.op_type in _QDQ and len(n.input) > 1}
+                done = cast_graph(view, low, local, local_types, keep_io_types=True,
+                                  pinned=read_in_subgraphs(view.graph), reserved=reserved)
+                _store_low_scales(view, original, low, scales, activation_scales(original) if up else set())
+                for key in totals:
+                    totals[key] += getattr(done, key)
+                slots.extend((inner + n, slot, why) for n, slot, why in done.fp32_slots)
+                low_names.extend(inner + n for n in done.low_names)
+                low_tensors.update(done.low_tensors)
+                body.CopyFrom(view.graph)
+                reserved.update(model_names(view))
+                walk(body, inner)
+
+    walk(model.graph, "")
+    return CastStats(*(totals[key] for key in keys), tuple(slots), tuple(low_names), frozenset(low_tensors))
 
 
 def _store_low_scales(model, proto, low: LowType, scales, activations) -> None:
@@ -658,8 +771,8 @@ def _write_metadata(model: onnx.ModelProto, low: LowType, kept: Mapping[str, Kep
     del model.metadata_props[:]
     model.metadata_props.extend(props)
     model.metadata_props.add(key=FLOAT_DTYPE_KEY, value=low.name)
-    for node in model.graph.node:
-        k = kept.get(node.name)
+    for node, name in _named_nodes(model):
+        k = kept.get(name)
         if k is not None:
             mine = [p for p in node.metadata_props if p.key != KEEP_FP32_KEY]
             del node.metadata_props[:]
@@ -668,10 +781,20 @@ def _write_metadata(model: onnx.ModelProto, low: LowType, kept: Mapping[str, Kep
 
 
 def kept_fp32_nodes(model: onnx.ModelProto) -> Dict[str, str]:
-    """``{node name: reason}`` of the main-graph nodes a float-parts conversion kept FP32 on purpose
-    (their ``metadata_props`` entry `KEEP_FP32_KEY`)."""
-    found = {n.name: kept_fp32_reason(n) for n in model.graph.node}
+    """``{node name: reason}`` of the nodes a float-parts conversion kept FP32 on purpose (their
+    ``metadata_props`` entry `KEEP_FP32_KEY`), in the main graph and in If/Loop/Scan bodies (named
+    ``parent/attribute/node`` there, as ``onnx-qat check`` names them)."""
+    found = {name: kept_fp32_reason(n) for n, name in _named_nodes(model)}
     return {name: reason for name, reason in found.items() if reason is not None}
+
+
+def _named_nodes(model: onnx.ModelProto) -> List[Tuple[onnx.NodeProto, str]]:
+    """``(node, name)`` of every node of the main graph (its own name) and of every body
+    (``parent/attribute/node``)."""
+    found = [(n, n.name) for n in model.graph.node]
+    for prefix, body in _bodies(model):
+        found.extend((n, prefix + (n.name or f"<{n.op_type} #{i}>")) for i, n in enumerate(body.node))
+    return found
 
 
 # --------------------------------------------------------------------------- measurement
@@ -738,8 +861,10 @@ class _Measure:
         whose values sit near rounding boundaries amplifies (an input quantized at once, from an
         8-bit image, barely moves: the QuantizeLinear inputs inside the network do)."""
         from ..runtime.sessions import make_session
+        from ..runtime.stateful import carry_state
 
-        session = make_session(jittered(self.proto, low.eps / 2), optimize=False, spin=False)
+        session = carry_state(make_session(jittered(self.proto, low.eps / 2), optimize=False, spin=False),
+                              self.dataset)  # a stateful model: in order, its state fed back
         rng = np.random.default_rng(0)
         parts: Dict[str, list] = {}
         for feed in self.dataset.batches(4):
@@ -875,7 +1000,8 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
     graph order, while the budget still holds), at most `MAX_GROUP_TRIALS` measured conversions.
     Returns ``((converted, stats, kept, cosines) or None, trials)``."""
     skip = (*_QDQ, "Cast", "Constant")
-    group = [n for n in proto.graph.node if n.name and n.name not in kept and n.op_type not in skip
+    group = [(name, n) for n, name in _named_nodes(proto)
+             if n.name and name not in kept and n.op_type not in skip and not has_subgraph(n)
              and any(types.get(t) == TensorProto.FLOAT for t in list(n.input) + list(n.output) if t)]
     trials = 0
 
@@ -883,8 +1009,8 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
         nonlocal trials
         trials += 1
         trial = dict(kept)
-        for n in nodes:
-            trial[n.name] = KeptNode(n.name, n.op_type, "measured", "")
+        for name, n in nodes:
+            trial[name] = KeptNode(name, n.op_type, "measured", "")
         converted, stats, trial = _convert(proto, low, trial, types, keep_io_types, up)
         cos = measure.cosines(measure.run_low(converted, low, measure.outputs, low_tensors=stats.low_tensors))
         within = all(cos[o] >= base[o] - max_drop for o in measure.outputs)
@@ -919,7 +1045,7 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
               f"and no single node lowered it; with these {len(group)} nodes kept FP32 together it falls by "
               f"{max(base[worst] - cos[worst], 0.0):.2g} (group found by shrinking in {trials} measured "
               "conversions)")
-    names = {n.name for n in group}
+    names = {name for name, _ in group}
     trial = {k: KeptNode(v.node, v.op_type, "measured", reason) if k in names else v
              for k, v in trial.items()}
     return (converted, stats, trial, cos), trials
@@ -1004,9 +1130,9 @@ def _worst_node(proto, measure: _Measure, values, kept):
 
 
 def ort_cpu_missing_kernels(model: onnx.ModelProto, low: LowType, nodes: Iterable[str]) -> Tuple[str, ...]:
-    """Op types of ``model``'s main-graph ``nodes`` (names) that onnxruntime's CPU provider (the
-    installed build) has no kernel for in ``low``, read from its kernel registry (empty when the
-    registry cannot be read)."""
+    """Op types of ``model``'s ``nodes`` (names; ``parent/attribute/node`` in bodies) that onnxruntime's
+    CPU provider (the installed build) has no kernel for in ``low``, read from its kernel registry
+    (empty when the registry cannot be read)."""
     try:
         from onnxruntime.capi import _pybind_state
 
@@ -1017,7 +1143,8 @@ def ort_cpu_missing_kernels(model: onnx.ModelProto, low: LowType, nodes: Iterabl
                 if k.provider == "CPUExecutionProvider" and k.domain in ("", "ai.onnx")
                 and any(low.type_str in types for types in k.type_constraints.values())}
     names = set(nodes)
-    used = dict.fromkeys(n.op_type for n in model.graph.node if n.name in names and n.op_type != "Cast")
+    used = dict.fromkeys(n.op_type for n, name in _named_nodes(model)
+                         if name in names and n.op_type != "Cast")
     return tuple(op for op in used if op not in with_low)
 
 
@@ -1056,16 +1183,26 @@ def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None, fusions: bo
     """[`emulate_in_fp32`][onnx_qat.formats.float_parts.emulate_in_fp32]; ``low_tensors``: the node outputs of
     type ``low`` when known (else shape inference tells)."""
     from ..check.precision import fused_tensors
-    from ..io.models import tensor_array
+    from ..graph.subgraphs import model_names
 
     if low_tensors is None:
         types = tensor_types(model)
         low_tensors = {t for t, ty in types.items() if ty == low.onnx_type}
     if fusions:
         low_tensors = set(low_tensors) - fused_tensors(model)
+
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    g = out.graph
+    used = model_names(out)
+    for g in all_graphs(out):  # the main graph, then every If/Loop/Scan body
+        _emulate_graph(g, low, low_tensors, used)
+    return out
+
+
+def _emulate_graph(g: onnx.GraphProto, low: LowType, low_tensors, used: set) -> None:
+    """`_emulate` of one graph (its bodies are visited on their own)."""
+    from ..io.models import tensor_array
+
     for t in g.initializer:
         if t.data_type == low.onnx_type:
             t.CopyFrom(onnx.numpy_helper.from_array(np.asarray(tensor_array(t), np.float32), t.name))
@@ -1073,7 +1210,6 @@ def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None, fusions: bo
         if info.type.tensor_type.elem_type == low.onnx_type:
             info.type.tensor_type.elem_type = TensorProto.FLOAT
     nodes = []
-    used = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
     for node in g.node:
         for attr in node.attribute:
             if attr.name in ("to", "dtype") and attr.i == low.onnx_type:
@@ -1090,7 +1226,6 @@ def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None, fusions: bo
                 nodes.append(helper.make_node("Cast", [mid], [t], to=TensorProto.FLOAT))
     del g.node[:]
     g.node.extend(nodes)
-    return out
 
 
 __all__ = ["cast_float_parts", "quantize_with_float_parts", "FloatPartsResult", "KeptNode", "FLOAT_DTYPES",
