@@ -1,0 +1,188 @@
+"""FP16 float parts inside If branches and Loop bodies: weights, Constant nodes and tensors there take
+FP16, tensors of the enclosing graph read inside stay FP32 under their own names, each body keeps the
+types of its inputs and outputs (an If's two branches and its outputs, a Loop's carried state in and
+out), and the result runs in onnxruntime and passes ``check`` with no finding."""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_qat
+from onnx_qat.formats.float_cast import all_graphs
+from onnx_qat.formats.float_parts import cast_float_parts, emulate_in_fp32, kept_fp32_nodes
+
+F = TensorProto.FLOAT
+
+
+def _init(rng, name, shape, scale=0.3):
+    return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+
+def if_model(seed: int) -> onnx.ModelProto:
+    """x -> Conv -> Relu (outer) -> If(cond): then Conv(body weight) + outer bias, else Conv(body
+    weight) * a Constant node; both branches read the outer tensor ``h`` and the outer initializer."""
+    rng = np.random.default_rng(seed)
+    then_g = helper.make_graph(
+        [helper.make_node("Conv", ["h", "w_then"], ["t1"], pads=[1, 1, 1, 1], name="then_conv"),
+         helper.make_node("Add", ["t1", "bias_outer"], ["y_then"], name="then_add")],
+        "then", [], [helper.make_tensor_value_info("y_then", F, [1, 4, 8, 8])],
+        [_init(rng, "w_then", [4, 4, 3, 3])])
+    else_g = helper.make_graph(
+        [helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.float32(0.5))),
+         helper.make_node("Conv", ["h", "w_else"], ["e1"], pads=[1, 1, 1, 1], name="else_conv"),
+         helper.make_node("Mul", ["e1", "k"], ["e2"], name="else_mul"),
+         helper.make_node("Add", ["e2", "bias_outer"], ["y_else"], name="else_add")],
+        "else", [], [helper.make_tensor_value_info("y_else", F, [1, 4, 8, 8])],
+        [_init(rng, "w_else", [4, 4, 3, 3])])
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1, 1, 1, 1], name="conv0"),
+         helper.make_node("Relu", ["c0"], ["h"], name="relu0"),
+         helper.make_node("If", ["cond"], ["y_if"], then_branch=then_g, else_branch=else_g, name="branch"),
+         helper.make_node("Sigmoid", ["y_if"], ["y"], name="out")],
+        "if_model",
+        [helper.make_tensor_value_info("x", F, [1, 3, 8, 8]),
+         helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", F, [1, 4, 8, 8])],
+        [_init(rng, "w0", [4, 3, 3, 3]), _init(rng, "bias_outer", [1, 4, 1, 1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def loop_model(seed: int) -> onnx.ModelProto:
+    """x -> MatMul (outer) -> Loop(3): v <- Tanh(MatMul(v, body weight) + outer bias), each iteration's v
+    also a scan output."""
+    rng = np.random.default_rng(seed)
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("MatMul", ["v_in", "w_body"], ["m"], name="body_matmul"),
+         helper.make_node("Add", ["m", "b_outer"], ["a"], name="body_add"),
+         helper.make_node("Tanh", ["a"], ["v_out"], name="body_tanh"),
+         helper.make_node("Identity", ["v_out"], ["scan"], name="body_scan")],
+        "body",
+        [helper.make_tensor_value_info("iter", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_in", F, [2, 16])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", F, [2, 16]),
+         helper.make_tensor_value_info("scan", F, [2, 16])],
+        [_init(rng, "w_body", [16, 16])])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w0"], ["v0"], name="matmul0"),
+         helper.make_node("Loop", ["trips", "keep_going", "v0"], ["v_last", "v_all"], body=body,
+                          name="loop")],
+        "loop_model", [helper.make_tensor_value_info("x", F, [2, 8])],
+        [helper.make_tensor_value_info("v_last", F, [2, 16]),
+         helper.make_tensor_value_info("v_all", F, [3, 2, 16])],
+        [_init(rng, "w0", [8, 16]), _init(rng, "b_outer", [16], 0.1),
+         numpy_helper.from_array(np.array(3, np.int64), "trips"),
+         numpy_helper.from_array(np.array(True), "keep_going")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def run(model, feed):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feed)
+
+
+def body_floats(model):
+    """Element types of the float initializers and Constant values inside bodies."""
+    found = []
+    for g in all_graphs(model)[1:]:
+        found += [t.data_type for t in g.initializer if t.data_type in (F, TensorProto.FLOAT16)]
+        found += [a.t.data_type for n in g.node if n.op_type == "Constant" for a in n.attribute
+                  if a.name == "value" and a.t.data_type in (F, TensorProto.FLOAT16)]
+    return found
+
+
+def assert_clean(model):
+    """``check`` finds nothing but C13 (a float model: "not quantized", said of the FP32 model too)."""
+    report = onnx_qat.check(model)
+    found = [str(f) for f in list(report.errors) + list(report.warnings) if f.rule != "C13"]
+    assert not found, found
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("scale", [1.0, 20.0])
+def test_if_branches_are_converted_and_run(seed, scale):
+    model = if_model(seed)
+    result = cast_float_parts(model, "fp16")
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    assert body_floats(out) and set(body_floats(out)) == {TensorProto.FLOAT16}
+    # the outer initializer and tensor the branches read keep FP32 under their own names
+    assert next(t for t in out.graph.initializer if t.name == "bias_outer").data_type == F
+    kept = {k.node: k for k in result.kept}
+    assert set(kept) == {"branch"} and kept["branch"].rule == "schema"
+    assert result.summary["low_initializers"] == 3  # w0 and the two branch weights
+    rng = np.random.default_rng(10 + seed)
+    x = (rng.standard_normal((1, 3, 8, 8)) * scale).astype(np.float32)
+    for cond in (True, False):
+        feed = {"x": x, "cond": np.array(cond)}
+        (ref,), (got,), (emu,) = run(model, feed), run(out, feed), run(emulate_in_fp32(out), feed)
+        assert got.dtype == np.float32
+        # sigmoid outputs of logits up to ~100 (scale 20), each rounded to FP16 (2^-11 relative) on the way
+        for value in (got, emu):
+            np.testing.assert_allclose(value, ref, atol=1e-2, rtol=0)
+            assert np.abs(value - ref).mean() < 1e-3
+        assert np.abs(got - ref).max() > 0  # the branches did compute in FP16
+    assert_clean(out)
+
+
+def test_if_branch_nodes_are_kept_by_their_qualified_names():
+    result = cast_float_parts(if_model(0), "fp16", exclude_nodes=["branch/else_branch/else_conv"])
+    kept = {k.node: k.rule for k in result.kept}
+    assert kept == {"branch": "schema", "branch/else_branch/else_conv": "excluded"}
+    assert kept_fp32_nodes(result.model).keys() == kept.keys()
+    else_branch = next(a.g for n in result.model.graph.node if n.op_type == "If" for a in n.attribute
+                       if a.name == "else_branch")
+    conv = next(n for n in else_branch.node if n.name == "else_conv")
+    weight = next(t for t in else_branch.initializer if t.name == conv.input[1])
+    assert weight.data_type == F  # the kept Conv reads its weight in FP32
+    report = onnx_qat.check(result.model)
+    assert not report.errors
+    # its only warning names the kept FP32 Conv, with the reason
+    assert all("else_conv" in str(w) for w in report.warnings if w.rule != "C13"), \
+        [str(w) for w in report.warnings]
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_loop_carried_state_keeps_one_type_and_runs(seed):
+    model = loop_model(seed)
+    result = cast_float_parts(model, "fp16")
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    assert set(body_floats(out)) == {TensorProto.FLOAT16}
+    loop = next(n for n in out.graph.node if n.op_type == "Loop")
+    body = loop.attribute[0].g
+    types = {v.name: v.type.tensor_type.elem_type for v in list(body.input) + list(body.output)}
+    assert types["v_in"] == types["v_out"] == F and types["scan"] == F  # carried in and out alike
+    x = np.random.default_rng(seed).standard_normal((2, 8)).astype(np.float32)
+    ref, got = run(model, {"x": x}), run(out, {"x": x})
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, atol=5e-3, rtol=0)
+    assert_clean(out)
+
+
+def test_quantized_if_model_with_fp16_float_parts_passes_check(tmp_path):
+    model = if_model(0)
+    path = tmp_path / "if.onnx"
+    onnx.save(model, path)
+    rng = np.random.default_rng(5)
+    data = {"x": rng.standard_normal((16, 3, 8, 8)).astype(np.float32),
+            "cond": np.array(True)}
+    np.savez(tmp_path / "calib.npz", **data)
+    q = onnx_qat.quantize(str(path), data=str(tmp_path / "calib.npz"), float_dtype="fp16", progress=False)
+    assert set(body_floats(q.model)) <= {TensorProto.FLOAT16}
+    report = onnx_qat.check(q.model)
+    assert not report.errors, [str(e) for e in report.errors]
+    kept = {k.node for k in q.float_parts.kept}
+    assert all(any(k in str(w) for k in kept) for w in report.warnings), [str(w) for w in report.warnings]
+    x = data["x"][:4]
+    ref = np.concatenate([run(model, {"x": x[i:i + 1], "cond": np.array(True)})[0] for i in range(4)])
+    got = np.concatenate([run(q.model, {"x": x[i:i + 1], "cond": np.array(True)})[0] for i in range(4)])
+    cos = float(ref.ravel() @ got.ravel() / np.linalg.norm(ref) / np.linalg.norm(got))
+    assert cos > 0.99
