@@ -123,3 +123,50 @@ def test_silero_vad_from_samples_in_one_npz_matches_the_directory(vad_model, tmp
     from_npz = onnx_qat.calibrate(vad_model, tmp_path / "calib.npz", method="max", state=state,
                                   progress=False)
     assert from_npz.activations == from_dir.activations and len(from_dir.activations) == 6
+
+
+def _float_bytes(model) -> int:
+    """Bytes of the float initializers and Constant values of every graph (silero-vad keeps its weights
+    in Constant nodes inside its If branches)."""
+    from onnx import TensorProto
+
+    from onnx_qat.formats.float_cast import all_graphs
+
+    sizes = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2}
+    tensors = [t for g in all_graphs(model) for t in g.initializer]
+    tensors += [a.t for g in all_graphs(model) for n in g.node if n.op_type == "Constant" for a in n.attribute
+                if a.name == "value"]
+    return sum(int(np.prod(t.dims, dtype=np.int64)) * sizes[t.data_type]
+               for t in tensors if t.data_type in sizes)
+
+
+def test_silero_vad_with_fp16_float_parts_tracks_the_fp32_float_parts(vad_model, tmp_path):
+    """The whole network sits inside an If: its branches are converted, the state fed back step by step."""
+    from onnx_qat.formats.float_parts import kept_fp32_nodes
+
+    steps = feeds(speech("calibration.wav"))
+    np.savez(tmp_path / "calib.npz", input=np.concatenate([f["input"] for f in steps]),
+             state=steps[0]["state"], sr=steps[0]["sr"])
+    options = dict(data=tmp_path / "calib.npz", state={"stateN": "state"}, method="max", progress=False)
+    q32 = onnx_qat.quantize(vad_model, tmp_path / "q32.onnx", **options)
+    q16 = onnx_qat.quantize(vad_model, tmp_path / "q16.onnx", float_dtype="fp16", **options)
+    assert q16.float_parts.summary["low_nodes"] > 100 and q16.float_parts.summary["low_initializers"] > 0
+    report = onnx_qat.check(q16.model)
+    assert not report.errors, [str(e) for e in report.errors]
+    kept = kept_fp32_nodes(q16.model)
+    assert all(w.node in kept for w in report.warnings), [str(w) for w in report.warnings]
+    precisions = report.precision_map.counts()
+    assert precisions.get("fp16", 0) > 10 and precisions.get("int8", 0) > 0, precisions
+    fp32_compute = report.precision_map.fp32_compute(weighted_only=True)
+    assert all(n.node in kept for n in fp32_compute), [n.node for n in fp32_compute]
+    assert _float_bytes(q16.model) < 0.6 * _float_bytes(q32.model)
+    signal = speech("evaluation.wav")
+    ref = probabilities(vad_model, signal)
+    p32, p16 = probabilities(tmp_path / "q32.onnx", signal), probabilities(tmp_path / "q16.onnx", signal)
+
+    def cosine(a, b):
+        return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+    assert len(p16) == 77
+    assert abs(cosine(ref, p32) - cosine(ref, p16)) <= 0.002, (cosine(ref, p32), cosine(ref, p16))
+    assert np.array_equal(p32 > 0.5, p16 > 0.5), np.round(np.stack([p32, p16]), 2)
