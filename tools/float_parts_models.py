@@ -47,6 +47,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 REAL = ("ocr-det", "ocr-rec", "ocr-cls", "orientation", "magika")
+#: silero-vad (``silero_vad/data/silero_vad.onnx`` of the ``silero-vad`` 6.2.3 wheel, as the tests cache
+#: it): stateful, its whole network inside an If; calibrated on ``tests/data/speech/calibration.wav`` and
+#: measured on ``evaluation.wav`` (77 chunks of 512 samples), its state fed back step by step.
+VAD = "silero-vad"
+VAD_MODEL = Path.home() / ".cache" / "onnx-qat-test-models" / "silero-vad-6.2.3" / "silero_vad.onnx"
 WEIGHTED = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
@@ -128,13 +133,82 @@ def _fp32_weighted(model, kept) -> list:
     ]
 
 
-def _float_bytes(model) -> int:
+def _float_bytes(model, everywhere: bool = False) -> int:
+    """Bytes of the float initializers of the main graph (``everywhere``: also of If/Loop/Scan bodies,
+    and Constant values)."""
+    from onnx_qat.formats.float_cast import all_graphs
+
     sizes = {1: 4, 10: 2, 16: 2}
+    graphs = all_graphs(model) if everywhere else [model.graph]
+    tensors = [t for g in graphs for t in g.initializer]
+    if everywhere:
+        tensors += [a.t for g in graphs for n in g.node if n.op_type == "Constant" for a in n.attribute
+                    if a.name == "value"]
     return sum(
-        int(np.prod(t.dims, dtype=np.int64)) * sizes[t.data_type]
-        for t in model.graph.initializer
-        if t.data_type in sizes
+        int(np.prod(t.dims, dtype=np.int64)) * sizes[t.data_type] for t in tensors if t.data_type in sizes
     )
+
+
+def _vad_probs(model, signal) -> np.ndarray:
+    """silero-vad's speech probability per 512-sample chunk of ``signal``, its state fed back."""
+    from onnx_qat.runtime.sessions import make_session
+    from tests.onnx_qat.test_stateful_vad import RATE, chunks
+
+    session = make_session(model, optimize=False)
+    state, probs = np.zeros((2, 1, 128), np.float32), []
+    for x in chunks(signal):
+        feed = {"input": x, "state": state, "sr": np.array(RATE, np.int64)}
+        prob, state = session.run(["output", "stateN"], feed)
+        probs.append(float(np.ravel(prob)[0]))
+    return np.array(probs, np.float64)
+
+
+def measure_vad(path: Path, workdir: Path, method: str = "max") -> dict:
+    """`measure` for silero-vad: the probability sequences of the evaluation clip, state fed back."""
+    import onnx_qat
+    from onnx_qat.formats.float_parts import emulate_in_fp32, jittered, kept_fp32_nodes
+    from tests.onnx_qat.test_stateful_vad import feeds, speech
+
+    steps = feeds(speech("calibration.wav"))
+    calib = workdir / "silero_vad_calib.npz"
+    np.savez(calib, input=np.concatenate([f["input"] for f in steps]), state=steps[0]["state"],
+             sr=steps[0]["sr"])
+    options = dict(data=str(calib), state={"stateN": "state"}, method=method, progress=False)
+    q32 = onnx_qat.quantize(str(path), **options)
+    q16 = onnx_qat.quantize(str(path), float_dtype="fp16", **options)
+    signal = speech("evaluation.wav")
+    ref = _vad_probs(onnx_qat.io.models.load_model(str(path)), signal)
+
+    def cosine(model) -> float:
+        got = _vad_probs(model, signal)
+        return float(ref @ got / np.linalg.norm(ref) / np.linalg.norm(got))
+
+    cos32 = cosine(q32.model)
+    noise = max(abs(cos32 - cosine(jittered(q32.model, 2.0**-12, seed))) for seed in range(4))
+    cos16 = cosine(emulate_in_fp32(q16.model, "fp16"))
+    report = onnx_qat.check(q16.model)
+    kept = {k.node: k for k in q16.float_parts.kept}
+    marked = kept_fp32_nodes(q16.model)
+    outside = [n.node for n in report.precision_map.fp32_compute(weighted_only=True) if n.node not in marked]
+    p32, p16 = _vad_probs(q32.model, signal), _vad_probs(emulate_in_fp32(q16.model, "fp16"), signal)
+    return {
+        "model": VAD,
+        "cosine_fp32_parts": cos32,
+        "cosine_fp16_parts": cos16,
+        "cosine_fp16_ort": cosine(q16.model),
+        "drop": cos32 - cos16,
+        "rounding_noise": noise,
+        "decisions_agree": float(np.mean((p32 > 0.5) == (p16 > 0.5))),
+        "measured_on_data": dict(q16.float_parts.measurement or {}),
+        "check_errors": len(report.errors),
+        "check_warnings": len(report.warnings),
+        "fp32_weighted_outside_keep_list": outside,
+        "float_bytes_ratio": _float_bytes(q16.model, True) / max(_float_bytes(q32.model, True), 1),
+        "kept": len(kept),
+        "kept_by_rule": dict(Counter(k.rule for k in kept.values())),
+        "kept_weighted": sorted(k.node for k in kept.values() if k.op_type in WEIGHTED),
+        "eval_samples": len(ref),
+    }
 
 
 def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> dict:
@@ -219,7 +293,9 @@ def main(argv=None) -> int:
         prog="python tools/float_parts_models.py", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--workdir", default=str(Path.home() / ".cache" / "onnx-qat-real-models"))
-    parser.add_argument("--only", action="append", default=None, choices=list(REAL) + list(KERAS_APPS))
+    parser.add_argument(
+        "--only", action="append", default=None, choices=list(REAL) + [VAD] + list(KERAS_APPS)
+    )
     parser.add_argument("--size", type=int, default=160, help="input size of the Keras models")
     parser.add_argument("--method", default="max", help="calibration method (default max: fast)")
     parser.add_argument("--eval-large", action="store_true",
@@ -233,9 +309,17 @@ def main(argv=None) -> int:
     start = machine()
     workdir = Path(args.workdir)
     rows = []
-    for name in args.only or list(REAL) + list(KERAS_APPS):
+    for name in args.only or list(REAL) + [VAD] + list(KERAS_APPS):
         print(f"[float-parts] {name} ...", file=sys.stderr, flush=True)
         try:
+            if name == VAD:
+                if not VAD_MODEL.exists():
+                    rows.append({"model": name, "skipped": f"{VAD_MODEL} missing (run tests/onnx_qat/"
+                                                          "test_stateful_vad.py online once)"})
+                else:
+                    rows.append(measure_vad(VAD_MODEL, workdir, args.method))
+                print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
+                continue
             if name in REAL:
                 path = workdir / "models" / f"{name}.onnx"
                 if not path.exists():

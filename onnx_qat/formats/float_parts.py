@@ -87,6 +87,8 @@ MAX_COSINE_DROP = 0.002
 #: Samples of ``data`` the measurement runs on (spread evenly over its first 16 x this many:
 #: `onnx_qat.io.data.Dataset.spread`).
 MEASURE_SAMPLES = 4
+#: A stateful model (its state fed back) is measured on its first this many x ``num_samples`` steps.
+STATEFUL_WINDOW = 16
 #: Rounds of the measured search (one node tried per round).
 MAX_ROUNDS = 12
 #: The measured search stops after this many rounds in a row whose node did not lower the drop.
@@ -805,7 +807,11 @@ class _Measure:
     def __init__(self, proto, types, data, reference, num_samples: int, progress: bool):
         from ..io.data import load_data
 
-        self.dataset = load_data(data, proto).spread(num_samples)
+        dataset = load_data(data, proto)
+        # a stateful model's samples are one stream in order: its first steps (often silence, a warm-up)
+        # say little, so it runs on the first STATEFUL_WINDOW x num_samples of them
+        self.dataset = dataset.take(min(dataset.num_samples, STATEFUL_WINDOW * num_samples)) \
+            if dataset.state else dataset.spread(num_samples)
         self.progress = progress
         self.outputs = [o.name for o in proto.graph.output]
         # every float tensor but the DequantizeLinear outputs, whose ranges their codes and scales
@@ -1052,30 +1058,37 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
 
 
 def jittered(model: onnx.ModelProto, size: float, seed: int = 0) -> onnx.ModelProto:
-    """A copy of ``model`` whose every main-graph QuantizeLinear input is multiplied by ``1 + u``, ``u``
-    uniform in ± ``size`` (onnxruntime's seeded ``RandomUniformLike``, one seed per node): rounding
-    errors of a float type before every quantization, in random directions."""
+    """A copy of ``model`` whose every QuantizeLinear input (in the main graph and in If/Loop/Scan bodies)
+    is multiplied by ``1 + u``, ``u`` uniform in ± ``size`` (onnxruntime's seeded
+    ``RandomUniformLike``, one seed per node): rounding errors of a float type before every
+    quantization, in random directions."""
+    from ..graph.subgraphs import model_names
+
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    g = out.graph
-    used = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
+    used = model_names(out)
     one = _fresh(used, "jitter/one")
-    nodes = []
-    for i, node in enumerate(g.node):
-        if node.op_type == "QuantizeLinear" and node.input and node.input[0]:
-            t = node.input[0]
-            noise, factor, moved = (_fresh(used, f"{t}/jitter"), _fresh(used, f"{t}/jitter_factor"),
-                                    _fresh(used, f"{t}/jittered"))
-            nodes += [helper.make_node("RandomUniformLike", [t], [noise], low=-float(size), high=float(size),
-                                       seed=float(seed * 100003 + i)),
-                      helper.make_node("Add", [noise, one], [factor]),
-                      helper.make_node("Mul", [t, factor], [moved])]
-            node.input[0] = moved
-        nodes.append(node)
-    if len(nodes) > len(g.node):
-        g.initializer.append(onnx.numpy_helper.from_array(np.float32(1.0), one))
-    del g.node[:]
-    g.node.extend(nodes)
+    count = 0
+    # innermost bodies first: rebuilding a graph's node list copies its nodes, bodies included
+    for g in reversed(all_graphs(out)):
+        nodes = []
+        for node in g.node:
+            if node.op_type == "QuantizeLinear" and node.input and node.input[0]:
+                t = node.input[0]
+                noise, factor, moved = (_fresh(used, f"{t}/jitter"), _fresh(used, f"{t}/jitter_factor"),
+                                        _fresh(used, f"{t}/jittered"))
+                nodes += [helper.make_node("RandomUniformLike", [t], [noise], low=-float(size),
+                                           high=float(size), seed=float(seed * 100003 + count)),
+                          helper.make_node("Add", [noise, one], [factor]),
+                          helper.make_node("Mul", [t, factor], [moved])]
+                node.input[0] = moved
+                count += 1
+            nodes.append(node)
+        if len(nodes) > len(g.node):
+            del g.node[:]
+            g.node.extend(nodes)
+    if count:  # read from the main graph by the bodies too
+        out.graph.initializer.append(onnx.numpy_helper.from_array(np.float32(1.0), one))
     return out
 
 
@@ -1194,7 +1207,8 @@ def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None, fusions: bo
     out = onnx.ModelProto()
     out.CopyFrom(model)
     used = model_names(out)
-    for g in all_graphs(out):  # the main graph, then every If/Loop/Scan body
+    # innermost bodies first: rebuilding a graph's node list copies its nodes, bodies included
+    for g in reversed(all_graphs(out)):
         _emulate_graph(g, low, low_tensors, used)
     return out
 

@@ -129,6 +129,10 @@ def test_if_branches_are_converted_and_run(seed, scale):
             np.testing.assert_allclose(value, ref, atol=1e-2, rtol=0)
             assert np.abs(value - ref).mean() < 1e-3
         assert np.abs(got - ref).max() > 0  # the branches did compute in FP16
+    # the emulation holds the branch weights as FP32 values and rounds the branch tensors to FP16
+    emulated = emulate_in_fp32(out)
+    assert set(body_floats(emulated)) == {F}
+    assert sum(n.op_type == "Cast" for g in all_graphs(emulated)[1:] for n in g.node) >= 4
     assert_clean(out)
 
 
