@@ -9,6 +9,9 @@ by low slots is stored in the low type (the file shrinks), one read by both keep
 its low readers a small low copy (a Q/DQ scale: TensorRT wants constant scales) or a ``Cast``.
 Tensors whose name must keep FP32 (graph outputs with ``keep_io_types``, names read inside
 If/Loop/Scan bodies) are produced under a new name and cast back to FP32 under their own.
+`cast_graph` rewrites one graph; an If/Loop/Scan body is rewritten as the graph of a model of its
+own (``onnx_qat.formats.float_parts``), its inputs and outputs kept, with the names of the enclosing
+graphs ``reserved``.
 
 Source of the type rules: the ONNX operator schemas (``onnx.defs``) of the model's opset.
 """

@@ -22,8 +22,9 @@ excluded   the caller named it (``exclude_nodes``, regular expressions)
 tensorrt   TensorRT does not run its op in the type: with BF16, ``DeformConv``, ``GridSample``,
            ``Mish``, ``NonMaxSuppression``, ``NonZero``, ``RoiAlign`` (onnx-tensorrt
            ``docs/operators.md``, TensorRT 10: FP32 and FP16 only)
-schema     its ONNX schema (at the model's opset) takes no such type, it holds an If/Loop/Scan
-           body, it is an op of another domain (types unknown), or its tensors' types are unknown
+schema     its ONNX schema (at the model's opset) takes no such type, it holds If/Loop/Scan
+           bodies (it keeps its inputs and outputs; the bodies are converted inside), it is an op
+           of another domain (types unknown), or its tensors' types are unknown
 weight     a constant it reads holds values beyond the type's largest finite value
 range      a tensor it reads or writes has a calibrated or measured range beyond the type's
            largest value / `RANGE_HEADROOM` (FP16: 32752), or all of whose values are
@@ -46,6 +47,12 @@ from FP32 compute forgotten ([`kept_fp32_nodes`][onnx_qat.formats.float_parts.ke
 
 Graph inputs and outputs keep their types by default (a Cast at the boundary); with
 ``keep_io_types=False`` they take the low type (outputs an FP32-kept node produces stay FP32).
+
+If/Loop/Scan bodies, nested ones too, are converted by the same rules; each keeps the types of its
+inputs and outputs (Casts inside it), so an If's branches and outputs, and a Loop's carried state in
+and out, keep one type, and a tensor of an enclosing graph a body reads stays FP32 under its own
+name. Nodes inside a body are named ``parent/attribute/node`` (as ``onnx-qat check`` names them) in
+the kept list and in ``exclude_nodes``.
 
 onnxruntime 1.31 runs FP16 models on CPU: ops without an FP16 CPU kernel run in FP32 between Casts
 its session inserts (its ``InsertCastTransformer``), which it drops between consecutive such ops, so
@@ -219,7 +226,8 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
         reference: the model the cosines are measured against (e.g. the FP32 float model before
             quantization); None: ``model`` itself (then the converted model's cosine against it must
             stay >= 1 - ``max_cosine_drop``).
-        exclude_nodes: regular expressions (``re.fullmatch``) of node names to keep FP32.
+        exclude_nodes: regular expressions (``re.fullmatch``) of node names to keep FP32 (a node inside
+            an If/Loop/Scan body matches by its own name or by ``parent/attribute/node``).
         max_cosine_drop: see ``data``.
         num_samples: samples of ``data`` measured on.
         progress: progress bars on stderr.
