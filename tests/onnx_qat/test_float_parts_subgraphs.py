@@ -190,3 +190,18 @@ def test_quantized_if_model_with_fp16_float_parts_passes_check(tmp_path):
     got = np.concatenate([run(q.model, {"x": x[i:i + 1], "cond": np.array(True)})[0] for i in range(4)])
     cos = float(ref.ravel() @ got.ravel() / np.linalg.norm(ref) / np.linalg.norm(got))
     assert cos > 0.99
+
+
+def test_unnamed_body_nodes_get_names_and_the_given_model_is_untouched():
+    model = if_model(2)
+    branch = next(n for n in model.graph.node if n.op_type == "If")
+    else_g = next(a.g for a in branch.attribute if a.name == "else_branch")
+    conv = next(n for n in else_g.node if n.op_type == "Conv")
+    conv.name = ""
+    before = model.SerializeToString()
+    result = cast_float_parts(model, "fp16", exclude_nodes=["branch/else_branch/Conv_.*"])
+    assert model.SerializeToString() == before
+    kept = {k.node: k.rule for k in result.kept if k.rule == "excluded"}
+    assert len(kept) == 1 and next(iter(kept)).startswith("branch/else_branch/Conv_")
+    report = onnx_qat.check(result.model)
+    assert [w.node for w in report.warnings if w.rule != "C13"] == list(kept)
