@@ -20,14 +20,15 @@ def _init(rng, name, shape, scale=0.3):
 
 
 def if_model(seed: int) -> onnx.ModelProto:
-    """x -> Conv -> Relu (outer) -> If(cond): then Conv(body weight) + outer bias, else Conv(body
+    """x -> Conv -> Relu (outer) -> If(cond): then MatMul(Conv(body weight)) + outer bias, else Conv(body
     weight) * a Constant node; both branches read the outer tensor ``h`` and the outer initializer."""
     rng = np.random.default_rng(seed)
     then_g = helper.make_graph(
         [helper.make_node("Conv", ["h", "w_then"], ["t1"], pads=[1, 1, 1, 1], name="then_conv"),
-         helper.make_node("Add", ["t1", "bias_outer"], ["y_then"], name="then_add")],
+         helper.make_node("MatMul", ["t1", "w_mm"], ["t2"], name="then_matmul"),
+         helper.make_node("Add", ["t2", "bias_outer"], ["y_then"], name="then_add")],
         "then", [], [helper.make_tensor_value_info("y_then", F, [1, 4, 8, 8])],
-        [_init(rng, "w_then", [4, 4, 3, 3])])
+        [_init(rng, "w_then", [4, 4, 3, 3]), _init(rng, "w_mm", [8, 8])])
     else_g = helper.make_graph(
         [helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.float32(0.5))),
          helper.make_node("Conv", ["h", "w_else"], ["e1"], pads=[1, 1, 1, 1], name="else_conv"),
@@ -117,7 +118,7 @@ def test_if_branches_are_converted_and_run(seed, scale):
     assert next(t for t in out.graph.initializer if t.name == "bias_outer").data_type == F
     kept = {k.node: k for k in result.kept}
     assert set(kept) == {"branch"} and kept["branch"].rule == "schema"
-    assert result.summary["low_initializers"] == 3  # w0 and the two branch weights
+    assert result.summary["low_initializers"] == 4  # w0 and the three branch weights
     rng = np.random.default_rng(10 + seed)
     x = (rng.standard_normal((1, 3, 8, 8)) * scale).astype(np.float32)
     for cond in (True, False):
@@ -171,25 +172,35 @@ def test_loop_carried_state_keeps_one_type_and_runs(seed):
     assert_clean(out)
 
 
-def test_quantized_if_model_with_fp16_float_parts_passes_check(tmp_path):
-    model = if_model(0)
-    path = tmp_path / "if.onnx"
+@pytest.mark.parametrize("kind", ["if", "loop"])
+def test_quantized_model_with_fp16_float_parts_in_its_bodies_passes_check(kind, tmp_path):
+    """quantize places Q/DQ inside the bodies; float_dtype="fp16" then converts what is float there."""
+    model = if_model(0) if kind == "if" else loop_model(0)
+    path = tmp_path / f"{kind}.onnx"
     onnx.save(model, path)
     rng = np.random.default_rng(5)
-    data = {"x": rng.standard_normal((16, 3, 8, 8)).astype(np.float32),
-            "cond": np.array(True)}
+    data = {"x": rng.standard_normal((16, 3, 8, 8) if kind == "if" else (16, 2, 8)).astype(np.float32)}
+    if kind == "if":
+        data["cond"] = np.array(True)
     np.savez(tmp_path / "calib.npz", **data)
+    q32 = onnx_qat.quantize(str(path), data=str(tmp_path / "calib.npz"), progress=False)
     q = onnx_qat.quantize(str(path), data=str(tmp_path / "calib.npz"), float_dtype="fp16", progress=False)
-    assert set(body_floats(q.model)) <= {TensorProto.FLOAT16}
+    assert sum(n.op_type == "QuantizeLinear" for g in all_graphs(q.model)[1:] for n in g.node) >= 1
+    assert body_floats(q.model) and set(body_floats(q.model)) == {TensorProto.FLOAT16}
     report = onnx_qat.check(q.model)
-    assert not report.errors, [str(e) for e in report.errors]
-    kept = {k.node for k in q.float_parts.kept}
-    assert all(any(k in str(w) for k in kept) for w in report.warnings), [str(w) for w in report.warnings]
-    x = data["x"][:4]
-    ref = np.concatenate([run(model, {"x": x[i:i + 1], "cond": np.array(True)})[0] for i in range(4)])
-    got = np.concatenate([run(q.model, {"x": x[i:i + 1], "cond": np.array(True)})[0] for i in range(4)])
-    cos = float(ref.ravel() @ got.ravel() / np.linalg.norm(ref) / np.linalg.norm(got))
-    assert cos > 0.99
+    assert not report.errors and not report.warnings, [str(f) for f in report.findings]
+    counts = report.precision_map.counts()
+    assert counts.get("int8", 0) >= 3 and counts.get("fp16", 0) >= 1, counts
+    x = rng.standard_normal(data["x"].shape).astype(np.float32)[:4]  # held out
+    feeds = [{"x": x[i:i + 1] if kind == "if" else x[i], **({"cond": np.array(True)} if kind == "if" else {})}
+             for i in range(4)]
+    ref, got32, got = (np.concatenate([np.ravel(v) for f in feeds for v in run(m, f)])
+                       for m in (model, q32.model, q.model))
+
+    def cosine(a, b):
+        return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+    assert cosine(ref, got) > 0.99 and abs(cosine(ref, got32) - cosine(ref, got)) <= 0.002
 
 
 def test_unnamed_body_nodes_get_names_and_the_given_model_is_untouched():
