@@ -214,7 +214,8 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
             (default); False: they take ``float_dtype`` too.
         data: inputs to measure on (anything [`onnx_qat.load_data`][onnx_qat.io.data.load_data] accepts;
             ``num_samples`` of them spread evenly over its first 16 x ``num_samples``,
-            ``onnx_qat.io.data.Dataset.spread``): the ranges of every float tensor,
+            ``onnx_qat.io.data.Dataset.spread``; for a stateful model, its state fed back, its first
+            `STATEFUL_WINDOW` x ``num_samples`` steps in order): the ranges of every float tensor,
             and the output cosine. While the
             converted model's cosine against ``reference`` is more than ``max_cosine_drop`` below the
             FP32 float parts' and more than the model's own rounding noise (with the activation scales
