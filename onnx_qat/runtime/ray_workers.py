@@ -17,7 +17,10 @@ workers must then import onnx_qat themselves (installed there, or the user's own
 environment). Ray is an optional dependency (``pip install onnx-qat[ray]``), imported only here.
 
 The main process waits on ``ray.wait`` in short slices, so SIGINT/SIGTERM unwind it at once; the
-actors are killed on the way out (`RayPool.close`).
+actors are killed on the way out (`RayPool.close`). `connect` keeps the caller's SIGINT and SIGTERM
+handlers (``ray.init`` replaces them), a handler's exception comes out of Ray's calls as itself
+(`_unwinding`), and a local cluster an interrupted run started is shut down within
+`INTERRUPTED_SHUTDOWN` seconds (its processes end with this one in any case).
 """
 from __future__ import annotations
 
@@ -48,7 +51,8 @@ def ray_module():
 
 def connect(address) -> bool:
     """Join (or start) the Ray cluster ``address`` names (see the module docstring); True when this
-    call started Ray in this process (the caller then shuts it down)."""
+    call started Ray in this process (the caller then shuts it down). The SIGINT and SIGTERM handlers
+    set before are set again after ``ray.init`` (`_restore_signal_handlers`)."""
     ray = ray_module()
     local = address in (True, "", None)
     if not local:

@@ -65,6 +65,7 @@ def test_a_signal_during_ray_work_stops_everything_within_the_bound(tmp_path, si
     left = [p for p in started if support.alive(p)]
     left_lines = [f"{p} {support.cmdline(p)[:80]}" for p in left]
     support.kill_all(left)
+    print(f"{command}, {signal.Signals(sig).name}: exit {proc.returncode} {elapsed:.2f} s after the signal")
     assert proc.returncode == (130 if sig == signal.SIGINT else 143), stderr
     assert elapsed < BOUND, f"exit {elapsed:.1f} s after the signal"
     assert "Traceback" not in stderr and len(support.error_lines(stderr)) == 1, stderr

@@ -65,4 +65,10 @@ def run(workdir: Path, *, quick: bool = False, sizes: Sequence[int] = ()) -> Lis
                     ratio(max(extra[large], 1e-9), max(extra[small], 1e-9)), Goal("<=", 1.5),
                     f"{1e6 * extra[small]:.0f} us/node at {results[small][0]}, "
                     f"{1e6 * extra[large]:.0f} at {results[large][0]} (auto minus max, whole process)"))
+    cpu = {n: (results[n][1]["auto"].cpu_seconds - results[n][1]["max"].cpu_seconds) / results[n][0]
+           for n in sizes}
+    rows.append(Row(NAME, f"auto's extra CPU time per node, {results[large][0]} vs {results[small][0]} nodes",
+                    ratio(max(cpu[large], 1e-9), max(cpu[small], 1e-9)), None,
+                    "; ".join(f"{1e6 * cpu[n]:.0f} us/node at {results[n][0]}" for n in sizes)
+                    + " (user + system of the same runs: less moved by other jobs than the wall time)"))
     return rows
