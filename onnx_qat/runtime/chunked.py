@@ -14,6 +14,7 @@ the same inputs (graph optimisations off, so no fusion differs between the piece
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
@@ -55,6 +56,8 @@ class ChunkedSession:
         from ..graph.edit import subgraph_names
 
         self.threads = threads
+        #: seconds spent building the pieces' sessions so far (they are built on the first run)
+        self.build_seconds = 0.0
         graph = model.graph
         self.model_info = (list(model.opset_import), model.ir_version, list(model.functions))
         self.outputs = tuple(o.name for o in graph.output) if outputs is None else tuple(outputs)
@@ -120,8 +123,10 @@ class ChunkedSession:
         model.ir_version = ir_version
         # no spinning: the pieces run one after the other, with Python work in between, so a piece's
         # threads waiting for work would only take the cores the next piece needs
+        started = time.perf_counter()
         session = piece.sessions[key] = make_session(model, optimize=False, copy=False, spin=False,
                                                      threads=self.threads)
+        self.build_seconds += time.perf_counter() - started
         return session
 
     def run(self, outputs: Optional[Sequence[str]], feed: Mapping[str, np.ndarray], run_options=None) -> list:
