@@ -1,5 +1,6 @@
 """calibration_scale: ``onnx-qat quantize --data`` with ``--method auto`` (the default) against
-``--method max`` on the synthetic residual nets of ``rewrite_speed`` (10,000 and 50,000 nodes).
+``--method max`` on the synthetic residual nets of ``rewrite_speed`` (10,000 and 50,000 nodes, and 20,000
+between them to show how the cost grows).
 
 Each run is a whole process (``python -m onnx_qat quantize MODEL --data DATA --method M -o OUT``), the two
 methods in turn (A B A B), the least disturbed of the repeats counting. The nets are
@@ -48,7 +49,7 @@ def _measure(workdir: Path, nodes: int, repeats: int):
 
 def run(workdir: Path, *, quick: bool = False, sizes: Sequence[int] = ()) -> List[Row]:
     """Measure and return the calibration_scale rows."""
-    sizes = tuple(sizes) or ((200, 1000) if quick else (10_000, 50_000))
+    sizes = tuple(sizes) or ((200, 1000) if quick else (10_000, 20_000, 50_000))
     repeats = 1 if quick else 2
     results = {n: _measure(Path(workdir), n, repeats) for n in sizes}
     rows = []
