@@ -159,6 +159,21 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     (`onnx_qat.placement.cpu_latency.resolve_cpu_vnni`); the choice and its reason are in
     ``QuantizeResult.ort_cpu`` and a note.
     """
+    if data is None and latency is None:  # no onnxruntime, no workers: Python objects only
+        with _io().cyclic_gc_paused():  # ~10^6 live objects, none of them cyclic garbage
+            return _rewrite_model(model, output, scales=scales, data=data, method=method, config=config,
+                                  calib_kw=calib_kw, report=report, progress=progress, placement=placement,
+                                  latency=latency, cpu_vnni=cpu_vnni)
+    return _rewrite_model(model, output, scales=scales, data=data, method=method, config=config,
+                          calib_kw=calib_kw, report=report, progress=progress, placement=placement,
+                          latency=latency, cpu_vnni=cpu_vnni)
+
+
+def _rewrite_model(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
+                   calib_kw: Mapping, report=None, progress: bool = True,
+                   placement: Optional[Placement] = None, latency=None,
+                   cpu_vnni=False) -> QuantizeResult:
+    """`rewrite_model`'s work (see there)."""
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
     inputs = tuple(p for p in (model, scales, data) if isinstance(p, (str, os.PathLike)))

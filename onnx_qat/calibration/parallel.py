@@ -117,6 +117,8 @@ def observe_split(model, dataset, observers: Dict[str, object], fetched: Sequenc
                                                fetched, outputs)
         bar.update(1)
         seconds = time.perf_counter() - started
+        built = getattr(session, "build_seconds", 0.0)  # a piece-by-piece runner builds on its first run
+        build, seconds = build + built, max(seconds - built, 0.0)
         rest = None if total is None else total - 1
         count = 1 if first is None else _worker_count(workers, model, first, observers, seconds, rest, build)
         if (count == 1 and workers.ray is None) or rest == 0:

@@ -209,8 +209,11 @@ class GraphEdit:
         initializers): `add_initializer` costs a NumPy array per call."""
         name = self.fresh(base)
         data_type = dtype if isinstance(dtype, int) else _NP_TO_ONNX[np.dtype(dtype)]
-        self._new_initializers[name] = onnx.TensorProto(name=name, data_type=data_type, dims=dims,
-                                                        raw_data=raw)
+        if dims:
+            tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims, raw_data=raw)
+        else:  # a scalar (most of them): an empty dims argument alone costs protobuf about half the call
+            tensor = onnx.TensorProto(name=name, data_type=data_type, raw_data=raw)
+        self._new_initializers[name] = tensor
         return name
 
     def replace_initializer(self, name: str, values) -> None:

@@ -14,6 +14,7 @@ the same inputs (graph optimisations off, so no fusion differs between the piece
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
@@ -41,6 +42,7 @@ class ChunkedSession:
         model: a ``ModelProto`` (not changed; the pieces hold copies of its nodes and initializers).
         outputs: the tensors `run` may be asked for (default: the graph outputs).
         chunk_nodes: nodes per piece.
+        threads: intra-op threads of each piece's session (None: onnxruntime's default).
 
     A piece's session is built when values first reach it, its inputs declared with their dtypes
     and shapes, the batch size (the first axis of the feed's first batched input) as the symbolic
@@ -50,9 +52,12 @@ class ChunkedSession:
     """
 
     def __init__(self, model: onnx.ModelProto, outputs: Optional[Sequence[str]] = None, *,
-                 chunk_nodes: int = CHUNK_NODES):
+                 chunk_nodes: int = CHUNK_NODES, threads: Optional[int] = None):
         from ..graph.edit import subgraph_names
 
+        self.threads = threads
+        #: seconds spent building the pieces' sessions so far (they are built on the first run)
+        self.build_seconds = 0.0
         graph = model.graph
         self.model_info = (list(model.opset_import), model.ir_version, list(model.functions))
         self.outputs = tuple(o.name for o in graph.output) if outputs is None else tuple(outputs)
@@ -118,7 +123,10 @@ class ChunkedSession:
         model.ir_version = ir_version
         # no spinning: the pieces run one after the other, with Python work in between, so a piece's
         # threads waiting for work would only take the cores the next piece needs
-        session = piece.sessions[key] = make_session(model, optimize=False, copy=False, spin=False)
+        started = time.perf_counter()
+        session = piece.sessions[key] = make_session(model, optimize=False, copy=False, spin=False,
+                                                     threads=self.threads)
+        self.build_seconds += time.perf_counter() - started
         return session
 
     def run(self, outputs: Optional[Sequence[str]], feed: Mapping[str, np.ndarray], run_options=None) -> list:

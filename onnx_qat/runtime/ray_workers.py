@@ -17,13 +17,17 @@ workers must then import onnx_qat themselves (installed there, or the user's own
 environment). Ray is an optional dependency (``pip install onnx-qat[ray]``), imported only here.
 
 The main process waits on ``ray.wait`` in short slices, so SIGINT/SIGTERM unwind it at once; the
-actors are killed on the way out (`RayPool.close`).
+actors are killed on the way out (`RayPool.close`). `connect` keeps the caller's SIGINT and SIGTERM
+handlers (``ray.init`` replaces them), a handler's exception comes out of Ray's calls as itself
+(`_unwinding`), and a local cluster an interrupted run started is shut down within
+`INTERRUPTED_SHUTDOWN` seconds (its processes end with this one in any case).
 """
 from __future__ import annotations
 
 import logging
 import os
 import pickle
+import sys
 from typing import Any, List, Optional
 
 from ..errors import QatError, WorkerError, brief
@@ -47,7 +51,8 @@ def ray_module():
 
 def connect(address) -> bool:
     """Join (or start) the Ray cluster ``address`` names (see the module docstring); True when this
-    call started Ray in this process (the caller then shuts it down)."""
+    call started Ray in this process (the caller then shuts it down). The SIGINT and SIGTERM handlers
+    set before are set again after ``ray.init`` (`_restore_signal_handlers`)."""
     ray = ray_module()
     local = address in (True, "", None)
     if not local:
@@ -55,13 +60,51 @@ def connect(address) -> bool:
     if ray.is_initialized():
         return False
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # onnx_qat, for the actors
+    handlers = _signal_handlers()
     try:
         ray.init(**({} if local else {"address": address}), include_dashboard=False, log_to_driver=False,
                  logging_level=logging.ERROR, runtime_env={"py_modules": [package]})
     except Exception as exc:  # noqa: BLE001 - Ray's own errors, one line
         where = "start a local Ray cluster" if local else f"connect to the Ray cluster at {address}"
         raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
+    finally:
+        _restore_signal_handlers(handlers)
     return True
+
+
+#: The signals whose handlers `connect` keeps as the caller set them.
+_SIGNALS = ("SIGINT", "SIGTERM")
+
+
+def _signal_handlers() -> dict:
+    """``{signal number: Python handler}`` of `_SIGNALS` (empty off the main thread: none can be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    found = {}
+    for name in _SIGNALS:
+        number = getattr(signal, name, None)
+        handler = None if number is None else signal.getsignal(number)
+        if handler is not None:
+            found[number] = handler
+    return found
+
+
+def _restore_signal_handlers(handlers: dict) -> None:
+    """Set the handlers `_signal_handlers` read before ``ray.init`` again. ``ray.init`` replaces the
+    Python SIGTERM handler with ``sys.exit`` and Ray's core worker installs a native handler that
+    aborts the process on SIGTERM (exit by SIGABRT, no clean-up, measured with Ray 2.60); setting the
+    Python handlers again puts back the native handler that runs them, so a signal unwinds the caller
+    as before (the CLI: exit 130 or 143, nothing written, the pool closed on the way out)."""
+    import signal
+
+    for number, handler in handlers.items():
+        try:
+            signal.signal(number, handler)
+        except (OSError, ValueError, TypeError):  # not settable here: leave Ray's
+            pass
 
 
 #: Seconds to wait for a cluster address to accept a connection before giving up.
@@ -159,11 +202,11 @@ class RayPool(PoolBase):
         for actor in range(self.workers):
             feed(actor)
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=SLICE)
+            done, _ = _unwinding(ray.wait, list(pending), num_returns=1, timeout=SLICE)
             for ref in done:
                 actor, index = pending.pop(ref)
                 try:
-                    answer = ray.get(ref)
+                    answer = _unwinding(ray.get, ref)
                 except Exception as exc:  # noqa: BLE001 - the actor died or could not start
                     raise WorkerError(f"{self.name}: Ray actor {actor + 1} of {self.workers} failed: "
                                       f"{brief(exc, 300, first_line=True)}") from None
@@ -189,8 +232,52 @@ class RayPool(PoolBase):
                 pass
         self._actors, self._closed = [], True
         if self._started and ray.is_initialized():
-            ray.shutdown()
+            if _interrupted():
+                _shutdown_within(ray, INTERRUPTED_SHUTDOWN)
+            else:
+                ray.shutdown()
             self._started = False
+
+
+#: Seconds an interrupted run waits for ``ray.shutdown`` of the local cluster it started.
+INTERRUPTED_SHUTDOWN = 1.0
+
+
+def _interrupted() -> bool:
+    """True while a signal's exception unwinds (``KeyboardInterrupt``, or another exception that is
+    not an ``Exception``, as the CLI's ``Terminated``)."""
+    exc = sys.exc_info()[1]
+    return isinstance(exc, BaseException) and not isinstance(exc, Exception)
+
+
+def _shutdown_within(ray, seconds: float) -> None:
+    """``ray.shutdown()`` on a daemon thread, waited for at most ``seconds``. Shutting a local cluster
+    down stops its processes one at a time, waiting up to a second for each (1.1-1.5 s on a loaded
+    2-core machine, Ray 2.60), more than an interrupt may take. What is not done by then goes on while
+    the caller unwinds; if the process ends first, the cluster's processes end with it (Ray starts
+    them tied to the process that started them: on Linux they get SIGKILL when it exits)."""
+    import threading
+
+    thread = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+    thread.start()
+    thread.join(seconds)
+
+
+def _unwinding(call, *args, **kwargs):
+    """``call(*args, **kwargs)`` (a Ray call), letting a signal handler's exception through as itself.
+
+    A Python signal handler runs inside Ray's compiled ``wait``/``get`` when the signal arrives there;
+    an exception it raises that is not an ``Exception`` (the CLI's ``Terminated`` on SIGTERM) comes out
+    of Ray as ``SystemError: ... returned a result with an exception set``, with the handler's
+    exception as its cause (measured with Ray 2.60). That cause is raised instead, so SIGTERM unwinds
+    as SIGINT's ``KeyboardInterrupt`` does (exit 143, the actors killed on the way out)."""
+    try:
+        return call(*args, **kwargs)
+    except SystemError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, BaseException) and not isinstance(cause, Exception):
+            raise cause from None
+        raise
 
 
 def _error(name: str, actor: int, workers: int, index: int, answer) -> QatError:

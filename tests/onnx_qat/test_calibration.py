@@ -263,3 +263,39 @@ def test_nan_in_npz_refused_before_onnxruntime_runs(tmp_path):
     with pytest.raises(DataError, match=r"'x' has 1 NaN value\(s\) in sample 6") as info:
         calibrate(_conv_model(), str(path), progress=False)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------------- large graphs
+def test_a_large_graph_is_observed_piece_by_piece_with_the_same_ranges(monkeypatch, tmp_path):
+    """Above `CHUNKED_NODES` main-graph nodes calibration runs the float model piece by piece
+    (onnxruntime's build of one session with thousands of extra outputs grows much faster than the
+    graph): the same ranges bit for bit, and the same ``auto`` choice and Q/DQ model byte for byte."""
+    import onnx_qat
+    from onnx_qat.calibration import branches
+    from onnx_qat.runtime.chunked import ChunkedSession
+    from tools.bench.models import residual_net
+
+    model, _ = residual_net(600, weight_std=0.04)
+    data = {"input": np.random.default_rng(3).standard_normal((12, 16, 4, 4)).astype(np.float32)}
+    tensors = place(model).activation_tensors()
+    assert not isinstance(branches.make_runner(model, tensors), ChunkedSession)
+    whole = {m: calibrate(model, data, method=m, batch_size=4, progress=False, workers=1)
+             for m in ("max", "entropy")}
+    onnx_qat.quantize(model, str(tmp_path / "whole.onnx"), data=data, method="auto", progress=False,
+                      workers=1)
+    monkeypatch.setattr(branches, "CHUNKED_NODES", 100)
+    runner = branches.make_runner(model, tensors)
+    assert isinstance(runner, ChunkedSession) and len(runner.pieces) == 1  # 600 nodes, pieces of 2,000
+    monkeypatch.setattr("onnx_qat.runtime.chunked.CHUNK_NODES", 150)
+    runner = branches.make_runner(model, tensors)
+    assert len(runner.pieces) == 4 and runner.build_seconds == 0.0
+    runner.run(tensors, {"input": data["input"][:4]})
+    built = runner.build_seconds  # the pieces' sessions, built on the first run (timed apart from it
+    runner.run(tensors, {"input": data["input"][4:8]})  # for the worker-count estimate)
+    assert built > 0 and runner.build_seconds == built
+    for method, table in whole.items():
+        pieces = calibrate(model, data, method=method, batch_size=4, progress=False, workers=1)
+        assert pieces.activations == table.activations, method
+    onnx_qat.quantize(model, str(tmp_path / "pieces.onnx"), data=data, method="auto", progress=False,
+                      workers=1)
+    assert (tmp_path / "pieces.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes()

@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import onnx
@@ -294,3 +296,67 @@ def typed_inputs_data(num: int = 4, seed: int = 0) -> Dict[str, np.ndarray]:
     r = np.random.default_rng(seed)
     return {"input": r.standard_normal((num, 16, 8, 8)).astype(np.float32),
             "ids": r.integers(0, 10, (num, 4)).astype(np.int64), "mask": r.random((num, 16, 8, 8)) > 0.3}
+
+
+# ----------------------------------------------------------------------------------- processes and signals
+def process_state(pid: int) -> str:
+    """``pid``'s state letter from ``/proc`` (``Z`` for a zombie), or ``"gone"``."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as ended)."""
+    return process_state(pid) not in ("Z", "gone")
+
+
+def cmdline(pid: int) -> str:
+    """``pid``'s command line (arguments joined by spaces), or ``""`` once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def descendants(pid: int) -> List[int]:
+    """Every live process below ``pid`` (children, their children...), read from ``/proc``."""
+    parents: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_and_time(proc, sig: int, finish) -> Tuple[float, object]:
+    """Send ``sig`` to ``proc``, then call ``finish()`` (which waits for it to end, e.g.
+    ``StderrReader.finish``): ``(seconds from the signal to the end, finish()'s result)``."""
+    proc.send_signal(sig)
+    sent = time.monotonic()
+    result = finish()
+    return time.monotonic() - sent, result
+
+
+def kill_all(pids: Iterable[int]) -> None:
+    """SIGKILL each of ``pids`` still alive (a test's clean-up of what it found left behind)."""
+    for pid in pids:
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -14,12 +14,15 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 
 @dataclass(frozen=True)
 class ProcessRun:
-    """One child process: wall seconds, peak resident memory (MiB), exit code and its stdout."""
+    """One child process: wall seconds, peak resident memory (MiB), exit code, its stdout, and the CPU
+    seconds it used (user + system, its own threads included; on a machine shared with other jobs
+    the wall time grows with their load, the CPU time much less)."""
 
     seconds: float
     peak_rss_mib: float
     returncode: int
     stdout: str
+    cpu_seconds: float = 0.0
 
 
 def run_process(args: Sequence[str], *, env: Optional[Mapping[str, str]] = None, timeout: float = 1800,
@@ -54,7 +57,8 @@ def run_process(args: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
     if proc.returncode != 0 or "returncode" not in measured:
         tail = stderr.strip().splitlines()[-6:]
         raise RuntimeError(f"{' '.join(args[:5])} ... exited {proc.returncode}: {' | '.join(tail)}")
-    return ProcessRun(measured.get("seconds", seconds), measured["peak_rss_mib"], 0, stdout)
+    return ProcessRun(measured.get("seconds", seconds), measured["peak_rss_mib"], 0, stdout,
+                      measured.get("cpu_seconds", 0.0))
 
 
 def _launch(argv) -> int:
@@ -66,7 +70,8 @@ def _launch(argv) -> int:
     seconds = time.perf_counter() - start
     code = os.waitstatus_to_exitcode(status)
     with open(usage_path, "w") as handle:
-        json.dump({"seconds": seconds, "peak_rss_mib": usage.ru_maxrss / 1024.0, "returncode": code}, handle)
+        json.dump({"seconds": seconds, "peak_rss_mib": usage.ru_maxrss / 1024.0, "returncode": code,
+                   "cpu_seconds": usage.ru_utime + usage.ru_stime}, handle)
     return code
 
 
