@@ -113,8 +113,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             onnxruntime version and threads); a path: that latency profile file, read and extended
             (e.g. one measured on the deployment machine); or a
             `LatencyOptions` (``threads``, ``batch`` of
-            the deployment session). The result is timed against FP32 at the end
-            (``QuantizeResult.latency``, the report's ``latency``); when it is not faster, the
+            the deployment session, ``retime``). The result is timed against FP32 at the end
+            (``QuantizeResult.latency``, the report's ``latency``); that timing is kept in the profile
+            under a hash of the models' bytes, this machine, threads and batch, so an identical second
+            run reuses it (``whole_model["source"]`` is ``"latency profile"``, not ``"measured"``;
+            ``LatencyOptions(retime=True)`` times it again); when it is not faster, the
             least-gaining half of its integer sites is kept float too and the models are timed once
             more, the faster written (``latency["fallback"]``); a note says so plainly when the
             written model is still not faster.

@@ -64,7 +64,8 @@ class QuantizeResult:
             reasons, cosines measured); None with FP32 float parts.
         latency: with ``latency`` (``ort-cpu``): every timed site (float and integer microseconds,
             gain, decision), the sites kept float for speed, the profile file, and the whole model
-            timed against FP32 (``whole_model``: medians, speed-up, verdict), and, when that found it
+            timed against FP32 (``whole_model``: medians, quartiles, speed-up, verdict, and ``source``:
+            ``"measured"`` now or reused from the ``"latency profile"``), and, when that found it
             not faster, what the whole-model guard tried (``fallback``); see
             `onnx_qat.placement.cpu_latency`. None otherwise.
         ort_cpu: ``target="ort-cpu"`` with calibration data: the weight width chosen for Conv/Gemm/MatMul
@@ -183,7 +184,10 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
         if placement.empty or len(latency_decision.kept_float) == len(latency_decision.records):
             raise PlacementError("every quantizable site runs faster in float on this CPU (see the latency "
                                  "profile): the FP32 model is already the fast form; nothing written")
+        from .placement.cpu_latency import timing_feeds
+
         timing_model = float_model.SerializeToString()  # the rewrite edits float_model's nodes
+        timing_inputs = timing_feeds(float_model, latency.batch)
     awq_records: tuple = ()
     gptq_records: tuple = ()
     if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
@@ -256,7 +260,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
         if every_site is not None:  # the per-site times miss what a float site costs its neighbours
             alternative = _all_integer(timing_model, every_site, table, target_obj, adapter, calibrated, fmt,
                                        config)
-        whole = whole_model_timing(timing_model, qdq_model, latency, alternative)
+        whole = whole_model_timing(timing_model, qdq_model, latency, alternative, feeds=timing_inputs)
         if whole.get("chosen") == "every site integer":
             qdq_model, inserted, placement, requantization = alternative
             summary = _summary(placement, inserted)
@@ -266,13 +270,16 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
         if whole.get("timed") and whole["speedup"] <= 1.0:  # the guard: fewer sites integer, timed once
             qdq_model, inserted, placement, requantization, fallback = _fall_back(
                 timing_model, (qdq_model, inserted, placement, requantization), latency_decision,
-                table, target_obj, adapter, calibrated, fmt, config, latency)
+                table, target_obj, adapter, calibrated, fmt, config, latency, timing_inputs)
             if fallback is not None:  # the second timing's figures replace the first's (kept under "first")
                 latency_report["fallback"] = fallback
                 summary = _summary(placement, inserted)
-                first = {k: whole[k] for k in ("fp32_ms", "quantized_ms", "speedup", "rounds")}
+                first = {k: whole[k] for k in ("fp32_ms", "quantized_ms", "speedup", "rounds", "quartiles_ms")
+                         if k in whole}
                 chosen = fallback["chosen"] == "fallback"
                 whole = {**whole, "fp32_ms": fallback["fp32_ms"], "speedup": fallback["speedup"],
+                         **{k: fallback[k] for k in ("source", "timed_at", "profile", "quartiles_ms")
+                            if k in fallback},
                          "quantized_ms": fallback["fallback_ms" if chosen else "before_ms"],
                          "rounds": fallback["rounds"], "first": first,
                          "verdict": ("faster than FP32" if fallback["speedup"] > 1.0
@@ -627,7 +634,7 @@ def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, ta
 
 
 def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_obj: Target, adapter,
-               calibrated: Mapping, fmt, config: QuantizeConfig, options):
+               calibrated: Mapping, fmt, config: QuantizeConfig, options, feeds=None):
     """The whole-model guard of latency placement: the quantized model ``current`` (``(model,
     inserted, placement, requantization)``) timed slower than FP32, so the least-gaining half of its
     integer sites (`onnx_qat.placement.cpu_latency.fallback_sites`) is kept float too, the model is
@@ -674,7 +681,7 @@ def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_
     except ScalesError as exc:
         logger.info("ort-cpu whole-model guard: no fallback model (%s)", exc)
         return (*current, None)
-    timing = fallback_timing(float_bytes, model_now, qdq, options)
+    timing = fallback_timing(float_bytes, model_now, qdq, options, feeds=feeds)
     record = {"kept_float": list(drop), **timing}
     logger.info("ort-cpu whole-model guard: %s", record)
     if timing["chosen"] == "fallback":
