@@ -231,10 +231,15 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     if adapter is not None and data is not None and hasattr(adapter, "nonnegative_inputs"):  # calibrated here
         calibrated = {"nonnegative": adapter.nonnegative_inputs(float_model, data, placement), "fine": True,
                       **({"vnni": True} if width is not None and width["cpu_vnni"] else {})}
+    means = None  # ort-cpu with calibration data: the Conv inputs' channel means for rule CPU7
+    if calibrated and fmt.name == "int8":
+        means = _conv_input_means(float_model, index, placement if every_site is None else every_site, data,
+                                  calib_kw)
     if adapter is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = adapter.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
+        requantization += _correct_biases(float_model, index, adapted, means)
         if dropped:  # the form rewrites the main graph only: If branches, Loop/Scan bodies stay float in it
             note = (f"the {target_obj.name} form quantizes the main graph only; "
                     f"{len(dropped)} subgraph(s) (If branches, Loop/Scan bodies) left float")
@@ -259,7 +264,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
         alternative = None
         if every_site is not None:  # the per-site times miss what a float site costs its neighbours
             alternative = _all_integer(timing_model, every_site, table, target_obj, adapter, calibrated, fmt,
-                                       config)
+                                       config, means)
         whole = whole_model_timing(timing_model, qdq_model, latency, alternative, feeds=timing_inputs)
         if whole.get("chosen") == "every site integer":
             qdq_model, inserted, placement, requantization = alternative
@@ -270,7 +275,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
         if whole.get("timed") and whole["speedup"] <= 1.0:  # the guard: fewer sites integer, timed once
             qdq_model, inserted, placement, requantization, fallback = _fall_back(
                 timing_model, (qdq_model, inserted, placement, requantization), latency_decision,
-                table, target_obj, adapter, calibrated, fmt, config, latency, timing_inputs)
+                table, target_obj, adapter, calibrated, fmt, config, latency, timing_inputs, means)
             if fallback is not None:  # the second timing's figures replace the first's (kept under "first")
                 latency_report["fallback"] = fallback
                 summary = _summary(placement, inserted)
@@ -611,14 +616,40 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
         return committed, inserted
 
 
+def _conv_input_means(model, index: GraphIndex, placement: Placement, data, calib_kw: Mapping):
+    """Rule CPU7's per-channel means of the quantized Convs' inputs on the calibration data
+    (`onnx_qat.calibration.means.channel_means`)."""
+    from .calibration.means import channel_means
+    from .insertion.ort_cpu_bias import conv_inputs
+
+    tensors = sorted(set(conv_inputs(index, placement).values()))
+    return channel_means(model, data, tensors, batch_size=calib_kw.get("batch_size") or 16)
+
+
+def _correct_biases(model, index: GraphIndex, adapted, means) -> tuple:
+    """Rule CPU7 on ``model`` for the adapted ort-cpu placement (`correct_conv_biases`): the report's
+    records (``status`` "bias corrected"), none without ``means``."""
+    if not means:
+        return ()
+    from .insertion.ort_cpu_bias import correct_conv_biases
+
+    records = correct_conv_biases(model, index, adapted.placement, adapted.table, means,
+                                  narrow=getattr(adapted, "narrow_weights", ()))
+    return tuple({"node": r["node"], "op_type": "Conv", "rule": r["rule"], "status": "bias corrected",
+                  "tensor": r["bias"], "largest_shift": r["largest_shift"],
+                  "reason": "the bias absorbs the mean error of the rounded weight on the calibration data"}
+                 for r in records)
+
+
 def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, target_obj: Target, adapter,
-                 calibrated: Mapping, fmt, config: QuantizeConfig):
+                 calibrated: Mapping, fmt, config: QuantizeConfig, means=None):
     """The ort-cpu model with every site of ``placement`` (the placement before latency placement)
     quantized, from a fresh copy of the float model: ``(model, inserted, placement, requantization)``,
-    or None when ``table`` lacks a range it needs."""
+    or None when ``table`` lacks a range it needs. ``means``: rule CPU7's (see `_correct_biases`)."""
     model = onnx.load_from_string(float_bytes)
     index = GraphIndex(model)
     adapted = adapter.adapt(index, placement, table, **calibrated)
+    cpu7 = _correct_biases(model, index, adapted, means)
     note = ("ort-cpu latency placement: every site kept integer, which ran faster as a whole model than "
             "keeping the slower sites float")
     placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
@@ -630,11 +661,11 @@ def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, ta
     except ScalesError as exc:
         logger.info("ort-cpu latency placement: no all-integer alternative (%s)", exc)
         return None
-    return qdq, inserted, placed, tuple(adapted.requantization)
+    return qdq, inserted, placed, tuple(adapted.requantization) + cpu7
 
 
 def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_obj: Target, adapter,
-               calibrated: Mapping, fmt, config: QuantizeConfig, options, feeds=None):
+               calibrated: Mapping, fmt, config: QuantizeConfig, options, feeds=None, means=None):
     """The whole-model guard of latency placement: the quantized model ``current`` (``(model,
     inserted, placement, requantization)``) timed slower than FP32, so the least-gaining half of its
     integer sites (`onnx_qat.placement.cpu_latency.fallback_sites`) is kept float too, the model is
@@ -670,6 +701,7 @@ def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_
     placed = replace(placed, decisions=tuple(ours.get(d.node, d) for d in placed.decisions))
     try:
         adapted = adapter.adapt(index, placed, table, **calibrated)
+        cpu7 = _correct_biases(model, index, adapted, means)
         note = (f"ort-cpu whole-model guard: the quantized model timed slower than FP32, so {len(drop)} "
                 f"least-gaining site(s) were kept float too (e.g. {drop[0]!r}) and the model timed again")
         placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
@@ -685,7 +717,7 @@ def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_
     record = {"kept_float": list(drop), **timing}
     logger.info("ort-cpu whole-model guard: %s", record)
     if timing["chosen"] == "fallback":
-        return qdq, inserted, placed, tuple(adapted.requantization), record
+        return qdq, inserted, placed, tuple(adapted.requantization) + cpu7, record
     return (*current, record)
 
 
