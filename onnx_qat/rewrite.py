@@ -71,7 +71,9 @@ class QuantizeResult:
         ort_cpu: ``target="ort-cpu"`` with calibration data: the weight width chosen for Conv/Gemm/MatMul
             weights behind signed inputs (``cpu_vnni``, ``weight_bits`` 8 or 7, ``chosen_by``
             ``"option"``/``"auto"``/``"latency profile"``, ``reason``; see
-            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`). None otherwise.
+            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`) and, for INT8, rule CPU7's
+            ``bias_correction`` (``convs``, ``nodes``, ``largest_shift``: the Convs whose bias absorbs
+            the mean error of their rounded weight, `onnx_qat.insertion.ort_cpu_bias`). None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -231,7 +233,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     if adapter is not None and data is not None and hasattr(adapter, "nonnegative_inputs"):  # calibrated here
         calibrated = {"nonnegative": adapter.nonnegative_inputs(float_model, data, placement), "fine": True,
                       **({"vnni": True} if width is not None and width["cpu_vnni"] else {})}
-    means = None  # ort-cpu with calibration data: the Conv inputs' channel means for rule CPU7
+    means, corrected = None, {}  # ort-cpu with calibration data: rule CPU7's input means, its records
     if calibrated and fmt.name == "int8":
         means = _conv_input_means(float_model, index, placement if every_site is None else every_site, data,
                                   calib_kw)
@@ -239,7 +241,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
         adapted = adapter.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
-        requantization += _correct_biases(float_model, index, adapted, means)
+        _correct_biases(float_model, index, adapted, means, corrected)
         if dropped:  # the form rewrites the main graph only: If branches, Loop/Scan bodies stay float in it
             note = (f"the {target_obj.name} form quantizes the main graph only; "
                     f"{len(dropped)} subgraph(s) (If branches, Loop/Scan bodies) left float")
@@ -264,7 +266,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
         alternative = None
         if every_site is not None:  # the per-site times miss what a float site costs its neighbours
             alternative = _all_integer(timing_model, every_site, table, target_obj, adapter, calibrated, fmt,
-                                       config, means)
+                                       config, means, corrected)
         whole = whole_model_timing(timing_model, qdq_model, latency, alternative, feeds=timing_inputs)
         if whole.get("chosen") == "every site integer":
             qdq_model, inserted, placement, requantization = alternative
@@ -275,7 +277,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
         if whole.get("timed") and whole["speedup"] <= 1.0:  # the guard: fewer sites integer, timed once
             qdq_model, inserted, placement, requantization, fallback = _fall_back(
                 timing_model, (qdq_model, inserted, placement, requantization), latency_decision,
-                table, target_obj, adapter, calibrated, fmt, config, latency, timing_inputs, means)
+                table, target_obj, adapter, calibrated, fmt, config, latency, timing_inputs, means, corrected)
             if fallback is not None:  # the second timing's figures replace the first's (kept under "first")
                 latency_report["fallback"] = fallback
                 summary = _summary(placement, inserted)
@@ -299,6 +301,12 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
                     "deploy the FP32 model here")
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
+    if means:
+        found = _bias_report(corrected, placement)
+        note = (f"ort-cpu: {found['convs']} Conv bias(es) corrected for the mean error of the rounded weight "
+                f"on the calibration data (rule CPU7)")
+        logger.info("%s", note)
+        placement = replace(placement, notes=placement.notes + (note,))
     if width is not None:
         note = (f"ort-cpu: Conv/Gemm/MatMul weights behind signed inputs in {width['weight_bits']} bits "
                 f"(cpu_vnni={width['cpu_vnni']}, {width['chosen_by']}: {width['reason']})")
@@ -310,7 +318,9 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
                             fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report,
-                            ort_cpu=None if width is None else MappingProxyType(dict(width)))
+                            ort_cpu=None if width is None else MappingProxyType(
+                                {**width, **({"bias_correction": _bias_report(corrected, placement)}
+                                             if means else {})}))
     io.write_outputs(qdq_model, out_path, report, result.to_report, inputs=inputs)
     return result
 
@@ -617,39 +627,45 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
 
 
 def _conv_input_means(model, index: GraphIndex, placement: Placement, data, calib_kw: Mapping):
-    """Rule CPU7's per-channel means of the quantized Convs' inputs on the calibration data
-    (`onnx_qat.calibration.means.channel_means`)."""
-    from .calibration.means import channel_means
-    from .insertion.ort_cpu_bias import conv_inputs
+    """Rule CPU7's per-sample tap means of the quantized Convs' inputs on the calibration data
+    (`onnx_qat.insertion.ort_cpu_bias.tap_reducers`, `onnx_qat.calibration.means.per_sample`)."""
+    from .calibration.means import per_sample
+    from .insertion.ort_cpu_bias import tap_reducers
 
-    tensors = sorted(set(conv_inputs(index, placement).values()))
-    return channel_means(model, data, tensors, batch_size=calib_kw.get("batch_size") or 16)
+    reducers = tap_reducers(index, placement)
+    return per_sample(model, data, reducers, batch_size=calib_kw.get("batch_size") or 16)
 
 
-def _correct_biases(model, index: GraphIndex, adapted, means) -> tuple:
-    """Rule CPU7 on ``model`` for the adapted ort-cpu placement (`correct_conv_biases`): the report's
-    records (``status`` "bias corrected"), none without ``means``."""
+def _correct_biases(model, index: GraphIndex, adapted, means, found: dict) -> None:
+    """Rule CPU7 on ``model`` for the adapted ort-cpu placement (`correct_conv_biases`); each Conv's
+    record goes into ``found`` by node. Nothing without ``means``."""
     if not means:
-        return ()
+        return
     from .insertion.ort_cpu_bias import correct_conv_biases
 
-    records = correct_conv_biases(model, index, adapted.placement, adapted.table, means,
-                                  narrow=getattr(adapted, "narrow_weights", ()))
-    return tuple({"node": r["node"], "op_type": "Conv", "rule": r["rule"], "status": "bias corrected",
-                  "tensor": r["bias"], "largest_shift": r["largest_shift"],
-                  "reason": "the bias absorbs the mean error of the rounded weight on the calibration data"}
-                 for r in records)
+    for record in correct_conv_biases(model, index, adapted.placement, adapted.table, means,
+                                      narrow=getattr(adapted, "narrow_weights", ())):
+        found[record["node"]] = record
+
+
+def _bias_report(found: Mapping, placement: Placement) -> dict:
+    """The report's ``ort_cpu["bias_correction"]``: rule CPU7's Convs among the written model's sites."""
+    written = {w.node for w in placement.weights}
+    nodes = sorted(n for n in found if n in written)
+    return {"rule": "CPU7", "convs": len(nodes), "nodes": nodes,
+            "largest_shift": max((found[n]["largest_shift"] for n in nodes), default=0.0)}
 
 
 def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, target_obj: Target, adapter,
-                 calibrated: Mapping, fmt, config: QuantizeConfig, means=None):
+                 calibrated: Mapping, fmt, config: QuantizeConfig, means=None, corrected=None):
     """The ort-cpu model with every site of ``placement`` (the placement before latency placement)
     quantized, from a fresh copy of the float model: ``(model, inserted, placement, requantization)``,
-    or None when ``table`` lacks a range it needs. ``means``: rule CPU7's (see `_correct_biases`)."""
+    or None when ``table`` lacks a range it needs. ``means``, ``corrected``: rule CPU7's (see
+    `_correct_biases`)."""
     model = onnx.load_from_string(float_bytes)
     index = GraphIndex(model)
     adapted = adapter.adapt(index, placement, table, **calibrated)
-    cpu7 = _correct_biases(model, index, adapted, means)
+    _correct_biases(model, index, adapted, means, {} if corrected is None else corrected)
     note = ("ort-cpu latency placement: every site kept integer, which ran faster as a whole model than "
             "keeping the slower sites float")
     placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
@@ -661,11 +677,12 @@ def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, ta
     except ScalesError as exc:
         logger.info("ort-cpu latency placement: no all-integer alternative (%s)", exc)
         return None
-    return qdq, inserted, placed, tuple(adapted.requantization) + cpu7
+    return qdq, inserted, placed, tuple(adapted.requantization)
 
 
 def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_obj: Target, adapter,
-               calibrated: Mapping, fmt, config: QuantizeConfig, options, feeds=None, means=None):
+               calibrated: Mapping, fmt, config: QuantizeConfig, options, feeds=None, means=None,
+               corrected=None):
     """The whole-model guard of latency placement: the quantized model ``current`` (``(model,
     inserted, placement, requantization)``) timed slower than FP32, so the least-gaining half of its
     integer sites (`onnx_qat.placement.cpu_latency.fallback_sites`) is kept float too, the model is
@@ -701,7 +718,7 @@ def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_
     placed = replace(placed, decisions=tuple(ours.get(d.node, d) for d in placed.decisions))
     try:
         adapted = adapter.adapt(index, placed, table, **calibrated)
-        cpu7 = _correct_biases(model, index, adapted, means)
+        _correct_biases(model, index, adapted, means, {} if corrected is None else corrected)
         note = (f"ort-cpu whole-model guard: the quantized model timed slower than FP32, so {len(drop)} "
                 f"least-gaining site(s) were kept float too (e.g. {drop[0]!r}) and the model timed again")
         placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
@@ -717,7 +734,7 @@ def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_
     record = {"kept_float": list(drop), **timing}
     logger.info("ort-cpu whole-model guard: %s", record)
     if timing["chosen"] == "fallback":
-        return qdq, inserted, placed, tuple(adapted.requantization) + cpu7, record
+        return qdq, inserted, placed, tuple(adapted.requantization), record
     return (*current, record)
 
 
