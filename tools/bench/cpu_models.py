@@ -250,7 +250,8 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
                     f"mean |output - FP32| / FP32 output range over {len(test)} samples: "
                     f"ort-cpu {err_ours:.4g}, onnxruntime {err_ort:.4g}; latency placement: "
                     f"{len(latency.get('kept_float', []))} of "
-                    f"{len(latency.get('sites', []))} sites kept float, {whole.get('chosen', '-')}; "
+                    f"{len(latency.get('sites', []))} sites kept float, {whole.get('chosen', '-')} "
+                    f"(whole-model timing {whole.get('source', '-')}); "
                     f"{_WIDTHS[vnni]}"))
     if err_portable is not None:
         rows.append(Row(NAME, f"{label}: 7-bit-weight form (any x86 CPU) error / onnxruntime form error",
