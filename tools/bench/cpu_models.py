@@ -14,8 +14,10 @@ profile kept in the work directory, so the whole-model check of `onnx_qat.placem
 the default ``cpu_vnni="auto"``: 8-bit weights on a CPU with VNNI or AMX, `wide_dot_products`, where
 the error of the 7-bit-weight form, ``cpu_vnni=False``, follows in a row of its own); onnxruntime's
 ``quantize_static`` in its fast x86 form (QDQ, uint8 activations, int8 weights, MinMax). Each is timed
-at batch 1 and 8, 2 intra-op threads, sessions without thread spinning, the three run interleaved
-(A B C A B C ...) and medians compared. Errors: mean absolute difference from FP32 over 8 further
+at batch 1 and 8, 2 intra-op threads, sessions without thread spinning, the three run in rounds with the
+order rotated (A B C, B C A, ...), `MIN_ROUNDS` and more until the goal ratios settle; each ratio is the
+median of the per-round ratios with its 95% interval, and a goal row whose interval holds 1.0 is a
+``TIE`` (`_speed_rows`). Errors: mean absolute difference from FP32 over 8 further
 samples, as a fraction of FP32's output range (both quantized forms on the same samples).
 
 The machine's load (``os.getloadavg``) is in each row's detail: on a shared machine the ratios are what
