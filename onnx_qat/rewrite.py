@@ -632,8 +632,8 @@ def _conv_input_means(model, index: GraphIndex, placement: Placement, data, cali
     from .calibration.means import per_sample
     from .insertion.ort_cpu_bias import tap_reducers
 
-    reducers = tap_reducers(index, placement)
-    return per_sample(model, data, reducers, batch_size=calib_kw.get("batch_size") or 16)
+    reducers = tap_reducers(index, placement)  # batches of 4: every Conv input of a batch is held at once
+    return per_sample(model, data, reducers, batch_size=min(4, calib_kw.get("batch_size") or 4))
 
 
 def _correct_biases(model, index: GraphIndex, adapted, means, found: dict) -> None:
