@@ -639,7 +639,11 @@ def timed_or_cached(models: Mapping[str, object], feeds: Mapping[str, np.ndarray
         by_age = sorted(profile.whole_models, key=lambda k: str(profile.whole_models[k].get("timed_at", "")))
         for old in by_age[:max(0, len(by_age) - MAX_WHOLE_MODEL_TIMINGS)]:
             del profile.whole_models[old]
-        profile.save()
+        try:
+            profile.save()
+        except OSError as exc:  # a read-only profile (e.g. one shared from the deployment machine)
+            logger.warning("latency profile %s: the whole-model timing is not kept (%s)", path, exc)
+            return medians, rounds, quartiles, {"source": "measured", "timed_at": timed_at, "profile": None}
     return medians, rounds, quartiles, {"source": "measured", "timed_at": timed_at,
                                         "profile": str(path) if cacheable else None}
 

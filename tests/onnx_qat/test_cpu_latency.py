@@ -257,6 +257,19 @@ def test_whole_model_timings_of_another_machine_are_not_reused_or_kept(tmp_path)
     assert "whole_models" not in json.loads(profile.read_text())
 
 
+def test_a_profile_that_cannot_be_written_still_gives_a_timing(tmp_path, caplog):
+    """The whole-model timing is measured and returned when its profile cannot be written (here its
+    folder is a file), with a warning instead of an error."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("x")
+    options = L.LatencyOptions(profile=str(blocker / "p.json"), threads=1, rounds=1)
+    model = _net()
+    medians, rounds, _, origin = L.timed_or_cached({"fp32": model}, {"input": _data()["input"][:1]}, options)
+    assert medians["fp32"] > 0 and rounds >= 1
+    assert origin["source"] == "measured" and origin["profile"] is None
+    assert "not kept" in caplog.text and blocker.read_text() == "x"
+
+
 def test_the_profile_keeps_at_most_its_newest_whole_model_timings(tmp_path, monkeypatch):
     monkeypatch.setattr(L, "MAX_WHOLE_MODEL_TIMINGS", 2)
     model = _net()
