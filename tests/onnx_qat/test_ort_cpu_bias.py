@@ -118,3 +118,25 @@ def test_no_correction_without_calibration_data_or_for_tensorrt():
     for result in (given, tensorrt):
         biases = {k: v for k, v in _consts(result.model).items() if "corrected_bias" in k}
         assert biases == {}
+
+
+def test_the_guard_keeps_the_correction_only_where_it_lowers_the_calibration_error(monkeypatch):
+    """The report gives the guard's two errors (the first calibration samples, as deployed) and whether
+    the correction was kept, consistently; when the guard leaves it out (given here: the real PP-OCRv4
+    detector is such a model, too large for a test), the written model has no corrected bias, the
+    report says so and the model still passes its check."""
+    model = B.mobilenet_v2_model(size=96, width=0.75, seed=0)
+    kw = dict(data=_images(model, 16, seed=10), method="max", target="ort-cpu", progress=False, cpu_vnni=True)
+    result = onnx_qat.quantize(model, **kw)
+    guard = result.ort_cpu["bias_correction"]["guard"]
+    assert guard["samples"] == 8 and guard["kept"] == (guard["error_corrected"] < guard["error_plain"])
+    assert guard["kept"]  # measured: 0.86x the error without
+    assert any(k.endswith("_corrected_bias") for k in _consts(result.model))
+    monkeypatch.setattr(rewrite, "_bias_guard", lambda *args: {"kept": False, "error_corrected": 2.0,
+                                                                "error_plain": 1.0, "samples": 8})
+    refused = onnx_qat.quantize(model, **kw)
+    found = refused.ort_cpu["bias_correction"]
+    assert found["convs"] == 0 and found["guard"]["kept"] is False
+    assert not any(k.endswith("_corrected_bias") for k in _consts(refused.model))
+    assert any("rule CPU7" in n and "left out" in n for n in refused.to_report()["notes"])
+    B.assert_check_clean(refused.model, target="ort-cpu")
