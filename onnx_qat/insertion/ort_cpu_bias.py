@@ -21,10 +21,9 @@ activation rounding alone (weights left float) 0.0028; the correction took the f
 samples (a guard: on the real PP-OCRv4 detector it doubled the error, whose mean part there comes from
 the rounded activations). Applies to ``target="ort-cpu"`` with calibration data (`onnx_qat.quantize`
 with ``data``), INT8, to every quantized Conv whose weight and activation input are both quantized; a
-Conv without a bias
-gets one. Not covered: Gemm and MatMul (their bias is a separate Add, rule CPU4), Convs other than
-2-D, and ``auto_pad`` ``SAME_*`` (explicit ``pads`` are). A ScaleTable given without data (e.g.
-learned in QAT) gets no correction, and the TensorRT form never does.
+Conv without a bias gets one. Not covered: Gemm and MatMul (their bias is a separate Add, rule CPU4),
+Convs other than 2-D, and ``auto_pad`` ``SAME_*`` (explicit ``pads`` are). A ScaleTable given without
+data (e.g. learned in QAT) gets no correction, and the TensorRT form never does.
 """
 from __future__ import annotations
 
