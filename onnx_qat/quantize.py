@@ -128,7 +128,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             instead); ``True``: 8 bits, the model will run on such CPUs only (more accurate; on an
             x86 CPU with AVX2 only, onnxruntime's 16-bit pair sums can then overflow); ``False``: 7
             bits, exact on every CPU. The choice and why: ``QuantizeResult.ort_cpu`` and a note. See
-            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`, `onnx_qat.insertion.ort_cpu`.
+            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`, `onnx_qat.insertion.ort_cpu`. With
+            ``data`` the ``ort-cpu`` form's INT8 Conv biases also absorb the mean error of their
+            rounded weights where that lowers the output error on the calibration data (rule CPU7,
+            `onnx_qat.insertion.ort_cpu_bias`; ``QuantizeResult.ort_cpu["bias_correction"]``).
         optimize: ``"accuracy"``: also run the post-training steps of `onnx_qat.accuracy.optimize`
             (cross-layer equalization, activation smoothing, each activation's range chosen among
             ``auto``'s candidates, error-compensated INT8 weight rounding, bias correction), each kept
