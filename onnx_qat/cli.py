@@ -288,6 +288,9 @@ def _latency_options(parser: argparse.ArgumentParser) -> None:
                        help="onnxruntime intra-op threads the model will run with (default 0: its default)")
     group.add_argument("--latency-batch", metavar="N", type=whole_number(1), default=None,
                        help="batch size the model will run at, for symbolic batch dimensions (default 1)")
+    group.add_argument("--latency-retime", action="store_true",
+                       help="time the whole model against FP32 again even when the latency profile holds a "
+                            "timing of the very same models (kept there by an earlier run)")
     group.add_argument("--cpu-vnni", dest="cpu_vnni", action="store_const", const="on", default="auto",
                        help="--target ort-cpu with --data: keep 8-bit Conv/Gemm/MatMul weights behind signed "
                             "inputs: the model runs on CPUs whose int8 dot products sum in 32 bits (AVX-512 "
@@ -705,7 +708,8 @@ def _latency_keyword(args) -> dict:
     """``{"latency": LatencyOptions}`` from --latency/--latency-profile/--latency-threads/--latency-batch,
     or ``{}`` when none is given."""
     tuning = [o for o, v in (("--latency-threads", args.latency_threads),
-                             ("--latency-batch", args.latency_batch)) if v is not None]
+                             ("--latency-batch", args.latency_batch),
+                             ("--latency-retime", args.latency_retime or None)) if v is not None]
     if not args.latency and args.latency_profile is None:
         if tuning:
             raise UsageError(f"{', '.join(tuning)} appl{'ies' if len(tuning) == 1 else 'y'} only with "
@@ -714,7 +718,7 @@ def _latency_keyword(args) -> dict:
     from .placement.cpu_latency import LatencyOptions
 
     return {"latency": LatencyOptions(profile=args.latency_profile, threads=args.latency_threads or 0,
-                                      batch=args.latency_batch or 1)}
+                                      batch=args.latency_batch or 1, retime=args.latency_retime)}
 
 
 def _latency_summary(latency) -> str:
@@ -739,8 +743,10 @@ def _latency_summary(latency) -> str:
                          f"{len(fallback['kept_float'])} least-gaining site(s) kept float too and timed "
                          f"again: {fallback['fallback_ms']:.2f} ms against {fallback['before_ms']:.2f} ms: "
                          f"{kept}")
+        origin = (f" (timing from the latency profile, measured {whole.get('timed_at') or 'earlier'}; "
+                  "--latency-retime times it again)" if whole.get("source") == "latency profile" else "")
         lines.append(f"whole model, batch {whole['batch']}: {whole['quantized_ms']:.2f} ms against FP32 "
-                     f"{whole['fp32_ms']:.2f} ms ({whole['speedup']:.2f}x): {whole['verdict']}")
+                     f"{whole['fp32_ms']:.2f} ms ({whole['speedup']:.2f}x): {whole['verdict']}{origin}")
     else:
         lines.append(f"whole model not timed: {whole.get('reason', 'unknown')}")
     return "\n".join(lines)

@@ -113,8 +113,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             onnxruntime version and threads); a path: that latency profile file, read and extended
             (e.g. one measured on the deployment machine); or a
             `LatencyOptions` (``threads``, ``batch`` of
-            the deployment session). The result is timed against FP32 at the end
-            (``QuantizeResult.latency``, the report's ``latency``); when it is not faster, the
+            the deployment session, ``retime``). The result is timed against FP32 at the end
+            (``QuantizeResult.latency``, the report's ``latency``); that timing is kept in the profile
+            under a hash of the models' bytes, this machine, threads and batch, so an identical second
+            run reuses it (``whole_model["source"]`` is ``"latency profile"``, not ``"measured"``;
+            ``LatencyOptions(retime=True)`` times it again); when it is not faster, the
             least-gaining half of its integer sites is kept float too and the models are timed once
             more, the faster written (``latency["fallback"]``); a note says so plainly when the
             written model is still not faster.
@@ -125,7 +128,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             instead); ``True``: 8 bits, the model will run on such CPUs only (more accurate; on an
             x86 CPU with AVX2 only, onnxruntime's 16-bit pair sums can then overflow); ``False``: 7
             bits, exact on every CPU. The choice and why: ``QuantizeResult.ort_cpu`` and a note. See
-            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`, `onnx_qat.insertion.ort_cpu`.
+            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`, `onnx_qat.insertion.ort_cpu`. With
+            ``data`` the ``ort-cpu`` form's INT8 Conv biases also absorb the mean error of their
+            rounded weights where that lowers the output error on the calibration data (rule CPU7,
+            `onnx_qat.insertion.ort_cpu_bias`; ``QuantizeResult.ort_cpu["bias_correction"]``).
         optimize: ``"accuracy"``: also run the post-training steps of `onnx_qat.accuracy.optimize`
             (cross-layer equalization, activation smoothing, each activation's range chosen among
             ``auto``'s candidates, error-compensated INT8 weight rounding, bias correction), each kept

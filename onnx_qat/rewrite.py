@@ -64,13 +64,16 @@ class QuantizeResult:
             reasons, cosines measured); None with FP32 float parts.
         latency: with ``latency`` (``ort-cpu``): every timed site (float and integer microseconds,
             gain, decision), the sites kept float for speed, the profile file, and the whole model
-            timed against FP32 (``whole_model``: medians, speed-up, verdict), and, when that found it
+            timed against FP32 (``whole_model``: medians, quartiles, speed-up, verdict, and ``source``:
+            ``"measured"`` now or reused from the ``"latency profile"``), and, when that found it
             not faster, what the whole-model guard tried (``fallback``); see
             `onnx_qat.placement.cpu_latency`. None otherwise.
         ort_cpu: ``target="ort-cpu"`` with calibration data: the weight width chosen for Conv/Gemm/MatMul
             weights behind signed inputs (``cpu_vnni``, ``weight_bits`` 8 or 7, ``chosen_by``
             ``"option"``/``"auto"``/``"latency profile"``, ``reason``; see
-            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`). None otherwise.
+            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`) and, for INT8, rule CPU7's
+            ``bias_correction`` (``convs``, ``nodes``, ``largest_shift``: the Convs whose bias absorbs
+            the mean error of their rounded weight, `onnx_qat.insertion.ort_cpu_bias`). None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -198,7 +201,10 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
         if placement.empty or len(latency_decision.kept_float) == len(latency_decision.records):
             raise PlacementError("every quantizable site runs faster in float on this CPU (see the latency "
                                  "profile): the FP32 model is already the fast form; nothing written")
+        from .placement.cpu_latency import timing_feeds
+
         timing_model = float_model.SerializeToString()  # the rewrite edits float_model's nodes
+        timing_inputs = timing_feeds(float_model, latency.batch)
     awq_records: tuple = ()
     gptq_records: tuple = ()
     if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales
@@ -242,10 +248,18 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     if adapter is not None and data is not None and hasattr(adapter, "nonnegative_inputs"):  # calibrated here
         calibrated = {"nonnegative": adapter.nonnegative_inputs(float_model, data, placement), "fine": True,
                       **({"vnni": True} if width is not None and width["cpu_vnni"] else {})}
+    means, corrected, pristine = None, {}, None  # ort-cpu with data: rule CPU7's input means, records
+    if calibrated and fmt.name == "int8":
+        means = _conv_input_means(float_model, index, placement if every_site is None else every_site, data,
+                                  calib_kw)
     if adapter is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
         adapted = adapter.adapt(index, placement, table, **calibrated)
         dropped = [s for s in placement.subgraphs if s not in adapted.placement.subgraphs]
         placement, table, requantization = adapted.placement, adapted.table, adapted.requantization
+        if means:  # rule CPU7's guard builds the form without the correction too
+            pristine = onnx.ModelProto()
+            pristine.CopyFrom(float_model)
+        _correct_biases(float_model, index, adapted, means, corrected)
         if dropped:  # the form rewrites the main graph only: If branches, Loop/Scan bodies stay float in it
             note = (f"the {target_obj.name} form quantizes the main graph only; "
                     f"{len(dropped)} subgraph(s) (If branches, Loop/Scan bodies) left float")
@@ -262,6 +276,18 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     # The float weights are not needed to save the Q/DQ model (a new ModelProto, which holds only
     # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
+    if means and corrected:  # rule CPU7 is kept only where it lowers the error on the calibration data
+        reference = _guard_reference(pristine, data)  # before the rewrite edits ``pristine``
+        plain, plain_inserted = _rewrite(pristine, placement, table, target_obj, False, storage, finish)
+        guard = _bias_guard(reference, qdq_model, plain)
+        if not guard["kept"]:
+            qdq_model, inserted = plain, plain_inserted
+            corrected.clear()
+            means = None  # nor in the latency placement's other models
+        guard_record = guard
+    else:
+        guard_record = None
+    pristine = None
     summary = _summary(placement, inserted)
     latency_report = None
     if latency_decision is not None:
@@ -270,8 +296,8 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
         alternative = None
         if every_site is not None:  # the per-site times miss what a float site costs its neighbours
             alternative = _all_integer(timing_model, every_site, table, target_obj, adapter, calibrated, fmt,
-                                       config)
-        whole = whole_model_timing(timing_model, qdq_model, latency, alternative)
+                                       config, means, corrected)
+        whole = whole_model_timing(timing_model, qdq_model, latency, alternative, feeds=timing_inputs)
         if whole.get("chosen") == "every site integer":
             qdq_model, inserted, placement, requantization = alternative
             summary = _summary(placement, inserted)
@@ -281,13 +307,16 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
         if whole.get("timed") and whole["speedup"] <= 1.0:  # the guard: fewer sites integer, timed once
             qdq_model, inserted, placement, requantization, fallback = _fall_back(
                 timing_model, (qdq_model, inserted, placement, requantization), latency_decision,
-                table, target_obj, adapter, calibrated, fmt, config, latency)
+                table, target_obj, adapter, calibrated, fmt, config, latency, timing_inputs, means, corrected)
             if fallback is not None:  # the second timing's figures replace the first's (kept under "first")
                 latency_report["fallback"] = fallback
                 summary = _summary(placement, inserted)
-                first = {k: whole[k] for k in ("fp32_ms", "quantized_ms", "speedup", "rounds")}
+                first = {k: whole[k] for k in ("fp32_ms", "quantized_ms", "speedup", "rounds", "quartiles_ms")
+                         if k in whole}
                 chosen = fallback["chosen"] == "fallback"
                 whole = {**whole, "fp32_ms": fallback["fp32_ms"], "speedup": fallback["speedup"],
+                         **{k: fallback[k] for k in ("source", "timed_at", "profile", "quartiles_ms")
+                            if k in fallback},
                          "quantized_ms": fallback["fallback_ms" if chosen else "before_ms"],
                          "rounds": fallback["rounds"], "first": first,
                          "verdict": ("faster than FP32" if fallback["speedup"] > 1.0
@@ -302,6 +331,18 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
                     "deploy the FP32 model here")
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
+    if guard_record is not None and not guard_record["kept"]:
+        note = ("ort-cpu: rule CPU7 (Conv biases corrected for the mean weight-rounding error) left out: "
+                f"it did not lower the output error on {guard_record['samples']} calibration sample(s) "
+                f"({guard_record['error_corrected']:.4g} against {guard_record['error_plain']:.4g})")
+        logger.info("%s", note)
+        placement = replace(placement, notes=placement.notes + (note,))
+    if means:
+        found = _bias_report(corrected, placement)
+        note = (f"ort-cpu: {found['convs']} Conv bias(es) corrected for the mean error of the rounded weight "
+                f"on the calibration data (rule CPU7)")
+        logger.info("%s", note)
+        placement = replace(placement, notes=placement.notes + (note,))
     if width is not None:
         note = (f"ort-cpu: Conv/Gemm/MatMul weights behind signed inputs in {width['weight_bits']} bits "
                 f"(cpu_vnni={width['cpu_vnni']}, {width['chosen_by']}: {width['reason']})")
@@ -313,7 +354,9 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
                             fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report,
-                            ort_cpu=None if width is None else MappingProxyType(dict(width)))
+                            ort_cpu=None if width is None else MappingProxyType(
+                                {**width, **({} if guard_record is None else {
+                                    "bias_correction": _bias_report(corrected, placement, guard_record)})}))
     io.write_outputs(qdq_model, out_path, report, result.to_report, inputs=inputs)
     return result
 
@@ -619,14 +662,94 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
         return committed, inserted
 
 
+def _conv_input_means(model, index: GraphIndex, placement: Placement, data, calib_kw: Mapping):
+    """Rule CPU7's per-sample tap means of the quantized Convs' inputs on the calibration data
+    (`onnx_qat.insertion.ort_cpu_bias.tap_reducers`, `onnx_qat.calibration.means.per_sample`)."""
+    from .calibration.means import per_sample
+    from .insertion.ort_cpu_bias import tap_reducers
+
+    reducers = tap_reducers(index, placement)  # batches of 4: every Conv input of a batch is held at once
+    return per_sample(model, data, reducers, batch_size=min(4, calib_kw.get("batch_size") or 4))
+
+
+def _correct_biases(model, index: GraphIndex, adapted, means, found: dict) -> None:
+    """Rule CPU7 on ``model`` for the adapted ort-cpu placement (`correct_conv_biases`); each Conv's
+    record goes into ``found`` by node. Nothing without ``means``."""
+    if not means:
+        return
+    from .insertion.ort_cpu_bias import correct_conv_biases
+
+    for record in correct_conv_biases(model, index, adapted.placement, adapted.table, means,
+                                      narrow=getattr(adapted, "narrow_weights", ())):
+        found[record["node"]] = record
+
+
+def _bias_report(found: Mapping, placement: Placement, guard=None) -> dict:
+    """The report's ``ort_cpu["bias_correction"]``: rule CPU7's Convs among the written model's sites,
+    and the guard's figures (`_bias_guard`)."""
+    written = {w.node for w in placement.weights}
+    nodes = sorted(n for n in found if n in written)
+    return {"rule": "CPU7", "convs": len(nodes), "nodes": nodes,
+            "largest_shift": max((found[n]["largest_shift"] for n in nodes), default=0.0),
+            **({} if guard is None else {"guard": dict(guard)})}
+
+
+#: Calibration samples rule CPU7's guard compares the two forms on (the first ones).
+BIAS_GUARD_SAMPLES = 8
+
+
+def _guard_reference(float_model, data):
+    """The first `BIAS_GUARD_SAMPLES` calibration samples (one feed each) and FP32's outputs on them."""
+    from .io.data import load_data
+    from .runtime.sessions import make_session
+
+    dataset = load_data(data, float_model, what="calibration data")
+    feeds = []
+    for feed in dataset.batches(1):
+        feeds.append(feed)
+        if len(feeds) >= BIAS_GUARD_SAMPLES:
+            break
+    session = make_session(float_model, spin=False)
+    names = {i.name for i in session.get_inputs()}
+    return [(feed, [np.asarray(o, np.float64) for o in session.run(None, {k: v for k, v in feed.items()
+                                                                          if k in names})])
+            for feed in feeds]
+
+
+def _bias_guard(reference, corrected, plain) -> dict:
+    """Whether rule CPU7's corrected form is kept: its mean |output - FP32| over the `_guard_reference`
+    samples (the first `BIAS_GUARD_SAMPLES` of the calibration data, all outputs, onnxruntime with all
+    optimizations, as deployed) is below the uncorrected form's. On the real PP-OCRv4 detector the
+    weight-only correction doubled the error (one Conv's bias moved by 0.1 did it): there the mean error
+    of the rounded activations dominates and the network reacts to small shifts; on the Keras CNNs it
+    lowered the error by a fifth to a third. ``{"kept", "error_corrected", "error_plain", "samples"}``."""
+    from .runtime.sessions import make_session
+
+    errors = []
+    for model in (corrected, plain):
+        session = make_session(model, spin=False)
+        names = {i.name for i in session.get_inputs()}
+        total = 0.0
+        for feed, ref in reference:
+            outs = session.run(None, {k: v for k, v in feed.items() if k in names})
+            total += sum(float(np.abs(np.asarray(o, np.float64) - r).mean()) for o, r in zip(outs, ref))
+        errors.append(total / max(1, len(reference)))
+    kept = errors[0] < errors[1]
+    logger.info("ort-cpu rule CPU7 guard: error %.4g corrected, %.4g not: %s", errors[0], errors[1],
+                "kept" if kept else "left out")
+    return {"kept": kept, "error_corrected": errors[0], "error_plain": errors[1], "samples": len(reference)}
+
+
 def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, target_obj: Target, adapter,
-                 calibrated: Mapping, fmt, config: QuantizeConfig):
+                 calibrated: Mapping, fmt, config: QuantizeConfig, means=None, corrected=None):
     """The ort-cpu model with every site of ``placement`` (the placement before latency placement)
     quantized, from a fresh copy of the float model: ``(model, inserted, placement, requantization)``,
-    or None when ``table`` lacks a range it needs."""
+    or None when ``table`` lacks a range it needs. ``means``, ``corrected``: rule CPU7's (see
+    `_correct_biases`)."""
     model = onnx.load_from_string(float_bytes)
     index = GraphIndex(model)
     adapted = adapter.adapt(index, placement, table, **calibrated)
+    _correct_biases(model, index, adapted, means, {} if corrected is None else corrected)
     note = ("ort-cpu latency placement: every site kept integer, which ran faster as a whole model than "
             "keeping the slower sites float")
     placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
@@ -642,7 +765,8 @@ def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, ta
 
 
 def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_obj: Target, adapter,
-               calibrated: Mapping, fmt, config: QuantizeConfig, options):
+               calibrated: Mapping, fmt, config: QuantizeConfig, options, feeds=None, means=None,
+               corrected=None):
     """The whole-model guard of latency placement: the quantized model ``current`` (``(model,
     inserted, placement, requantization)``) timed slower than FP32, so the least-gaining half of its
     integer sites (`onnx_qat.placement.cpu_latency.fallback_sites`) is kept float too, the model is
@@ -678,6 +802,7 @@ def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_
     placed = replace(placed, decisions=tuple(ours.get(d.node, d) for d in placed.decisions))
     try:
         adapted = adapter.adapt(index, placed, table, **calibrated)
+        _correct_biases(model, index, adapted, means, {} if corrected is None else corrected)
         note = (f"ort-cpu whole-model guard: the quantized model timed slower than FP32, so {len(drop)} "
                 f"least-gaining site(s) were kept float too (e.g. {drop[0]!r}) and the model timed again")
         placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
@@ -689,7 +814,7 @@ def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_
     except ScalesError as exc:
         logger.info("ort-cpu whole-model guard: no fallback model (%s)", exc)
         return (*current, None)
-    timing = fallback_timing(float_bytes, model_now, qdq, options)
+    timing = fallback_timing(float_bytes, model_now, qdq, options, feeds=feeds)
     record = {"kept_float": list(drop), **timing}
     logger.info("ort-cpu whole-model guard: %s", record)
     if timing["chosen"] == "fallback":

@@ -77,6 +77,8 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    float between a DequantizeLinear and a QuantizeLinear;
 7. *float joins* (rule CPU6, `_float_joins`): a residual join with no other quantized input runs in
    float in onnxruntime, so its skip input loses the pair placement rule 6 gives it for TensorRT.
+8. *bias correction* (rule CPU7, `onnx_qat.insertion.ort_cpu_bias`, with calibration data only): each
+   quantized Conv's bias absorbs the mean error of its rounded weight on the calibration data.
 
 Every learned scale is kept unchanged; each requantization point and each fold is listed in
 `onnx_qat.quantize.QuantizeResult.to_report` under ``requantization`` (folds with rule

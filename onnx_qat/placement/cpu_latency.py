@@ -54,6 +54,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -187,6 +188,9 @@ class LatencyProfile:
     #: The ort-cpu weight width chosen on that machine (`resolve_cpu_vnni`: ``cpu_vnni``, ``reason``),
     #: or None when none was recorded.
     cpu_vnni: Optional[Dict[str, object]] = None
+    #: Whole-model timings on this machine (`timed_or_cached`) by `timing_key`: each ``{"medians_ms":
+    #: {model role: ms}, "quartiles_ms": {model role: [q1, q3]}, "rounds": n, "timed_at": ISO time (UTC)}``.
+    whole_models: Dict[str, Dict[str, object]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path, threads: int) -> "LatencyProfile":
@@ -206,9 +210,13 @@ class LatencyProfile:
                 raw.get("version") != PROFILE_VERSION or not isinstance(raw.get("sites"), dict):
             raise ConfigError(f"latency profile {path}: not an {PROFILE_FORMAT} "
                               f"version {PROFILE_VERSION} file")
+        machine = raw.get("machine") or {}
+        if not isinstance(machine, dict):
+            raise ConfigError(f"latency profile {path}: 'machine' must be an object")
         sites = {}
         for kind, entry in raw["sites"].items():
-            values = (entry or {}).get("float_us"), (entry or {}).get("int_us")
+            entry = entry if isinstance(entry, dict) else {}
+            values = entry.get("float_us"), entry.get("int_us")
             if not all(isinstance(v, (int, float)) and np.isfinite(v) and v > 0 for v in values):
                 raise ConfigError(f"latency profile {path}: site {kind!r} needs positive float_us and int_us")
             sites[kind] = {"float_us": float(values[0]), "int_us": float(values[1])}
@@ -216,7 +224,7 @@ class LatencyProfile:
         if recorded is not None and not (isinstance(recorded, dict)
                                          and isinstance(recorded.get("cpu_vnni"), bool)):
             raise ConfigError(f"latency profile {path}: 'cpu_vnni' needs a boolean 'cpu_vnni'")
-        return cls(dict(raw.get("machine") or {}), sites, path, recorded)
+        return cls(dict(machine), sites, path, recorded, _load_timings(path, raw.get("whole_models")))
 
     def save(self) -> None:
         """Write the profile to `path` (atomically; the folder is created)."""
@@ -225,7 +233,32 @@ class LatencyProfile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json(self.path, {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "machine": self.machine,
                                "sites": self.sites,
-                               **({} if self.cpu_vnni is None else {"cpu_vnni": self.cpu_vnni})})
+                               **({} if self.cpu_vnni is None else {"cpu_vnni": self.cpu_vnni}),
+                               **({"whole_models": self.whole_models} if self.whole_models else {})})
+
+
+def _load_timings(path: Path, raw) -> Dict[str, Dict[str, object]]:
+    """The profile's ``"whole_models"`` section, validated (see `LatencyProfile.whole_models`).
+
+    Raises:
+        ConfigError: the section or one of its entries is malformed (one line naming it).
+    """
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"latency profile {path}: 'whole_models' must be an object")
+    found = {}
+    for key, entry in raw.items():
+        medians = entry.get("medians_ms") if isinstance(entry, dict) else None
+        rounds = entry.get("rounds") if isinstance(entry, dict) else None
+        whole = isinstance(rounds, int) and not isinstance(rounds, bool) and rounds > 0
+        if not (whole and isinstance(medians, dict) and medians
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                        and np.isfinite(v) and v > 0 for v in medians.values())):
+            raise ConfigError(f"latency profile {path}: whole-model timing {str(key)[:16]!r} needs positive "
+                              "'medians_ms' per model and a whole number of 'rounds'")
+        found[str(key)] = dict(entry)
+    return found
 
 
 # --------------------------------------------------------------------------- sites
@@ -532,6 +565,10 @@ WHOLE_MODEL_SECONDS = 3.0
 MAX_ROUNDS_FACTOR = 5
 
 
+#: Whole-model timings a profile keeps (`LatencyProfile.whole_models`); older ones are dropped first.
+MAX_WHOLE_MODEL_TIMINGS = 64
+
+
 def time_models(models: Mapping[str, object], feeds: Mapping[str, np.ndarray], threads: int = 0,
                 rounds: int = 5, seconds: float = 0.0) -> Dict[str, float]:
     """Median seconds per run of each model (protos), run interleaved ``rounds`` times after a warm-up,
@@ -540,7 +577,7 @@ def time_models(models: Mapping[str, object], feeds: Mapping[str, np.ndarray], t
 
 
 def _interleaved(models, feeds, threads: int, rounds: int, seconds: float):
-    """`time_models`' medians and the number of rounds run."""
+    """`time_models`' medians, the number of rounds run and each model's quartiles (seconds)."""
     sessions = {k: _session(m, threads) for k, m in models.items()}
     for session in sessions.values():
         session.run(None, dict(feeds))
@@ -553,7 +590,62 @@ def _interleaved(models, feeds, threads: int, rounds: int, seconds: float):
             session.run(None, dict(feeds))
             times[key].append(time.perf_counter() - t0)
         done += 1
-    return {k: statistics.median(v) for k, v in times.items()}, done
+    quartiles = {k: tuple(float(q) for q in np.percentile(v, (25, 75))) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, done, quartiles
+
+
+def timing_key(models: Mapping[str, bytes], feeds: Mapping[str, np.ndarray], threads: int, batch: int,
+               rounds: int) -> str:
+    """What a whole-model timing depends on, hashed: each model's serialized bytes (sha256) under its
+    role, the feeds' shapes, this machine (`machine_key`: CPU, kernel flags, onnxruntime version,
+    ``threads``), the batch and the rounds asked for, and `WHOLE_MODEL_SECONDS`."""
+    what = {"models": {name: hashlib.sha256(blob).hexdigest() for name, blob in sorted(models.items())},
+            "feeds": {name: list(np.shape(value)) for name, value in sorted(feeds.items())},
+            "machine": machine_key(threads), "batch": int(batch), "rounds": int(rounds),
+            "seconds": WHOLE_MODEL_SECONDS}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def timed_or_cached(models: Mapping[str, object], feeds: Mapping[str, np.ndarray], options: "LatencyOptions"):
+    """`_interleaved`'s medians and quartiles in milliseconds and its rounds for ``models`` (protos or
+    serialized bytes), and where they come from: ``{"source": "measured" | "latency profile", "timed_at": ...,
+    "profile": path}``.
+
+    A timing of the very same models (`timing_key`: their bytes, the feeds' shapes, this machine,
+    threads, batch, rounds) kept in the latency profile (``options.profile`` or this machine's cache
+    file) is reused without running anything, unless ``options.retime``; a new timing is added to the
+    profile (at most `MAX_WHOLE_MODEL_TIMINGS`, the oldest dropped). A profile measured on another
+    machine keeps no timing of this one: there every timing is measured."""
+    blobs = {k: m if isinstance(m, bytes) else m.SerializeToString() for k, m in models.items()}
+    path = Path(options.profile) if options.profile is not None else default_profile_path(options.threads)
+    profile = LatencyProfile.load(path, options.threads)
+    here = machine_key(options.threads)
+    cacheable = not profile.machine or profile.machine == here
+    key = timing_key(blobs, feeds, options.threads, options.batch, options.rounds)
+    entry = profile.whole_models.get(key) if cacheable and not options.retime else None
+    if entry is not None and set(entry["medians_ms"]) == set(blobs):
+        return (dict(entry["medians_ms"]), entry["rounds"], dict(entry.get("quartiles_ms") or {}),
+                {"source": "latency profile", "timed_at": entry.get("timed_at"), "profile": str(path)})
+    seconds, rounds, spread = _interleaved(blobs, feeds, options.threads, options.rounds, WHOLE_MODEL_SECONDS)
+    medians = {k: 1e3 * v for k, v in seconds.items()}
+    quartiles = {k: [1e3 * q for q in v] for k, v in spread.items()}
+    timed_at = datetime.now(timezone.utc).isoformat(timespec="microseconds")
+    if cacheable:
+        if not profile.machine:
+            profile.machine = here
+        profile.whole_models.pop(key, None)
+        profile.whole_models[key] = {"medians_ms": medians, "quartiles_ms": quartiles, "rounds": rounds,
+                                     "timed_at": timed_at}
+        by_age = sorted(profile.whole_models, key=lambda k: str(profile.whole_models[k].get("timed_at", "")))
+        for old in by_age[:max(0, len(by_age) - MAX_WHOLE_MODEL_TIMINGS)]:
+            del profile.whole_models[old]
+        try:
+            profile.save()
+        except OSError as exc:  # a read-only profile (e.g. one shared from the deployment machine)
+            logger.warning("latency profile %s: the whole-model timing is not kept (%s)", path, exc)
+            return medians, rounds, quartiles, {"source": "measured", "timed_at": timed_at, "profile": None}
+    return medians, rounds, quartiles, {"source": "measured", "timed_at": timed_at,
+                                        "profile": str(path) if cacheable else None}
 
 
 # --------------------------------------------------------------------------- the rewrite's two steps
@@ -568,12 +660,15 @@ class LatencyOptions:
         rounds: interleaved runs of the whole-model timing at the end (FP32 against the result), at
             least; it goes on while it has run for less than `WHOLE_MODEL_SECONDS` (at most
             `MAX_ROUNDS_FACTOR` x ``rounds``), and the report gives the rounds run.
+        retime: time the whole model again even when the profile holds a timing of the very same
+            models (`timed_or_cached`); the new timing replaces the kept one.
     """
 
     profile: Optional[str] = None
     threads: int = 0
     batch: int = 1
     rounds: int = 3
+    retime: bool = False
 
     @classmethod
     def resolve(cls, value) -> Optional["LatencyOptions"]:
@@ -591,6 +686,8 @@ class LatencyOptions:
             if isinstance(value.threads, bool) or not isinstance(value.threads, int) or value.threads < 0 \
                     or isinstance(value.batch, bool) or not isinstance(value.batch, int) or value.batch < 1:
                 raise ConfigError("latency options: threads must be a whole number >= 0 and batch >= 1")
+            if not isinstance(value.retime, bool):
+                raise ConfigError(f"latency options: retime must be True or False, not {value.retime!r}")
             return value
         if isinstance(value, (str, os.PathLike)):
             return cls(profile=os.fspath(value))
@@ -623,42 +720,67 @@ def place_by_latency(model, index: GraphIndex, placement: Placement, policy, con
     return replace(placed, decisions=decisions, notes=placed.notes + decision.notes + (note,)), decision
 
 
-def whole_model_timing(float_model, qdq_model, options: LatencyOptions,
-                       alternative=None) -> Dict[str, object]:
-    """FP32 (``float_model``: a ModelProto or its serialized bytes) against the quantized model,
-    interleaved, at the options' batch and threads: medians (milliseconds), speed-up, and a plain
-    verdict. ``alternative``: ``(model, ...)`` with every site integer, timed in the same runs; the
-    faster of the two quantized models is ``chosen`` (``"latency placement"`` or
-    ``"every site integer"``) and is the one the figures describe."""
+def timing_feeds(float_model, batch: int):
+    """The inputs the whole model is timed on: for each graph input of ``float_model`` (a ModelProto or
+    its serialized bytes), standard normal float32 values (seed 0) at its shape with symbolic batch
+    dimensions set to ``batch`` (`input_shapes`); or, when an input is not a float32 tensor of known
+    shape, a sentence saying so (the model is then not timed)."""
     import onnx
 
     if isinstance(float_model, bytes):
         float_model = onnx.load_from_string(float_model)
-    shapes = input_shapes(float_model, options.batch)
+    shapes = input_shapes(float_model, batch)
     inits = {i.name for i in float_model.graph.initializer}
     feeds, rng = {}, np.random.default_rng(0)
     for value in float_model.graph.input:
         if value.name in inits:
             continue
         if value.type.tensor_type.elem_type != onnx.TensorProto.FLOAT or value.name not in shapes:
-            return {"timed": False, "reason": f"input {value.name!r} is not a float32 tensor of known shape"}
+            return f"input {value.name!r} is not a float32 tensor of known shape"
         feeds[value.name] = rng.standard_normal(shapes[value.name]).astype(np.float32)
+    return feeds
+
+
+def whole_model_timing(float_model, qdq_model, options: LatencyOptions,
+                       alternative=None, feeds=None) -> Dict[str, object]:
+    """FP32 (``float_model``: a ModelProto or its serialized bytes) against the quantized model,
+    interleaved, at the options' batch and threads: medians (milliseconds), speed-up, and a plain
+    verdict. ``alternative``: ``(model, ...)`` with every site integer, timed in the same runs; the
+    faster of the two quantized models is ``chosen`` (``"latency placement"`` or
+    ``"every site integer"``) and is the one the figures describe. The timing is `timed_or_cached`'s:
+    ``source`` says whether it was measured now or comes from the latency profile (``timed_at``,
+    ``profile``); ``quartiles_ms`` gives the spread of the FP32 and quantized runs, ``seconds`` what
+    this call took. ``feeds``: `timing_feeds` of the float model, when the caller has them (then
+    ``float_model``'s bytes are not parsed here)."""
+    start = time.perf_counter()
+    if feeds is None:
+        feeds = timing_feeds(float_model, options.batch)
+    if isinstance(feeds, str):
+        return {"timed": False, "reason": feeds}
     models = {"fp32": float_model, "quantized": qdq_model}
     if alternative is not None:
         models["every site integer"] = alternative[0]
-    medians, rounds = _interleaved(models, feeds, options.threads, options.rounds, WHOLE_MODEL_SECONDS)
+    medians, rounds, quartiles, origin = timed_or_cached(models, feeds, options)
     chosen = "latency placement"
     extra = {}
     if alternative is not None:
-        extra = {"latency_placement_ms": round(1e3 * medians["quantized"], 3),
-                 "every_site_integer_ms": round(1e3 * medians["every site integer"], 3)}
+        extra = {"latency_placement_ms": round(medians["quantized"], 3),
+                 "every_site_integer_ms": round(medians["every site integer"], 3)}
         if medians["every site integer"] < medians["quantized"]:
             chosen, medians["quantized"] = "every site integer", medians["every site integer"]
     speedup = medians["fp32"] / medians["quantized"]
     verdict = "faster than FP32" if speedup > 1.0 else "NOT faster than FP32"
+    written = "every site integer" if chosen == "every site integer" else "quantized"
+    spread = {"fp32": _ms(quartiles.get("fp32")), "quantized": _ms(quartiles.get(written))}
     return {"timed": True, "batch": options.batch, "threads": options.threads, "rounds": rounds,
-            "fp32_ms": round(1e3 * medians["fp32"], 3), "quantized_ms": round(1e3 * medians["quantized"], 3),
-            "speedup": round(speedup, 3), "verdict": verdict, "chosen": chosen, **extra}
+            "fp32_ms": round(medians["fp32"], 3), "quantized_ms": round(medians["quantized"], 3),
+            "speedup": round(speedup, 3), "verdict": verdict, "chosen": chosen, **extra,
+            "quartiles_ms": {k: v for k, v in spread.items() if v is not None}, **origin,
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _ms(pair):
+    return None if not pair else [round(q, 3) for q in pair]
 
 
 def fallback_sites(decision: "LatencyDecision", exclude=()) -> Tuple[str, ...]:
@@ -672,30 +794,27 @@ def fallback_sites(decision: "LatencyDecision", exclude=()) -> Tuple[str, ...]:
     return tuple(r["node"] for r in integer[:max(1, len(integer) // 2)])
 
 
-def fallback_timing(float_model, current, fallback, options: LatencyOptions) -> Dict[str, object]:
+def fallback_timing(float_model, current, fallback, options: LatencyOptions, feeds=None) -> Dict[str, object]:
     """FP32, the quantized model and its fallback (fewer sites integer), timed interleaved once as
-    `whole_model_timing` times them: medians (milliseconds) and which quantized model is faster."""
-    import onnx
-
-    if isinstance(float_model, bytes):
-        float_model = onnx.load_from_string(float_model)
-    shapes = input_shapes(float_model, options.batch)
-    inits = {i.name for i in float_model.graph.initializer}
-    rng = np.random.default_rng(0)
-    feeds = {v.name: rng.standard_normal(shapes[v.name]).astype(np.float32)
-             for v in float_model.graph.input if v.name not in inits}
-    medians, rounds = _interleaved({"fp32": float_model, "before": current, "fallback": fallback}, feeds,
-                                   options.threads, options.rounds, WHOLE_MODEL_SECONDS)
+    `whole_model_timing` times them: medians (milliseconds) and which quantized model is faster.
+    ``feeds``: as for `whole_model_timing`."""
+    if feeds is None:
+        feeds = timing_feeds(float_model, options.batch)
+    medians, rounds, quartiles, origin = timed_or_cached(
+        {"fp32": float_model, "before": current, "fallback": fallback}, feeds, options)
     chosen = "fallback" if medians["fallback"] < medians["before"] else "unchanged"
     best = min(medians["fallback"], medians["before"])
-    return {"rounds": rounds, "fp32_ms": round(1e3 * medians["fp32"], 3),
-            "before_ms": round(1e3 * medians["before"], 3),
-            "fallback_ms": round(1e3 * medians["fallback"], 3),
-            "speedup": round(medians["fp32"] / best, 3), "chosen": chosen}
+    spread = {"fp32": _ms(quartiles.get("fp32")),
+              "quantized": _ms(quartiles.get("fallback" if chosen == "fallback" else "before"))}
+    return {"rounds": rounds, "fp32_ms": round(medians["fp32"], 3),
+            "before_ms": round(medians["before"], 3),
+            "fallback_ms": round(medians["fallback"], 3),
+            "speedup": round(medians["fp32"] / best, 3), "chosen": chosen,
+            "quartiles_ms": {k: v for k, v in spread.items() if v is not None}, **origin}
 
 
 __all__ = ["LatencyProfile", "LatencyDecision", "LatencyOptions", "Site", "decide", "place_by_latency",
            "whole_model_timing", "machine_key", "default_profile_path",
            "sites_of", "input_shapes", "measure_kind", "time_models", "kept_float_decisions", "RULE",
            "KERNEL_FLAGS", "WIDE_DOT_FLAGS", "fallback_sites", "fallback_timing", "wide_dot_products",
-           "resolve_cpu_vnni"]
+           "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "timing_key", "MAX_WHOLE_MODEL_TIMINGS"]

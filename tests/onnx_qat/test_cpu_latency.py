@@ -5,6 +5,7 @@ machine's speed); one test measures for real and checks only what the profile ho
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -95,8 +96,9 @@ def test_a_site_slower_in_integer_stays_float_with_both_times_in_the_report(tmp_
 def test_time_models_runs_its_rounds_then_more_while_time_allows():
     model = _net()
     feeds = {"input": _data()["input"][:1]}
-    medians, rounds = L._interleaved({"a": model, "b": model}, feeds, 1, 2, 0.0)
+    medians, rounds, quartiles = L._interleaved({"a": model, "b": model}, feeds, 1, 2, 0.0)
     assert rounds == 2 and set(medians) == {"a", "b"} and all(v > 0 for v in medians.values())
+    assert all(0 < low <= medians[k] <= high for k, (low, high) in quartiles.items())
     assert L._interleaved({"a": model}, feeds, 1, 2, 60.0)[1] == 2 * L.MAX_ROUNDS_FACTOR
 
 
@@ -156,15 +158,130 @@ def test_machine_key_separates_threads_and_files(tmp_path, monkeypatch):
     assert L.default_profile_path(4) != L.default_profile_path(1)
 
 
-@pytest.mark.parametrize("content,match", [("{", "not readable JSON"), ('{"format": "x"}', "not an"),
-                                           (json.dumps({"format": L.PROFILE_FORMAT, "version": 1,
-                                                        "sites": {"k": {"float_us": -1, "int_us": 2}}}),
-                                            "positive")])
+_HEAD = {"format": L.PROFILE_FORMAT, "version": 1}
+_BAD_PROFILES = [
+    ("{", "not readable JSON"), ('{"format": "x"}', "not an"), ("[1, 2]", "not an"),
+    (b"\xff\xfe\x00garbage", "not readable JSON"),
+    (json.dumps({**_HEAD, "sites": {"k": {"float_us": -1, "int_us": 2}}}), "positive"),
+    (json.dumps({**_HEAD, "sites": {"k": [1, 2]}}), "positive"),
+    (json.dumps({**_HEAD, "sites": {}, "machine": [1]}), "'machine' must be an object"),
+    (json.dumps({**_HEAD, "sites": {}, "whole_models": []}), "'whole_models' must be an object"),
+    (json.dumps({**_HEAD, "sites": {}, "whole_models": {"abc": {"medians_ms": {"fp32": "fast"},
+                                                                 "rounds": 3}}}),
+     "whole-model timing 'abc' needs positive"),
+    (json.dumps({**_HEAD, "sites": {}, "whole_models": {"abc": {"medians_ms": {"fp32": 1.0}, "rounds": 0}}}),
+     "whole-model timing 'abc'"),
+]
+
+
+@pytest.mark.parametrize("content,match", _BAD_PROFILES)
 def test_a_bad_profile_is_a_config_error(tmp_path, content, match):
     profile = tmp_path / "bad.json"
-    profile.write_text(content)
+    profile.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(ConfigError, match=match):
         L.LatencyProfile.load(profile, 0)
+
+
+@pytest.mark.parametrize("content,match", _BAD_PROFILES[::3])
+def test_cli_a_bad_profile_is_one_line_exit_2_nothing_written(tmp_path, capsys, content, match):
+    model = _net()
+    src, out, data, profile = (tmp_path / n for n in ("m.onnx", "q.onnx", "d.npz", "p.json"))
+    onnx.save(model, str(src))
+    np.savez(data, **_data())
+    profile.write_bytes(content if isinstance(content, bytes) else content.encode())
+    before = profile.read_bytes()
+    code = main(["quantize", str(src), "-o", str(out), "--data", str(data), "--method", "max",
+                 "--target", "ort-cpu", "--latency-profile", str(profile)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not out.exists() and profile.read_bytes() == before
+    assert len(err.splitlines()) == 1 and str(profile) in err and re.search(match, err), err
+
+
+def test_a_second_identical_run_reuses_the_whole_model_timing(tmp_path, capsys):
+    """The whole-model timing (FP32 against the written model) is kept in the latency profile under a
+    hash of the models' bytes, this machine, threads and batch: a second identical run reuses it (the
+    report and the CLI say so; the figures are the first run's), a changed model is timed afresh, and
+    ``retime`` times it again."""
+    model = _net()
+    profile = tmp_path / "profile.json"
+    _profile(model, profile)  # every site faster in integer: FP32 and the quantized model are timed
+    kw = dict(data=_data(), method="max", target="ort-cpu", progress=False)
+    first = onnx_qat.quantize(model, **kw, latency=str(profile))
+    whole = first.latency["whole_model"]
+    assert whole["source"] == "measured" and whole["profile"] == str(profile)
+    assert whole["quartiles_ms"]["fp32"][0] <= whole["fp32_ms"] <= whole["quartiles_ms"]["fp32"][1]
+    saved = json.loads(profile.read_text())["whole_models"]  # and the guard's timing if it ran
+    assert len(saved) == 1 + ("fallback" in first.latency)
+    assert sorted(sorted(v["medians_ms"]) for v in saved.values()) == sorted(
+        [["fp32", "quantized"]] + ([["before", "fallback", "fp32"]] if "fallback" in first.latency else []))
+    second = onnx_qat.quantize(model, **kw, latency=str(profile))
+    again = second.latency["whole_model"]
+    assert second.model.SerializeToString() == first.model.SerializeToString()
+    assert again["source"] == "latency profile" and again["timed_at"] == whole["timed_at"]
+    assert {k: again[k] for k in ("fp32_ms", "quantized_ms", "speedup", "rounds")} == \
+        {k: whole[k] for k in ("fp32_ms", "quantized_ms", "speedup", "rounds")}
+    report = json.loads(json.dumps(second.to_report()))
+    assert report["latency"]["whole_model"]["source"] == "latency profile"
+    changed = onnx_qat.quantize(_net(seed=5), **kw, latency=str(profile))  # other weights, same shapes
+    assert changed.latency["kinds_measured"] == 0  # the site times still come from the profile
+    assert changed.latency["whole_model"]["source"] == "measured"
+    other_data = onnx_qat.quantize(model, **{**kw, "data": _data(seed=7)}, latency=str(profile))
+    assert other_data.latency["whole_model"]["source"] == "measured"  # other scales: other bytes
+    retimed = onnx_qat.quantize(model, **kw, latency=L.LatencyOptions(profile=str(profile), retime=True))
+    assert retimed.latency["whole_model"]["source"] == "measured"
+    key = next(k for k, v in saved.items() if set(v["medians_ms"]) == {"fp32", "quantized"})
+    timings = json.loads(profile.read_text())["whole_models"]
+    assert timings[key]["timed_at"] > saved[key]["timed_at"]  # the same key, timed again
+    other_batch = onnx_qat.quantize(model, **kw, latency=L.LatencyOptions(profile=str(profile), batch=2))
+    assert other_batch.latency["whole_model"]["source"] == "measured"  # fixed batch 1: same shapes, other key
+    src, out, data = tmp_path / "m.onnx", tmp_path / "q.onnx", tmp_path / "d.npz"
+    onnx.save(model, str(src))
+    np.savez(data, **_data())
+    args = ["quantize", str(src), "-o", str(out), "--data", str(data), "--method", "max",
+            "--target", "ort-cpu", "--latency-profile", str(profile)]
+    assert main(args) == 0
+    assert "(timing from the latency profile, measured " in capsys.readouterr().out
+    assert main(args + ["--latency-retime"]) == 0
+    assert "timing from the latency profile" not in capsys.readouterr().out
+
+
+def test_whole_model_timings_of_another_machine_are_not_reused_or_kept(tmp_path):
+    model = _net()
+    profile = tmp_path / "profile.json"
+    other = {"cpu": "Some Server CPU", "flags": ["avx2"], "onnxruntime": "9.9", "threads": 16}
+    _profile(model, profile, machine=other)
+    kw = dict(data=_data(), method="max", target="ort-cpu", progress=False, latency=str(profile))
+    for _ in range(2):
+        whole = onnx_qat.quantize(model, **kw).latency["whole_model"]
+        assert whole["source"] == "measured" and whole["profile"] is None
+    assert "whole_models" not in json.loads(profile.read_text())
+
+
+def test_a_profile_that_cannot_be_written_still_gives_a_timing(tmp_path, caplog):
+    """The whole-model timing is measured and returned when its profile cannot be written (here its
+    folder is a file), with a warning instead of an error."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("x")
+    options = L.LatencyOptions(profile=str(blocker / "p.json"), threads=1, rounds=1)
+    model = _net()
+    medians, rounds, _, origin = L.timed_or_cached({"fp32": model}, {"input": _data()["input"][:1]}, options)
+    assert medians["fp32"] > 0 and rounds >= 1
+    assert origin["source"] == "measured" and origin["profile"] is None
+    assert "not kept" in caplog.text and blocker.read_text() == "x"
+
+
+def test_the_profile_keeps_at_most_its_newest_whole_model_timings(tmp_path, monkeypatch):
+    monkeypatch.setattr(L, "MAX_WHOLE_MODEL_TIMINGS", 2)
+    model = _net()
+    feeds = {"input": _data()["input"][:1]}
+    options = L.LatencyOptions(profile=str(tmp_path / "p.json"), threads=1, rounds=1)
+    keys = []
+    for seed in range(3):
+        variant = _net(seed)
+        L.timed_or_cached({"fp32": model, "quantized": variant}, feeds, options)
+        blobs = {"fp32": model.SerializeToString(), "quantized": variant.SerializeToString()}
+        keys.append(L.timing_key(blobs, feeds, 1, 1, 1))
+    assert set(json.loads((tmp_path / "p.json").read_text())["whole_models"]) == set(keys[1:])
 
 
 def test_latency_needs_the_ort_cpu_target_and_int8():

@@ -104,7 +104,9 @@ def test_relu6_outputs_take_zero_point_0_and_the_whole_grid():
 
 def test_deployed_equals_reference_arithmetic_where_scales_are_tiny():
     """As deployed (optimizations on) the form computes what its own Q/DQ arithmetic says (optimizations
-    off) up to the integer kernels' rounding: measured 0.3% apart; before the fix the two were 50x apart."""
+    off) up to the integer kernels' rounding: measured 0.3% apart, 7% with rule CPU7's corrected biases
+    (which lower the reference arithmetic's error a little more than the deployed one's: 0.00342 and
+    0.00367, against 0.00370 for both without); before the fix the two were 50x apart."""
     model = B.mobilenet_v2_model(32, width=0.5)
     test = _images(3, 32)
     result = onnx_qat.quantize(model, data={"input": _images(1, 32)}, method="max", target="ort-cpu",
@@ -112,7 +114,7 @@ def test_deployed_equals_reference_arithmetic_where_scales_are_tiny():
     ref = _outputs(model, test)
     deployed = _error(_outputs(result.model, test), ref)
     exact = _error(_outputs(result.model, test, optimize=False), ref)
-    assert abs(deployed - exact) <= 0.05 * exact, (deployed, exact)
+    assert abs(deployed - exact) <= 0.1 * exact, (deployed, exact)
 
 
 def _clip_net(low, high, runtime_bound: bool = False) -> onnx.ModelProto:

@@ -60,11 +60,12 @@ def _check_rows(doc, markdown, stdout, name):
         assert found, f"{name}: no row '{prefix}' in {[r['figure'] for r in rows]}"
         for row in found:
             assert row["value"] is not None and math.isfinite(row["value"]) and row["value"] >= 0, row
-            assert row["status"] in ("PASS", "BAR", "MISS", "INFO"), row
+            assert row["status"] in ("PASS", "BAR", "MISS", "TIE", "INFO"), row
             assert row["figure"] in markdown and row["figure"] in stdout
     for row in rows:
         if row["goal"] is not None and row["value"] is not None:
-            assert row["status"] in ("PASS", "BAR", "MISS")
+            assert row["status"] in ("PASS", "BAR", "MISS", "TIE")
+            assert row["status"] != "TIE" or row["interval"][0] <= row["goal"]["target"] <= row["interval"][1]
 
 
 def test_quick_onnx_benchmarks_write_their_tables(tmp_path):
@@ -110,6 +111,37 @@ def test_quick_workers_writes_its_table(tmp_path):
     _check_rows(doc, markdown, stdout, "workers")
     for row in (r for r in doc["rows"] if r["bench"] == "workers"):
         assert "identical: yes" in row["detail"], row  # the same figures with 2 workers
+
+
+def test_a_goal_inside_the_measured_interval_is_a_tie():
+    from tools.bench.table import Goal, Row
+
+    assert Row("b", "f", 1.05, Goal("<=", 1.0), interval=(0.93, 1.2)).status == "TIE"
+    assert Row("b", "f", 0.97, Goal("<=", 1.0), interval=(0.93, 1.02)).status == "TIE"  # not a PASS
+    assert Row("b", "f", 0.9, Goal("<=", 1.0), interval=(0.85, 0.95)).status == "PASS"
+    assert Row("b", "f", 1.2, Goal("<=", 1.0, 1.25), interval=(1.1, 1.3)).status == "BAR"
+    assert Row("b", "f", 0.8, Goal(">=", 1.0), interval=(0.7, 0.9)).status == "MISS"
+    assert Row("b", "f", 0.8, Goal(">=", 1.0), interval=(0.7, 0.9)).to_dict()["interval"] == [0.7, 0.9]
+
+
+def test_median_interval_and_paired_ratios():
+    """The sign-test interval of the median: [x(k), x(n-k+1)] with coverage >= 95%; paired ratios are
+    taken round by round, so a slow phase that hits both runs of a round cancels."""
+    from tools.bench.measure import interleaved_rounds, median_interval, paired_ratio
+
+    assert median_interval([3, 1, 2, 5, 4]) == (3, 1, 5)  # n < 6: the whole range
+    assert median_interval(range(1, 10)) == (5, 2, 8)  # n = 9: coverage 0.961
+    assert median_interval(range(1, 16)) == (8, 4, 12)  # n = 15: coverage 0.965
+    slow = [1.0, 5.0, 1.0, 9.0, 1.0, 1.0, 3.0]  # a loaded machine: some rounds 3-9x slower for both
+    times = {"a": [2 * t for t in slow], "b": slow}
+    assert paired_ratio(times, "a", "b") == (2.0, 2.0, 2.0)
+    calls = []
+    order = interleaved_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"),
+                                "c": lambda: calls.append("c")}, min_rounds=3, max_rounds=3, warmup=0)
+    assert calls == list("abcbcacab") and all(len(v) == 3 for v in order.values())
+    more = interleaved_rounds({"a": lambda: None}, min_rounds=2, max_rounds=9, seconds=60,
+                              settled=lambda t: len(t["a"]) >= 4)
+    assert len(more["a"]) == 4
 
 
 def test_goal_statuses_follow_the_values():

@@ -14,8 +14,10 @@ profile kept in the work directory, so the whole-model check of `onnx_qat.placem
 the default ``cpu_vnni="auto"``: 8-bit weights on a CPU with VNNI or AMX, `wide_dot_products`, where
 the error of the 7-bit-weight form, ``cpu_vnni=False``, follows in a row of its own); onnxruntime's
 ``quantize_static`` in its fast x86 form (QDQ, uint8 activations, int8 weights, MinMax). Each is timed
-at batch 1 and 8, 2 intra-op threads, sessions without thread spinning, the three run interleaved
-(A B C A B C ...) and medians compared. Errors: mean absolute difference from FP32 over 8 further
+at batch 1 and 8, 2 intra-op threads, sessions without thread spinning, the three run in rounds with the
+order rotated (A B C, B C A, ...), `MIN_ROUNDS` and more until the goal ratios settle; each ratio is the
+median of the per-round ratios with its 95% interval, and a goal row whose interval holds 1.0 is a
+``TIE`` (`_speed_rows`). Errors: mean absolute difference from FP32 over 8 further
 samples, as a fraction of FP32's output range (both quantized forms on the same samples).
 
 The machine's load (``os.getloadavg``) is in each row's detail: on a shared machine the ratios are what
@@ -27,11 +29,11 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .measure import interleaved_medians
+from .measure import interleaved_rounds, median_interval, paired_ratio
 from .table import Goal, Row, ratio, skip
 
 NAME = "cpu_models"
@@ -216,7 +218,7 @@ def _outputs(session, name: str, data: np.ndarray) -> np.ndarray:
 
 
 def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np.ndarray, workdir: Path,
-                  batches=BATCHES, rounds: int = 5, latency: bool = True) -> List[Row]:
+                  batches=BATCHES, rounds: Optional[int] = None, latency: bool = True) -> List[Row]:
     """The rows of one model (see the module docstring); ``latency=False`` quantizes every site (the
     quick run: a tiny model's sites may all time slower in integer, and then nothing is written)."""
     import onnx_qat
@@ -236,18 +238,7 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
     rows = []
     for batch in batches:
         feed = {name: np.concatenate([test] * (1 + batch // len(test)))[:batch]}
-        medians = interleaved_medians({k: (lambda s=s: s.run(None, feed)) for k, s in sessions.items()},
-                                      repeats=rounds, warmup=1)
-        ms = {k: 1e3 * v for k, v in medians.items()}
-        detail = (f"batch {batch}, {THREADS} threads, medians of {rounds} interleaved runs: "
-                  f"FP32 {ms['fp32']:.1f} ms, ort-cpu {ms['ours']:.1f} ms, "
-                  f"onnxruntime uint8 {ms['ort']:.1f} ms; {load}")
-        rows += [Row(NAME, f"{label}: ort-cpu speed-up over FP32, batch {batch}",
-                     ratio(ms["fp32"], ms["ours"]), Goal(">=", 1.0), detail),
-                 Row(NAME, f"{label}: ort-cpu time / onnxruntime uint8 form, batch {batch}",
-                     ratio(ms["ours"], ms["ort"]), Goal("<=", 1.0), detail),
-                 Row(NAME, f"{label}: onnxruntime uint8 form speed-up over FP32, batch {batch}",
-                     ratio(ms["fp32"], ms["ort"]), None, detail)]
+        rows += _speed_rows(label, batch, sessions, feed, rounds, load)
     ref = _outputs(sessions["fp32"], name, test)
     spread = float(ref.max() - ref.min()) or 1.0
     err_ours = float(np.abs(_outputs(sessions["ours"], name, test) - ref).mean()) / spread
@@ -261,13 +252,57 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
                     f"mean |output - FP32| / FP32 output range over {len(test)} samples: "
                     f"ort-cpu {err_ours:.4g}, onnxruntime {err_ort:.4g}; latency placement: "
                     f"{len(latency.get('kept_float', []))} of "
-                    f"{len(latency.get('sites', []))} sites kept float, {whole.get('chosen', '-')}; "
+                    f"{len(latency.get('sites', []))} sites kept float, {whole.get('chosen', '-')} "
+                    f"(whole-model timing {whole.get('source', '-')}); "
                     f"{_WIDTHS[vnni]}"))
     if err_portable is not None:
         rows.append(Row(NAME, f"{label}: 7-bit-weight form (any x86 CPU) error / onnxruntime form error",
                         ratio(err_portable, err_ort), None,
                         f"the --no-cpu-vnni form, exact on CPUs without VNNI (every site integer): "
                         f"{err_portable:.4g}"))
+    return rows
+
+
+#: Speed rounds per batch: at least `MIN_ROUNDS`; then more while under `ROUND_SECONDS` and some
+#: goal ratio's 95% interval is still wider than `SETTLED_WIDTH` of its median and holds 1.0, up to
+#: `MAX_ROUNDS`.
+MIN_ROUNDS, MAX_ROUNDS, ROUND_SECONDS, SETTLED_WIDTH = 7, 21, 40.0, 0.1
+_SPEED = (("fp32", "ours", "ort-cpu speed-up over FP32", Goal(">=", 1.0)),
+          ("ours", "ort", "ort-cpu time / onnxruntime uint8 form", Goal("<=", 1.0)),
+          ("fp32", "ort", "onnxruntime uint8 form speed-up over FP32", None))
+
+
+def _speed_rows(label: str, batch: int, sessions, feed, rounds: Optional[int], load: str) -> List[Row]:
+    """The three speed rows of one batch: FP32, ours and onnxruntime's form run in rounds with the
+    order rotated (`interleaved_rounds`), each ratio the median of its per-round ratios with a 95%
+    interval (`paired_ratio`); a goal row whose interval holds 1.0 is a ``TIE`` (within noise).
+    ``rounds``: exactly that many rounds (the quick run), or None for `MIN_ROUNDS` and more as above."""
+    def settled(times):
+        if len(times["fp32"]) < MIN_ROUNDS:
+            return False
+        for num, den, _, goal in _SPEED:
+            mid, low, high = paired_ratio(times, num, den)
+            if goal is not None and low <= 1.0 <= high and high - low > SETTLED_WIDTH * mid:
+                return False
+        return True
+
+    quick = rounds is not None
+    times = interleaved_rounds({k: (lambda s=s: s.run(None, feed)) for k, s in sessions.items()},
+                               min_rounds=rounds if quick else MIN_ROUNDS,
+                               max_rounds=rounds if quick else MAX_ROUNDS,
+                               seconds=0.0 if quick else ROUND_SECONDS, warmup=1, settled=settled)
+    n = len(times["fp32"])
+    ms = {k: 1e3 * median_interval(v)[0] for k, v in times.items()}
+    found = {(num, den): paired_ratio(times, num, den) for num, den, _, _ in _SPEED}
+    spread = "; ".join(f"{num}/{den} {mid:.3f}x [{low:.3f}-{high:.3f}]" for (num, den), (mid, low, high)
+                       in found.items())
+    detail = (f"batch {batch}, {THREADS} threads, {n} rounds (order rotated), medians: "
+              f"FP32 {ms['fp32']:.1f} ms, ort-cpu {ms['ours']:.1f} ms, onnxruntime uint8 {ms['ort']:.1f} ms; "
+              f"median per-round ratios [95% interval]: {spread}; {load}")
+    rows = []
+    for num, den, what, goal in _SPEED:
+        mid, low, high = found[(num, den)]
+        rows.append(Row(NAME, f"{label}: {what}, batch {batch}", mid, goal, detail, interval=(low, high)))
     return rows
 
 
@@ -335,7 +370,7 @@ def run(workdir: Path, *, quick: bool = False) -> List[Row]:
         try:
             path, name, calib, test = make()
             rows += measure_model(label, path, name, calib, test, workdir,
-                                  batches=(1, 2) if quick else BATCHES, rounds=2 if quick else 5,
+                                  batches=(1, 2) if quick else BATCHES, rounds=2 if quick else None,
                                   latency=not quick)
         except Exception as exc:  # noqa: BLE001 - one model failing (no TensorFlow, no cache, an export
             # tf2onnx cannot convert) gives one SKIP row with the reason; the other models still run

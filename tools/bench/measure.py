@@ -95,6 +95,58 @@ def interleaved_medians(runs: Mapping[str, Callable[[], object]], *, repeats: in
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def interleaved_rounds(runs: Mapping[str, Callable[[], object]], *, min_rounds: int, max_rounds: int,
+                       seconds: float = 0.0, warmup: int = 1,
+                       settled: Optional[Callable[[Dict[str, list]], bool]] = None) -> Dict[str, list]:
+    """Seconds of every run of each callable, in rounds: each round runs every callable once, the order
+    rotated from round to round (A B C, B C A, C A B ...) so that neither drift nor the slot after a
+    given callable favours one. At least ``min_rounds``; then more, up to ``max_rounds``, while less than
+    ``seconds`` have passed and ``settled(times)`` (when given) is not yet true."""
+    names = list(runs)
+    for _ in range(warmup):
+        for fn in runs.values():
+            fn()
+    times: Dict[str, list] = {name: [] for name in names}
+    start = time.perf_counter()
+    done = 0
+    while done < min_rounds or (done < max_rounds and time.perf_counter() - start < seconds
+                                and not (settled is not None and settled(times))):
+        shift = done % len(names)
+        for name in names[shift:] + names[:shift]:
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+        done += 1
+    return times
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95):
+    """``(median, low, high)``: the median of ``values`` and a distribution-free confidence interval
+    for it from order statistics (the binomial sign-test interval: the largest ``k`` with
+    ``P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2`` gives ``[x(k), x(n-k+1)]``; with fewer than 6
+    values no such ``k`` exists at 95% and the interval is the whole range)."""
+    import math
+
+    data = sorted(values)
+    n = len(data)
+    tail = (1.0 - confidence) / 2.0
+    k, below = 0, 0.0
+    while k < n // 2:  # below = P(X < k + 1) for X ~ Binomial(n, 1/2)
+        below += math.comb(n, k) / 2.0 ** n
+        if below > tail:
+            break
+        k += 1
+    k = max(k, 1)
+    return statistics.median(data), data[k - 1], data[n - k]
+
+
+def paired_ratio(times: Mapping[str, Sequence[float]], numerator: str, denominator: str):
+    """``(median, low, high)`` of the per-round ratios ``times[numerator][i] / times[denominator][i]``
+    (`median_interval`): pairing the two runs of one round cancels the slower and faster phases of a
+    shared machine, which a ratio of two medians keeps."""
+    return median_interval([a / b for a, b in zip(times[numerator], times[denominator]) if b > 0])
+
+
 def back_to_back_medians(runs: Mapping[str, Callable[[], object]], *, repeats: int,
                          warmup: int = 1) -> Dict[str, float]:
     """Median seconds of each callable run alone: its warm-up and all its ``repeats`` in a row, then

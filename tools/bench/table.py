@@ -3,7 +3,11 @@
 Every figure is a ratio of two measurements taken in the same run on the same machine, so
 shared, noisy machines still give comparable numbers. A row's status is ``PASS`` (goal met),
 ``BAR`` (the minimum bar met, the goal not), ``MISS`` (neither), ``INFO`` (no goal) or
-``SKIP`` (not measured, with the reason in its detail).
+``SKIP`` (not measured, with the reason in its detail). A row that carries the confidence interval of
+its value (``interval``, e.g. of the median of paired per-round ratios) is ``PASS`` only when the
+whole interval meets the goal, ``TIE`` when the interval holds the goal's target (within the noise
+measured in the same run: the run cannot tell the two sides apart), and ``BAR``/``MISS`` by its value
+otherwise.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import math
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Tuple
 
 RESULTS_FORMAT = "onnx-qat-bench"
 RESULTS_VERSION = 1
@@ -51,12 +55,20 @@ class Row:
     goal: Optional[Goal] = None
     detail: str = ""
     unit: str = "x"
+    #: ``(low, high)``: the value's confidence interval measured in the same run, or None.
+    interval: Optional[Tuple[float, float]] = None
 
     @property
     def status(self) -> str:
         if self.value is None or not math.isfinite(self.value):
             return "SKIP"
-        return "INFO" if self.goal is None else self.goal.status(self.value)
+        if self.goal is None:
+            return "INFO"
+        if self.interval is not None:
+            low, high = self.interval
+            if low <= self.goal.target <= high and low < high:
+                return "TIE"
+        return self.goal.status(self.value)
 
     def measured(self) -> str:
         if self.value is None:
@@ -69,7 +81,8 @@ class Row:
         return {"bench": self.bench, "figure": self.figure, "value": value, "unit": self.unit,
                 "goal": None if self.goal is None else {"op": self.goal.op, "target": self.goal.target,
                                                         "bar": self.goal.bar},
-                "status": self.status, "detail": self.detail}
+                "status": self.status, "detail": self.detail,
+                **({} if self.interval is None else {"interval": [float(v) for v in self.interval]})}
 
 
 def ratio(numerator: float, denominator: float) -> float:
