@@ -13,7 +13,7 @@ The steps, in order, on a private copy of the float model:
    candidates by the output on the evaluation data (`onnx_qat.accuracy.ranges.tune_table`: the best
    whole table, then each harmful site's tensors);
 5. ``rounding``: error-compensated INT8 weight rounding (`onnx_qat.accuracy.rounding`, GPTQ-style, bounded by
-   ``time_budget``);
+   a count of multiply-adds);
 6. ``bias_correction``: the mean shift of each quantized weighted op folded into its bias, in graph
    order (`onnx_qat.accuracy.bias_correction`).
 
@@ -51,7 +51,7 @@ def check_optimize(optimize) -> Optional[str]:
 
 
 def quantize_optimized(model, output, *, data, eval_data, method: str, config, calib_kw: dict, report,
-                       progress: bool, time_budget: float):
+                       progress: bool):
     """`onnx_qat.quantize` with ``optimize="accuracy"`` (see the module docstring)."""
     import dataclasses
     import os
@@ -134,7 +134,7 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
         trial = _copy(float_model)
         from .rounding import round_int8
 
-        records, ranges = round_int8(trial, best.placement, calib, time_budget=time_budget,
+        records, ranges = round_int8(trial, best.placement, calib,
                                      batch_size=batch_size, skip=set(table.weights), progress=progress)
         attempt("rounding", clock, trial, ranges, lambda: table.merged(_weights(ranges)),
                 "no weight could be rounded", weights=list(records))
