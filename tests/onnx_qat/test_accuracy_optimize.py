@@ -237,10 +237,36 @@ def test_optimize_accuracy_keeps_the_steps_that_help_and_reports_each():
     assert steps["equalize"]["kept"] and steps["equalize"]["gain"] > 0.02
     assert info["cosine_after"] >= info["cosine_before"] + 0.02
     assert all(s["kept"] == (s["gain"] is None or s["gain"] > 0) for s in info["steps"])
+    ranges = steps["ranges"]  # chosen on 2 of the 4 held-out samples, kept only if the other 2 gain
+    assert ranges["held_out_samples"] == 2
+    assert not ranges["kept"] or ranges["held_out_after"] > ranges["held_out_before"], ranges
     evaluation = _feeds(50)
     ref = run(model, evaluation)[0]
     assert cosine(run(result.model, evaluation)[0], ref) > cosine(run(plain.model, evaluation)[0], ref) + 0.02
     assert result.to_report()["mixed_precision"]["optimize"] == "accuracy"
+
+
+def test_optimize_accuracy_undoes_ranges_that_lose_on_the_held_out_samples(monkeypatch):
+    """The ranges step chooses on the first half of the evaluation samples; ranges that lower the
+    cosine on the second half are undone even when the first half would keep them."""
+    import onnx_qat.accuracy.ranges as ranges_module
+
+    model = spread_pair_model(0)
+    data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
+    seen = {}
+
+    def narrowed(float_model, calib, choose, *, weights, **kw):
+        seen["samples"] = choose.num_samples
+        amax = {t: (a / 50 if i == 0 else a) for i, (t, a) in enumerate(weights.activations.items())}
+        return ScaleTable(amax, dict(weights.weights)), {"start": "tensor"}
+
+    monkeypatch.setattr(ranges_module, "tune_table", narrowed)
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    step = {s["step"]: s for s in result.accuracy["steps"]}["ranges"]
+    assert seen["samples"] == 2 and step["held_out_samples"] == 2
+    assert step["held_out_after"] < step["held_out_before"] and not step["kept"]
+    assert "held-out" in step["note"]
+    assert_check_clean(result.model)
 
 
 @pytest.mark.parametrize("kw, message", [
