@@ -213,7 +213,6 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if optimize is not None:
         from .accuracy.optimize import check_optimize, quantize_optimized
-        from .accuracy.rounding import TIME_BUDGET
 
         check_optimize(optimize)
         if data is None or min_cosine is not None or max_float_sites is not None or placement is not None:
@@ -223,7 +222,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             raise ConfigError("optimize='accuracy' does not combine with state, latency or cpu_vnni")
         return quantize_optimized(model, output, data=data, eval_data=eval_data,
                                   method=method or DEFAULT_METHOD, config=config, calib_kw=calib_kw,
-                                  report=report, progress=progress, time_budget=TIME_BUDGET)
+                                  report=report, progress=progress)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
         from .accuracy.mixed import check_options, quantize_mixed
 

@@ -10,10 +10,12 @@ The steps, in order, on a private copy of the float model:
 3. ``smooth``: activation smoothing (`onnx_qat.accuracy.smooth`, SmoothQuant-style; float function unchanged),
    then the ranges calibrated again;
 4. ``ranges`` (with ``method="auto"``, the default): each activation's range chosen among ``auto``'s
-   candidates by the output on the evaluation data (`onnx_qat.accuracy.ranges.tune_table`: the best
-   whole table, then each harmful site's tensors);
+   candidates by the output on the first half of the evaluation data
+   (`onnx_qat.accuracy.ranges.tune_table`: the best whole table, then each harmful site's tensors),
+   kept only when it also raises the cosine on the other half, which no range was chosen by (the
+   choice fits the samples it is made on, so its gain there is not evidence);
 5. ``rounding``: error-compensated INT8 weight rounding (`onnx_qat.accuracy.rounding`, GPTQ-style, bounded by
-   ``time_budget``);
+   a count of multiply-adds);
 6. ``bias_correction``: the mean shift of each quantized weighted op folded into its bias, in graph
    order (`onnx_qat.accuracy.bias_correction`).
 
@@ -31,7 +33,7 @@ from typing import Optional
 
 import onnx
 
-from ..errors import ConfigError
+from ..errors import ConfigError, QatError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ def check_optimize(optimize) -> Optional[str]:
 
 
 def quantize_optimized(model, output, *, data, eval_data, method: str, config, calib_kw: dict, report,
-                       progress: bool, time_budget: float):
+                       progress: bool):
     """`onnx_qat.quantize` with ``optimize="accuracy"`` (see the module docstring)."""
     import dataclasses
     import os
@@ -123,18 +125,28 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
         clock = time.perf_counter()
         from .ranges import tune_table
 
-        tuned, records = tune_table(float_model, calib, evaluation, config=config, weights=table,
+        choose, held_out = _halves(evaluation)
+        tuned, records = tune_table(float_model, calib, choose, config=config, weights=table,
                                     batch_size=batch_size, progress=progress)
-        attempt("ranges", clock, float_model, True, lambda: tuned, "", start=records.get("start"),
-                changes=list(records.get("changes", [])), unconfirmed=list(records.get("unconfirmed", [])),
-                confirmed=records.get("confirmed"), runs=records.get("runs"))
+        held = {}
+        if held_out is not None:  # the step's gain on evaluation samples no range was chosen by
+            other = _Judge(float_model, held_out, config, batch_size)
+            held = {"held_out_before": float(other(float_model, table)),
+                    "held_out_after": float(other(float_model, tuned)),
+                    "held_out_samples": held_out.num_samples}
+        gains = not held or held["held_out_after"] > held["held_out_before"]
+        attempt("ranges", clock, float_model, gains, lambda: tuned,
+                "the chosen ranges did not raise the cosine on the held-out evaluation samples",
+                start=records.get("start"), changes=list(records.get("changes", [])),
+                unconfirmed=list(records.get("unconfirmed", [])), confirmed=records.get("confirmed"),
+                runs=records.get("runs"), **held)
 
     if fmt.name == "int8":
         clock = time.perf_counter()
         trial = _copy(float_model)
         from .rounding import round_int8
 
-        records, ranges = round_int8(trial, best.placement, calib, time_budget=time_budget,
+        records, ranges = round_int8(trial, best.placement, calib,
                                      batch_size=batch_size, skip=set(table.weights), progress=progress)
         attempt("rounding", clock, trial, ranges, lambda: table.merged(_weights(ranges)),
                 "no weight could be rounded", weights=list(records))
@@ -201,6 +213,15 @@ def _step(name: str, cosine, before, kept: bool, clock: float, **details) -> dic
     logger.info("optimize accuracy: %s: cosine %.5f%s", name, float(cosine),
                 "" if before is None else f" ({'kept' if kept else 'undone'})")
     return record
+
+
+def _halves(evaluation):
+    """``(first half, second half)`` of the evaluation samples: the ranges step chooses on the first and
+    is kept only when it also gains on the second (``(evaluation, None)`` when it cannot be split)."""
+    try:
+        return evaluation.split(0.5)
+    except QatError:
+        return evaluation, None
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -17,12 +17,13 @@ A weight keeps round to nearest when its input has fewer than
 `onnx_qat.formats.gptq.MIN_ROWS_PER_CHANNEL` calibration rows per reduction row (GPTQ would fit
 those rows), when GPTQ does not lower the output error on the calibration rows, when its layout is
 not handled (ConvTranspose, a Conv that is not 2-D or uses ``auto_pad``, a per-tensor weight), or
-once ``time_budget`` seconds are spent. Each weight gets a record saying which and why.
+once the work bound is spent (``max_work`` multiply-adds of the rounding loops, counted per weight
+as ``groups · K² · (K + N)``, in graph order; a bound on work, never on time, so the same inputs
+give the same weights on any machine load). Each weight gets a record saying which and why.
 """
 from __future__ import annotations
 
 import logging
-import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -31,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 #: Patch rows sampled per batch from a Conv input for its Hessian (fixed seed).
 MAX_ROWS = 4096
-#: Default bound on the rounding's time, in seconds (weights left over keep round to nearest).
-TIME_BUDGET = 60.0
+#: Default bound on the rounding's work, in multiply-adds of its loops (``groups · K² · (K + N)``
+#: per weight; weights left over keep round to nearest). The PP-OCRv4 recognizer needs 1.1e9.
+MAX_WORK = 1e10
 #: INT8 weight range (rule 2: weights use [-127, 127]).
 QMAX = 127.0
 
@@ -70,27 +72,53 @@ class _Layer:
         self.rows += rows.shape[1]
 
 
-def _conv_rows(x: np.ndarray, node, wshape, group: int, rng) -> np.ndarray:
-    """Sampled input patches of a 2-D Conv as ``[group, rows, C_in / group · kh · kw]`` (float64)."""
+def conv_picks(xshape, node, wshape, rng) -> np.ndarray:
+    """Up to `MAX_ROWS` output positions of a 2-D Conv over an input of shape ``xshape``, sampled
+    without replacement (flat indices over batch, height and width; all of them when fewer)."""
+    oh, ow = _out_size(xshape, node, wshape)
+    total = xshape[0] * oh * ow
+    return rng.choice(total, size=MAX_ROWS, replace=False) if total > MAX_ROWS else np.arange(total)
+
+
+def _out_size(xshape, node, wshape):
+    kh, kw = wshape[2], wshape[3]
+    sh, sw = (list(node.attr("strides", None) or [1, 1]) + [1, 1])[:2]
+    dh, dw = (list(node.attr("dilations", None) or [1, 1]) + [1, 1])[:2]
+    pads = list(node.attr("pads", None) or [0, 0, 0, 0])
+    oh = (xshape[2] + pads[0] + pads[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xshape[3] + pads[1] + pads[3] - dw * (kw - 1) - 1) // sw + 1
+    return oh, ow
+
+
+def conv_rows(x: np.ndarray, node, wshape, group: int, pick: np.ndarray) -> np.ndarray:
+    """The input patches of a 2-D Conv at output positions ``pick`` (`conv_picks`) as
+    ``[group, rows, C_in / group · kh · kw]`` (float64). One gather over a strided window view of the
+    padded input (no copy of the windows)."""
     b, c, height, width = x.shape
     kh, kw = wshape[2], wshape[3]
     sh, sw = (list(node.attr("strides", None) or [1, 1]) + [1, 1])[:2]
     dh, dw = (list(node.attr("dilations", None) or [1, 1]) + [1, 1])[:2]
     pads = list(node.attr("pads", None) or [0, 0, 0, 0])
-    xp = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
-    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
-    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
-    total = b * oh * ow
-    pick = rng.choice(total, size=MAX_ROWS, replace=False) if total > MAX_ROWS else np.arange(total)
+    oh, ow = _out_size(x.shape, node, wshape)
     bi, rest = np.divmod(pick, oh * ow)
     yi, xi = np.divmod(rest, ow)
-    ky = np.arange(kh) * dh
-    kx = np.arange(kw) * dw
-    patches = xp[bi[:, None, None, None], np.arange(c)[None, :, None, None],
-                 (yi * sh)[:, None, None, None] + ky[None, None, :, None],
-                 (xi * sw)[:, None, None, None] + kx[None, None, None, :]]  # [R, C, kh, kw]
+    last = np.ascontiguousarray(np.moveaxis(x, 1, -1))  # [B, H, W, C]: each gathered piece contiguous
+    if kh == kw == 1 and not any(pads):
+        patches = last[bi, yi * sh, xi * sw][:, None, None, :]  # [R, 1, 1, C]
+    else:
+        xp = np.pad(last, ((0, 0), (pads[0], pads[2]), (pads[1], pads[3]), (0, 0)))
+        span = (dh * (kh - 1) + 1, dw * (kw - 1) + 1)
+        windows = np.lib.stride_tricks.sliding_window_view(xp, span, axis=(1, 2))[..., ::dh, ::dw]
+        # windows: [B, OH, OW, C, kh, kw]
+        patches = np.moveaxis(windows, 3, -1)[bi, yi * sh, xi * sw]  # [R, kh, kw, C]
     r = patches.shape[0]
-    return patches.reshape(r, group, -1).transpose(1, 0, 2).astype(np.float64)
+    patches = patches.reshape(r, kh * kw, group, c // group).transpose(2, 0, 3, 1)  # [group, R, C/g, kh·kw]
+    return patches.reshape(group, r, -1).astype(np.float64)
+
+
+def _conv_rows(x: np.ndarray, node, wshape, group: int, rng) -> np.ndarray:
+    """Sampled input patches of a 2-D Conv as ``[group, rows, C_in / group · kh · kw]`` (float64)."""
+    return conv_rows(x, node, wshape, group, conv_picks(x.shape, node, wshape, rng))
 
 
 def _supported(node, weight: np.ndarray, axis) -> str:
@@ -110,7 +138,7 @@ def _supported(node, weight: np.ndarray, axis) -> str:
 
 
 def round_int8(model, placement, data, *, input_amax: Optional[Mapping[str, float]] = None,
-               time_budget: float = TIME_BUDGET, batch_size: int = 16, skip=(), seed: int = 0,
+               max_work: float = MAX_WORK, batch_size: int = 16, skip=(), seed: int = 0,
                progress: bool = False, observed=None,
                damp: Optional[float] = None) -> Tuple[Tuple[dict, ...], dict]:
     """Round the INT8 weights placement quantizes in ``model`` (a private float copy, edited in place)
@@ -142,7 +170,7 @@ def round_int8(model, placement, data, *, input_amax: Optional[Mapping[str, floa
     from ..scales import WeightRange
     from .equalize import read_constant, write_constant
 
-    start = time.perf_counter()
+    spent = 0.0
     index = GraphIndex(model)
     layers: Dict[str, _Layer] = {}
     records: List[dict] = []
@@ -176,9 +204,11 @@ def round_int8(model, placement, data, *, input_amax: Optional[Mapping[str, floa
         if layer.rows < MIN_ROWS_PER_CHANNEL * k:
             record["reason"] = f"{layer.rows} calibration rows for {k} reduction rows"
             continue
-        if time.perf_counter() - start > time_budget:
-            record["reason"] = f"time budget of {time_budget:g} s spent"
+        work = mats.shape[0] * k * k * (k + mats.shape[2])
+        if spent + work > max_work:
+            record["reason"] = f"work bound of {max_work:g} multiply-adds spent"
             continue
+        spent += work
         amax = np.max(np.abs(mats), axis=1)  # [groups, N]: the per-output-channel range of RTN
         scale = (amax / QMAX).astype(np.float32).astype(np.float64)
         scale = np.where(scale > 0, scale, 1.0)
@@ -234,4 +264,4 @@ def _collect(model, layers: Dict[str, _Layer], data, batch_size: int, seed: int,
             layer.add(np.asarray(values[name] if name in values else feed[name], np.float32), rng)
 
 
-__all__ = ["round_int8", "MAX_ROWS", "TIME_BUDGET"]
+__all__ = ["round_int8", "conv_picks", "conv_rows", "MAX_ROWS", "MAX_WORK"]

@@ -170,12 +170,12 @@ def test_int8_rounding_handles_depthwise_and_grouped_convs():
     assert "conv2.weight" in ranges and len(ranges["conv2.weight"].amax) == 16
 
 
-def test_int8_rounding_respects_its_time_budget():
+def test_int8_rounding_respects_its_work_bound():
     model = correlated_model(0)
     data = {"input": np.random.default_rng(0).standard_normal((512, 8)).astype(np.float32)}
-    records, ranges = round_int8(model, place(model), data, time_budget=0.0)
+    records, ranges = round_int8(model, place(model), data, max_work=0.0)
     assert not ranges and all(r["method"] == "rtn" for r in records)
-    assert any("time budget" in r.get("reason", "") for r in records)
+    assert any("work bound" in r.get("reason", "") for r in records)
 
 
 # ------------------------------------------------------------------ bias correction
@@ -214,6 +214,17 @@ def test_bias_correction_removes_the_mean_shift_of_the_quantized_output(seed):
 
 
 # ------------------------------------------------------------------ the recipe
+def test_optimize_accuracy_gives_the_same_bytes_twice():
+    """Every step is bounded by counts of work, never by time: two runs give byte-identical models."""
+    model = spread_pair_model(0)
+    data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
+    first = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    second = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    assert first.model.SerializeToString() == second.model.SerializeToString()
+    assert [(s["step"], s["cosine"], s["kept"]) for s in first.accuracy["steps"]] == \
+        [(s["step"], s["cosine"], s["kept"]) for s in second.accuracy["steps"]]
+
+
 def test_optimize_accuracy_keeps_the_steps_that_help_and_reports_each():
     model = spread_pair_model(0)
     data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
@@ -226,10 +237,36 @@ def test_optimize_accuracy_keeps_the_steps_that_help_and_reports_each():
     assert steps["equalize"]["kept"] and steps["equalize"]["gain"] > 0.02
     assert info["cosine_after"] >= info["cosine_before"] + 0.02
     assert all(s["kept"] == (s["gain"] is None or s["gain"] > 0) for s in info["steps"])
+    ranges = steps["ranges"]  # chosen on 2 of the 4 held-out samples, kept only if the other 2 gain
+    assert ranges["held_out_samples"] == 2
+    assert not ranges["kept"] or ranges["held_out_after"] > ranges["held_out_before"], ranges
     evaluation = _feeds(50)
     ref = run(model, evaluation)[0]
     assert cosine(run(result.model, evaluation)[0], ref) > cosine(run(plain.model, evaluation)[0], ref) + 0.02
     assert result.to_report()["mixed_precision"]["optimize"] == "accuracy"
+
+
+def test_optimize_accuracy_undoes_ranges_that_lose_on_the_held_out_samples(monkeypatch):
+    """The ranges step chooses on the first half of the evaluation samples; ranges that lower the
+    cosine on the second half are undone even when the first half would keep them."""
+    import onnx_qat.accuracy.ranges as ranges_module
+
+    model = spread_pair_model(0)
+    data = {"input": np.concatenate([_feeds(0)["input"], _feeds(1)["input"]])}
+    seen = {}
+
+    def narrowed(float_model, calib, choose, *, weights, **kw):
+        seen["samples"] = choose.num_samples
+        amax = {t: (a / 50 if i == 0 else a) for i, (t, a) in enumerate(weights.activations.items())}
+        return ScaleTable(amax, dict(weights.weights)), {"start": "tensor"}
+
+    monkeypatch.setattr(ranges_module, "tune_table", narrowed)
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    step = {s["step"]: s for s in result.accuracy["steps"]}["ranges"]
+    assert seen["samples"] == 2 and step["held_out_samples"] == 2
+    assert step["held_out_after"] < step["held_out_before"] and not step["kept"]
+    assert "held-out" in step["note"]
+    assert_check_clean(result.model)
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -371,14 +408,14 @@ def test_optimize_accuracy_keeps_smoothing_on_an_outlier_channel():
     assert_check_clean(result.model)
 
 
-def test_bias_correction_respects_its_time_budget():
+def test_bias_correction_respects_its_run_bound():
     model = shifted_input_model(0)
     calib = {"input": (4.0 + np.random.default_rng(0).uniform(-0.5, 0.5, (16, 64, 4, 4))).astype(np.float32)}
     result = onnx_qat.quantize(model, data=calib, method="max", progress=False)
     corrected = onnx.ModelProto()
     corrected.CopyFrom(model)
-    records = correct_biases(corrected, result.model, result.placement, calib, time_budget=-1.0)
-    assert records[0]["skipped"].startswith("time budget") and corrected == model
+    records = correct_biases(corrected, result.model, result.placement, calib, max_runs=0)
+    assert records[0]["skipped"].startswith("run bound") and corrected == model
 
 
 def test_optimize_accuracy_for_the_ort_cpu_target_passes_its_check():
@@ -641,3 +678,4 @@ def test_a_split_output_read_by_the_next_matmul_keeps_the_float_function():
     feeds = _ln_feeds(5)
     ref = run(model, feeds)[0]
     np.testing.assert_allclose(run(edited, feeds)[0], ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+
