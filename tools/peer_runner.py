@@ -38,6 +38,21 @@ def _reader(calib):
     return Reader()
 
 
+def _opset_13(model: str, out: str) -> tuple:
+    """``(path, note)``: ``model`` itself, or a copy converted to opset 13 by onnx's version converter
+    where it is older (Quark's per-channel QDQ refuses opsets below 13; a user converts first)."""
+    import onnx
+    from onnx import version_converter
+
+    proto = onnx.load(model)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 13)
+    if opset >= 13:
+        return model, {}
+    upgraded = out + ".opset13.onnx"
+    onnx.save(version_converter.convert_version(proto, 13), upgraded)
+    return upgraded, {"opset": f"{opset} -> 13 (onnx version converter) first"}
+
+
 def modelopt(recipe: str, model: str, calib, out: str) -> dict:
     """NVIDIA ModelOpt 0.47 INT8 on CPU: ``entropy`` (its default calibration) or ``max``; the parts
     it leaves unquantized stay FP32 (its default would cast them to FP16)."""
@@ -75,8 +90,25 @@ def quark(recipe: str, model: str, calib, out: str) -> dict:
                                 quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
                                 weight_type=QuantType.QInt8, per_channel=True, include_cle=cle,
                                 include_fast_ft=adaround, print_summary=False, extra_options=extra)
-    ModelQuantizer(Config(global_quant_config=config)).quantize_model(model, out, _reader(calib))
-    return {"version": quark_package.__version__}
+    source, note = _opset_13(model, out)
+    ModelQuantizer(Config(global_quant_config=config)).quantize_model(source, out, _reader(calib))
+    return {"version": quark_package.__version__, **note}
+
+
+def _name_unknown_dims(proto, calib) -> None:
+    """Give the graph inputs' unknown sizes (-1, as these exporters write them) the calibration data's
+    sizes, the first axis a symbolic batch: AIMET builds a random input from the declared shapes and
+    cannot size a negative dimension."""
+    for value in proto.graph.input:
+        if value.name not in calib:
+            continue
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.dim_param or dim.dim_value > 0:
+                continue
+            if axis == 0:
+                dim.dim_param = "batch"
+            else:
+                dim.dim_value = calib[value.name].shape[axis]
 
 
 def aimet(recipe: str, model: str, calib, out: str) -> dict:
@@ -88,6 +120,7 @@ def aimet(recipe: str, model: str, calib, out: str) -> dict:
     from aimet_onnx import QuantizationSimModel
 
     proto = onnx.load(model)
+    _name_unknown_dims(proto, calib)
     if recipe == "cle":
         from aimet_onnx.cross_layer_equalization import equalize_model
 
