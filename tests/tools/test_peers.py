@@ -31,6 +31,7 @@ def test_missing_venv_is_not_installed(tmp_path):
     _fake_venv(tmp_path, "quark", installed=False)  # a half-made venv (make peers stopped) counts as absent
     assert peers.venv_python("quark", tmp_path) is None
     assert peers.venv_python("ort", tmp_path) == __import__("pathlib").Path(sys.executable)
+    onnx.save(mobilenet_v2_model(size=16, batch="N"), str(tmp_path / "m.onnx"))
     runs = peers.run_peers(tmp_path / "m.onnx", {"x": np.zeros((2, 3), np.float32)}, tmp_path / "w",
                            peers=("modelopt", "quark", "aimet"), peers_dir=tmp_path)
     assert [(r.peer, r.error) for r in runs] == [("modelopt", NOT_INSTALLED), ("quark", NOT_INSTALLED),
@@ -107,6 +108,50 @@ def test_peers_table_names_the_best_peer_and_the_margin():
     assert lines[4].startswith("| ocr-det | skipped: cannot download |")
     no_peer = {k: v for k, v in _row("ocr-cls", 0.999, []).items() if k != "peers"}
     assert "not measured (--no-peer)" in peers_table([no_peer])
+
+
+def test_prepare_makes_constant_weights_initializers(tmp_path):
+    """The recognizer holds its weights in Constant nodes; the peers get initializers, same function."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((8, 3, 3, 3)).astype(np.float32)
+    ones = numpy_helper.from_array(np.ones(2, np.float32))
+    nodes = [helper.make_node("Constant", [], ["w"], value=numpy_helper.from_array(weight, "w")),
+             helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
+             helper.make_node("Constant", [], ["out2"], value=ones)]
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])
+    graph = helper.make_graph(nodes, "g", [x_info],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("out2", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    prepared = peers.prepare(tmp_path / "m.onnx", tmp_path / "p.onnx")
+    assert prepared == tmp_path / "p.onnx"
+    proto = onnx.load(str(prepared))
+    assert [n.op_type for n in proto.graph.node] == ["Conv", "Constant"]  # a graph output stays a node
+    assert [i.name for i in proto.graph.initializer] == ["w"]
+    x = {"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)}
+    np.testing.assert_array_equal(run(model, x)[0], run(proto, x)[0])
+    assert onnx.load(str(tmp_path / "m.onnx")).graph.node[0].op_type == "Constant"  # input untouched
+    assert peers.prepare(prepared, tmp_path / "again.onnx") == prepared  # nothing to do: the model itself
+
+
+def test_render_merges_runs_of_single_models(tmp_path):
+    import json
+
+    from tools.real_models import rendered
+
+    (tmp_path / "a.json").write_text(json.dumps([{"model": "magika", "v": 1}, {"model": "ocr-rec", "v": 1}]))
+    (tmp_path / "b.json").write_text(json.dumps([{"model": "ocr-rec", "v": 2}, {"model": "ocr-det", "v": 2}]))
+    rows = rendered([tmp_path / "a.json", tmp_path / "b.json"])
+    assert [(r["model"], r["v"]) for r in rows] == [("ocr-det", 2), ("ocr-rec", 2), ("magika", 1)]
+    # a --peers-only row replaces only the peers of a full row
+    (tmp_path / "c.json").write_text(json.dumps([{"model": "magika", "auto": {}, "v": 3, "peers": [1]}]))
+    (tmp_path / "d.json").write_text(json.dumps([{"model": "magika", "peers": [2]}]))
+    assert rendered([tmp_path / "c.json", tmp_path / "d.json"]) == [
+        {"model": "magika", "auto": {}, "v": 3, "peers": [2]}]
 
 
 @pytest.mark.parametrize("recipe, low", [("minmax", 0.99), ("entropy", 0.99), ("percentile", 0.99),
