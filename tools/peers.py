@@ -171,24 +171,30 @@ def ort_quantize(model: Path, calib: Dict[str, np.ndarray], out: Path, recipe: s
 
 # --------------------------------------------------------------------------- all peers on one model
 def prepare(model: Path, out: Path) -> Path:
-    """``model`` with each Constant node's tensor made an initializer (written to ``out``; ``model``
-    itself where it has none). The function is unchanged; the peers treat a weight held by a Constant
-    node as an activation (onnxruntime's ``quantize_static``: calibrated per tensor, so the
-    recognizer's 38 Conv weights lost per-channel scales and its output cosine fell to 0.52), where
-    onnxruntime's ``quant_pre_process``, which its quantizer asks for, folds them the same way."""
+    """``model`` as the peers get it, written to ``out`` (``model`` itself where nothing changes):
+    each Constant node's tensor an initializer, and opset 13 where it is older (onnx's version
+    converter). The function is unchanged. The peers treat a weight held by a Constant node as an
+    activation (onnxruntime's ``quantize_static`` calibrates it per tensor: the recognizer's 38 Conv
+    weights lost their per-channel scales and its output cosine fell to 0.52); onnxruntime's
+    ``quant_pre_process``, which its quantizer asks for, folds them the same way. Per-channel
+    DequantizeLinear needs opset 13 (its ``axis``): onnxruntime writes an invalid model below it and
+    Quark refuses."""
     import onnx
-    from onnx import numpy_helper
+    from onnx import numpy_helper, version_converter
 
     proto = onnx.load(str(model))
     graph_outputs = {o.name for o in proto.graph.output}
     constants = [n for n in proto.graph.node if n.op_type == "Constant" and len(n.attribute) == 1
                  and n.attribute[0].name == "value" and n.output[0] not in graph_outputs]
-    if not constants:
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 13)
+    if not constants and opset >= 13:
         return model
     for node in constants:
         tensor = numpy_helper.to_array(node.attribute[0].t)
         proto.graph.initializer.append(numpy_helper.from_array(tensor, node.output[0]))
         proto.graph.node.remove(node)
+    if opset < 13:
+        proto = version_converter.convert_version(proto, 13)
     onnx.save(proto, str(out))
     return out
 

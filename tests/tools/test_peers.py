@@ -124,7 +124,7 @@ def test_prepare_makes_constant_weights_initializers(tmp_path):
     graph = helper.make_graph(nodes, "g", [x_info],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
                                helper.make_tensor_value_info("out2", TensorProto.FLOAT, [2])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
     model.ir_version = 8
     onnx.save(model, str(tmp_path / "m.onnx"))
     prepared = peers.prepare(tmp_path / "m.onnx", tmp_path / "p.onnx")
@@ -132,6 +132,7 @@ def test_prepare_makes_constant_weights_initializers(tmp_path):
     proto = onnx.load(str(prepared))
     assert [n.op_type for n in proto.graph.node] == ["Conv", "Constant"]  # a graph output stays a node
     assert [i.name for i in proto.graph.initializer] == ["w"]
+    assert [(o.domain, o.version) for o in proto.opset_import] == [("", 13)]
     x = {"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)}
     np.testing.assert_array_equal(run(model, x)[0], run(proto, x)[0])
     assert onnx.load(str(tmp_path / "m.onnx")).graph.node[0].op_type == "Constant"  # input untouched
