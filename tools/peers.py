@@ -106,7 +106,9 @@ def run_subprocess(peer: str, recipe: str, model: Path, calib: Path, out: Path, 
         run.error = NOT_INSTALLED
         return run
     start = time.perf_counter()
-    proc = subprocess.Popen([str(python), str(RUNNER), peer, recipe, str(model), str(calib), str(out)],
+    # in the output's folder: Quark leaves quantized_info.csv and external-data files in its working one
+    proc = subprocess.Popen([str(python), str(RUNNER), peer, recipe, str(model.resolve()), str(calib.resolve()),
+                             str(out.resolve())], cwd=str(out.resolve().parent),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"})
     try:
