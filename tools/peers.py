@@ -107,8 +107,8 @@ def run_subprocess(peer: str, recipe: str, model: Path, calib: Path, out: Path, 
         return run
     start = time.perf_counter()
     # in the output's folder: Quark leaves quantized_info.csv and external-data files in its working one
-    proc = subprocess.Popen([str(python), str(RUNNER), peer, recipe, str(model.resolve()), str(calib.resolve()),
-                             str(out.resolve())], cwd=str(out.resolve().parent),
+    paths = [str(p.resolve()) for p in (model, calib, out)]
+    proc = subprocess.Popen([str(python), str(RUNNER), peer, recipe, *paths], cwd=str(out.resolve().parent),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"})
     try:
