@@ -379,7 +379,8 @@ def peers_table(rows: List[dict]) -> str:
             continue
         runs = from_dicts(r["peers"])
         top = best(runs)
-        margin = "-" if top is None else f"{o['cosine'] - top.cosine_unseen:+.4f}"
+        gap = None if top is None else o["cosine"] - top.cosine_unseen
+        margin = "-" if gap is None else f"{gap:+.4f}" if abs(gap) >= 1e-4 or gap == 0 else f"{gap:+.1e}"
         where = "-" if top is None else f"{top.cosine_unseen:.4f} ({PEERS[top.peer][0]} {top.recipe})"
         lines.append(ours + " | ".join(cell(runs, p) for p in PEERS) + f" | {where} | {margin} |")
     return "\n".join(lines)
