@@ -155,9 +155,8 @@ def test_render_merges_runs_of_single_models(tmp_path):
         {"model": "magika", "auto": {}, "v": 3, "peers": [2]}]
 
 
-@pytest.mark.parametrize("recipe, low", [("minmax", 0.99), ("entropy", 0.99), ("percentile", 0.99),
-                                         ("entropy-all-ops", 0.98)])
-def test_ort_quantize_static_adapter(tmp_path, recipe, low):
+@pytest.mark.parametrize("recipe", ["minmax", "entropy", "percentile", "entropy-all-ops"])
+def test_ort_quantize_static_adapter(tmp_path, recipe):
     """onnxruntime's quantize_static through the adapter on a MobileNetV2-style model: per-channel symmetric
     int8 weights, symmetric int8 activations, and (but for entropy-all-ops) only weighted ops' inputs."""
     model = mobilenet_v2_model(size=32, batch="N", seed=3)
@@ -168,7 +167,7 @@ def test_ort_quantize_static_adapter(tmp_path, recipe, low):
     assert result.error == "" and result.model == str(tmp_path / "q.onnx") and result.seconds > 0
     quantized = onnx.load(result.model)
     cosine = _cosine(run(model, test)[0], run(quantized, test)[0])
-    assert low <= cosine < 0.99999, cosine
+    assert 0.995 <= cosine < 0.9995, cosine  # measured 0.9975-0.9981 with onnxruntime 1.31
     # onnxruntime 1.31 (constraints.txt) quantizes the inputs and outputs of the Convs it is given, and 3
     # more tensors (residual Adds' inputs and output) with its default op types
     quantizers = sum(n.op_type == "QuantizeLinear" for n in quantized.graph.node)
