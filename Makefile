@@ -43,31 +43,22 @@ PEERS_MODELOPT := .venv-peers/modelopt
 PEERS_QUARK    := .venv-peers/quark
 PEERS_AIMET    := .venv-peers/aimet
 PEERS_TORCH    ?= torch
+, := ,
 peers: $(PEERS_MODELOPT)/.installed $(PEERS_QUARK)/.installed $(PEERS_AIMET)/.installed
 
-$(PEERS_MODELOPT)/.installed:
-	$(PYTHON) -m venv $(PEERS_MODELOPT)
-	$(PEERS_MODELOPT)/bin/python -m pip install --quiet --upgrade pip
-	$(PEERS_MODELOPT)/bin/python -m pip install --quiet "$(PEERS_TORCH)"
-	$(PEERS_MODELOPT)/bin/python -m pip install --quiet "nvidia-modelopt[onnx]==0.47.0"
-	$(PEERS_MODELOPT)/bin/python -c "import modelopt.onnx.quantization, onnxruntime; print('modelopt', modelopt.__version__)"
-	touch $@
-
-$(PEERS_QUARK)/.installed:
-	$(PYTHON) -m venv $(PEERS_QUARK)
-	$(PEERS_QUARK)/bin/python -m pip install --quiet --upgrade pip
-	$(PEERS_QUARK)/bin/python -m pip install --quiet "$(PEERS_TORCH)"
-	$(PEERS_QUARK)/bin/python -m pip install --quiet "amd-quark==0.13" "onnxruntime>=1.22.2,<=1.28.0"
-	$(PEERS_QUARK)/bin/python -c "import quark.onnx, onnxruntime; print('quark', quark.__version__)"
-	touch $@
-
-$(PEERS_AIMET)/.installed:
-	$(PYTHON) -m venv $(PEERS_AIMET)
-	$(PEERS_AIMET)/bin/python -m pip install --quiet --upgrade pip
-	$(PEERS_AIMET)/bin/python -m pip install --quiet "$(PEERS_TORCH)"
-	$(PEERS_AIMET)/bin/python -m pip install --quiet "aimet-onnx==2.42.0"
-	$(PEERS_AIMET)/bin/python -c "import aimet_onnx, onnxruntime; print('aimet-onnx', aimet_onnx.__version__)"
-	touch $@
+# one peer's venv: $(1) its folder, $(2) its requirements, $(3) the import that proves it installed
+define peer_venv
+$(1)/.installed:
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet "$(PEERS_TORCH)"
+	$(1)/bin/python -m pip install --quiet $(2)
+	$(1)/bin/python -c "$(3)"
+	touch $$@
+endef
+$(eval $(call peer_venv,$(PEERS_MODELOPT),"nvidia-modelopt[onnx]==0.47.0",import modelopt.onnx.quantization$(,) onnxruntime; print('modelopt'$(,) modelopt.__version__)))
+$(eval $(call peer_venv,$(PEERS_QUARK),"amd-quark==0.13" "onnxruntime>=1.22.2$(,)<=1.28.0",import quark.onnx$(,) onnxruntime; print('quark'$(,) quark.__version__)))
+$(eval $(call peer_venv,$(PEERS_AIMET),"aimet-onnx==2.42.0",import aimet_onnx$(,) onnxruntime; print('aimet-onnx'$(,) aimet_onnx.__version__)))
 
 ## make bench: benchmarks; writes bench/results.md and bench/results.json
 bench: $(STAMP)

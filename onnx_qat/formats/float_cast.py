@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from ..graph.index import subgraphs_of
+
 logger = logging.getLogger(__name__)
 
 FLOAT = TensorProto.FLOAT
@@ -177,19 +179,7 @@ def all_graphs(model) -> List[onnx.GraphProto]:
         graph = stack.pop(0)
         found.append(graph)
         for node in graph.node:
-            stack.extend(body for _, _, body in node_bodies(node))
-    return found
-
-
-def node_bodies(node: onnx.NodeProto) -> List[Tuple[str, int, onnx.GraphProto]]:
-    """``(attribute name, position, graph)`` of every body ``node`` holds (an If's branches, a
-    Loop's or Scan's body)."""
-    found = []
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            found.append((attr.name, 0, attr.g))
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            found.extend((attr.name, i, g) for i, g in enumerate(attr.graphs))
+            stack.extend(body for _, _, body in subgraphs_of(node))
     return found
 
 
@@ -452,5 +442,5 @@ def has_subgraph(node: onnx.NodeProto) -> bool:
 
 
 __all__ = ["LowType", "FP16", "BF16", "cast_graph", "tensor_types", "schema_of", "slot_admits",
-           "CastStats", "read_in_subgraphs", "has_subgraph", "all_graphs", "node_bodies", "body_prefix"]
+           "CastStats", "read_in_subgraphs", "has_subgraph", "all_graphs", "body_prefix"]
 

@@ -78,9 +78,11 @@ from onnx import TensorProto, helper
 
 from ..config import FLOAT_DTYPES
 from ..errors import ConfigError, ModelError
+from ..graph.edit import fresh_name
+from ..graph.index import subgraphs_of
 from .numeric import FLOAT_DTYPE_KEY, KEEP_FP32_KEY, float_dtype_of, kept_fp32_reason
 from .float_cast import BF16, FP16, CastStats, LowType, all_graphs, body_prefix, cast_graph, has_subgraph, \
-    node_bodies, read_in_subgraphs, schema_of, slot_admits, tensor_types
+    read_in_subgraphs, schema_of, slot_admits, tensor_types
 
 logger = logging.getLogger(__name__)
 
@@ -391,7 +393,7 @@ def _bodies(model, prefix: str = "") -> List[Tuple[str, onnx.GraphProto]]:
     (``parent/attribute/``, `body_prefix`)."""
     found = []
     for i, node in enumerate(_graph(model).node):
-        for attr, _, body in node_bodies(node):
+        for attr, _, body in subgraphs_of(node):
             inner = body_prefix(prefix, node, i, attr)
             found.append((inner, body))
             found.extend(_bodies(body, inner))
@@ -418,7 +420,7 @@ def _name_body_nodes(model: onnx.ModelProto) -> None:
     for g in graphs:
         for n in g.node:
             if not n.name and (g is not model.graph or has_subgraph(n)):
-                n.name = _fresh(used, f"{n.op_type}_{len(used)}")
+                n.name = fresh_name(f"{n.op_type}_{len(used)}", used)
 
 
 def _static_keeps(model, low: LowType, types, patterns) -> Dict[str, KeptNode]:
@@ -444,7 +446,7 @@ def _static_keeps_in(graph, prefix, outer, opset, low, types, patterns, kept) ->
             if value is not None:
                 constants.setdefault(node.output[0], value)
     for index, node in enumerate(graph.node):
-        for attr, _, body in node_bodies(node):
+        for attr, _, body in subgraphs_of(node):
             _static_keeps_in(body, body_prefix(prefix, node, index, attr), constants, opset, low, types,
                              patterns, kept)
         floats = [t for t in list(node.input) + list(node.output) if t and types.get(t) == TensorProto.FLOAT]
@@ -660,7 +662,7 @@ def _fusion_keeps(model, kept: Dict[str, KeptNode]) -> onnx.ModelProto:
                 continue
             copy = onnx.NodeProto()
             copy.CopyFrom(dq)
-            copy.name, copy.output[0] = _fresh(used, f"{dq.name}/fp32"), _fresh(used, f"{t}/fp32")
+            copy.name, copy.output[0] = fresh_name(f"{dq.name}/fp32", used), fresh_name(f"{t}/fp32", used)
             node.input[i] = copy.output[0]
             kept[copy.name] = KeptNode(copy.name, dq.op_type, "fusion", why)
             copies.append((dq, copy))
@@ -677,12 +679,19 @@ def _fusion_keeps(model, kept: Dict[str, KeptNode]) -> onnx.ModelProto:
     return model
 
 
-def _fresh(used: set, base: str) -> str:
-    name, k = base, 1
-    while name in used:
-        name, k = f"{base}_{k}", k + 1
-    used.add(name)
-    return name
+def _with_copies(types, graph: onnx.GraphProto) -> dict:
+    """``types`` with FLOAT for the outputs of the DequantizeLinear copies `_fusion_keeps` added."""
+    found = dict(types)
+    for n in graph.node:
+        for t in n.output:
+            if t not in found and t.endswith("/fp32"):
+                found[t] = TensorProto.FLOAT
+    return found
+
+
+def _qdq_scales(graph: onnx.GraphProto) -> set:
+    """The scale tensors of ``graph``'s QuantizeLinear and DequantizeLinear nodes."""
+    return {n.input[1] for n in graph.node if n.op_type in _QDQ and len(n.input) > 1}
 
 
 def _convert(proto, low, kept, types, keep_io_types, up: bool = True):
@@ -692,12 +701,8 @@ def _convert(proto, low, kept, types, keep_io_types, up: bool = True):
     model.CopyFrom(proto)
     kept = dict(kept)
     _fusion_keeps(model, kept)
-    local_types = dict(types)
-    for n in model.graph.node:  # the DQ copies' outputs
-        for t in n.output:
-            if t not in local_types and t.endswith("/fp32"):
-                local_types[t] = TensorProto.FLOAT
-    scales = {n.input[1] for n in proto.graph.node if n.op_type in _QDQ and len(n.input) > 1}
+    local_types = _with_copies(types, model.graph)
+    scales = _qdq_scales(proto.graph)
     stats = cast_graph(model, low, kept, local_types, keep_io_types=keep_io_types,
                        pinned=read_in_subgraphs(model.graph))
     _store_low_scales(model, proto, low, scales, activation_scales(proto) if up else set())
@@ -724,7 +729,7 @@ def _convert_bodies(model: onnx.ModelProto, low: LowType, kept: Dict[str, KeptNo
 
     def walk(graph: onnx.GraphProto, prefix: str) -> None:
         for index, node in enumerate(graph.node):
-            for attr, _, body in node_bodies(node):
+            for attr, _, body in subgraphs_of(node):
                 inner = body_prefix(prefix, node, index, attr)
                 view = onnx.ModelProto()
                 view.ir_version = model.ir_version
@@ -736,12 +741,8 @@ def _convert_bodies(model: onnx.ModelProto, low: LowType, kept: Dict[str, KeptNo
                 before = set(local)
                 _fusion_keeps(view, local)
                 kept.update(_qualified({k: v for k, v in local.items() if k not in before}, inner))
-                local_types = dict(types)
-                for n in view.graph.node:  # the DQ copies' outputs
-                    for t in n.output:
-                        if t not in local_types and t.endswith("/fp32"):
-                            local_types[t] = TensorProto.FLOAT
-                scales = {n.input[1] for n in original.graph.node if n.op_type in _QDQ and len(n.input) > 1}
+                local_types = _with_copies(types, view.graph)
+                scales = _qdq_scales(original.graph)
                 done = cast_graph(view, low, local, local_types, keep_io_types=True,
                                   pinned=read_in_subgraphs(view.graph), reserved=reserved)
                 _store_low_scales(view, original, low, scales, activation_scales(original) if up else set())
@@ -1076,7 +1077,7 @@ def jittered(model: onnx.ModelProto, size: float, seed: int = 0) -> onnx.ModelPr
     out = onnx.ModelProto()
     out.CopyFrom(model)
     used = model_names(out)
-    one = _fresh(used, "jitter/one")
+    one = fresh_name("jitter/one", used)
     count = 0
     # innermost bodies first: rebuilding a graph's node list copies its nodes, bodies included
     for g in reversed(all_graphs(out)):
@@ -1084,8 +1085,8 @@ def jittered(model: onnx.ModelProto, size: float, seed: int = 0) -> onnx.ModelPr
         for node in g.node:
             if node.op_type == "QuantizeLinear" and node.input and node.input[0]:
                 t = node.input[0]
-                noise, factor, moved = (_fresh(used, f"{t}/jitter"), _fresh(used, f"{t}/jitter_factor"),
-                                        _fresh(used, f"{t}/jittered"))
+                noise, factor, moved = (fresh_name(f"{t}/{suffix}", used)
+                                        for suffix in ("jitter", "jitter_factor", "jittered"))
                 nodes += [helper.make_node("RandomUniformLike", [t], [noise], low=-float(size),
                                            high=float(size), seed=float(seed * 100003 + count)),
                           helper.make_node("Add", [noise, one], [factor]),
@@ -1242,9 +1243,9 @@ def _emulate_graph(g: onnx.GraphProto, low: LowType, low_tensors, used: set) -> 
         nodes.append(node)
         for i, t in enumerate(node.output):
             if t and t in low_tensors:
-                raw = _fresh(used, f"{t}/exact")
+                raw = fresh_name(f"{t}/exact", used)
                 node.output[i] = raw
-                mid = _fresh(used, f"{t}/rounded")
+                mid = fresh_name(f"{t}/rounded", used)
                 nodes.append(helper.make_node("Cast", [raw], [mid], to=low.onnx_type))
                 nodes.append(helper.make_node("Cast", [mid], [t], to=TensorProto.FLOAT))
     del g.node[:]

@@ -123,12 +123,7 @@ class GraphEdit:
 
     def fresh(self, base: str) -> str:
         """``base``, or ``base_1``, ``base_2``... : a tensor/node name used nowhere in the model yet."""
-        used = self._used if self._used is not None else self._names()
-        name, k = base, 1
-        while name in used:
-            name, k = f"{base}_{k}", k + 1
-        used.add(name)
-        return name
+        return fresh_name(base, self._used if self._used is not None else self._names())
 
     # -- reading -------------------------------------------------------------------
     def node(self, name: str) -> onnx.NodeProto:
@@ -338,4 +333,13 @@ def subgraph_names(nodes: Iterable[onnx.NodeProto]) -> Set[str]:
     return names
 
 
-__all__ = ["GraphEdit", "make_tensor", "make_node", "subgraph_names"]
+def fresh_name(base: str, used: Set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2``... : the first not in ``used``, which it is added to."""
+    name, k = base, 1
+    while name in used:
+        name, k = f"{base}_{k}", k + 1
+    used.add(name)
+    return name
+
+
+__all__ = ["GraphEdit", "fresh_name", "make_tensor", "make_node", "subgraph_names"]

@@ -33,6 +33,7 @@ from typing import Dict, Mapping, Tuple
 import numpy as np
 
 from ..formats.encoding import INT8_QRANGE, quantize_weight
+from ..graph.edit import fresh_name
 from ..graph.index import GraphIndex
 from ..placement.marks import Placement
 
@@ -125,7 +126,7 @@ def correct_conv_biases(model, index: GraphIndex, placement: Placement, table,
         shift = np.where(keep, shift, 0.0)
         old = _bias(index, node, weight.shape[0])
         new = (old - shift).astype(np.float32)
-        bias_name = _fresh(f"{name}_corrected_bias", taken)
+        bias_name = fresh_name(f"{name}_corrected_bias", taken)
         model.graph.initializer.append(numpy_helper.from_array(new, bias_name))
         _replace_bias(model, node.proto, bias_name, readers)
         records.append({"node": name, "rule": RULE, "bias": bias_name, "channels": int(keep.sum()),
@@ -215,14 +216,6 @@ def _replace_bias(model, proto, bias_name: str, readers: Dict[str, int]) -> None
             proto.input.append("")
         proto.input.append(bias_name)
     readers[bias_name] = 1
-
-
-def _fresh(base: str, taken: set) -> str:
-    name, count = base, 1
-    while name in taken:
-        name, count = f"{base}_{count}", count + 1
-    taken.add(name)
-    return name
 
 
 __all__ = ["RULE", "MIN_STANDARD_ERRORS", "conv_inputs", "correct_conv_biases", "tap_means", "tap_reducers"]
