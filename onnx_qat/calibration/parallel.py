@@ -1,7 +1,9 @@
 """Calibration split over worker processes: contiguous parts of the data, one collector set per part,
 merged exactly.
 
-The main process always runs the first batch itself (in the session it builds anyway), and times it.
+The main process always runs the first batch itself (in the session it builds anyway); when the worker
+count is to be estimated it runs the second too and times that one (the first batch also pays every
+collector's first allocation and a piece-by-piece runner's session builds, which later batches do not).
 The remaining batches are cut into contiguous parts of a few batches each, read lazily (no more parts
 in memory than there are workers, plus one) and sent to whichever worker is free
 (`onnx_qat.runtime.workers`). Each worker holds the model once (`ModelPayload`) with
@@ -16,7 +18,7 @@ order of the data.
 Not split: a stateful model (``state``: each step needs the state the previous step produced, so its
 feeds run in order in one process), a model whose observed tensors lie in If branches or Loop/Scan
 bodies (`BranchRunner`), and, with ``workers=None``, data whose remaining batches workers are not
-estimated to finish sooner (`pays_off`: the first batch's time times the batches left, against a
+estimated to finish sooner (`pays_off`: the second batch's time times the batches left, against a
 worker's start-up and session build, timed on this process's own build).
 """
 from __future__ import annotations
@@ -119,11 +121,25 @@ def observe_split(model, dataset, observers: Dict[str, object], fetched: Sequenc
         seconds = time.perf_counter() - started
         built = getattr(session, "build_seconds", 0.0)  # a piece-by-piece runner builds on its first run
         build, seconds = build + built, max(seconds - built, 0.0)
+        done = 1
         rest = None if total is None else total - 1
+        if first is not None and workers.count is None and workers.ray is None and (rest or 0) > 1:
+            # the estimate times the second batch: the first also paid every collector's first
+            # allocation (auto's histograms: 64 KiB per tensor), which no later batch pays again
+            second = next(feeds, None)
+            if second is not None:  # (None only when the data held fewer batches than it said)
+                started = time.perf_counter()
+                more, more_kept, samples = observe_feeds(session, dataset, [second], observers, fetched,
+                                                         outputs, samples, 1)
+                bar.update(1)
+                again = getattr(session, "build_seconds", 0.0) - built  # a smaller batch's own sessions
+                build, seconds = build + again, max(time.perf_counter() - started - again, 0.0)
+                reached, kept, done = reached | more, kept + more_kept, 2
+                rest -= 1
         count = 1 if first is None else _worker_count(workers, model, first, observers, seconds, rest, build)
         if (count == 1 and workers.ray is None) or rest == 0:
             more, more_kept, _ = observe_feeds(session, dataset, _counted(feeds, bar), observers, fetched,
-                                               outputs, samples, 1)
+                                               outputs, samples, done)
             return reached | more, kept + more_kept
         del session
 
@@ -145,7 +161,7 @@ def observe_split(model, dataset, observers: Dict[str, object], fetched: Sequenc
             logger.info("calibration: the batches after the first on %d workers", pool.workers)
             size = max(1, -(-rest // (pool.workers * PARTS_PER_WORKER))) if rest else 1
             counting = (lambda feed: count_samples(dataset, feed)) if outputs else None
-            pool.map(_parts(feeds, size, 1, samples, counting, check_samples), merge, keep=False)
+            pool.map(_parts(feeds, size, done, samples, counting, check_samples), merge, keep=False)
         for index in sorted(parts_kept):
             kept.extend(parts_kept[index])
         return reached, kept
@@ -181,7 +197,7 @@ def _worker_count(workers, model, first: dict, observers, seconds: float, batche
     """The count of ``workers`` (a `WorkerSpec`) when given (no more than the batches left); with Ray
     and no count, None (the cluster's CPUs decide); else one when the batches left are unknown (a
     stream), and otherwise `default_workers` (each holding the model three times over, two parts of
-    data in flight and its collectors) when they pay off (`pays_off`: ``seconds``, the first batch's
+    data in flight and its collectors) when they pay off (`pays_off`: ``seconds``, the timed batch's
     run, times the ``batches`` left, against a worker's start-up and a session ``build`` as long as
     this process's), else one."""
     from ..runtime.workers import WORKER_START_SECONDS, default_workers, pays_off

@@ -97,6 +97,34 @@ def test_short_calibration_stays_in_this_process_by_default(caplog):
         onnx_qat.calibrate(model, {"input": _images(4, 1, 8, 16)}, workers=-1, progress=False)
 
 
+@pytest.mark.parametrize("method,batches", [("max", 10), ("auto", 12), ("auto", 2)])
+def test_the_estimated_worker_count_times_the_second_batch_and_keeps_the_ranges(monkeypatch, method, batches):
+    """With the worker count estimated (the default), the first two batches run in this process and
+    the second one's time decides; the rest go to workers from batch 2 on: the ranges (and ``auto``'s
+    kept table and cosines, from the check batches in data order) are those of one process, bit for bit."""
+    from onnx_qat.calibration import parallel
+    from onnx_qat.runtime import workers
+
+    model = residual_block_model(projection=True)
+    data = {"input": _images(batches, 3, 8, 16)}  # one run per sample: the model's input has batch 1
+    kw = dict(method=method, progress=False)
+    one = onnx_qat.calibrate(model, data, workers=1, **kw)
+    timed = []
+    original = parallel._worker_count
+
+    def recorded(spec, model_, first, observers, seconds, rest, build=0.0):
+        timed.append(rest)
+        return original(spec, model_, first, observers, seconds, rest, build)
+
+    monkeypatch.setattr(parallel, "_worker_count", recorded)
+    monkeypatch.setattr(workers, "pays_off", lambda serial, overhead, count: count > 1)
+    monkeypatch.setattr(workers, "default_workers", lambda *a, **k: 2)
+    split = onnx_qat.calibrate(model, data, **kw)
+    assert timed == [batches - 2 if batches > 2 else batches - 1]  # two batches here before the estimate
+    assert one.activations == split.activations  # float equality: bit for bit
+    assert one.metadata == split.metadata and one.bounds == split.bounds
+
+
 def test_cli_calibrate_workers(tmp_path):
     support.save(residual_block_model(projection=True), tmp_path / "m.onnx")
     np.savez(tmp_path / "d.npz", input=_images(24, 2, 8, 16))
