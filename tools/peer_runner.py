@@ -134,7 +134,7 @@ def aimet(recipe: str, model: str, calib, out: str) -> dict:
 
 def main(argv) -> int:
     peer, recipe, model, data, out = argv
-    calib = dict(np.load(data))
+    calib = dict(np.load(data, allow_pickle=False))
     start = time.perf_counter()
     info = {"modelopt": modelopt, "quark": quark, "aimet": aimet}[peer](recipe, model, calib, out)
     info["seconds"] = time.perf_counter() - start

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import sys
 from typing import Any, List, Optional
 
@@ -61,19 +62,27 @@ def connect(address) -> bool:
         return False
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # onnx_qat, for the actors
     handlers = _signal_handlers()
+    terminated = False
     try:
         ray.init(**({} if local else {"address": address}), include_dashboard=False, log_to_driver=False,
                  logging_level=logging.ERROR, runtime_env={"py_modules": [package]})
+    except SystemExit as exc:  # SIGTERM during ray.init: Ray's own handler, set there, exits with 15
+        if exc.code != _SIGTERM or _SIGTERM not in handlers:
+            raise
+        terminated = True
     except Exception as exc:  # noqa: BLE001 - Ray's own errors, one line
         where = "start a local Ray cluster" if local else f"connect to the Ray cluster at {address}"
         raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
     finally:
         _restore_signal_handlers(handlers)
+    if terminated:  # the caller's handler gets the signal Ray's took (the CLI: exit 143, nothing written)
+        os.kill(os.getpid(), _SIGTERM)
     return True
 
 
 #: The signals whose handlers `connect` keeps as the caller set them.
 _SIGNALS = ("SIGINT", "SIGTERM")
+_SIGTERM = int(signal.SIGTERM)
 
 
 def _signal_handlers() -> dict:
@@ -235,7 +244,7 @@ class RayPool(PoolBase):
             if _interrupted():
                 _shutdown_within(ray, INTERRUPTED_SHUTDOWN)
             else:
-                ray.shutdown()
+                _shutdown_keeping_handlers(ray)
             self._started = False
 
 
@@ -248,6 +257,29 @@ def _interrupted() -> bool:
     not an ``Exception``, as the CLI's ``Terminated``)."""
     exc = sys.exc_info()[1]
     return isinstance(exc, BaseException) and not isinstance(exc, Exception)
+
+
+def _shutdown_keeping_handlers(ray) -> None:
+    """``ray.shutdown()``, with the caller's SIGINT and SIGTERM handlers kept working throughout.
+    Part-way through, ``ray.shutdown`` sets SIGTERM's native handler back to the default (measured,
+    Ray 2.60), which would kill the process outright on a SIGTERM in the second or so it still runs,
+    or before the next pool starts. So it runs on a thread while this one sets the handlers again
+    every `HANDLER_SLICE` seconds until it is done (a signal meanwhile unwinds this thread at once)."""
+    import threading
+
+    handlers = _signal_handlers()
+    if not handlers:  # not the main thread: nothing to keep
+        ray.shutdown()
+        return
+    thread = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(HANDLER_SLICE)
+        _restore_signal_handlers(handlers)
+
+
+#: Seconds between the settings of the caller's handlers while ``ray.shutdown`` runs.
+HANDLER_SLICE = 0.02
 
 
 def _shutdown_within(ray, seconds: float) -> None:

@@ -33,7 +33,7 @@ def _actors(pid: int) -> list:
 @pytest.mark.parametrize("command", ["sensitivity", "calibrate"])
 def test_a_signal_during_ray_work_stops_everything_within_the_bound(tmp_path, sig, command):
     support.save(slow_model(layers=6, channels=32), tmp_path / "model.onnx")
-    samples, extra = (64, ["--method", "max"]) if command == "sensitivity" else \
+    samples, extra = (256, ["--method", "max"]) if command == "sensitivity" else \
         (1024, ["--method", "entropy", "--batch-size", "4"])
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "calib.npz", input=rng.standard_normal((samples, 32, 32, 32)).astype(np.float32))
