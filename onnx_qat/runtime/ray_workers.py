@@ -264,7 +264,8 @@ def _shutdown_keeping_handlers(ray) -> None:
     Part-way through, ``ray.shutdown`` sets SIGTERM's native handler back to the default (measured,
     Ray 2.60), which would kill the process outright on a SIGTERM in the second or so it still runs,
     or before the next pool starts. So it runs on a thread while this one sets the handlers again
-    every `HANDLER_SLICE` seconds until it is done (a signal meanwhile unwinds this thread at once)."""
+    every `HANDLER_SLICE` seconds until it is done (a signal meanwhile unwinds this thread once the
+    shutdown is done, or after `INTERRUPTED_SHUTDOWN` seconds, as for an interrupted run)."""
     import threading
 
     handlers = _signal_handlers()
@@ -273,9 +274,13 @@ def _shutdown_keeping_handlers(ray) -> None:
         return
     thread = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
     thread.start()
-    while thread.is_alive():
-        thread.join(HANDLER_SLICE)
-        _restore_signal_handlers(handlers)
+    try:
+        while thread.is_alive():
+            thread.join(HANDLER_SLICE)
+            _restore_signal_handlers(handlers)
+    except BaseException:  # a signal meanwhile: the shutdown gets an interrupted run's bound to finish
+        thread.join(INTERRUPTED_SHUTDOWN)
+        raise
 
 
 #: Seconds between the settings of the caller's handlers while ``ray.shutdown`` runs.
