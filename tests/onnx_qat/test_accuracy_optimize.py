@@ -56,6 +56,20 @@ def _quantized_cosine(model, calib, evaluation) -> float:
     return cosine(run(model, evaluation)[0], run(result.model, evaluation)[0])
 
 
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` for a step to edit in place (the original stays the reference)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+def _assert_same_function(model, changed, feeds, atol: float = 1e-5) -> None:
+    """``changed`` computes ``model``'s function on ``feeds``: within float rounding (relative 1e-4,
+    absolute ``atol`` times the output's largest magnitude)."""
+    ref, got = run(model, feeds)[0], run(changed, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=atol * float(np.abs(ref).max()))
+
+
 # ------------------------------------------------------------------ cross-layer equalization
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("activation", ["Relu", "none"])
@@ -63,8 +77,7 @@ def test_equalization_recovers_a_depthwise_pair_with_channels_1000x_apart(seed, 
     model = spread_pair_model(seed, activation=activation)
     calib, evaluation = _feeds(seed), _feeds(seed + 100)
     before = _quantized_cosine(model, calib, evaluation)
-    equalized = onnx.ModelProto()
-    equalized.CopyFrom(model)
+    equalized = _copy(model)
     records = equalize(equalized)
     pair = next(r for r in records if r["first"] == "conv1")
     assert pair["second"] == "conv2" and pair["depthwise"]
@@ -79,15 +92,12 @@ def test_equalization_recovers_a_depthwise_pair_with_channels_1000x_apart(seed, 
 @pytest.mark.parametrize("scale", [0.01, 1.0, 100.0])
 def test_equalization_keeps_the_float_function(activation, scale):
     model = spread_pair_model(3, activation=activation)
-    original = onnx.ModelProto()
-    original.CopyFrom(model)
-    equalized = onnx.ModelProto()
-    equalized.CopyFrom(model)
+    original = _copy(model)
+    equalized = _copy(model)
     assert equalize(equalized)
     assert model == original  # the caller's model is untouched
     feeds = _feeds(7, scale=scale)
-    ref, got = run(model, feeds)[0], run(equalized, feeds)[0]
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+    _assert_same_function(model, equalized, feeds)
     onnx.checker.check_model(equalized)
 
 
@@ -131,8 +141,7 @@ def test_int8_rounding_lowers_the_output_error_and_stays_on_the_inserters_grid(s
     data = {"input": rng.standard_normal((512, 8)).astype(np.float32)}
     evaluation = {"input": rng.standard_normal((256, 8)).astype(np.float32)}
     placement = place(model)
-    rounded = onnx.ModelProto()
-    rounded.CopyFrom(model)
+    rounded = _copy(model)
     records, ranges = round_int8(rounded, placement, data)
     fc = next(r for r in records if r["node"] == "fc")
     assert fc["method"] == "gptq" and fc["gptq_error"] < 0.7 * fc["rtn_error"], fc
@@ -161,8 +170,7 @@ def test_int8_rounding_lowers_the_output_error_and_stays_on_the_inserters_grid(s
 def test_int8_rounding_handles_depthwise_and_grouped_convs():
     model = spread_pair_model(0, spread=1.0)
     data = _feeds(0, n=16)
-    rounded = onnx.ModelProto()
-    rounded.CopyFrom(model)
+    rounded = _copy(model)
     records, ranges = round_int8(rounded, place(model), data)
     by_node = {r["node"]: r for r in records}
     assert by_node["conv2"]["method"] == "gptq"  # depthwise: one 9x9 Hessian per channel
@@ -202,8 +210,7 @@ def test_bias_correction_removes_the_mean_shift_of_the_quantized_output(seed):
     def shift(qdq):
         return float(np.abs((run(qdq, evaluation)[0] - ref).mean(axis=(0, 2, 3))).max())
 
-    corrected = onnx.ModelProto()
-    corrected.CopyFrom(model)
+    corrected = _copy(model)
     records = correct_biases(corrected, result.model, result.placement, calib)
     assert [r["node"] for r in records] == ["conv"]
     changed = [t.name for t, u in zip(model.graph.initializer, corrected.graph.initializer) if t != u]
@@ -369,8 +376,7 @@ def test_smoothing_recovers_an_outlier_activation_channel(decomposed, seed):
     model = outlier_layernorm_model(seed, decomposed=decomposed)
     calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
     before = _quantized_cosine(model, calib, evaluation)
-    smoothed = onnx.ModelProto()
-    smoothed.CopyFrom(model)
+    smoothed = _copy(model)
     records = smooth(smoothed, calib)
     fc = next(r for r in records if r["readers"] == ["fc"])
     assert fc["spread_before"] > 50 and fc["spread_after"] < 0.2 * fc["spread_before"], fc
@@ -384,12 +390,10 @@ def test_smoothing_keeps_the_float_function(decomposed, scale):
     from onnx_qat.accuracy.smooth import smooth
 
     model = outlier_layernorm_model(2, decomposed=decomposed)
-    smoothed = onnx.ModelProto()
-    smoothed.CopyFrom(model)
+    smoothed = _copy(model)
     assert smooth(smoothed, _ln_feeds(2))
     feeds = {"input": _ln_feeds(9)["input"] * scale}
-    ref, got = run(model, feeds)[0], run(smoothed, feeds)[0]
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+    _assert_same_function(model, smoothed, feeds)
 
 
 def test_smoothing_leaves_even_channels_alone():
@@ -412,8 +416,7 @@ def test_bias_correction_respects_its_run_bound():
     model = shifted_input_model(0)
     calib = {"input": (4.0 + np.random.default_rng(0).uniform(-0.5, 0.5, (16, 64, 4, 4))).astype(np.float32)}
     result = onnx_qat.quantize(model, data=calib, method="max", progress=False)
-    corrected = onnx.ModelProto()
-    corrected.CopyFrom(model)
+    corrected = _copy(model)
     records = correct_biases(corrected, result.model, result.placement, calib, max_runs=0)
     assert records[0]["skipped"].startswith("run bound") and corrected == model
 
@@ -486,8 +489,7 @@ def test_smoothing_through_a_gelu_inserts_a_mul_and_recovers_the_outlier(gelu, s
     model = outlier_gelu_model(seed, gelu=gelu)
     calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
     before = _quantized_cosine(model, calib, evaluation)
-    smoothed = onnx.ModelProto()
-    smoothed.CopyFrom(model)
+    smoothed = _copy(model)
     records = smooth(smoothed, calib)
     fc2 = next(r for r in records if r["readers"] == ["fc2"])
     assert fc2["how"] == "mul" and fc2["producer"] == ("Gelu" if gelu == "Gelu" else "Mul"), fc2
@@ -511,21 +513,18 @@ def test_smoothing_through_a_gelu_keeps_the_float_function(gelu, scale):
     from onnx_qat.accuracy.smooth import smooth
 
     model = outlier_gelu_model(3, gelu=gelu)
-    smoothed = onnx.ModelProto()
-    smoothed.CopyFrom(model)
+    smoothed = _copy(model)
     assert [r["how"] for r in smooth(smoothed, _ln_feeds(3))] == ["mul"]
     onnx.checker.check_model(smoothed)
     feeds = {"input": _ln_feeds(9)["input"] * scale}
-    ref, got = run(model, feeds)[0], run(smoothed, feeds)[0]
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+    _assert_same_function(model, smoothed, feeds)
 
 
 def test_smoothing_without_insert_mul_leaves_a_gelu_alone():
     from onnx_qat.accuracy.smooth import smooth
 
     model = outlier_gelu_model(0)
-    original = onnx.ModelProto()
-    original.CopyFrom(model)
+    original = _copy(model)
     assert smooth(model, _ln_feeds(0), insert_mul=False) == () and model == original
 
 
@@ -546,8 +545,7 @@ def test_smoothing_a_layernorm_output_that_feeds_a_shortcut_too(seed):
     model = outlier_layernorm_model(seed, residual=True)
     calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
     before = _quantized_cosine(model, calib, evaluation)
-    smoothed = onnx.ModelProto()
-    smoothed.CopyFrom(model)
+    smoothed = _copy(model)
     records = smooth(smoothed, calib)
     fc = next(r for r in records if r["readers"] == ["fc"])
     assert (fc["how"], fc["shared"], fc["producer"]) == ("mul", True, "LayerNormalization"), fc
@@ -556,8 +554,7 @@ def test_smoothing_a_layernorm_output_that_feeds_a_shortcut_too(seed):
     assert "shortcut" in {n.name for n, _ in index.consumers(fc["tensor"])}
     assert index.producer[index.nodes[[n.name for n in index.nodes].index("fc")].inputs[0]].op_type == "Mul"
     feeds = {"input": _ln_feeds(9)["input"] * 3.0}
-    ref, got = run(model, feeds)[0], run(smoothed, feeds)[0]
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+    _assert_same_function(model, smoothed, feeds)
     after = _quantized_cosine(smoothed, calib, evaluation)  # check clean inside
     assert before < 0.8 and after > 0.999, (before, after)  # measured: 0.45-0.65 -> 0.9996-0.9999
 
@@ -568,8 +565,7 @@ def test_smoothing_leaves_an_outlier_that_its_weight_row_shares_alone():
     from onnx_qat.accuracy.smooth import smooth
 
     model = outlier_gelu_model(0, row_factor=1000.0, bias=True)
-    original = onnx.ModelProto()
-    original.CopyFrom(model)
+    original = _copy(model)
     assert smooth(model, _ln_feeds(0), split=False) == () and model == original
 
 
@@ -583,20 +579,17 @@ def test_smoothing_splits_out_a_massive_channel_whose_weight_row_is_an_outlier_t
     model = outlier_gelu_model(seed, row_factor=10.0, bias=True, massive=100.0)
     calib, evaluation = _ln_feeds(seed), _ln_feeds(seed + 100)
     before = _quantized_cosine(model, calib, evaluation)
-    smoothed_only = onnx.ModelProto()
-    smoothed_only.CopyFrom(model)
+    smoothed_only = _copy(model)
     assert smooth(smoothed_only, calib, split=False)[0]["how"] == "mul"
     without_split = _quantized_cosine(smoothed_only, calib, evaluation)
-    split = onnx.ModelProto()
-    split.CopyFrom(model)
+    split = _copy(model)
     records = smooth(split, calib)
     fc2 = next(r for r in records if r["readers"] == ["fc2"])
     assert fc2["how"] == "split" and [j for j, _ in fc2["split"]] == [0] and fc2["split"][0][1] > 300, fc2
     ops = [n.op_type for n in split.graph.node]
     assert (ops.count("Gather"), ops.count("MatMul"), len(ops)) == (1, 3, len(model.graph.node) + 4), ops
     feeds = {"input": _ln_feeds(9)["input"] * 2.0}
-    ref, got = run(model, feeds)[0], run(split, feeds)[0]
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    _assert_same_function(model, split, feeds, atol=1e-4)
     result = onnx_qat.quantize(split, data=calib, method="max", progress=False)
     assert_check_clean(result.model)
     produced = {o: n for n in result.model.graph.node for o in n.output}
@@ -635,8 +628,7 @@ def test_splitting_a_tensor_read_by_two_matmuls():
     model = b.build(opset=20)
     calib, evaluation = _ln_feeds(0), _ln_feeds(100)
     before = _quantized_cosine(model, calib, evaluation)
-    split = onnx.ModelProto()
-    split.CopyFrom(model)
+    split = _copy(model)
     (record,) = smooth(split, calib)
     assert record["how"] == "split" and record["readers"] == ["fc2a", "fc2b"], record
     assert [j for j, _ in record["split"]] == [0], record
@@ -671,11 +663,9 @@ def test_a_split_output_read_by_the_next_matmul_keeps_the_float_function():
     b.node("MatMul", [y, b.const("fc3.weight", w3)], "output", name="fc3")
     b.outputs.append(onnx.helper.make_tensor_value_info("output", TensorProto.FLOAT, None))
     model = b.build(opset=20)
-    edited = onnx.ModelProto()
-    edited.CopyFrom(model)
+    edited = _copy(model)
     records = smooth(edited, _ln_feeds(0))
     assert [(r["readers"], r["how"]) for r in records] == [(["fc2"], "split")], records
     feeds = _ln_feeds(5)
-    ref = run(model, feeds)[0]
-    np.testing.assert_allclose(run(edited, feeds)[0], ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()))
+    _assert_same_function(model, edited, feeds)
 
