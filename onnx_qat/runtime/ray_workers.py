@@ -29,6 +29,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 from typing import Any, List, Optional
 
 from ..errors import QatError, WorkerError, brief
@@ -87,9 +88,6 @@ _SIGTERM = int(signal.SIGTERM)
 
 def _signal_handlers() -> dict:
     """``{signal number: Python handler}`` of `_SIGNALS` (empty off the main thread: none can be set)."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return {}
     found = {}
@@ -107,8 +105,6 @@ def _restore_signal_handlers(handlers: dict) -> None:
     aborts the process on SIGTERM (exit by SIGABRT, no clean-up, measured with Ray 2.60); setting the
     Python handlers again puts back the native handler that runs them, so a signal unwinds the caller
     as before (the CLI: exit 130 or 143, nothing written, the pool closed on the way out)."""
-    import signal
-
     for number, handler in handlers.items():
         try:
             signal.signal(number, handler)
@@ -266,14 +262,11 @@ def _shutdown_keeping_handlers(ray) -> None:
     or before the next pool starts. So it runs on a thread while this one sets the handlers again
     every `HANDLER_SLICE` seconds until it is done (a signal meanwhile unwinds this thread once the
     shutdown is done, or after `INTERRUPTED_SHUTDOWN` seconds, as for an interrupted run)."""
-    import threading
-
     handlers = _signal_handlers()
     if not handlers:  # not the main thread: nothing to keep
         ray.shutdown()
         return
-    thread = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
-    thread.start()
+    thread = _start_shutdown(ray)
     try:
         while thread.is_alive():
             thread.join(HANDLER_SLICE)
@@ -293,11 +286,14 @@ def _shutdown_within(ray, seconds: float) -> None:
     2-core machine, Ray 2.60), more than an interrupt may take. What is not done by then goes on while
     the caller unwinds; if the process ends first, the cluster's processes end with it (Ray starts
     them tied to the process that started them: on Linux they get SIGKILL when it exits)."""
-    import threading
+    _start_shutdown(ray).join(seconds)
 
+
+def _start_shutdown(ray) -> threading.Thread:
+    """``ray.shutdown()`` started on a daemon thread (an unfinished shutdown never holds the process)."""
     thread = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
     thread.start()
-    thread.join(seconds)
+    return thread
 
 
 def _unwinding(call, *args, **kwargs):
