@@ -86,7 +86,12 @@ _SECONDS_PER_KIND = 0.25
 # --------------------------------------------------------------------------- the machine
 def machine_key(threads: int) -> Dict[str, object]:
     """What a measurement depends on: CPU model, kernel-selecting CPU flags, onnxruntime version,
-    intra-op threads (0: onnxruntime's default, one per physical core)."""
+    intra-op threads (0: onnxruntime's default, one per physical core).
+
+    The flags are those of ``/proc/cpuinfo`` (what the OS supports) that, on x86-64, this process's
+    CPUID instruction also reports (`cpuid_flags`; what onnxruntime's MLAS reads to pick its kernels):
+    where the two differ (a CPUID mask, a hypervisor or kernel hiding a feature from one of them),
+    the kernels onnxruntime runs follow both."""
     import onnxruntime
 
     model, flags = platform.processor() or platform.machine(), set()
@@ -98,8 +103,67 @@ def machine_key(threads: int) -> Dict[str, object]:
                 flags |= set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    seen = cpuid_flags()
+    if seen is not None:
+        flags = {f for f in flags if f not in CPUID_BITS or f in seen}
     return {"cpu": model, "flags": sorted(f for f in KERNEL_FLAGS if f in flags),
             "onnxruntime": onnxruntime.__version__, "threads": int(threads)}
+
+
+#: ``flag: (leaf, subleaf, register EAX=0 .. EDX=3, bit)`` of the x86 `KERNEL_FLAGS` in CPUID (Intel SDM
+#: vol. 2A, CPUID leaf 07H; Linux ``arch/x86/include/asm/cpufeatures.h``), the bits onnxruntime's MLAS
+#: tests in ``MLAS_PLATFORM`` (``onnxruntime/core/mlas/lib/platform.cpp``).
+CPUID_BITS = {"avx2": (7, 0, 1, 5), "avx512f": (7, 0, 1, 16), "avx512bw": (7, 0, 1, 30),
+              "avx512_vnni": (7, 0, 2, 11), "amx_tile": (7, 0, 3, 24), "amx_int8": (7, 0, 3, 25),
+              "avx_vnni": (7, 1, 0, 4), "avx512_bf16": (7, 1, 0, 5)}
+#: x86-64 System V machine code of ``void f(uint32_t leaf, uint32_t subleaf, uint32_t out[4])``: push rbx;
+#: mov r8, rdx; mov eax, edi; mov ecx, esi; cpuid; mov [r8], eax; mov [r8+4], ebx; mov [r8+8], ecx;
+#: mov [r8+12], edx; pop rbx; ret.
+_CPUID_CODE = bytes.fromhex("534989d089f889f10fa24189004189580441894808418950" "0c5bc3")
+_cpuid_seen: Dict[str, Optional[frozenset]] = {}
+
+
+def cpuid_flags() -> Optional[frozenset]:
+    """The flags of `CPUID_BITS` that the CPUID instruction reports in this process (read once), or
+    None where it is not run: not x86-64 POSIX, or executable memory refused (then ``/proc/cpuinfo``
+    alone decides). Python cannot run CPUID itself, so the instruction is called from a page of
+    executable memory (`_CPUID_CODE`)."""
+    if "flags" not in _cpuid_seen:
+        _cpuid_seen["flags"] = _read_cpuid()
+    return _cpuid_seen["flags"]
+
+
+def _read_cpuid() -> Optional[frozenset]:
+    import ctypes
+    import mmap
+
+    if os.name != "posix" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    except (OSError, ValueError, AttributeError):  # W^X policies refuse it: /proc/cpuinfo alone
+        return None
+    try:
+        page.write(_CPUID_CODE)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+        function = ctypes.CFUNCTYPE(None, ctypes.c_uint32, ctypes.c_uint32,
+                                    ctypes.POINTER(ctypes.c_uint32 * 4))(address)
+
+        def run(leaf, subleaf):
+            out = (ctypes.c_uint32 * 4)()
+            function(leaf, subleaf, ctypes.byref(out))
+            return tuple(out)
+
+        top = run(0, 0)[0]
+        regs = {(7, 0): run(7, 0) if top >= 7 else (0, 0, 0, 0)}
+        regs[(7, 1)] = run(7, 1) if top >= 7 and regs[(7, 0)][0] >= 1 else (0, 0, 0, 0)
+    finally:
+        try:
+            page.close()
+        except BufferError:  # a view still alive: the page is freed with it
+            pass
+    return frozenset(flag for flag, (leaf, sub, reg, bit) in CPUID_BITS.items()
+                     if regs[(leaf, sub)][reg] >> bit & 1)
 
 
 def default_profile_path(threads: int) -> Path:
@@ -123,7 +187,7 @@ CPU_VNNI_CHOICES = (True, False, "auto")
 
 def wide_dot_products(flags, arch: str) -> Tuple[bool, str]:
     """Whether onnxruntime's uint8 x int8 kernels sum products in 32 bits on a CPU with these
-    ``flags`` (`KERNEL_FLAGS` read from /proc/cpuinfo) and architecture (``platform.machine()``), and
+    ``flags`` (`KERNEL_FLAGS` as `machine_key` reads them) and architecture (``platform.machine()``), and
     why, in a few words.
 
     On x86 without VNNI/AMX, MLAS multiplies with ``vpmaddubsw`` (AVX2, AVX-512 core), which adds

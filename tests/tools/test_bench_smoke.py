@@ -24,6 +24,9 @@ EXPECTED = {
                    "tiny ViT: ort-cpu speed-up over FP32, batch 2",
                    "tiny ViT: ort-cpu time / onnxruntime uint8 form, batch 1",
                    "tiny ViT: ort-cpu error / onnxruntime uint8 form error"),
+    "cpu_models_avx2": ("AVX2 path: tiny ViT: ort-cpu speed-up over FP32, batch 1",
+                        "AVX2 path: tiny ViT: ort-cpu time / onnxruntime uint8 form, batch 2",
+                        "AVX2 path: tiny ViT: ort-cpu error / onnxruntime uint8 form error"),
     "rewrite_speed": ("per-node cost growth",),
     "calibration": ("max time / onnxruntime MinMax", "entropy time / onnxruntime Entropy",
                     "max: peak RSS at"),
@@ -74,6 +77,21 @@ def test_quick_onnx_benchmarks_write_their_tables(tmp_path):
     for name in ("cpu_latency", "cpu_models", "rewrite_speed", "calibration"):
         _check_rows(doc, markdown, stdout, name)
     assert markdown.startswith("# onnx-qat benchmarks (quick)")
+
+
+def test_quick_cpu_models_avx2_writes_its_table(tmp_path):
+    """The AVX2-path rows (CPUID mask, tests/tools/test_cpuid_mask.py); where the mask cannot be set up
+    (no cpuid_fault flag, as on many CI runners; no C compiler) one SKIP row that says why."""
+    from tools.bench import isa
+
+    stdout, doc, markdown = _bench(tmp_path, "cpu_models_avx2")
+    why = isa.why_unavailable() or (None if isa.compiler() else "no C compiler")
+    if why:
+        rows = [r for r in doc["rows"] if r["bench"] == "cpu_models_avx2"]
+        assert len(rows) == 1 and rows[0]["status"] == "SKIP" and rows[0]["detail"], rows
+        pytest.skip(f"AVX2 path not available here: {why}")
+    _check_rows(doc, markdown, stdout, "cpu_models_avx2")
+    assert "CPUID mask avx2" in next(r for r in doc["rows"] if r["bench"] == "cpu_models_avx2")["detail"]
 
 
 def test_quick_calibration_scale_writes_its_table(tmp_path):

@@ -19,6 +19,7 @@ from . import (calibration, calibration_scale, cpu_latency, cpu_models, export_s
 from .table import Row, format_table, write_results
 
 BENCHMARKS = {"cpu_latency": cpu_latency.run, "cpu_models": cpu_models.run,
+              "cpu_models_avx2": cpu_models.run_avx2,
               "rewrite_speed": rewrite_speed.run, "calibration": calibration.run,
               "calibration_scale": calibration_scale.run, "qat_step": qat_step.run,
               "formats": format_peers.run, "sensitivity": sensitivity.run, "export_speed": export_speed.run,
