@@ -102,3 +102,61 @@ def test_the_bit_tables_agree():
 
     for flag, where in CPUID_BITS.items():
         assert isa.BITS[flag] == where, flag
+
+
+SATURATION = """
+import json
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+import onnxruntime as ort
+import onnx_qat
+
+rng = np.random.default_rng(%d)
+# image (>= 0: zero point 0, the whole uint8 grid) -> Conv 3x3 -> Relu -> Conv 1x1: weights of one sign
+# and large, as a pair sum of 16-bit products needs to overflow (2 x 255 x 127 > 32767)
+w1 = rng.uniform(0.5, 1.0, (16, 8, 3, 3)).astype(np.float32)
+w2 = rng.uniform(0.5, 1.0, (16, 16, 1, 1)).astype(np.float32)
+graph = helper.make_graph(
+    [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+     helper.make_node("Relu", ["c1"], ["r1"]), helper.make_node("Conv", ["r1", "w2"], ["y"])], "sat",
+    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 8, 12, 12])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 16, 12, 12])],
+    [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+model.ir_version = 8
+data = rng.uniform(0, 1, (16, 8, 12, 12)).astype(np.float32)
+
+def run(proto, optimize):
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(
+        None, {"x": data})[0]
+
+out = {}
+for name, vnni in (("auto", "auto"), ("8-bit", True)):
+    result = onnx_qat.quantize(model, data={"x": data}, method="max", target="ort-cpu", progress=False,
+                               cpu_vnni=vnni)
+    kernels, exact = run(result.model, True), run(result.model, False)
+    out[name] = {"vnni": bool(result.ort_cpu["cpu_vnni"]),
+                 "kernel_vs_exact": float(np.abs(kernels - exact).max() / np.abs(exact).max())}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_auto_width_on_the_avx2_path_is_exact_where_8_bit_weights_saturate(library, seed):
+    """Under the avx2 mask ``cpu_vnni="auto"`` reads this process's CPUID (no VNNI) and gives 7-bit
+    weights, also behind zero-point-0 inputs: onnxruntime's kernels then compute the same outputs as
+    the exact Q/DQ arithmetic (graph optimizations off). 8-bit weights (``cpu_vnni=True``) behind the
+    Relu output saturate the kernels' 16-bit pair sums there."""
+    env = {**os.environ, **isa.masked_env(library, "avx2"), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", SATURATION % seed], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["auto"]["vnni"] is False and out["8-bit"]["vnni"] is True
+    assert out["auto"]["kernel_vs_exact"] < 1e-3, out
+    assert out["8-bit"]["kernel_vs_exact"] > 0.05, out  # saturated sums: far off the exact arithmetic
