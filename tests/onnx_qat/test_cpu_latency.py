@@ -158,6 +158,50 @@ def test_machine_key_separates_threads_and_files(tmp_path, monkeypatch):
     assert L.default_profile_path(4) != L.default_profile_path(1)
 
 
+def _proc_flags():
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith(("flags", "Features")) and ":" in line
+            for f in line.split(":", 1)[1].split()}
+
+
+def test_cpuid_flags_agree_with_proc_cpuinfo_here():
+    """On x86-64 the CPUID instruction run in this process reports the kernel flags /proc/cpuinfo lists
+    (no mask here); elsewhere it is not run (None) and /proc/cpuinfo alone decides."""
+    import platform
+
+    seen = L.cpuid_flags()
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        assert seen is None
+        return
+    if seen is None:
+        pytest.skip("executable memory refused here: /proc/cpuinfo alone decides")
+    proc = _proc_flags()
+    assert seen <= set(L.CPUID_BITS)
+    if proc:  # the OS may hide a feature CPUID has (no kernel support), never the reverse here
+        assert {f for f in L.CPUID_BITS if f in proc} <= seen
+
+
+def test_machine_key_keeps_only_flags_cpuid_reports(monkeypatch):
+    """A process whose CPUID hides a feature (the benchmark's CPUID mask, a hypervisor) gets the
+    kernels without it: the key, and so the profile and the ``cpu_vnni`` choice, follow CPUID."""
+    import platform
+
+    proc = _proc_flags()
+    if platform.machine().lower() not in ("x86_64", "amd64") or "avx2" not in proc:
+        pytest.skip("needs an x86-64 CPU with AVX2 listed in /proc/cpuinfo")
+    monkeypatch.setitem(L._cpuid_seen, "flags", frozenset({"avx2"}))
+    key = L.machine_key(2)
+    assert [f for f in key["flags"] if f in L.CPUID_BITS] == ["avx2"]
+    wide, reason = L.wide_dot_products(key["flags"], platform.machine())
+    assert wide is False and "vpmaddubsw" in reason
+    assert L.resolve_cpu_vnni("auto")["weight_bits"] == 7
+    monkeypatch.setitem(L._cpuid_seen, "flags", None)  # CPUID not run: /proc/cpuinfo alone
+    assert set(L.machine_key(2)["flags"]) == {f for f in L.KERNEL_FLAGS if f in proc}
+
+
 _HEAD = {"format": L.PROFILE_FORMAT, "version": 1}
 _BAD_PROFILES = [
     ("{", "not readable JSON"), ('{"format": "x"}', "not an"), ("[1, 2]", "not an"),
