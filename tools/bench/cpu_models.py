@@ -219,11 +219,14 @@ def _outputs(session, name: str, data: np.ndarray) -> np.ndarray:
 
 def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np.ndarray, workdir: Path,
                   batches=BATCHES, rounds: Optional[int] = None, latency: bool = True,
-                  bench: str = NAME, speed_goal: Optional[Goal] = None, where: str = "") -> List[Row]:
+                  bench: str = NAME, speed_goal: Optional[Goal] = None, where: str = "",
+                  cpu_probe: Optional[dict] = None) -> List[Row]:
     """The rows of one model (see the module docstring); ``latency=False`` quantizes every site (the
     quick run: a tiny model's sites may all time slower in integer, and then nothing is written).
     ``bench``: the rows' benchmark name; ``speed_goal``: the goal of the ort-cpu speed-up over FP32
-    (default ``>= 1.0``); ``where``: a note on the code path (`isa.describe`) for every row's detail."""
+    (default ``>= 1.0``); ``where``: a note on the code path (`isa.describe`) for every row's detail;
+    ``cpu_probe``: a dict that receives the three forms' files and their CPU time per run at batch 1
+    (`cpu_times`; ours written to ``workdir``), for `run_isa`'s comparison with the native kernels."""
     import onnx_qat
     from onnx_qat.placement.cpu_latency import LatencyOptions
 
@@ -244,6 +247,13 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
     for batch in batches:
         feed = {name: np.concatenate([test] * (1 + batch // len(test)))[:batch]}
         rows += _speed_rows(label, batch, sessions, feed, rounds, load + where, bench, speed_goal)
+    if cpu_probe is not None:
+        mine = workdir / f"{path.stem}_ours.onnx"
+        mine.write_bytes(ours.model.SerializeToString())
+        sample = workdir / f"{path.stem}_probe_input.npy"
+        np.save(sample, test[:1])
+        cpu_probe.update(files={"fp32": str(path), "ours": str(mine), "ort": str(theirs)}, input=name,
+                         sample=str(sample), ms=cpu_times(sessions, {name: test[:1]}))
     ref = _outputs(sessions["fp32"], name, test)
     spread = float(ref.max() - ref.min()) or 1.0
     err_ours = float(np.abs(_outputs(sessions["ours"], name, test) - ref).mean()) / spread
@@ -270,6 +280,22 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
                         f"the --cpu-vnni form run on this CPU's kernels, whose 16-bit pair sums it may "
                         f"saturate (every site integer): {err_other:.4g}{where}"))
     return rows
+
+
+def cpu_times(sessions, feed, runs: int = 7) -> dict:
+    """Median CPU time (``time.process_time``, all threads of this process) per run of each session,
+    in milliseconds, the sessions interleaved after one warm-up run each."""
+    import time
+
+    times = {k: [] for k in sessions}
+    for session in sessions.values():
+        session.run(None, feed)
+    for _ in range(runs):
+        for key, session in sessions.items():
+            start = time.process_time()
+            session.run(None, feed)
+            times[key].append(time.process_time() - start)
+    return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
 
 
 #: Speed rounds per batch: at least `MIN_ROUNDS`; then more while under `ROUND_SECONDS` and some
@@ -380,20 +406,24 @@ def run(workdir: Path, *, quick: bool = False) -> List[Row]:
 
 
 def _run_cases(models: Path, workdir: Path, quick: bool, *, bench: str = NAME, prefix: str = "",
-               where: str = "", goals=None, only=None) -> List[Row]:
+               where: str = "", goals=None, only=None, probe: Optional[dict] = None) -> List[Row]:
     """The rows of every case (`_cases` in ``models``; quantized forms and the latency profile in
     ``workdir``); ``goals``: ``label -> Goal`` of the speed-up over FP32 where not ``>= 1.0``;
-    ``only``: labels to measure (None: all)."""
+    ``only``: labels to measure (None: all); ``probe``: filled by the first model measured (the
+    ``cpu_probe`` of `measure_model`, with its ``label``)."""
     rows: List[Row] = []
     for label, make in _cases(models, quick):
         if only and label not in only:
             continue
         try:
             path, name, calib, test = make()
+            first = probe is not None and "label" not in probe
             rows += measure_model(prefix + label, path, name, calib, test, workdir,
                                   batches=(1, 2) if quick else BATCHES, rounds=2 if quick else None,
                                   latency=not quick, bench=bench, speed_goal=(goals or {}).get(label),
-                                  where=where)
+                                  where=where, cpu_probe=probe if first else None)
+            if first:
+                probe["label"] = prefix + label
         except Exception as exc:  # noqa: BLE001 - one model failing (no TensorFlow, no cache, an export
             # tf2onnx cannot convert) gives one SKIP row with the reason; the other models still run
             logger.warning("%s: %s skipped", bench, label, exc_info=True)
@@ -452,7 +482,26 @@ def run_isa(workdir: Path, mask: str = "avx2", *, quick: bool = False, only=None
                         cwd=Path(__file__).resolve().parents[2])
         except RuntimeError as exc:
             return [skip(ISA_NAME, figure, f"the masked child failed: {exc}"[:300])]
-        return [_row(d) for d in json.loads(out.read_text())]
+        found = json.loads(out.read_text())
+    return [_row(d) for d in found["rows"]] + _native_rows(found.get("probe") or {})
+
+
+def _native_rows(probe: dict) -> List[Row]:
+    """INFO rows: the first model's CPU time per run at batch 1 in the masked child against this
+    (unmasked) process, each form: what the mask changed."""
+    if not probe.get("ms"):
+        return []
+    sessions = {k: _session(v) for k, v in probe["files"].items()}
+    native = cpu_times(sessions, {probe["input"]: np.load(probe["sample"])})
+    load = "load {:.1f}/{:.1f}/{:.1f}".format(*os.getloadavg())
+    names = {"fp32": "FP32", "ours": "ort-cpu form", "ort": "onnxruntime uint8 form"}
+    return [Row(ISA_NAME, f"{probe['label']}: {names[k]} CPU time per run, this path / native kernels, "
+                          "batch 1", ratio(probe["ms"][k], native[k]), None,
+                f"time.process_time per run, medians of 7 interleaved: {probe['ms'][k]:.1f} ms in the "
+                f"masked process, {native[k]:.1f} ms in this unmasked one afterwards ({load}); the same "
+                "model files and input")
+            for k in ("fp32", "ours", "ort")]
+
 
 
 def _row(data: dict) -> Row:
@@ -462,8 +511,9 @@ def _row(data: dict) -> Row:
                None if data.get("interval") is None else tuple(data["interval"]))
 
 
-def _measure_masked(mask: str, workdir: Path, quick: bool, only) -> List[Row]:
-    """Inside the masked child: check the mask (`isa.check_masked`), then measure."""
+def _measure_masked(mask: str, workdir: Path, quick: bool, only, probe: Optional[dict] = None) -> List[Row]:
+    """Inside the masked child: check the mask (`isa.check_masked`), then measure (``probe``: see
+    `_run_cases`)."""
     from . import isa
 
     seen = isa.check_masked(mask)
@@ -471,7 +521,7 @@ def _measure_masked(mask: str, workdir: Path, quick: bool, only) -> List[Row]:
     forms = workdir / f"isa_{mask}"
     forms.mkdir(parents=True, exist_ok=True)
     rows = _run_cases(workdir, forms, quick, bench=ISA_NAME, prefix=f"{short}: ",
-                      where=f"; {isa.describe(seen)}", goals=ISA_GOALS, only=only)
+                      where=f"; {isa.describe(seen)}", goals=ISA_GOALS, only=only, probe=probe)
     return rows
 
 
@@ -508,8 +558,9 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     if args.json:
-        rows = _measure_masked(args.isa, workdir, args.quick, args.model)
-        Path(args.json).write_text(json.dumps([r.to_dict() for r in rows]))
+        probe: dict = {}
+        rows = _measure_masked(args.isa, workdir, args.quick, args.model, probe)
+        Path(args.json).write_text(json.dumps({"rows": [r.to_dict() for r in rows], "probe": probe}))
         return 0
     rows = run_isa(workdir, args.isa, quick=args.quick, only=args.model)
     print(format_table(rows))
