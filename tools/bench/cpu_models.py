@@ -22,6 +22,10 @@ samples, as a fraction of FP32's output range (both quantized forms on the same 
 
 The machine's load (``os.getloadavg``) is in each row's detail: on a shared machine the ratios are what
 to read, not the times.
+
+``cpu_models_avx2`` (`run_avx2`, `run_isa`; ``python -m tools.bench.cpu_models --isa avx2 --workdir W``)
+measures the same rows on onnxruntime's AVX2 kernels of this machine: a child process whose CPUID
+instruction reports no AVX-512, VNNI or AMX (`tools.bench.isa`, `cpuid_mask.c`).
 """
 from __future__ import annotations
 

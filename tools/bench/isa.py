@@ -104,11 +104,13 @@ def build_shim(workdir: Path) -> Path:
 
 
 def masked_env(library: Path, mask: str = "avx2") -> Dict[str, str]:
-    """Environment entries for a child process on the ``mask`` path (`MASKS`)."""
+    """Environment entries for a child process on the ``mask`` path (`MASKS`). ``PYTHONFAULTHANDLER``
+    is emptied: Python's faulthandler would take SIGSEGV from the library's handler at startup, and
+    the next CPUID instruction would then end the process."""
     if mask not in MASKS and mask != "off":
         raise ValueError(f"unknown mask {mask!r}; one of {', '.join(MASKS)}")
     preload = " ".join(p for p in (str(library), os.environ.get("LD_PRELOAD", "")) if p)
-    return {"LD_PRELOAD": preload, MASK_VARIABLE: mask}
+    return {"LD_PRELOAD": preload, MASK_VARIABLE: mask, "PYTHONFAULTHANDLER": ""}
 
 
 def _loaded_library():
