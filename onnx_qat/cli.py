@@ -292,13 +292,13 @@ def _latency_options(parser: argparse.ArgumentParser) -> None:
                        help="time the whole model against FP32 again even when the latency profile holds a "
                             "timing of the very same models (kept there by an earlier run)")
     group.add_argument("--cpu-vnni", dest="cpu_vnni", action="store_const", const="on", default="auto",
-                       help="--target ort-cpu with --data: keep 8-bit Conv/Gemm/MatMul weights behind signed "
-                            "inputs: the model runs on CPUs whose int8 dot products sum in 32 bits (AVX-512 "
+                       help="--target ort-cpu with --data: keep 8-bit Conv/Gemm/MatMul weights: "
+                            "the model runs on CPUs whose int8 dot products sum in 32 bits (AVX-512 "
                             "VNNI, AVX-VNNI, AMX, ARM64); more accurate, may overflow on AVX2-only CPUs. "
                             "Default (neither flag): 8 bits when this CPU is such a CPU, else 7")
     group.add_argument("--no-cpu-vnni", dest="cpu_vnni", action="store_const", const="off",
-                       help="--target ort-cpu with --data: 7-bit weights behind signed inputs, exact on "
-                            "every CPU")
+                       help="--target ort-cpu with --data: 7-bit Conv/Gemm/MatMul weights (depthwise "
+                            "excepted), exact on every CPU")
 
 
 def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
@@ -686,7 +686,7 @@ def _quantize_and_check(args, data, calib: dict, mixed: dict, layout: dict, late
         _say(args, _float_parts_summary(result.float_parts))
     ort_cpu = getattr(result, "ort_cpu", None)
     if ort_cpu is not None:
-        _say(args, f"ort-cpu weights behind signed inputs: {ort_cpu['weight_bits']} bits "
+        _say(args, f"ort-cpu Conv/Gemm/MatMul weights: {ort_cpu['weight_bits']} bits "
                    f"(as {'--cpu-vnni' if ort_cpu['cpu_vnni'] else '--no-cpu-vnni'}, {ort_cpu['chosen_by']}: "
                    f"{ort_cpu['reason']})")
     if result.latency is not None:

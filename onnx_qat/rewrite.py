@@ -69,7 +69,7 @@ class QuantizeResult:
             not faster, what the whole-model guard tried (``fallback``); see
             `onnx_qat.placement.cpu_latency`. None otherwise.
         ort_cpu: ``target="ort-cpu"`` with calibration data: the weight width chosen for Conv/Gemm/MatMul
-            weights behind signed inputs (``cpu_vnni``, ``weight_bits`` 8 or 7, ``chosen_by``
+            weights, depthwise Convs excepted (``cpu_vnni``, ``weight_bits`` 8 or 7, ``chosen_by``
             ``"option"``/``"auto"``/``"latency profile"``, ``reason``; see
             `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`) and, for INT8, rule CPU7's
             ``bias_correction`` (``convs``, ``nodes``, ``largest_shift``: the Convs whose bias absorbs
@@ -158,7 +158,7 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     (`onnx_qat.calibration.choice.choose`): the model is loaded and placed once. ``latency``: a
     `LatencyOptions` (``ort-cpu`` only): sites whose integer form is not faster on this CPU stay float,
     and the result is timed against FP32. ``cpu_vnni``: ``ort-cpu`` with calibrated ranges: True for
-    8-bit GEMM weights behind signed inputs, False for 7-bit, ``"auto"`` to follow this machine
+    8-bit GEMM weights, False for 7-bit, ``"auto"`` to follow this machine
     (`onnx_qat.placement.cpu_latency.resolve_cpu_vnni`); the choice and its reason are in
     ``QuantizeResult.ort_cpu`` and a note.
     """
@@ -183,7 +183,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     out_path, _ = check_output_and_report(output, report, inputs=inputs)
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
-    width = None  # ort-cpu with calibrated ranges: GEMM weights behind signed inputs in 8 or 7 bits
+    width = None  # ort-cpu with calibrated ranges: GEMM weights (depthwise excepted) in 8 or 7 bits
     if data is not None and not fmt.weight_only and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
         from .placement.cpu_latency import resolve_cpu_vnni
 
@@ -344,7 +344,8 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
         logger.info("%s", note)
         placement = replace(placement, notes=placement.notes + (note,))
     if width is not None:
-        note = (f"ort-cpu: Conv/Gemm/MatMul weights behind signed inputs in {width['weight_bits']} bits "
+        note = (f"ort-cpu: Conv/Gemm/MatMul weights (depthwise Convs excepted) in "
+                f"{width['weight_bits']} bits "
                 f"(cpu_vnni={width['cpu_vnni']}, {width['chosen_by']}: {width['reason']})")
         logger.info("%s", note)
         placement = replace(placement, notes=placement.notes + (note,))

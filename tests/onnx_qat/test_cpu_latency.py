@@ -412,7 +412,7 @@ def test_cli_cpu_vnni_auto_on_off(tmp_path, capsys):
                      "--target", "ort-cpu", "--report", str(rep), *flags])
         shown = capsys.readouterr().out
         assert code == 0, shown
-        assert f"ort-cpu weights behind signed inputs: {bits} bits" in shown and f", {by}: " in shown
+        assert f"ort-cpu Conv/Gemm/MatMul weights: {bits} bits" in shown and f", {by}: " in shown
         report = json.loads(rep.read_text())
         assert report["ort_cpu"]["weight_bits"] == bits and report["ort_cpu"]["chosen_by"] == by
         weights = {r["tensor"]: r for r in report["inserted"] if r["kind"] == "weight"}

@@ -154,7 +154,7 @@ def test_cpu_vnni_auto_follows_this_machine(block):
     assert q.get("range") == (None if wide else [-63, 63])
     report = result.to_report()
     assert report["ort_cpu"]["cpu_vnni"] is wide
-    prefix = f"ort-cpu: Conv/Gemm/MatMul weights behind signed inputs in {8 if wide else 7} bits"
+    prefix = f"ort-cpu: Conv/Gemm/MatMul weights (depthwise Convs excepted) in {8 if wide else 7} bits"
     assert any(n.startswith(prefix) for n in report["notes"])
     forced = onnx_qat.quantize(model, data=_block_data(1), method="max", target="ort-cpu", progress=False,
                                cpu_vnni=not wide)

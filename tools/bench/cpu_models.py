@@ -349,7 +349,7 @@ def _speed_rows(label: str, batch: int, sessions, feed, rounds: Optional[int], l
 
 
 _WIDTHS = {True: "8-bit weights (cpu_vnni auto: this CPU sums int8 products in 32 bits)",
-           False: "7-bit weights behind signed inputs"}
+           False: "7-bit Conv/Gemm/MatMul weights"}
 def wide_dot_products() -> bool:
     """True when ``cpu_vnni="auto"`` gives 8-bit weights on this CPU
     (`onnx_qat.placement.cpu_latency.wide_dot_products`): the benchmark's main form then has them,
