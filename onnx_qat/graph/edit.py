@@ -59,6 +59,11 @@ def make_node(op_type: str, name: str, inputs: Sequence[str], outputs: Sequence[
     return node
 
 
+def onnx_type(dtype) -> int:
+    """The ONNX element type of a NumPy type of `_NP_TO_ONNX`; an ``int`` (already an element type) as is."""
+    return dtype if isinstance(dtype, int) else _NP_TO_ONNX[np.dtype(dtype)]
+
+
 class GraphEdit:
     """Edits of ``model``'s main graph, applied by `commit`.
 
@@ -124,6 +129,18 @@ class GraphEdit:
     def fresh(self, base: str) -> str:
         """``base``, or ``base_1``, ``base_2``... : a tensor/node name used nowhere in the model yet."""
         return fresh_name(base, self._used if self._used is not None else self._names())
+
+    def fresh_names(self, bases: Sequence[str]) -> List[str]:
+        """`fresh` of each of ``bases`` in turn (the same names, in the same order): one set operation
+        when none of them is taken and no two are equal (a rewrite's usual case), one call per base
+        otherwise."""
+        used = self._used if self._used is not None else self._names()
+        if used.isdisjoint(bases):
+            unique = set(bases)
+            if len(unique) == len(bases):
+                used.update(unique)
+                return list(bases)
+        return [fresh_name(base, used) for base in bases]
 
     # -- reading -------------------------------------------------------------------
     def node(self, name: str) -> onnx.NodeProto:
@@ -203,13 +220,36 @@ class GraphEdit:
         For callers that made the bytes already (of many scalars at once, or shared by many
         initializers): `add_initializer` costs a NumPy array per call."""
         name = self.fresh(base)
-        data_type = dtype if isinstance(dtype, int) else _NP_TO_ONNX[np.dtype(dtype)]
+        data_type = onnx_type(dtype)
         if dims:
             tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims, raw_data=raw)
         else:  # a scalar (most of them): an empty dims argument alone costs protobuf about half the call
             tensor = onnx.TensorProto(name=name, data_type=data_type, raw_data=raw)
         self._new_initializers[name] = tensor
         return name
+
+    def add_initializers(self, names: Sequence[str], values: Sequence) -> None:
+        """New initializers named ``names`` (from `fresh_names`: not made fresh here), each value either
+        a ``(type, raw bytes, shape)`` tuple as `add_raw_initializer` takes or an array (stored as
+        `add_initializer` stores it)."""
+        new, make = self._new_initializers, onnx.TensorProto
+        for name, value in zip(names, values):
+            if isinstance(value, tuple):
+                dtype, raw, dims = value
+                if dims:
+                    new[name] = make(name=name, data_type=onnx_type(dtype), dims=dims, raw_data=raw)
+                else:
+                    new[name] = make(name=name, data_type=onnx_type(dtype), raw_data=raw)
+            else:
+                new[name] = make_tensor(name, value)
+
+    def add_scalar_initializers(self, names: Sequence[str], data_types: Sequence[int],
+                                raws: Sequence[bytes]) -> None:
+        """New scalar initializers, ``names[i]`` of ONNX element type ``data_types[i]`` holding ``raws[i]``
+        (its little-endian bytes); the names come from `fresh_names` (they are not made fresh here)."""
+        new, make = self._new_initializers, onnx.TensorProto
+        for name, data_type, raw in zip(names, data_types, raws):
+            new[name] = make(name=name, data_type=data_type, raw_data=raw)
 
     def replace_initializer(self, name: str, values) -> None:
         """Give the initializer ``name`` new values (and type/shape)."""
@@ -218,10 +258,17 @@ class GraphEdit:
         self._new_initializers[name] = make_tensor(name, values)
         self.initializers.pop(name, None)
 
-    def insert(self, nodes: Sequence[onnx.NodeProto], readers: Sequence[onnx.NodeProto]) -> None:
-        """Queue new ``nodes`` just before the first of ``readers`` (at the end without readers)."""
-        for node in nodes:
-            for out in node.output:
+    def insert(self, nodes: Sequence[onnx.NodeProto], readers: Sequence[onnx.NodeProto],
+               outputs: Optional[Sequence[str]] = None) -> None:
+        """Queue new ``nodes`` just before the first of ``readers`` (at the end without readers).
+        ``outputs``: the one output of each of ``nodes``, when the caller has them (spares reading
+        them back from the protobuf)."""
+        if outputs is None:
+            for node in nodes:
+                for out in node.output:
+                    self.producer[out] = node
+        else:
+            for node, out in zip(nodes, outputs):
                 self.producer[out] = node
         if not readers:
             self._tail.extend(nodes)
@@ -342,4 +389,4 @@ def fresh_name(base: str, used: Set[str]) -> str:
     return name
 
 
-__all__ = ["GraphEdit", "fresh_name", "make_tensor", "make_node", "subgraph_names"]
+__all__ = ["GraphEdit", "fresh_name", "make_tensor", "make_node", "onnx_type", "subgraph_names"]

@@ -32,7 +32,7 @@ from ..formats import encoding
 from ..formats.encoding import (INT8_QRANGE, TINY, encode_int8, encode_weight, quantize_weight, to_grid,
                                 usable_scales)
 from ..formats.numeric import INT8, Format, get_format
-from ..graph.edit import GraphEdit, make_node
+from ..graph.edit import GraphEdit, onnx_type
 from ..placement.marks import ActivationMark, Placement, WeightMark
 from ..scales import ScaleTable
 from .targets import Target, get_target
@@ -40,6 +40,14 @@ from .targets import Target, get_target
 logger = logging.getLogger(__name__)
 
 _FLOAT32 = np.dtype(np.float32)
+_ONNX_FLOAT = onnx.TensorProto.FLOAT
+#: What a weight's names add to its base: the stored weight, scale, zero point, the DequantizeLinear node and
+#: its output (the order in which their fresh names are taken).
+_WEIGHT_SUFFIXES = ("_quantized", "_scale", "_zero_point", "_DequantizeLinear", "_DequantizeLinear_Output")
+#: What an activation pair's names add to the tensor's name: scale, zero point, the QuantizeLinear and
+#: DequantizeLinear outputs, the two nodes (the order in which their fresh names are taken).
+_PAIR_SUFFIXES = ("_scale", "_zero_point", "_QuantizeLinear_Output", "_DequantizeLinear_Output",
+                  "_QuantizeLinear", "_DequantizeLinear")
 #: Weight range of ``narrow_weights`` (see `insert_qdq_pairs`): 2 x 255 x 63 = 32130 < 2**15.
 NARROW_WEIGHT_RANGE = (-63, 63)
 
@@ -274,8 +282,10 @@ class _Inserter:
             act_scales = np.array([s if g is None else g for s, g in zip(act_scales.tolist(), given)],
                                   np.float32)
         raw = _le_bytes(act_scales)
+        names = self.edit.fresh_names([f"{m.tensor}{suffix}" for m in marks for suffix in _PAIR_SUFFIXES])
         for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
-            records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4]))
+            records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4],
+                                             names[6 * i:6 * i + 6]))
             if i & 255 == 255:
                 bar.update(256)
         bar.update(len(marks) & 255)
@@ -285,9 +295,12 @@ class _Inserter:
             axes_per_tensor[tensor] = axes_per_tensor.get(tensor, 0) + 1
         ready = _quantize_small(self.edit, [k for k in groups if k[0] not in self.narrow_weights], scales,
                                 INT8_QRANGE) if self.format is INT8 else {}
-        for (tensor, axis), marks in groups.items():
-            base = tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
-            records_w.append(self.weight(tensor, base, axis, marks, scales, ready.pop((tensor, axis), None)))
+        bases = [tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
+                 for tensor, axis in groups]
+        names = self.edit.fresh_names([f"{base}{suffix}" for base in bases for suffix in _WEIGHT_SUFFIXES])
+        for i, ((tensor, axis), marks) in enumerate(groups.items()):
+            records_w.append(self.weight(tensor, names[5 * i:5 * i + 5], axis, marks, scales,
+                                         ready.pop((tensor, axis), None)))
             bar.update(len(marks))
         bar.close()
         return InsertionResult(tuple(records_a), tuple(records_w))
@@ -311,40 +324,47 @@ class _Inserter:
         self.edit.insert(new_nodes, [n for n, _ in consumers])
 
     # -- the two kinds of insertion
-    def activation(self, mark: ActivationMark, amax: float, scale: float, scale_raw: bytes) -> dict:
+    def activation(self, mark: ActivationMark, amax: float, scale: float, scale_raw: bytes,
+                   names: Sequence[str]) -> dict:
         """One QuantizeLinear -> DequantizeLinear pair on ``mark.tensor`` for its listed consumers
         (``scale``: its float32 scale from `activation_scales` as a float, ``scale_raw``: as
-        4 little-endian bytes)."""
-        edit, target, base = self.edit, self.target, mark.tensor
-        consumers = [(edit.node(n), i) for n, i in mark.consumers]
+        4 little-endian bytes; ``names``: the fresh names of the tensor plus each of `_PAIR_SUFFIXES`, in
+        that order: scale, zero point, the two outputs, the two nodes)."""
+        edit, target, tensor = self.edit, self.target, mark.tensor
+        by_name = edit.by_name
+        consumers = [(by_name[n] if n in by_name else edit.node(n), i) for n, i in mark.consumers]
         zero_point = target.activation_zero_point if self.zero_points is None else \
-            self.zero_points.get(mark.tensor, target.activation_zero_point)
-        scale_name = edit.add_raw_initializer(f"{base}_scale", _FLOAT32, scale_raw)
+            self.zero_points.get(tensor, target.activation_zero_point)
+        scale_name, zp_name, q_out, dq_out, q_name, dq_name = names
         zp = self._zero_point((), zero_point, target.activation_dtype) if self.format is INT8 else \
             encoding.zero_point(self.format, ())
-        zp_name = edit.add_raw_initializer(f"{base}_zero_point", *zp)
-        q_out = edit.fresh(f"{base}_QuantizeLinear_Output")
-        dq_out = edit.fresh(f"{base}_DequantizeLinear_Output")
-        q = make_node("QuantizeLinear", edit.fresh(f"{base}_QuantizeLinear"),
-                      [mark.tensor, scale_name, zp_name], [q_out])
-        dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"),
-                       [q_out, scale_name, zp_name], [dq_out])
-        self.rewire([q, dq], consumers, dq_out)
-        record = {"kind": "activation", "tensor": mark.tensor, "quantize_node": q.name,
-                  "dequantize_node": dq.name, "amax": float(amax), "scale": scale,
+        edit.add_scalar_initializers((scale_name, zp_name), (_ONNX_FLOAT, onnx_type(zp[0])),
+                                     (scale_raw, zp[1]))
+        q = onnx.NodeProto(op_type="QuantizeLinear", name=q_name, input=[tensor, scale_name, zp_name],
+                           output=[q_out])
+        dq = onnx.NodeProto(op_type="DequantizeLinear", name=dq_name, input=[q_out, scale_name, zp_name],
+                            output=[dq_out])
+        for node, index in consumers:
+            node.input[index] = dq_out
+        edit.insert((q, dq), [n for n, _ in consumers], (q_out, dq_out))
+        record = {"kind": "activation", "tensor": tensor, "quantize_node": q_name,
+                  "dequantize_node": dq_name, "amax": float(amax), "scale": scale,
                   "scale_group": mark.scale_group, "consumers": [f"{n}:{i}" for n, i in mark.consumers],
                   "rule": mark.rule, "reason": mark.reason}
         if self.zero_points is not None:
             record["zero_point"] = int(zero_point)
         return record
 
-    def weight(self, tensor: str, base: str, axis: Optional[int], marks: List[WeightMark],
+    def weight(self, tensor: str, names: Sequence[str], axis: Optional[int], marks: List[WeightMark],
                scales: ScaleTable, ready=None) -> dict:
         """The stored weight (its format's encoding, `onnx_qat.formats.encoding.encode_weight`) +
-        a DequantizeLinear for one constant weight, for the marked inputs (``ready``: an INT8 weight's
+        a DequantizeLinear for one constant weight, for the marked inputs (``names``: the fresh names of
+        its base plus each of `_WEIGHT_SUFFIXES`, in that order; ``ready``: an INT8 weight's
         ``(q, scale, amax, constant)`` from `_quantize_small`, or None)."""
         edit, fmt = self.edit, self.format
-        consumers = [(edit.node(m.node), m.input_index) for m in marks]
+        by_name = edit.by_name
+        consumers = [(by_name[m.node] if m.node in by_name else edit.node(m.node), m.input_index)
+                     for m in marks]
         unsigned = tensor in self.unsigned_weights
         if ready is not None:
             q, scale, own_amax, (values, proto, chain) = ready
@@ -361,21 +381,26 @@ class _Inserter:
             encoded = encode_weight(fmt, values, use_axis, amax, block_size=self.block_size,
                                     unsigned=unsigned, name=tensor, qrange=qrange)
             source = "weights" if amax is None else "scale table"
-        q_name = edit.add_raw_initializer(f"{base}_quantized", *encoded.data)
-        scale_name = edit.add_initializer(f"{base}_scale", encoded.scale)
-        zp_name = edit.add_raw_initializer(f"{base}_zero_point", *encoded.zero)
-        dq = make_node("DequantizeLinear", edit.fresh(f"{base}_DequantizeLinear"),
-                       [q_name, scale_name, zp_name], [edit.fresh(f"{base}_DequantizeLinear_Output")],
-                       axis=None if encoded.axis is None else int(encoded.axis))
+        q_name, scale_name, zp_name, dq_name, dq_out = names
+        edit.add_initializers((q_name, scale_name, zp_name),
+                              (encoded.data, _scale_data(encoded.scale), encoded.zero))
+        dq = onnx.NodeProto(op_type="DequantizeLinear", name=dq_name, input=[q_name, scale_name, zp_name],
+                            output=[dq_out])
+        if encoded.axis is not None:
+            dq.attribute.append(_axis_attribute(int(encoded.axis)))
         if encoded.block_size is not None:
             dq.attribute.append(onnx.helper.make_attribute("block_size", int(encoded.block_size)))
-        self.rewire([dq], consumers, dq.output[0])
+        for node, index in consumers:
+            node.input[index] = dq_out
+        edit.insert((dq,), [n for n, _ in consumers], (dq_out,))
         # the float weight (and the Constant/Identity nodes making it) go once nothing else reads them
-        edit.release_if_unread(initializers=[proto.name] if not chain else
-                               [t for n in chain for t in n.input if edit.initializer(t) is not None],
-                               nodes=chain)
+        if chain:
+            edit.release_if_unread(initializers=[t for n in chain for t in n.input
+                                                 if edit.initializer(t) is not None], nodes=chain)
+        else:  # the weight is the initializer of its own name
+            edit.release_if_unread(initializers=(tensor,))
         record = {"kind": "weight", "tensor": tensor, "nodes": [f"{m.node}:{m.input_index}" for m in marks],
-                  "dequantize_node": dq.name, "initializer": q_name, "axis": encoded.axis,
+                  "dequantize_node": dq_name, "initializer": q_name, "axis": encoded.axis,
                   "channels": int(encoded.scale.size),
                   "zero_channels": int(np.count_nonzero(encoded.amax == 0)),
                   "amax_source": source, "rule": marks[0].rule, "reason": marks[0].reason}
@@ -388,6 +413,27 @@ class _Inserter:
         if tensor in self.narrow_weights:
             record["range"] = list(NARROW_WEIGHT_RANGE)
         return record
+
+
+_AXIS_ATTRIBUTES: Dict[int, onnx.AttributeProto] = {}
+
+
+def _axis_attribute(axis: int) -> onnx.AttributeProto:
+    """The ``axis`` attribute of value ``axis`` (made once per value; appending it to a node copies it)."""
+    found = _AXIS_ATTRIBUTES.get(axis)
+    if found is None:
+        found = _AXIS_ATTRIBUTES[axis] = onnx.AttributeProto(name="axis", type=onnx.AttributeProto.INT,
+                                                             i=axis)
+    return found
+
+
+def _scale_data(scale: np.ndarray) -> tuple:
+    """``(type, raw bytes, shape)`` of a weight's float32 scale, as `GraphEdit.add_initializers` takes
+    (another type: the array itself, stored as `onnx_qat.graph.edit.make_tensor` stores it)."""
+    scale = np.asarray(scale)
+    if scale.dtype != _FLOAT32:  # the encodings give float32; anything else as make_tensor stores it
+        return scale
+    return _FLOAT32, _le_bytes(scale), scale.shape
 
 
 def _block_range(scales: ScaleTable, tensor: str, axis: int, values: np.ndarray, block_size: int):
