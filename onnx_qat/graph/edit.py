@@ -198,13 +198,18 @@ class GraphEdit:
                     found.setdefault(tensor, []).append((node, i))
         return found
 
-    def live_nodes(self) -> Iterable[onnx.NodeProto]:
-        """The nodes of the result, in order (queued new nodes before their first reader)."""
+    def live_nodes(self) -> List[onnx.NodeProto]:
+        """The nodes of the result, in order (queued new nodes before their first reader), as a new list."""
+        before, removed = self._before, self._removed
+        live: List[onnx.NodeProto] = []
         for node in self.nodes:
-            yield from self._before.get(id(node), ())
-            if id(node) not in self._removed:
-                yield node
-        yield from self._tail
+            key = id(node)
+            if key in before:
+                live.extend(before[key])
+            if key not in removed:
+                live.append(node)
+        live.extend(self._tail)
+        return live
 
     # -- editing -------------------------------------------------------------------
     def add_initializer(self, base: str, values) -> str:
@@ -293,14 +298,19 @@ class GraphEdit:
     # -- result --------------------------------------------------------------------
     def commit(self) -> onnx.ModelProto:
         """The edited model as a new ModelProto (see the module docstring)."""
-        reads = self._read_counts()
+        live = self.live_nodes()
+        reads = self._read_counts(live)
+        dead = set()
         for node in self._maybe_dead:
             if id(node) in self._removed or any(reads.get(o, 0) for o in node.output):
                 continue
             self._removed.add(id(node))
+            dead.add(id(node))
             for tensor in node.input:
                 if tensor in reads:
                     reads[tensor] -= 1
+        if dead:
+            live = [node for node in live if id(node) not in dead]
         drop = {name for name in self._maybe_unread if not reads.get(name, 0)}
         source = self.model
         out = onnx.ModelProto()
@@ -311,7 +321,7 @@ class GraphEdit:
         for descriptor, value in source.graph.ListFields():
             if descriptor.name not in ("node", "initializer"):
                 _assign(graph, descriptor, value)
-        graph.node.extend(self.live_nodes())
+        graph.node.extend(live)
         kept = [t for t in source.graph.initializer if t.name not in drop and t.name in self.initializers]
         added = [t for name, t in self._new_initializers.items() if name not in drop]
         data_types = {t.data_type for t in kept} | {t.data_type for t in added}
@@ -327,9 +337,10 @@ class GraphEdit:
         out.ir_version = target_ir_version(out, data_types)  # the types read here, not in one more walk
         return out
 
-    def _read_counts(self) -> Dict[str, int]:
+    def _read_counts(self, live: Sequence[onnx.NodeProto]) -> Dict[str, int]:
         """How often each tensor that `release_if_unread` asks about (and the inputs of the
-        nodes it lists) is read by a live node, a graph output or a subgraph."""
+        nodes it lists) is read by a live node (of ``live``, `live_nodes`), a graph output or a
+        subgraph."""
         wanted = set(self._maybe_unread)
         for node in self._maybe_dead:
             wanted.update(node.output)
@@ -338,7 +349,7 @@ class GraphEdit:
         counts = dict.fromkeys(wanted, 0)
         if not wanted:
             return counts
-        for node in self.live_nodes():
+        for node in live:
             for tensor in node.input:
                 if tensor in counts:
                     counts[tensor] += 1

@@ -240,12 +240,14 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         ScalesError: a quantized activation has no range in ``scales``, or a weight range
             does not fit its weight. The edit is then incomplete: do not commit it.
     """
-    missing = missing_activations(placement, scales)
+    amaxes = group_amax(placement, scales)
+    missing = tuple(m.tensor for m in placement.activations if m.tensor not in amaxes)  # missing_activations
     if missing:
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"ScaleTable has no range for {len(missing)} quantized tensor(s): {shown}")
     return _Inserter(edit, get_target(target), zero_points, unsigned_weights, get_format(precision),
-                     block_size, full_range, narrow_weights, range_scales).run(placement, scales, progress)
+                     block_size, full_range, narrow_weights, range_scales).run(placement, scales, amaxes,
+                                                                               progress)
 
 
 class _Inserter:
@@ -265,8 +267,9 @@ class _Inserter:
         self.unsigned_weights = frozenset(unsigned_weights)
         self._zero_points: Dict[tuple, tuple] = {}  # see _zero_point
 
-    def run(self, placement: Placement, scales: ScaleTable, progress: bool) -> InsertionResult:
-        amaxes = group_amax(placement, scales)
+    def run(self, placement: Placement, scales: ScaleTable, amaxes: Dict[str, float],
+            progress: bool) -> InsertionResult:
+        """Insert every mark of ``placement`` (``amaxes``: its `group_amax` in ``scales``)."""
         bar = _progress(len(placement.activations) + len(placement.weights), progress)
         records_a, records_w = [], []
         marks = placement.activations
