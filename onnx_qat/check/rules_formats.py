@@ -16,7 +16,7 @@ Sources:
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Dict, Iterator, Optional
 
 from .report import ERROR, MODEL_NODE, WARNING, Finding
 
@@ -26,7 +26,8 @@ FLOAT8E4M3FN, FLOAT8E4M3FNUZ, FLOAT8E5M2, FLOAT8E5M2FNUZ = 17, 18, 19, 20
 UINT4, INT4 = 21, 22
 FLOAT8_TYPES = frozenset({FLOAT8E4M3FN, FLOAT8E4M3FNUZ, FLOAT8E5M2, FLOAT8E5M2FNUZ})
 FOUR_BIT_TYPES = frozenset({UINT4, INT4})
-_OTHER_TYPES = FLOAT8_TYPES | FOUR_BIT_TYPES
+#: The quantized types rules F1-F5 judge (not C4).
+OTHER_TYPES = FLOAT8_TYPES | FOUR_BIT_TYPES
 _NAMES = {FLOAT8E4M3FN: "float8e4m3fn", FLOAT8E4M3FNUZ: "float8e4m3fnuz", FLOAT8E5M2: "float8e5m2",
           FLOAT8E5M2FNUZ: "float8e5m2fnuz", UINT4: "uint4", INT4: "int4"}
 #: Block sizes [TRT-QS] lists for INT4 block quantization.
@@ -40,13 +41,33 @@ def quantized_type(g, node) -> Optional[int]:
     (rules C4, F1, F2 and F4 all ask: on a 10^5-node model each pass cost ~0.1 s)."""
     if g.qdq_at.get(node.pos) is not node:  # not one of the graph's own records: read it
         return _read_quantized_type(g, node)
+    return quantized_types(g)[node.pos]
+
+
+def quantized_types(g) -> Dict[int, Optional[int]]:
+    """`quantized_type` of every Q/DQ node of ``g``, by node position (read once per graph)."""
     types = g._memo.get(_TYPES_KEY)
     if types is None:
         types = g._memo[_TYPES_KEY] = {n.pos: _read_quantized_type(g, n) for n in g.qdq}
-    return types[node.pos]
+    return types
 
 
-_TYPES_KEY = "quantized_type"
+def block_sizes(g) -> Dict[int, int]:
+    """The ``block_size`` attribute of the Q/DQ nodes of ``g`` that have a non-zero one, by node position
+    in graph order (read once per graph: rules C6, F2 and F3 ask; most nodes have no attribute at all)."""
+    sizes = g._memo.get(_BLOCKS_KEY)
+    if sizes is None:
+        sizes = {}
+        for node in g.qdq:
+            if node.attrs:
+                size = _int_attr(node.attrs, "block_size")
+                if size:
+                    sizes[node.pos] = size
+        g._memo[_BLOCKS_KEY] = sizes
+    return sizes
+
+
+_TYPES_KEY, _BLOCKS_KEY = "quantized_type", "block_size"
 
 
 def _read_quantized_type(g, node) -> Optional[int]:
@@ -60,7 +81,7 @@ def _read_quantized_type(g, node) -> Optional[int]:
 
 def other_format(g, node) -> bool:
     """The node quantizes to a float8 or 4-bit type (rules F1-F5 judge it, not C4)."""
-    return quantized_type(g, node) in _OTHER_TYPES
+    return quantized_type(g, node) in OTHER_TYPES
 
 
 def blocked(node) -> bool:
@@ -78,8 +99,9 @@ def weight_only(g, tensor: str) -> bool:
 def _quantizing_to(graphs, types) -> Iterator[tuple]:
     """(graph, Q/DQ node, its quantized type, its name) for every Q/DQ node whose type is in ``types``."""
     for g in graphs:
+        found = quantized_types(g)
         for node in g.qdq:
-            dtype = quantized_type(g, node)
+            dtype = found[node.pos]
             if dtype in types:
                 yield g, node, dtype, g.name(node.pos)
 
@@ -121,12 +143,11 @@ def rule_f2_opset_of_form(model, graphs) -> Iterator[Finding]:
         return
     need = {}
     for g in graphs:
-        for node in g.qdq:
-            dtype = quantized_type(g, node)
-            if dtype in FLOAT8_TYPES:
-                need.setdefault(19, "float8 Q/DQ")
-            if dtype in FOUR_BIT_TYPES or blocked(node):
-                need.setdefault(21, "int4 or blockwise Q/DQ")
+        found = set(quantized_types(g).values())
+        if not found.isdisjoint(FLOAT8_TYPES):
+            need.setdefault(19, "float8 Q/DQ")
+        if not found.isdisjoint(FOUR_BIT_TYPES) or block_sizes(g):
+            need.setdefault(21, "int4 or blockwise Q/DQ")
     for version, what in sorted(need.items()):
         if opset < version:
             yield Finding("F2", ERROR, MODEL_NODE, f"{what} need opset >= {version}; the model imports "
@@ -143,11 +164,9 @@ def rule_f3_blocks(model, graphs) -> Iterator[Finding]:
     ``ceil(dim / block_size)`` on the block axis).
     """
     for g in graphs:
-        for node in g.qdq:
-            size = _int_attr(node.attrs, "block_size")
-            if not size:
-                continue
-            name = g.name(node.pos)
+        for pos, size in block_sizes(g).items():
+            node = g.qdq_at[pos]
+            name = g.name(pos)
             if size < 0:
                 yield Finding("F3", ERROR, name, f"block_size {size} is negative")
                 continue
@@ -236,4 +255,5 @@ def _int_attr(attrs, name: str, default=None):
     return default
 
 
-__all__ = ["RULES", "other_format", "blocked", "weight_only", "quantized_type"]
+__all__ = ["RULES", "OTHER_TYPES", "other_format", "blocked", "block_sizes", "weight_only", "quantized_type",
+           "quantized_types"]

@@ -24,10 +24,11 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
         # A constant int8 all-zero zero point is fine whatever else the node is: judged in one batch.
         zero_points = [node.zp for node in _qdq_nodes(g) if node.zp]
         good = g.prejudge("C4", zero_points, TensorProto.INT8, "i1", _is_zero, None)
+        types, other = rules_formats.quantized_types(g), rules_formats.OTHER_TYPES
         for node in _qdq_nodes(g):
             zp = node.zp
-            if zp in good or rules_formats.other_format(g, node):
-                continue  # FP8 and INT4 Q/DQ: their zero points are rules F1 and F5
+            if zp in good or types[node.pos] in other:
+                continue  # FP8 and INT4 Q/DQ (other_format): their zero points are rules F1 and F5
             name = g.name(node.pos)
             if not node.is_q and g.elem_type(node.data) == TensorProto.INT32:
                 continue  # a quantized bias: rule C3 reports it
@@ -175,9 +176,10 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
     for g in graphs:
         # Per-tensor scales (one element) need no further look: the shapes are judged once per scale.
         scale_shapes = g.multi_element_shapes({node.scale for node in _qdq_nodes(g)})
+        blocks = rules_formats.block_sizes(g)
         for node in _qdq_nodes(g):
             scale_shape = scale_shapes.get(node.scale)
-            if scale_shape is None or rules_formats.blocked(node):  # per tensor, or per block (rule F3)
+            if scale_shape is None or node.pos in blocks:  # per tensor, or per block (rule F3)
                 continue
             scale_size = math.prod(scale_shape)
             data = node.data
