@@ -546,10 +546,8 @@ def save_model(model: onnx.ModelProto, path: PathLike, *, inputs: Iterable = (),
 def _save(model: onnx.ModelProto, out: Path, ir: int, inputs: tuple, external_data_threshold: int,
           facts: _InitializerFacts, validate: bool) -> Path:
     label = f"output model {out}"
-    if model_byte_size(model, facts) <= external_data_threshold:
-        if model.ir_version != ir:
-            model = _with_ir_version(model, ir)
-        payload = _serialize(model)
+    payload = _one_file_payload(model, ir, facts, external_data_threshold)
+    if payload is not None:
         if validate:
             _check_serialized(payload, label)
         _write_atomic(out, payload)
@@ -561,6 +559,23 @@ def _save(model: onnx.ModelProto, out: Path, ir: int, inputs: tuple, external_da
     _save_with_external_data(model, out, data_path, ir)
     logger.info("saved %s with external data %s", out, data_path.name)
     return out
+
+
+def _one_file_payload(model: onnx.ModelProto, ir: int, facts: _InitializerFacts,
+                      threshold: int) -> Optional[bytes]:
+    """The bytes of ``model`` with IR version ``ir`` when they are at most ``threshold`` bytes, else None
+    (the model then goes to a file with external data). Serialized once: asking protobuf for the size
+    first (`model_byte_size`) would serialize the whole model one more time. Over 2 GB by the
+    initializers' estimate, nothing is serialized (see `model_byte_size`)."""
+    if facts.bytes >= 2 ** 31:
+        return None
+    if model.ir_version != ir:
+        model = _with_ir_version(model, ir)
+    try:
+        payload = model.SerializeToString()
+    except Exception:  # upb refuses messages over 2 GB
+        return None
+    return payload if len(payload) <= threshold else None
 
 
 def _with_ir_version(model: onnx.ModelProto, ir: int) -> onnx.ModelProto:
