@@ -147,6 +147,38 @@ def test_fresh_names_avoid_every_name_in_the_model_and_its_subgraphs():
         edit.node("missing")
 
 
+@pytest.mark.parametrize("bases, expected", [
+    (["p", "q", "s"], ["p", "q", "s"]),  # none taken: the bases themselves, in one step
+    (["p", "relu", "q", "relu", "relu_1", "w2_scale"],  # taken, repeated, and a name a later one takes
+     ["p", "relu_1", "q", "relu_2", "relu_1_1", "w2_scale_1"]),
+])
+def test_fresh_names_equal_one_fresh_call_per_name(bases, expected):
+    def made(batch):
+        model = _two_convs()
+        model.graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.float32), "w2_scale"))
+        edit = GraphEdit(model)
+        names = edit.fresh_names(bases) if batch else [edit.fresh(b) for b in bases]
+        return names, edit.fresh("p")  # and the names stay taken
+
+    assert made(True) == made(False) == (expected, "p_1")
+
+
+def test_added_initializers_equal_those_made_one_by_one():
+    scale = np.array([0.5, 0.25], np.float32)
+    one = GraphEdit(_two_convs())
+    one.add_raw_initializer("q", np.int8, b"\x01\xff", (2,))
+    one.add_initializer("s", scale)
+    one.add_raw_initializer("z", np.int8, b"\x00")
+    one.add_initializer("d", np.array([1.5], np.float64))
+    batch = GraphEdit(_two_convs())
+    names = batch.fresh_names(["q", "s", "z", "d"])
+    batch.add_initializers(names[:2], [(np.dtype(np.int8), b"\x01\xff", (2,)),
+                                       (np.dtype(np.float32), scale.tobytes(), scale.shape)])
+    batch.add_scalar_initializers(names[2:3], [TensorProto.INT8], [b"\x00"])
+    batch.add_initializers(names[3:], [np.array([1.5], np.float64)])
+    assert batch.commit() == one.commit()
+
+
 @pytest.mark.parametrize("axis", [0, 1, None])
 def test_batched_small_weights_equal_one_by_one_quantization(axis):
     """quantize_small_weights gives the very integers, scales and ranges of quantize_weight per weight,

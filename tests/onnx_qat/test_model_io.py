@@ -171,3 +171,28 @@ def test_tensor_array_equals_numpy_helper_for_raw_and_typed_fields(dtype):
         np.testing.assert_array_equal(got, values)
     scalar = numpy_helper.from_array(np.array(0.25, np.float32), "s")
     assert tensor_array(scalar).shape == () and float(tensor_array(scalar)) == 0.25
+
+
+@pytest.mark.parametrize("ir_version", [8, 14])
+def test_save_threshold_splits_by_the_size_of_the_bytes_written(tmp_path, ir_version):
+    """At most ``external_data_threshold`` bytes (counted as written, IR version lowered first):
+    one file equal to protobuf's own serialization; one byte less: the weights go to a ``.data``
+    file beside it, and both load to the same nodes and weights."""
+    model = _conv_model(ir_version=ir_version)
+    one, split = tmp_path / "one.onnx", tmp_path / "split.onnx"
+    save_model(model, one, ir_version=8)
+    size = one.stat().st_size
+    save_model(model, one, ir_version=8, external_data_threshold=size)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    copy.ir_version = 8
+    assert one.read_bytes() == copy.SerializeToString()
+    assert not (tmp_path / "one.onnx.data").exists()
+    save_model(model, split, ir_version=8, external_data_threshold=size - 1)
+    assert (tmp_path / "split.onnx.data").exists() and split.stat().st_size < size
+    loaded, whole = onnx.load(str(split)), onnx.load(str(one))
+    assert list(loaded.graph.node) == list(whole.graph.node)
+    arrays = {t.name: numpy_helper.to_array(t) for t in whole.graph.initializer}
+    assert {t.name for t in loaded.graph.initializer} == set(arrays)
+    for tensor in loaded.graph.initializer:
+        np.testing.assert_array_equal(numpy_helper.to_array(tensor), arrays[tensor.name])
