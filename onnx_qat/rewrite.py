@@ -582,7 +582,7 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> T
     and for ``auto`` choose among the candidate tables with this model and placement: the ScaleTable
     and the placement less the If branches / Loop bodies calibration could not observe (each named
     in a note and a warning, `onnx_qat.insertion.inserter.without_unreached_branches`)."""
-    from .calibration.runner import auto_table, collect, scale_qmax
+    from .calibration.runner import auto_table, collect
     from .io.data import load_data
 
     options = dict(calib_kw)
@@ -593,7 +593,7 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> T
                           "batch_size and tensors")
     dataset = load_data(data, model, what="calibration data")
     result = collect(model, dataset, tensors, method=method, progress=progress,
-                     qmax=scale_qmax(config.precision), **options)
+                     fp16_grid=config.target == "tensorrt", **options)
     reached = without_unreached_branches(placement, result.table())
     if reached.empty:
         raise PlacementError("nothing to quantize: the calibration data took no If branch (nor observed "

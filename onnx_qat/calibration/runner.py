@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
-from ..formats.scale_grid import fp16_grid_ranges, on_fp16_grid
+from ..formats.scale_grid import on_fp16_grid
 from ..scales import ScaleTable
 from .branches import make_runner
 from .choice import CHECK_SAMPLES, judge_samples
@@ -46,7 +46,8 @@ METHODS: Mapping[str, Callable[..., RangeCollector]] = {
 #: ``max`` on every real model measured (docs/sensitivity.md, "Calibration methods on real models").
 DEFAULT_METHOD = "auto"
 
-#: Default ``qmax`` of `collect`: INT8's (the ranges' scales ``amax / 127`` are FP16 values).
+#: The ``qmax`` of `collect`'s FP16 grid: INT8's, whatever the precision (one ScaleTable serves every
+#: precision, and the mixed-format search quantizes INT8 and FP8 sites from one table).
 SCALE_QMAX = 127.0
 #: amax given to a tensor that was zero on every sample (a ScaleTable refuses 0).
 ZERO_TENSOR_AMAX = 1e-6
@@ -257,9 +258,9 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
 
     Returns:
         A [`ScaleTable`][onnx_qat.scales.ScaleTable] of per-tensor activation amax whose
-        producer names the method. Each amax is raised by less than 2^-10 of itself so that its
-        scale (``amax / 127``; ``/ 448`` with ``config`` precision ``fp8``) is an FP16 value, unless
-        that scale lies outside FP16's normal range (`onnx_qat.formats.scale_grid`; the metadata key
+        producer names the method. For the ``tensorrt`` target (the default) each amax is raised by
+        at most 2^-10 of itself so that its scale ``amax / 127`` is an FP16 value, unless FP16 cannot
+        hold that scale within its precision (`onnx_qat.formats.scale_grid`; the metadata key
         ``scale_grid`` says so): FP16 float parts then hold the same scales as the FP32 model.
 
     Raises:
@@ -286,7 +287,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     dataset = load_data(data, proto, what="calibration data")
     result = collect(proto, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
                      batch_size=batch_size, progress=progress, workers=workers,
-                     qmax=scale_qmax(resolved.precision))
+                     fp16_grid=resolved.target == "tensorrt")
     if result.unobserved:
         logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
                        "that cannot be observed per iteration (e.g. %r); they get no range",
@@ -312,15 +313,6 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     return table
 
 
-def scale_qmax(precision: str) -> float:
-    """The ``qmax`` of `collect` for ``precision``: the format's (INT8 127, FP8 448); `SCALE_QMAX` for a
-    weight-only format (no activation is quantized with the ranges)."""
-    from ..formats.numeric import get_format
-
-    fmt = get_format(precision)
-    return SCALE_QMAX if fmt.weight_only else float(fmt.qmax)
-
-
 def auto_table(result: Calibration, best: str, cosines: Mapping[str, float]) -> ScaleTable:
     """``auto``'s ScaleTable: candidate ``best`` of ``result``, its metadata recording the per-tensor
     picks (``auto_choices``: the candidate names, or ``best`` everywhere for a whole-model table),
@@ -339,16 +331,17 @@ def auto_table(result: Calibration, best: str, cosines: Mapping[str, float]) -> 
 
 def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: str = DEFAULT_METHOD,
             percentile: float = 99.99, num_bins: int = 2048, batch_size: int = 16,
-            progress: bool = True, workers=1, qmax: float = SCALE_QMAX) -> Calibration:
+            progress: bool = True, workers=1, fp16_grid: bool = True) -> Calibration:
     """One calibration pass of ``model`` (a loaded float ModelProto, not changed) over ``dataset``
     (a `Dataset`), observing ``names``: the `Calibration` (ranges, and
     for ``auto`` the candidate tables, the check batches and the float outputs on them).
 
-    Every range it gives (the ranges, ``auto``'s candidate tables and every candidate range in
-    ``options``) is raised by less than 2^-10 of itself so that its scale ``amax / qmax`` (``qmax``:
-    the format's, 127 for INT8, 448 for FP8) is an FP16 value
+    With ``fp16_grid`` (the default; the TensorRT form's) every range it gives (the ranges,
+    ``auto``'s candidate tables and every candidate range in ``options``) is raised by at most 2^-10
+    of itself so that its INT8 scale ``amax / 127`` is an FP16 value
     ([`on_fp16_grid`][onnx_qat.formats.scale_grid.on_fp16_grid]): the FP32 Q/DQ model then holds
     the scales its FP16 float parts will hold, and whatever judges a table judges the grid written.
+    False (the ``ort-cpu`` form, FP32 only): the ranges as the collectors give them.
     With ``workers`` other than 1 (a count, None for as many as pay, or a `WorkerSpec`, Ray included)
     the batches are split over worker processes and the collectors merged exactly
     (`onnx_qat.calibration.parallel`).
@@ -395,17 +388,17 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
         from .auto import analyze
 
         analyze([observers[name].collector for name in names if name in reached])
-    ranges = fp16_grid_ranges({name: observer.result() for name, observer in observers.items()
-                               if name in reached}, qmax)
+    grid = functools.partial(on_fp16_grid, qmax=SCALE_QMAX) if fp16_grid else float
+    ranges = {name: grid(observer.result()) for name, observer in observers.items() if name in reached}
     bounds = {name: found for name in ranges for found in (observers[name].bounds(),) if found is not None}
     meta = {**_metadata(method, percentile, num_bins, dataset.num_samples),
-            "scale_grid": f"fp16 (amax / {qmax:g})"}
+            **({"scale_grid": f"fp16 (amax / {SCALE_QMAX:g})"} if fp16_grid else {})}
     producer = f"onnx_qat.calibrate(method={_describe(method, percentile)})"
     if method != "auto":
         return Calibration(ranges, unobserved, meta, producer, bounds=bounds)
 
     def guarded(value: float) -> float:
-        return on_fp16_grid(value if value > 0.0 else ZERO_TENSOR_AMAX, qmax)
+        return grid(value if value > 0.0 else ZERO_TENSOR_AMAX)
 
     candidates = {"max": {n: guarded(observers[n].collector.max_amax()) for n in ranges}, "tensor": ranges,
                   "entropy": {n: guarded(observers[n].collector.entropy_amax()) for n in ranges}}

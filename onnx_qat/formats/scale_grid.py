@@ -7,8 +7,9 @@ with it the INT8 grid of that activation: on the PP-OCR models that move alone c
 cosine by up to 0.003, in a direction only a measurement tells (docs/formats.md, "Where the angle
 classifier's drop came from"), while FP16 storage and arithmetic together cost 0.0003.
 
-So the ranges calibration computes (`onnx_qat.calibration.runner.collect`) are raised, each to the
-smallest range whose scale ``float32(amax / qmax)`` is an FP16 value (`on_fp16_grid`): the FP32 model
+So the ranges calibration computes for the TensorRT form (`onnx_qat.calibration.runner.collect`) are
+raised, each to the smallest range whose INT8 scale ``float32(amax / 127)`` is an FP16 value
+(`on_fp16_grid`): the FP32 model
 holds exactly the scales its FP16 form will hold, converting it moves no grid, and everything that
 judges the FP32 table (``auto``'s choice, ``--min-cosine``, ``--optimize accuracy``) judges the grid
 that is written. Raised, not rounded to nearest: no range shrinks below the calibrated one, so
@@ -26,6 +27,10 @@ Left as they are:
 * weight scales: a weight's codes are computed with its own scale, so an FP16 weight scale
   rescales the dequantized weight by less than 2^-11 (FP16 storage of that weight, which FP16
   float parts do anyway), and moves no activation grid;
+* FP8 scales (``amax / 448`` of the same ranges): one ScaleTable serves every precision and the
+  mixed-format search quantizes INT8 and FP8 sites from one table, so a range sits on one grid,
+  INT8's; the conversion rounds FP8 scales as it rounds given ones;
+* the ``ort-cpu`` form (FP32 only; its one-sided tensors keep onnxruntime's own scales);
 * BF16: its 8-bit significand would move every default scale by up to 2^-8 (four times FP16's
   step) for the sake of an option; BF16 float parts keep rounding the scales when they convert
   (up, or to nearest where the measurement says so).
@@ -36,10 +41,19 @@ from typing import Dict, Mapping
 
 import numpy as np
 
-from .float_cast import FP16
+#: The spacing of FP16 values just above 1 (its relative precision): a scale moves by at most this
+#: much of itself, as in the FP16 conversion's ``scale`` rule.
+FP16_EPS = 2.0 ** -10
 
-#: The type whose values calibrated activation scales take (`on_fp16_grid`).
-GRID_TYPE = FP16
+
+def fp16_round_up(scale: float) -> float:
+    """The smallest FP16 value not below ``scale`` (a float32 value >= 0), as a float; inf above
+    FP16's largest value (the same rounding as `onnx_qat.formats.float_cast.LowType.round_up`)."""
+    with np.errstate(over="ignore"):
+        half = np.float16(scale)
+        if np.float32(half) < np.float32(scale):
+            half = np.nextafter(half, np.float16(np.inf))
+    return float(half)
 
 
 def on_fp16_grid(amax: float, qmax: float) -> float:
@@ -55,11 +69,10 @@ def on_fp16_grid(amax: float, qmax: float) -> float:
     scale = np.float32(amax / qmax)
     if float(scale) < amax / qmax:  # float32 rounded it down: the next float32 up
         scale = np.nextafter(scale, np.float32(np.inf))
-    rounded = GRID_TYPE.round_up(np.asarray([scale], dtype=np.float32))[0]
-    moved = float(rounded) - float(scale)
-    if not (np.isfinite(rounded) and rounded > 0 and moved <= GRID_TYPE.eps * float(scale)):
+    rounded = fp16_round_up(scale)
+    if not (np.isfinite(rounded) and rounded > 0 and rounded - float(scale) <= FP16_EPS * float(scale)):
         return amax  # FP16 cannot hold it within its precision: the conversion keeps it FP32
-    return qmax * float(rounded)
+    return qmax * rounded
 
 
 def fp16_grid_ranges(ranges: Mapping[str, float], qmax: float) -> Dict[str, float]:

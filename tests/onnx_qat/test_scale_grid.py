@@ -21,7 +21,6 @@ from tests.builders import (
 )
 
 FP16 = get_low_type("fp16")
-QMAX = {"int8": 127.0, "fp8": 448.0}
 
 
 def _scales(model):
@@ -80,26 +79,43 @@ def test_the_grid_takes_exactly_the_scales_the_conversion_stores_in_fp16(seed):
             assert moved == float(s) * 127.0
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp8"])
 @pytest.mark.parametrize("method", ["max", "auto"])
 @pytest.mark.parametrize("scale", [1.0, 255.0])
-def test_the_fp32_forms_calibrated_activation_scales_are_fp16_values(precision, method, scale):
+def test_the_fp32_forms_calibrated_activation_scales_are_fp16_values(method, scale):
     model = residual_block_model(projection=True, seed=2)
     data = {k: v * scale for k, v in random_inputs(model, num=16, seed=2).items()}
-    result = onnx_qat.quantize(model, data=data, precision=precision, method=method, progress=False)
+    result = onnx_qat.quantize(model, data=data, method=method, progress=False)
     scales = _scales(result.model)
     assert len(scales) >= 3
     for name, values in scales.items():
         assert values.dtype == np.float32 and np.all(values >= 2.0 ** -14)  # in FP16's normal range here
         assert np.array_equal(values.astype(np.float16).astype(np.float32), values), name
     # the table says so, and its ranges give exactly the scales written
-    assert result.scales.metadata["scale_grid"] == f"fp16 (amax / {QMAX[precision]:g})"
+    assert result.scales.metadata["scale_grid"] == "fp16 (amax / 127)"
     written = _quantize_scales(result.model)
     raw = amax_table_each(model, data, tensors=list(written)).activations if method == "max" else {}
     for tensor, s in written.items():
-        assert s == np.float32(result.scales.activations[tensor] / QMAX[precision])
+        assert s == np.float32(result.scales.activations[tensor] / 127.0)
         if tensor in raw:  # max: the calibrated max, raised by less than one FP16 step, never lowered
-            assert raw[tensor] * (1 - 1e-6) <= s * QMAX[precision] < raw[tensor] * (1 + 2.0 ** -10)
+            assert raw[tensor] * (1 - 1e-6) <= s * 127.0 < raw[tensor] * (1 + 2.0 ** -10)
+
+
+def test_fp8_takes_the_same_ranges_and_ort_cpu_the_plain_ones():
+    """One table serves every precision: FP8 calibrates the INT8 grid's ranges (its scales amax/448 are
+    rounded by the FP16 conversion); the ort-cpu form (FP32 only) keeps the collectors' ranges."""
+    model = residual_block_model(projection=True, seed=5)
+    data = random_inputs(model, num=16, seed=5)
+    int8 = onnx_qat.quantize(model, data=data, method="max", progress=False).scales
+    fp8 = onnx_qat.quantize(model, data=data, method="max", precision="fp8", progress=False).scales
+    assert fp8.activations == {k: v for k, v in int8.activations.items() if k in fp8.activations}
+    cpu = onnx_qat.quantize(model, data=data, method="max", target="ort-cpu", progress=False).scales
+    raw = amax_table_each(model, data, tensors=["input", "relu1_out"]).activations
+    assert "scale_grid" not in cpu.metadata
+    assert all(cpu.activations[k] == pytest.approx(raw[k], rel=1e-6) for k in raw)  # the plain maxima
+    assert any(np.float16(np.float32(v / 127.0)) != np.float32(v / 127.0) for v in cpu.activations.values())
+    table = onnx_qat.calibrate(model, data, method="max", target="ort-cpu", progress=False)
+    assert "scale_grid" not in table.metadata
+    assert all(table.activations[k] == pytest.approx(raw[k], rel=1e-6) for k in raw)
 
 
 def test_calibrate_gives_the_same_grid_as_quantize():
@@ -180,3 +196,11 @@ def test_the_fp16_form_tracks_the_fp32_form(build, seed, scale):
     assert cosine(out32, out16) >= c32 - 0.002 and cosine(out32, out16) > 0.995
     rounding = fp16.float_parts.measurement["scale_rounding"]
     assert rounding["drop_up"] == rounding["drop_nearest"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_grids_round_up_is_the_conversions(seed):
+    from onnx_qat.formats.scale_grid import fp16_round_up
+
+    values = np.exp(np.random.default_rng(seed).uniform(np.log(1e-9), np.log(1e6), 5000)).astype(np.float32)
+    assert np.array_equal(np.array([fp16_round_up(v) for v in values], np.float32), FP16.round_up(values))
