@@ -204,3 +204,26 @@ def test_the_grids_round_up_is_the_conversions(seed):
 
     values = np.exp(np.random.default_rng(seed).uniform(np.log(1e-9), np.log(1e6), 5000)).astype(np.float32)
     assert np.array_equal(np.array([fp16_round_up(v) for v in values], np.float32), FP16.round_up(values))
+
+
+@pytest.mark.parametrize("seed, scale", [(0, 1.0), (1, 255.0)])
+def test_every_range_auto_and_the_range_search_choose_from_is_on_the_grid(seed, scale):
+    """auto's candidate tables and every candidate range kept for --min-cosine / --optimize accuracy
+    are on the grid too: whatever they choose is the grid that is written."""
+    from onnx_qat.calibration.runner import collect
+    from onnx_qat.io.data import load_data
+
+    model = residual_block_model(projection=True, seed=seed)
+    data = {k: v * scale for k, v in random_inputs(model, num=16, seed=seed).items()}
+    tensors = onnx_qat.place(model).activation_tensors()
+    found = collect(model, load_data(data, model), tensors, method="auto", progress=False)
+    values = [v for table in found.candidates.values() for v in table.values()]
+    values += [v for options in found.options.values() for v in options.values()]
+    assert len(values) > 3 * len(tensors)
+    for amax in values:
+        s = np.float32(amax / 127.0)
+        assert np.float16(s) == s and on_fp16_grid(amax, 127.0) == amax
+    plain = collect(model, load_data(data, model), tensors, method="auto", progress=False, fp16_grid=False)
+    assert plain.ranges.keys() == found.ranges.keys()
+    for name, amax in plain.ranges.items():
+        assert found.ranges[name] == on_fp16_grid(amax, 127.0) and "scale_grid" not in plain.metadata
