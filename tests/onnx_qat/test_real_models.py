@@ -263,11 +263,10 @@ def test_angle_classifier_sensitivity_and_min_cosine_reach_what_max_misses(cls_m
 def test_angle_classifier_fp16_float_parts_within_the_budget_on_256_lines(cls_model):
     """``--float-dtype fp16`` on PP-OCR's angle classifier, judged on 256 rendered text lines (both
     angles) it was never calibrated on: check clean, and the output cosine (FP16 storage emulated)
-    within 0.002 of the FP32 float parts'. The activation scales are stored rounded up to FP16;
-    stored rounded to the nearest value instead, the same model loses more (measured +0.0023 on
-    these lines, against -0.0007)."""
-    from onnx import numpy_helper
-
+    within 0.002 of the FP32 float parts' (measured -0.00017). The calibrated activation scales are
+    FP16 values in the FP32 form already (onnx_qat.formats.scale_grid), so the FP16 form stores every
+    one of them unchanged and the two forms quantize on the same grid. (Before, the conversion
+    rounded FP32 scales: to nearest it lost +0.0023 on these lines, up -0.0007.)"""
     from onnx_qat.formats.float_parts import activation_scales, emulate_in_fp32
     from onnx_qat.io.models import tensor_array
     from tools.float_parts_models import _angle_lines
@@ -287,13 +286,11 @@ def test_angle_classifier_fp16_float_parts_within_the_budget_on_256_lines(cls_mo
     c16 = cosine(ref, outputs(low))
     assert c16 >= c32 - 0.002, (c32, c16)
     originals = {t.name: tensor_array(t) for t in fp32.model.graph.initializer}
-    nearest, acts = emulate_in_fp32(fp16.model), activation_scales(fp32.model)
-    for t in nearest.graph.initializer:
-        if t.name in acts:
-            assert np.all(tensor_array(t) >= originals[t.name])
-            rounded = originals[t.name].astype(np.float16).astype(np.float32)
-            t.CopyFrom(numpy_helper.from_array(rounded, t.name))
-    assert cosine(ref, outputs(nearest)) < c16 - 0.001
+    acts = activation_scales(fp32.model)
+    stored = {t.name: tensor_array(t) for t in fp16.model.graph.initializer if t.name in acts}
+    assert len(stored) == len(acts) > 50
+    for name, values in stored.items():
+        assert values.dtype == np.float16 and np.array_equal(values.astype(np.float32), originals[name]), name
 
 
 # --------------------------------------------------------------------------- --optimize accuracy
