@@ -592,7 +592,8 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> T
         raise ConfigError(f"unknown calibration option {unknown[0]!r}; the options are percentile, num_bins, "
                           "batch_size and tensors")
     dataset = load_data(data, model, what="calibration data")
-    result = collect(model, dataset, tensors, method=method, progress=progress, **options)
+    result = collect(model, dataset, tensors, method=method, progress=progress,
+                     fp16_grid=config.target == "tensorrt", **options)
     reached = without_unreached_branches(placement, result.table())
     if reached.empty:
         raise PlacementError("nothing to quantize: the calibration data took no If branch (nor observed "

@@ -685,6 +685,17 @@ def amax_table(model: onnx.ModelProto, feeds: Dict[str, np.ndarray], tensors: Op
     return ScaleTable(table, producer="tests.builders.amax_table")
 
 
+def amax_table_each(model: onnx.ModelProto, feeds: Dict[str, np.ndarray],
+                    tensors: Optional[Iterable[str]] = None):
+    """`amax_table` of a model that takes batch 1: one run per sample, the largest amax of each tensor."""
+    from onnx_qat.scales import ScaleTable
+
+    count = len(next(iter(feeds.values())))
+    tables = [amax_table(model, {k: v[i:i + 1] for k, v in feeds.items()}, tensors).activations
+              for i in range(count)]
+    return ScaleTable({n: max(t[n] for t in tables) for n in tables[0]}, producer="tests.builders.amax_table")
+
+
 # --------------------------------------------------------------------------- graph queries
 def _producers(model) -> Dict[str, onnx.NodeProto]:
     return {o: n for n in model.graph.node for o in n.output}

@@ -24,8 +24,10 @@ with TensorFlow in a child process once, into the workdir; inputs 0..255).
 ``--eval-large`` measures on more evaluation inputs where more can be made: 256 text lines for the
 PP-OCR angle classifier (random phrases of the evaluation vocabulary, both angles, seeded;
 ``--angle-lines`` sets the count) instead of its 16, the PP-OCR detector's 8 evaluation inputs
-and 32 more rendered pages of 6 random phrases each (``--detector-pages``), and 64 images instead
-of 8 for the Keras models. A drop of 0.002 in the output cosine is below what 8 or 16 samples
+and 32 more rendered pages of 6 random phrases each (``--detector-pages``), the document
+orientation classifier's 16 and 64 more rendered pages of 4 random phrases each, turned by 0, 90,
+180 and 270 degrees in turn (``--orientation-pages``), and 64 images instead of 8 for the Keras
+models. A drop of 0.002 in the output cosine is below what 8 or 16 samples
 resolve on some models (see the rounding-noise column); the larger set tells a real FP16 cost from
 a few samples near a decision boundary. The line above the table gives the machine (CPU model,
 cores) and the load average at the start and end of the run.
@@ -98,6 +100,26 @@ def _detector_pages(count: int = 32, seed: int = 0) -> Dict[str, np.ndarray]:
     pages = [real_models._page([phrase() for _ in range(6)], 320) for _ in range(count)]
     more = real_models._normalise(pages, *real_models.IMAGENET, bgr=True)
     return {"x": np.concatenate([real_models.inputs("ocr-det", "eval")["x"], more])}
+
+
+def _orientation_pages(count: int = 64, seed: int = 0) -> Dict[str, np.ndarray]:
+    """The document orientation classifier's 16 evaluation inputs and ``count`` more 224 x 224 pages of
+    4 lines of 2-5 random words of the evaluation vocabulary each (seeded), turned by 0, 90, 180 and
+    270 degrees in turn, normalized as its inputs are."""
+    import random
+
+    from tools import real_models
+
+    rng = random.Random(seed)
+    vocab = " ".join(real_models.EVAL_WORDS).split()
+
+    def phrase() -> str:
+        return " ".join(rng.choice(vocab) for _ in range(rng.randint(2, 5)))
+
+    pages = [np.ascontiguousarray(np.rot90(real_models._page([phrase() for _ in range(4)], 224), k=i % 4))
+             for i in range(count)]
+    more = real_models._normalise(pages, *real_models.IMAGENET)
+    return {"x": np.concatenate([real_models.inputs("orientation", "eval")["x"], more])}
 
 
 def _outputs(model, feeds, exact: bool = True) -> np.ndarray:
@@ -304,6 +326,9 @@ def main(argv=None) -> int:
                         help="with --eval-large: text lines for the angle classifier (default 256)")
     parser.add_argument("--detector-pages", type=int, default=32,
                         help="with --eval-large: pages added to the detector's 8 inputs (default 32)")
+    parser.add_argument("--orientation-pages", type=int, default=64,
+                        help="with --eval-large: pages added to the orientation classifier's 16 inputs "
+                             "(default 64)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     start = machine()
@@ -332,6 +357,8 @@ def main(argv=None) -> int:
                     evaluation = _angle_lines(args.angle_lines)
                 elif args.eval_large and name == "ocr-det":
                     evaluation = _detector_pages(args.detector_pages)
+                elif args.eval_large and name == "orientation":
+                    evaluation = _orientation_pages(args.orientation_pages)
             else:
                 path = keras_app(name, workdir / f"keras_{name}_{args.size}.onnx", args.size)
                 calib, evaluation = (

@@ -9,7 +9,14 @@ tools/rewrite_identity.py /tmp/before; git stash pop; python tools/rewrite_ident
 transformer block built in code (``tests/builders.py``), each for the ``tensorrt`` and ``ort-cpu`` targets
 and INT8, FP8 and INT4; the benchmark's residual net of 10,000 nodes; and the real PP-OCRv4 detector when
 ``make real-models`` has cached it (``~/.cache/onnx-qat-real-models``). Each model's ScaleTable comes from
-``max`` calibration on fixed random inputs, computed once per run (the calibration is not what is compared).
+``max`` calibration on fixed random inputs, computed once per run (the calibration is not what is compared),
+and is written beside the models as ``<case>.scales.json``. ``--tables DIR`` reads the tables from such a
+directory instead of calibrating: the rewrite from the very same given scales, whatever the calibration of
+the version at hand gives. Compare across a change of the calibration that way: since 2026-11-27 calibrated
+ranges are raised so that their scales are FP16 values (``onnx_qat.formats.scale_grid``), so every case
+calibrated by an older version differs, while the rewrite from given scales stays byte for byte the same
+(``python tools/rewrite_identity.py /tmp/after --tables /tmp/before --compare /tmp/before``, with
+``/tmp/before`` written by a version that writes the tables).
 """
 from __future__ import annotations
 
@@ -27,8 +34,9 @@ if str(ROOT) not in sys.path:
 REAL_DETECTOR = Path.home() / ".cache" / "onnx-qat-real-models" / "models" / "ocr-det.onnx"
 
 
-def _models():
-    """``{name: (ModelProto, ScaleTable)}`` of every case's float model and its table."""
+def _models(tables=None):
+    """``{name: (ModelProto, ScaleTable)}`` of every case's float model and its table (read from
+    ``tables/<name>.scales.json`` when ``tables`` is a directory, else calibrated)."""
     import numpy as np
     import onnx
 
@@ -50,6 +58,9 @@ def _models():
         tensors = onnx_qat.place(model).activation_tensors() + \
             onnx_qat.place(model, precision="fp8").activation_tensors() + tuple(
             n.output[0] for n in model.graph.node if n.op_type == "Conv")
+        if tables is not None:
+            cases[name] = (model, onnx_qat.ScaleTable.load(Path(tables) / f"{name}.scales.json"))
+            continue
         cases[name] = (model, onnx_qat.calibrate(model, feeds, method="max", progress=False,
                                                  tensors=tuple(dict.fromkeys(tensors))))
     residual, table = bench_models.residual_net(10_000)
@@ -57,13 +68,16 @@ def _models():
     return cases
 
 
-def write(out: Path) -> dict:
-    """Write every case's Q/DQ model under ``out``; ``{file name: sha256}``."""
+def write(out: Path, tables=None) -> dict:
+    """Write every case's Q/DQ model and ScaleTable under ``out`` (the tables read from ``tables``
+    when given); ``{model file name: sha256}``."""
     import onnx_qat
 
     out.mkdir(parents=True, exist_ok=True)
     digests = {}
-    for name, (model, table) in _models().items():
+    for name, (model, table) in _models(tables).items():
+        if name != "residual_10k":  # the benchmark's table is built, not calibrated
+            table.save(out / f"{name}.scales.json")
         variants = [("tensorrt", "int8"), ("ort-cpu", "int8")]
         if name in ("resblock", "transformer"):
             variants.append(("tensorrt", "fp8"))
@@ -83,9 +97,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="directory to write the Q/DQ models and digests.json to")
     parser.add_argument("--compare", type=Path, help="a directory written the same way to compare with")
+    parser.add_argument("--tables", type=Path,
+                        help="read each case's ScaleTable from DIR/<case>.scales.json instead of calibrating")
     args = parser.parse_args(argv)
     logging.getLogger("onnx_qat").setLevel(logging.ERROR)  # the cases' notes are not what is compared
-    digests = write(args.out)
+    digests = write(args.out, args.tables)
     print(f"wrote {len(digests)} models to {args.out}")
     if args.compare is None:
         return 0

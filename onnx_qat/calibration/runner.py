@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
+from ..formats.scale_grid import on_fp16_grid
 from ..scales import ScaleTable
 from .branches import make_runner
 from .choice import CHECK_SAMPLES, judge_samples
@@ -45,6 +46,9 @@ METHODS: Mapping[str, Callable[..., RangeCollector]] = {
 #: ``max`` on every real model measured (docs/sensitivity.md, "Calibration methods on real models").
 DEFAULT_METHOD = "auto"
 
+#: The ``qmax`` of `collect`'s FP16 grid: INT8's, whatever the precision (one ScaleTable serves every
+#: precision, and the mixed-format search quantizes INT8 and FP8 sites from one table).
+SCALE_QMAX = 127.0
 #: amax given to a tensor that was zero on every sample (a ScaleTable refuses 0).
 ZERO_TENSOR_AMAX = 1e-6
 #: Magnitudes at or above this are treated like infinities: masking constants such as -1e9 or
@@ -254,11 +258,15 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
 
     Returns:
         A [`ScaleTable`][onnx_qat.scales.ScaleTable] of per-tensor activation amax whose
-        producer names the method.
+        producer names the method. For the ``tensorrt`` target (the default) each amax is raised by
+        at most 2^-10 of itself so that its scale ``amax / 127`` is an FP16 value, unless FP16 cannot
+        hold that scale within its precision (`onnx_qat.formats.scale_grid`; the metadata key
+        ``scale_grid`` says so): FP16 float parts then hold the same scales as the FP32 model.
 
     Raises:
         ModelError, DataError, ConfigError, PlacementError, OutputError: one line each.
     """
+    from ..config import QuantizeConfig
     from ..io.data import load_data
     from ..io.layout import with_layout
     from ..io.files import check_output_path
@@ -271,13 +279,15 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     if output is not None:
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
     proto = load_model(model)
+    resolved = QuantizeConfig.from_options(config, **placement_options)
     placement = None
     if tensors is None or method == "auto":  # auto's tables are judged with the placement
         placement = _placement(proto, config, placement_options)
     names = _tensors_to_observe(placement if tensors is None else None, tensors, config, placement_options)
     dataset = load_data(data, proto, what="calibration data")
     result = collect(proto, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
-                     batch_size=batch_size, progress=progress, workers=workers)
+                     batch_size=batch_size, progress=progress, workers=workers,
+                     fp16_grid=resolved.target == "tensorrt")
     if result.unobserved:
         logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
                        "that cannot be observed per iteration (e.g. %r); they get no range",
@@ -285,11 +295,9 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     if method != "auto":
         table = result.table()
     else:
-        from ..config import QuantizeConfig
         from ..insertion.inserter import missing_activations, without_unreached_branches
         from .choice import choose
 
-        resolved = QuantizeConfig.from_options(config, **placement_options)
         reached = without_unreached_branches(placement, result.table())
         if missing_activations(reached, result.table()):
             logger.warning("auto calibration: the tensors observed leave out activations placement "
@@ -323,10 +331,17 @@ def auto_table(result: Calibration, best: str, cosines: Mapping[str, float]) -> 
 
 def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: str = DEFAULT_METHOD,
             percentile: float = 99.99, num_bins: int = 2048, batch_size: int = 16,
-            progress: bool = True, workers=1) -> Calibration:
+            progress: bool = True, workers=1, fp16_grid: bool = True) -> Calibration:
     """One calibration pass of ``model`` (a loaded float ModelProto, not changed) over ``dataset``
     (a `Dataset`), observing ``names``: the `Calibration` (ranges, and
     for ``auto`` the candidate tables, the check batches and the float outputs on them).
+
+    With ``fp16_grid`` (the default; the TensorRT form's) every range it gives (the ranges,
+    ``auto``'s candidate tables and every candidate range in ``options``) is raised by at most 2^-10
+    of itself so that its INT8 scale ``amax / 127`` is an FP16 value
+    ([`on_fp16_grid`][onnx_qat.formats.scale_grid.on_fp16_grid]): the FP32 Q/DQ model then holds
+    the scales its FP16 float parts will hold, and whatever judges a table judges the grid written.
+    False (the ``ort-cpu`` form, FP32 only): the ranges as the collectors give them.
     With ``workers`` other than 1 (a count, None for as many as pay, or a `WorkerSpec`, Ray included)
     the batches are split over worker processes and the collectors merged exactly
     (`onnx_qat.calibration.parallel`).
@@ -373,15 +388,17 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
         from .auto import analyze
 
         analyze([observers[name].collector for name in names if name in reached])
-    ranges = {name: observer.result() for name, observer in observers.items() if name in reached}
+    grid = functools.partial(on_fp16_grid, qmax=SCALE_QMAX) if fp16_grid else float
+    ranges = {name: grid(observer.result()) for name, observer in observers.items() if name in reached}
     bounds = {name: found for name in ranges for found in (observers[name].bounds(),) if found is not None}
-    meta = _metadata(method, percentile, num_bins, dataset.num_samples)
+    meta = {**_metadata(method, percentile, num_bins, dataset.num_samples),
+            **({"scale_grid": f"fp16 (amax / {SCALE_QMAX:g})"} if fp16_grid else {})}
     producer = f"onnx_qat.calibrate(method={_describe(method, percentile)})"
     if method != "auto":
         return Calibration(ranges, unobserved, meta, producer, bounds=bounds)
 
     def guarded(value: float) -> float:
-        return value if value > 0.0 else ZERO_TENSOR_AMAX
+        return grid(value if value > 0.0 else ZERO_TENSOR_AMAX)
 
     candidates = {"max": {n: guarded(observers[n].collector.max_amax()) for n in ranges}, "tensor": ranges,
                   "entropy": {n: guarded(observers[n].collector.entropy_amax()) for n in ranges}}

@@ -12,7 +12,10 @@ shrinks below the calibrated one; a weight's DequantizeLinear scale is rounded t
 value. With data, the activation scales rounded to the nearest value are measured too, and the
 rounding whose output cosine stays closer to the FP32 float parts' is kept (a change of less than
 one FP16 step in every activation scale moves an INT8 model's cosine by about the budget, in either
-direction). It keeps FP32 what must stay FP32, each with its reason
+direction). Activation scales this project calibrates are FP16 values already
+(`onnx_qat.formats.scale_grid`): both roundings leave them as they are, the FP16 form quantizes on
+the FP32 form's grid, and the second measurement is skipped; the rounding matters for scales a user
+gave, and for BF16. It keeps FP32 what must stay FP32, each with its reason
 ([`KeptNode`][onnx_qat.formats.float_parts.KeptNode]):
 
 ========== ===============================================================================

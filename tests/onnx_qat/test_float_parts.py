@@ -19,6 +19,7 @@ from onnx_qat.formats.float_parts import (
 )
 from tests.builders import (
     GraphBuilder,
+    amax_table_each,
     assert_check_clean,
     conv_bn_relu_model,
     cosine,
@@ -546,14 +547,15 @@ def _stored_scales(fp32_model, low_model, low):
 @pytest.mark.parametrize("seed, scale", [(1, 1.0), (2, 30.0)])
 def test_activation_scales_round_up_weight_scales_to_nearest(dtype, seed, scale):
     """Without data: an activation's Q/DQ scale is stored in the low type rounded up, so 127 x scale
-    still covers the calibrated amax (no value the calibration saw is clipped); a weight's
-    DequantizeLinear scale is stored to the nearest value."""
+    still covers the given amax (no value the calibration saw is clipped); a weight's
+    DequantizeLinear scale is stored to the nearest value. The ranges are given (the table of the
+    plain maxima): calibration's own scales are FP16 values already (test_scale_grid.py)."""
     from onnx_qat.formats.float_parts import activation_scales, get_low_type
 
     low = get_low_type(dtype)
     model = residual_block_model(projection=True, seed=seed)
     data = {k: v * scale for k, v in random_inputs(model, num=8, seed=seed).items()}
-    fp32 = onnx_qat.quantize(model, data=data, method="max", progress=False)
+    fp32 = onnx_qat.quantize(model, scales=amax_table_each(model, data), progress=False)
     low_model = cast_float_parts(fp32.model, dtype, scales=fp32.scales).model
     assert_check_clean(low_model)
     stored = _stored_scales(fp32.model, low_model, low)
@@ -579,16 +581,20 @@ def test_activation_scales_round_up_weight_scales_to_nearest(dtype, seed, scale)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_with_data_the_measured_better_scale_rounding_is_kept_and_reported(seed):
     """With data, both roundings of the activation scales are measured and the one whose output
-    cosine stays closer to the FP32 float parts' is kept; the report says which, with both drops."""
+    cosine stays closer to the FP32 float parts' is kept; the report says which, with both drops.
+    The ranges are given (the plain maxima, off the FP16 grid): calibration's own scales are FP16
+    values already, with nothing to choose (test_scale_grid.py)."""
     from onnx_qat.formats.float_parts import activation_scales, get_low_type
 
     low = get_low_type("fp16")
     model = residual_block_model(projection=True, seed=seed)
     data = random_inputs(model, num=16, seed=seed)
-    fp32 = onnx_qat.quantize(model, data=data, method="max", progress=False)
-    result = onnx_qat.quantize(model, data=data, method="max", float_dtype="fp16", progress=False)
+    given = amax_table_each(model, data)
+    fp32 = onnx_qat.quantize(model, scales=given, progress=False)
+    result = cast_float_parts(fp32.model, "fp16", scales=given, data=data, reference=model)
     assert_check_clean(result.model)
-    rounding = result.float_parts.measurement["scale_rounding"]
+    rounding = result.measurement["scale_rounding"]
+    assert rounding["drop_up"] != rounding["drop_nearest"]  # given scales off the grid: two roundings
     assert rounding["chosen"] in ("up", "nearest")
     assert rounding["chosen"] == ("nearest" if rounding["drop_nearest"] < rounding["drop_up"] else "up")
     stored = _stored_scales(fp32.model, result.model, low)
@@ -596,7 +602,7 @@ def test_with_data_the_measured_better_scale_rounding_is_kept_and_reported(seed)
         s32, s_low = stored[name]
         want = low.round_up(s32) if rounding["chosen"] == "up" else low.round(s32)
         assert np.array_equal(s_low, np.maximum(want, np.float32(low.tiny))), name
-    outputs = result.float_parts.measurement["outputs"]["output"]
+    outputs = result.measurement["outputs"]["output"]
     assert outputs["cosine_fp32"] - outputs["cosine"] == pytest.approx(
         min(rounding["drop_up"], rounding["drop_nearest"]), abs=1e-9)
 

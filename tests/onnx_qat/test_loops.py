@@ -16,6 +16,7 @@ from onnx import helper, numpy_helper
 import onnx_qat
 from onnx_qat.calibration.branches import BranchRunner
 from onnx_qat.errors import ModelError
+from onnx_qat.formats.scale_grid import on_fp16_grid
 from onnx_qat.graph.subgraphs import expose_iterations
 from tests.builders import (assert_check_clean, cosine, growing_loop_model, if_cnn_model, loop_cnn_model, run,
                             scan_rnn_model)
@@ -144,6 +145,11 @@ def test_subgraph_rule_scan_rnn_body_calibrated_quantized_and_close_to_float(see
         assert np.abs(ref - got).max() < bound * np.abs(ref).max()
 
 
+def _grid(amax) -> float:
+    """A calibrated max as calibration gives it: raised so that amax / 127 is an FP16 value."""
+    return on_fp16_grid(float(amax), 127.0)
+
+
 def test_calibrated_loop_body_range_is_the_max_over_every_iteration():
     model = loop_cnn_model(seed=3)
     images = _images(6, 7, 1.0)
@@ -152,9 +158,11 @@ def test_calibrated_loop_body_range_is_the_max_over_every_iteration():
     xs, relus = _unrolled_loop_cnn(model, images)
     per_iteration = [np.abs(v).max() for v in xs]
     assert len(set(np.round(per_iteration, 4))) == 3, "iterations should differ for this test to mean much"
-    assert table.activations["x"] == pytest.approx(max(per_iteration), rel=1e-4)
-    assert table.activations["l_relu1_out"] == pytest.approx(max(np.abs(v).max() for v in relus), rel=1e-4)
-    assert table.activations["stem_relu_out"] == pytest.approx(per_iteration[0], rel=1e-4)
+    # each max raised to the FP16 grid of scales as calibration raises every range (formats.scale_grid)
+    assert table.activations["x"] == pytest.approx(_grid(max(per_iteration)), rel=1e-4)
+    relu_max = max(np.abs(v).max() for v in relus)
+    assert table.activations["l_relu1_out"] == pytest.approx(_grid(relu_max), rel=1e-4)
+    assert table.activations["stem_relu_out"] == pytest.approx(_grid(per_iteration[0]), rel=1e-4)
     # the histogram methods see the values of all iterations pooled: the median of |x| over the three
     # iterations is none of the iterations' own medians (0, 0.40, 0.64 here)
     median = onnx_qat.calibrate(model, {"input": images}, tensors=["x"], method="percentile", percentile=50.0,
@@ -175,9 +183,10 @@ def test_calibrated_scan_body_range_is_the_max_over_every_step(axes_given):
     table = onnx_qat.calibrate(model, {"input": sequences}, tensors=["h", "x_t", "r_rec_out"], method="max",
                                batch_size=3, progress=False)
     hs, xs, recs = _unrolled_scan_rnn(model, sequences)
-    assert table.activations["h"] == pytest.approx(max(np.abs(v).max() for v in hs), rel=1e-4)
-    assert table.activations["x_t"] == pytest.approx(np.abs(sequences).max(), rel=1e-6)
-    assert table.activations["r_rec_out"] == pytest.approx(max(np.abs(v).max() for v in recs), rel=1e-4)
+    assert table.activations["h"] == pytest.approx(_grid(max(np.abs(v).max() for v in hs)), rel=1e-4)
+    assert table.activations["x_t"] == pytest.approx(_grid(np.abs(sequences).max()), rel=1e-6)
+    rec_max = max(np.abs(v).max() for v in recs)
+    assert table.activations["r_rec_out"] == pytest.approx(_grid(rec_max), rel=1e-4)
     assert max(np.abs(v).max() for v in recs) > np.abs(recs[0]).max(), "the first step alone is not the max"
 
 

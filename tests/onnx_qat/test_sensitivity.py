@@ -44,7 +44,10 @@ def test_the_layer_made_sensitive_ranks_first(hot, seed, scale):
     assert result.num_eval_samples == 8  # a quarter of 32 held out
 
 
-@pytest.mark.parametrize("hot,seed", [("conv5", 0), ("conv17", 3)])
+# conv17 with seed 2: with seed 3 the other 25 sites' joint INT8 noise moves by 0.0014 of cosine when the
+# activation scales move by less than 2^-11 (the FP16 grid of calibrated ranges moved it from 0.99823 to
+# 0.99685), too close to a single hot layer for the case to mean "one layer dominates"
+@pytest.mark.parametrize("hot,seed", [("conv5", 0), ("conv17", 2)])
 def test_group_bisection_finds_the_sensitive_layer_in_fewer_runs(hot, seed):
     model = outlier_channel_model(hot, convs=24, seed=seed)
     data = _inputs(16, seed, "normal")

@@ -13,6 +13,7 @@ import pytest
 import onnx_qat
 from onnx_qat.calibration.branches import BranchRunner
 from onnx_qat.errors import ModelError
+from onnx_qat.formats.scale_grid import on_fp16_grid
 from onnx_qat.graph.subgraphs import inline_branches
 from tests.builders import amax_table, assert_check_clean, cosine, if_cnn_model, run
 
@@ -69,15 +70,18 @@ def test_calibration_observes_each_branch_on_the_batches_that_take_it():
     table = onnx_qat.calibrate(model, {"input": np.concatenate([positive, negative])}, tensors=tensors,
                                batch_size=1, method="max", progress=False)
     # independent reference: max |x| of each tensor on the float model with the branch inlined,
-    # fed only the samples that take that branch
+    # fed only the samples that take that branch (raised to the FP16 grid of scales as calibration
+    # raises every range, onnx_qat.formats.scale_grid)
     then_model, else_model = inline_branches(model, {4: True}), inline_branches(model, {4: False})
-    want_then = amax_table(then_model, {"input": positive}, ["a_relu1_out"]).activations["a_relu1_out"]
-    want_else = amax_table(else_model, {"input": negative}, ["b_relu1_out"]).activations["b_relu1_out"]
+    want_then = on_fp16_grid(amax_table(then_model, {"input": positive}, ["a_relu1_out"]).activations[
+        "a_relu1_out"], 127.0)
+    want_else = on_fp16_grid(amax_table(else_model, {"input": negative}, ["b_relu1_out"]).activations[
+        "b_relu1_out"], 127.0)
     assert table.activations["a_relu1_out"] == pytest.approx(want_then, rel=1e-6)
     assert table.activations["b_relu1_out"] == pytest.approx(want_else, rel=1e-6)
     both = np.concatenate([positive, negative])
-    assert table.activations["stem_relu_out"] == pytest.approx(
-        amax_table(model, {"input": both}, ["stem_relu_out"]).activations["stem_relu_out"], rel=1e-6)
+    assert table.activations["stem_relu_out"] == pytest.approx(on_fp16_grid(
+        amax_table(model, {"input": both}, ["stem_relu_out"]).activations["stem_relu_out"], 127.0), rel=1e-6)
 
 
 def test_branch_no_calibration_batch_takes_stays_float_with_a_note():
