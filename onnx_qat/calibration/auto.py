@@ -10,7 +10,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from .collector import HistogramCollector, final_rows
+from .collector import HistogramCollector, final_rows_nested
 from .entropy import EntropyCollector
 from .mse import MseCollector, edge_mse_rows, mse_thresholds
 from .percentile import PercentileCollector, percentile_rows
@@ -138,7 +138,10 @@ def _cores() -> int:
 def _analyze_rows(group) -> None:
     first = group[0]
     hists = [c.hist for c in group]
-    counts, widths = final_rows(hists, first.num_bins)
+    # the running histogram re-binned onto RESOLUTION * num_bins bins (to score the candidates) and
+    # num_bins bins (to search them), from one interpolation
+    (fine_counts, fine_width), (counts, widths) = final_rows_nested(
+        hists, first.num_bins * first.RESOLUTION, first.RESOLUTION)
     peaks = np.array([c.hist.max_seen for c in group])
     found = {"max": peaks}
     for method in first._methods[:-1]:  # the percentiles
@@ -150,7 +153,6 @@ def _analyze_rows(group) -> None:
             found[name] = np.minimum(np.maximum(found[name], widths), peaks)
     names = list(found)
     candidates = np.stack([found[n] for n in names], axis=1)  # [R, candidates]
-    fine_counts, fine_width = final_rows(hists, first.num_bins * first.RESOLUTION)
     # quantization_mse of the fine bin centers, level by level (the thresholds in fine bins)
     errors = edge_mse_rows(fine_counts, candidates / fine_width[:, None]) * fine_width[:, None] ** 2
     entropy = EntropyCollector(first.num_bins)

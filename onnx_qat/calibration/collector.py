@@ -247,30 +247,70 @@ def final_rows(hists, num_bins: int) -> "tuple[np.ndarray, np.ndarray]":
     are multiples of a power of two, so each position's bin is found exactly by a division): the same
     numbers as ``np.interp`` row by row, without a NumPy call per histogram.
     """
+    counts, widths = final_rows_nested(hists, num_bins, 1)[0]
+    return counts, widths
+
+
+def final_rows_nested(hists, num_bins: int, factor: int):
+    """`final_rows` onto ``num_bins`` and onto ``num_bins // factor`` bins (``factor`` a power of two
+    dividing ``num_bins``) from one interpolation: ``((counts, widths), (coarse counts, coarse
+    widths))``, each the same numbers bit for bit as its own `final_rows` call.
+
+    Every ``factor``-th edge of the fine bins is an edge of the coarse ones, computed to the same
+    float (``(factor * k) * (max / num_bins)`` is ``k * (max / (num_bins / factor))`` exactly: the
+    factor is a power of two), so the coarse cumulative counts are read from the fine ones.
+    """
+    if factor < 1 or factor & (factor - 1) or num_bins % factor:
+        raise ValueError(f"factor must be a power of two dividing {num_bins}, got {factor}")
     for hist in hists:
         hist._flush()
-    size = hists[0].num_bins
-    counts = np.stack([hist._counts for hist in hists])
+    rows, size = len(hists), hists[0].num_bins
+    counts = np.empty((rows, size), dtype=np.int64)
+    for r, hist in enumerate(hists):
+        counts[r] = hist._counts
     tops = np.array([hist.top for hist in hists], dtype=np.float64)
     peaks = np.array([hist.max_seen for hist in hists], dtype=np.float64)
-    cumulative = np.zeros((len(hists), size + 1))
+    cumulative = np.zeros((rows, size + 1))
     np.cumsum(counts, axis=1, dtype=np.float64, out=cumulative[:, 1:])
+    del counts
     cumulative[:, 1:] += np.array([hist._pending_zeros for hist in hists], dtype=np.float64)[:, None]
     steps = tops / size  # the running bins' width: a power of two
+    at_edges = _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins)
+    fine = (np.diff(at_edges, axis=1), peaks / num_bins)
+    if factor == 1:
+        return fine, fine
+    if np.all(peaks / num_bins >= np.finfo(np.float64).tiny):
+        coarse_edges = at_edges[:, ::factor]
+    else:  # subnormal widths: the coarse edges may not round to fine ones
+        coarse_edges = _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins // factor)
+    return fine, (np.diff(coarse_edges, axis=1), peaks / (num_bins // factor))
+
+
+def _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins: int) -> np.ndarray:
+    """The running cumulative counts ``[R, size + 1]`` interpolated at the ``num_bins + 1`` edges of
+    equal bins over ``[0, peaks[r]]`` (``np.interp``'s numbers)."""
+    rows, size = cumulative.shape[0], cumulative.shape[1] - 1
+    blocks = row_blocks(rows, 8 * (num_bins + 1))
+    if len(blocks) > 1:  # rows in blocks that stay in the processor's cache
+        return np.concatenate([_cumulative_at_edges(cumulative[b], tops[b], peaks[b], steps[b], num_bins)
+                               for b in blocks])
     edges = np.arange(num_bins + 1, dtype=np.float64)[None, :] * (peaks / num_bins)[:, None]
     edges[:, -1] = peaks  # as np.linspace(0, max_seen, num_bins + 1) has them
     if not np.all(steps >= np.finfo(np.float64).tiny):  # subnormal steps: divisions may round
         at_edges = np.stack([np.interp(e, np.linspace(0.0, t, size + 1), c)
                              for e, t, c in zip(edges, tops, cumulative)])
     else:
-        lower = np.minimum((edges / steps[:, None]).astype(np.intp), size - 1)
-        left = np.take_along_axis(cumulative, lower, axis=1)
-        right = np.take_along_axis(cumulative, lower + 1, axis=1)
+        lower = (edges / steps[:, None]).astype(np.intp)
+        np.minimum(lower, size - 1, out=lower)
+        offsets = (np.arange(rows, dtype=np.intp) * (size + 1))[:, None]  # rows in the flat cumulative
+        flat = cumulative.ravel()
+        left = flat[lower + offsets]
+        right = flat[lower + (offsets + 1)]
         knots = lower * steps[:, None]
         slope = (right - left) / steps[:, None]
         at_edges = np.where(knots == edges, left, slope * (edges - knots) + left)
     at_edges[:, -1] = cumulative[:, -1]
-    return np.diff(at_edges, axis=1), peaks / num_bins
+    return at_edges
 
 
 class HistogramCollector(RangeCollector):
@@ -311,6 +351,19 @@ class HistogramCollector(RangeCollector):
     @abc.abstractmethod
     def _threshold(self, counts: np.ndarray, width: float) -> float:
         """The method's threshold from ``num_bins`` counts of width ``width`` starting at 0."""
+
+
+#: Elements of one ``[rows, thresholds, levels]`` array `onnx_qat.calibration.entropy.kl_rows`
+#: and `onnx_qat.calibration.mse.edge_mse_rows` hold at once: their rows are taken in blocks of about this
+#: size, which stay in the processor's cache (twice as fast as one block of 32 histograms, measured on
+#: the benchmark's 10,000-node net; the numbers do not depend on the blocks).
+BLOCK_ELEMENTS = 1 << 16
+
+
+def row_blocks(rows: int, per_row: int):
+    """Slices of ``range(rows)`` each holding about `BLOCK_ELEMENTS` / ``per_row`` rows (at least one)."""
+    step = max(1, BLOCK_ELEMENTS // max(int(per_row), 1))
+    return [slice(start, start + step) for start in range(0, rows, step)]
 
 
 #: `coarse_to_fine` scores every ``COARSE_STRIDE``-th candidate first ...

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .collector import HistogramCollector, coarse_to_fine_rows
+from .collector import HistogramCollector, coarse_to_fine_rows, row_blocks
 
 #: Positive int8 levels a symmetric quantizer has for |x| (0..127).
 NUM_QUANT_LEVELS = 128
@@ -152,12 +152,19 @@ def kl_rows(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarr
     """`kl_divergences` of many histograms at once: ``counts`` ``[R, n]``, ``thresholds``
     ``[R, K]`` (bins, each in ``levels..n``) -> ``[R, K]``.
 
-    The prefix sums are read by flat indices (one gather per array for all rows) and every
-    elementwise step writes into its own result: the values of the straightforward form, bit for bit,
-    at about half its cost on thousands of histograms.
+    The prefix sums are read by flat indices (one gather per array for all rows of a block,
+    `row_blocks`) and every elementwise step writes into its own result: the values of the
+    straightforward form, bit for bit, at a fraction of its cost on thousands of histograms.
     """
     counts = np.asarray(counts, dtype=np.float64)
     thresholds = np.asarray(thresholds, dtype=np.intp)
+    blocks = row_blocks(counts.shape[0], thresholds.shape[1] * (levels + 1))
+    if len(blocks) == 1:
+        return _kl_block(counts, thresholds, levels)
+    return np.concatenate([_kl_block(counts[b], thresholds[b], levels) for b in blocks])
+
+
+def _kl_block(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarray:
     rows, n = counts.shape
     zero = np.zeros((rows, 1))
     prefix = np.concatenate([zero, np.cumsum(counts, axis=1)], axis=1).ravel()
@@ -170,10 +177,16 @@ def kl_rows(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarr
     at_last = counts.ravel()[row_start // (n + 1) * n + last]
     p_last = at_last + tail  # the last bin of P takes the clipped tail
     # ceil(j * i / levels), as flat indices into the prefixes
-    edges = -((-np.arange(levels + 1)[None, None, :] * thresholds[:, :, None]) // levels)
+    edges = np.multiply(np.arange(levels + 1, dtype=np.intp)[None, None, :], thresholds[:, :, None])
+    edges += levels - 1
+    if levels & (levels - 1) == 0:  # a power of two (128): a shift
+        edges >>= levels.bit_length() - 1
+    else:
+        edges //= levels
     edges += row_start[:, :, None]
     summed = prefix[edges]
     level_sum = np.subtract(summed[..., 1:], summed[..., :-1])
+    del summed
     nonzero = prefix_nonzero[edges]
     del edges
     level_nonzero = np.subtract(nonzero[..., 1:], nonzero[..., :-1])
@@ -182,13 +195,16 @@ def kl_rows(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarr
     used = level_nonzero > 0
     # a level with no non-empty bin sums to exactly 0: the sum over used levels is the sum over all
     q_sum = level_sum.sum(axis=2)
-    per_bin = np.divide(level_sum, level_nonzero, out=np.zeros_like(level_sum), where=used)
-    del level_nonzero
+    # dividing by at least 1 leaves the used levels as they are and the others at their sum (0, or a
+    # rounding below it): neither is positive, and only the positive ones are read below
+    np.maximum(level_nonzero, 1.0, out=level_nonzero)
+    per_bin = np.divide(level_sum, level_nonzero, out=level_nonzero)
     positive = per_bin > 0
-    bad = (q_sum <= 0) | (used & ~positive).any(axis=2) | (total <= 0)
+    bad = (q_sum <= 0) | (used > positive).any(axis=2) | (total <= 0)
     del used
-    log_q = np.log(per_bin, out=np.zeros_like(per_bin), where=positive)
-    del per_bin, positive
+    per_bin[~positive] = 1.0  # log 1 = 0: these levels add nothing
+    log_q = np.log(per_bin, out=per_bin)
+    del positive
     level_sum[..., -1] += tail  # level_sum is P's levels from here on
     log_q *= level_sum
     p_log_p = prefix_plogp[row_start + last] + _xlogx(p_last)
