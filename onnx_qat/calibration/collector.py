@@ -392,6 +392,8 @@ def coarse_to_fine_rows(score, start: np.ndarray, stop: np.ndarray, *, widest: b
     near-minimum). ``widest``: among equal scores the largest candidate (clips least), else the
     smallest. Many rows at once cost little more than one: the histograms of all tensors are searched
     together (`onnx_qat.calibration.auto.analyze`).
+
+    The windows around neighbouring kept candidates overlap: each candidate is scored once.
     """
     start = np.asarray(start, dtype=np.intp)
     stop = np.asarray(stop, dtype=np.intp)
@@ -400,21 +402,34 @@ def coarse_to_fine_rows(score, start: np.ndarray, stop: np.ndarray, *, widest: b
     coarse = start[:, None] + grid[None, :]
     valid = coarse <= stop[:, None]
     on_grid = (stop - start) % COARSE_STRIDE == 0
-    coarse = np.concatenate([np.where(valid, coarse, stop[:, None]), stop[:, None]], axis=1)
+    candidates = np.concatenate([np.where(valid, coarse, stop[:, None]), stop[:, None]], axis=1)
     valid = np.concatenate([valid, (~on_grid & (stop >= start))[:, None]], axis=1)
-    scores = np.where(valid, np.asarray(score(coarse), dtype=np.float64), np.inf)
+    scores = np.where(valid, np.asarray(score(candidates), dtype=np.float64), np.inf)
     scores = np.where(np.isfinite(scores), scores, np.inf)
     none = ~np.isfinite(scores).any(axis=1)
-    keep = min(COARSE_KEEP, coarse.shape[1])
-    order = np.argsort(scores, axis=1, kind="stable")[:, :keep]
-    picked = np.take_along_axis(coarse, order, axis=1)
+    count = min(COARSE_KEEP, candidates.shape[1])
+    order = np.argsort(scores, axis=1, kind="stable")[:, :count]
+    picked = np.take_along_axis(candidates, order, axis=1)
     offsets = np.arange(-(COARSE_STRIDE - 1), COARSE_STRIDE, dtype=np.intp)
-    fine = np.concatenate([(picked[:, :, None] + offsets[None, None, :]).reshape(rows, -1), picked], axis=1)
-    fine = np.clip(fine, start[:, None], np.maximum(stop, start)[:, None])
-    fine_scores = np.asarray(score(fine), dtype=np.float64)
-    fine_scores = np.where(np.isfinite(fine_scores), fine_scores, np.inf)
-    best = fine_scores.min(axis=1, keepdims=True)
-    ties = (fine_scores == best) & np.isfinite(best)
-    chosen = np.where(ties, fine, -1).max(axis=1) if widest else \
-        np.where(ties, fine, np.iinfo(np.intp).max).min(axis=1)
+    candidates = (picked[:, :, None] + offsets[None, None, :]).reshape(rows, -1)
+    candidates = _distinct_rows(np.clip(candidates, start[:, None], np.maximum(stop, start)[:, None]))
+    scores = np.asarray(score(candidates), dtype=np.float64)
+    scores = np.where(np.isfinite(scores), scores, np.inf)
+    best = scores.min(axis=1, keepdims=True)
+    ties = (scores == best) & np.isfinite(best)
+    chosen = np.where(ties, candidates, -1).max(axis=1) if widest else \
+        np.where(ties, candidates, np.iinfo(np.intp).max).min(axis=1)
     return np.where(none | ~ties.any(axis=1), -1, chosen)
+
+
+def _distinct_rows(candidates: np.ndarray) -> np.ndarray:
+    """Each row's distinct values in increasing order, the rows padded with their smallest value to
+    the longest row's count (windows around neighbouring candidates overlap: each is scored once)."""
+    ordered = np.sort(candidates, axis=1)
+    repeat = np.zeros(ordered.shape, dtype=bool)
+    repeat[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    order = np.argsort(repeat, axis=1, kind="stable")  # the first of each value, in order, come first
+    count = int((~repeat).sum(axis=1).max())
+    distinct = np.take_along_axis(ordered, order[:, :count], axis=1)
+    first = np.take_along_axis(~repeat, order[:, :count], axis=1)
+    return np.where(first, distinct, ordered[:, :1])
