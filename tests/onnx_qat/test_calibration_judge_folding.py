@@ -71,8 +71,8 @@ def test_folding_computes_dequantize_as_onnxruntime_does():
     ]
     nodes, inits, outputs = [], [], []
     for name, values, scale, zero, axis in weights:
-        inits += [onnx.numpy_helper.from_array(values, name), onnx.numpy_helper.from_array(scale, name + "_s"),
-                  onnx.numpy_helper.from_array(zero, name + "_z")]
+        array = onnx.numpy_helper.from_array
+        inits += [array(values, name), array(scale, name + "_s"), array(zero, name + "_z")]
         nodes.append(h.make_node("DequantizeLinear", [name, name + "_s", name + "_z"], [name + "_dq"],
                                  axis=axis, name=name + "_node"))
         nodes.append(h.make_node("Identity", [name + "_dq"], [name + "_out"]))
