@@ -12,8 +12,8 @@ import numpy as np
 
 from .collector import HistogramCollector, final_rows_nested
 from .entropy import EntropyCollector
-from .mse import MseCollector, edge_mse_rows, mse_thresholds
-from .percentile import PercentileCollector, percentile_rows
+from .mse import edge_mse_rows, mse_thresholds
+from .percentile import percentile_rows
 
 #: Percentiles of |x| tried as candidates.
 PERCENTILES = (99.9, 99.99, 99.999)
@@ -40,11 +40,7 @@ class AutoCollector(HistogramCollector):
         super().__init__(num_bins)
         self.choice = ""
         self.errors: Dict[str, Tuple[float, float]] = {}
-        # the candidate methods read this collector's histogram (one pass over the data for all)
-        self._methods = [PercentileCollector(p, self.num_bins) for p in PERCENTILES]
-        self._methods.append(MseCollector(self.num_bins))
-        for method in self._methods:
-            method.hist = self.hist
+        # every candidate is read from this collector's one histogram (one pass over the data for all)
         self._analysis = None  # (amax, choice, errors, entropy amax) from analyze()
 
     def update(self, magnitudes: np.ndarray) -> None:
@@ -53,7 +49,7 @@ class AutoCollector(HistogramCollector):
 
     def update_values(self, values: np.ndarray, peak: float) -> None:
         self._analysis = None
-        super().update_values(values, peak)
+        self.hist.update(values, peak=peak, signed=True)
 
     def merge(self, other: "AutoCollector") -> None:
         """Merge ``other``'s histogram (exact); the candidates are searched again."""
@@ -144,9 +140,9 @@ def _analyze_rows(group) -> None:
         hists, first.num_bins * first.RESOLUTION, first.RESOLUTION)
     peaks = np.array([c.hist.max_seen for c in group])
     found = {"max": peaks}
-    for method in first._methods[:-1]:  # the percentiles
-        found[method.describe()] = percentile_rows(counts, widths, method.percentile) \
-            if method.percentile < 100.0 else peaks
+    for percentile in PERCENTILES:  # named as PercentileCollector describes itself
+        found[f"percentile({percentile:g})"] = percentile_rows(counts, widths, percentile) \
+            if percentile < 100.0 else peaks
     found["mse"] = mse_thresholds(counts) * widths
     for name in found:
         if name != "max":

@@ -207,8 +207,6 @@ def _fold_constant_dequantize(model: onnx.ModelProto) -> None:
     of in every run, and a fifth fewer nodes for the pieces' sessions to build (on the benchmark's
     residual nets). ``(x - zero_point) * scale`` in float32 is the operator's definition, one rounding
     as onnxruntime computes it; blocked (``block_size``) and other element types stay as they are."""
-    from onnx import numpy_helper
-
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     kept, folded = [], []
@@ -220,21 +218,34 @@ def _fold_constant_dequantize(model: onnx.ModelProto) -> None:
                 any(a.name == "block_size" and a.i for a in node.attribute):
             kept.append(node)
             continue
-        values = numpy_helper.to_array(initializers[node.input[0]]).astype(np.int32)
-        scale = numpy_helper.to_array(initializers[node.input[1]]).astype(np.float32)
-        zero = numpy_helper.to_array(initializers[node.input[2]]).astype(np.int32) \
-            if len(node.input) > 2 and node.input[2] else np.zeros((), np.int32)
+        values = _array(initializers[node.input[0]])
+        scale = _array(initializers[node.input[1]])
+        zero = _array(initializers[node.input[2]]) if len(node.input) > 2 and node.input[2] else None
         if scale.ndim:  # per axis: the scale and zero point run along ``axis`` (default 1)
             axis = next((a.i for a in node.attribute if a.name == "axis"), 1) % values.ndim
             shape = [1] * values.ndim
             shape[axis] = -1
-            scale, zero = scale.reshape(shape), zero.reshape(shape) if zero.ndim else zero
-        result = (values - zero).astype(np.float32) * scale
-        folded.append(numpy_helper.from_array(result.astype(np.float32), node.output[0]))
+            scale = scale.reshape(shape)
+            zero = zero.reshape(shape) if zero is not None and zero.ndim else zero
+        if zero is not None and np.any(zero):
+            values = values.astype(np.int32) - zero.astype(np.int32)
+        result = np.multiply(values.astype(np.float32), scale, dtype=np.float32)
+        folded.append(onnx.helper.make_tensor(node.output[0], onnx.TensorProto.FLOAT, result.shape,
+                                              result.tobytes(), raw=True))
     if folded:  # the integer weights stay (unread: the pieces' sessions take only what they read)
         del graph.node[:]
         graph.node.extend(kept)
         graph.initializer.extend(folded)
+
+
+def _array(tensor: onnx.TensorProto) -> np.ndarray:
+    """An initializer's values (read straight from its raw bytes when it has them)."""
+    if tensor.HasField("raw_data") and tensor.data_location == onnx.TensorProto.DEFAULT:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(tuple(tensor.dims))
+    from onnx import numpy_helper
+
+    return numpy_helper.to_array(tensor)
 
 
 def _scale_feeds(placement, amax: Mapping[str, float], scale_inputs: Mapping[str, str],

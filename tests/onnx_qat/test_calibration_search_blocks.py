@@ -155,8 +155,6 @@ def _collectors(hists):
     for hist in hists:
         collector = AutoCollector(2048)
         collector.hist = hist
-        for method in collector._methods:
-            method.hist = hist
         collectors.append(collector)
     return collectors
 
