@@ -76,7 +76,9 @@ class EntropyCollector(HistogramCollector):
         last = counts.shape[1] - np.argmax(counts[:, ::-1] > 0, axis=1)
         suppressed = zero_bin_suppressed(counts)
         start = np.full(last.shape, self.start_bin, dtype=np.intp)
-        best = coarse_to_fine_rows(lambda t: kl_rows(suppressed, t, self.levels), start, last)
+        prefixes = kl_prefixes(suppressed)  # built once for both stages of the search
+        best = coarse_to_fine_rows(lambda t: kl_rows(suppressed, t, self.levels, prefixes=prefixes),
+                                   start, last)
         floor = clip_floor(counts, self.max_clipped)
         # no candidate below the whole range, or no finite divergence: the whole range
         return np.where((last <= self.start_bin) | (best < 0), last, np.maximum(best, floor))
@@ -148,9 +150,10 @@ def kl_at(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarray
     return kl_rows(np.asarray(counts, dtype=np.float64)[None, :], np.asarray(thresholds)[None, :], levels)[0]
 
 
-def kl_rows(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarray:
+def kl_rows(counts: np.ndarray, thresholds: np.ndarray, levels: int, *, prefixes=None) -> np.ndarray:
     """`kl_divergences` of many histograms at once: ``counts`` ``[R, n]``, ``thresholds``
-    ``[R, K]`` (bins, each in ``levels..n``) -> ``[R, K]``.
+    ``[R, K]`` (bins, each in ``levels..n``) -> ``[R, K]`` (``prefixes``: `kl_prefixes` of
+    ``counts`` when already built).
 
     The prefix sums are read by flat indices (one gather per array for all rows of a block,
     `row_blocks`) and every elementwise step writes into its own result: the values of the
@@ -158,18 +161,28 @@ def kl_rows(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarr
     """
     counts = np.asarray(counts, dtype=np.float64)
     thresholds = np.asarray(thresholds, dtype=np.intp)
+    if prefixes is None:
+        prefixes = kl_prefixes(counts)
     blocks = row_blocks(counts.shape[0], thresholds.shape[1] * (levels + 1))
     if len(blocks) == 1:
-        return _kl_block(counts, thresholds, levels)
-    return np.concatenate([_kl_block(counts[b], thresholds[b], levels) for b in blocks])
+        return _kl_block(counts, thresholds, levels, prefixes)
+    return np.concatenate([_kl_block(counts[b], thresholds[b], levels, [p[b] for p in prefixes])
+                           for b in blocks])
 
 
-def _kl_block(counts: np.ndarray, thresholds: np.ndarray, levels: int) -> np.ndarray:
+def kl_prefixes(counts: np.ndarray):
+    """The prefix sums `kl_rows` reads, each ``[R, n + 1]`` from 0: of the counts, of the non-empty
+    bins and of ``count * log(count)``."""
+    counts = np.asarray(counts, dtype=np.float64)
+    zero = np.zeros((counts.shape[0], 1))
+    return (np.concatenate([zero, np.cumsum(counts, axis=1)], axis=1),
+            np.concatenate([zero, np.cumsum(counts > 0, axis=1, dtype=np.float64)], axis=1),
+            np.concatenate([zero, np.cumsum(_xlogx(counts), axis=1)], axis=1))
+
+
+def _kl_block(counts: np.ndarray, thresholds: np.ndarray, levels: int, prefixes) -> np.ndarray:
     rows, n = counts.shape
-    zero = np.zeros((rows, 1))
-    prefix = np.concatenate([zero, np.cumsum(counts, axis=1)], axis=1).ravel()
-    prefix_nonzero = np.concatenate([zero, np.cumsum(counts > 0, axis=1, dtype=np.float64)], axis=1).ravel()
-    prefix_plogp = np.concatenate([zero, np.cumsum(_xlogx(counts), axis=1)], axis=1).ravel()
+    prefix, prefix_nonzero, prefix_plogp = (np.ascontiguousarray(p).ravel() for p in prefixes)
     row_start = np.arange(rows, dtype=np.intp)[:, None] * (n + 1)  # each row's offset in the flat prefixes
     total = prefix[row_start + n]
     last = thresholds - 1
