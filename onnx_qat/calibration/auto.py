@@ -10,10 +10,10 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from .collector import HistogramCollector, final_rows
+from .collector import HistogramCollector, final_rows_nested
 from .entropy import EntropyCollector
-from .mse import MseCollector, edge_mse_rows, mse_thresholds
-from .percentile import PercentileCollector, percentile_rows
+from .mse import edge_mse_rows, mse_thresholds
+from .percentile import percentile_rows
 
 #: Percentiles of |x| tried as candidates.
 PERCENTILES = (99.9, 99.99, 99.999)
@@ -40,11 +40,7 @@ class AutoCollector(HistogramCollector):
         super().__init__(num_bins)
         self.choice = ""
         self.errors: Dict[str, Tuple[float, float]] = {}
-        # the candidate methods read this collector's histogram (one pass over the data for all)
-        self._methods = [PercentileCollector(p, self.num_bins) for p in PERCENTILES]
-        self._methods.append(MseCollector(self.num_bins))
-        for method in self._methods:
-            method.hist = self.hist
+        # every candidate is read from this collector's one histogram (one pass over the data for all)
         self._analysis = None  # (amax, choice, errors, entropy amax) from analyze()
 
     def update(self, magnitudes: np.ndarray) -> None:
@@ -53,7 +49,7 @@ class AutoCollector(HistogramCollector):
 
     def update_values(self, values: np.ndarray, peak: float) -> None:
         self._analysis = None
-        super().update_values(values, peak)
+        self.hist.update(values, peak=peak, signed=True)
 
     def merge(self, other: "AutoCollector") -> None:
         """Merge ``other``'s histogram (exact); the candidates are searched again."""
@@ -138,19 +134,21 @@ def _cores() -> int:
 def _analyze_rows(group) -> None:
     first = group[0]
     hists = [c.hist for c in group]
-    counts, widths = final_rows(hists, first.num_bins)
+    # the running histogram re-binned onto RESOLUTION * num_bins bins (to score the candidates) and
+    # num_bins bins (to search them), from one interpolation
+    (fine_counts, fine_width), (counts, widths) = final_rows_nested(
+        hists, first.num_bins * first.RESOLUTION, first.RESOLUTION)
     peaks = np.array([c.hist.max_seen for c in group])
     found = {"max": peaks}
-    for method in first._methods[:-1]:  # the percentiles
-        found[method.describe()] = percentile_rows(counts, widths, method.percentile) \
-            if method.percentile < 100.0 else peaks
+    for percentile in PERCENTILES:  # named as PercentileCollector describes itself
+        found[f"percentile({percentile:g})"] = percentile_rows(counts, widths, percentile) \
+            if percentile < 100.0 else peaks
     found["mse"] = mse_thresholds(counts) * widths
     for name in found:
         if name != "max":
             found[name] = np.minimum(np.maximum(found[name], widths), peaks)
     names = list(found)
     candidates = np.stack([found[n] for n in names], axis=1)  # [R, candidates]
-    fine_counts, fine_width = final_rows(hists, first.num_bins * first.RESOLUTION)
     # quantization_mse of the fine bin centers, level by level (the thresholds in fine bins)
     errors = edge_mse_rows(fine_counts, candidates / fine_width[:, None]) * fine_width[:, None] ** 2
     entropy = EntropyCollector(first.num_bins)

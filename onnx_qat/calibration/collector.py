@@ -247,30 +247,70 @@ def final_rows(hists, num_bins: int) -> "tuple[np.ndarray, np.ndarray]":
     are multiples of a power of two, so each position's bin is found exactly by a division): the same
     numbers as ``np.interp`` row by row, without a NumPy call per histogram.
     """
+    counts, widths = final_rows_nested(hists, num_bins, 1)[0]
+    return counts, widths
+
+
+def final_rows_nested(hists, num_bins: int, factor: int):
+    """`final_rows` onto ``num_bins`` and onto ``num_bins // factor`` bins (``factor`` a power of two
+    dividing ``num_bins``) from one interpolation: ``((counts, widths), (coarse counts, coarse
+    widths))``, each the same numbers bit for bit as its own `final_rows` call.
+
+    Every ``factor``-th edge of the fine bins is an edge of the coarse ones, computed to the same
+    float (``(factor * k) * (max / num_bins)`` is ``k * (max / (num_bins / factor))`` exactly: the
+    factor is a power of two), so the coarse cumulative counts are read from the fine ones.
+    """
+    if factor < 1 or factor & (factor - 1) or num_bins % factor:
+        raise ValueError(f"factor must be a power of two dividing {num_bins}, got {factor}")
     for hist in hists:
         hist._flush()
-    size = hists[0].num_bins
-    counts = np.stack([hist._counts for hist in hists])
+    rows, size = len(hists), hists[0].num_bins
+    counts = np.empty((rows, size), dtype=np.int64)
+    for r, hist in enumerate(hists):
+        counts[r] = hist._counts
     tops = np.array([hist.top for hist in hists], dtype=np.float64)
     peaks = np.array([hist.max_seen for hist in hists], dtype=np.float64)
-    cumulative = np.zeros((len(hists), size + 1))
+    cumulative = np.zeros((rows, size + 1))
     np.cumsum(counts, axis=1, dtype=np.float64, out=cumulative[:, 1:])
+    del counts
     cumulative[:, 1:] += np.array([hist._pending_zeros for hist in hists], dtype=np.float64)[:, None]
     steps = tops / size  # the running bins' width: a power of two
+    at_edges = _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins)
+    fine = (np.diff(at_edges, axis=1), peaks / num_bins)
+    if factor == 1:
+        return fine, fine
+    if np.all(peaks / num_bins >= np.finfo(np.float64).tiny):
+        coarse_edges = at_edges[:, ::factor]
+    else:  # subnormal widths: the coarse edges may not round to fine ones
+        coarse_edges = _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins // factor)
+    return fine, (np.diff(coarse_edges, axis=1), peaks / (num_bins // factor))
+
+
+def _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins: int) -> np.ndarray:
+    """The running cumulative counts ``[R, size + 1]`` interpolated at the ``num_bins + 1`` edges of
+    equal bins over ``[0, peaks[r]]`` (``np.interp``'s numbers)."""
+    rows, size = cumulative.shape[0], cumulative.shape[1] - 1
+    blocks = row_blocks(rows, 8 * (num_bins + 1))
+    if len(blocks) > 1:  # rows in blocks that stay in the processor's cache
+        return np.concatenate([_cumulative_at_edges(cumulative[b], tops[b], peaks[b], steps[b], num_bins)
+                               for b in blocks])
     edges = np.arange(num_bins + 1, dtype=np.float64)[None, :] * (peaks / num_bins)[:, None]
     edges[:, -1] = peaks  # as np.linspace(0, max_seen, num_bins + 1) has them
     if not np.all(steps >= np.finfo(np.float64).tiny):  # subnormal steps: divisions may round
         at_edges = np.stack([np.interp(e, np.linspace(0.0, t, size + 1), c)
                              for e, t, c in zip(edges, tops, cumulative)])
     else:
-        lower = np.minimum((edges / steps[:, None]).astype(np.intp), size - 1)
-        left = np.take_along_axis(cumulative, lower, axis=1)
-        right = np.take_along_axis(cumulative, lower + 1, axis=1)
+        lower = (edges / steps[:, None]).astype(np.intp)
+        np.minimum(lower, size - 1, out=lower)
+        offsets = (np.arange(rows, dtype=np.intp) * (size + 1))[:, None]  # rows in the flat cumulative
+        flat = cumulative.ravel()
+        left = flat[lower + offsets]
+        right = flat[lower + (offsets + 1)]
         knots = lower * steps[:, None]
         slope = (right - left) / steps[:, None]
         at_edges = np.where(knots == edges, left, slope * (edges - knots) + left)
     at_edges[:, -1] = cumulative[:, -1]
-    return np.diff(at_edges, axis=1), peaks / num_bins
+    return at_edges
 
 
 class HistogramCollector(RangeCollector):
@@ -313,6 +353,19 @@ class HistogramCollector(RangeCollector):
         """The method's threshold from ``num_bins`` counts of width ``width`` starting at 0."""
 
 
+#: Elements of one ``[rows, thresholds, levels]`` array `onnx_qat.calibration.entropy.kl_rows`
+#: and `onnx_qat.calibration.mse.edge_mse_rows` hold at once: their rows are taken in blocks of about this
+#: size, which stay in the processor's cache (twice as fast as one block of 32 histograms, measured on
+#: the benchmark's 10,000-node net; the numbers do not depend on the blocks).
+BLOCK_ELEMENTS = 1 << 16
+
+
+def row_blocks(rows: int, per_row: int):
+    """Slices of ``range(rows)`` each holding about `BLOCK_ELEMENTS` / ``per_row`` rows (at least one)."""
+    step = max(1, BLOCK_ELEMENTS // max(int(per_row), 1))
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
 #: `coarse_to_fine` scores every ``COARSE_STRIDE``-th candidate first ...
 COARSE_STRIDE = 8
 #: ... then every candidate within one stride of the ``COARSE_KEEP`` best of those.
@@ -339,6 +392,8 @@ def coarse_to_fine_rows(score, start: np.ndarray, stop: np.ndarray, *, widest: b
     near-minimum). ``widest``: among equal scores the largest candidate (clips least), else the
     smallest. Many rows at once cost little more than one: the histograms of all tensors are searched
     together (`onnx_qat.calibration.auto.analyze`).
+
+    The windows around neighbouring kept candidates overlap: each candidate is scored once.
     """
     start = np.asarray(start, dtype=np.intp)
     stop = np.asarray(stop, dtype=np.intp)
@@ -347,21 +402,34 @@ def coarse_to_fine_rows(score, start: np.ndarray, stop: np.ndarray, *, widest: b
     coarse = start[:, None] + grid[None, :]
     valid = coarse <= stop[:, None]
     on_grid = (stop - start) % COARSE_STRIDE == 0
-    coarse = np.concatenate([np.where(valid, coarse, stop[:, None]), stop[:, None]], axis=1)
+    candidates = np.concatenate([np.where(valid, coarse, stop[:, None]), stop[:, None]], axis=1)
     valid = np.concatenate([valid, (~on_grid & (stop >= start))[:, None]], axis=1)
-    scores = np.where(valid, np.asarray(score(coarse), dtype=np.float64), np.inf)
+    scores = np.where(valid, np.asarray(score(candidates), dtype=np.float64), np.inf)
     scores = np.where(np.isfinite(scores), scores, np.inf)
     none = ~np.isfinite(scores).any(axis=1)
-    keep = min(COARSE_KEEP, coarse.shape[1])
-    order = np.argsort(scores, axis=1, kind="stable")[:, :keep]
-    picked = np.take_along_axis(coarse, order, axis=1)
+    count = min(COARSE_KEEP, candidates.shape[1])
+    order = np.argsort(scores, axis=1, kind="stable")[:, :count]
+    picked = np.take_along_axis(candidates, order, axis=1)
     offsets = np.arange(-(COARSE_STRIDE - 1), COARSE_STRIDE, dtype=np.intp)
-    fine = np.concatenate([(picked[:, :, None] + offsets[None, None, :]).reshape(rows, -1), picked], axis=1)
-    fine = np.clip(fine, start[:, None], np.maximum(stop, start)[:, None])
-    fine_scores = np.asarray(score(fine), dtype=np.float64)
-    fine_scores = np.where(np.isfinite(fine_scores), fine_scores, np.inf)
-    best = fine_scores.min(axis=1, keepdims=True)
-    ties = (fine_scores == best) & np.isfinite(best)
-    chosen = np.where(ties, fine, -1).max(axis=1) if widest else \
-        np.where(ties, fine, np.iinfo(np.intp).max).min(axis=1)
+    candidates = (picked[:, :, None] + offsets[None, None, :]).reshape(rows, -1)
+    candidates = _distinct_rows(np.clip(candidates, start[:, None], np.maximum(stop, start)[:, None]))
+    scores = np.asarray(score(candidates), dtype=np.float64)
+    scores = np.where(np.isfinite(scores), scores, np.inf)
+    best = scores.min(axis=1, keepdims=True)
+    ties = (scores == best) & np.isfinite(best)
+    chosen = np.where(ties, candidates, -1).max(axis=1) if widest else \
+        np.where(ties, candidates, np.iinfo(np.intp).max).min(axis=1)
     return np.where(none | ~ties.any(axis=1), -1, chosen)
+
+
+def _distinct_rows(candidates: np.ndarray) -> np.ndarray:
+    """Each row's distinct values in increasing order, the rows padded with their smallest value to
+    the longest row's count (windows around neighbouring candidates overlap: each is scored once)."""
+    ordered = np.sort(candidates, axis=1)
+    repeat = np.zeros(ordered.shape, dtype=bool)
+    repeat[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    order = np.argsort(repeat, axis=1, kind="stable")  # the first of each value, in order, come first
+    count = int((~repeat).sum(axis=1).max())
+    distinct = np.take_along_axis(ordered, order[:, :count], axis=1)
+    first = np.take_along_axis(~repeat, order[:, :count], axis=1)
+    return np.where(first, distinct, ordered[:, :1])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .collector import HistogramCollector, coarse_to_fine_rows
+from .collector import HistogramCollector, coarse_to_fine_rows, row_blocks
 
 
 class MseCollector(HistogramCollector):
@@ -31,25 +31,33 @@ def mse_thresholds(counts: np.ndarray) -> np.ndarray:
     searched by `coarse_to_fine_rows` over the bin edges ``1..last non-empty``."""
     counts = np.asarray(counts, dtype=np.float64)
     last = counts.shape[1] - np.argmax(counts[:, ::-1] > 0, axis=1)
-    coarse = _coarse_mse(counts)
+    prefix = moment_prefixes(counts)
+    coarse = _coarse_mse(prefix)
     calls = []
 
     def score(edges):  # the first call scores the coarse candidates, the second the fine ones
         calls.append(1)
-        return coarse(edges) if len(calls) == 1 else edge_mse_rows(counts, edges)
+        return coarse(edges) if len(calls) == 1 else edge_mse_rows(counts, edges, prefix=prefix)
 
     return coarse_to_fine_rows(score, np.ones_like(last), last, widest=False)
 
 
-def _coarse_mse(counts: np.ndarray):
+def moment_prefixes(counts: np.ndarray):
+    """The prefix sums of ``n``, ``n c`` and ``n c^2`` (``c`` the bin centers in bins) of each row of
+    ``counts`` ``[R, n]``, each ``[R, n + 1]`` starting at 0: what `edge_mse_rows` and the coarse
+    estimate read."""
+    counts = np.asarray(counts, dtype=np.float64)
+    rows, n = counts.shape
+    centers = np.arange(n, dtype=np.float64) + 0.5
+    zero = np.zeros((rows, 1))
+    return [np.concatenate([zero, np.cumsum(counts * centers ** p, axis=1)], axis=1) for p in (0, 1, 2)]
+
+
+def _coarse_mse(prefix):
     """A cheap stand-in for `edge_mse_rows` that ranks the coarse candidates: the values beyond
     the threshold clip (their exact squared error, from prefix sums), the values inside cost the
     rounding error of a uniform density, ``s^2 / 12`` each: O(1) per threshold instead of 128 terms.
     Only the best few coarse candidates matter; every fine candidate is scored exactly."""
-    rows, n = counts.shape
-    centers = np.arange(n, dtype=np.float64) + 0.5
-    zero = np.zeros((rows, 1))
-    prefix = [np.concatenate([zero, np.cumsum(counts * centers ** p, axis=1)], axis=1) for p in (0, 1, 2)]
 
     def score(edges):
         edges = np.asarray(edges, dtype=np.intp)
@@ -69,10 +77,10 @@ def edge_mse(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
     return edge_mse_rows(np.asarray(counts, dtype=np.float64)[None, :], np.asarray(edges)[None, :])[0]
 
 
-def edge_mse_rows(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
+def edge_mse_rows(counts: np.ndarray, edges: np.ndarray, *, prefix=None) -> np.ndarray:
     """`quantization_mse` of the bin centers of each row of ``counts`` ``[R, n]`` for the
     thresholds at bin edges ``edges`` ``[R, K]`` (in bins), in units of the bin width squared,
-    computed level by level.
+    computed level by level (``prefix``: `moment_prefixes` of ``counts`` when already computed).
 
     With scale ``s = T / 127`` the centers rounding to level ``q`` form one run of bins, bounded
     where ``c / s`` crosses ``q + 0.5``; a run's squared error ``sum n (c - q s)^2`` comes from prefix
@@ -82,19 +90,29 @@ def edge_mse_rows(counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
     with the upper level; the errors agree with `quantization_mse` to float rounding otherwise.
     """
     counts = np.asarray(counts, dtype=np.float64)
-    rows, n = counts.shape
-    centers = np.arange(n, dtype=np.float64) + 0.5
-    zero = np.zeros((rows, 1))
-    prefix = [np.concatenate([zero, np.cumsum(counts * centers ** p, axis=1)], axis=1) for p in (0, 1, 2)]
+    if prefix is None:
+        prefix = moment_prefixes(counts)
     edges = np.asarray(edges, dtype=np.float64)
+    blocks = row_blocks(counts.shape[0], edges.shape[1] * 129)
+    if len(blocks) == 1:
+        return _edge_mse_block(counts.shape[1], edges, prefix)
+    n = counts.shape[1]
+    return np.concatenate([_edge_mse_block(n, edges[b], [p[b] for p in prefix]) for b in blocks])
+
+
+def _edge_mse_block(n: int, edges: np.ndarray, prefix) -> np.ndarray:
+    rows = edges.shape[0]
     scale = edges / 127.0
     levels = np.arange(128, dtype=np.float64)
     # bins below level q's lower bound (q - 0.5) s: the first center index at or above it
-    bounds = np.ceil((levels[None, None, :] - 0.5) * scale[:, :, None] - 0.5)
-    bounds = np.clip(bounds, 0, n).astype(np.intp)
-    bounds = np.concatenate([bounds, np.full(bounds.shape[:2] + (1,), n, np.intp)], axis=2)
-    flat = bounds.reshape(rows, -1)
-    s0, s1, s2 = (np.diff(np.take_along_axis(p, flat, axis=1).reshape(bounds.shape), axis=2) for p in prefix)
+    bounds = np.empty(edges.shape + (129,), dtype=np.intp)
+    below = np.ceil((levels[None, None, :] - 0.5) * scale[:, :, None] - 0.5)
+    np.clip(below, 0, n, out=below)
+    bounds[..., :128] = below
+    del below
+    bounds[..., 128] = n
+    bounds += (np.arange(rows, dtype=np.intp) * (n + 1))[:, None, None]  # flat indices into the prefixes
+    s0, s1, s2 = (np.subtract(g[..., 1:], g[..., :-1]) for g in (p.ravel()[bounds] for p in prefix))
     at = levels[None, None, :] * scale[:, :, None]
     error = (s2 - 2.0 * at * s1 + at * at * s0).sum(axis=2)
     return np.maximum(error, 0.0) / np.maximum(prefix[0][:, -1:], 1.0)

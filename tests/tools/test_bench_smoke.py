@@ -38,7 +38,8 @@ EXPECTED = {
     "export_speed": ("export_onnx time, ", "export_onnx peak memory, "),
     "float_parts": ("quantize --float-dtype fp16 / fp32, time", "float parts' bytes fp16 / fp32",
                     "output cosine drop fp16 vs fp32 float parts"),
-    "calibration_scale": ("quantize --method auto / --method max, time, ", "auto's extra cost per node, "),
+    "calibration_scale": ("quantize --method auto / --method max, time, ",
+                          "the same, CPU time (user + system), ", "auto's extra cost per node, "),
     "workers": ("sensitivity 1 worker / 2 workers, ", "calibration (entropy, "),
 }
 
