@@ -29,7 +29,8 @@ the tensors the pieces before it left (so every op's input is computed after the
 reconstructed, at the cost of one run of the model in all). An op keeps round to nearest (and its
 bias) when its layout is not handled (as in `onnx_qat.accuracy.rounding`), when the reconstruction
 does not lower its output error on the calibration rows, or when it has fewer sampled rows than
-`MIN_ROWS` times its reduction size (the fit would then fit the rows). Each op gets a record.
+`MIN_ROWS` times its reduction size (the fit would then fit the rows). Each op gets a record. A
+Q/DQ graph that is not topologically sorted or holds subgraphs is left alone (one record says why).
 """
 from __future__ import annotations
 
@@ -170,6 +171,11 @@ def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, placement, d
     from ..runtime.sessions import make_session
     from ..scales import WeightRange
 
+    from .cuts import CutPlan
+
+    if not CutPlan.usable(qdq):  # pieces need a sorted node list without subgraphs
+        why = "the Q/DQ graph is not sorted or holds subgraphs: it cannot be run in pieces"
+        return ({"node": None, "method": "rtn", "reason": why},), {}
     findex, qindex = GraphIndex(float_model), GraphIndex(qdq)
     wanted = set(only) if only is not None else None
     ops: List[_Op] = []

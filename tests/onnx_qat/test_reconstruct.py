@@ -82,3 +82,17 @@ def test_smoothing_a_depthwise_input_flattens_its_channels_and_keeps_the_functio
 def test_smoothing_leaves_a_depthwise_input_with_even_channels_alone():
     model = spread_pair_model(0, spread=1.0)
     assert not [r for r in smooth(_copy(model), _feeds(0, n=16)) if r["readers"] == ["conv2"]]
+
+
+def test_reconstruction_leaves_a_graph_it_cannot_cut_alone():
+    model = spread_pair_model(0, spread=30.0)
+    calib = _feeds(0, n=8)
+    _, plain = _quantized(model, calib)
+    unsorted = _copy(plain.model)
+    nodes = list(unsorted.graph.node)[::-1]
+    del unsorted.graph.node[:]
+    unsorted.graph.node.extend(nodes)
+    fitted = _copy(model)
+    records, ranges = reconstruct(fitted, unsorted, plain.placement, calib)
+    assert not ranges and "pieces" in records[0]["reason"]
+    assert fitted.SerializeToString() == model.SerializeToString()
