@@ -37,6 +37,10 @@ qualify for smoothing), their weight rows are zeroed, and a ``Gather`` of those 
 rows (a second, small MatMul, quantized like every weighted op, with an activation scale of its own)
 is added to the reader's output after its bias ``Add``. Exact in float; every MatMul stays INT8.
 
+A tensor that only depthwise Convs read (``group`` equal to its channels) is smoothed fully (``α = 1``)
+once its channel spread reaches `DEPTHWISE_MIN_SPREAD`: a depthwise weight's row ``j`` is output channel
+``j``'s own weight, quantized per output channel, so it takes any scale without changing its INT8 error,
+and the per-tensor activation scale then fits every channel (as a per-channel activation scale would).
 A tensor read by other nodes as well (a LayerNorm output that also feeds a residual Add) is smoothed
 with a ``Mul`` that only the weighted readers read; it sits right before their QuantizeLinear, a
 pointwise layer TensorRT fuses with it.
