@@ -42,7 +42,7 @@ OPTIMIZE = ("accuracy",)
 STEPS = ("calibrate", "equalize", "smooth", "ranges", "reconstruct")
 #: Evaluation samples the ranges step needs in each half (it chooses on one half and is kept only
 #: when the other gains; with fewer, a choice fits its few samples: measured with 2 to 4 per half,
-#: it was undone on each PP-OCRv4 model, after 30-110 s of CPU). Below it the step is skipped.
+#: it was undone on each PP-OCRv4 model, after 110-320 s on the recognizer). Below it the step is skipped.
 RANGES_MIN_SAMPLES = 8
 
 
