@@ -17,7 +17,7 @@ Rows (every weighted MatMul INT8 unless the row says otherwise; attention produc
 default):
 
 * ``max``, ``auto``: plain `onnx_qat.quantize` with ``method``;
-* ``optimize``: ``optimize="accuracy"`` (equalize, smooth, rounding, bias correction), each step's
+* ``optimize``: ``optimize="accuracy"`` (equalize, smooth, ranges, reconstruct), each step's
   judged cosine and whether it was kept;
 * ``smooth``: ``max`` and ``auto`` on the model `onnx_qat.accuracy.smooth.smooth` returns (every
   qualifying tensor smoothed, the FFN-down inputs' massive channels split out; kept or not), and

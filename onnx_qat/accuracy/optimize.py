@@ -13,17 +13,16 @@ The steps, in order, on a private copy of the float model:
    candidates by the output on the first half of the evaluation data
    (`onnx_qat.accuracy.ranges.tune_table`: the best whole table, then each harmful site's tensors),
    kept only when it also raises the cosine on the other half, which no range was chosen by (the
-   choice fits the samples it is made on, so its gain there is not evidence);
-5. ``rounding``: error-compensated INT8 weight rounding (`onnx_qat.accuracy.rounding`, GPTQ-style, bounded by
-   a count of multiply-adds);
-6. ``bias_correction``: the mean shift of each quantized weighted op folded into its bias, in graph
-   order (`onnx_qat.accuracy.bias_correction`).
+   choice fits the samples it is made on, so its gain there is not evidence); skipped when either
+   half has fewer than `RANGES_MIN_SAMPLES` samples;
+5. ``reconstruct``: each INT8 weighted op's integers and bias fitted, in graph order, to the float
+   model's output from the input it gets in the Q/DQ model (`onnx_qat.accuracy.reconstruct`).
 
 After each step the Q/DQ model is built by the one inserter and its output cosine against the float
 model measured on the evaluation data (``eval_data``, or the last quarter of ``data``, then not
 calibrated on). A step that does not raise it is undone. The report (``QuantizeResult.accuracy``) lists
 every step: its cosine, its gain over the step before, whether it was kept, its seconds and records.
-Steps 5 and 6 apply to INT8; other precisions run steps 1 to 4.
+Step 5 applies to INT8; other precisions run steps 1 to 4.
 """
 from __future__ import annotations
 
@@ -40,7 +39,11 @@ logger = logging.getLogger(__name__)
 #: Values of ``optimize``.
 OPTIMIZE = ("accuracy",)
 #: Steps in the order they run.
-STEPS = ("calibrate", "equalize", "smooth", "ranges", "rounding", "bias_correction")
+STEPS = ("calibrate", "equalize", "smooth", "ranges", "reconstruct")
+#: Evaluation samples the ranges step needs in each half (it chooses on one half and is kept only
+#: when the other gains; with fewer, a choice fits its few samples: measured with 2 to 4 per half,
+#: it was undone on each PP-OCRv4 model, after 110-320 s on the recognizer). Below it the step is skipped.
+RANGES_MIN_SAMPLES = 8
 
 
 def check_optimize(optimize) -> Optional[str]:
@@ -123,41 +126,37 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
 
     if method == "auto":
         clock = time.perf_counter()
-        from .ranges import tune_table
-
         choose, held_out = _halves(evaluation)
-        tuned, records = tune_table(float_model, calib, choose, config=config, weights=table,
-                                    batch_size=batch_size, progress=progress)
-        held = {}
-        if held_out is not None:  # the step's gain on evaluation samples no range was chosen by
+        few = held_out is None or min(choose.num_samples, held_out.num_samples) < RANGES_MIN_SAMPLES
+        if few:
+            steps.append(_step("ranges", best, best, False, clock, note=(
+                f"skipped: {evaluation.num_samples} evaluation samples; the ranges step needs "
+                f"{RANGES_MIN_SAMPLES} in each half (to choose on one and confirm on the other)")))
+        else:
+            from .ranges import tune_table
+
+            tuned, records = tune_table(float_model, calib, choose, config=config, weights=table,
+                                        batch_size=batch_size, progress=progress)
             other = _Judge(float_model, held_out, config, batch_size)
             held = {"held_out_before": float(other(float_model, table)),
                     "held_out_after": float(other(float_model, tuned)),
                     "held_out_samples": held_out.num_samples}
-        gains = not held or held["held_out_after"] > held["held_out_before"]
-        attempt("ranges", clock, float_model, gains, lambda: tuned,
-                "the chosen ranges did not raise the cosine on the held-out evaluation samples",
-                start=records.get("start"), changes=list(records.get("changes", [])),
-                unconfirmed=list(records.get("unconfirmed", [])), confirmed=records.get("confirmed"),
-                runs=records.get("runs"), **held)
+            gains = held["held_out_after"] > held["held_out_before"]
+            attempt("ranges", clock, float_model, gains, lambda: tuned,
+                    "the chosen ranges did not raise the cosine on the held-out evaluation samples",
+                    start=records.get("start"), changes=list(records.get("changes", [])),
+                    unconfirmed=list(records.get("unconfirmed", [])), confirmed=records.get("confirmed"),
+                    runs=records.get("runs"), **held)
 
     if fmt.name == "int8":
         clock = time.perf_counter()
         trial = _copy(float_model)
-        from .rounding import round_int8
+        from .reconstruct import reconstruct
 
-        records, ranges = round_int8(trial, best.placement, calib,
-                                     batch_size=batch_size, skip=set(table.weights), progress=progress)
-        attempt("rounding", clock, trial, ranges, lambda: table.merged(_weights(ranges)),
-                "no weight could be rounded", weights=list(records))
-
-        clock = time.perf_counter()
-        trial = _copy(float_model)
-        from .bias_correction import correct_biases
-
-        layers = correct_biases(trial, best.result.model, best.placement, calib, batch_size=batch_size)
-        attempt("bias_correction", clock, trial, layers, lambda: table, "no quantized layer with a bias",
-                layers=list(layers))
+        qdq = _copy(best.result.model)
+        records, ranges = reconstruct(trial, qdq, best.placement, calib, batch_size=batch_size)
+        attempt("reconstruct", clock, trial, ranges, lambda: table.merged(_weights(ranges)),
+                "no weighted op could be reconstructed", layers=list(records))
 
     result = best.result
     info = {"optimize": "accuracy", "steps": steps, "cosine_before": steps[0]["cosine"],

@@ -37,6 +37,10 @@ qualify for smoothing), their weight rows are zeroed, and a ``Gather`` of those 
 rows (a second, small MatMul, quantized like every weighted op, with an activation scale of its own)
 is added to the reader's output after its bias ``Add``. Exact in float; every MatMul stays INT8.
 
+A tensor that only depthwise Convs read (``group`` equal to its channels) is smoothed fully (``α = 1``)
+once its channel spread reaches `DEPTHWISE_MIN_SPREAD`: a depthwise weight's row ``j`` is output channel
+``j``'s own weight, quantized per output channel, so it takes any scale without changing its INT8 error,
+and the per-tensor activation scale then fits every channel (as a per-channel activation scale would).
 A tensor read by other nodes as well (a LayerNorm output that also feeds a residual Add) is smoothed
 with a ``Mul`` that only the weighted readers read; it sits right before their QuantizeLinear, a
 pointwise layer TensorRT fuses with it.
@@ -56,6 +60,9 @@ logger = logging.getLogger(__name__)
 ALPHA = 0.5
 #: A tensor is smoothed when its largest channel range is at least this many times the median.
 MIN_SPREAD = 8.0
+#: A tensor only depthwise Convs read is smoothed fully (``α = 1``: every channel to the same range)
+#: when its largest channel range is at least this many times the median.
+DEPTHWISE_MIN_SPREAD = 2.0
 #: Input channels whose ``a_j * w_j`` is over this many times the median are split out (see `smooth`).
 SPLIT_RATIO = 20.0
 #: At most this many channels of one tensor are split out (more is not an outlier but a wide tensor).
@@ -76,6 +83,8 @@ def _weight_rows(index, node, channels: int) -> Optional[np.ndarray]:
     if w is None or not private(index, node.inputs[1], node.name):
         return None
     if node.op_type == "Conv":
+        if _depthwise(node, w, channels):  # output channel o reads input channel o // (C_out / C_in)
+            return w.reshape(channels, -1)
         if int(node.attr("group", 1) or 1) != 1 or w.shape[1] != channels:
             return None
         return np.moveaxis(w, 1, 0).reshape(channels, -1)
@@ -86,9 +95,18 @@ def _weight_rows(index, node, channels: int) -> Optional[np.ndarray]:
     return w if w.shape[0] == channels else None
 
 
+def _depthwise(node, w: np.ndarray, channels: int) -> bool:
+    """``node`` is a depthwise Conv over ``channels`` input channels (``group`` = C_in, one input channel
+    per group; C_in > 1)."""
+    return node.op_type == "Conv" and channels > 1 and int(node.attr("group", 1) or 1) == channels and \
+        w.ndim >= 3 and w.shape[1] == 1 and w.shape[0] % channels == 0
+
+
 def _scale_weight(index, node, s: np.ndarray) -> None:
     w = read_constant(index, node.inputs[1])
-    if node.op_type == "Conv":
+    if _depthwise(node, w, s.size):
+        w = w * np.repeat(s, w.shape[0] // s.size).reshape(-1, *([1] * (w.ndim - 1)))
+    elif node.op_type == "Conv":
         w = w * s.reshape(1, -1, *([1] * (w.ndim - 2)))
     elif node.op_type == "Gemm" and int(node.attr("transB", 0) or 0):
         w = w * s[None, :]
@@ -250,6 +268,9 @@ def _smooth_one(index, edits, x, a, axis, readers, shared, *, alpha, min_spread,
     seen = a[keep]
     s = np.ones_like(a)
     spread_after = _spread(seen)
+    depthwise = all(_depthwise(n, read_constant(index, n.inputs[1]), a.size) for n in readers)
+    if depthwise:  # per-output-channel weight scales take any input channel scale at no cost
+        alpha, min_spread = 1.0, DEPTHWISE_MIN_SPREAD
     if spread_after >= min_spread:
         live = keep & (a > 0) & (w > 0)
         s[live] = a[live] ** alpha / w[live] ** (1 - alpha)

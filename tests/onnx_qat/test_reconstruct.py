@@ -1,0 +1,98 @@
+"""Sequential reconstruction (`onnx_qat.accuracy.reconstruct`) and the smoothing of depthwise Conv inputs
+(`onnx_qat.accuracy.smooth`), on graphs built in code."""
+import onnx
+import pytest
+
+import onnx_qat
+from onnx_qat.accuracy.reconstruct import reconstruct
+from onnx_qat.accuracy.smooth import smooth
+from onnx_qat.scales import ScaleTable
+from tests.builders import assert_check_clean, cosine, run
+from tests.onnx_qat.test_accuracy_optimize import _assert_same_function, _copy, _feeds, spread_pair_model
+
+
+def _quantized(model, calib, method="max"):
+    table = onnx_qat.calibrate(model, calib, method=method, progress=False)
+    return table, onnx_qat.quantize(model, scales=table, progress=False)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reconstruction_lowers_the_error_on_unseen_inputs_and_stays_on_the_grid(seed):
+    """conv1 -> Relu -> depthwise conv2 -> Relu -> conv3 with channel ranges 30x apart: each op fitted
+    on the Q/DQ model's own input beats round to nearest on inputs it was not fitted on, and the
+    inserter stores exactly the integers chosen."""
+    model = spread_pair_model(seed, spread=30.0)
+    calib, unseen = _feeds(seed, n=32), _feeds(100 + seed, n=16)
+    table, plain = _quantized(model, calib)
+    fitted = _copy(model)
+    qdq = _copy(plain.model)
+    records, ranges = reconstruct(fitted, qdq, plain.placement, calib)
+    assert {r["node"] for r in records} == {"conv1", "conv2", "conv3"}
+    done = [r for r in records if r["method"] == "reconstructed"]
+    assert len(done) >= 2 and all(r["error"] < r["rtn_error"] for r in done), records
+    rebuilt = onnx_qat.quantize(fitted, scales=table.merged(ScaleTable(weights=ranges)), progress=False)
+    assert_check_clean(rebuilt.model)
+    ints = {t.name: t for t in qdq.graph.initializer if t.data_type == onnx.TensorProto.INT8}
+    again = {t.name: t for t in rebuilt.model.graph.initializer if t.data_type == onnx.TensorProto.INT8}
+    assert ints.keys() == again.keys() and all(ints[k] == again[k] for k in ints)
+    ref = run(model, unseen)[0]
+    before, after = cosine(run(plain.model, unseen)[0], ref), cosine(run(rebuilt.model, unseen)[0], ref)
+    assert after > before and 1 - after < 0.95 * (1 - before), (before, after)
+
+
+def test_reconstruction_keeps_round_to_nearest_with_too_few_rows():
+    model = spread_pair_model(0, spread=30.0, size=2)
+    calib = _feeds(0, n=1, size=2)  # 4 positions: conv1 needs 4 x 4 rows, conv2 4 x 9, conv3 4 x 16
+    _, plain = _quantized(model, calib)
+    records, ranges = reconstruct(_copy(model), _copy(plain.model), plain.placement, calib)
+    assert not ranges and all(r["method"] == "rtn" and "rows" in r["reason"] for r in records), records
+
+
+def test_reconstruction_is_deterministic():
+    model = spread_pair_model(1, spread=30.0)
+    calib = _feeds(1, n=16)
+    _, plain = _quantized(model, calib)
+    out = []
+    for _ in range(2):
+        fitted = _copy(model)
+        reconstruct(fitted, _copy(plain.model), plain.placement, calib)
+        out.append(fitted.SerializeToString())
+    assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("activation", ["Relu", "none"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_smoothing_a_depthwise_input_flattens_its_channels_and_keeps_the_function(activation, seed):
+    """A tensor only a depthwise Conv reads, channels 300x apart: its per-output-channel weight scales
+    take each channel's range whole (alpha 1), the function is unchanged and INT8 recovers."""
+    model = spread_pair_model(seed, spread=300.0, activation=activation)
+    calib, unseen = _feeds(seed, n=16), _feeds(50 + seed, n=16)
+    smoothed = _copy(model)
+    records = smooth(smoothed, calib)
+    depthwise = [r for r in records if r["readers"] == ["conv2"]]
+    assert len(depthwise) == 1 and depthwise[0]["spread_before"] > 10 and depthwise[0]["spread_after"] < 1.5
+    _assert_same_function(model, smoothed, unseen)
+    ref = run(model, unseen)[0]
+    _, plain = _quantized(model, calib)
+    _, better = _quantized(smoothed, calib)
+    assert_check_clean(better.model)
+    assert cosine(run(better.model, unseen)[0], ref) > cosine(run(plain.model, unseen)[0], ref) + 0.01
+
+
+def test_smoothing_leaves_a_depthwise_input_with_even_channels_alone():
+    model = spread_pair_model(0, spread=1.0)
+    assert not [r for r in smooth(_copy(model), _feeds(0, n=16)) if r["readers"] == ["conv2"]]
+
+
+def test_reconstruction_leaves_a_graph_it_cannot_cut_alone():
+    model = spread_pair_model(0, spread=30.0)
+    calib = _feeds(0, n=8)
+    _, plain = _quantized(model, calib)
+    unsorted = _copy(plain.model)
+    nodes = list(unsorted.graph.node)[::-1]
+    del unsorted.graph.node[:]
+    unsorted.graph.node.extend(nodes)
+    fitted = _copy(model)
+    records, ranges = reconstruct(fitted, unsorted, plain.placement, calib)
+    assert not ranges and "pieces" in records[0]["reason"]
+    assert fitted.SerializeToString() == model.SerializeToString()
