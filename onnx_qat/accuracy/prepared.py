@@ -192,13 +192,15 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
     else:
         calib, evaluation = split_data(data, eval_data, float_model)
         if range_candidates and method == "auto":
-            found = _collect(float_model, calib, tensors, batch_size, progress, calibration_options, workers)
+            found = _collect(float_model, calib, tensors, batch_size, progress, calibration_options, workers,
+                             fp16_grid=config.target == "tensorrt")
             table, options = found.table(), found.options
             if weight_scales is not None:
                 table = table.merged(ScaleTable(weights=dict(weight_scales.weights)))
         else:
             table = calibrate(float_model, calib, method=method, tensors=tensors, progress=progress,
-                              batch_size=batch_size, workers=workers, **dict(calibration_options or {}))
+                              batch_size=batch_size, workers=workers, config=config,
+                              **dict(calibration_options or {}))
     qdq = rewrite_model(base if int4 is None else int4.model(), scales=table, data=None, method="max",
                           config=insertion_config(config), calib_kw={}, placement=placement,
                           progress=False).model
@@ -220,13 +222,15 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
                     {t: name for t, (name, _) in lifted.items()}, get_format(config.precision).qmax), stats
 
 
-def _collect(float_model, calib, tensors, batch_size: int, progress: bool, calibration_options, workers):
-    """``auto``'s one calibration pass with every candidate range kept (`Calibration.options`)."""
+def _collect(float_model, calib, tensors, batch_size: int, progress: bool, calibration_options, workers,
+             fp16_grid: bool):
+    """``auto``'s one calibration pass with every candidate range kept (`Calibration.options`);
+    ``fp16_grid``: the TensorRT form's ranges on the FP16 grid (`onnx_qat.calibration.runner.collect`)."""
     from ..calibration.runner import collect
 
     kw = {k: v for k, v in dict(calibration_options or {}).items() if k == "num_bins"}
     found = collect(float_model, calib, tensors, method="auto", batch_size=batch_size, progress=progress,
-                    workers=workers, **kw)
+                    workers=workers, fp16_grid=fp16_grid, **kw)
     if found.unobserved:
         logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
                        "(e.g. %r); they get no range", len(found.unobserved), found.unobserved[0])

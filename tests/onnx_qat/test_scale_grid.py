@@ -227,3 +227,24 @@ def test_every_range_auto_and_the_range_search_choose_from_is_on_the_grid(seed, 
     assert plain.ranges.keys() == found.ranges.keys()
     for name, amax in plain.ranges.items():
         assert found.ranges[name] == on_fp16_grid(amax, 127.0) and "scale_grid" not in plain.metadata
+
+
+@pytest.mark.parametrize("method, candidates", [("max", False), ("auto", True)])
+def test_the_accuracy_searches_give_the_ort_cpu_form_the_plain_ranges(method, candidates):
+    """--min-cosine and --optimize accuracy calibrate through `onnx_qat.accuracy.prepared.prepare`:
+    for the ort-cpu form (FP32 only) it keeps the collectors' ranges, off the grid, as quantize does."""
+    from onnx_qat.accuracy.prepared import prepare
+    from onnx_qat.config import QuantizeConfig
+
+    model = residual_block_model(projection=True, seed=6)
+    data = {k: v * 255.0 for k, v in random_inputs(model, num=16, seed=6).items()}
+    tables = {}
+    for target in ("tensorrt", "ort-cpu"):
+        prepared, _ = prepare(model, data, method=method, config=QuantizeConfig(target=target),
+                              progress=False, range_candidates=candidates)
+        with prepared:
+            tables[target] = dict(prepared.table.activations)
+    assert tables["tensorrt"].keys() == tables["ort-cpu"].keys()
+    for name, amax in tables["ort-cpu"].items():
+        assert tables["tensorrt"][name] == on_fp16_grid(amax, 127.0)
+    assert any(np.float16(np.float32(v / 127.0)) != np.float32(v / 127.0) for v in tables["ort-cpu"].values())
