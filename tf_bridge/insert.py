@@ -33,7 +33,8 @@ def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleT
     if not needed:
         return mapping.scales
     try:
-        measured = calibrate(mapping.model, feeds, method="max", tensors=needed, progress=False)
+        measured = calibrate(mapping.model, feeds, method="max", tensors=needed, progress=False,
+                             target=target)  # ort-cpu: the collectors' ranges, off the FP16 grid
     except QatError as exc:
         raise ExportError(f"export_onnx: ranges of the {target} requantization points from sample_data: "
                           f"{brief(exc)}") from None

@@ -496,7 +496,7 @@ def _native_rows(probe: dict) -> List[Row]:
     if not probe.get("ms"):
         return []
     sessions = {k: _session(v) for k, v in probe["files"].items()}
-    native = cpu_times(sessions, {probe["input"]: np.load(probe["sample"])})
+    native = cpu_times(sessions, {probe["input"]: np.load(probe["sample"], allow_pickle=False)})
     load = "load {:.1f}/{:.1f}/{:.1f}".format(*os.getloadavg())
     names = {"fp32": "FP32", "ours": "ort-cpu form", "ort": "onnxruntime uint8 form"}
     return [Row(ISA_NAME, f"{probe['label']}: {names[k]} CPU time per run, this path / native kernels, "
