@@ -35,8 +35,10 @@ range      a tensor it reads or writes has a calibrated or measured range beyond
 scale      its Q/DQ scale cannot be held in the type within its precision (it would round to
            zero, or move by more than the type's epsilon of the largest scale), or it reads a
            DequantizeLinear kept for that reason
-measured   on ``data``, the model's output cosine lost more than ``max_cosine_drop`` and this node
-           added the largest relative error (or the first non-finite value) of those left; or, when
+measured   on ``data``, the model's output cosine lost more than ``max_cosine_drop`` (and more than
+           its rounding noise, on ``num_samples`` and again on `CONFIRM_FACTOR` x as many where
+           ``data`` holds them) and this node added the largest relative error (or the first
+           non-finite value) of those left; or, when
            no single node lowers the drop, it belongs to the group kept FP32 together that does
            (found by shrinking the group of all converted compute nodes, `MAX_GROUP_TRIALS`)
 fusion     a DequantizeLinear feeding only kept nodes stays with them, so that TensorRT still fuses
@@ -231,7 +233,9 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
             converted model's cosine against ``reference`` is more than ``max_cosine_drop`` below the
             FP32 float parts' and more than the model's own rounding noise (with the activation scales
             rounded up or to the nearest value, whichever measures closer: ``measurement["scale_rounding"]``),
-            the node adding the most
+            it is measured again on `CONFIRM_FACTOR` x ``num_samples`` samples where ``data`` holds them
+            (not for a stateful model; ``measurement["first"]``: the first samples' drop and noise), and
+            while it holds there the node adding the most
             error is kept FP32 (up to `MAX_ROUNDS` nodes), or, when no single node lowers the drop, a
             group of nodes found by shrinking (`MAX_GROUP_TRIALS` measured conversions); a note says
             when the budget is not met. Without data only the static rules and the given ranges apply.
