@@ -35,9 +35,9 @@ range      a tensor it reads or writes has a calibrated or measured range beyond
 scale      its Q/DQ scale cannot be held in the type within its precision (it would round to
            zero, or move by more than the type's epsilon of the largest scale), or it reads a
            DequantizeLinear kept for that reason
-measured   on ``data``, the model's output cosine lost more than ``max_cosine_drop`` (and more than
-           its rounding noise, on ``num_samples`` and again on `CONFIRM_FACTOR` x as many where
-           ``data`` holds them) and this node added the largest relative error (or the first
+measured   on ``data``, the model's output cosine lost more than ``max_cosine_drop`` and more than
+           its rounding noise (confirmed beyond the budget on `CONFIRM_FACTOR` x ``num_samples``
+           where ``data`` holds them) and this node added the largest relative error (or the first
            non-finite value) of those left; or, when
            no single node lowers the drop, it belongs to the group kept FP32 together that does
            (found by shrinking the group of all converted compute nodes, `MAX_GROUP_TRIALS`)
@@ -101,11 +101,13 @@ MAX_COSINE_DROP = 0.002
 #: Samples of ``data`` the measurement runs on (spread evenly over its first 16 x this many:
 #: `onnx_qat.io.data.Dataset.spread`).
 MEASURE_SAMPLES = 4
-#: Where ``num_samples`` show a drop beyond the budget and the rounding noise, the measurement is
-#: done again on this many times as many samples (where ``data`` holds more, and the model is not
-#: stateful) before any node is kept, and the search runs on those: on 4 samples a drop of a few
-#: hundredths can be noise alone (the orientation classifier: +0.037 on 4 calibration samples,
-#: -0.0031 on 16; docs/formats.md, "Where the orientation classifier's drop comes from").
+#: Where ``num_samples`` show a drop beyond the budget and the rounding noise, the drop is measured
+#: again on this many times as many samples (where ``data`` holds more, and the model is not
+#: stateful) before any node is kept; where those show no drop beyond the budget, nothing is kept
+#: (the measurement reports them), else the search runs on ``num_samples`` as before: on 4 samples
+#: a drop of a few hundredths can be noise alone (the orientation classifier: +0.037 on 4
+#: calibration samples, -0.0031 on 16; docs/formats.md, "Where the orientation classifier's drop
+#: comes from").
 CONFIRM_FACTOR = 4
 #: A stateful model (its state fed back) is measured on its first this many x ``num_samples`` steps.
 STATEFUL_WINDOW = 16
@@ -234,8 +236,8 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
             FP32 float parts' and more than the model's own rounding noise (with the activation scales
             rounded up or to the nearest value, whichever measures closer: ``measurement["scale_rounding"]``),
             it is measured again on `CONFIRM_FACTOR` x ``num_samples`` samples where ``data`` holds them
-            (not for a stateful model; ``measurement["first"]``: the first samples' drop and noise), and
-            while it holds there the node adding the most
+            (not for a stateful model; ``measurement["confirmation"]``); where the drop holds there,
+            the node adding the most
             error is kept FP32 (up to `MAX_ROUNDS` nodes), or, when no single node lowers the drop, a
             group of nodes found by shrinking (`MAX_GROUP_TRIALS` measured conversions); a note says
             when the budget is not met. Without data only the static rules and the given ranges apply.
@@ -930,7 +932,8 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     """Keep FP32 the node adding the most error while an output's cosine falls more than ``max_drop``
     below the FP32 float parts' and more than the model's own rounding noise (`_Measure.noise`);
     before the first node is kept, ``widen()`` (when given and not None) is the measurement on more
-    samples (`CONFIRM_FACTOR`) that confirms the drop and on which the search then runs;
+    samples (`CONFIRM_FACTOR`): where it shows no drop beyond ``max_drop`` nothing is kept and it is
+    reported, else the search goes on with ``measure``;
     after `MAX_MISSES` rounds in a row that did not lower the worst drop by a quarter of
     ``max_drop`` the search stops, and the nodes kept since the last round that did are undone. A
     node is kept with the nodes computing its FP32 inputs: an ill-conditioned node (``x - mean``,
@@ -944,7 +947,7 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     noise: Optional[Dict[str, float]] = None
     rounds = misses = 0
     tried: set = set()
-    first: Optional[dict] = None
+    confirmation: Optional[dict] = None
     best = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos)
     while True:
         short = {o: base[o] - cos[o] for o in measure.outputs if not cos[o] >= base[o] - max_drop}
@@ -953,19 +956,19 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
         noise = measure.noise(low) if noise is None else noise
         if all(short[o] <= noise[o] for o in short):
             break
-        if first is None and widen is not None:  # confirm on more samples before keeping anything
+        if confirmation is None and widen is not None:  # confirm on more samples before keeping anything
             wider = widen()
-            first = {"samples": measure.dataset.num_samples, "drop": dict(short),
-                     "rounding_noise": dict(noise)}
+            confirmation = {}
             if wider is not None:
-                measure, noise = wider, None
-                base = measure.cosines(measure.outputs32)
-                names = measure.outputs + list(measure.floats)
-                cos = measure.cosines(measure.run_low(converted, low, measure.outputs,
-                                                      low_tensors=stats.low_tensors))
-                best = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos)
-                continue
-            first = {}
+                wide_base = wider.cosines(wider.outputs32)
+                wide_cos = wider.cosines(wider.run_low(converted, low, wider.outputs,
+                                                       low_tensors=stats.low_tensors))
+                confirmation = {"samples": wider.dataset.num_samples, "drop_first": dict(short),
+                                "drop": {o: wide_base[o] - wide_cos[o] for o in wider.outputs}}
+                if all(wide_cos[o] >= wide_base[o] - max_drop for o in wider.outputs):  # not confirmed
+                    measure, base, cos, noise = wider, wide_base, wide_cos, None
+                    best = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos)
+                    continue
         values = measure.run_low(converted, low, [n for n in names if _has_tensor(converted, n)], keep=True,
                                  low_tensors=stats.low_tensors)
         culprit = _worst_node(proto, measure, values, set(kept) | tried)
@@ -1016,7 +1019,7 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
                    "max_cosine_drop": max_drop, "scale_rounding": rounding,
                    "outputs": {o: {"cosine_fp32": base[o], "cosine": cos[o]} for o in measure.outputs},
                    **({} if noise is None else {"rounding_noise": dict(noise)}),
-                   **({"first": first} if first else {})}
+                   **({"confirmation": confirmation} if confirmation else {})}
     return converted, stats, kept, measurement, notes
 
 

@@ -238,7 +238,7 @@ def test_a_site_costing_cosine_in_fp16_is_measured_and_kept_fp32(seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_drop_on_the_first_samples_is_confirmed_on_four_times_as_many_before_a_node_is_kept(seed):
     """With more data than ``num_samples``, a drop beyond the budget and the noise is measured again on
-    CONFIRM_FACTOR x as many samples, and the search runs there: a systematic cost is still found."""
+    CONFIRM_FACTOR x as many samples; a systematic cost holds there, and the search keeps its node."""
     from onnx_qat.formats.float_parts import CONFIRM_FACTOR, MEASURE_SAMPLES
 
     model = _cancellation_model(batch="N")
@@ -246,15 +246,39 @@ def test_a_drop_on_the_first_samples_is_confirmed_on_four_times_as_many_before_a
     many = {"x": rng.uniform(0, 1, (64, 16)).astype(np.float32)}
     result = cast_float_parts(model, "fp16", data=many)
     m = result.measurement
-    assert m["first"]["samples"] == MEASURE_SAMPLES and m["samples"] == CONFIRM_FACTOR * MEASURE_SAMPLES
-    assert m["first"]["drop"]["y"] > 0.002 and m["first"]["drop"]["y"] > m["first"]["rounding_noise"]["y"]
+    assert m["confirmation"]["samples"] == CONFIRM_FACTOR * MEASURE_SAMPLES
+    assert m["samples"] == MEASURE_SAMPLES
+    assert m["confirmation"]["drop_first"]["y"] > m["rounding_noise"]["y"]
+    assert m["confirmation"]["drop"]["y"] > 0.002 and m["confirmation"]["drop_first"]["y"] > 0.002
     kept = {k.node: k for k in result.kept}
     assert kept["unshift"].rule == "measured" and kept["shift"].rule == "measured" and "proj" not in kept
     assert m["outputs"]["y"]["cosine"] >= m["outputs"]["y"]["cosine_fp32"] - 0.002
-    # as many samples as measured: nothing more to confirm on, the search runs on those (as before)
+    # as many samples as measured: nothing more to confirm on, the same search and keeps
     few = cast_float_parts(model, "fp16", data={"x": many["x"][:MEASURE_SAMPLES]})
-    assert "first" not in few.measurement and few.measurement["samples"] == MEASURE_SAMPLES
+    assert "confirmation" not in few.measurement and few.measurement["samples"] == MEASURE_SAMPLES
     assert {k.node for k in few.kept if k.rule == "measured"} == {"shift", "unshift"}
+
+
+def test_a_drop_of_a_few_samples_that_more_samples_do_not_show_keeps_nothing():
+    """Four samples where FP16 cancels badly among sixty where it does not: the drop on the four is
+    not confirmed on sixteen, nothing is kept, nothing warned; with only the four it is searched."""
+    from onnx_qat.formats.float_parts import CONFIRM_FACTOR, MEASURE_SAMPLES
+
+    model = _cancellation_model(batch="N")
+    rng = np.random.default_rng(3)
+    # whole numbers up to 20: x + 1000 is exact in FP16 (its step there is 0.5), and their outputs
+    # outweigh those of the four samples in [0, 1)
+    x = rng.integers(0, 21, (64, 16)).astype(np.float32)
+    picked = np.unique(np.linspace(0, 63, MEASURE_SAMPLES).round().astype(int))  # Dataset.spread's samples
+    x[picked] = rng.uniform(0, 1, (len(picked), 16)).astype(np.float32)
+    result = cast_float_parts(model, "fp16", data={"x": x})
+    m = result.measurement
+    assert m["confirmation"]["samples"] == CONFIRM_FACTOR * MEASURE_SAMPLES == m["samples"]
+    assert m["confirmation"]["drop_first"]["y"] > 0.002 >= m["confirmation"]["drop"]["y"]
+    assert m["rounds"] == 0 and not [k for k in result.kept if k.rule == "measured"]
+    assert not [n for n in result.notes if "stays more than" in n]
+    few = cast_float_parts(model, "fp16", data={"x": x[picked]})
+    assert few.measurement["rounds"] >= 1 and "unshift" in {k.node for k in few.kept}
 
 
 def test_no_drop_on_the_first_samples_measures_nothing_more():
@@ -265,7 +289,7 @@ def test_no_drop_on_the_first_samples_measures_nothing_more():
     b.output("y")
     data = {"x": np.random.default_rng(0).uniform(-1, 1, (64, 16)).astype(np.float32)}
     result = cast_float_parts(b.build(), "fp16", data=data)
-    assert "first" not in result.measurement and result.measurement["samples"] == 4
+    assert "confirmation" not in result.measurement and result.measurement["samples"] == 4
     assert result.measurement["rounds"] == 0 and not [k for k in result.kept if k.rule == "measured"]
 
 
