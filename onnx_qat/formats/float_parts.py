@@ -302,7 +302,7 @@ def _cast_loaded(proto: onnx.ModelProto, low: LowType, *, scales, keep_io_types:
             more_samples = CONFIRM_FACTOR * num_samples
             if measure.dataset.state or measure.available <= measure.dataset.num_samples:
                 return None
-            return _Measure(proto, types, data, reference, more_samples, progress)
+            return _Measure(proto, types, data, reference, more_samples, progress, ranges=False)
 
         converted, stats, kept, measurement, more = _search(measure, proto, low, kept, types, keep_io_types,
                                                            max_cosine_drop, converted, stats, widen)
@@ -835,7 +835,9 @@ class _Measure:
     """Runs on a few samples: the FP32 float parts with every float tensor exposed (ranges, values),
     the reference's outputs, and any converted model's."""
 
-    def __init__(self, proto, types, data, reference, num_samples: int, progress: bool):
+    def __init__(self, proto, types, data, reference, num_samples: int, progress: bool, ranges: bool = True):
+        """``ranges``: also run every float tensor for its range (False: the outputs only, as a
+        confirmation on more samples needs)."""
         from ..io.data import load_data
 
         dataset = load_data(data, proto)
@@ -861,7 +863,7 @@ class _Measure:
                                  "of the same graph (or reference=None)")
             self.reference = self._run(ref, self.outputs, optimize=None)  # a float model, as deployed
         # every float tensor's range from the exact run (optimisations off: exposing them costs little)
-        self.outputs32 = self._run(proto, self.outputs + self.floats, ranges=self.ranges)
+        self.outputs32 = self._run(proto, self.outputs + (self.floats if ranges else []), ranges=self.ranges)
         if ref is None:
             self.reference = dict(self.outputs32)
 
