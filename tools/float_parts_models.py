@@ -8,6 +8,10 @@ with FP16 float parts
 
 * the INT8 model's own rounding noise: the largest move of its cosine (4 seeds) when the input of
   every QuantizeLinear moves by an FP16-sized rounding error (uniform in +-2^-12, relative);
+* the same with every weight's DequantizeLinear scale moved too, each value by its own FP16-sized
+  factor (``jittered(..., weight_scales=True)``): FP16 float parts round those scales, and on some
+  models that alone moves the cosine more than the activations' rounding (docs/formats.md, "Where
+  the orientation classifier's drop comes from");
 * the output cosine of each against the FP32 float model (FP16 through
   [`onnx_qat.formats.float_parts.emulate_in_fp32`][], FP16 storage with FP32 arithmetic, and through
   onnxruntime's own FP16 session);
@@ -207,6 +211,8 @@ def measure_vad(path: Path, workdir: Path, method: str = "max") -> dict:
 
     cos32 = cosine(q32.model)
     noise = max(abs(cos32 - cosine(jittered(q32.model, 2.0**-12, seed))) for seed in range(4))
+    noise_weights = max(abs(cos32 - cosine(jittered(q32.model, 2.0**-12, seed, weight_scales=True)))
+                        for seed in range(4))
     cos16 = cosine(emulate_in_fp32(q16.model, "fp16"))
     report = onnx_qat.check(q16.model)
     kept = {k.node: k for k in q16.float_parts.kept}
@@ -220,6 +226,7 @@ def measure_vad(path: Path, workdir: Path, method: str = "max") -> dict:
         "cosine_fp16_ort": cosine(q16.model),
         "drop": cos32 - cos16,
         "rounding_noise": noise,
+        "rounding_noise_weight_scales": noise_weights,
         "decisions_agree": float(np.mean((p32 > 0.5) == (p16 > 0.5))),
         "measured_on_data": dict(q16.float_parts.measurement or {}),
         "check_errors": len(report.errors),
@@ -247,6 +254,10 @@ def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> di
     noise = max(abs(cos32 - output_figures(ref, _outputs(jittered(q32.model, 2.0**-12, seed),
                                                           evaluation))["cosine"])
                 for seed in range(4))
+    noise_weights = max(abs(cos32 - output_figures(ref, _outputs(jittered(q32.model, 2.0**-12, seed,
+                                                                          weight_scales=True),
+                                                                  evaluation))["cosine"])
+                        for seed in range(4))
     cos16 = output_figures(ref, _outputs(emulate_in_fp32(q16.model, "fp16"), evaluation))["cosine"]
     native = output_figures(ref, _outputs(q16.model, evaluation))["cosine"]
     report = onnx_qat.check(q16.model)
@@ -258,6 +269,7 @@ def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> di
         "cosine_fp16_ort": native,
         "drop": cos32 - cos16,
         "rounding_noise": noise,
+        "rounding_noise_weight_scales": noise_weights,
         "measured_on_data": dict(q16.float_parts.measurement or {}),
         "check_errors": len(report.errors),
         "check_warnings": len(report.warnings),
@@ -289,18 +301,19 @@ def machine() -> str:
 def table(rows) -> str:
     lines = [
         "| model | cosine FP32 parts | cosine FP16 parts | drop | INT8 rounding noise | "
-        "check errors / warnings | FP32 weighted ops outside keep-list | float bytes FP16/FP32 | "
-        "kept FP32 (by rule) | eval inputs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "with weight scales | check errors / warnings | FP32 weighted ops outside keep-list | "
+        "float bytes FP16/FP32 | kept FP32 (by rule) | eval inputs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | skipped: {r['skipped']} | | | | | | | | |")
+            lines.append(f"| {r['model']} | skipped: {r['skipped']} | | | | | | | | | |")
             continue
         rules = ", ".join(f"{k} {v}" for k, v in sorted(r["kept_by_rule"].items())) or "none"
         lines.append(
             f"| {r['model']} | {r['cosine_fp32_parts']:.5f} | {r['cosine_fp16_parts']:.5f} | "
-            f"{r['drop']:+.1e} | {r['rounding_noise']:.1e} | {r['check_errors']} / {r['check_warnings']} | "
+            f"{r['drop']:+.1e} | {r['rounding_noise']:.1e} | {r['rounding_noise_weight_scales']:.1e} | "
+            f"{r['check_errors']} / {r['check_warnings']} | "
             f"{len(r['fp32_weighted_outside_keep_list'])} | {r['float_bytes_ratio']:.2f} | "
             f"{r['kept']} ({rules}) | {r['eval_samples']} |"
         )

@@ -35,8 +35,10 @@ range      a tensor it reads or writes has a calibrated or measured range beyond
 scale      its Q/DQ scale cannot be held in the type within its precision (it would round to
            zero, or move by more than the type's epsilon of the largest scale), or it reads a
            DequantizeLinear kept for that reason
-measured   on ``data``, the model's output cosine lost more than ``max_cosine_drop`` and this node
-           added the largest relative error (or the first non-finite value) of those left; or, when
+measured   on ``data``, the model's output cosine lost more than ``max_cosine_drop`` and more than
+           its rounding noise (confirmed beyond the budget on `CONFIRM_FACTOR` x ``num_samples``
+           where ``data`` holds them) and this node added the largest relative error (or the first
+           non-finite value) of those left; or, when
            no single node lowers the drop, it belongs to the group kept FP32 together that does
            (found by shrinking the group of all converted compute nodes, `MAX_GROUP_TRIALS`)
 fusion     a DequantizeLinear feeding only kept nodes stays with them, so that TensorRT still fuses
@@ -99,6 +101,14 @@ MAX_COSINE_DROP = 0.002
 #: Samples of ``data`` the measurement runs on (spread evenly over its first 16 x this many:
 #: `onnx_qat.io.data.Dataset.spread`).
 MEASURE_SAMPLES = 4
+#: Where ``num_samples`` show a drop beyond the budget and the rounding noise, the drop is measured
+#: again on this many times as many samples (where ``data`` holds more, and the model is not
+#: stateful) before any node is kept; where those show no drop beyond the budget, nothing is kept
+#: (the measurement reports them), else the search runs on ``num_samples`` as before: on 4 samples
+#: a drop of a few hundredths can be noise alone (the orientation classifier: +0.037 on 4
+#: calibration samples, -0.0031 on 16; docs/formats.md, "Where the orientation classifier's drop
+#: comes from").
+CONFIRM_FACTOR = 4
 #: A stateful model (its state fed back) is measured on its first this many x ``num_samples`` steps.
 STATEFUL_WINDOW = 16
 #: Rounds of the measured search (one node tried per round).
@@ -225,6 +235,8 @@ def cast_float_parts(model, float_dtype, *, scales=None, keep_io_types: bool = T
             converted model's cosine against ``reference`` is more than ``max_cosine_drop`` below the
             FP32 float parts' and more than the model's own rounding noise (with the activation scales
             rounded up or to the nearest value, whichever measures closer: ``measurement["scale_rounding"]``),
+            it is measured again on `CONFIRM_FACTOR` x ``num_samples`` samples where ``data`` holds them
+            (not for a stateful model; ``measurement["confirmation"]``); where the drop holds there,
             the node adding the most
             error is kept FP32 (up to `MAX_ROUNDS` nodes), or, when no single node lowers the drop, a
             group of nodes found by shrinking (`MAX_GROUP_TRIALS` measured conversions); a note says
@@ -286,8 +298,14 @@ def _cast_loaded(proto: onnx.ModelProto, low: LowType, *, scales, keep_io_types:
     measurement = None
     converted, stats, kept = _convert(proto, low, kept, types, keep_io_types)
     if measure is not None:
+        def widen() -> Optional[_Measure]:
+            more_samples = CONFIRM_FACTOR * num_samples
+            if measure.dataset.state or measure.available <= measure.dataset.num_samples:
+                return None
+            return _Measure(proto, types, data, reference, more_samples, progress, ranges=False)
+
         converted, stats, kept, measurement, more = _search(measure, proto, low, kept, types, keep_io_types,
-                                                           max_cosine_drop, converted, stats)
+                                                           max_cosine_drop, converted, stats, widen)
         notes += more
     notes += tuple(f"{node} {slot}: {why}" for node, slot, why in stats.fp32_slots[:20])
     missing = ort_cpu_missing_kernels(converted, low, stats.low_names)
@@ -817,7 +835,9 @@ class _Measure:
     """Runs on a few samples: the FP32 float parts with every float tensor exposed (ranges, values),
     the reference's outputs, and any converted model's."""
 
-    def __init__(self, proto, types, data, reference, num_samples: int, progress: bool):
+    def __init__(self, proto, types, data, reference, num_samples: int, progress: bool, ranges: bool = True):
+        """``ranges``: also run every float tensor for its range (False: the outputs only, as a
+        confirmation on more samples needs)."""
         from ..io.data import load_data
 
         dataset = load_data(data, proto)
@@ -825,6 +845,7 @@ class _Measure:
         # say little, so it runs on the first STATEFUL_WINDOW x num_samples of them
         self.dataset = dataset.take(min(dataset.num_samples, STATEFUL_WINDOW * num_samples)) \
             if dataset.state else dataset.spread(num_samples)
+        self.available = dataset.num_samples  # samples ``data`` holds
         self.progress = progress
         self.outputs = [o.name for o in proto.graph.output]
         # every float tensor but the DequantizeLinear outputs, whose ranges their codes and scales
@@ -842,7 +863,7 @@ class _Measure:
                                  "of the same graph (or reference=None)")
             self.reference = self._run(ref, self.outputs, optimize=None)  # a float model, as deployed
         # every float tensor's range from the exact run (optimisations off: exposing them costs little)
-        self.outputs32 = self._run(proto, self.outputs + self.floats, ranges=self.ranges)
+        self.outputs32 = self._run(proto, self.outputs + (self.floats if ranges else []), ranges=self.ranges)
         if ref is None:
             self.reference = dict(self.outputs32)
 
@@ -908,9 +929,13 @@ class _Measure:
         return {o: output_figures(self.reference[o], values[o])["cosine"] for o in self.outputs}
 
 
-def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop, converted, stats):
+def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop, converted, stats,
+            widen=None):
     """Keep FP32 the node adding the most error while an output's cosine falls more than ``max_drop``
     below the FP32 float parts' and more than the model's own rounding noise (`_Measure.noise`);
+    before the first node is kept, ``widen()`` (when given and not None) is the measurement on more
+    samples (`CONFIRM_FACTOR`): where it shows no drop beyond ``max_drop`` nothing is kept and it is
+    reported, else the search goes on with ``measure``;
     after `MAX_MISSES` rounds in a row that did not lower the worst drop by a quarter of
     ``max_drop`` the search stops, and the nodes kept since the last round that did are undone. A
     node is kept with the nodes computing its FP32 inputs: an ill-conditioned node (``x - mean``,
@@ -924,6 +949,7 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     noise: Optional[Dict[str, float]] = None
     rounds = misses = 0
     tried: set = set()
+    confirmation: Optional[dict] = None
     best = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos)
     while True:
         short = {o: base[o] - cos[o] for o in measure.outputs if not cos[o] >= base[o] - max_drop}
@@ -932,6 +958,19 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
         noise = measure.noise(low) if noise is None else noise
         if all(short[o] <= noise[o] for o in short):
             break
+        if confirmation is None and widen is not None:  # confirm on more samples before keeping anything
+            wider = widen()
+            confirmation = {}
+            if wider is not None:
+                wide_base = wider.cosines(wider.outputs32)
+                wide_cos = wider.cosines(wider.run_low(converted, low, wider.outputs,
+                                                       low_tensors=stats.low_tensors))
+                confirmation = {"samples": wider.dataset.num_samples, "drop_first": dict(short),
+                                "drop": {o: wide_base[o] - wide_cos[o] for o in wider.outputs}}
+                if all(wide_cos[o] >= wide_base[o] - max_drop for o in wider.outputs):  # not confirmed
+                    measure, base, cos, noise = wider, wide_base, wide_cos, None
+                    best = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos)
+                    continue
         values = measure.run_low(converted, low, [n for n in names if _has_tensor(converted, n)], keep=True,
                                  low_tensors=stats.low_tensors)
         culprit = _worst_node(proto, measure, values, set(kept) | tried)
@@ -981,7 +1020,8 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     measurement = {"samples": measure.dataset.num_samples, "rounds": rounds, "group_trials": group_trials,
                    "max_cosine_drop": max_drop, "scale_rounding": rounding,
                    "outputs": {o: {"cosine_fp32": base[o], "cosine": cos[o]} for o in measure.outputs},
-                   **({} if noise is None else {"rounding_noise": dict(noise)})}
+                   **({} if noise is None else {"rounding_noise": dict(noise)}),
+                   **({"confirmation": confirmation} if confirmation else {})}
     return converted, stats, kept, measurement, notes
 
 
@@ -1070,15 +1110,26 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
     return (converted, stats, trial, cos), trials
 
 
-def jittered(model: onnx.ModelProto, size: float, seed: int = 0) -> onnx.ModelProto:
+def jittered(model: onnx.ModelProto, size: float, seed: int = 0, *, weight_scales: bool = False
+             ) -> onnx.ModelProto:
     """A copy of ``model`` whose every QuantizeLinear input (in the main graph and in If/Loop/Scan bodies)
     is multiplied by ``1 + u``, ``u`` uniform in ± ``size`` (onnxruntime's seeded
     ``RandomUniformLike``, one seed per node): rounding errors of a float type before every
-    quantization, in random directions."""
+    quantization, in random directions.
+
+    With ``weight_scales`` every weight's DequantizeLinear scale (a DequantizeLinear reading a
+    constant: an initializer or a ``Constant`` node's value) is multiplied too, each value by its own
+    ``1 + u`` (NumPy's generator seeded with ``seed``): what storing those scales in FP16 does to them
+    (`low_scale` rounds each to the nearest value, within half a step), in random directions. On
+    the document orientation classifier those roundings alone move the output cosine as much as
+    everything else FP16 changes (docs/formats.md, "Where the orientation classifier's drop comes
+    from")."""
     from ..graph.subgraphs import model_names
 
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    if weight_scales:
+        _jitter_weight_scales(out, size, seed)
     used = model_names(out)
     one = fresh_name("jitter/one", used)
     count = 0
@@ -1103,6 +1154,32 @@ def jittered(model: onnx.ModelProto, size: float, seed: int = 0) -> onnx.ModelPr
     if count:  # read from the main graph by the bodies too
         out.graph.initializer.append(onnx.numpy_helper.from_array(np.float32(1.0), one))
     return out
+
+
+def _jitter_weight_scales(model: onnx.ModelProto, size: float, seed: int) -> int:
+    """`jittered`'s ``weight_scales``: multiply, in place, the scale of every DequantizeLinear reading a
+    constant by ``1 + u`` per value (``u`` uniform in ± ``size``, seeded); returns how many scales moved."""
+    from ..io.models import tensor_array
+
+    graphs = all_graphs(model)
+    constants = {t.name: t for g in graphs for t in g.initializer}
+    constants.update({n.output[0]: a.t for g in graphs for n in g.node if n.op_type == "Constant"
+                      for a in n.attribute if a.name == "value"})
+    names = []
+    for g in graphs:
+        for n in g.node:
+            if n.op_type == "DequantizeLinear" and len(n.input) > 1 and n.input[0] in constants \
+                    and n.input[1] in constants and n.input[1] not in names:
+                names.append(n.input[1])
+    rng = np.random.default_rng(seed)
+    for name in names:
+        tensor = constants[name]
+        if tensor.data_type != TensorProto.FLOAT:
+            continue
+        values = np.asarray(tensor_array(tensor), np.float64)
+        moved = values * (1 + rng.uniform(-size, size, values.shape))
+        tensor.CopyFrom(onnx.numpy_helper.from_array(moved.astype(np.float32), tensor.name))
+    return len(names)
 
 
 def _float_producers(model, node, types) -> List[onnx.NodeProto]:

@@ -26,7 +26,10 @@ Left as they are:
   round trip's trained ranges): written exactly as given;
 * weight scales: a weight's codes are computed with its own scale, so an FP16 weight scale
   rescales the dequantized weight by less than 2^-11 (FP16 storage of that weight, which FP16
-  float parts do anyway), and moves no activation grid;
+  float parts do anyway), and moves no activation grid (that rescaling is the whole FP16 drop of
+  the orientation classifier on its 16 evaluation inputs, +0.0060, and noise: random rescalings of
+  that size move its cosine by up to 0.019; docs/formats.md, "Where the orientation classifier's
+  drop comes from");
 * FP8 scales (``amax / 448`` of the same ranges): one ScaleTable serves every precision and the
   mixed-format search quantizes INT8 and FP8 sites from one table, so a range sits on one grid,
   INT8's; the conversion rounds FP8 scales as it rounds given ones;

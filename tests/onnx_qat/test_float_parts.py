@@ -207,10 +207,10 @@ def test_a_scale_fp16_cannot_hold_keeps_its_qdq_and_consumer():
     assert cosine(ref, run_each(result.model, feeds)) >= cosine(ref, run_each(fp32.model, feeds)) - 0.002
 
 
-def _cancellation_model():
+def _cancellation_model(batch=4):
     """y = ((x + 1000) - 1000) @ W: in FP16 the shift leaves x a step of 0.5."""
     b = GraphBuilder("cancel", 0)
-    x = b.input("x", [4, 16])
+    x = b.input("x", [batch, 16])
     s = b.node("Add", [x, b.const("shift", np.float32(1000.0))], name="shift")
     u = b.node("Sub", [s, b.const("unshift", np.float32(1000.0))], name="unshift")
     b.node("MatMul", [u, b.weight("w", [16, 8])], "y", name="proj")
@@ -233,6 +233,64 @@ def test_a_site_costing_cosine_in_fp16_is_measured_and_kept_fp32(seed):
     m = result.measurement["outputs"]["y"]
     assert m["cosine"] >= m["cosine_fp32"] - 0.002 and result.measurement["rounds"] == 1
     assert cosine(run(model, feeds)[0], run(emulate_in_fp32(result.model), feeds)[0]) >= 0.998
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_drop_on_the_first_samples_is_confirmed_on_four_times_as_many_before_a_node_is_kept(seed):
+    """With more data than ``num_samples``, a drop beyond the budget and the noise is measured again on
+    CONFIRM_FACTOR x as many samples; a systematic cost holds there, and the search keeps its node."""
+    from onnx_qat.formats.float_parts import CONFIRM_FACTOR, MEASURE_SAMPLES
+
+    model = _cancellation_model(batch="N")
+    rng = np.random.default_rng(seed)
+    many = {"x": rng.uniform(0, 1, (64, 16)).astype(np.float32)}
+    result = cast_float_parts(model, "fp16", data=many)
+    m = result.measurement
+    assert m["confirmation"]["samples"] == CONFIRM_FACTOR * MEASURE_SAMPLES
+    assert m["samples"] == MEASURE_SAMPLES
+    assert m["confirmation"]["drop_first"]["y"] > m["rounding_noise"]["y"]
+    assert m["confirmation"]["drop"]["y"] > 0.002 and m["confirmation"]["drop_first"]["y"] > 0.002
+    kept = {k.node: k for k in result.kept}
+    assert kept["unshift"].rule == "measured" and kept["shift"].rule == "measured" and "proj" not in kept
+    assert m["outputs"]["y"]["cosine"] >= m["outputs"]["y"]["cosine_fp32"] - 0.002
+    # as many samples as measured: nothing more to confirm on, the same search and keeps
+    few = cast_float_parts(model, "fp16", data={"x": many["x"][:MEASURE_SAMPLES]})
+    assert "confirmation" not in few.measurement and few.measurement["samples"] == MEASURE_SAMPLES
+    assert {k.node for k in few.kept if k.rule == "measured"} == {"shift", "unshift"}
+
+
+def test_a_drop_of_a_few_samples_that_more_samples_do_not_show_keeps_nothing():
+    """Four samples where FP16 cancels badly among sixty where it does not: the drop on the four is
+    not confirmed on sixteen, nothing is kept, nothing warned; with only the four it is searched."""
+    from onnx_qat.formats.float_parts import CONFIRM_FACTOR, MEASURE_SAMPLES
+
+    model = _cancellation_model(batch="N")
+    rng = np.random.default_rng(3)
+    # whole numbers up to 20: x + 1000 is exact in FP16 (its step there is 0.5), and their outputs
+    # outweigh those of the four samples in [0, 1)
+    x = rng.integers(0, 21, (64, 16)).astype(np.float32)
+    picked = np.unique(np.linspace(0, 63, MEASURE_SAMPLES).round().astype(int))  # Dataset.spread's samples
+    x[picked] = rng.uniform(0, 1, (len(picked), 16)).astype(np.float32)
+    result = cast_float_parts(model, "fp16", data={"x": x})
+    m = result.measurement
+    assert m["confirmation"]["samples"] == CONFIRM_FACTOR * MEASURE_SAMPLES == m["samples"]
+    assert m["confirmation"]["drop_first"]["y"] > 0.002 >= m["confirmation"]["drop"]["y"]
+    assert m["rounds"] == 0 and not [k for k in result.kept if k.rule == "measured"]
+    assert not [n for n in result.notes if "stays more than" in n]
+    few = cast_float_parts(model, "fp16", data={"x": x[picked]})
+    assert few.measurement["rounds"] >= 1 and "unshift" in {k.node for k in few.kept}
+
+
+def test_no_drop_on_the_first_samples_measures_nothing_more():
+    """A conversion within the budget on its samples is not measured again (no ``first``)."""
+    b = GraphBuilder("plain", 0)
+    x = b.input("x", ["N", 16])
+    b.node("MatMul", [b.node("Relu", [x], name="relu"), b.weight("w", [16, 8])], "y", name="proj")
+    b.output("y")
+    data = {"x": np.random.default_rng(0).uniform(-1, 1, (64, 16)).astype(np.float32)}
+    result = cast_float_parts(b.build(), "fp16", data=data)
+    assert "confirmation" not in result.measurement and result.measurement["samples"] == 4
+    assert result.measurement["rounds"] == 0 and not [k for k in result.kept if k.rule == "measured"]
 
 
 def test_bf16_keeps_ops_tensorrt_does_not_run_in_bf16():
@@ -488,6 +546,36 @@ def test_jittered_moves_every_quantize_input_by_at_most_its_size_the_same_way_ea
     np.testing.assert_array_equal(first, again)  # seeded
     assert 0.999 < cosine(first, exact) < 1.0  # a few values cross a rounding boundary, no more
     assert len(q.graph.node) == len(onnx_qat.quantize(model, data=x, progress=False).model.graph.node)
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_jittered_weight_scales_moves_every_weight_scale_within_its_size_and_no_activation_scale(seed):
+    from onnx_qat.formats.float_parts import activation_scales, jittered
+
+    model = residual_block_model(projection=True, seed=seed)
+    x = random_inputs(model, num=4, seed=seed)
+    q = onnx_qat.quantize(model, data=x, progress=False).model
+    size = 2.0**-11
+    moved = jittered(q, size, seed=seed, weight_scales=True)
+    before = {t.name: numpy_helper.to_array(t) for t in q.graph.initializer}
+    after = {t.name: numpy_helper.to_array(t) for t in moved.graph.initializer}
+    inits = set(before)
+    weight = {n.input[1] for n in q.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits}
+    assert len(weight) >= 3 and not weight & activation_scales(q)
+    for name in weight:
+        ratio = after[name].astype(np.float64) / before[name]
+        assert np.all(np.abs(ratio - 1) <= size * (1 + 1e-6)) and np.any(ratio != 1)
+    for name in inits - weight:
+        np.testing.assert_array_equal(after[name], before[name])
+    again = jittered(q, size, seed=seed, weight_scales=True)
+    assert all(np.array_equal(numpy_helper.to_array(t), after[t.name]) for t in again.graph.initializer)
+    other = jittered(q, size, seed=seed + 1, weight_scales=True)
+    assert any(not np.array_equal(numpy_helper.to_array(t), after[t.name]) for t in other.graph.initializer
+               if t.name in weight)
+    # without the option the weight scales stay exact
+    plain = jittered(q, size, seed=seed)
+    assert all(np.array_equal(numpy_helper.to_array(t), before[t.name]) for t in plain.graph.initializer
+               if t.name in before)
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
