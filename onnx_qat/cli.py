@@ -182,8 +182,7 @@ def _calibration_options(parser: argparse.ArgumentParser) -> None:
                        help="how activation ranges are chosen from the data (default: auto; for "
                             "sensitivity: max; with --min-cosine, auto searches each tensor's range "
                             "with the float sites, another method only the float sites; auto: of max "
-                            "everywhere, the "
-                            "least-error range per tensor and entropy everywhere, the table whose output "
+                            "everywhere and the least-error range per tensor, the table whose output "
                             "is closest to the float model's on the calibration data, leaving max "
                             "only where the samples agree)")
     group.add_argument("--percentile", metavar="P", type=number_in(0.0, 100.0, low_open=True), default=None,

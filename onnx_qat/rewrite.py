@@ -593,7 +593,7 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> T
                           "batch_size and tensors")
     dataset = load_data(data, model, what="calibration data")
     result = collect(model, dataset, tensors, method=method, progress=progress,
-                     fp16_grid=config.target == "tensorrt", **options)
+                     fp16_grid=config.target == "tensorrt", entropy=False, **options)
     reached = without_unreached_branches(placement, result.table())
     if reached.empty:
         raise PlacementError("nothing to quantize: the calibration data took no If branch (nor observed "

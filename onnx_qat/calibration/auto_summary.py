@@ -12,7 +12,8 @@ import json
 from collections import Counter
 from typing import Mapping
 
-#: How the summary names each of auto's candidate tables.
+#: How the summary names each of auto's candidate tables (``entropy``: a table of releases before
+#: 2026-11-27, still named when a table file of theirs is read).
 AUTO_TABLES = {"max": "max everywhere", "entropy": "entropy everywhere",
                "tensor": "the least-error range per tensor"}
 
@@ -22,7 +23,7 @@ _CANDIDATE = {"tensor": "per-tensor"}
 def describe_method(metadata: Mapping[str, str]) -> str:
     """``ranges: max``, ``ranges: percentile 99.99`` or, for ``auto``, ``ranges: auto kept the
     least-error range per tensor (mse 84, max 1) | output cosine on the calibration data:
-    per-tensor 0.99994, entropy 0.99993, max 0.99992``. Empty when the metadata names no method (a table
+    per-tensor 0.99994, max 0.99992``. Empty when the metadata names no method (a table
     read from a file another tool wrote)."""
     method = metadata.get("calibration_method", "")
     if not method:

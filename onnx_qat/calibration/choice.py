@@ -2,9 +2,9 @@
 
 A tensor's own quantization error does not say what its range does to the output (clipping a few
 large values can cost more downstream than their share of the error shows, and the errors of many
-tensors add up). So `collect` gives ``auto``'s candidate tables
-from its one pass -- ``max`` everywhere, each tensor's least-error candidate, the guarded ``entropy``
-everywhere -- with the float model's outputs on the calibration batches holding the first
+tensors add up). So `collect` gives ``auto``'s two candidate tables
+from its one pass -- ``max`` everywhere and each tensor's least-error candidate -- with the float
+model's outputs on the calibration batches holding the first
 `CHECK_SAMPLES` samples. `choose` judges them with the
 model and placement its caller already holds (the rewrite behind
 [`onnx_qat.quantize`][onnx_qat.quantize.quantize], or
@@ -23,14 +23,15 @@ Large graphs are judged on fewer samples (`judge_samples`): each judged sample c
 whole Q/DQ model per table, so the samples are bounded by `JUDGE_NODE_SAMPLES` (nodes x samples),
 never fewer than `MIN_JUDGE_SAMPLES`; every model up to 625 nodes keeps all 64.
 
-The tables are taken in order -- ``max``, then the per-tensor table, then ``entropy`` -- and a later
+The tables are taken in order -- ``max``, then the per-tensor table -- and a later
 table replaces the one kept only when its worst-output cosine is higher **and** the samples agree
 (`beats`): the per-sample output errors of the two tables (each sample's squared error over the
 outputs, as a share of each output's energy: the terms the cosine sums) must differ by more than
 `EVIDENCE` standard errors of their mean. On few samples one or two of them decide a cosine: on the
-PP-OCR angle classifier (16 calibration lines) ``entropy`` led the per-tensor table 0.9846 to 0.9806
-by two lines alone (each table closer on about half of the lines) and trailed both it and ``max`` on the
-evaluation lines; such a lead is noise, and the table kept before it stays. Data without per-sample
+PP-OCR angle classifier (16 calibration lines) ``entropy`` everywhere, a third table until
+2026-11-27, led the per-tensor table 0.9846 to 0.9806 by two lines alone (each table closer on about
+half of the lines) and trailed both it and ``max`` on the evaluation lines; such a lead is noise, and
+the table kept before it stays. Data without per-sample
 outputs (a single run) is judged by the cosines alone.
 If branches and Loop/Scan bodies are judged float (their marks are inserted in the final model
 only): a model whose quantized activations all sit in them (silero-vad's) keeps each tensor's
@@ -240,10 +241,17 @@ def _fold_constant_dequantize(model: onnx.ModelProto) -> None:
 
 
 def _array(tensor: onnx.TensorProto) -> np.ndarray:
-    """An initializer's values (read straight from its raw bytes when it has them)."""
-    if tensor.HasField("raw_data") and tensor.data_location == onnx.TensorProto.DEFAULT:
+    """An initializer's values (read straight from its raw bytes, or from its float or int32 field for
+    float32 and 8-bit integers, when it holds them so: the scales and zero points the inserter writes)."""
+    if tensor.data_location == onnx.TensorProto.DEFAULT:
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-        return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(tuple(tensor.dims))
+        shape = tuple(tensor.dims)
+        if tensor.HasField("raw_data"):
+            return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(shape)
+        if tensor.data_type == onnx.TensorProto.FLOAT and len(tensor.float_data) == int(np.prod(shape)):
+            return np.array(tensor.float_data, dtype=np.float32).reshape(shape)
+        if tensor.data_type in _FOLDED_TYPES and len(tensor.int32_data) == int(np.prod(shape)):
+            return np.array(tensor.int32_data, dtype=np.int32).astype(dtype).reshape(shape)
     from onnx import numpy_helper
 
     return numpy_helper.to_array(tensor)

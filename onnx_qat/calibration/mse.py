@@ -26,12 +26,14 @@ class MseCollector(HistogramCollector):
         return float(mse_thresholds(counts[None, :])[0]) * width
 
 
-def mse_thresholds(counts: np.ndarray) -> np.ndarray:
+def mse_thresholds(counts: np.ndarray, *, prefix=None) -> np.ndarray:
     """The least-error threshold (in bins) of each row of ``counts`` ``[R, n]`` (rows not all zero),
-    searched by `coarse_to_fine_rows` over the bin edges ``1..last non-empty``."""
+    searched by `coarse_to_fine_rows` over the bin edges ``1..last non-empty`` (``prefix``:
+    `moment_prefixes` of ``counts`` when already computed)."""
     counts = np.asarray(counts, dtype=np.float64)
     last = counts.shape[1] - np.argmax(counts[:, ::-1] > 0, axis=1)
-    prefix = moment_prefixes(counts)
+    if prefix is None:
+        prefix = moment_prefixes(counts)
     coarse = _coarse_mse(prefix)
     calls = []
 

@@ -175,8 +175,8 @@ class Calibration:
             bodies that cannot be observed per iteration); they have no range.
         metadata: the ScaleTable metadata (method, samples, bins).
         producer: the ScaleTable producer.
-        candidates: ``auto`` only: the whole tables to choose from, ``{"max": ..., "tensor": ...,
-            "entropy": ...}``, all read from the same histograms.
+        candidates: ``auto`` only: the whole tables to choose from, ``{"max": ..., "tensor": ...}``,
+            both read from the same histograms.
         choices: ``auto`` only: ``{tensor: candidate}`` of the per-tensor table.
         check_feeds: ``auto`` only: the calibration batches holding the first `CHECK_SAMPLES`
             samples (fewer on large graphs, `onnx_qat.calibration.choice.judge_samples`), which the
@@ -186,8 +186,9 @@ class Calibration:
         bounds: ``{tensor: (min, max)}`` of the finite values seen, whatever the method (the ScaleTable's
             ``bounds``: the ``ort-cpu`` target's asymmetric ranges).
         options: ``auto`` only: every candidate range of every tensor, ``{tensor: {candidate: amax}}``
-            (``max``, ``percentile(99.9)``, ``percentile(99.99)``, ``percentile(99.999)``, ``mse``,
-            ``entropy``), all read from the same histograms: what a search over each tensor's range
+            (``max``, ``percentile(99.9)``, ``percentile(99.99)``, ``percentile(99.999)``, ``mse``, and
+            ``entropy`` unless `collect` was told not to search it), all read from the same histograms:
+            what a search over each tensor's range
             (`onnx_qat.accuracy.ranges`) chooses from.
     """
 
@@ -223,9 +224,9 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         data: calibration data: an ``.npz`` path, a dict of arrays, an array, a stream of feeds
             (a directory or list of ``.npz`` files, a list or iterator of feed dicts, an object with
             ``get_next()``) or a `Dataset` (see [`onnx_qat.load_data`][onnx_qat.io.data.load_data]).
-        method: ``"auto"`` (the default: of three tables -- ``max`` everywhere, per tensor whichever
-            of the max, percentile and mse candidates quantizes that tensor with the least error,
-            ``entropy`` everywhere -- the one whose quantized model's output is closest to the float
+        method: ``"auto"`` (the default: of two tables -- ``max`` everywhere, and per tensor whichever
+            of the max, percentile and mse candidates quantizes that tensor with the least error --
+            the one whose quantized model's output is closest to the float
             model's on the first 64 calibration samples (fewer on graphs over 625 nodes), a later
             table replacing an earlier one only where the samples agree, `choose`;
             the metadata keys ``auto_table``, ``auto_output_cosine`` and ``auto_choices`` record
@@ -287,7 +288,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     dataset = load_data(data, proto, what="calibration data")
     result = collect(proto, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
                      batch_size=batch_size, progress=progress, workers=workers,
-                     fp16_grid=resolved.target == "tensorrt")
+                     fp16_grid=resolved.target == "tensorrt", entropy=False)
     if result.unobserved:
         logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
                        "that cannot be observed per iteration (e.g. %r); they get no range",
@@ -331,7 +332,7 @@ def auto_table(result: Calibration, best: str, cosines: Mapping[str, float]) -> 
 
 def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: str = DEFAULT_METHOD,
             percentile: float = 99.99, num_bins: int = 2048, batch_size: int = 16,
-            progress: bool = True, workers=1, fp16_grid: bool = True) -> Calibration:
+            progress: bool = True, workers=1, fp16_grid: bool = True, entropy: bool = True) -> Calibration:
     """One calibration pass of ``model`` (a loaded float ModelProto, not changed) over ``dataset``
     (a `Dataset`), observing ``names``: the `Calibration` (ranges, and
     for ``auto`` the candidate tables, the check batches and the float outputs on them).
@@ -345,6 +346,10 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     With ``workers`` other than 1 (a count, None for as many as pay, or a `WorkerSpec`, Ray included)
     the batches are split over worker processes and the collectors merged exactly
     (`onnx_qat.calibration.parallel`).
+
+    With ``entropy`` (``auto`` only; the default) ``options`` holds every tensor's ``entropy`` range too
+    (the KL search: a candidate of the search over each tensor's range, `onnx_qat.accuracy.ranges`);
+    ``calibrate`` and ``quantize`` pass False, since their choice between whole tables does not read it.
 
     This is all calibration does: choosing among ``auto``'s tables is the caller's (it holds the
     placement the tables are inserted with: `onnx_qat.calibration.choice.choose`).
@@ -387,7 +392,7 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     if method == "auto":  # every tensor's searches at once
         from .auto import analyze
 
-        analyze([observers[name].collector for name in names if name in reached])
+        analyze([observers[name].collector for name in names if name in reached], entropy=entropy)
     grid = functools.partial(on_fp16_grid, qmax=SCALE_QMAX) if fp16_grid else float
     ranges = {name: grid(observer.result()) for name, observer in observers.items() if name in reached}
     bounds = {name: found for name in ranges for found in (observers[name].bounds(),) if found is not None}
@@ -400,12 +405,13 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     def guarded(value: float) -> float:
         return grid(value if value > 0.0 else ZERO_TENSOR_AMAX)
 
-    candidates = {"max": {n: guarded(observers[n].collector.max_amax()) for n in ranges}, "tensor": ranges,
-                  "entropy": {n: guarded(observers[n].collector.entropy_amax()) for n in ranges}}
+    candidates = {"max": {n: guarded(observers[n].collector.max_amax()) for n in ranges}, "tensor": ranges}
     choices = {name: observers[name].collector.choice for name in ranges}
-    options = {name: {**{c: guarded(amax) for c, (amax, _) in observers[name].collector.errors.items()},
-                      "entropy": candidates["entropy"][name]} if observers[name].collector.errors else
-               {"max": candidates["max"][name], "entropy": candidates["entropy"][name]} for name in ranges}
+    options = {name: {c: guarded(amax) for c, (amax, _) in observers[name].collector.errors.items()}
+               if observers[name].collector.errors else {"max": candidates["max"][name]} for name in ranges}
+    if entropy:
+        for name in ranges:
+            options[name]["entropy"] = guarded(observers[name].collector.entropy_amax())
     feeds = tuple(feed for feed, _ in kept)
     reference = {name: np.concatenate([values[name].ravel() for _, values in kept]) for name in outputs} \
         if kept else {}

@@ -32,7 +32,9 @@ def test_the_range_of_an_outlier_tensor_is_chosen_instead_of_leaving_its_site_fl
     assert info["cosine_estimate"] == pytest.approx(info["cosine_after"], abs=1e-4)
     assert (info["int8_weighted_ops"], info["weighted_ops"]) == (7, 7)
     ranges = info["ranges"]
-    assert ranges["start"] in ("max", "mse") and ranges["whole_tables"][ranges["start"]] < 0.99
+    # the start: the best whole table (the per-tensor one on seed 3 since its candidates are scored on
+    # the num_bins histogram, 2026-11-27), still short of the minimum
+    assert ranges["start"] in ("max", "mse", "tensor") and ranges["whole_tables"][ranges["start"]] < 0.99
     assert [(c["site"], c["tensors"]) for c in ranges["changes"]] == [("conv3", ["relu2_out"])]
     assert ranges["changes"][0]["to"].startswith("percentile")
     assert ranges["sites"]["conv3"] == {"relu2_out": ranges["changes"][0]["to"]}
