@@ -65,19 +65,24 @@ def connect(address) -> bool:
     handlers = _signal_handlers()
     terminated = False
     try:
-        ray.init(**({} if local else {"address": address}), include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.ERROR, runtime_env={"py_modules": [package]})
-    except SystemExit as exc:  # SIGTERM during ray.init: Ray's own handler, set there, exits with 15
-        if exc.code != _SIGTERM or _SIGTERM not in handlers:
-            raise
-        terminated = True
-    except Exception as exc:  # noqa: BLE001 - Ray's own errors, one line
-        where = "start a local Ray cluster" if local else f"connect to the Ray cluster at {address}"
-        raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
-    finally:
-        _restore_signal_handlers(handlers)
-    if terminated:  # the caller's handler gets the signal Ray's took (the CLI: exit 143, nothing written)
-        os.kill(os.getpid(), _SIGTERM)
+        try:
+            ray.init(**({} if local else {"address": address}), include_dashboard=False,
+                     log_to_driver=False, logging_level=logging.ERROR, runtime_env={"py_modules": [package]})
+        except SystemExit as exc:  # SIGTERM during ray.init: Ray's own handler, set there, exits with 15
+            if exc.code != _SIGTERM or _SIGTERM not in handlers:
+                raise
+            terminated = True
+        except Exception as exc:  # noqa: BLE001 - Ray's own errors, one line
+            where = "start a local Ray cluster" if local else f"connect to the Ray cluster at {address}"
+            raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
+        finally:
+            _restore_signal_handlers(handlers)
+        if terminated:  # the caller's handler gets the signal Ray's took (the CLI: exit 143, nothing written)
+            os.kill(os.getpid(), _SIGTERM)
+    except BaseException:
+        if _interrupted():  # a signal during or right after ray.init: no pool owns the cluster yet, so
+            _shutdown_within(ray, INTERRUPTED_SHUTDOWN)  # stop what this call started (its agents too)
+        raise
     return True
 
 
