@@ -13,8 +13,11 @@ The steps, in order, on a private copy of the float model:
    candidates by the output on the first half of the evaluation data
    (`onnx_qat.accuracy.ranges.tune_table`: the best whole table, then each harmful site's tensors),
    kept only when it also raises the cosine on the other half, which no range was chosen by (the
-   choice fits the samples it is made on, so its gain there is not evidence); skipped when either
-   half has fewer than `RANGES_MIN_SAMPLES` samples;
+   choice fits the samples it is made on, so its gain there is not evidence). When either half has
+   fewer than `RANGES_MIN_SAMPLES` samples, one whole table instead (``auto``'s candidates everywhere,
+   `onnx_qat.accuracy.ranges.choose_table`), chosen on the first calibration samples with ``auto``'s
+   paired rule (no evaluation sample decides it) and kept, as every step, only when it raises the
+   cosine on the evaluation data;
 5. ``reconstruct``: each INT8 weighted op's integers and bias fitted, in graph order, to the float
    model's output from the input it gets in the Q/DQ model (`onnx_qat.accuracy.reconstruct`).
 
@@ -42,7 +45,8 @@ OPTIMIZE = ("accuracy",)
 STEPS = ("calibrate", "equalize", "smooth", "ranges", "reconstruct")
 #: Evaluation samples the ranges step needs in each half (it chooses on one half and is kept only
 #: when the other gains; with fewer, a choice fits its few samples: measured with 2 to 4 per half,
-#: it was undone on each PP-OCRv4 model, after 110-320 s on the recognizer). Below it the step is skipped.
+#: it was undone on each PP-OCRv4 model, after 110-320 s on the recognizer). Below it the step only
+#: chooses one whole table, on the calibration samples (`onnx_qat.accuracy.ranges.choose_table`).
 RANGES_MIN_SAMPLES = 8
 
 
@@ -129,9 +133,16 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
         choose, held_out = _halves(evaluation)
         few = held_out is None or min(choose.num_samples, held_out.num_samples) < RANGES_MIN_SAMPLES
         if few:
-            steps.append(_step("ranges", best, best, False, clock, note=(
-                f"skipped: {evaluation.num_samples} evaluation samples; the ranges step needs "
-                f"{RANGES_MIN_SAMPLES} in each half (to choose on one and confirm on the other)")))
+            from .ranges import choose_table
+
+            chosen, records = choose_table(float_model, calib, evaluation, config=config, weights=table,
+                                           batch_size=batch_size, progress=progress)
+            few_note = (f"{evaluation.num_samples} evaluation samples, fewer than {RANGES_MIN_SAMPLES} "
+                        "in each half to choose ranges on: ")
+            attempt("ranges", clock, float_model, chosen is not None and chosen is not table, lambda: chosen,
+                    few_note + ("no whole table beat auto's on the calibration samples" if chosen is not None
+                                else "the calibration samples cannot judge a table (stateful data)"),
+                    mode="whole table", **records)
         else:
             from .ranges import tune_table
 

@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 #: The whole tables tried first, in this order (ties keep the earlier one): ``tensor`` is ``auto``'s
 #: per-tensor table (each tensor's least-error candidate), the others one candidate everywhere.
 WHOLE_TABLES = ("tensor", "max", "entropy", "mse", "percentile(99.99)")
+#: The whole tables `choose_table` judges on the calibration samples, in this order, after the table
+#: ``auto`` chose: ``auto``'s per-tensor table, then each candidate of `CANDIDATES` everywhere.
+START_TABLES = ("tensor", "max", "percentile(99.999)", "percentile(99.99)", "percentile(99.9)", "mse",
+                "entropy")
 #: Candidate ranges per tensor, in the order they are tried.
 CANDIDATES = ("max", "percentile(99.999)", "percentile(99.99)", "percentile(99.9)", "mse", "entropy")
 #: A candidate within this relative distance of one already listed for the tensor is the same range.
@@ -123,20 +127,35 @@ class Confirmation:
     def _outputs(self, on, scales) -> Dict[str, np.ndarray]:
         from .gated import join_flat
 
+        return {name: join_flat(v) for name, v in self._batches(on, scales).items()}
+
+    def _batches(self, on, scales) -> Dict[str, list]:
         runner = self.runner
         switches = {**runner._gates(set(on)), **runner.scales, **dict(scales or {})}
         parts: Dict[str, list] = {name: [] for name in runner.outputs}
         for feed in self.feeds:
             for name, value in zip(runner.outputs, runner.session.run(runner.outputs, {**feed, **switches})):
-                parts[name].append(value)
-        return {name: join_flat(v) for name, v in parts.items()}
+                parts[name].append(np.asarray(value))
+        return parts
 
     def cosine(self, float_sites: Sequence[int], amax: Mapping[str, float]) -> float:
         """Output cosine with ``float_sites`` float and every other site quantized under ``amax``."""
+        return self.judged(float_sites, amax)[0]
+
+    def judged(self, float_sites: Sequence[int], amax: Mapping[str, float]) -> Tuple[float, np.ndarray]:
+        """`cosine`, and each calibration sample's output error (`onnx_qat.calibration.choice.sample_errors`:
+        its squared error as a share of each output's energy, the terms the cosine sums)."""
+        from ..calibration.choice import sample_errors
+        from .gated import join_flat
+
         sites = self.prepared.sites
         on = set(range(len(sites))) - set(with_partners(sites, float_sites))
         self.runs += 1
-        return output_error(self.reference, self._outputs(on, self.prepared.scale_feeds(amax))).cosine
+        batches = self._batches(on, self.prepared.scale_feeds(amax))
+        joined = {name: join_flat(v) for name, v in batches.items()}
+        energy = {o: max(float(np.dot(ref, ref)), 1e-30) for o, ref in self.reference.items()}
+        errors = sample_errors(self.reference, {o: batches[o] for o in self.reference}, energy)
+        return output_error(self.reference, joined).cosine, errors
 
 
 @dataclass
@@ -434,6 +453,46 @@ def tune_table(float_model, data, eval_data, *, config, weights=None, batch_size
     return table, state.records
 
 
+def choose_table(float_model, data, eval_data, *, config, weights, batch_size: int = 16,
+                 progress: bool = False):
+    """``optimize="accuracy"``'s ``ranges`` step when the evaluation data is too small to choose ranges on
+    (`onnx_qat.accuracy.optimize.RANGES_MIN_SAMPLES`): one whole table (`START_TABLES`) chosen on the
+    first calibration samples (`Confirmation`), as ``auto`` chooses between its tables: starting from
+    ``weights``' activation ranges (the table ``auto`` chose), a table replaces the one kept only when
+    its output cosine there is higher **and** its per-sample output errors are lower by more than
+    `onnx_qat.calibration.choice.EVIDENCE` standard errors of the paired difference
+    (`onnx_qat.calibration.choice.beats`). No evaluation sample decides the choice (its caller judges
+    the result on them, as every step). Returns ``(ScaleTable, records)``; the table is ``weights``'
+    own when no candidate beats it (``records["start"]`` ``"given"``), or None when the calibration
+    samples cannot judge (`Confirmation.usable`)."""
+    from ..calibration.choice import EVIDENCE, beats
+    from ..scales import ScaleTable
+
+    prepared, _ = prepare_candidates(float_model, data, eval_data, config, batch_size, progress, weights)
+    confirm = Confirmation(prepared, batch_size)
+    if not confirm.usable:
+        return None, {"start": None}
+    given = {t: float(weights.activations.get(t, a)) for t, a in prepared.table.activations.items()}
+    best, (cosine, errors) = "given", confirm.judged((), given)
+    cosines, amax_of = {"given": cosine}, {"given": given}
+    for name in START_TABLES:
+        amax, _ = whole_table(prepared, name)
+        trial, trial_errors = confirm.judged((), amax)
+        cosines[name], amax_of[name] = trial, amax
+        if trial > cosines[best] and beats(trial_errors, errors):
+            best, errors = name, trial_errors
+    records = {"start": best, "calibration_cosines": cosines, "calibration_samples": len(errors),
+               "evidence": EVIDENCE, "runs": confirm.runs}
+    logger.info("ranges: whole tables on the calibration samples %s; %s kept",
+                ", ".join(f"{k} {v:.5f}" for k, v in cosines.items()), best)
+    if best == "given":
+        return weights, records
+    table = ScaleTable(amax_of[best], dict(prepared.table.weights), producer=prepared.table.producer,
+                       metadata={**prepared.table.metadata, "range_table": best},
+                       bounds={t: b for t, b in prepared.table.bounds.items() if t in amax_of[best]})
+    return table, records
+
+
 def prepare_candidates(float_model, data, eval_data, config, batch_size: int, progress: bool, weights=None):
     """`onnx_qat.accuracy.prepared.prepare` with ``auto``'s candidates kept and the scales as inputs."""
     from .prepared import prepare
@@ -456,6 +515,6 @@ def per_site(state: RangeSearch, float_sites: Sequence[int]) -> Dict[str, Dict[s
             for k, s in enumerate(sites) if k not in set(float_sites) and s.activations}
 
 
-__all__ = ["search_ranges", "tune_table", "RangeSearch", "candidates", "whole_table", "min_gain", "better",
-           "sample_cosines", "per_site", "WHOLE_TABLES", "CANDIDATES", "SAME_RANGE", "MIN_GAIN_SHARE",
-           "MIN_SAMPLE_SHARE"]
+__all__ = ["search_ranges", "tune_table", "choose_table", "START_TABLES", "RangeSearch", "candidates",
+           "whole_table", "min_gain", "better", "sample_cosines", "per_site", "WHOLE_TABLES", "CANDIDATES",
+           "SAME_RANGE", "MIN_GAIN_SHARE", "MIN_SAMPLE_SHARE"]

@@ -6,6 +6,7 @@ import pytest
 import onnx_qat
 from onnx_qat.accuracy.bias_correction import correct_biases
 from onnx_qat.accuracy.equalize import equalize, find_pairs
+from onnx_qat.accuracy.ranges import START_TABLES
 from onnx_qat.accuracy.rounding import round_int8
 from onnx_qat.errors import ConfigError
 from onnx_qat.placement import place
@@ -244,8 +245,12 @@ def test_optimize_accuracy_keeps_the_steps_that_help_and_reports_each():
     assert steps["equalize"]["kept"] and steps["equalize"]["gain"] > 0.02
     assert info["cosine_after"] >= info["cosine_before"] + 0.02
     assert all(s["kept"] == (s["gain"] is None or s["gain"] > 0) for s in info["steps"])
-    # 4 evaluation samples: 2 per half, too few to choose ranges on one half and confirm on the other
-    assert not steps["ranges"]["kept"] and "skipped" in steps["ranges"]["note"]
+    # 4 evaluation samples: 2 per half, too few to choose ranges on one half and confirm on the other;
+    # the step chooses one whole table on the calibration samples instead
+    ranges = steps["ranges"]
+    assert ranges["mode"] == "whole table" and ranges["calibration_samples"] == 12
+    assert ranges["start"] in ("given",) + START_TABLES
+    assert ranges["kept"] == (ranges["start"] != "given" and ranges["gain"] > 0)
     evaluation = _feeds(50)
     ref = run(model, evaluation)[0]
     assert cosine(run(result.model, evaluation)[0], ref) > cosine(run(plain.model, evaluation)[0], ref) + 0.02
@@ -274,6 +279,56 @@ def test_optimize_accuracy_undoes_ranges_that_lose_on_the_held_out_samples(monke
     assert step["held_out_after"] < step["held_out_before"] and not step["kept"]
     assert "held-out" in step["note"]
     assert_check_clean(result.model)
+
+
+def saturating_model(seed: int = 0, channels: int = 16):
+    """input [N, C, 16, 16] -> Conv ``conv1`` -> Clip(0, 1) -> Conv ``conv2`` -> ``output``: the Clip
+    saturates whatever a rare large input value makes of ``conv1``'s output."""
+    b = GraphBuilder("saturating", seed)
+    y = b.conv(b.input("input", ["N", channels, 16, 16]), channels, channels, "conv1")
+    y = b.node("Clip", [y, b.const("lo", np.array(0, np.float32)), b.const("hi", np.array(1, np.float32))],
+               name="clip1")
+    b.node("Identity", [b.conv(y, channels, channels, "conv2")], "output", name="out")
+    b.output("output")
+    return b.build()
+
+
+def _spiky(seed: int, n: int, channels: int = 16, height: float = 100.0):
+    """Normal inputs with one value of +-``height`` per sample: ``max`` ranges the model's input by the
+    spikes (every other value then rounds to a few levels), while the Clip after ``conv1`` saturates
+    whatever the spikes become, so clipping them costs the output almost nothing."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, channels, 16, 16)).astype(np.float32)
+    for i in range(n):
+        x[i, rng.integers(channels), rng.integers(16), rng.integers(16)] = height * rng.choice([-1.0, 1.0])
+    return {"input": x}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_optimize_accuracy_chooses_a_whole_table_on_the_calibration_samples(seed, monkeypatch):
+    """With too few evaluation samples to choose ranges on one half and confirm on the other, the ranges
+    step still chooses one whole table among auto's candidates, on the calibration samples alone (the
+    paired rule auto uses), and keeps it only where the evaluation cosine rises. Here the per-tensor
+    table keeps ``max`` on the spiky input (clipping the spikes costs that tensor more error than
+    rounding), but a percentile table everywhere wins on every calibration sample: on 64 unseen samples
+    the recipe gains over the one without that choice."""
+    import onnx_qat.accuracy.ranges as ranges_module
+
+    model = saturating_model(seed)
+    calib, evaluation, unseen = _spiky(seed, 32), _spiky(seed + 100, 4), _spiky(seed + 200, 64)
+    result = onnx_qat.quantize(model, data=calib, eval_data=evaluation, optimize="accuracy", progress=False)
+    assert_check_clean(result.model)
+    step = {s["step"]: s for s in result.accuracy["steps"]}["ranges"]
+    assert step["kept"] and step["start"].startswith("percentile") and step["gain"] > 0.005, step
+    cosines = step["calibration_cosines"]
+    assert cosines[step["start"]] > cosines["given"] + 0.01
+    ref = run(model, unseen)[0]
+    monkeypatch.setattr(ranges_module, "choose_table",
+                        lambda *a, weights, **kw: (weights, {"start": "given"}))
+    without = onnx_qat.quantize(model, data=calib, eval_data=evaluation, optimize="accuracy", progress=False)
+    assert not {s["step"]: s for s in without.accuracy["steps"]}["ranges"]["kept"]
+    gained = cosine(run(result.model, unseen)[0], ref) - cosine(run(without.model, unseen)[0], ref)
+    assert gained > 0.005, gained
 
 
 @pytest.mark.parametrize("kw, message", [
