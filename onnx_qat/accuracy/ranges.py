@@ -477,6 +477,10 @@ def choose_table(float_model, data, eval_data, *, config, weights, batch_size: i
     cosines, amax_of = {"given": cosine}, {"given": given}
     for name in START_TABLES:
         amax, _ = whole_table(prepared, name)
+        same = next((k for k, a in amax_of.items() if a == amax), None)
+        if same is not None:  # the same ranges (auto's choice is one of these tables): judged already
+            cosines[name] = cosines[same]
+            continue
         trial, trial_errors = confirm.judged((), amax)
         cosines[name], amax_of[name] = trial, amax
         if trial > cosines[best] and beats(trial_errors, errors):
