@@ -651,7 +651,7 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
             fmt = {k: v for k, v in dict(storage or {}).items() if k in ("precision", "block_size")}
             shared = read_by_subgraphs(model.graph)
             nested = tuple(insert_into_subgraphs(model, placement, table, target, **fmt))
-        edit = GraphEdit(model)
+        edit = GraphEdit(model, encoded=finish is None)  # new nodes as bytes unless edited after
         inserted = insert_qdq_pairs(edit, placement, table, target, progress=progress, **dict(storage or {}))
         if finish is not None:
             finish(edit)

@@ -30,6 +30,8 @@ import onnx
 from ..io.models import target_ir_version, tensor_array
 from .constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS, fold_chain
 from .index import DEFAULT_DOMAINS
+from .wire import GRAPH_INITIALIZER, GRAPH_NODE, EncodedNode, EncodedTensor, encode_tensor, framed
+from .wire import tensor as tensor_bytes
 
 _NP_TO_ONNX = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int8): onnx.TensorProto.INT8,
                np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.int32): onnx.TensorProto.INT32,
@@ -77,11 +79,18 @@ class GraphEdit:
             no two graphs create the same name.
         outer_constants: for the edit of a subgraph: name -> TensorProto of the constants of the
             enclosing graphs (initializers and Constant values), read by `constant`.
+        encoded: new nodes and initializers may be held as wire bytes (`onnx_qat.graph.wire`:
+            `EncodedNode`, `EncodedTensor`), and `commit` then builds the result's graph by parsing
+            it once from bytes. The inserter makes its nodes that way when this is set, and
+            `add_initializers` / `add_scalar_initializers` their initializers. Only for an edit
+            whose new nodes are not changed after they are queued (the ``tensorrt`` form; the
+            ``ort-cpu`` form's folds edit them). The result is the same model either way.
     """
 
     def __init__(self, model: onnx.ModelProto, *, names: Optional[Set[str]] = None,
-                 outer_constants: Optional[Dict[str, onnx.TensorProto]] = None):
+                 outer_constants: Optional[Dict[str, onnx.TensorProto]] = None, encoded: bool = False):
         self.model = model
+        self.encoded = encoded
         self.outer_constants = outer_constants or {}
         graph = model.graph
         self.nodes: List[onnx.NodeProto] = list(graph.node)
@@ -185,9 +194,12 @@ class GraphEdit:
         return value, source, chain
 
     def initializer(self, name: str) -> Optional[onnx.TensorProto]:
-        """The initializer (original or added by this edit) named ``name``, or None."""
+        """The initializer (original or added by this edit) named ``name``, or None (an added one held as
+        bytes is parsed: a new TensorProto)."""
         found = self._new_initializers.get(name)
-        return found if found is not None else self.initializers.get(name)
+        if found is None:
+            return self.initializers.get(name)
+        return found.proto() if type(found) is EncodedTensor else found
 
     def readers(self) -> Dict[str, List[Tuple[onnx.NodeProto, int]]]:
         """Tensor -> ``(node, input index)`` of every live node reading it, as the graph is now."""
@@ -226,7 +238,9 @@ class GraphEdit:
         initializers): `add_initializer` costs a NumPy array per call."""
         name = self.fresh(base)
         data_type = onnx_type(dtype)
-        if dims:
+        if self.encoded:
+            self._new_initializers[name] = encode_tensor(name, data_type, raw, dims)
+        elif dims:
             tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims, raw_data=raw)
         else:  # a scalar (most of them): an empty dims argument alone costs protobuf about half the call
             tensor = onnx.TensorProto(name=name, data_type=data_type, raw_data=raw)
@@ -241,7 +255,9 @@ class GraphEdit:
         for name, value in zip(names, values):
             if isinstance(value, tuple):
                 dtype, raw, dims = value
-                if dims:
+                if self.encoded:
+                    new[name] = encode_tensor(name, onnx_type(dtype), raw, dims)
+                elif dims:
                     new[name] = make(name=name, data_type=onnx_type(dtype), dims=dims, raw_data=raw)
                 else:
                     new[name] = make(name=name, data_type=onnx_type(dtype), raw_data=raw)
@@ -252,7 +268,13 @@ class GraphEdit:
                                 raws: Sequence[bytes]) -> None:
         """New scalar initializers, ``names[i]`` of ONNX element type ``data_types[i]`` holding ``raws[i]``
         (its little-endian bytes); the names come from `fresh_names` (they are not made fresh here)."""
-        new, make = self._new_initializers, onnx.TensorProto
+        new = self._new_initializers
+        if self.encoded:
+            new_tuple = tuple.__new__
+            for name, data_type, raw in zip(names, data_types, raws):
+                new[name] = new_tuple(EncodedTensor, (name, data_type, tensor_bytes(name, data_type, raw)))
+            return
+        make = onnx.TensorProto
         for name, data_type, raw in zip(names, data_types, raws):
             new[name] = make(name=name, data_type=data_type, raw_data=raw)
 
@@ -321,12 +343,15 @@ class GraphEdit:
         for descriptor, value in source.graph.ListFields():
             if descriptor.name not in ("node", "initializer"):
                 _assign(graph, descriptor, value)
-        graph.node.extend(live)
         kept = [t for t in source.graph.initializer if t.name not in drop and t.name in self.initializers]
         added = [t for name, t in self._new_initializers.items() if name not in drop]
         data_types = {t.data_type for t in kept} | {t.data_type for t in added}
-        graph.initializer.extend(kept)
-        graph.initializer.extend(added)
+        if self.encoded:
+            _parse_into(graph, live, kept, added)
+        else:
+            graph.node.extend(live)
+            graph.initializer.extend(kept)
+            graph.initializer.extend(added)
         if self._removed and graph.value_info:  # no value_info for tensors no node makes any more
             made = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
             made.update(t.name for t in graph.initializer)
@@ -357,6 +382,19 @@ class GraphEdit:
         for name in wanted & (self.graph_outputs | inputs | self._inner_names()):
             counts[name] += 1  # a graph output or input, or an outer-scope name a subgraph may read
         return counts
+
+
+def _parse_into(graph, nodes, kept, added) -> None:
+    """Fill ``graph`` (its fields other than nodes and initializers already set) with ``nodes`` and the
+    initializers ``kept`` then ``added`` (NodeProtos / TensorProtos, or `EncodedNode` / `EncodedTensor`),
+    in that order, by parsing their bytes once: the same messages as extending its lists with them."""
+    def data(items):
+        return [item.encoded if type(item) is EncodedNode or type(item) is EncodedTensor
+                else item.SerializeToString() for item in items]
+
+    rest = graph.SerializeToString()
+    inits = framed(GRAPH_INITIALIZER, data(kept) + data(added))
+    graph.ParseFromString(b"".join((rest, framed(GRAPH_NODE, data(nodes)), inits)))
 
 
 def _assign(message, descriptor, value) -> None:
