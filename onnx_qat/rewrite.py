@@ -183,6 +183,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     out_path, _ = check_output_and_report(output, report, inputs=inputs)
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
+    from_scales = data is None  # no step below edits the float model then (AWQ and GPTQ need data)
     width = None  # ort-cpu with calibrated ranges: GEMM weights (depthwise excepted) in 8 or 7 bits
     if data is not None and not fmt.weight_only and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
         from .placement.cpu_latency import resolve_cpu_vnni
@@ -270,9 +271,15 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
                    "narrow_weights": getattr(adapted, "narrow_weights", ()),
                    "range_scales": getattr(adapted, "range_scales", {})}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
-    del index  # placement is decided; freeing its index lowers the rewrite's memory peak
+    # From given scales and without a target form's adapter nothing has changed the float model since it
+    # was indexed: the edit takes its lookups from the index. Otherwise the index is freed here (placement
+    # is decided), which lowers the rewrite's memory peak.
+    current = index if from_scales and adapter is None else None
+    del index
     storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
-    qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage, finish)
+    qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage, finish,
+                                   index=current)
+    del current
     # The float weights are not needed to save the Q/DQ model (a new ModelProto, which holds only
     # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
@@ -634,11 +641,12 @@ def _check_complete(table: ScaleTable, placement: Placement, source: str) -> Sca
     return table
 
 
-def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None):
+def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None, index=None):
     """Insert the Q/DQ nodes as edits of ``model`` (which this call owns) and commit them to a new
     ModelProto (``storage``: the target form's ``zero_points``/``unsigned_weights`` for
     `insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
-    `onnx_qat.insertion.ort_cpu.Adapted.finish`)."""
+    `onnx_qat.insertion.ort_cpu.Adapted.finish`; ``index``: a `GraphIndex` of ``model`` as it is now,
+    for `GraphEdit`)."""
     from .graph.edit import GraphEdit
     from .insertion.inserter import insert_qdq_pairs
 
@@ -651,7 +659,9 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
             fmt = {k: v for k, v in dict(storage or {}).items() if k in ("precision", "block_size")}
             shared = read_by_subgraphs(model.graph)
             nested = tuple(insert_into_subgraphs(model, placement, table, target, **fmt))
-        edit = GraphEdit(model, encoded=finish is None)  # new nodes as bytes unless edited after
+        # new nodes as bytes unless edited after insertion; the index only when the If branches' edits
+        # have not changed what the main graph's nodes hold
+        edit = GraphEdit(model, encoded=finish is None, index=None if nested else index)
         inserted = insert_qdq_pairs(edit, placement, table, target, progress=progress, **dict(storage or {}))
         if finish is not None:
             finish(edit)

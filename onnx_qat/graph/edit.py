@@ -85,23 +85,36 @@ class GraphEdit:
             `add_initializers` / `add_scalar_initializers` their initializers. Only for an edit
             whose new nodes are not changed after they are queued (the ``tensorrt`` form; the
             ``ort-cpu`` form's folds edit them). The result is the same model either way.
+        index: a `onnx_qat.graph.index.GraphIndex` of ``model``'s main graph as it is now (no node or
+            initializer changed since it was built, node names unique as `assign_node_names` leaves them):
+            the edit's lookups are then built from its tables instead of reading every node's fields
+            from the protobuf once more.
     """
 
     def __init__(self, model: onnx.ModelProto, *, names: Optional[Set[str]] = None,
-                 outer_constants: Optional[Dict[str, onnx.TensorProto]] = None, encoded: bool = False):
+                 outer_constants: Optional[Dict[str, onnx.TensorProto]] = None, encoded: bool = False,
+                 index=None):
         self.model = model
         self.encoded = encoded
         self.outer_constants = outer_constants or {}
         graph = model.graph
-        self.nodes: List[onnx.NodeProto] = list(graph.node)
+        self._index = index
+        if index is not None:  # the index read every field once already
+            infos = index.nodes
+            self.nodes: List[onnx.NodeProto] = [n.proto for n in infos]
+            self.by_name: Dict[str, onnx.NodeProto] = {n.name: n.proto for n in infos}
+            self.initializers: Dict[str, onnx.TensorProto] = dict(index.initializers)
+            self.producer: Dict[str, onnx.NodeProto] = {out: n.proto for out, n in index.producer.items()}
+        else:
+            self.nodes = list(graph.node)
+            self.by_name = {n.name: n for n in self.nodes}
+            self.initializers = {t.name: t for t in graph.initializer}
+            self.producer = {}
+            for node in self.nodes:
+                for out in node.output:
+                    if out:
+                        self.producer[out] = node
         self.position: Dict[int, int] = {id(n): i for i, n in enumerate(self.nodes)}
-        self.by_name: Dict[str, onnx.NodeProto] = {n.name: n for n in self.nodes}
-        self.initializers: Dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
-        self.producer: Dict[str, onnx.NodeProto] = {}
-        for node in self.nodes:
-            for out in node.output:
-                if out:
-                    self.producer[out] = node
         self.graph_outputs = frozenset(o.name for o in graph.output)
         self._used: Optional[Set[str]] = None
         self._subgraph_names: Optional[Set[str]] = None
@@ -122,9 +135,14 @@ class GraphEdit:
             graph = self.model.graph
             used = set(self.by_name) | set(self.initializers) | {i.name for i in graph.input}
             used.update(o.name for o in graph.output)
-            for node in self.nodes:
-                used.update(node.input)
-                used.update(node.output)
+            if self._index is not None:
+                for info in self._index.nodes:
+                    used.update(info.inputs)
+                    used.update(info.outputs)
+            else:
+                for node in self.nodes:
+                    used.update(node.input)
+                    used.update(node.output)
             used.update(self._inner_names())
             self._used = used
         return self._used
@@ -132,7 +150,11 @@ class GraphEdit:
     def _inner_names(self) -> Set[str]:
         """`subgraph_names` of the original nodes, walked once (edits never touch subgraphs)."""
         if self._subgraph_names is None:
-            self._subgraph_names = subgraph_names(self.nodes)
+            if self._index is not None:  # the nodes holding graphs, as the index knows them
+                holders = [self.by_name[n] for n in self._index.subgraph_nodes]
+                self._subgraph_names = subgraph_names(holders) if holders else set()
+            else:
+                self._subgraph_names = subgraph_names(self.nodes)
         return self._subgraph_names
 
     def fresh(self, base: str) -> str:
@@ -360,6 +382,7 @@ class GraphEdit:
                 del graph.value_info[:]
                 graph.value_info.extend(kept)
         out.ir_version = target_ir_version(out, data_types)  # the types read here, not in one more walk
+        self._index = None  # its tables describe the graph before the edit
         return out
 
     def _read_counts(self, live: Sequence[onnx.NodeProto]) -> Dict[str, int]:

@@ -1,5 +1,7 @@
 """New nodes and initializers as wire bytes (`onnx_qat.graph.wire`): the same bytes as protobuf's, and the
 same committed model as the NodeProto path of `GraphEdit`, byte for byte."""
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import pytest
@@ -82,18 +84,23 @@ def _renamed(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
 
 
 def _both(model, table, precision="int8", **storage):
-    """The committed model of `insert_qdq_pairs` with new nodes as NodeProtos and as bytes, serialized."""
+    """The committed model of `insert_qdq_pairs` with new nodes as NodeProtos and as bytes, serialized
+    (the latter also with the edit's lookups taken from the placement's index: all three the same)."""
     config = onnx_qat.QuantizeConfig(precision=precision)
     found = []
-    for encoded in (False, True):
+    for encoded, from_index in ((False, False), (True, False), (True, True)):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         assign_node_names(copy)
-        placement = TensorRTPolicy().place(GraphIndex(copy), config)
-        edit = GraphEdit(copy, encoded=encoded)
+        index = GraphIndex(copy)
+        placement = TensorRTPolicy().place(index, config)
+        if placement.subgraphs:  # the main graph's edit only (the branches have their own)
+            placement = replace(placement, subgraphs=())
+        edit = GraphEdit(copy, encoded=encoded, index=index if from_index else None)
         result = insert_qdq_pairs(edit, placement, table, precision=precision, **storage)
         found.append((edit.commit().SerializeToString(), result))
-    return found
+    assert found[2] == found[1]
+    return found[:2]
 
 
 def _table(model, prefix=""):
@@ -109,6 +116,7 @@ def _table(model, prefix=""):
     (lambda: B.residual_block_model(projection=True, seed=4), "fp8"),
     (lambda: B.transformer_block_model(seed=2), "int4"),
     (lambda: B.mlp_model(), "fp8"),
+    (lambda: B.if_cnn_model(), "int8"),
 ])
 def test_insertion_as_bytes_commits_the_same_model(build, precision, prefix):
     float_model = build()
