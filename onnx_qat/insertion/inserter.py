@@ -524,7 +524,19 @@ def _le_bytes(values: np.ndarray) -> bytes:
     return values.astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
+class _NoProgress:
+    """What `_progress` gives when no bar is shown (tqdm and what it imports are then not loaded)."""
+
+    def update(self, count: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _progress(total: int, enabled: bool):
+    if not enabled or total == 0:
+        return _NoProgress()
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="inserting Q/DQ", unit="node", disable=not enabled or total == 0,
