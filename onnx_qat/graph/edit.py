@@ -291,10 +291,15 @@ class GraphEdit:
         """New scalar initializers, ``names[i]`` of ONNX element type ``data_types[i]`` holding ``raws[i]``
         (its little-endian bytes); the names come from `fresh_names` (they are not made fresh here)."""
         new = self._new_initializers
-        if self.encoded:
+        if self.encoded:  # wire.tensor of a scalar, inlined: a rewrite makes two per activation pair
             new_tuple = tuple.__new__
             for name, data_type, raw in zip(names, data_types, raws):
-                new[name] = new_tuple(EncodedTensor, (name, data_type, tensor_bytes(name, data_type, raw)))
+                data = name.encode()
+                if len(data) < 128 and len(raw) < 128 and 0 <= data_type < 128:
+                    encoded = b"\x10%c\x42%c%s\x4a%c%s" % (data_type, len(data), data, len(raw), raw)
+                else:
+                    encoded = tensor_bytes(name, data_type, raw)
+                new[name] = new_tuple(EncodedTensor, (name, data_type, encoded))
             return
         make = onnx.TensorProto
         for name, data_type, raw in zip(names, data_types, raws):
