@@ -420,7 +420,7 @@ class _Inserter:
         record = {"kind": "weight", "tensor": tensor, "nodes": [f"{m.node}:{m.input_index}" for m in marks],
                   "dequantize_node": dq_name, "initializer": q_name, "axis": encoded.axis,
                   "channels": int(encoded.scale.size),
-                  "zero_channels": int(np.count_nonzero(encoded.amax == 0)),
+                  "zero_channels": _zero_count(encoded.amax),
                   "amax_source": source, "rule": marks[0].rule, "reason": marks[0].reason}
         if fmt is not INT8:
             record["precision"] = fmt.name
@@ -489,6 +489,13 @@ def _axis_attribute(axis: int) -> onnx.AttributeProto:
         found = _AXIS_ATTRIBUTES[axis] = onnx.AttributeProto(name="axis", type=onnx.AttributeProto.INT,
                                                              i=axis)
     return found
+
+
+def _zero_count(amax: np.ndarray) -> int:
+    """How many of ``amax`` are zero: its size less its nonzero values (NaN counts as nonzero, -0.0 as
+    zero, as ``amax == 0`` has it), without the comparison's temporary array."""
+    amax = np.asarray(amax)
+    return int(amax.size) - int(np.count_nonzero(amax))
 
 
 def _scale_data(scale: np.ndarray) -> tuple:
