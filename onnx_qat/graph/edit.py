@@ -217,7 +217,7 @@ class GraphEdit:
 
     def initializer(self, name: str) -> Optional[onnx.TensorProto]:
         """The initializer (original or added by this edit) named ``name``, or None (an added one held as
-        bytes is parsed: a new TensorProto)."""
+        bytes is parsed: a new TensorProto, whose changes the edit does not see)."""
         found = self._new_initializers.get(name)
         if found is None:
             return self.initializers.get(name)
