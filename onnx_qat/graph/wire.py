@@ -117,8 +117,20 @@ def tensor(name: str, data_type: int, raw: bytes, dims: Sequence[int] = ()) -> b
 
 def framed(tag: bytes, payloads) -> bytes:
     """The repeated length-delimited field ``tag`` holding each of ``payloads`` in turn, as one bytes."""
-    small = _SMALL
-    return b"".join([tag + (small[len(p)] if len(p) < 128 else varint(len(p))) + p for p in payloads])
+    get = _LENGTHS.get
+    return b"".join([tag + (get(len(p)) or _length(len(p))) + p for p in payloads])
+
+
+#: Length -> its varint, for the lengths `framed` has met (most payloads of a graph share a few lengths).
+_LENGTHS = dict(enumerate(_SMALL))
+
+
+def _length(n: int) -> bytes:
+    """``varint(n)``, kept in `_LENGTHS` when it takes two bytes (under 16384: the cache stays small)."""
+    found = varint(n)
+    if n < 16384:
+        _LENGTHS[n] = found
+    return found
 
 
 class EncodedNode(NamedTuple):

@@ -64,6 +64,15 @@ def test_varint(value):
     assert wire.varint(value) == attr.SerializeToString()[1:]
 
 
+def test_framed_is_a_repeated_field_as_protobuf_writes_it():
+    graph = onnx.GraphProto()
+    for size in (0, 1, 127, 128, 300, 16383, 16384, 70000, 300):
+        graph.node.add(op_type="Relu", name="n" * size)
+    nodes = [n.SerializeToString() for n in graph.node]
+    assert wire.framed(wire.GRAPH_NODE, nodes) == graph.SerializeToString()
+    assert wire.framed(wire.GRAPH_NODE, nodes) == graph.SerializeToString()  # lengths met before, cached
+
+
 def _renamed(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
     """``model`` with ``prefix`` before every tensor and node name."""
     out = onnx.ModelProto()
