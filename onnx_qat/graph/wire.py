@@ -104,15 +104,30 @@ def tensor(name: str, data_type: int, raw: bytes, dims: Sequence[int] = ()) -> b
     given is written even when empty)."""
     data = name.encode()
     n, r = len(data), len(raw)
-    if n < 128 and 0 <= data_type < 128 and (not dims or 0 <= min(dims) and max(dims) < 128):  # one step
-        head = TENSOR_DIMS + TENSOR_DIMS.join([_SMALL[d] for d in dims]) if dims else b""
-        length = _SMALL[r] if r < 128 else varint(r)
+    if n < 128 and 0 <= data_type < 128:  # one formatting step, the dims' bytes made once per shape
+        key = dims if type(dims) is tuple else tuple(dims)
+        head = _DIMS.get(key)
+        if head is None:
+            head = _dims(key)
+        length = _LENGTHS.get(r) or _length(r)
         return b"%s\x10%c\x42%c%s\x4a%s%s" % (head, data_type, n, data, length, raw)
     parts = [TENSOR_DIMS + varint(int(d)) for d in dims]
     parts.append(TENSOR_DATA_TYPE + varint(int(data_type)))
     parts.append(field(TENSOR_NAME, data))
     parts.append(field(TENSOR_RAW, raw))
     return b"".join(parts)
+
+
+#: Shape -> the bytes of its ``dims`` fields, for the shapes `tensor` has met (at most `_MAX_SHAPES`).
+_DIMS: dict = {(): b""}
+_MAX_SHAPES = 4096
+
+
+def _dims(dims: tuple) -> bytes:
+    head = b"".join([TENSOR_DIMS + varint(int(d)) for d in dims])
+    if len(_DIMS) < _MAX_SHAPES:
+        _DIMS[dims] = head
+    return head
 
 
 def framed(tag: bytes, payloads) -> bytes:
