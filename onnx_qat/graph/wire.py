@@ -3,17 +3,17 @@
 A rewrite from given scales adds tens of thousands of QuantizeLinear/DequantizeLinear nodes and
 scale, zero-point and weight initializers. Constructing each as an ``onnx.NodeProto`` or
 ``onnx.TensorProto`` and then copying it into the result's graph costs several microseconds per
-object (measured on the 50,000-node residual net: a NodeProto 4.5 us, copying it into a graph
-1.2 us); writing its few fields as wire bytes costs under one, and the whole graph is then parsed
-once (`GraphEdit.commit`, with ``encoded=True``). The bytes are exactly what the protobuf
-library would hold for the same fields: the result parses into the same messages, so the
-model saved from it is the same file byte for byte (``tests/graph/test_wire.py``).
+object (measured on the 50,000-node residual net: a NodeProto 4-4.5 us, copying it into a graph
+1.2 us); formatting its few fields as wire bytes from a fixed template costs about 1.5 us, and the
+whole graph is then parsed once (`GraphEdit.commit`, with ``encoded=True``). The bytes are exactly
+what the protobuf library writes for the same fields: the result parses into the same messages, so
+the model saved from it is the same file byte for byte (``tests/onnx_qat/test_graph_wire.py``).
 
 The protobuf wire format (https://protobuf.dev/programming-guides/encoding/): each field is a tag
 (field number << 3 | wire type) as a varint, then a varint value (type 0) or a varint length and
 that many bytes (type 2). Field numbers are those of ``onnx.proto``: NodeProto input 1, output 2,
 name 3, op_type 4, attribute 5, domain 7; AttributeProto name 1, i 3, type 20; TensorProto dims 1,
-data_type 2, name 8, raw_data 9; GraphProto node 1, initializer 5; ModelProto graph 7.
+data_type 2, name 8, raw_data 9; GraphProto node 1, initializer 5.
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ NODE_INPUT, NODE_OUTPUT, NODE_NAME, NODE_OP_TYPE, NODE_ATTRIBUTE, NODE_DOMAIN = 
     b"\x0a", b"\x12", b"\x1a", b"\x22", b"\x2a", b"\x3a")
 TENSOR_DIMS, TENSOR_DATA_TYPE, TENSOR_NAME, TENSOR_RAW = b"\x08", b"\x10", b"\x42", b"\x4a"  # 1, 2: varints
 GRAPH_NODE, GRAPH_INITIALIZER = b"\x0a", b"\x2a"
-MODEL_GRAPH = b"\x3a"
 _ATTR_NAME, _ATTR_I, _ATTR_TYPE_INT = b"\x0a", b"\x18", b"\xa0\x01\x02"  # type (field 20) = INT (2)
 
 _SMALL = [bytes((n,)) for n in range(128)]
@@ -203,12 +202,5 @@ def encode_tensor(name: str, data_type: int, raw: bytes, dims: Sequence[int] = (
     return EncodedTensor(name, data_type, tensor(name, data_type, raw, dims))
 
 
-def short_ascii(text: str, limit: int = 100) -> bool:
-    """True when ``text`` is ASCII and shorter than ``limit`` characters: its UTF-8 bytes are its
-    characters, and a name made of it and a suffix of fewer than ``128 - limit`` characters has a
-    one-byte length (what the inserter's templates assume)."""
-    return len(text) < limit and text.isascii()
-
-
 __all__ = ["EncodedNode", "EncodedTensor", "encode_node", "encode_tensor", "field", "framed", "int_attribute",
-           "node", "short_ascii", "string", "tensor", "varint"]
+           "node", "string", "tensor", "varint"]
