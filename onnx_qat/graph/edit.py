@@ -260,7 +260,7 @@ class GraphEdit:
         initializers): `add_initializer` costs a NumPy array per call."""
         name = self.fresh(base)
         data_type = onnx_type(dtype)
-        if self.encoded:
+        if self.encoded and len(raw) < PARSE_CHUNK:
             self._new_initializers[name] = encode_tensor(name, data_type, raw, dims)
         elif dims:
             tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims, raw_data=raw)
@@ -277,7 +277,7 @@ class GraphEdit:
         for name, value in zip(names, values):
             if isinstance(value, tuple):
                 dtype, raw, dims = value
-                if self.encoded:
+                if self.encoded and len(raw) < PARSE_CHUNK:
                     new[name] = encode_tensor(name, onnx_type(dtype), raw, dims)
                 elif dims:
                     new[name] = make(name=name, data_type=onnx_type(dtype), dims=dims, raw_data=raw)
@@ -412,17 +412,56 @@ class GraphEdit:
         return counts
 
 
+#: Bytes parsed at most in one call when the result's graph is parsed from bytes (protobuf refuses a
+#: message over 2 GB); an initializer with more raw bytes than this is kept as a TensorProto.
+PARSE_CHUNK = 1 << 30
+
+
 def _parse_into(graph, nodes, kept, added) -> None:
     """Fill ``graph`` (its fields other than nodes and initializers already set) with ``nodes`` and the
     initializers ``kept`` then ``added`` (NodeProtos / TensorProtos, or `EncodedNode` / `EncodedTensor`),
-    in that order, by parsing their bytes once: the same messages as extending its lists with them."""
-    def data(items):
-        return [item.encoded if type(item) is EncodedNode or type(item) is EncodedTensor
-                else item.SerializeToString() for item in items]
+    in that order, by parsing their bytes: the same messages as extending its lists with them. A
+    list whose bytes stay under `PARSE_CHUNK` is parsed in one call (the usual case); a larger one
+    in parts of at most that size (a model over 2 GB, saved with external data), a message too
+    large to serialize being copied as it is."""
+    for tag, target, items in ((GRAPH_NODE, graph.node, nodes), (GRAPH_INITIALIZER, graph.initializer,
+                                                                  list(kept) + list(added))):
+        try:
+            data = [item.encoded if type(item) is EncodedNode or type(item) is EncodedTensor
+                    else item.SerializeToString() for item in items]
+        except Exception:  # upb refuses to serialize a message over 2 GB
+            data = None
+        if data is not None and sum(map(len, data)) < PARSE_CHUNK:
+            graph.MergeFromString(framed(tag, data))
+        else:
+            _merge_in_parts(graph, tag, target, items)
 
-    rest = graph.SerializeToString()
-    inits = framed(GRAPH_INITIALIZER, data(kept) + data(added))
-    graph.ParseFromString(b"".join((rest, framed(GRAPH_NODE, data(nodes)), inits)))
+
+def _merge_in_parts(graph, tag: bytes, target, items) -> None:
+    """`_parse_into` of one repeated field of ``graph`` (``target``, field ``tag``) in parts of at most
+    `PARSE_CHUNK` bytes; an item whose bytes alone are over that is appended as a message."""
+    part: List[bytes] = []
+    size = 0
+    for item in items:
+        if type(item) is EncodedNode or type(item) is EncodedTensor:
+            data = item.encoded
+        else:
+            try:
+                data = item.SerializeToString()
+            except Exception:  # over 2 GB
+                data = None
+        if data is None or len(data) >= PARSE_CHUNK or size + len(data) > PARSE_CHUNK:
+            if part:
+                graph.MergeFromString(framed(tag, part))
+                part, size = [], 0
+            if data is None or len(data) >= PARSE_CHUNK:
+                encoded = type(item) is EncodedNode or type(item) is EncodedTensor
+                target.append(item.proto() if encoded else item)
+                continue
+        part.append(data)
+        size += len(data)
+    if part:
+        graph.MergeFromString(framed(tag, part))
 
 
 def _assign(message, descriptor, value) -> None:

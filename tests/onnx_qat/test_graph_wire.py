@@ -177,3 +177,18 @@ def test_commit_from_bytes_keeps_fields_drops_released_nodes_and_value_info():
                                                    "Conv"]
     assert not out.graph.value_info and out.metadata_props[0].key == "key" and out.producer_name == "maker"
     onnx.checker.check_model(out)
+
+
+@pytest.mark.parametrize("chunk", [1, 300, 5000])
+def test_commit_from_bytes_in_parts_is_the_same_model(monkeypatch, chunk):
+    """A result over protobuf's 2 GB is parsed in parts of at most PARSE_CHUNK bytes, an item larger than
+    that copied as a message (and a new initializer of that size made as a TensorProto): here with small
+    parts, so every path runs on a small model."""
+    from onnx_qat.graph import edit as edit_module
+
+    model = B.residual_block_model(projection=True, seed=5)
+    table = _table(model)
+    whole = _both(model, table)[1][0]
+    monkeypatch.setattr(edit_module, "PARSE_CHUNK", chunk)
+    (objects, _), (encoded, _) = _both(model, table)
+    assert objects == encoded == whole
