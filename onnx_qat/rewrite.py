@@ -393,9 +393,9 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
     io = _io()
     with io.cyclic_gc_paused():
         float_model = io.load_model(model, min_opset=get_format(config.precision).min_opset)
-        refuse_quantized(float_model, _describe(model))
         assign_node_names(float_model)
         index = GraphIndex(float_model)  # built once: placement, placement checks and name checks share it
+        refuse_quantized(float_model, _describe(model), index)
         if placement is None:
             placement = policy_for(target_obj).place(index, config)
         else:
@@ -499,10 +499,15 @@ def nested_indexes(index: GraphIndex, placement: Placement):
         yield from nested_indexes(sub_index, sub.placement)
 
 
-def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
+def refuse_quantized(model: onnx.ModelProto, what: str = "the model",
+                     index: Optional[GraphIndex] = None) -> None:
     """Raise PlacementError when ``model`` already holds Q/DQ or integer-quantized ops (in any graph,
-    If/Loop/Scan bodies included)."""
+    If/Loop/Scan bodies included). ``index``: a `GraphIndex` of ``model``'s main graph, whose op types
+    and nodes holding subgraphs are then read instead of the main graph's nodes."""
     graphs, ops = [model.graph], set()
+    if index is not None:
+        ops.update(n.op_type for n in index.nodes)
+        graphs = [g for name in index.subgraph_nodes for _, _, g in subgraphs_of(index.by_name[name].proto)]
     while graphs:
         graph = graphs.pop()
         for n in graph.node:
