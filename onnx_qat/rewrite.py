@@ -183,6 +183,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     out_path, _ = check_output_and_report(output, report, inputs=inputs)
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
+    from_scales = data is None  # no step below edits the float model then (AWQ and GPTQ need data)
     width = None  # ort-cpu with calibrated ranges: GEMM weights (depthwise excepted) in 8 or 7 bits
     if data is not None and not fmt.weight_only and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
         from .placement.cpu_latency import resolve_cpu_vnni
@@ -270,9 +271,15 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
                    "narrow_weights": getattr(adapted, "narrow_weights", ()),
                    "range_scales": getattr(adapted, "range_scales", {})}
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
-    del index  # placement is decided; freeing its index lowers the rewrite's memory peak
+    # From given scales and without a target form's adapter nothing has changed the float model since it
+    # was indexed: the edit takes its lookups from the index. Otherwise the index is freed here (placement
+    # is decided), which lowers the rewrite's memory peak.
+    current = index if from_scales and adapter is None else None
+    del index
     storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
-    qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage, finish)
+    qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage, finish,
+                                   index=current)
+    del current
     # The float weights are not needed to save the Q/DQ model (a new ModelProto, which holds only
     # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
@@ -386,9 +393,9 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
     io = _io()
     with io.cyclic_gc_paused():
         float_model = io.load_model(model, min_opset=get_format(config.precision).min_opset)
-        refuse_quantized(float_model, _describe(model))
         assign_node_names(float_model)
         index = GraphIndex(float_model)  # built once: placement, placement checks and name checks share it
+        refuse_quantized(float_model, _describe(model), index)
         if placement is None:
             placement = policy_for(target_obj).place(index, config)
         else:
@@ -492,10 +499,15 @@ def nested_indexes(index: GraphIndex, placement: Placement):
         yield from nested_indexes(sub_index, sub.placement)
 
 
-def refuse_quantized(model: onnx.ModelProto, what: str = "the model") -> None:
+def refuse_quantized(model: onnx.ModelProto, what: str = "the model",
+                     index: Optional[GraphIndex] = None) -> None:
     """Raise PlacementError when ``model`` already holds Q/DQ or integer-quantized ops (in any graph,
-    If/Loop/Scan bodies included)."""
+    If/Loop/Scan bodies included). ``index``: a `GraphIndex` of ``model``'s main graph, whose op types
+    and nodes holding subgraphs are then read instead of the main graph's nodes."""
     graphs, ops = [model.graph], set()
+    if index is not None:
+        ops.update(n.op_type for n in index.nodes)
+        graphs = [g for name in index.subgraph_nodes for _, _, g in subgraphs_of(index.by_name[name].proto)]
     while graphs:
         graph = graphs.pop()
         for n in graph.node:
@@ -634,11 +646,12 @@ def _check_complete(table: ScaleTable, placement: Placement, source: str) -> Sca
     return table
 
 
-def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None):
+def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None, index=None):
     """Insert the Q/DQ nodes as edits of ``model`` (which this call owns) and commit them to a new
     ModelProto (``storage``: the target form's ``zero_points``/``unsigned_weights`` for
     `insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
-    `onnx_qat.insertion.ort_cpu.Adapted.finish`)."""
+    `onnx_qat.insertion.ort_cpu.Adapted.finish`; ``index``: a `GraphIndex` of ``model`` as it is now,
+    for `GraphEdit`)."""
     from .graph.edit import GraphEdit
     from .insertion.inserter import insert_qdq_pairs
 
@@ -651,7 +664,9 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
             fmt = {k: v for k, v in dict(storage or {}).items() if k in ("precision", "block_size")}
             shared = read_by_subgraphs(model.graph)
             nested = tuple(insert_into_subgraphs(model, placement, table, target, **fmt))
-        edit = GraphEdit(model)
+        # new nodes as bytes unless edited after insertion; the index only when the If branches' edits
+        # have not changed what the main graph's nodes hold
+        edit = GraphEdit(model, encoded=finish is None, index=None if nested else index)
         inserted = insert_qdq_pairs(edit, placement, table, target, progress=progress, **dict(storage or {}))
         if finish is not None:
             finish(edit)

@@ -30,6 +30,8 @@ import onnx
 from ..io.models import target_ir_version, tensor_array
 from .constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS, fold_chain
 from .index import DEFAULT_DOMAINS
+from .wire import GRAPH_INITIALIZER, GRAPH_NODE, EncodedNode, EncodedTensor, encode_tensor, framed
+from .wire import tensor as tensor_bytes
 
 _NP_TO_ONNX = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int8): onnx.TensorProto.INT8,
                np.dtype(np.uint8): onnx.TensorProto.UINT8, np.dtype(np.int32): onnx.TensorProto.INT32,
@@ -77,22 +79,42 @@ class GraphEdit:
             no two graphs create the same name.
         outer_constants: for the edit of a subgraph: name -> TensorProto of the constants of the
             enclosing graphs (initializers and Constant values), read by `constant`.
+        encoded: new nodes and initializers may be held as wire bytes (`onnx_qat.graph.wire`:
+            `EncodedNode`, `EncodedTensor`), and `commit` then builds the result's graph by parsing
+            it once from bytes. The inserter makes its nodes that way when this is set, and
+            `add_initializers` / `add_scalar_initializers` their initializers. Only for an edit
+            whose new nodes are not changed after they are queued (the ``tensorrt`` form; the
+            ``ort-cpu`` form's folds edit them). The result is the same model either way.
+        index: a `onnx_qat.graph.index.GraphIndex` of ``model``'s main graph as it is now (no node or
+            initializer changed since it was built, node names unique as `assign_node_names` leaves them):
+            the edit's lookups are then built from its tables instead of reading every node's fields
+            from the protobuf once more.
     """
 
     def __init__(self, model: onnx.ModelProto, *, names: Optional[Set[str]] = None,
-                 outer_constants: Optional[Dict[str, onnx.TensorProto]] = None):
+                 outer_constants: Optional[Dict[str, onnx.TensorProto]] = None, encoded: bool = False,
+                 index=None):
         self.model = model
+        self.encoded = encoded
         self.outer_constants = outer_constants or {}
         graph = model.graph
-        self.nodes: List[onnx.NodeProto] = list(graph.node)
+        self._index = index
+        if index is not None:  # the index read every field once already
+            infos = index.nodes
+            self.nodes: List[onnx.NodeProto] = [n.proto for n in infos]
+            self.by_name: Dict[str, onnx.NodeProto] = {n.name: n.proto for n in infos}
+            self.initializers: Dict[str, onnx.TensorProto] = dict(index.initializers)
+            self.producer: Dict[str, onnx.NodeProto] = {out: n.proto for out, n in index.producer.items()}
+        else:
+            self.nodes = list(graph.node)
+            self.by_name = {n.name: n for n in self.nodes}
+            self.initializers = {t.name: t for t in graph.initializer}
+            self.producer = {}
+            for node in self.nodes:
+                for out in node.output:
+                    if out:
+                        self.producer[out] = node
         self.position: Dict[int, int] = {id(n): i for i, n in enumerate(self.nodes)}
-        self.by_name: Dict[str, onnx.NodeProto] = {n.name: n for n in self.nodes}
-        self.initializers: Dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
-        self.producer: Dict[str, onnx.NodeProto] = {}
-        for node in self.nodes:
-            for out in node.output:
-                if out:
-                    self.producer[out] = node
         self.graph_outputs = frozenset(o.name for o in graph.output)
         self._used: Optional[Set[str]] = None
         self._subgraph_names: Optional[Set[str]] = None
@@ -113,9 +135,14 @@ class GraphEdit:
             graph = self.model.graph
             used = set(self.by_name) | set(self.initializers) | {i.name for i in graph.input}
             used.update(o.name for o in graph.output)
-            for node in self.nodes:
-                used.update(node.input)
-                used.update(node.output)
+            if self._index is not None:
+                for info in self._index.nodes:
+                    used.update(info.inputs)
+                    used.update(info.outputs)
+            else:
+                for node in self.nodes:
+                    used.update(node.input)
+                    used.update(node.output)
             used.update(self._inner_names())
             self._used = used
         return self._used
@@ -123,7 +150,11 @@ class GraphEdit:
     def _inner_names(self) -> Set[str]:
         """`subgraph_names` of the original nodes, walked once (edits never touch subgraphs)."""
         if self._subgraph_names is None:
-            self._subgraph_names = subgraph_names(self.nodes)
+            if self._index is not None:  # the nodes holding graphs, as the index knows them
+                holders = [self.by_name[n] for n in self._index.subgraph_nodes]
+                self._subgraph_names = subgraph_names(holders) if holders else set()
+            else:
+                self._subgraph_names = subgraph_names(self.nodes)
         return self._subgraph_names
 
     def fresh(self, base: str) -> str:
@@ -185,9 +216,12 @@ class GraphEdit:
         return value, source, chain
 
     def initializer(self, name: str) -> Optional[onnx.TensorProto]:
-        """The initializer (original or added by this edit) named ``name``, or None."""
+        """The initializer (original or added by this edit) named ``name``, or None (an added one held as
+        bytes is parsed: a new TensorProto, whose changes the edit does not see)."""
         found = self._new_initializers.get(name)
-        return found if found is not None else self.initializers.get(name)
+        if found is None:
+            return self.initializers.get(name)
+        return found.proto() if type(found) is EncodedTensor else found
 
     def readers(self) -> Dict[str, List[Tuple[onnx.NodeProto, int]]]:
         """Tensor -> ``(node, input index)`` of every live node reading it, as the graph is now."""
@@ -226,7 +260,9 @@ class GraphEdit:
         initializers): `add_initializer` costs a NumPy array per call."""
         name = self.fresh(base)
         data_type = onnx_type(dtype)
-        if dims:
+        if self.encoded and len(raw) < PARSE_CHUNK:
+            self._new_initializers[name] = encode_tensor(name, data_type, raw, dims)
+        elif dims:
             tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims, raw_data=raw)
         else:  # a scalar (most of them): an empty dims argument alone costs protobuf about half the call
             tensor = onnx.TensorProto(name=name, data_type=data_type, raw_data=raw)
@@ -241,7 +277,9 @@ class GraphEdit:
         for name, value in zip(names, values):
             if isinstance(value, tuple):
                 dtype, raw, dims = value
-                if dims:
+                if self.encoded and len(raw) < PARSE_CHUNK:
+                    new[name] = encode_tensor(name, onnx_type(dtype), raw, dims)
+                elif dims:
                     new[name] = make(name=name, data_type=onnx_type(dtype), dims=dims, raw_data=raw)
                 else:
                     new[name] = make(name=name, data_type=onnx_type(dtype), raw_data=raw)
@@ -252,7 +290,18 @@ class GraphEdit:
                                 raws: Sequence[bytes]) -> None:
         """New scalar initializers, ``names[i]`` of ONNX element type ``data_types[i]`` holding ``raws[i]``
         (its little-endian bytes); the names come from `fresh_names` (they are not made fresh here)."""
-        new, make = self._new_initializers, onnx.TensorProto
+        new = self._new_initializers
+        if self.encoded:  # wire.tensor of a scalar, inlined: a rewrite makes two per activation pair
+            new_tuple = tuple.__new__
+            for name, data_type, raw in zip(names, data_types, raws):
+                data = name.encode()
+                if len(data) < 128 and len(raw) < 128 and 0 <= data_type < 128:
+                    encoded = b"\x10%c\x42%c%s\x4a%c%s" % (data_type, len(data), data, len(raw), raw)
+                else:
+                    encoded = tensor_bytes(name, data_type, raw)
+                new[name] = new_tuple(EncodedTensor, (name, data_type, encoded))
+            return
+        make = onnx.TensorProto
         for name, data_type, raw in zip(names, data_types, raws):
             new[name] = make(name=name, data_type=data_type, raw_data=raw)
 
@@ -321,12 +370,15 @@ class GraphEdit:
         for descriptor, value in source.graph.ListFields():
             if descriptor.name not in ("node", "initializer"):
                 _assign(graph, descriptor, value)
-        graph.node.extend(live)
         kept = [t for t in source.graph.initializer if t.name not in drop and t.name in self.initializers]
         added = [t for name, t in self._new_initializers.items() if name not in drop]
         data_types = {t.data_type for t in kept} | {t.data_type for t in added}
-        graph.initializer.extend(kept)
-        graph.initializer.extend(added)
+        if self.encoded:
+            _parse_into(graph, live, kept, added)
+        else:
+            graph.node.extend(live)
+            graph.initializer.extend(kept)
+            graph.initializer.extend(added)
         if self._removed and graph.value_info:  # no value_info for tensors no node makes any more
             made = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
             made.update(t.name for t in graph.initializer)
@@ -335,6 +387,7 @@ class GraphEdit:
                 del graph.value_info[:]
                 graph.value_info.extend(kept)
         out.ir_version = target_ir_version(out, data_types)  # the types read here, not in one more walk
+        self._index = None  # its tables describe the graph before the edit
         return out
 
     def _read_counts(self, live: Sequence[onnx.NodeProto]) -> Dict[str, int]:
@@ -357,6 +410,58 @@ class GraphEdit:
         for name in wanted & (self.graph_outputs | inputs | self._inner_names()):
             counts[name] += 1  # a graph output or input, or an outer-scope name a subgraph may read
         return counts
+
+
+#: Bytes parsed at most in one call when the result's graph is parsed from bytes (protobuf refuses a
+#: message over 2 GB); an initializer with more raw bytes than this is kept as a TensorProto.
+PARSE_CHUNK = 1 << 30
+
+
+def _parse_into(graph, nodes, kept, added) -> None:
+    """Fill ``graph`` (its fields other than nodes and initializers already set) with ``nodes`` and the
+    initializers ``kept`` then ``added`` (NodeProtos / TensorProtos, or `EncodedNode` / `EncodedTensor`),
+    in that order, by parsing their bytes: the same messages as extending its lists with them. A
+    list whose bytes stay under `PARSE_CHUNK` is parsed in one call (the usual case); a larger one
+    in parts of at most that size (a model over 2 GB, saved with external data), a message too
+    large to serialize being copied as it is."""
+    for tag, target, items in ((GRAPH_NODE, graph.node, nodes), (GRAPH_INITIALIZER, graph.initializer,
+                                                                  list(kept) + list(added))):
+        try:
+            data = [item.encoded if type(item) is EncodedNode or type(item) is EncodedTensor
+                    else item.SerializeToString() for item in items]
+        except Exception:  # upb refuses to serialize a message over 2 GB
+            data = None
+        if data is not None and sum(map(len, data)) < PARSE_CHUNK:
+            graph.MergeFromString(framed(tag, data))
+        else:
+            _merge_in_parts(graph, tag, target, items)
+
+
+def _merge_in_parts(graph, tag: bytes, target, items) -> None:
+    """`_parse_into` of one repeated field of ``graph`` (``target``, field ``tag``) in parts of at most
+    `PARSE_CHUNK` bytes; an item whose bytes alone are over that is appended as a message."""
+    part: List[bytes] = []
+    size = 0
+    for item in items:
+        if type(item) is EncodedNode or type(item) is EncodedTensor:
+            data = item.encoded
+        else:
+            try:
+                data = item.SerializeToString()
+            except Exception:  # over 2 GB
+                data = None
+        if data is None or len(data) >= PARSE_CHUNK or size + len(data) > PARSE_CHUNK:
+            if part:
+                graph.MergeFromString(framed(tag, part))
+                part, size = [], 0
+            if data is None or len(data) >= PARSE_CHUNK:
+                encoded = type(item) is EncodedNode or type(item) is EncodedTensor
+                target.append(item.proto() if encoded else item)
+                continue
+        part.append(data)
+        size += len(data)
+    if part:
+        graph.MergeFromString(framed(tag, part))
 
 
 def _assign(message, descriptor, value) -> None:

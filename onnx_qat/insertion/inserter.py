@@ -33,6 +33,7 @@ from ..formats.encoding import (INT8_QRANGE, TINY, encode_int8, encode_weight, q
                                 usable_scales)
 from ..formats.numeric import INT8, Format, get_format
 from ..graph.edit import GraphEdit, onnx_type
+from ..graph.wire import NODE_ATTRIBUTE, EncodedNode, encode_node, field, int_attribute
 from ..placement.marks import ActivationMark, Placement, WeightMark
 from ..scales import ScaleTable
 from .targets import Target, get_target
@@ -50,6 +51,11 @@ _PAIR_SUFFIXES = ("_scale", "_zero_point", "_QuantizeLinear_Output", "_Dequantiz
                   "_QuantizeLinear", "_DequantizeLinear")
 #: Weight range of ``narrow_weights`` (see `insert_qdq_pairs`): 2 x 255 x 63 = 32130 < 2**15.
 NARROW_WEIGHT_RANGE = (-63, 63)
+#: The wire bytes of an activation pair's QuantizeLinear and DequantizeLinear (`onnx_qat.graph.wire.node`
+#: of three inputs and one output), for names of ASCII characters shorter than 128.
+_Q_TEMPLATE = "\n%c%s\n%c%s\n%c%s\x12%c%s\x1a%c%s\"\x0eQuantizeLinear"
+_DQ_TEMPLATE = "\n%c%s\n%c%s\n%c%s\x12%c%s\x1a%c%s\"\x10DequantizeLinear"
+_new_tuple = tuple.__new__
 
 @dataclass(frozen=True)
 class InsertionResult:
@@ -343,10 +349,13 @@ class _Inserter:
             encoding.zero_point(self.format, ())
         edit.add_scalar_initializers((scale_name, zp_name), (_ONNX_FLOAT, onnx_type(zp[0])),
                                      (scale_raw, zp[1]))
-        q = onnx.NodeProto(op_type="QuantizeLinear", name=q_name, input=[tensor, scale_name, zp_name],
-                           output=[q_out])
-        dq = onnx.NodeProto(op_type="DequantizeLinear", name=dq_name, input=[q_out, scale_name, zp_name],
-                            output=[dq_out])
+        if edit.encoded:
+            q, dq = _encoded_pair(tensor, names)
+        else:
+            q = onnx.NodeProto(op_type="QuantizeLinear", name=q_name, input=[tensor, scale_name, zp_name],
+                               output=[q_out])
+            dq = onnx.NodeProto(op_type="DequantizeLinear", name=dq_name, input=[q_out, scale_name, zp_name],
+                                output=[dq_out])
         for node, index in consumers:
             node.input[index] = dq_out
         edit.insert((q, dq), [n for n, _ in consumers], (q_out, dq_out))
@@ -387,12 +396,18 @@ class _Inserter:
         q_name, scale_name, zp_name, dq_name, dq_out = names
         edit.add_initializers((q_name, scale_name, zp_name),
                               (encoded.data, _scale_data(encoded.scale), encoded.zero))
-        dq = onnx.NodeProto(op_type="DequantizeLinear", name=dq_name, input=[q_name, scale_name, zp_name],
-                            output=[dq_out])
-        if encoded.axis is not None:
-            dq.attribute.append(_axis_attribute(int(encoded.axis)))
-        if encoded.block_size is not None:
-            dq.attribute.append(onnx.helper.make_attribute("block_size", int(encoded.block_size)))
+        if edit.encoded:
+            attributes = () if encoded.axis is None else (_axis_bytes(int(encoded.axis)),)
+            if encoded.block_size is not None:
+                attributes += (int_attribute("block_size", int(encoded.block_size)),)
+            dq = _encoded_weight_dq(names, attributes)
+        else:
+            dq = onnx.NodeProto(op_type="DequantizeLinear", name=dq_name, input=[q_name, scale_name, zp_name],
+                                output=[dq_out])
+            if encoded.axis is not None:
+                dq.attribute.append(_axis_attribute(int(encoded.axis)))
+            if encoded.block_size is not None:
+                dq.attribute.append(onnx.helper.make_attribute("block_size", int(encoded.block_size)))
         for node, index in consumers:
             node.input[index] = dq_out
         edit.insert((dq,), [n for n, _ in consumers], (dq_out,))
@@ -405,7 +420,7 @@ class _Inserter:
         record = {"kind": "weight", "tensor": tensor, "nodes": [f"{m.node}:{m.input_index}" for m in marks],
                   "dequantize_node": dq_name, "initializer": q_name, "axis": encoded.axis,
                   "channels": int(encoded.scale.size),
-                  "zero_channels": int(np.count_nonzero(encoded.amax == 0)),
+                  "zero_channels": _zero_count(encoded.amax),
                   "amax_source": source, "rule": marks[0].rule, "reason": marks[0].reason}
         if fmt is not INT8:
             record["precision"] = fmt.name
@@ -418,6 +433,52 @@ class _Inserter:
         return record
 
 
+def _encoded_pair(tensor: str, names: Sequence[str]) -> Tuple[EncodedNode, EncodedNode]:
+    """An activation pair's QuantizeLinear and DequantizeLinear as `EncodedNode`s (``names``: as
+    `_Inserter.activation` takes them): from `_Q_TEMPLATE` and `_DQ_TEMPLATE` when every name is ASCII
+    and shorter than 128 characters, else by `encode_node`."""
+    scale_name, zp_name, q_out, dq_out, q_name, dq_name = names
+    q_in, dq_in = (tensor, scale_name, zp_name), (q_out, scale_name, zp_name)
+    if tensor.isascii() and len(tensor) < 128 and max(map(len, names)) < 128:  # names = tensor + ASCII
+        ls, lz = len(scale_name), len(zp_name)
+        q_bytes = (_Q_TEMPLATE % (len(tensor), tensor, ls, scale_name, lz, zp_name, len(q_out), q_out,
+                                  len(q_name), q_name)).encode()
+        dq_bytes = (_DQ_TEMPLATE % (len(q_out), q_out, ls, scale_name, lz, zp_name, len(dq_out), dq_out,
+                                    len(dq_name), dq_name)).encode()
+        return (_new_tuple(EncodedNode, ("QuantizeLinear", q_name, q_in, (q_out,), q_bytes)),
+                _new_tuple(EncodedNode, ("DequantizeLinear", dq_name, dq_in, (dq_out,), dq_bytes)))
+    return (encode_node("QuantizeLinear", q_name, q_in, (q_out,)),
+            encode_node("DequantizeLinear", dq_name, dq_in, (dq_out,)))
+
+
+def _encoded_weight_dq(names: Sequence[str], attributes: Tuple[bytes, ...]) -> EncodedNode:
+    """A weight's DequantizeLinear as an `EncodedNode` (``names``: as `_Inserter.weight` takes them;
+    ``attributes``: AttributeProto bytes): from `_DQ_TEMPLATE` when every name is ASCII and shorter than
+    128 characters, else by `encode_node`."""
+    q_name, scale_name, zp_name, dq_name, dq_out = names
+    inputs = (q_name, scale_name, zp_name)
+    if max(map(len, names)) < 128 and "".join(names).isascii():
+        head = _DQ_TEMPLATE % (len(q_name), q_name, len(scale_name), scale_name, len(zp_name), zp_name,
+                               len(dq_out), dq_out, len(dq_name), dq_name)
+        encoded = head.encode() + b"".join([_NODE_ATTRIBUTE + _SMALL[len(a)] + a if len(a) < 128
+                                            else field(_NODE_ATTRIBUTE, a) for a in attributes])
+        return _new_tuple(EncodedNode, ("DequantizeLinear", dq_name, inputs, (dq_out,), encoded))
+    return encode_node("DequantizeLinear", dq_name, inputs, (dq_out,), attributes)
+
+
+_NODE_ATTRIBUTE = NODE_ATTRIBUTE
+_SMALL = [bytes((n,)) for n in range(128)]
+_AXIS_BYTES: Dict[int, bytes] = {}
+
+
+def _axis_bytes(axis: int) -> bytes:
+    """The ``axis`` attribute of value ``axis`` as wire bytes (made once per value)."""
+    found = _AXIS_BYTES.get(axis)
+    if found is None:
+        found = _AXIS_BYTES[axis] = int_attribute("axis", axis)
+    return found
+
+
 _AXIS_ATTRIBUTES: Dict[int, onnx.AttributeProto] = {}
 
 
@@ -428,6 +489,13 @@ def _axis_attribute(axis: int) -> onnx.AttributeProto:
         found = _AXIS_ATTRIBUTES[axis] = onnx.AttributeProto(name="axis", type=onnx.AttributeProto.INT,
                                                              i=axis)
     return found
+
+
+def _zero_count(amax: np.ndarray) -> int:
+    """How many of ``amax`` are zero: its size less its nonzero values (NaN counts as nonzero, -0.0 as
+    zero, as ``amax == 0`` has it), without the comparison's temporary array."""
+    amax = np.asarray(amax)
+    return int(amax.size) - int(np.count_nonzero(amax))
 
 
 def _scale_data(scale: np.ndarray) -> tuple:
@@ -463,7 +531,19 @@ def _le_bytes(values: np.ndarray) -> bytes:
     return values.astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
+class _NoProgress:
+    """What `_progress` gives when no bar is shown (tqdm and what it imports are then not loaded)."""
+
+    def update(self, count: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _progress(total: int, enabled: bool):
+    if not enabled or total == 0:
+        return _NoProgress()
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="inserting Q/DQ", unit="node", disable=not enabled or total == 0,
