@@ -51,8 +51,12 @@ def moment_prefixes(counts: np.ndarray):
     counts = np.asarray(counts, dtype=np.float64)
     rows, n = counts.shape
     centers = np.arange(n, dtype=np.float64) + 0.5
-    zero = np.zeros((rows, 1))
-    return [np.concatenate([zero, np.cumsum(counts * centers ** p, axis=1)], axis=1) for p in (0, 1, 2)]
+    sums = np.empty((3, rows, n + 1))
+    sums[:, :, 0] = 0.0
+    np.cumsum(counts, axis=1, out=sums[0, :, 1:])  # n c^0: the counts themselves
+    np.cumsum(counts * centers, axis=1, out=sums[1, :, 1:])
+    np.cumsum(counts * centers ** 2, axis=1, out=sums[2, :, 1:])
+    return [sums[0], sums[1], sums[2]]
 
 
 def _coarse_mse(prefix):
