@@ -19,6 +19,9 @@ model and placement its caller already holds (the rewrite behind
   computes it;
 * one run per table on the check batches, the table's scales fed as inputs.
 
+Tables that hold the same ranges everywhere are not judged: their runs would be the same, and the
+first (``max``) is kept.
+
 Large graphs are judged on fewer samples (`judge_samples`): each judged sample costs one run of the
 whole Q/DQ model per table, so the samples are bounded by `JUDGE_NODE_SAMPLES` (nodes x samples),
 never fewer than `MIN_JUDGE_SAMPLES`; every model up to 625 nodes keeps all 64.
@@ -109,6 +112,10 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
                        "body, which the output check runs float; keeping each tensor's least-error "
                        "candidate")
         return "tensor", {}
+    first = next(iter(tables))
+    if all(table == tables[first] for table in tables.values()):  # the same runs: nothing to judge
+        logger.info("auto calibration: every candidate table holds the same ranges; keeping %s", first)
+        return first, {}
     judge, scale_inputs = judge_model(model, placement, tables["max"], target=target, precision=precision,
                                       block_size=block_size)
     outputs = list(calibration.reference)
