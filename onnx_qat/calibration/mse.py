@@ -118,7 +118,7 @@ def _edge_mse_block(n: int, edges: np.ndarray, prefix) -> np.ndarray:
     del below
     bounds[..., 128] = n
     bounds += (np.arange(rows, dtype=np.intp) * (n + 1))[:, None, None]  # flat indices into the prefixes
-    s0, s1, s2 = (np.subtract(g[..., 1:], g[..., :-1]) for g in (p.ravel()[bounds] for p in prefix))
+    s0, s1, s2 = (np.subtract(g[..., 1:], g[..., :-1]) for g in (p.ravel().take(bounds) for p in prefix))
     at = levels[None, None, :] * scale[:, :, None]
     error = (s2 - 2.0 * at * s1 + at * at * s0).sum(axis=2)
     return np.maximum(error, 0.0) / np.maximum(prefix[0][:, -1:], 1.0)
