@@ -1,8 +1,9 @@
 """``auto``'s cheaper bookkeeping gives the numbers of the formulation it replaced, bit for bit:
 
-* the judge model's weights folded and its activation scales made graph inputs as edits before the
-  insertion's one commit (`onnx_qat.calibration.choice.judge_model`): the same outputs, table by table,
-  as the model committed first and folded and filtered after (the path before, rebuilt here);
+* the judge model's weights folded, its activation scales made graph inputs and its activation zero
+  points shared as edits before the insertion's one commit (`onnx_qat.calibration.choice.judge_model`):
+  the same outputs, table by table, as the model committed first and folded and filtered after (the
+  path before, rebuilt here);
 * candidate tables holding the same ranges are not judged (`choice.choose`);
 * every candidate range put on the FP16 grid at once (`onnx_qat.calibration.runner.fp16_grid_values`):
   the floats of `onnx_qat.formats.scale_grid.on_fp16_grid`, one by one;
@@ -158,7 +159,8 @@ CASES = [
 @pytest.mark.parametrize("name,build,options,seed,scale", CASES, ids=[c[0] for c in CASES])
 def test_judge_model_runs_as_the_model_committed_then_folded(monkeypatch, name, build, options, seed, scale):
     """Every output of the judge model, for both tables on every check batch, is the output of the
-    judge model built the way before, bit for bit; it holds no integer weight nor scale initializer."""
+    judge model built the way before, bit for bit; it holds no integer weight nor scale initializer,
+    and one zero-point initializer per distinct value."""
     model = build()
     data = {k: v * scale for k, v in builders.random_inputs(model, num=12, seed=seed).items()}
     (proto, placement, calibration), kwargs = _captured(monkeypatch, model, data, **options)
@@ -172,6 +174,9 @@ def test_judge_model_runs_as_the_model_committed_then_folded(monkeypatch, name, 
     assert not initializers & set(before_inputs.values())  # the scales are inputs only
     assert not any(t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8) and len(t.dims) > 1
                    for t in now.graph.initializer)  # every integer weight was folded and left out
+    zero_points = {n.input[2] for n in now.graph.node if n.op_type == "QuantizeLinear"}
+    values = {(t.data_type, t.raw_data) for t in now.graph.initializer if t.name in zero_points}
+    assert len(zero_points) == len(values) <= 2  # one initializer per distinct zero point
     outputs = list(calibration.reference)
     sessions = ChunkedSession(now, outputs), ChunkedSession(before, outputs)
     precision = kw.get("precision", "int8")
