@@ -145,8 +145,10 @@ def _analyze_rows(group, entropy: bool = False) -> None:
     prefix = moment_prefixes(counts)
     peaks = np.array([c.hist.max_seen for c in group])
     found = {"max": peaks}
+    cumulative = prefix[0][:, 1:]  # np.cumsum(counts, axis=1) bit for bit (the sums of counts * 1.0)
     for percentile in PERCENTILES:  # named as PercentileCollector describes itself
-        found[f"percentile({percentile:g})"] = percentile_rows(counts, widths, percentile) \
+        found[f"percentile({percentile:g})"] = percentile_rows(counts, widths, percentile,
+                                                               cumulative=cumulative) \
             if percentile < 100.0 else peaks
     found["mse"] = mse_thresholds(counts, prefix=prefix) * widths
     for name in found:

@@ -19,6 +19,9 @@ model and placement its caller already holds (the rewrite behind
   computes it;
 * one run per table on the check batches, the table's scales fed as inputs.
 
+Tables that hold the same ranges everywhere are not judged: their runs would be the same, and the
+first (``max``) is kept.
+
 Large graphs are judged on fewer samples (`judge_samples`): each judged sample costs one run of the
 whole Q/DQ model per table, so the samples are bounded by `JUDGE_NODE_SAMPLES` (nodes x samples),
 never fewer than `MIN_JUDGE_SAMPLES`; every model up to 625 nodes keeps all 64.
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import onnx
@@ -109,6 +112,10 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
                        "body, which the output check runs float; keeping each tensor's least-error "
                        "candidate")
         return "tensor", {}
+    first = next(iter(tables))
+    if all(table == tables[first] for table in tables.values()):  # the same runs: nothing to judge
+        logger.info("auto calibration: every candidate table holds the same ranges; keeping %s", first)
+        return first, {}
     judge, scale_inputs = judge_model(model, placement, tables["max"], target=target, precision=precision,
                                       block_size=block_size)
     outputs = list(calibration.reference)
@@ -176,7 +183,13 @@ def beats(errors: np.ndarray, kept: np.ndarray) -> bool:
 def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *, target="tensorrt",
                 precision="int8", block_size: int = 128):
     """A copy of ``model`` with ``placement``'s main-graph marks inserted from ``table``, each
-    activation pair's scale a float32 scalar graph input: ``(model, {activation tensor: input name})``."""
+    activation pair's scale a float32 scalar graph input, and each constant int8/uint8 weight's
+    DequantizeLinear computed once into a float32 initializer (`_fold_dequantize_edits`):
+    ``(model, {activation tensor: input name})``.
+
+    Both are edits of the one insertion, made before its commit: the commit then leaves out the
+    integer weights and the activation scales nothing reads any more, with no further pass over the
+    model's nodes or initializers."""
     from ..graph.edit import GraphEdit
     from ..insertion.inserter import insert_qdq_pairs
     from ..scales import ScaleTable
@@ -186,58 +199,109 @@ def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *
     edit = GraphEdit(copy)
     inserted = insert_qdq_pairs(edit, replace(placement, subgraphs=()), ScaleTable(dict(table)), target,
                                 precision=precision, block_size=block_size)
+    live = edit.live_nodes()
+    _fold_dequantize_edits(edit, live)
+    pairs = {r["quantize_node"]: r["dequantize_node"] for r in inserted.activations}
+    wanted = set(pairs) | set(pairs.values())
+    by_name = {n.name: n for n in live if n.name in wanted}
+    records = inserted.activations
+    scales = [by_name[r["quantize_node"]].input[1] for r in records]
+    inputs = edit.fresh_names([f"{name}_input" for name in scales])
+    for record, scale, name in zip(records, scales, inputs):  # the pair reads its scale from an input
+        by_name[record["quantize_node"]].input[1] = name
+        by_name[record["dequantize_node"]].input[1] = name
+    edit.release_if_unread(initializers=scales)
+    _share_zero_points(edit, [(by_name[r["quantize_node"]], by_name[r["dequantize_node"]]) for r in records])
     judge = edit.commit()
-    _fold_constant_dequantize(judge)
-    nodes = {n.name: n for n in judge.graph.node if n.op_type == "QuantizeLinear"}
-    scale_inputs = {r["tensor"]: nodes[r["quantize_node"]].input[1] for r in inserted.activations}
-    names = set(scale_inputs.values())
-    kept = [t for t in judge.graph.initializer if t.name not in names]
-    del judge.graph.initializer[:]
-    judge.graph.initializer.extend(kept)
     judge.graph.input.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [])
-                             for n in sorted(names))
-    return judge, scale_inputs
+                             for n in sorted(set(inputs)))
+    return judge, {r["tensor"]: name for r, name in zip(records, inputs)}
 
 
-#: Integer element types whose DequantizeLinear `_fold_constant_dequantize` computes (int8, uint8).
+def _share_zero_points(edit, pairs) -> None:
+    """Point every activation pair of ``pairs`` (``(QuantizeLinear, DequantizeLinear)`` nodes of ``edit``)
+    whose zero point is a scalar initializer at one initializer per distinct value (the inserter makes
+    one per pair, all alike): the same values, and a tenth less time for onnxruntime to build each
+    piece's session (a thousand fewer initializers per piece of the residual nets). The others are
+    left out at the commit."""
+    first: Dict[tuple, str] = {}
+    shared = []
+    for q, dq in pairs:
+        name = q.input[2] if len(q.input) > 2 else ""
+        tensor = edit.initializer(name) if name else None
+        if tensor is None or tensor.dims:
+            continue
+        kept = first.setdefault((tensor.data_type, tensor.raw_data, tuple(tensor.int32_data)), name)
+        if kept != name:
+            for node in (q, dq):
+                if len(node.input) > 2 and node.input[2] == name:
+                    node.input[2] = kept
+            shared.append(name)
+    edit.release_if_unread(initializers=shared)
+
+
+#: Integer element types whose DequantizeLinear `_fold_dequantize_edits` computes (int8, uint8).
 _FOLDED_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
 
 
-def _fold_constant_dequantize(model: onnx.ModelProto) -> None:
-    """Replace, in place, each main-graph DequantizeLinear of constant int8/uint8 values (the weights)
-    by its float32 result, an initializer: the same for every table judged, so computed once instead
-    of in every run, and a fifth fewer nodes for the pieces' sessions to build (on the benchmark's
-    residual nets). ``(x - zero_point) * scale`` in float32 is the operator's definition, one rounding
-    as onnxruntime computes it; blocked (``block_size``) and other element types stay as they are."""
-    graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
-    kept, folded = [], []
-    for node in graph.node:
-        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or not all(
-                name in initializers for name in node.input if name) or \
-                initializers[node.input[0]].data_type not in _FOLDED_TYPES or \
-                initializers[node.input[1]].data_type != onnx.TensorProto.FLOAT or \
-                any(a.name == "block_size" and a.i for a in node.attribute):
-            kept.append(node)
+def _fold_dequantize_edits(edit, nodes) -> None:
+    """Edits of ``edit`` (a `onnx_qat.graph.edit.GraphEdit`) that replace each DequantizeLinear of
+    ``nodes`` (its main graph's, `GraphEdit.live_nodes`) whose inputs are constant int8/uint8 values
+    (the weights), a float32 scale and a zero point by its float32 result: an initializer of the
+    node's output name, the same for every table judged, so computed once instead of in every run,
+    and a fifth fewer nodes for the pieces' sessions to build (on the benchmark's residual nets).
+    ``(x - zero_point) * scale`` in float32 is the operator's definition, one rounding as onnxruntime
+    computes it; blocked (``block_size``) and other element types stay as they are. The node then
+    writes a tensor nothing reads, and the commit leaves it out, with the integer weight, scale and
+    zero point once nothing else reads them."""
+    folded = []
+    for node in nodes:
+        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
             continue
-        values = _array(initializers[node.input[0]])
-        scale = _array(initializers[node.input[1]])
-        zero = _array(initializers[node.input[2]]) if len(node.input) > 2 and node.input[2] else None
-        if scale.ndim:  # per axis: the scale and zero point run along ``axis`` (default 1)
-            axis = next((a.i for a in node.attribute if a.name == "axis"), 1) % values.ndim
-            shape = [1] * values.ndim
-            shape[axis] = -1
-            scale = scale.reshape(shape)
-            zero = zero.reshape(shape) if zero is not None and zero.ndim else zero
-        if zero is not None and np.any(zero):
-            values = values.astype(np.int32) - zero.astype(np.int32)
-        result = np.multiply(values.astype(np.float32), scale, dtype=np.float32)
-        folded.append(onnx.helper.make_tensor(node.output[0], onnx.TensorProto.FLOAT, result.shape,
-                                              result.tobytes(), raw=True))
-    if folded:  # the integer weights stay (unread: the pieces' sessions take only what they read)
-        del graph.node[:]
-        graph.node.extend(kept)
-        graph.initializer.extend(folded)
+        tensors = [edit.initializer(name) if name else None for name in node.input]
+        if any(name and tensor is None for name, tensor in zip(node.input, tensors)):
+            continue
+        if tensors[0].data_type not in _FOLDED_TYPES or tensors[1].data_type != onnx.TensorProto.FLOAT or \
+                any(a.name == "block_size" and a.i for a in node.attribute):
+            continue
+        folded.append((node, _dequantized(node, *tensors[:3], *([None] * (3 - len(tensors))))))
+    if not folded:
+        return
+    unread = edit.fresh_names([f"{node.output[0]}_unread" for node, _ in folded])
+    edit.add_initializers([node.output[0] for node, _ in folded],
+                          [(np.dtype(np.float32), result.tobytes(), result.shape) for _, result in folded])
+    for (node, _), name in zip(folded, unread):
+        node.output[0] = name
+    edit.release_if_unread(initializers=[t for node, _ in folded for t in node.input if t],
+                           nodes=[node for node, _ in folded])
+
+
+def _dequantized(node: onnx.NodeProto, values: onnx.TensorProto, scale: onnx.TensorProto,
+                 zero: Optional[onnx.TensorProto]) -> np.ndarray:
+    """The float32 output of DequantizeLinear ``node`` on constant ``values``, ``scale`` and ``zero``
+    (None: no zero point)."""
+    values = _array(values)
+    scale = _array(scale)
+    zero = _array(zero) if zero is not None else None
+    if scale.ndim:  # per axis: the scale and zero point run along ``axis`` (default 1)
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1) % values.ndim
+        shape = [1] * values.ndim
+        shape[axis] = -1
+        scale = scale.reshape(shape)
+        zero = zero.reshape(shape) if zero is not None and zero.ndim else zero
+    if zero is not None and np.any(zero):
+        values = values.astype(np.int32) - zero.astype(np.int32)
+    return np.multiply(values.astype(np.float32), scale, dtype=np.float32)
+
+
+def _fold_constant_dequantize(model: onnx.ModelProto) -> None:
+    """`_fold_dequantize_edits` on ``model``'s main graph, in place (the folded nodes, integer weights,
+    scales and zero points nothing else reads are left out)."""
+    from ..graph.edit import GraphEdit
+
+    edit = GraphEdit(model)
+    _fold_dequantize_edits(edit, edit.live_nodes())
+    model.CopyFrom(edit.commit())
 
 
 def _array(tensor: onnx.TensorProto) -> np.ndarray:

@@ -304,8 +304,8 @@ def _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins: int) -> np.nd
         np.minimum(lower, size - 1, out=lower)
         offsets = (np.arange(rows, dtype=np.intp) * (size + 1))[:, None]  # rows in the flat cumulative
         flat = cumulative.ravel()
-        left = flat[lower + offsets]
-        right = flat[lower + (offsets + 1)]
+        left = flat.take(lower + offsets)
+        right = flat.take(lower + (offsets + 1))
         knots = lower * steps[:, None]
         slope = (right - left) / steps[:, None]
         at_edges = np.where(knots == edges, left, slope * (edges - knots) + left)

@@ -51,8 +51,12 @@ def moment_prefixes(counts: np.ndarray):
     counts = np.asarray(counts, dtype=np.float64)
     rows, n = counts.shape
     centers = np.arange(n, dtype=np.float64) + 0.5
-    zero = np.zeros((rows, 1))
-    return [np.concatenate([zero, np.cumsum(counts * centers ** p, axis=1)], axis=1) for p in (0, 1, 2)]
+    sums = np.empty((3, rows, n + 1))
+    sums[:, :, 0] = 0.0
+    np.cumsum(counts, axis=1, out=sums[0, :, 1:])  # n c^0: the counts themselves
+    np.cumsum(counts * centers, axis=1, out=sums[1, :, 1:])
+    np.cumsum(counts * centers ** 2, axis=1, out=sums[2, :, 1:])
+    return [sums[0], sums[1], sums[2]]
 
 
 def _coarse_mse(prefix):
@@ -114,7 +118,7 @@ def _edge_mse_block(n: int, edges: np.ndarray, prefix) -> np.ndarray:
     del below
     bounds[..., 128] = n
     bounds += (np.arange(rows, dtype=np.intp) * (n + 1))[:, None, None]  # flat indices into the prefixes
-    s0, s1, s2 = (np.subtract(g[..., 1:], g[..., :-1]) for g in (p.ravel()[bounds] for p in prefix))
+    s0, s1, s2 = (np.subtract(g[..., 1:], g[..., :-1]) for g in (p.ravel().take(bounds) for p in prefix))
     at = levels[None, None, :] * scale[:, :, None]
     error = (s2 - 2.0 * at * s1 + at * at * s0).sum(axis=2)
     return np.maximum(error, 0.0) / np.maximum(prefix[0][:, -1:], 1.0)

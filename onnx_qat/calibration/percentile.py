@@ -29,11 +29,15 @@ class PercentileCollector(HistogramCollector):
         return f"percentile({self.percentile:g})"
 
 
-def percentile_rows(counts: np.ndarray, widths: np.ndarray, percentile: float) -> np.ndarray:
+def percentile_rows(counts: np.ndarray, widths: np.ndarray, percentile: float, *,
+                    cumulative=None) -> np.ndarray:
     """The ``percentile``-th percentile (below 100) of each row of ``counts`` ``[R, n]`` (bins of width
-    ``widths[r]`` from 0), linearly interpolated inside the bin where the cumulative count reaches it."""
+    ``widths[r]`` from 0), linearly interpolated inside the bin where the cumulative count reaches it
+    (``cumulative``: ``np.cumsum(counts, axis=1)`` when already computed, e.g. the first of
+    `onnx_qat.calibration.mse.moment_prefixes` less its leading 0)."""
     counts = np.asarray(counts)
-    cumulative = np.cumsum(counts, axis=1)
+    if cumulative is None:
+        cumulative = np.cumsum(counts, axis=1)
     target = cumulative[:, -1] * percentile / 100.0
     index = np.minimum((cumulative < target[:, None]).sum(axis=1), counts.shape[1] - 1)  # searchsorted, left
     rows = np.arange(counts.shape[0])

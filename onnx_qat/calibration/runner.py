@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
-from ..formats.scale_grid import on_fp16_grid
+from ..formats.scale_grid import FP16_EPS
 from ..scales import ScaleTable
 from .branches import make_runner
 from .choice import CHECK_SAMPLES, judge_samples
@@ -393,8 +393,9 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
         from .auto import analyze
 
         analyze([observers[name].collector for name in names if name in reached], entropy=entropy)
-    grid = functools.partial(on_fp16_grid, qmax=SCALE_QMAX) if fp16_grid else float
-    ranges = {name: grid(observer.result()) for name, observer in observers.items() if name in reached}
+    grid = functools.partial(fp16_grid_values, qmax=SCALE_QMAX) if fp16_grid else _floats
+    found = {name: observer.result() for name, observer in observers.items() if name in reached}
+    ranges = dict(zip(found, grid(list(found.values()))))
     bounds = {name: found for name in ranges for found in (observers[name].bounds(),) if found is not None}
     meta = {**_metadata(method, percentile, num_bins, dataset.num_samples),
             **({"scale_grid": f"fp16 (amax / {SCALE_QMAX:g})"} if fp16_grid else {})}
@@ -402,21 +403,54 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     if method != "auto":
         return Calibration(ranges, unobserved, meta, producer, bounds=bounds)
 
-    def guarded(value: float) -> float:
-        return grid(value if value > 0.0 else ZERO_TENSOR_AMAX)
-
-    candidates = {"max": {n: guarded(observers[n].collector.max_amax()) for n in ranges}, "tensor": ranges}
-    choices = {name: observers[name].collector.choice for name in ranges}
-    options = {name: {c: guarded(amax) for c, (amax, _) in observers[name].collector.errors.items()}
-               if observers[name].collector.errors else {"max": candidates["max"][name]} for name in ranges}
+    # every candidate range of every tensor on the grid at once, a zero range replaced by ZERO_TENSOR_AMAX
+    collectors = [observers[name].collector for name in ranges]
+    peaks = [c.max_amax() for c in collectors]
+    found_options = [[(c, amax) for c, (amax, _) in collector.errors.items()] if collector.errors else []
+                     for collector in collectors]
     if entropy:
-        for name in ranges:
-            options[name]["entropy"] = guarded(observers[name].collector.entropy_amax())
+        for row, collector in zip(found_options, collectors):
+            row.append(("entropy", collector.entropy_amax()))
+    flat = peaks + [amax for row in found_options for _, amax in row]
+    gridded = iter(grid([value if value > 0.0 else ZERO_TENSOR_AMAX for value in flat]))
+    candidates = {"max": {n: next(gridded) for n in ranges}, "tensor": ranges}
+    choices = {name: collector.choice for name, collector in zip(ranges, collectors)}
+    options = {name: {c: next(gridded) for c, _ in row} for name, row in zip(ranges, found_options)}
+    for name, collector in zip(ranges, collectors):
+        if not collector.errors:  # everything was zero: max only (and entropy when asked)
+            options[name] = {"max": candidates["max"][name], **options[name]}
     feeds = tuple(feed for feed, _ in kept)
     reference = {name: np.concatenate([values[name].ravel() for _, values in kept]) for name in outputs} \
         if kept else {}
     return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference, bounds,
                        options)
+
+
+def fp16_grid_values(values: Sequence[float], qmax: float) -> list:
+    """[`on_fp16_grid`][onnx_qat.formats.scale_grid.on_fp16_grid] of each of ``values`` (floats
+    >= 0), computed for all of them in a few NumPy calls: the same floats, bit for bit (the same
+    float32 and FP16 roundings elementwise; tested against ``on_fp16_grid``). ``collect`` puts about
+    six ranges per tensor on the grid (each candidate of ``auto``), 150,000 on a 50,000-node graph."""
+    amax = np.asarray(values, dtype=np.float64)
+    if amax.size == 0:
+        return []
+    wanted = amax / qmax
+    with np.errstate(over="ignore"):
+        scale = wanted.astype(np.float32)
+    below = scale.astype(np.float64) < wanted  # float32 rounded it down: the next float32 up
+    scale = np.where(below, np.nextafter(scale, np.float32(np.inf)), scale)
+    with np.errstate(over="ignore"):
+        half = scale.astype(np.float16)
+        half = np.where(half.astype(np.float32) < scale, np.nextafter(half, np.float16(np.inf)), half)
+    rounded = half.astype(np.float64)
+    wide = scale.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        fits = np.isfinite(rounded) & (rounded > 0) & (rounded - wide <= FP16_EPS * wide)
+    return np.where(fits, qmax * rounded, amax).tolist()
+
+
+def _floats(values: Sequence[float]) -> list:
+    return [float(v) for v in values]
 
 
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,

@@ -144,9 +144,14 @@ def _with_outliers(n: int, seed: int) -> dict:
 def test_auto_keeps_the_table_whose_output_is_closest_and_records_the_cosines(seed):
     model, data = _conv_model(), _with_outliers(24, seed)
     table = calibrate(model, data, method="auto", progress=False)
+    best = table.metadata["auto_table"]
+    if "auto_output_cosine" not in table.metadata:  # both tables hold the same ranges: none is judged
+        assert best == "max"
+        other = calibrate(model, data, method="max", progress=False).activations
+        assert table.activations == other
+        return
     cosines = json.loads(table.metadata["auto_output_cosine"])
     assert set(cosines) == {"max", "tensor"}
-    best = table.metadata["auto_table"]
     # the closest table, or one kept because the closer one's lead rests on too few samples
     # (choice.beats)
     assert cosines[best] == max(cosines.values()) or max(cosines.values()) - cosines[best] < 1e-4
@@ -310,7 +315,7 @@ def test_auto_judges_max_and_the_per_tensor_table_and_searches_entropy_only_when
     from onnx_qat.calibration import auto, collect
     from onnx_qat.calibration.entropy import EntropyCollector
 
-    model, data = _conv_model(), _with_outliers(24, 1)
+    model, data = _conv_model(), _with_outliers(24, 2)  # the two tables differ on this data
     searched = []
     real = EntropyCollector.thresholds
     with pytest.MonkeyPatch.context() as patch:

@@ -26,7 +26,7 @@ def _judged(monkeypatch, model, data, fold: bool, **options):
 
     monkeypatch.setattr(choice, "choose", recording)
     if not fold:
-        monkeypatch.setattr(choice, "_fold_constant_dequantize", lambda model: None)
+        monkeypatch.setattr(choice, "_fold_dequantize_edits", lambda edit, nodes: None)
     onnx_qat.quantize(model, data=data, method="auto", progress=False, **options)
     monkeypatch.undo()
     assert len(seen) == 1
