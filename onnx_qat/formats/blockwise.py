@@ -62,15 +62,34 @@ def block_scale(amax: np.ndarray) -> np.ndarray:
 
 
 def quantize_blocks(values: np.ndarray, axis: int, block_size: int,
-                    amax: np.ndarray = None) -> Tuple[np.ndarray, np.ndarray]:
+                    amax: np.ndarray = None, fp16_grid: bool = False) -> Tuple[np.ndarray, np.ndarray]:
     """Symmetric INT4 block quantization: ``(q int8 array in [-8, 7], scale float32)``; the scale has
     the weight's shape with ``shape[axis] // block_size`` on ``axis``. A block of zeros gets scale 1
-    (any positive scale represents it exactly)."""
+    (any positive scale represents it exactly). ``fp16_grid``: each block scale moved to the FP16
+    neighbour that reconstructs its block best (`onnx_qat.formats.scale_grid.fp16_weight_scales`)."""
     values = np.asarray(values, np.float32)
     amax = block_amax(values, axis, block_size) if amax is None else np.asarray(amax, np.float32)
     scale = block_scale(amax)
+    if fp16_grid:
+        scale = _fp16_block_scales(values, scale, axis, block_size)
     q = np.rint(values / expand_blocks(scale, axis, block_size))
     return np.clip(q, INT4_MIN, INT4_MAX).astype(np.int8), scale
+
+
+def _fp16_block_scales(values: np.ndarray, scale: np.ndarray, axis: int, block_size: int) -> np.ndarray:
+    """`fp16_weight_scales` of INT4 block scales: the values seen as ``[..., blocks, block_size, ...]``
+    along ``axis``, so that each block scale broadcasts over its block."""
+    from .scale_grid import fp16_weight_scales
+
+    shape = list(values.shape)
+    blocked = values.reshape(shape[:axis] + [shape[axis] // block_size, block_size] + shape[axis + 1:])
+    broadcast = list(scale.shape)
+    broadcast.insert(axis + 1, 1)
+
+    def dequantized(v, s):
+        return np.clip(np.rint(v / s), INT4_MIN, INT4_MAX) * s
+
+    return fp16_weight_scales(blocked, scale, tuple(broadcast), dequantized)
 
 
 def dequantize_blocks(q: np.ndarray, scale: np.ndarray, axis: int, block_size: int) -> np.ndarray:
