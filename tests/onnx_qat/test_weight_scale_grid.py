@@ -278,3 +278,37 @@ def test_optimize_accuracy_writes_fp16_weight_scales():
     assert len(scales) == 3 and all(_is_fp16(v) for v in scales.values())
     parts = cast_float_parts(result.model, "fp16", scales=result.scales).model
     assert all(np.array_equal(_weight_scales(parts)[k], v) for k, v in scales.items())
+
+
+@pytest.mark.parametrize("options", [dict(precision="int4", block_size=64),  # AWQ's clipped block ranges
+                                     dict(precision="int4", block_size=64, int4_method="gptq"),
+                                     dict(precision="fp8", fp8_method="gptq")])
+def test_searched_weight_ranges_awq_and_gptq_give_fp16_scales(options):
+    """The ranges AWQ's clipping and GPTQ choose go to the inserter through the ScaleTable (written as
+    given): they are put on the FP16 grid where they are chosen, so the model holds FP16 scales and
+    the INT4 / FP8 values those searches chose, which the FP16 conversion keeps."""
+    model = mlp_model(features=128, hidden=128, batch=32, seed=6)
+    data = random_inputs(model, num=16, seed=6)
+    result = onnx_qat.quantize(model, data=data, progress=False, **options)
+    scales = _weight_scales(result.model)
+    assert scales and all(_is_fp16(v) for v in scales.values())
+    assert {r["amax_source"] for r in result.inserted if r["kind"] == "weight"} == {"scale table"}
+    assert (result.awq or result.gptq)
+    parts = cast_float_parts(result.model, "fp16", scales=result.scales).model
+    assert all(np.array_equal(_weight_scales(parts)[k], v) for k, v in scales.items())
+
+
+def test_fp16_block_amax_gives_the_block_scale_back_exactly():
+    from onnx_qat.formats.blockwise import block_scale, fp16_block_amax, fp16_fp8_amax
+
+    rng = np.random.default_rng(7)
+    values = (rng.standard_normal((128, 16)) * 0.02).astype(np.float32)
+    values[:64, 3] = 0.0  # a zero block keeps its zero range
+    amax = np.abs(values).reshape(2, 64, 16).max(axis=1) * np.float32(0.9)  # a clipped range
+    moved = fp16_block_amax(values, amax, 0, 64)
+    assert moved[0, 3] == 0 and _is_fp16(block_scale(moved))
+    live = moved > 0
+    assert np.array_equal(block_scale(moved)[live], (moved.astype(np.float64) / 7)[live])  # exact
+    assert np.all(np.abs(moved - amax) <= 2.0 ** -10 * amax)
+    fp8 = fp16_fp8_amax(values, np.abs(values).max(axis=0), 1)
+    assert _is_fp16((fp8.astype(np.float64) / 448).astype(np.float32)) and fp8[3] > 0
