@@ -110,15 +110,16 @@ def fp16_neighbours(scale: np.ndarray) -> tuple:
     return down, up
 
 
-def fp16_weight_scales(values: np.ndarray, scale: np.ndarray, shape, dequantized) -> np.ndarray:
+def fp16_weight_scales(values: np.ndarray, scale: np.ndarray, shape, dequantized, *,
+                       batched: bool = False) -> np.ndarray:
     """Weight scales ``scale`` (float32, each > 0; ``shape``: how they broadcast against ``values``)
     moved onto the FP16 grid, each to whichever of its two FP16 neighbours (`fp16_neighbours`)
     reconstructs its values best: the smaller sum of squared errors of ``dequantized(values,
     candidate scales broadcast)`` (the format's quantize-dequantize, e.g. INT8's ``clip(round(w / s),
     -127, 127) * s``) against ``values`` over the values that scale covers; the upper one on a tie.
     The caller quantizes the weight with the scales returned, so the FP32 form holds FP16 values as
-    weight scales and the FP16 conversion stores them unchanged (docs/formats.md, "Weight scales on
-    the FP16 grid").
+    weight scales and the FP16 conversion stores them unchanged (docs/formats.md, "Float parts in FP16
+    or BF16").
 
     Returned unchanged (float32, as given) where FP16 cannot hold the scales within its precision,
     by the conversion's own criterion (`onnx_qat.formats.float_parts.scale_fits`: rounded to the
@@ -126,27 +127,34 @@ def fp16_weight_scales(values: np.ndarray, scale: np.ndarray, shape, dequantized
     the weight's DequantizeLinear FP32 with its FP32 scales): a weight whose scales all lie in
     FP16's subnormal range, or beyond its largest value. A scale below FP16's smallest positive
     value (a channel of zeros, or of values that small beside the tensor's largest) takes that
-    value (`FP16_TINY`), as the conversion would store it."""
+    value (`FP16_TINY`), as the conversion would store it. ``batched``: axis 0 of ``values`` and
+    ``scale`` holds separate weights of one shape (the inserter's batches of small weights), each
+    judged by that criterion on its own."""
     scale = np.asarray(scale, np.float32)
     if not scale.size:
         return scale
     with np.errstate(over="ignore"):
         nearest = np.maximum(scale.astype(np.float16).astype(np.float32), np.float32(FP16_TINY))
-    largest = float(np.max(scale))
-    if not (np.all(np.isfinite(nearest)) and
-            float(np.max(np.abs(nearest - scale))) <= FP16_EPS * largest):
+    items = scale.reshape(scale.shape[0] if batched else 1, -1)
+    with np.errstate(invalid="ignore"):
+        fits = np.all(np.isfinite(nearest.reshape(items.shape)), axis=1) & (
+            np.max(np.abs(nearest.reshape(items.shape) - items), axis=1) <= FP16_EPS * np.max(items, axis=1))
+    if not fits.any():
         return scale
     down, up = fp16_neighbours(scale)
     down = np.where(down > 0, down, np.float32(FP16_TINY)).astype(np.float32)
     up = np.maximum(up, np.float32(FP16_TINY)).astype(np.float32)
     moved = down != up
     if not np.any(moved):
-        return up
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and values.shape[i] != 1) if len(shape) else \
-        tuple(range(values.ndim))
-    errors = []
-    for candidate in (down, up):
-        broadcast = candidate.reshape(shape)
-        diff = dequantized(values, broadcast) - values
-        errors.append(np.sum(np.square(diff, dtype=np.float64), axis=axes).reshape(scale.shape))
-    return np.where(moved & (errors[0] < errors[1]), down, up).astype(np.float32)
+        chosen = up
+    else:
+        axes = tuple(i for i, n in enumerate(shape) if n == 1 and values.shape[i] != 1) if len(shape) else \
+            tuple(range(values.ndim))
+        errors = []
+        for candidate in (down, up):
+            broadcast = np.where(np.isfinite(candidate), candidate, np.float32(1.0)).reshape(shape)
+            diff = dequantized(values, broadcast) - values
+            errors.append(np.sum(np.square(diff, dtype=np.float64), axis=axes).reshape(scale.shape))
+        chosen = np.where(moved & (errors[0] < errors[1]), down, up).astype(np.float32)
+    keep = np.broadcast_to(fits.reshape((-1,) + (1,) * (scale.ndim - 1)) if batched else fits[0], scale.shape)
+    return np.where(keep, chosen, scale).astype(np.float32)

@@ -153,9 +153,9 @@ def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange, fp16_grid: b
     amax = np.maximum(rows.max(axis=2), -rows.min(axis=2)).astype(np.float32)  # [count, channels]
     scale = (amax.astype(np.float64) / float(qrange[1])).astype(np.float32)
     usable = usable_scales(scale).all(axis=1).tolist()
-    if fp16_grid:  # weight by weight where FP16 holds its scales (the criterion is per weight)
-        scale = np.stack([fp16_weight_scales(stack[i], scale[i], shape[1:], int8_dequantized(qrange))
-                          if usable[i] else scale[i] for i in range(count)])
+    if fp16_grid:  # each weight judged on its own (zero-range ones are redone one by one anyway)
+        scale = fp16_weight_scales(stack, np.where(scale > 0, scale, np.float32(1.0)), shape,
+                                   int8_dequantized(qrange), batched=True)
     q = to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
     return [(q[i], scale[i], amax[i], usable[i]) for i in range(count)]
 

@@ -312,3 +312,18 @@ def test_fp16_block_amax_gives_the_block_scale_back_exactly():
     assert np.all(np.abs(moved - amax) <= 2.0 ** -10 * amax)
     fp8 = fp16_fp8_amax(values, np.abs(values).max(axis=0), 1)
     assert _is_fp16((fp8.astype(np.float64) / 448).astype(np.float32)) and fp8[3] > 0
+
+
+def test_a_per_tensor_scale_and_a_batch_of_weights_take_the_same_grid_as_one_weight():
+    rng = np.random.default_rng(9)
+    stack = (rng.standard_normal((5, 8, 4, 3, 3)) * np.float32([[1.0], [1e-3], [30.0], [2e-6], [0.2]]
+                                                               ).reshape(5, 1, 1, 1, 1)).astype(np.float32)
+    scale = (np.abs(stack).reshape(5, 8, -1).max(axis=2) / 127.0).astype(np.float32)
+    together = fp16_weight_scales(stack, scale, (5, -1, 1, 1, 1), int8_dequantized(), batched=True)
+    for i in range(5):  # item 3's scales (~2e-8) FP16 cannot hold: left as they are, in both ways
+        alone = fp16_weight_scales(stack[i], scale[i], (-1, 1, 1, 1), int8_dequantized())
+        assert np.array_equal(together[i], alone), i
+    assert np.array_equal(together[3], scale[3]) and _is_fp16(together[[0, 2, 4]])
+    q, one = quantize_weight(stack[0], None, fp16_grid=True)  # per tensor: one scale, on the grid
+    assert one.shape == (1,) and _is_fp16(one)
+    assert np.array_equal(q, to_grid(stack[0], one.reshape(()), INT8_QRANGE))
