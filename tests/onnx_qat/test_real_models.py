@@ -270,10 +270,11 @@ def test_angle_classifier_sensitivity_and_min_cosine_reach_what_max_misses(cls_m
 def test_angle_classifier_fp16_float_parts_within_the_budget_on_256_lines(cls_model):
     """``--float-dtype fp16`` on PP-OCR's angle classifier, judged on 256 rendered text lines (both
     angles) it was never calibrated on: check clean, and the output cosine (FP16 storage emulated)
-    within 0.002 of the FP32 float parts' (measured -0.00017). The calibrated activation scales are
-    FP16 values in the FP32 form already (onnx_qat.formats.scale_grid), so the FP16 form stores every
-    one of them unchanged and the two forms quantize on the same grid. (Before, the conversion
-    rounded FP32 scales: to nearest it lost +0.0023 on these lines, up -0.0007.)"""
+    within 0.002 of the FP32 float parts' (measured -0.00086). The calibrated activation scales and
+    the weight scales are FP16 values in the FP32 form already (onnx_qat.formats.scale_grid), so the
+    FP16 form stores every one of them unchanged and the two forms quantize on the same grid.
+    (Before, the conversion rounded FP32 activation scales: to nearest it lost +0.0023 on these
+    lines, up -0.0007; with the weight scales rounded to nearest by it, -0.00017.)"""
     from onnx_qat.formats.float_parts import activation_scales, emulate_in_fp32
     from onnx_qat.io.models import tensor_array
     from tools.float_parts_models import _angle_lines
@@ -297,6 +298,11 @@ def test_angle_classifier_fp16_float_parts_within_the_budget_on_256_lines(cls_mo
     stored = {t.name: tensor_array(t) for t in fp16.model.graph.initializer if t.name in acts}
     assert len(stored) == len(acts) > 50
     for name, values in stored.items():
+        assert values.dtype == np.float16 and np.array_equal(values.astype(np.float32), originals[name]), name
+    weights = {n.input[1] for n in fp32.model.graph.node if n.op_type == "DequantizeLinear"} - acts
+    stored = {t.name: tensor_array(t) for t in fp16.model.graph.initializer if t.name in weights}
+    assert len(stored) == len(weights) > 50
+    for name, values in stored.items():  # the weight scales too
         assert values.dtype == np.float16 and np.array_equal(values.astype(np.float32), originals[name]), name
 
 
