@@ -913,3 +913,21 @@ def assert_check_clean(model: onnx.ModelProto, target: Optional[str] = None) -> 
     if report.errors or report.warnings:
         around = [f.node for f in report.findings if f.node]
         raise AssertionError(f"check is not clean: {report.summary()}\n{report}\n{describe(model, around)}")
+
+
+def quantize_tensorrt_float32_weights(model, **kw):
+    """``onnx_qat.quantize(model, target="tensorrt", **kw)`` with the weight scales the ``ort-cpu`` form
+    uses, float32 ``amax / 127`` (the tensorrt target's own are FP16 values,
+    `onnx_qat.formats.scale_grid.fp16_weight_scales`): for tests that compare the two forms weight for
+    weight."""
+    import dataclasses
+
+    import pytest
+
+    import onnx_qat
+    from onnx_qat.insertion import targets
+
+    plain = dataclasses.replace(targets.TENSORRT, weight_scale_grid=None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(targets._TARGETS, "tensorrt", plain)
+        return onnx_qat.quantize(model, target="tensorrt", **kw)

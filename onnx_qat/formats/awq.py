@@ -8,7 +8,9 @@ for ``alpha`` in 0, 0.05 ... 1 and keeps the one with the least relative output 
 ``sum_i ||x W_i - (x / s) Q(s W_i)||^2 / ||x W_i||^2`` on the calibration rows (``alpha = 0`` is
 plain round-to-nearest, so the search never does worse than it on those rows). ``s`` multiplies
 the weight rows; then each block's range is shrunk where that lowers its activation-weighted error
-(`search_clip`), and the block ranges go to the inserter through the ScaleTable. ``1 / s``
+(`search_clip`), each block's scale is moved to the FP16 neighbour that reconstructs the block best
+(`onnx_qat.formats.blockwise.fp16_block_amax`: FP16 float parts then store it unchanged), and the block
+ranges go to the inserter through the ScaleTable. ``1 / s``
 is folded into the op that produces ``x``:
 
 * LayerNormalization with constant scale (and bias): both divided by ``s``;
@@ -31,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .blockwise import dequantize_blocks, quantize_blocks
+from .blockwise import dequantize_blocks, fp16_block_amax, quantize_blocks
 from ..graph.index import GraphIndex
 from ..placement.marks import Placement
 
@@ -84,7 +86,7 @@ def apply_awq(model, index: GraphIndex, placement: Placement, data, block_size: 
         clipped, final = [], 0.0
         for node, matrix in weights:
             scaled = matrix * scale[:, None] if alpha > 0 else matrix
-            amax = search_clip(scaled, scaled_rows, block_size)
+            amax = fp16_block_amax(scaled, search_clip(scaled, scaled_rows, block_size), 0, block_size)
             final += _relative_error(scaled_rows, scaled, amax, block_size) / len(weights)
             grid = amax.T if stored_transposed(node) else amax
             axis = 1 if grid is not amax else 0

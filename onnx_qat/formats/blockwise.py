@@ -62,15 +62,62 @@ def block_scale(amax: np.ndarray) -> np.ndarray:
 
 
 def quantize_blocks(values: np.ndarray, axis: int, block_size: int,
-                    amax: np.ndarray = None) -> Tuple[np.ndarray, np.ndarray]:
+                    amax: np.ndarray = None, fp16_grid: bool = False) -> Tuple[np.ndarray, np.ndarray]:
     """Symmetric INT4 block quantization: ``(q int8 array in [-8, 7], scale float32)``; the scale has
     the weight's shape with ``shape[axis] // block_size`` on ``axis``. A block of zeros gets scale 1
-    (any positive scale represents it exactly)."""
+    (any positive scale represents it exactly). ``fp16_grid``: each block scale moved to the FP16
+    neighbour that reconstructs its block best (`onnx_qat.formats.scale_grid.fp16_weight_scales`)."""
     values = np.asarray(values, np.float32)
     amax = block_amax(values, axis, block_size) if amax is None else np.asarray(amax, np.float32)
     scale = block_scale(amax)
+    if fp16_grid:
+        scale = _fp16_block_scales(values, scale, axis, block_size)
     q = np.rint(values / expand_blocks(scale, axis, block_size))
     return np.clip(q, INT4_MIN, INT4_MAX).astype(np.int8), scale
+
+
+def _fp16_block_scales(values: np.ndarray, scale: np.ndarray, axis: int, block_size: int) -> np.ndarray:
+    """`fp16_weight_scales` of INT4 block scales: the values seen as ``[..., blocks, block_size, ...]``
+    along ``axis``, so that each block scale broadcasts over its block."""
+    from .scale_grid import fp16_weight_scales
+
+    shape = list(values.shape)
+    blocked = values.reshape(shape[:axis] + [shape[axis] // block_size, block_size] + shape[axis + 1:])
+    broadcast = list(scale.shape)
+    broadcast.insert(axis + 1, 1)
+
+    def dequantized(v, s):
+        return np.clip(np.rint(v / s), INT4_MIN, INT4_MAX) * s
+
+    return fp16_weight_scales(blocked, scale, tuple(broadcast), dequantized)
+
+
+def fp16_block_amax(values: np.ndarray, amax: np.ndarray, axis: int, block_size: int) -> np.ndarray:
+    """Block ranges ``amax`` (float32, of ``values`` along ``axis``) moved so that their INT4 scales
+    ``amax / 7`` are FP16 values, each the neighbour that reconstructs its block best
+    (`_fp16_block_scales`): ``7 x scale``, exact in float32, from which `block_scale` gives the scale
+    back exactly. Zero ranges stay zero. For ranges a search chose (AWQ's clipping, GPTQ's blocks),
+    which the inserter then writes as given."""
+    amax = np.asarray(amax, np.float32)
+    scale = _fp16_block_scales(np.asarray(values, np.float32), block_scale(amax), axis, block_size)
+    return np.where(amax > 0, scale * np.float32(INT4_MAX), amax).astype(np.float32)
+
+
+def fp16_fp8_amax(matrix: np.ndarray, amax: np.ndarray, axis: int) -> np.ndarray:
+    """Per-channel FP8 ranges ``amax`` (float32, of ``matrix`` along ``axis``) moved so that their scales
+    ``amax / 448`` are FP16 values, each the neighbour whose E4M3 rounding reconstructs its channel
+    best (`onnx_qat.formats.scale_grid.fp16_weight_scales`): ``448 x scale``, exact in float32. Zero
+    ranges stay zero."""
+    from .scale_grid import fp16_weight_scales
+
+    amax = np.asarray(amax, np.float32)
+    scale = (amax.astype(np.float64) / FP8_MAX).astype(np.float32)
+    usable = np.isfinite(scale) & (scale > 0)
+    shape = [1] * np.ndim(matrix)
+    shape[axis] = -1
+    moved = fp16_weight_scales(np.asarray(matrix, np.float32), np.where(usable, scale, np.float32(1.0)),
+                               tuple(shape), lambda v, s: from_fp8(to_fp8(v, s)) * s)
+    return np.where(usable, moved * np.float32(FP8_MAX), amax).astype(np.float32)
 
 
 def dequantize_blocks(q: np.ndarray, scale: np.ndarray, axis: int, block_size: int) -> np.ndarray:
@@ -105,4 +152,5 @@ def unpack_int4(raw: bytes, shape: Tuple[int, ...]) -> np.ndarray:
 
 
 __all__ = ["to_fp8", "from_fp8", "block_amax", "block_scale", "expand_blocks", "quantize_blocks",
-           "dequantize_blocks", "pack_int4", "unpack_int4", "FP8_MAX", "INT4_MIN", "INT4_MAX"]
+           "dequantize_blocks", "fp16_block_amax", "fp16_fp8_amax", "pack_int4", "unpack_int4", "FP8_MAX",
+           "INT4_MIN", "INT4_MAX"]

@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from .numeric import INT8, ONNX_INT4, Format
+from .scale_grid import fp16_weight_scales
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,14 @@ def weight_amax(values: np.ndarray, axis: Optional[int]) -> np.ndarray:
 
 def quantize_weight(values: np.ndarray, axis: Optional[int], amax: Optional[Sequence[float]] = None,
                     qrange: Tuple[int, int] = INT8_QRANGE,
-                    name: str = "weight") -> Tuple[np.ndarray, np.ndarray]:
+                    name: str = "weight", fp16_grid: bool = False) -> Tuple[np.ndarray, np.ndarray]:
     """Symmetric per-channel (or per-tensor) weight quantization.
 
     ``scale = amax / 127`` per channel (amax from the argument, else max |w|); a channel
     whose scale would be zero or subnormal gets `ZERO_CHANNEL_SCALE` (logged).
+    With ``fp16_grid`` each scale then moves to the one of its two FP16 neighbours that reconstructs
+    the channel best (`onnx_qat.formats.scale_grid.fp16_weight_scales`; the TensorRT form's weights
+    whose range comes from their values), and the weight is quantized with that scale.
     ``q = clip(round_half_to_even(w / scale), -127, 127)`` as int8.
 
     Returns ``(q int8 array, scale float32 array of one value per channel)``.
@@ -68,13 +72,27 @@ def quantize_weight(values: np.ndarray, axis: Optional[int], amax: Optional[Sequ
         logger.info("weight %r: %d channel(s) with zero range get scale %g",
                     name, int(bad.sum()), ZERO_CHANNEL_SCALE)
         scale = np.where(bad, np.float32(ZERO_CHANNEL_SCALE), scale).astype(np.float32)
+    shape = scale_shape(values.ndim, axis)
+    if fp16_grid:
+        scale = fp16_weight_scales(values, scale, shape, int8_dequantized(qrange))
+    return to_grid(values, scale.reshape(shape), qrange), scale
+
+
+def scale_shape(ndim: int, axis: Optional[int]) -> tuple:
+    """How a weight's scales (one per channel along ``axis``, or one) broadcast against it."""
     if axis is None:
-        broadcast = scale.reshape(())
-    else:
-        shape = [1] * values.ndim
-        shape[axis] = -1
-        broadcast = scale.reshape(shape)
-    return to_grid(values, broadcast, qrange), scale
+        return ()
+    shape = [1] * ndim
+    shape[axis] = -1
+    return tuple(shape)
+
+
+def int8_dequantized(qrange: Tuple[int, int] = INT8_QRANGE):
+    """INT8 quantize-dequantize ``(values, scale) -> clip(round(values / scale), qrange) * scale`` (float32),
+    what `onnx_qat.formats.scale_grid.fp16_weight_scales` compares candidate scales with."""
+    def dequantized(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        return to_grid(values, scale, qrange).astype(np.float32) * scale
+    return dequantized
 
 
 def to_grid(values: np.ndarray, scale: np.ndarray, qrange: Tuple[int, int]) -> np.ndarray:
@@ -128,34 +146,36 @@ def encode_int8(q: np.ndarray, scale: np.ndarray, amax: np.ndarray, axis: Option
 
 def encode_weight(fmt: Format, values: np.ndarray, axis: Optional[int], amax=None, *,
                   block_size: Optional[int] = None, unsigned: bool = False, name: str = "weight",
-                  qrange: Tuple[int, int] = INT8_QRANGE) -> EncodedWeight:
+                  qrange: Tuple[int, int] = INT8_QRANGE, fp16_grid: bool = False) -> EncodedWeight:
     """``values`` (float32) stored in ``fmt`` along ``axis``: per channel (``axis``), per tensor (None)
     or, for a blocked format, in blocks of ``block_size`` along ``axis``.
 
     ``amax``: the range per channel (or per block, as the block grid) from a ScaleTable, or None to
-    take it from the values. ``unsigned`` and ``qrange`` apply to int8 only.
+    take it from the values. ``unsigned`` and ``qrange`` apply to int8 only. ``fp16_grid``: every
+    scale moved to the FP16 neighbour that reconstructs its values best, the weight quantized with it
+    (`onnx_qat.formats.scale_grid.fp16_weight_scales`: FP16 float parts then store the scales
+    unchanged), for every format alike.
     """
     values = np.asarray(values, np.float32)
     if fmt is INT8:
         own = weight_amax(values, axis) if amax is None else np.asarray(amax, np.float32)
-        q, scale = quantize_weight(values, axis, own, qrange, name=name)
+        q, scale = quantize_weight(values, axis, own, qrange, name=name, fp16_grid=fp16_grid)
         return encode_int8(q, scale, own if amax is None else weight_amax(values, axis), axis,
                            unsigned=unsigned)
-    from .blockwise import pack_int4, quantize_blocks, to_fp8
+    from .blockwise import from_fp8, pack_int4, quantize_blocks, to_fp8
 
     if fmt.blocked:
-        q, scale = quantize_blocks(values, axis, block_size, amax)
+        q, scale = quantize_blocks(values, axis, block_size, amax, fp16_grid=fp16_grid)
         return EncodedWeight((fmt.weight_type, pack_int4(q), values.shape), scale,
                              zero_point(fmt, scale.shape), axis, block_size, scale * np.float32(fmt.qmax))
     own = weight_amax(values, axis) if amax is None else np.asarray(amax, np.float32)
     scale = (own.astype(np.float64) / fmt.qmax).astype(np.float32)
     scale = np.where(usable_scales(scale), scale, np.float32(ZERO_CHANNEL_SCALE)).astype(np.float32)
+    shape = scale_shape(values.ndim, axis)
+    if fp16_grid:
+        scale = fp16_weight_scales(values, scale, shape, lambda v, s: from_fp8(to_fp8(v, s)) * s)
     if axis is None:
         scale = scale.reshape(())
-        broadcast = scale
-    else:
-        shape = [1] * values.ndim
-        shape[axis] = -1
-        broadcast = scale.reshape(shape)
-    return EncodedWeight((fmt.weight_type, to_fp8(values, broadcast).tobytes(), values.shape), scale,
-                         zero_point(fmt, scale.shape), axis, None, own)
+    stored = to_fp8(values, scale.reshape(shape)).tobytes()
+    return EncodedWeight((fmt.weight_type, stored, values.shape), scale, zero_point(fmt, scale.shape), axis,
+                         None, own)

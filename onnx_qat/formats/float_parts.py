@@ -933,9 +933,10 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
             widen=None):
     """Keep FP32 the node adding the most error while an output's cosine falls more than ``max_drop``
     below the FP32 float parts' and more than the model's own rounding noise (`_Measure.noise`);
-    before the first node is kept, ``widen()`` (when given and not None) is the measurement on more
-    samples (`CONFIRM_FACTOR`): where it shows no drop beyond ``max_drop`` nothing is kept and it is
-    reported, else the search goes on with ``measure``;
+    a drop beyond ``max_drop`` is first measured again by ``widen()`` (when given and not None: the
+    measurement on more samples, `CONFIRM_FACTOR`), within the noise or not: where it shows no drop
+    beyond ``max_drop`` nothing is kept or noted and it is reported, else the search goes on with
+    ``measure``;
     after `MAX_MISSES` rounds in a row that did not lower the worst drop by a quarter of
     ``max_drop`` the search stops, and the nodes kept since the last round that did are undone. A
     node is kept with the nodes computing its FP32 inputs: an ill-conditioned node (``x - mean``,
@@ -955,9 +956,6 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
         short = {o: base[o] - cos[o] for o in measure.outputs if not cos[o] >= base[o] - max_drop}
         if not short or rounds >= MAX_ROUNDS or misses >= MAX_MISSES:
             break
-        noise = measure.noise(low) if noise is None else noise
-        if all(short[o] <= noise[o] for o in short):
-            break
         if confirmation is None and widen is not None:  # confirm on more samples before keeping anything
             wider = widen()
             confirmation = {}
@@ -971,6 +969,9 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
                     measure, base, cos, noise = wider, wide_base, wide_cos, None
                     best = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos)
                     continue
+        noise = measure.noise(low) if noise is None else noise
+        if all(short[o] <= noise[o] for o in short):
+            break
         values = measure.run_low(converted, low, [n for n in names if _has_tensor(converted, n)], keep=True,
                                  low_tensors=stats.low_tensors)
         culprit = _worst_node(proto, measure, values, set(kept) | tried)

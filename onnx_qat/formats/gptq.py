@@ -11,7 +11,9 @@ an input channel that is always zero gets no compensation. Rows are rounded in o
 block (``block_size`` rows along ``K``) is rounded whole before the next: its per-column range is
 chosen when the block starts, on the weights as updated so far, among
 `CLIP_RATIOS` × max |w| by the block's error weighted with ``H``'s diagonal
-block (AWQ's clipping search, `onnx_qat.formats.awq.clip_with_moments`).
+block (AWQ's clipping search, `onnx_qat.formats.awq.clip_with_moments`), its scale then moved to the
+FP16 neighbour that reconstructs the block best (`onnx_qat.formats.blockwise.fp16_block_amax`: the
+TensorRT form's weight scales are FP16 values, which FP16 float parts store unchanged).
 
 The rounded weights replace the float ones in the private float model
 [`onnx_qat.quantize`][onnx_qat.quantize.quantize] owns and their block ranges go to the ScaleTable; the
@@ -21,7 +23,8 @@ computes), so the one inserter stores exactly the INT4 values chosen here. Activ
 not those of already quantized layers: each weight is rounded on its own.
 
 ``fp8_method="gptq"`` runs the same loop (`compensated_rounding`) on the FP8 E4M3 grid of each
-output channel's scale (``max |w| / 448`` of the float weight): `gptq_round_fp8`,
+output channel's scale (``max |w| / 448`` of the float weight, moved to an FP16 value,
+`onnx_qat.formats.blockwise.fp16_fp8_amax`): `gptq_round_fp8`,
 `apply_gptq_fp8`. Those per-channel ranges go to the ScaleTable, so the FP8 initializer the
 inserter writes holds the rounded values bit for bit.
 """
@@ -32,7 +35,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .blockwise import INT4_MAX, INT4_MIN, block_scale
+from .blockwise import INT4_MAX, INT4_MIN, block_scale, fp16_block_amax, fp16_fp8_amax
 from ..graph.index import GraphIndex
 from ..placement.marks import Placement
 
@@ -60,6 +63,7 @@ def gptq_round(matrix: np.ndarray, hessian: np.ndarray, block_size: int,
 
     def start_block(g, block, h_block):
         amax[g] = clip_with_moments(block[None].astype(np.float32), h_block[None])[0]
+        amax[g] = fp16_block_amax(block, amax[g][None], 0, block.shape[0])[0]  # FP16 block scales
         scale = block_scale(amax[g]).astype(np.float64)
         return lambda row: np.clip(np.rint(row / scale), INT4_MIN, INT4_MAX) * scale
 
@@ -195,7 +199,7 @@ def apply_gptq_fp8(model, placement: Placement, data, *, skip=(), progress: bool
             logger.warning("gptq fp8 %s: %d calibration rows for %d input channels; rounded to nearest "
                            "(GPTQ would fit the calibration rows)", tensor, rows, matrix.shape[0])
             continue
-        amax = np.max(np.abs(matrix), axis=0).astype(np.float32)
+        amax = fp16_fp8_amax(matrix, np.max(np.abs(matrix), axis=0).astype(np.float32), 1)  # FP16 scales
         rounded = gptq_round_fp8(matrix, h, amax)
         nearest = gptq_round_fp8(matrix, np.diag(np.diag(h)), amax)
         records.append(_record(tensor, node, rows, matrix, nearest, rounded, h, "gptq fp8"))

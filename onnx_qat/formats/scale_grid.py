@@ -17,6 +17,18 @@ nothing calibration saw is clipped (as the conversion rounds scales; TensorRT re
 Each scale moves by at most 2^-10 of itself (less than one FP16 step in FP16's normal range), the
 range with it.
 
+Weight scales likewise (`fp16_weight_scales`): the TensorRT form's weights quantized from their own
+values (``amax = max |w|`` per channel or per INT4 block; the target's ``weight_scale_grid``) take, for
+each scale, the one of its two FP16 neighbours whose quantize-dequantize reconstructs the channel's
+values with the smaller squared error, and are quantized with exactly that scale (so the codes are
+the round to nearest of the written scale, as before). A weight scale of the FP32 form not an FP16
+value was rounded to nearest by the conversion with its codes fixed, rescaling each output channel by
+up to 2^-11: on the document orientation classifier that rescaling was the whole of FP16's drop on its
+16 evaluation inputs, +0.0060 (docs/formats.md, "Where the orientation classifier's drop comes
+from"). Either neighbour: a weight's range is its own maximum, so one step down clips nothing (its
+largest value lands at most 127.13 codes out, rounded to 127), and which neighbour fits a channel
+better is a property of its values.
+
 Left as they are:
 
 * scales FP16 cannot hold within its precision (above 65504; deep in its subnormal range, below
@@ -24,12 +36,8 @@ Left as they are:
   their nodes FP32 by the same criterion (its ``scale`` rule), with their FP32 scales;
 * ranges a user gives (a ScaleTable or its JSON file, a TensorRT calibration cache, the Keras
   round trip's trained ranges): written exactly as given;
-* weight scales: a weight's codes are computed with its own scale, so an FP16 weight scale
-  rescales the dequantized weight by less than 2^-11 (FP16 storage of that weight, which FP16
-  float parts do anyway), and moves no activation grid (that rescaling is the whole FP16 drop of
-  the orientation classifier on its 16 evaluation inputs, +0.0060, and noise: random rescalings of
-  that size move its cosine by up to 0.019; docs/formats.md, "Where the orientation classifier's
-  drop comes from");
+* weight scales: they are put on the grid where they are made, by the inserter (`fp16_weight_scales`
+  below: the weights of the TensorRT form quantized from their own values, INT8, FP8 and INT4);
 * FP8 scales (``amax / 448`` of the same ranges): one ScaleTable serves every precision and the
   mixed-format search quantizes INT8 and FP8 sites from one table, so a range sits on one grid,
   INT8's; the conversion rounds FP8 scales as it rounds given ones;
@@ -81,3 +89,72 @@ def on_fp16_grid(amax: float, qmax: float) -> float:
 def fp16_grid_ranges(ranges: Mapping[str, float], qmax: float) -> Dict[str, float]:
     """``{tensor: on_fp16_grid(amax, qmax)}`` of ``ranges``, in their order."""
     return {name: on_fp16_grid(amax, qmax) for name, amax in ranges.items()}
+
+
+# --------------------------------------------------------------------------- weight scales
+#: FP16's smallest positive (subnormal) value: the conversion stores no weight scale below it
+#: (`onnx_qat.formats.float_parts.low_scale`).
+FP16_TINY = 2.0 ** -24
+
+
+def fp16_neighbours(scale: np.ndarray) -> tuple:
+    """``(below, above)``: for each float32 ``scale`` (>= 0), the largest FP16 value not above it and
+    the smallest not below it, as float32 (equal where ``scale`` is an FP16 value); ``below`` is 0
+    under FP16's smallest positive value, ``above`` inf over its largest."""
+    scale = np.asarray(scale, np.float32)
+    with np.errstate(over="ignore"):
+        half = scale.astype(np.float16)
+        near = half.astype(np.float32)
+        up = np.where(near < scale, np.nextafter(half, np.float16(np.inf)), half).astype(np.float32)
+        down = np.where(near > scale, np.nextafter(half, np.float16(0)), half).astype(np.float32)
+    return down, up
+
+
+def fp16_weight_scales(values: np.ndarray, scale: np.ndarray, shape, dequantized, *,
+                       batched: bool = False) -> np.ndarray:
+    """Weight scales ``scale`` (float32, each > 0; ``shape``: how they broadcast against ``values``)
+    moved onto the FP16 grid, each to whichever of its two FP16 neighbours (`fp16_neighbours`)
+    reconstructs its values best: the smaller sum of squared errors of ``dequantized(values,
+    candidate scales broadcast)`` (the format's quantize-dequantize, e.g. INT8's ``clip(round(w / s),
+    -127, 127) * s``) against ``values`` over the values that scale covers; the upper one on a tie.
+    The caller quantizes the weight with the scales returned, so the FP32 form holds FP16 values as
+    weight scales and the FP16 conversion stores them unchanged (docs/formats.md, "Float parts in FP16
+    or BF16").
+
+    Returned unchanged (float32, as given) where FP16 cannot hold the scales within its precision,
+    by the conversion's own criterion (`onnx_qat.formats.float_parts.scale_fits`: rounded to the
+    nearest FP16 value, no scale moves by more than 2^-10 of the largest; else the conversion keeps
+    the weight's DequantizeLinear FP32 with its FP32 scales): a weight whose scales all lie in
+    FP16's subnormal range, or beyond its largest value. A scale below FP16's smallest positive
+    value (a channel of zeros, or of values that small beside the tensor's largest) takes that
+    value (`FP16_TINY`), as the conversion would store it. ``batched``: axis 0 of ``values`` and
+    ``scale`` holds separate weights of one shape (the inserter's batches of small weights), each
+    judged by that criterion on its own."""
+    scale = np.asarray(scale, np.float32)
+    if not scale.size:
+        return scale
+    with np.errstate(over="ignore"):
+        nearest = np.maximum(scale.astype(np.float16).astype(np.float32), np.float32(FP16_TINY))
+    items = scale.reshape(scale.shape[0] if batched else 1, -1)
+    with np.errstate(invalid="ignore"):
+        fits = np.all(np.isfinite(nearest.reshape(items.shape)), axis=1) & (
+            np.max(np.abs(nearest.reshape(items.shape) - items), axis=1) <= FP16_EPS * np.max(items, axis=1))
+    if not fits.any():
+        return scale
+    down, up = fp16_neighbours(scale)
+    down = np.where(down > 0, down, np.float32(FP16_TINY)).astype(np.float32)
+    up = np.maximum(up, np.float32(FP16_TINY)).astype(np.float32)
+    moved = down != up
+    if not np.any(moved):
+        chosen = up
+    else:
+        axes = tuple(i for i, n in enumerate(shape) if n == 1 and values.shape[i] != 1) if len(shape) else \
+            tuple(range(values.ndim))
+        errors = []
+        for candidate in (down, up):
+            broadcast = np.where(np.isfinite(candidate), candidate, np.float32(1.0)).reshape(shape)
+            diff = dequantized(values, broadcast) - values
+            errors.append(np.sum(np.square(diff, dtype=np.float64), axis=axes).reshape(scale.shape))
+        chosen = np.where(moved & (errors[0] < errors[1]), down, up).astype(np.float32)
+    keep = np.broadcast_to(fits.reshape((-1,) + (1,) * (scale.ndim - 1)) if batched else fits[0], scale.shape)
+    return np.where(keep, chosen, scale).astype(np.float32)

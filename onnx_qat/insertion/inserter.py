@@ -29,8 +29,9 @@ import onnx
 
 from ..errors import ScalesError
 from ..formats import encoding
-from ..formats.encoding import (INT8_QRANGE, TINY, encode_int8, encode_weight, quantize_weight, to_grid,
-                                usable_scales)
+from ..formats.encoding import (INT8_QRANGE, TINY, encode_int8, encode_weight, int8_dequantized,
+                                quantize_weight, to_grid, usable_scales)
+from ..formats.scale_grid import fp16_weight_scales
 from ..formats.numeric import INT8, Format, get_format
 from ..graph.edit import GraphEdit, onnx_type
 from ..graph.wire import NODE_ATTRIBUTE, EncodedNode, encode_node, field, int_attribute
@@ -102,15 +103,18 @@ SMALL_WEIGHT = 4096
 _BATCH_VALUES = 1 << 22
 
 
-def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int] = INT8_QRANGE):
+def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int] = INT8_QRANGE,
+                           fp16_grid: bool = False):
     """``(tensor, axis) -> (q, scale, amax)`` for the small float32 weights among ``keys`` whose range
     comes from their values (no ScaleTable entry), quantized with one NumPy call per batch of equal
-    shapes: the same numbers as `quantize_weight` one by one, without its per-call cost, which
-    dominates for the 10^4-10^5 tiny weights of a large graph. Other weights are left out."""
-    return {key: found[:3] for key, found in _quantize_small(edit, keys, scales, qrange).items()}
+    shapes: the same numbers as `quantize_weight` one by one (with its ``fp16_grid``), without its
+    per-call cost, which dominates for the 10^4-10^5 tiny weights of a large graph. Other weights are
+    left out."""
+    return {key: found[:3] for key, found in _quantize_small(edit, keys, scales, qrange, fp16_grid).items()}
 
 
-def _quantize_small(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int]):
+def _quantize_small(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int],
+                    fp16_grid: bool = False):
     """`quantize_small_weights`, each entry with the weight's `GraphEdit.constant` as a
     fourth item (so the inserter does not read the weight again)."""
     buckets: Dict[tuple, list] = {}
@@ -132,15 +136,16 @@ def _quantize_small(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int
         step = max(1, _BATCH_VALUES // int(np.prod(shape)))
         for start in range(0, len(items), step) if len(items) > 1 else ():
             chunk = items[start:start + step]
-            results = _quantize_batch(np.stack([c[0] for _, c in chunk]), axis, qrange)
+            results = _quantize_batch(np.stack([c[0] for _, c in chunk]), axis, qrange, fp16_grid)
             for ((tensor, _), constant), (q, scale, amax, usable) in zip(chunk, results):
                 if not usable:  # zero-range channels: one by one
-                    q, scale = quantize_weight(constant[0], axis, amax, qrange, name=tensor)
+                    q, scale = quantize_weight(constant[0], axis, amax, qrange, name=tensor,
+                                               fp16_grid=fp16_grid)
                 ready[(tensor, axis)] = (q, scale, amax, constant)
     return ready
 
 
-def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange):
+def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange, fp16_grid: bool = False):
     """`quantize_weight` of each ``stack[i]`` (no ScaleTable range): ``[(q, scale, amax, usable)]``,
     ``usable`` False when a channel's scale is not (zero range: `quantize_weight` handles it)."""
     count = stack.shape[0]
@@ -153,8 +158,11 @@ def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange):
         shape[axis + 1] = -1
     amax = np.maximum(rows.max(axis=2), -rows.min(axis=2)).astype(np.float32)  # [count, channels]
     scale = (amax.astype(np.float64) / float(qrange[1])).astype(np.float32)
-    q = to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
     usable = usable_scales(scale).all(axis=1).tolist()
+    if fp16_grid:  # each weight judged on its own (zero-range ones are redone one by one anyway)
+        scale = fp16_weight_scales(stack, np.where(scale > 0, scale, np.float32(1.0)), shape,
+                                   int8_dequantized(qrange), batched=True)
+    q = to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
     return [(q[i], scale[i], amax[i], usable[i]) for i in range(count)]
 
 
@@ -302,8 +310,9 @@ class _Inserter:
         axes_per_tensor: Dict[str, int] = {}
         for tensor, _ in groups:
             axes_per_tensor[tensor] = axes_per_tensor.get(tensor, 0) + 1
+        grid = self.target.weight_scale_grid == "fp16"
         ready = _quantize_small(self.edit, [k for k in groups if k[0] not in self.narrow_weights], scales,
-                                INT8_QRANGE) if self.format is INT8 else {}
+                                INT8_QRANGE, grid) if self.format is INT8 else {}
         bases = [tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
                  for tensor, axis in groups]
         names = self.edit.fresh_names([f"{base}{suffix}" for base in bases for suffix in _WEIGHT_SUFFIXES])
@@ -391,7 +400,8 @@ class _Inserter:
                 use_axis = axis if amax is None else table_axis
             qrange = NARROW_WEIGHT_RANGE if tensor in self.narrow_weights else INT8_QRANGE
             encoded = encode_weight(fmt, values, use_axis, amax, block_size=self.block_size,
-                                    unsigned=unsigned, name=tensor, qrange=qrange)
+                                    unsigned=unsigned, name=tensor, qrange=qrange,
+                                    fp16_grid=self.target.weight_scale_grid == "fp16" and amax is None)
             source = "weights" if amax is None else "scale table"
         q_name, scale_name, zp_name, dq_name, dq_out = names
         edit.add_initializers((q_name, scale_name, zp_name),

@@ -5,7 +5,8 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
 
 * ``"tensorrt"``: TensorRT explicit quantization, symmetric int8 everywhere (zero
   point 0, scale = amax / 127; activations clamp to [-128, 127], weights are stored in
-  [-127, 127]).
+  [-127, 127]); the scales of weights quantized from their own values are FP16 values
+  (``weight_scale_grid``), as calibration's activation scales are.
 * ``"ort-cpu"``: the same placement and scales for onnxruntime's CPU execution provider:
   activations uint8 with zero point 128 (bit-identical values, faster x86 kernels), or 0 where
   they are non-negative, and requantization points on quantized Conv outputs so onnxruntime
@@ -52,6 +53,10 @@ class Target:
             returns may have a ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
             `GraphEdit` after Q/DQ insertion
             (see `onnx_qat.insertion.ort_cpu.Adapted.finish`).
+        weight_scale_grid: ``"fp16"``: the scales of weights whose range comes from their values are
+            FP16 values, each the FP16 neighbour of ``amax / qmax`` that reconstructs its channel (or
+            block) best, the weight quantized with it (`onnx_qat.formats.scale_grid.fp16_weight_scales`),
+            so FP16 float parts store them unchanged; None: ``amax / qmax`` as float32.
     """
 
     name: str
@@ -60,6 +65,7 @@ class Target:
     activation_zero_point: int
     policy: str = "tensorrt"
     adapter: Optional[str] = None
+    weight_scale_grid: Optional[str] = None
 
     def to_dict(self) -> dict:
         """JSON-ready description (used in reports). The weights' type and range are the numeric
@@ -74,6 +80,7 @@ class Target:
             "activation_zero_point": self.activation_zero_point,
             "weight_dtype": "int8",
             "weight_range": list(INT8_QRANGE),
+            "weight_scale_grid": self.weight_scale_grid,
         }
 
 
@@ -83,6 +90,7 @@ TENSORRT = Target(
     activation_dtype=np.int8,
     activation_zero_point=0,
     policy="tensorrt",
+    weight_scale_grid="fp16",
 )
 
 

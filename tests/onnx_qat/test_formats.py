@@ -11,6 +11,7 @@ from onnx_qat.formats.blockwise import (dequantize_blocks, from_fp8, pack_int4, 
                                          unpack_int4)
 from onnx_qat.cli import main
 from onnx_qat.errors import ConfigError
+from onnx_qat.formats.scale_grid import fp16_neighbours
 from tests.builders import (
     GraphBuilder, cosine, mlp_model, random_inputs, residual_block_model, transformer_block_model,
 )
@@ -125,7 +126,14 @@ def test_fp8_qdq_zero_points_scales_and_weights(scale):
     assert w.data_type == TensorProto.FLOAT8E4M3FN
     w_scale = numpy_helper.to_array(_init(out, "q.weight_scale"))
     original = numpy_helper.to_array(_init(model, "q.weight"))
-    assert w_scale == pytest.approx(np.abs(original).max(axis=0) / 448, rel=1e-6)  # per output column
+    # per output column: amax / 448 moved to the FP16 neighbour that reconstructs the column best
+    # (the TensorRT form's weight scales are FP16 values, onnx_qat.formats.scale_grid), the column
+    # quantized with exactly that scale
+    down, up = fp16_neighbours((np.abs(original).max(axis=0).astype(np.float64) / 448).astype(np.float32))
+    assert np.all((w_scale == down) | (w_scale == up))
+    assert np.float16(w_scale).astype(np.float32).tolist() == w_scale.tolist()
+    codes = np.frombuffer(w.raw_data, np.uint8).reshape(original.shape)
+    assert np.array_equal(codes, to_fp8(original, w_scale))
     back = from_fp8(np.frombuffer(w.raw_data, np.uint8).reshape(original.shape)) * w_scale
     assert np.abs(back - original).max() <= np.abs(original).max() * 2 ** -4  # 3 mantissa bits
     report = onnx_qat.check(out)
@@ -194,8 +202,10 @@ def test_int4_weights_are_blockwise_and_runs_as_the_numpy_dequantization():
     q = unpack_int4(stored.raw_data, tuple(stored.dims))
     scale = numpy_helper.to_array(_init(out, dq.input[1]))
     assert scale.shape == (512 // 64, 128)
-    want_q, want_scale = quantize_blocks(original, 0, 64)
+    want_q, want_scale = quantize_blocks(original, 0, 64, fp16_grid=True)  # FP16 block scales (scale_grid)
     assert np.array_equal(q, want_q) and np.array_equal(scale, want_scale)
+    plain = quantize_blocks(original, 0, 64)[1]
+    assert np.all(np.abs(scale - plain) <= 2.0 ** -10 * plain) and not np.array_equal(scale, plain)
     assert np.abs(dequantize_blocks(q, scale, 0, 64) - original).max() <= scale.max() / 2 + 1e-7
     report = onnx_qat.check(out)
     assert report.passed and not report.warnings, str(report)

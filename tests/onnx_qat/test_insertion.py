@@ -31,10 +31,35 @@ def _reference(w, axis):
     return q, scale
 
 
-def _insert(model, table, **options):
+def _fp16_reference(w, axis):
+    """The TensorRT form's weights (`onnx_qat.formats.scale_grid.fp16_weight_scales`), written out
+    independently: each channel's scale is whichever FP16 value just below or just above amax / 127
+    quantizes the channel with the smaller squared error (the one above on a tie), the channel
+    quantized with it."""
+    w = w.astype(np.float32)
+    moved = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
+    plain = (np.abs(moved).max(axis=1) / np.float32(127.0)).astype(np.float32)
+    scales, rows = [], []
+    for row, s in zip(moved, plain):
+        half = np.float16(s)
+        below = half if np.float32(half) <= s else np.nextafter(half, np.float16(0))
+        above = half if np.float32(half) >= s else np.nextafter(half, np.float16(np.inf))
+        best = None
+        for candidate in (np.float32(above), np.float32(below)):  # the one above wins a tie
+            q = np.clip(np.round(row / candidate), -127, 127)
+            err = float(np.sum((q * candidate - row).astype(np.float64) ** 2))
+            if best is None or err < best[0]:
+                best = (err, candidate, q)
+        scales.append(best[1])
+        rows.append(best[2])
+    q = np.moveaxis(np.stack(rows).reshape(np.moveaxis(w, axis, 0).shape), 0, axis).astype(np.int8)
+    return q, np.array(scales, np.float32)
+
+
+def _insert(model, table, target="tensorrt", **options):
     placement = TensorRTPolicy().place(GraphIndex(model), onnx_qat.QuantizeConfig(**options))
     edit = GraphEdit(_copy(model))
-    result = insert_qdq_pairs(edit, placement, table)
+    result = insert_qdq_pairs(edit, placement, table, target)
     return edit.commit(), result
 
 
@@ -73,17 +98,22 @@ def test_zero_weight_channel_gets_tiny_positive_scale(caplog):
     assert any("zero range" in r.getMessage() for r in caplog.records)
 
 
-def test_inserted_weights_and_scales_equal_reference():
+@pytest.mark.parametrize("target, reference", [("tensorrt", _fp16_reference), ("ort-cpu", _reference)])
+def test_inserted_weights_and_scales_equal_reference(target, reference):
+    """The TensorRT form's weight scales are FP16 values (each channel requantized with its own); the
+    ort-cpu form's are the plain float32 amax / 127."""
     model = mlp_model()
     table = amax_table(model, random_inputs(model))
-    out, _ = _insert(model, table)
+    out, _ = _insert(model, table, target)
     weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     for node, name, axis in (("fc1", "fc1.weight", 0), ("fc2", "fc2.weight", 1), ("fc3", "fc3.weight", 1)):
         info = assert_weight_quantized(out, node, axis=axis)
-        q_ref, scale_ref = _reference(weights[name], axis)
+        q_ref, scale_ref = reference(weights[name], axis)
         np.testing.assert_array_equal(info["values"], q_ref)
         np.testing.assert_array_equal(info["scale"], scale_ref)
         assert info["initializer"] == f"{name}_quantized"
+        plain = _reference(weights[name], axis)[1]
+        assert np.array_equal(info["scale"], plain) == (target == "ort-cpu")
 
 
 def test_weight_range_from_scale_table_is_used():

@@ -66,10 +66,11 @@ def test_fp8_leaves_exactly_the_layer_whose_error_dominates_float(hot, seed, sca
 
 
 def test_fp8_reached_without_float_sites_is_the_default_fp8_model_byte_for_byte():
-    # seed 1: the range search's whole tables put max first by 9e-5 of cosine (seed 5 had max and mse
-    # within 1e-5 of each other, an order that the FP16 grid of calibrated ranges swapped)
-    model = outlier_channel_model("conv2", seed=1, factor=2.0)
-    data = _conv_inputs(16, 1)
+    # seed 2: the range search's whole tables put max first by 3.7e-4 of cosine (seed 5 had max and mse
+    # within 1e-5 of each other, an order that the FP16 grid of calibrated ranges swapped; seed 1 max
+    # 9e-5 ahead, then 4e-5 behind percentile once the weight scales took the FP16 grid too)
+    model = outlier_channel_model("conv2", seed=2, factor=2.0)
+    data = _conv_inputs(16, 2)
     mixed = onnx_qat.quantize(model, data=data, precision="fp8", min_cosine=0.5, progress=False)
     assert mixed.accuracy["float_sites"] == [] and mixed.accuracy["cosine_after"] > 0.99
     default = onnx_qat.quantize(model, data={"input": data["input"][:12]}, precision="fp8", method="max",

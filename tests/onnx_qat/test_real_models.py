@@ -5,7 +5,7 @@
   0 warnings (it had 8 C10 warnings), and its probability map stays close to the float one on a
   rendered text image.
 * The text angle classifier of the same wheel (89 sites) on text lines rendered with Pillow's font: the
-  default model misses cosine 0.99 on evaluation lines, ``quantize(min_cosine=0.99)`` reaches it with
+  default model misses cosine 0.997 on evaluation lines, ``quantize(min_cosine=0.997)`` reaches it with
   1 to 3 sites float and passes check; sensitivity ranks the site left float among its top 5.
 * The voice-activity model of ``silero-vad``, whose whole network sits inside an If on the sample
   rate: the branch the data takes is calibrated and quantized, the other stays float.
@@ -217,9 +217,13 @@ def test_angle_classifier_sensitivity_and_min_cosine_reach_what_max_misses(cls_m
 
     plain_max = onnx_qat.quantize(cls_model, data=calib, method="max", progress=False)
     max_eval = cosine(ref_eval, run(plain_max.model, evaluation)[0])
-    # measured 0.9956 (0.9896 while a Conv's bias added through a Reshape of a constant was taken for
-    # a residual join and quantized; it is a constant, and left float)
-    assert 0.99 < max_eval < 0.997, max_eval
+    # measured 0.9875 (0.9956 before the weight scales took the FP16 grid; 0.9896 while a Conv's bias
+    # added through a Reshape of a constant was taken for a residual join and quantized). On these 16
+    # lines the cosine is a few lines near the decision boundary: moving every weight scale by less
+    # than one FP16 step (to either neighbour, the weights requantized) gives 0.954 to 0.995 here,
+    # while on 256 other lines it stays within 0.0015 (docs/formats.md, "Where the orientation
+    # classifier's drop comes from"), so the bound guards against a real loss, not that noise
+    assert 0.98 < max_eval < 0.997, max_eval
     default = onnx_qat.quantize(cls_model, data=calib, progress=False)  # auto: measured 0.9956
     assert_check_clean(default.model)
     # auto judges max and the per-tensor table (entropy everywhere, a third table until 2026-11-27, led
@@ -266,10 +270,11 @@ def test_angle_classifier_sensitivity_and_min_cosine_reach_what_max_misses(cls_m
 def test_angle_classifier_fp16_float_parts_within_the_budget_on_256_lines(cls_model):
     """``--float-dtype fp16`` on PP-OCR's angle classifier, judged on 256 rendered text lines (both
     angles) it was never calibrated on: check clean, and the output cosine (FP16 storage emulated)
-    within 0.002 of the FP32 float parts' (measured -0.00017). The calibrated activation scales are
-    FP16 values in the FP32 form already (onnx_qat.formats.scale_grid), so the FP16 form stores every
-    one of them unchanged and the two forms quantize on the same grid. (Before, the conversion
-    rounded FP32 scales: to nearest it lost +0.0023 on these lines, up -0.0007.)"""
+    within 0.002 of the FP32 float parts' (measured -0.00086). The calibrated activation scales and
+    the weight scales are FP16 values in the FP32 form already (onnx_qat.formats.scale_grid), so the
+    FP16 form stores every one of them unchanged and the two forms quantize on the same grid.
+    (Before, the conversion rounded FP32 activation scales: to nearest it lost +0.0023 on these
+    lines, up -0.0007; with the weight scales rounded to nearest by it, -0.00017.)"""
     from onnx_qat.formats.float_parts import activation_scales, emulate_in_fp32
     from onnx_qat.io.models import tensor_array
     from tools.float_parts_models import _angle_lines
@@ -293,6 +298,11 @@ def test_angle_classifier_fp16_float_parts_within_the_budget_on_256_lines(cls_mo
     stored = {t.name: tensor_array(t) for t in fp16.model.graph.initializer if t.name in acts}
     assert len(stored) == len(acts) > 50
     for name, values in stored.items():
+        assert values.dtype == np.float16 and np.array_equal(values.astype(np.float32), originals[name]), name
+    weights = {n.input[1] for n in fp32.model.graph.node if n.op_type == "DequantizeLinear"} - acts
+    stored = {t.name: tensor_array(t) for t in fp16.model.graph.initializer if t.name in weights}
+    assert len(stored) == len(weights) > 50
+    for name, values in stored.items():  # the weight scales too
         assert values.dtype == np.float16 and np.array_equal(values.astype(np.float32), originals[name]), name
 
 

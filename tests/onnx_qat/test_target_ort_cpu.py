@@ -53,7 +53,7 @@ def _feeds(model, seed):
 def cnn():
     model = plain_cnn()
     table = B.amax_table(model, _feeds(model, 1))
-    trt = onnx_qat.quantize(model, scales=table, target="tensorrt", progress=False)
+    trt = B.quantize_tensorrt_float32_weights(model, scales=table, progress=False)  # weight for weight
     cpu = onnx_qat.quantize(model, scales=table, target="ort-cpu", progress=False)
     return model, table, trt, cpu
 
@@ -265,7 +265,7 @@ def test_zero_pad_commutes_exactly():
     model = b.build()
     table = B.amax_table(model, _feeds(model, 1))
     cpu = onnx_qat.quantize(model, scales=table, target="ort-cpu", progress=False)
-    trt = onnx_qat.quantize(model, scales=table, target="tensorrt", progress=False)
+    trt = B.quantize_tensorrt_float32_weights(model, scales=table, progress=False)  # weight for weight
     point = {p["node"]: p for p in cpu.requantization}["stem"]
     assert point["amax_source"] == "scale of 'pool_out'"
     zps = {r["tensor"]: r["zero_point"] for r in cpu.inserted if r["kind"] == "activation"}

@@ -63,7 +63,10 @@ def _check_rows(doc, markdown, stdout, name):
         found = [r for r in rows if r["figure"].startswith(prefix)]
         assert found, f"{name}: no row '{prefix}' in {[r['figure'] for r in rows]}"
         for row in found:
-            assert row["value"] is not None and math.isfinite(row["value"]) and row["value"] >= 0, row
+            assert row["value"] is not None and math.isfinite(row["value"]), row
+            # every figure is a time, ratio or size, except a cosine drop: signed (negative: FP16 better;
+            # the tiny CNN's is -5e-7 since the weight scales are on the FP16 grid in both forms)
+            assert row["value"] >= 0 or "cosine drop" in row["figure"], row
             assert row["status"] in ("PASS", "BAR", "MISS", "TIE", "INFO"), row
             assert row["figure"] in markdown and row["figure"] in stdout
     for row in rows:
