@@ -20,7 +20,10 @@ The main process waits on ``ray.wait`` in short slices, so SIGINT/SIGTERM unwind
 actors are killed on the way out (`RayPool.close`). `connect` keeps the caller's SIGINT and SIGTERM
 handlers (``ray.init`` replaces them), a handler's exception comes out of Ray's calls as itself
 (`_unwinding`), and a local cluster an interrupted run started is shut down within
-`INTERRUPTED_SHUTDOWN` seconds (its processes end with this one in any case).
+`INTERRUPTED_SHUTDOWN` seconds. Whatever of that cluster still runs then (or after a normal
+shutdown) is killed: every process below the ones ``ray.init`` started, read from ``/proc`` before
+the shutdown (`_ClusterProcesses`): the raylet's agents (``DashboardAgent``, ``RuntimeEnvAgent``)
+outlive a killed raylet by seconds on a loaded machine.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import pickle
 import signal
 import sys
 import threading
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import QatError, WorkerError, brief
 from .pool_base import PoolBase, check_workers, describe_error, raised_error
@@ -64,6 +67,7 @@ def connect(address) -> bool:
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # onnx_qat, for the actors
     handlers = _signal_handlers()
     terminated = False
+    before = _ClusterProcesses.children()
     try:
         try:
             ray.init(**({} if local else {"address": address}), include_dashboard=False,
@@ -77,11 +81,12 @@ def connect(address) -> bool:
             raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
         finally:
             _restore_signal_handlers(handlers)
+            _ClusterProcesses.started = _ClusterProcesses(before)
         if terminated:  # the caller's handler gets the signal Ray's took (the CLI: exit 143, nothing written)
             os.kill(os.getpid(), _SIGTERM)
     except BaseException:
         if _interrupted():  # a signal during or right after ray.init: no pool owns the cluster yet, so
-            _shutdown_within(ray, INTERRUPTED_SHUTDOWN)  # stop what this call started (its agents too)
+            _stop_started(ray, interrupted=True)  # stop what this call started (its agents too)
         raise
     return True
 
@@ -242,10 +247,7 @@ class RayPool(PoolBase):
                 pass
         self._actors, self._closed = [], True
         if self._started and ray.is_initialized():
-            if _interrupted():
-                _shutdown_within(ray, INTERRUPTED_SHUTDOWN)
-            else:
-                _shutdown_keeping_handlers(ray)
+            _stop_started(ray, interrupted=_interrupted())
             self._started = False
 
 
@@ -258,6 +260,83 @@ def _interrupted() -> bool:
     not an ``Exception``, as the CLI's ``Terminated``)."""
     exc = sys.exc_info()[1]
     return isinstance(exc, BaseException) and not isinstance(exc, Exception)
+
+
+def _stop_started(ray, *, interrupted: bool) -> None:
+    """Shut down the local cluster `connect` started (within `INTERRUPTED_SHUTDOWN` seconds when
+    ``interrupted``), then kill what of it still runs (`_ClusterProcesses`)."""
+    started, _ClusterProcesses.started = _ClusterProcesses.started, None
+    tree = started.tree() if started is not None else {}
+    try:
+        if interrupted:
+            _shutdown_within(ray, INTERRUPTED_SHUTDOWN)
+        else:
+            _shutdown_keeping_handlers(ray)
+    finally:
+        _ClusterProcesses.kill(tree)
+
+
+class _ClusterProcesses:
+    """The processes ``ray.init`` started in this process (the children it did not have before: the
+    GCS server, the raylet, the log monitor...), and everything below them. Read from ``/proc``; on a
+    system without it nothing is found and nothing killed (Ray's own shutdown stands alone)."""
+
+    #: The record of the cluster `connect` started last (None: none, or already stopped).
+    started: Optional["_ClusterProcesses"] = None
+
+    def __init__(self, before: Dict[int, str]):
+        self.roots = {pid: start for pid, start in self.children().items() if before.get(pid) != start}
+
+    @staticmethod
+    def _table() -> Dict[int, Tuple[int, str]]:
+        """``{pid: (parent pid, start time)}`` of every live process."""
+        table: Dict[int, Tuple[int, str]] = {}
+        try:
+            entries = os.listdir("/proc")
+        except OSError:
+            return table
+        for entry in filter(str.isdigit, entries):
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    state, parent, *rest = handle.read().rsplit(b")", 1)[1].split()
+            except (OSError, ValueError):
+                continue
+            if state != b"Z" and len(rest) > 17:
+                table[int(entry)] = (int(parent), rest[17].decode())  # field 22: the start time
+        return table
+
+    @classmethod
+    def children(cls) -> Dict[int, str]:
+        """``{pid: start time}`` of this process's children."""
+        me = os.getpid()
+        return {pid: start for pid, (parent, start) in cls._table().items() if parent == me}
+
+    def tree(self) -> Dict[int, str]:
+        """``{pid: start time}`` of the started processes still alive and every process below them."""
+        table = self._table()
+        below: Dict[int, List[int]] = {}
+        for pid, (parent, _) in table.items():
+            below.setdefault(parent, []).append(pid)
+        found: Dict[int, str] = {}
+        todo = [pid for pid, start in self.roots.items() if table.get(pid, (0, None))[1] == start]
+        while todo:
+            pid = todo.pop()
+            found[pid] = table[pid][1]
+            todo.extend(below.get(pid, ()))
+        return found
+
+    @classmethod
+    def kill(cls, tree: Dict[int, str]) -> None:
+        """SIGKILL each process of ``tree`` still alive as the same process (the same start time)."""
+        if not tree:
+            return
+        table = cls._table()
+        for pid, start in tree.items():
+            if table.get(pid, (0, None))[1] == start:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:  # gone meanwhile
+                    pass
 
 
 def _shutdown_keeping_handlers(ray) -> None:
@@ -290,7 +369,8 @@ def _shutdown_within(ray, seconds: float) -> None:
     down stops its processes one at a time, waiting up to a second for each (1.1-1.5 s on a loaded
     2-core machine, Ray 2.60), more than an interrupt may take. What is not done by then goes on while
     the caller unwinds; if the process ends first, the cluster's processes end with it (Ray starts
-    them tied to the process that started them: on Linux they get SIGKILL when it exits)."""
+    them tied to the process that started them: on Linux they get SIGKILL when it exits; what is below
+    them, the raylet's agents, `_stop_started` kills)."""
     _start_shutdown(ray).join(seconds)
 
 

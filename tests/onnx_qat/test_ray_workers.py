@@ -96,3 +96,45 @@ def test_a_model_after_ray_is_explained(capsys):
     assert main(["sensitivity", "--ray", "m.onnx", "--data", "d.npz"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "--ray takes an optional ADDRESS, so give the model before it (or write --ray=ADDRESS)" in err
+
+
+def test_the_processes_a_started_cluster_leaves_are_found_below_its_roots_and_killed():
+    """What ``connect`` started is recorded as the children this process did not have before; at the
+    close everything below them is killed, grandchildren that outlive their parent included (the
+    raylet's agents), and a process that is not the one recorded (another start time) is left alone.
+    No Ray needed: plain processes stand in for the cluster's."""
+    import os
+    import time
+
+    from onnx_qat.runtime.ray_workers import _ClusterProcesses
+
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        before = _ClusterProcesses.children()
+        assert bystander.pid in before
+        # a "raylet" with two "agents", and a second root
+        raylet = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"])
+        other = subprocess.Popen(["sleep", "60"])
+        deadline = time.monotonic() + 10
+        while len(support.descendants(raylet.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        agents = support.descendants(raylet.pid)
+        started = _ClusterProcesses(before)
+        assert set(started.roots) == {raylet.pid, other.pid}
+        tree = started.tree()
+        assert set(tree) == {raylet.pid, other.pid, *agents} and len(agents) == 2
+        stale = dict(tree)
+        stale[other.pid] = "0"  # recorded with another start time: a different process, not killed
+        _ClusterProcesses.kill(stale)
+        assert raylet.wait(timeout=10) == -9
+        deadline = time.monotonic() + 10
+        while any(support.alive(p) for p in agents) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(support.alive(p) for p in agents)
+        assert other.poll() is None and bystander.poll() is None
+        other.kill()
+        other.wait()
+        assert os.getpid() not in tree
+    finally:
+        bystander.kill()
+        bystander.wait()

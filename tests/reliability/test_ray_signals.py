@@ -18,8 +18,10 @@ pytest.importorskip("ray", reason="Ray is not installed (pip install -c constrai
 
 #: Seconds from the signal to the exit (docs/performance.md, "Interrupts and errors").
 BOUND = 2.0
-#: Seconds after the exit within which every process the run started must have ended.
-ORPHAN_GRACE = 5.0
+#: Seconds after the exit within which every process the run started must have ended: the run kills
+#: what is left of the cluster it started before it exits (``ray_workers._ClusterProcesses``), so
+#: nothing waits on the raylet's agents noticing their raylet is gone (seconds on a loaded machine).
+ORPHAN_GRACE = 1.0
 #: Seconds to wait for the local cluster to start and its actors to run.
 START = 180
 
