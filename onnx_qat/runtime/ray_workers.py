@@ -54,20 +54,22 @@ def ray_module():
     return ray
 
 
-def connect(address) -> bool:
-    """Join (or start) the Ray cluster ``address`` names (see the module docstring); True when this
-    call started Ray in this process (the caller then shuts it down). The SIGINT and SIGTERM handlers
-    set before are set again after ``ray.init`` (`_restore_signal_handlers`)."""
+def connect(address) -> Optional["_ClusterProcesses"]:
+    """Join (or start) the Ray cluster ``address`` names (see the module docstring). When this call
+    started Ray in this process, the record of the processes it started (`_ClusterProcesses`: the caller
+    shuts the cluster down with `_stop_started`); None when Ray was initialized already. The SIGINT and
+    SIGTERM handlers set before are set again after ``ray.init`` (`_restore_signal_handlers`)."""
     ray = ray_module()
     local = address in (True, "", None)
     if not local:
         _check_reachable(address)
     if ray.is_initialized():
-        return False
+        return None
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # onnx_qat, for the actors
     handlers = _signal_handlers()
     terminated = False
     before = _ClusterProcesses.children()
+    started = None
     try:
         try:
             ray.init(**({} if local else {"address": address}), include_dashboard=False,
@@ -81,14 +83,14 @@ def connect(address) -> bool:
             raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
         finally:
             _restore_signal_handlers(handlers)
-            _ClusterProcesses.started = _ClusterProcesses(before)
+            started = _ClusterProcesses(before)
         if terminated:  # the caller's handler gets the signal Ray's took (the CLI: exit 143, nothing written)
             os.kill(os.getpid(), _SIGTERM)
     except BaseException:
         if _interrupted():  # a signal during or right after ray.init: no pool owns the cluster yet, so
-            _stop_started(ray, interrupted=True)  # stop what this call started (its agents too)
+            _stop_started(ray, started, interrupted=True)  # stop what this call started (its agents too)
         raise
-    return True
+    return started
 
 
 #: The signals whose handlers `connect` keeps as the caller set them.
@@ -246,9 +248,9 @@ class RayPool(PoolBase):
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._actors, self._closed = [], True
-        if self._started and ray.is_initialized():
-            _stop_started(ray, interrupted=_interrupted())
-            self._started = False
+        if self._started is not None and ray.is_initialized():
+            _stop_started(ray, self._started, interrupted=_interrupted())
+            self._started = None
 
 
 #: Seconds an interrupted run waits for ``ray.shutdown`` of the local cluster it started.
@@ -262,10 +264,9 @@ def _interrupted() -> bool:
     return isinstance(exc, BaseException) and not isinstance(exc, Exception)
 
 
-def _stop_started(ray, *, interrupted: bool) -> None:
-    """Shut down the local cluster `connect` started (within `INTERRUPTED_SHUTDOWN` seconds when
-    ``interrupted``), then kill what of it still runs (`_ClusterProcesses`)."""
-    started, _ClusterProcesses.started = _ClusterProcesses.started, None
+def _stop_started(ray, started: Optional["_ClusterProcesses"], *, interrupted: bool) -> None:
+    """Shut down the cluster `connect` started, whose processes ``started`` records (within
+    `INTERRUPTED_SHUTDOWN` seconds when ``interrupted``), then kill what of it still runs."""
     tree = started.tree() if started is not None else {}
     try:
         if interrupted:
@@ -280,9 +281,6 @@ class _ClusterProcesses:
     """The processes ``ray.init`` started in this process (the children it did not have before: the
     GCS server, the raylet, the log monitor...), and everything below them. Read from ``/proc``; on a
     system without it nothing is found and nothing killed (Ray's own shutdown stands alone)."""
-
-    #: The record of the cluster `connect` started last (None: none, or already stopped).
-    started: Optional["_ClusterProcesses"] = None
 
     def __init__(self, before: Dict[int, str]):
         self.roots = {pid: start for pid, start in self.children().items() if before.get(pid) != start}
