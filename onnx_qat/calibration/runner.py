@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
-from ..formats.scale_grid import FP16_EPS
+from ..formats.scale_grid import fp16_grid_values
 from ..scales import ScaleTable
 from .branches import make_runner
 from .choice import CHECK_SAMPLES, judge_samples
@@ -424,29 +424,6 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
         if kept else {}
     return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference, bounds,
                        options)
-
-
-def fp16_grid_values(values: Sequence[float], qmax: float) -> list:
-    """[`on_fp16_grid`][onnx_qat.formats.scale_grid.on_fp16_grid] of each of ``values`` (floats
-    >= 0), computed for all of them in a few NumPy calls: the same floats, bit for bit (the same
-    float32 and FP16 roundings elementwise; tested against ``on_fp16_grid``). ``collect`` puts about
-    six ranges per tensor on the grid (each candidate of ``auto``), 150,000 on a 50,000-node graph."""
-    amax = np.asarray(values, dtype=np.float64)
-    if amax.size == 0:
-        return []
-    wanted = amax / qmax
-    with np.errstate(over="ignore"):
-        scale = wanted.astype(np.float32)
-    below = scale.astype(np.float64) < wanted  # float32 rounded it down: the next float32 up
-    scale = np.where(below, np.nextafter(scale, np.float32(np.inf)), scale)
-    with np.errstate(over="ignore"):
-        half = scale.astype(np.float16)
-        half = np.where(half.astype(np.float32) < scale, np.nextafter(half, np.float16(np.inf)), half)
-    rounded = half.astype(np.float64)
-    wide = scale.astype(np.float64)
-    with np.errstate(invalid="ignore"):
-        fits = np.isfinite(rounded) & (rounded > 0) & (rounded - wide <= FP16_EPS * wide)
-    return np.where(fits, qmax * rounded, amax).tolist()
 
 
 def _floats(values: Sequence[float]) -> list:

@@ -103,6 +103,12 @@ def fp16_block_amax(values: np.ndarray, amax: np.ndarray, axis: int, block_size:
     return np.where(amax > 0, scale * np.float32(INT4_MAX), amax).astype(np.float32)
 
 
+def fp8_dequantized(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """FP8 E4M3 quantize-dequantize ``from_fp8(to_fp8(values, scale)) * scale`` (float32), what
+    `onnx_qat.formats.scale_grid.fp16_weight_scales` compares candidate FP8 scales with."""
+    return from_fp8(to_fp8(values, scale)) * scale
+
+
 def fp16_fp8_amax(matrix: np.ndarray, amax: np.ndarray, axis: int) -> np.ndarray:
     """Per-channel FP8 ranges ``amax`` (float32, of ``matrix`` along ``axis``) moved so that their scales
     ``amax / 448`` are FP16 values, each the neighbour whose E4M3 rounding reconstructs its channel
@@ -116,7 +122,7 @@ def fp16_fp8_amax(matrix: np.ndarray, amax: np.ndarray, axis: int) -> np.ndarray
     shape = [1] * np.ndim(matrix)
     shape[axis] = -1
     moved = fp16_weight_scales(np.asarray(matrix, np.float32), np.where(usable, scale, np.float32(1.0)),
-                               tuple(shape), lambda v, s: from_fp8(to_fp8(v, s)) * s)
+                               tuple(shape), fp8_dequantized)
     return np.where(usable, moved * np.float32(FP8_MAX), amax).astype(np.float32)
 
 
@@ -152,5 +158,5 @@ def unpack_int4(raw: bytes, shape: Tuple[int, ...]) -> np.ndarray:
 
 
 __all__ = ["to_fp8", "from_fp8", "block_amax", "block_scale", "expand_blocks", "quantize_blocks",
-           "dequantize_blocks", "fp16_block_amax", "fp16_fp8_amax", "pack_int4", "unpack_int4", "FP8_MAX",
-           "INT4_MIN", "INT4_MAX"]
+           "dequantize_blocks", "fp16_block_amax", "fp16_fp8_amax", "fp8_dequantized", "pack_int4",
+           "unpack_int4", "FP8_MAX", "INT4_MIN", "INT4_MAX"]

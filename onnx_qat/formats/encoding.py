@@ -162,7 +162,7 @@ def encode_weight(fmt: Format, values: np.ndarray, axis: Optional[int], amax=Non
         q, scale = quantize_weight(values, axis, own, qrange, name=name, fp16_grid=fp16_grid)
         return encode_int8(q, scale, own if amax is None else weight_amax(values, axis), axis,
                            unsigned=unsigned)
-    from .blockwise import from_fp8, pack_int4, quantize_blocks, to_fp8
+    from .blockwise import fp8_dequantized, pack_int4, quantize_blocks, to_fp8
 
     if fmt.blocked:
         q, scale = quantize_blocks(values, axis, block_size, amax, fp16_grid=fp16_grid)
@@ -173,7 +173,7 @@ def encode_weight(fmt: Format, values: np.ndarray, axis: Optional[int], amax=Non
     scale = np.where(usable_scales(scale), scale, np.float32(ZERO_CHANNEL_SCALE)).astype(np.float32)
     shape = scale_shape(values.ndim, axis)
     if fp16_grid:
-        scale = fp16_weight_scales(values, scale, shape, lambda v, s: from_fp8(to_fp8(v, s)) * s)
+        scale = fp16_weight_scales(values, scale, shape, fp8_dequantized)
     if axis is None:
         scale = scale.reshape(())
     stored = to_fp8(values, scale.reshape(shape)).tobytes()

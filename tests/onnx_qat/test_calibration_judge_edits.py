@@ -5,7 +5,7 @@
   the same outputs, table by table, as the model committed first and folded and filtered after (the
   path before, rebuilt here);
 * candidate tables holding the same ranges are not judged (`choice.choose`);
-* every candidate range put on the FP16 grid at once (`onnx_qat.calibration.runner.fp16_grid_values`):
+* every candidate range put on the FP16 grid at once (`onnx_qat.formats.scale_grid.fp16_grid_values`):
   the floats of `onnx_qat.formats.scale_grid.on_fp16_grid`, one by one;
 * the percentiles read from the mse search's prefix sums, and those prefix sums written in place.
 """
@@ -22,8 +22,7 @@ import onnx_qat
 from onnx_qat.calibration import choice, collect
 from onnx_qat.calibration.mse import moment_prefixes
 from onnx_qat.calibration.percentile import percentile_rows
-from onnx_qat.calibration.runner import fp16_grid_values
-from onnx_qat.formats.scale_grid import on_fp16_grid
+from onnx_qat.formats.scale_grid import fp16_grid_values, on_fp16_grid
 from onnx_qat.runtime.chunked import ChunkedSession
 from tests import builders
 

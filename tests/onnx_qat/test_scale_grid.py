@@ -200,10 +200,23 @@ def test_the_fp16_form_tracks_the_fp32_form(build, seed, scale):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_grids_round_up_is_the_conversions(seed):
-    from onnx_qat.formats.scale_grid import fp16_round_up
+    """The grid's FP16 round-up is the conversion's (`LowType.round_up`), and every scale the grid
+    moves is that round-up of the float32 scale, itself rounded up from ``amax / 127``; the others
+    are left as given (beyond FP16, deep in its subnormals, or FP16 values already)."""
+    from onnx_qat.formats.scale_grid import fp16_grid_values, fp16_round_up
 
-    values = np.exp(np.random.default_rng(seed).uniform(np.log(1e-9), np.log(1e6), 5000)).astype(np.float32)
-    assert np.array_equal(np.array([fp16_round_up(v) for v in values], np.float32), FP16.round_up(values))
+    floats = np.exp(np.random.default_rng(seed).uniform(np.log(1e-9), np.log(1e6), 5000)).astype(np.float32)
+    assert np.array_equal(fp16_round_up(floats), FP16.round_up(floats))
+    values = np.exp(np.random.default_rng(seed).uniform(np.log(1e-9), np.log(1e6), 5000)) * 127.0
+    got = np.asarray(fp16_grid_values(values.tolist(), 127.0))
+    scale = (values / 127.0).astype(np.float32)
+    down = scale.astype(np.float64) < values / 127.0
+    scale = np.where(down, np.nextafter(scale, np.float32(np.inf)), scale)
+    up = FP16.round_up(scale).astype(np.float64)
+    moved = got != values
+    assert moved.sum() > 3000 and np.array_equal(got[moved], 127.0 * up[moved])
+    assert np.all((up[~moved] > 65504) | (up[~moved] - scale[~moved] > 2.0 ** -10 * scale[~moved])
+                  | (up[~moved] == scale[~moved]))
 
 
 @pytest.mark.parametrize("seed, scale", [(0, 1.0), (1, 255.0)])
