@@ -75,7 +75,7 @@ def node(op_type: str, name: str, inputs: Sequence[str], outputs: Sequence[str],
         key = (len(inputs), len(outputs))
         template = _TEMPLATES.get(key)
         if template is None:
-            template = _TEMPLATES[key] = ("\n%c%s" * key[0] + "\x12%c%s" * key[1] + "\x1a%c%s\"%c%s")
+            template = _TEMPLATES[key] = node_template(*key)
         args = []
         for item in strings:
             args += (len(item), item)
@@ -94,6 +94,15 @@ def node(op_type: str, name: str, inputs: Sequence[str], outputs: Sequence[str],
 
 
 _TEMPLATES: dict = {}
+
+
+def node_template(inputs: int, outputs: int, op_type: str = "") -> str:
+    """The ``%``-format string of a NodeProto's head as `node` writes it for ASCII names shorter than
+    128 characters: per input, per output and for the name a ``%c%s`` pair (length, text) after the
+    field's tag, then the op type: another such pair, or ``op_type`` itself written in (likewise ASCII
+    and shorter than 128), for callers that format many nodes of one op type."""
+    op = "\"%c%s" if not op_type else f"\"{chr(len(op_type))}{op_type}"
+    return "\n%c%s" * inputs + "\x12%c%s" * outputs + "\x1a%c%s" + op
 
 
 def tensor(name: str, data_type: int, raw: bytes, dims: Sequence[int] = ()) -> bytes:
@@ -203,4 +212,4 @@ def encode_tensor(name: str, data_type: int, raw: bytes, dims: Sequence[int] = (
 
 
 __all__ = ["EncodedNode", "EncodedTensor", "encode_node", "encode_tensor", "field", "framed", "int_attribute",
-           "node", "string", "tensor", "varint"]
+           "node", "node_template", "string", "tensor", "varint"]

@@ -34,7 +34,7 @@ from ..formats.encoding import (INT8_QRANGE, TINY, encode_int8, encode_weight, i
 from ..formats.scale_grid import fp16_weight_scales
 from ..formats.numeric import INT8, Format, get_format
 from ..graph.edit import GraphEdit, onnx_type
-from ..graph.wire import NODE_ATTRIBUTE, EncodedNode, encode_node, field, int_attribute
+from ..graph.wire import NODE_ATTRIBUTE, EncodedNode, encode_node, field, int_attribute, node_template
 from ..placement.marks import ActivationMark, Placement, WeightMark
 from ..scales import ScaleTable
 from .targets import Target, get_target
@@ -54,8 +54,8 @@ _PAIR_SUFFIXES = ("_scale", "_zero_point", "_QuantizeLinear_Output", "_Dequantiz
 NARROW_WEIGHT_RANGE = (-63, 63)
 #: The wire bytes of an activation pair's QuantizeLinear and DequantizeLinear (`onnx_qat.graph.wire.node`
 #: of three inputs and one output), for names of ASCII characters shorter than 128.
-_Q_TEMPLATE = "\n%c%s\n%c%s\n%c%s\x12%c%s\x1a%c%s\"\x0eQuantizeLinear"
-_DQ_TEMPLATE = "\n%c%s\n%c%s\n%c%s\x12%c%s\x1a%c%s\"\x10DequantizeLinear"
+_Q_TEMPLATE = node_template(3, 1, "QuantizeLinear")
+_DQ_TEMPLATE = node_template(3, 1, "DequantizeLinear")
 _new_tuple = tuple.__new__
 
 @dataclass(frozen=True)
@@ -470,14 +470,11 @@ def _encoded_weight_dq(names: Sequence[str], attributes: Tuple[bytes, ...]) -> E
     if max(map(len, names)) < 128 and "".join(names).isascii():
         head = _DQ_TEMPLATE % (len(q_name), q_name, len(scale_name), scale_name, len(zp_name), zp_name,
                                len(dq_out), dq_out, len(dq_name), dq_name)
-        encoded = head.encode() + b"".join([_NODE_ATTRIBUTE + _SMALL[len(a)] + a if len(a) < 128
-                                            else field(_NODE_ATTRIBUTE, a) for a in attributes])
+        encoded = head.encode() + b"".join([field(NODE_ATTRIBUTE, a) for a in attributes])
         return _new_tuple(EncodedNode, ("DequantizeLinear", dq_name, inputs, (dq_out,), encoded))
     return encode_node("DequantizeLinear", dq_name, inputs, (dq_out,), attributes)
 
 
-_NODE_ATTRIBUTE = NODE_ATTRIBUTE
-_SMALL = [bytes((n,)) for n in range(128)]
 _AXIS_BYTES: Dict[int, bytes] = {}
 
 
