@@ -423,23 +423,16 @@ def _parse_into(graph, nodes, kept, added) -> None:
     in that order, by parsing their bytes: the same messages as extending its lists with them. A
     list whose bytes stay under `PARSE_CHUNK` is parsed in one call (the usual case); a larger one
     in parts of at most that size (a model over 2 GB, saved with external data), a message too
-    large to serialize being copied as it is."""
-    for tag, target, items in ((GRAPH_NODE, graph.node, nodes), (GRAPH_INITIALIZER, graph.initializer,
-                                                                  list(kept) + list(added))):
-        try:
-            data = [item.encoded if type(item) is EncodedNode or type(item) is EncodedTensor
-                    else item.SerializeToString() for item in items]
-        except Exception:  # upb refuses to serialize a message over 2 GB
-            data = None
-        if data is not None and sum(map(len, data)) < PARSE_CHUNK:
-            graph.MergeFromString(framed(tag, data))
-        else:
-            _merge_in_parts(graph, tag, target, items)
+    large to serialize being copied as it is (`_merge_in_parts`)."""
+    _merge_in_parts(graph, GRAPH_NODE, graph.node, nodes)
+    _merge_in_parts(graph, GRAPH_INITIALIZER, graph.initializer, list(kept) + list(added))
 
 
 def _merge_in_parts(graph, tag: bytes, target, items) -> None:
-    """`_parse_into` of one repeated field of ``graph`` (``target``, field ``tag``) in parts of at most
-    `PARSE_CHUNK` bytes; an item whose bytes alone are over that is appended as a message."""
+    """`_parse_into` of one repeated field of ``graph`` (``target``, field ``tag``): its items' bytes
+    parsed in as few calls as keep each under `PARSE_CHUNK` bytes (one, unless the field holds more);
+    an item whose bytes alone are over that, or which cannot be serialized (over 2 GB), is appended
+    as a message."""
     part: List[bytes] = []
     size = 0
     for item in items:
