@@ -51,6 +51,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import onnx
 
+from ..io.models import tensor_array
+
 logger = logging.getLogger(__name__)
 
 #: Samples of the calibration data ``auto``'s candidate tables are judged on (the calibration batches
@@ -280,9 +282,9 @@ def _dequantized(node: onnx.NodeProto, values: onnx.TensorProto, scale: onnx.Ten
                  zero: Optional[onnx.TensorProto]) -> np.ndarray:
     """The float32 output of DequantizeLinear ``node`` on constant ``values``, ``scale`` and ``zero``
     (None: no zero point)."""
-    values = _array(values)
-    scale = _array(scale)
-    zero = _array(zero) if zero is not None else None
+    values = tensor_array(values)
+    scale = tensor_array(scale)
+    zero = tensor_array(zero) if zero is not None else None
     if scale.ndim:  # per axis: the scale and zero point run along ``axis`` (default 1)
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1) % values.ndim
         shape = [1] * values.ndim
@@ -302,23 +304,6 @@ def _fold_constant_dequantize(model: onnx.ModelProto) -> None:
     edit = GraphEdit(model)
     _fold_dequantize_edits(edit, edit.live_nodes())
     model.CopyFrom(edit.commit())
-
-
-def _array(tensor: onnx.TensorProto) -> np.ndarray:
-    """An initializer's values (read straight from its raw bytes, or from its float or int32 field for
-    float32 and 8-bit integers, when it holds them so: the scales and zero points the inserter writes)."""
-    if tensor.data_location == onnx.TensorProto.DEFAULT:
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-        shape = tuple(tensor.dims)
-        if tensor.HasField("raw_data"):
-            return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(shape)
-        if tensor.data_type == onnx.TensorProto.FLOAT and len(tensor.float_data) == int(np.prod(shape)):
-            return np.array(tensor.float_data, dtype=np.float32).reshape(shape)
-        if tensor.data_type in _FOLDED_TYPES and len(tensor.int32_data) == int(np.prod(shape)):
-            return np.array(tensor.int32_data, dtype=np.int32).astype(dtype).reshape(shape)
-    from onnx import numpy_helper
-
-    return numpy_helper.to_array(tensor)
 
 
 def _scale_feeds(placement, amax: Mapping[str, float], scale_inputs: Mapping[str, str],

@@ -284,13 +284,18 @@ _RAW_DTYPES = {
 }
 
 
+#: 8-bit integer types `tensor_array` reads from ``int32_data`` directly.
+_SMALL_INTS = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+
+
 def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
     """The value of a loaded TensorProto as a read-only NumPy array.
 
     Raw little-endian bytes of the common numeric types are read in place: one copy fewer than
     ``onnx.numpy_helper.to_array`` and without its per-call cost, which dominates on many small
-    tensors (scales, zero points, the weights of a 10^5-node model). Other forms go through
-    ``numpy_helper``.
+    tensors (scales, zero points, the weights of a 10^5-node model); so are float32 values held in
+    ``float_data`` and 8-bit integers held in ``int32_data`` (scales and zero points written that way).
+    Other forms go through ``numpy_helper``.
 
     Raises:
         ModelError: the tensor's data is external and was not loaded (it is never looked for
@@ -298,8 +303,19 @@ def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
     """
     dtype = _RAW_DTYPES.get(tensor.data_type)
     location = tensor.data_location
-    if dtype is not None and location == onnx.TensorProto.DEFAULT and tensor.HasField("raw_data"):
-        return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(tuple(tensor.dims))
+    if dtype is not None and location == onnx.TensorProto.DEFAULT:
+        shape = tuple(tensor.dims)
+        if tensor.HasField("raw_data"):
+            return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(shape)
+        count = int(np.prod(shape))
+        values = None
+        if tensor.data_type == onnx.TensorProto.FLOAT and len(tensor.float_data) == count:
+            values = np.array(tensor.float_data, dtype=np.float32)
+        elif tensor.data_type in _SMALL_INTS and len(tensor.int32_data) == count:
+            values = np.array(tensor.int32_data, dtype=np.int32).astype(dtype)
+        if values is not None:
+            values.flags.writeable = False
+            return values.reshape(shape)
     if location == onnx.TensorProto.EXTERNAL:
         raise ModelError(f"tensor {tensor.name!r}: its data is stored in {_external_location(tensor)} "
                          "and was not loaded")

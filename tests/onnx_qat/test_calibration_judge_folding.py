@@ -98,10 +98,10 @@ def test_folding_computes_dequantize_as_onnxruntime_does():
     onnx.numpy_helper.from_array(np.arange(-3, 3, dtype=np.int8).reshape(2, 3), "raw"),
 ], ids=["float-scalar", "float-vector", "int8-field", "uint8-scalar", "int8-raw"])
 def test_initializer_values_read_as_onnx_reads_them(tensor):
-    """The folding reads scales and zero points from their float/int32 fields directly: the values,
-    dtype and shape of onnx.numpy_helper."""
-    from onnx_qat.calibration.choice import _array
+    """The folding reads scales and zero points with `tensor_array`, from their float/int32 fields
+    directly: the values, dtype and shape of onnx.numpy_helper."""
+    from onnx_qat.io.models import tensor_array
 
-    got, expected = _array(tensor), onnx.numpy_helper.to_array(tensor)
+    got, expected = tensor_array(tensor), onnx.numpy_helper.to_array(tensor)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     np.testing.assert_array_equal(got, expected)
