@@ -296,16 +296,6 @@ def _dequantized(node: onnx.NodeProto, values: onnx.TensorProto, scale: onnx.Ten
     return np.multiply(values.astype(np.float32), scale, dtype=np.float32)
 
 
-def _fold_constant_dequantize(model: onnx.ModelProto) -> None:
-    """`_fold_dequantize_edits` on ``model``'s main graph, in place (the folded nodes, integer weights,
-    scales and zero points nothing else reads are left out)."""
-    from ..graph.edit import GraphEdit
-
-    edit = GraphEdit(model)
-    _fold_dequantize_edits(edit, edit.live_nodes())
-    model.CopyFrom(edit.commit())
-
-
 def _scale_feeds(placement, amax: Mapping[str, float], scale_inputs: Mapping[str, str],
                  precision) -> Dict[str, np.ndarray]:
     """The scale of every activation pair under table ``amax`` (scale groups share their largest

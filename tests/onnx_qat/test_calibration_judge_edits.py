@@ -25,6 +25,7 @@ from onnx_qat.calibration.percentile import percentile_rows
 from onnx_qat.formats.scale_grid import fp16_grid_values, on_fp16_grid
 from onnx_qat.runtime.chunked import ChunkedSession
 from tests import builders
+from tests.onnx_qat.test_calibration_judge_folding import fold_constant_dequantize
 
 
 def _bits(values) -> list:
@@ -114,7 +115,7 @@ def _judge_before(model, placement, table, **options):
     inserted = insert_qdq_pairs(edit, replace(placement, subgraphs=()), ScaleTable(dict(table)),
                                 options.get("target", "tensorrt"), precision=options.get("precision", "int8"))
     judge = edit.commit()
-    choice._fold_constant_dequantize(judge)
+    fold_constant_dequantize(judge)
     nodes = {n.name: n for n in judge.graph.node if n.op_type == "QuantizeLinear"}
     scale_inputs = {r["tensor"]: nodes[r["quantize_node"]].input[1] for r in inserted.activations}
     names = set(scale_inputs.values())

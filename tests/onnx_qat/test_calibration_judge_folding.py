@@ -1,5 +1,6 @@
 """``auto``'s judgement computes the constant weight DequantizeLinear of its Q/DQ model once
-(`onnx_qat.calibration.choice._fold_constant_dequantize`): the folded weights are onnxruntime's
+(`onnx_qat.calibration.choice._fold_dequantize_edits`; `fold_constant_dequantize` here runs it on a
+committed model): the folded weights are onnxruntime's
 DequantizeLinear outputs bit for bit, and the judged cosines those of the model with every
 DequantizeLinear left in to about 1e-10 (a constant weight lets onnxruntime pre-pack it for its
 convolution kernels, which sum in another order), with the same table kept, across targets, formats
@@ -14,6 +15,16 @@ import onnx_qat
 from onnx_qat.calibration import choice
 from onnx_qat.runtime.sessions import make_session
 from tests import builders
+
+
+def fold_constant_dequantize(model: onnx.ModelProto) -> None:
+    """`choice._fold_dequantize_edits` on ``model``'s main graph, in place (the folded nodes, integer
+    weights, scales and zero points nothing else reads are left out)."""
+    from onnx_qat.graph.edit import GraphEdit
+
+    edit = GraphEdit(model)
+    choice._fold_dequantize_edits(edit, edit.live_nodes())
+    model.CopyFrom(edit.commit())
 
 
 def _judged(monkeypatch, model, data, fold: bool, **options):
@@ -82,7 +93,7 @@ def test_folding_computes_dequantize_as_onnxruntime_does():
     expected = make_session(model, optimize=False).run(None, {})
     folded = onnx.ModelProto()
     folded.CopyFrom(model)
-    choice._fold_constant_dequantize(folded)
+    fold_constant_dequantize(folded)
     assert [n.op_type for n in folded.graph.node] == ["Identity"] * 3
     got = make_session(folded, optimize=False).run(None, {})
     for want, have in zip(expected, got):
