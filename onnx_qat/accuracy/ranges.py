@@ -118,6 +118,7 @@ class Confirmation:
         self.usable = runner is not None and data is not None and not getattr(data, "state", None) \
             and bool(prepared.scale_inputs)
         self.runs = 0
+        self._energy = None  # of the reference outputs, once `judged` needs it
         if not self.usable:
             return
         self.prepared, self.runner = prepared, runner
@@ -140,22 +141,30 @@ class Confirmation:
 
     def cosine(self, float_sites: Sequence[int], amax: Mapping[str, float]) -> float:
         """Output cosine with ``float_sites`` float and every other site quantized under ``amax``."""
-        return self.judged(float_sites, amax)[0]
+        from .gated import join_flat
+
+        batches = self._run(float_sites, amax)
+        return output_error(self.reference, {name: join_flat(v) for name, v in batches.items()}).cosine
 
     def judged(self, float_sites: Sequence[int], amax: Mapping[str, float]) -> Tuple[float, np.ndarray]:
         """`cosine`, and each calibration sample's output error (`onnx_qat.calibration.choice.sample_errors`:
         its squared error as a share of each output's energy, the terms the cosine sums)."""
-        from ..calibration.choice import sample_errors
+        from ..calibration.choice import output_energy, sample_errors
         from .gated import join_flat
 
+        batches = self._run(float_sites, amax)
+        if self._energy is None:
+            self._energy = output_energy(self.reference)
+        errors = sample_errors(self.reference, {o: batches[o] for o in self.reference}, self._energy)
+        joined = {name: join_flat(v) for name, v in batches.items()}
+        return output_error(self.reference, joined).cosine, errors
+
+    def _run(self, float_sites: Sequence[int], amax: Mapping[str, float]) -> Dict[str, list]:
+        """The outputs, batch by batch, with ``float_sites`` float and the other sites under ``amax``."""
         sites = self.prepared.sites
         on = set(range(len(sites))) - set(with_partners(sites, float_sites))
         self.runs += 1
-        batches = self._batches(on, self.prepared.scale_feeds(amax))
-        joined = {name: join_flat(v) for name, v in batches.items()}
-        energy = {o: max(float(np.dot(ref, ref)), 1e-30) for o, ref in self.reference.items()}
-        errors = sample_errors(self.reference, {o: batches[o] for o in self.reference}, energy)
-        return output_error(self.reference, joined).cosine, errors
+        return self._batches(on, self.prepared.scale_feeds(amax))
 
 
 @dataclass

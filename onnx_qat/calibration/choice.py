@@ -125,8 +125,7 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     del judge
     cosines: Dict[str, float] = {}
     errors: Dict[str, np.ndarray] = {}
-    energy = {o: max(float(np.dot(ref.astype(np.float64), ref.astype(np.float64))), 1e-30)
-              for o, ref in calibration.reference.items()}
+    energy = output_energy(calibration.reference)
     for name, amax in tables.items():
         scales = _scale_feeds(placement, amax, scale_inputs, precision)
         got: Dict[str, List[np.ndarray]] = {o: [] for o in outputs}
@@ -145,6 +144,13 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
                         "samples (paired errors within %g standard errors): keeping %s", name, cosines[name],
                         best, cosines[best], EVIDENCE, best)
     return best, cosines
+
+
+def output_energy(reference: Mapping[str, np.ndarray]) -> Dict[str, float]:
+    """``{output: its sum of squares}`` of the float outputs ``reference`` (in float64, at least 1e-30):
+    what `sample_errors` divides each output's squared errors by."""
+    return {o: max(float(np.dot(ref.astype(np.float64), ref.astype(np.float64))), 1e-30)
+            for o, ref in reference.items()}
 
 
 def sample_errors(reference: Mapping[str, np.ndarray], got: Mapping[str, List[np.ndarray]],
