@@ -247,21 +247,6 @@ def final_rows(hists, num_bins: int) -> "tuple[np.ndarray, np.ndarray]":
     are multiples of a power of two, so each position's bin is found exactly by a division): the same
     numbers as ``np.interp`` row by row, without a NumPy call per histogram.
     """
-    counts, widths = final_rows_nested(hists, num_bins, 1)[0]
-    return counts, widths
-
-
-def final_rows_nested(hists, num_bins: int, factor: int):
-    """`final_rows` onto ``num_bins`` and onto ``num_bins // factor`` bins (``factor`` a power of two
-    dividing ``num_bins``) from one interpolation: ``((counts, widths), (coarse counts, coarse
-    widths))``, each the same numbers bit for bit as its own `final_rows` call.
-
-    Every ``factor``-th edge of the fine bins is an edge of the coarse ones, computed to the same
-    float (``(factor * k) * (max / num_bins)`` is ``k * (max / (num_bins / factor))`` exactly: the
-    factor is a power of two), so the coarse cumulative counts are read from the fine ones.
-    """
-    if factor < 1 or factor & (factor - 1) or num_bins % factor:
-        raise ValueError(f"factor must be a power of two dividing {num_bins}, got {factor}")
     for hist in hists:
         hist._flush()
     rows, size = len(hists), hists[0].num_bins
@@ -276,14 +261,7 @@ def final_rows_nested(hists, num_bins: int, factor: int):
     cumulative[:, 1:] += np.array([hist._pending_zeros for hist in hists], dtype=np.float64)[:, None]
     steps = tops / size  # the running bins' width: a power of two
     at_edges = _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins)
-    fine = (np.diff(at_edges, axis=1), peaks / num_bins)
-    if factor == 1:
-        return fine, fine
-    if np.all(peaks / num_bins >= np.finfo(np.float64).tiny):
-        coarse_edges = at_edges[:, ::factor]
-    else:  # subnormal widths: the coarse edges may not round to fine ones
-        coarse_edges = _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins // factor)
-    return fine, (np.diff(coarse_edges, axis=1), peaks / (num_bins // factor))
+    return np.diff(at_edges, axis=1), peaks / num_bins
 
 
 def _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins: int) -> np.ndarray:

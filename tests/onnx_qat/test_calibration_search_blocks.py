@@ -9,7 +9,7 @@ import pytest
 
 from onnx_qat.calibration import auto as auto_module
 from onnx_qat.calibration.auto import AutoCollector, analyze
-from onnx_qat.calibration.collector import AbsHistogram, final_rows, final_rows_nested
+from onnx_qat.calibration.collector import AbsHistogram, final_rows
 from onnx_qat.calibration.entropy import kl_divergence_at, kl_rows, zero_bin_suppressed
 from onnx_qat.calibration.mse import edge_mse_rows, moment_prefixes
 
@@ -50,24 +50,14 @@ def _histograms(seed: int, scale: float, count: int = 24):
 
 
 @pytest.mark.parametrize("seed,scale", [(0, 1.0), (1, 1e-3), (2, 37.5), (3, 1e-30), (4, 1e12)])
-def test_nested_rebinning_is_two_rebinnings(seed, scale):
+def test_rebinning_many_histograms_is_each_ones_rebinning(seed, scale):
     hists = [h for h in _histograms(seed, scale) if h.max_seen > 0]
-    (fine, fine_widths), (coarse, coarse_widths) = final_rows_nested(hists, 8192, 4)
-    expected_fine, expected_fine_widths = final_rows(hists, 8192)
-    expected, expected_widths = final_rows(hists, 2048)
-    np.testing.assert_array_equal(fine, expected_fine)
-    np.testing.assert_array_equal(fine_widths, expected_fine_widths)
-    np.testing.assert_array_equal(coarse, expected)
-    np.testing.assert_array_equal(coarse_widths, expected_widths)
-    for row, hist in enumerate(hists):  # and each row is the histogram's own re-binning
-        counts, width = hist.final(2048)
-        np.testing.assert_array_equal(coarse[row], counts)
-        assert coarse_widths[row] == width
-
-
-def test_nested_rebinning_refuses_a_factor_that_is_not_a_power_of_two():
-    with pytest.raises(ValueError, match="power of two"):
-        final_rows_nested(_histograms(0, 1.0, 2), 8192, 3)
+    for bins in (8192, 2048):
+        counts, widths = final_rows(hists, bins)
+        for row, hist in enumerate(hists):
+            own, width = hist.final(bins)
+            np.testing.assert_array_equal(counts[row], own)
+            assert widths[row] == width
 
 
 def _kl_rows_straightforward(counts, thresholds, levels):
