@@ -74,6 +74,11 @@ class QuantizeResult:
             `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`) and, for INT8, rule CPU7's
             ``bias_correction`` (``convs``, ``nodes``, ``largest_shift``: the Convs whose bias absorbs
             the mean error of their rounded weight, `onnx_qat.insertion.ort_cpu_bias`). None otherwise.
+        scale_folds: ``target="tensorrt"``: one record per quantized Conv/ConvTranspose whose following
+            per-channel constant Mul/Add (an unfolded batch normalization) was folded into its weight and
+            bias before quantization (rule TRT1, `onnx_qat.graph.scale_folds.ScaleOpsFold.record`:
+            ``node``, ``folded`` node names, ``output``, ``channels``, ``reason``): why the result has
+            fewer nodes than the float model. Empty otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -91,6 +96,7 @@ class QuantizeResult:
     float_parts: Optional[object] = field(default=None, repr=False)
     latency: Optional[Mapping] = field(default=None, repr=False)
     ort_cpu: Optional[Mapping] = field(default=None, repr=False)
+    scale_folds: Tuple[dict, ...] = field(default=(), repr=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see [`onnx_qat.io.models.save_model`][])."""
@@ -125,6 +131,7 @@ class QuantizeResult:
             **({} if self.float_parts is None else {"float_parts": self.float_parts.to_dict()}),
             **({} if self.latency is None else {"latency": dict(self.latency)}),
             **({} if self.ort_cpu is None else {"ort_cpu": dict(self.ort_cpu)}),
+            **({"scale_folds": [dict(r) for r in self.scale_folds]} if self.scale_folds else {}),
         }
 
     def to_dict(self) -> dict:
@@ -139,13 +146,15 @@ class QuantizeResult:
                 f"skipped, "
                 + ("" if self.float_parts is None else f"float parts {self.float_parts.float_dtype} "
                    f"({len(self.float_parts.kept)} nodes kept FP32), ")
+                + (f"{len(self.scale_folds)} Conv scale fold{'' if len(self.scale_folds) == 1 else 's'}, "
+                   if self.scale_folds else "")
                 + f"output={self.output})")
 
 
 def rewrite_model(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                     calib_kw: Mapping, report=None, progress: bool = True,
                     placement: Optional[Placement] = None, latency=None,
-                    cpu_vnni=False) -> QuantizeResult:
+                    cpu_vnni=False, fold_scales: bool = True) -> QuantizeResult:
     """The rewrite behind [`onnx_qat.quantize`][onnx_qat.quantize.quantize]: quantize every site the placement
     marks.
 
@@ -160,22 +169,24 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     and the result is timed against FP32. ``cpu_vnni``: ``ort-cpu`` with calibrated ranges: True for
     8-bit GEMM weights, False for 7-bit, ``"auto"`` to follow this machine
     (`onnx_qat.placement.cpu_latency.resolve_cpu_vnni`); the choice and its reason are in
-    ``QuantizeResult.ort_cpu`` and a note.
+    ``QuantizeResult.ort_cpu`` and a note. ``fold_scales``: False keeps the graph's per-channel Mul/Add
+    after quantized convolutions where the target folds them (rule TRT1, `_fold_scales`): for a caller that
+    pairs the result node by node with its own float model (`onnx_qat.accuracy.prepared`'s gated model).
     """
     if data is None and latency is None:  # no onnxruntime, no workers: Python objects only
         with _io().cyclic_gc_paused():  # ~10^6 live objects, none of them cyclic garbage
             return _rewrite_model(model, output, scales=scales, data=data, method=method, config=config,
                                   calib_kw=calib_kw, report=report, progress=progress, placement=placement,
-                                  latency=latency, cpu_vnni=cpu_vnni)
+                                  latency=latency, cpu_vnni=cpu_vnni, fold_scales=fold_scales)
     return _rewrite_model(model, output, scales=scales, data=data, method=method, config=config,
                           calib_kw=calib_kw, report=report, progress=progress, placement=placement,
-                          latency=latency, cpu_vnni=cpu_vnni)
+                          latency=latency, cpu_vnni=cpu_vnni, fold_scales=fold_scales)
 
 
 def _rewrite_model(model, output=None, *, scales, data, method: str, config: QuantizeConfig,
                    calib_kw: Mapping, report=None, progress: bool = True,
                    placement: Optional[Placement] = None, latency=None,
-                   cpu_vnni=False) -> QuantizeResult:
+                   cpu_vnni=False, fold_scales: bool = True) -> QuantizeResult:
     """`rewrite_model`'s work (see there)."""
     target_obj = get_target(config.target)
     fmt = get_format(config.precision)
@@ -183,6 +194,10 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     out_path, _ = check_output_and_report(output, report, inputs=inputs)
     io = _io()
     float_model, index, placement = _load_and_place(model, placement, target_obj, config)
+    given = None if scales is None else _given_table(scales)  # before the folds: its weights are kept
+    folds: tuple = ()
+    if fold_scales and target_obj.fold_scale_ops:
+        float_model, index, placement, folds = _fold_scales(float_model, index, placement, given)
     from_scales = data is None  # no step below edits the float model then (AWQ and GPTQ need data)
     width = None  # ort-cpu with calibrated ranges: GEMM weights (depthwise excepted) in 8 or 7 bits
     if data is not None and not fmt.weight_only and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
@@ -222,8 +237,9 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
             gptq_records, clip_ranges = apply_gptq(float_model, placement, data, config.block_size,
                                                    progress=progress, batch_size=calib_kw.get("batch_size"))
             index = GraphIndex(float_model)
-        if scales is None:
-            scales = ScaleTable(weights=clip_ranges, producer=rounding if clip_ranges else "weights")
+        if given is None:
+            given = ("ScaleTable", ScaleTable(weights=clip_ranges,
+                                              producer=rounding if clip_ranges else "weights"))
         data = None
     adapter = make_adapter(target_obj)
     if adapter is not None and data is not None and "tensors" not in calib_kw:
@@ -231,11 +247,11 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
         if every_site is not None:  # the all-integer alternative is built and timed too
             wanted += every_site.activation_tensors() + adapter.calibration_tensors(index, every_site)
         calib_kw = {**calib_kw, "tensors": tuple(dict.fromkeys(wanted))}
-    table, placement = _ranges(float_model, index, placement, scales, data, method, config, calib_kw,
-                               progress)
+    table, placement = _ranges(float_model, index, placement, given, data, method, config, calib_kw,
+                               progress, removed=frozenset(t for f in folds for t in f.removed))
     if fmt.attention:
         if config.include_attention:  # a range the caller's own ScaleTable gives is kept
-            keep = table.activations if scales is not None else ()
+            keep = table.activations if given is not None else ()
             table = softmax_ranges(index, placement, table, keep=keep)
     if config.fp8_method == "gptq":  # after calibration: activation ranges are the float model's
         from .formats.gptq import apply_gptq_fp8
@@ -362,6 +378,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     result = QuantizeResult(qdq_model, table, placement, target_obj.name, out_path, MappingProxyType(summary),
                             tuple(inserted.activations + inserted.weights), tuple(requantization),
                             fmt.name, tuple(awq_records), gptq=tuple(gptq_records), latency=latency_report,
+                            scale_folds=tuple(f.record() for f in folds),
                             ort_cpu=None if width is None else MappingProxyType(
                                 {**width, **({} if guard_record is None else {
                                     "bias_correction": _bias_report(corrected, placement, guard_record)})}))
@@ -546,24 +563,24 @@ def nothing_to_quantize(placement: Placement, what: str = "the model", precision
             "exclude_nodes, exclude_op_types, min_channels)")
 
 
-def _ranges(model, index, placement, scales, data, method, config, calib_kw,
-            progress) -> Tuple[ScaleTable, Placement]:
-    """``(ScaleTable, placement)``: the table loaded/validated, or calibrated on ``data``; when
-    calibrated, the If branches no batch took are dropped from the placement (left float, with a note).
+def _ranges(model, index, placement, given, data, method, config, calib_kw,
+            progress, removed=frozenset()) -> Tuple[ScaleTable, Placement]:
+    """``(ScaleTable, placement)``: the given table (``given``: `_given_table`'s ``(source, table)``)
+    validated, or calibrated on ``data``; when calibrated, the If branches no batch took are dropped from
+    the placement (left float, with a note).
 
-    Problems with a ScaleTable given as a file name that file in the message.
+    ``removed``: tensors of the loaded model that rule TRT1's folds removed (`_fold_scales`): a given
+    range may name them (the model the user has holds them); such ranges are dropped, as the placement
+    never quantizes those tensors. Problems with a ScaleTable given as a file name that file in the
+    message.
     """
-    if scales is None:
+    if given is None:
         table, placement = _calibrated(model, placement, data, method, config, calib_kw, progress)
         return _check_complete(table, placement, "calibrated ScaleTable"), placement
+    source, table = given
     with _io().cyclic_gc_paused():  # a table of 10^4-10^5 ranges; the index and placement stay alive
-        if isinstance(scales, ScaleTable):
-            source, table = "ScaleTable", scales
-        elif isinstance(scales, Mapping):  # {activation tensor: amax}
-            source, table = "ScaleTable", ScaleTable(scales, producer="mapping")
-        else:
-            source, table = _load_scales_file(scales)
         names, shapes = list(index.all_tensor_names()), index.constant_shapes()
+        names.extend(removed)
         for sub_index, _ in nested_indexes(index, placement):  # If branches placement quantizes
             names.extend(sub_index.all_tensor_names())
             shapes.update(sub_index.constant_shapes())
@@ -576,7 +593,53 @@ def _ranges(model, index, placement, scales, data, method, config, calib_kw,
             if source == "ScaleTable":
                 raise
             raise ScalesError(f"{source}: {exc}") from None
+        folded = [t for t in table.activations if t in removed]
+        if folded:
+            logger.info("%d given range(s) name tensors the Conv scale folds removed (rule TRT1), e.g. %r: "
+                        "not used", len(folded), folded[0])
+            table = table.subset([t for t in table.activations if t not in removed])
     return _check_complete(table, placement, source), placement
+
+
+def _given_table(scales) -> Tuple[str, ScaleTable]:
+    """``(source label, table)`` of the ``scales`` argument: a ScaleTable, a mapping of activation ranges,
+    a ScaleTable JSON file or a TensorRT calibration cache (loaded and validated here, once)."""
+    if isinstance(scales, ScaleTable):
+        return "ScaleTable", scales
+    if isinstance(scales, Mapping):  # {activation tensor: amax}
+        return "ScaleTable", ScaleTable(scales, producer="mapping")
+    return _load_scales_file(scales)
+
+
+def _fold_scales(model, index: GraphIndex, placement: Placement, given):
+    """Rule TRT1 on the loaded model (a private copy): the per-channel constant Mul/Add after each
+    convolution whose weight ``placement`` quantizes, folded into its weight and bias
+    (`onnx_qat.graph.scale_folds`), except where ``given`` (`_given_table`) holds a range for the weight
+    (trained ranges, e.g. a Keras QAT model's: they describe the weight as it is, and the Keras model
+    computes ``conv(x, q(w)) * k``, which the graph then keeps). The placement stays valid: its marks never
+    name a tensor a fold removes (no fold crosses a quantized tensor), and the removed nodes' decisions
+    go, with a note. ``(model, index, placement, folds)``; the index is rebuilt when something folded."""
+    from .graph.scale_folds import find_scale_folds, fold_scale_ops
+
+    convs = [w.node for w in placement.weights if w.input_index == 1]
+    if not convs:
+        return model, index, placement, ()
+    keep = () if given is None else frozenset(given[1].weights)
+    folds = find_scale_folds(index, convs, marked={m.tensor for m in placement.activations},
+                             keep_weights=keep)
+    if not folds:
+        return model, index, placement, ()
+    with _io().cyclic_gc_paused():
+        gone = set(fold_scale_ops(model, index, folds))
+        index = GraphIndex(model)
+    ops = sum(len(f.ops) for f in folds)
+    note = (f"{ops} per-channel Mul/Add node(s) after {len(folds)} quantized convolution(s) folded into "
+            "their weights and biases before quantization (rule TRT1: TensorRT fuses them into the "
+            "convolution; see scale_folds in the report)")
+    logger.info("%s", note)
+    placement = replace(placement, decisions=tuple(d for d in placement.decisions if d.node not in gone),
+                        notes=placement.notes + (note,))
+    return model, index, placement, folds
 
 
 def _load_scales_file(path) -> tuple:

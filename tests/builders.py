@@ -931,3 +931,20 @@ def quantize_tensorrt_float32_weights(model, **kw):
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(targets._TARGETS, "tensorrt", plain)
         return onnx_qat.quantize(model, target="tensorrt", **kw)
+
+
+def quantize_tensorrt_without_folds(model, **kw):
+    """``onnx_qat.quantize(model, target="tensorrt", **kw)`` with the graph's per-channel Mul/Add after
+    quantized convolutions kept (the tensorrt target folds them, rule TRT1,
+    `onnx_qat.graph.scale_folds`): the form before that rule, for tests that compare the two."""
+    import dataclasses
+
+    import pytest
+
+    import onnx_qat
+    from onnx_qat.insertion import targets
+
+    plain = dataclasses.replace(targets.TENSORRT, fold_scale_ops=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(targets._TARGETS, "tensorrt", plain)
+        return onnx_qat.quantize(model, target="tensorrt", **kw)

@@ -203,7 +203,7 @@ def prepare(model, data, *, scales=None, method: str = "max", eval_data=None, co
                               **dict(calibration_options or {}))
     qdq = rewrite_model(base if int4 is None else int4.model(), scales=table, data=None, method="max",
                           config=insertion_config(config), calib_kw={}, placement=placement,
-                          progress=False).model
+                          progress=False, fold_scales=False).model  # paired node by node with `base`
     gated = gate_model(qdq, base, sites)
     del qdq
     lifted = lift_scales(gated, placement.activation_tensors()) if options else {}

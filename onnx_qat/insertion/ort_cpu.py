@@ -93,6 +93,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..graph.index import GraphIndex
+from ..graph.scale_folds import channel_vector, single_consumer, usable_factors
 from ..placement.marks import ActivationMark, Placement
 from ..scales import ScaleTable
 
@@ -120,8 +121,6 @@ SIGMOID_AMAX = 1.0
 JOIN_RULE = "CPU6"
 #: The placement rules of residual joins' skip inputs (rule 6, and rule 6b for Sum).
 _JOIN_RULES = ("R6", "R6b")
-#: Largest and smallest non-zero ``|k|`` a fold accepts (the weight scale is multiplied by it).
-_FOLD_K_RANGE = (1e-20, 1e20)
 _FLOAT = 1  # onnx.TensorProto.FLOAT (onnx is not imported at module level)
 
 
@@ -728,7 +727,7 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
         return None
     # The output feeding a single Mul is checked first: most Convs have none, and then no weight
     # or bias TensorProto is read.
-    step = _single_consumer(node.outputs[0], "Mul", index, marked)
+    step = single_consumer(node.outputs[0], ("Mul",), index, marked)
     if step is None:
         return None
     weight = node.inputs[1]
@@ -739,13 +738,13 @@ def _scale_fold(node, index: GraphIndex, weights, marked) -> Optional[ScaleFold]
     bias = node.inputs[2] if len(node.inputs) > 2 else ""
     if bias and not _own_bias(node, bias, index, weights, channels):
         return None
-    k = _channel_vector(step[0], step[1], index, channels, rank)
-    if k is None or not _usable_factors(k):
+    k = channel_vector(step[0], step[1], index, channels, rank)
+    if k is None or not usable_factors(k):
         return None
     mul = step[0]
     tail, add, b = mul, None, np.zeros(channels, np.float32)
-    step = _single_consumer(mul.outputs[0], "Add", index, marked)
-    found = None if step is None else _channel_vector(step[0], step[1], index, channels, rank)
+    step = single_consumer(mul.outputs[0], ("Add",), index, marked)
+    found = None if step is None else channel_vector(step[0], step[1], index, channels, rank)
     if found is not None:
         tail, add, b = step[0], step[0].name, found
     return ScaleFold(node.name, weight, bias, mul.name, add, tail.outputs[0], k, b)
@@ -762,49 +761,6 @@ def _own_bias(node, bias: str, index: GraphIndex, weights, channels: int) -> boo
         proto = index.constant_proto(bias)
     return (proto is not None and proto.data_type == _FLOAT and tuple(proto.dims) == (channels,)
             and (node.name, 2) not in weights)
-
-
-def _single_consumer(tensor: str, op_type: str, index: GraphIndex, marked):
-    """``(node, position)`` of the only consumer of ``tensor`` when it is a standard two-input
-    ``op_type`` and ``tensor`` is neither quantized nor a graph output; else None."""
-    consumers = index.consumers(tensor)
-    if not tensor or tensor in marked or tensor in index.graph_outputs or len(consumers) != 1:
-        return None
-    node, position = consumers[0]
-    if node.op_type != op_type or not node.standard or len(node.inputs) != 2 or len(node.outputs) != 1 \
-            or node.inputs[0] == node.inputs[1]:
-        return None
-    return node, position
-
-
-def _channel_vector(node, position: int, index: GraphIndex, channels: int, rank: int) -> Optional[np.ndarray]:
-    """The other input of ``node`` as a float32 vector of length ``channels``, when it is a finite
-    float32 initializer or Constant output that broadcasts against a rank-``rank`` NCHW... tensor along
-    the channel axis only (scalar, ``[1, C, 1, 1]``, ``[C, 1, 1]``...); else None. ONNX broadcasting
-    aligns shapes on the right, so a ``[C]`` vector runs along the last axis and does not fit."""
-    other = node.inputs[1 - position]
-    producer = index.producer.get(other)
-    if other not in index.initializers and (producer is None or producer.op_type != "Constant"):
-        return None
-    proto = index.constant_proto(other)
-    if proto is None or proto.data_type != _FLOAT or len(proto.dims) > rank:
-        return None
-    padded = (1,) * (rank - len(proto.dims)) + tuple(int(d) for d in proto.dims)
-    if any(d != 1 for axis, d in enumerate(padded) if axis != 1) or padded[1] not in (1, channels):
-        return None
-    from onnx import numpy_helper
-
-    values = numpy_helper.to_array(proto).astype(np.float32).reshape(-1)
-    if not np.all(np.isfinite(values)):
-        return None
-    return np.ascontiguousarray(np.broadcast_to(values, (channels,)))
-
-
-def _usable_factors(k: np.ndarray) -> bool:
-    """True when every non-zero ``|k|`` is within `_FOLD_K_RANGE` (the weight scale is multiplied
-    by it and must stay a positive finite float32)."""
-    magnitude = np.abs(k[k != 0]).astype(np.float64)
-    return bool(np.all((magnitude >= _FOLD_K_RANGE[0]) & (magnitude <= _FOLD_K_RANGE[1])))
 
 
 def fold_scale_ops(edit, folds) -> Tuple[str, ...]:

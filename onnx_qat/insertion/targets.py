@@ -6,7 +6,8 @@ inserted nodes look (integer types, zero points, clamping ranges). Two forms:
 * ``"tensorrt"``: TensorRT explicit quantization, symmetric int8 everywhere (zero
   point 0, scale = amax / 127; activations clamp to [-128, 127], weights are stored in
   [-127, 127]); the scales of weights quantized from their own values are FP16 values
-  (``weight_scale_grid``), as calibration's activation scales are.
+  (``weight_scale_grid``), as calibration's activation scales are; a per-channel constant Mul/Add
+  after a quantized convolution is folded into its weight and bias first (``fold_scale_ops``).
 * ``"ort-cpu"``: the same placement and scales for onnxruntime's CPU execution provider:
   activations uint8 with zero point 128 (bit-identical values, faster x86 kernels), or 0 where
   they are non-negative, and requantization points on quantized Conv outputs so onnxruntime
@@ -57,6 +58,10 @@ class Target:
             FP16 values, each the FP16 neighbour of ``amax / qmax`` that reconstructs its channel (or
             block) best, the weight quantized with it (`onnx_qat.formats.scale_grid.fp16_weight_scales`),
             so FP16 float parts store them unchanged; None: ``amax / qmax`` as float32.
+        fold_scale_ops: True: a per-channel constant Mul/Add after a quantized Conv/ConvTranspose (an
+            unfolded batch normalization) is folded into its float weight and bias before ranges and
+            quantization (rule TRT1, `onnx_qat.graph.scale_folds`), as TensorRT fuses it at build time;
+            False: the graph keeps them (the ``ort-cpu`` form folds its own way after insertion).
     """
 
     name: str
@@ -66,6 +71,7 @@ class Target:
     policy: str = "tensorrt"
     adapter: Optional[str] = None
     weight_scale_grid: Optional[str] = None
+    fold_scale_ops: bool = False
 
     def to_dict(self) -> dict:
         """JSON-ready description (used in reports). The weights' type and range are the numeric
@@ -91,6 +97,7 @@ TENSORRT = Target(
     activation_zero_point=0,
     policy="tensorrt",
     weight_scale_grid="fp16",
+    fold_scale_ops=True,
 )
 
 
