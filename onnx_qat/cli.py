@@ -681,6 +681,9 @@ def _quantize_and_check(args, data, calib: dict, mixed: dict, layout: dict, late
     if result.accuracy is not None:
         _say(args, _optimize_summary(result.accuracy) if "steps" in result.accuracy
              else _mixed_summary(result.accuracy))
+    folds = getattr(result, "scale_folds", ())
+    if folds:
+        _say(args, _scale_folds_summary(folds))
     if result.float_parts is not None:
         _say(args, _float_parts_summary(result.float_parts))
     ort_cpu = getattr(result, "ort_cpu", None)
@@ -772,6 +775,15 @@ def _quantize_summary(args, result) -> str:
             f"{_count(s.get('skipped_nodes'), 'node')} skipped | "
             f"{s.get('quantize_linear', '?')} QuantizeLinear, "
             f"{s.get('dequantize_linear', '?')} DequantizeLinear" + (f" | {method}" if method else ""))
+
+
+def _scale_folds_summary(folds) -> str:
+    """One line for the tensorrt form's rule TRT1: how many per-channel Mul/Add nodes went into how many
+    convolutions (each named in the report's ``scale_folds``)."""
+    ops = sum(len(f["folded"]) for f in folds)
+    return (f"folded {_count(ops, 'per-channel Mul/Add node')} into the weights and biases of "
+            f"{_count(len(folds), 'convolution')} before quantization (rule TRT1, as TensorRT fuses them; "
+            "listed under scale_folds in --report)")
 
 
 def _count(n, noun: str) -> str:

@@ -318,3 +318,24 @@ def test_fold_keeps_helper_names_unique():
     model.graph.node.append(helper.make_node("Identity", ["c2_folded_bias"], ["unused"], name="keep"))
     folded = _folded_float(model, convs=("c2",))
     assert next(n for n in folded.graph.node if n.name == "c2").input[2] == "c2_folded_bias_1"
+
+
+def test_command_line_says_what_was_folded(tmp_path, capsys):
+    """``onnx-qat quantize`` prints one line for the folds, and ``--report`` lists each of them."""
+    import json
+
+    from onnx_qat.cli import main
+
+    model = bn_chain_net()
+    path, data, out, report = (tmp_path / "bn.onnx", tmp_path / "calib.npz", tmp_path / "q.onnx",
+                               tmp_path / "report.json")
+    onnx.save(model, str(path))
+    np.savez(data, **_feeds(model, 1, num=1))
+    assert main(["quantize", str(path), "-o", str(out), "--data", str(data), "--method", "max",
+                 "--report", str(report)]) == 0
+    printed = capsys.readouterr().out
+    assert "folded 6 per-channel Mul/Add nodes into the weights and biases of 4 convolutions" in printed
+    assert "| 0 errors, 0 warnings |" in printed and "check: PASSED" in printed, printed
+    folds = json.loads(report.read_text())["scale_folds"]
+    assert [f["node"] for f in folds] == ["c1", "c2", "ct", "c3"]
+    assert not SCALE_OPS & {n.name for n in onnx.load(str(out)).graph.node}
