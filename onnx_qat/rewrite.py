@@ -197,7 +197,8 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     given = None if scales is None else _given_table(scales)  # before the folds: its weights are kept
     folds: tuple = ()
     if fold_scales and target_obj.fold_scale_ops:
-        float_model, index, placement, folds = _fold_scales(float_model, index, placement, given)
+        float_model, index, placement, folds = _fold_scales(float_model, index, placement, given, target_obj,
+                                                            config)
     from_scales = data is None  # no step below edits the float model then (AWQ and GPTQ need data)
     width = None  # ort-cpu with calibrated ranges: GEMM weights (depthwise excepted) in 8 or 7 bits
     if data is not None and not fmt.weight_only and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
@@ -601,6 +602,36 @@ def _ranges(model, index, placement, given, data, method, config, calib_kw,
     return _check_complete(table, placement, source), placement
 
 
+def _fp16_fit(folds, index: GraphIndex, placement: Placement, target_obj: Target, config: QuantizeConfig):
+    """``(folds, unfit)``: for a target whose weight scales are FP16 values (``weight_scale_grid``), the
+    folds whose folded weight would have scales FP16 cannot hold within its precision where the weight
+    as it is has scales it can (`onnx_qat.formats.float_parts.scale_fits`, the FP16 conversion's own
+    criterion) are left out (``unfit``): a tiny factor (a batch normalization over large activations,
+    e.g. the first Conv of an untrained Keras ResNet50 fed 0..255) would push every scale of the
+    weight below 2^-14, and the FP16 float parts would keep that convolution FP32."""
+    if target_obj.weight_scale_grid != "fp16" or not folds:
+        return folds, ()
+    from .formats.float_parts import get_low_type, scale_fits
+    from .graph.scale_folds import scaled_weight
+
+    low, qmax = get_low_type("fp16"), get_format(config.precision).qmax
+    axes = {w.node: w.axis for w in placement.weights if w.input_index == 1}
+
+    def fits(values, axis) -> bool:
+        values = np.abs(np.asarray(values, np.float32))
+        amax = values.max() if axis is None else \
+            np.moveaxis(values, axis, 0).reshape(values.shape[axis], -1).max(1)
+        return scale_fits(np.atleast_1d(amax / np.float32(qmax)).astype(np.float32), low)
+
+    kept, unfit = [], []
+    for fold in folds:
+        axis = axes.get(fold.node)
+        before = _io().tensor_array(index.constant_proto(fold.weight))
+        unfit_here = fits(before, axis) and not fits(scaled_weight(index, fold), axis)
+        (unfit if unfit_here else kept).append(fold)
+    return tuple(kept), tuple(unfit)
+
+
 def _given_table(scales) -> Tuple[str, ScaleTable]:
     """``(source label, table)`` of the ``scales`` argument: a ScaleTable, a mapping of activation ranges,
     a ScaleTable JSON file or a TensorRT calibration cache (loaded and validated here, once)."""
@@ -611,7 +642,8 @@ def _given_table(scales) -> Tuple[str, ScaleTable]:
     return _load_scales_file(scales)
 
 
-def _fold_scales(model, index: GraphIndex, placement: Placement, given):
+def _fold_scales(model, index: GraphIndex, placement: Placement, given, target_obj: Target,
+                 config: QuantizeConfig):
     """Rule TRT1 on the loaded model (a private copy): the per-channel constant Mul/Add after each
     convolution whose weight ``placement`` quantizes, folded into its weight and bias
     (`onnx_qat.graph.scale_folds`), except where ``given`` (`_given_table`) holds a range for the weight
@@ -627,6 +659,13 @@ def _fold_scales(model, index: GraphIndex, placement: Placement, given):
     keep = () if given is None else frozenset(given[1].weights)
     folds = find_scale_folds(index, convs, marked={m.tensor for m in placement.activations},
                              keep_weights=keep)
+    folds, unfit = _fp16_fit(folds, index, placement, target_obj, config)
+    if unfit:
+        note = (f"{len(unfit)} convolution(s) keep their per-channel Mul/Add (e.g. {unfit[0].node!r}): "
+                "folded, their weight scales would lie below FP16's precision, which the FP16 float parts "
+                "could not store (rule TRT1)")
+        logger.info("%s", note)
+        placement = replace(placement, notes=placement.notes + (note,))
     if not folds:
         return model, index, placement, ()
     with _io().cyclic_gc_paused():

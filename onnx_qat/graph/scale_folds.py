@@ -252,7 +252,7 @@ def fold_scale_ops(model: onnx.ModelProto, index: GraphIndex,
     released: List[str] = []  # biases a folded convolution no longer reads
     for fold in folds:
         conv = index.by_name[fold.node]
-        _store(graph, index, fold.weight, _scaled_weight(conv, index, fold.k))
+        _store(graph, index, fold.weight, scaled_weight(index, fold))
         old = _fold_bias(graph, index, conv, fold, names)
         if old:
             released.append(old)
@@ -271,12 +271,14 @@ def fold_scale_ops(model: onnx.ModelProto, index: GraphIndex,
     return tuple(op for f in folds for op in f.ops) + constants
 
 
-def _scaled_weight(conv: NodeInfo, index: GraphIndex, k: np.ndarray) -> np.ndarray:
-    """The convolution's weight with output channel ``c`` multiplied by ``k[c]`` (float64, stored float32)."""
+def scaled_weight(index: GraphIndex, fold: ScaleOpsFold) -> np.ndarray:
+    """The weight of ``fold``'s convolution with output channel ``c`` multiplied by ``k[c]`` (computed in
+    float64, returned as float32): the values the fold stores."""
     from ..io.models import tensor_array
 
+    conv = index.by_name[fold.node]
     weight = np.asarray(tensor_array(index.constant_proto(conv.inputs[1])), np.float64)
-    factors = k.astype(np.float64)
+    factors = fold.k.astype(np.float64)
     if conv.op_type == "Conv":
         scaled = weight * factors.reshape((-1,) + (1,) * (weight.ndim - 1))
     else:  # ConvTranspose [C_in, C_out / group, ...]: the rows of group g hold output channels g * C_out/g...
@@ -373,5 +375,6 @@ def _drop_unread(graph: onnx.GraphProto, index: GraphIndex, gone_nodes: set, can
     return tuple(constants)
 
 
-__all__ = ["ScaleOpsFold", "find_scale_folds", "fold_scale_ops", "single_consumer", "channel_vector",
-           "usable_factors", "FOLD_RULE", "FOLD_OPS", "CHAIN_OPS", "FOLD_K_RANGE", "MAX_CHAIN"]
+__all__ = ["ScaleOpsFold", "find_scale_folds", "fold_scale_ops", "scaled_weight", "single_consumer",
+           "channel_vector", "usable_factors", "FOLD_RULE", "FOLD_OPS", "CHAIN_OPS", "FOLD_K_RANGE",
+           "MAX_CHAIN"]

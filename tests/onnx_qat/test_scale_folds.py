@@ -339,3 +339,21 @@ def test_command_line_says_what_was_folded(tmp_path, capsys):
     folds = json.loads(report.read_text())["scale_folds"]
     assert [f["node"] for f in folds] == ["c1", "c2", "ct", "c3"]
     assert not SCALE_OPS & {n.name for n in onnx.load(str(out)).graph.node}
+
+
+def test_no_fold_that_would_put_the_weight_scales_below_fp16():
+    """A factor of 1e-6 (a batch normalization over huge activations: the first Conv of an untrained Keras
+    ResNet50 fed 0..255) would make every weight scale of c1 about 1e-8, below FP16's precision, so FP16
+    float parts would keep c1 FP32: that fold is left out, with a note; the others fold; FP16 parts keep
+    nothing FP32."""
+    model = bn_chain_net()
+    k1 = next(i for i in model.graph.initializer if i.name == "k1")
+    k1.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(k1) * np.float32(1e-6), "k1"))
+    feeds = _feeds(model, 1)
+    result = onnx_qat.quantize(model, data=feeds, progress=False)
+    assert sorted(r["node"] for r in result.scale_folds) == ["c2", "c3", "ct"]
+    assert any("keep their per-channel Mul/Add (e.g. 'c1')" in n for n in result.placement.notes)
+    assert {"mul1", "add1"} <= {n.name for n in result.model.graph.node}
+    fp16 = onnx_qat.quantize(model, data=feeds, progress=False, float_dtype="fp16")
+    assert not [k for k in fp16.float_parts.kept if k.node == "c1"]
+    B.assert_check_clean(fp16.model)
