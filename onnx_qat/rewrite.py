@@ -171,7 +171,8 @@ def rewrite_model(model, output=None, *, scales, data, method: str, config: Quan
     (`onnx_qat.placement.cpu_latency.resolve_cpu_vnni`); the choice and its reason are in
     ``QuantizeResult.ort_cpu`` and a note. ``fold_scales``: False keeps the graph's per-channel Mul/Add
     after quantized convolutions where the target folds them (rule TRT1, `_fold_scales`): for a caller that
-    pairs the result node by node with its own float model (`onnx_qat.accuracy.prepared`'s gated model).
+    pairs the result node by node with its own float model (`onnx_qat.accuracy.prepared`'s gated model) or
+    fits weights against that model's Conv outputs (`onnx_qat.accuracy.optimize`).
     """
     if data is None and latency is None:  # no onnxruntime, no workers: Python objects only
         with _io().cyclic_gc_paused():  # ~10^6 live objects, none of them cyclic garbage

@@ -27,7 +27,9 @@ with TensorFlow in a child process once, into the workdir; inputs 0..255).
 
 ``--eval-large`` measures on more evaluation inputs where more can be made: 256 text lines for the
 PP-OCR angle classifier (random phrases of the evaluation vocabulary, both angles, seeded;
-``--angle-lines`` sets the count) instead of its 16, the PP-OCR detector's 8 evaluation inputs
+``--angle-lines`` sets the count) instead of its 16, the PP-OCRv4 recognizer's 16 evaluation lines and
+128 more random phrases of its evaluation vocabulary (``--recognizer-lines``), the PP-OCR detector's 8
+evaluation inputs
 and 32 more rendered pages of 6 random phrases each (``--detector-pages``), the document
 orientation classifier's 16 and 64 more rendered pages of 4 random phrases each, turned by 0, 90,
 180 and 270 degrees in turn (``--orientation-pages``), and 64 images instead of 8 for the Keras
@@ -87,6 +89,25 @@ def _angle_lines(count: int = 256, seed: int = 0) -> Dict[str, np.ndarray]:
             texts.append(text)
     images = [real_models._text_image(t, 48, 192, angle=180 * (i % 2)) for i, t in enumerate(texts)]
     return {"x": real_models._normalise(images, (0.5,) * 3, (0.5,) * 3)}
+
+
+def _recognizer_lines(count: int = 128, seed: int = 0) -> Dict[str, np.ndarray]:
+    """The PP-OCRv4 recognizer's 16 evaluation lines and ``count`` more: random phrases of 2-6 words of
+    the evaluation vocabulary (seeded, none a calibration line), rendered and normalized as its inputs."""
+    import random
+
+    from tools import real_models
+
+    rng = random.Random(seed)
+    vocab = " ".join(real_models.EVAL_WORDS).split()
+    texts = []
+    while len(texts) < count:
+        text = " ".join(rng.choice(vocab) for _ in range(rng.randint(2, 6)))
+        if text not in real_models.CALIB_WORDS:
+            texts.append(text)
+    images = [real_models._text_image(t, 48, 320) for t in texts]
+    more = real_models._normalise(images, (0.5,) * 3, (0.5,) * 3)
+    return {"x": np.concatenate([real_models.inputs("ocr-rec", "eval")["x"], more])}
 
 
 def _detector_pages(count: int = 32, seed: int = 0) -> Dict[str, np.ndarray]:
@@ -337,6 +358,8 @@ def main(argv=None) -> int:
                         help="more evaluation inputs where they can be made (angle classifier, Keras models)")
     parser.add_argument("--angle-lines", type=int, default=256,
                         help="with --eval-large: text lines for the angle classifier (default 256)")
+    parser.add_argument("--recognizer-lines", type=int, default=128,
+                        help="with --eval-large: text lines added to the recognizer's 16 (default 128)")
     parser.add_argument("--detector-pages", type=int, default=32,
                         help="with --eval-large: pages added to the detector's 8 inputs (default 32)")
     parser.add_argument("--orientation-pages", type=int, default=64,
@@ -368,6 +391,8 @@ def main(argv=None) -> int:
                 calib, evaluation = real_models.inputs(name, "calib"), real_models.inputs(name, "eval")
                 if args.eval_large and name == "ocr-cls":
                     evaluation = _angle_lines(args.angle_lines)
+                elif args.eval_large and name == "ocr-rec":
+                    evaluation = _recognizer_lines(args.recognizer_lines)
                 elif args.eval_large and name == "ocr-det":
                     evaluation = _detector_pages(args.detector_pages)
                 elif args.eval_large and name == "orientation":

@@ -209,8 +209,9 @@ class _Judge:
         from ..runtime.sessions import run_model
         from .prepared import output_error
 
+        # the recipe's steps fit weights against the float model's own Conv outputs: its graph unfolded
         result = rewrite_model(float_model, scales=table, data=None, method="max", config=self.config,
-                                 calib_kw={}, progress=False)
+                                 calib_kw={}, progress=False, fold_scales=False)
         got = run_model(result.model, self.feeds, batch_size=self.batch_size)
         cosine = output_error(self.reference, {k: got[k].ravel() for k in self.reference}).cosine
         return _Measured(cosine, result)
