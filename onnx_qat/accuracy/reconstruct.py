@@ -24,12 +24,21 @@ round to nearest gave 0.9916 (``λ`` = 1) and 0.9906 (0.1) for 2.7 times the CPU
 op on the inputs of a Q/DQ model whose earlier ops were not yet fitted (all ops at once)
 over-corrects: cosine 0.55.
 
+An op with fewer sampled rows than `MIN_ROWS` times its reduction size (a classifier's head: one row
+per sample) keeps round to nearest, but its bias still takes the mean output shift, which few rows
+estimate well: the empirical bias correction of Nagel et al. ("Data-Free Quantization Through Weight
+Equalization and Bias Correction", ICCV 2019, section 4.2), computed on the Q/DQ model's own input,
+so the error of every op before it is corrected too (method ``bias``). With ``weights=False`` every
+op is treated so (no weight is fitted): `onnx_qat.accuracy.optimize`'s ``bias`` step, where the
+weight fits do not pay.
+
 The Q/DQ model is run once, in pieces: the node list is cut before each op, and each piece runs on
 the tensors the pieces before it left (so every op's input is computed after the ops before it were
 reconstructed, at the cost of one run of the model in all). An op keeps round to nearest (and its
 bias) when its layout is not handled (as in `onnx_qat.accuracy.rounding`), when the reconstruction
 does not lower its output error on the calibration rows, or when it has fewer sampled rows than
-`MIN_ROWS` times its reduction size (the fit would then fit the rows). Each op gets a record. A
+`MIN_ROWS` times its reduction size (the fit would then fit the rows; its bias is corrected, above).
+Each op gets a record. A
 Q/DQ graph that is not topologically sorted or holds subgraphs is left alone (one record says why).
 """
 from __future__ import annotations
@@ -156,15 +165,18 @@ def read_zero(qindex, tensor: str) -> bool:
 
 def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, placement, data, *,
                 batch_size: int = 16, ridge: float = RIDGE, seed: int = 0,
-                only=None) -> Tuple[Tuple[dict, ...], dict]:
+                only=None, weights: bool = True) -> Tuple[Tuple[dict, ...], dict]:
     """Reconstruct the INT8 weighted ops of ``qdq`` (built from ``float_model``, a private copy edited in
     place; same node names) on the first `MAX_SAMPLES` samples of ``data``.
 
-    Returns ``(records, ranges)``: one record per op (``node``, ``rows``, ``method`` ``reconstructed``
-    or ``rtn``, the relative output errors on the sampled rows ``rtn_error`` and ``error``, ``reason``
-    when round to nearest is kept) and ``{weight: WeightRange}`` of the weights changed (the per-channel
-    ranges that give the Q/DQ model's scales back), for the ScaleTable, so the inserter stores exactly
-    the integers chosen. ``only``: node names to reconstruct (default: every quantized weighted op).
+    Returns ``(records, ranges)``: one record per op (``node``, ``rows``, ``method`` ``reconstructed``,
+    ``bias`` (integers rounded to nearest, bias corrected: `changed` counts both) or ``rtn``, the
+    relative output errors on the sampled rows ``rtn_error`` and ``error``, ``reason`` when the
+    weights keep round to nearest) and ``{weight: WeightRange}`` of the weights changed (the
+    per-channel ranges that give the Q/DQ model's scales back), for the ScaleTable, so the inserter
+    stores exactly the integers chosen. ``only``: node names to reconstruct (default: every quantized
+    weighted op). ``weights=False``: no weight is fitted; every op with a bias gets its bias corrected
+    (``ranges`` is then empty: the edited biases are in ``float_model``).
     """
     from ..io.data import load_data
     from ..graph.index import GraphIndex
@@ -199,6 +211,9 @@ def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, placement, d
             records.append({"node": mark.node, "method": "rtn", "reason": why})
             continue
         bias = _bias_of(findex, fnode)
+        if not weights and bias is None:
+            records.append({"node": mark.node, "method": "rtn", "reason": "no bias to correct"})
+            continue
         ops.append(_Op(qnode, qnode.position, found[0], found[1], found[2], fnode.inputs[0],
                        None if bias is None else bias[0]))
         weight_of[mark.node] = mark.tensor
@@ -242,10 +257,15 @@ def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, placement, d
         records.append(record)
         pick = op.picks(xq.shape, weight.shape, rng)
         result = _fit(op, weight, None if op.bias is None else read_constant(findex, op.bias),
-                      op.rows(xq, weight.shape, pick), op.rows(xf, weight.shape, pick), ridge, record)
+                      op.rows(xq, weight.shape, pick), op.rows(xf, weight.shape, pick), ridge, record,
+                      weights)
         if result is None:
             continue
         ints, bias = result
+        if ints is None:
+            record["method"] = "bias"
+            _write_bias(findex, qindex, op.bias, bias, state)
+            continue
         record["method"] = "reconstructed"
         qproto = qindex.constant_proto(op.weight_q)
         qproto.CopyFrom(numpy_helper.from_array(ints.astype(np.int8), qproto.name))
@@ -257,32 +277,50 @@ def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, placement, d
             if op.node.inputs[1] in s:
                 s[op.node.inputs[1]] = dequantized
         if bias is not None:
-            write_constant(findex, op.bias, bias)
-            if qindex.constant_proto(op.bias) is not None:
-                write_constant(qindex, op.bias, bias)
-            for s in state:  # a Constant node's output, kept from an earlier piece
-                if op.bias in s:
-                    s[op.bias] = bias
+            _write_bias(findex, qindex, op.bias, bias, state)
         amax = np.where(op.scale > 0, op.scale.astype(np.float64) * QMAX, 0.0)
         ranges[weight_of[op.node.name]] = WeightRange(op.axis, tuple(float(v) for v in amax.reshape(-1)))
         pieces.refresh(qdq)
-    logger.info("reconstruct: %d of %d ops", len(ranges), len(ops))
+    logger.info("reconstruct: %d of %d ops, %d more with their bias corrected", len(ranges), len(ops),
+                sum(r.get("method") == "bias" for r in records))
     return tuple(records), ranges
 
 
-def _fit(op: _Op, weight, bias, xq, xf, ridge: float, record: dict):
-    """The INT8 integers and bias of ``op`` (None: keep round to nearest), see the module docstring.
-    Everything is computed from the Gram matrices of the sampled rows (float32 products, float64
-    sums), so no product with the output channels is formed per row."""
+def changed(records) -> int:
+    """How many ops the records of `reconstruct` say were changed (weights fitted or bias corrected)."""
+    return sum(r.get("method") in ("reconstructed", "bias") for r in records)
+
+
+def _write_bias(findex, qindex, name: str, bias: np.ndarray, state) -> None:
+    """``name`` set to ``bias`` in the float model, in the Q/DQ model, and in the tensors kept from an
+    earlier piece (a Constant node's output)."""
+    write_constant(findex, name, bias)
+    if qindex.constant_proto(name) is not None:
+        write_constant(qindex, name, bias)
+    for s in state:
+        if name in s:
+            s[name] = bias
+
+
+def _fit(op: _Op, weight, bias, xq, xf, ridge: float, record: dict, weights: bool = True):
+    """The INT8 integers and bias of ``op``, see the module docstring: None to keep round to nearest
+    and the bias; ``(None, bias)`` to keep round to nearest with a corrected bias. Everything is
+    computed from the Gram matrices of the sampled rows (float32 products, float64 sums), so no
+    product with the output channels is formed per row."""
     g, rows, k = xq.shape
     record["rows"] = int(rows)
-    if rows < MIN_ROWS * k:
-        record["reason"] = f"{rows} sampled rows for {k} reduction rows"
-        return None
     mats = op.matrices(weight).astype(np.float64)  # [g, K, N]
     n = mats.shape[2]
     scale = op.scale.astype(np.float64).reshape(g, n) if op.scale.ndim else np.full((g, n), float(op.scale))
     scale = np.where(scale > 0, scale, 1.0)
+    if not weights or rows < MIN_ROWS * k:
+        if weights:
+            record["reason"] = f"{rows} sampled rows for {k} reduction rows"
+        if bias is None:
+            return None
+        nearest = np.clip(np.rint(mats / scale[:, None, :]), -QMAX, QMAX) * scale[:, None, :]
+        return None, _mean_matched(bias, mats, nearest, xq.astype(np.float64).mean(axis=1),
+                                   xf.astype(np.float64).mean(axis=1))
     xqt = xq.transpose(0, 2, 1)
     h = np.matmul(xqt, xq).astype(np.float64)  # Σ x̃ᵀx̃  [g, K, K]
     hqf = np.matmul(xqt, xf).astype(np.float64)  # Σ x̃ᵀx
@@ -314,13 +352,17 @@ def _fit(op: _Op, weight, bias, xq, xf, ridge: float, record: dict):
     if not new < rtn:
         record["reason"] = "the reconstruction did not lower the output error on the sampled rows"
         return None
-    new_bias = None
-    if bias is not None:
-        b = np.asarray(bias, np.float64).reshape(g, n)
-        new_bias = b + np.einsum("gk,gkn->gn", mean_f, mats) - \
-            np.einsum("gk,gkn->gn", mean_q, ints * scale[:, None, :])
-        new_bias = new_bias.reshape(np.shape(bias)).astype(np.float32)
+    new_bias = None if bias is None else _mean_matched(bias, mats, ints * scale[:, None, :], mean_q, mean_f)
     return op.from_matrices(ints, weight.shape), new_bias
+
+
+def _mean_matched(bias, mats, quantized, mean_q, mean_f) -> np.ndarray:
+    """The bias that gives the op's mean output on the Q/DQ model's input (mean ``mean_q``, weights
+    ``quantized``, ``[g, K, N]``) the float op's mean output (``mean_f``, ``mats``)."""
+    g, _, n = mats.shape
+    b = np.asarray(bias, np.float64).reshape(g, n)
+    b = b + np.einsum("gk,gkn->gn", mean_f, mats) - np.einsum("gk,gkn->gn", mean_q, quantized)
+    return b.reshape(np.shape(bias)).astype(np.float32)
 
 
 class _Pieces:
@@ -378,4 +420,4 @@ def _elem(value) -> int:
     return helper.np_dtype_to_tensor_dtype(np.asarray(value).dtype)
 
 
-__all__ = ["reconstruct", "RIDGE", "MIN_ROWS", "MAX_ROWS", "MAX_SAMPLES"]
+__all__ = ["reconstruct", "changed", "RIDGE", "MIN_ROWS", "MAX_ROWS", "MAX_SAMPLES"]

@@ -1,13 +1,14 @@
 """Sequential reconstruction (`onnx_qat.accuracy.reconstruct`) and the smoothing of depthwise Conv inputs
 (`onnx_qat.accuracy.smooth`), on graphs built in code."""
+import numpy as np
 import onnx
 import pytest
 
 import onnx_qat
-from onnx_qat.accuracy.reconstruct import reconstruct
+from onnx_qat.accuracy.reconstruct import changed, reconstruct
 from onnx_qat.accuracy.smooth import smooth
 from onnx_qat.scales import ScaleTable
-from tests.builders import assert_check_clean, cosine, run
+from tests.builders import GraphBuilder, assert_check_clean, cosine, run
 from tests.onnx_qat.test_accuracy_optimize import _assert_same_function, _copy, _feeds, spread_pair_model
 
 
@@ -41,11 +42,82 @@ def test_reconstruction_lowers_the_error_on_unseen_inputs_and_stays_on_the_grid(
 
 
 def test_reconstruction_keeps_round_to_nearest_with_too_few_rows():
+    """Too few rows for a weight fit: the integers stay round to nearest, only the biases move."""
     model = spread_pair_model(0, spread=30.0, size=2)
     calib = _feeds(0, n=1, size=2)  # 4 positions: conv1 needs 4 x 4 rows, conv2 4 x 9, conv3 4 x 16
     _, plain = _quantized(model, calib)
-    records, ranges = reconstruct(_copy(model), _copy(plain.model), plain.placement, calib)
-    assert not ranges and all(r["method"] == "rtn" and "rows" in r["reason"] for r in records), records
+    qdq = _copy(plain.model)
+    records, ranges = reconstruct(_copy(model), qdq, plain.placement, calib)
+    assert not ranges and all(r["method"] == "bias" and "rows" in r["reason"] for r in records), records
+    assert _int8(qdq) == _int8(plain.model)
+
+
+def _int8(model) -> dict:
+    return {t.name: t.SerializeToString() for t in model.graph.initializer
+            if t.data_type == onnx.TensorProto.INT8}
+
+
+def head_model(seed: int = 0, channels: int = 32, classes: int = 16, size: int = 8,
+               spread: float = 300.0) -> onnx.ModelProto:
+    """A classifier's head: conv (3x3, 4 -> C, bias) -> Relu -> GlobalAveragePool -> Flatten -> head
+    (MatMul C -> classes) -> Add (bias) -> output. conv's first output channel is ``spread`` times the
+    others, so the pooling input's one INT8 scale rounds the other channels to a few levels and the
+    pooled values lose a shift that every input shares; the head has one row per sample, too few for a
+    weight fit."""
+    b = GraphBuilder("head", seed)
+    x = b.input("input", ["N", 4, size, size])
+    w1 = (b.rng.standard_normal((channels, 4, 3, 3)) * 0.3).astype(np.float32)
+    w1[0] *= spread
+    b1 = (np.abs(b.rng.standard_normal(channels)) * 0.2).astype(np.float32)
+    y = b.node("Conv", [x, b.const("conv.weight", w1), b.const("conv.bias", b1)], name="conv",
+               kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    y = b.node("Relu", [y], name="act")
+    y = b.node("GlobalAveragePool", [y], name="pool")
+    y = b.node("Flatten", [y], name="flatten")
+    w2 = (b.rng.standard_normal((channels, classes)) * 0.5).astype(np.float32)
+    y = b.node("MatMul", [y, b.const("head.weight", w2)], name="head")
+    b.node("Add", [y, b.const("head.bias", np.zeros(classes, np.float32))], "output", name="head_bias")
+    b.output("output")
+    return b.build()
+
+
+def _head_feeds(seed: int, n: int = 16, size: int = 8):
+    return {"input": np.random.default_rng(seed).standard_normal((n, 4, size, size)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("weights", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_head_with_too_few_rows_gets_its_bias_corrected(seed, weights):
+    """The head (16 rows for 32 reduction rows) keeps its round-to-nearest integers and takes the mean
+    shift of its output into its bias: the output error on unseen inputs falls, the inserter stores
+    the same integers and the result passes check. ``weights=False`` fits no weight at all."""
+    model = head_model(seed)
+    calib, unseen = _head_feeds(seed), _head_feeds(100 + seed)
+    table, plain = _quantized(model, calib)
+    fitted, qdq = _copy(model), _copy(plain.model)
+    records, ranges = reconstruct(fitted, qdq, plain.placement, calib, weights=weights)
+    methods = {r["node"]: r["method"] for r in records}
+    assert methods == {"conv": "reconstructed" if weights else "bias", "head": "bias"}, records
+    assert changed(records) == 2 and (set(ranges) == {"conv.weight"} if weights else not ranges)
+    rebuilt = onnx_qat.quantize(fitted, scales=table.merged(ScaleTable(weights=ranges)), progress=False)
+    assert_check_clean(rebuilt.model)
+    if not weights:
+        assert _int8(rebuilt.model) == _int8(plain.model)
+    ref = run(model, unseen)[0]
+    before, after = cosine(run(plain.model, unseen)[0], ref), cosine(run(rebuilt.model, unseen)[0], ref)
+    assert 1 - after < 0.75 * (1 - before), (before, after)
+
+
+def test_bias_correction_alone_is_deterministic():
+    model = head_model(1)
+    calib = _head_feeds(1)
+    _, plain = _quantized(model, calib)
+    out = []
+    for _ in range(2):
+        fitted = _copy(model)
+        reconstruct(fitted, _copy(plain.model), plain.placement, calib, weights=False)
+        out.append(fitted.SerializeToString())
+    assert out[0] == out[1]
 
 
 def test_reconstruction_is_deterministic():
