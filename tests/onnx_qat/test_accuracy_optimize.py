@@ -242,6 +242,8 @@ def test_optimize_accuracy_keeps_the_steps_that_help_and_reports_each():
     info = result.accuracy
     steps = {s["step"]: s for s in info["steps"]}
     assert list(steps) == ["calibrate", "equalize", "smooth", "ranges", "reconstruct", "bias"]
+    if steps["reconstruct"]["kept"]:  # its biases are corrected already: the bias step is not run
+        assert not steps["bias"]["kept"] and "kept" in steps["bias"]["note"]
     assert steps["equalize"]["kept"] and steps["equalize"]["gain"] > 0.02
     assert info["cosine_after"] >= info["cosine_before"] + 0.02
     assert all(s["kept"] == (s["gain"] is None or s["gain"] > 0) for s in info["steps"])
@@ -282,27 +284,15 @@ def test_optimize_accuracy_undoes_ranges_that_lose_on_the_held_out_samples(monke
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_optimize_accuracy_corrects_biases_where_the_reconstruction_is_undone(seed, monkeypatch):
-    """A classifier's head whose pooled input loses a shift every input shares: when the weight fits
-    of ``reconstruct`` are undone (here: made to find nothing), the ``bias`` step corrects each bias
-    alone, keeps every integer the inserter gives, and is kept because the evaluation cosine rises;
-    on unseen inputs it gains too. When ``reconstruct`` is kept, ``bias`` is not run."""
-    import onnx_qat.accuracy.reconstruct as reconstruct_module
+def test_optimize_accuracy_corrects_biases_where_the_reconstruction_is_undone(seed):
+    """A classifier's head whose pooled input loses a shift every input shares: the weight fits of
+    ``reconstruct`` do not raise the evaluation cosine and are undone; the ``bias`` step then corrects
+    each bias alone, keeps every integer the inserter gives, and is kept; on unseen inputs the output
+    error falls by a quarter or more. The same inputs give the same bytes."""
     from tests.onnx_qat.test_reconstruct import _head_feeds, _int8, head_model
 
     model = head_model(seed)
     calib, evaluation, unseen = _head_feeds(seed), _head_feeds(seed + 50, n=8), _head_feeds(seed + 100, n=64)
-    real = reconstruct_module.reconstruct
-    full = onnx_qat.quantize(model, data=calib, eval_data=evaluation, optimize="accuracy", progress=False)
-    steps = {s["step"]: s for s in full.accuracy["steps"]}
-    assert steps["reconstruct"]["kept"] and not steps["bias"]["kept"] and "kept" in steps["bias"]["note"]
-
-    def weights_found_nothing(*args, weights=True, **kw):
-        if weights:
-            return ({"node": None, "method": "rtn", "reason": "weights not fitted here"},), {}
-        return real(*args, weights=weights, **kw)
-
-    monkeypatch.setattr(reconstruct_module, "reconstruct", weights_found_nothing)
     result = onnx_qat.quantize(model, data=calib, eval_data=evaluation, optimize="accuracy", progress=False)
     assert_check_clean(result.model)
     steps = {s["step"]: s for s in result.accuracy["steps"]}
