@@ -11,7 +11,10 @@ evaluation inputs (never calibrated on) for ``--method`` max/percentile/mse/entr
 ``quantize_static``, NVIDIA ModelOpt, AMD Quark, AIMET-ONNX: each of their recipes, calibrated on the
 same inputs and judged by the same cosine on the same unseen half of the evaluation inputs as
 ``--optimize accuracy``; a peer whose venv ``make peers`` did not make is reported as not installed,
-one that fails as its one-line error). ``--no-peer`` skips the peers.
+one that fails as its one-line error). ``--no-peer`` skips the peers; ``--rescore-peers`` scores the
+Q/DQ models the peers wrote in an earlier run instead of running them. The evaluation inputs are halved
+into the judged half and the unseen half so that each holds the same mix of photos and pages
+(``--split kinds``, the default; ``--split order``: first and second half as built).
 A model whose wheel cannot be downloaded (offline) is reported as skipped, with the reason.
 """
 from __future__ import annotations
