@@ -63,6 +63,65 @@ def test_sites_are_the_quantized_weighted_ops_with_their_shapes():
     assert L.input_shapes(model, 8)["input"] == (1, 16, 12, 12)  # a fixed batch stays as declared
 
 
+def _symbolic_net() -> onnx.ModelProto:
+    """`_net` with a symbolic batch, height and width (as detectors and text recognizers declare them)."""
+    model = _net()
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    for position, name in ((0, "N"), (2, "H"), (3, "W")):
+        dims[position].Clear()
+        dims[position].dim_param = name
+    return model
+
+
+def test_symbolic_image_sizes_are_timed_at_the_data_size_not_one():
+    """A model whose height and width are symbolic is timed at one sample's size (the calibration data's),
+    not at 1 x 1: without the data's size a detector's sites were timed on 1 x 1 images (or not at all),
+    and its placement said nothing of its speed at the size it runs at."""
+    model = _symbolic_net()
+    data = {"input": np.random.default_rng(0).uniform(0, 4, (3, 16, 20, 28)).astype(np.float32)}
+    samples = L.sample_shapes(data, model)
+    assert samples == {"input": (1, 16, 20, 28)}
+    assert L.input_shapes(model, 8, samples)["input"] == (8, 16, 20, 28)
+    assert L.input_shapes(model, 8)["input"] == (8, 16, 1, 1)  # no data: as before
+    placement = onnx_qat.place(model, target="ort-cpu")
+    sites = L.sites_of(GraphIndex(model), placement, L.input_shapes(model, 2, samples))
+    dw = next(s for s in sites if s.node == "dw")
+    assert dw.spec["x"] == [2, 32, 20, 28]
+    feeds = L.timing_feeds(model, 4, samples)
+    assert feeds["input"].shape == (4, 16, 20, 28)
+
+
+def test_a_stream_of_feeds_is_not_read_ahead_for_its_shapes():
+    """`sample_shapes` leaves a one-shot stream of feeds unread (calibration reads it later)."""
+    model = _symbolic_net()
+    rng = np.random.default_rng(1)
+    taken = []
+
+    def feeds():
+        for _ in range(2):
+            taken.append(1)
+            yield {"input": rng.uniform(0, 4, (1, 16, 20, 28)).astype(np.float32)}
+
+    assert L.sample_shapes(feeds(), model) == {}
+    assert taken == []
+
+
+def test_quantize_times_a_symbolic_model_at_its_data_size(tmp_path):
+    """End to end: every site of the symbolic-size model is timed (none left untimed for want of a
+    shape), at the data's height and width, and the whole model is timed on feeds of that size."""
+    model = _symbolic_net()
+    data = {"input": np.random.default_rng(2).uniform(0, 4, (4, 16, 20, 28)).astype(np.float32)}
+    profile = tmp_path / "profile.json"
+    result = onnx_qat.quantize(model, data=data, method="max", target="ort-cpu", progress=False,
+                               latency=L.LatencyOptions(profile=str(profile), rounds=1))
+    timed = {r["node"] for r in result.latency["sites"]}
+    assert timed == {"c1", "dw", "c2", "fc"}
+    kinds = json.loads(profile.read_text())["sites"]
+    assert any("20, 28" in kind or "20,28" in kind for kind in kinds), list(kinds)[:3]
+    assert result.latency["whole_model"]["timed"] is True
+    assert onnx_qat.check(result.model, target="ort-cpu").passed
+
+
 def test_a_site_slower_in_integer_stays_float_with_both_times_in_the_report(tmp_path):
     model = _net()
     profile = tmp_path / "profile.json"
