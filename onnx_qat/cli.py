@@ -316,8 +316,9 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
                             "(default: the last quarter of --data, which calibration then does not see)")
     group.add_argument("--optimize", choices=("accuracy",), default=None,
                        help="accuracy: also run cross-layer equalization, activation smoothing, a "
-                            "range per activation among auto's candidates, error-compensated INT8 weight "
-                            "rounding and bias correction, each kept only "
+                            "range per activation among auto's candidates and a reconstruction of each "
+                            "INT8 weighted op's integers and bias on the quantized model's own inputs, "
+                            "each kept only "
                             "where it raises the output cosine on the evaluation data (slower than the "
                             "default; needs --data)")
 
