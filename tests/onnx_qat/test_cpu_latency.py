@@ -557,7 +557,8 @@ def test_whole_model_guard_keeps_the_least_gaining_sites_float(tmp_path, monkeyp
     result = onnx_qat.quantize(model, out, data=_data(), method="max", target="ort-cpu", progress=False,
                                latency=str(profile))
     fallback = result.latency["fallback"]
-    assert fallback["kept_float"] == ["dw", "c2"]
+    assert fallback["rounds_tried"][0]["kept_float"] == ["dw", "c2"]  # real timings may go on to round 2
+    assert fallback["kept_float"] in (["dw", "c2"], ["dw", "c2", "fc"])
     assert fallback["chosen"] in ("fallback", "unchanged")
     assert fallback["fp32_ms"] > 0 and fallback["before_ms"] > 0 and fallback["fallback_ms"] > 0
     weights = {w.node for w in result.placement.weights}
@@ -567,9 +568,12 @@ def test_whole_model_guard_keeps_the_least_gaining_sites_float(tmp_path, monkeyp
         assert fallback["chosen"] == second
     assert whole["first"]["speedup"] == 0.5 and whole["speedup"] == fallback["speedup"]
     if fallback["chosen"] == "fallback":
-        assert weights == {"c1", "fc"} and whole["quantized_ms"] == fallback["fallback_ms"]
+        assert weights == {"c1", "dw", "c2", "fc"} - set(fallback["kept_float"])
+        best = min(fallback["fallback_ms"], fallback["before_ms"])
+        assert whole["quantized_ms"] == fallback["best_ms"] == best
         assert decisions["dw"].rule == "CPU3" and "whole-model guard" in decisions["dw"].reason
-        assert set(result.latency["kept_float"]) == {"dw", "c2"} and whole["chosen"] == "fallback"
+        assert set(result.latency["kept_float"]) == set(fallback["kept_float"])
+        assert whole["chosen"] == "fallback"
     else:
         assert weights == {"c1", "dw", "c2", "fc"} and whole["quantized_ms"] == fallback["before_ms"]
         assert result.latency["kept_float"] == []
