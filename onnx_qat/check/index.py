@@ -158,11 +158,18 @@ class _Graph:
 
         cache = self._memo.setdefault(key, {})
         itemsize = np.dtype(dtype).itemsize
-        todo = [tensor for tensor in dict.fromkeys(tensors) if tensor not in cache]
-        chosen = [(tensor, info[1]) for tensor, info in zip(todo, self.stored_many(todo))
-                  if info is not None and info[0] == data_type and info[1] and not len(info[1]) % itemsize]
-        names = [tensor for tensor, _ in chosen]  # raw bytes, not empty, whole elements
-        raws = [raw for _, raw in chosen]
+        stored = self._stored
+        names, raws = [], []
+        for tensor in dict.fromkeys(tensors):
+            if tensor in cache:
+                continue
+            info = stored[tensor] if tensor in stored else self.stored(tensor)
+            if info is None or info[0] != data_type:
+                continue
+            raw = info[1]
+            if raw and not len(raw) % itemsize:  # raw bytes, not empty, whole elements
+                names.append(tensor)
+                raws.append(raw)
         if not names:
             return frozenset()
         passed = accept(np.frombuffer(b"".join(raws), dtype=dtype))
@@ -178,17 +185,17 @@ class _Graph:
         is stored otherwise (typed fields, external data). None when ``name`` is no constant."""
         if name in self._stored:
             return self._stored[name]
-        info = self._stored[name] = _stored_info(self.constants.get(name))
+        proto = self.constants.get(name)
+        info = None
+        if proto is not None:
+            raw = None
+            if not proto.data_location:
+                raw = proto.raw_data
+                if not raw and not proto.HasField("raw_data"):
+                    raw = None
+            info = (proto.data_type, raw)
+        self._stored[name] = info
         return info
-
-    def stored_many(self, names: List[str]) -> List[Optional[Tuple[int, Optional[bytes]]]]:
-        """`stored` of each of ``names``, those not read yet read in one pass (rules C4 and C5 ask about
-        every zero point and scale: 10^5 tensors on a large model)."""
-        stored = self._stored
-        new = [name for name in names if name not in stored]
-        if new:
-            stored.update(zip(new, map(_stored_info, map(self.constants.get, new))))
-        return [stored[name] for name in names]
 
     def value_shape(self, name: str) -> Optional[Tuple[int, ...]]:
         """The shape of constant ``name``'s value, None when it is no constant or cannot be read:
@@ -344,18 +351,6 @@ class _Graph:
         return self._residual_adds
 
 
-def _stored_info(proto) -> Optional[Tuple[int, Optional[bytes]]]:
-    """`_Graph.stored` of a TensorProto (None for None)."""
-    if proto is None:
-        return None
-    raw = None
-    if not proto.data_location:
-        raw = proto.raw_data
-        if not raw and not proto.HasField("raw_data"):
-            raw = None
-    return proto.data_type, raw
-
-
 _ITEMSIZES: Dict[int, int] = {}
 
 
@@ -402,8 +397,8 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
     cheapest copy). Every node's attributes are looked at, since any node may carry a subgraph;
     those of Q/DQ nodes are kept for the rules (``axis``, ``output_dtype``)."""
     constants = dict(outer_constants)
-    initializers = graph.initializer  # names read in one comprehension, paired in C (no loop body each)
-    constants.update(zip([init.name for init in initializers], initializers))
+    for init in graph.initializer:
+        constants[init.name] = init
     ops, node_inputs, producer, qdq, subgraphs = [], [], {}, [], []
     new_record = tuple.__new__  # _QDQ(*fields) without the Python-level __new__ of a named tuple
     for i, proto in enumerate(graph.node):
