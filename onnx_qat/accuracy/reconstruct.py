@@ -37,9 +37,10 @@ on the PP-OCRv4 recognizer it raised the judged lines (0.9833 -> 0.9897) and low
 The Q/DQ model is run once, in pieces: the node list is cut before each op, and each piece runs on
 the tensors the pieces before it left (so every op's input is computed after the ops before it were
 reconstructed, at the cost of one run of the model in all). An op keeps round to nearest (and its
-bias) when its layout is not handled (as in `onnx_qat.accuracy.rounding`), when the reconstruction
-does not lower its output error on the calibration rows, or when it has fewer sampled rows than
-`MIN_ROWS` times its reduction size (the fit would then fit the rows). Each op gets a record. A
+bias) when its layout is not handled (a ConvTranspose, a Conv that is not 2-D or uses ``auto_pad``,
+a Gemm with ``transA``, a weight not quantized per output channel), when the reconstruction does not
+lower its output error on the calibration rows, or when it has fewer sampled rows than `MIN_ROWS`
+times its reduction size (the fit would then fit the rows). Each op gets a record. A
 Q/DQ graph that is not topologically sorted or holds subgraphs is left alone (one record says why).
 """
 from __future__ import annotations
@@ -92,7 +93,7 @@ class _Op:
 
     def rows(self, x: np.ndarray, shape, pick) -> np.ndarray:
         """``[groups, rows, K]`` float32 rows of input ``x`` at positions ``pick``."""
-        from .rounding import conv_rows
+        from .conv_patches import conv_rows
 
         if self.kind == "conv":
             return np.ascontiguousarray(conv_rows(x, self.node, shape, self.group, pick), np.float32)
@@ -101,9 +102,9 @@ class _Op:
 
     def picks(self, xshape, wshape, rng) -> np.ndarray:
         if self.kind == "conv":
-            from .rounding import _out_size
+            from .conv_patches import conv_output_size
 
-            oh, ow = _out_size(xshape, self.node, wshape)
+            oh, ow = conv_output_size(xshape, self.node, wshape)
             total = xshape[0] * oh * ow
         else:
             total = int(np.prod(xshape[:-1]))
@@ -111,10 +112,12 @@ class _Op:
             else np.arange(total)
 
 
-def _supported(node) -> str:
-    from .rounding import _supported as layout
-
+def _supported(node, wshape=None) -> str:
+    """Why ``node``'s weight (of shape ``wshape`` when known) keeps round to nearest ('' when it can be
+    reconstructed here)."""
     if node.op_type == "Conv":
+        if wshape is not None and len(wshape) != 4:  # the patches are a 2-D Conv's
+            return "not a 2-D Conv"
         if (node.attr("auto_pad", b"NOTSET") or b"NOTSET") not in (b"NOTSET", "NOTSET"):
             return "auto_pad"
         return ""
@@ -122,7 +125,7 @@ def _supported(node) -> str:
         if node.op_type == "Gemm" and int(node.attr("transA", 0) or 0):
             return "transA"
         return ""
-    return layout(node, np.zeros(1), None)
+    return f"{node.op_type} weights are rounded to nearest"
 
 
 def _bias_of(index, node) -> Optional[Tuple[str, str]]:
@@ -200,7 +203,7 @@ def reconstruct(float_model: onnx.ModelProto, qdq: onnx.ModelProto, placement, d
         fnode, qnode = findex.by_name.get(mark.node), qindex.by_name.get(mark.node)
         if fnode is None or qnode is None or mark.tensor in weight_of.values():
             continue
-        why = _supported(fnode)
+        why = _supported(fnode, findex.constant_shape(mark.tensor))
         found = None if why else _dq_weight(qindex, qnode.inputs[1])
         if not why and (found is None or len(findex.consumers(mark.tensor)) != 1
                         or read_constant(findex, mark.tensor) is None):

@@ -1,15 +1,12 @@
-"""optimize="accuracy": cross-layer equalization, INT8 GPTQ rounding, bias correction, the recipe."""
+"""optimize="accuracy": cross-layer equalization, activation smoothing, the recipe."""
 import numpy as np
 import onnx
 import pytest
 
 import onnx_qat
-from onnx_qat.accuracy.bias_correction import correct_biases
 from onnx_qat.accuracy.equalize import equalize, find_pairs
 from onnx_qat.accuracy.ranges import START_TABLES
-from onnx_qat.accuracy.rounding import round_int8
 from onnx_qat.errors import ConfigError
-from onnx_qat.placement import place
 from onnx_qat.graph.index import GraphIndex
 from onnx_qat.scales import ScaleTable
 from tests.builders import GraphBuilder, assert_check_clean, cosine, run
@@ -119,106 +116,6 @@ def test_equalization_skips_a_tensor_with_two_readers():
     b.node("Add", ["conv2_out", y], "output", name="add")
     b.output("output")
     assert find_pairs(GraphIndex(b.build())) == []
-
-
-# ------------------------------------------------------------------ INT8 GPTQ rounding
-def correlated_model(seed: int = 0, features: int = 64, hidden: int = 32):
-    """input [N, 8] -> MatMul with a fixed [8, 64] mixing (low-rank, correlated features) -> MatMul ``fc``
-    [64, 32] (the weight GPTQ rounds) -> output."""
-    b = GraphBuilder("correlated", seed)
-    x = b.input("input", ["N", 8])
-    mix = b.rng.standard_normal((8, features)).astype(np.float32)
-    h = b.node("MatMul", [x, b.const("mix", mix)], name="mix")
-    h = b.node("Relu", [h], name="relu")
-    b.node("MatMul", [h, b.weight("fc.weight", [features, hidden])], "output", name="fc")
-    b.output("output")
-    return b.build()
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_int8_rounding_lowers_the_output_error_and_stays_on_the_inserters_grid(seed):
-    model = correlated_model(seed)
-    rng = np.random.default_rng(seed)
-    data = {"input": rng.standard_normal((512, 8)).astype(np.float32)}
-    evaluation = {"input": rng.standard_normal((256, 8)).astype(np.float32)}
-    placement = place(model)
-    rounded = _copy(model)
-    records, ranges = round_int8(rounded, placement, data)
-    fc = next(r for r in records if r["node"] == "fc")
-    assert fc["method"] == "gptq" and fc["gptq_error"] < 0.7 * fc["rtn_error"], fc
-    assert "fc.weight" in ranges
-    # weights only (activations float): the rounded weights against round to nearest, unseen data
-    index = GraphIndex(rounded)
-    from onnx_qat.accuracy.constants import read_constant
-
-    w = read_constant(GraphIndex(model), "fc.weight")
-    scale = (np.abs(w).max(axis=0) / 127).astype(np.float32)
-    nearest = np.clip(np.rint(w / scale), -127, 127) * scale
-    h = np.maximum(evaluation["input"] @ read_constant(index, "mix"), 0)
-    ref = h @ w
-    err_rtn = np.linalg.norm(h @ nearest - ref)
-    err_gptq = np.linalg.norm(h @ read_constant(index, "fc.weight") - ref)
-    assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
-    # the inserter stores exactly the rounded values with the ranges given
-    table = onnx_qat.calibrate(rounded, data, method="max", progress=False).merged(ScaleTable(weights=ranges))
-    result = onnx_qat.quantize(rounded, scales=table, progress=False)
-    q = {t.name: onnx.numpy_helper.to_array(t) for t in result.model.graph.initializer}
-    dequantized = q["fc.weight_quantized"].astype(np.float32) * q["fc.weight_scale"]
-    np.testing.assert_array_equal(dequantized, read_constant(index, "fc.weight"))
-    assert_check_clean(result.model)
-
-
-def test_int8_rounding_handles_depthwise_and_grouped_convs():
-    model = spread_pair_model(0, spread=1.0)
-    data = _feeds(0, n=16)
-    rounded = _copy(model)
-    records, ranges = round_int8(rounded, place(model), data)
-    by_node = {r["node"]: r for r in records}
-    assert by_node["conv2"]["method"] == "gptq"  # depthwise: one 9x9 Hessian per channel
-    assert all(r["gptq_error"] <= r["rtn_error"] for r in records if r["method"] == "gptq")
-    assert "conv2.weight" in ranges and len(ranges["conv2.weight"].amax) == 16
-
-
-def test_int8_rounding_respects_its_work_bound():
-    model = correlated_model(0)
-    data = {"input": np.random.default_rng(0).standard_normal((512, 8)).astype(np.float32)}
-    records, ranges = round_int8(model, place(model), data, max_work=0.0)
-    assert not ranges and all(r["method"] == "rtn" for r in records)
-    assert any("work bound" in r.get("reason", "") for r in records)
-
-
-# ------------------------------------------------------------------ bias correction
-def shifted_input_model(seed: int = 0, cin: int = 64, cout: int = 16):
-    """A 1x1 Conv over 64 channels whose inputs have a large positive mean (the rounding errors of a
-    channel's weights then add up to a mean shift of its output) -> output."""
-    b = GraphBuilder("shifted", seed)
-    x = b.input("input", ["N", cin, 4, 4])
-    b.conv(x, cin, cout, "conv", k=1)
-    b.node("Identity", ["conv_out"], "output", name="out")
-    b.output("output")
-    return b.build()
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_bias_correction_removes_the_mean_shift_of_the_quantized_output(seed):
-    model = shifted_input_model(seed)
-    rng = np.random.default_rng(seed)
-    calib = {"input": (4.0 + rng.uniform(-0.5, 0.5, (64, 64, 4, 4))).astype(np.float32)}
-    evaluation = {"input": (4.0 + rng.uniform(-0.5, 0.5, (32, 64, 4, 4))).astype(np.float32)}
-    result = onnx_qat.quantize(model, data=calib, method="max", progress=False)
-    ref = run(model, evaluation)[0]
-
-    def shift(qdq):
-        return float(np.abs((run(qdq, evaluation)[0] - ref).mean(axis=(0, 2, 3))).max())
-
-    corrected = _copy(model)
-    records = correct_biases(corrected, result.model, result.placement, calib)
-    assert [r["node"] for r in records] == ["conv"]
-    changed = [t.name for t, u in zip(model.graph.initializer, corrected.graph.initializer) if t != u]
-    assert changed == ["conv.bias"]  # only the bias moved
-    again = onnx_qat.quantize(corrected, scales=result.scales, progress=False)
-    assert_check_clean(again.model)
-    assert shift(again.model) < 0.2 * shift(result.model), (shift(again.model), shift(result.model))
 
 
 # ------------------------------------------------------------------ the recipe
@@ -491,15 +388,6 @@ def test_optimize_accuracy_keeps_smoothing_on_an_outlier_channel():
     steps = {s["step"]: s for s in result.accuracy["steps"]}
     assert steps["smooth"]["kept"] and steps["smooth"]["gain"] > 0.005, steps["smooth"]
     assert_check_clean(result.model)
-
-
-def test_bias_correction_respects_its_run_bound():
-    model = shifted_input_model(0)
-    calib = {"input": (4.0 + np.random.default_rng(0).uniform(-0.5, 0.5, (16, 64, 4, 4))).astype(np.float32)}
-    result = onnx_qat.quantize(model, data=calib, method="max", progress=False)
-    corrected = _copy(model)
-    records = correct_biases(corrected, result.model, result.placement, calib, max_runs=0)
-    assert records[0]["skipped"].startswith("run bound") and corrected == model
 
 
 def test_optimize_accuracy_for_the_ort_cpu_target_passes_its_check():

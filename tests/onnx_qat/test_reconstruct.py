@@ -167,3 +167,28 @@ def test_reconstruction_leaves_a_graph_it_cannot_cut_alone():
     records, ranges = reconstruct(fitted, unsorted, plain.placement, calib)
     assert not ranges and "pieces" in records[0]["reason"]
     assert fitted.SerializeToString() == model.SerializeToString()
+
+
+@pytest.mark.parametrize("dims", [1, 3])
+def test_optimize_accuracy_keeps_round_to_nearest_for_a_conv_that_is_not_2d(dims):
+    """A 1-D or 3-D Conv keeps round to nearest, with its reason, where the reconstruction (2-D patches)
+    raised an IndexError before; the MatMul after it is still fitted and the model passes check."""
+    import numpy as np
+
+    from tests.builders import GraphBuilder, random_inputs
+
+    b = GraphBuilder("conv_nd", dims)
+    spatial = [12] * dims
+    x = b.input("input", ["N", 16, *spatial])
+    h = b.node("Conv", [x, b.weight("c.weight", [16, 16, *[3] * dims])], name="c", pads=[1] * (2 * dims))
+    h = b.node("Relu", [h], name="relu")
+    b.node("MatMul", [h, b.weight("fc.weight", [12, 24])], "output", name="fc")
+    b.output("output")
+    model = b.build()
+    data = {k: v * np.float32(3.0) for k, v in random_inputs(model, num=24, seed=dims).items()}
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    step = next(s for s in result.accuracy["steps"] if s["step"] == "reconstruct")
+    layers = {r["node"]: r for r in step["layers"]}
+    assert layers["c"] == {"node": "c", "method": "rtn", "reason": "not a 2-D Conv"}
+    assert layers["fc"]["rows"] > 0 and "rtn_error" in layers["fc"], layers["fc"]
+    assert_check_clean(result.model)
