@@ -317,8 +317,8 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--optimize", choices=("accuracy",), default=None,
                        help="accuracy: also run cross-layer equalization, activation smoothing, a "
                             "range per activation among auto's candidates and a reconstruction of each "
-                            "INT8 weighted op's integers and bias on the quantized model's own inputs, "
-                            "each kept only "
+                            "INT8 weighted op's integers and bias on the quantized model's own inputs "
+                            "(where it is undone: each bias alone corrected), each kept only "
                             "where it raises the output cosine on the evaluation data (slower than the "
                             "default; needs --data)")
 
