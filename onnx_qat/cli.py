@@ -316,8 +316,9 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
                             "(default: the last quarter of --data, which calibration then does not see)")
     group.add_argument("--optimize", choices=("accuracy",), default=None,
                        help="accuracy: also run cross-layer equalization, activation smoothing, a "
-                            "range per activation among auto's candidates, error-compensated INT8 weight "
-                            "rounding and bias correction, each kept only "
+                            "range per activation among auto's candidates and a reconstruction of each "
+                            "INT8 weighted op's integers and bias on the quantized model's own inputs "
+                            "(where it is undone: each bias alone corrected), each kept only "
                             "where it raises the output cosine on the evaluation data (slower than the "
                             "default; needs --data)")
 
@@ -741,10 +742,21 @@ def _latency_summary(latency) -> str:
         fallback = latency.get("fallback")
         if fallback:
             kept = "kept the fallback" if fallback["chosen"] == "fallback" else "kept the model as it was"
-            lines.append(f"whole-model guard: first timing {whole['first']['speedup']:.2f}x FP32, so "
-                         f"{len(fallback['kept_float'])} least-gaining site(s) kept float too and timed "
-                         f"again: {fallback['fallback_ms']:.2f} ms against {fallback['before_ms']:.2f} ms: "
-                         f"{kept}")
+            tried = fallback.get("rounds_tried") or [fallback]
+            first = whole["first"]["speedup"]
+            if len(tried) == 1:
+                lines.append(f"whole-model guard: first timing {first:.2f}x FP32, so "
+                             f"{len(fallback['kept_float'])} least-gaining site(s) kept float too and timed "
+                             f"again: {fallback['fallback_ms']:.2f} ms against "
+                             f"{fallback['before_ms']:.2f} ms: {kept}")
+            else:
+                steps = "; ".join(f"round {i}: {len(r['kept_float'])} more site(s) float, "
+                                  f"{r['fallback_ms']:.2f} ms against {r['before_ms']:.2f} ms"
+                                  for i, r in enumerate(tried, 1))
+                guarded = len(fallback["kept_float"]) if fallback["chosen"] == "fallback" else 0
+                lines.append(f"whole-model guard: first timing {first:.2f}x FP32, so the least-gaining half "
+                             f"of the integer sites was kept float, {len(tried)} rounds ({steps}): {kept} "
+                             f"({guarded} site(s) float by the guard)")
         origin = (f" (timing from the latency profile, measured {whole.get('timed_at') or 'earlier'}; "
                   "--latency-retime times it again)" if whole.get("source") == "latency profile" else "")
         lines.append(f"whole model, batch {whole['batch']}: {whole['quantized_ms']:.2f} ms against FP32 "

@@ -134,8 +134,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             `onnx_qat.insertion.ort_cpu_bias`; ``QuantizeResult.ort_cpu["bias_correction"]``).
         optimize: ``"accuracy"``: also run the post-training steps of `onnx_qat.accuracy.optimize`
             (cross-layer equalization, activation smoothing, each activation's range chosen among
-            ``auto``'s candidates, error-compensated INT8 weight rounding, bias correction), each kept
-            only where it raises the output cosine on ``eval_data``
+            ``auto``'s candidates, each INT8 weighted op's integers and bias reconstructed on the
+            quantized model's own inputs, or where that is undone each bias alone corrected), each
+            kept only where it raises the output cosine on
+            ``eval_data``
             (default: the last quarter of ``data``, then not calibrated on); ``QuantizeResult.accuracy``
             lists what each step gained. Needs ``data``; slower than the default (several calibrations
             and evaluation runs). Does not combine with ``min_cosine``, ``state``, ``latency`` or

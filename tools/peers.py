@@ -247,7 +247,8 @@ def cell(runs: Sequence[PeerRun], peer: str) -> str:
             parts.append(f"{r.recipe}: {r.error or 'not measured'}")
             continue
         figure = f"{r.cosine_unseen:.4f}"
-        parts.append(f"{r.recipe} {'**' + figure + '**' if r is chosen else figure} ({r.seconds:.0f} s)")
+        when = "rescored" if r.notes.get("rescored") else f"{r.seconds:.0f} s"
+        parts.append(f"{r.recipe} {'**' + figure + '**' if r is chosen else figure} ({when})")
     return "; ".join(parts)
 
 

@@ -11,7 +11,10 @@ evaluation inputs (never calibrated on) for ``--method`` max/percentile/mse/entr
 ``quantize_static``, NVIDIA ModelOpt, AMD Quark, AIMET-ONNX: each of their recipes, calibrated on the
 same inputs and judged by the same cosine on the same unseen half of the evaluation inputs as
 ``--optimize accuracy``; a peer whose venv ``make peers`` did not make is reported as not installed,
-one that fails as its one-line error). ``--no-peer`` skips the peers.
+one that fails as its one-line error). ``--no-peer`` skips the peers; ``--rescore-peers`` scores the
+Q/DQ models the peers wrote in an earlier run instead of running them. The evaluation inputs are halved
+into the judged half and the unseen half so that each holds the same mix of photos and pages
+(``--split kinds``, the default; ``--split order``: first and second half as built).
 A model whose wheel cannot be downloaded (offline) is reported as skipped, with the reason.
 """
 from __future__ import annotations
@@ -228,10 +231,38 @@ def _weighted_share(result) -> Tuple[int, int]:
     return sum(d.action == "quantize" for d in decisions), len(decisions)
 
 
-def _halves(data: Dict[str, np.ndarray]):
-    """``(first half, second half)`` of every input's samples."""
+#: The kinds of input each model's evaluation inputs are made of, in order, as sample counts (`inputs`):
+#: the detector's 4 photos then 4 pages, the orientation classifier's 8 photos then 8 pages. A model
+#: not listed has one kind (the angle classifier's halves each hold 4 upright and 4 turned lines).
+EVAL_KINDS = {"ocr-det": (4, 4), "orientation": (8, 8)}
+
+
+def _halves(data: Dict[str, np.ndarray], kinds=None):
+    """``(first half, second half)`` of every input's samples; with ``kinds`` (sample counts of the
+    consecutive kinds of input, `EVAL_KINDS`), each half takes the first or second half of every kind,
+    so that the half a recipe is judged on and the half it is measured on hold the same mix."""
     count = len(next(iter(data.values())))
-    return ({k: v[:count // 2] for k, v in data.items()}, {k: v[count // 2:] for k, v in data.items()})
+    kinds = kinds or (count,)
+    if sum(kinds) != count:
+        raise ValueError(f"kinds {kinds} do not add up to {count} samples")
+    first, second, at = [], [], 0
+    for size in kinds:
+        first += range(at, at + size // 2)
+        second += range(at + size // 2, at + size)
+        at += size
+    return ({k: v[first] for k, v in data.items()}, {k: v[second] for k, v in data.items()})
+
+
+#: ``--split``: ``kinds`` (each half the same mix of kinds, the default) or ``order`` (the first and the
+#: second half in the order `inputs` builds them: the detector's and the orientation classifier's
+#: judged half all photos, their unseen half all pages; the split of runs before 2026-11-27 07:00 UTC).
+SPLITS = ("kinds", "order")
+
+
+def halves(name: str, data: Dict[str, np.ndarray], split: str = "kinds"):
+    """`_halves` of model ``name``'s evaluation inputs: each half with the same mix of kinds, or with
+    ``split="order"`` the first and second half as built."""
+    return _halves(data, EVAL_KINDS.get(name) if split == "kinds" else None)
 
 
 def measure_peers(path: Path, calib, unseen, peers, timeout: float) -> List[PeerRun]:
@@ -240,6 +271,25 @@ def measure_peers(path: Path, calib, unseen, peers, timeout: float) -> List[Peer
     ``unseen`` (the half of the evaluation inputs ``--optimize accuracy`` is measured on)."""
     runs = run_peers(path, calib, path.parent / "peers", peers=peers, timeout=timeout,
                      log=lambda text: print(text, file=sys.stderr, flush=True))
+    return score_peers(path, runs, calib, unseen)
+
+
+def stored_peers(path: Path, peers) -> List[PeerRun]:
+    """``--rescore-peers``: the Q/DQ model each recipe of each peer wrote in an earlier run (under
+    ``peers/`` beside ``path``), not run again (a recipe whose model is not there: "no stored
+    model"); their times are those of the run that wrote them, not known here."""
+    runs = []
+    for peer in peers:
+        for recipe in PEERS[peer][2]:
+            model = path.parent / "peers" / f"{path.stem}.{peer}-{recipe}.onnx"
+            found = model.exists()
+            runs.append(PeerRun(peer, recipe, model=str(model) if found else None,
+                                error="" if found else "no stored model", notes={"rescored": True}))
+    return runs
+
+
+def score_peers(path: Path, runs: List[PeerRun], calib, unseen) -> List[PeerRun]:
+    """Each run's output cosine against the float model at ``path`` on ``calib`` and ``unseen``."""
     for run in runs:
         if run.model is None:
             continue
@@ -252,16 +302,20 @@ def measure_peers(path: Path, calib, unseen, peers, timeout: float) -> List[Peer
 
 
 def measure(name: str, path: Path, *, peers=tuple(PEERS), peer_timeout: float = 300.0,
-            peers_only: bool = False) -> dict:
+            peers_only: bool = False, split: str = "kinds", rescore: bool = False) -> dict:
     import onnx_qat
 
     calib, evaluation = inputs(name, "calib"), inputs(name, "eval")
-    unseen = _halves(evaluation)[1]
-    row = {"model": name, "about": MODELS[name][2], "calib_samples": len(next(iter(calib.values()))),
+    unseen = halves(name, evaluation, split)[1]
+    row = {"model": name, "about": MODELS[name][2], "split": split,
+           "calib_samples": len(next(iter(calib.values()))),
            "eval_samples": len(next(iter(evaluation.values()))),
            "unseen_samples": len(next(iter(unseen.values())))}
+    if rescore:
+        row["peers"] = [r.to_dict() for r in score_peers(path, stored_peers(path, peers), calib, unseen)]
     if peers_only:
-        row["peers"] = [r.to_dict() for r in measure_peers(path, calib, unseen, peers, peer_timeout)]
+        if not rescore:
+            row["peers"] = [r.to_dict() for r in measure_peers(path, calib, unseen, peers, peer_timeout)]
         return row
     for method in METHODS:
         start = time.perf_counter()
@@ -270,14 +324,14 @@ def measure(name: str, path: Path, *, peers=tuple(PEERS), peer_timeout: float = 
                        "seconds": time.perf_counter() - start, "int8": _weighted_share(result)}
         if method == "auto":
             row[method]["cosine_unseen"] = _cosine(str(path), result.model, unseen)
-    if peers:
+    if peers and not rescore:
         row["peers"] = [r.to_dict() for r in measure_peers(path, calib, unseen, peers, peer_timeout)]
-    row["optimize"] = optimized(path, calib, evaluation)
+    row["optimize"] = optimized(path, calib, evaluation, name, split)
     start = time.perf_counter()
     try:
         # the search judges on the first half of the evaluation inputs; the cosine is measured on
         # the other half, which neither calibration nor the search saw
-        search, unseen = _halves(evaluation)
+        search, unseen = halves(name, evaluation, split)
         result = onnx_qat.quantize(str(path), data=calib, eval_data=search, min_cosine=MIN_COSINE,
                                    progress=False)
         info = result.accuracy
@@ -305,13 +359,13 @@ def _ranges_row(ranges) -> dict:
             "runs": ranges.get("runs")}
 
 
-def optimized(path: Path, calib, evaluation) -> dict:
-    """``--optimize accuracy``: the steps are judged on the first half of the evaluation inputs, the
+def optimized(path: Path, calib, evaluation, name: str = "", split: str = "kinds") -> dict:
+    """``--optimize accuracy``: the steps are judged on one half of the evaluation inputs (`halves`), the
     cosine is measured on the other half (neither calibrated nor judged on)."""
     import onnx_qat
 
     start = time.perf_counter()
-    judge, unseen = _halves(evaluation)
+    judge, unseen = halves(name, evaluation, split)
     result = onnx_qat.quantize(str(path), data=calib, eval_data=judge, optimize="accuracy", progress=False)
     info = result.accuracy
     return {"cosine": _cosine(str(path), result.model, unseen), "judged_cosine": info["cosine_after"],
@@ -398,6 +452,14 @@ def main(argv=None) -> int:
                         help=f"comma-separated peers to measure (default: all of {', '.join(PEERS)})")
     parser.add_argument("--peer-timeout", type=float, default=300.0,
                         help="seconds one recipe of one peer may take on one model before it is stopped")
+    parser.add_argument("--split", choices=SPLITS, default="kinds",
+                        help="how the evaluation inputs are halved into the judged and the unseen half: "
+                             "kinds (each half the same mix of photos and pages, the default) or order "
+                             "(first and second half as built: the detector's and the orientation "
+                             "classifier's unseen half then holds only pages)")
+    parser.add_argument("--rescore-peers", action="store_true",
+                        help="run no peer: score the Q/DQ models the peers wrote in an earlier run (under "
+                             "WORKDIR/models/peers) on this run's calibration inputs and unseen half")
     parser.add_argument("--peers-only", action="store_true",
                         help="measure the peers only (for --render to merge into a run of ours)")
     parser.add_argument("--render", nargs="+", metavar="JSON", default=None,
@@ -406,7 +468,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.render:
         return _write(rendered(args.render), args.out)
-    peers = () if args.no_peer else tuple(p for p in args.peers.split(",") if p)
+    peers = () if args.no_peer and not args.rescore_peers else tuple(p for p in args.peers.split(",") if p)
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         parser.error(f"unknown peer(s) {', '.join(unknown)}: choose among {', '.join(PEERS)}")
@@ -420,7 +482,7 @@ def main(argv=None) -> int:
         print(f"[real-models] {name} ...", file=sys.stderr, flush=True)
         try:
             rows.append(measure(name, where, peers=peers, peer_timeout=args.peer_timeout,
-                                peers_only=args.peers_only))
+                                peers_only=args.peers_only, split=args.split, rescore=args.rescore_peers))
         except Exception as exc:  # one model failing must not hide the others
             rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

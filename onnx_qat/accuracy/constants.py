@@ -1,6 +1,6 @@
 """Reading and rewriting float32 constants (initializers or ``Constant`` nodes) of a private model copy,
-for the passes that rescale or round weights (`onnx_qat.accuracy.equalize`,
-`onnx_qat.accuracy.smooth`, `onnx_qat.accuracy.rounding`, `onnx_qat.accuracy.bias_correction`)."""
+for the passes that rescale or refit weights (`onnx_qat.accuracy.equalize`,
+`onnx_qat.accuracy.smooth`, `onnx_qat.accuracy.reconstruct`)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -72,8 +72,13 @@ _TYPES_KEY, _BLOCKS_KEY = "quantized_type", "block_size"
 
 def _read_quantized_type(g, node) -> Optional[int]:
     """`quantized_type` read from the node (no memo)."""
-    if node.zp and g.is_constant(node.zp):
-        return g.elem_type(node.zp)
+    zp = node.zp
+    if zp:
+        info = g._stored.get(zp)  # read by rule C4's batch already, in the usual case
+        if info is not None:
+            return info[0]
+        if g.is_constant(zp):
+            return g.elem_type(zp)
     if node.is_q:
         return _int_attr(node.attrs, "output_dtype")
     return g.elem_type(node.data)

@@ -26,6 +26,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..graph.index import subgraphs_of
+from .scale_grid import fp16_round_up
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +72,16 @@ class LowType:
     def round_up(self, values: np.ndarray) -> np.ndarray:
         """``values`` (float32, none negative) rounded to this type toward +inf, as float32: for each,
         the smallest value of the type not below it (a Q/DQ scale stored so that the range it
-        quantizes never shrinks)."""
+        quantizes never shrinks). FP16: `onnx_qat.formats.scale_grid.fp16_round_up`, the one FP16
+        round-up, which the scale grid puts calibrated ranges on."""
         values = np.asarray(values, dtype=np.float32)
+        if self.onnx_type == TensorProto.FLOAT16:
+            return fp16_round_up(values)
         nearest = self.round(values)
         below = nearest < values
         if not np.any(below):
             return nearest
-        if self.onnx_type == TensorProto.FLOAT16:
-            with np.errstate(over="ignore"):
-                above = np.nextafter(nearest.astype(np.float16), np.float16(np.inf)).astype(np.float32)
-        else:
-            above = _bf16_bits_to_float(_float_to_bf16_bits(nearest) + np.uint16(1))
+        above = _bf16_bits_to_float(_float_to_bf16_bits(nearest) + np.uint16(1))
         return np.where(below, above, nearest)
 
     def tensor(self, name: str, values: np.ndarray) -> TensorProto:

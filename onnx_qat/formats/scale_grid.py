@@ -110,8 +110,9 @@ def fp16_neighbours(scale: np.ndarray) -> tuple:
 
 def fp16_round_up(scale: np.ndarray) -> np.ndarray:
     """For each float32 ``scale`` (>= 0), the smallest FP16 value not below it, as float32; inf above
-    FP16's largest value (the same rounding as `onnx_qat.formats.float_cast.LowType.round_up`, which
-    the FP16 conversion rounds scales up with; tested to agree)."""
+    FP16's largest value. The one FP16 round-up: the FP16 conversion rounds scales up with it too
+    ([`LowType.round_up`][onnx_qat.formats.float_cast.LowType.round_up] of ``FP16``), so the grid and
+    the conversion cannot disagree."""
     scale = np.asarray(scale, np.float32)
     with np.errstate(over="ignore"):
         half = scale.astype(np.float16)

@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -367,21 +367,33 @@ def _attr_value(attribute):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
-def input_shapes(model, batch: int) -> Dict[str, Tuple[int, ...]]:
-    """Static shapes of every tensor of ``model`` (onnx shape inference; symbolic or unknown first
-    dimensions of graph inputs set to ``batch``); tensors whose shape stays unknown are left out."""
+def input_shapes(model, batch: int, samples: Optional[Mapping[str, Sequence[int]]] = None
+                 ) -> Dict[str, Tuple[int, ...]]:
+    """Static shapes of every tensor of ``model`` (onnx shape inference); tensors whose shape stays
+    unknown are left out. Symbolic or unknown dimensions of graph inputs are set to: ``batch`` for the
+    first; for the others, the size one sample of the data has there (``samples``: graph input name ->
+    the shape of one feed at batch 1, as the calibration data gives it, e.g. a detector's height and
+    width), else 1. Without ``samples`` a model whose image size is symbolic would be timed on 1 x 1
+    images, which says nothing of its speed at the sizes it runs at."""
     import onnx
 
     probe = _without_weight_data(model)
     inits = {i.name for i in probe.graph.initializer}
+    samples = samples or {}
     for value in probe.graph.input:
         if value.name in inits:
             continue
         dims = value.type.tensor_type.shape.dim
+        given = tuple(samples.get(value.name, ()))
         for position, dim in enumerate(dims):
             if not dim.HasField("dim_value") or dim.dim_value <= 0:
                 dim.Clear()
-                dim.dim_value = batch if position == 0 else 1
+                if position == 0:
+                    dim.dim_value = batch
+                elif len(given) == len(dims) and given[position] > 0:
+                    dim.dim_value = int(given[position])
+                else:
+                    dim.dim_value = 1
     try:
         inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True)
     except Exception as exc:  # noqa: BLE001 - shape inference failing leaves every site unmeasured
@@ -525,7 +537,8 @@ class LatencyDecision:
 
 
 def decide(model, index: GraphIndex, placement: Placement, *, profile=None, threads: int = 0,
-           batch: int = 1, save: bool = True, cpu_vnni: Optional[Mapping] = None) -> LatencyDecision:
+           batch: int = 1, save: bool = True, cpu_vnni: Optional[Mapping] = None,
+           samples: Optional[Mapping[str, Sequence[int]]] = None) -> LatencyDecision:
     """Time each site of ``placement`` (or read it from the profile) and decide float or integer.
 
     Args:
@@ -535,6 +548,8 @@ def decide(model, index: GraphIndex, placement: Placement, *, profile=None, thre
         threads: onnxruntime intra-op threads of the deployment session (0: its default).
         batch: the batch size symbolic first dimensions are timed at.
         save: write the extended profile back.
+        samples: one feed's shape per graph input (`sample_shapes`): the sizes other symbolic
+            dimensions are timed at (`input_shapes`).
         cpu_vnni: the weight-width choice (`resolve_cpu_vnni`); one made ``"auto"`` on this machine
             is recorded in the profile (``"cpu_vnni"``) when the profile is this machine's.
     """
@@ -547,7 +562,7 @@ def decide(model, index: GraphIndex, placement: Placement, *, profile=None, thre
         notes.append(f"latency profile {path} was measured on another machine or setup "
                      f"({_describe(loaded.machine)}); its times are used as they are "
                      f"(this one: {_describe(here)})")
-    shapes = input_shapes(model, batch)
+    shapes = input_shapes(model, batch, samples)
     sites = sites_of(index, placement, shapes)
     unmeasurable = sorted({w.node for w in placement.weights} - {s.node for s in sites}
                           & {n.name for n in index.nodes if n.op_type in SITE_OPS})
@@ -760,16 +775,18 @@ class LatencyOptions:
 
 
 def place_by_latency(model, index: GraphIndex, placement: Placement, policy, config,
-                     options: LatencyOptions, cpu_vnni: Optional[Mapping] = None
+                     options: LatencyOptions, cpu_vnni: Optional[Mapping] = None,
+                     samples: Optional[Mapping[str, Sequence[int]]] = None
                      ) -> Tuple[Placement, LatencyDecision]:
     """Decide (`decide`) and, when some sites stay float, place again with them excluded; the
     placement decisions of those sites say rule CPU3 with both measured times. ``cpu_vnni``: the
-    weight-width choice, recorded in the profile (see `decide`)."""
+    weight-width choice, recorded in the profile (see `decide`); ``samples``: one feed's shape per
+    graph input (`sample_shapes`), the sizes symbolic dimensions other than the batch are timed at."""
     import re
     from dataclasses import replace
 
     decision = decide(model, index, placement, profile=options.profile, threads=options.threads,
-                      batch=options.batch, cpu_vnni=cpu_vnni)
+                      batch=options.batch, cpu_vnni=cpu_vnni, samples=samples)
     for note in decision.notes:
         logger.warning("%s", note)
     if not decision.kept_float:
@@ -784,16 +801,34 @@ def place_by_latency(model, index: GraphIndex, placement: Placement, policy, con
     return replace(placed, decisions=decisions, notes=placed.notes + decision.notes + (note,)), decision
 
 
-def timing_feeds(float_model, batch: int):
+def sample_shapes(data, model) -> Dict[str, Tuple[int, ...]]:
+    """One feed's shape per graph input (batch 1) from calibration ``data`` (any form
+    `onnx_qat.io.data.load_data` takes), for `input_shapes`; empty when the data is a stream of feeds
+    (read once: it is not read ahead here) or gives no feed. Raises what `load_data` raises on bad data."""
+    from ..io.data import Dataset, load_data
+    from ..io.feeds import is_feed_source
+    from ..io.layout import split_layout
+
+    if data is None or is_feed_source(split_layout(data)[0]):  # a stream: reading it here would use it up
+        return {}
+    dataset = data if isinstance(data, Dataset) else load_data(data, model, what="calibration data")
+    if not isinstance(dataset, Dataset):
+        return {}
+    first = next(iter(dataset.batches(1)), {})
+    return {name: tuple(int(d) for d in np.shape(array)) for name, array in first.items()}
+
+
+def timing_feeds(float_model, batch: int, samples: Optional[Mapping[str, Sequence[int]]] = None):
     """The inputs the whole model is timed on: for each graph input of ``float_model`` (a ModelProto or
     its serialized bytes), standard normal float32 values (seed 0) at its shape with symbolic batch
-    dimensions set to ``batch`` (`input_shapes`); or, when an input is not a float32 tensor of known
-    shape, a sentence saying so (the model is then not timed)."""
+    dimensions set to ``batch`` and other symbolic dimensions to one sample's (``samples``, see
+    `input_shapes`); or, when an input is not a float32 tensor of known shape, a sentence saying so
+    (the model is then not timed)."""
     import onnx
 
     if isinstance(float_model, bytes):
         float_model = onnx.load_from_string(float_model)
-    shapes = input_shapes(float_model, batch)
+    shapes = input_shapes(float_model, batch, samples)
     inits = {i.name for i in float_model.graph.initializer}
     feeds, rng = {}, np.random.default_rng(0)
     for value in float_model.graph.input:
@@ -881,5 +916,6 @@ __all__ = ["LatencyProfile", "LatencyDecision", "LatencyOptions", "Site", "decid
            "whole_model_timing", "machine_key", "default_profile_path",
            "sites_of", "input_shapes", "measure_kind", "time_models", "kept_float_decisions", "RULE",
            "KERNEL_FLAGS", "WIDE_DOT_FLAGS", "fallback_sites", "fallback_timing", "wide_dot_products",
-           "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "timing_key", "MAX_WHOLE_MODEL_TIMINGS",
+           "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "sample_shapes", "timing_key",
+           "MAX_WHOLE_MODEL_TIMINGS",
            "cpuid_flags", "CPUID_BITS"]

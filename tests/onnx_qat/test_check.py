@@ -646,3 +646,36 @@ def test_unnamed_nodes_are_named_by_op_and_position_also_inside_subgraphs():
                   "<If #0>/else_branch/<QuantizeLinear #0>", "<If #0>/else_branch/inner_dq",
                   "<If #0>/then_branch/<QuantizeLinear #0>", "<If #0>/then_branch/inner_dq"]
     assert report.num_q == 3 and report.num_dq == 3
+
+
+def test_quantized_types_are_the_same_from_c4s_stored_facts_and_from_the_nodes():
+    """Each Q/DQ node's quantized type is read from the zero point's stored facts once rule C4's batch has
+    read them, and from the protobuf otherwise: the same types either way (int8, uint8, a zero point made
+    by an Identity of an initializer, a QuantizeLinear without one)."""
+    from onnx_qat.check import rules_formats, rules_values
+    from onnx_qat.check.index import _all_graphs
+
+    b = Builder()
+    a = b.qdq("x", "int8")
+    u = b.qdq(a, "uint8", zp=128, zp_dtype=np.uint8)
+    n = b.qdq(u, "none", with_zp=False)
+    zp = b.add("Identity", [b.init("z0", np.int8(0))], "zp_identity")
+    q = b.add("QuantizeLinear", [n, b.init("s0", np.float32(0.1)), zp], "via_identity_q")
+    y = b.add("DequantizeLinear", [q, "s0", zp], "via_identity_dq")
+    b.output(y)
+    model = b.model()
+
+    def types(after_c4: bool):
+        graphs = _all_graphs(model, 17, None)
+        if after_c4:
+            list(rules_values.rule_c4_zero_points(model, graphs))
+            assert graphs[0]._stored, "rule C4 read the zero points' facts"
+        found = rules_formats.quantized_types(graphs[0])
+        return {graphs[0].name(pos): t for pos, t in found.items()}
+
+    # none_dq has an int8 zero point (Builder.qdq gives the DQ one); a zero point through an Identity has no
+    # type the check can read without shape inference (None), read either way
+    expected = {"int8_q": 3, "int8_dq": 3, "uint8_q": 2, "uint8_dq": 2, "none_q": None, "none_dq": 3,
+                "via_identity_q": None, "via_identity_dq": None}
+    assert types(after_c4=False) == expected
+    assert types(after_c4=True) == expected

@@ -1,13 +1,14 @@
 """Sequential reconstruction (`onnx_qat.accuracy.reconstruct`) and the smoothing of depthwise Conv inputs
 (`onnx_qat.accuracy.smooth`), on graphs built in code."""
+import numpy as np
 import onnx
 import pytest
 
 import onnx_qat
-from onnx_qat.accuracy.reconstruct import reconstruct
+from onnx_qat.accuracy.reconstruct import changed, reconstruct
 from onnx_qat.accuracy.smooth import smooth
 from onnx_qat.scales import ScaleTable
-from tests.builders import assert_check_clean, cosine, run
+from tests.builders import GraphBuilder, assert_check_clean, cosine, run
 from tests.onnx_qat.test_accuracy_optimize import _assert_same_function, _copy, _feeds, spread_pair_model
 
 
@@ -44,8 +45,78 @@ def test_reconstruction_keeps_round_to_nearest_with_too_few_rows():
     model = spread_pair_model(0, spread=30.0, size=2)
     calib = _feeds(0, n=1, size=2)  # 4 positions: conv1 needs 4 x 4 rows, conv2 4 x 9, conv3 4 x 16
     _, plain = _quantized(model, calib)
-    records, ranges = reconstruct(_copy(model), _copy(plain.model), plain.placement, calib)
+    fitted, qdq = _copy(model), _copy(plain.model)
+    records, ranges = reconstruct(fitted, qdq, plain.placement, calib)
     assert not ranges and all(r["method"] == "rtn" and "rows" in r["reason"] for r in records), records
+    assert _int8(qdq) == _int8(plain.model) and fitted == model
+
+
+def _int8(model) -> dict:
+    return {t.name: t.SerializeToString() for t in model.graph.initializer
+            if t.data_type == onnx.TensorProto.INT8}
+
+
+def head_model(seed: int = 0, channels: int = 32, classes: int = 16, size: int = 8,
+               spread: float = 300.0) -> onnx.ModelProto:
+    """A classifier's head: conv (3x3, 4 -> C, bias) -> Relu -> GlobalAveragePool -> Flatten -> head
+    (MatMul C -> classes) -> Add (bias) -> output. conv's first output channel is ``spread`` times the
+    others, so the pooling input's one INT8 scale rounds the other channels to a few levels and the
+    pooled values lose a shift that every input shares; the head has one row per sample, too few for a
+    weight fit (the full pass leaves it at round to nearest)."""
+    b = GraphBuilder("head", seed)
+    x = b.input("input", ["N", 4, size, size])
+    w1 = (b.rng.standard_normal((channels, 4, 3, 3)) * 0.3).astype(np.float32)
+    w1[0] *= spread
+    b1 = (np.abs(b.rng.standard_normal(channels)) * 0.2).astype(np.float32)
+    y = b.node("Conv", [x, b.const("conv.weight", w1), b.const("conv.bias", b1)], name="conv",
+               kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    y = b.node("Relu", [y], name="act")
+    y = b.node("GlobalAveragePool", [y], name="pool")
+    y = b.node("Flatten", [y], name="flatten")
+    w2 = (b.rng.standard_normal((channels, classes)) * 0.5).astype(np.float32)
+    y = b.node("MatMul", [y, b.const("head.weight", w2)], name="head")
+    b.node("Add", [y, b.const("head.bias", np.zeros(classes, np.float32))], "output", name="head_bias")
+    b.output("output")
+    return b.build()
+
+
+def _head_feeds(seed: int, n: int = 16, size: int = 8):
+    return {"input": np.random.default_rng(seed).standard_normal((n, 4, size, size)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bias_correction_alone_removes_the_shift_a_head_is_left_with(seed):
+    """``weights=False``: every op keeps its round-to-nearest integers (the inserter stores the same
+    bytes) and takes the mean shift of its output on the Q/DQ model's input into its bias; the head
+    (16 rows for 32 reduction rows, left at round to nearest by the full pass) loses the shift of its
+    pooled input, and the output error on unseen inputs falls by a quarter or more; check passes."""
+    model = head_model(seed)
+    calib, unseen = _head_feeds(seed), _head_feeds(100 + seed)
+    table, plain = _quantized(model, calib)
+    full, _ = reconstruct(_copy(model), _copy(plain.model), plain.placement, calib)
+    assert {r["node"]: r["method"] for r in full} == {"conv": "reconstructed", "head": "rtn"}, full
+    fitted, qdq = _copy(model), _copy(plain.model)
+    records, ranges = reconstruct(fitted, qdq, plain.placement, calib, weights=False)
+    assert {r["node"]: r["method"] for r in records} == {"conv": "bias", "head": "bias"}, records
+    assert changed(records) == 2 and not ranges
+    rebuilt = onnx_qat.quantize(fitted, scales=table, progress=False)
+    assert_check_clean(rebuilt.model)
+    assert _int8(rebuilt.model) == _int8(plain.model)
+    ref = run(model, unseen)[0]
+    before, after = cosine(run(plain.model, unseen)[0], ref), cosine(run(rebuilt.model, unseen)[0], ref)
+    assert 1 - after < 0.75 * (1 - before), (before, after)
+
+
+def test_bias_correction_alone_is_deterministic():
+    model = head_model(1)
+    calib = _head_feeds(1)
+    _, plain = _quantized(model, calib)
+    out = []
+    for _ in range(2):
+        fitted = _copy(model)
+        reconstruct(fitted, _copy(plain.model), plain.placement, calib, weights=False)
+        out.append(fitted.SerializeToString())
+    assert out[0] == out[1]
 
 
 def test_reconstruction_is_deterministic():
@@ -96,3 +167,28 @@ def test_reconstruction_leaves_a_graph_it_cannot_cut_alone():
     records, ranges = reconstruct(fitted, unsorted, plain.placement, calib)
     assert not ranges and "pieces" in records[0]["reason"]
     assert fitted.SerializeToString() == model.SerializeToString()
+
+
+@pytest.mark.parametrize("dims", [1, 3])
+def test_optimize_accuracy_keeps_round_to_nearest_for_a_conv_that_is_not_2d(dims):
+    """A 1-D or 3-D Conv keeps round to nearest, with its reason, where the reconstruction (2-D patches)
+    raised an IndexError before; the MatMul after it is still fitted and the model passes check."""
+    import numpy as np
+
+    from tests.builders import GraphBuilder, random_inputs
+
+    b = GraphBuilder("conv_nd", dims)
+    spatial = [12] * dims
+    x = b.input("input", ["N", 16, *spatial])
+    h = b.node("Conv", [x, b.weight("c.weight", [16, 16, *[3] * dims])], name="c", pads=[1] * (2 * dims))
+    h = b.node("Relu", [h], name="relu")
+    b.node("MatMul", [h, b.weight("fc.weight", [12, 24])], "output", name="fc")
+    b.output("output")
+    model = b.build()
+    data = {k: v * np.float32(3.0) for k, v in random_inputs(model, num=24, seed=dims).items()}
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    step = next(s for s in result.accuracy["steps"] if s["step"] == "reconstruct")
+    layers = {r["node"]: r for r in step["layers"]}
+    assert layers["c"] == {"node": "c", "method": "rtn", "reason": "not a 2-D Conv"}
+    assert layers["fc"]["rows"] > 0 and "rtn_error" in layers["fc"], layers["fc"]
+    assert_check_clean(result.model)

@@ -200,13 +200,21 @@ def test_the_fp16_form_tracks_the_fp32_form(build, seed, scale):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_grids_round_up_is_the_conversions(seed):
-    """The grid's FP16 round-up is the conversion's (`LowType.round_up`), and every scale the grid
-    moves is that round-up of the float32 scale, itself rounded up from ``amax / 127``; the others
-    are left as given (beyond FP16, deep in its subnormals, or FP16 values already)."""
+    """The grid's FP16 round-up (the one the conversion's `LowType.round_up` calls for FP16) gives the
+    smallest FP16 value not below each float32 (from a table of every finite FP16 value; inf above
+    65504), and every scale the grid moves is that round-up of the float32 scale, itself rounded up
+    from ``amax / 127``; the others are left as given (beyond FP16, deep in its subnormals, or FP16
+    values already)."""
     from onnx_qat.formats.scale_grid import fp16_grid_values, fp16_round_up
 
     floats = np.exp(np.random.default_rng(seed).uniform(np.log(1e-9), np.log(1e6), 5000)).astype(np.float32)
-    assert np.array_equal(fp16_round_up(floats), FP16.round_up(floats))
+    floats[:5] = [0.0, 2.0 ** -24, 65504.0, 65504.5, 2.0 ** -26]  # zero, the ends of FP16, between them
+    table = np.arange(1 << 15, dtype=np.uint16).view(np.float16).astype(np.float32)  # every value >= 0
+    table = table[np.isfinite(table)]
+    at = np.searchsorted(table, floats, side="left")
+    want = np.where(at < len(table), table[np.minimum(at, len(table) - 1)], np.float32(np.inf))
+    assert np.array_equal(fp16_round_up(floats), want) and np.array_equal(FP16.round_up(floats), want)
+    assert fp16_round_up(floats[:5]).tolist() == [0.0, 2.0 ** -24, 65504.0, np.inf, 2.0 ** -24]
     values = np.exp(np.random.default_rng(seed).uniform(np.log(1e-9), np.log(1e6), 5000)) * 127.0
     got = np.asarray(fp16_grid_values(values.tolist(), 127.0))
     scale = (values / 127.0).astype(np.float32)

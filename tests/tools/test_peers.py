@@ -175,3 +175,42 @@ def test_ort_quantize_static_adapter(tmp_path, recipe):
     zero_points = [i for i in quantized.graph.initializer if "zero_point" in i.name]
     values = [onnx.numpy_helper.to_array(z) for z in zero_points]  # (biases: int32, zero point 0)
     assert values and all(v.dtype in (np.int8, np.int32) and not v.any() for v in values)  # symmetric
+
+
+def test_halves_by_kind_give_each_half_the_same_mix():
+    """tools/real_models.py's evaluation halves: by kind (the default), each half takes the first or the
+    second half of every kind of input (the orientation classifier's 8 photos, then 8 pages); in order,
+    the first and the second half as built."""
+    from tools.real_models import EVAL_KINDS, _halves, halves
+
+    data = {"x": np.arange(16)}
+    judged, unseen = halves("orientation", data)
+    assert EVAL_KINDS["orientation"] == (8, 8)
+    assert judged["x"].tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert unseen["x"].tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+    judged, unseen = halves("orientation", data, "order")
+    assert judged["x"].tolist() == list(range(8)) and unseen["x"].tolist() == list(range(8, 16))
+    judged, unseen = halves("ocr-cls", data)  # one kind: as built
+    assert judged["x"].tolist() == list(range(8))
+    judged, unseen = halves("ocr-det", {"x": np.arange(8)})
+    assert judged["x"].tolist() == [0, 1, 4, 5] and unseen["x"].tolist() == [2, 3, 6, 7]
+    with pytest.raises(ValueError, match="add up"):
+        _halves(data, (4, 4))
+
+
+def test_rescored_peers_are_scored_from_their_stored_models(tmp_path):
+    """``--rescore-peers``: the Q/DQ models an earlier run stored under peers/ are scored on the given
+    inputs, never run again; a recipe without a stored model says so; the cell shows no time."""
+    from tools.real_models import score_peers, stored_peers
+
+    model = mobilenet_v2_model(size=16, batch="N")
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    (tmp_path / "peers").mkdir()
+    onnx.save(model, str(tmp_path / "peers" / "m.ort-minmax.onnx"))  # a stored "Q/DQ" model: the float one
+    feeds = random_inputs(model, num=2, seed=0)
+    runs = score_peers(path, stored_peers(path, ("ort",)), feeds, feeds)
+    assert [r.recipe for r in runs] == list(peers.PEERS["ort"][2])
+    assert runs[0].cosine_unseen == pytest.approx(1.0) and runs[0].cosine_calib == pytest.approx(1.0)
+    assert all(r.error == "no stored model" and r.cosine_unseen is None for r in runs[1:])
+    assert peers.cell(runs, "ort").startswith("minmax **1.0000** (rescored); entropy: no stored model")
