@@ -73,9 +73,9 @@ def _keras_inputs(path: Path, size: int, split: str, large: bool = False) -> Dic
     return {name: images(count, size, seed=1 if split == "calib" else 2)}
 
 
-def _angle_lines(count: int = 256, seed: int = 0) -> Dict[str, np.ndarray]:
-    """``count`` text lines for the PP-OCR angle classifier, none of them a calibration line: random
-    phrases of 2-6 words of the evaluation vocabulary, every other one turned by 180 degrees."""
+def _eval_phrases(count: int, seed: int):
+    """``count`` random phrases of 2-6 words of the evaluation vocabulary (seeded), none a calibration
+    line."""
     import random
 
     from tools import real_models
@@ -87,6 +87,16 @@ def _angle_lines(count: int = 256, seed: int = 0) -> Dict[str, np.ndarray]:
         text = " ".join(rng.choice(vocab) for _ in range(rng.randint(2, 6)))
         if text not in real_models.CALIB_WORDS:
             texts.append(text)
+    return texts
+
+
+def _angle_lines(count: int = 256, seed: int = 0) -> Dict[str, np.ndarray]:
+    """``count`` text lines for the PP-OCR angle classifier, none of them a calibration line: random
+    phrases of 2-6 words of the evaluation vocabulary, every other one turned by 180 degrees."""
+
+    from tools import real_models
+
+    texts = _eval_phrases(count, seed)
     images = [real_models._text_image(t, 48, 192, angle=180 * (i % 2)) for i, t in enumerate(texts)]
     return {"x": real_models._normalise(images, (0.5,) * 3, (0.5,) * 3)}
 
@@ -94,17 +104,10 @@ def _angle_lines(count: int = 256, seed: int = 0) -> Dict[str, np.ndarray]:
 def _recognizer_lines(count: int = 128, seed: int = 0) -> Dict[str, np.ndarray]:
     """The PP-OCRv4 recognizer's 16 evaluation lines and ``count`` more: random phrases of 2-6 words of
     the evaluation vocabulary (seeded, none a calibration line), rendered and normalized as its inputs."""
-    import random
 
     from tools import real_models
 
-    rng = random.Random(seed)
-    vocab = " ".join(real_models.EVAL_WORDS).split()
-    texts = []
-    while len(texts) < count:
-        text = " ".join(rng.choice(vocab) for _ in range(rng.randint(2, 6)))
-        if text not in real_models.CALIB_WORDS:
-            texts.append(text)
+    texts = _eval_phrases(count, seed)
     images = [real_models._text_image(t, 48, 320) for t in texts]
     more = real_models._normalise(images, (0.5,) * 3, (0.5,) * 3)
     return {"x": np.concatenate([real_models.inputs("ocr-rec", "eval")["x"], more])}
