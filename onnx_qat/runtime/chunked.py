@@ -173,10 +173,7 @@ class ChunkedSession:
         `bind` call, the others at each run."""
         found = piece.bindings.get(id(session))
         if found is None:
-            binding = session.io_binding()
-            for t in piece.outputs:
-                binding.bind_output(t)
-            found = piece.bindings[id(session)] = [binding, 0]
+            found = piece.bindings[id(session)] = [session.io_binding(), 0]
         binding = found[0]
         if found[1] != self._binds:  # the constants changed (or were never bound here)
             for t in piece.bound:
@@ -184,6 +181,8 @@ class ChunkedSession:
             found[1] = self._binds
         for t in piece.fed:
             binding.bind_cpu_input(t, np.ascontiguousarray(live[t]))
+        for t in piece.outputs:  # unallocated each run: a binding keeps the last run's outputs, and
+            binding.bind_output(t)  # onnxruntime refuses them as buffers for a batch of another size
         session.run_with_iobinding(binding, run_options)
         return binding.copy_outputs_to_cpu()
 
