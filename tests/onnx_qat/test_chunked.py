@@ -68,8 +68,9 @@ def _scaled_model():
 
     nodes = [helper.make_node("Mul", ["x", "s"], ["m"]), helper.make_node("Relu", ["m"], ["r"]),
              helper.make_node("Add", ["r", "x"], ["y"])]
-    graph = helper.make_graph(nodes, "scaled", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5]),
-                                                helper.make_tensor_value_info("s", TensorProto.FLOAT, [])],
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5]),
+              helper.make_tensor_value_info("s", TensorProto.FLOAT, [])]
+    graph = helper.make_graph(nodes, "scaled", inputs,
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
