@@ -17,7 +17,8 @@ model and placement its caller already holds (the rewrite behind
 * one set of sessions for it, piece by piece (`onnx_qat.runtime.chunked.ChunkedSession`: their cost
   grows linearly with the graph), graph optimisations off: exact Q/DQ arithmetic, as TensorRT
   computes it;
-* one run per table on the check batches, the table's scales fed as inputs.
+* one run per table on the check batches, the table's scales bound as inputs once per table
+  (`ChunkedSession.bind`).
 
 Tables that hold the same ranges everywhere are not judged: their runs would be the same, and the
 first (``max``) is kept.
@@ -127,10 +128,10 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     errors: Dict[str, np.ndarray] = {}
     energy = output_energy(calibration.reference)
     for name, amax in tables.items():
-        scales = _scale_feeds(placement, amax, scale_inputs, precision)
+        session.bind(_scale_feeds(placement, amax, scale_inputs, precision))  # once per table
         got: Dict[str, List[np.ndarray]] = {o: [] for o in outputs}
         for feed in calibration.check_feeds:
-            for o, value in zip(outputs, session.run(outputs, {**feed, **scales})):
+            for o, value in zip(outputs, session.run(outputs, feed)):
                 got[o].append(np.asarray(value))
         cosines[name] = worst_cosine(calibration.reference, {o: np.concatenate([v.ravel() for v in got[o]])
                                                              for o in outputs})

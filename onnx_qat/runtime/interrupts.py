@@ -8,7 +8,7 @@ main thread waits in short slices, so the handler (KeyboardInterrupt, or the CLI
 (``onnxruntime.RunOptions.terminate``) and the exception unwinds the main thread as usual, through
 every ``finally`` and `atomic_output`'s clean-up. A session build cannot be
 stopped: its thread is left to finish in the background, where nothing reads its result.
-`InterruptibleSession` wraps a session so that each ``run`` goes this way;
+`InterruptibleSession` wraps a session so that each ``run`` (and ``run_with_iobinding``) goes this way;
 `onnx_qat.runtime.sessions.make_session` returns one.
 """
 from __future__ import annotations
@@ -96,8 +96,8 @@ def interrupted() -> bool:
 
 
 class InterruptibleSession:
-    """An onnxruntime ``InferenceSession`` whose ``run`` goes through `call_interruptibly`
-    (every other attribute is the session's)."""
+    """An onnxruntime ``InferenceSession`` whose ``run`` and ``run_with_iobinding`` go through
+    `call_interruptibly` (every other attribute is the session's)."""
 
     __slots__ = ("_session", "_onnx_qat_weights")
 
@@ -106,17 +106,29 @@ class InterruptibleSession:
         self._onnx_qat_weights = weights  # the arrays onnxruntime reads the weights from
 
     def run(self, output_names, input_feed, run_options=None):
-        import onnxruntime as ort
-
-        options = run_options
-        if options is None:
-            options = ort.RunOptions()
-        elif threading.current_thread() is threading.main_thread():
-            options = _copy(ort, run_options)  # terminate must not stick to the caller's options
+        options = _own_options(run_options)
         return call_interruptibly(self._session.run, output_names, input_feed, options, run_options=options)
+
+    def run_with_iobinding(self, iobinding, run_options=None):
+        """The session's ``run_with_iobinding`` (inputs and outputs bound to ``iobinding``, made by
+        this session's ``io_binding()``), interruptible as `run` is."""
+        options = _own_options(run_options)
+        return call_interruptibly(self._session.run_with_iobinding, iobinding, options, run_options=options)
 
     def __getattr__(self, name):
         return getattr(self._session, name)
+
+
+def _own_options(run_options):
+    """The ``RunOptions`` a run uses: new ones, or on the main thread a copy of the caller's
+    (``terminate`` must not stick to them)."""
+    import onnxruntime as ort
+
+    if run_options is None:
+        return ort.RunOptions()
+    if threading.current_thread() is threading.main_thread():
+        return _copy(ort, run_options)
+    return run_options
 
 
 def _copy(ort, options):

@@ -208,3 +208,29 @@ def test_identical_tables_are_not_judged(monkeypatch):
     differ = replace(calibration, candidates={"max": dict(calibration.candidates["max"]), "tensor": halved})
     best, cosines = choice.choose(proto, placement, differ)
     assert set(cosines) == {"max", "tensor"} and cosines["max"] > cosines["tensor"] and best == "max"
+
+
+@pytest.mark.parametrize("chunk", [3, 2000])
+@pytest.mark.parametrize("name,build,options,seed,scale", CASES, ids=[c[0] for c in CASES])
+def test_bound_scales_give_the_fed_outputs(monkeypatch, name, build, options, seed, scale, chunk):
+    """`ChunkedSession.bind` (a table's scales bound once through onnxruntime's IOBinding, as `choose`
+    runs them) gives the outputs of the same scales fed with every run, bit for bit, for each table
+    in turn and again after the other table was bound; a feed of the other inputs suffices."""
+    model = build()
+    data = {k: v * scale for k, v in builders.random_inputs(model, num=12, seed=seed).items()}
+    (proto, placement, calibration), kwargs = _captured(monkeypatch, model, data, **options)
+    kw = {k: v for k, v in kwargs.items() if k in ("target", "precision", "block_size")}
+    judge, inputs = choice.judge_model(proto, placement, calibration.candidates["max"], **kw)
+    outputs = list(calibration.reference)
+    bound, fed = (ChunkedSession(judge, outputs, chunk_nodes=chunk) for _ in range(2))
+    precision = kw.get("precision", "int8")
+    tables = [calibration.candidates[t] for t in ("max", "tensor", "max")]
+    assert tables[0] != tables[1]
+    for table in tables:
+        scales = choice._scale_feeds(placement, table, inputs, precision)
+        bound.bind(scales)
+        for feed in calibration.check_feeds:
+            got, want = bound.run(outputs, feed), fed.run(outputs, {**feed, **scales})
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b)
+    assert any(piece.bindings for piece in bound.pieces) and not any(piece.bindings for piece in fed.pieces)

@@ -60,3 +60,36 @@ def test_a_smaller_last_batch_reuses_the_session_of_symbolic_batch():
         for value, want in zip(session.run(None, feed), expected.values()):
             np.testing.assert_array_equal(value, want)
     assert max(len(p.sessions) for p in session.pieces) == 1  # the batch axis is declared symbolic
+
+
+def _scaled_model():
+    """``y = relu(x * s) + x`` with ``x`` of symbolic batch [N, 5] and ``s`` a scalar input."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Mul", ["x", "s"], ["m"]), helper.make_node("Relu", ["m"], ["r"]),
+             helper.make_node("Add", ["r", "x"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5]),
+              helper.make_tensor_value_info("s", TensorProto.FLOAT, [])]
+    graph = helper.make_graph(nodes, "scaled", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_bound_inputs_with_batches_of_several_sizes():
+    """Inputs held by `bind` give the outputs of feeding them with every run, across batches of
+    different sizes through one session of symbolic batch, and a later `bind` replaces them."""
+    model = _scaled_model()
+    bound, fed = ChunkedSession(model, chunk_nodes=1), ChunkedSession(model, chunk_nodes=1)
+    rng = np.random.default_rng(0)
+    for scale in (0.5, -2.0):
+        s = np.array(scale, np.float32)
+        bound.bind({"s": s})
+        for batch in (4, 4, 3, 2):  # one session (symbolic batch), outputs of three sizes
+            x = rng.standard_normal((batch, 5)).astype(np.float32)
+            got, want = bound.run(None, {"x": x})[0], fed.run(None, {"x": x, "s": s})[0]
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(got, np.maximum(x * s, 0) + x)
+    assert bound.pieces[0].bound == ("s",) and not fed.pieces[0].bound
+    assert [len(p.sessions) for p in bound.pieces] == [1, 1, 1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -186,6 +187,42 @@ def test_sigterm_during_calibration_exits_cleanly(slow_workspace, command):
                                      f"cleanup)\n{stderr}")
     lines = support.error_lines(stderr)
     assert "Traceback" not in stderr and len(lines) == 1 and "terminated" in lines[0], stderr
+
+
+_BOUND_RUN = """
+import os, signal, sys, threading, time
+import numpy as np
+from onnx_qat.runtime import interrupts
+from onnx_qat.runtime.sessions import make_session
+from tests.reliability.test_atomic_and_signals import slow_model
+session = make_session(slow_model(), spin=False)
+binding = session.io_binding()
+binding.bind_cpu_input("input", np.ones((256, 48, 32, 32), np.float32))
+binding.bind_output("output")
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+started = time.monotonic()
+try:
+    session.run_with_iobinding(binding)
+    print("finished", time.monotonic() - started)
+except KeyboardInterrupt:
+    stopped = interrupts._interrupted[-1].done.is_set()  # the run itself ended, not only the wait
+    print("interrupted", time.monotonic() - started - 1.0, stopped)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_signal_inside_a_bound_run_stops_within_2_s():
+    """A run through onnxruntime's IOBinding (how ``auto``'s judgement runs its pieces with a table's
+    scales bound, `onnx_qat.runtime.chunked.ChunkedSession.bind`) is interrupted like a plain run: a
+    single run of about 15 s over 256 samples, SIGINT a second into it; KeyboardInterrupt reaches the
+    main thread within 2 s and the run itself stops (``RunOptions.terminate``)."""
+    proc = subprocess.run([sys.executable, "-c", _BOUND_RUN], capture_output=True, text=True,
+                          env=support.cli_env(), cwd=support.ROOT, timeout=120)
+    words = proc.stdout.split()
+    assert proc.returncode == 0 and words and words[0] == "interrupted", proc.stdout + proc.stderr
+    assert float(words[1]) < 2.0, f"interrupted {float(words[1]):.1f} s after the signal"
+    assert words[2] == "True", "the run went on after the signal"
 
 
 def big_weight_model(dim: int = 3072) -> onnx.ModelProto:
