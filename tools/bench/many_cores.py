@@ -73,7 +73,8 @@ def torchvision_onnx(name: str, path: Path) -> Path:
     import torchvision
 
     torch.manual_seed(0)
-    model = getattr(torchvision.models, name)(weights=None).eval()
+    model = getattr(torchvision.models, name)(weights=None)
+    model.train(False)  # inference mode: batch normalization from its running statistics
     example = torch.zeros(1, 3, 224, 224)
     tmp = path.with_suffix(".tmp.onnx")
     names = dict(input_names=["input"], output_names=["logits"])
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
         cases.append((label, lambda p=path: (Path(p), None)))
     detector: Optional[Tuple[Path, dict, dict]] = None
     if args.detector and args.detector_data:
-        with np.load(args.detector_data) as data:
+        with np.load(args.detector_data, allow_pickle=False) as data:
             calib, evaluation = data["calib"].astype(np.float32), data["eval"].astype(np.float32)
         detector = (Path(args.detector), {"x": calib}, {"x": evaluation})
         given = (calib, evaluation[:TEST_SAMPLES])
