@@ -195,7 +195,7 @@ import numpy as np
 from onnx_qat.runtime import interrupts
 from onnx_qat.runtime.sessions import make_session
 from tests.reliability.test_atomic_and_signals import slow_model
-session = make_session(slow_model(), spin=False)
+session = make_session(slow_model(layers=192), spin=False)  # 192 layers: seconds on an idle machine
 binding = session.io_binding()
 binding.bind_cpu_input("input", np.ones((256, 48, 32, 32), np.float32))
 binding.bind_output("output")
@@ -215,7 +215,8 @@ os._exit(0)
 def test_signal_inside_a_bound_run_stops_within_2_s():
     """A run through onnxruntime's IOBinding (how ``auto``'s judgement runs its pieces with a table's
     scales bound, `onnx_qat.runtime.chunked.ChunkedSession.bind`) is interrupted like a plain run: a
-    single run of about 15 s over 256 samples, SIGINT a second into it; KeyboardInterrupt reaches the
+    single run of 256 samples through 192 Conv layers (about 7 s on an idle 2-core machine, 0.8 s with
+    the 8 layers first used here), SIGINT a second into it; KeyboardInterrupt reaches the
     main thread within 2 s and the run itself stops (``RunOptions.terminate``)."""
     proc = subprocess.run([sys.executable, "-c", _BOUND_RUN], capture_output=True, text=True,
                           env=support.cli_env(), cwd=support.ROOT, timeout=120)
