@@ -285,10 +285,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
                     f"{len(dropped)} subgraph(s) (If branches, Loop/Scan bodies) left float")
             logger.warning("%s", note)
             placement = replace(placement, notes=placement.notes + (note,))
-        storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
-                   "full_range": getattr(adapted, "full_range", ()),
-                   "narrow_weights": getattr(adapted, "narrow_weights", ()),
-                   "range_scales": getattr(adapted, "range_scales", {})}
+        storage = _adapted_storage(adapted)
         finish = getattr(adapted, "finish", None)  # graph edits after insertion (ort-cpu: scale folds)
     # From given scales and without a target form's adapter nothing has changed the float model since it
     # was indexed: the edit takes its lookups from the index. Otherwise the index is freed here (placement
@@ -874,6 +871,15 @@ def _bias_guard(reference, corrected, plain) -> dict:
     return {"kept": kept, "error_corrected": errors[0], "error_plain": errors[1], "samples": len(reference)}
 
 
+def _adapted_storage(adapted) -> dict:
+    """The storage keywords of `insert_qdq_pairs` a target form's adaptation gives (zero points, unsigned
+    and narrow weights, full-range activations, range scales; empty where the form has none)."""
+    return {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
+            "full_range": getattr(adapted, "full_range", ()),
+            "narrow_weights": getattr(adapted, "narrow_weights", ()),
+            "range_scales": getattr(adapted, "range_scales", {})}
+
+
 def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, target_obj: Target, adapter,
                  calibrated: Mapping, fmt, config: QuantizeConfig, means=None, corrected=None):
     """The ort-cpu model with every site of ``placement`` (the placement before latency placement)
@@ -887,9 +893,7 @@ def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, ta
     note = ("ort-cpu latency placement: every site kept integer, which ran faster as a whole model than "
             "keeping the slower sites float")
     placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
-    storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
-               "full_range": adapted.full_range, "narrow_weights": adapted.narrow_weights,
-               "range_scales": adapted.range_scales, "precision": fmt.name, "block_size": config.block_size}
+    storage = {**_adapted_storage(adapted), "precision": fmt.name, "block_size": config.block_size}
     try:
         qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
     except ScalesError as exc:
@@ -922,7 +926,7 @@ def _fall_back(float_bytes: bytes, current, decision, table: ScaleTable, target_
     ``rounds_tried`` (each round's own record)."""
     from .placement.cpu_latency import fallback_sites, fallback_timing
 
-    model_now, _, placement_now, _ = current
+    placement_now = current[2]
     float_now = {r["node"] for r in decision.records} - {w.node for w in placement_now.weights}
     best, best_drops, tried, dropped = current, None, [], []
     while len(tried) < GUARD_ROUNDS:
@@ -983,10 +987,7 @@ def _guard_candidate(float_bytes: bytes, placement_now, float_now, drop, decisio
         note = (f"ort-cpu whole-model guard: the quantized model timed slower than FP32, so {len(drop)} "
                 f"least-gaining site(s) were kept float too (e.g. {drop[0]!r}) and the model timed again")
         placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
-        storage = {"zero_points": adapted.zero_points, "unsigned_weights": adapted.unsigned_weights,
-                   "full_range": adapted.full_range, "narrow_weights": adapted.narrow_weights,
-                   "range_scales": adapted.range_scales, "precision": fmt.name,
-                   "block_size": config.block_size}
+        storage = {**_adapted_storage(adapted), "precision": fmt.name, "block_size": config.block_size}
         qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
     except ScalesError as exc:
         logger.info("ort-cpu whole-model guard: no fallback model (%s)", exc)

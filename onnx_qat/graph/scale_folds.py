@@ -37,6 +37,7 @@ from typing import Collection, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import onnx
 
+from .edit import fresh_name
 from .index import GraphIndex, NodeInfo
 
 logger = logging.getLogger(__name__)
@@ -300,21 +301,13 @@ def _fold_bias(graph: onnx.GraphProto, index: GraphIndex, conv: NodeInfo, fold: 
     if bias and bias in index.initializers and len(index.consumers(bias)) == 1:
         _store(graph, index, bias, values)
         return None
-    name = _fresh(f"{conv.name}_folded_bias", names)
+    name = fresh_name(f"{conv.name}_folded_bias", names)
     graph.initializer.append(onnx.numpy_helper.from_array(values, name))
     if bias:
         conv.proto.input[2] = name
         return bias
     conv.proto.input.append(name)
     return None
-
-
-def _fresh(name: str, names: set) -> str:
-    found, n = name, 1
-    while found in names:
-        found, n = f"{name}_{n}", n + 1
-    names.add(found)
-    return found
 
 
 def _store(graph: onnx.GraphProto, index: GraphIndex, tensor: str, values: np.ndarray) -> None:

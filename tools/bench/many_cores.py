@@ -109,12 +109,6 @@ def _input_of(path: Path) -> Tuple[str, Tuple[int, ...]]:
     return first.name, tuple(dims)
 
 
-def _session(path, threads: int):
-    from .cpu_models import _session as session
-
-    return session(path, threads=threads)
-
-
 def _speed_rows(label: str, threads: int, batch: int, sessions: Dict[str, object], feed: dict,
                 load: str) -> List[Row]:
     runs = {k: (lambda s=s: s.run(None, feed)) for k, s in sessions.items()}
@@ -143,7 +137,7 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
     from onnx_qat.errors import PlacementError
     from onnx_qat.placement.cpu_latency import LatencyOptions
 
-    from .cpu_models import _ort_uint8, _outputs
+    from .cpu_models import _ort_uint8, _outputs, _session
 
     theirs = _ort_uint8(path, workdir / f"{path.stem}_ort_u8.onnx", name, calib)
     fp32, ort_form = _session(path, threads), _session(theirs, threads)
