@@ -124,6 +124,8 @@ def _supported(node, wshape=None) -> str:
     if node.op_type in ("MatMul", "Gemm"):
         if node.op_type == "Gemm" and int(node.attr("transA", 0) or 0):
             return "transA"
+        if wshape is not None and len(wshape) != 2:  # a batched weight's slices each meet other rows
+            return f"a {len(wshape)}-D MatMul weight"
         return ""
     return f"{node.op_type} weights are rounded to nearest"
 

@@ -192,3 +192,24 @@ def test_optimize_accuracy_keeps_round_to_nearest_for_a_conv_that_is_not_2d(dims
     assert layers["c"] == {"node": "c", "method": "rtn", "reason": "not a 2-D Conv"}
     assert layers["fc"]["rows"] > 0 and "rtn_error" in layers["fc"], layers["fc"]
     assert_check_clean(result.model)
+
+
+def test_optimize_accuracy_keeps_round_to_nearest_for_a_batched_matmul_weight():
+    """A MatMul whose constant weight is 3-D (one matrix per batch slice) keeps round to nearest with
+    its reason: fitting it as one matrix would mix the slices' rows. The 2-D MatMul after it is fitted."""
+    from tests.builders import GraphBuilder, random_inputs
+
+    b = GraphBuilder("batched_weight", 0)
+    x = b.input("input", ["N", 2, 8, 32])
+    h = b.node("MatMul", [x, b.weight("bmm.weight", [2, 32, 32])], name="bmm")
+    h = b.node("Relu", [h], name="relu")
+    b.node("MatMul", [h, b.weight("fc.weight", [32, 24])], "output", name="fc")
+    b.output("output")
+    model = b.build()
+    data = {k: v * np.float32(3.0) for k, v in random_inputs(model, num=24, seed=0).items()}
+    result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
+    step = next(s for s in result.accuracy["steps"] if s["step"] == "reconstruct")
+    layers = {r["node"]: r for r in step["layers"]}
+    assert layers["bmm"] == {"node": "bmm", "method": "rtn", "reason": "a 3-D MatMul weight"}
+    assert layers["fc"]["rows"] > 0 and "rtn_error" in layers["fc"], layers["fc"]
+    assert_check_clean(result.model)
