@@ -477,10 +477,13 @@ def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str
     weights += [(sub_index, t) for sub_index, sub in nested_indexes(index, placement)
                 for t in sub.weight_tensors()]
     for graph_index, tensor in weights:
-        proto = graph_index.constant_proto(tensor)
-        if proto is None:
-            continue
-        values = _io().tensor_array(proto)
+        if tensor in graph_index.initializers:  # decoded once, for the inserter too
+            values = graph_index.initializer_array(tensor)
+        else:
+            proto = graph_index.constant_proto(tensor)
+            if proto is None:
+                continue
+            values = _io().tensor_array(proto)
         if values.dtype.kind != "f":
             continue
         if values.dtype == np.float32 and values.size <= SMALL_WEIGHT:

@@ -211,6 +211,9 @@ class GraphEdit:
             raise ValueError(f"weight {tensor!r} is not a constant")
         passing = [n for n in chain if n.op_type != "Constant"]
         if all(n.op_type == "Identity" for n in passing):
+            index = self._index
+            if index is not None and index.initializers.get(name) is source:  # an original initializer
+                return index.initializer_array(name), source, chain
             return tensor_array(source), source, chain
         value = fold_chain(passing, np.asarray(tensor_array(source)), lambda t: self.constant(t)[0])
         return value, source, chain

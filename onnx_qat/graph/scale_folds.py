@@ -168,8 +168,8 @@ def _chain(node: NodeInfo, index: GraphIndex, marked, keep_weights, hidden) -> O
         return None
     out = node.outputs[0]
     step = single_consumer(out, CHAIN_OPS, index, marked)  # most convolutions have none: checked first
-    if step is None or out in hidden:
-        return None
+    if step is None or out in hidden or not _stored_constant(step[0].inputs[1 - step[1]], index):
+        return None  # a residual Add reads two activations: `channel_vector` would refuse it (no weight read)
     weight = node.inputs[1]
     made_by = index.producer.get(weight)
     stored = weight in index.initializers or (made_by is not None and made_by.op_type == "Constant")
@@ -210,6 +210,15 @@ def _chain(node: NodeInfo, index: GraphIndex, marked, keep_weights, hidden) -> O
     return ScaleOpsFold(node.name, node.op_type, weight, tuple(o.name for o in ops),
                         tuple(o.op_type for o in ops), tuple(removed[:len(ops)]), ops[-1].outputs[0],
                         k.astype(np.float32), b.astype(np.float32))
+
+
+def _stored_constant(tensor: str, index: GraphIndex) -> bool:
+    """True when ``tensor`` is an initializer or a ``Constant`` output: the first test of
+    `channel_vector`, made before a chain's weight and bias are read."""
+    if tensor in index.initializers:
+        return True
+    producer = index.producer.get(tensor)
+    return producer is not None and producer.op_type == "Constant"
 
 
 def _out_channels(node: NodeInfo, dims: Tuple[int, ...]) -> Optional[int]:
