@@ -143,14 +143,32 @@ def find_scale_folds(index: GraphIndex, convs: Iterable[str], *, marked: Collect
     docstring): none where the weight is in ``keep_weights`` (a given weight range, which describes the
     weight as it is) or a removed tensor is in ``marked``."""
     hidden = _read_in_bodies(index)
+    scaled = _scaled_tensors(index)
     found = []
     for name in convs:
         node = index.by_name.get(name)
-        fold = None if node is None else _chain(node, index, marked, keep_weights, hidden)
+        if node is None or len(node.outputs) != 1 or node.outputs[0] not in scaled:
+            continue  # no Mul/Add by a constant reads its output: `_chain` would find nothing
+        fold = _chain(node, index, marked, keep_weights, hidden)
         if fold is not None:
             found.append(fold)
     found.sort(key=lambda f: index.by_name[f.node].position)
     return tuple(found)
+
+
+def _scaled_tensors(index: GraphIndex) -> frozenset:
+    """The tensors a standard two-input ``Mul`` or ``Add`` of `CHAIN_OPS` multiplies or adds a stored
+    constant to (the other input an initializer or a ``Constant`` output): the only convolution outputs
+    `_chain` can start a fold from (one pass over the nodes instead of a chain search per convolution)."""
+    found = set()
+    for node in index.nodes:
+        if node.op_type in CHAIN_OPS and len(node.inputs) == 2:
+            first, second = node.inputs
+            if _stored_constant(second, index):
+                found.add(first)
+            if _stored_constant(first, index):
+                found.add(second)
+    return frozenset(found)
 
 
 def _read_in_bodies(index: GraphIndex) -> frozenset:
