@@ -44,10 +44,11 @@ def structure_problem(graph_inputs: Sequence[str], initializer_names: Iterable[s
                       graph_outputs: Iterable[str]) -> Optional[str]:
     """The first name problem ``onnx.checker`` would report for a main graph, in its words, or None.
 
-    ``nodes``: ``(name, op_type, inputs, outputs)`` of every node in order. The checks are those of
-    ``onnx.checker``'s graph pass for a graph without outer scope and IR version >= 4: graph inputs
-    named once; initializer names non-empty and unique; each non-empty node input a graph input, an
-    initializer or an earlier node's output; each non-empty node output new; each graph output defined."""
+    ``nodes``: every node in order, each with ``name``, ``op_type``, ``input`` and ``output`` (NodeProtos,
+    `EncodedNode`s). The checks are those of ``onnx.checker``'s graph pass for a graph without outer scope
+    and IR version >= 4: graph inputs named once; initializer names non-empty and unique; each non-empty
+    node input a graph input, an initializer or an earlier node's output; each non-empty node output new;
+    each graph output defined."""
     defined = set()
     for name in graph_inputs:
         if name in defined:
@@ -63,11 +64,16 @@ def structure_problem(graph_inputs: Sequence[str], initializer_names: Iterable[s
         seen.add(name)
     defined |= seen
     add = defined.add
-    for name, op_type, inputs, outputs in nodes:
-        for tensor in inputs:
-            if tensor and tensor not in defined:
-                return (f"Nodes in a graph must be topologically sorted, however input '{tensor}' of node: "
-                        f"name: {name} OpType: {op_type} is not output of any previous nodes.")
+    for node in nodes:
+        inputs, outputs = node.input, node.output
+        if type(outputs) is not tuple:  # a NodeProto's fields: copied once, not read again by each test
+            inputs, outputs = inputs[:], outputs[:]
+        if not defined.issuperset(inputs):  # or an absent ("") input, which is allowed
+            for tensor in inputs:
+                if tensor and tensor not in defined:
+                    return (f"Nodes in a graph must be topologically sorted, however input '{tensor}' of "
+                            f"node: name: {node.name} OpType: {node.op_type} is not output of any previous "
+                            "nodes.")
         for tensor in outputs:
             if tensor:
                 if tensor in defined:

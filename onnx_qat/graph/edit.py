@@ -435,18 +435,10 @@ class GraphEdit:
         """`EditEvidence` of the result (``live`` nodes, ``kept`` and ``added`` initializers, as `commit`
         writes them): the structural pass over every node's inputs and outputs as written."""
         graph = self.model.graph
-
-        def io_of_nodes():
-            for node in live:
-                if type(node) is EncodedNode:
-                    yield node.name, node.op_type, node.input, node.output
-                else:
-                    yield node.name, node.op_type, node.input[:], node.output[:]
-
         names = [t.name for t in kept]
         names += [t.name for t in added]
         names += [t.values.name for t in graph.sparse_initializer]
-        problem = structure_problem([i.name for i in graph.input], names, io_of_nodes(),
+        problem = structure_problem([i.name for i in graph.input], names, live,
                                     [o.name for o in graph.output])
         return EditEvidence(self._checked, problem, list(self._forms.values()), tensor_forms(added))
 

@@ -221,9 +221,18 @@ def test_both_setting_catches_evidence_the_checker_refutes(tmp_path, monkeypatch
     (["x"], [], [("n", "Relu", ("x",), ("y",))], ["q"], "Graph output 'q'"),
 ])
 def test_structure_problem_words(graph_inputs, initializers, nodes, outputs, words):
-    assert words in structure_problem(graph_inputs, initializers, nodes, outputs)
+    protos = [onnx.NodeProto(name=n, op_type=op, input=i, output=o) for n, op, i, o in nodes]
+    assert words in structure_problem(graph_inputs, initializers, protos, outputs)
 
 
 def test_structure_problem_none_for_optional_inputs_and_outputs():
-    nodes = [("n", "Resize", ("x", "", "", "s"), ("y",)), ("m", "Dropout", ("y",), ("z", ""))]
-    assert structure_problem(["x"], ["s"], nodes, ["z", "x", "s"]) is None
+    nodes = [onnx.NodeProto(name="n", op_type="Resize", input=["x", "", "", "s"], output=["y"]),
+             onnx.NodeProto(name="m", op_type="Dropout", input=["y"], output=["z", ""]),
+             onnx.NodeProto(name="k", op_type="Split", input=["z"], output=["a", "", "b"])]
+    assert structure_problem(["x"], ["s"], nodes, ["z", "x", "s", "b"]) is None
+
+
+@pytest.mark.parametrize("outputs", [["a", "a"], ["a", "", "a"], ["x"], ["s"]])
+def test_structure_problem_output_twice_or_over_an_input(outputs):
+    nodes = [onnx.NodeProto(name="k", op_type="Split", input=["x"], output=outputs)]
+    assert "single static assignment" in structure_problem(["x"], ["s"], nodes, [])
