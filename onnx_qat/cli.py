@@ -767,8 +767,9 @@ def _latency_summary(latency) -> str:
 
 
 def _check_written(model, output, target):
-    """``check`` of the model ``quantize`` just wrote to ``output`` (after ``onnx.checker`` passed
-    on the bytes written): the very ModelProto it serialized there, checked by the rules of its
+    """``check`` of the model ``quantize`` just wrote to ``output`` (after it was validated: ``onnx.checker``
+    on the bytes written, or the edit's evidence, `onnx_qat.graph.delta`): the very ModelProto it serialized
+    there, checked by the rules of its
     ``target``, without reading the file back (which would parse it and hold a second copy)."""
     from .check import check
 

@@ -42,7 +42,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         model: path to a float ONNX model, an ``onnx.ModelProto`` or an ``onnx_graphsurgeon.Graph``
             (never mutated; a Graph is exported with ``gs.export_onnx``, e.g. after graph surgery).
         output: where to write the Q/DQ model (atomically, after ``onnx.checker`` passed on the
-            bytes to write), or None to only return it.
+            bytes to write, or from given scales the edit's evidence, `onnx_qat.graph.delta`), or None to
+            only return it.
         scales: a [`ScaleTable`][onnx_qat.scales.ScaleTable], the path of its JSON file, or a mapping
             ``{activation tensor: amax}`` (made into a ScaleTable of activation ranges; weights
             then take their own max).

@@ -194,7 +194,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     inputs = tuple(p for p in (model, scales, data) if isinstance(p, (str, os.PathLike)))
     out_path, _ = check_output_and_report(output, report, inputs=inputs)
     io = _io()
-    float_model, index, placement = _load_and_place(model, placement, target_obj, config)
+    float_model, index, placement, checked = _load_place_checked(model, placement, target_obj, config)
     given = None if scales is None else _given_table(scales)  # before the folds: its weights are kept
     folds: tuple = ()
     if fold_scales and target_obj.fold_scale_ops:
@@ -292,16 +292,18 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     # is decided), which lowers the rewrite's memory peak.
     current = index if from_scales and adapter is None else None
     del index
+    if folds or current is None:  # the model as checked at load has changed (folds): checked in full
+        checked = None
     storage = {**storage, "precision": fmt.name, "block_size": config.block_size}
-    qdq_model, inserted = _rewrite(float_model, placement, table, target_obj, progress, storage, finish,
-                                   index=current)
+    qdq_model, inserted, evidence = _rewrite(float_model, placement, table, target_obj, progress, storage,
+                                             finish, index=current, checked=checked)
     del current
     # The float weights are not needed to save the Q/DQ model (a new ModelProto, which holds only
     # the integer copies). Freeing them first keeps peak memory within 2x the weights.
     del float_model
     if means and corrected:  # rule CPU7 is kept only where it lowers the error on the calibration data
         reference = _guard_reference(pristine, data)  # before the rewrite edits ``pristine``
-        plain, plain_inserted = _rewrite(pristine, placement, table, target_obj, False, storage, finish)
+        plain, plain_inserted, _ = _rewrite(pristine, placement, table, target_obj, False, storage, finish)
         guard = _bias_guard(reference, qdq_model, plain)
         if not guard["kept"]:
             qdq_model, inserted = plain, plain_inserted
@@ -382,7 +384,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
                             ort_cpu=None if width is None else MappingProxyType(
                                 {**width, **({} if guard_record is None else {
                                     "bias_correction": _bias_report(corrected, placement, guard_record)})}))
-    io.write_outputs(qdq_model, out_path, report, result.to_report, inputs=inputs)
+    io.write_outputs(qdq_model, out_path, report, result.to_report, inputs=inputs, evidence=evidence)
     return result
 
 
@@ -400,8 +402,15 @@ def _record_fp32_float_parts(model: onnx.ModelProto) -> None:
 
 
 def _load_and_place(model, placement: Optional[Placement], target_obj: Target, config: QuantizeConfig):
+    """`_load_place_checked` without the `onnx_qat.io.models.CheckedForm`: ``(model, index, placement)``."""
+    return _load_place_checked(model, placement, target_obj, config)[:3]
+
+
+def _load_place_checked(model, placement: Optional[Placement], target_obj: Target, config: QuantizeConfig):
     """Load the float model (a private copy with unique node names), index it once, and decide
     (or check the given) placement; refuse models with nothing to quantize or non-finite weights.
+    ``(model, index, placement, checked)``, ``checked`` the `onnx_qat.io.models.CheckedForm` under which
+    ``onnx.checker`` passed the model at load.
 
     Runs with the cyclic garbage collector paused: the index and the placement are ~10^5-10^6
     objects that live on, which its full collections would rescan as they grow (a quarter of
@@ -409,7 +418,7 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
     """
     io = _io()
     with io.cyclic_gc_paused():
-        float_model = io.load_model(model, min_opset=get_format(config.precision).min_opset)
+        float_model, checked = io.load_checked_model(model, min_opset=get_format(config.precision).min_opset)
         assign_node_names(float_model)
         index = GraphIndex(float_model)  # built once: placement, placement checks and name checks share it
         refuse_quantized(float_model, _describe(model), index)
@@ -420,7 +429,7 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
         if placement.empty:
             raise PlacementError(nothing_to_quantize(placement, _describe(model), config.precision))
         refuse_non_finite_weights(index, placement, _describe(model))
-    return float_model, index, placement
+    return float_model, index, placement, checked
 
 
 def check_sources(scales, data, method, calib_kw, weight_only: bool = False) -> None:
@@ -477,10 +486,13 @@ def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str
     weights += [(sub_index, t) for sub_index, sub in nested_indexes(index, placement)
                 for t in sub.weight_tensors()]
     for graph_index, tensor in weights:
-        proto = graph_index.constant_proto(tensor)
-        if proto is None:
-            continue
-        values = _io().tensor_array(proto)
+        if tensor in graph_index.initializers:  # decoded once, for the inserter too
+            values = graph_index.initializer_array(tensor)
+        else:
+            proto = graph_index.constant_proto(tensor)
+            if proto is None:
+                continue
+            values = _io().tensor_array(proto)
         if values.dtype.kind != "f":
             continue
         if values.dtype == np.float32 and values.size <= SMALL_WEIGHT:
@@ -747,12 +759,15 @@ def _check_complete(table: ScaleTable, placement: Placement, source: str) -> Sca
     return table
 
 
-def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None, index=None):
+def _rewrite(model, placement, table, target: Target, progress, storage=None, finish=None, index=None,
+             checked=None):
     """Insert the Q/DQ nodes as edits of ``model`` (which this call owns) and commit them to a new
     ModelProto (``storage``: the target form's ``zero_points``/``unsigned_weights`` for
     `insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
     `onnx_qat.insertion.ort_cpu.Adapted.finish`; ``index``: a `GraphIndex` of ``model`` as it is now,
-    for `GraphEdit`)."""
+    for `GraphEdit`; ``checked``: the `onnx_qat.io.models.CheckedForm` under which ``onnx.checker`` passed
+    ``model`` as it is now, for `GraphEdit`'s evidence). ``(the new model, the insertion's records, the
+    edit's `onnx_qat.graph.delta.EditEvidence` or None)``."""
     from .graph.edit import GraphEdit
     from .insertion.inserter import insert_qdq_pairs
 
@@ -767,7 +782,8 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
             nested = tuple(insert_into_subgraphs(model, placement, table, target, **fmt))
         # new nodes as bytes unless edited after insertion; the index only when the If branches' edits
         # have not changed what the main graph's nodes hold
-        edit = GraphEdit(model, encoded=finish is None, index=None if nested else index)
+        edit = GraphEdit(model, encoded=finish is None, index=None if nested else index,
+                         checked=None if nested else checked)
         inserted = insert_qdq_pairs(edit, placement, table, target, progress=progress, **dict(storage or {}))
         if finish is not None:
             finish(edit)
@@ -777,7 +793,7 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
                 inserted.activations + tuple(r for r in nested if r["kind"] == "activation"),
                 inserted.weights + tuple(r for r in nested if r["kind"] == "weight"))
             drop_unread(committed.graph, shared)  # float weights only quantized branches read
-        return committed, inserted
+        return committed, inserted, (edit.evidence if not nested else None)
 
 
 def _conv_input_means(model, index: GraphIndex, placement: Placement, data, calib_kw: Mapping):
@@ -895,7 +911,7 @@ def _all_integer(float_bytes: bytes, placement: Placement, table: ScaleTable, ta
     placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
     storage = {**_adapted_storage(adapted), "precision": fmt.name, "block_size": config.block_size}
     try:
-        qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
+        qdq, inserted, _ = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
     except ScalesError as exc:
         logger.info("ort-cpu latency placement: no all-integer alternative (%s)", exc)
         return None
@@ -988,7 +1004,7 @@ def _guard_candidate(float_bytes: bytes, placement_now, float_now, drop, decisio
                 f"least-gaining site(s) were kept float too (e.g. {drop[0]!r}) and the model timed again")
         placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
         storage = {**_adapted_storage(adapted), "precision": fmt.name, "block_size": config.block_size}
-        qdq, inserted = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
+        qdq, inserted, _ = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
     except ScalesError as exc:
         logger.info("ort-cpu whole-model guard: no fallback model (%s)", exc)
         return None

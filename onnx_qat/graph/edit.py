@@ -27,8 +27,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import numpy as np
 import onnx
 
-from ..io.models import target_ir_version, tensor_array
+from ..io.models import element_size, target_ir_version, tensor_array
 from .constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS, fold_chain
+from .delta import EditEvidence, structure_problem, tensor_forms
 from .index import DEFAULT_DOMAINS
 from .wire import GRAPH_INITIALIZER, GRAPH_NODE, EncodedNode, EncodedTensor, encode_tensor, framed
 from .wire import tensor as tensor_bytes
@@ -89,11 +90,16 @@ class GraphEdit:
             initializer changed since it was built, node names unique as `assign_node_names` leaves them):
             the edit's lookups are then built from its tables instead of reading every node's fields
             from the protobuf once more.
+        checked: with ``encoded`` and ``index``: the `onnx_qat.io.models.CheckedForm` under which
+            ``onnx.checker`` passed ``model`` in full before any change (as loaded). `commit` then leaves
+            `evidence` (`onnx_qat.graph.delta.EditEvidence`) to validate the result with, unless a new
+            node came without its form (`insert`), a new initializer's raw bytes do not fit its shape,
+            or the graph holds subgraphs.
     """
 
     def __init__(self, model: onnx.ModelProto, *, names: Optional[Set[str]] = None,
                  outer_constants: Optional[Dict[str, onnx.TensorProto]] = None, encoded: bool = False,
-                 index=None):
+                 index=None, checked=None):
         self.model = model
         self.encoded = encoded
         self.outer_constants = outer_constants or {}
@@ -124,6 +130,10 @@ class GraphEdit:
         self._new_initializers: Dict[str, onnx.TensorProto] = {}
         self._maybe_unread: List[str] = []
         self._maybe_dead: List[onnx.NodeProto] = []
+        #: The result's evidence (`commit`); the new nodes' forms while it can still be given.
+        self.evidence: Optional[EditEvidence] = None
+        self._checked = checked if encoded and index is not None and not index.subgraph_nodes else None
+        self._forms: Optional[Dict[tuple, object]] = {} if self._checked is not None else None
         if names is not None:
             self._used = None
             names.update(self._names())
@@ -211,6 +221,9 @@ class GraphEdit:
             raise ValueError(f"weight {tensor!r} is not a constant")
         passing = [n for n in chain if n.op_type != "Constant"]
         if all(n.op_type == "Identity" for n in passing):
+            index = self._index
+            if index is not None and index.initializers.get(name) is source:  # an original initializer
+                return index.initializer_array(name), source, chain
             return tensor_array(source), source, chain
         value = fold_chain(passing, np.asarray(tensor_array(source)), lambda t: self.constant(t)[0])
         return value, source, chain
@@ -261,6 +274,7 @@ class GraphEdit:
         name = self.fresh(base)
         data_type = onnx_type(dtype)
         if self.encoded and len(raw) < PARSE_CHUNK:
+            self._measure(data_type, raw, dims)
             self._new_initializers[name] = encode_tensor(name, data_type, raw, dims)
         elif dims:
             tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims, raw_data=raw)
@@ -278,6 +292,8 @@ class GraphEdit:
             if isinstance(value, tuple):
                 dtype, raw, dims = value
                 if self.encoded and len(raw) < PARSE_CHUNK:
+                    if self._forms is not None:
+                        self._measure(onnx_type(dtype), raw, dims)
                     new[name] = encode_tensor(name, onnx_type(dtype), raw, dims)
                 elif dims:
                     new[name] = make(name=name, data_type=onnx_type(dtype), dims=dims, raw_data=raw)
@@ -292,6 +308,9 @@ class GraphEdit:
         (its little-endian bytes); the names come from `fresh_names` (they are not made fresh here)."""
         new = self._new_initializers
         if self.encoded:  # wire.tensor of a scalar, inlined: a rewrite makes two per activation pair
+            if self._forms is not None and any(len(raw) != element_size(data_type)
+                                               for data_type, raw in zip(data_types, raws)):
+                self._forms = None  # a scalar of the wrong size: the result goes to onnx.checker whole
             new_tuple = tuple.__new__
             for name, data_type, raw in zip(names, data_types, raws):
                 data = name.encode()
@@ -312,11 +331,31 @@ class GraphEdit:
         self._new_initializers[name] = make_tensor(name, values)
         self.initializers.pop(name, None)
 
+    def _measure(self, data_type: int, raw: bytes, dims) -> None:
+        """A new initializer made as bytes: its raw length must be what its dims and element type give
+        (as ``onnx.checker`` requires), else the result is left to ``onnx.checker`` (no `evidence`)."""
+        if self._forms is not None:
+            count = 1
+            for d in dims:
+                count *= int(d)
+            if len(raw) != count * element_size(data_type):
+                self._forms = None
+
     def insert(self, nodes: Sequence[onnx.NodeProto], readers: Sequence[onnx.NodeProto],
-               outputs: Optional[Sequence[str]] = None) -> None:
+               outputs: Optional[Sequence[str]] = None, forms: Optional[Sequence[tuple]] = None) -> None:
         """Queue new ``nodes`` just before the first of ``readers`` (at the end without readers).
         ``outputs``: the one output of each of ``nodes``, when the caller has them (spares reading
-        them back from the protobuf)."""
+        them back from the protobuf). ``forms``: for an edit with ``checked``, the form of each of
+        ``nodes``: a key that only nodes equal but for their names share (op type, domain, input and
+        output counts, attribute bytes), one node of each form being checked by ``onnx.checker``
+        (`onnx_qat.graph.delta`); without it the result is checked whole."""
+        if self._forms is not None:
+            if forms is None:
+                self._forms = None
+            else:
+                for node, form in zip(nodes, forms):
+                    if form not in self._forms:
+                        self._forms[form] = node
         if outputs is None:
             for node in nodes:
                 for out in node.output:
@@ -373,6 +412,8 @@ class GraphEdit:
         kept = [t for t in source.graph.initializer if t.name not in drop and t.name in self.initializers]
         added = [t for name, t in self._new_initializers.items() if name not in drop]
         data_types = {t.data_type for t in kept} | {t.data_type for t in added}
+        if self._forms is not None:
+            self.evidence = self._evidence(live, kept, added)
         if self.encoded:
             _parse_into(graph, live, kept, added)
         else:
@@ -389,6 +430,17 @@ class GraphEdit:
         out.ir_version = target_ir_version(out, data_types)  # the types read here, not in one more walk
         self._index = None  # its tables describe the graph before the edit
         return out
+
+    def _evidence(self, live, kept, added) -> EditEvidence:
+        """`EditEvidence` of the result (``live`` nodes, ``kept`` and ``added`` initializers, as `commit`
+        writes them): the structural pass over every node's inputs and outputs as written."""
+        graph = self.model.graph
+        names = [t.name for t in kept]
+        names += [t.name for t in added]
+        names += [t.values.name for t in graph.sparse_initializer]
+        problem = structure_problem([i.name for i in graph.input], names, live,
+                                    [o.name for o in graph.output])
+        return EditEvidence(self._checked, problem, list(self._forms.values()), tensor_forms(added))
 
     def _read_counts(self, live: Sequence[onnx.NodeProto]) -> Dict[str, int]:
         """How often each tensor that `release_if_unread` asks about (and the inputs of the

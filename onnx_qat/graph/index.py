@@ -162,6 +162,7 @@ class GraphIndex:
             if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
                 self.declared_dtypes[vi.name] = vi.type.tensor_type.elem_type
         self._folded: Dict[str, onnx.TensorProto] = {}
+        self._arrays: Dict[str, np.ndarray] = {}  # see initializer_array
         self._constants = self._constant_names()
         self._subgraph_nodes: Optional[frozenset] = None
         self._sorted: Optional[bool] = None
@@ -306,6 +307,18 @@ class GraphIndex:
             value = fold_chain([n.proto for n in chain], numpy_helper.to_array(proto), value_of)
             folded = self._folded[tensor] = numpy_helper.from_array(np.ascontiguousarray(value), tensor)
         return folded
+
+    def initializer_array(self, name: str) -> np.ndarray:
+        """The value of initializer ``name`` as a read-only array (`onnx_qat.io.models.tensor_array`),
+        decoded once: the refusal of non-finite weights and the inserter (through `GraphEdit`, which
+        takes this index from given scales) read the same 10^4-10^5 weights. KeyError when ``name`` is
+        no initializer of this graph."""
+        found = self._arrays.get(name)
+        if found is None:
+            from ..io.models import tensor_array
+
+            found = self._arrays[name] = tensor_array(self.initializers[name])
+        return found
 
     def _stored_proto(self, source: str) -> Optional[onnx.TensorProto]:
         if source in self.initializers:

@@ -143,14 +143,32 @@ def find_scale_folds(index: GraphIndex, convs: Iterable[str], *, marked: Collect
     docstring): none where the weight is in ``keep_weights`` (a given weight range, which describes the
     weight as it is) or a removed tensor is in ``marked``."""
     hidden = _read_in_bodies(index)
+    scaled = _scaled_tensors(index)
     found = []
     for name in convs:
         node = index.by_name.get(name)
-        fold = None if node is None else _chain(node, index, marked, keep_weights, hidden)
+        if node is None or len(node.outputs) != 1 or node.outputs[0] not in scaled:
+            continue  # no Mul/Add by a constant reads its output: `_chain` would find nothing
+        fold = _chain(node, index, marked, keep_weights, hidden)
         if fold is not None:
             found.append(fold)
     found.sort(key=lambda f: index.by_name[f.node].position)
     return tuple(found)
+
+
+def _scaled_tensors(index: GraphIndex) -> frozenset:
+    """The tensors a standard two-input ``Mul`` or ``Add`` of `CHAIN_OPS` multiplies or adds a stored
+    constant to (the other input an initializer or a ``Constant`` output): the only convolution outputs
+    `_chain` can start a fold from (one pass over the nodes instead of a chain search per convolution)."""
+    found = set()
+    for node in index.nodes:
+        if node.op_type in CHAIN_OPS and len(node.inputs) == 2:
+            first, second = node.inputs
+            if _stored_constant(second, index):
+                found.add(first)
+            if _stored_constant(first, index):
+                found.add(second)
+    return frozenset(found)
 
 
 def _read_in_bodies(index: GraphIndex) -> frozenset:
@@ -168,8 +186,8 @@ def _chain(node: NodeInfo, index: GraphIndex, marked, keep_weights, hidden) -> O
         return None
     out = node.outputs[0]
     step = single_consumer(out, CHAIN_OPS, index, marked)  # most convolutions have none: checked first
-    if step is None or out in hidden:
-        return None
+    if step is None or out in hidden or not _stored_constant(step[0].inputs[1 - step[1]], index):
+        return None  # a residual Add reads two activations: `channel_vector` would refuse it (no weight read)
     weight = node.inputs[1]
     made_by = index.producer.get(weight)
     stored = weight in index.initializers or (made_by is not None and made_by.op_type == "Constant")
@@ -210,6 +228,15 @@ def _chain(node: NodeInfo, index: GraphIndex, marked, keep_weights, hidden) -> O
     return ScaleOpsFold(node.name, node.op_type, weight, tuple(o.name for o in ops),
                         tuple(o.op_type for o in ops), tuple(removed[:len(ops)]), ops[-1].outputs[0],
                         k.astype(np.float32), b.astype(np.float32))
+
+
+def _stored_constant(tensor: str, index: GraphIndex) -> bool:
+    """True when ``tensor`` is an initializer or a ``Constant`` output: the first test of
+    `channel_vector`, made before a chain's weight and bias are read."""
+    if tensor in index.initializers:
+        return True
+    producer = index.producer.get(tensor)
+    return producer is not None and producer.op_type == "Constant"
 
 
 def _out_channels(node: NodeInfo, dims: Tuple[int, ...]) -> Optional[int]:

@@ -54,6 +54,9 @@ _PAIR_SUFFIXES = ("_scale", "_zero_point", "_QuantizeLinear_Output", "_Dequantiz
 NARROW_WEIGHT_RANGE = (-63, 63)
 #: The wire bytes of an activation pair's QuantizeLinear and DequantizeLinear (`onnx_qat.graph.wire.node`
 #: of three inputs and one output), for names of ASCII characters shorter than 128.
+#: The forms (`onnx_qat.graph.edit.GraphEdit.insert`) of an activation pair's two nodes: op type,
+#: domain, input and output counts, no attributes.
+_PAIR_FORMS = (("QuantizeLinear", "", 3, 1), ("DequantizeLinear", "", 3, 1))
 _Q_TEMPLATE = node_template(3, 1, "QuantizeLinear")
 _DQ_TEMPLATE = node_template(3, 1, "DequantizeLinear")
 _new_tuple = tuple.__new__
@@ -367,7 +370,7 @@ class _Inserter:
                                 output=[dq_out])
         for node, index in consumers:
             node.input[index] = dq_out
-        edit.insert((q, dq), [n for n, _ in consumers], (q_out, dq_out))
+        edit.insert((q, dq), [n for n, _ in consumers], (q_out, dq_out), _PAIR_FORMS)
         record = {"kind": "activation", "tensor": tensor, "quantize_node": q_name,
                   "dequantize_node": dq_name, "amax": float(amax), "scale": scale,
                   "scale_group": mark.scale_group, "consumers": [f"{n}:{i}" for n, i in mark.consumers],
@@ -420,7 +423,8 @@ class _Inserter:
                 dq.attribute.append(onnx.helper.make_attribute("block_size", int(encoded.block_size)))
         for node, index in consumers:
             node.input[index] = dq_out
-        edit.insert((dq,), [n for n, _ in consumers], (dq_out,))
+        form = ("DequantizeLinear", "", 3, 1, encoded.axis, encoded.block_size)  # what its bytes vary with
+        edit.insert((dq,), [n for n, _ in consumers], (dq_out,), (form,))
         # the float weight (and the Constant/Identity nodes making it) go once nothing else reads them
         if chain:
             edit.release_if_unread(initializers=[t for n in chain for t in n.input

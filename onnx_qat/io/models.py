@@ -96,6 +96,28 @@ class InputSpec:
 
 
 # --------------------------------------------------------------------------- loading
+class CheckedForm(NamedTuple):
+    """The header under which ``onnx.checker`` passed a whole model at load (`load_checked_model`): its
+    IR version and its opset imports (``(domain, version)`` pairs, sorted). A model written later with the
+    same header may be validated by what an edit changed (`onnx_qat.graph.delta`)."""
+
+    ir_version: int
+    opset_import: Tuple[Tuple[str, int], ...]
+
+    def admits(self, header: "CheckedForm") -> bool:
+        """True when a graph ``onnx.checker`` passed under this header passes under ``header`` too: the
+        same opset imports, and the same IR version or both at least 8 (``onnx.checker``'s graph, node,
+        attribute and tensor checks take other branches only for IR versions 2, 3 and 8)."""
+        return self.opset_import == header.opset_import and (
+            self.ir_version == header.ir_version or min(self.ir_version, header.ir_version) >= 8)
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> "CheckedForm":
+        """The header of ``model`` as it is now."""
+        opsets = tuple(sorted((o.domain, int(o.version)) for o in model.opset_import))
+        return cls(int(model.ir_version), opsets)
+
+
 def load_model(source: ModelSource, *, upgrade_opset: bool = True, min_opset: int = MIN_OPSET,
                load_external_data: bool = True, check: bool = True) -> onnx.ModelProto:
     """Read and validate an ONNX model; return a new ``ModelProto`` the caller owns.
@@ -120,6 +142,17 @@ def load_model(source: ModelSource, *, upgrade_opset: bool = True, min_opset: in
             the model is invalid, refers to unsafe or missing external data (or, given as a
             ``ModelProto``, to external data not loaded), or cannot be upgraded.
     """
+    return load_checked_model(source, upgrade_opset=upgrade_opset, min_opset=min_opset,
+                              load_external_data=load_external_data, check=check)[0]
+
+
+def load_checked_model(source: ModelSource, *, upgrade_opset: bool = True, min_opset: int = MIN_OPSET,
+                       load_external_data: bool = True,
+                       check: bool = True) -> Tuple[onnx.ModelProto, Optional[CheckedForm]]:
+    """`load_model` (the same arguments and errors), and the `CheckedForm` under which ``onnx.checker``
+    passed the whole model (None with ``check=False``): the file's or model's header, or the upgraded
+    model's when the opset was upgraded (the converter's result is checked in full too). The IR version
+    `load_model` then sets may differ from it."""
     data = None
     if is_graph(source):
         model = from_graph(source)  # a new ModelProto: no copy needed
@@ -140,16 +173,21 @@ def load_model(source: ModelSource, *, upgrade_opset: bool = True, min_opset: in
         model = _parse(data, label)
     if base_dir is not None and load_external_data and _load_external(model, base_dir, label):
         data = None  # the file's bytes lack the external tensors: check the model instead
+    checked = None
     if check:
         if data is not None and load_external_data:
             _check_serialized(data, label)  # the bytes just parsed: no second serialization
         else:
             validate_model(model, label)
+        checked = CheckedForm.of(model)
     del data
     if upgrade_opset:
-        model = _upgrade(model, min_opset, label)
+        upgraded = _upgrade(model, min_opset, label)
+        if upgraded is not model:
+            checked = CheckedForm.of(upgraded)  # _upgrade checks the converter's result in full
+            model = upgraded
     model.ir_version = target_ir_version(model)
-    return model
+    return model, checked
 
 
 def _read_model_bytes(source: PathLike) -> Tuple[bytes, str, Path]:
@@ -242,6 +280,12 @@ def _itemsize(data_type: int) -> int:
 #: Bytes per element of each ONNX element type (0 for strings and undefined: not counted).
 _ITEMSIZES = {t: (0 if t in (0, onnx.TensorProto.STRING) else _itemsize(t))
               for t in onnx.TensorProto.DataType.values()}
+
+
+def element_size(data_type: int) -> int:
+    """Bytes per element of ONNX element type ``data_type`` in raw data; 0 for strings, undefined and
+    unknown types (and 1 for the packed 4-bit and 2-bit types, whose raw data holds several per byte)."""
+    return _ITEMSIZES.get(data_type, 0)
 
 
 class _InitializerFacts(NamedTuple):
@@ -512,12 +556,14 @@ def target_ir_version(model: onnx.ModelProto, data_types: Optional[Iterable[int]
 
 # --------------------------------------------------------------------------- saving
 def write_outputs(model: onnx.ModelProto, output: Optional[PathLike], report: Optional[PathLike],
-                  report_of, *, inputs: Iterable = ()) -> None:
+                  report_of, *, inputs: Iterable = (), evidence=None) -> None:
     """The end of every quantize path: ``model`` saved to ``output`` (validated on the very bytes
-    written, see `save_model`) and ``report_of()`` (a JSON-ready dict) written to ``report``, each only
-    when given. Both paths were checked before any work (`onnx_qat.io.files.check_output_and_report`)."""
+    written, or by ``evidence`` of what an edit changed, see `save_model`) and ``report_of()`` (a
+    JSON-ready dict) written to ``report``, each only when given. Both paths were checked before any work
+    (`onnx_qat.io.files.check_output_and_report`)."""
     if output is not None:
-        save_model(model, output, inputs=inputs, ir_version=model.ir_version, validate=True)
+        save_model(model, output, inputs=inputs, ir_version=model.ir_version, validate=True,
+                   evidence=evidence)
         logger.info("wrote %s", output)
     if report is not None:
         from .files import write_json
@@ -527,7 +573,8 @@ def write_outputs(model: onnx.ModelProto, output: Optional[PathLike], report: Op
 
 def save_model(model: onnx.ModelProto, path: PathLike, *, inputs: Iterable = (),
                ir_version: Optional[int] = None,
-               external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, validate: bool = False) -> Path:
+               external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, validate: bool = False,
+               evidence=None) -> Path:
     """Write ``model`` to ``path`` atomically and return the path.
 
     Args:
@@ -541,6 +588,13 @@ def save_model(model: onnx.ModelProto, path: PathLike, *, inputs: Iterable = (),
         validate: run ``onnx.checker`` (``full_check=False``) first and write nothing when it
             fails. A model saved in one file is checked on the very bytes written (serialized
             once); a larger one as `validate_model` does.
+        evidence: with ``validate``, an `onnx_qat.graph.delta.EditEvidence` of the edit that made
+            ``model`` from a model ``onnx.checker`` passed in full: when the header to write (IR
+            version, opset imports) is the one checked then, ``model`` is validated by what the edit
+            changed instead (``evidence.verify``: a structural pass over the whole graph and
+            ``onnx.checker`` on one node and tensor of each new form; docs/architecture.md, "Validation
+            of the result"), unless the environment variable ``ONNX_QAT_FULL_CHECK`` is ``1`` (then
+            ``onnx.checker`` in full) or ``both`` (both, see `FULL_CHECK_ENV`).
 
     Raises:
         OutputError: the path is a directory, in a missing or read-only directory, or
@@ -556,18 +610,18 @@ def save_model(model: onnx.ModelProto, path: PathLike, *, inputs: Iterable = (),
                          "load_external_data=True before saving")
     ir = int(ir_version) if ir_version is not None else target_ir_version(model, facts.data_types)
     try:
-        return _save(model, out, ir, inputs, external_data_threshold, facts, validate)
+        return _save(model, out, ir, inputs, external_data_threshold, facts, validate, evidence)
     except OSError as exc:
         raise OutputError(f"output model {out} cannot be written: {exc.strerror or exc}") from None
 
 
 def _save(model: onnx.ModelProto, out: Path, ir: int, inputs: tuple, external_data_threshold: int,
-          facts: _InitializerFacts, validate: bool) -> Path:
+          facts: _InitializerFacts, validate: bool, evidence=None) -> Path:
     label = f"output model {out}"
     payload = _one_file_payload(model, ir, facts, external_data_threshold)
     if payload is not None:
         if validate:
-            _check_serialized(payload, label)
+            _validate_payload(model, ir, payload, label, evidence)
         _write_atomic(out, payload)
         return out
     if validate:
@@ -577,6 +631,34 @@ def _save(model: onnx.ModelProto, out: Path, ir: int, inputs: tuple, external_da
     _save_with_external_data(model, out, data_path, ir)
     logger.info("saved %s with external data %s", out, data_path.name)
     return out
+
+
+#: The environment variable that chooses how a model written with an edit's evidence is validated:
+#: ``1``: by ``onnx.checker`` in full, never by the evidence; ``both``: by the evidence and then by
+#: ``onnx.checker`` in full, a model the evidence passes and the checker refuses raising RuntimeError
+#: (the test suite's setting, tests/conftest.py); unset or anything else: by the evidence where it applies.
+FULL_CHECK_ENV = "ONNX_QAT_FULL_CHECK"
+
+
+def _validate_payload(model: onnx.ModelProto, ir: int, payload: bytes, label: str, evidence) -> None:
+    """`save_model`'s validation of a one-file ``payload`` (``model`` with IR version ``ir``): by
+    ``evidence`` when it covers this header (see `save_model`), else ``onnx.checker`` on the bytes."""
+    mode = os.environ.get(FULL_CHECK_ENV, "")
+    verified = False
+    if evidence is not None and mode != "1":
+        header = CheckedForm(int(ir), CheckedForm.of(model).opset_import)
+        if evidence.checked.admits(header):
+            evidence.verify(model, label)
+            logger.debug("%s validated by the edit's evidence (%s)", label, evidence)
+            if mode != "both":
+                return
+            verified = True
+    try:
+        _check_serialized(payload, label)
+    except ModelError as exc:
+        if verified:
+            raise RuntimeError(f"the edit's evidence passed a model onnx.checker refuses: {exc}") from None
+        raise
 
 
 def _one_file_payload(model: onnx.ModelProto, ir: int, facts: _InitializerFacts,
