@@ -120,6 +120,8 @@ MAX_GROUP_TRIALS = 12
 #: Ops TensorRT runs in FP32 and FP16 but not BF16 (onnx-tensorrt ``docs/operators.md``, TensorRT
 #: 10: "Supported Types" FP32, FP16).
 TENSORRT_NO_BF16 = frozenset({"DeformConv", "GridSample", "Mish", "NonMaxSuppression", "NonZero", "RoiAlign"})
+#: Data-movement ops the ``boundary`` rule follows from an FP32 tensor to the QuantizeLinear reading it.
+BOUNDARY_MOVES = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 #: Opset where QuantizeLinear/DequantizeLinear take FP16/BF16 scales (ONNX operator docs).
 QDQ_LOW_OPSET = 19
 #: Opset where Conv, ConvTranspose, pooling and most activations take BF16 (ONNX operator docs).
@@ -658,6 +660,48 @@ def activation_scales(model: onnx.ModelProto) -> set:
     return names
 
 
+def _boundary_keeps(graph: onnx.GraphProto, kept: Mapping[str, KeptNode], types, keep_io_types: bool
+                    ) -> Dict[str, KeptNode]:
+    """QuantizeLinear nodes reading a tensor that is FP32 anyway, and the data-movement ops
+    (`BOUNDARY_MOVES`, each read by the next alone) between it and them: a graph input that keeps
+    its type (``keep_io_types``) or the output of a node in ``kept``. The QuantizeLinear's output is
+    INT8/FP8 in either type; converted, it would read a Cast to the low type, one more rounding of
+    every value just before it is quantized, and one more layer. Kept FP32, it quantizes the exact
+    values (its scale's FP32 value is the one its DequantizeLinear stores, `_store_low_scales`)."""
+    producer = {t: n for n in graph.node for t in n.output}
+    readers: Dict[str, List[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+    fp32_inputs = {i.name for i in graph.input if types.get(i.name) == TensorProto.FLOAT} \
+        if keep_io_types else set()
+    found: Dict[str, KeptNode] = {}
+    for node in graph.node:
+        if node.op_type != "QuantizeLinear" or not node.input or node.name in kept \
+                or types.get(node.input[0]) != TensorProto.FLOAT:
+            continue
+        chain, t = [], node.input[0]
+        while t not in fp32_inputs:
+            p = producer.get(t)
+            if p is None or (p.name in kept and p.op_type != "Constant"):
+                break
+            if p.op_type not in BOUNDARY_MOVES or not p.input or len(readers.get(t, [])) != 1:
+                t = None
+                break
+            chain.append(p)
+            t = p.input[0]
+        if t is None or (t not in fp32_inputs and producer.get(t) is None):
+            continue
+        source = f"graph input {t!r}" if t in fp32_inputs else \
+            f"{t!r}, the output of {producer[t].name!r} (kept FP32)"
+        why = (f"quantizes {source}, FP32 anyway: its output is quantized in either type, and a Cast to "
+               "the low type before it would only round every value once more")
+        for n in [node, *chain]:
+            if n.name and n.name not in kept:
+                found[n.name] = KeptNode(n.name, n.op_type, "boundary", why)
+    return found
+
+
 def _fusion_keeps(model, kept: Dict[str, KeptNode]) -> onnx.ModelProto:
     """Keep with their consumers the DequantizeLinear nodes feeding kept nodes: a DQ whose readers
     are all kept is kept; one also read by converted nodes is duplicated, the copy (kept) feeding
@@ -721,6 +765,7 @@ def _convert(proto, low, kept, types, keep_io_types, up: bool = True):
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     kept = dict(kept)
+    _add(kept, _boundary_keeps(model.graph, kept, types, keep_io_types))
     _fusion_keeps(model, kept)
     local_types = _with_copies(types, model.graph)
     scales = _qdq_scales(proto.graph)
@@ -786,7 +831,19 @@ def _store_low_scales(model, proto, low: LowType, scales, activations) -> None:
     from ..io.models import tensor_array
 
     originals = {t.name: t for t in proto.graph.initializer if t.name in scales}
+    low_copies = {t.name.rsplit(f"/{low.name}", 1)[0] for t in model.graph.initializer
+                  if t.data_type == low.onnx_type}
     for tensor in model.graph.initializer:
+        if tensor.data_type == TensorProto.FLOAT and tensor.name in originals and tensor.name in low_copies:
+            # read in FP32 too (a QuantizeLinear kept by the boundary rule, a DequantizeLinear kept with
+            # its consumer): the FP32 value is the one the low copy stores, so that a Q/DQ pair of two
+            # types quantizes and dequantizes with one scale
+            values = tensor_array(originals[tensor.name])
+            up = tensor.name in activations
+            if scale_fits(values, low, up):
+                tensor.CopyFrom(onnx.numpy_helper.from_array(low_scale(values, low, up).astype(np.float32),
+                                                             tensor.name))
+            continue
         if tensor.data_type != low.onnx_type:
             continue
         base = tensor.name if tensor.name in originals else tensor.name.rsplit(f"/{low.name}", 1)[0]

@@ -117,18 +117,24 @@ def test_quantize_fp16_checks_clean_and_keeps_the_cosine(precision, scale):
     assert_check_clean(fp16.model)
     assert fp16.float_parts is not None and fp16.float_parts.float_dtype == "fp16"
     assert onnx_qat.io.models.default_opset(fp16.model) >= 19
+    # the graph input's QuantizeLinear reads it in FP32 (rule boundary): every other scale is FP16
+    boundary = [n for n in fp16.model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "input"]
+    assert len(boundary) == 1
     scales = [
-        n.input[1] for n in fp16.model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+        n.input[1] for n in fp16.model.graph.node
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n not in boundary
     ]
     inits = {t.name: t for t in fp16.model.graph.initializer}
     assert scales and all(inits[s].data_type == TensorProto.FLOAT16 for s in scales)
+    assert inits[boundary[0].input[1]].data_type == TensorProto.FLOAT
     assert fp32_compute(fp16.model) == []
     ref = run_each(model, feeds)
     c32, c16 = cosine(ref, run_each(fp32.model, feeds)), cosine(ref, run_each(fp16.model, feeds))
     assert c16 >= c32 - 0.002
     assert file_bytes(fp16.model) < 0.55 * file_bytes(fp32.model) + 64
     report = fp16.to_report()["float_parts"]
-    assert report["float_dtype"] == "fp16" and report["kept_fp32"] == []
+    assert report["float_dtype"] == "fp16"
+    assert [(k["node"], k["rule"]) for k in report["kept_fp32"]] == [(boundary[0].name, "boundary")]
     assert (
         report["measurement"]["outputs"]["output"]["cosine"]
         >= report["measurement"]["outputs"]["output"]["cosine_fp32"] - 0.002
@@ -647,10 +653,15 @@ def test_round_up_gives_the_smallest_value_of_the_type_not_below(dtype, seed):
 
 
 def _stored_scales(fp32_model, low_model, low):
-    """{scale name: (FP32 value, value stored in the low type)} of every Q/DQ scale."""
+    """{scale name: (FP32 value, value stored in the low type)} of every Q/DQ scale (a scale read in
+    FP32 too, by the graph input's QuantizeLinear, is stored in the low type as a copy ``name/fp16``)."""
     s32 = {t.name: numpy_helper.to_array(t).astype(np.float32) for t in fp32_model.graph.initializer}
-    return {t.name: (s32[t.name], onnx_qat.io.models.tensor_array(t).astype(np.float32))
-            for t in low_model.graph.initializer if t.data_type == low.onnx_type and t.name in s32}
+    found = {}
+    for t in low_model.graph.initializer:
+        base = t.name if t.name in s32 else t.name.rsplit(f"/{low.name}", 1)[0]
+        if t.data_type == low.onnx_type and base in s32:
+            found[base] = (s32[base], onnx_qat.io.models.tensor_array(t).astype(np.float32))
+    return found
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -734,3 +745,94 @@ def test_activation_scales_are_those_of_quantize_nodes_and_the_dequantize_nodes_
     graph = helper.make_graph(nodes, "g", io[:1], io[1:], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     assert activation_scales(model) == {"s_q", "s_dq"}
+
+
+def _nhwc_image_model(seed=0):
+    """input [1, 16, 16, 3] (an NHWC image, as Keras exports it) -> Transpose ``to_nchw`` -> Conv ``conv``
+    (16 channels) -> Relu -> output."""
+    b = GraphBuilder("nhwc_image", seed)
+    x = b.input("input", [1, 16, 16, 3])
+    y = b.node("Transpose", [x], name="to_nchw", perm=[0, 3, 1, 2])
+    b.node("Relu", [b.conv(y, 3, 16, "conv")], "output", name="relu")
+    b.output("output")
+    return b.build()
+
+
+def _codes(model, feeds, tensor):
+    """The quantized codes of the QuantizeLinear reading ``tensor`` (exposed as an extra output)."""
+    from onnx_qat.runtime.sessions import make_session
+
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor)
+    session = make_session(model, extra_outputs=[q.output[0]], optimize=False)
+    count = len(next(iter(feeds.values())))
+    return np.concatenate([session.run([q.output[0]], {k: v[i : i + 1] for k, v in feeds.items()})[0]
+                           for i in range(count)])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rule_boundary_the_graph_inputs_quantize_reads_it_in_fp32_and_flips_no_code(seed):
+    """Rule ``boundary``: the QuantizeLinear of an FP32 graph input (through the Transpose of an NHWC
+    image) stays FP32, so its INT8 codes are those of the FP32 float parts, every one; converted, a
+    Cast to FP16 before it would round the 0..255 image (steps of 1/8 above 128) and flip codes."""
+    model = _nhwc_image_model(seed)
+    rng = np.random.default_rng(seed)
+    data = {"input": rng.uniform(0, 255, (16, 16, 16, 3)).astype(np.float32)}
+    fp32 = onnx_qat.quantize(model, data=data, progress=False)
+    fp16 = onnx_qat.quantize(model, data=data, float_dtype="fp16", progress=False)
+    assert_check_clean(fp16.model)
+    kept = {k.node: k.rule for k in fp16.float_parts.kept}
+    q = next(n for n in fp16.model.graph.node
+             if n.op_type == "QuantizeLinear" and n.input[0] == "to_nchw_out")
+    assert kept == {q.name: "boundary", "to_nchw": "boundary"}
+    assert not any(n.op_type == "Cast" and n.input[0] == "input" for n in fp16.model.graph.node)
+    assert fp32_compute(fp16.model) == []  # the Conv computes in FP16
+    feeds = {"input": data["input"][:4]}
+    emulated = emulate_in_fp32(fp16.model, "fp16")
+    c32, c16 = _codes(fp32.model, feeds, "to_nchw_out"), _codes(emulated, feeds, "to_nchw_out")
+    assert c32.size == 4 * 3 * 16 * 16 and np.array_equal(c32, c16)
+    # what the Cast would have done: the same scale, the image rounded to FP16 first
+    scale = float(numpy_helper.to_array(next(t for t in fp32.model.graph.initializer
+                                             if t.name == q.input[1])))
+    nchw = feeds["input"].transpose(0, 3, 1, 2)
+    flipped = np.mean(np.round(nchw.astype(np.float16).astype(np.float32) / scale) != np.round(nchw / scale))
+    assert flipped > 0.005
+    # the output: the FP16 form is the FP32 one up to FP16's rounding of the Conv (bias, output)
+    out32, out16 = run_each(fp32.model, feeds), run_each(emulated, feeds)
+    assert np.max(np.abs(out16 - out32)) <= 2e-3 * np.max(np.abs(out32))
+
+
+def test_rule_boundary_not_with_low_io_types():
+    """With ``keep_io_types=False`` the graph input is FP16 itself: nothing is kept."""
+    model = _nhwc_image_model()
+    data = {"input": np.random.default_rng(0).uniform(0, 255, (8, 16, 16, 3)).astype(np.float32)}
+    fp32 = onnx_qat.quantize(model, data=data, progress=False)
+    result = cast_float_parts(fp32.model, "fp16", scales=fp32.scales, keep_io_types=False)
+    assert result.kept == ()
+    assert result.model.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_rule_boundary_after_a_kept_node_and_one_scale_per_qdq_pair(seed):
+    """A QuantizeLinear reading the output of a node kept FP32 reads it without a Cast (rule
+    ``boundary``); its FP32 scale holds the value its DequantizeLinear stores in FP16 (a given range,
+    off the FP16 grid, rounded up in both), so the pair quantizes and dequantizes with one scale."""
+    model = residual_block_model(projection=True, seed=seed)
+    data = random_inputs(model, num=8, seed=seed)
+    fp32 = onnx_qat.quantize(model, scales=amax_table_each(model, data), progress=False)
+    result = cast_float_parts(fp32.model, "fp16", scales=fp32.scales, exclude_nodes=["stem_relu"])
+    assert_check_clean(result.model)
+    kept = {k.node: k for k in result.kept}
+    q = next(n for n in result.model.graph.node
+             if n.op_type == "QuantizeLinear" and n.input[0] == "stem_relu_out")
+    assert kept["stem_relu"].rule == "excluded" and kept[q.name].rule == "boundary"
+    assert "stem_relu" in kept[q.name].reason
+    inits = {t.name: t for t in result.model.graph.initializer}
+    dqs = [n for n in result.model.graph.node
+           if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0]]
+    assert dqs and inits[q.input[1]].data_type == TensorProto.FLOAT
+    q_scale = onnx_qat.io.models.tensor_array(inits[q.input[1]])
+    given = numpy_helper.to_array(next(t for t in fp32.model.graph.initializer if t.name == q.input[1]))
+    assert q_scale >= given and q_scale == np.float16(q_scale)  # on the FP16 grid, rounded up
+    for dq in dqs:
+        assert inits[dq.input[1]].data_type == TensorProto.FLOAT16
+        assert onnx_qat.io.models.tensor_array(inits[dq.input[1]]).astype(np.float32) == q_scale
