@@ -305,8 +305,14 @@ def test_angle_classifier_fp16_float_parts_within_the_budget_on_256_lines(cls_mo
     assert c16 >= c32 - 0.002, (c32, c16)
     originals = {t.name: tensor_array(t) for t in fp32.model.graph.initializer}
     acts = activation_scales(fp32.model)
-    stored = {t.name: tensor_array(t) for t in fp16.model.graph.initializer if t.name in acts}
+    # the graph input's QuantizeLinear reads it in FP32 (rule boundary): its scale keeps its FP32 value
+    # there, and its DequantizeLinear reads an FP16 copy (name/fp16)
+    stored = {t.name.rsplit("/fp16", 1)[0]: tensor_array(t) for t in fp16.model.graph.initializer
+              if t.name.rsplit("/fp16", 1)[0] in acts and t.data_type == 10}
     assert len(stored) == len(acts) > 50
+    both = [t for t in fp16.model.graph.initializer if t.name in acts and t.data_type == 1]
+    assert [t.name for t in both] == ["x_scale"]
+    assert np.array_equal(tensor_array(both[0]), originals["x_scale"])
     for name, values in stored.items():
         assert values.dtype == np.float16 and np.array_equal(values.astype(np.float32), originals[name]), name
     weights = {n.input[1] for n in fp32.model.graph.node if n.op_type == "DequantizeLinear"} - acts
