@@ -666,11 +666,12 @@ def activation_scales(model: onnx.ModelProto) -> set:
     return names
 
 
-def _boundary_keeps(graph: onnx.GraphProto, kept: Mapping[str, KeptNode], types, keep_io_types: bool
-                    ) -> Dict[str, KeptNode]:
+def _boundary_keeps(graph: onnx.GraphProto, kept: Mapping[str, KeptNode], types, keep_io_types: bool,
+                    body: bool = False) -> Dict[str, KeptNode]:
     """QuantizeLinear nodes reading a tensor that is FP32 anyway, and the data-movement ops
     (`BOUNDARY_MOVES`, each read by the next alone) between it and them: a graph input that keeps
-    its type (``keep_io_types``) or the output of a node in ``kept``. The QuantizeLinear's output is
+    its type (``keep_io_types``; a ``body``'s inputs always do, and so do the tensors of enclosing
+    graphs it reads) or the output of a node in ``kept``. The QuantizeLinear's output is
     INT8/FP8 in either type; converted, it would read a Cast to the low type, one more rounding of
     every value just before it is quantized, and one more layer. Kept FP32, it quantizes the exact
     values (its scale's FP32 value is the one its DequantizeLinear stores, `_store_low_scales`)."""
@@ -679,8 +680,11 @@ def _boundary_keeps(graph: onnx.GraphProto, kept: Mapping[str, KeptNode], types,
     for n in graph.node:
         for t in n.input:
             readers.setdefault(t, []).append(n)
-    fp32_inputs = {i.name for i in graph.input if types.get(i.name) == TensorProto.FLOAT} \
-        if keep_io_types else set()
+    fp32_inputs = {i.name for i in graph.input} if keep_io_types else set()
+    if body:
+        own = set(producer) | {t.name for t in graph.initializer}
+        fp32_inputs |= {t for t in readers if t and t not in own}
+    fp32_inputs = {t for t in fp32_inputs if types.get(t) == TensorProto.FLOAT}
     found: Dict[str, KeptNode] = {}
     for node in graph.node:
         if node.op_type != "QuantizeLinear" or not node.input or node.name in kept \
@@ -698,7 +702,7 @@ def _boundary_keeps(graph: onnx.GraphProto, kept: Mapping[str, KeptNode], types,
             t = p.input[0]
         if t is None or (t not in fp32_inputs and producer.get(t) is None):
             continue
-        source = f"graph input {t!r}" if t in fp32_inputs else \
+        source = f"{'input' if body else 'graph input'} {t!r}" if t in fp32_inputs else \
             f"{t!r}, the output of {producer[t].name!r} (kept FP32)"
         why = (f"quantizes {source}, FP32 anyway: its output is quantized in either type, and a Cast to "
                "the low type before it would only round every value once more")
@@ -811,6 +815,7 @@ def _convert_bodies(model: onnx.ModelProto, low: LowType, kept: Dict[str, KeptNo
                 original.CopyFrom(view)
                 local = {n.name: kept[inner + n.name] for n in body.node if inner + n.name in kept}
                 before = set(local)
+                _add(local, _boundary_keeps(view.graph, local, types, True, body=True))
                 _fusion_keeps(view, local)
                 kept.update(_qualified({k: v for k, v in local.items() if k not in before}, inner))
                 local_types = _with_copies(types, view.graph)

@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qat
+from onnx_qat.formats.numeric import kept_fp32_reason
 from onnx_qat.formats.float_cast import all_graphs
 from onnx_qat.formats.float_parts import cast_float_parts, emulate_in_fp32, kept_fp32_nodes
 
@@ -186,7 +187,15 @@ def test_quantized_model_with_fp16_float_parts_in_its_bodies_passes_check(kind, 
     q32 = onnx_qat.quantize(str(path), data=str(tmp_path / "calib.npz"), progress=False)
     q = onnx_qat.quantize(str(path), data=str(tmp_path / "calib.npz"), float_dtype="fp16", progress=False)
     assert sum(n.op_type == "QuantizeLinear" for g in all_graphs(q.model)[1:] for n in g.node) >= 1
-    assert body_floats(q.model) and set(body_floats(q.model)) == {TensorProto.FLOAT16}
+    # the body's QuantizeLinear of the outer input reads it in FP32, with an FP32 scale (rule boundary);
+    # every other float constant of the bodies is FP16
+    assert {k.rule for k in q.float_parts.kept} == {"boundary", "schema"}  # schema: the If/Loop node
+    boundary = {n.input[1] for g in all_graphs(q.model)[1:] for n in g.node
+                if n.op_type == "QuantizeLinear" and kept_fp32_reason(n) is not None}
+    assert boundary
+    rest = [t.data_type for g in all_graphs(q.model)[1:] for t in g.initializer
+            if t.data_type in (F, TensorProto.FLOAT16) and t.name not in boundary]
+    assert rest and set(rest) == {TensorProto.FLOAT16}
     report = onnx_qat.check(q.model)
     assert not report.errors and not report.warnings, [str(f) for f in report.findings]
     counts = report.precision_map.counts()
