@@ -44,7 +44,8 @@ measured   on ``data``, the model's output cosine lost more than ``max_cosine_dr
 fusion     a DequantizeLinear feeding only kept nodes stays with them, so that TensorRT still fuses
            DQ into its consumer (a DQ -> Cast -> Conv chain would not fuse)
 boundary   it is a QuantizeLinear reading a tensor that is FP32 anyway (a graph input that keeps its
-           type, or a kept node's output), or a data-movement op (`BOUNDARY_MOVES`) between the two:
+           type; in an If/Loop/Scan body its inputs and the enclosing graphs' tensors it reads; or a
+           kept node's output), or a data-movement op (`BOUNDARY_MOVES`) between the two:
            the QuantizeLinear's output is INT8/FP8 in either type, and in the low type a Cast before
            it would round every value once more just before quantizing it (flipping codes: the
            whole FP16 drop of a Keras MobileNetV2 on 8 images, docs/formats.md); its scale's FP32
