@@ -701,15 +701,15 @@ def _boundary_keeps(graph: onnx.GraphProto, kept: Mapping[str, KeptNode], types,
                 break
             chain.append(p)
             t = p.input[0]
-        if t is None or (t not in fp32_inputs and producer.get(t) is None):
+        if t is None or (t not in fp32_inputs and producer.get(t) is None) \
+                or not all(n.name for n in [node, *chain]):  # kept by name: an unnamed node cannot be
             continue
         source = f"{'input' if body else 'graph input'} {t!r}" if t in fp32_inputs else \
             f"{t!r}, the output of {producer[t].name!r} (kept FP32)"
         why = (f"quantizes {source}, FP32 anyway: its output is quantized in either type, and a Cast to "
                "the low type before it would only round every value once more")
         for n in [node, *chain]:
-            if n.name and n.name not in kept:
-                found[n.name] = KeptNode(n.name, n.op_type, "boundary", why)
+            found[n.name] = KeptNode(n.name, n.op_type, "boundary", why)
     return found
 
 
