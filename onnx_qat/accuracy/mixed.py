@@ -189,8 +189,10 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool, ju
     source = prepared.float_model if prepared.int4 is None else \
         prepared.int4.model(float_weights=[w for k in chosen for w in prepared.sites[k].weights])
     try:
+        # the model every trial measured: the gated one keeps per-channel Mul/Add after its convolutions
+        # (rule TRT1's folds would re-round those weights: a model no trial measured)
         result = rewrite_model(source, scales=prepared.table, data=None, method="max",
-                                 config=excluded, calib_kw={}, progress=False)
+                                 config=excluded, calib_kw={}, progress=False, fold_scales=False)
     except PlacementError:  # the partners took every remaining site along
         raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "
                             + ", ".join(names[:8]) + "; nothing was written") from None
