@@ -14,11 +14,15 @@ The search runs in the gated session (`onnx_qat.accuracy.gated`), on ranges cali
 The chosen sites then become exclusions fed to the same placement (which resolves their
 neighbours: a residual Add or Concat next to a float site is re-decided), the Q/DQ model is built
 by the one inserter, and its cosine is measured again on the evaluation data. When the built model
-misses the minimum, the next site in the order is added and the model is built again.
+misses the minimum, the next site in the order is added and the model is built again. The model is
+built as the gated model was (`fold_scales=False`: rule TRT1's folds would round folded weights onto
+the INT8 grid afresh, a model no trial measured).
 
 With ``method="auto"`` (the default) the search also chooses each activation tensor's range among
 ``auto``'s candidates, and leaves a site float only where no range choice reaches the minimum
-(`onnx_qat.accuracy.ranges`); the steps above are then the search with one fixed table.
+(`onnx_qat.accuracy.ranges`); the steps above are then the search with one fixed table, and the
+minimum must also hold for the bound over the evaluation and calibration samples of
+`onnx_qat.accuracy.judged`, the built model's included.
 
 "Quantized" is in the format ``config.precision`` names (INT8, FP8, or INT4 weight-only, where a site
 is one weight's blockwise DequantizeLinear); what differs per format is in

@@ -22,6 +22,10 @@ of quantized sites *and* a range per tensor; every trial is one call of
 5. **ranges before float**: each float site, least harmful first, goes back to INT8 when some
    candidate range of its tensors keeps the minimum.
 
+"Reaches ``min_cosine``", in every step, is `RangeSearch.reaches`: the evaluation cosine reaches it
+and so does the bound over the evaluation and calibration samples of `onnx_qat.accuracy.judged`
+(the calibration samples run only for settings whose evaluation cosine reaches it).
+
 Each accepted change becomes the gated runner's reference (`GatedRunner.set_reference`), so every
 later trial differs from it in one tensor or site and runs only the graph after it.
 """
