@@ -307,8 +307,10 @@ def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
                        help="leave the fewest sites in float so the output cosine against the float model "
                             "reaches C on the evaluation data, choosing each activation's range among "
                             "auto's candidates first (with --method auto, the default; in any "
-                            "--precision; an int4 site is one weight); exit 2 and write nothing when it "
-                            "cannot")
+                            "--precision; an int4 site is one weight); with auto, C must also hold for a "
+                            "lower bound over the evaluation and calibration samples of what as many new "
+                            "inputs would give (the pooled cosine less 2 jackknife standard errors); exit 2 "
+                            "and write nothing when it cannot")
     group.add_argument("--max-float-sites", metavar="N", type=whole_number(0), default=None,
                        help="with --min-cosine: at most N sites in float (default: no limit)")
     group.add_argument("--eval-data", metavar="NPZ", nargs="+", default=None,
@@ -849,7 +851,16 @@ def _mixed_summary(info) -> str:
             + f" | output cosine {info['cosine_before']:.5f} -> {info['cosine_after']:.5f} "
             f"(min {info['min_cosine']:g}, {info['eval_samples']} eval samples) | "
             f"{info.get('quantized_weighted_ops', info.get('int8_weighted_ops'))}/{info['weighted_ops']} "
-            f"weighted ops {info.get('precision', 'int8').upper()}" + _ranges_summary(info.get("ranges")))
+            f"weighted ops {info.get('precision', 'int8').upper()}" + _ranges_summary(info.get("ranges"))
+            + _judged_summary(info.get("judged")))
+
+
+def _judged_summary(judged) -> str:
+    """The range search's judged figure: the bound over the evaluation and calibration samples."""
+    if not judged:
+        return ""
+    return (f" | judged on {judged['evaluation_samples']} eval + {judged['calibration_samples']} calibration "
+            f"samples: cosine {judged['cosine']:.5f}, bound {judged['bound']:.5f}")
 
 
 def _ranges_summary(ranges) -> str:

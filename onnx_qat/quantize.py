@@ -85,7 +85,11 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             in float so that the output cosine against the float model reaches this on
             ``eval_data`` (default: the last quarter of ``data``, then not calibrated on); the model
             built is measured again. ``QuantizeResult.accuracy`` tells which sites stay float and
-            (``method="auto"``, the default) each quantized site's range candidate.
+            (``method="auto"``, the default) each quantized site's range candidate. With ``auto`` the
+            minimum must also hold for a lower bound, over the evaluation samples and the first
+            calibration samples, of the cosine as many new inputs would give
+            (`onnx_qat.accuracy.judged`; ``accuracy["judged"]``), and the model written is the one
+            the search measured (rule TRT1's folds not applied).
             Every ``precision``: with ``fp8`` the sites are the INT8 ones (plus the attention
             products), with ``int4`` a site is one weight's blockwise DequantizeLinear (AWQ runs
             once on the calibration part of ``data``; without ``data``, round to nearest).

@@ -14,11 +14,15 @@ The search runs in the gated session (`onnx_qat.accuracy.gated`), on ranges cali
 The chosen sites then become exclusions fed to the same placement (which resolves their
 neighbours: a residual Add or Concat next to a float site is re-decided), the Q/DQ model is built
 by the one inserter, and its cosine is measured again on the evaluation data. When the built model
-misses the minimum, the next site in the order is added and the model is built again.
+misses the minimum, the next site in the order is added and the model is built again. The model is
+built as the gated model was (`fold_scales=False`: rule TRT1's folds would round folded weights onto
+the INT8 grid afresh, a model no trial measured).
 
 With ``method="auto"`` (the default) the search also chooses each activation tensor's range among
 ``auto``'s candidates, and leaves a site float only where no range choice reaches the minimum
-(`onnx_qat.accuracy.ranges`); the steps above are then the search with one fixed table.
+(`onnx_qat.accuracy.ranges`); the steps above are then the search with one fixed table, and the
+minimum must also hold for the bound over the evaluation and calibration samples of
+`onnx_qat.accuracy.judged`, the built model's included.
 
 "Quantized" is in the format ``config.precision`` names (INT8, FP8, or INT4 weight-only, where a site
 is one weight's blockwise DequantizeLinear); what differs per format is in
@@ -132,17 +136,20 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
                                 f"(the float model itself): the best with one {precision_name(config)} "
                                 f"site left is "
                                 f"{estimate.cosine:.5f}; nothing was written")
-        raise AccuracyError(_unreached(min_cosine, budget, estimate, prepared))
+        raise AccuracyError(_unreached(min_cosine, budget, estimate, prepared,
+                                       None if ranges is None or ranges.judge is None else ranges.judge.last))
     chosen = list(chosen)
+    judge = getattr(ranges, "judge", None)
     while True:
-        result, verified = _build(prepared, chosen, config, progress)
-        if verified.cosine >= min_cosine:
+        result, verified, judged = _build(prepared, chosen, config, progress, judge)
+        if verified.cosine >= min_cosine and (judged is None or judged.bound >= min_cosine):
             break
         more = [k for k in order if k not in chosen]
         grown = list(with_partners(prepared.sites, chosen + more[:1]))
         if not more or len(grown) > budget or len(grown) >= len(prepared.sites):
-            raise AccuracyError(_unreached(min_cosine, budget, verified, prepared))
-        logger.info("built model reaches cosine %.5f < %g; leaving %s float too", verified.cosine, min_cosine,
+            raise AccuracyError(_unreached(min_cosine, budget, verified, prepared, judged))
+        logger.info("built model reaches cosine %.5f (bound %s) < %g; leaving %s float too", verified.cosine,
+                    "-" if judged is None else f"{judged.bound:.5f}", min_cosine,
                     prepared.sites[more[0]].name)
         chosen = grown
     info = _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_float_sites, result,
@@ -151,6 +158,9 @@ def quantize_mixed(model, output, *, min_cosine: float, max_float_sites: Optiona
         from .ranges import per_site
 
         info["ranges"] = {**ranges.records, "sites": per_site(ranges, chosen)}
+    if judged is not None:
+        info["judged"] = {**judged.to_dict(), "evaluation_samples": judge.eval_samples,
+                          "calibration_samples": judge.calib_samples, "calibration_runs": judge.runs}
     if prepared.int4 is not None:
         result = dataclasses.replace(result, awq=prepared.int4.awq, gptq=prepared.int4.gptq)
     result = dataclasses.replace(result, output=out_path, accuracy=info)
@@ -169,8 +179,9 @@ def _chosen_table(table, ranges):
     return ScaleTable(dict(ranges.amax), producer=table.producer, metadata=meta, bounds=dict(table.bounds))
 
 
-def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
-    """The Q/DQ model with ``chosen`` sites excluded from placement, and its verified error."""
+def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool, judge=None):
+    """The Q/DQ model with ``chosen`` sites excluded from placement, its verified error and, with a
+    usable ``judge`` (`onnx_qat.accuracy.judged.Judge`), its judged figure (else None)."""
     from ..rewrite import rewrite_model
     from ..runtime.sessions import make_session
     from ..runtime.stateful import carry_state
@@ -182,8 +193,10 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     source = prepared.float_model if prepared.int4 is None else \
         prepared.int4.model(float_weights=[w for k in chosen for w in prepared.sites[k].weights])
     try:
+        # the model every trial measured: the gated one keeps per-channel Mul/Add after its convolutions
+        # (rule TRT1's folds would re-round those weights: a model no trial measured)
         result = rewrite_model(source, scales=prepared.table, data=None, method="max",
-                                 config=excluded, calib_kw={}, progress=False)
+                                 config=excluded, calib_kw={}, progress=False, fold_scales=False)
     except PlacementError:  # the partners took every remaining site along
         raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "
                             + ", ".join(names[:8]) + "; nothing was written") from None
@@ -193,7 +206,11 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool):
     for feed in prepared.feeds:
         for name, value in zip(outputs, session.run(outputs, feed)):
             parts[name].append(value)
-    return result, output_error(prepared.reference, {k: join_flat(v) for k, v in parts.items()})
+    joined = {k: join_flat(v) for k, v in parts.items()}
+    judged = None
+    if judge is not None and judge.usable:
+        judged = judge.judged(joined, judge.model_outputs(session) or {})
+    return result, output_error(prepared.reference, joined), judged
 
 
 def _weighted_share(result, float_model) -> Tuple[int, int]:
@@ -232,11 +249,15 @@ def _summary(prepared, chosen, all_int8, estimate, verified, min_cosine, max_flo
     return info
 
 
-def _unreached(min_cosine, budget, best: OutputError, prepared) -> str:
+def _unreached(min_cosine, budget, best: OutputError, prepared, judged=None) -> str:
+    samples = prepared.evaluation.num_samples
+    bound = "" if judged is None or best.cosine < min_cosine else (
+        f" (its bound over {judged.samples} evaluation and calibration samples, cosine less "
+        f"{judged.to_dict()['evidence']:g} standard errors: {judged.bound:.5f})")
     return (f"output cosine {min_cosine:g} cannot be reached with at most {budget} of "
             f"{len(prepared.sites)} site{'' if len(prepared.sites) == 1 else 's'} left float: the best "
-            f"reached is {best.cosine:.5f} on {prepared.evaluation.num_samples} evaluation "
-            f"sample{'' if prepared.evaluation.num_samples == 1 else 's'}; nothing was written")
+            f"reached is {best.cosine:.5f} on {samples} evaluation "
+            f"sample{'' if samples == 1 else 's'}{bound}; nothing was written")
 
 
 def _bar(total: int, progress: bool):

@@ -22,6 +22,10 @@ of quantized sites *and* a range per tensor; every trial is one call of
 5. **ranges before float**: each float site, least harmful first, goes back to INT8 when some
    candidate range of its tensors keeps the minimum.
 
+"Reaches ``min_cosine``", in every step, is `RangeSearch.reaches`: the evaluation cosine reaches it
+and so does the bound over the evaluation and calibration samples of `onnx_qat.accuracy.judged`
+(the calibration samples run only for settings whose evaluation cosine reaches it).
+
 Each accepted change becomes the gated runner's reference (`GatedRunner.set_reference`), so every
 later trial differs from it in one tensor or site and runs only the graph after it.
 """
@@ -36,6 +40,7 @@ import numpy as np
 
 from . import bisect
 from .fewest import fewest_float, harm_order
+from .judged import Judge
 from .prepared import OutputError, Prepared, output_error
 from .sites import with_partners
 
@@ -122,7 +127,8 @@ class Confirmation:
         if not self.usable:
             return
         self.prepared, self.runner = prepared, runner
-        self.feeds = tuple(data.take(CONFIRM_SAMPLES).batches(batch_size))
+        self.data = data.take(CONFIRM_SAMPLES)
+        self.feeds = tuple(self.data.batches(batch_size))
         self.reference = {k: v.astype(np.float64) for k, v in self._outputs((), None).items()}
 
     def _outputs(self, on, scales) -> Dict[str, np.ndarray]:
@@ -181,6 +187,8 @@ class RangeSearch:
     samples: Optional[np.ndarray] = None  # each evaluation sample's cosine in the current setting
     confirm: Optional[Confirmation] = None  # the samples a kept range change must also gain on
     confirmed: Optional[float] = None  # their cosine in the current setting
+    judge: Optional[Judge] = None  # what the target is judged on (onnx_qat.accuracy.judged)
+    reached: bool = False  # whether `tune` left the current setting at the target
 
     def evaluate(self, float_sites: Sequence[int] = (), amax: Optional[Mapping[str, float]] = None
                  ) -> OutputError:
@@ -190,13 +198,33 @@ class RangeSearch:
 
     def evaluate_samples(self, float_sites: Sequence[int] = (), amax: Optional[Mapping[str, float]] = None):
         """`evaluate`, and each evaluation sample's cosine (`sample_cosines`)."""
+        error, outputs = self.evaluate_outputs(float_sites, amax)
+        return error, sample_cosines(self.prepared, outputs)
+
+    def evaluate_outputs(self, float_sites: Sequence[int] = (), amax: Optional[Mapping[str, float]] = None):
+        """`evaluate`, and the outputs (flattened and joined over the evaluation data)."""
         sites = self.prepared.sites
         on = set(range(len(sites))) - set(with_partners(sites, float_sites))
         if self.on_run is not None:
             self.on_run()
         prepared = self.prepared
         outputs = prepared.runner.run(on, prepared.scale_feeds(self.amax if amax is None else amax))
-        return output_error(prepared.reference, outputs), sample_cosines(prepared, outputs)
+        return output_error(prepared.reference, outputs), outputs
+
+    def reaches(self, min_cosine: float, float_sites: Sequence[int] = (),
+                amax: Optional[Mapping[str, float]] = None, error: Optional[OutputError] = None,
+                outputs: Optional[Mapping[str, np.ndarray]] = None) -> bool:
+        """Whether a setting reaches ``min_cosine``: its evaluation cosine and, with a usable `judge`,
+        the bound over the evaluation and calibration samples (`onnx_qat.accuracy.judged`).
+        ``error`` and ``outputs``: the setting's evaluation figures when already run."""
+        if error is not None and error.cosine < min_cosine:
+            return False
+        if self.judge is None or not self.judge.usable:
+            return (error if error is not None else self.evaluate(float_sites, amax)).cosine >= min_cosine
+        if error is None or outputs is None:
+            error, outputs = self.evaluate_outputs(float_sites, amax)
+        return self.judge.reaches(min_cosine, error, outputs, with_partners(self.prepared.sites, float_sites),
+                                  self.amax if amax is None else amax)
 
     def accept(self, amax: Mapping[str, float], float_sites: Sequence[int], default: bool = False) -> None:
         """Make ``amax`` and ``float_sites`` current, and the runner's reference."""
@@ -274,8 +302,10 @@ def tune(state: RangeSearch, site_order: Sequence[int], current: OutputError, mi
     groups = groups_of(prepared)
     tried = set()
     changes = state.records.setdefault("changes", [])
+    reached = state.reached = current.cosine >= min_cosine and state.reaches(min_cosine, float_sites, None,
+                                                                                    current)
     for k in site_order:
-        if current.cosine >= min_cosine:
+        if reached:
             break
         if k in state.float_sites:
             continue
@@ -319,7 +349,9 @@ def tune(state: RangeSearch, site_order: Sequence[int], current: OutputError, mi
                 state.choice[t] = name
             state.accept(trial, float_sites)
             current, state.samples = best_error, best_samples
-            if current.cosine >= min_cosine:
+            reached = state.reached = current.cosine >= min_cosine and \
+                state.reaches(min_cosine, float_sites, None, current)
+            if reached:
                 break
     if state.confirm is not None and state.confirm.runs:
         state.records["confirm_runs"] = state.confirm.runs
@@ -333,8 +365,9 @@ def search_ranges(prepared: Prepared, min_cosine: float, budget: int, on_run=Non
     cannot reach ``min_cosine``."""
     sites = prepared.sites
     n = len(sites)
-    state = RangeSearch(prepared, dict(prepared.table.activations), {}, on_run=on_run,
-                        confirm=Confirmation(prepared))
+    confirm = Confirmation(prepared)
+    state = RangeSearch(prepared, dict(prepared.table.activations), {}, on_run=on_run, confirm=confirm,
+                        judge=Judge(prepared, confirm))
     runs = state.records.setdefault("runs", {})
     counted = prepared.runner.runs
 
@@ -345,7 +378,7 @@ def search_ranges(prepared: Prepared, min_cosine: float, budget: int, on_run=Non
 
     all_int8 = current = start(state)
     step_done("whole_tables")
-    if current.cosine >= min_cosine:
+    if state.reaches(min_cosine, (), None, current):
         return state, tuple(range(n)), (), all_int8, current
     run = (lambda: on_run()) if on_run is not None else None
     if n <= bisect.MIN_SITES:
@@ -359,7 +392,7 @@ def search_ranges(prepared: Prepared, min_cosine: float, budget: int, on_run=Non
     current = tune(state, alone, current, min_cosine)
     state.records["tuned"] = current.cosine
     step_done("ranges")
-    if current.cosine >= min_cosine:
+    if state.reached:
         return state, order, (), all_int8, current
     prepared.runner.set_reference(range(n), prepared.scale_feeds(state.amax), default=True)
     changed = {t for t in state.amax if state.amax[t] != before.get(t)}
@@ -371,15 +404,17 @@ def search_ranges(prepared: Prepared, min_cosine: float, budget: int, on_run=Non
                 on_run()
     order = harm_order(sites, found)
     losses = [found[k][0] for k in range(n)]
-    cache: Dict[frozenset, OutputError] = {}
+    cache: Dict[frozenset, Tuple[OutputError, bool]] = {}
 
-    def with_float(indices) -> OutputError:
+    def measured(indices) -> Tuple[OutputError, bool]:
         key = frozenset(with_partners(sites, indices))
         if key not in cache:
-            cache[key] = state.evaluate(tuple(key))
+            error, outputs = state.evaluate_outputs(tuple(key))
+            cache[key] = error, state.reaches(min_cosine, tuple(key), None, error, outputs)
         return cache[key]
 
-    chosen, estimate = fewest_float(sites, order, losses, with_float, min_cosine, budget, current)
+    chosen, estimate = fewest_float(sites, order, losses, lambda k: measured(k)[0], min_cosine, budget,
+                                    current, reaches=lambda k: measured(k)[1])
     step_done("float_sites")
     if chosen is None:
         return state, order, None, all_int8, estimate
@@ -409,8 +444,8 @@ def back_to_int8(state: RangeSearch, order: Sequence[int], chosen: List[int], es
                     continue
                 trial = dict(state.amax)
                 trial.update({t: prepared.options.get(t, {}).get(name, amax) for t in group})
-                error = state.evaluate(rest, trial)
-                if error.cosine >= min_cosine:
+                error, outputs = state.evaluate_outputs(rest, trial)
+                if state.reaches(min_cosine, rest, trial, error, outputs):
                     returned.append({"site": sites[k].name, "tensors": list(group),
                                      "from": state.choice.get(tensor, "auto"), "to": name,
                                      "cosine": error.cosine})

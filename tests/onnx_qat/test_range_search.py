@@ -120,6 +120,11 @@ def test_cli_names_the_start_table_and_the_ranges_changed(tmp_path, capsys):
     change = saved["ranges"]["changes"][0]
     assert "mixed precision: 0 of 8 sites left float" in out
     assert f"ranges: {saved['ranges']['start']} table, 1 tensor changed ({change['to']} 1)" in out
+    judged = saved["judged"]
+    assert (judged["evaluation_samples"], judged["calibration_samples"]) == (16, 32)
+    assert judged["bound"] >= 0.99 and judged["bound"] < judged["cosine"]
+    assert (f"judged on 16 eval + 32 calibration samples: cosine {judged['cosine']:.5f}, "
+            f"bound {judged['bound']:.5f}") in out
 
 
 @pytest.mark.parametrize("seed", [0, 3])

@@ -267,13 +267,19 @@ def test_angle_classifier_sensitivity_and_min_cosine_reach_what_max_misses(cls_m
     top = set(floats) & set(ranked[:5])  # measured: 4 of the 5 most sensitive sites are among the 6 float
     assert result.all_int8.cosine < 0.995 and len(top) >= 3, (result.all_int8, ranked[:5], floats)
 
-    # the default search, over each activation's range too, reaches it with fewer sites float
-    # (measured: none, from auto's per-tensor table)
+    # the default search, over each activation's range too, judged with the 16 calibration lines as well
+    # (onnx_qat.accuracy.judged): its bound for 16 new lines reaches the minimum (measured 0.99703, pooled
+    # 0.99850 over 32 lines), with 7 sites float (none before 2026-11-27, when the evaluation cosine alone
+    # decided), and on the unseen lines it gives 0.9978 (the max search's model 0.9980)
     ranged = onnx_qat.quantize(cls_model, data=calib, eval_data=evaluation, min_cosine=0.997, progress=False)
     assert_check_clean(ranged.model)
-    assert len(ranged.accuracy["float_sites"]) < len(floats), ranged.accuracy["float_sites"]
+    judged = ranged.accuracy["judged"]
+    counts = (judged["evaluation_samples"], judged["calibration_samples"], judged["new_samples"])
+    assert counts == (16, 16, 16)
+    assert judged["bound"] >= 0.997 and judged["cosine"] > judged["bound"] + 0.001
+    assert len(ranged.accuracy["float_sites"]) <= len(floats) + 2, ranged.accuracy["float_sites"]
     assert cosine(ref_eval, run(ranged.model, evaluation)[0]) >= 0.997
-    assert cosine(ref_unseen, run(ranged.model, unseen)[0]) > 0.98
+    assert cosine(ref_unseen, run(ranged.model, unseen)[0]) > 0.995
 
 
 @pytest.mark.slow
