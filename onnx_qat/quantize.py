@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping, Optional
 
-from .calibration.runner import DEFAULT_METHOD
 from .config import QuantizeConfig
 from .errors import ConfigError
 from .formats.numeric import get_format
@@ -209,13 +208,14 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     if cpu_vnni is True and (config.target != "ort-cpu" or min_cosine is not None or data is None):
         raise ConfigError("cpu_vnni applies to target 'ort-cpu' with calibration data (data), "
                           "without min_cosine")
-    from .calibration.parallel import worker_spec
-
     if (workers is not None or ray not in (None, False)) and (
             optimize is not None or (data is None and min_cosine is None)):
         raise ConfigError("workers and ray spread calibration (data) and min_cosine's search; they do not "
                           "apply to a rewrite from scales alone or to optimize='accuracy'")
-    workers = worker_spec(workers, ray)  # a bad count, or Ray missing: one line before any work
+    if data is not None or min_cosine is not None:  # a rewrite from scales never loads calibration
+        from .calibration.parallel import worker_spec
+
+        workers = worker_spec(workers, ray)  # a bad count, or Ray missing: one line before any work
     calib_kw = {**dict(calibration_options or {}), **calibration_kwargs}
     check_sources(scales, data, method, calib_kw, weight_only=fmt.weight_only)
     if optimize is not None:
@@ -228,7 +228,7 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
         if state or latency_options is not None or cpu_vnni is True:
             raise ConfigError("optimize='accuracy' does not combine with state, latency or cpu_vnni")
         return quantize_optimized(model, output, data=data, eval_data=eval_data,
-                                  method=method or DEFAULT_METHOD, config=config, calib_kw=calib_kw,
+                                  method=method or _default_method(), config=config, calib_kw=calib_kw,
                                   report=report, progress=progress)
     if min_cosine is not None or max_float_sites is not None or eval_data is not None:
         from .accuracy.mixed import check_options, quantize_mixed
@@ -242,10 +242,19 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
                               workers=workers)
     if data is not None:  # calibration's batches on `workers` processes (onnx_qat.calibration.parallel)
         calib_kw = {**calib_kw, "workers": workers}
-    return rewrite_model(model, output, scales=scales, data=data, method=method or DEFAULT_METHOD,
-                           config=config, calib_kw=calib_kw, report=report, progress=progress,
-                           placement=placement, latency=latency_options,
-                           cpu_vnni=cpu_vnni)
+    return rewrite_model(model, output, scales=scales, data=data,
+                         method=method or (_default_method() if data is not None else None),
+                         config=config, calib_kw=calib_kw, report=report, progress=progress,
+                         placement=placement, latency=latency_options, cpu_vnni=cpu_vnni)
+
+
+def _default_method() -> str:
+    """The calibration method used when none is given (`onnx_qat.calibration.runner.DEFAULT_METHOD`),
+    imported only when calibration runs: a rewrite from given scales does not load the calibration
+    package."""
+    from .calibration.runner import DEFAULT_METHOD
+
+    return DEFAULT_METHOD
 
 
 def _latency_options(latency, config: QuantizeConfig, placement, min_cosine, max_float_sites, eval_data):

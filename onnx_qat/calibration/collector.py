@@ -76,7 +76,7 @@ class AbsHistogram:
         if num_bins < 2 or num_bins & (num_bins - 1):
             raise ValueError(f"num_bins must be a power of two >= 2, got {num_bins}")
         self.num_bins = int(num_bins)
-        self._counts = np.zeros(self.num_bins, dtype=np.int64)
+        self._counts = _no_counts(self.num_bins)  # allocated when the first value is binned (`_grow`)
         self.top = 0.0
         self.max_seen = 0.0
         self._pending_zeros = 0
@@ -103,7 +103,8 @@ class AbsHistogram:
             return
         self.max_seen = max(self.max_seen, batch_max)
         if values.size < self.num_bins:  # binned later with others: the counts do not depend on it
-            self._buffer.append(np.abs(values) if signed else values.copy())
+            # kept as given (signed or not): `_flush` takes the magnitudes of all of them at once
+            self._buffer.append(values.copy())
             self._buffered += values.size
             if self._buffered >= self.num_bins:
                 self._flush()
@@ -113,7 +114,11 @@ class AbsHistogram:
     def _flush(self) -> None:
         if not self._buffer:
             return
-        values = np.concatenate(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
+        if len(self._buffer) > 1:  # a new array: its magnitudes are taken in place
+            values = np.concatenate(self._buffer)
+            values = np.abs(values, out=values) if values.dtype.kind == "f" else np.abs(values)
+        else:  # possibly shared with a merged histogram: not changed
+            values = np.abs(self._buffer[0])
         self._buffer, self._buffered = [], 0
         self._count(values, float(values.max()), False)
 
@@ -145,6 +150,7 @@ class AbsHistogram:
             top *= 2.0
         if self.top == 0.0:
             self.top = top
+            self._counts = np.zeros(self.num_bins, dtype=np.int64)
             self._counts[0] += self._pending_zeros
             self._pending_zeros = 0
             return
@@ -165,9 +171,17 @@ class AbsHistogram:
         exactly the histogram of both sets of values, in any order."""
         if other.num_bins != self.num_bins:
             raise ValueError(f"cannot merge histograms of {other.num_bins} and {self.num_bins} bins")
-        if other._buffer:  # binned on a copy: ``other`` stays as it is (it may be read-only, from Ray)
+        if other._buffer:  # values not binned yet join this histogram's own (``other`` is not changed:
+            # it may be read-only, from Ray); the counts do not depend on how values are grouped
+            self._buffer.extend(other._buffer)
+            self._buffered += other._buffered
+            if other.top == 0.0 and other._pending_zeros == 0:  # nothing counted there yet
+                self.max_seen = max(self.max_seen, other.max_seen)
+                if self._buffered >= self.num_bins:
+                    self._flush()
+                return
             other = other._copy()
-            other._flush()
+            other._buffer, other._buffered = [], 0
         self.max_seen = max(self.max_seen, other.max_seen)
         if other.top == 0.0:
             if self.top == 0.0:
@@ -186,6 +200,30 @@ class AbsHistogram:
             if factor >= self.num_bins:
                 counts[0] = int(other._counts.sum())
         self._counts += counts
+        if self._buffered >= self.num_bins:
+            self._flush()
+
+    def __getstate__(self):
+        """A compact state for pickling (calibration workers send their histograms back): the counts
+        as their non-empty bins (most bins of a part of the data are empty), the values not binned
+        yet as one array."""
+        nonzero = np.flatnonzero(self._counts)
+        counts = (nonzero.astype(np.int32), self._counts[nonzero]) if nonzero.size * 3 < self.num_bins \
+            else self._counts
+        buffer = (np.concatenate(self._buffer) if len(self._buffer) > 1 else self._buffer[0]) \
+            if self._buffer else None
+        return (self.num_bins, counts, self.top, self.max_seen, self._pending_zeros, buffer)
+
+    def __setstate__(self, state) -> None:
+        self.num_bins, counts, self.top, self.max_seen, self._pending_zeros, buffer = state
+        if isinstance(counts, tuple):
+            self._counts = np.zeros(self.num_bins, dtype=np.int64) if self.top else _no_counts(self.num_bins)
+            if counts[0].size:
+                self._counts[counts[0]] = counts[1]
+        else:
+            self._counts = np.array(counts, dtype=np.int64)
+        self._buffer = [] if buffer is None else [buffer]
+        self._buffered = 0 if buffer is None else int(buffer.size)
 
     def _copy(self) -> "AbsHistogram":
         copy = AbsHistogram(self.num_bins)
@@ -237,6 +275,20 @@ class AbsHistogram:
         """
         counts, widths = final_rows([self], num_bins)
         return counts[0], float(widths[0])
+
+
+_NO_COUNTS: dict = {}
+
+
+def _no_counts(num_bins: int) -> np.ndarray:
+    """The counts of a histogram that has binned nothing yet: one read-only array of zeros per size,
+    shared (a calibration part's fresh collectors, thousands of them, allocate nothing until they
+    bin a value; `AbsHistogram._grow` gives a histogram its own counts)."""
+    zeros = _NO_COUNTS.get(num_bins)
+    if zeros is None:
+        zeros = _NO_COUNTS[num_bins] = np.zeros(num_bins, dtype=np.int64)
+        zeros.flags.writeable = False
+    return zeros
 
 
 def final_rows(hists, num_bins: int) -> "tuple[np.ndarray, np.ndarray]":

@@ -3,7 +3,9 @@ merged exactly.
 
 The main process always runs the first batch itself (in the session it builds anyway); when the worker
 count is to be estimated it runs the second too and times that one (the first batch also pays every
-collector's first allocation and a piece-by-piece runner's session builds, which later batches do not).
+collector's first allocation and a piece-by-piece runner's session builds, which later batches do not),
+the lesser of its wall and CPU time (on a machine loaded by other jobs the wall time grows, and workers
+on the same cores would not win it back).
 The remaining batches are cut into contiguous parts of a few batches each, read lazily (no more parts
 in memory than there are workers, plus one) and sent to whichever worker is free
 (`onnx_qat.runtime.workers`). Each worker holds the model once (`ModelPayload`) with
@@ -128,12 +130,15 @@ def observe_split(model, dataset, observers: Dict[str, object], fetched: Sequenc
             # allocation (auto's histograms: 64 KiB per tensor), which no later batch pays again
             second = next(feeds, None)
             if second is not None:  # (None only when the data held fewer batches than it said)
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 more, more_kept, samples = observe_feeds(session, dataset, [second], observers, fetched,
                                                          outputs, samples, 1)
                 bar.update(1)
                 again = getattr(session, "build_seconds", 0.0) - built  # a smaller batch's own sessions
-                build, seconds = build + again, max(time.perf_counter() - started - again, 0.0)
+                # the lesser of its wall and CPU time: other jobs stretch the wall time of a loaded
+                # machine, which workers on the same cores would not win back
+                elapsed = min(time.perf_counter() - started, time.process_time() - cpu)
+                build, seconds = build + again, max(elapsed - again, 0.0)
                 reached, kept, done = reached | more, kept + more_kept, 2
                 rest -= 1
         count = 1 if first is None else _worker_count(workers, model, first, observers, seconds, rest, build)

@@ -63,20 +63,36 @@ class TensorObserver:
     out of the statistics; `result` warns about them, raises DataError when
     nothing finite was seen, and gives an all-zero tensor `ZERO_TENSOR_AMAX`.
     Whatever the method, the smallest and largest value kept are tracked too (`bounds`).
+
+    In front of a histogram collector (``auto``, ``percentile``, ``entropy``, ``mse``) small float
+    batches are held and reduced together once they hold as many values as the histogram has bins
+    (`flush`): one pass of the guard, the bounds and the binning instead of one per batch (the
+    histogram's counts do not depend on how its values are grouped, nor do the minimum, maximum and
+    counts of the guard: the same numbers). `result`, `bounds`, `merge` and `ignored` flush first.
     """
 
-    __slots__ = ("name", "collector", "seen", "ignored", "low", "high")
+    __slots__ = ("name", "collector", "seen", "_ignored", "low", "high", "_limit", "_held", "_held_size")
 
     def __init__(self, name: str, collector: RangeCollector):
         self.name = name
         self.collector = collector
         self.seen = 0
-        self.ignored = 0
+        self._ignored = 0
         self.low = np.inf
         self.high = -np.inf
+        hist = getattr(collector, "hist", None)
+        self._limit = int(hist.num_bins) if hist is not None else 0  # 0: every batch reduced at once
+        self._held: list = []
+        self._held_size = 0
+
+    @property
+    def ignored(self) -> int:
+        """Values left out so far (NaN, Inf, masking magnitudes)."""
+        self.flush()
+        return self._ignored
 
     def update(self, values: np.ndarray) -> None:
-        """Reduce one batch of the tensor into the running statistics.
+        """Reduce one batch of the tensor into the running statistics (or hold it, see the class).
 
         The usual batch costs two reading passes (its min and max); only a batch holding
         NaN, Inf or masking magnitudes is filtered value by value.
@@ -90,6 +106,23 @@ class TensorObserver:
         if values.size == 0:
             return
         self.seen += values.size
+        if values.size < self._limit:
+            self._held.append(values.reshape(-1).copy())
+            self._held_size += values.size
+            if self._held_size >= self._limit:
+                self.flush()
+            return
+        self._reduce(values)
+
+    def flush(self) -> None:
+        """Reduce the batches held (see the class) into the statistics."""
+        if not self._held:
+            return
+        values = np.concatenate(self._held) if len(self._held) > 1 else self._held[0]
+        self._held, self._held_size = [], 0
+        self._reduce(values)
+
+    def _reduce(self, values: np.ndarray) -> None:
         low, high = float(values.min()), float(values.max())
         peak = max(-low, high)  # NaN when any value is NaN
         if peak < MASK_MAGNITUDE:  # False for NaN and Inf too
@@ -98,7 +131,7 @@ class TensorObserver:
             return
         magnitudes = np.abs(values)
         keep = magnitudes < MASK_MAGNITUDE
-        self.ignored += int(magnitudes.size - np.count_nonzero(keep))
+        self._ignored += int(magnitudes.size - np.count_nonzero(keep))
         kept = values[keep]
         if kept.size:
             self.low, self.high = min(self.low, float(kept.min())), max(self.high, float(kept.max()))
@@ -107,13 +140,16 @@ class TensorObserver:
     def merge(self, other: "TensorObserver") -> None:
         """Add what ``other`` (the same tensor's observer over other batches) has seen (exactly: counts
         add, `bounds` take the smaller minimum and the larger maximum, collectors merge)."""
+        self.flush()
+        other.flush()
         self.seen += other.seen
-        self.ignored += other.ignored
+        self._ignored += other._ignored
         self.low, self.high = min(self.low, other.low), max(self.high, other.high)
         self.collector.merge(other.collector)
 
     def result(self) -> float:
         """The final amax (finite, > 0)."""
+        self.flush()
         if self.seen and self.ignored == self.seen:
             raise DataError(f"tensor {self.name!r} has no finite values on the calibration data (all NaN, "
                             f"Inf or masking constants); exclude its consumer or check the data")
@@ -132,6 +168,7 @@ class TensorObserver:
 
     def bounds(self) -> Optional[Tuple[float, float]]:
         """``(min, max)`` of the finite values kept (not masking constants), or None when none was."""
+        self.flush()
         if not self.low <= self.high:
             return None
         return float(self.low), float(self.high)
@@ -481,6 +518,8 @@ def observe_feeds(session, dataset, feeds, observers: Dict[str, TensorObserver],
                 observer.update(value)
                 reached.add(name)
         del values, feed
+    for observer in observers.values():  # batches an observer still holds (`TensorObserver.flush`)
+        observer.flush()
     return reached, kept, samples
 
 

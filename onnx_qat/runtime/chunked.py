@@ -27,12 +27,14 @@ CHUNK_NODES = 2000
 
 
 class _Piece:
-    __slots__ = ("nodes", "inputs", "outputs", "initializers", "sessions", "fed", "bound", "bindings")
+    __slots__ = ("nodes", "inputs", "outputs", "initializers", "sessions", "fed", "bound", "shaped",
+                 "bindings")
 
     def __init__(self, nodes, inputs, outputs, initializers):
         self.nodes, self.inputs, self.outputs, self.initializers = nodes, inputs, outputs, initializers
         self.sessions: Dict[tuple, object] = {}
         self.fed, self.bound = inputs, ()  # inputs fed at each run; inputs held by `ChunkedSession.bind`
+        self.shaped = inputs  # the inputs whose shapes may tell sessions apart (held scalars never do)
         self.bindings: Dict[tuple, list] = {}  # session key -> [IOBinding, the `bind` call it holds]
 
 
@@ -118,7 +120,7 @@ class ChunkedSession:
 
         # scalars (e.g. scales fed as inputs) keep the dtype they first came with: only the shapes of
         # the others tell sessions apart
-        key = tuple(tuple("N" if d == batch else d for d in np.shape(live[t])) for t in piece.inputs
+        key = tuple(tuple("N" if d == batch else d for d in np.shape(live[t])) for t in piece.shaped
                     if np.ndim(live[t]))
         session = piece.sessions.get(key)
         if session is not None:
@@ -149,6 +151,7 @@ class ChunkedSession:
             piece.bound = tuple(t for t in piece.inputs if t in self._constants)
             held = set(piece.bound)
             piece.fed = [t for t in piece.inputs if t not in held]
+            piece.shaped = piece.fed + [t for t in piece.bound if np.ndim(self._constants[t])]
 
     def run(self, outputs: Optional[Sequence[str]], feed: Mapping[str, np.ndarray], run_options=None) -> list:
         """The values of ``outputs`` (None: those given at construction) on ``feed`` (and the inputs

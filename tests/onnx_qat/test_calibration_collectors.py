@@ -74,6 +74,88 @@ def test_histograms_of_parts_merge_into_the_histogram_of_all(seed, parts):
     np.testing.assert_array_equal(counts, whole.final(2048)[0])
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_histograms_pickled_small_merge_exactly(seed):
+    """Workers send their histograms back pickled: a part's few values (unbinned, or in few bins) make a
+    small message, and histograms that went through pickle merge into the one-pass histogram exactly,
+    whichever of them held counts, unbinned values or only zeros."""
+    import pickle
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(40_000) * rng.uniform(0.001, 50.0, 40_000)).astype(np.float32)
+    whole = AbsHistogram(8192)
+    whole.update(x, peak=float(np.abs(x).max()), signed=True)
+    parts = [x[:16], x[16:5000], x[5000:5200], x[5200:]]  # unbinned only, binned, unbinned, binned
+    pieces = []
+    for part in parts:
+        piece = AbsHistogram(8192)
+        for batch in np.array_split(part, 1 + part.size // 3000):
+            piece.update(batch, peak=float(np.abs(batch).max()), signed=True)
+        pieces.append(pickle.loads(pickle.dumps(piece)))
+    zeros = AbsHistogram(8192)
+    zeros.update(np.zeros(30))
+    pieces.append(pickle.loads(pickle.dumps(zeros)))
+    assert len(pickle.dumps(AbsHistogram(8192))) < 1024  # nothing binned: no 64 KiB of zero counts
+    assert len(pickle.dumps(pieces[0])) < 1024
+    merged = AbsHistogram(8192)
+    for piece in pieces:
+        kept = [np.array(piece.counts), piece.top, piece.max_seen]
+        merged.merge(piece)
+        np.testing.assert_array_equal(piece.counts, kept[0])  # the merged-in histogram is not changed
+        assert (piece.top, piece.max_seen) == (kept[1], kept[2])
+    assert merged.top == whole.top and merged.max_seen == whole.max_seen
+    np.testing.assert_array_equal(merged.counts, whole.counts + np.eye(1, 8192, 0, dtype=np.int64)[0] * 30)
+    assert merged.total == whole.total + 30
+
+
+def test_fresh_histograms_share_no_written_counts():
+    """A histogram allocates its counts when it bins its first value: the shared empty counts of the
+    others stay zero."""
+    first, second = AbsHistogram(256), AbsHistogram(256)
+    first.update(np.zeros(5))
+    first.update(np.full(300, 2.0))
+    assert first.counts.sum() == 305 and second.counts.sum() == 0 and second.total == 0
+    second.merge(first)
+    np.testing.assert_array_equal(second.counts, first.counts)
+    assert AbsHistogram(256).counts.sum() == 0
+
+
+@pytest.mark.parametrize("method", ["auto", "percentile", "entropy", "mse"])
+def test_observer_holding_small_batches_gives_the_same_numbers(method, caplog):
+    """In front of a histogram, small batches are held and reduced together: the range, bounds, counts
+    of values left out and the candidates are those of reducing every batch at once, with a
+    non-finite batch, a zero batch, integer and float64 batches among them, and across a merge."""
+    rng = np.random.default_rng(11)
+    batches = [(rng.standard_normal((1, 16, 4, 4)) * rng.uniform(0.1, 30.0)).astype(np.float32)
+               for _ in range(70)]
+    batches[5] = batches[5].copy()
+    batches[5][0, 0, 0, :2] = [np.nan, -np.inf]
+    batches[9] = np.zeros((1, 16, 4, 4), np.float32)
+    batches[12] = batches[12].copy()
+    batches[12][0, 1, 1, 1] = -3.4e38
+    batches.append(rng.integers(-40, 40, (3, 5)).astype(np.int64))
+    batches.append(rng.standard_normal((2, 7)) * 1e3)
+    held, each = TensorObserver("t", make_collector(method)), TensorObserver("t", make_collector(method))
+    each._limit = 0  # every batch reduced as it comes
+    first, second = TensorObserver("t", make_collector(method)), TensorObserver("t", make_collector(method))
+    for k, batch in enumerate(batches):
+        held.update(batch)
+        each.update(batch)
+        (first if k < 40 else second).update(batch)
+    first.merge(second)
+    with caplog.at_level(logging.WARNING):
+        results = [(o.result(), o.bounds(), o.ignored, o.seen) for o in (held, each, first)]
+    assert results[0] == results[1] == results[2]
+    assert results[0][2] == 3 and results[0][3] == sum(b.size for b in batches)
+    hists = [o.collector.hist for o in (held, each, first)]
+    for hist in hists[1:]:
+        np.testing.assert_array_equal(hist.counts, hists[0].counts)
+        assert hist.top == hists[0].top and hist.max_seen == hists[0].max_seen
+    if method == "auto":
+        assert held.collector.errors == each.collector.errors
+        assert held.collector.choice == each.collector.choice
+
+
 def test_histogram_zeros_before_first_value_kept():
     hist = AbsHistogram(256)
     hist.update(np.zeros(50))
