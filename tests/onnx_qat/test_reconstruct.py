@@ -169,47 +169,46 @@ def test_reconstruction_leaves_a_graph_it_cannot_cut_alone():
     assert fitted.SerializeToString() == model.SerializeToString()
 
 
-@pytest.mark.parametrize("dims", [1, 3])
-def test_optimize_accuracy_keeps_round_to_nearest_for_a_conv_that_is_not_2d(dims):
-    """A 1-D or 3-D Conv keeps round to nearest, with its reason, where the reconstruction (2-D patches)
-    raised an IndexError before; the MatMul after it is still fitted and the model passes check."""
-    import numpy as np
-
-    from tests.builders import GraphBuilder, random_inputs
+def _conv_nd(dims: int):
+    """A 1-D or 3-D Conv (the reconstruction's patches are a 2-D Conv's) before a 2-D MatMul."""
+    from tests.builders import GraphBuilder
 
     b = GraphBuilder("conv_nd", dims)
-    spatial = [12] * dims
-    x = b.input("input", ["N", 16, *spatial])
+    x = b.input("input", ["N", 16, *[12] * dims])
     h = b.node("Conv", [x, b.weight("c.weight", [16, 16, *[3] * dims])], name="c", pads=[1] * (2 * dims))
     h = b.node("Relu", [h], name="relu")
     b.node("MatMul", [h, b.weight("fc.weight", [12, 24])], "output", name="fc")
     b.output("output")
-    model = b.build()
+    return b.build()
+
+
+def _batched_matmul(_):
+    """A MatMul whose constant weight is 3-D (one matrix per batch slice: fitting it as one matrix
+    would mix the slices' rows) before a 2-D MatMul."""
+    from tests.builders import GraphBuilder
+
+    b = GraphBuilder("batched_weight", 0)
+    x = b.input("input", ["N", 2, 8, 32])
+    h = b.node("MatMul", [x, b.weight("c.weight", [2, 32, 32])], name="c")
+    h = b.node("Relu", [h], name="relu")
+    b.node("MatMul", [h, b.weight("fc.weight", [32, 24])], "output", name="fc")
+    b.output("output")
+    return b.build()
+
+
+@pytest.mark.parametrize("build, dims, reason", [(_conv_nd, 1, "not a 2-D Conv"),
+                                                 (_conv_nd, 3, "not a 2-D Conv"),
+                                                 (_batched_matmul, 0, "a 3-D MatMul weight")])
+def test_optimize_accuracy_keeps_round_to_nearest_for_a_layout_it_does_not_handle(build, dims, reason):
+    """A 1-D or 3-D Conv (an IndexError before) or a MatMul with a 3-D weight keeps round to nearest,
+    with its reason; the MatMul after it is still fitted and the model passes check."""
+    from tests.builders import random_inputs
+
+    model = build(dims)
     data = {k: v * np.float32(3.0) for k, v in random_inputs(model, num=24, seed=dims).items()}
     result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
     step = next(s for s in result.accuracy["steps"] if s["step"] == "reconstruct")
     layers = {r["node"]: r for r in step["layers"]}
-    assert layers["c"] == {"node": "c", "method": "rtn", "reason": "not a 2-D Conv"}
-    assert layers["fc"]["rows"] > 0 and "rtn_error" in layers["fc"], layers["fc"]
-    assert_check_clean(result.model)
-
-
-def test_optimize_accuracy_keeps_round_to_nearest_for_a_batched_matmul_weight():
-    """A MatMul whose constant weight is 3-D (one matrix per batch slice) keeps round to nearest with
-    its reason: fitting it as one matrix would mix the slices' rows. The 2-D MatMul after it is fitted."""
-    from tests.builders import GraphBuilder, random_inputs
-
-    b = GraphBuilder("batched_weight", 0)
-    x = b.input("input", ["N", 2, 8, 32])
-    h = b.node("MatMul", [x, b.weight("bmm.weight", [2, 32, 32])], name="bmm")
-    h = b.node("Relu", [h], name="relu")
-    b.node("MatMul", [h, b.weight("fc.weight", [32, 24])], "output", name="fc")
-    b.output("output")
-    model = b.build()
-    data = {k: v * np.float32(3.0) for k, v in random_inputs(model, num=24, seed=0).items()}
-    result = onnx_qat.quantize(model, data=data, optimize="accuracy", progress=False)
-    step = next(s for s in result.accuracy["steps"] if s["step"] == "reconstruct")
-    layers = {r["node"]: r for r in step["layers"]}
-    assert layers["bmm"] == {"node": "bmm", "method": "rtn", "reason": "a 3-D MatMul weight"}
+    assert layers["c"] == {"node": "c", "method": "rtn", "reason": reason}
     assert layers["fc"]["rows"] > 0 and "rtn_error" in layers["fc"], layers["fc"]
     assert_check_clean(result.model)
