@@ -230,8 +230,8 @@ def test_quantize_with_auto_loads_and_places_the_model_once(monkeypatch):
     import onnx_qat.placement.policy as policy
 
     loads, places = [], []
-    load, place = model_io.load_model, policy.TensorRTPolicy.place
-    monkeypatch.setattr(model_io, "load_model", lambda *a, **k: loads.append(1) or load(*a, **k))
+    load, place = model_io.load_checked_model, policy.TensorRTPolicy.place  # load_model calls it too
+    monkeypatch.setattr(model_io, "load_checked_model", lambda *a, **k: loads.append(1) or load(*a, **k))
     monkeypatch.setattr(policy.TensorRTPolicy, "place",
                         lambda self, *a, **k: places.append(1) or place(self, *a, **k))
     model, data = _conv_model(), _data(24)

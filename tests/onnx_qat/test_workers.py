@@ -37,7 +37,15 @@ class SquareJob:
 
         def run(unit):
             value, seconds = unit
-            time.sleep(seconds)
+            if isinstance(seconds, tuple):  # ("wait", path): until the file exists (10 s at most);
+                kind, path = seconds        # ("mark", path): create it
+                if kind == "mark":
+                    open(path, "w").close()
+                deadline = time.monotonic() + 10.0
+                while kind == "wait" and not os.path.exists(path) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            else:
+                time.sleep(seconds)
             if value == "value-error":
                 raise ValueError("bad unit\nsecond line")
             if value == "data-error":
@@ -66,9 +74,11 @@ def _pids(pool) -> list:
     return [p.pid for p in pool._procs]
 
 
-def test_results_come_in_submission_order_and_match_one_process():
-    # later units finish first: the slow ones are at the front
-    units = [(k, 0.2 if k < 3 else 0.0) for k in range(12)]
+def test_results_come_in_submission_order_and_match_one_process(tmp_path):
+    # later units finish first: the first waits until the last has run (on the other worker), whatever
+    # the machine's load
+    marker = str(tmp_path / "last-ran")
+    units = [(k, ("wait", marker) if k == 0 else ("mark", marker) if k == 11 else 0.0) for k in range(12)]
     with WorkerPool(SquareJob(offset=5), workers=2, threads=1) as pool:
         seen = []
         results = pool.map(units, on_result=lambda i, r: seen.append(i))
