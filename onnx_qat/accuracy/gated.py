@@ -309,4 +309,15 @@ def join_flat(values: Sequence[np.ndarray]) -> np.ndarray:
         np.asarray(values[0]).ravel()
 
 
-__all__ = ["gate_model", "lift_scales", "GatedRunner", "GATE_PREFIX", "SCALE_PREFIX", "join_flat"]
+def run_joined(session, names: Sequence[str], feeds) -> Dict[str, np.ndarray]:
+    """``{name: output}`` of ``session`` run on each of ``feeds`` in turn, each output's values
+    flattened and joined (`join_flat`)."""
+    parts: Dict[str, list] = {name: [] for name in names}
+    for feed in feeds:
+        for name, value in zip(names, session.run(list(names), feed)):
+            parts[name].append(value)
+    return {name: join_flat(v) for name, v in parts.items()}
+
+
+__all__ = ["gate_model", "lift_scales", "GatedRunner", "GATE_PREFIX", "SCALE_PREFIX", "join_flat",
+           "run_joined"]

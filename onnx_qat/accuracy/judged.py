@@ -175,14 +175,9 @@ class Judge:
         flattened and joined; None when they are not judged."""
         if not self.calib_samples:
             return None
-        from .gated import join_flat
+        from .gated import run_joined
 
-        names = list(self.confirm.reference)
-        parts: Dict[str, list] = {name: [] for name in names}
-        for feed in self.confirm.feeds:
-            for name, value in zip(names, session.run(names, feed)):
-                parts[name].append(value)
-        return {name: join_flat(v) for name, v in parts.items()}
+        return run_joined(session, list(self.confirm.reference), self.confirm.feeds)
 
 
 def splittable(data) -> bool:

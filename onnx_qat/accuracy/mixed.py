@@ -42,6 +42,7 @@ from . import bisect
 from .format_settings import precision_name
 from .prepared import OutputError, Prepared, output_error, prepare
 from .fewest import fewest_float, harm_order
+from .judged import EVIDENCE
 from .sites import site_exclusions, with_partners
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool, ju
     from ..rewrite import rewrite_model
     from ..runtime.sessions import make_session
     from ..runtime.stateful import carry_state
-    from .gated import join_flat
+    from .gated import run_joined
 
     names = [prepared.sites[k].name for k in chosen]
     excluded = dataclasses.replace(config, exclude_nodes=tuple(config.exclude_nodes) + site_exclusions(names),
@@ -201,15 +202,10 @@ def _build(prepared: Prepared, chosen: Sequence[int], config, progress: bool, ju
         raise AccuracyError("leaving these sites float leaves nothing quantized (the float model itself): "
                             + ", ".join(names[:8]) + "; nothing was written") from None
     session = carry_state(make_session(result.model, spin=False), prepared.evaluation)
-    outputs = list(prepared.reference)
-    parts = {name: [] for name in outputs}
-    for feed in prepared.feeds:
-        for name, value in zip(outputs, session.run(outputs, feed)):
-            parts[name].append(value)
-    joined = {k: join_flat(v) for k, v in parts.items()}
+    joined = run_joined(session, list(prepared.reference), prepared.feeds)
     judged = None
     if judge is not None and judge.usable:
-        judged = judge.judged(joined, judge.model_outputs(session) or {})
+        judged = judge.judged(joined, judge.model_outputs(session))
     return result, output_error(prepared.reference, joined), judged
 
 
@@ -253,7 +249,7 @@ def _unreached(min_cosine, budget, best: OutputError, prepared, judged=None) -> 
     samples = prepared.evaluation.num_samples
     bound = "" if judged is None or best.cosine < min_cosine else (
         f" (its bound over {judged.samples} evaluation and calibration samples, cosine less "
-        f"{judged.to_dict()['evidence']:g} standard errors: {judged.bound:.5f})")
+        f"{EVIDENCE:g} standard errors: {judged.bound:.5f})")
     return (f"output cosine {min_cosine:g} cannot be reached with at most {budget} of "
             f"{len(prepared.sites)} site{'' if len(prepared.sites) == 1 else 's'} left float: the best "
             f"reached is {best.cosine:.5f} on {samples} evaluation "

@@ -302,8 +302,7 @@ def tune(state: RangeSearch, site_order: Sequence[int], current: OutputError, mi
     groups = groups_of(prepared)
     tried = set()
     changes = state.records.setdefault("changes", [])
-    reached = state.reached = current.cosine >= min_cosine and state.reaches(min_cosine, float_sites, None,
-                                                                                    current)
+    reached = state.reached = state.reaches(min_cosine, float_sites, None, current)
     for k in site_order:
         if reached:
             break
@@ -349,8 +348,7 @@ def tune(state: RangeSearch, site_order: Sequence[int], current: OutputError, mi
                 state.choice[t] = name
             state.accept(trial, float_sites)
             current, state.samples = best_error, best_samples
-            reached = state.reached = current.cosine >= min_cosine and \
-                state.reaches(min_cosine, float_sites, None, current)
+            reached = state.reached = state.reaches(min_cosine, float_sites, None, current)
             if reached:
                 break
     if state.confirm is not None and state.confirm.runs:
