@@ -571,14 +571,21 @@ def _qmax(node, constants) -> float:
             TensorProto.INT16: 32767.0, TensorProto.UINT16: 65535.0}.get(dtype, 127.0)
 
 
+def _links(graph: onnx.GraphProto) -> Tuple[Dict[str, onnx.NodeProto], Dict[str, List[onnx.NodeProto]]]:
+    """``(producer, readers)`` of ``graph``'s tensors: the node writing each, and the nodes reading each
+    (in graph order, a node once per input it reads the tensor at)."""
+    producer = {t: n for n in graph.node for t in n.output}
+    readers: Dict[str, List[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+    return producer, readers
+
+
 def _range_keeps(model, low: LowType, ranges: Mapping[str, float], types) -> Dict[str, KeptNode]:
     """Producers and float consumers of tensors whose range the type cannot hold."""
     limit, floor = low.max / RANGE_HEADROOM, low.normal_min
-    producer = {t: n for n in _graph(model).node for t in n.output}
-    consumers: Dict[str, List[onnx.NodeProto]] = {}
-    for n in _graph(model).node:
-        for t in n.input:
-            consumers.setdefault(t, []).append(n)
+    producer, consumers = _links(_graph(model))
     kept: Dict[str, KeptNode] = {}
     for tensor, amax in ranges.items():
         if types.get(tensor) != TensorProto.FLOAT or not np.isfinite(amax):
@@ -603,10 +610,7 @@ def _scale_keeps(model, low: LowType) -> Dict[str, KeptNode]:
     from ..io.models import tensor_array
 
     constants = {t.name: t for t in _graph(model).initializer}
-    consumers: Dict[str, List[onnx.NodeProto]] = {}
-    for n in _graph(model).node:
-        for t in n.input:
-            consumers.setdefault(t, []).append(n)
+    consumers = _links(_graph(model))[1]
     kept: Dict[str, KeptNode] = {}
     activations = activation_scales(model)
     for node in _graph(model).node:
@@ -676,11 +680,7 @@ def _boundary_keeps(graph: onnx.GraphProto, kept: Mapping[str, KeptNode], types,
     INT8/FP8 in either type; converted, it would read a Cast to the low type, one more rounding of
     every value just before it is quantized, and one more layer. Kept FP32, it quantizes the exact
     values (its scale's FP32 value is the one its DequantizeLinear stores, `_store_low_scales`)."""
-    producer = {t: n for n in graph.node for t in n.output}
-    readers: Dict[str, List[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for t in n.input:
-            readers.setdefault(t, []).append(n)
+    producer, readers = _links(graph)
     fp32_inputs = {i.name for i in graph.input} if keep_io_types else set()
     if body:
         own = set(producer) | {t.name for t in graph.initializer}
@@ -718,11 +718,7 @@ def _fusion_keeps(model, kept: Dict[str, KeptNode]) -> onnx.ModelProto:
     are all kept is kept; one also read by converted nodes is duplicated, the copy (kept) feeding
     the kept readers. Edits ``model`` in place and adds to ``kept``."""
     g = model.graph
-    producer = {t: n for n in g.node for t in n.output}
-    readers: Dict[str, List[onnx.NodeProto]] = {}
-    for n in g.node:
-        for t in n.input:
-            readers.setdefault(t, []).append(n)
+    producer, readers = _links(g)
     used = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
     copies: List[Tuple[onnx.NodeProto, onnx.NodeProto]] = []
     for node in list(g.node):
