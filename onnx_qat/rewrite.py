@@ -194,7 +194,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     inputs = tuple(p for p in (model, scales, data) if isinstance(p, (str, os.PathLike)))
     out_path, _ = check_output_and_report(output, report, inputs=inputs)
     io = _io()
-    float_model, index, placement, checked = _load_place_checked(model, placement, target_obj, config)
+    float_model, index, placement, checked = _load_and_place(model, placement, target_obj, config)
     given = None if scales is None else _given_table(scales)  # before the folds: its weights are kept
     folds: tuple = ()
     if fold_scales and target_obj.fold_scale_ops:
@@ -402,11 +402,6 @@ def _record_fp32_float_parts(model: onnx.ModelProto) -> None:
 
 
 def _load_and_place(model, placement: Optional[Placement], target_obj: Target, config: QuantizeConfig):
-    """`_load_place_checked` without the `onnx_qat.io.models.CheckedForm`: ``(model, index, placement)``."""
-    return _load_place_checked(model, placement, target_obj, config)[:3]
-
-
-def _load_place_checked(model, placement: Optional[Placement], target_obj: Target, config: QuantizeConfig):
     """Load the float model (a private copy with unique node names), index it once, and decide
     (or check the given) placement; refuse models with nothing to quantize or non-finite weights.
     ``(model, index, placement, checked)``, ``checked`` the `onnx_qat.io.models.CheckedForm` under which

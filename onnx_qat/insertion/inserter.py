@@ -52,11 +52,11 @@ _PAIR_SUFFIXES = ("_scale", "_zero_point", "_QuantizeLinear_Output", "_Dequantiz
                   "_QuantizeLinear", "_DequantizeLinear")
 #: Weight range of ``narrow_weights`` (see `insert_qdq_pairs`): 2 x 255 x 63 = 32130 < 2**15.
 NARROW_WEIGHT_RANGE = (-63, 63)
-#: The wire bytes of an activation pair's QuantizeLinear and DequantizeLinear (`onnx_qat.graph.wire.node`
-#: of three inputs and one output), for names of ASCII characters shorter than 128.
 #: The forms (`onnx_qat.graph.edit.GraphEdit.insert`) of an activation pair's two nodes: op type,
 #: domain, input and output counts, no attributes.
 _PAIR_FORMS = (("QuantizeLinear", "", 3, 1), ("DequantizeLinear", "", 3, 1))
+#: The wire bytes of an activation pair's QuantizeLinear and DequantizeLinear (`onnx_qat.graph.wire.node`
+#: of three inputs and one output), for names of ASCII characters shorter than 128.
 _Q_TEMPLATE = node_template(3, 1, "QuantizeLinear")
 _DQ_TEMPLATE = node_template(3, 1, "DequantizeLinear")
 _new_tuple = tuple.__new__

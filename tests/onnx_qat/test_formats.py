@@ -403,7 +403,7 @@ def test_awq_edits_keep_the_float_function_of_a_transformer_block():
 
     model = _bert(dim=128, seed=3)
     config = QuantizeConfig(precision="int4", block_size=64)
-    edited, index, placement = _load_and_place(model, None, get_target(config.target), config)
+    edited, index, placement, _ = _load_and_place(model, None, get_target(config.target), config)
     calib, test = _data(model, 8, 1, scale=3.0), _data(model, 4, 2, scale=3.0)
     records, ranges = apply_awq(edited, index, placement, calib, 64)
     assert any(r["alpha"] > 0 for r in records), records  # scales were applied, so the test tests a fold
