@@ -696,7 +696,7 @@ def _quantize_and_check(args, data, calib: dict, mixed: dict, layout: dict, late
                    f"{ort_cpu['reason']})")
     if result.latency is not None:
         _say(args, _latency_summary(result.latency))
-    report = _check_written(result.model, args.output, result.target)
+    report = _check_written(result.model, args.output, result.target, getattr(result, "evidence", None))
     if not args.quiet:
         for finding in report.findings:
             print(f"  {finding}")
@@ -768,14 +768,15 @@ def _latency_summary(latency) -> str:
     return "\n".join(lines)
 
 
-def _check_written(model, output, target):
+def _check_written(model, output, target, evidence=None):
     """``check`` of the model ``quantize`` just wrote to ``output`` (after it was validated: ``onnx.checker``
     on the bytes written, or the edit's evidence, `onnx_qat.graph.delta`): the very ModelProto it serialized
     there, checked by the rules of its
-    ``target``, without reading the file back (which would parse it and hold a second copy)."""
-    from .check import check
+    ``target``, without reading the file back (which would parse it and hold a second copy); with the edit's
+    ``evidence`` (`QuantizeResult.evidence`) its nodes are read from the values the edit made them from."""
+    from .check import check_written
 
-    return check(model, target=target, path=output)
+    return check_written(model, evidence, target=target, path=output)
 
 
 def _quantize_summary(args, result) -> str:

@@ -79,6 +79,10 @@ class QuantizeResult:
             bias before quantization (rule TRT1, `onnx_qat.graph.scale_folds.ScaleOpsFold.record`:
             ``node``, ``folded`` node names, ``output``, ``channels``, ``reason``): why the result has
             fewer nodes than the float model. Empty otherwise.
+        evidence: from given scales in the ``tensorrt`` form, the
+            `onnx_qat.graph.delta.EditEvidence` of the edit that made `model` (how it was validated, and
+            its nodes as the edit wrote them, which [`check_written`][onnx_qat.check.check_written] reads
+            the unchanged `model`'s nodes from); None otherwise.
     """
 
     model: onnx.ModelProto = field(repr=False)
@@ -97,6 +101,7 @@ class QuantizeResult:
     latency: Optional[Mapping] = field(default=None, repr=False)
     ort_cpu: Optional[Mapping] = field(default=None, repr=False)
     scale_folds: Tuple[dict, ...] = field(default=(), repr=False)
+    evidence: Optional[object] = field(default=None, repr=False, compare=False)
 
     def save(self, path) -> Path:
         """Write the Q/DQ model to ``path`` atomically (see [`onnx_qat.io.models.save_model`][])."""
@@ -383,7 +388,8 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
                             scale_folds=tuple(f.record() for f in folds),
                             ort_cpu=None if width is None else MappingProxyType(
                                 {**width, **({} if guard_record is None else {
-                                    "bias_correction": _bias_report(corrected, placement, guard_record)})}))
+                                    "bias_correction": _bias_report(corrected, placement, guard_record)})}),
+                            evidence=evidence)
     io.write_outputs(qdq_model, out_path, report, result.to_report, inputs=inputs, evidence=evidence)
     return result
 

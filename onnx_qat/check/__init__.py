@@ -35,7 +35,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 from ..errors import ModelError
 from .report import CheckReport, ERROR, NOTE, WARNING
-from .index import _all_graphs
+from .index import _all_graphs, same_index
 from .rules_ops import rule_c13_not_quantized, rule_c1_opset, rule_c2_forbidden_ops, rule_c3_int32_bias
 from .rules_values import (
     rule_c4_ort_cpu_zero_points, rule_c4_zero_points, rule_c5_scales, rule_c6_per_channel,
@@ -143,6 +143,16 @@ def _lazy_inference(model) -> Callable[[], list]:
     return infer
 
 
+def _compare_indexes() -> bool:
+    """Whether a check given an edit's evidence also indexes the model from its protobuf and compares the two
+    (``ONNX_QAT_FULL_CHECK=both``, `onnx_qat.io.models.FULL_CHECK_ENV`: the test suite's setting)."""
+    import os
+
+    from ..io.models import FULL_CHECK_ENV
+
+    return os.environ.get(FULL_CHECK_ENV, "") == "both"
+
+
 def _rules_for(target) -> Tuple[Callable, ...]:
     """The rule functions [`check`][onnx_qat.check.check] runs for ``target`` (a target name, or None for
     tensorrt)."""
@@ -176,16 +186,43 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
     Raises:
         ModelError: the model cannot be read.
     """
-    from ..io.models import cyclic_gc_paused
-
     rules = _rules_for(target)
     proto, label = _load(model)
-    if path is not None:
-        label = str(path)
+    return _check(proto, str(path) if path is not None else label, rules, None)
+
+
+def check_written(model, evidence, *, target: Optional[str] = None, path=None) -> CheckReport:
+    """[`check`][onnx_qat.check.check] of the very ``onnx.ModelProto`` an edit just committed, unchanged since
+    (how ``onnx-qat quantize`` checks its result): with the edit's ``evidence``
+    (`onnx_qat.graph.delta.EditEvidence`, `QuantizeResult.evidence`) the rules read the main graph's nodes,
+    and the new initializers' types, raw bytes and dims, from the values the edit made them from
+    (`onnx_qat.graph.delta.ResultNodes`) instead of reading every node's fields from the protobuf again:
+    the same index, so the same findings (under ``ONNX_QAT_FULL_CHECK=both``, the test suite's setting, both
+    indexes are built and compared). ``evidence`` None, or one that does not describe ``model``
+    (`EditEvidence.nodes_of`: another ModelProto, other node or initializer counts), and the model is read
+    as `check` reads it. A model changed after the edit in other ways (an initializer's bytes, a node's
+    inputs) must go to `check`. ``target`` and ``path`` as for `check`."""
+    nodes = evidence.nodes_of(model) if evidence is not None else None
+    if nodes is None:
+        return check(model, target=target, path=path)
+    return _check(model, "" if path is None else str(path), _rules_for(target), nodes)
+
+
+def _check(proto, label: str, rules, nodes) -> CheckReport:
+    """`check` of the ModelProto ``proto`` by the rule functions ``rules`` (``nodes``: see
+    `check_written`)."""
+    from ..io.models import cyclic_gc_paused
+
     opset = _default_opset(proto)
     findings = []
     with cyclic_gc_paused():  # the index of a large model is ~10^6 live objects, none of them garbage
-        graphs = _all_graphs(proto, opset, _lazy_inference(proto))
+        infer = _lazy_inference(proto)
+        graphs = _all_graphs(proto, opset, infer, nodes)
+        if nodes is not None and _compare_indexes():  # the test suite's setting: both ways, compared
+            differs = same_index(graphs[0], _all_graphs(proto, opset, infer)[0])
+            if differs is not None:
+                raise RuntimeError(f"the index built from the edit's nodes differs from the model's: "
+                                   f"{differs}")
         for rule in rules:
             findings.extend(rule(proto, graphs))
         num_q = sum(node.is_q for g in graphs for node in g.qdq)
@@ -200,5 +237,5 @@ def check(model, *, target: Optional[str] = None, path=None) -> CheckReport:
                        precision, notes=notes)
 
 
-__all__ = ["check", "CheckReport", "Finding", "PrecisionMap", "RULES", "ORT_CPU_RULES", "ERROR", "WARNING",
-           "NOTE"]
+__all__ = ["check", "check_written", "CheckReport", "Finding", "PrecisionMap", "RULES", "ORT_CPU_RULES",
+           "ERROR", "WARNING", "NOTE"]

@@ -126,6 +126,17 @@ class _Graph:
     _residual_adds: Optional[List[int]] = None
     _weight_inputs: Dict[int, Optional[int]] = field(default_factory=dict)
     _qdq_readers: Optional[Dict[str, List[int]]] = None
+    _dims: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # constant name -> its dims, when known
+
+    def dims(self, name: str) -> Tuple[int, ...]:
+        """The ``dims`` of constant ``name`` (known, or read from its protobuf)."""
+        found = self._dims.get(name)
+        return found if found is not None else tuple(self.constants[name].dims[:])
+
+    def data_type(self, name: str) -> int:
+        """The element type of constant ``name`` (as read by `stored`, else from its protobuf)."""
+        info = self._stored.get(name)
+        return info[0] if info is not None else self.constants[name].data_type
 
     def array(self, name: str):
         """The numpy value of a constant tensor, or None."""
@@ -203,7 +214,7 @@ class _Graph:
         proto = self.constants.get(name)
         if proto is None:
             return None
-        dims, (data_type, raw) = tuple(proto.dims[:]), self.stored(name)
+        dims, (data_type, raw) = self.dims(name), self.stored(name)
         size = _itemsizes().get(data_type)
         if size and raw is not None and len(raw) == math.prod(dims) * size:
             return dims
@@ -227,7 +238,7 @@ class _Graph:
             size = sizes.get(data_type)
             if size and raw is not None and len(raw) == size:
                 continue
-            dims = tuple(self.constants[name].dims[:])
+            dims = self.dims(name)
             count = math.prod(dims)
             if count <= 1:
                 continue
@@ -304,9 +315,8 @@ class _Graph:
         return False
 
     def elem_type(self, tensor: str) -> Optional[int]:
-        proto = self.constants.get(tensor)
-        if proto is not None:
-            return proto.data_type
+        if tensor in self.constants:
+            return self.data_type(tensor)
         known = self._qdq_output_type(tensor)
         return known if known is not None else self.types.elem_type(tensor)
 
@@ -321,15 +331,13 @@ class _Graph:
         if node.attrs and any(a.name == "output_dtype" for a in node.attrs):
             return None  # opset 21+: leave it to the declared or inferred type
         source = node.zp if node.is_q else node.scale
-        proto = self.constants.get(source)
-        if proto is None:
+        if source not in self.constants:
             return _UINT8 if node.is_q and not source else None
-        return proto.data_type
+        return self.data_type(source)
 
     def shape(self, tensor: str) -> Optional[Tuple[Optional[int], ...]]:
-        proto = self.constants.get(tensor)
-        if proto is not None:
-            return tuple(proto.dims[:])
+        if tensor in self.constants:
+            return self.dims(tensor)
         return self.types.shape(tensor)
 
     def indices_of(self, ops) -> List[int]:
@@ -433,22 +441,103 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
 
 
 def _readers_of(tensors, node_inputs) -> Dict[str, List[int]]:
-    """``tensor -> indices of the nodes reading it`` (once per reading input) for each of ``tensors``."""
+    """``tensor -> indices of the nodes reading it`` (once per reading input) for each of ``tensors``
+    (a node that reads none of them is passed over in one set test)."""
     readers: Dict[str, List[int]] = {tensor: [] for tensor in tensors}
     if readers:
+        isdisjoint = readers.keys().isdisjoint
         for i, inputs in enumerate(node_inputs):
-            for inp in inputs:
-                if inp in readers:
-                    readers[inp].append(i)
+            if not isdisjoint(inputs):
+                for inp in inputs:
+                    if inp in readers:
+                        readers[inp].append(i)
     return readers
 
 
-def _all_graphs(model, opset, infer) -> List[_Graph]:
+def _all_graphs(model, opset, infer, nodes=None) -> List[_Graph]:
     """The main graph and every If/Loop/Scan body, each indexed, outer constants visible inside
-    (``infer``: shape inference of the main graph, run only if a rule needs it)."""
+    (``infer``: shape inference of the main graph, run only if a rule needs it). ``nodes``: the
+    `onnx_qat.graph.delta.ResultNodes` of ``model``'s main graph as an edit wrote it (no subgraphs):
+    the index is then built from them (`_index_written`)."""
+    if nodes is not None:
+        return [_index_written(model.graph, infer, opset, nodes)]
     result: List[_Graph] = []
     _walk(model.graph, {}, "", opset, infer, result)
     return result
+
+
+def _index_written(graph, infer, opset, nodes) -> _Graph:
+    """What `_index_graph` makes of a main graph without subgraphs, from the `ResultNodes` of the edit
+    that wrote it instead of every node's protobuf fields: op types, inputs and outputs as the edit holds
+    them; a new node's domain and attributes its form's (one node of each form read); an original
+    QuantizeLinear, DequantizeLinear or Constant node read from its protobuf; the new initializers' element
+    types and raw bytes (`_Graph.stored`) as the edit made them. The same index (tests/conftest.py has
+    every such check compare the two, `same_index`)."""
+    constants = dict(zip(nodes.initializers, graph.initializer))
+    ops = [intern(op) for op in nodes.ops]
+    node_inputs, outputs, forms = nodes.inputs, nodes.outputs, nodes.forms
+    producer = {out: i for i, outs in enumerate(outputs) for out in outs}
+    producer.pop("", None)  # an absent output is nobody's tensor
+    samples = {}  # form -> (domain, attributes) of its nodes
+    protos = graph.node
+    qdq = []
+    new_record = tuple.__new__
+    wanted = frozenset((_QUANTIZE, _DEQUANTIZE, "Constant"))
+    for i in compress(range(len(ops)), map(wanted.__contains__, ops)):
+        op, form = ops[i], forms[i]
+        if form is None:
+            proto = protos[i]
+            domain, attrs = proto.domain, proto.attribute
+            attrs = tuple(attrs) if attrs else ()
+        else:
+            found = samples.get(form)
+            if found is None:
+                sample = nodes.samples[form]
+                sample = sample.proto() if hasattr(sample, "encoded") else sample
+                found = samples[form] = (sample.domain, tuple(sample.attribute))
+            domain, attrs = found
+        inputs = node_inputs[i]
+        if op == "Constant":
+            outs = outputs[i]
+            if outs and domain in _DEFAULT_DOMAINS:
+                tensor = _constant_tensor(protos[i])
+                if tensor is not None:
+                    constants[outs[0]] = tensor
+            continue
+        n, outs = len(inputs), outputs[i]
+        qdq.append(new_record(_QDQ, (i, op == _QUANTIZE, inputs[0] if n else "", inputs[1] if n > 1 else "",
+                                     inputs[2] if n > 2 else "", outs[0] if outs else "", domain, attrs)))
+    q_readers = _readers_of({node.out for node in qdq if node.out and node.is_q}, node_inputs)
+    index = _Graph(graph, "", ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
+                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq})
+    index._stored.update(nodes.stored)  # every one of them an initializer of the result (``constants``)
+    index._dims.update(nodes.dims)
+    return index
+
+
+def same_index(written: _Graph, read: _Graph) -> Optional[str]:
+    """What differs between an index built by `_index_written` and one `_index_graph` read from the same
+    graph's protobuf (None when nothing does): the check that the two give the same findings."""
+    if written.ops != read.ops:
+        return "op types"
+    if list(map(list, written.node_inputs)) != list(map(list, read.node_inputs)):
+        return "node inputs"
+    if written.producer != read.producer:
+        return "producers"
+    if written.q_readers != read.q_readers:
+        return "readers of QuantizeLinear outputs"
+    if list(written.constants) != list(read.constants) or any(
+            written.constants[k] != read.constants[k] for k in read.constants):
+        return "constants"
+    if written.qdq != read.qdq:
+        return "QuantizeLinear/DequantizeLinear records"
+    for name, info in written._stored.items():
+        if read.stored(name) != info:
+            return f"stored value of {name!r}"
+    for name, dims in written._dims.items():
+        if tuple(read.constants[name].dims) != dims:
+            return f"dims of {name!r}"
+    return None
 
 
 def _walk(graph, outer, prefix, opset, infer, result) -> None:

@@ -48,7 +48,11 @@ def quantized_types(g) -> Dict[int, Optional[int]]:
     """`quantized_type` of every Q/DQ node of ``g``, by node position (read once per graph)."""
     types = g._memo.get(_TYPES_KEY)
     if types is None:
-        types = g._memo[_TYPES_KEY] = {n.pos: _read_quantized_type(g, n) for n in g.qdq}
+        types, stored = {}, g._stored
+        for n in g.qdq:  # a zero point read already (rule C4's batch, an edit's values): its type, in short
+            info = stored.get(n.zp) if n.zp else None
+            types[n.pos] = info[0] if info is not None else _read_quantized_type(g, n)
+        g._memo[_TYPES_KEY] = types
     return types
 
 
@@ -57,10 +61,13 @@ def block_sizes(g) -> Dict[int, int]:
     in graph order (read once per graph: rules C6, F2 and F3 ask; most nodes have no attribute at all)."""
     sizes = g._memo.get(_BLOCKS_KEY)
     if sizes is None:
-        sizes = {}
+        sizes, known = {}, {}  # known: by the attributes' tuple (an edit's new nodes of a form share one)
         for node in g.qdq:
-            if node.attrs:
-                size = _int_attr(node.attrs, "block_size")
+            attrs = node.attrs
+            if attrs:
+                size = known.get(id(attrs), known)
+                if size is known:
+                    size = known[id(attrs)] = _int_attr(attrs, "block_size")
                 if size:
                     sizes[node.pos] = size
         g._memo[_BLOCKS_KEY] = sizes

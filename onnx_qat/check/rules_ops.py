@@ -71,12 +71,12 @@ def rule_c3_int32_bias(model, graphs) -> Iterator[Finding]:
     """
     int32 = 6  # onnx.TensorProto.INT32
     for g in graphs:
-        constants = g.constants
+        constants, data_type = g.constants, g.data_type
         for node in _qdq_nodes(g):
             if node.is_q:
                 continue
-            proto = constants.get(node.data)  # a constant (a weight, a bias): its type, in short
-            if (proto.data_type if proto is not None else g.elem_type(node.data)) == int32:
+            data = node.data  # a constant (a weight, a bias): its type, in short
+            if (data_type(data) if data in constants else g.elem_type(data)) == int32:
                 yield Finding("C3", ERROR, g.name(node.pos),
                               f"dequantizes int32 tensor {node.data!r} (a quantized bias); "
                               "keep biases in float for TensorRT")

@@ -177,6 +177,7 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
         # Per-tensor scales (one element) need no further look: the shapes are judged once per scale.
         scale_shapes = g.multi_element_shapes({node.scale for node in _qdq_nodes(g)})
         blocks = rules_formats.block_sizes(g)
+        axes: dict = {}  # by the attributes' tuple: an edit's new nodes of one form share theirs
         for node in _qdq_nodes(g):
             scale_shape = scale_shapes.get(node.scale)
             if scale_shape is None or node.pos in blocks:  # per tensor, or per block (rule F3)
@@ -184,7 +185,10 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
             scale_size = math.prod(scale_shape)
             data = node.data
             shape = g.shape(data) or g.shape(_quantized_source(g, node))
-            axis = _int_attr(node.attrs, "axis", 1)
+            attrs = node.attrs
+            axis = axes.get(id(attrs), axes)
+            if axis is axes:
+                axis = axes[id(attrs)] = _int_attr(attrs, "axis", 1)
             if axis is None:
                 yield Finding("C6", ERROR, g.name(node.pos), "its axis attribute is not an integer")
                 continue

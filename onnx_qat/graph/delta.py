@@ -32,7 +32,7 @@ result") gives the reasoning; docs/performance.md the figures.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 import onnx
 
@@ -86,10 +86,67 @@ def structure_problem(graph_inputs: Sequence[str], initializer_names: Iterable[s
     return None
 
 
+def structure_clean(graph_inputs: Sequence[str], initializer_names: Sequence[str], inputs: Iterable,
+                    outputs: Iterable, graph_outputs: Iterable[str]) -> bool:
+    """Whether `structure_problem` finds nothing in a graph whose nodes' input and output names are
+    ``inputs`` and ``outputs`` (one list or tuple per node, in order): the same tests from those lists
+    alone, for a caller that holds them already (`onnx_qat.graph.edit.GraphEdit.commit`); the words of a
+    problem come from `structure_problem`."""
+    defined = set(graph_inputs)
+    if len(defined) != len(graph_inputs):
+        return False
+    names = set(initializer_names)
+    if len(names) != len(initializer_names) or "" in names:
+        return False
+    defined |= names
+    issuperset, add = defined.issuperset, defined.add
+    for node_inputs, node_outputs in zip(inputs, outputs):
+        if not issuperset(node_inputs) and any(t and t not in defined for t in node_inputs):
+            return False
+        for tensor in node_outputs:
+            if tensor:
+                if tensor in defined:
+                    return False
+                add(tensor)
+    return defined.issuperset(graph_outputs)
+
+
+class ResultNodes(NamedTuple):
+    """The result's main graph as the edit wrote it, node by node in order, from the values the edit
+    made it from (an original node's fields read once from its protobuf, a new node's from the fields its
+    bytes were made from): what `structure_problem` reads, kept for the readiness check of the same
+    result (``onnx_qat.check.check``'s ``evidence``), which then reads no node's fields from the protobuf
+    again.
+
+    Attributes:
+        ops: each node's op type.
+        inputs: each node's input names (a list or tuple; ``""`` for an absent input).
+        outputs: each node's output names.
+        forms: each node's form (`onnx_qat.graph.edit.GraphEdit.insert`) for a new node, None for an
+            original one.
+        samples: form -> one new node of that form (`EncodedNode` or NodeProto): a new node's domain and
+            attributes are its form's.
+        initializers: the names of the result's initializers, in order.
+        stored: name -> ``(element type, raw bytes)`` of the new initializers made as bytes (what
+            their ``data_type`` and ``raw_data`` hold).
+        dims: name -> their ``dims`` (a tuple), for the same initializers.
+    """
+
+    ops: list
+    inputs: list
+    outputs: list
+    forms: list
+    samples: dict
+    initializers: list
+    stored: dict
+    dims: dict
+
+
 class EditEvidence:
     """What an edit of a fully checked model changed, to validate its result with (see the module
     docstring). Made by `onnx_qat.graph.edit.GraphEdit.commit`; used by
-    `onnx_qat.io.models.save_model` (``evidence``).
+    `onnx_qat.io.models.save_model` (``evidence``) and by the readiness check of the result
+    (``onnx_qat.check.check``'s ``evidence``: `nodes`).
 
     Attributes:
         checked: the `onnx_qat.io.models.CheckedForm` (IR version, opset imports) under which
@@ -98,13 +155,31 @@ class EditEvidence:
         forms: one new node of each form (`EncodedNode` or NodeProto).
         tensors: one new initializer made as bytes of each element type (`EncodedTensor`), and every new
             initializer made as a TensorProto.
+        model: the result (the ModelProto `commit` returned), or None.
+        nodes: its main graph's `ResultNodes`, or None.
     """
 
-    def __init__(self, checked, problem: Optional[str], forms: Sequence, tensors: Sequence):
+    def __init__(self, checked, problem: Optional[str], forms: Sequence, tensors: Sequence, model=None,
+                 nodes: Optional[ResultNodes] = None):
         self.checked = checked
         self.problem = problem
         self.forms = tuple(forms)
         self.tensors = tuple(tensors)
+        self.model = model
+        self.nodes = nodes
+
+    def nodes_of(self, model) -> Optional[ResultNodes]:
+        """`nodes` when they describe ``model``: the very ModelProto the edit committed, with no
+        structural problem and as many nodes and initializers as the edit wrote (a model changed since
+        in other ways than its metadata is not this evidence's to describe: callers change none); else
+        None."""
+        nodes = self.nodes
+        if nodes is None or self.model is not model or self.problem is not None:
+            return None
+        graph = model.graph
+        if len(graph.node) != len(nodes.ops) or len(graph.initializer) != len(nodes.initializers):
+            return None
+        return nodes
 
     def __repr__(self) -> str:
         return f"EditEvidence({len(self.forms)} node form(s), {len(self.tensors)} initializer(s) checked)"
@@ -177,4 +252,5 @@ def tensor_forms(added: Iterable) -> List:
     return list(first.values()) + whole
 
 
-__all__ = ["EditEvidence", "forms_model", "structure_problem", "tensor_forms"]
+__all__ = ["EditEvidence", "ResultNodes", "forms_model", "structure_clean", "structure_problem",
+           "tensor_forms"]

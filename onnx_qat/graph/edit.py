@@ -22,6 +22,7 @@ onnx-graphsurgeon import, insertion and export); see docs/changelog.md (rewrite 
 """
 from __future__ import annotations
 
+from itertools import compress
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -29,7 +30,7 @@ import onnx
 
 from ..io.models import element_size, target_ir_version, tensor_array
 from .constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS, fold_chain
-from .delta import EditEvidence, structure_problem, tensor_forms
+from .delta import EditEvidence, ResultNodes, structure_clean, structure_problem, tensor_forms
 from .index import DEFAULT_DOMAINS
 from .wire import GRAPH_INITIALIZER, GRAPH_NODE, EncodedNode, EncodedTensor, encode_tensor, framed
 from .wire import tensor as tensor_bytes
@@ -134,6 +135,11 @@ class GraphEdit:
         self.evidence: Optional[EditEvidence] = None
         self._checked = checked if encoded and index is not None and not index.subgraph_nodes else None
         self._forms: Optional[Dict[tuple, object]] = {} if self._checked is not None else None
+        #: While `_forms` is kept: each new node's form (by ``id``) and each new initializer made as bytes,
+        #: ``name -> (element type, raw bytes)`` and ``name -> dims``, for the `ResultNodes` of the evidence.
+        self._node_forms: Dict[int, tuple] = {}
+        self._stored: Dict[str, Tuple[int, bytes]] = {}
+        self._dims: Dict[str, Tuple[int, ...]] = {}
         if names is not None:
             self._used = None
             names.update(self._names())
@@ -276,6 +282,8 @@ class GraphEdit:
         if self.encoded and len(raw) < PARSE_CHUNK:
             self._measure(data_type, raw, dims)
             self._new_initializers[name] = encode_tensor(name, data_type, raw, dims)
+            self._stored[name] = (data_type, raw)
+            self._dims[name] = tuple(map(int, dims))
         elif dims:
             tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims, raw_data=raw)
         else:  # a scalar (most of them): an empty dims argument alone costs protobuf about half the call
@@ -294,6 +302,8 @@ class GraphEdit:
                 if self.encoded and len(raw) < PARSE_CHUNK:
                     if self._forms is not None:
                         self._measure(onnx_type(dtype), raw, dims)
+                        self._stored[name] = (onnx_type(dtype), raw)
+                        self._dims[name] = tuple(map(int, dims))
                     new[name] = encode_tensor(name, onnx_type(dtype), raw, dims)
                 elif dims:
                     new[name] = make(name=name, data_type=onnx_type(dtype), dims=dims, raw_data=raw)
@@ -311,6 +321,9 @@ class GraphEdit:
             if self._forms is not None and any(len(raw) != element_size(data_type)
                                                for data_type, raw in zip(data_types, raws)):
                 self._forms = None  # a scalar of the wrong size: the result goes to onnx.checker whole
+            if self._forms is not None:
+                self._stored.update(zip(names, zip(data_types, raws)))
+                self._dims.update(dict.fromkeys(names, ()))
             new_tuple = tuple.__new__
             for name, data_type, raw in zip(names, data_types, raws):
                 data = name.encode()
@@ -330,6 +343,8 @@ class GraphEdit:
             raise ValueError(f"no initializer {name!r}")
         self._new_initializers[name] = make_tensor(name, values)
         self.initializers.pop(name, None)
+        self._stored.pop(name, None)
+        self._dims.pop(name, None)
 
     def _measure(self, data_type: int, raw: bytes, dims) -> None:
         """A new initializer made as bytes: its raw length must be what its dims and element type give
@@ -356,6 +371,7 @@ class GraphEdit:
                 for node, form in zip(nodes, forms):
                     if form not in self._forms:
                         self._forms[form] = node
+                self._node_forms.update(zip(map(id, nodes), forms))
         if outputs is None:
             for node in nodes:
                 for out in node.output:
@@ -387,7 +403,8 @@ class GraphEdit:
     def commit(self) -> onnx.ModelProto:
         """The edited model as a new ModelProto (see the module docstring)."""
         live = self.live_nodes()
-        reads = self._read_counts(live)
+        columns = self._columns(live) if self._forms is not None else None
+        reads = self._read_counts(live, columns)
         dead = set()
         for node in self._maybe_dead:
             if id(node) in self._removed or any(reads.get(o, 0) for o in node.output):
@@ -398,7 +415,10 @@ class GraphEdit:
                 if tensor in reads:
                     reads[tensor] -= 1
         if dead:
-            live = [node for node in live if id(node) not in dead]
+            keep = [id(node) not in dead for node in live]
+            live = list(compress(live, keep))
+            if columns is not None:
+                columns = tuple(list(compress(column, keep)) for column in columns)
         drop = {name for name in self._maybe_unread if not reads.get(name, 0)}
         source = self.model
         out = onnx.ModelProto()
@@ -409,11 +429,16 @@ class GraphEdit:
         for descriptor, value in source.graph.ListFields():
             if descriptor.name not in ("node", "initializer"):
                 _assign(graph, descriptor, value)
-        kept = [t for t in source.graph.initializer if t.name not in drop and t.name in self.initializers]
+        if columns is not None:  # a model onnx.checker passed: initializer names unique, in graph order
+            kept_names = [name for name in self.initializers if name not in drop]
+            kept = [self.initializers[name] for name in kept_names]
+        else:
+            kept_names = None
+            kept = [t for t in source.graph.initializer if t.name not in drop and t.name in self.initializers]
         added = [t for name, t in self._new_initializers.items() if name not in drop]
         data_types = {t.data_type for t in kept} | {t.data_type for t in added}
         if self._forms is not None:
-            self.evidence = self._evidence(live, kept, added)
+            self.evidence = self._evidence(live, columns, kept_names, added, out)
         if self.encoded:
             _parse_into(graph, live, kept, added)
         else:
@@ -431,21 +456,43 @@ class GraphEdit:
         self._index = None  # its tables describe the graph before the edit
         return out
 
-    def _evidence(self, live, kept, added) -> EditEvidence:
-        """`EditEvidence` of the result (``live`` nodes, ``kept`` and ``added`` initializers, as `commit`
-        writes them): the structural pass over every node's inputs and outputs as written."""
+    def _columns(self, live) -> Tuple[list, list, list, list]:
+        """``(op types, inputs, outputs, forms)`` of ``live`` (`live_nodes`), one list each: a new node's
+        from its fields (`EncodedNode`), an original node's read from its protobuf once."""
+        encoded = EncodedNode
+        ops = [node.op_type for node in live]
+        inputs = [node.input if type(node) is encoded else node.input[:] for node in live]
+        outputs = [node.output if type(node) is encoded else node.output[:] for node in live]
+        forms = list(map(self._node_forms.get, map(id, live)))
+        return ops, inputs, outputs, forms
+
+    def _evidence(self, live, columns, kept_names, added, out) -> EditEvidence:
+        """`EditEvidence` of the result ``out`` (``live`` nodes, with ``columns`` from `_columns`, the
+        initializers named ``kept_names`` and ``added``, as `commit` writes them): the structural pass over
+        every node's inputs and outputs as written, and the `ResultNodes` the readiness check reads."""
         graph = self.model.graph
-        names = [t.name for t in kept]
+        names = list(kept_names)
         names += [t.name for t in added]
         names += [t.values.name for t in graph.sparse_initializer]
-        problem = structure_problem([i.name for i in graph.input], names, live,
-                                    [o.name for o in graph.output])
-        return EditEvidence(self._checked, problem, list(self._forms.values()), tensor_forms(added))
+        graph_inputs, graph_outputs = [i.name for i in graph.input], [o.name for o in graph.output]
+        ops, inputs, outputs, forms = columns
+        problem = None
+        if not structure_clean(graph_inputs, names, inputs, outputs, graph_outputs):  # its words:
+            problem = structure_problem(graph_inputs, names, live, graph_outputs)
+        nodes = None
+        if not graph.sparse_initializer:
+            stored, dims = self._stored, self._dims
+            if len(added) < len(self._new_initializers):  # some dropped: theirs left out
+                stored = {t.name: stored[t.name] for t in added if t.name in stored}
+                dims = {name: dims[name] for name in stored}
+            nodes = ResultNodes(ops, inputs, outputs, forms, dict(self._forms), names, stored, dims)
+        return EditEvidence(self._checked, problem, list(self._forms.values()), tensor_forms(added), out,
+                            nodes)
 
-    def _read_counts(self, live: Sequence[onnx.NodeProto]) -> Dict[str, int]:
+    def _read_counts(self, live: Sequence[onnx.NodeProto], columns=None) -> Dict[str, int]:
         """How often each tensor that `release_if_unread` asks about (and the inputs of the
-        nodes it lists) is read by a live node (of ``live``, `live_nodes`), a graph output or a
-        subgraph."""
+        nodes it lists) is read by a live node (of ``live``, `live_nodes`; ``columns``: their `_columns`,
+        when made), a graph output or a subgraph."""
         wanted = set(self._maybe_unread)
         for node in self._maybe_dead:
             wanted.update(node.output)
@@ -454,10 +501,18 @@ class GraphEdit:
         counts = dict.fromkeys(wanted, 0)
         if not wanted:
             return counts
-        for node in live:
-            for tensor in node.input:
-                if tensor in counts:
-                    counts[tensor] += 1
+        if columns is not None:  # the nodes that read none of them passed over in one test each
+            isdisjoint = wanted.isdisjoint
+            for node_inputs in columns[1]:
+                if not isdisjoint(node_inputs):
+                    for tensor in node_inputs:
+                        if tensor in counts:
+                            counts[tensor] += 1
+        else:
+            for node in live:
+                for tensor in node.input:
+                    if tensor in counts:
+                        counts[tensor] += 1
         inputs = {i.name for i in self.model.graph.input}  # an initializer also listed as an input stays
         for name in wanted & (self.graph_outputs | inputs | self._inner_names()):
             counts[name] += 1  # a graph output or input, or an outer-scope name a subgraph may read
@@ -485,6 +540,16 @@ def _merge_in_parts(graph, tag: bytes, target, items) -> None:
     parsed in as few calls as keep each under `PARSE_CHUNK` bytes (one, unless the field holds more);
     an item whose bytes alone are over that, or which cannot be serialized (over 2 GB), is appended
     as a message."""
+    try:  # the usual case first: every item's bytes at once, all of them under the limit together
+        datas = [item.encoded if type(item) is EncodedNode or type(item) is EncodedTensor
+                 else item.SerializeToString() for item in items]
+    except Exception:  # an item over 2 GB: the loop below
+        datas = None
+    if datas is not None and sum(map(len, datas)) <= PARSE_CHUNK and \
+            (not datas or max(map(len, datas)) < PARSE_CHUNK):
+        if datas:
+            graph.MergeFromString(framed(tag, datas))
+        return
     part: List[bytes] = []
     size = 0
     for item in items:
