@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import sys
+from itertools import compress
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Tuple, Union
@@ -296,12 +297,23 @@ class _InitializerFacts(NamedTuple):
     external: bool          # some initializer keeps its data in an external file
 
 
-def _initializer_facts(model: onnx.ModelProto) -> _InitializerFacts:
+def _initializer_facts(model: onnx.ModelProto, nodes=None) -> _InitializerFacts:
     """Size estimate, element types and external-data use of the main graph's initializers, read
     in one pass: a model of 10^5 initializers costs ~1 us of Python per tensor and per walk, and
-    saving needed three walks (size, IR version, external data)."""
+    saving needed three walks (size, IR version, external data). ``nodes``: the
+    `onnx_qat.graph.delta.ResultNodes` of the edit that wrote ``model``: the new initializers made as
+    bytes (none of them external) are then taken from its element types and dims, not read back."""
     total, sizes, prod, types, external = 0, _ITEMSIZES, math.prod, set(), False
-    for tensor in model.graph.initializer:
+    if nodes is not None:
+        stored, shapes, protos = nodes.stored, nodes.dims, model.graph.initializer
+        read = [protos[i] for i, name in enumerate(nodes.initializers) if name not in stored]
+        for name, (data_type, _) in stored.items():
+            types.add(data_type)
+            dims = shapes[name]
+            total += (prod(dims) if dims else 1) * sizes.get(data_type, 1)
+    else:
+        read = model.graph.initializer
+    for tensor in read:
         data_type, dims = tensor.data_type, tensor.dims
         types.add(data_type)
         total += (prod(dims) if dims else 1) * sizes.get(data_type, 1)
@@ -442,12 +454,14 @@ _TENSOR_ATTRS = frozenset((onnx.AttributeProto.UNDEFINED,
                            onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS))
 
 
-def _has_external_outside_initializers(model: onnx.ModelProto) -> bool:
+def _has_external_outside_initializers(model: onnx.ModelProto, nodes=None) -> bool:
     """Whether a tensor other than a main-graph initializer (a sparse initializer, a Constant's
     value, a subgraph's or a function's tensor) keeps its data in an external file (the main
-    graph's initializers are tested in `_initializer_facts`' pass)."""
+    graph's initializers are tested in `_initializer_facts`' pass). ``nodes``: as for
+    `_initializer_facts`: the edit's new nodes (QuantizeLinear/DequantizeLinear with integer attributes
+    at most) are passed over."""
     external = onnx.TensorProto.EXTERNAL
-    return any(t.data_location == external for t in _all_tensors(model, main_initializers=False))
+    return any(t.data_location == external for t in _all_tensors(model, main_initializers=False, nodes=nodes))
 
 
 def _attribute_tensors(attr):
@@ -461,26 +475,35 @@ def _attribute_tensors(attr):
         yield from _all_graph_tensors(sub)
 
 
-def _all_graph_tensors(graph, initializers: bool = True):
+def _all_graph_tensors(graph, initializers: bool = True, nodes=None):
     """Every TensorProto of ``graph``: initializers (unless ``initializers`` is False), sparse
     initializers, attribute tensors. Nodes whose attributes cannot hold tensors (most of them:
-    Q/DQ ``axis``, Conv ``pads``...) are passed over."""
+    Q/DQ ``axis``, Conv ``pads``...) are passed over, and so are an edit's new nodes when its
+    `onnx_qat.graph.delta.ResultNodes` are given as ``nodes`` (none of them holds a tensor)."""
     if initializers:
         yield from graph.initializer
     for sparse in graph.sparse_initializer:
         yield sparse.values
         yield sparse.indices
-    for node in graph.node:
+    protos = graph.node
+    if nodes is not None:
+        protos = [protos[i] for i in compress(range(len(nodes.forms)), map(_is_none, nodes.forms))]
+    for node in protos:
         if node.attribute:  # most nodes have none, and most attributes hold no tensor
             for attr in node.attribute:
                 if attr.type in _TENSOR_ATTRS:
                     yield from _attribute_tensors(attr)
 
 
-def _all_tensors(model: onnx.ModelProto, main_initializers: bool = True):
+def _is_none(value) -> bool:
+    return value is None
+
+
+def _all_tensors(model: onnx.ModelProto, main_initializers: bool = True, nodes=None):
     """Every TensorProto of the model: initializers and attribute tensors, subgraphs included
-    (the main graph's initializers left out when ``main_initializers`` is False)."""
-    yield from _all_graph_tensors(model.graph, main_initializers)
+    (the main graph's initializers left out when ``main_initializers`` is False; ``nodes``: see
+    `_all_graph_tensors`)."""
+    yield from _all_graph_tensors(model.graph, main_initializers, nodes)
     for func in model.functions:
         for node in func.node:
             for attr in node.attribute:
@@ -594,7 +617,9 @@ def save_model(model: onnx.ModelProto, path: PathLike, *, inputs: Iterable = (),
             changed instead (``evidence.verify``: a structural pass over the whole graph and
             ``onnx.checker`` on one node and tensor of each new form; docs/architecture.md, "Validation
             of the result"), unless the environment variable ``ONNX_QAT_FULL_CHECK`` is ``1`` (then
-            ``onnx.checker`` in full) or ``both`` (both, see `FULL_CHECK_ENV`).
+            ``onnx.checker`` in full) or ``both`` (both, see `FULL_CHECK_ENV`). When it describes
+            ``model`` (`EditEvidence.nodes_of`), the new initializers' types and sizes and the new nodes
+            (no tensor attributes) are taken from it rather than read back, with or without ``validate``.
 
     Raises:
         OutputError: the path is a directory, in a missing or read-only directory, or
@@ -604,8 +629,9 @@ def save_model(model: onnx.ModelProto, path: PathLike, *, inputs: Iterable = (),
     """
     inputs = tuple(inputs)
     out = check_output_path(path, inputs=inputs, what="output model")
-    facts = _initializer_facts(model)
-    if facts.external or _has_external_outside_initializers(model):
+    nodes = evidence.nodes_of(model) if evidence is not None else None  # the edit's values, not read back
+    facts = _initializer_facts(model, nodes)
+    if facts.external or _has_external_outside_initializers(model, nodes):
         raise ModelError("model still refers to external data that was not loaded; load it with "
                          "load_external_data=True before saving")
     ir = int(ir_version) if ir_version is not None else target_ir_version(model, facts.data_types)

@@ -127,3 +127,18 @@ def test_the_command_line_checks_its_result_from_the_edit(tmp_path, capsys, monk
     said = capsys.readouterr().out
     line = next(s for s in said.splitlines() if s.startswith("check: "))
     assert line == f"check: {check(str(tmp_path / 'q.onnx')).summary()}"
+
+
+@pytest.mark.parametrize("build, precision", CASES)
+def test_save_takes_the_same_initializer_facts_from_the_edit(build, precision, monkeypatch):
+    """`save_model` with the edit's evidence reads the new initializers' types and sizes from it: the same
+    facts (size estimate, element types, external data) as read from the protobuf."""
+    from onnx_qat.io.models import _has_external_outside_initializers, _initializer_facts
+
+    monkeypatch.setenv(FULL_CHECK_ENV, "")
+    result = _quantized(build, precision)
+    nodes = result.evidence.nodes_of(result.model)
+    assert nodes is not None and nodes.stored
+    assert _initializer_facts(result.model, nodes) == _initializer_facts(result.model)
+    assert _has_external_outside_initializers(result.model, nodes) is \
+        _has_external_outside_initializers(result.model) is False
