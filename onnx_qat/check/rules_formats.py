@@ -236,8 +236,13 @@ def rule_f5_int4_zero_points(model, graphs) -> Iterator[Finding]:
     Source: [TRT-QS] symmetric INT4 (``x = x_q * s``, no offset).
     """
     for g in graphs:
+        stored = g._stored
         for node in g.qdq:
-            if not node.zp or g.elem_type(node.zp) != INT4:
+            zp = node.zp
+            if not zp:
+                continue
+            info = stored.get(zp)  # a zero point read already: its type, in short
+            if (info[0] if info is not None else g.elem_type(zp)) != INT4:
                 continue
             values = g.array(node.zp) if g.is_constant(node.zp) else None
             if not g.is_constant(node.zp):
