@@ -6,8 +6,9 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import accumulate, chain, compress
 from sys import intern
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -441,16 +442,18 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
 
 
 def _readers_of(tensors, node_inputs) -> Dict[str, List[int]]:
-    """``tensor -> indices of the nodes reading it`` (once per reading input) for each of ``tensors``
-    (a node that reads none of them is passed over in one set test)."""
+    """``tensor -> indices of the nodes reading it`` (once per reading input) for each of ``tensors``.
+
+    Every node's inputs are looked up in one C-level pass over all of them in a row; only the inputs
+    found are placed (a binary search of the running input counts gives each one's node)."""
     readers: Dict[str, List[int]] = {tensor: [] for tensor in tensors}
     if readers:
-        isdisjoint = readers.keys().isdisjoint
-        for i, inputs in enumerate(node_inputs):
-            if not isdisjoint(inputs):
-                for inp in inputs:
-                    if inp in readers:
-                        readers[inp].append(i)
+        flat = list(chain.from_iterable(node_inputs))
+        found = list(compress(range(len(flat)), map(readers.__contains__, flat)))
+        if found:
+            ends = list(accumulate(map(len, node_inputs)))  # node i's inputs end before ends[i]
+            for k in found:
+                readers[flat[k]].append(bisect_right(ends, k))
     return readers
 
 
@@ -474,7 +477,7 @@ def _index_written(graph, infer, opset, nodes) -> _Graph:
     types and raw bytes (`_Graph.stored`) as the edit made them. The same index (tests/conftest.py has
     every such check compare the two, `same_index`)."""
     constants = dict(zip(nodes.initializers, graph.initializer))
-    ops = [intern(op) for op in nodes.ops]
+    ops = nodes.ops  # compared by value: the new nodes' op types are one string each already
     node_inputs, outputs, forms = nodes.inputs, nodes.outputs, nodes.forms
     producer = {out: i for i, outs in enumerate(outputs) for out in outs}
     producer.pop("", None)  # an absent output is nobody's tensor
