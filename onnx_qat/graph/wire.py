@@ -17,6 +17,7 @@ data_type 2, name 8, raw_data 9; GraphProto node 1, initializer 5.
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import NamedTuple, Sequence
 
 #: Tags of the fields written here (wire type 2, length-delimited, unless said otherwise).
@@ -139,9 +140,31 @@ def _dims(dims: tuple) -> bytes:
 
 
 def framed(tag: bytes, payloads) -> bytes:
-    """The repeated length-delimited field ``tag`` holding each of ``payloads`` in turn, as one bytes."""
-    get = _LENGTHS.get
-    return b"".join([tag + (get(len(p)) or _length(len(p))) + p for p in payloads])
+    """The repeated length-delimited field ``tag`` holding each of ``payloads`` in turn, as one bytes.
+
+    Each payload's head (``tag`` and its length's varint) is looked up by length in C (`_heads`), and the
+    heads and payloads are joined once: no payload is copied but into the result."""
+    payloads = payloads if type(payloads) is list else list(payloads)
+    lengths = list(map(len, payloads))
+    heads_of = _heads(tag)
+    heads = list(map(heads_of.get, lengths))
+    if None in heads:  # a length not met yet with this tag
+        heads = [head if head is not None else tag + (_LENGTHS.get(n) or _length(n))
+                 for head, n in zip(heads, lengths)]
+        if len(heads_of) < 16384:
+            heads_of.update(zip(lengths, heads))
+    return b"".join(chain.from_iterable(zip(heads, payloads)))
+
+
+#: Tag -> {length -> the tag and the length's varint}, for `framed`.
+_HEADS: dict = {}
+
+
+def _heads(tag: bytes) -> dict:
+    found = _HEADS.get(tag)
+    if found is None:
+        found = _HEADS[tag] = {}
+    return found
 
 
 #: Length -> its varint, for the lengths `framed` has met (most payloads of a graph share a few lengths).
