@@ -514,6 +514,7 @@ def _index_written(graph, infer, opset, nodes) -> _Graph:
     index = _Graph(graph, "", ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
                    frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq})
     index._stored.update(nodes.stored)  # every one of them an initializer of the result (``constants``)
+    index._dims.update(dict.fromkeys(nodes.stored, ()))  # scalars, unless
     index._dims.update(nodes.dims)
     return index
 

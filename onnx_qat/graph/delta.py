@@ -129,7 +129,8 @@ class ResultNodes(NamedTuple):
         initializers: the names of the result's initializers, in order.
         stored: name -> ``(element type, raw bytes)`` of the new initializers made as bytes (what
             their ``data_type`` and ``raw_data`` hold).
-        dims: name -> their ``dims`` (a tuple), for the same initializers.
+        dims: name -> their ``dims`` (a tuple), for those of them that are not scalars (a name of
+            `stored` absent here has no dims).
     """
 
     ops: list

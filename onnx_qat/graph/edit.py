@@ -136,7 +136,8 @@ class GraphEdit:
         self._checked = checked if encoded and index is not None and not index.subgraph_nodes else None
         self._forms: Optional[Dict[tuple, object]] = {} if self._checked is not None else None
         #: While `_forms` is kept: each new node's form (by ``id``) and each new initializer made as bytes,
-        #: ``name -> (element type, raw bytes)`` and ``name -> dims``, for the `ResultNodes` of the evidence.
+        #: ``name -> (element type, raw bytes)`` and, unless a scalar, ``name -> dims``, for the `ResultNodes`
+        #: of the evidence.
         self._node_forms: Dict[int, tuple] = {}
         self._stored: Dict[str, Tuple[int, bytes]] = {}
         self._dims: Dict[str, Tuple[int, ...]] = {}
@@ -283,7 +284,8 @@ class GraphEdit:
             self._measure(data_type, raw, dims)
             self._new_initializers[name] = encode_tensor(name, data_type, raw, dims)
             self._stored[name] = (data_type, raw)
-            self._dims[name] = tuple(map(int, dims))
+            if dims:
+                self._dims[name] = tuple(map(int, dims))
         elif dims:
             tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims, raw_data=raw)
         else:  # a scalar (most of them): an empty dims argument alone costs protobuf about half the call
@@ -300,11 +302,13 @@ class GraphEdit:
             if isinstance(value, tuple):
                 dtype, raw, dims = value
                 if self.encoded and len(raw) < PARSE_CHUNK:
+                    data_type = onnx_type(dtype)
                     if self._forms is not None:
-                        self._measure(onnx_type(dtype), raw, dims)
-                        self._stored[name] = (onnx_type(dtype), raw)
-                        self._dims[name] = tuple(map(int, dims))
-                    new[name] = encode_tensor(name, onnx_type(dtype), raw, dims)
+                        self._measure(data_type, raw, dims)
+                        self._stored[name] = (data_type, raw)
+                        if dims:
+                            self._dims[name] = tuple(map(int, dims))
+                    new[name] = encode_tensor(name, data_type, raw, dims)
                 elif dims:
                     new[name] = make(name=name, data_type=onnx_type(dtype), dims=dims, raw_data=raw)
                 else:
@@ -321,11 +325,11 @@ class GraphEdit:
             if self._forms is not None and any(len(raw) != element_size(data_type)
                                                for data_type, raw in zip(data_types, raws)):
                 self._forms = None  # a scalar of the wrong size: the result goes to onnx.checker whole
-            if self._forms is not None:
-                self._stored.update(zip(names, zip(data_types, raws)))
-                self._dims.update(dict.fromkeys(names, ()))
+            stored = self._stored if self._forms is not None else None  # no dims: scalars
             new_tuple = tuple.__new__
             for name, data_type, raw in zip(names, data_types, raws):
+                if stored is not None:
+                    stored[name] = (data_type, raw)
                 data = name.encode()
                 if len(data) < 128 and len(raw) < 128 and 0 <= data_type < 128:
                     encoded = b"\x10%c\x42%c%s\x4a%c%s" % (data_type, len(data), data, len(raw), raw)
@@ -368,10 +372,11 @@ class GraphEdit:
             if forms is None:
                 self._forms = None
             else:
+                node_forms = self._node_forms
                 for node, form in zip(nodes, forms):
+                    node_forms[id(node)] = form
                     if form not in self._forms:
                         self._forms[form] = node
-                self._node_forms.update(zip(map(id, nodes), forms))
         if outputs is None:
             for node in nodes:
                 for out in node.output:
@@ -484,7 +489,7 @@ class GraphEdit:
             stored, dims = self._stored, self._dims
             if len(added) < len(self._new_initializers):  # some dropped: theirs left out
                 stored = {t.name: stored[t.name] for t in added if t.name in stored}
-                dims = {name: dims[name] for name in stored}
+                dims = {name: dims[name] for name in stored if name in dims}
             nodes = ResultNodes(ops, inputs, outputs, forms, dict(self._forms), names, stored, dims)
         return EditEvidence(self._checked, problem, list(self._forms.values()), tensor_forms(added), out,
                             nodes)

@@ -309,7 +309,7 @@ def _initializer_facts(model: onnx.ModelProto, nodes=None) -> _InitializerFacts:
         read = [protos[i] for i, name in enumerate(nodes.initializers) if name not in stored]
         for name, (data_type, _) in stored.items():
             types.add(data_type)
-            dims = shapes[name]
+            dims = shapes.get(name)
             total += (prod(dims) if dims else 1) * sizes.get(data_type, 1)
     else:
         read = model.graph.initializer
