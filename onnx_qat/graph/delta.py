@@ -127,10 +127,10 @@ class ResultNodes(NamedTuple):
         samples: form -> one new node of that form (`EncodedNode` or NodeProto): a new node's domain and
             attributes are its form's.
         initializers: the names of the result's initializers, in order.
-        stored: name -> ``(element type, raw bytes)`` of the new initializers made as bytes (what
-            their ``data_type`` and ``raw_data`` hold).
-        dims: name -> their ``dims`` (a tuple), for those of them that are not scalars (a name of
-            `stored` absent here has no dims).
+        stored: name -> ``(element type, raw bytes)`` of the new initializers made as bytes with at most
+            `onnx_qat.graph.edit.STORED_MOST` raw bytes (what their ``data_type`` and ``raw_data`` hold).
+        dims: name -> ``dims`` (a tuple) of the new initializers made as bytes that are not scalars (a
+            name of `stored` absent here has no dims).
     """
 
     ops: list

@@ -283,7 +283,8 @@ class GraphEdit:
         if self.encoded and len(raw) < PARSE_CHUNK:
             self._measure(data_type, raw, dims)
             self._new_initializers[name] = encode_tensor(name, data_type, raw, dims)
-            self._stored[name] = (data_type, raw)
+            if len(raw) <= STORED_MOST:
+                self._stored[name] = (data_type, raw)
             if dims:
                 self._dims[name] = tuple(map(int, dims))
         elif dims:
@@ -305,7 +306,8 @@ class GraphEdit:
                     data_type = onnx_type(dtype)
                     if self._forms is not None:
                         self._measure(data_type, raw, dims)
-                        self._stored[name] = (data_type, raw)
+                        if len(raw) <= STORED_MOST:
+                            self._stored[name] = (data_type, raw)
                         if dims:
                             self._dims[name] = tuple(map(int, dims))
                     new[name] = encode_tensor(name, data_type, raw, dims)
@@ -489,7 +491,7 @@ class GraphEdit:
             stored, dims = self._stored, self._dims
             if len(added) < len(self._new_initializers):  # some dropped: theirs left out
                 stored = {t.name: stored[t.name] for t in added if t.name in stored}
-                dims = {name: dims[name] for name in stored if name in dims}
+                dims = {t.name: dims[t.name] for t in added if t.name in dims}
             nodes = ResultNodes(ops, inputs, outputs, forms, dict(self._forms), names, stored, dims)
         return EditEvidence(self._checked, problem, list(self._forms.values()), tensor_forms(added), out,
                             nodes)
@@ -523,6 +525,11 @@ class GraphEdit:
             counts[name] += 1  # a graph output or input, or an outer-scope name a subgraph may read
         return counts
 
+
+#: Raw bytes a new initializer holds at most for the edit to keep them for the `ResultNodes` of its evidence
+#: (scales and zero points; a larger tensor, a weight, is read back from the result where the check needs it,
+#: so its bytes are not held twice).
+STORED_MOST = 1024
 
 #: Bytes parsed at most in one call when the result's graph is parsed from bytes (protobuf refuses a
 #: message over 2 GB); an initializer with more raw bytes than this is kept as a TensorProto.

@@ -142,3 +142,26 @@ def test_save_takes_the_same_initializer_facts_from_the_edit(build, precision, m
     assert _initializer_facts(result.model, nodes) == _initializer_facts(result.model)
     assert _has_external_outside_initializers(result.model, nodes) is \
         _has_external_outside_initializers(result.model) is False
+
+
+@pytest.mark.parametrize("most", [8, 64])
+def test_new_initializers_over_the_kept_size_are_read_back(most, monkeypatch):
+    """A new initializer with more raw bytes than `STORED_MOST` (a weight) is not held twice: the check and
+    the save read it from the result, with the same index, findings and facts (scalars, at most 8 bytes,
+    are always kept)."""
+    from onnx_qat.graph import edit
+    from onnx_qat.io.models import _initializer_facts
+
+    monkeypatch.setenv(FULL_CHECK_ENV, "")
+    monkeypatch.setattr(edit, "STORED_MOST", most)
+    result = _quantized(B.transformer_block_model)
+    nodes = result.evidence.nodes_of(result.model)
+    sizes = {t.name: len(t.raw_data) for t in result.model.graph.initializer}
+    assert nodes.stored and all(sizes[name] <= most for name in nodes.stored)
+    assert any(size > most for name, size in sizes.items() if name in nodes.dims)  # made, not kept
+    opset = _default_opset(result.model)
+    assert same_index(_index_written(result.model.graph, None, opset, nodes),
+                      _all_graphs(result.model, opset, None)[0]) is None
+    assert _initializer_facts(result.model, nodes) == _initializer_facts(result.model)
+    first, second = _both(result)
+    assert first == second
