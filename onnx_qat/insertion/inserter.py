@@ -34,7 +34,8 @@ from ..formats.encoding import (INT8_QRANGE, TINY, encode_int8, encode_weight, i
 from ..formats.scale_grid import fp16_weight_scales
 from ..formats.numeric import INT8, Format, get_format
 from ..graph.edit import GraphEdit, onnx_type
-from ..graph.wire import NODE_ATTRIBUTE, EncodedNode, encode_node, field, int_attribute, node_template
+from ..graph.wire import (NODE_ATTRIBUTE, TENSOR_DATA_TYPE, TENSOR_DIMS, EncodedNode, EncodedTensor,
+                          encode_node, field, int_attribute, node_template, varint)
 from ..placement.marks import ActivationMark, Placement, WeightMark
 from ..scales import ScaleTable
 from .targets import Target, get_target
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 _FLOAT32 = np.dtype(np.float32)
 _ONNX_FLOAT = onnx.TensorProto.FLOAT
+_ONNX_INT8 = onnx.TensorProto.INT8
 #: What a weight's names add to its base: the stored weight, scale, zero point, the DequantizeLinear node and
 #: its output (the order in which their fresh names are taken).
 _WEIGHT_SUFFIXES = ("_quantized", "_scale", "_zero_point", "_DequantizeLinear", "_DequantizeLinear_Output")
@@ -118,39 +120,48 @@ def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tu
 
 def _quantize_small(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int],
                     fp16_grid: bool = False):
-    """`quantize_small_weights`, each entry with the weight's `GraphEdit.constant` as a
-    fourth item (so the inserter does not read the weight again)."""
+    """`quantize_small_weights`, each entry with the weight's `GraphEdit.constant` as a fourth item (so the
+    inserter does not read the weight again) and, as a fifth, ``(stored bytes, scale bytes, zero channels)``
+    cut from its batch's buffers (None for a weight redone one by one: `_Inserter._weights` writes the
+    others from these without a NumPy call each)."""
     buckets: Dict[tuple, list] = {}
+    given, constant_of = scales.weights, edit.constant
     for key in keys:
         tensor, axis = key
-        if tensor in scales.weights:
+        if tensor in given:
             continue
         try:
-            constant = edit.constant(tensor)
+            constant = constant_of(tensor)
         except ValueError:
             continue  # weight() reports it
         values = constant[0]
         if values.dtype != np.float32 or not 0 < values.size <= SMALL_WEIGHT or values.ndim == 0 \
                 or (axis is not None and not 0 <= axis < values.ndim):
             continue
-        buckets.setdefault((values.shape, axis), []).append((key, constant))
+        found = buckets.get((values.shape, axis))
+        if found is None:
+            buckets[(values.shape, axis)] = [(key, constant)]
+        else:
+            found.append((key, constant))
     ready = {}
     for (shape, axis), items in buckets.items():
         step = max(1, _BATCH_VALUES // int(np.prod(shape)))
         for start in range(0, len(items), step) if len(items) > 1 else ():
             chunk = items[start:start + step]
             results = _quantize_batch(np.stack([c[0] for _, c in chunk]), axis, qrange, fp16_grid)
-            for ((tensor, _), constant), (q, scale, amax, usable) in zip(chunk, results):
+            for ((tensor, _), constant), (q, scale, amax, usable, stored) in zip(chunk, results):
                 if not usable:  # zero-range channels: one by one
                     q, scale = quantize_weight(constant[0], axis, amax, qrange, name=tensor,
                                                fp16_grid=fp16_grid)
-                ready[(tensor, axis)] = (q, scale, amax, constant)
+                    stored = None
+                ready[(tensor, axis)] = (q, scale, amax, constant, stored)
     return ready
 
 
 def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange, fp16_grid: bool = False):
-    """`quantize_weight` of each ``stack[i]`` (no ScaleTable range): ``[(q, scale, amax, usable)]``,
-    ``usable`` False when a channel's scale is not (zero range: `quantize_weight` handles it)."""
+    """`quantize_weight` of each ``stack[i]`` (no ScaleTable range): ``[(q, scale, amax, usable, stored)]``,
+    ``usable`` False when a channel's scale is not (zero range: `quantize_weight` handles it), ``stored``
+    ``(q's bytes, the scale's little-endian float32 bytes, how many channels have amax 0)``."""
     count = stack.shape[0]
     if axis is None:
         rows = stack.reshape(count, 1, -1)
@@ -166,7 +177,12 @@ def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange, fp16_grid: b
         scale = fp16_weight_scales(stack, np.where(scale > 0, scale, np.float32(1.0)), shape,
                                    int8_dequantized(qrange), batched=True)
     q = to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
-    return [(q[i], scale[i], amax[i], usable[i]) for i in range(count)]
+    # every weight's bytes cut from its batch's: q is int8 in C order, the scales little-endian float32
+    q_raw, scale_raw = q.tobytes(), _le_bytes(np.ascontiguousarray(scale, np.float32))
+    n, m = q[0].size, 4 * scale.shape[1]
+    zeros = (amax.shape[1] - np.count_nonzero(amax, axis=1)).tolist()  # as _zero_count, per weight
+    return [(q[i], scale[i], amax[i], usable[i],
+             (q_raw[n * i:n * i + n], scale_raw[m * i:m * i + m], zeros[i])) for i in range(count)]
 
 
 # --------------------------------------------------------------------------- scales
@@ -303,11 +319,14 @@ class _Inserter:
                                   np.float32)
         raw = _le_bytes(act_scales)
         names = self.edit.fresh_names([f"{m.tensor}{suffix}" for m in marks for suffix in _PAIR_SUFFIXES])
-        for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
-            records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4],
-                                             names[6 * i:6 * i + 6]))
-            if i & 255 == 255:
-                bar.update(256)
+        if self.edit.encoded and _template_names(names):
+            records_a = self._activations(marks, amaxes, act_scales, raw, names, bar)
+        else:
+            for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
+                records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4],
+                                                 names[6 * i:6 * i + 6]))
+                if i & 255 == 255:
+                    bar.update(256)
         bar.update(len(marks) & 255)
         groups = _weight_groups(placement.weights)
         axes_per_tensor: Dict[str, int] = {}
@@ -319,12 +338,141 @@ class _Inserter:
         bases = [tensor if axes_per_tensor[tensor] == 1 else f"{tensor}_axis{axis}"
                  for tensor, axis in groups]
         names = self.edit.fresh_names([f"{base}{suffix}" for base in bases for suffix in _WEIGHT_SUFFIXES])
-        for i, ((tensor, axis), marks) in enumerate(groups.items()):
-            records_w.append(self.weight(tensor, names[5 * i:5 * i + 5], axis, marks, scales,
-                                         ready.pop((tensor, axis), None)))
-            bar.update(len(marks))
+        if self.edit.encoded and _template_names(names):
+            records_w = self._weights(groups, names, scales, ready, bar)
+        else:
+            for i, ((tensor, axis), marks) in enumerate(groups.items()):
+                records_w.append(self.weight(tensor, names[5 * i:5 * i + 5], axis, marks, scales,
+                                             ready.pop((tensor, axis), None)))
+                bar.update(len(marks))
         bar.close()
         return InsertionResult(tuple(records_a), tuple(records_w))
+
+    # -- many marks at once, from per-form templates (an edit holding new nodes as bytes)
+    def _activations(self, marks, amaxes: Dict[str, float], act_scales: np.ndarray, raw: bytes,
+                     names: Sequence[str], bar) -> List[dict]:
+        """`activation` of each of ``marks`` in turn, for an edit holding new nodes as bytes
+        (``edit.encoded``) and names that `_template_names` passes: the same initializers, nodes, queues and
+        records, each pair's two scalar initializers and two nodes formatted from a template of its form
+        (`_SCALE_TEMPLATE`, `_scalar_template` of its zero point, `_Q_TEMPLATE`, `_DQ_TEMPLATE`) and handed
+        to the edit in one call each (`GraphEdit.add_encoded_initializers`, `GraphEdit.insert_many`)."""
+        edit, target, fmt = self.edit, self.target, self.format
+        by_name = edit.by_name
+        zero_points, default = self.zero_points, target.activation_zero_point
+        zp_forms: Dict[int, tuple] = {}  # zero point value -> (element type, template)
+        tensors: Dict[str, EncodedTensor] = {}
+        queued, records, forms = [], [], {}
+        new, scale_template = tuple.__new__, _SCALE_TEMPLATE
+        q_template, dq_template = _Q_TEMPLATE, _DQ_TEMPLATE
+        edit.measure(_ONNX_FLOAT, 4)  # every scale: 4 bytes of act_scales' float32 buffer
+        zero_point, zp_form = default, None
+        for i, (mark, scale, six) in enumerate(zip(marks, act_scales.tolist(), zip(*[iter(names)] * 6))):
+            tensor = mark.tensor
+            if zero_points is not None:
+                zero_point = zero_points.get(tensor, default)
+            if zp_form is None or zero_points is not None:
+                zp_form = zp_forms.get(zero_point)
+                if zp_form is None:
+                    zp = self._zero_point((), zero_point, target.activation_dtype) if fmt is INT8 else \
+                        encoding.zero_point(fmt, ())
+                    data_type = onnx_type(zp[0])
+                    zp_form = zp_forms[zero_point] = (data_type, _scalar_template(data_type, zp[1]))
+                    edit.measure(data_type, len(zp[1]))
+            scale_name, zp_name, q_out, dq_out, q_name, dq_name = six
+            scale_bytes, zp_bytes = scale_name.encode(), zp_name.encode()
+            tensors[scale_name] = new(EncodedTensor, (scale_name, _ONNX_FLOAT, scale_template % (
+                len(scale_bytes), scale_bytes, raw[4 * i:4 * i + 4])))
+            tensors[zp_name] = new(EncodedTensor, (zp_name, zp_form[0],
+                                                   zp_form[1] % (len(zp_bytes), zp_bytes)))
+            ls, lz = len(scale_name), len(zp_name)
+            q = new(EncodedNode, ("QuantizeLinear", q_name, (tensor, scale_name, zp_name), (q_out,), (
+                q_template % (len(tensor), tensor, ls, scale_name, lz, zp_name, len(q_out), q_out,
+                              len(q_name), q_name)).encode()))
+            dq = new(EncodedNode, ("DequantizeLinear", dq_name, (q_out, scale_name, zp_name), (dq_out,), (
+                dq_template % (len(q_out), q_out, ls, scale_name, lz, zp_name, len(dq_out), dq_out,
+                               len(dq_name), dq_name)).encode()))
+            readers = []
+            for node_name, index in mark.consumers:
+                node = by_name[node_name] if node_name in by_name else edit.node(node_name)
+                node.input[index] = dq_out
+                readers.append(node)
+            queued.append(((q, dq), readers, (q_out, dq_out)))
+            if not forms:
+                forms.update(zip(_PAIR_FORMS, (q, dq)))
+            record = {"kind": "activation", "tensor": tensor, "quantize_node": q_name,
+                      "dequantize_node": dq_name, "amax": float(amaxes[tensor]), "scale": scale,
+                      "scale_group": mark.scale_group, "consumers": [f"{n}:{k}" for n, k in mark.consumers],
+                      "rule": mark.rule, "reason": mark.reason}
+            if zero_points is not None:
+                record["zero_point"] = int(zero_point)
+            records.append(record)
+            if i & 255 == 255:
+                bar.update(256)
+        edit.add_encoded_initializers(tensors)
+        edit.insert_many(queued, forms)
+        return records
+
+    def _weights(self, groups, names: Sequence[str], scales: ScaleTable, ready: dict, bar) -> List[dict]:
+        """`weight` of each group of ``groups`` in turn, for an edit holding new nodes as bytes and names that
+        `_template_names` passes: an INT8 weight `_quantize_small` quantized in its batch (neither unsigned
+        nor narrow) is written from its batch's bytes and the templates of its shape and axis
+        (`_weight_templates`), the others by `weight`; the same initializers, nodes, queues and records."""
+        edit = self.edit
+        by_name = edit.by_name
+        tensors: Dict[str, EncodedTensor] = {}
+        queued, records, forms = [], [], {}
+        made: Dict[tuple, tuple] = {}  # (shape, axis) -> _weight_templates
+        new, dq_template = tuple.__new__, _DQ_TEMPLATE
+        special = self.unsigned_weights | self.narrow_weights
+        for i, ((tensor, axis), marks) in enumerate(groups.items()):
+            found = ready.pop((tensor, axis), None)
+            if found is None or found[4] is None or tensor in special:
+                if tensors or queued:  # what came before goes to the edit first, in order
+                    edit.add_encoded_initializers(tensors)
+                    edit.insert_many(queued, forms)
+                    tensors, queued, forms = {}, [], {}
+                records.append(self.weight(tensor, names[5 * i:5 * i + 5], axis, marks, scales, found))
+                bar.update(len(marks))
+                continue
+            q, scale, _, (_, _, chain), (q_raw, scale_raw, zero_channels) = found
+            key = (q.shape, axis)
+            templates = made.get(key)
+            if templates is None:
+                templates = made[key] = _weight_templates(q.shape, axis, scale.size)
+                edit.measure(onnx.TensorProto.INT8, len(q_raw), q.shape)  # each weight: a slice of this size
+                edit.measure(_ONNX_FLOAT, len(scale_raw), templates[4])
+            q_tpl, scale_tpl, zp_tpl, attributes, scale_dims, form = templates
+            q_name, scale_name, zp_name, dq_name, dq_out = names[5 * i:5 * i + 5]
+            qb, sb, zb = q_name.encode(), scale_name.encode(), zp_name.encode()
+            tensors[q_name] = new(EncodedTensor, (q_name, _ONNX_INT8, q_tpl % (len(qb), qb, q_raw)))
+            tensors[scale_name] = new(EncodedTensor, (scale_name, _ONNX_FLOAT,
+                                                      scale_tpl % (len(sb), sb, scale_raw)))
+            tensors[zp_name] = new(EncodedTensor, (zp_name, _ONNX_INT8, zp_tpl % (len(zb), zb)))
+            dq = new(EncodedNode, ("DequantizeLinear", dq_name, (q_name, scale_name, zp_name), (dq_out,), (
+                dq_template % (len(q_name), q_name, len(scale_name), scale_name, len(zp_name), zp_name,
+                               len(dq_out), dq_out, len(dq_name), dq_name)).encode() + attributes))
+            readers = []
+            for mark in marks:
+                node = by_name[mark.node] if mark.node in by_name else edit.node(mark.node)
+                node.input[mark.input_index] = dq_out
+                readers.append(node)
+            queued.append(((dq,), readers, (dq_out,)))
+            if form not in forms:
+                forms[form] = dq
+            if chain:  # as weight() releases the float weight
+                edit.release_if_unread(initializers=[t for n in chain for t in n.input
+                                                     if edit.initializer(t) is not None], nodes=chain)
+            else:
+                edit.release_if_unread(initializers=(tensor,))
+            records.append({"kind": "weight", "tensor": tensor,
+                            "nodes": [f"{m.node}:{m.input_index}" for m in marks], "dequantize_node": dq_name,
+                            "initializer": q_name, "axis": axis, "channels": scale.size,
+                            "zero_channels": zero_channels, "amax_source": "weights", "rule": marks[0].rule,
+                            "reason": marks[0].reason})
+            bar.update(len(marks))
+        edit.add_encoded_initializers(tensors)
+        edit.insert_many(queued, forms)
+        return records
 
     def _zero_point(self, shape: Tuple[int, ...], value: int, dtype) -> tuple:
         """``(NumPy type, raw bytes, shape)`` of a zero point of ``dtype`` and ``shape`` filled with
@@ -384,14 +532,14 @@ class _Inserter:
         """The stored weight (its format's encoding, `onnx_qat.formats.encoding.encode_weight`) +
         a DequantizeLinear for one constant weight, for the marked inputs (``names``: the fresh names of
         its base plus each of `_WEIGHT_SUFFIXES`, in that order; ``ready``: an INT8 weight's
-        ``(q, scale, amax, constant)`` from `_quantize_small`, or None)."""
+        ``(q, scale, amax, constant, stored)`` from `_quantize_small`, or None)."""
         edit, fmt = self.edit, self.format
         by_name = edit.by_name
         consumers = [(by_name[m.node] if m.node in by_name else edit.node(m.node), m.input_index)
                      for m in marks]
         unsigned = tensor in self.unsigned_weights
         if ready is not None:
-            q, scale, own_amax, (values, proto, chain) = ready
+            q, scale, own_amax, (values, proto, chain), _ = ready
             encoded, source = encode_int8(q, scale, own_amax, axis, unsigned=unsigned), "weights"
         else:
             values, proto, chain = edit.constant(tensor)
@@ -445,6 +593,44 @@ class _Inserter:
         if tensor in self.narrow_weights:
             record["range"] = list(NARROW_WEIGHT_RANGE)
         return record
+
+
+def _template_names(names: Sequence[str]) -> bool:
+    """True when every one of ``names`` is ASCII and shorter than 128 characters (one byte of length in
+    the wire format): the per-form templates then write every node and initializer of the insertion."""
+    return not names or (max(map(len, names)) < 128 and "".join(names).isascii())
+
+
+#: A float32 scalar initializer's wire bytes (`onnx_qat.graph.wire.tensor`), given its name's length and
+#: bytes and its 4 raw bytes.
+_SCALE_TEMPLATE = b"\x10\x01\x42%c%s\x4a\x04%s"
+
+
+def _scalar_template(data_type: int, raw: bytes) -> bytes:
+    """A scalar initializer's wire bytes of element type ``data_type`` holding ``raw`` (< 128 bytes), as a
+    ``%`` template of its name's length and bytes."""
+    return b"\x10%c\x42%%c%%s\x4a%c" % (data_type, len(raw)) + raw.replace(b"%", b"%%")
+
+
+def _weight_templates(shape: Tuple[int, ...], axis: Optional[int], channels: int) -> tuple:
+    """What `_Inserter._weights` formats an INT8 weight of ``shape`` quantized along ``axis`` (None: per
+    tensor; ``channels`` scales) from: the ``%`` templates of its stored initializer (name length, name,
+    raw bytes), scale (likewise) and zero point (name length, name: its bytes are zeros), its
+    DequantizeLinear's attribute bytes, the scale's dims and the node's form (`GraphEdit.insert`).
+    The bytes are `onnx_qat.graph.wire.tensor`'s."""
+    scale_dims = (channels,) if axis is not None else ()
+
+    def template(dims, data_type: int, length: int, raw: bytes = b"%s") -> bytes:
+        head = b"".join([TENSOR_DIMS + varint(int(d)) for d in dims]) + TENSOR_DATA_TYPE + varint(data_type)
+        return head.replace(b"%", b"%%") + b"\x42%c%s\x4a" + varint(length).replace(b"%", b"%%") + raw
+
+    count = 1
+    for d in shape:
+        count *= int(d)
+    attributes = b"" if axis is None else field(NODE_ATTRIBUTE, _axis_bytes(int(axis)))
+    return (template(shape, _ONNX_INT8, count), template(scale_dims, _ONNX_FLOAT, 4 * channels),
+            template(scale_dims, _ONNX_INT8, channels, bytes(channels)), attributes, scale_dims,
+            ("DequantizeLinear", "", 3, 1, axis, None))
 
 
 def _encoded_pair(tensor: str, names: Sequence[str]) -> Tuple[EncodedNode, EncodedNode]:
