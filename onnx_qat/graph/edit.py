@@ -399,14 +399,20 @@ class GraphEdit:
             else:
                 for form, node in forms.items():
                     self._forms.setdefault(form, node)
-        producer, position, before = self.producer, self.position, self._before
-        for nodes, readers, outputs in items:
-            for node, out in zip(nodes, outputs):
-                producer[out] = node
-            first = readers[0] if len(readers) == 1 else min(readers, key=lambda n: position[id(n)])
-            found = before.get(id(first))
+        items = list(items)
+        news = [item[0] for item in items]
+        self.producer.update(zip(itertools.chain.from_iterable([item[2] for item in items]),
+                                 itertools.chain.from_iterable(news)))
+        position, before = self.position, self._before
+        keys = [id(readers[0]) if len(readers) == 1 else id(min(readers, key=lambda n: position[id(n)]))
+                for _, readers, _ in items]
+        if before.keys().isdisjoint(keys) and len(set(keys)) == len(keys):  # one batch per reader, none yet
+            before.update(zip(keys, map(list, news)))
+            return
+        for key, nodes in zip(keys, news):
+            found = before.get(key)
             if found is None:
-                before[id(first)] = list(nodes)
+                before[key] = list(nodes)
             else:
                 found.extend(nodes)
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from itertools import repeat
+from operator import attrgetter, setitem
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -31,7 +33,7 @@ from ..errors import ScalesError
 from ..formats import encoding
 from ..formats.encoding import (INT8_QRANGE, TINY, encode_int8, encode_weight, int8_dequantized,
                                 quantize_weight, to_grid, usable_scales)
-from ..formats.scale_grid import fp16_weight_scales
+from ..formats.scale_grid import FP16_EPS, FP16_TINY, fp16_neighbours, fp16_weight_scales
 from ..formats.numeric import INT8, Format, get_format
 from ..graph.edit import GraphEdit, onnx_type
 from ..graph.wire import (NODE_ATTRIBUTE, TENSOR_DATA_TYPE, TENSOR_DIMS, EncodedNode, EncodedTensor,
@@ -62,6 +64,13 @@ _PAIR_FORMS = (("QuantizeLinear", "", 3, 1), ("DequantizeLinear", "", 3, 1))
 _Q_TEMPLATE = node_template(3, 1, "QuantizeLinear")
 _DQ_TEMPLATE = node_template(3, 1, "DequantizeLinear")
 _new_tuple = tuple.__new__
+#: The keys of an activation pair's record, in order (`_Inserter.activation`).
+_ACTIVATION_KEYS = ("kind", "tensor", "quantize_node", "dequantize_node", "amax", "scale", "scale_group",
+                    "consumers", "rule", "reason")
+#: The keys of a weight's record, in order (`_Inserter.weight`, INT8 from the weight's own values).
+_WEIGHT_KEYS = ("kind", "tensor", "nodes", "dequantize_node", "initializer", "axis", "channels",
+                "zero_channels", "amax_source", "rule", "reason")
+_INPUT = attrgetter("input")
 
 @dataclass(frozen=True)
 class InsertionResult:
@@ -170,19 +179,64 @@ def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange, fp16_grid: b
         rows = np.moveaxis(stack, axis + 1, 1).reshape(count, stack.shape[axis + 1], -1)
         shape = [count] + [1] * (stack.ndim - 1)
         shape[axis + 1] = -1
-    amax = np.maximum(rows.max(axis=2), -rows.min(axis=2)).astype(np.float32)  # [count, channels]
+    # max |w| per weight and channel: [count, channels]; the values of a channel laid along the first axis
+    # first, so that the reductions run over whole rows (several times faster than over a short last axis)
+    across = np.ascontiguousarray(np.moveaxis(rows, 2, 0))
+    amax = np.maximum(np.maximum.reduce(across, axis=0),
+                      -np.minimum.reduce(across, axis=0)).astype(np.float32)
+    del across
     scale = (amax.astype(np.float64) / float(qrange[1])).astype(np.float32)
     usable = usable_scales(scale).all(axis=1).tolist()
+    q = None
     if fp16_grid:  # each weight judged on its own (zero-range ones are redone one by one anyway)
-        scale = fp16_weight_scales(stack, np.where(scale > 0, scale, np.float32(1.0)), shape,
-                                   int8_dequantized(qrange), batched=True)
-    q = to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
+        found = _fp16_grid_batch(stack, np.where(scale > 0, scale, np.float32(1.0)), shape, qrange)
+        if found is not None:
+            scale, q = found
+        else:
+            scale = fp16_weight_scales(stack, np.where(scale > 0, scale, np.float32(1.0)), shape,
+                                       int8_dequantized(qrange), batched=True)
+    if q is None:
+        q = to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
     # every weight's bytes cut from its batch's: q is int8 in C order, the scales little-endian float32
     q_raw, scale_raw = q.tobytes(), _le_bytes(np.ascontiguousarray(scale, np.float32))
     n, m = q[0].size, 4 * scale.shape[1]
     zeros = (amax.shape[1] - np.count_nonzero(amax, axis=1)).tolist()  # as _zero_count, per weight
     return [(q[i], scale[i], amax[i], usable[i],
              (q_raw[n * i:n * i + n], scale_raw[m * i:m * i + m], zeros[i])) for i in range(count)]
+
+
+def _fp16_grid_batch(stack: np.ndarray, scale: np.ndarray, shape, qrange) -> Optional[tuple]:
+    """``(scales, q)``: `fp16_weight_scales` of a batch of INT8 weights (``batched``, ``scale`` > 0) and the
+    weights on the grid of those scales (`to_grid`), the same numbers, with the codes of the candidate
+    chosen for each channel kept from the comparison of the two FP16 neighbours instead of computed once
+    more; None where that shortcut does not hold (a weight whose scales FP16 cannot hold, a candidate
+    not finite, no scale to move), for the caller to take the long way."""
+    nearest = np.maximum(scale.astype(np.float16).astype(np.float32), np.float32(FP16_TINY))
+    with np.errstate(invalid="ignore"):
+        fits = np.all(np.isfinite(nearest), axis=1) & (
+            np.max(np.abs(nearest - scale), axis=1) <= FP16_EPS * np.max(scale, axis=1))
+    if not fits.all():
+        return None
+    down, up = fp16_neighbours(scale)
+    down = np.where(down > 0, down, np.float32(FP16_TINY)).astype(np.float32)
+    up = np.maximum(up, np.float32(FP16_TINY)).astype(np.float32)
+    moved = down != up
+    if not np.any(moved) or not (np.all(np.isfinite(down)) and np.all(np.isfinite(up))):
+        return None
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and stack.shape[i] != 1)
+    errors, codes = [], []
+    for candidate in (down, up):
+        broadcast = candidate.reshape(shape)
+        grid = np.divide(stack, broadcast)  # to_grid's steps, its int8 codes kept
+        np.rint(grid, out=grid)
+        np.clip(grid, qrange[0], qrange[1], out=grid)
+        codes.append(grid.astype(np.int8))
+        np.multiply(grid, broadcast, out=grid)  # the codes (integers, exact in float32) times the scale
+        np.subtract(grid, stack, out=grid)
+        errors.append(np.sum(np.square(grid, dtype=np.float64), axis=axes).reshape(scale.shape))
+    lower = moved & (errors[0] < errors[1])
+    chosen = np.where(lower, down, up).astype(np.float32)
+    return chosen, np.where(lower.reshape(shape), codes[0], codes[1])
 
 
 # --------------------------------------------------------------------------- scales
@@ -351,128 +405,169 @@ class _Inserter:
     # -- many marks at once, from per-form templates (an edit holding new nodes as bytes)
     def _activations(self, marks, amaxes: Dict[str, float], act_scales: np.ndarray, raw: bytes,
                      names: Sequence[str], bar) -> List[dict]:
-        """`activation` of each of ``marks`` in turn, for an edit holding new nodes as bytes
-        (``edit.encoded``) and names that `_template_names` passes: the same initializers, nodes, queues and
-        records, each pair's two scalar initializers and two nodes formatted from a template of its form
-        (`_SCALE_TEMPLATE`, `_scalar_template` of its zero point, `_Q_TEMPLATE`, `_DQ_TEMPLATE`) and handed
-        to the edit in one call each (`GraphEdit.add_encoded_initializers`, `GraphEdit.insert_many`)."""
+        """`activation` of every one of ``marks``, for an edit holding new nodes as bytes (``edit.encoded``)
+        and names that `_template_names` passes: the same initializers, nodes, queues and records, made a
+        column at a time (each pair's two scalar initializers and two nodes formatted from the template of
+        its form, `_SCALE_TEMPLATE`, `_scalar_template` of its zero point, `_Q_TEMPLATE` and `_DQ_TEMPLATE`,
+        by C-level maps over the columns of names) and handed to the edit in one call each
+        (`GraphEdit.add_encoded_initializers`, `GraphEdit.insert_many`)."""
+        if not marks:
+            return []
         edit, target, fmt = self.edit, self.target, self.format
-        by_name = edit.by_name
-        zero_points, default = self.zero_points, target.activation_zero_point
-        zp_forms: Dict[int, tuple] = {}  # zero point value -> (element type, template)
-        tensors: Dict[str, EncodedTensor] = {}
-        queued, records, forms = [], [], {}
-        new, scale_template = tuple.__new__, _SCALE_TEMPLATE
-        q_template, dq_template = _Q_TEMPLATE, _DQ_TEMPLATE
+        new = tuple.__new__
+        count = len(marks)
+        tensors = [m.tensor for m in marks]
+        scale_names, zp_names, q_outs, dq_outs, q_names, dq_names = (names[k::6] for k in range(6))
+        # zero points: one form per value (the target's, or the form's per-tensor choice)
+        default = target.activation_zero_point
+        values = [default] * count if self.zero_points is None else \
+            [self.zero_points.get(t, default) for t in tensors]
+        zp_forms: Dict[int, tuple] = {}
+        for value in dict.fromkeys(values):
+            zp = self._zero_point((), value, target.activation_dtype) if fmt is INT8 else \
+                encoding.zero_point(fmt, ())
+            data_type = onnx_type(zp[0])
+            zp_forms[value] = (data_type, _scalar_template(data_type, zp[1]))
+            edit.measure(data_type, len(zp[1]))
         edit.measure(_ONNX_FLOAT, 4)  # every scale: 4 bytes of act_scales' float32 buffer
-        zero_point, zp_form = default, None
-        for i, (mark, scale, six) in enumerate(zip(marks, act_scales.tolist(), zip(*[iter(names)] * 6))):
-            tensor = mark.tensor
-            if zero_points is not None:
-                zero_point = zero_points.get(tensor, default)
-            if zp_form is None or zero_points is not None:
-                zp_form = zp_forms.get(zero_point)
-                if zp_form is None:
-                    zp = self._zero_point((), zero_point, target.activation_dtype) if fmt is INT8 else \
-                        encoding.zero_point(fmt, ())
-                    data_type = onnx_type(zp[0])
-                    zp_form = zp_forms[zero_point] = (data_type, _scalar_template(data_type, zp[1]))
-                    edit.measure(data_type, len(zp[1]))
-            scale_name, zp_name, q_out, dq_out, q_name, dq_name = six
-            scale_bytes, zp_bytes = scale_name.encode(), zp_name.encode()
-            tensors[scale_name] = new(EncodedTensor, (scale_name, _ONNX_FLOAT, scale_template % (
-                len(scale_bytes), scale_bytes, raw[4 * i:4 * i + 4])))
-            tensors[zp_name] = new(EncodedTensor, (zp_name, zp_form[0],
-                                                   zp_form[1] % (len(zp_bytes), zp_bytes)))
-            ls, lz = len(scale_name), len(zp_name)
-            q = new(EncodedNode, ("QuantizeLinear", q_name, (tensor, scale_name, zp_name), (q_out,), (
-                q_template % (len(tensor), tensor, ls, scale_name, lz, zp_name, len(q_out), q_out,
-                              len(q_name), q_name)).encode()))
-            dq = new(EncodedNode, ("DequantizeLinear", dq_name, (q_out, scale_name, zp_name), (dq_out,), (
-                dq_template % (len(q_out), q_out, ls, scale_name, lz, zp_name, len(dq_out), dq_out,
-                               len(dq_name), dq_name)).encode()))
-            readers = []
-            for node_name, index in mark.consumers:
-                node = by_name[node_name] if node_name in by_name else edit.node(node_name)
-                node.input[index] = dq_out
-                readers.append(node)
-            queued.append(((q, dq), readers, (q_out, dq_out)))
-            if not forms:
-                forms.update(zip(_PAIR_FORMS, (q, dq)))
-            record = {"kind": "activation", "tensor": tensor, "quantize_node": q_name,
-                      "dequantize_node": dq_name, "amax": float(amaxes[tensor]), "scale": scale,
-                      "scale_group": mark.scale_group, "consumers": [f"{n}:{k}" for n, k in mark.consumers],
-                      "rule": mark.rule, "reason": mark.reason}
-            if zero_points is not None:
-                record["zero_point"] = int(zero_point)
-            records.append(record)
-            if i & 255 == 255:
-                bar.update(256)
-        edit.add_encoded_initializers(tensors)
-        edit.insert_many(queued, forms)
-        return records
+        # the initializers: scale then zero point of each pair, in mark order
+        scale_bytes, zp_bytes = list(map(str.encode, scale_names)), list(map(str.encode, zp_names))
+        scale_raws = [raw[k:k + 4] for k in range(0, 4 * count, 4)]
+        scale_data = map(_SCALE_TEMPLATE.__mod__, zip(map(len, scale_bytes), scale_bytes, scale_raws))
+        if len(zp_forms) == 1:
+            zp_type, zp_template = zp_forms[values[0]]
+            zp_types = [zp_type] * count
+            zp_data = map(zp_template.__mod__, zip(map(len, zp_bytes), zp_bytes))
+        else:
+            zp_types = [zp_forms[v][0] for v in values]
+            zp_data = map(bytes.__mod__, [zp_forms[v][1] for v in values], zip(map(len, zp_bytes), zp_bytes))
+        pair_tensors: List[object] = [None] * (2 * count)
+        encoded = repeat(EncodedTensor)
+        pair_tensors[0::2] = map(new, encoded, zip(scale_names, repeat(_ONNX_FLOAT), scale_data))
+        pair_tensors[1::2] = map(new, encoded, zip(zp_names, zp_types, zp_data))
+        pair_names: List[object] = [None] * (2 * count)
+        pair_names[0::2], pair_names[1::2] = scale_names, zp_names
+        # the nodes
+        scale_lengths, zp_lengths = list(map(len, scale_names)), list(map(len, zp_names))
+        q_data = map(str.encode, map(_Q_TEMPLATE.__mod__, zip(
+            map(len, tensors), tensors, scale_lengths, scale_names, zp_lengths, zp_names,
+            map(len, q_outs), q_outs, map(len, q_names), q_names)))
+        dq_data = map(str.encode, map(_DQ_TEMPLATE.__mod__, zip(
+            map(len, q_outs), q_outs, scale_lengths, scale_names, zp_lengths, zp_names,
+            map(len, dq_outs), dq_outs, map(len, dq_names), dq_names)))
+        node = repeat(EncodedNode)
+        qs = list(map(new, node, zip(repeat("QuantizeLinear"), q_names,
+                                     zip(tensors, scale_names, zp_names), zip(q_outs), q_data)))
+        dqs = list(map(new, node, zip(repeat("DequantizeLinear"), dq_names,
+                                      zip(q_outs, scale_names, zp_names), zip(dq_outs), dq_data)))
+        # the consumers, pointed at the DequantizeLinear outputs
+        by_name = edit.by_name
+        readers = [[by_name[n] if n in by_name else edit.node(n) for n, _ in m.consumers] for m in marks]
+        edges = [(k, out) for m, out in zip(marks, dq_outs) for _, k in m.consumers]
+        rewired = [reader for group in readers for reader in group]
+        for _ in map(setitem, map(_INPUT, rewired), [k for k, _ in edges], [out for _, out in edges]):
+            pass
+        edit.add_encoded_initializers(dict(zip(pair_names, pair_tensors)))
+        edit.insert_many(zip(zip(qs, dqs), readers, zip(q_outs, dq_outs)),
+                         dict(zip(_PAIR_FORMS, (qs[0], dqs[0]))))
+        # the records
+        columns = [repeat("activation"), tensors, q_names, dq_names, [float(amaxes[t]) for t in tensors],
+                   act_scales.tolist(), [m.scale_group for m in marks],
+                   [[f"{n}:{k}" for n, k in m.consumers] for m in marks], [m.rule for m in marks],
+                   [m.reason for m in marks]]
+        keys = _ACTIVATION_KEYS
+        if self.zero_points is not None:
+            columns.append(list(map(int, values)))
+            keys += ("zero_point",)
+        bar.update(count - (count & 255))  # the caller adds the rest
+        return list(map(dict, map(zip, repeat(keys), zip(*columns))))
 
     def _weights(self, groups, names: Sequence[str], scales: ScaleTable, ready: dict, bar) -> List[dict]:
         """`weight` of each group of ``groups`` in turn, for an edit holding new nodes as bytes and names that
-        `_template_names` passes: an INT8 weight `_quantize_small` quantized in its batch (neither unsigned
-        nor narrow) is written from its batch's bytes and the templates of its shape and axis
-        (`_weight_templates`), the others by `weight`; the same initializers, nodes, queues and records."""
-        edit = self.edit
-        by_name = edit.by_name
-        tensors: Dict[str, EncodedTensor] = {}
-        queued, records, forms = [], [], {}
-        made: Dict[tuple, tuple] = {}  # (shape, axis) -> _weight_templates
-        new, dq_template = tuple.__new__, _DQ_TEMPLATE
+        `_template_names` passes: the INT8 weights `_quantize_small` quantized in their batches (neither
+        unsigned nor narrow) are written a run at a time from their batches' bytes (`_weight_run`), the
+        others by `weight`, in order; the same initializers, nodes, queues and records."""
+        records: List[dict] = []
+        run: list = []
         special = self.unsigned_weights | self.narrow_weights
         for i, ((tensor, axis), marks) in enumerate(groups.items()):
             found = ready.pop((tensor, axis), None)
             if found is None or found[4] is None or tensor in special:
-                if tensors or queued:  # what came before goes to the edit first, in order
-                    edit.add_encoded_initializers(tensors)
-                    edit.insert_many(queued, forms)
-                    tensors, queued, forms = {}, [], {}
+                if run:  # what came before goes to the edit first, in order
+                    records += self._weight_run(run, names)
+                    run = []
                 records.append(self.weight(tensor, names[5 * i:5 * i + 5], axis, marks, scales, found))
                 bar.update(len(marks))
                 continue
-            q, scale, _, (_, _, chain), (q_raw, scale_raw, zero_channels) = found
+            run.append((i, tensor, axis, marks, found))
+            bar.update(len(marks))
+        if run:
+            records += self._weight_run(run, names)
+        return records
+
+    def _weight_run(self, run: list, names: Sequence[str]) -> List[dict]:
+        """`weight` of each ``(position, tensor, axis, marks, ready entry)`` of ``run`` (weights quantized in
+        their batches), made a column at a time: each weight's stored initializer, scale, zero point and
+        DequantizeLinear formatted from the templates of its shape and axis (`_weight_templates`) by C-level
+        maps, and handed to the edit in one call each."""
+        edit, new = self.edit, tuple.__new__
+        made: Dict[tuple, tuple] = {}  # (shape, axis) -> _weight_templates
+        templates = []
+        for _, _, axis, _, (q, scale, _, _, (q_raw, scale_raw, _)) in run:
             key = (q.shape, axis)
-            templates = made.get(key)
-            if templates is None:
-                templates = made[key] = _weight_templates(q.shape, axis, scale.size)
-                edit.measure(onnx.TensorProto.INT8, len(q_raw), q.shape)  # each weight: a slice of this size
-                edit.measure(_ONNX_FLOAT, len(scale_raw), templates[4])
-            q_tpl, scale_tpl, zp_tpl, attributes, scale_dims, form = templates
-            q_name, scale_name, zp_name, dq_name, dq_out = names[5 * i:5 * i + 5]
-            qb, sb, zb = q_name.encode(), scale_name.encode(), zp_name.encode()
-            tensors[q_name] = new(EncodedTensor, (q_name, _ONNX_INT8, q_tpl % (len(qb), qb, q_raw)))
-            tensors[scale_name] = new(EncodedTensor, (scale_name, _ONNX_FLOAT,
-                                                      scale_tpl % (len(sb), sb, scale_raw)))
-            tensors[zp_name] = new(EncodedTensor, (zp_name, _ONNX_INT8, zp_tpl % (len(zb), zb)))
-            dq = new(EncodedNode, ("DequantizeLinear", dq_name, (q_name, scale_name, zp_name), (dq_out,), (
-                dq_template % (len(q_name), q_name, len(scale_name), scale_name, len(zp_name), zp_name,
-                               len(dq_out), dq_out, len(dq_name), dq_name)).encode() + attributes))
-            readers = []
-            for mark in marks:
-                node = by_name[mark.node] if mark.node in by_name else edit.node(mark.node)
-                node.input[mark.input_index] = dq_out
-                readers.append(node)
-            queued.append(((dq,), readers, (dq_out,)))
-            if form not in forms:
-                forms[form] = dq
-            if chain:  # as weight() releases the float weight
+            found = made.get(key)
+            if found is None:
+                found = made[key] = _weight_templates(q.shape, axis, scale.size)
+                edit.measure(_ONNX_INT8, len(q_raw), q.shape)  # each weight's bytes: a slice of this size
+                edit.measure(_ONNX_FLOAT, len(scale_raw), found[4])
+            templates.append(found)
+        starts = [5 * entry[0] for entry in run]
+        q_names, scale_names, zp_names, dq_names, dq_outs = ([names[j + k] for j in starts] for k in range(5))
+        q_bytes, scale_bytes, zp_bytes = (list(map(str.encode, c)) for c in (q_names, scale_names, zp_names))
+        q_raws = [entry[4][4][0] for entry in run]
+        scale_raws = [entry[4][4][1] for entry in run]
+        tensors: List[object] = [None] * (3 * len(run))
+        encoded = repeat(EncodedTensor)
+        tensors[0::3] = map(new, encoded, zip(q_names, repeat(_ONNX_INT8), map(
+            bytes.__mod__, [t[0] for t in templates], zip(map(len, q_bytes), q_bytes, q_raws))))
+        tensors[1::3] = map(new, encoded, zip(scale_names, repeat(_ONNX_FLOAT), map(
+            bytes.__mod__, [t[1] for t in templates], zip(map(len, scale_bytes), scale_bytes, scale_raws))))
+        tensors[2::3] = map(new, encoded, zip(zp_names, repeat(_ONNX_INT8), map(
+            bytes.__mod__, [t[2] for t in templates], zip(map(len, zp_bytes), zp_bytes))))
+        all_names: List[object] = [None] * (3 * len(run))
+        all_names[0::3], all_names[1::3], all_names[2::3] = q_names, scale_names, zp_names
+        dq_data = map(bytes.__add__, map(str.encode, map(_DQ_TEMPLATE.__mod__, zip(
+            map(len, q_names), q_names, map(len, scale_names), scale_names, map(len, zp_names), zp_names,
+            map(len, dq_outs), dq_outs, map(len, dq_names), dq_names))), [t[3] for t in templates])
+        dqs = list(map(new, repeat(EncodedNode), zip(repeat("DequantizeLinear"), dq_names,
+                                                     zip(q_names, scale_names, zp_names), zip(dq_outs),
+                                                     dq_data)))
+        by_name = edit.by_name
+        readers = [[by_name[m.node] if m.node in by_name else edit.node(m.node) for m in entry[3]]
+                   for entry in run]
+        rewired = [reader for group in readers for reader in group]
+        for _ in map(setitem, map(_INPUT, rewired), [m.input_index for entry in run for m in entry[3]],
+                     [out for entry, out in zip(run, dq_outs) for _ in entry[3]]):
+            pass
+        forms: Dict[tuple, object] = {}
+        for template, dq in zip(templates, dqs):
+            if template[5] not in forms:
+                forms[template[5]] = dq
+        edit.add_encoded_initializers(dict(zip(all_names, tensors)))
+        edit.insert_many(zip(zip(dqs), readers, zip(dq_outs)), forms)
+        # the float weights (and the Constant/Identity nodes making them) go once nothing else reads them
+        edit.release_if_unread(initializers=[entry[1] for entry in run if not entry[4][3][2]])
+        for entry in run:
+            chain = entry[4][3][2]
+            if chain:
                 edit.release_if_unread(initializers=[t for n in chain for t in n.input
                                                      if edit.initializer(t) is not None], nodes=chain)
-            else:
-                edit.release_if_unread(initializers=(tensor,))
-            records.append({"kind": "weight", "tensor": tensor,
-                            "nodes": [f"{m.node}:{m.input_index}" for m in marks], "dequantize_node": dq_name,
-                            "initializer": q_name, "axis": axis, "channels": scale.size,
-                            "zero_channels": zero_channels, "amax_source": "weights", "rule": marks[0].rule,
-                            "reason": marks[0].reason})
-            bar.update(len(marks))
-        edit.add_encoded_initializers(tensors)
-        edit.insert_many(queued, forms)
-        return records
+        columns = (repeat("weight"), [entry[1] for entry in run],
+                   [[f"{m.node}:{m.input_index}" for m in entry[3]] for entry in run], dq_names, q_names,
+                   [entry[2] for entry in run], [entry[4][1].size for entry in run],
+                   [entry[4][4][2] for entry in run], repeat("weights"), [entry[3][0].rule for entry in run],
+                   [entry[3][0].reason for entry in run])
+        return list(map(dict, map(zip, repeat(_WEIGHT_KEYS), zip(*columns))))
 
     def _zero_point(self, shape: Tuple[int, ...], value: int, dtype) -> tuple:
         """``(NumPy type, raw bytes, shape)`` of a zero point of ``dtype`` and ``shape`` filled with
