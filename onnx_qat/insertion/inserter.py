@@ -211,7 +211,8 @@ def _fp16_grid_batch(stack: np.ndarray, scale: np.ndarray, shape, qrange) -> Opt
     chosen for each channel kept from the comparison of the two FP16 neighbours instead of computed once
     more; None where that shortcut does not hold (a weight whose scales FP16 cannot hold, a candidate
     not finite, no scale to move), for the caller to take the long way."""
-    nearest = np.maximum(scale.astype(np.float16).astype(np.float32), np.float32(FP16_TINY))
+    with np.errstate(over="ignore"):  # a scale beyond FP16: not finite, so the long way
+        nearest = np.maximum(scale.astype(np.float16).astype(np.float32), np.float32(FP16_TINY))
     with np.errstate(invalid="ignore"):
         fits = np.all(np.isfinite(nearest), axis=1) & (
             np.max(np.abs(nearest - scale), axis=1) <= FP16_EPS * np.max(scale, axis=1))
