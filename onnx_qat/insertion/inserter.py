@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass, replace
 from itertools import repeat
 from operator import attrgetter, setitem
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -124,17 +124,37 @@ def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tu
     shapes: the same numbers as `quantize_weight` one by one (with its ``fp16_grid``), without its
     per-call cost, which dominates for the 10^4-10^5 tiny weights of a large graph. Other weights are
     left out."""
-    return {key: found[:3] for key, found in _quantize_small(edit, keys, scales, qrange, fp16_grid).items()}
+    ready = _quantize_small(edit, keys, scales, qrange, fp16_grid)
+    return {key: _arrays(found) for key, found in ready.items()}
+
+
+class _Batch(NamedTuple):
+    """Small weights of one shape quantized together (`_quantize_batch`), row ``i`` for weight ``i``."""
+
+    q: np.ndarray  #: int8, ``[count, *shape]``
+    scale: np.ndarray  #: float32, ``[count, channels]``
+    amax: np.ndarray  #: float32, ``[count, channels]``
+    usable: list  #: per weight, whether every channel's scale is usable
+    q_raw: bytes  #: ``q``'s bytes (C order): a weight's stored bytes are a slice
+    scale_raw: bytes  #: the scales' little-endian float32 bytes, likewise
+    zeros: list  #: per weight, how many channels have amax 0 (as `_zero_count`)
+
+
+def _arrays(entry) -> tuple:
+    """``(q, scale, amax)`` of a `_quantize_small` entry."""
+    batch, row, _ = entry
+    return row if batch is None else (batch.q[row], batch.scale[row], batch.amax[row])
 
 
 def _quantize_small(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int],
                     fp16_grid: bool = False):
-    """`quantize_small_weights`, each entry with the weight's `GraphEdit.constant` as a fourth item (so the
-    inserter does not read the weight again) and, as a fifth, ``(stored bytes, scale bytes, zero channels)``
-    cut from its batch's buffers (None for a weight redone one by one: `_Inserter._weights` writes the
-    others from these without a NumPy call each)."""
+    """`quantize_small_weights` as ``(batch, row, constant)``: the weight's `_Batch` and its row there (or
+    ``None`` and its ``(q, scale, amax)``, for a weight redone one by one) and its `GraphEdit.constant` (so
+    the inserter does not read the weight again). `_Inserter._weight_run` writes a batch's weights from
+    its buffers without a NumPy call each."""
     buckets: Dict[tuple, list] = {}
     given, constant_of = scales.weights, edit.constant
+    float32 = _FLOAT32
     for key in keys:
         tensor, axis = key
         if tensor in given:
@@ -144,7 +164,7 @@ def _quantize_small(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int
         except ValueError:
             continue  # weight() reports it
         values = constant[0]
-        if values.dtype != np.float32 or not 0 < values.size <= SMALL_WEIGHT or values.ndim == 0 \
+        if values.dtype != float32 or not 0 < values.size <= SMALL_WEIGHT or values.ndim == 0 \
                 or (axis is not None and not 0 <= axis < values.ndim):
             continue
         found = buckets.get((values.shape, axis))
@@ -157,20 +177,22 @@ def _quantize_small(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int
         step = max(1, _BATCH_VALUES // int(np.prod(shape)))
         for start in range(0, len(items), step) if len(items) > 1 else ():
             chunk = items[start:start + step]
-            results = _quantize_batch(np.stack([c[0] for _, c in chunk]), axis, qrange, fp16_grid)
-            for ((tensor, _), constant), (q, scale, amax, usable, stored) in zip(chunk, results):
+            batch = _quantize_batch(np.stack([c[0] for _, c in chunk]), axis, qrange, fp16_grid)
+            ready.update(zip([key for key, _ in chunk], zip(repeat(batch), range(len(chunk)),
+                                                            [constant for _, constant in chunk])))
+            for row, usable in enumerate(batch.usable):
                 if not usable:  # zero-range channels: one by one
+                    (tensor, _), constant = chunk[row]
+                    amax = batch.amax[row]
                     q, scale = quantize_weight(constant[0], axis, amax, qrange, name=tensor,
                                                fp16_grid=fp16_grid)
-                    stored = None
-                ready[(tensor, axis)] = (q, scale, amax, constant, stored)
+                    ready[(tensor, axis)] = (None, (q, scale, amax), constant)
     return ready
 
 
-def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange, fp16_grid: bool = False):
-    """`quantize_weight` of each ``stack[i]`` (no ScaleTable range): ``[(q, scale, amax, usable, stored)]``,
-    ``usable`` False when a channel's scale is not (zero range: `quantize_weight` handles it), ``stored``
-    ``(q's bytes, the scale's little-endian float32 bytes, how many channels have amax 0)``."""
+def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange, fp16_grid: bool = False) -> _Batch:
+    """`quantize_weight` of each ``stack[i]`` (no ScaleTable range), as a `_Batch`; a weight is ``usable``
+    unless a channel's scale is not (zero range: `quantize_weight` handles it)."""
     count = stack.shape[0]
     if axis is None:
         rows = stack.reshape(count, 1, -1)
@@ -197,12 +219,9 @@ def _quantize_batch(stack: np.ndarray, axis: Optional[int], qrange, fp16_grid: b
                                        int8_dequantized(qrange), batched=True)
     if q is None:
         q = to_grid(stack, np.where(scale > 0, scale, 1).reshape(shape), qrange)
-    # every weight's bytes cut from its batch's: q is int8 in C order, the scales little-endian float32
-    q_raw, scale_raw = q.tobytes(), _le_bytes(np.ascontiguousarray(scale, np.float32))
-    n, m = q[0].size, 4 * scale.shape[1]
+    scale = np.ascontiguousarray(scale, np.float32)
     zeros = (amax.shape[1] - np.count_nonzero(amax, axis=1)).tolist()  # as _zero_count, per weight
-    return [(q[i], scale[i], amax[i], usable[i],
-             (q_raw[n * i:n * i + n], scale_raw[m * i:m * i + m], zeros[i])) for i in range(count)]
+    return _Batch(q, scale, amax, usable, q.tobytes(), _le_bytes(scale), zeros)
 
 
 def _fp16_grid_batch(stack: np.ndarray, scale: np.ndarray, shape, qrange) -> Optional[tuple]:
@@ -244,13 +263,15 @@ def _fp16_grid_batch(stack: np.ndarray, scale: np.ndarray, shape, qrange) -> Opt
 def group_amax(placement: Placement, scales: ScaleTable) -> Dict[str, float]:
     """Activation tensor -> amax to use: its own, or its scale group's largest (rule 7)."""
     groups: Dict[str, float] = {}
+    given = scales.activations
     for mark in placement.activations:
-        amax = scales.activations.get(mark.tensor)
-        if mark.scale_group and amax is not None:
-            groups[mark.scale_group] = max(groups.get(mark.scale_group, 0.0), amax)
+        if mark.scale_group:
+            amax = given.get(mark.tensor)
+            if amax is not None:
+                groups[mark.scale_group] = max(groups.get(mark.scale_group, 0.0), amax)
     result = {}
     for mark in placement.activations:
-        amax = groups.get(mark.scale_group) if mark.scale_group else scales.activations.get(mark.tensor)
+        amax = groups.get(mark.scale_group) if mark.scale_group else given.get(mark.tensor)
         if amax is not None:
             result[mark.tensor] = amax
     return result
@@ -493,7 +514,7 @@ class _Inserter:
         special = self.unsigned_weights | self.narrow_weights
         for i, ((tensor, axis), marks) in enumerate(groups.items()):
             found = ready.pop((tensor, axis), None)
-            if found is None or found[4] is None or tensor in special:
+            if found is None or found[0] is None or tensor in special:
                 if run:  # what came before goes to the edit first, in order
                     records += self._weight_run(run, names)
                     run = []
@@ -513,20 +534,24 @@ class _Inserter:
         maps, and handed to the edit in one call each."""
         edit, new = self.edit, tuple.__new__
         made: Dict[tuple, tuple] = {}  # (shape, axis) -> _weight_templates
-        templates = []
-        for _, _, axis, _, (q, scale, _, _, (q_raw, scale_raw, _)) in run:
-            key = (q.shape, axis)
+        templates, q_raws, scale_raws, channels = [], [], [], []
+        for _, _, axis, _, (batch, row, _) in run:
+            shape = batch.q.shape[1:]
+            key = (shape, axis)
             found = made.get(key)
             if found is None:
-                found = made[key] = _weight_templates(q.shape, axis, scale.size)
-                edit.measure(_ONNX_INT8, len(q_raw), q.shape)  # each weight's bytes: a slice of this size
-                edit.measure(_ONNX_FLOAT, len(scale_raw), found[4])
-            templates.append(found)
+                size, width = batch.q[0].size, batch.scale.shape[1]
+                found = made[key] = (_weight_templates(shape, axis, width), size, 4 * width, width)
+                edit.measure(_ONNX_INT8, size, shape)  # each weight's bytes: a slice of this size
+                edit.measure(_ONNX_FLOAT, 4 * width, found[0][4])
+            template, size, step, width = found
+            templates.append(template)
+            q_raws.append(batch.q_raw[size * row:size * row + size])
+            scale_raws.append(batch.scale_raw[step * row:step * row + step])
+            channels.append(width)
         starts = [5 * entry[0] for entry in run]
         q_names, scale_names, zp_names, dq_names, dq_outs = ([names[j + k] for j in starts] for k in range(5))
         q_bytes, scale_bytes, zp_bytes = (list(map(str.encode, c)) for c in (q_names, scale_names, zp_names))
-        q_raws = [entry[4][4][0] for entry in run]
-        scale_raws = [entry[4][4][1] for entry in run]
         tensors: List[object] = [None] * (3 * len(run))
         encoded = repeat(EncodedTensor)
         tensors[0::3] = map(new, encoded, zip(q_names, repeat(_ONNX_INT8), map(
@@ -557,16 +582,17 @@ class _Inserter:
         edit.add_encoded_initializers(dict(zip(all_names, tensors)))
         edit.insert_many(zip(zip(dqs), readers, zip(dq_outs)), forms)
         # the float weights (and the Constant/Identity nodes making them) go once nothing else reads them
-        edit.release_if_unread(initializers=[entry[1] for entry in run if not entry[4][3][2]])
+        edit.release_if_unread(initializers=[entry[1] for entry in run if not entry[4][2][2]])
         for entry in run:
-            chain = entry[4][3][2]
+            chain = entry[4][2][2]
             if chain:
                 edit.release_if_unread(initializers=[t for n in chain for t in n.input
                                                      if edit.initializer(t) is not None], nodes=chain)
         columns = (repeat("weight"), [entry[1] for entry in run],
                    [[f"{m.node}:{m.input_index}" for m in entry[3]] for entry in run], dq_names, q_names,
-                   [entry[2] for entry in run], [entry[4][1].size for entry in run],
-                   [entry[4][4][2] for entry in run], repeat("weights"), [entry[3][0].rule for entry in run],
+                   [entry[2] for entry in run], channels,
+                   [entry[4][0].zeros[entry[4][1]] for entry in run], repeat("weights"),
+                   [entry[3][0].rule for entry in run],
                    [entry[3][0].reason for entry in run])
         return list(map(dict, map(zip, repeat(_WEIGHT_KEYS), zip(*columns))))
 
@@ -628,14 +654,14 @@ class _Inserter:
         """The stored weight (its format's encoding, `onnx_qat.formats.encoding.encode_weight`) +
         a DequantizeLinear for one constant weight, for the marked inputs (``names``: the fresh names of
         its base plus each of `_WEIGHT_SUFFIXES`, in that order; ``ready``: an INT8 weight's
-        ``(q, scale, amax, constant, stored)`` from `_quantize_small`, or None)."""
+        ``(batch, row, constant)`` from `_quantize_small`, or None)."""
         edit, fmt = self.edit, self.format
         by_name = edit.by_name
         consumers = [(by_name[m.node] if m.node in by_name else edit.node(m.node), m.input_index)
                      for m in marks]
         unsigned = tensor in self.unsigned_weights
         if ready is not None:
-            q, scale, own_amax, (values, proto, chain), _ = ready
+            (q, scale, own_amax), (values, proto, chain) = _arrays(ready), ready[2]
             encoded, source = encode_int8(q, scale, own_amax, axis, unsigned=unsigned), "weights"
         else:
             values, proto, chain = edit.constant(tensor)

@@ -108,16 +108,25 @@ class TensorRTPolicy:
             if op_type in SUBGRAPH_OPS:
                 holders.append(node.position)
             phases[found[1]].append((node, found[0]))
-        record = ctx.record
+        marked, weighted = ctx.marked, ctx.quantized_weighted
         for phase, queued in sorted(phases.items()):
             for node, handler in (reversed(queued) if phase == 3 else queued):
                 result = handler(node, ctx)
-                decisions[node.position] = result.decision
-                if result.activations or result.weights:
-                    record(result)
-                    kept[node.position] = result
+                position = node.position
+                decisions[position] = result.decision
+                activations = result.activations
+                if activations or result.weights:  # PlacementContext.record, inlined
+                    for mark in activations:
+                        found = marked.get(mark.tensor)
+                        if found is None:
+                            marked[mark.tensor] = [mark]
+                        else:
+                            found.append(mark)
+                    if result.weights:
+                        weighted.add(result.decision.node)
+                    kept[position] = result
                 elif result.shares or result.subgraphs:
-                    kept[node.position] = result
+                    kept[position] = result
         if logger.isEnabledFor(logging.DEBUG):
             for d, result in zip(decisions, kept):
                 logger.debug("placement %s %r (%s): %s [%s] %s", d.action, d.node, d.op_type, d.rule,
@@ -227,6 +236,19 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
         if len(marks) == 1 and type(mark.consumers) is tuple and len(mark.consumers) == 1 \
                 and mark.scale_group == group:
             merged.append(mark)  # the usual case: a lone mark with one consumer is already its merged form
+            continue
+        if len(marks) == 2 and len(mark.consumers) == 1 and len(marks[1].consumers) == 1:
+            # two marks of one consumer each (a residual skip that a weighted op reads too): the same
+            # merge as below, written out
+            other = marks[1]
+            first, second = mark.consumers[0], other.consumers[0]
+            if first == second:
+                consumers = (first,)
+            else:
+                consumers = (first, second) if graph_order(first) < graph_order(second) else (second, first)
+            rules = mark.rule if mark.rule == other.rule else ",".join(sorted((mark.rule, other.rule)))
+            reason = mark.reason if mark.reason == other.reason else f"{mark.reason}; {other.reason}"
+            merged.append(ActivationMark(tensor, consumers, rules, reason, scale_group=group))
             continue
         consumers = sorted({c for m in marks for c in m.consumers}, key=graph_order)
         rules = ",".join(sorted({m.rule for m in marks}))
