@@ -163,11 +163,13 @@ class GraphIndex:
             self._subgraph_nodes = frozenset(names[i] for i in holders)
         # One comprehension per field, and NodeInfo mapped over the columns (no generator frame per
         # node); ``field[:]`` copies a repeated string field to a list faster than iterating it.
+        outputs = [tuple(n.output[:]) for n in protos]
         self.nodes: Tuple[NodeInfo, ...] = tuple(map(
             NodeInfo, range(len(protos)), names, op_types, [n.domain for n in protos],
-            [tuple(n.input[:]) for n in protos], [tuple(n.output[:]) for n in protos], protos))
-        self.by_name: Dict[str, NodeInfo] = {n.name: n for n in self.nodes}
-        self.producer: Dict[str, NodeInfo] = {out: node for node in self.nodes for out in node.outputs if out}
+            [tuple(n.input[:]) for n in protos], outputs, protos))
+        self.by_name: Dict[str, NodeInfo] = dict(zip(names, self.nodes))  # the names are unique
+        self.producer: Dict[str, NodeInfo] = {out: node for node, made in zip(self.nodes, outputs)
+                                              for out in made if out}
         self._consumers: Optional[Dict[str, List[Tuple[NodeInfo, int]]]] = None
         self.initializers: Dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
         self.graph_inputs = tuple(i.name for i in graph.input)
