@@ -144,7 +144,9 @@ class GraphEdit:
     def _names(self) -> Set[str]:
         if self._used is None:
             graph = self.model.graph
-            used = set(self.by_name) | set(self.initializers) | {i.name for i in graph.input}
+            used = set(self.by_name)
+            used.update(self.initializers)
+            used.update([i.name for i in graph.input])
             used.update(o.name for o in graph.output)
             if self._index is not None:  # every node's inputs and outputs, joined in C
                 infos = self._index.nodes
@@ -178,10 +180,11 @@ class GraphEdit:
         otherwise."""
         used = self._used if self._used is not None else self._names()
         if used.isdisjoint(bases):
-            unique = set(bases)
-            if len(unique) == len(bases):
-                used.update(unique)
+            size = len(used)
+            used.update(bases)
+            if len(used) - size == len(bases):  # no base twice
                 return list(bases)
+            used.difference_update(bases)  # none of them was used before: as it was
         return [fresh_name(base, used) for base in bases]
 
     # -- reading -------------------------------------------------------------------

@@ -149,6 +149,7 @@ def test_fresh_names_avoid_every_name_in_the_model_and_its_subgraphs():
 
 @pytest.mark.parametrize("bases, expected", [
     (["p", "q", "s"], ["p", "q", "s"]),  # none taken: the bases themselves, in one step
+    (["p", "q", "p"], ["p", "q", "p_1"]),  # none taken, one repeated: one by one
     (["p", "relu", "q", "relu", "relu_1", "w2_scale"],  # taken, repeated, and a name a later one takes
      ["p", "relu_1", "q", "relu_2", "relu_1_1", "w2_scale_1"]),
 ])
