@@ -161,7 +161,7 @@ def test_fresh_names_equal_one_fresh_call_per_name(bases, expected):
         names = edit.fresh_names(bases) if batch else [edit.fresh(b) for b in bases]
         return names, edit.fresh("p")  # and the names stay taken
 
-    assert made(True) == made(False) == (expected, "p_1")
+    assert made(True) == made(False) == (expected, "p_2" if bases.count("p") > 1 else "p_1")
 
 
 def test_added_initializers_equal_those_made_one_by_one():
