@@ -392,11 +392,15 @@ def _compensated(target: np.ndarray, hessian: np.ndarray, scale: np.ndarray) -> 
     through the inverse of ``hessian [g, K, K]`` (GPTQ's loop, Frantar et al., ICLR 2023, Algorithm 1,
     as `onnx_qat.formats.gptq.compensated_rounding` runs it for one matrix; here every group at once).
     With ``hessian`` the regularized Gram matrix of `_fit`, this lowers ``‖x̃ Q − y‖² + λ‖Q − W‖²``
-    (``Q`` the rounded weights) below rounding ``target``, its minimizer, to nearest."""
+    (``Q`` the rounded weights) below rounding ``target``, its minimizer, to nearest. A ``hessian``
+    that is not positive definite in float64 gets round to nearest."""
     g, k, n = target.shape
     w = np.array(target, np.float64)
-    inverse = np.linalg.inv(hessian)
-    upper = np.linalg.cholesky((inverse + inverse.transpose(0, 2, 1)) / 2).transpose(0, 2, 1)
+    try:
+        inverse = np.linalg.inv(hessian)
+        upper = np.linalg.cholesky((inverse + inverse.transpose(0, 2, 1)) / 2).transpose(0, 2, 1)
+    except np.linalg.LinAlgError:  # not positive definite in float64 (no ridge): round to nearest
+        return np.clip(np.rint(w / scale[:, None, :]), -QMAX, QMAX)
     ints = np.empty_like(w)
     for start in range(0, k, LAZY_BLOCK):
         end = min(start + LAZY_BLOCK, k)

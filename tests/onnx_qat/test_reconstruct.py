@@ -275,3 +275,14 @@ def test_optimize_accuracy_keeps_round_to_nearest_for_a_layout_it_does_not_handl
     assert layers["c"] == {"node": "c", "method": "rtn", "reason": reason}
     assert layers["fc"]["rows"] > 0 and "rtn_error" in layers["fc"], layers["fc"]
     assert_check_clean(result.model)
+
+
+def test_error_compensated_rounding_falls_back_to_nearest_on_a_singular_gram_matrix():
+    """A Gram matrix that is not positive definite (ridge 0, an input channel never used) cannot
+    spread errors: the integers are the target's rounded to nearest, clipped to the INT8 range."""
+    from onnx_qat.accuracy.reconstruct import _compensated
+
+    target = np.array([[[0.26, -3.0], [0.74, 0.49]]])  # [g=1, K=2, N=2]
+    hessian = np.array([[[1.0, 0.0], [0.0, 0.0]]])
+    ints = _compensated(target, hessian, np.array([[0.5, 0.01]]))
+    np.testing.assert_array_equal(ints, [[[1.0, -127.0], [1.0, 49.0]]])
