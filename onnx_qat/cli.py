@@ -810,7 +810,7 @@ def _count(n, noun: str) -> str:
 def _method_summary(table) -> str:
     """How the ranges were chosen, from a ScaleTable's metadata: ``ranges: max`` or, for ``auto``,
     which table it kept and the output cosines that decided it (empty for a given table)."""
-    from .calibration.auto_summary import describe_method
+    from .scales import describe_method
 
     return describe_method(getattr(table, "metadata", None) or {})
 

@@ -19,7 +19,7 @@ import onnx
 from .config import QuantizeConfig
 from .errors import ConfigError, ModelError, PlacementError, ScalesError
 from .io.files import check_output_and_report
-from .graph.index import GraphIndex, assign_node_names, subgraphs_of
+from .graph.index import GraphIndex, subgraphs_of
 from .placement.marks import ActivationMark, Placement
 from .placement.policy import policy_for
 from .scales import ScaleTable
@@ -420,8 +420,9 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
     io = _io()
     with io.cyclic_gc_paused():
         float_model, checked = io.load_checked_model(model, min_opset=get_format(config.precision).min_opset)
-        assign_node_names(float_model)
-        index = GraphIndex(float_model)  # built once: placement, placement checks and name checks share it
+        # unique node names given and the index built in one read of the nodes; built once: placement,
+        # placement checks and name checks share it
+        index = GraphIndex(float_model, assign_names=True)
         refuse_quantized(float_model, _describe(model), index)
         if placement is None:
             placement = policy_for(target_obj).place(index, config)

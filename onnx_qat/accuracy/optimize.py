@@ -19,7 +19,8 @@ The steps, in order, on a private copy of the float model:
    paired rule (no evaluation sample decides it) and kept, as every step, only when it raises the
    cosine on the evaluation data;
 5. ``reconstruct``: each INT8 weighted op's integers and bias fitted, in graph order, to the float
-   model's output from the input it gets in the Q/DQ model (`onnx_qat.accuracy.reconstruct`);
+   model's output from the input it gets in the Q/DQ model, the least-squares weights put on the
+   INT8 grid by GPTQ's error-compensated rounding (`onnx_qat.accuracy.reconstruct`);
 6. ``bias``, when ``reconstruct`` was undone: the same pass with no weight fitted, each op's integers
    rounded to nearest and its bias corrected to the float model's mean output (empirical bias
    correction on the Q/DQ model's own inputs, ``reconstruct(..., weights=False)``): the weight fits

@@ -324,7 +324,7 @@ def _measure(prepared, exhaustive: bool, progress: bool):
 
 def _ranges(prepared) -> str:
     """How the ranges were chosen, from the calibrated table's metadata (empty for given scales)."""
-    from ..calibration.auto_summary import describe_method
+    from ..scales import describe_method
 
     if prepared.method == "given":
         return ""

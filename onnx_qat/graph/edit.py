@@ -22,6 +22,7 @@ onnx-graphsurgeon import, insertion and export); see docs/changelog.md (rewrite 
 """
 from __future__ import annotations
 
+import itertools
 from itertools import compress
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -150,12 +151,14 @@ class GraphEdit:
     def _names(self) -> Set[str]:
         if self._used is None:
             graph = self.model.graph
-            used = set(self.by_name) | set(self.initializers) | {i.name for i in graph.input}
+            used = set(self.by_name)
+            used.update(self.initializers)
+            used.update([i.name for i in graph.input])
             used.update(o.name for o in graph.output)
-            if self._index is not None:
-                for info in self._index.nodes:
-                    used.update(info.inputs)
-                    used.update(info.outputs)
+            if self._index is not None:  # every node's inputs and outputs, joined in C
+                infos = self._index.nodes
+                used.update(itertools.chain.from_iterable([info.inputs for info in infos]))
+                used.update(itertools.chain.from_iterable([info.outputs for info in infos]))
             else:
                 for node in self.nodes:
                     used.update(node.input)
@@ -184,10 +187,11 @@ class GraphEdit:
         otherwise."""
         used = self._used if self._used is not None else self._names()
         if used.isdisjoint(bases):
-            unique = set(bases)
-            if len(unique) == len(bases):
-                used.update(unique)
+            size = len(used)
+            used.update(bases)
+            if len(used) - size == len(bases):  # no base twice
                 return list(bases)
+            used.difference_update(bases)  # none of them was used before: as it was
         return [fresh_name(base, used) for base in bases]
 
     # -- reading -------------------------------------------------------------------
@@ -204,6 +208,11 @@ class GraphEdit:
         `CONSTANT_PASS_OPS`, nearest ``tensor`` first); ValueError
         when ``tensor`` is not constant. Through Identity nodes only, the value is read in place (no
         copy of raw data); through a Transpose, Reshape... it is folded (a new array)."""
+        index = self._index
+        if index is not None and tensor not in self._new_initializers:  # an original initializer: its array
+            proto = self.initializers.get(tensor)
+            if proto is not None and index.initializers.get(tensor) is proto:
+                return index.initializer_array(tensor), proto, []
         chain: List[onnx.NodeProto] = []
         name, source = tensor, None
         for _ in range(MAX_CONSTANT_HOPS):
@@ -228,7 +237,6 @@ class GraphEdit:
             raise ValueError(f"weight {tensor!r} is not a constant")
         passing = [n for n in chain if n.op_type != "Constant"]
         if all(n.op_type == "Identity" for n in passing):
-            index = self._index
             if index is not None and index.initializers.get(name) is source:  # an original initializer
                 return index.initializer_array(name), source, chain
             return tensor_array(source), source, chain
@@ -343,6 +351,24 @@ class GraphEdit:
         for name, data_type, raw in zip(names, data_types, raws):
             new[name] = make(name=name, data_type=data_type, raw_data=raw)
 
+    def add_encoded_initializers(self, tensors: Dict[str, EncodedTensor]) -> None:
+        """New initializers already held as wire bytes (``name -> EncodedTensor``, in the order to write
+        them; names from `fresh_names`), made by a caller that formats many of a few fixed forms at once
+        (the inserter's per-form templates) and has measured their raw lengths (`measure`)."""
+        self._new_initializers.update(tensors)
+
+    def measure(self, data_type: int, raw_length: int, dims: Sequence[int] = ()) -> None:
+        """For an edit with ``checked``: a new initializer of element type ``data_type`` and shape ``dims``
+        made as bytes holds ``raw_length`` bytes of raw data; unless that is what its dims and type give
+        (as ``onnx.checker`` requires), the result is left to ``onnx.checker`` (no `evidence`). A caller
+        that makes many initializers as slices of one buffer measures one slice and the buffer."""
+        if self._forms is not None:
+            count = 1
+            for d in dims:
+                count *= int(d)
+            if raw_length != count * element_size(data_type):
+                self._forms = None
+
     def replace_initializer(self, name: str, values) -> None:
         """Give the initializer ``name`` new values (and type/shape)."""
         if name not in self._new_initializers and name not in self.initializers:
@@ -354,13 +380,9 @@ class GraphEdit:
 
     def _measure(self, data_type: int, raw: bytes, dims) -> None:
         """A new initializer made as bytes: its raw length must be what its dims and element type give
-        (as ``onnx.checker`` requires), else the result is left to ``onnx.checker`` (no `evidence`)."""
+        (`measure`)."""
         if self._forms is not None:
-            count = 1
-            for d in dims:
-                count *= int(d)
-            if len(raw) != count * element_size(data_type):
-                self._forms = None
+            self.measure(data_type, len(raw), dims)
 
     def insert(self, nodes: Sequence[onnx.NodeProto], readers: Sequence[onnx.NodeProto],
                outputs: Optional[Sequence[str]] = None, forms: Optional[Sequence[tuple]] = None) -> None:
@@ -391,6 +413,51 @@ class GraphEdit:
             return
         first = readers[0] if len(readers) == 1 else min(readers, key=lambda n: self.position[id(n)])
         self._before.setdefault(id(first), []).extend(nodes)
+
+    def insert_many(self, items: Iterable[tuple], forms: Optional[Dict[tuple, object]] = None) -> None:
+        """`insert` of each ``(nodes, readers, outputs)`` of ``items`` in turn (as `insert` takes them,
+        ``readers`` not empty): the same queues, in one call for a batch of new nodes. ``forms``: for an edit
+        with ``checked``, each form of the new nodes (`insert`) with one node of that form, in the order
+        first made; None leaves the result to ``onnx.checker`` whole, as `insert` without forms does."""
+        items = list(items)
+        news = [item[0] for item in items]
+        if self._forms is not None:
+            if forms is None:
+                self._forms = None
+            else:
+                for form, node in forms.items():
+                    self._forms.setdefault(form, node)
+                self._note_forms(news, forms)
+        self.producer.update(zip(itertools.chain.from_iterable([item[2] for item in items]),
+                                 itertools.chain.from_iterable(news)))
+        position, before = self.position, self._before
+        keys = [id(readers[0]) if len(readers) == 1 else id(min(readers, key=lambda n: position[id(n)]))
+                for _, readers, _ in items]
+        if before.keys().isdisjoint(keys) and len(set(keys)) == len(keys):  # one batch per reader, none yet
+            before.update(zip(keys, map(list, news)))
+            return
+        for key, nodes in zip(keys, news):
+            found = before.get(key)
+            if found is None:
+                before[key] = list(nodes)
+            else:
+                found.extend(nodes)
+
+    def _note_forms(self, news: Sequence[Sequence], forms: Dict[tuple, object]) -> None:
+        """Each node of ``news`` (`insert_many`'s batches) with its form, for the evidence's `ResultNodes`,
+        where ``forms`` (every form of the batch, with one node of each) tells it by op type alone: an op type
+        of one form in the batch is that form for all its nodes there. A node of an op type with several
+        forms is left without (the check then reads its domain and attributes from the result)."""
+        by_op: Dict[str, list] = {}
+        for form, node in forms.items():
+            by_op.setdefault(node.op_type, []).append(form)
+        one = {op: found[0] for op, found in by_op.items() if len(found) == 1}
+        node_forms = self._node_forms
+        for nodes in news:
+            for node in nodes:
+                form = one.get(node.op_type)
+                if form is not None:
+                    node_forms[id(node)] = form
 
     def remove(self, node: onnx.NodeProto) -> None:
         """Leave ``node`` out of the result."""

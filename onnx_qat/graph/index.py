@@ -132,25 +132,44 @@ class GraphIndex:
     built on first use, as only some callers need them.
 
     Args:
-        model: the ModelProto (read, never changed), or a GraphProto: a subgraph (an If branch).
+        model: the ModelProto (read, never changed unless ``assign_names``), or a GraphProto: a subgraph
+            (an If branch).
         outer: for a subgraph, the index of the graph holding it. Names the subgraph reads but does
             not define resolve through it (outer-scope scoping, as ONNX defines it): an outer
             initializer or Constant output is a constant here too, and outer declared types apply.
+        assign_names: first give the model's nodes the names `assign_node_names` gives them (in place:
+            only on a model you own), reading each node's name, op type and attributes once for both
+            (the nodes holding subgraphs are then known without a second pass, `subgraph_nodes`).
     """
 
-    def __init__(self, model, outer: Optional["GraphIndex"] = None):
+    def __init__(self, model, outer: Optional["GraphIndex"] = None, *, assign_names: bool = False):
         graph = model.graph if isinstance(model, onnx.ModelProto) else model
         self.outer = outer
         protos = list(graph.node)
         op_types = [n.op_type for n in protos]
-        names = _unique_names([n.name for n in protos], op_types)
+        own = [n.name for n in protos]
+        names = _unique_names(own, op_types)
+        self._subgraph_nodes: Optional[frozenset] = None
+        if assign_names:  # assign_node_names, from the columns read here (one read of each field)
+            if names != own:
+                for node, before, name in zip(protos, own, names):
+                    if name != before:
+                        node.name = name
+            holders = [i for i, n in enumerate(protos)
+                       if n.attribute and any(a.type in _GRAPH_ATTRIBUTE_TYPES for a in n.attribute)]
+            for i in holders:
+                for sub in subgraphs_of(protos[i]):
+                    assign_node_names(sub[2])
+            self._subgraph_nodes = frozenset(names[i] for i in holders)
         # One comprehension per field, and NodeInfo mapped over the columns (no generator frame per
         # node); ``field[:]`` copies a repeated string field to a list faster than iterating it.
+        outputs = [tuple(n.output[:]) for n in protos]
         self.nodes: Tuple[NodeInfo, ...] = tuple(map(
             NodeInfo, range(len(protos)), names, op_types, [n.domain for n in protos],
-            [tuple(n.input[:]) for n in protos], [tuple(n.output[:]) for n in protos], protos))
-        self.by_name: Dict[str, NodeInfo] = {n.name: n for n in self.nodes}
-        self.producer: Dict[str, NodeInfo] = {out: node for node in self.nodes for out in node.outputs if out}
+            [tuple(n.input[:]) for n in protos], outputs, protos))
+        self.by_name: Dict[str, NodeInfo] = dict(zip(names, self.nodes))  # the names are unique
+        self.producer: Dict[str, NodeInfo] = {out: node for node, made in zip(self.nodes, outputs)
+                                              for out in made if out}
         self._consumers: Optional[Dict[str, List[Tuple[NodeInfo, int]]]] = None
         self.initializers: Dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
         self.graph_inputs = tuple(i.name for i in graph.input)
@@ -164,7 +183,6 @@ class GraphIndex:
         self._folded: Dict[str, onnx.TensorProto] = {}
         self._arrays: Dict[str, np.ndarray] = {}  # see initializer_array
         self._constants = self._constant_names()
-        self._subgraph_nodes: Optional[frozenset] = None
         self._sorted: Optional[bool] = None
 
     def _constant_names(self) -> frozenset:

@@ -241,10 +241,11 @@ class FusedEpilogueHandler:
     """
 
     phase = 1
+    #: the decision for every node (the policy takes it without a call)
+    constant = ("none", "R5", "pointwise op kept fused with its producer; no Q/DQ inside")
 
     def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
-        return _result(node, "none", "R5",
-                       "pointwise op kept fused with its producer; no Q/DQ inside")
+        return _result(node, *self.constant)
 
 
 # --------------------------------------------------------------------------- rule 6
@@ -519,9 +520,11 @@ class CommutingOpHandler:
     """
 
     phase = 1
+    #: the decision for every node (the policy takes it without a call)
+    constant = ("none", "R8", "commutes with quantization: no Q/DQ of its own")
 
     def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
-        return _result(node, "none", "R8", "commutes with quantization: no Q/DQ of its own")
+        return _result(node, *self.constant)
 
 
 # --------------------------------------------------------------------------- rule 9
@@ -633,6 +636,8 @@ class NotQuantizedHandler:
     """Ops no rule quantizes (the default): nothing to do."""
 
     phase = 1
+    #: the decision for every node (the policy takes it without a call)
+    constant = ("none", "-", "no rule quantizes this op type")
 
     def __call__(self, node: NodeInfo, ctx: PlacementContext) -> NodeResult:
-        return _result(node, "none", "-", "no rule quantizes this op type")
+        return _result(node, *self.constant)

@@ -22,7 +22,7 @@ from .handlers import (
     PoolingInputHandler, ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, SubgraphHandler,
     WeightedOpHandler, SUBGRAPH_OPS,
 )
-from .marks import ActivationMark, Decision, Placement, group_by_tensor
+from .marks import ActivationMark, Decision, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -61,57 +61,87 @@ class TensorRTPolicy:
         return self.table.get(op_type, self.default)
 
     def place(self, index: GraphIndex, config: QuantizeConfig) -> Placement:
-        """Decide every Q/DQ for the graph behind ``index``."""
+        """Decide every Q/DQ for the graph behind ``index``.
+
+        Each node is dispatched once by its op type. A handler whose decision is the same for every node
+        it serves says so in its ``constant`` attribute (``(action, rule, reason)``); its nodes get that
+        decision without a call. The others run by phase, in graph order (phase 3 in reverse), and only
+        the results that mark something (or share a scale, or place subgraphs) are kept for rule 10.
+        """
         ctx = PlacementContext(index, config,
                                place_subgraph=lambda graph, outer: self.place_subgraph(graph, outer, config))
-        results: List[Optional[NodeResult]] = [None] * len(index.nodes)  # by node position
+        nodes = index.nodes
+        decisions: List[Optional[Decision]] = [None] * len(nodes)  # by node position
+        kept: List[Optional[NodeResult]] = [None] * len(nodes)  # the results rule 10 and the weights read
         notes: List[str] = []
         phases: Dict[int, List[Tuple[NodeInfo, object]]] = {1: [], 2: [], 3: []}
-        dispatch: Dict[str, Tuple[object, int]] = {}  # op type -> (handler, phase), asked once per op type
+        dispatch: Dict[str, tuple] = {}  # op type -> (handler, phase, constant decision), asked once each
         # Only a node of another domain, holding subgraphs or matching an exclusion can get a decision
         # before any rule (_pre_decision); the others skip building its helpers.
         subgraphs, excluded_ops = index.subgraph_nodes, config.exclude_op_types
         check_names = bool(config.exclude_nodes)
-        for node in index.nodes:
+        holders = []  # positions of nodes whose op type holds subgraphs (If, Loop, Scan), for the notes
+        for node in nodes:
+            op_type = node.op_type
             if (check_names or node.domain not in DEFAULT_DOMAINS or node.name in subgraphs
-                    or node.op_type in excluded_ops):
+                    or op_type in excluded_ops):
                 early = _pre_decision(node, config)
                 if early is not None:
-                    results[node.position] = NodeResult(early)
+                    decisions[node.position] = early
+                    if op_type in SUBGRAPH_OPS:
+                        holders.append(node.position)
                     if node.has_subgraphs and early.rule == "subgraph":
-                        notes.append(f"{node.op_type} node {node.name!r} holds subgraphs; "
+                        notes.append(f"{op_type} node {node.name!r} holds subgraphs; "
                                      "they were left untouched (only If, Loop and Scan subgraphs are "
                                      "quantized)")
                         logger.warning("%s node %r holds subgraphs; leaving them untouched",
-                                       node.op_type, node.name)
+                                       op_type, node.name)
                     continue
-            found = dispatch.get(node.op_type)
+            found = dispatch.get(op_type)
             if found is None:
-                handler = self.handler(node.op_type)
-                found = dispatch[node.op_type] = (handler, getattr(handler, "phase", 1))
+                handler = self.handler(op_type)
+                found = dispatch[op_type] = (handler, getattr(handler, "phase", 1),
+                                             getattr(handler, "constant", None))
+            if found[2] is not None:
+                decisions[node.position] = Decision(node.name, op_type, *found[2])
+                continue
+            if op_type in SUBGRAPH_OPS:
+                holders.append(node.position)
             phases[found[1]].append((node, found[0]))
-        record = ctx.record
-        for phase, nodes in sorted(phases.items()):
-            for node, handler in (reversed(nodes) if phase == 3 else nodes):
+        marked, weighted = ctx.marked, ctx.quantized_weighted
+        for phase, queued in sorted(phases.items()):
+            for node, handler in (reversed(queued) if phase == 3 else queued):
                 result = handler(node, ctx)
-                if result.activations or result.weights:  # else recording it changes nothing
-                    record(result)
-                results[node.position] = result
+                position = node.position
+                decisions[position] = result.decision
+                activations = result.activations
+                if activations or result.weights:  # PlacementContext.record, inlined
+                    for mark in activations:
+                        found = marked.get(mark.tensor)
+                        if found is None:
+                            marked[mark.tensor] = [mark]
+                        else:
+                            found.append(mark)
+                    if result.weights:
+                        weighted.add(result.decision.node)
+                    kept[position] = result
+                elif result.shares or result.subgraphs:
+                    kept[position] = result
         if logger.isEnabledFor(logging.DEBUG):
-            for result in results:
-                d = result.decision
+            for d, result in zip(decisions, kept):
                 logger.debug("placement %s %r (%s): %s [%s] %s", d.action, d.node, d.op_type, d.rule,
-                             d.reason, "".join(f"; Q/DQ on {m.tensor!r}" for m in result.activations))
-        for result in results:
-            d = result.decision
-            if d.rule == "subgraph" and d.action == "skip" and d.op_type in SUBGRAPH_OPS:
+                             d.reason, "".join(f"; Q/DQ on {m.tensor!r}" for m in
+                                               (result.activations if result is not None else ())))
+        for position in holders:
+            d = decisions[position]
+            if d.rule == "subgraph" and d.action == "skip":
                 notes.append(f"{d.op_type} node {d.node!r}: {d.reason}")
                 logger.warning("%s node %r: %s", d.op_type, d.node, d.reason)
+        results = [r for r in kept if r is not None]
         activations = rule10_merge(results, index)
         weights = tuple([w for r in results if r.weights for w in r.weights])
         nested = tuple([s for r in results if r.subgraphs for s in r.subgraphs])
-        decisions = tuple([r.decision for r in results])
-        placement = Placement(activations, weights, decisions, tuple(notes), nested)
+        placement = Placement(activations, weights, tuple(decisions), tuple(notes), nested)
         return adapt_placement(placement, index, config)  # the marks the numeric format keeps
 
     def place_subgraph(self, graph, outer: GraphIndex, config: QuantizeConfig) -> Placement:
@@ -154,9 +184,14 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
     shares: List[Tuple[str, str]] = []
     grouped = False
     for result in results:  # one pass: most results have no marks and no shares
-        if result.activations:
-            group_by_tensor(result.activations, by_tensor)
-            grouped = grouped or any(mark.scale_group for mark in result.activations)
+        for mark in result.activations:  # group_by_tensor, inlined
+            found = by_tensor.get(mark.tensor)
+            if found is None:
+                by_tensor[mark.tensor] = [mark]
+            else:
+                found.append(mark)
+            if mark.scale_group:
+                grouped = True
         if result.shares:
             shares.extend(result.shares)
     parent: Dict[str, str] = {}
@@ -201,6 +236,19 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
         if len(marks) == 1 and type(mark.consumers) is tuple and len(mark.consumers) == 1 \
                 and mark.scale_group == group:
             merged.append(mark)  # the usual case: a lone mark with one consumer is already its merged form
+            continue
+        if len(marks) == 2 and len(mark.consumers) == 1 and len(marks[1].consumers) == 1:
+            # two marks of one consumer each (a residual skip that a weighted op reads too): the same
+            # merge as below, written out
+            other = marks[1]
+            first, second = mark.consumers[0], other.consumers[0]
+            if first == second:
+                consumers = (first,)
+            else:
+                consumers = (first, second) if graph_order(first) < graph_order(second) else (second, first)
+            rules = mark.rule if mark.rule == other.rule else ",".join(sorted((mark.rule, other.rule)))
+            reason = mark.reason if mark.reason == other.reason else f"{mark.reason}; {other.reason}"
+            merged.append(ActivationMark(tensor, consumers, rules, reason, scale_group=group))
             continue
         consumers = sorted({c for m in marks for c in m.consumers}, key=graph_order)
         rules = ",".join(sorted({m.rule for m in marks}))

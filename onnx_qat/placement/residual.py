@@ -28,10 +28,12 @@ def fused_addend(from_weighted: Sequence[bool], branch_lengths: Sequence[int] = 
         branch_lengths: for each addend, the length of its branch back to the fork (any monotone
             measure: hops, or depth from the graph input); missing: all equal.
     """
-    lengths = list(branch_lengths) or [0] * len(from_weighted)
     candidates = [i for i, weighted in enumerate(from_weighted) if weighted]
     if not candidates:
         return None
+    lengths = list(branch_lengths)
+    if not lengths:  # all lengths equal: the first candidate
+        return candidates[0]
     return max(candidates, key=lambda i: (lengths[i], -i))
 
 
@@ -41,4 +43,6 @@ def skip_addends(from_weighted: Sequence[bool], branch_lengths: Sequence[int] = 
     fused = fused_addend(from_weighted, branch_lengths)
     if fused is None:
         return ()
+    if len(from_weighted) == 2:  # a two-input join, the usual case
+        return (1 - fused,)
     return tuple(i for i in range(len(from_weighted)) if i != fused)

@@ -126,8 +126,29 @@ def test_quantize_summary_names_auto_choice_without_verbose(conv_files, capsys):
     assert err == []
 
 
+def test_quantize_from_scales_does_not_import_calibration(conv_files, tmp_path):
+    """The rewrite from given scales (the path `make bench`'s rewrite_speed times) names the table's
+    method without importing the calibration package (about 40 ms of imports)."""
+    import subprocess
+    import sys
+
+    model, data = conv_files
+    table = tmp_path / "s.json"
+    assert main(["calibrate", str(model), "--data", str(data), "--method", "max", "-o", str(table),
+                 "--no-progress"]) == EXIT_OK
+    out = tmp_path / "q.onnx"
+    code = ("import sys; from onnx_qat.cli import main; "
+            f"rc = main(['quantize', {str(model)!r}, '--scales', {str(table)!r}, '-o', {str(out)!r}]); "
+            "print(rc, sorted(m for m in sys.modules if m.startswith('onnx_qat.calibration')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr
+    assert "ranges: max" in done.stdout
+    assert out.is_file()
+
+
 def test_method_summary_from_table_metadata():
-    from onnx_qat.calibration.auto_summary import describe_method
+    from onnx_qat.scales import describe_method
 
     meta = {"calibration_method": "auto", "auto_table": "tensor",
             "auto_choices": json.dumps({"a": "mse", "b": "mse", "c": "max"}),

@@ -149,6 +149,7 @@ def test_fresh_names_avoid_every_name_in_the_model_and_its_subgraphs():
 
 @pytest.mark.parametrize("bases, expected", [
     (["p", "q", "s"], ["p", "q", "s"]),  # none taken: the bases themselves, in one step
+    (["p", "q", "p"], ["p", "q", "p_1"]),  # none taken, one repeated: one by one
     (["p", "relu", "q", "relu", "relu_1", "w2_scale"],  # taken, repeated, and a name a later one takes
      ["p", "relu_1", "q", "relu_2", "relu_1_1", "w2_scale_1"]),
 ])
@@ -160,7 +161,7 @@ def test_fresh_names_equal_one_fresh_call_per_name(bases, expected):
         names = edit.fresh_names(bases) if batch else [edit.fresh(b) for b in bases]
         return names, edit.fresh("p")  # and the names stay taken
 
-    assert made(True) == made(False) == (expected, "p_1")
+    assert made(True) == made(False) == (expected, "p_2" if bases.count("p") > 1 else "p_1")
 
 
 def test_added_initializers_equal_those_made_one_by_one():
@@ -255,3 +256,61 @@ def test_zero_range_channels_are_logged_in_the_batched_path(caplog):
     weights = [r for r in result.inserted if r["kind"] == "weight"]
     assert weights and all(r["zero_channels"] == 1 for r in weights)
     assert "channel(s) with zero range" in caplog.text
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("axis", [0, 1, None])
+def test_fp16_grid_batch_equals_the_grid_choice_then_quantization(seed, axis):
+    """The batch path of the TensorRT form's weights (`_fp16_grid_batch`: the FP16 neighbour chosen per
+    channel, the chosen candidate's codes kept) gives the very scales and integers of
+    `fp16_weight_scales` followed by `to_grid`, over weights of several magnitudes; a batch whose scales
+    FP16 cannot hold takes the long way (None)."""
+    from onnx_qat.formats.encoding import INT8_QRANGE, int8_dequantized, to_grid
+    from onnx_qat.formats.scale_grid import fp16_weight_scales
+    from onnx_qat.insertion.inserter import _fp16_grid_batch
+
+    rng = np.random.default_rng(seed)
+    magnitudes = rng.uniform(1e-3, 30, (24, 1, 1, 1, 1))
+    stack = (rng.standard_normal((24, 8, 6, 3, 3)) * magnitudes).astype(np.float32)
+    stack[3, 2] = 0.0  # a zero channel
+    count = stack.shape[0]
+    if axis is None:
+        rows, shape = stack.reshape(count, 1, -1), (count, 1, 1, 1, 1)
+    else:
+        rows = np.moveaxis(stack, axis + 1, 1).reshape(count, stack.shape[axis + 1], -1)
+        shape = [count, 1, 1, 1, 1]
+        shape[axis + 1] = -1
+    amax = np.maximum(rows.max(axis=2), -rows.min(axis=2)).astype(np.float32)
+    scale = (amax.astype(np.float64) / 127.0).astype(np.float32)
+    scale = np.where(scale > 0, scale, np.float32(1.0))
+    found = _fp16_grid_batch(stack, scale, shape, INT8_QRANGE)
+    expected = fp16_weight_scales(stack, scale, shape, int8_dequantized(INT8_QRANGE), batched=True)
+    assert found is not None
+    np.testing.assert_array_equal(found[0], expected)
+    np.testing.assert_array_equal(found[1], to_grid(stack, expected.reshape(shape), INT8_QRANGE))
+    assert found[1].dtype == np.int8 and found[0].dtype == np.float32
+    assert _fp16_grid_batch(stack * np.float32(1e7), scale * np.float32(1e7), shape, INT8_QRANGE) is None
+
+
+def test_insert_many_queues_as_insert_does():
+    """GraphEdit.insert_many gives the committed model of insert called node by node: new nodes before
+    their first reader, two batches before one reader in order, a batch read by several nodes."""
+    def edited(many: bool):
+        model = _two_convs()
+        edit = GraphEdit(model)
+        conv, relu, conv2 = edit.node("conv"), edit.node("relu"), edit.node("conv2")
+        items = [((make_node("Identity", "a", ["x"], ["xa"]),), [conv], ("xa",)),
+                 ((make_node("Identity", "b", ["xa"], ["xb"]), make_node("Identity", "c", ["xb"], ["xc"])),
+                  [conv], ("xb", "xc")),
+                 ((make_node("Identity", "d", ["r"], ["rd"]),), [conv2, relu], ("rd",))]
+        if many:
+            edit.insert_many(items)
+        else:
+            for nodes, readers, outputs in items:
+                edit.insert(nodes, readers, outputs)
+        assert edit.producer["xc"].name == "c"
+        return edit.commit()
+
+    committed = edited(True)
+    assert committed == edited(False)
+    assert [n.name for n in committed.graph.node][:4] == ["a", "b", "c", "conv"]

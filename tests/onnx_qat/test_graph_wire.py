@@ -92,6 +92,57 @@ def _renamed(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
     return out
 
 
+@pytest.mark.parametrize("shape, axis", [((37, 37, 1, 1), 0), ((16, 3, 3, 3), 0), ((300,), None),
+                                         ((64, 37), 1), ((2, 2), None)])
+def test_weight_templates_write_the_tensor_bytes(shape, axis):
+    """The inserter's per-form templates of a weight (stored initializer, scale, zero point) and of a
+    scalar give `wire.tensor`'s bytes, with dims and lengths whose varint holds a ``%`` byte (37)."""
+    from onnx_qat.insertion.inserter import _SCALE_TEMPLATE, _scalar_template, _weight_templates
+
+    channels = shape[axis] if axis is not None else 1
+    q_tpl, scale_tpl, zp_tpl, attributes, scale_dims, form = _weight_templates(shape, axis, channels)
+    raw = np.random.default_rng(1).integers(0, 256, int(np.prod(shape)), dtype=np.uint8).tobytes()
+    scale = np.random.default_rng(2).random(channels).astype(np.float32).tobytes()
+    for name in ("w%s", "a_37%"):
+        data = name.encode()
+        assert q_tpl % (len(data), data, raw) == wire.tensor(name, TensorProto.INT8, raw, shape)
+        assert scale_tpl % (len(data), data, scale) == wire.tensor(name, TensorProto.FLOAT, scale, scale_dims)
+        assert zp_tpl % (len(data), data) == wire.tensor(name, TensorProto.INT8, bytes(channels), scale_dims)
+        four = scale[:4]
+        assert _SCALE_TEMPLATE % (len(data), data, four) == wire.tensor(name, TensorProto.FLOAT, four)
+        for data_type, value in ((TensorProto.UINT8, b"\x80"), (TensorProto.INT8, b"%"),
+                                 (TensorProto.FLOAT8E4M3FN, b"\x00")):
+            scalar = _scalar_template(data_type, value) % (len(data), data)
+            assert scalar == wire.tensor(name, data_type, value)
+    axis_bytes = b"" if axis is None else wire.field(wire.NODE_ATTRIBUTE, wire.int_attribute("axis", axis))
+    assert attributes == axis_bytes
+    assert scale_dims == (() if axis is None else (channels,)) and form[4] == axis
+
+
+def _many_convs(channels: int = 37, blocks: int = 12, seed: int = 0) -> onnx.ModelProto:
+    """Conv -> Relu -> Add blocks whose 1x1 weights share one shape (the inserter's batches), with
+    37 channels (a dimension whose varint is the byte ``%``)."""
+    b = B.GraphBuilder("many_convs", seed=seed)
+    x = b.input("input", [1, channels, 4, 4])
+    for i in range(blocks):
+        y = b.node("Conv", [x, b.weight(f"w{i}", [channels, channels, 1, 1])], name=f"conv{i}")
+        y = b.node("Relu", [y], name=f"relu{i}")
+        y = b.node("Conv", [y, b.weight(f"v{i}", [channels, channels, 1, 1])], name=f"convb{i}")
+        x = b.node("Add", [y, x], name=f"add{i}")
+    b.output(x)
+    return b.build()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_insertion_in_batches_commits_the_same_model(seed):
+    """Many small weights of one shape (quantized in one batch, written a column at a time) and activation
+    pairs: the same model and records as the NodeProto path, byte for byte."""
+    model = _many_convs(seed=seed)
+    (objects, records_o), (encoded, records_e) = _both(model, _table(model))
+    assert objects == encoded and records_o == records_e
+    assert len(records_e.weights) == 24 and len(records_e.activations) >= 24
+
+
 def _both(model, table, precision="int8", **storage):
     """The committed model of `insert_qdq_pairs` with new nodes as NodeProtos and as bytes, serialized
     (the latter also with the edit's lookups taken from the placement's index: all three the same)."""

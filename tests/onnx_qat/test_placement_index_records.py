@@ -234,3 +234,28 @@ def test_assign_node_names_names_the_unnamed_and_keeps_the_rest():
     assert [n.name for n in model.graph.node] == expected == ["r", "Relu_1", "r_1"]
     assign_node_names(model)  # already unique: unchanged
     assert [n.name for n in model.graph.node] == expected
+
+
+def test_index_assigning_names_equals_assign_node_names_then_index():
+    """GraphIndex(model, assign_names=True) names the nodes as assign_node_names does (main graph and
+    If branches), in its one read of the nodes, and knows the same nodes holding subgraphs."""
+    from tests.builders import if_cnn_model
+
+    for build in (lambda: residual_chain_model(3), if_cnn_model):
+        model = build()
+        model.graph.node[1].name = ""
+        model.graph.node[2].name = model.graph.node[0].name  # a name twice
+        for node in model.graph.node:
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    attribute.g.node[0].name = ""  # an unnamed node inside a branch
+        plain, fused = onnx.ModelProto(), onnx.ModelProto()
+        plain.CopyFrom(model)
+        fused.CopyFrom(model)
+        assign_node_names(plain)
+        expected = GraphIndex(plain)
+        index = GraphIndex(fused, assign_names=True)
+        assert fused == plain
+        assert [n.name for n in index.nodes] == [n.name for n in expected.nodes]
+        assert index.subgraph_nodes == expected.subgraph_nodes
+    assert GraphIndex(if_cnn_model(), assign_names=True).subgraph_nodes  # the If is found
