@@ -295,7 +295,8 @@ class GraphEdit:
                 self._stored[name] = (data_type, raw)
             if dims:
                 self._dims[name] = tuple(map(int, dims))
-        elif dims:
+            return name
+        if dims:
             tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims, raw_data=raw)
         else:  # a scalar (most of them): an empty dims argument alone costs protobuf about half the call
             tensor = onnx.TensorProto(name=name, data_type=data_type, raw_data=raw)

@@ -164,3 +164,4 @@ def test_new_initializers_over_the_kept_size_are_read_back(most, monkeypatch):
     assert _initializer_facts(result.model, nodes) == _initializer_facts(result.model)
     first, second = _both(result)
     assert first == second
+

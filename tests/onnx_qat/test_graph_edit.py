@@ -314,3 +314,16 @@ def test_insert_many_queues_as_insert_does():
     committed = edited(True)
     assert committed == edited(False)
     assert [n.name for n in committed.graph.node][:4] == ["a", "b", "c", "conv"]
+
+
+def test_raw_initializer_of_an_encoded_edit_is_written():
+    """`GraphEdit.add_raw_initializer` on an edit holding new initializers as bytes: the initializer is in the
+    result as the bytes give it (it once fell through to a name not set on that path)."""
+    model = B.residual_block_model()
+    edit = GraphEdit(model, encoded=True)
+    raw = np.arange(6, dtype=np.float32).tobytes()
+    name = edit.add_raw_initializer("extra", np.float32, raw, (2, 3))
+    edit.insert([onnx.helper.make_node("Identity", [name], ["extra_out"], name="extra_id")], [])
+    out = edit.commit()
+    found = next(t for t in out.graph.initializer if t.name == name)
+    assert list(found.dims) == [2, 3] and found.raw_data == raw
