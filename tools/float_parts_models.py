@@ -1,7 +1,7 @@
 """FP16 float parts on real and held-out models: the figures of docs/formats.md.
 
 ``python tools/float_parts_models.py [--workdir DIR] [--only NAME] [--size S] [--method M] [--eval-large]
-[--json OUT]``
+[--draws K] [--json OUT]``
 quantizes each model twice on its calibration inputs (``--method``, default ``max``), with FP32 and
 with FP16 float parts
 (``--float-dtype fp16``), and measures on its evaluation inputs (never calibrated on):
@@ -15,6 +15,13 @@ with FP16 float parts
 * the output cosine of each against the FP32 float model (FP16 through
   [`onnx_qat.formats.float_parts.emulate_in_fp32`][], FP16 storage with FP32 arithmetic, and through
   onnxruntime's own FP16 session);
+* the *expected* drop (``--draws K``, default 16; 0 skips it): the mean over K rounding draws of the
+  paired difference of output cosines, FP32 float parts minus FP16 float parts, each draw
+  ``jittered(model, 2^-12, seed)`` applied to both forms with the same seed (the FP16 form through
+  ``emulate_in_fp32``), with its standard error (the draws' standard deviation / sqrt(K)). A single
+  drop is one draw of which INT8 codes FP16's roundings flip, as large as the rounding noise on a
+  few inputs; averaging over draws leaves what FP16 costs whatever the codes' draw
+  (docs/formats.md, "The expected drop");
 * ``check``'s errors and warnings on the FP16 model;
 * the FP32 Conv/ConvTranspose/MatMul/Gemm nodes outside the reported keep-list (must be none);
 * the bytes of the float initializers, FP16 against FP32;
@@ -61,6 +68,42 @@ REAL = ("ocr-det", "ocr-rec", "ocr-cls", "orientation", "magika")
 VAD = "silero-vad"
 VAD_MODEL = Path.home() / ".cache" / "onnx-qat-test-models" / "silero-vad-6.2.3" / "silero_vad.onnx"
 WEIGHTED = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+
+
+#: size of the rounding draws of the noise columns and of the expected drop: uniform in +-2^-12, relative
+JITTER = 2.0**-12
+
+
+def expected_drop(cosine, q32, q16_emulated, draws: int) -> dict:
+    """The expected drop of the output cosine from FP32 to FP16 float parts over ``draws`` rounding
+    draws: for each seed ``k`` the paired difference ``cosine(jittered(q32, JITTER, k)) -
+    cosine(jittered(q16_emulated, JITTER, k))`` (the same seed moves the same QuantizeLinear inputs
+    by the same factors in both forms), and the mean of those differences with its standard error.
+
+    ``cosine`` maps a model to its output cosine against the FP32 float model on the evaluation
+    inputs; ``q16_emulated`` is the FP16 form through ``emulate_in_fp32``. Returns ``{"draws",
+    "mean", "se", "diffs", "fp32", "fp16"}`` (``fp32`` / ``fp16``: the mean cosine of each form over
+    the draws), or ``{}`` when ``draws`` is 0."""
+    from onnx_qat.formats.float_parts import jittered
+
+    if draws <= 0:
+        return {}
+    a = np.array([cosine(jittered(q32, JITTER, k)) for k in range(draws)])
+    b = np.array([cosine(jittered(q16_emulated, JITTER, k)) for k in range(draws)])
+    diffs = a - b
+    se = float(diffs.std(ddof=1) / np.sqrt(draws)) if draws > 1 else float("nan")
+    return {"draws": draws, "mean": float(diffs.mean()), "se": se, "diffs": diffs.tolist(),
+            "fp32": float(a.mean()), "fp16": float(b.mean()), "fp32_draws": a.tolist()}
+
+
+def _noise(cos32: float, cosine, model, expected: dict) -> float:
+    """The noise column: the largest move of ``cos32`` over the draws of seeds 0-3 (those of
+    ``expected``'s FP32 form where it made them: the same models)."""
+    from onnx_qat.formats.float_parts import jittered
+
+    draws = expected.get("fp32_draws", [])[:4]
+    draws += [cosine(jittered(model, JITTER, seed)) for seed in range(len(draws), 4)]
+    return max(abs(cos32 - c) for c in draws)
 
 
 def _keras_inputs(path: Path, size: int, split: str, large: bool = False) -> Dict[str, np.ndarray]:
@@ -213,7 +256,7 @@ def _vad_probs(model, signal) -> np.ndarray:
     return np.array(probs, np.float64)
 
 
-def measure_vad(path: Path, workdir: Path, method: str = "max") -> dict:
+def measure_vad(path: Path, workdir: Path, method: str = "max", draws: int = 0) -> dict:
     """`measure` for silero-vad: the probability sequences of the evaluation clip, state fed back."""
     import onnx_qat
     from onnx_qat.formats.float_parts import emulate_in_fp32, jittered, kept_fp32_nodes
@@ -234,8 +277,9 @@ def measure_vad(path: Path, workdir: Path, method: str = "max") -> dict:
         return float(ref @ got / np.linalg.norm(ref) / np.linalg.norm(got))
 
     cos32 = cosine(q32.model)
-    noise = max(abs(cos32 - cosine(jittered(q32.model, 2.0**-12, seed))) for seed in range(4))
-    noise_weights = max(abs(cos32 - cosine(jittered(q32.model, 2.0**-12, seed, weight_scales=True)))
+    expected = expected_drop(cosine, q32.model, emulate_in_fp32(q16.model, "fp16"), draws)
+    noise = _noise(cos32, cosine, q32.model, expected)
+    noise_weights = max(abs(cos32 - cosine(jittered(q32.model, JITTER, seed, weight_scales=True)))
                         for seed in range(4))
     cos16 = cosine(emulate_in_fp32(q16.model, "fp16"))
     report = onnx_qat.check(q16.model)
@@ -251,6 +295,7 @@ def measure_vad(path: Path, workdir: Path, method: str = "max") -> dict:
         "drop": cos32 - cos16,
         "rounding_noise": noise,
         "rounding_noise_weight_scales": noise_weights,
+        "expected_drop": expected,
         "decisions_agree": float(np.mean((p32 > 0.5) == (p16 > 0.5))),
         "measured_on_data": dict(q16.float_parts.measurement or {}),
         "check_errors": len(report.errors),
@@ -264,7 +309,7 @@ def measure_vad(path: Path, workdir: Path, method: str = "max") -> dict:
     }
 
 
-def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> dict:
+def measure(name: str, path: Path, calib, evaluation, method: str = "max", draws: int = 0) -> dict:
     import onnx_qat
     from onnx_qat.formats.float_parts import emulate_in_fp32, jittered
     from onnx_qat.runtime.compare import output_figures
@@ -272,18 +317,19 @@ def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> di
     q32 = onnx_qat.quantize(str(path), data=calib, method=method, progress=False)
     q16 = onnx_qat.quantize(str(path), data=calib, method=method, float_dtype="fp16", progress=False)
     ref = _outputs(onnx_qat.io.models.load_model(str(path)), evaluation)
-    cos32 = output_figures(ref, _outputs(q32.model, evaluation))["cosine"]
+
+    def cosine(model) -> float:
+        return output_figures(ref, _outputs(model, evaluation))["cosine"]
+
+    cos32 = cosine(q32.model)
+    expected = expected_drop(cosine, q32.model, emulate_in_fp32(q16.model, "fp16"), draws)
     # the INT8 model's own rounding noise on these inputs: the largest move of its cosine when every
     # QuantizeLinear input moves by FP16-sized rounding errors (uniform in +-2^-12 relative, 4 seeds)
-    noise = max(abs(cos32 - output_figures(ref, _outputs(jittered(q32.model, 2.0**-12, seed),
-                                                          evaluation))["cosine"])
-                for seed in range(4))
-    noise_weights = max(abs(cos32 - output_figures(ref, _outputs(jittered(q32.model, 2.0**-12, seed,
-                                                                          weight_scales=True),
-                                                                  evaluation))["cosine"])
+    noise = _noise(cos32, cosine, q32.model, expected)
+    noise_weights = max(abs(cos32 - cosine(jittered(q32.model, JITTER, seed, weight_scales=True)))
                         for seed in range(4))
-    cos16 = output_figures(ref, _outputs(emulate_in_fp32(q16.model, "fp16"), evaluation))["cosine"]
-    native = output_figures(ref, _outputs(q16.model, evaluation))["cosine"]
+    cos16 = cosine(emulate_in_fp32(q16.model, "fp16"))
+    native = cosine(q16.model)
     report = onnx_qat.check(q16.model)
     kept = {k.node: k for k in q16.float_parts.kept}
     return {
@@ -294,6 +340,7 @@ def measure(name: str, path: Path, calib, evaluation, method: str = "max") -> di
         "drop": cos32 - cos16,
         "rounding_noise": noise,
         "rounding_noise_weight_scales": noise_weights,
+        "expected_drop": expected,
         "measured_on_data": dict(q16.float_parts.measurement or {}),
         "check_errors": len(report.errors),
         "check_warnings": len(report.warnings),
@@ -324,19 +371,22 @@ def machine() -> str:
 
 def table(rows) -> str:
     lines = [
-        "| model | cosine FP32 parts | cosine FP16 parts | drop | INT8 rounding noise | "
-        "with weight scales | check errors / warnings | FP32 weighted ops outside keep-list | "
-        "float bytes FP16/FP32 | kept FP32 (by rule) | eval inputs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | cosine FP32 parts | cosine FP16 parts | drop | expected drop +- s.e. (draws) | "
+        "INT8 rounding noise | with weight scales | check errors / warnings | "
+        "FP32 weighted ops outside keep-list | float bytes FP16/FP32 | kept FP32 (by rule) | eval inputs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | skipped: {r['skipped']} | | | | | | | | | |")
+            lines.append(f"| {r['model']} | skipped: {r['skipped']} | | | | | | | | | | |")
             continue
         rules = ", ".join(f"{k} {v}" for k, v in sorted(r["kept_by_rule"].items())) or "none"
+        e = r.get("expected_drop") or {}
+        expected = f"{e['mean']:+.1e} +- {e['se']:.1e} ({e['draws']})" if e else "-"
         lines.append(
             f"| {r['model']} | {r['cosine_fp32_parts']:.5f} | {r['cosine_fp16_parts']:.5f} | "
-            f"{r['drop']:+.1e} | {r['rounding_noise']:.1e} | {r['rounding_noise_weight_scales']:.1e} | "
+            f"{r['drop']:+.1e} | {expected} | {r['rounding_noise']:.1e} | "
+            f"{r['rounding_noise_weight_scales']:.1e} | "
             f"{r['check_errors']} / {r['check_warnings']} | "
             f"{len(r['fp32_weighted_outside_keep_list'])} | {r['float_bytes_ratio']:.2f} | "
             f"{r['kept']} ({rules}) | {r['eval_samples']} |"
@@ -368,6 +418,8 @@ def main(argv=None) -> int:
     parser.add_argument("--orientation-pages", type=int, default=64,
                         help="with --eval-large: pages added to the orientation classifier's 16 inputs "
                              "(default 64)")
+    parser.add_argument("--draws", type=int, default=16,
+                        help="rounding draws of the expected drop (default 16; 0 skips it)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     start = machine()
@@ -381,7 +433,7 @@ def main(argv=None) -> int:
                     rows.append({"model": name, "skipped": f"{VAD_MODEL} missing (run tests/onnx_qat/"
                                                           "test_stateful_vad.py online once)"})
                 else:
-                    rows.append(measure_vad(VAD_MODEL, workdir, args.method))
+                    rows.append(measure_vad(VAD_MODEL, workdir, args.method, args.draws))
                 print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
                 continue
             if name in REAL:
@@ -406,7 +458,7 @@ def main(argv=None) -> int:
                     _keras_inputs(path, args.size, "calib"),
                     _keras_inputs(path, args.size, "eval", args.eval_large),
                 )
-            rows.append(measure(name, path, calib, evaluation, args.method))
+            rows.append(measure(name, path, calib, evaluation, args.method, args.draws))
         except Exception as exc:  # noqa: BLE001 - one model failing must not hide the others
             rows.append({"model": name, "skipped": f"failed: {type(exc).__name__}: {exc}"[:200]})
         print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
