@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from itertools import repeat
+from itertools import compress, repeat
 from operator import attrgetter, setitem
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -540,9 +540,10 @@ class _Inserter:
         maps, and handed to the edit in one call each."""
         edit, new = self.edit, tuple.__new__
         made: Dict[tuple, tuple] = {}  # (shape, axis) -> _weight_templates
-        templates, q_raws, scale_raws, channels = [], [], [], []
+        templates, q_raws, scale_raws, channels, shapes = [], [], [], [], []
         for _, _, axis, _, (batch, row, _) in run:
             shape = batch.q.shape[1:]
+            shapes.append(shape)
             key = (shape, axis)
             found = made.get(key)
             if found is None:
@@ -589,10 +590,10 @@ class _Inserter:
         raws[0::3], raws[1::3] = q_raws, scale_raws
         zeros = {width: bytes(width) for width in set(channels)}
         raws[2::3] = map(zeros.__getitem__, channels)
-        dims = {name: entry[4][0].q.shape[1:] for name, entry in zip(q_names, run) if entry[4][0].q.ndim > 1}
-        shaped = [(scale, zp, t[4]) for scale, zp, t in zip(scale_names, zp_names, templates) if t[4]]
-        dims.update((scale, shape) for scale, _, shape in shaped)
-        dims.update((zp, shape) for _, zp, shape in shaped)
+        dims = dict(compress(zip(q_names, shapes), shapes))  # each not a scalar: its dims
+        scale_dims = [t[4] for t in templates]
+        dims.update(compress(zip(scale_names, scale_dims), scale_dims))
+        dims.update(compress(zip(zp_names, scale_dims), scale_dims))
         edit.add_encoded_initializers(dict(zip(all_names, tensors)), raws, dims)
         edit.insert_many(zip(zip(dqs), readers, zip(dq_outs)), forms)
         # the float weights (and the Constant/Identity nodes making them) go once nothing else reads them
