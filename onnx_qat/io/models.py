@@ -20,8 +20,8 @@ import logging
 import math
 import os
 import sys
-from itertools import compress
-from operator import itemgetter, not_
+from itertools import compress, repeat
+from operator import is_, itemgetter, not_
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Tuple, Union
@@ -496,16 +496,12 @@ def _all_graph_tensors(graph, initializers: bool = True, nodes=None):
         yield sparse.indices
     protos = graph.node
     if nodes is not None:
-        protos = [protos[i] for i in compress(range(len(nodes.forms)), map(_is_none, nodes.forms))]
+        protos = [protos[i] for i in compress(range(len(nodes.forms)), map(is_, nodes.forms, repeat(None)))]
     for node in protos:
         if node.attribute:  # most nodes have none, and most attributes hold no tensor
             for attr in node.attribute:
                 if attr.type in _TENSOR_ATTRS:
                     yield from _attribute_tensors(attr)
-
-
-def _is_none(value) -> bool:
-    return value is None
 
 
 def _all_tensors(model: onnx.ModelProto, main_initializers: bool = True, nodes=None):
