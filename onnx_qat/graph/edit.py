@@ -352,11 +352,27 @@ class GraphEdit:
         for name, data_type, raw in zip(names, data_types, raws):
             new[name] = make(name=name, data_type=data_type, raw_data=raw)
 
-    def add_encoded_initializers(self, tensors: Dict[str, EncodedTensor]) -> None:
+    def add_encoded_initializers(self, tensors: Dict[str, EncodedTensor],
+                                 raws: Optional[Sequence[bytes]] = None,
+                                 dims: Optional[Dict[str, Tuple[int, ...]]] = None) -> None:
         """New initializers already held as wire bytes (``name -> EncodedTensor``, in the order to write
         them; names from `fresh_names`), made by a caller that formats many of a few fixed forms at once
-        (the inserter's per-form templates) and has measured their raw lengths (`measure`)."""
+        (the inserter's per-form templates) and has measured their raw lengths (`measure`).
+
+        ``raws``: the raw bytes of each of ``tensors``, in the same order, and ``dims``: ``name -> dims``
+        (a tuple) of each of them that is not a scalar, as the caller formatted them: for an edit with
+        ``checked``, the evidence's `ResultNodes` then holds their facts (element type, raw bytes up to
+        `STORED_MOST`, dims) as for the initializers `add_initializers` makes, and the check and the save
+        of the result do not read them back. Without ``raws``, they are read back from the result."""
         self._new_initializers.update(tensors)
+        if self._forms is None or raws is None:
+            return
+        facts = zip(tensors, zip([t.data_type for t in tensors.values()], raws))
+        if raws and max(map(len, raws)) > STORED_MOST:  # a weight's bytes: read back where needed
+            facts = compress(facts, [len(raw) <= STORED_MOST for raw in raws])
+        self._stored.update(facts)
+        if dims:
+            self._dims.update(dims)
 
     def measure(self, data_type: int, raw_length: int, dims: Sequence[int] = ()) -> None:
         """For an edit with ``checked``: a new initializer of element type ``data_type`` and shape ``dims``

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from itertools import repeat
+from itertools import compress, repeat
 from operator import attrgetter, setitem
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -451,7 +451,7 @@ class _Inserter:
             zp = self._zero_point((), value, target.activation_dtype) if fmt is INT8 else \
                 encoding.zero_point(fmt, ())
             data_type = onnx_type(zp[0])
-            zp_forms[value] = (data_type, _scalar_template(data_type, zp[1]))
+            zp_forms[value] = (data_type, _scalar_template(data_type, zp[1]), zp[1])
             edit.measure(data_type, len(zp[1]))
         edit.measure(_ONNX_FLOAT, 4)  # every scale: 4 bytes of act_scales' float32 buffer
         # the initializers: scale then zero point of each pair, in mark order
@@ -459,7 +459,7 @@ class _Inserter:
         scale_raws = [raw[k:k + 4] for k in range(0, 4 * count, 4)]
         scale_data = map(_SCALE_TEMPLATE.__mod__, zip(map(len, scale_bytes), scale_bytes, scale_raws))
         if len(zp_forms) == 1:
-            zp_type, zp_template = zp_forms[values[0]]
+            zp_type, zp_template, _ = zp_forms[values[0]]
             zp_types = [zp_type] * count
             zp_data = map(zp_template.__mod__, zip(map(len, zp_bytes), zp_bytes))
         else:
@@ -491,7 +491,11 @@ class _Inserter:
         rewired = [reader for group in readers for reader in group]
         for _ in map(setitem, map(_INPUT, rewired), [k for k, _ in edges], [out for _, out in edges]):
             pass
-        edit.add_encoded_initializers(dict(zip(pair_names, pair_tensors)))
+        pair_raws: List[bytes] = [b""] * (2 * count)  # the facts of each: scalars, no dims
+        pair_raws[0::2] = scale_raws
+        pair_raws[1::2] = [zp_forms[v][2] for v in values] if len(zp_forms) > 1 else \
+            [zp_forms[values[0]][2]] * count
+        edit.add_encoded_initializers(dict(zip(pair_names, pair_tensors)), pair_raws)
         edit.insert_many(zip(zip(qs, dqs), readers, zip(q_outs, dq_outs)),
                          dict(zip(_PAIR_FORMS, (qs[0], dqs[0]))))
         # the records
@@ -536,9 +540,10 @@ class _Inserter:
         maps, and handed to the edit in one call each."""
         edit, new = self.edit, tuple.__new__
         made: Dict[tuple, tuple] = {}  # (shape, axis) -> _weight_templates
-        templates, q_raws, scale_raws, channels = [], [], [], []
+        templates, q_raws, scale_raws, channels, shapes = [], [], [], [], []
         for _, _, axis, _, (batch, row, _) in run:
             shape = batch.q.shape[1:]
+            shapes.append(shape)
             key = (shape, axis)
             found = made.get(key)
             if found is None:
@@ -581,7 +586,15 @@ class _Inserter:
         for template, dq in zip(templates, dqs):
             if template[5] not in forms:
                 forms[template[5]] = dq
-        edit.add_encoded_initializers(dict(zip(all_names, tensors)))
+        raws: List[bytes] = [b""] * (3 * len(run))  # the facts of each, as formatted
+        raws[0::3], raws[1::3] = q_raws, scale_raws
+        zeros = {width: bytes(width) for width in set(channels)}
+        raws[2::3] = map(zeros.__getitem__, channels)
+        dims = dict(compress(zip(q_names, shapes), shapes))  # each not a scalar: its dims
+        scale_dims = [t[4] for t in templates]
+        dims.update(compress(zip(scale_names, scale_dims), scale_dims))
+        dims.update(compress(zip(zp_names, scale_dims), scale_dims))
+        edit.add_encoded_initializers(dict(zip(all_names, tensors)), raws, dims)
         edit.insert_many(zip(zip(dqs), readers, zip(dq_outs)), forms)
         # the float weights (and the Constant/Identity nodes making them) go once nothing else reads them
         edit.release_if_unread(initializers=[entry[1] for entry in run if not entry[4][2][2]])

@@ -20,7 +20,8 @@ import logging
 import math
 import os
 import sys
-from itertools import compress
+from itertools import compress, repeat
+from operator import is_, itemgetter, not_
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Tuple, Union
@@ -302,15 +303,23 @@ def _initializer_facts(model: onnx.ModelProto, nodes=None) -> _InitializerFacts:
     in one pass: a model of 10^5 initializers costs ~1 us of Python per tensor and per walk, and
     saving needed three walks (size, IR version, external data). ``nodes``: the
     `onnx_qat.graph.delta.ResultNodes` of the edit that wrote ``model``: the new initializers made as
-    bytes (none of them external) are then taken from its element types and dims, not read back."""
+    bytes (none of them external) are then taken from its element types and dims, not read back: where each
+    of their element types has a size here, as the sum of their raw lengths (the edit measured each against
+    its dims and element size, `onnx_qat.graph.edit.GraphEdit.measure`), in C-level passes."""
     total, sizes, prod, types, external = 0, _ITEMSIZES, math.prod, set(), False
     if nodes is not None:
         stored, shapes, protos = nodes.stored, nodes.dims, model.graph.initializer
-        read = [protos[i] for i, name in enumerate(nodes.initializers) if name not in stored]
-        for name, (data_type, _) in stored.items():
-            types.add(data_type)
-            dims = shapes.get(name)
-            total += (prod(dims) if dims else 1) * sizes.get(data_type, 1)
+        names = nodes.initializers
+        unread = compress(range(len(names)), map(not_, map(stored.__contains__, names)))
+        read = [protos[i] for i in unread]
+        facts = stored.values()
+        types.update(map(itemgetter(0), facts))
+        if types.issubset(sizes):  # every raw length is its dims' count times the size here
+            total += sum(map(len, map(itemgetter(1), facts)))
+        else:
+            for name, (data_type, _) in stored.items():
+                dims = shapes.get(name)
+                total += (prod(dims) if dims else 1) * sizes.get(data_type, 1)
     else:
         read = model.graph.initializer
     for tensor in read:
@@ -487,16 +496,12 @@ def _all_graph_tensors(graph, initializers: bool = True, nodes=None):
         yield sparse.indices
     protos = graph.node
     if nodes is not None:
-        protos = [protos[i] for i in compress(range(len(nodes.forms)), map(_is_none, nodes.forms))]
+        protos = [protos[i] for i in compress(range(len(nodes.forms)), map(is_, nodes.forms, repeat(None)))]
     for node in protos:
         if node.attribute:  # most nodes have none, and most attributes hold no tensor
             for attr in node.attribute:
                 if attr.type in _TENSOR_ATTRS:
                     yield from _attribute_tensors(attr)
-
-
-def _is_none(value) -> bool:
-    return value is None
 
 
 def _all_tensors(model: onnx.ModelProto, main_initializers: bool = True, nodes=None):
