@@ -108,6 +108,14 @@ def fp16_neighbours(scale: np.ndarray) -> tuple:
     return down.astype(np.float32), fp16_round_up(scale)
 
 
+def fp16_scale_candidates(scale: np.ndarray) -> tuple:
+    """``(down, up)``: the two FP16 neighbours of each weight scale (`fp16_neighbours`) a weight may take,
+    as float32, neither below FP16's smallest subnormal (`FP16_TINY`: a scale must stay > 0)."""
+    down, up = fp16_neighbours(scale)
+    down = np.where(down > 0, down, np.float32(FP16_TINY)).astype(np.float32)
+    return down, np.maximum(up, np.float32(FP16_TINY)).astype(np.float32)
+
+
 def fp16_round_up(scale: np.ndarray) -> np.ndarray:
     """For each float32 ``scale`` (>= 0), the smallest FP16 value not below it, as float32; inf above
     FP16's largest value. The one FP16 round-up: the FP16 conversion rounds scales up with it too
@@ -151,9 +159,7 @@ def fp16_weight_scales(values: np.ndarray, scale: np.ndarray, shape, dequantized
             np.max(np.abs(nearest.reshape(items.shape) - items), axis=1) <= FP16_EPS * np.max(items, axis=1))
     if not fits.any():
         return scale
-    down, up = fp16_neighbours(scale)
-    down = np.where(down > 0, down, np.float32(FP16_TINY)).astype(np.float32)
-    up = np.maximum(up, np.float32(FP16_TINY)).astype(np.float32)
+    down, up = fp16_scale_candidates(scale)
     moved = down != up
     if not np.any(moved):
         chosen = up

@@ -33,7 +33,7 @@ from ..errors import ScalesError
 from ..formats import encoding
 from ..formats.encoding import (INT8_QRANGE, TINY, encode_int8, encode_weight, int8_dequantized,
                                 quantize_weight, to_grid, usable_scales)
-from ..formats.scale_grid import FP16_EPS, FP16_TINY, fp16_neighbours, fp16_weight_scales
+from ..formats.scale_grid import FP16_EPS, FP16_TINY, fp16_scale_candidates, fp16_weight_scales
 from ..formats.numeric import INT8, Format, get_format
 from ..graph.edit import GraphEdit, onnx_type
 from ..graph.wire import (NODE_ATTRIBUTE, TENSOR_DATA_TYPE, TENSOR_DIMS, EncodedNode, EncodedTensor,
@@ -239,9 +239,7 @@ def _fp16_grid_batch(stack: np.ndarray, scale: np.ndarray, shape, qrange) -> Opt
             np.max(np.abs(nearest - scale), axis=1) <= FP16_EPS * np.max(scale, axis=1))
     if not fits.all():
         return None
-    down, up = fp16_neighbours(scale)
-    down = np.where(down > 0, down, np.float32(FP16_TINY)).astype(np.float32)
-    up = np.maximum(up, np.float32(FP16_TINY)).astype(np.float32)
+    down, up = fp16_scale_candidates(scale)
     moved = down != up
     if not np.any(moved) or not (np.all(np.isfinite(down)) and np.all(np.isfinite(up))):
         return None
