@@ -386,5 +386,6 @@ def test_text_recognizer_optimize_accuracy_keeps_int8_and_holds_on_unseen_lines(
     smoothed = steps["smooth"]["tensors"]
     assert steps["smooth"]["kept"] and any(r["readers"] == ["p2o.Conv.29"] for r in smoothed)
     reference = onnx_qat.load_model(rec_model)
-    # measured 0.9907 (docs/sensitivity.md); the default gives 0.978
+    # measured 0.9922 with GPTQ rounding in the reconstruct step (0.9907 before; docs/sensitivity.md); the
+    # default gives 0.978
     assert cosine(run(reference, unseen)[0], run(result.model, unseen)[0]) > 0.985
