@@ -22,7 +22,7 @@ from .handlers import (
     PoolingInputHandler, ResidualAddHandler, ResidualSumHandler, SkippedOpHandler, SubgraphHandler,
     WeightedOpHandler, SUBGRAPH_OPS,
 )
-from .marks import ActivationMark, Decision, Placement
+from .marks import ActivationMark, Decision, Placement, group_by_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -108,25 +108,16 @@ class TensorRTPolicy:
             if op_type in SUBGRAPH_OPS:
                 holders.append(node.position)
             phases[found[1]].append((node, found[0]))
-        marked, weighted = ctx.marked, ctx.quantized_weighted
+        record = ctx.record
         for phase, queued in sorted(phases.items()):
             for node, handler in (reversed(queued) if phase == 3 else queued):
                 result = handler(node, ctx)
-                position = node.position
-                decisions[position] = result.decision
-                activations = result.activations
-                if activations or result.weights:  # PlacementContext.record, inlined
-                    for mark in activations:
-                        found = marked.get(mark.tensor)
-                        if found is None:
-                            marked[mark.tensor] = [mark]
-                        else:
-                            found.append(mark)
-                    if result.weights:
-                        weighted.add(result.decision.node)
-                    kept[position] = result
+                decisions[node.position] = result.decision
+                if result.activations or result.weights:  # else recording it changes nothing
+                    record(result)
+                    kept[node.position] = result
                 elif result.shares or result.subgraphs:
-                    kept[position] = result
+                    kept[node.position] = result
         if logger.isEnabledFor(logging.DEBUG):
             for d, result in zip(decisions, kept):
                 logger.debug("placement %s %r (%s): %s [%s] %s", d.action, d.node, d.op_type, d.rule,
@@ -184,14 +175,9 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
     shares: List[Tuple[str, str]] = []
     grouped = False
     for result in results:  # one pass: most results have no marks and no shares
-        for mark in result.activations:  # group_by_tensor, inlined
-            found = by_tensor.get(mark.tensor)
-            if found is None:
-                by_tensor[mark.tensor] = [mark]
-            else:
-                found.append(mark)
-            if mark.scale_group:
-                grouped = True
+        if result.activations:
+            group_by_tensor(result.activations, by_tensor)
+            grouped = grouped or any(mark.scale_group for mark in result.activations)
         if result.shares:
             shares.extend(result.shares)
     parent: Dict[str, str] = {}
@@ -236,19 +222,6 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
         if len(marks) == 1 and type(mark.consumers) is tuple and len(mark.consumers) == 1 \
                 and mark.scale_group == group:
             merged.append(mark)  # the usual case: a lone mark with one consumer is already its merged form
-            continue
-        if len(marks) == 2 and len(mark.consumers) == 1 and len(marks[1].consumers) == 1:
-            # two marks of one consumer each (a residual skip that a weighted op reads too): the same
-            # merge as below, written out
-            other = marks[1]
-            first, second = mark.consumers[0], other.consumers[0]
-            if first == second:
-                consumers = (first,)
-            else:
-                consumers = (first, second) if graph_order(first) < graph_order(second) else (second, first)
-            rules = mark.rule if mark.rule == other.rule else ",".join(sorted((mark.rule, other.rule)))
-            reason = mark.reason if mark.reason == other.reason else f"{mark.reason}; {other.reason}"
-            merged.append(ActivationMark(tensor, consumers, rules, reason, scale_group=group))
             continue
         consumers = sorted({c for m in marks for c in m.consumers}, key=graph_order)
         rules = ",".join(sorted({m.rule for m in marks}))
