@@ -146,11 +146,9 @@ def _lazy_inference(model) -> Callable[[], list]:
 def _compare_indexes() -> bool:
     """Whether a check given an edit's evidence also indexes the model from its protobuf and compares the two
     (``ONNX_QAT_FULL_CHECK=both``, `onnx_qat.io.models.FULL_CHECK_ENV`: the test suite's setting)."""
-    import os
+    from ..io.models import full_check_mode
 
-    from ..io.models import FULL_CHECK_ENV
-
-    return os.environ.get(FULL_CHECK_ENV, "") == "both"
+    return full_check_mode() == "both"
 
 
 def _rules_for(target) -> Tuple[Callable, ...]:

@@ -671,10 +671,15 @@ def _save(model: onnx.ModelProto, out: Path, ir: int, inputs: tuple, external_da
 FULL_CHECK_ENV = "ONNX_QAT_FULL_CHECK"
 
 
+def full_check_mode() -> str:
+    """The value of `FULL_CHECK_ENV` (``"1"``, ``"both"``; anything else: the evidence where it applies)."""
+    return os.environ.get(FULL_CHECK_ENV, "")
+
+
 def _validate_payload(model: onnx.ModelProto, ir: int, payload: bytes, label: str, evidence) -> None:
     """`save_model`'s validation of a one-file ``payload`` (``model`` with IR version ``ir``): by
     ``evidence`` when it covers this header (see `save_model`), else ``onnx.checker`` on the bytes."""
-    mode = os.environ.get(FULL_CHECK_ENV, "")
+    mode = full_check_mode()
     verified = False
     if evidence is not None and mode != "1":
         header = CheckedForm(int(ir), CheckedForm.of(model).opset_import)
