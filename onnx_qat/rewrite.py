@@ -729,9 +729,9 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> T
         return result.table(), reached
     from .calibration.choice import choose
 
-    best, cosines = choose(model, reached, result, target=config.target, precision=config.precision,
-                           block_size=config.block_size)
-    return auto_table(result, best, cosines), reached
+    chosen = choose(model, reached, result, target=config.target, precision=config.precision,
+                    block_size=config.block_size)
+    return auto_table(result, *chosen), reached
 
 
 #: Softmax outputs lie in [0, 1]: with FP8 their range is fixed, not calibrated (data-independent, as

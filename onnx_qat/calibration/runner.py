@@ -265,11 +265,12 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
             of the max, percentile and mse candidates quantizes that tensor with the least error --
             the one whose quantized model's output is closest to the float
             model's on the first 64 calibration samples (fewer on graphs over 625 nodes), a later
-            table replacing an earlier one only where the samples agree, `choose`;
-            the metadata keys ``auto_table``, ``auto_output_cosine`` and ``auto_choices`` record
-            the choice), ``"max"`` (max |x|), ``"percentile"`` (the ``percentile``-th percentile of
-            |x|), ``"entropy"`` (TensorRT's KL-divergence threshold, guarded) or ``"mse"``
-            (threshold with the least expected quantization error).
+            table replacing an earlier one only where the samples agree, `choose`; on fewer than 8
+            samples ``max`` everywhere, the paired rule's minimum;
+            the metadata keys ``auto_table``, ``auto_output_cosine``, ``auto_choices`` and
+            ``auto_note`` record the choice), ``"max"`` (max |x|), ``"percentile"`` (the
+            ``percentile``-th percentile of |x|), ``"entropy"`` (TensorRT's KL-divergence threshold,
+            guarded) or ``"mse"`` (threshold with the least expected quantization error).
         percentile: for ``method="percentile"``, in (0, 100].
         num_bins: histogram bins for the histogram methods (a power of two >= 256).
         batch_size: samples per onnxruntime run.
@@ -343,20 +344,22 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
                            "keeping each tensor's least-error candidate")
             table = auto_table(result, "tensor", {})
         else:
-            best, cosines = choose(proto, reached, result, target=resolved.target,
-                                   precision=resolved.precision, block_size=resolved.block_size)
-            table = auto_table(result, best, cosines)
+            table = auto_table(result, *choose(proto, reached, result, target=resolved.target,
+                                               precision=resolved.precision, block_size=resolved.block_size))
     if output is not None:
         table.save(output)
     return table
 
 
-def auto_table(result: Calibration, best: str, cosines: Mapping[str, float]) -> ScaleTable:
+def auto_table(result: Calibration, best: str, cosines: Mapping[str, float], note: str = "") -> ScaleTable:
     """``auto``'s ScaleTable: candidate ``best`` of ``result``, its metadata recording the per-tensor
     picks (``auto_choices``: the candidate names, or ``best`` everywhere for a whole-model table),
-    the table kept (``auto_table``) and each table's output cosine (``auto_output_cosine``)."""
+    the table kept (``auto_table``), each table's output cosine (``auto_output_cosine``) and, when
+    the paired rule did not decide, why (``auto_note``, `onnx_qat.calibration.choice.TableChoice`)."""
     choices = dict(result.choices) if best == "tensor" else {name: best for name in result.ranges}
     meta = {"auto_table": best, "auto_choices": json.dumps(choices, sort_keys=True, separators=(",", ":"))}
+    if note:
+        meta["auto_note"] = note
     if cosines:
         meta["auto_output_cosine"] = json.dumps({k: round(v, 6) for k, v in cosines.items()},
                                                 sort_keys=True, separators=(",", ":"))
