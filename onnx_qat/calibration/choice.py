@@ -157,7 +157,7 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     judge, scale_inputs = judge_model(model, placement, tables["max"], target=target, precision=precision,
                                       block_size=block_size)
     outputs = list(calibration.reference)
-    session = ChunkedSession(judge, outputs)
+    session = ChunkedSession(judge, outputs, batch_axis=calibration.batch_axis)
     del judge
     cosines: Dict[str, float] = {}
     errors: Dict[str, np.ndarray] = {}

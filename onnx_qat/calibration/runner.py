@@ -227,6 +227,8 @@ class Calibration:
             ``entropy`` unless `collect` was told not to search it), all read from the same histograms:
             what a search over each tensor's range
             (`onnx_qat.accuracy.ranges`) chooses from.
+        batch_axis: ``{input: axis}`` of the inputs whose batch axis is not the first (as the data
+            declared it): the axis the judgement's pieces declare symbolic.
     """
 
     ranges: Mapping[str, float]
@@ -239,6 +241,7 @@ class Calibration:
     reference: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
     bounds: Mapping[str, Tuple[float, float]] = field(default_factory=dict)
     options: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
+    batch_axis: Mapping[str, int] = field(default_factory=dict)
 
     def table(self, name: Optional[str] = None, **metadata) -> ScaleTable:
         """The ScaleTable of `ranges` (or of candidate ``name``), with ``metadata`` and `bounds` added."""
@@ -423,7 +426,7 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     else:
         if why and (workers.count is not None or workers.ray is not None):
             logger.warning("note: %s; --workers and --ray do not apply to it", why)
-        session = carry_state(make_runner(model, run_outputs), dataset)
+        session = carry_state(make_runner(model, run_outputs, batch_axis=_batch_axis(dataset)), dataset)
         reached, kept = _observe(session, dataset, observers, fetched, batch_size, progress, desc, outputs,
                                  check)
         reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
@@ -441,7 +444,7 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
             **({"scale_grid": f"fp16 (amax / {SCALE_QMAX:g})"} if fp16_grid else {})}
     producer = f"onnx_qat.calibrate(method={_describe(method, percentile)})"
     if method != "auto":
-        return Calibration(ranges, unobserved, meta, producer, bounds=bounds)
+        return Calibration(ranges, unobserved, meta, producer, bounds=bounds, batch_axis=_batch_axis(dataset))
 
     # every candidate range of every tensor on the grid at once, a zero range replaced by ZERO_TENSOR_AMAX
     collectors = [observers[name].collector for name in ranges]
@@ -463,7 +466,12 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     reference = {name: np.concatenate([values[name].ravel() for _, values in kept]) for name in outputs} \
         if kept else {}
     return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference, bounds,
-                       options)
+                       options, _batch_axis(dataset))
+
+
+def _batch_axis(dataset) -> Dict[str, int]:
+    """``{input: axis}`` of ``dataset``'s inputs whose batch axis is not the first."""
+    return dict(getattr(dataset, "batch_axis", None) or {})
 
 
 def _floats(values: Sequence[float]) -> list:
