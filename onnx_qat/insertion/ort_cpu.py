@@ -302,6 +302,17 @@ class OrtCpuAdapter:
                 low[name] = lowest if np.isnan(lowest) else min(low[name], lowest)
         return tuple(n for n in names if low[n] >= 0.0)
 
+    @staticmethod
+    def nonnegative_bounds(index: GraphIndex, placement: Placement, table: ScaleTable) -> Tuple[str, ...]:
+        """`nonnegative_inputs` read from a calibrated ScaleTable instead of the data: the quantized graph
+        inputs whose recorded minimum (``table.bounds``, the smallest finite value calibration saw) is
+        >= 0. A table from ``calibrate(..., target="ort-cpu")`` observes every quantized graph input, so
+        this names the inputs `nonnegative_inputs` names on the same data (a NaN, which that counts as
+        negative, is left out of the bounds as of the amax, with a warning)."""
+        marked = set(placement.activation_tensors())
+        bounds = table.bounds
+        return tuple(n for n in index.graph_inputs if n in marked and n in bounds and bounds[n][0] >= 0.0)
+
     def adapt(self, index: GraphIndex, placement: Placement, table: ScaleTable,
               nonnegative: Tuple[str, ...] = (), fine: bool = False, vnni: bool = False) -> Adapted:
         """The placement with the requantization points added, the table with their ranges, the zero
@@ -372,7 +383,8 @@ class OrtCpuAdapter:
                 marks[point.tensor] = ActivationMark(point.tensor, consumers, RULE, point.reason)
             else:
                 notes.append(f"{point.op_type} {point.node!r}: output {point.tensor!r} has no range, so it "
-                             "keeps a float output in onnxruntime (give calibration data to requantize it)")
+                             "keeps a float output in onnxruntime (give calibration data, or a ScaleTable "
+                             "from 'onnx-qat calibrate --target ort-cpu', to requantize it)")
                 logger.warning("ort-cpu: no range for %r; %s %r keeps a float output",
                                point.tensor, point.op_type, point.node)
         logger.debug("ort-cpu requantization %s: %s", record["status"], point.reason)
