@@ -66,7 +66,8 @@ def _error(model, float_model, feeds) -> float:
 @pytest.mark.parametrize("method", ["max", "percentile", "auto"])
 @pytest.mark.parametrize("seed,scale,projection", [(0, "x255", False), (1, "normalized", True),
                                                     (2, "x255", True), (3, "normalized", False)])
-def test_a_table_calibrated_for_ort_cpu_gives_the_form_quantize_data_gives(method, seed, scale, projection):
+def test_a_table_calibrated_for_ort_cpu_gives_the_form_quantize_data_gives(method, seed, scale, projection,
+                                                                          tmp_path):
     model = B.residual_block_model(projection=projection, channels=16, size=16, seed=seed)
     data = {"input": _data(seed, scale)}
     direct = onnx_qat.quantize(model, data=data, method=method, target="ort-cpu", progress=False)
@@ -98,6 +99,8 @@ def test_a_table_calibrated_for_ort_cpu_gives_the_form_quantize_data_gives(metho
     assert set(mine) ^ set(theirs) <= biases
     assert [k for k in mine if k in theirs and not np.array_equal(mine[k], theirs[k])] == []
     B.assert_check_clean(given.model, target="ort-cpu")
+    ops = B.optimized_ops(given.model, tmp_path)  # every Conv on onnxruntime's integer kernel
+    assert ops.count("QLinearConv") == (4 if projection else 3) and "Conv" not in ops, ops
 
     # as deployed (onnxruntime, all optimizations): with the same biases, the very same numbers
     feeds = {"input": _data(seed + 100, scale, num=1)}
@@ -107,7 +110,7 @@ def test_a_table_calibrated_for_ort_cpu_gives_the_form_quantize_data_gives(metho
     assert _error(given.model, model, feeds) <= 2.0 * _error(direct.model, model, feeds) + 1e-4
 
 
-def test_the_tensorrt_table_is_unchanged_and_leaves_convs_float_with_a_note_naming_the_cpu_table():
+def test_the_tensorrt_table_is_unchanged_and_leaves_convs_float_with_a_note_naming_the_cpu_table(tmp_path):
     model = B.residual_block_model(channels=16, size=16, seed=0)
     data = {"input": _data(0, "x255")}
     default = onnx_qat.calibrate(model, data, method="max", progress=False)
@@ -119,6 +122,7 @@ def test_the_tensorrt_table_is_unchanged_and_leaves_convs_float_with_a_note_nami
     result = onnx_qat.quantize(model, scales=default, target="ort-cpu", progress=False)
     lost = [r for r in result.requantization if r["status"] == "not requantized"]
     assert {r["tensor"] for r in lost} == {"conv1_out", "conv2_out"}
+    assert B.optimized_ops(result.model, tmp_path).count("Conv") == 2  # float: the gap this closes
     notes = [n for n in result.placement.notes if "keeps a float output" in n]
     assert len(notes) == 2 and all("onnx-qat calibrate --target ort-cpu" in n for n in notes)
     assert not any("rule CPU7" in n for n in result.placement.notes)
