@@ -392,6 +392,12 @@ def block_ranges(weights: Mapping[str, "object"], axis: int, block_size: int) ->
     return ScaleTable(weights=ranges, producer="block_ranges")
 
 
+#: Metadata key of a table calibrated for a deployment form other than ``tensorrt`` (``calibrate(...,
+#: target="ort-cpu")`` writes ``"ort-cpu"``): ``quantize`` with such a table and that target treats its
+#: ranges as calibrated for the model, as with ``data`` (the ``ort-cpu`` form's whole uint8 grid for
+#: non-negative tensors, graph inputs >= 0 from their ``bounds``, the weight width of the CPU).
+CALIBRATION_TARGET_KEY = "calibration_target"
+
 # How a table's metadata says its ranges were chosen. ``calibrate`` records its method
 # (``calibration_method``, ``percentile``) and, for ``auto``, the candidate table it kept
 # (``auto_table``), each candidate's output cosine on the calibration data (``auto_output_cosine``),
@@ -446,4 +452,4 @@ def _json(text) -> dict:
 
 
 __all__ = ["ScaleTable", "WeightRange", "FORMAT", "VERSION", "VERSIONS", "block_ranges", "describe_method",
-           "AUTO_TABLES"]
+           "AUTO_TABLES", "CALIBRATION_TARGET_KEY"]

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -20,7 +20,7 @@ import onnx
 
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
 from ..formats.scale_grid import fp16_grid_values
-from ..scales import ScaleTable
+from ..scales import CALIBRATION_TARGET_KEY, ScaleTable
 from .branches import make_runner
 from .choice import CHECK_SAMPLES, judge_samples
 from .auto import AutoCollector
@@ -278,7 +278,15 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         num_bins: histogram bins for the histogram methods (a power of two >= 256).
         batch_size: samples per onnxruntime run.
         config: a [`QuantizeConfig`][onnx_qat.config.QuantizeConfig]; with ``placement_options``
-            (its field names) it decides which tensors are observed.
+            (its field names) it decides which tensors are observed. Its ``target`` (``target=``,
+            ``"tensorrt"`` by default) names the deployment form the table is for: ``"ort-cpu"``
+            also observes the tensors that form adds (the requantization points that need a range of
+            their own, rule CPU1: `onnx_qat.insertion.ort_cpu.OrtCpuAdapter.calibration_tensors`),
+            leaves the ranges off the FP16 grid and records ``calibration_target`` ``"ort-cpu"`` in
+            the metadata (`onnx_qat.scales.CALIBRATION_TARGET_KEY`), so that ``quantize(model,
+            scales=table, target="ort-cpu")`` builds the form ``quantize(model, data=..., target=
+            "ort-cpu")`` builds with the same method, except rule CPU7's bias correction, which needs
+            the data itself (docs/performance.md, "Calibrating once for the CPU target").
         tensors: observe exactly these tensors instead of placement's activation tensors (with
             ``auto``, tables that leave out an activation placement quantizes cannot be judged by
             the output: the per-tensor table is kept, with a warning and ``auto_table`` ``tensor``).
@@ -326,10 +334,14 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     if tensors is None or method == "auto":  # auto's tables are judged with the placement
         placement = _placement(proto, config, placement_options)
     names = _tensors_to_observe(placement if tensors is None else None, tensors, config, placement_options)
+    if tensors is None:
+        names = tuple(dict.fromkeys(names + form_tensors(proto, placement, resolved.target)))
     dataset = load_data(data, proto, what="calibration data")
     result = collect(proto, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
                      batch_size=batch_size, progress=progress, workers=workers,
                      fp16_grid=resolved.target == "tensorrt", entropy=False)
+    if resolved.target != "tensorrt":  # the tensorrt table stays as it was, byte for byte
+        result = replace(result, metadata={**result.metadata, CALIBRATION_TARGET_KEY: resolved.target})
     if result.unobserved:
         logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
                        "that cannot be observed per iteration (e.g. %r); they get no range",
@@ -545,6 +557,19 @@ def _samples_in(dataset, feed) -> int:
     if not per_sample:
         return 1
     return len(next(iter(feed.values())))
+
+
+def form_tensors(model: onnx.ModelProto, placement, target: str) -> Tuple[str, ...]:
+    """The tensors ``target``'s deployment form needs a range for beyond ``placement``'s activations
+    (``ort-cpu``: the Conv outputs requantized with their own range, rule CPU1,
+    `onnx_qat.insertion.ort_cpu.OrtCpuAdapter.calibration_tensors`); empty for ``tensorrt``. What
+    ``quantize(..., data=...)`` calibrates for that form too."""
+    from ..graph.index import GraphIndex
+    from ..insertion.adapters import make_adapter
+
+    adapter = make_adapter(target)
+    wanted = getattr(adapter, "calibration_tensors", None)
+    return () if wanted is None else tuple(wanted(GraphIndex(model), placement))
 
 
 def _placement(proto, config, placement_options):
