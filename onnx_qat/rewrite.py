@@ -487,46 +487,45 @@ def _describe(model) -> str:
 def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str = "the model") -> None:
     """Raise ModelError when a weight placement quantizes holds NaN or infinite values.
 
-    No int8 scale can represent them; the float model itself is broken there. Small float32
-    weights are checked in batches (one NumPy call for many of them); a batch with a bad value
-    is then searched weight by weight for the message.
+    No int8 scale can represent them; the float model itself is broken there. The weights that are
+    initializers are decoded at once (`GraphIndex.decode_initializers`: float ones joined into a few
+    buffers per element type, of which the arrays the inserter reads are views) and checked a buffer at a
+    time; only when a check fails are the weights searched one by one (in name order) for the message.
     """
-    from .insertion.inserter import SMALL_WEIGHT
-
-    small: list = []
-    size = 0
-    weights = [(index, t) for t in placement.weight_tensors()]
-    weights += [(sub_index, t) for sub_index, sub in nested_indexes(index, placement)
-                for t in sub.weight_tensors()]
-    for graph_index, tensor in weights:
-        if tensor in graph_index.initializers:  # decoded once, for the inserter too
-            values = graph_index.initializer_array(tensor)
-        else:
-            proto = graph_index.constant_proto(tensor)
-            if proto is None:
-                continue
-            values = _io().tensor_array(proto)
-        if values.dtype.kind != "f":
+    graphs = [(index, placement.weight_tensors())]
+    graphs += [(sub_index, sub.weight_tensors()) for sub_index, sub in nested_indexes(index, placement)]
+    for graph_index, tensors in graphs:
+        stored = [t for t in tensors if t in graph_index.initializers]
+        others = []  # Constant outputs, folded constants, outer-scope constants
+        for tensor in tensors:
+            if tensor not in graph_index.initializers:
+                proto = graph_index.constant_proto(tensor)
+                if proto is not None:
+                    others.append((tensor, _io().tensor_array(proto)))
+        if all(map(_finite, graph_index.decode_initializers(stored))) and \
+                all(_finite(values) for _, values in others):
             continue
-        if values.dtype == np.float32 and values.size <= SMALL_WEIGHT:
-            small.append((tensor, values))
-            size += values.size
-            if size >= 1 << 20:
-                _refuse_non_finite(small, what)
-                small, size = [], 0
-        else:
-            _refuse_non_finite([(tensor, values)], what)
-    _refuse_non_finite(small, what)
+        found = dict(others)
+        for tensor in tensors:
+            values = graph_index.initializer_array(tensor) if tensor in graph_index.initializers \
+                else found.get(tensor)
+            if values is not None and not _finite(values):
+                bad = int(values.size) - int(np.count_nonzero(np.isfinite(values)))
+                raise ModelError(f"{what}: weight {tensor!r} holds {bad} NaN or infinite value(s); fix the "
+                                 "float model before quantizing it")
 
 
-def _refuse_non_finite(weights, what: str) -> None:
-    if not weights or np.isfinite(np.concatenate([v.reshape(-1) for _, v in weights])).all():
-        return
-    for tensor, values in weights:
-        finite = np.isfinite(values)
-        if not finite.all():
-            raise ModelError(f"{what}: weight {tensor!r} holds {int(np.count_nonzero(~finite))} NaN or "
-                             "infinite value(s); fix the float model before quantizing it")
+#: Values `_finite` checks at once (bounds its temporary array).
+_FINITE_STEP = 1 << 20
+
+
+def _finite(values: np.ndarray) -> bool:
+    """True unless ``values`` (any shape; not float: always True) holds NaN or an infinity."""
+    if values.dtype.kind != "f":
+        return True
+    flat = values.reshape(-1)
+    step = _FINITE_STEP
+    return all(np.isfinite(flat[start:start + step]).all() for start in range(0, flat.size, step))
 
 
 def nested_indexes(index: GraphIndex, placement: Placement):

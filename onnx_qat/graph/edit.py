@@ -428,8 +428,12 @@ class GraphEdit:
         if not readers:
             self._tail.extend(nodes)
             return
-        first = readers[0] if len(readers) == 1 else min(readers, key=lambda n: self.position[id(n)])
+        first = readers[0] if len(readers) == 1 else self._first(readers)
         self._before.setdefault(id(first), []).extend(nodes)
+
+    def _first(self, readers: Sequence[onnx.NodeProto]) -> onnx.NodeProto:
+        """The one of ``readers`` (original nodes) that comes first in the graph."""
+        return self.nodes[min(map(self.position.__getitem__, map(id, readers)))]
 
     def insert_many(self, items: Iterable[tuple], forms: Optional[Dict[tuple, object]] = None) -> None:
         """`insert` of each ``(nodes, readers, outputs)`` of ``items`` in turn (as `insert` takes them,
@@ -447,9 +451,8 @@ class GraphEdit:
                 self._note_forms(news, forms)
         self.producer.update(zip(itertools.chain.from_iterable([item[2] for item in items]),
                                  itertools.chain.from_iterable(news)))
-        position, before = self.position, self._before
-        keys = [id(readers[0]) if len(readers) == 1 else id(min(readers, key=lambda n: position[id(n)]))
-                for _, readers, _ in items]
+        before, first = self._before, self._first
+        keys = [id(readers[0]) if len(readers) == 1 else id(first(readers)) for _, readers, _ in items]
         if before.keys().isdisjoint(keys) and len(set(keys)) == len(keys):  # one batch per reader, none yet
             before.update(zip(keys, map(list, news)))
             return

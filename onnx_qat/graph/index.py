@@ -7,6 +7,8 @@ The index never copies weight data and never mutates the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+from math import prod
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -17,6 +19,12 @@ from .constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS
 
 #: Domains that mean the standard ONNX operator set.
 DEFAULT_DOMAINS = ("", "ai.onnx")
+#: Element types whose raw little-endian bytes `GraphIndex.decode_initializers` joins into shared buffers
+#: (the float types of weights), with their NumPy types.
+_JOINED_TYPES = {onnx.TensorProto.FLOAT: np.dtype("<f4"), onnx.TensorProto.FLOAT16: np.dtype("<f2"),
+                 onnx.TensorProto.DOUBLE: np.dtype("<f8")}
+#: Raw bytes `GraphIndex.decode_initializers` joins at most into one buffer (a larger tensor is read alone).
+JOIN_MOST = 1 << 24
 
 
 def unique_node_names(nodes: Iterable[onnx.NodeProto]) -> List[str]:
@@ -122,6 +130,18 @@ class NodeInfo:
     def has_subgraphs(self) -> bool:
         """True for control-flow nodes (If, Loop, Scan...) that hold graphs."""
         return any(a.type in _GRAPH_ATTRIBUTE_TYPES for a in self.proto.attribute)
+
+
+def _join(dtype: np.dtype, items: list, arrays: Dict[str, np.ndarray]) -> np.ndarray:
+    """One read-only array of ``dtype`` over the joined raw bytes of ``items`` (``(name, raw bytes, shape,
+    count)``, as `GraphIndex.decode_initializers` queues them); each item's view of its slice, in its shape,
+    goes to ``arrays`` under its name."""
+    joined = np.frombuffer(items[0][1] if len(items) == 1 else b"".join([item[1] for item in items]), dtype)
+    start = 0
+    for name, _, shape, count in items:
+        arrays[name] = joined[start:start + count].reshape(shape)
+        start += count
+    return joined
 
 
 class GraphIndex:
@@ -240,10 +260,11 @@ class GraphIndex:
         return tuple(names)
 
     def production_order(self) -> Dict[str, int]:
-        """Tensor name -> the order in which the graph makes it (graph inputs first, then node outputs)."""
+        """Tensor name -> the order in which the graph makes it (graph inputs first, then node outputs); the
+        mapping iterates in that order."""
         made = dict.fromkeys(self.graph_inputs)
-        made.update(dict.fromkeys(out for node in self.nodes for out in node.outputs))
-        return {name: i for i, name in enumerate(made)}
+        made.update(dict.fromkeys(chain.from_iterable([node.outputs for node in self.nodes])))
+        return dict(zip(made, range(len(made))))
 
     def is_topologically_sorted(self) -> bool:
         """True when every node comes after the producers of all its inputs (as ONNX requires);
@@ -329,13 +350,54 @@ class GraphIndex:
     def initializer_array(self, name: str) -> np.ndarray:
         """The value of initializer ``name`` as a read-only array (`onnx_qat.io.models.tensor_array`),
         decoded once: the refusal of non-finite weights and the inserter (through `GraphEdit`, which
-        takes this index from given scales) read the same 10^4-10^5 weights. KeyError when ``name`` is
-        no initializer of this graph."""
+        takes this index from given scales) read the same 10^4-10^5 weights (the refusal decodes them at
+        once, `decode_initializers`). KeyError when ``name`` is no initializer of this graph."""
         found = self._arrays.get(name)
         if found is None:
             from ..io.models import tensor_array
 
             found = self._arrays[name] = tensor_array(self.initializers[name])
+        return found
+
+    def decode_initializers(self, names: Iterable[str]) -> List[np.ndarray]:
+        """Decode the initializers ``names`` of this graph (KeyError for another name) for `initializer_array`
+        in one go, and return flat read-only arrays that together hold every value of ``names``, each value
+        once (a name given twice counts once).
+
+        The raw little-endian bytes of float tensors (float32, float16, float64 held in ``raw_data``) are
+        joined per element type into buffers of at most `JOIN_MOST` bytes, each read as one array, of which
+        each tensor's array is a view (the values, type and shape `onnx_qat.io.models.tensor_array` gives,
+        read-only): a check of all values (the refusal of non-finite weights) is then one NumPy call per
+        buffer instead of one per weight, and each weight costs a slice instead of a decoding. A tensor
+        decoded before (its array is returned whole), of another type or form, or whose raw bytes do not
+        fit its dims, is decoded as `initializer_array` decodes it."""
+        arrays, initializers = self._arrays, self.initializers
+        found: List[np.ndarray] = []
+        queued: Dict[np.dtype, list] = {}  # NumPy type -> [(name, raw bytes, shape, count)]
+        sizes: Dict[np.dtype, int] = {}
+        default = onnx.TensorProto.DEFAULT
+        for name in dict.fromkeys(names):
+            known = arrays.get(name)
+            if known is None:
+                tensor = initializers[name]
+                dtype = _JOINED_TYPES.get(tensor.data_type)
+                if dtype is not None and tensor.data_location == default and tensor.HasField("raw_data"):
+                    raw, shape = tensor.raw_data, tuple(tensor.dims[:])
+                    count = prod(shape)
+                    if len(raw) == count * dtype.itemsize:
+                        if len(raw) >= JOIN_MOST:  # alone: no joined copy of a large tensor
+                            found.append(_join(dtype, [(name, raw, shape, count)], arrays))
+                            continue
+                        items = queued.setdefault(dtype, [])
+                        items.append((name, raw, shape, count))
+                        sizes[dtype] = sizes.get(dtype, 0) + len(raw)
+                        if sizes[dtype] >= JOIN_MOST:
+                            found.append(_join(dtype, items, arrays))
+                            queued[dtype], sizes[dtype] = [], 0
+                        continue
+                known = self.initializer_array(name)
+            found.append(known.reshape(-1))
+        found.extend(_join(dtype, items, arrays) for dtype, items in queued.items() if items)
         return found
 
     def _stored_proto(self, source: str) -> Optional[onnx.TensorProto]:

@@ -212,10 +212,12 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
         node = by_name.get(consumer[0])
         return -1 if node is None else node.position, consumer[1]
 
-    order = index.production_order()
-    unknown = len(order)
+    # in production order (the order mapping iterates in), then the tensors the graph does not make, by name
+    ordered = [t for t in index.production_order() if t in by_tensor]
+    if len(ordered) < len(by_tensor):
+        ordered += sorted(set(by_tensor).difference(ordered))
     merged = []
-    for _, tensor in sorted((order.get(t, unknown), t) for t in by_tensor):
+    for tensor in ordered:
         marks = by_tensor[tensor]
         group = find(tensor_group[tensor]) if tensor in tensor_group else None
         mark = marks[0]

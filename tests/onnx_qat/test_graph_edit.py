@@ -327,3 +327,24 @@ def test_raw_initializer_of_an_encoded_edit_is_written():
     out = edit.commit()
     found = next(t for t in out.graph.initializer if t.name == name)
     assert list(found.dims) == [2, 3] and found.raw_data == raw
+
+
+@pytest.mark.parametrize("join_most", [1 << 24, 3000, 1])
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf, -np.inf])
+def test_non_finite_weight_is_named_across_joined_buffers(monkeypatch, join_most, bad_value):
+    """The weights are checked a joined buffer at a time (`GraphIndex.decode_initializers`, buffers of one
+    weight up to all of them); the weight holding the bad value is named, the first by name of two, and a
+    model without one passes."""
+    from onnx_qat.graph import index as index_module
+
+    monkeypatch.setattr(index_module, "JOIN_MOST", join_most)
+    table = ScaleTable({t: 1.0 for t in onnx_qat.place(_many_weights()).activation_tensors()})
+    assert onnx_qat.quantize(_many_weights(), scales=table, progress=False).summary["weights"] == 30
+    model = _many_weights()
+    for position, count in ((23, 2), (8, 1)):
+        bad = model.graph.initializer[position]
+        values = numpy_helper.to_array(bad).copy()
+        values.reshape(-1)[3:3 + count] = bad_value
+        bad.CopyFrom(numpy_helper.from_array(values, bad.name))
+    with pytest.raises(onnx_qat.ModelError, match="weight 'w23' holds 2 NaN or infinite"):
+        onnx_qat.quantize(model, scales=table, progress=False)

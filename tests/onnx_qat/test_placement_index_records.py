@@ -259,3 +259,50 @@ def test_index_assigning_names_equals_assign_node_names_then_index():
         assert [n.name for n in index.nodes] == [n.name for n in expected.nodes]
         assert index.subgraph_nodes == expected.subgraph_nodes
     assert GraphIndex(if_cnn_model(), assign_names=True).subgraph_nodes  # the If is found
+
+
+def _decoding_model() -> onnx.ModelProto:
+    """Initializers of every form `GraphIndex.decode_initializers` meets: float32, float16 and float64 raw
+    bytes (scalars, empty, 4-D), float32 in ``float_data``, int8 raw bytes, and raw bytes that do not fit
+    their dims (left to `tensor_array`)."""
+    rng = np.random.default_rng(11)
+    forms = [((4, 3, 1, 1), np.float32), ((), np.float32), ((0, 2), np.float32), ((5,), np.float16),
+             ((2, 3), np.float64), ((7, 2), np.float32), ((3,), np.int8)]
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(dtype), f"t{i}")
+             for i, (shape, dtype) in enumerate(forms)]
+    inits.append(helper.make_tensor("listed", TensorProto.FLOAT, [2, 2], [1.0, 2.0, 3.0, 4.0]))
+    short = onnx.TensorProto(name="short", data_type=TensorProto.FLOAT, dims=[3], raw_data=b"\0" * 8)
+    nodes = [helper.make_node("Identity", ["input"], ["output"], name="id")]
+    graph = helper.make_graph(nodes, "decoding",
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1])],
+                              inits + [short])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("join_most", [1 << 24, 40, 1])
+def test_decode_initializers_gives_what_tensor_array_gives(monkeypatch, join_most):
+    """Each array after `decode_initializers` is `tensor_array`'s (values, type, shape, read-only), the flat
+    arrays returned hold every value of the names once, whatever the size of the joined buffers."""
+    from onnx_qat.graph import index as index_module
+    from onnx_qat.io.models import tensor_array
+
+    monkeypatch.setattr(index_module, "JOIN_MOST", join_most)
+    model = _decoding_model()
+    protos = {t.name: t for t in model.graph.initializer}
+    names = [n for n in protos if n != "short"]
+    index = GraphIndex(model)
+    index.initializer_array("t5")  # decoded before: returned whole
+    flat = index.decode_initializers(names + ["t0"])
+    assert sum(a.size for a in flat) == sum(tensor_array(protos[n]).size for n in names)
+    values = sorted(float(v) for a in flat for v in a.reshape(-1).astype(np.float64))
+    expected = sorted(float(v) for n in names for v in tensor_array(protos[n]).reshape(-1).astype(np.float64))
+    assert values == expected
+    for name in names:
+        got, want = index.initializer_array(name), tensor_array(protos[name])
+        assert got.dtype == want.dtype and got.shape == want.shape and not got.flags.writeable
+        assert np.array_equal(got, want)
+    with pytest.raises(ValueError):  # raw bytes that do not fit: as tensor_array has it
+        index.decode_initializers(["short"])
+    with pytest.raises(KeyError):
+        index.decode_initializers(["input"])
