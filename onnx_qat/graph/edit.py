@@ -595,13 +595,9 @@ class GraphEdit:
         counts = dict.fromkeys(wanted, 0)
         if not wanted:
             return counts
-        if columns is not None:  # the nodes that read none of them passed over in one test each
-            isdisjoint = wanted.isdisjoint
-            for node_inputs in columns[1]:
-                if not isdisjoint(node_inputs):
-                    for tensor in node_inputs:
-                        if tensor in counts:
-                            counts[tensor] += 1
+        if columns is not None:  # every node's inputs filtered in C: a Python step only for each read counted
+            for tensor in filter(counts.__contains__, itertools.chain.from_iterable(columns[1])):
+                counts[tensor] += 1
         else:
             for node in live:
                 for tensor in node.input:

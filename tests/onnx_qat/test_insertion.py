@@ -275,3 +275,30 @@ def test_the_configuration_offers_exactly_the_registered_targets():
 
     assert TARGETS[0] == "tensorrt" and set(TARGETS) == set(_TARGETS)
     assert [get_target(name).name for name in TARGETS] == list(TARGETS)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_group_amax_equals_its_plain_definition(seed):
+    """Each quantized tensor's amax: its own, or its scale group's largest (rule 7); tensors without a range
+    (their own, or none in their group) are left out. Random marks and tables, groups with and without
+    ranges."""
+    from onnx_qat.insertion.inserter import group_amax
+    from onnx_qat.placement.marks import ActivationMark, Placement
+
+    rng = np.random.default_rng(seed)
+    marks = [ActivationMark(f"t{i}", (("n", 0),), "R7", "", scale_group=[None, "", "g1", "g2", "g3"][
+        int(rng.integers(5 if seed else 2))]) for i in range(40)]
+    table = ScaleTable({m.tensor: float(rng.uniform(0.5, 9)) for m in marks if rng.random() < 0.7})
+    given = table.activations
+    groups = {}
+    for m in marks:
+        if m.scale_group and m.tensor in given:
+            groups[m.scale_group] = max(groups.get(m.scale_group, 0.0), given[m.tensor])
+    expected = {}
+    for m in marks:
+        amax = groups.get(m.scale_group) if m.scale_group else given.get(m.tensor)
+        if amax is not None:
+            expected[m.tensor] = amax
+    found = group_amax(Placement(tuple(marks)), table)
+    assert found == expected and list(found) == list(expected)
+    assert len(found) < len(marks)
