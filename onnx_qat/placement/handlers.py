@@ -74,15 +74,29 @@ class PlacementContext:
     index: GraphIndex
     config: QuantizeConfig
     quantized_weighted: Set[str] = field(default_factory=set)
-    marked: Dict[str, List[ActivationMark]] = field(default_factory=dict)
     #: ``place_subgraph(graph, outer_index) -> Placement``: the policy placing a subgraph (If branch)
     place_subgraph: Optional[Callable] = None
+    _marked: Dict[str, List[ActivationMark]] = field(default_factory=dict, init=False, repr=False)
+    _recorded: List[NodeResult] = field(default_factory=list, init=False, repr=False)  # not in _marked yet
 
     def record(self, result: NodeResult) -> None:
+        """Note what a handler decided: the node as a quantized weighted op (rule 6 reads it), its
+        activation marks for `marked`."""
         if result.activations:
-            group_by_tensor(result.activations, self.marked)
+            self._recorded.append(result)
         if result.weights:
             self.quantized_weighted.add(result.decision.node)
+
+    @property
+    def marked(self) -> Dict[str, List[ActivationMark]]:
+        """Tensor -> the activation marks recorded on it so far, in the order recorded. Grouped when asked
+        (rule 7's Concats ask, in the last phase), not at each record: rule 10 groups the marks of the
+        whole graph itself, in graph order."""
+        if self._recorded:
+            for result in self._recorded:
+                group_by_tensor(result.activations, self._marked)
+            self._recorded.clear()
+        return self._marked
 
 
 def _result(node: NodeInfo, action: str, rule: str, reason: str, activations: Tuple[ActivationMark, ...] = (),
