@@ -210,8 +210,16 @@ def _add_calibrate(sub) -> None:
                        help="run the float model on data; write activation ranges (ScaleTable JSON)",
                        description="Run MODEL in onnxruntime on the samples in --data and write the "
                                    "ranges of "
-                                   "the tensors placement will quantize as a ScaleTable JSON file.")
+                                   "the tensors placement will quantize as a ScaleTable JSON file. "
+                                   "With --target ort-cpu, also the tensors the CPU form adds, for "
+                                   "'quantize --scales SCALES.json --target ort-cpu'.")
     p.add_argument("model", metavar="MODEL", help="float ONNX model")
+    p.add_argument("--target", choices=TARGETS, default=None,
+                   help="the deployment form the table is for: tensorrt (default) or ort-cpu (also observes "
+                        "the Conv outputs the CPU form requantizes with their own range, keeps the ranges "
+                        "off the FP16 grid and marks the table calibrated for ort-cpu, so 'quantize --scales "
+                        "--target ort-cpu' builds what 'quantize --data --target ort-cpu' builds, except "
+                        "the Conv bias correction, which needs --data)")
     p.add_argument("--data", metavar="NPZ", nargs="+", required=True, help="calibration data: " + DATA_HELP)
     p.add_argument("-o", "--output", metavar="SCALES.json", required=True,
                    help="file to write: a ScaleTable JSON, or with --format tensorrt-cache a TensorRT "
@@ -291,13 +299,14 @@ def _latency_options(parser: argparse.ArgumentParser) -> None:
                        help="time the whole model against FP32 again even when the latency profile holds a "
                             "timing of the very same models (kept there by an earlier run)")
     group.add_argument("--cpu-vnni", dest="cpu_vnni", action="store_const", const="on", default="auto",
-                       help="--target ort-cpu with --data: keep 8-bit Conv/Gemm/MatMul weights: "
-                            "the model runs on CPUs whose int8 dot products sum in 32 bits (AVX-512 "
-                            "VNNI, AVX-VNNI, AMX, ARM64); more accurate, may overflow on AVX2-only CPUs. "
+                       help="--target ort-cpu with --data (or --scales from 'calibrate --target ort-cpu'): "
+                            "keep 8-bit Conv/Gemm/MatMul weights: the model runs on CPUs whose int8 dot "
+                            "products sum in 32 bits (AVX-512 VNNI, AVX-VNNI, AMX, ARM64); more accurate, "
+                            "may overflow on AVX2-only CPUs. "
                             "Default (neither flag): 8 bits when this CPU is such a CPU, else 7")
     group.add_argument("--no-cpu-vnni", dest="cpu_vnni", action="store_const", const="off",
-                       help="--target ort-cpu with --data: 7-bit Conv/Gemm/MatMul weights (depthwise "
-                            "excepted), exact on every CPU")
+                       help="--target ort-cpu with --data (or --scales from 'calibrate --target ort-cpu'): "
+                            "7-bit Conv/Gemm/MatMul weights (depthwise excepted), exact on every CPU")
 
 
 def _mixed_precision_options(parser: argparse.ArgumentParser) -> None:
@@ -600,6 +609,9 @@ def cmd_calibrate(args) -> int:
     cache = args.format == "tensorrt-cache"
     if not cache and (args.tensorrt_version is not None or args.calibrator is not None):
         raise UsageError("--tensorrt-version and --calibrator apply only with --format tensorrt-cache")
+    if cache and args.target not in (None, "tensorrt"):
+        raise UsageError(f"--format tensorrt-cache is a TensorRT table; it does not apply with --target "
+                         f"{args.target} (write the ScaleTable JSON)")
     if cache and args.tensorrt_version is None:
         raise UsageError("--format tensorrt-cache needs --tensorrt-version X.Y.Z (the TensorRT that will "
                          "read the cache; it goes into the header)")
@@ -610,6 +622,7 @@ def cmd_calibrate(args) -> int:
     data = _data_source("--data", args.data)
     _check_outputs([("--output", args.output)], [args.model, *_data_paths(data)])
     from .calibration import DEFAULT_METHOD, calibrate
+    from .scales import CALIBRATION_TARGET_KEY
     table = calibrate(args.model, data, output=None if cache else args.output, progress=_progress(args),
                       workers=args.workers, ray=args.ray, **kw)
     method = _method_summary(table) or f"ranges: {kw.get('method', DEFAULT_METHOD)}"
@@ -619,8 +632,12 @@ def cmd_calibrate(args) -> int:
         _say(args, f"wrote {args.output}: TensorRT calibration cache of "
                    f"{_count(len(table.activations), 'activation range')} | {method}")
         return EXIT_OK
+    form = table.metadata.get(CALIBRATION_TARGET_KEY)
+    for_form = "" if form is None else (
+        f" | for --target {form} (quantize --scales {args.output} --target {form}; its Conv bias "
+        "correction, rule CPU7, needs --data and is not in the table)")
     _say(args, f"wrote {args.output}: {_count(len(table.activations), 'activation range')}, "
-               f"{_count(len(table.weights), 'weight range')} | {method}")
+               f"{_count(len(table.weights), 'weight range')} | {method}{for_form}")
     return EXIT_OK
 
 

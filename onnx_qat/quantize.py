@@ -125,17 +125,18 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             least-gaining half of its integer sites is kept float too and the models are timed once
             more, the faster written (``latency["fallback"]``); a note says so plainly when the
             written model is still not faster.
-        cpu_vnni: ``target="ort-cpu"`` with ``data``: the width of Conv/Gemm/MatMul weights behind
-            zero-point-128 inputs. ``"auto"`` (default): 8 bits when the machine quantizing the model
-            sums int8 dot products in 32 bits (x86 AVX-512 VNNI, AVX-VNNI or AMX; ARM64), else 7
-            (a given latency profile from another machine that records its choice is followed
-            instead); ``True``: 8 bits, the model will run on such CPUs only (more accurate; on an
-            x86 CPU with AVX2 only, onnxruntime's 16-bit pair sums can then overflow); ``False``: 7
-            bits, exact on every CPU. The choice and why: ``QuantizeResult.ort_cpu`` and a note. See
-            `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`, `onnx_qat.insertion.ort_cpu`. With
-            ``data`` the ``ort-cpu`` form's INT8 Conv biases also absorb the mean error of their
-            rounded weights where that lowers the output error on the calibration data (rule CPU7,
-            `onnx_qat.insertion.ort_cpu_bias`; ``QuantizeResult.ort_cpu["bias_correction"]``).
+        cpu_vnni: ``target="ort-cpu"`` with ``data`` (or ``scales`` from ``calibrate(..., target="ort-cpu")``,
+            whose ranges count as calibrated): the width of Conv/Gemm/MatMul weights behind zero-point-128
+            inputs. ``"auto"`` (default): 8 bits when the machine quantizing the model sums int8 dot products
+            in 32 bits (x86 AVX-512 VNNI, AVX-VNNI or AMX; ARM64), else 7 (a given latency profile from
+            another machine that records its choice is followed instead); ``True``: 8 bits, the model will run
+            on such CPUs only (more accurate; on an x86 CPU with AVX2 only, onnxruntime's 16-bit pair sums can
+            then overflow); ``False``: 7 bits, exact on every CPU. The choice and why:
+            ``QuantizeResult.ort_cpu`` and a note. See `onnx_qat.placement.cpu_latency.resolve_cpu_vnni`,
+            `onnx_qat.insertion.ort_cpu`. With ``data`` the ``ort-cpu`` form's INT8 Conv biases also absorb
+            the mean error of their rounded weights where that lowers the output error on the calibration data
+            (rule CPU7, `onnx_qat.insertion.ort_cpu_bias`; ``QuantizeResult.ort_cpu["bias_correction"]``); a
+            ScaleTable does not carry that correction, so with ``scales`` it is left out (a note).
         optimize: ``"accuracy"``: also run the post-training steps of `onnx_qat.accuracy.optimize`
             (cross-layer equalization, activation smoothing, each activation's range chosen among
             ``auto``'s candidates, each INT8 weighted op's integers and bias reconstructed on the
@@ -205,9 +206,10 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
     latency_options = _latency_options(latency, config, placement, min_cosine, max_float_sites, eval_data)
     if not (isinstance(cpu_vnni, bool) or (isinstance(cpu_vnni, str) and cpu_vnni == "auto")):
         raise ConfigError(f"cpu_vnni must be True, False or 'auto', got {cpu_vnni!r}")
-    if cpu_vnni is True and (config.target != "ort-cpu" or min_cosine is not None or data is None):
-        raise ConfigError("cpu_vnni applies to target 'ort-cpu' with calibration data (data), "
-                          "without min_cosine")
+    if cpu_vnni is True and (config.target != "ort-cpu" or min_cosine is not None
+                             or (data is None and scales is None)):
+        raise ConfigError("cpu_vnni applies to target 'ort-cpu' with calibration data (data) or a ScaleTable "
+                          "calibrated for it, without min_cosine")
     if (workers is not None or ray not in (None, False)) and (
             optimize is not None or (data is None and min_cosine is None)):
         raise ConfigError("workers and ray spread calibration (data) and min_cosine's search; they do not "

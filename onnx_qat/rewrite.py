@@ -22,7 +22,7 @@ from .io.files import check_output_and_report
 from .graph.index import GraphIndex, subgraphs_of
 from .placement.marks import ActivationMark, Placement
 from .placement.policy import policy_for
-from .scales import ScaleTable
+from .scales import CALIBRATION_TARGET_KEY, ScaleTable
 from .insertion.adapters import make_adapter
 from .insertion.targets import Target, get_target
 from .formats.numeric import get_format
@@ -207,7 +207,9 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
                                                             config)
     from_scales = data is None  # no step below edits the float model then (AWQ and GPTQ need data)
     width = None  # ort-cpu with calibrated ranges: GEMM weights (depthwise excepted) in 8 or 7 bits
-    if data is not None and not fmt.weight_only and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
+    table_calibrated = _calibrated_for(given, target_obj, data, cpu_vnni)  # calibrate(target="ort-cpu")
+    if (data is not None or table_calibrated) and not fmt.weight_only \
+            and hasattr(make_adapter(target_obj), "nonnegative_inputs"):
         from .placement.cpu_latency import resolve_cpu_vnni
 
         width = resolve_cpu_vnni(cpu_vnni, profile=None if latency is None else latency.profile,
@@ -273,8 +275,17 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     if adapter is not None and data is not None and hasattr(adapter, "nonnegative_inputs"):  # calibrated here
         calibrated = {"nonnegative": adapter.nonnegative_inputs(float_model, data, placement), "fine": True,
                       **({"vnni": True} if width is not None and width["cpu_vnni"] else {})}
+    elif table_calibrated and hasattr(adapter, "nonnegative_bounds"):  # calibrated for this form, earlier
+        calibrated = {"nonnegative": adapter.nonnegative_bounds(index, placement, table), "fine": True,
+                      **({"vnni": True} if width is not None and width["cpu_vnni"] else {})}
+        note = (f"{target_obj.name}: ranges calibrated for this form (ScaleTable {CALIBRATION_TARGET_KEY} "
+                f"{target_obj.name!r}): used as with calibration data, except rule CPU7 (Conv biases "
+                "corrected for the mean weight-rounding error), which needs the data itself (--data); a "
+                "ScaleTable does not carry it")
+        logger.info("%s", note)
+        placement = replace(placement, notes=placement.notes + (note,))
     means, corrected, pristine = None, {}, None  # ort-cpu with data: rule CPU7's input means, records
-    if calibrated and fmt.name == "int8":
+    if calibrated and data is not None and fmt.name == "int8":
         means = _conv_input_means(float_model, index, placement if every_site is None else every_site, data,
                                   calib_kw)
     if adapter is not None:  # e.g. ort-cpu: requantization points and zero points, after ranges are known
@@ -645,6 +656,21 @@ def _fp16_fit(folds, index: GraphIndex, placement: Placement, target_obj: Target
     return tuple(kept), tuple(unfit)
 
 
+def _calibrated_for(given, target_obj: Target, data, cpu_vnni) -> bool:
+    """True when ``given`` (`_given_table`'s ``(source, table)``, without ``data``) holds ranges
+    calibrated for ``target_obj``'s form (metadata `onnx_qat.scales.CALIBRATION_TARGET_KEY`, written by
+    ``calibrate(..., target="ort-cpu")``): the form then treats them as calibrated in this call. Refuses
+    ``cpu_vnni=True`` with ranges that are not (learned in QAT, or calibrated for ``tensorrt``): the
+    weight width applies to calibrated ranges only."""
+    found = data is None and given is not None and target_obj.name != "tensorrt" \
+        and given[1].metadata.get(CALIBRATION_TARGET_KEY) == target_obj.name
+    if cpu_vnni is True and data is None and not found:
+        raise ConfigError(f"cpu_vnni applies to calibrated ranges: calibration data (data), or a ScaleTable "
+                          f"from calibrate(..., target={target_obj.name!r}) (onnx-qat calibrate --target "
+                          f"{target_obj.name}); this table's ranges were not calibrated for that form")
+    return found
+
+
 def _given_table(scales) -> Tuple[str, ScaleTable]:
     """``(source label, table)`` of the ``scales`` argument: a ScaleTable, a mapping of activation ranges,
     a ScaleTable JSON file or a TensorRT calibration cache (loaded and validated here, once)."""
@@ -729,9 +755,9 @@ def _calibrated(model, placement, data, method, config, calib_kw, progress) -> T
         return result.table(), reached
     from .calibration.choice import choose
 
-    best, cosines = choose(model, reached, result, target=config.target, precision=config.precision,
-                           block_size=config.block_size)
-    return auto_table(result, best, cosines), reached
+    chosen = choose(model, reached, result, target=config.target, precision=config.precision,
+                    block_size=config.block_size)
+    return auto_table(result, *chosen), reached
 
 
 #: Softmax outputs lie in [0, 1]: with FP8 their range is fixed, not calibrated (data-independent, as

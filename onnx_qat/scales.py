@@ -392,11 +392,18 @@ def block_ranges(weights: Mapping[str, "object"], axis: int, block_size: int) ->
     return ScaleTable(weights=ranges, producer="block_ranges")
 
 
+#: Metadata key of a table calibrated for a deployment form other than ``tensorrt`` (``calibrate(...,
+#: target="ort-cpu")`` writes ``"ort-cpu"``): ``quantize`` with such a table and that target treats its
+#: ranges as calibrated for the model, as with ``data`` (the ``ort-cpu`` form's whole uint8 grid for
+#: non-negative tensors, graph inputs >= 0 from their ``bounds``, the weight width of the CPU).
+CALIBRATION_TARGET_KEY = "calibration_target"
+
 # How a table's metadata says its ranges were chosen. ``calibrate`` records its method
 # (``calibration_method``, ``percentile``) and, for ``auto``, the candidate table it kept
-# (``auto_table``), each candidate's output cosine on the calibration data (``auto_output_cosine``)
-# and the per-tensor picks (``auto_choices``); the command line prints the line after ``calibrate``
-# and ``quantize``, so the choice ``auto`` made is visible without ``--verbose``.
+# (``auto_table``), each candidate's output cosine on the calibration data (``auto_output_cosine``),
+# the per-tensor picks (``auto_choices``) and, when too few samples left the choice to the default,
+# why (``auto_note``); the command line prints the line after ``calibrate`` and ``quantize``, so the
+# choice ``auto`` made is visible without ``--verbose``.
 
 #: How the summary names each of auto's candidate tables (``entropy``: a table of releases before
 #: 2026-11-27, still named when a table file of theirs is read).
@@ -409,8 +416,10 @@ _CANDIDATE = {"tensor": "per-tensor"}
 def describe_method(metadata: Mapping[str, str]) -> str:
     """``ranges: max``, ``ranges: percentile 99.99`` or, for ``auto``, ``ranges: auto kept the
     least-error range per tensor (mse 84, max 1) | output cosine on the calibration data:
-    per-tensor 0.99994, max 0.99992``. Empty when the metadata names no method (a table
-    read from a file another tool wrote)."""
+    per-tensor 0.99994, max 0.99992``, with the reason when the paired rule did not decide
+    (``ranges: auto kept max everywhere (3 samples judged, fewer than the 8 the paired rule
+    needs) | ...``). Empty when the metadata names no method (a table read from a file another
+    tool wrote)."""
     method = metadata.get("calibration_method", "")
     if not method:
         return ""
@@ -424,6 +433,8 @@ def describe_method(metadata: Mapping[str, str]) -> str:
         picks = Counter(_json(metadata.get("auto_choices")).values())
         if picks:
             text += " (" + ", ".join(f"{name} {n}" for name, n in picks.most_common()) + ")"
+    if metadata.get("auto_note"):
+        text += f" ({metadata['auto_note']})"
     cosines = _json(metadata.get("auto_output_cosine"))
     if cosines:
         ranked = sorted(cosines.items(), key=lambda item: -float(item[1]))
@@ -441,4 +452,4 @@ def _json(text) -> dict:
 
 
 __all__ = ["ScaleTable", "WeightRange", "FORMAT", "VERSION", "VERSIONS", "block_ranges", "describe_method",
-           "AUTO_TABLES"]
+           "AUTO_TABLES", "CALIBRATION_TARGET_KEY"]

@@ -20,7 +20,12 @@ def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleT
     """The learned ScaleTable plus the max |x| over ``feeds`` (the caller's sample data) of each
     tensor ``target``'s form needs a range for and no quantizer observes (ort-cpu: the output of
     a Conv requantized for ``QLinearConv`` that reaches no quantized tensor through exactly
-    commuting ops). The learned ranges are kept as they are."""
+    commuting ops), with the ``[min, max]`` measured beside it (the ScaleTable's ``bounds``): the
+    ort-cpu form stores such a tensor of unknown sign over an asymmetric uint8 range from them, as
+    ``quantize(..., data=...)`` does for the same tensor. The learned ranges are kept as they are,
+    without bounds: the QAT model was trained on their symmetric grid (``amax / 127``), which a range
+    from the data's extremes would replace (docs/performance.md, "Calibrating once for the CPU
+    target"). The table is not marked as calibrated for the form (its other ranges were learned)."""
     from onnx_qat.calibration import calibrate
     from onnx_qat.errors import QatError
     from onnx_qat.graph.index import GraphIndex
@@ -44,7 +49,8 @@ def _with_target_ranges(mapping: KerasOnnxMapping, target: str, feeds) -> ScaleT
     return mapping.scales.merged(ScaleTable(
         measured.activations, producer=mapping.scales.producer,
         metadata={f"{target}_ranges": f"max |x| over {samples} sample_data samples for {len(needed)} "
-                  "requantization point(s) no quantizer observes"}))
+                  "requantization point(s) no quantizer observes"},
+        bounds=measured.bounds))
 
 
 def _quantize(quantize, float_model, mapping: KerasOnnxMapping, target: str, table,

@@ -154,7 +154,7 @@ class Judge:
                 from .gated import join_flat
 
                 self.runs += 1
-                batches = self.confirm._run(float_sites, amax)
+                batches = self.confirm.batch_outputs(float_sites, amax)
                 calib_outputs = {name: join_flat(v) for name, v in batches.items()}
             parts.append(sample_sums(self.confirm.reference, calib_outputs, self.calib_samples))
         self.last = judge_sums(parts, self.eval_samples or None)

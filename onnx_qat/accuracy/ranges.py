@@ -172,7 +172,7 @@ class Confirmation:
         """Output cosine with ``float_sites`` float and every other site quantized under ``amax``."""
         from .gated import join_flat
 
-        batches = self._run(float_sites, amax)
+        batches = self.batch_outputs(float_sites, amax)
         return output_error(self.reference, {name: join_flat(v) for name, v in batches.items()}).cosine
 
     def judged(self, float_sites: Sequence[int], amax: Mapping[str, float]) -> Tuple[float, np.ndarray]:
@@ -181,15 +181,16 @@ class Confirmation:
         from ..calibration.choice import output_energy, sample_errors
         from .gated import join_flat
 
-        batches = self._run(float_sites, amax)
+        batches = self.batch_outputs(float_sites, amax)
         if self._energy is None:
             self._energy = output_energy(self.reference)
         errors = sample_errors(self.reference, {o: batches[o] for o in self.reference}, self._energy)
         joined = {name: join_flat(v) for name, v in batches.items()}
         return output_error(self.reference, joined).cosine, errors
 
-    def _run(self, float_sites: Sequence[int], amax: Mapping[str, float]) -> Dict[str, list]:
-        """The outputs, batch by batch, with ``float_sites`` float and the other sites under ``amax``."""
+    def batch_outputs(self, float_sites: Sequence[int], amax: Mapping[str, float]) -> Dict[str, list]:
+        """The outputs, batch by batch, with ``float_sites`` float and the other sites under ``amax`` (one
+        whole run of the gated session on the confirmation samples; `Judge.judged` uses it too)."""
         sites = self.prepared.sites
         on = set(range(len(sites))) - set(with_partners(sites, float_sites))
         self.runs += 1

@@ -20,7 +20,7 @@ come back as None and get no range. A name that is no tensor of the model is a M
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -51,13 +51,16 @@ def _defined_inside(node: onnx.NodeProto) -> set:
 CHUNKED_NODES = 8000
 
 
-def make_runner(model: onnx.ModelProto, names: Sequence[str], threads: Optional[int] = None):
+def make_runner(model: onnx.ModelProto, names: Sequence[str], threads: Optional[int] = None,
+                batch_axis: Optional[Mapping[str, int]] = None):
     """An onnxruntime session fetching ``names`` as extra outputs when all are main-graph tensors
     (``threads``: its intra-op threads, None for onnxruntime's default), else a `BranchRunner`
     (``model`` is then copied, never changed).
 
     A main graph of more than `CHUNKED_NODES` nodes is run piece by piece
-    (`onnx_qat.runtime.chunked.ChunkedSession`, the graph outputs fetchable too): onnxruntime's
+    (`onnx_qat.runtime.chunked.ChunkedSession`, the graph outputs fetchable too; ``batch_axis``:
+    ``{input: axis}`` of the inputs whose batch axis is not the first, the one axis its pieces
+    declare symbolic): onnxruntime's
     build of one session with that many extra outputs grows much faster than the graph (measured on
     the benchmark's residual nets, in CPU time: 2.0 s at 5,000 nodes, 5.7 s at 10,000, and `max`
     calibration at 50,000 nodes 674 s of which most was that build), while the pieces' sessions grow
@@ -70,7 +73,8 @@ def make_runner(model: onnx.ModelProto, names: Sequence[str], threads: Optional[
             from ..runtime import chunked
 
             fetched = list(dict.fromkeys(list(names) + [o.name for o in model.graph.output]))
-            return chunked.ChunkedSession(model, fetched, chunk_nodes=chunked.CHUNK_NODES, threads=threads)
+            return chunked.ChunkedSession(model, fetched, chunk_nodes=chunked.CHUNK_NODES, threads=threads,
+                                          batch_axis=batch_axis)
         return make_session(model, extra_outputs=names, threads=threads)  # the model is not changed
     return BranchRunner(model, names)
 

@@ -25,7 +25,8 @@ first (``max``) is kept.
 
 Large graphs are judged on fewer samples (`judge_samples`): each judged sample costs one run of the
 whole Q/DQ model per table, so the samples are bounded by `JUDGE_NODE_SAMPLES` (nodes x samples),
-never fewer than `MIN_JUDGE_SAMPLES`; every model up to 625 nodes keeps all 64.
+never fewer than `MIN_JUDGE_SAMPLES` (8, the paired rule's minimum); every model up to 625 nodes
+keeps all 64.
 
 The tables are taken in order -- ``max``, then the per-tensor table -- and a later
 table replaces the one kept only when its worst-output cosine is higher **and** the samples agree
@@ -35,8 +36,19 @@ outputs, as a share of each output's energy: the terms the cosine sums) must dif
 PP-OCR angle classifier (16 calibration lines) ``entropy`` everywhere, a third table until
 2026-11-27, led the per-tensor table 0.9846 to 0.9806 by two lines alone (each table closer on about
 half of the lines) and trailed both it and ``max`` on the evaluation lines; such a lead is noise, and
-the table kept before it stays. Data without per-sample
-outputs (a single run) is judged by the cosines alone.
+the table kept before it stays.
+
+The paired rule needs at least `MIN_PAIRED_SAMPLES` (8) per-sample errors (samples, or check batches
+when the outputs do not lead with the batch axis): its standard error, estimated from fewer, is
+itself noise, and a lead of two standard errors happens by chance 15% of the time on 2 samples, 7% on
+4 and 4% on 8 (Student's t with n - 1 degrees of freedom, against 2.3% for a normal mean). On 2-4
+samples the choice between ``max`` and the per-tensor table flipped with input perturbations of
+0.1-0.3% in 16 of 72 conditions tried (three small models, four seeds, inputs standardized and scaled
+to [0, 255]; three of them are tests/onnx_qat/test_calibration_auto.py's). With fewer errors than that
+the first table, ``max`` everywhere, is kept whatever the cosines, and the result says why
+(`TableChoice.note`, recorded as the table's ``auto_note``); the cosines are still measured and
+recorded.
+
 If branches and Loop/Scan bodies are judged float (their marks are inserted in the final model
 only): a model whose quantized activations all sit in them (silero-vad's) keeps each tensor's
 least-error candidate, since no table changes what the check runs. The placement given is the one
@@ -47,7 +59,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional
 
 import numpy as np
 import onnx
@@ -64,17 +76,40 @@ CHECK_SAMPLES = 64
 #: that the judgement's cost stops growing with the graph's size times the samples (at 10,000 nodes
 #: the runs of 64 samples cost more than the calibration pass itself).
 JUDGE_NODE_SAMPLES = 40_000
-#: Samples the tables are always judged on (when the calibration data has them).
-MIN_JUDGE_SAMPLES = 4
 #: Standard errors by which a table's mean per-sample output error must undercut the kept table's
 #: (a paired comparison; about 95% confidence for a normal mean).
 EVIDENCE = 2.0
+#: Per-sample errors the paired rule needs before a later table may replace ``max``: with fewer, the
+#: standard error is too uncertain for `EVIDENCE` to mean what it says (a chance lead of two standard
+#: errors has probability 0.148 on 2 samples, 0.070 on 4, 0.043 on 8: Student's t), and ``max``
+#: everywhere is kept.
+MIN_PAIRED_SAMPLES = 8
+#: Samples the tables are always judged on (when the calibration data has them): the paired rule's
+#: minimum, so that a large graph calibrated on enough samples is still judged.
+MIN_JUDGE_SAMPLES = MIN_PAIRED_SAMPLES
+
+
+class TableChoice(NamedTuple):
+    """What `choose` decided: ``best`` (the name of the candidate table kept), ``cosines``
+    (``{table name: worst-output cosine}``, empty when no table was run) and ``note`` (why the
+    paired rule was set aside, e.g. ``"3 samples judged, fewer than the 8 the paired rule needs"``;
+    empty when it decided)."""
+
+    best: str
+    cosines: Dict[str, float]
+    note: str = ""
+
+
+def few_samples_note(samples: int) -> str:
+    """The note `choose` gives when ``samples`` per-sample errors are fewer than `MIN_PAIRED_SAMPLES`."""
+    return (f"{samples} sample{'' if samples == 1 else 's'} judged, fewer than the {MIN_PAIRED_SAMPLES} "
+            "the paired rule needs")
 
 
 def judge_samples(nodes: int) -> int:
     """How many of the first calibration samples the tables of a ``nodes``-node model are judged on:
     `CHECK_SAMPLES` (64), or ``JUDGE_NODE_SAMPLES // nodes`` when fewer, but at least
-    `MIN_JUDGE_SAMPLES` (4 from 10,000 nodes on)."""
+    `MIN_JUDGE_SAMPLES` (8 from 5,000 nodes on)."""
     return max(MIN_JUDGE_SAMPLES, min(CHECK_SAMPLES, JUDGE_NODE_SAMPLES // max(int(nodes), 1)))
 
 
@@ -88,8 +123,10 @@ def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np
 
 
 def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt", precision="int8",
-           block_size: int = 128) -> Tuple[str, Dict[str, float]]:
-    """``(name of the best candidate table, {table name: output cosine})``.
+           block_size: int = 128) -> TableChoice:
+    """The candidate table to keep: a `TableChoice` ``(best, cosines, note)``, ``best`` the name
+    of the table, ``cosines`` each table's worst-output cosine, ``note`` why the paired rule did not
+    decide (fewer than `MIN_PAIRED_SAMPLES` per-sample errors: ``max`` is kept).
 
     Args:
         model: the float model (not changed), the one ``placement`` was decided on.
@@ -109,20 +146,20 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     if not calibration.check_feeds or not calibration.reference:
         logger.warning("auto calibration: the model has no float output to judge the tables by; "
                        "keeping each tensor's least-error candidate")
-        return "tensor", {}
+        return TableChoice("tensor", {})
     if not placement.activations:  # every quantized activation sits in an If branch or a Loop/Scan body
         logger.warning("auto calibration: every quantized activation sits in an If branch or a Loop/Scan "
                        "body, which the output check runs float; keeping each tensor's least-error "
                        "candidate")
-        return "tensor", {}
+        return TableChoice("tensor", {})
     first = next(iter(tables))
     if all(table == tables[first] for table in tables.values()):  # the same runs: nothing to judge
         logger.info("auto calibration: every candidate table holds the same ranges; keeping %s", first)
-        return first, {}
+        return TableChoice(first, {})
     judge, scale_inputs = judge_model(model, placement, tables["max"], target=target, precision=precision,
                                       block_size=block_size)
     outputs = list(calibration.reference)
-    session = ChunkedSession(judge, outputs)
+    session = ChunkedSession(judge, outputs, batch_axis=calibration.batch_axis)
     del judge
     cosines: Dict[str, float] = {}
     errors: Dict[str, np.ndarray] = {}
@@ -137,6 +174,11 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
                                                              for o in outputs})
         errors[name] = sample_errors(calibration.reference, got, energy)
     best = next(iter(tables))
+    samples = min(len(e) for e in errors.values())
+    if samples < MIN_PAIRED_SAMPLES:  # the paired rule cannot decide: max, whatever the cosines
+        note = few_samples_note(samples)
+        logger.info("auto calibration: %s; keeping %s", note, best)
+        return TableChoice(best, cosines, note)
     for name in tables:
         if cosines[name] > cosines[best] and beats(errors[name], errors[best]):
             best = name
@@ -144,7 +186,7 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
             logger.info("auto calibration: table %s's output cosine %.5f leads %s's %.5f, but not on most "
                         "samples (paired errors within %g standard errors): keeping %s", name, cosines[name],
                         best, cosines[best], EVIDENCE, best)
-    return best, cosines
+    return TableChoice(best, cosines)
 
 
 def output_energy(reference: Mapping[str, np.ndarray]) -> Dict[str, float]:
@@ -317,4 +359,5 @@ def _scale_feeds(placement, amax: Mapping[str, float], scale_inputs: Mapping[str
     return {scale_inputs[t]: np.array(s, dtype=np.float32) for t, s in zip(tensors, scales)}
 
 
-__all__ = ["beats", "choose", "judge_model", "judge_samples", "sample_errors", "worst_cosine"]
+__all__ = ["TableChoice", "beats", "choose", "few_samples_note", "judge_model", "judge_samples",
+           "sample_errors", "worst_cosine"]

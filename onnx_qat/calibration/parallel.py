@@ -52,12 +52,14 @@ class CollectJob:
         self.fetched, self.outputs, self.run_outputs = tuple(fetched), tuple(outputs), tuple(run_outputs)
         self.new_observers, self.observe = new_observers, observe
         self.part = _PartSource(dataset.source, _per_sample(dataset))
+        self.batch_axis = dict(getattr(dataset, "batch_axis", None) or {})
 
     def start(self, threads: Optional[int]):
         """In the worker: build the session; return the function that observes one part."""
         from .branches import make_runner
 
-        session = make_runner(self.model.model(), list(self.run_outputs), threads=threads)
+        session = make_runner(self.model.model(), list(self.run_outputs), threads=threads,
+                              batch_axis=self.batch_axis)
         job = self
 
         def run(part):
@@ -113,7 +115,8 @@ def observe_split(model, dataset, observers: Dict[str, object], fetched: Sequenc
     bar = _bar(total, progress, desc)
     try:
         started = time.perf_counter()
-        session = make_runner(model, list(run_outputs))
+        session = make_runner(model, list(run_outputs),
+                              batch_axis=dict(getattr(dataset, "batch_axis", None) or {}))
         build = time.perf_counter() - started
         first = next(feeds, None)
         started = time.perf_counter()

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -20,7 +20,7 @@ import onnx
 
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
 from ..formats.scale_grid import fp16_grid_values
-from ..scales import ScaleTable
+from ..scales import CALIBRATION_TARGET_KEY, ScaleTable
 from .branches import make_runner
 from .choice import CHECK_SAMPLES, judge_samples
 from .auto import AutoCollector
@@ -227,6 +227,8 @@ class Calibration:
             ``entropy`` unless `collect` was told not to search it), all read from the same histograms:
             what a search over each tensor's range
             (`onnx_qat.accuracy.ranges`) chooses from.
+        batch_axis: ``{input: axis}`` of the inputs whose batch axis is not the first (as the data
+            declared it): the axis the judgement's pieces declare symbolic.
     """
 
     ranges: Mapping[str, float]
@@ -239,6 +241,7 @@ class Calibration:
     reference: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
     bounds: Mapping[str, Tuple[float, float]] = field(default_factory=dict)
     options: Mapping[str, Mapping[str, float]] = field(default_factory=dict, repr=False)
+    batch_axis: Mapping[str, int] = field(default_factory=dict)
 
     def table(self, name: Optional[str] = None, **metadata) -> ScaleTable:
         """The ScaleTable of `ranges` (or of candidate ``name``), with ``metadata`` and `bounds` added."""
@@ -265,16 +268,25 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
             of the max, percentile and mse candidates quantizes that tensor with the least error --
             the one whose quantized model's output is closest to the float
             model's on the first 64 calibration samples (fewer on graphs over 625 nodes), a later
-            table replacing an earlier one only where the samples agree, `choose`;
-            the metadata keys ``auto_table``, ``auto_output_cosine`` and ``auto_choices`` record
-            the choice), ``"max"`` (max |x|), ``"percentile"`` (the ``percentile``-th percentile of
-            |x|), ``"entropy"`` (TensorRT's KL-divergence threshold, guarded) or ``"mse"``
-            (threshold with the least expected quantization error).
+            table replacing an earlier one only where the samples agree, `choose`; on fewer than 8
+            samples ``max`` everywhere, the paired rule's minimum;
+            the metadata keys ``auto_table``, ``auto_output_cosine``, ``auto_choices`` and
+            ``auto_note`` record the choice), ``"max"`` (max |x|), ``"percentile"`` (the
+            ``percentile``-th percentile of |x|), ``"entropy"`` (TensorRT's KL-divergence threshold,
+            guarded) or ``"mse"`` (threshold with the least expected quantization error).
         percentile: for ``method="percentile"``, in (0, 100].
         num_bins: histogram bins for the histogram methods (a power of two >= 256).
         batch_size: samples per onnxruntime run.
         config: a [`QuantizeConfig`][onnx_qat.config.QuantizeConfig]; with ``placement_options``
-            (its field names) it decides which tensors are observed.
+            (its field names) it decides which tensors are observed. Its ``target`` (``target=``,
+            ``"tensorrt"`` by default) names the deployment form the table is for: ``"ort-cpu"``
+            also observes the tensors that form adds (the requantization points that need a range of
+            their own, rule CPU1: `onnx_qat.insertion.ort_cpu.OrtCpuAdapter.calibration_tensors`),
+            leaves the ranges off the FP16 grid and records ``calibration_target`` ``"ort-cpu"`` in
+            the metadata (`onnx_qat.scales.CALIBRATION_TARGET_KEY`), so that ``quantize(model,
+            scales=table, target="ort-cpu")`` builds the form ``quantize(model, data=..., target=
+            "ort-cpu")`` builds with the same method, except rule CPU7's bias correction, which needs
+            the data itself (docs/performance.md, "Calibrating once for the CPU target").
         tensors: observe exactly these tensors instead of placement's activation tensors (with
             ``auto``, tables that leave out an activation placement quantizes cannot be judged by
             the output: the per-tensor table is kept, with a warning and ``auto_table`` ``tensor``).
@@ -322,10 +334,14 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     if tensors is None or method == "auto":  # auto's tables are judged with the placement
         placement = _placement(proto, config, placement_options)
     names = _tensors_to_observe(placement if tensors is None else None, tensors, config, placement_options)
+    if tensors is None:
+        names = tuple(dict.fromkeys(names + form_tensors(proto, placement, resolved.target)))
     dataset = load_data(data, proto, what="calibration data")
     result = collect(proto, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
                      batch_size=batch_size, progress=progress, workers=workers,
                      fp16_grid=resolved.target == "tensorrt", entropy=False)
+    if resolved.target != "tensorrt":  # the tensorrt table stays as it was, byte for byte
+        result = replace(result, metadata={**result.metadata, CALIBRATION_TARGET_KEY: resolved.target})
     if result.unobserved:
         logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
                        "that cannot be observed per iteration (e.g. %r); they get no range",
@@ -343,20 +359,22 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
                            "keeping each tensor's least-error candidate")
             table = auto_table(result, "tensor", {})
         else:
-            best, cosines = choose(proto, reached, result, target=resolved.target,
-                                   precision=resolved.precision, block_size=resolved.block_size)
-            table = auto_table(result, best, cosines)
+            table = auto_table(result, *choose(proto, reached, result, target=resolved.target,
+                                               precision=resolved.precision, block_size=resolved.block_size))
     if output is not None:
         table.save(output)
     return table
 
 
-def auto_table(result: Calibration, best: str, cosines: Mapping[str, float]) -> ScaleTable:
+def auto_table(result: Calibration, best: str, cosines: Mapping[str, float], note: str = "") -> ScaleTable:
     """``auto``'s ScaleTable: candidate ``best`` of ``result``, its metadata recording the per-tensor
     picks (``auto_choices``: the candidate names, or ``best`` everywhere for a whole-model table),
-    the table kept (``auto_table``) and each table's output cosine (``auto_output_cosine``)."""
+    the table kept (``auto_table``), each table's output cosine (``auto_output_cosine``) and, when
+    the paired rule did not decide, why (``auto_note``, `onnx_qat.calibration.choice.TableChoice`)."""
     choices = dict(result.choices) if best == "tensor" else {name: best for name in result.ranges}
     meta = {"auto_table": best, "auto_choices": json.dumps(choices, sort_keys=True, separators=(",", ":"))}
+    if note:
+        meta["auto_note"] = note
     if cosines:
         meta["auto_output_cosine"] = json.dumps({k: round(v, 6) for k, v in cosines.items()},
                                                 sort_keys=True, separators=(",", ":"))
@@ -420,7 +438,7 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     else:
         if why and (workers.count is not None or workers.ray is not None):
             logger.warning("note: %s; --workers and --ray do not apply to it", why)
-        session = carry_state(make_runner(model, run_outputs), dataset)
+        session = carry_state(make_runner(model, run_outputs, batch_axis=_batch_axis(dataset)), dataset)
         reached, kept = _observe(session, dataset, observers, fetched, batch_size, progress, desc, outputs,
                                  check)
         reached -= set(getattr(session, "unobservable", ()))  # a body found unobservable after some batches
@@ -438,7 +456,7 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
             **({"scale_grid": f"fp16 (amax / {SCALE_QMAX:g})"} if fp16_grid else {})}
     producer = f"onnx_qat.calibrate(method={_describe(method, percentile)})"
     if method != "auto":
-        return Calibration(ranges, unobserved, meta, producer, bounds=bounds)
+        return Calibration(ranges, unobserved, meta, producer, bounds=bounds, batch_axis=_batch_axis(dataset))
 
     # every candidate range of every tensor on the grid at once, a zero range replaced by ZERO_TENSOR_AMAX
     collectors = [observers[name].collector for name in ranges]
@@ -460,7 +478,12 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     reference = {name: np.concatenate([values[name].ravel() for _, values in kept]) for name in outputs} \
         if kept else {}
     return Calibration(ranges, unobserved, meta, producer, candidates, choices, feeds, reference, bounds,
-                       options)
+                       options, _batch_axis(dataset))
+
+
+def _batch_axis(dataset) -> Dict[str, int]:
+    """``{input: axis}`` of ``dataset``'s inputs whose batch axis is not the first."""
+    return dict(getattr(dataset, "batch_axis", None) or {})
 
 
 def _floats(values: Sequence[float]) -> list:
@@ -534,6 +557,19 @@ def _samples_in(dataset, feed) -> int:
     if not per_sample:
         return 1
     return len(next(iter(feed.values())))
+
+
+def form_tensors(model: onnx.ModelProto, placement, target: str) -> Tuple[str, ...]:
+    """The tensors ``target``'s deployment form needs a range for beyond ``placement``'s activations
+    (``ort-cpu``: the Conv outputs requantized with their own range, rule CPU1,
+    `onnx_qat.insertion.ort_cpu.OrtCpuAdapter.calibration_tensors`); empty for ``tensorrt``. What
+    ``quantize(..., data=...)`` calibrates for that form too."""
+    from ..graph.index import GraphIndex
+    from ..insertion.adapters import make_adapter
+
+    adapter = make_adapter(target)
+    wanted = getattr(adapter, "calibration_tensors", None)
+    return () if wanted is None else tuple(wanted(GraphIndex(model), placement))
 
 
 def _placement(proto, config, placement_options):

@@ -28,7 +28,9 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    and onnxruntime drops the Relu/Clip in front of such a QuantizeLinear. With a given ScaleTable
    (ranges learned in QAT) the scale stays ``amax / 127``: values 0..127 as before and the clamp
    moves from ``amax`` to ``255/127 * amax`` (only values above the tensor's amax differ: kept
-   instead of clamped). With ranges calibrated in the same call (``data``), nothing was learned at
+   instead of clamped). With ranges calibrated in the same call (``data``), or a table from
+   ``calibrate(..., target="ort-cpu")`` (graph inputs >= 0 then read from its ``bounds``,
+   `OrtCpuAdapter.nonnegative_bounds`), nothing was learned at
    that scale, so these tensors use the whole grid: scale ``amax / 255``, twice as fine, clamped at
    ``amax`` (onnxruntime's own ``quantize_static`` also spends all 256 levels on a tensor that is
    never negative; measured on a random-weight MobileNetV2, the output error went from 1.25x to
@@ -60,7 +62,7 @@ So this form differs from ``tensorrt`` in these ways, and only these:
      tensor directly (measured on ResNet50: no Q/DQ node left between ``QLinearConv`` s, 6-7%
      faster than zero point 128 there, which kept a DQ -> Q pair per point);
    * otherwise the Conv output's own range from the ScaleTable (``onnx_qat.quantize`` with
-     ``data`` calibrates these tensors too);
+     ``data`` calibrates these tensors too, and so does ``onnx_qat.calibrate(..., target="ort-cpu")``);
    * when the table has no range for it, no point is added: that Conv keeps a float output
      (correct, slower) and the report lists it under ``not requantized``.
 
@@ -77,8 +79,9 @@ So this form differs from ``tensorrt`` in these ways, and only these:
    float between a DequantizeLinear and a QuantizeLinear;
 7. *float joins* (rule CPU6, `_float_joins`): a residual join with no other quantized input runs in
    float in onnxruntime, so its skip input loses the pair placement rule 6 gives it for TensorRT.
-8. *bias correction* (rule CPU7, `onnx_qat.insertion.ort_cpu_bias`, with calibration data only): each
-   quantized Conv's bias absorbs the mean error of its rounded weight on the calibration data.
+8. *bias correction* (rule CPU7, `onnx_qat.insertion.ort_cpu_bias`, with calibration data only; a
+   ScaleTable does not carry it): each quantized Conv's bias absorbs the mean error of its rounded
+   weight on the calibration data.
 
 Every learned scale is kept unchanged; each requantization point and each fold is listed in
 `onnx_qat.quantize.QuantizeResult.to_report` under ``requantization`` (folds with rule
@@ -302,6 +305,17 @@ class OrtCpuAdapter:
                 low[name] = lowest if np.isnan(lowest) else min(low[name], lowest)
         return tuple(n for n in names if low[n] >= 0.0)
 
+    @staticmethod
+    def nonnegative_bounds(index: GraphIndex, placement: Placement, table: ScaleTable) -> Tuple[str, ...]:
+        """`nonnegative_inputs` read from a calibrated ScaleTable instead of the data: the quantized graph
+        inputs whose recorded minimum (``table.bounds``, the smallest finite value calibration saw) is
+        >= 0. A table from ``calibrate(..., target="ort-cpu")`` observes every quantized graph input, so
+        this names the inputs `nonnegative_inputs` names on the same data (a NaN, which that counts as
+        negative, is left out of the bounds as of the amax, with a warning)."""
+        marked = set(placement.activation_tensors())
+        bounds = table.bounds
+        return tuple(n for n in index.graph_inputs if n in marked and n in bounds and bounds[n][0] >= 0.0)
+
     def adapt(self, index: GraphIndex, placement: Placement, table: ScaleTable,
               nonnegative: Tuple[str, ...] = (), fine: bool = False, vnni: bool = False) -> Adapted:
         """The placement with the requantization points added, the table with their ranges, the zero
@@ -372,7 +386,8 @@ class OrtCpuAdapter:
                 marks[point.tensor] = ActivationMark(point.tensor, consumers, RULE, point.reason)
             else:
                 notes.append(f"{point.op_type} {point.node!r}: output {point.tensor!r} has no range, so it "
-                             "keeps a float output in onnxruntime (give calibration data to requantize it)")
+                             "keeps a float output in onnxruntime (give calibration data, or a ScaleTable "
+                             "from 'onnx-qat calibrate --target ort-cpu', to requantize it)")
                 logger.warning("ort-cpu: no range for %r; %s %r keeps a float output",
                                point.tensor, point.op_type, point.node)
         logger.debug("ort-cpu requantization %s: %s", record["status"], point.reason)

@@ -50,7 +50,9 @@ class Target:
             object with ``calibration_tensors(index, placement)`` and ``adapt(index, placement,
             table, **calibrated)`` (see `onnx_qat.insertion.ort_cpu.OrtCpuAdapter`; when the ranges
             are calibrated in the same call and the adapter has ``nonnegative_inputs(model, data,
-            placement)``, ``calibrated`` is ``nonnegative=<its result>, fine=True``); what ``adapt``
+            placement)``, ``calibrated`` is ``nonnegative=<its result>, fine=True``; for a ScaleTable
+            calibrated for the form, metadata `onnx_qat.scales.CALIBRATION_TARGET_KEY`, the same from
+            ``nonnegative_bounds(index, placement, table)``); what ``adapt``
             returns may have a ``finish(edit)`` method, which ``onnx_qat.quantize`` calls with the
             `GraphEdit` after Q/DQ insertion
             (see `onnx_qat.insertion.ort_cpu.Adapted.finish`).

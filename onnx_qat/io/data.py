@@ -158,6 +158,12 @@ class Dataset:
         return self._constants
 
     @property
+    def batch_axis(self) -> Mapping[str, int]:
+        """``{input: axis}`` for inputs whose batch axis is not the first (where `batches` puts it;
+        ``load_data``'s ``batch_axis``)."""
+        return self._axes
+
+    @property
     def arrays(self) -> Mapping[str, np.ndarray]:
         """Input name -> read-only array (first axis = samples; an input with a declared batch axis
         has it moved first here). Constants and an initial state are not included.

@@ -183,6 +183,11 @@ class FeedStream:
         return False
 
     @property
+    def batch_axis(self):
+        """``{input: axis}`` for inputs whose batch axis is not the first (the layout's)."""
+        return self.layout.batch_axis
+
+    @property
     def arrays(self):
         """Not available: a stream has feeds, not arrays of samples (DataError)."""
         raise DataError(f"{self.source} is a stream of feeds, not arrays of samples; run it with batches()")

@@ -26,13 +26,19 @@ from onnx import helper
 CHUNK_NODES = 2000
 
 
+#: How `ChunkedSession` marks each axis of a tensor: the batch axis (declared symbolic, ``N``), a
+#: fixed size, or unknown (onnxruntime's shape inference lost it: symbolic when it equals the batch).
+BATCH, FIXED, UNKNOWN = "N", "fixed", "?"
+
+
 class _Piece:
-    __slots__ = ("nodes", "inputs", "outputs", "initializers", "sessions", "fed", "bound", "shaped",
+    __slots__ = ("nodes", "inputs", "outputs", "initializers", "sessions", "marks", "fed", "bound", "shaped",
                  "bindings")
 
     def __init__(self, nodes, inputs, outputs, initializers):
         self.nodes, self.inputs, self.outputs, self.initializers = nodes, inputs, outputs, initializers
         self.sessions: Dict[tuple, object] = {}
+        self.marks: Dict[tuple, Dict[str, tuple]] = {}  # session key -> {output: its axes' marks}
         self.fed, self.bound = inputs, ()  # inputs fed at each run; inputs held by `ChunkedSession.bind`
         self.shaped = inputs  # the inputs whose shapes may tell sessions apart (held scalars never do)
         self.bindings: Dict[tuple, list] = {}  # session key -> [IOBinding, the `bind` call it holds]
@@ -47,6 +53,9 @@ class ChunkedSession:
         outputs: the tensors `run` may be asked for (default: the graph outputs).
         chunk_nodes: nodes per piece.
         threads: intra-op threads of each piece's session (None: onnxruntime's default).
+        batch_axis: ``{graph input: its batch axis}`` for inputs whose batch axis is not the first
+            (as ``load_data``'s ``batch_axis`` and ``--batch-axis`` declare it); every other graph
+            input has it first.
 
     `bind` holds inputs that stay the same over many runs (the scales of a table judged on many
     samples): each piece's session gets them once, through onnxruntime's IOBinding, instead of
@@ -54,17 +63,27 @@ class ChunkedSession:
     2-3 times slower fed than bound).
 
     A piece's session is built when values first reach it, its inputs declared with their dtypes
-    and shapes, the batch size (the first axis of the feed's first batched input) as the symbolic
-    dimension ``N`` wherever it occurs: onnxruntime builds a session of known shapes several times
-    faster than one whose input shapes are unknown. Values of another shape (a smaller last batch)
-    get a session of their own.
+    and shapes, and the batch axis alone as the symbolic dimension ``N``: onnxruntime builds a
+    session of known shapes several times faster than one whose input shapes are unknown, and one
+    session then serves batches of every size (a smaller last batch). The batch axis of a graph input
+    is the declared one (``batch_axis``; none where the model fixes that dimension, e.g. a batch of
+    1); that of a tensor an earlier piece made is where onnxruntime's shape inference, in that
+    piece's session, carried ``N`` (an axis whose size it could not infer counts as the batch axis
+    when it equals the batch size). A fixed dimension that happens to equal the batch size stays
+    fixed: values of another fixed shape get a session of their own.
     """
 
     def __init__(self, model: onnx.ModelProto, outputs: Optional[Sequence[str]] = None, *,
-                 chunk_nodes: int = CHUNK_NODES, threads: Optional[int] = None):
+                 chunk_nodes: int = CHUNK_NODES, threads: Optional[int] = None,
+                 batch_axis: Optional[Mapping[str, int]] = None):
         from ..graph.edit import subgraph_names
 
         self.threads = threads
+        self.batch_axis = dict(batch_axis or {})
+        # each graph input's declared dimensions (an int where the model fixes it, else None)
+        self._declared = {i.name: tuple(d.dim_value if d.HasField("dim_value") else None
+                                        for d in i.type.tensor_type.shape.dim)
+                          if i.type.tensor_type.HasField("shape") else None for i in model.graph.input}
         #: seconds spent building the pieces' sessions so far (they are built on the first run)
         self.build_seconds = 0.0
         graph = model.graph
@@ -115,20 +134,41 @@ class ChunkedSession:
         self._constants: Dict[str, np.ndarray] = {}
         self._binds = 0  # `bind` calls so far
 
-    def _session(self, piece: _Piece, live: Mapping[str, np.ndarray], batch: Optional[int]):
+    def _input_marks(self, feed: Mapping[str, np.ndarray]) -> Dict[str, tuple]:
+        """The marks (`BATCH`, `FIXED`) of every axis of the graph inputs in ``feed`` and of the inputs
+        held by `bind` (all fixed): each fed input's declared batch axis (`batch_axis`, else the
+        first) is `BATCH` unless the model fixes that dimension."""
+        marks = {t: (FIXED,) * np.ndim(v) for t, v in self._constants.items()}
+        for t, value in feed.items():
+            axis, declared = self.batch_axis.get(t, 0), self._declared.get(t)
+            fixed = declared is not None and axis < len(declared) and declared[axis] is not None
+            marks[t] = tuple(BATCH if k == axis and not fixed else FIXED for k in range(np.ndim(value)))
+        return marks
+
+    @staticmethod
+    def _dims(shape, marks: Optional[tuple], batch: Optional[int]) -> tuple:
+        """``shape`` with ``N`` for the size ``batch`` on its batch axis (by ``marks``, its axes'
+        marks) and on axes of unknown mark (all of them when ``marks`` does not fit ``shape``)."""
+        if marks is None or len(marks) != len(shape):
+            marks = (UNKNOWN,) * len(shape)
+        return tuple("N" if d == batch and m != FIXED else d for d, m in zip(shape, marks))
+
+    def _session(self, piece: _Piece, live: Mapping[str, np.ndarray], marks: Mapping[str, tuple],
+                 batch: Optional[int]):
+        """``(session, {output: its axes' marks})`` of ``piece`` for the values ``live``."""
         from .sessions import make_session
 
         # scalars (e.g. scales fed as inputs) keep the dtype they first came with: only the shapes of
         # the others tell sessions apart
-        key = tuple(tuple("N" if d == batch else d for d in np.shape(live[t])) for t in piece.shaped
-                    if np.ndim(live[t]))
+        key = tuple(self._dims(np.shape(live[t]), marks.get(t), batch)
+                    for t in piece.shaped if np.ndim(live[t]))
         session = piece.sessions.get(key)
         if session is not None:
-            return session
+            return session, piece.marks[key]
         opsets, ir_version, functions = self.model_info
         inputs = [helper.make_tensor_value_info(
             t, helper.np_dtype_to_tensor_dtype(np.asarray(live[t]).dtype),
-            ["N" if d == batch else d for d in np.shape(live[t])]) for t in piece.inputs]
+            list(self._dims(np.shape(live[t]), marks.get(t), batch))) for t in piece.inputs]
         graph = helper.make_graph(piece.nodes, "piece", inputs,
                                   [onnx.ValueInfoProto(name=t) for t in piece.outputs], piece.initializers)
         model = helper.make_model(graph, opset_imports=opsets, functions=functions)
@@ -139,7 +179,11 @@ class ChunkedSession:
         session = piece.sessions[key] = make_session(model, optimize=False, copy=False, spin=False,
                                                      threads=self.threads)
         self.build_seconds += time.perf_counter() - started
-        return session
+        # where onnxruntime's shape inference carried the batch axis into the piece's outputs
+        made = piece.marks[key] = {
+            o.name: tuple(BATCH if d == "N" else FIXED if isinstance(d, int) else UNKNOWN for d in o.shape)
+            for o in session.get_outputs() if isinstance(o.shape, list)}
+        return session, made
 
     def bind(self, constants: Mapping[str, np.ndarray]) -> None:
         """Hold ``constants`` (graph input name -> array, e.g. a table's scales) as inputs of every
@@ -158,10 +202,13 @@ class ChunkedSession:
         held by `bind`)."""
         wanted = self.outputs if outputs is None else tuple(outputs)
         live = {**self._constants, **feed} if self._constants else dict(feed)
-        batch = next((np.shape(v)[0] for v in feed.values() if np.ndim(v)), None)
+        marks = self._input_marks(feed)
+        batch = next((np.shape(value)[marks[t].index(BATCH)] for t, value in feed.items()
+                      if BATCH in marks[t]), None)
         for piece, dead in zip(self.pieces, self.dead):
             if piece.outputs:
-                session = self._session(piece, live, batch)
+                session, made = self._session(piece, live, marks, batch)
+                marks.update(made)
                 if piece.bound:
                     values = self._run_bound(piece, session, live, run_options)
                 else:
@@ -190,4 +237,4 @@ class ChunkedSession:
         return binding.copy_outputs_to_cpu()
 
 
-__all__ = ["ChunkedSession", "CHUNK_NODES"]
+__all__ = ["ChunkedSession", "CHUNK_NODES", "BATCH", "FIXED", "UNKNOWN"]

@@ -247,9 +247,9 @@ def test_large_graphs_are_judged_on_fewer_samples():
     from onnx_qat.calibration.choice import JUDGE_NODE_SAMPLES, MIN_JUDGE_SAMPLES, judge_samples
     from onnx_qat.calibration.runner import CHECK_SAMPLES
 
-    assert [judge_samples(n) for n in (1, 566, 625, 626, 2000, 10_000, 50_000)] == \
-        [64, 64, 64, 63, 20, 4, 4]
-    assert JUDGE_NODE_SAMPLES // 625 == CHECK_SAMPLES and MIN_JUDGE_SAMPLES == 4
+    assert [judge_samples(n) for n in (1, 566, 625, 626, 2000, 5000, 5001, 10_000, 50_000)] == \
+        [64, 64, 64, 63, 20, 8, 8, 8, 8]
+    assert JUDGE_NODE_SAMPLES // 625 == CHECK_SAMPLES and MIN_JUDGE_SAMPLES == 8
     nodes = [helper.make_node("Relu", ["x" if i == 0 else f"r{i - 1}"], [f"r{i}"]) for i in range(2000)]
     x, out = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 4]) for n in ("x", "r1999"))
     graph = helper.make_graph(nodes, "chain", [x], [out])
@@ -289,6 +289,100 @@ def test_a_table_replaces_the_kept_one_only_when_most_samples_agree():
     # outputs that do not lead with the same axis: one error per batch
     got = {"y": [np.array([1.0, 2.0, 3.0, 5.0])], "z": [np.array([[2.0, 1.0]])]}
     np.testing.assert_allclose(sample_errors(reference, got, {"y": 30.0, "z": 8.0}), [1.0 / 30.0 + 1.0 / 8.0])
+
+
+def _few(model, n: int, seed: int, scale: str, eps: float) -> dict:
+    """``n`` samples of ``model``'s inputs, standardized (``norm``) or as |x| scaled to [0, 255]
+    (``x255``), each value then moved by a relative ``eps`` (a perturbation no user would notice)."""
+    feeds = builders.random_inputs(model, num=n, seed=seed)
+    rng = np.random.default_rng(1000 + seed)
+    out = {}
+    for name, value in feeds.items():
+        value = value.astype(np.float64)
+        value = np.abs(value) / np.abs(value).max() * 255.0 if scale == "x255" else \
+            (value - value.mean()) / value.std()
+        out[name] = (value * (1 + eps * rng.standard_normal(value.shape))).astype(np.float32)
+    return out
+
+
+#: (seed, input scale) where main's rule (`choice.beats` on any number of samples) kept the per-tensor
+#: table on 2 samples and ``max`` once the inputs moved by 0.1%, or the other way round
+#: (residual block with projection, measured 2026-11-27; 16 of 72 such conditions flipped over 3
+#: models, 2-4 samples, 4 seeds and both scales)
+FLIPPED = ((0, "norm"), (3, "x255"), (2, "x255"))
+
+
+@pytest.mark.parametrize("seed, scale", FLIPPED)
+def test_few_samples_keep_max_whatever_the_perturbation(monkeypatch, seed, scale):
+    """Under `MIN_PAIRED_SAMPLES` per-sample errors the paired rule does not decide: ``max`` everywhere
+    is kept, stable over perturbations of the inputs that flipped main's decision, and the table's
+    metadata and summary say why; the cosines are still recorded."""
+    from onnx_qat.calibration import choice
+    from onnx_qat.scales import describe_method
+
+    model = builders.residual_block_model(projection=True)
+    runs = {}
+    for eps in (0.0, 1e-3):
+        data = _few(model, 2, seed, scale, eps)
+        table = calibrate(model, data, progress=False)
+        assert table.metadata["auto_table"] == "max"
+        assert table.metadata["auto_note"] == "2 samples judged, fewer than the 8 the paired rule needs"
+        cosines = json.loads(table.metadata["auto_output_cosine"])
+        assert set(cosines) == {"max", "tensor"} and min(cosines.values()) > 0.9
+        text = describe_method(table.metadata)
+        assert text.startswith("ranges: auto kept max everywhere (2 samples judged, fewer than the 8 the "
+                               "paired rule needs) | output cosine on the calibration data: "), text
+        maxes = calibrate(model, data, method="max", progress=False).activations
+        assert table.activations == maxes
+        with monkeypatch.context() as patched:  # main's rule: a paired test on any number of samples
+            patched.setattr(choice, "MIN_PAIRED_SAMPLES", 1)
+            runs[eps] = calibrate(model, data, progress=False).metadata["auto_table"]
+            assert "auto_note" not in calibrate(model, data, progress=False).metadata
+    assert sorted(runs.values()) == ["max", "tensor"]  # main's rule flipped on these inputs
+
+
+def test_enough_samples_decide_as_before(monkeypatch):
+    """From `MIN_PAIRED_SAMPLES` (8) samples on, the paired rule decides exactly as it did with no
+    minimum: the same table, the same cosines, no note (both tables are kept somewhere here)."""
+    from onnx_qat.calibration import choice
+
+    assert choice.MIN_PAIRED_SAMPLES == 8
+    model = builders.residual_block_model(projection=True)
+    kept = []
+    for samples, scale in ((8, "norm"), (16, "x255"), (32, "norm")):
+        for seed in range(3):
+            data = _few(model, samples, seed, scale, 0.0)
+            table = calibrate(model, data, progress=False)
+            monkeypatch.setattr(choice, "MIN_PAIRED_SAMPLES", 1)
+            before = calibrate(model, data, progress=False)
+            monkeypatch.undo()
+            assert table.metadata == before.metadata and table.activations == before.activations
+            assert "auto_note" not in table.metadata and "auto_output_cosine" in table.metadata
+            kept.append(table.metadata["auto_table"])
+    assert kept.count("tensor") == 2 and kept.count("max") == 7, kept  # 16 samples x255, seeds 0 and 1
+
+
+def test_few_samples_note_in_the_cli_summary_and_quantize(tmp_path, capsys):
+    """``quantize`` (the rewrite's own choice) gives the same table and note as ``calibrate``; the CLI
+    prints the reason on its summary line."""
+    from onnx_qat.cli import main
+
+    model = builders.residual_block_model(projection=True)
+    data = _few(model, 3, 0, "norm", 0.0)
+    result = onnx_qat.quantize(model, data=data, progress=False)
+    assert result.scales.metadata["auto_table"] == "max"
+    assert result.scales.metadata["auto_note"] == "3 samples judged, fewer than the 8 the paired rule needs"
+    assert result.scales.activations == calibrate(model, data, progress=False).activations
+    builders.assert_check_clean(result.model)
+    import onnx
+
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", **data)
+    assert main(["quantize", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "q.onnx"), "--data",
+                 str(tmp_path / "d.npz"), "--no-progress"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "| ranges: auto kept max everywhere (3 samples judged, fewer than the 8 the paired rule " \
+           "needs) | output cosine on the calibration data: " in first, first
 
 
 def test_analysis_on_threads_gives_the_numbers_of_one_thread(monkeypatch):

@@ -202,11 +202,12 @@ def test_identical_tables_are_not_judged(monkeypatch):
         raise AssertionError("a judge model was built")
 
     monkeypatch.setattr(choice, "judge_model", refuse)
-    assert choice.choose(proto, placement, same) == ("max", {})
+    assert choice.choose(proto, placement, same) == ("max", {}, "")
     monkeypatch.undo()
     halved = {k: v * 0.5 for k, v in calibration.candidates["max"].items()}
     differ = replace(calibration, candidates={"max": dict(calibration.candidates["max"]), "tensor": halved})
-    best, cosines = choice.choose(proto, placement, differ)
+    best, cosines, note = choice.choose(proto, placement, differ)
+    assert note == ""  # 12 samples: the paired rule decides
     assert set(cosines) == {"max", "tensor"} and cosines["max"] > cosines["tensor"] and best == "max"
 
 

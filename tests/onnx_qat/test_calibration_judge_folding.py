@@ -59,13 +59,13 @@ CASES = [
 def test_folded_weights_judge_the_same_numbers(monkeypatch, name, build, options):
     model = build()
     data = builders.random_inputs(model, num=12, seed=3)
-    best, cosines = _judged(monkeypatch, model, data, True, **options)
-    expected_best, expected = _judged(monkeypatch, model, data, False, **options)
+    best, cosines, note = _judged(monkeypatch, model, data, True, **options)
+    expected_best, expected, _ = _judged(monkeypatch, model, data, False, **options)
     assert cosines.keys() == expected.keys()
     for table, cosine in cosines.items():
         assert cosine == pytest.approx(expected[table], abs=1e-8)
     assert best == expected_best
-    assert set(cosines) == {"max", "tensor"}
+    assert set(cosines) == {"max", "tensor"} and note == ""  # 12 samples: the paired rule decides
 
 
 def test_folding_computes_dequantize_as_onnxruntime_does():

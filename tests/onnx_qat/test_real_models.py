@@ -109,14 +109,16 @@ def test_text_detector_with_fp16_float_parts_keeps_check_cosine_and_halves_the_f
 
     Two held-out images alone do not resolve 0.002 here: with ``max`` ranges the drop on the first two is
     +0.0021 without the Conv scale folds and +0.0024 with them, and -0.00003 and -0.00078 on the 12
-    others (2026-11-27); ``auto`` keeps ``max`` or its per-tensor table by a paired rule on the 2
-    calibration images that such noise flips."""
+    others (2026-11-27); ``auto`` kept ``max`` or its per-tensor table by a paired rule on the 2
+    calibration images that such noise flipped, and keeps ``max`` since the paired rule needs 8
+    samples."""
     from onnx_qat.formats.float_parts import emulate_in_fp32
     from onnx_qat.formats.float_cast import tensor_types
 
     calib = np.concatenate([text_image(["Quantize me", "INT8 text 42"]),
                             text_image(["TensorRT ready", "hello"])])
     fp32 = onnx_qat.quantize(det_model, data={"x": calib}, batch_size=1, progress=False)
+    assert fp32.scales.metadata["auto_table"] == "max" and "auto_note" in fp32.scales.metadata
     fp16 = onnx_qat.quantize(det_model, data={"x": calib}, batch_size=1, float_dtype="fp16", progress=False)
     assert not onnx_qat.check(fp16.model).errors
     kept = {k.node: k for k in fp16.float_parts.kept}

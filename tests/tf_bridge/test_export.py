@@ -525,7 +525,19 @@ def test_ort_cpu_export_requantizes_a_residual_branch_with_ranges_from_sample_da
     float_model = onnx.load(report.float_path)
     values = run_with_tensors(float_model, {float_model.graph.input[0].name: x}, [tensor])
     assert amax == pytest.approx(float(np.abs(values[tensor]).max()), rel=1e-6)
-    assert "ort-cpu_ranges" in table["metadata"]
+    assert "ort-cpu_ranges" in table["metadata"] and "calibration_target" not in table["metadata"]
+    # its measured extremes too (the learned ranges get none: their grid was trained), so the point is
+    # stored over the asymmetric uint8 range quantize --data gives it
+    assert set(table["bounds"]) == {tensor}
+    low, high = float(values[tensor].min()), float(values[tensor].max())
+    assert table["bounds"][tensor] == pytest.approx([low, high], rel=1e-6) and low < 0 < high
+    from onnx_qat.insertion.ort_cpu import asymmetric_range
+    scale, zero = asymmetric_range(amax, low, high)
+    model = onnx.load(report.path)
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    (qnode,) = [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor]
+    assert float(inits[qnode.input[1]]) == pytest.approx(scale, rel=1e-6) and scale < amax / 127
+    assert int(inits[qnode.input[2]]) == zero and zero != 128
     (point,) = [r for r in report.requantization if r["tensor"] == tensor and r["rule"] == "CPU1"]
     assert point["status"] == "added" and point["amax"] == pytest.approx(amax)
     assert "not requantized" not in str(report) and "requantization (ort-cpu)" in str(report)
