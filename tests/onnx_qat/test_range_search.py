@@ -245,21 +245,23 @@ def test_sample_cosines_leave_out_empty_samples():
         assert 0.5 < per_sample[i] < 0.9999
 
 
-def test_empty_samples_would_otherwise_veto_a_range_change(monkeypatch):
+@pytest.mark.parametrize("seed", [0, 3])
+def test_empty_samples_would_otherwise_veto_a_range_change(monkeypatch, seed):
     """Half the evaluation samples empty (their gate 0): the range change the first test makes (conv3's
     input to a percentile) still raises the cosine of every other sample and is kept; counted as votes,
     the empty samples (never raised) make 2/3 of the samples out of reach and conv3 goes float."""
     import onnx_qat.accuracy.ranges as ranges
 
-    calib = _inputs(32, 1)
-    model = _gated(rare_outlier_model("conv3", calib, seed=0))
+    calib = _inputs(32, seed + 1)
+    model = _gated(rare_outlier_model("conv3", calib, seed=seed))
     calib["gate"] = _gates(*[1.0] * 32)
-    evaluation = {"input": np.concatenate([_inputs(16, 2)["input"], _inputs(16, 7)["input"]]),
+    evaluation = {"input": np.concatenate([_inputs(16, seed + 2)["input"], _inputs(16, seed + 7)["input"]]),
                   "gate": _gates(*[1.0] * 16 + [0.0] * 16)}
     result = onnx_qat.quantize(model, data=calib, eval_data=evaluation, min_cosine=0.99, progress=False)
     info = result.accuracy
     assert info["float_sites"] == [] and info["cosine_after"] >= 0.99
-    assert [(c["site"], c["to"]) for c in info["ranges"]["changes"]] == [("conv3", "percentile(99.9)")]
+    assert [c["site"] for c in info["ranges"]["changes"]] == ["conv3"]
+    assert info["ranges"]["changes"][0]["to"].startswith("percentile")
     assert_check_clean(result.model)
     monkeypatch.setattr(ranges, "empty_samples", lambda energy: np.zeros(len(energy), bool))
     voting = onnx_qat.quantize(model, data=calib, eval_data=evaluation, min_cosine=0.99,
