@@ -299,8 +299,7 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
     low_outputs = 0
     low_nodes: Set[int] = set()
     outer_low = outer_low or {}
-    qdq_params = {t for graph in all_graphs(g) for n in graph.node
-                  if n.op_type in ("QuantizeLinear", "DequantizeLinear") for t in n.input[1:]}
+    qdq_params = _qdq_params(g) if any(has_subgraph(n) for n in g.node) else set()
     for k, node in enumerate(g.node):
         convert = node.name not in keep and not has_subgraph(node) and _rewrite_attributes(node, low)
         schema = schema_of(node, opset) if convert else None
@@ -419,6 +418,13 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
     return CastStats(len(low_nodes), low_outputs, low_inits, copies, cast_count, tuple(fp32_slots),
                      low_names, frozenset(low_set), tuple(aliases.items()), tuple(renamed),
                      tuple(alias_copies))
+
+
+def _qdq_params(graph: onnx.GraphProto) -> Set[str]:
+    """The scales and zero points the QuantizeLinear/DequantizeLinear nodes of ``graph`` and of its
+    bodies read."""
+    return {t for g in all_graphs(graph) for n in g.node
+            if n.op_type in ("QuantizeLinear", "DequantizeLinear") for t in n.input[1:]}
 
 
 def _rewrite_attributes(node: onnx.NodeProto, low: LowType) -> bool:
