@@ -8,7 +8,8 @@ and type joins a tensor to a consumer that wants the other type; an FP32 initial
 by low slots is stored in the low type (the file shrinks), one read by both keeps FP32 and gives
 its low readers a small low copy (a Q/DQ scale: TensorRT wants constant scales) or a ``Cast``.
 Tensors whose name must keep FP32 (graph outputs with ``keep_io_types``, names read inside
-If/Loop/Scan bodies) are produced under a new name and cast back to FP32 under their own.
+If/Loop/Scan bodies) are produced under a new name and cast back to FP32 under their own; a body's
+low slots read that low tensor itself (``outer_low``), and the caller drops a copy nothing reads.
 `cast_graph` rewrites one graph; an If/Loop/Scan body is rewritten as the graph of a model of its
 own (``onnx_qat.formats.float_parts``), its inputs and outputs kept, with the names of the enclosing
 graphs ``reserved``.

@@ -62,9 +62,11 @@ Graph inputs and outputs keep their types by default (a Cast at the boundary); w
 
 If/Loop/Scan bodies, nested ones too, are converted by the same rules; each keeps the types of its
 inputs and outputs (Casts inside it), so an If's branches and outputs, and a Loop's carried state in
-and out, keep one type, and a tensor of an enclosing graph a body reads stays FP32 under its own
-name. Nodes inside a body are named ``parent/attribute/node`` (as ``onnx-qat check`` names them) in
-the kept list and in ``exclude_nodes``.
+and out, keep one type; a tensor of an enclosing graph bodies read is rounded once, where it is
+made (their low slots read its low version; its FP32 copy under its own name stays only while an
+FP32 slot reads it). A node holding bodies has no arithmetic of its own: it keeps the types of its
+inputs and outputs and is not listed as kept. Nodes inside a body are named
+``parent/attribute/node`` (as ``onnx-qat check`` names them) in the kept list and in ``exclude_nodes``.
 
 onnxruntime 1.31 runs FP16 models on CPU: ops without an FP16 CPU kernel run in FP32 between Casts
 its session inserts (its ``InsertCastTransformer``), which it drops between consecutive such ops, so
@@ -802,9 +804,11 @@ def _convert_bodies(model: onnx.ModelProto, low: LowType, kept: Dict[str, KeptNo
     with the rules of the main graph and ``kept`` (names ``parent/attribute/node``; DQ copies for
     kept nodes added to it). Each body's inputs and outputs keep their types (Casts inside it), so an
     If's two branches and its outputs, and a Loop's carried state in and out, keep one type; a tensor
-    of an enclosing graph a body reads stays FP32 under its own name there (``pinned``) and is cast
-    inside the body where a low reader wants it. Returns ``stats`` with the bodies' counts added (their
-    ``low_names`` qualified)."""
+    of an enclosing graph a body reads stays FP32 under its own name there (``pinned``), and a low
+    reader inside the body reads its low version where the enclosing graph has one (a tensor produced
+    low, an initializer's low copy: ``outer_low``), else a Cast inside the body. Returns ``stats`` with
+    the bodies' counts added (their ``low_names`` qualified); `_drop_unread` then drops the copies
+    nothing reads."""
     from ..graph.subgraphs import model_names
 
     reserved = model_names(model)
