@@ -794,7 +794,8 @@ def _convert(proto, low, kept, types, keep_io_types, up: bool = True):
                        pinned=read_in_subgraphs(model.graph))
     _store_low_scales(model, proto, low, scales, activation_scales(proto) if up else set())
     if any(has_subgraph(n) for n in model.graph.node):
-        stats = _drop_unread(model, _convert_bodies(model, low, kept, local_types, stats, up))
+        stats = _low_if_outputs(model, low, _drop_unread(model, _convert_bodies(model, low, kept, local_types,
+                                                                                 stats, up)))
     return model, stats, kept
 
 
@@ -865,7 +866,7 @@ def _drop_unread(model: onnx.ModelProto, stats: CastStats) -> CastStats:
     read = {t for g in graphs for n in g.node for t in n.input} | {o.name for g in graphs for o in g.output}
     backs = set(stats.cast_backs) - read
     dropped_casts = 0
-    for g in graphs:
+    for g in reversed(graphs):  # innermost first: rebuilding a node list copies the bodies its nodes hold
         nodes = [n for n in g.node if not (n.op_type == "Cast" and n.output[0] in backs)]
         if len(nodes) < len(g.node):
             dropped_casts += len(g.node) - len(nodes)
@@ -891,6 +892,76 @@ def _drop_unread(model: onnx.ModelProto, stats: CastStats) -> CastStats:
                     field.extend(kept)
     return replace(stats, casts=stats.casts - dropped_casts, low_initializers=low_inits,
                                low_copies=copies)
+
+
+def _low_if_outputs(model: onnx.ModelProto, low: LowType, stats: CastStats) -> CastStats:
+    """Give an If output the low type where nothing needs it in FP32 (``model`` edited in place): each
+    branch makes it low and casts it to FP32 only to return it (a Cast read by nothing else), and every
+    reader of the If's output, in its graph or in a body there, is a Cast to the low type (whose output
+    no graph returns). The branches then return their low tensors and the Casts on both sides go: one
+    value, rounded once, as before (a low value cast to FP32 and back is the same value). Returns
+    ``stats`` with the Casts counted again and the If outputs among ``low_tensors``."""
+    graphs = all_graphs(model)  # nodes and graphs are told apart by tensor names (protobuf wrappers are not
+    producer = {t: n for g in graphs for n in g.node for t in n.output}  # stable objects)
+    readers: Dict[str, List[onnx.NodeProto]] = {}
+    for g in graphs:
+        for n in g.node:
+            for t in set(n.input):
+                readers.setdefault(t, []).append(n)
+    returned = {o.name for g in graphs for o in g.output}
+    low_tensors = set(stats.low_tensors)
+    dropped: set = set()  # the outputs of the Cast nodes to drop
+    renames: Dict[str, str] = {}
+
+    def is_cast(node, to) -> bool:
+        return node.op_type == "Cast" and next((a.i for a in node.attribute if a.name == "to"), None) == to
+
+    for g in graphs:
+        for node in g.node:
+            if node.op_type != "If":
+                continue
+            branches = [a.g for a in node.attribute if a.name in ("then_branch", "else_branch")]
+            for k, out in enumerate(node.output):
+                if not out or out in returned:
+                    continue
+                ends = []
+                for b in branches:
+                    name = b.output[k].name
+                    made = producer.get(name)
+                    if made is None or name not in {t for n in b.node for t in n.output} \
+                            or not is_cast(made, TensorProto.FLOAT) or made.input[0] not in low_tensors \
+                            or readers.get(name):
+                        break
+                    ends.append((b, made))
+                users = readers.get(out, [])
+                if len(ends) != len(branches) or not users or not all(
+                        is_cast(r, low.onnx_type) and r.output[0] not in returned for r in users):
+                    continue
+                for b, cast in ends:
+                    dropped.add(cast.output[0])
+                    b.output[k].name = cast.input[0]
+                    b.output[k].type.tensor_type.elem_type = low.onnx_type
+                for r in users:
+                    dropped.add(r.output[0])
+                    renames[r.output[0]] = out
+                low_tensors.add(out)
+                for info in g.value_info:
+                    if info.name == out:
+                        info.type.tensor_type.elem_type = low.onnx_type
+    if not dropped:
+        return stats
+    for g in reversed(graphs):  # innermost first: rebuilding a node list copies the bodies its nodes hold
+        nodes = [n for n in g.node if not (n.op_type == "Cast" and n.output[0] in dropped)]
+        for n in nodes:
+            for i, t in enumerate(n.input):
+                if t in renames:
+                    n.input[i] = renames[t]
+        del g.node[:]
+        g.node.extend(nodes)
+        infos = [i for i in g.value_info if i.name not in renames]
+        del g.value_info[:]
+        g.value_info.extend(infos)
+    return replace(stats, casts=stats.casts - len(dropped), low_tensors=frozenset(low_tensors))
 
 
 def _store_low_scales(model, proto, low: LowType, scales, activations) -> None:

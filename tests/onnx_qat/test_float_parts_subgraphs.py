@@ -122,12 +122,17 @@ def test_if_branches_are_converted_and_run(seed, scale):
     outer = {t.name: t.data_type for t in out.graph.initializer}
     assert outer == {"w0": TensorProto.FLOAT16, "bias_outer/fp16": TensorProto.FLOAT16}
     branches = all_graphs(out)[1:]
-    assert [n.op_type for g in branches for n in g.node].count("Cast") == 2  # each branch's output to FP32
     assert {i for g in branches for n in g.node for i in n.input} >= {"h/fp16", "bias_outer/fp16"}
     assert not {"h", "bias_outer"} & {i for g in all_graphs(out) for n in g.node for i in n.input}
     assert result.kept == ()  # the If has no arithmetic of its own
     assert result.summary["low_initializers"] == 5  # w0, bias_outer and the three branch weights
-    assert result.summary["casts"] == 5  # x in, y out, the If's output to FP16, each branch's output
+    # the If's output is FP16, its branches returning their FP16 sums (no Cast to FP32 and back): the
+    # only Casts are x in and y out
+    casts = [(n.input[0], n.output[0]) for g in all_graphs(out) for n in g.node if n.op_type == "Cast"]
+    assert result.summary["casts"] == len(casts) == 2 and {c[0] for c in casts} == {"x", "y/fp16"}, casts
+    assert [o.type.tensor_type.elem_type for g in branches for o in g.output] == [TensorProto.FLOAT16] * 2
+    sigmoid = next(n for n in out.graph.node if n.name == "out")
+    assert list(sigmoid.input) == ["y_if"]
     rng = np.random.default_rng(10 + seed)
     x = (rng.standard_normal((1, 3, 8, 8)) * scale).astype(np.float32)
     for cond in (True, False):
@@ -334,3 +339,21 @@ def test_a_constant_read_across_nested_if_bodies_is_stored_once_in_fp16_and_neve
             np.testing.assert_array_equal(got, again)  # the numbers of a Cast in each body, bit for bit
             np.testing.assert_allclose(got, ref, atol=5e-3, rtol=0)
     assert_clean(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_if_output_an_fp32_node_reads_keeps_fp32(seed):
+    """The If's reader kept FP32 (excluded): the branches return FP32, each casting its FP16 sum."""
+    model = if_model(seed)
+    result = cast_float_parts(model, "fp16", exclude_nodes=["out"])
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    branches = all_graphs(out)[1:]
+    assert [o.type.tensor_type.elem_type for g in branches for o in g.output] == [F, F]
+    casts = sorted(n.input[0] for g in all_graphs(out) for n in g.node if n.op_type == "Cast")
+    assert casts == ["x", "y_else/fp16", "y_then/fp16"] and result.summary["casts"] == 3
+    rng = np.random.default_rng(20 + seed)
+    for cond in (True, False):
+        feed = {"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32), "cond": np.array(cond)}
+        (ref,), (got,) = run(model, feed), run(out, feed)
+        np.testing.assert_allclose(got, ref, atol=2e-3, rtol=0)
