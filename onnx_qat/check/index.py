@@ -6,9 +6,9 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, compress
+from itertools import chain, compress, repeat
+from operator import and_, eq, is_, is_not, itemgetter, not_, or_
 from sys import intern
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -16,6 +16,8 @@ from ..graph.constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS
 from ..graph.ops import WEIGHTED_OPS
 
 
+_NOT_STORED = (None, None)  # `_Graph.stored_all` of a name that is no constant
+_UNREAD = (None,)  # a name `_Graph.stored` has not read yet
 _UINT8 = 2  # onnx.TensorProto.UINT8: what a QuantizeLinear without a zero point writes
 #: Ops that move data without changing values; Q/DQ commutes with them ([TRT-PL]).
 _DATA_MOVEMENT = frozenset({
@@ -66,6 +68,13 @@ class _Types:
         if tt is None or not tt.HasField("shape"):
             return None
         return tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+
+
+def _told(told: Dict[int, bool], attrs: tuple) -> bool:
+    """Whether a Q/DQ node with attributes ``attrs`` leaves its output type to its inputs (no
+    ``output_dtype``), kept in ``told`` by the tuple's id."""
+    told[id(attrs)] = found = not attrs or not any(a.name == "output_dtype" for a in attrs)
+    return found
 
 
 def _has_elem_type(tensor_type) -> bool:
@@ -125,9 +134,46 @@ class _Graph:
     _memo: Dict[str, dict] = field(default_factory=dict)
     _stored: Dict[str, Tuple[int, Optional[bytes]]] = field(default_factory=dict)
     _residual_adds: Optional[List[int]] = None
-    _weight_inputs: Dict[int, Optional[int]] = field(default_factory=dict)
+    _weighted: Optional["_Weighted"] = None
     _qdq_readers: Optional[Dict[str, List[int]]] = None
     _dims: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # constant name -> its dims, when known
+    _made_by: Dict[object, frozenset] = field(default_factory=dict)
+    _columns: Dict[str, list] = field(default_factory=dict)
+    _of_constants: Optional[frozenset] = None
+    _indices: Dict[object, List[int]] = field(default_factory=dict)
+    _op_codes: Optional[tuple] = None
+
+    def column(self, name: str) -> list:
+        """Field ``name`` of every record of `qdq` (``"pos"``, ``"is_q"``, ``"data"``, ``"scale"``,
+        ``"zp"``, ``"out"``, ``"domain"``, ``"attrs"``), in graph order: one C-level pass, made once, so
+        that rules sift the Q/DQ nodes a column at a time (set and dict lookups mapped over it) and visit
+        one by one only those a lookup leaves undecided."""
+        found = self._columns.get(name)
+        if found is None:
+            found = self._columns[name] = list(map(itemgetter(_QDQ._fields.index(name)), self.qdq))
+        return found
+
+    def made_by(self, ops) -> frozenset:
+        """The tensors whose producer (`producer`) is a node of one of the op types ``ops`` (an op type, or a
+        hashable collection of them), made once per ``ops`` in one C-level pass over the producers."""
+        found = self._made_by.get(ops)
+        if found is None:
+            where = frozenset(self.indices_of((ops,) if isinstance(ops, str) else ops))
+            found = self._made_by[ops] = frozenset(compress(self.producer, map(where.__contains__,
+                                                                                self.producer.values())))
+        return found
+
+    def of_constants(self) -> frozenset:
+        """The outputs of the Q/DQ nodes whose data input is a constant (initializer or Constant output):
+        the quantized weights, the usual "constant source" of `is_constant_source` after a constant."""
+        found = self._of_constants
+        if found is None:
+            data = self.column("data")
+            keep = list(map(and_, map(bool, data), map(self.constants.__contains__, data)))
+            outs, positions = list(compress(self.column("out"), keep)), compress(self.column("pos"), keep)
+            found = self._of_constants = frozenset(compress(outs, map(eq, map(self.producer.get, outs),
+                                                                      positions)))
+        return found
 
     def dims(self, name: str) -> Tuple[int, ...]:
         """The ``dims`` of constant ``name`` (known, or read from its protobuf)."""
@@ -155,41 +201,47 @@ class _Graph:
             cache[tensor] = judge(self.array(tensor))
         return cache[tensor]
 
-    def prejudge(self, key: str, tensors, data_type: int, dtype: str, accept: Callable, verdict) -> frozenset:
-        """Settle `memo` ``(key, tensor)`` as ``verdict`` for every tensor among ``tensors``
-        (constants of element type ``data_type``, NumPy ``dtype``, stored as raw bytes) whose
-        elements all pass ``accept`` (a vectorized test), in one NumPy pass over all of them, and
-        return the names so settled. The others are left to the rule's own per-tensor judgement,
-        which gives ``verdict`` for exactly the tensors accepted here.
+    def prejudge(self, infos, data_type: int, dtype: str, accept: Callable) -> List[bool]:
+        """For each of ``infos`` (``(element type, raw bytes)`` of a Q/DQ node's scale or zero point,
+        `stored_column`), whether it is a constant of element type ``data_type`` stored as raw bytes of
+        NumPy ``dtype`` whose elements all pass ``accept`` (a vectorized test), judged in one NumPy pass
+        over all of them. A rule gives such a node its no-finding verdict at once and leaves the others to
+        its own per-tensor judgement, which gives that verdict for exactly the tensors accepted here.
 
         The raw bytes are judged without reading the tensor's dims (a costly field on many small
         tensors): the per-tensor judgement reads the same bytes as an array of these dims, or
-        finds them unreadable (a length that does not match the dims) and then also gives
-        ``verdict``; so a tensor whose every element passes gets ``verdict`` either way."""
+        finds them unreadable (a length that does not match the dims) and then also gives the
+        no-finding verdict; so a tensor whose every element passes gets it either way."""
         import numpy as np
 
-        cache = self._memo.setdefault(key, {})
         itemsize = np.dtype(dtype).itemsize
-        stored = self._stored
-        names, raws = [], []
-        for tensor in dict.fromkeys(tensors):
-            if tensor in cache:
-                continue
-            info = stored[tensor] if tensor in stored else self.stored(tensor)
-            if info is None or info[0] != data_type:
-                continue
-            raw = info[1]
-            if raw and not len(raw) % itemsize:  # raw bytes, not empty, whole elements
-                names.append(tensor)
-                raws.append(raw)
-        if not names:
-            return frozenset()
-        passed = accept(np.frombuffer(b"".join(raws), dtype=dtype))
-        counts = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws)) // itemsize
-        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        settled = frozenset(compress(names, np.logical_and.reduceat(passed, starts).tolist()))
-        cache.update(dict.fromkeys(settled, verdict))
-        return settled
+        settled = np.zeros(len(infos), dtype=bool)
+        where = np.flatnonzero(np.fromiter(map(eq, map(itemgetter(0), infos), repeat(data_type)), dtype=bool,
+                                           count=len(infos)))
+        raws = list(map(itemgetter(1), map(infos.__getitem__, where.tolist())))
+        given = np.fromiter(map(bool, raws), dtype=bool, count=len(raws))  # raw bytes, not empty
+        raws, where = list(compress(raws, given.tolist())), where[given]
+        lengths = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))
+        whole = lengths % itemsize == 0  # whole elements
+        raws, where, counts = list(compress(raws, whole.tolist())), where[whole], lengths[whole] // itemsize
+        if raws:
+            passed = accept(np.frombuffer(b"".join(raws), dtype=dtype))
+            starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+            settled[where] = np.logical_and.reduceat(passed, starts)
+        return settled.tolist()
+
+    def stored_column(self, name: str) -> list:
+        """`stored_all` of `column` ``name`` (``"scale"``, ``"zp"``, ``"data"``), made once; ``(None, None)``
+        for an absent input."""
+        key = "stored " + name
+        found = self._columns.get(key)
+        if found is None:
+            names = self.column(name)
+            found = self.stored_all(names)
+            if "" in self.constants:  # an initializer without a name (onnx.checker refuses it): no input's
+                found = [info if tensor else _NOT_STORED for tensor, info in zip(names, found)]
+            self._columns[key] = found
+        return found
 
     def stored(self, name: str) -> Optional[Tuple[int, Optional[bytes]]]:
         """``(element type, raw bytes)`` of constant ``name``, read once (a Q and its DQ share their
@@ -208,6 +260,17 @@ class _Graph:
             info = (proto.data_type, raw)
         self._stored[name] = info
         return info
+
+    def stored_all(self, names: List[str]) -> List[Tuple[Optional[int], Optional[bytes]]]:
+        """`stored` of each of ``names``, a column at a time (those not read yet read one by one), with
+        ``(None, None)`` for a name that is no constant."""
+        stored = self._stored
+        infos = list(map(stored.get, names, repeat(_UNREAD)))
+        for k in compress(range(len(infos)), map(is_, infos, repeat(_UNREAD))):
+            infos[k] = self.stored(names[k])
+        for k in compress(range(len(infos)), map(is_, infos, repeat(None))):
+            infos[k] = _NOT_STORED
+        return infos
 
     def value_shape(self, name: str) -> Optional[Tuple[int, ...]]:
         """The shape of constant ``name``'s value, None when it is no constant or cannot be read:
@@ -295,16 +358,19 @@ class _Graph:
             tensor, seen = (inputs[0] if inputs else ""), seen + 1
         return False
 
+    def are_constant(self, tensors: List[str]) -> List[bool]:
+        """`is_constant` of each of ``tensors``, a column at a time: only a tensor that is no constant
+        but is written by one of `CONSTANT_PASS_OPS` is followed back one by one."""
+        found = list(map(and_, map(bool, tensors), map(self.constants.__contains__, tensors)))
+        passed = self.made_by(CONSTANT_PASS_OPS)
+        for k in compress(range(len(found)), map(passed.__contains__, tensors)):
+            found[k] = self.is_constant(tensors[k])
+        return found
+
     def is_constant_source(self, tensor: str) -> bool:
         """A constant, or a Q/DQ chain whose data input is a constant (a quantized weight)."""
-        constants = self.constants
-        if tensor and tensor in constants:  # the usual cases first, in short: a constant,
-            return True
-        idx = self.producer.get(tensor)
-        if idx is not None and self.ops[idx] in (_QUANTIZE, _DEQUANTIZE):  # a Q/DQ of a constant
-            inputs = self.node_inputs[idx]
-            if inputs and inputs[0] and inputs[0] in constants:
-                return True
+        if tensor and tensor in self.constants or tensor in self.of_constants():  # the usual cases in short:
+            return True  # a constant, a Q/DQ of a constant
         for _ in range(4):
             if self.is_constant(tensor):
                 return True
@@ -320,6 +386,24 @@ class _Graph:
             return self.data_type(tensor)
         known = self._qdq_output_type(tensor)
         return known if known is not None else self.types.elem_type(tensor)
+
+    def elem_types(self, tensors: List[str]) -> List[Optional[int]]:
+        """`elem_type` of each of ``tensors``, a column at a time: a constant's type read already
+        (`stored`) and the type a Q/DQ node gives its output (`_qdq_output_type`: a QuantizeLinear's
+        zero point's, a DequantizeLinear's scale's) looked up at once; the other tensors asked one by one."""
+        stored, constants = self._stored, self.constants
+        found = [info[0] if info else None for info in map(stored.get, tensors)]  # a stored None: no constant
+        rest = list(compress(range(len(found)), map(is_, found, repeat(None))))
+        names = list(map(tensors.__getitem__, rest))
+        records = list(map(self.qdq_at.get, map(self.producer.get, names, repeat(-1))))
+        told: Dict[int, bool] = {}  # by the attributes' tuple (an edit's new nodes of one form share theirs)
+        sources = [record and names[k] == record.out and record.domain in _DEFAULT_DOMAINS
+                   and (told[id(record.attrs)] if id(record.attrs) in told else _told(told, record.attrs))
+                   and (record.zp if record.is_q else record.scale) for k, record in enumerate(records)]
+        infos = list(map(stored.get, sources))  # a name not read yet, or no Q/DQ output: None
+        for k, info, name in zip(rest, infos, names):
+            found[k] = info[0] if info and name not in constants else self.elem_type(name)
+        return found
 
     def _qdq_output_type(self, tensor: str) -> Optional[int]:
         """The element type of a QuantizeLinear / DequantizeLinear output, read from the node itself
@@ -342,21 +426,34 @@ class _Graph:
         return self.types.shape(tensor)
 
     def indices_of(self, ops) -> List[int]:
-        """Indices of the nodes whose op type is among ``ops``, in graph order (one C-level pass)."""
-        return list(compress(range(len(self.ops)), map(frozenset(ops).__contains__, self.ops)))
+        """Indices of the nodes whose op type is among ``ops`` (a hashable collection), in graph order: the
+        op types are coded as small integers once (one C-level pass), each such list found with NumPy and
+        kept (the rules ask for a few, some more than once; callers do not change it)."""
+        found = self._indices.get(ops)
+        if found is None:
+            import numpy as np
+
+            if self._op_codes is None:
+                codes = {op: k for k, op in enumerate(set(self.ops))}
+                self._op_codes = (codes, np.fromiter(map(codes.__getitem__, self.ops), dtype=np.int32,
+                                                     count=len(self.ops)))
+            codes, column = self._op_codes
+            wanted = [codes[op] for op in frozenset(ops) if op in codes]
+            found = self._indices[ops] = np.flatnonzero(np.isin(column, wanted)).tolist() if wanted else []
+        return found
 
     def residual_adds(self) -> List[int]:
         """Indices of the residual joins: Add nodes with two non-constant inputs, and Sum nodes whose
         first two inputs are non-constant (TensorRT imports a Sum as a chain of sums whose first link
         adds inputs 0 and 1; rules C10 and C11 both visit them and look at those two inputs)."""
         if self._residual_adds is None:
-            adds = []
-            for i in self.indices_of(("Add", "Sum")):
-                inputs = self.node_inputs[i]
-                if (len(inputs) == 2 or len(inputs) > 2 and self.ops[i] == "Sum") and inputs[0] \
-                        and inputs[1] and not self.is_constant(inputs[0]) and not self.is_constant(inputs[1]):
-                    adds.append(i)
-            self._residual_adds = adds
+            ops, node_inputs = self.ops, self.node_inputs
+            joins = [i for i in self.indices_of(("Add", "Sum")) if len(node_inputs[i]) == 2
+                     or len(node_inputs[i]) > 2 and ops[i] == "Sum"]
+            pairs = list(zip(_inputs_at(self, joins, 0), _inputs_at(self, joins, 1)))
+            constant = self.are_constant(list(chain.from_iterable(pairs)))  # first and second addends in turn
+            self._residual_adds = [i for i, (a, b), c, d in zip(joins, pairs, constant[0::2], constant[1::2])
+                                   if a and b and not c and not d]
         return self._residual_adds
 
 
@@ -445,15 +542,18 @@ def _readers_of(tensors, node_inputs) -> Dict[str, List[int]]:
     """``tensor -> indices of the nodes reading it`` (once per reading input) for each of ``tensors``.
 
     Every node's inputs are looked up in one C-level pass over all of them in a row; only the inputs
-    found are placed (a binary search of the running input counts gives each one's node)."""
+    found are placed (a NumPy binary search of the running input counts gives each one's node)."""
     readers: Dict[str, List[int]] = {tensor: [] for tensor in tensors}
     if readers:
         flat = list(chain.from_iterable(node_inputs))
         found = list(compress(range(len(flat)), map(readers.__contains__, flat)))
         if found:
-            ends = list(accumulate(map(len, node_inputs)))  # node i's inputs end before ends[i]
-            for k in found:
-                readers[flat[k]].append(bisect_right(ends, k))
+            import numpy as np
+
+            ends = np.cumsum(np.fromiter(map(len, node_inputs), dtype=np.int64, count=len(node_inputs)))
+            nodes = np.searchsorted(ends, found, side="right").tolist()  # node i's inputs end before ends[i]
+            for tensor, node in zip(map(flat.__getitem__, found), nodes):
+                readers[tensor].append(node)
     return readers
 
 
@@ -479,40 +579,45 @@ def _index_written(graph, infer, opset, nodes) -> _Graph:
     constants = dict(zip(nodes.initializers, graph.initializer))
     ops = nodes.ops  # compared by value: the new nodes' op types are one string each already
     node_inputs, outputs, forms = nodes.inputs, nodes.outputs, nodes.forms
-    producer = {out: i for i, outs in enumerate(outputs) for out in outs}
+    if set(map(len, outputs)) == {1}:  # one output each, as usual: paired in C
+        producer = dict(zip(map(itemgetter(0), outputs), range(len(outputs))))
+    else:
+        producer = {out: i for i, outs in enumerate(outputs) for out in outs}
     producer.pop("", None)  # an absent output is nobody's tensor
-    samples = {}  # form -> (domain, attributes) of its nodes
     protos = graph.node
-    qdq = []
-    new_record = tuple.__new__
-    wanted = frozenset((_QUANTIZE, _DEQUANTIZE, "Constant"))
-    for i in compress(range(len(ops)), map(wanted.__contains__, ops)):
-        op, form = ops[i], forms[i]
-        if form is None:
-            proto = protos[i]
-            domain, attrs = proto.domain, proto.attribute
-            attrs = tuple(attrs) if attrs else ()
-        else:
-            found = samples.get(form)
-            if found is None:
-                sample = nodes.samples[form]
-                sample = sample.proto() if hasattr(sample, "encoded") else sample
-                found = samples[form] = (sample.domain, tuple(sample.attribute))
-            domain, attrs = found
-        inputs = node_inputs[i]
-        if op == "Constant":
-            outs = outputs[i]
-            if outs and domain in _DEFAULT_DOMAINS:
-                tensor = _constant_tensor(protos[i])
-                if tensor is not None:
-                    constants[outs[0]] = tensor
-            continue
-        n, outs = len(inputs), outputs[i]
-        qdq.append(new_record(_QDQ, (i, op == _QUANTIZE, inputs[0] if n else "", inputs[1] if n > 1 else "",
-                                     inputs[2] if n > 2 else "", outs[0] if outs else "", domain, attrs)))
-    q_readers = _readers_of({node.out for node in qdq if node.out and node.is_q}, node_inputs)
+    for i in compress(range(len(ops)), map("Constant".__eq__, ops)):
+        proto, outs = protos[i], outputs[i]
+        if outs and proto.domain in _DEFAULT_DOMAINS:
+            tensor = _constant_tensor(proto)
+            if tensor is not None:
+                constants[outs[0]] = tensor
+    # The Q/DQ records a column at a time: a new node's domain and attributes are its form's
+    positions = list(compress(range(len(ops)), map(frozenset((_QUANTIZE, _DEQUANTIZE)).__contains__, ops)))
+    kinds = list(map(forms.__getitem__, positions))
+    facts = {}  # form (by id: one object per form) -> (domain, attributes) of its nodes
+    for kind in dict(zip(map(id, kinds), kinds)).values():
+        if kind is not None:
+            sample = nodes.samples[kind]
+            sample = sample.proto() if hasattr(sample, "encoded") else sample
+            facts[id(kind)] = (sample.domain, tuple(sample.attribute))
+    found = list(map(facts.get, map(id, kinds)))
+    for k in compress(range(len(found)), map(is_, kinds, repeat(None))):  # an original node: its protobuf
+        proto = protos[positions[k]]
+        found[k] = (proto.domain, tuple(proto.attribute) if proto.attribute else ())
+    inputs = list(map(node_inputs.__getitem__, positions))
+    if inputs and min(map(len, inputs)) < 3:
+        inputs = [(*names, "", "", "")[:3] for names in inputs]
+    outs = list(map(outputs.__getitem__, positions))
+    if outs and not all(outs):
+        outs = [names or ("",) for names in outs]
+    qdq = list(map(tuple.__new__, repeat(_QDQ), zip(
+        positions, map(_QUANTIZE.__eq__, map(ops.__getitem__, positions)), map(itemgetter(0), inputs),
+        map(itemgetter(1), inputs), map(itemgetter(2), inputs), map(itemgetter(0), outs),
+        map(itemgetter(0), found), map(itemgetter(1), found))))
+    q_outs = set(compress(map(itemgetter(0), outs), map(_QUANTIZE.__eq__, map(ops.__getitem__, positions))))
+    q_readers = _readers_of(q_outs - {""}, node_inputs)
     index = _Graph(graph, "", ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
-                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq})
+                   frozenset(o.name for o in graph.output), opset, qdq, dict(zip(positions, qdq)))
     index._stored.update(nodes.stored)  # every one of them an initializer of the result (``constants``)
     index._dims.update(dict.fromkeys(nodes.stored, ()))  # scalars, unless
     index._dims.update(nodes.dims)
@@ -591,6 +696,10 @@ def _qdq_nodes(g: _Graph) -> List[_QDQ]:
 
 def _fed_by_dq(g: _Graph, tensor: str, through_movement: bool = False) -> bool:
     """True when ``tensor`` is a DequantizeLinear output (optionally through data-movement ops)."""
+    if tensor in g.made_by(_DEQUANTIZE):
+        return True
+    if not through_movement:
+        return False
     producer, ops = g.producer, g.ops
     for _ in range(16):
         idx = producer.get(tensor)
@@ -599,26 +708,82 @@ def _fed_by_dq(g: _Graph, tensor: str, through_movement: bool = False) -> bool:
         op = ops[idx]
         if op == _DEQUANTIZE:
             return True
-        if not through_movement or op not in _DATA_MOVEMENT:
+        if op not in _DATA_MOVEMENT:
             return False
         tensor = _input(g.node_inputs[idx], 0)
     return False
 
 
+def _fed_by_dq_all(g: _Graph, tensors: List[str], through_movement: bool = False) -> List[bool]:
+    """`_fed_by_dq` of each of ``tensors``, a column at a time: a DequantizeLinear output is looked up in
+    one C-level pass, and only a tensor a data-movement op writes is followed back one by one."""
+    fed = list(map(g.made_by(_DEQUANTIZE).__contains__, tensors))
+    if through_movement:
+        moved = g.made_by(_DATA_MOVEMENT)
+        for k in compress(range(len(fed)), map(moved.__contains__, tensors)):
+            fed[k] = _fed_by_dq(g, tensors[k], through_movement=True)
+    return fed
+
+
+def _inputs_at(g: _Graph, indices: List[int], k: int) -> List[str]:
+    """Input ``k`` (`_input`) of each node of ``indices``."""
+    lists = list(map(g.node_inputs.__getitem__, indices))
+    if lists and min(map(len, lists)) > k:
+        return list(map(itemgetter(k), lists))
+    return [_input(inputs, k) for inputs in lists]
+
+
+def _constant_sources(g: _Graph, tensors: List[str]) -> List[bool]:
+    """`_Graph.is_constant_source` of each of ``tensors``: a constant or a Q/DQ output of one (a quantized
+    weight) looked up a column at a time, the others followed one by one."""
+    constants, quantized = g.constants, g.of_constants()
+    found = list(map(and_, map(bool, tensors), map(or_, map(constants.__contains__, tensors),
+                                                   map(quantized.__contains__, tensors))))
+    for k in compress(range(len(found)), map(not_, found)):
+        found[k] = g.is_constant_source(tensors[k])
+    return found
+
+
 def _weight_input(g: _Graph, idx: int) -> Optional[int]:
     """Index of the constant weight input of weighted op ``idx`` (a node index), or None when it has
-    none (computed once per node: rules C9, C10, C11 and C14 ask)."""
-    known = g._weight_inputs
-    if idx in known:
-        return known[idx]
-    op, inputs = g.ops[idx], g.node_inputs[idx]
-    weight = None
-    if op in ("Conv", "ConvTranspose"):
-        weight = 1 if g.is_constant_source(_input(inputs, 1)) else None
-    elif op in ("Gemm", "MatMul"):
-        weight = next((k for k in (1, 0) if g.is_constant_source(_input(inputs, k))), None)
-    known[idx] = weight
-    return weight
+    none, or when node ``idx`` is no Conv, ConvTranspose, Gemm or MatMul (found for all of them at once,
+    `weighted_ops`: rules C9, C10, C11, C14 and C15 ask)."""
+    return weighted_ops(g).weights.get(idx)
+
+
+class _Weighted(NamedTuple):
+    """The weighted ops of a graph (`weighted_ops`)."""
+
+    weights: Dict[int, Optional[int]]  # every Conv/ConvTranspose/Gemm/MatMul -> `_weight_input`
+    with_weight: List[int]             # those with a constant weight, in graph order
+    activations: List[str]             # the activation input of each (input 1 - weight: 0 of a Conv)
+    weight_tensors: List[str]          # the weight input of each
+
+
+def weighted_ops(g: _Graph) -> _Weighted:
+    """`_Weighted` of ``g``, found once: a Conv's or ConvTranspose's weight is input 1 when it is a constant
+    source (`_Graph.is_constant_source`), a Gemm's or MatMul's the first of inputs 1 and 0 that is."""
+    found = g._weighted
+    if found is None:
+        weights: Dict[int, Optional[int]] = {}
+        convs = g.indices_of(("Conv", "ConvTranspose"))
+        found_weights = _constant_sources(g, _inputs_at(g, convs, 1))
+        weights.update(zip(convs, map(_ONE_OR_NONE.__getitem__, found_weights)))
+        gemms = g.indices_of(("Gemm", "MatMul"))
+        second = _constant_sources(g, _inputs_at(g, gemms, 1))
+        rest = list(compress(gemms, map(not_, second)))
+        first = dict(zip(rest, _constant_sources(g, _inputs_at(g, rest, 0))))
+        weights.update((i, 1 if hit else 0 if first[i] else None) for i, hit in zip(gemms, second))
+        weighted = g.indices_of(WEIGHTED_OPS)
+        with_weight = list(compress(weighted, map(is_not, map(weights.get, weighted), repeat(None))))
+        node_inputs = g.node_inputs
+        activations = [_input(node_inputs[i], 1 - weights[i]) for i in with_weight]
+        weight_tensors = [_input(node_inputs[i], weights[i]) for i in with_weight]
+        found = g._weighted = _Weighted(weights, with_weight, activations, weight_tensors)
+    return found
+
+
+_ONE_OR_NONE = (None, 1)
 
 
 def _weighted_producer(g: _Graph, tensor: str) -> Optional[int]:

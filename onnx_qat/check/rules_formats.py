@@ -16,6 +16,8 @@ Sources:
 """
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import eq, is_, itemgetter, or_
 from typing import Dict, Iterator, Optional
 
 from .report import ERROR, MODEL_NODE, WARNING, Finding
@@ -48,12 +50,22 @@ def quantized_types(g) -> Dict[int, Optional[int]]:
     """`quantized_type` of every Q/DQ node of ``g``, by node position (read once per graph)."""
     types = g._memo.get(_TYPES_KEY)
     if types is None:
-        types, stored = {}, g._stored
-        for n in g.qdq:  # a zero point read already (rule C4's batch, an edit's values): its type, in short
-            info = stored.get(n.zp) if n.zp else None
-            types[n.pos] = info[0] if info is not None else _read_quantized_type(g, n)
-        g._memo[_TYPES_KEY] = types
+        types = g._memo[_TYPES_KEY] = dict(zip(g.column("pos"), quantized_type_column(g)))
     return types
+
+
+def quantized_type_column(g) -> list:
+    """`quantized_type` of every Q/DQ node of ``g``, in the order of ``g.qdq`` (read once per graph): a zero
+    point read already (rule C4's batch, an edit's values) gives its type, a column at a time; the other
+    nodes are read one by one."""
+    column = g._memo.get(_COLUMN_KEY)
+    if column is None:
+        column = list(map(itemgetter(0), g.stored_column("zp")))  # None: no zero point, or none stored
+        qdq = g.qdq
+        for k in compress(range(len(column)), map(is_, column, repeat(None))):
+            column[k] = _read_quantized_type(g, qdq[k])
+        g._memo[_COLUMN_KEY] = column
+    return column
 
 
 def block_sizes(g) -> Dict[int, int]:
@@ -74,7 +86,8 @@ def block_sizes(g) -> Dict[int, int]:
     return sizes
 
 
-_TYPES_KEY, _BLOCKS_KEY = "quantized_type", "block_size"
+_TYPES_KEY, _COLUMN_KEY, _BLOCKS_KEY = "quantized_type", "quantized_type_column", "block_size"
+_UNKNOWN = (None,)  # a zero point whose type is not stored
 
 
 def _read_quantized_type(g, node) -> Optional[int]:
@@ -236,13 +249,11 @@ def rule_f5_int4_zero_points(model, graphs) -> Iterator[Finding]:
     Source: [TRT-QS] symmetric INT4 (``x = x_q * s``, no offset).
     """
     for g in graphs:
-        stored = g._stored
-        for node in g.qdq:
+        # a zero point read already: its type, in short (a column at a time); the others asked one by one
+        types = list(map(itemgetter(0), g.stored_column("zp")))
+        for node in compress(g.qdq, map(or_, map(is_, types, repeat(None)), map(eq, types, repeat(INT4)))):
             zp = node.zp
-            if not zp:
-                continue
-            info = stored.get(zp)  # a zero point read already: its type, in short
-            if (info[0] if info is not None else g.elem_type(zp)) != INT4:
+            if not zp or g.elem_type(zp) != INT4:
                 continue
             values = g.array(node.zp) if g.is_constant(node.zp) else None
             if not g.is_constant(node.zp):
