@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
-from operator import and_, eq, is_, is_not, itemgetter, not_, or_
+from operator import and_, eq, is_, is_not, itemgetter, methodcaller, not_, or_
 from sys import intern
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -141,6 +141,8 @@ class _Graph:
     _columns: Dict[str, list] = field(default_factory=dict)
     _of_constants: Optional[frozenset] = None
     _indices: Dict[object, List[int]] = field(default_factory=dict)
+    node_outputs: List[List[str]] = field(default_factory=list)  # each node's output names, by position
+    _ssa: Optional[bool] = None
     _op_codes: Optional[tuple] = None
 
     def column(self, name: str) -> list:
@@ -155,12 +157,38 @@ class _Graph:
 
     def made_by(self, ops) -> frozenset:
         """The tensors whose producer (`producer`) is a node of one of the op types ``ops`` (an op type, or a
-        hashable collection of them), made once per ``ops`` in one C-level pass over the producers."""
+        hashable collection of them), made once per ``ops`` from those nodes' outputs (`indices_of`)."""
         found = self._made_by.get(ops)
         if found is None:
-            where = frozenset(self.indices_of((ops,) if isinstance(ops, str) else ops))
-            found = self._made_by[ops] = frozenset(compress(self.producer, map(where.__contains__,
-                                                                                self.producer.values())))
+            where = self.indices_of((ops,) if isinstance(ops, str) else ops)
+            outputs = list(map(self.node_outputs.__getitem__, where))
+            if set(map(len, outputs)) == {1}:  # one output each, as usual
+                outputs = list(map(itemgetter(0), outputs))
+            else:
+                where = [i for i, names in zip(where, outputs) for _ in names]
+                outputs = list(chain.from_iterable(outputs))
+            if self._single_writers():
+                found = frozenset(outputs).difference(("",))
+            else:  # an output written again by a later node (no valid graph does that) is that node's
+                found = frozenset(compress(outputs, map(eq, map(self.producer.get, outputs), where)))
+            self._made_by[ops] = found
+        return found
+
+    def _single_writers(self) -> bool:
+        """Whether no tensor is the output of two nodes (`producer` then names every node's outputs)."""
+        if self._ssa is None:
+            outputs = self.node_outputs
+            written = sum(map(len, outputs)) - sum(map(methodcaller("count", ""), outputs))
+            self._ssa = len(self.producer) == written
+        return self._ssa
+
+    def constant_flags(self, tensors: List[str]) -> List[bool]:
+        """Whether each of ``tensors`` is a name of `constants` (an absent input, ``""``, is none), in one
+        C-level pass."""
+        constants = self.constants
+        found = list(map(constants.__contains__, tensors))
+        if "" in constants:  # an initializer without a name (onnx.checker refuses it): no input's value
+            found = list(map(and_, map(bool, tensors), found))
         return found
 
     def of_constants(self) -> frozenset:
@@ -168,11 +196,13 @@ class _Graph:
         the quantized weights, the usual "constant source" of `is_constant_source` after a constant."""
         found = self._of_constants
         if found is None:
-            data = self.column("data")
-            keep = list(map(and_, map(bool, data), map(self.constants.__contains__, data)))
+            keep = self.constant_flags(self.column("data"))
             outs, positions = list(compress(self.column("out"), keep)), compress(self.column("pos"), keep)
-            found = self._of_constants = frozenset(compress(outs, map(eq, map(self.producer.get, outs),
-                                                                      positions)))
+            if self._single_writers():
+                found = frozenset(outs).difference(("",))
+            else:  # an output written again by a later node is that node's
+                found = frozenset(compress(outs, map(eq, map(self.producer.get, outs), positions)))
+            self._of_constants = found
         return found
 
     def dims(self, name: str) -> Tuple[int, ...]:
@@ -361,7 +391,7 @@ class _Graph:
     def are_constant(self, tensors: List[str]) -> List[bool]:
         """`is_constant` of each of ``tensors``, a column at a time: only a tensor that is no constant
         but is written by one of `CONSTANT_PASS_OPS` is followed back one by one."""
-        found = list(map(and_, map(bool, tensors), map(self.constants.__contains__, tensors)))
+        found = self.constant_flags(tensors)
         passed = self.made_by(CONSTANT_PASS_OPS)
         for k in compress(range(len(found)), map(passed.__contains__, tensors)):
             found[k] = self.is_constant(tensors[k])
@@ -505,7 +535,7 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
     constants = dict(outer_constants)
     for init in graph.initializer:
         constants[init.name] = init
-    ops, node_inputs, producer, qdq, subgraphs = [], [], {}, [], []
+    ops, node_inputs, node_outputs, producer, qdq, subgraphs = [], [], [], {}, [], []
     new_record = tuple.__new__  # _QDQ(*fields) without the Python-level __new__ of a named tuple
     for i, proto in enumerate(graph.node):
         op = intern(proto.op_type)  # one string per op type: less to keep, compared by identity
@@ -513,6 +543,7 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
         outputs = proto.output[:]
         ops.append(op)
         node_inputs.append(inputs)
+        node_outputs.append(outputs)
         for out in outputs:
             producer[out] = i
         attrs = proto.attribute
@@ -534,7 +565,8 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
     producer.pop("", None)  # an absent output is nobody's tensor
     q_readers = _readers_of({node.out for node in qdq if node.out and node.is_q}, node_inputs)
     index = _Graph(graph, prefix, ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
-                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq})
+                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq},
+                   node_outputs=node_outputs)
     return index, subgraphs
 
 
@@ -584,40 +616,39 @@ def _index_written(graph, infer, opset, nodes) -> _Graph:
     else:
         producer = {out: i for i, outs in enumerate(outputs) for out in outs}
     producer.pop("", None)  # an absent output is nobody's tensor
+    samples = {}  # form -> (domain, attributes) of its nodes
     protos = graph.node
-    for i in compress(range(len(ops)), map("Constant".__eq__, ops)):
-        proto, outs = protos[i], outputs[i]
-        if outs and proto.domain in _DEFAULT_DOMAINS:
-            tensor = _constant_tensor(proto)
-            if tensor is not None:
-                constants[outs[0]] = tensor
-    # The Q/DQ records a column at a time: a new node's domain and attributes are its form's
-    positions = list(compress(range(len(ops)), map(frozenset((_QUANTIZE, _DEQUANTIZE)).__contains__, ops)))
-    kinds = list(map(forms.__getitem__, positions))
-    facts = {}  # form (by id: one object per form) -> (domain, attributes) of its nodes
-    for kind in dict(zip(map(id, kinds), kinds)).values():
-        if kind is not None:
-            sample = nodes.samples[kind]
-            sample = sample.proto() if hasattr(sample, "encoded") else sample
-            facts[id(kind)] = (sample.domain, tuple(sample.attribute))
-    found = list(map(facts.get, map(id, kinds)))
-    for k in compress(range(len(found)), map(is_, kinds, repeat(None))):  # an original node: its protobuf
-        proto = protos[positions[k]]
-        found[k] = (proto.domain, tuple(proto.attribute) if proto.attribute else ())
-    inputs = list(map(node_inputs.__getitem__, positions))
-    if inputs and min(map(len, inputs)) < 3:
-        inputs = [(*names, "", "", "")[:3] for names in inputs]
-    outs = list(map(outputs.__getitem__, positions))
-    if outs and not all(outs):
-        outs = [names or ("",) for names in outs]
-    qdq = list(map(tuple.__new__, repeat(_QDQ), zip(
-        positions, map(_QUANTIZE.__eq__, map(ops.__getitem__, positions)), map(itemgetter(0), inputs),
-        map(itemgetter(1), inputs), map(itemgetter(2), inputs), map(itemgetter(0), outs),
-        map(itemgetter(0), found), map(itemgetter(1), found))))
-    q_outs = set(compress(map(itemgetter(0), outs), map(_QUANTIZE.__eq__, map(ops.__getitem__, positions))))
-    q_readers = _readers_of(q_outs - {""}, node_inputs)
+    qdq = []
+    new_record = tuple.__new__
+    wanted = frozenset((_QUANTIZE, _DEQUANTIZE, "Constant"))
+    for i in compress(range(len(ops)), map(wanted.__contains__, ops)):
+        op, form = ops[i], forms[i]
+        if form is None:
+            proto = protos[i]
+            domain, attrs = proto.domain, proto.attribute
+            attrs = tuple(attrs) if attrs else ()
+        else:
+            found = samples.get(form)
+            if found is None:
+                sample = nodes.samples[form]
+                sample = sample.proto() if hasattr(sample, "encoded") else sample
+                found = samples[form] = (sample.domain, tuple(sample.attribute))
+            domain, attrs = found
+        inputs = node_inputs[i]
+        if op == "Constant":
+            outs = outputs[i]
+            if outs and domain in _DEFAULT_DOMAINS:
+                tensor = _constant_tensor(protos[i])
+                if tensor is not None:
+                    constants[outs[0]] = tensor
+            continue
+        n, outs = len(inputs), outputs[i]
+        qdq.append(new_record(_QDQ, (i, op == _QUANTIZE, inputs[0] if n else "", inputs[1] if n > 1 else "",
+                                     inputs[2] if n > 2 else "", outs[0] if outs else "", domain, attrs)))
+    q_readers = _readers_of({node.out for node in qdq if node.out and node.is_q}, node_inputs)
     index = _Graph(graph, "", ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
-                   frozenset(o.name for o in graph.output), opset, qdq, dict(zip(positions, qdq)))
+                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq},
+                   node_outputs=outputs)
     index._stored.update(nodes.stored)  # every one of them an initializer of the result (``constants``)
     index._dims.update(dict.fromkeys(nodes.stored, ()))  # scalars, unless
     index._dims.update(nodes.dims)
@@ -736,9 +767,7 @@ def _inputs_at(g: _Graph, indices: List[int], k: int) -> List[str]:
 def _constant_sources(g: _Graph, tensors: List[str]) -> List[bool]:
     """`_Graph.is_constant_source` of each of ``tensors``: a constant or a Q/DQ output of one (a quantized
     weight) looked up a column at a time, the others followed one by one."""
-    constants, quantized = g.constants, g.of_constants()
-    found = list(map(and_, map(bool, tensors), map(or_, map(constants.__contains__, tensors),
-                                                   map(quantized.__contains__, tensors))))
+    found = list(map(or_, g.constant_flags(tensors), map(g.of_constants().__contains__, tensors)))
     for k in compress(range(len(found)), map(not_, found)):
         found[k] = g.is_constant_source(tensors[k])
     return found

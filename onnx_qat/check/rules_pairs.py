@@ -58,9 +58,12 @@ def rule_c8_dq_source(model, graphs) -> Iterator[Finding]:
     for g in graphs:
         dequantizes = list(map(not_, g.column("is_q")))
         datas = list(compress(g.column("data"), dequantizes))
-        # a constant, a QuantizeLinear output: looked up a column at a time
-        fed = map(or_, g.are_constant(datas), map(g.made_by(_QUANTIZE).__contains__, datas))
-        for node in compress(compress(_qdq_nodes(g), dequantizes), map(not_, fed)):
+        # a constant (the usual case: an initializer), a QuantizeLinear output: a column at a time
+        rest = list(map(not_, g.constant_flags(datas)))
+        datas = list(compress(datas, rest))
+        rest_nodes = compress(compress(_qdq_nodes(g), dequantizes), rest)
+        fed = map(or_, map(g.made_by(_QUANTIZE).__contains__, datas), g.are_constant(datas))
+        for node in compress(rest_nodes, map(not_, fed)):
             data = node.data
             idx = g.producer.get(data)
             origin = f"node {g.name(idx)!r}" if idx is not None else "a graph input"
