@@ -137,6 +137,8 @@ class _Graph:
     _weighted: Optional["_Weighted"] = None
     _qdq_readers: Optional[Dict[str, List[int]]] = None
     _dims: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # constant name -> its dims, when known
+    _scalars: Dict[str, object] = field(default_factory=dict)  # names of constants known to be scalars: their
+    # dims are () (an edit's new initializers absent from `_dims`; only the keys are read)
     _made_by: Dict[object, frozenset] = field(default_factory=dict)
     _columns: Dict[str, list] = field(default_factory=dict)
     _of_constants: Optional[frozenset] = None
@@ -208,7 +210,9 @@ class _Graph:
     def dims(self, name: str) -> Tuple[int, ...]:
         """The ``dims`` of constant ``name`` (known, or read from its protobuf)."""
         found = self._dims.get(name)
-        return found if found is not None else tuple(self.constants[name].dims[:])
+        if found is None:
+            return () if name in self._scalars else tuple(self.constants[name].dims[:])
+        return found
 
     def data_type(self, name: str) -> int:
         """The element type of constant ``name`` (as read by `stored`, else from its protobuf)."""
@@ -649,9 +653,8 @@ def _index_written(graph, infer, opset, nodes) -> _Graph:
     index = _Graph(graph, "", ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
                    frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq},
                    node_outputs=outputs)
-    index._stored.update(nodes.stored)  # every one of them an initializer of the result (``constants``)
-    index._dims.update(dict.fromkeys(nodes.stored, ()))  # scalars, unless
-    index._dims.update(nodes.dims)
+    index._stored = nodes.stored.copy()  # every one of them an initializer of the result (``constants``)
+    index._dims, index._scalars = nodes.dims, nodes.stored  # scalars, unless in dims (both read, not changed)
     return index
 
 
@@ -674,8 +677,8 @@ def same_index(written: _Graph, read: _Graph) -> Optional[str]:
     for name, info in written._stored.items():
         if read.stored(name) != info:
             return f"stored value of {name!r}"
-    for name, dims in written._dims.items():
-        if tuple(read.constants[name].dims) != dims:
+    for name in chain(written._dims, written._scalars):
+        if tuple(read.constants[name].dims) != written.dims(name):
             return f"dims of {name!r}"
     return None
 
