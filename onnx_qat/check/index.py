@@ -122,8 +122,6 @@ class _Graph:
     ops: List[str]
     node_inputs: List[List[str]]
     producer: Dict[str, int]
-    #: node indices reading each QuantizeLinear output (one entry per reading input), see `readers`
-    q_readers: Dict[str, List[int]]
     constants: Dict[str, object]          # name -> onnx.TensorProto (converted lazily)
     types: _Types
     outputs: frozenset
@@ -355,16 +353,25 @@ class _Graph:
     def readers(self, tensor: str) -> List[int]:
         """Indices of the nodes reading ``tensor``, a Q/DQ output (once per reading input).
 
-        Only the rules about Q/DQ outputs ask who reads a tensor: rule C7 about every Q output
-        (listed by the index), C12 and C14 about the DQ outputs after some Q nodes (after a Pad or
-        a weighted op: none in most models). So the readers of the DQ outputs are listed, in one
-        more pass over the node inputs, only when first asked for."""
-        found = self.q_readers.get(tensor)
-        if found is None:
-            if self._qdq_readers is None:
-                self._qdq_readers = _readers_of({node.out for node in self.qdq if node.out}, self.node_inputs)
-            found = self._qdq_readers.get(tensor, [])
-        return found
+        Only the rules about Q/DQ outputs ask who reads a tensor: rule C7 about the Q outputs a set
+        lookup leaves in doubt (`quantized_reads`), C12 and C14 about the DQ outputs after some Q nodes
+        (after a Pad or a weighted op: none in most models). So the readers of every Q/DQ output are
+        listed, in one pass over the node inputs, only when first asked for."""
+        if self._qdq_readers is None:
+            self._qdq_readers = _readers_of({node.out for node in self.qdq if node.out}, self.node_inputs)
+        return self._qdq_readers.get(tensor, [])
+
+    def quantized_reads(self) -> Tuple[bool, bool]:
+        """``(every QuantizeLinear output is read by a DequantizeLinear's data input, none is read by
+        another op)``, found with set operations (the non-DequantizeLinear nodes' inputs looked up in
+        one C-level pass) instead of listing each output's readers (`readers`)."""
+        quantize = self.column("is_q")
+        outs = set(compress(self.column("out"), quantize))
+        outs.discard("")
+        ops, dequantize = self.ops, _DEQUANTIZE
+        read = not outs.difference(compress(self.column("data"), map(not_, quantize)))
+        others = compress(self.node_inputs, map(dequantize.__ne__, ops))
+        return read, outs.isdisjoint(chain.from_iterable(others))
 
     def producer_op(self, tensor: str) -> Optional[str]:
         idx = self.producer.get(tensor)
@@ -529,9 +536,8 @@ def _constant_tensor(node):
 
 
 def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, list]:
-    """One pass over ``graph``'s nodes: op types, inputs, producers, constants, Q/DQ nodes; then
-    the readers of the QuantizeLinear outputs. Also returns ``(node index, attribute)`` of every
-    graph-valued attribute, in node and attribute order, for `_walk`.
+    """One pass over ``graph``'s nodes: op types, inputs, producers, constants, Q/DQ nodes. Also returns
+    ``(node index, attribute)`` of every graph-valued attribute, in node and attribute order, for `_walk`.
 
     Each node's fields are read from the protobuf once (``[:]`` of a repeated string field is the
     cheapest copy). Every node's attributes are looked at, since any node may carry a subgraph;
@@ -567,8 +573,7 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
                 if kind == _GRAPH or kind == _GRAPHS:
                     subgraphs.append((i, attr))
     producer.pop("", None)  # an absent output is nobody's tensor
-    q_readers = _readers_of({node.out for node in qdq if node.out and node.is_q}, node_inputs)
-    index = _Graph(graph, prefix, ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
+    index = _Graph(graph, prefix, ops, node_inputs, producer, constants, _Types(graph, infer),
                    frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq},
                    node_outputs=node_outputs)
     return index, subgraphs
@@ -649,8 +654,7 @@ def _index_written(graph, infer, opset, nodes) -> _Graph:
         n, outs = len(inputs), outputs[i]
         qdq.append(new_record(_QDQ, (i, op == _QUANTIZE, inputs[0] if n else "", inputs[1] if n > 1 else "",
                                      inputs[2] if n > 2 else "", outs[0] if outs else "", domain, attrs)))
-    q_readers = _readers_of({node.out for node in qdq if node.out and node.is_q}, node_inputs)
-    index = _Graph(graph, "", ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
+    index = _Graph(graph, "", ops, node_inputs, producer, constants, _Types(graph, infer),
                    frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq},
                    node_outputs=outputs)
     index._stored = nodes.stored.copy()  # every one of them an initializer of the result (``constants``)
@@ -667,8 +671,9 @@ def same_index(written: _Graph, read: _Graph) -> Optional[str]:
         return "node inputs"
     if written.producer != read.producer:
         return "producers"
-    if written.q_readers != read.q_readers:
-        return "readers of QuantizeLinear outputs"
+    if any(written.readers(node.out) != read.readers(node.out) for node in read.qdq) \
+            or written.quantized_reads() != read.quantized_reads():
+        return "readers of QuantizeLinear/DequantizeLinear outputs"
     if list(written.constants) != list(read.constants) or any(
             written.constants[k] != read.constants[k] for k in read.constants):
         return "constants"

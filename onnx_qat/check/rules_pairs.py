@@ -5,7 +5,7 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 `onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
-from itertools import chain, compress
+from itertools import compress
 from operator import ne, not_, or_
 from typing import Iterator
 
@@ -24,11 +24,10 @@ def rule_c7_q_without_dq(model, graphs) -> Iterator[Finding]:
     for g in graphs:
         ops = g.ops
         quantize = list(compress(_qdq_nodes(g), g.column("is_q")))
-        outs = [node.out for node in quantize]
-        read = list(map(g.q_readers.get, outs))  # is every reader of a Q output a DequantizeLinear?
-        others = frozenset(chain.from_iterable(filter(None, read))).difference(g.indices_of((_DEQUANTIZE,)))
-        if not others:  # then only an output without readers, or a graph output, has a finding
-            quantize = list(compress(quantize, map(or_, map(not_, read), map(g.outputs.__contains__, outs))))
+        read, dequantized_only = g.quantized_reads()
+        if read and dequantized_only:  # then only a node without an output or writing a graph output has one
+            outputs = g.outputs
+            quantize = [node for node in quantize if not node.out or node.out in outputs]
         for node in quantize:
             out = node.out
             if not out:
