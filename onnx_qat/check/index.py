@@ -324,17 +324,16 @@ class _Graph:
         Raw bytes of exactly one element are passed over without reading the dims (a costly field
         on many small tensors): the value then has one element, or cannot be read, whatever the
         dims say, so `value_shape` is a one-element shape or None."""
-        sizes, stored = _itemsizes(), self._stored
-        shapes = {}
-        for name in tensors:
-            info = stored[name] if name in stored else self.stored(name)
-            if info is None:
+        sizes, names = _itemsizes(), list(tensors)
+        shapes = {}  # the facts of all of them looked up a column at a time
+        for name, (data_type, raw), dims in zip(names, self.stored_all(names), map(self._dims.get, names)):
+            if data_type is None:  # no constant
                 continue
-            data_type, raw = info
             size = sizes.get(data_type)
             if size and raw is not None and len(raw) == size:
                 continue
-            dims = self.dims(name)
+            if dims is None:
+                dims = self.dims(name)
             count = math.prod(dims)
             if count <= 1:
                 continue
@@ -659,6 +658,8 @@ def _index_written(graph, infer, opset, nodes) -> _Graph:
                    node_outputs=outputs)
     index._stored = nodes.stored.copy()  # every one of them an initializer of the result (``constants``)
     index._dims, index._scalars = nodes.dims, nodes.stored  # scalars, unless in dims (both read, not changed)
+    index._ssa = True  # `EditEvidence.nodes_of` gives nodes only where the structural pass found no name
+    # written twice
     return index
 
 

@@ -73,16 +73,12 @@ def block_sizes(g) -> Dict[int, int]:
     in graph order (read once per graph: rules C6, F2 and F3 ask; most nodes have no attribute at all)."""
     sizes = g._memo.get(_BLOCKS_KEY)
     if sizes is None:
-        sizes, known = {}, {}  # known: by the attributes' tuple (an edit's new nodes of a form share one)
-        for node in g.qdq:
-            attrs = node.attrs
-            if attrs:
-                size = known.get(id(attrs), known)
-                if size is known:
-                    size = known[id(attrs)] = _int_attr(attrs, "block_size")
-                if size:
-                    sizes[node.pos] = size
-        g._memo[_BLOCKS_KEY] = sizes
+        attrs = g.column("attrs")  # judged once per attributes' tuple (an edit's nodes of a form share one)
+        distinct = dict(zip(map(id, attrs), attrs))
+        known = {key: _int_attr(found, "block_size") for key, found in distinct.items()}
+        blocked = {key for key, size in known.items() if size}
+        sizes = g._memo[_BLOCKS_KEY] = {} if not blocked else {
+            pos: known[key] for pos, key in zip(g.column("pos"), map(id, attrs)) if key in blocked}
     return sizes
 
 

@@ -6,7 +6,7 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 from __future__ import annotations
 
 from itertools import compress
-from operator import ne, not_, or_
+from operator import ne, not_
 from typing import Iterator
 
 from . import rules_formats
@@ -59,10 +59,10 @@ def rule_c8_dq_source(model, graphs) -> Iterator[Finding]:
         datas = list(compress(g.column("data"), dequantizes))
         # a constant (the usual case: an initializer), a QuantizeLinear output: a column at a time
         rest = list(map(not_, g.constant_flags(datas)))
-        datas = list(compress(datas, rest))
-        rest_nodes = compress(compress(_qdq_nodes(g), dequantizes), rest)
-        fed = map(or_, map(g.made_by(_QUANTIZE).__contains__, datas), g.are_constant(datas))
-        for node in compress(rest_nodes, map(not_, fed)):
+        datas, rest_nodes = list(compress(datas, rest)), compress(compress(_qdq_nodes(g), dequantizes), rest)
+        rest = list(map(not_, map(g.made_by(_QUANTIZE).__contains__, datas)))
+        datas, rest_nodes = list(compress(datas, rest)), compress(rest_nodes, rest)
+        for node in compress(rest_nodes, map(not_, g.are_constant(datas))):
             data = node.data
             idx = g.producer.get(data)
             origin = f"node {g.name(idx)!r}" if idx is not None else "a graph input"

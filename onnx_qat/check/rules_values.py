@@ -5,8 +5,8 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 from __future__ import annotations
 
 import math
-from itertools import compress
-from operator import not_, or_
+from itertools import compress, repeat
+from operator import and_, is_not, itemgetter, not_, or_
 from typing import Iterator, Optional
 
 from . import rules_formats
@@ -181,19 +181,19 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
         nodes = [node for node in nodes if node.scale in scale_shapes and node.pos not in blocks]
         # A node's findings follow from its facts (the key below): one node judges those sharing them.
         datas, dims = [node.data for node in nodes], g._dims  # a constant's dims, when known: its shape
-        shapes = list(map(dims.get, datas))
-        zp_shapes = [dims.get(node.zp, _UNKNOWN) if node.zp else None for node in nodes]
-        verdicts: dict = {}
-        for node, shape, zp_shape, source in zip(nodes, shapes, zp_shapes, _constant_sources(g, datas)):
-            scale_shape = scale_shapes[node.scale]
-            if shape and zp_shape is not _UNKNOWN:
-                key = (scale_shape, shape, zp_shape, id(node.attrs), source)
-                found = verdicts.get(key)
-                if found is None:
-                    found = verdicts[key] = next(_c6_findings(g, node, scale_shape, source), None) is not None
-                if not found:
-                    continue
-            yield from _c6_findings(g, node, scale_shape, source)
+        zps = [node.zp for node in nodes]
+        zp_shapes = list(map(dims.get, zps, repeat(_UNKNOWN)))
+        for k in compress(range(len(zps)), map(not_, zps)):  # no zero point
+            zp_shapes[k] = None
+        sources = _constant_sources(g, datas)
+        keys = list(zip(map(scale_shapes.__getitem__, [node.scale for node in nodes]), map(dims.get, datas),
+                        zp_shapes, map(id, [node.attrs for node in nodes]), sources))
+        verdicts = {key: next(_c6_findings(g, node, key[0], key[4]), None) is not None  # one node of each
+                    for key, node in dict(zip(keys, nodes)).items()}
+        judged = map(and_, map(bool, map(itemgetter(1), keys)), map(is_not, zp_shapes, repeat(_UNKNOWN)))
+        flagged = map(or_, map(not_, judged), map(verdicts.__getitem__, keys))  # or left to each node
+        for node, key in compress(zip(nodes, keys), flagged):
+            yield from _c6_findings(g, node, key[0], key[4])
 
 
 _UNKNOWN = object()  # a zero point whose shape `_Graph._dims` does not hold
