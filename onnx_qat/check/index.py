@@ -70,13 +70,6 @@ class _Types:
         return tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
 
 
-def _told(told: Dict[int, bool], attrs: tuple) -> bool:
-    """Whether a Q/DQ node with attributes ``attrs`` leaves its output type to its inputs (no
-    ``output_dtype``), kept in ``told`` by the tuple's id."""
-    told[id(attrs)] = found = not attrs or not any(a.name == "output_dtype" for a in attrs)
-    return found
-
-
 def _has_elem_type(tensor_type) -> bool:
     return tensor_type.elem_type != 0
 
@@ -429,21 +422,40 @@ class _Graph:
 
     def elem_types(self, tensors: List[str]) -> List[Optional[int]]:
         """`elem_type` of each of ``tensors``, a column at a time: a constant's type read already
-        (`stored`) and the type a Q/DQ node gives its output (`_qdq_output_type`: a QuantizeLinear's
-        zero point's, a DequantizeLinear's scale's) looked up at once; the other tensors asked one by one."""
+        (`stored`) and the type a QuantizeLinear gives its output (`_quantized_outputs`) looked up at once;
+        the other tensors asked one by one."""
         stored, constants = self._stored, self.constants
         found = [info[0] if info else None for info in map(stored.get, tensors)]  # a stored None: no constant
-        rest = list(compress(range(len(found)), map(is_, found, repeat(None))))
-        names = list(map(tensors.__getitem__, rest))
-        records = list(map(self.qdq_at.get, map(self.producer.get, names, repeat(-1))))
-        told: Dict[int, bool] = {}  # by the attributes' tuple (an edit's new nodes of one form share theirs)
-        sources = [record and names[k] == record.out and record.domain in _DEFAULT_DOMAINS
-                   and (told[id(record.attrs)] if id(record.attrs) in told else _told(told, record.attrs))
-                   and (record.zp if record.is_q else record.scale) for k, record in enumerate(records)]
-        infos = list(map(stored.get, sources))  # a name not read yet, or no Q/DQ output: None
-        for k, info, name in zip(rest, infos, names):
-            found[k] = info[0] if info and name not in constants else self.elem_type(name)
+        known = self._quantized_outputs()
+        for k in compress(range(len(found)), map(is_, found, repeat(None))):
+            name = tensors[k]
+            dtype = None if name in constants else known.get(name)
+            found[k] = dtype if dtype is not None else self.elem_type(name)
         return found
+
+    def _quantized_outputs(self) -> Dict[str, int]:
+        """QuantizeLinear output -> its element type, as `_qdq_output_type` reads it (its zero point's, from
+        `stored_column`), for the QuantizeLinear nodes of the default domain without ``output_dtype`` whose
+        zero point is a constant; found a column at a time, once."""
+        known = self._memo.get("quantized outputs")
+        if known is None:
+            quantize, column = self.column("is_q"), self.column
+            attrs = list(compress(column("attrs"), quantize))
+            told = {key: not found or not any(a.name == "output_dtype" for a in found)
+                    for key, found in dict(zip(map(id, attrs), attrs)).items()}  # once per attributes' tuple
+            keep = list(map(and_, map(_DEFAULT_DOMAINS.__contains__, compress(column("domain"), quantize)),
+                            map(told.__getitem__, map(id, attrs))))
+            outs = list(compress(compress(column("out"), quantize), keep))
+            types = compress(map(itemgetter(0), compress(self.stored_column("zp"), quantize)), keep)
+            if self._single_writers():
+                known = dict(zip(outs, types))
+            else:  # an output written again by a later node is that node's
+                positions = compress(compress(column("pos"), quantize), keep)
+                known = {out: dtype for out, dtype, pos in zip(outs, types, positions)
+                         if self.producer.get(out) == pos}
+            known.pop("", None)
+            self._memo["quantized outputs"] = known
+        return known
 
     def _qdq_output_type(self, tensor: str) -> Optional[int]:
         """The element type of a QuantizeLinear / DequantizeLinear output, read from the node itself

@@ -119,12 +119,10 @@ def weight_only(g, tensor: str) -> bool:
 
 def _quantizing_to(graphs, types) -> Iterator[tuple]:
     """(graph, Q/DQ node, its quantized type, its name) for every Q/DQ node whose type is in ``types``."""
-    for g in graphs:
-        found = quantized_types(g)
-        for node in g.qdq:
-            dtype = found[node.pos]
-            if dtype in types:
-                yield g, node, dtype, g.name(node.pos)
+    for g in graphs:  # a column at a time: most models have none
+        found = quantized_type_column(g)
+        for node, dtype in compress(zip(g.qdq, found), map(types.__contains__, found)):
+            yield g, node, dtype, g.name(node.pos)
 
 
 # -- the rules ---------------------------------------------------------------------------------------
@@ -164,7 +162,7 @@ def rule_f2_opset_of_form(model, graphs) -> Iterator[Finding]:
         return
     need = {}
     for g in graphs:
-        found = set(quantized_types(g).values())
+        found = set(quantized_type_column(g))
         if not found.isdisjoint(FLOAT8_TYPES):
             need.setdefault(19, "float8 Q/DQ")
         if not found.isdisjoint(FOUR_BIT_TYPES) or block_sizes(g):
