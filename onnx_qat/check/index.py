@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
-from operator import and_, eq, is_, is_not, itemgetter, methodcaller, not_, or_
+from operator import and_, eq, is_, is_not, itemgetter, methodcaller, not_
 from sys import intern
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -788,9 +788,12 @@ def _inputs_at(g: _Graph, indices: List[int], k: int) -> List[str]:
 def _constant_sources(g: _Graph, tensors: List[str]) -> List[bool]:
     """`_Graph.is_constant_source` of each of ``tensors``: a constant or a Q/DQ output of one (a quantized
     weight) looked up a column at a time, the others followed one by one."""
-    found = list(map(or_, g.constant_flags(tensors), map(g.of_constants().__contains__, tensors)))
-    for k in compress(range(len(found)), map(not_, found)):
-        found[k] = g.is_constant_source(tensors[k])
+    found = g.constant_flags(tensors)
+    rest = list(compress(range(len(found)), map(not_, found)))
+    if rest:  # a Q/DQ output of a constant, in short
+        quantized, names = g.of_constants(), list(map(tensors.__getitem__, rest))
+        for k, name, hit in zip(rest, names, map(quantized.__contains__, names)):
+            found[k] = hit or g.is_constant_source(name)
     return found
 
 

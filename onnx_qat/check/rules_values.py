@@ -171,26 +171,32 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
     [ONNX-TRT] QuantizeLinear/DequantizeLinear ``axis``.
     """
     for g in graphs:
-        # Per-tensor scales (one element) need no further look: the shapes are judged once per scale.
+        # Per-tensor scales (one element, as their stored bytes tell) need no further look.
         sizes = _itemsizes()
-        single = [raw is not None and len(raw) == sizes.get(data_type)
-                  for data_type, raw in g.stored_column("scale")]
-        nodes = list(compress(_qdq_nodes(g), map(not_, single)))
-        scale_shapes = g.multi_element_shapes(dict.fromkeys(node.scale for node in nodes))
-        blocks = rules_formats.block_sizes(g)  # per block: rule F3
-        nodes = [node for node in nodes if node.scale in scale_shapes and node.pos not in blocks]
+        kept = [raw is None or len(raw) != sizes.get(data_type)
+                for data_type, raw in g.stored_column("scale")]
+        scales = list(compress(g.column("scale"), kept))
+        scale_shapes = g.multi_element_shapes(dict.fromkeys(scales))  # judged once per scale
+        per_channel = list(map(scale_shapes.__contains__, scales))
+        blocks = rules_formats.block_sizes(g)
+        if blocks:  # per block: rule F3
+            per_channel = list(map(and_, per_channel, map(not_, map(blocks.__contains__,
+                                                                    compress(g.column("pos"), kept)))))
+        nodes, scales, datas, zps, attrs = (list(compress(compress(column, kept), per_channel)) for column in
+                                            (_qdq_nodes(g), *map(g.column, ("scale", "data", "zp", "attrs"))))
         # A node's findings follow from its facts (the key below): one node judges those sharing them.
-        datas, dims = [node.data for node in nodes], g._dims  # a constant's dims, when known: its shape
-        zps = [node.zp for node in nodes]
+        dims = g._dims  # a constant's dims, when known: its shape
         zp_shapes = list(map(dims.get, zps, repeat(_UNKNOWN)))
         for k in compress(range(len(zps)), map(not_, zps)):  # no zero point
             zp_shapes[k] = None
-        sources = _constant_sources(g, datas)
-        keys = list(zip(map(scale_shapes.__getitem__, [node.scale for node in nodes]), map(dims.get, datas),
-                        zp_shapes, map(id, [node.attrs for node in nodes]), sources))
-        verdicts = {key: next(_c6_findings(g, node, key[0], key[4]), None) is not None  # one node of each
+        keys = list(zip(map(scale_shapes.__getitem__, scales), map(dims.get, datas), zp_shapes,
+                        map(id, attrs), _constant_sources(g, datas)))
+        verdicts = {key: next(_c6_findings(g, node, key[0], key[4]), None) is not None
                     for key, node in dict(zip(keys, nodes)).items()}
-        judged = map(and_, map(bool, map(itemgetter(1), keys)), map(is_not, zp_shapes, repeat(_UNKNOWN)))
+        judged = list(map(and_, map(bool, map(itemgetter(1), keys)),  # shape and zero point's shape known
+                          map(is_not, zp_shapes, repeat(_UNKNOWN))))
+        if all(judged) and not any(verdicts.values()):
+            continue  # every node judged by one sharing its facts: no findings
         flagged = map(or_, map(not_, judged), map(verdicts.__getitem__, keys))  # or left to each node
         for node, key in compress(zip(nodes, keys), flagged):
             yield from _c6_findings(g, node, key[0], key[4])
