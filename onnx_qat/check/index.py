@@ -317,9 +317,21 @@ class _Graph:
         Raw bytes of exactly one element are passed over without reading the dims (a costly field
         on many small tensors): the value then has one element, or cannot be read, whatever the
         dims say, so `value_shape` is a one-element shape or None."""
+        import numpy as np
+
         sizes, names = _itemsizes(), list(tensors)
-        shapes = {}  # the facts of all of them looked up a column at a time
-        for name, (data_type, raw), dims in zip(names, self.stored_all(names), map(self._dims.get, names)):
+        infos, known = self.stored_all(names), list(map(self._dims.get, names))
+        # Raw bytes of the size their known dims give, more than one element: those dims, told in NumPy.
+        count = len(names)
+        size = np.fromiter(map(sizes.get, map(itemgetter(0), infos), repeat(0)), dtype=np.int64, count=count)
+        length, elements = np.zeros(count, dtype=np.int64), np.zeros(count, dtype=np.int64)  # 0: unknown
+        raws = list(map(itemgetter(1), infos))
+        for values, column, measure in ((length, raws, len), (elements, known, math.prod)):
+            given = list(map(is_not, column, repeat(None)))
+            values[np.flatnonzero(given)] = np.fromiter(map(measure, compress(column, given)), dtype=np.int64)
+        fast = ((size > 0) & (elements > 1) & (length == elements * size)).tolist()
+        shapes = dict(zip(compress(names, fast), compress(known, fast)))
+        for name, (data_type, raw), dims in compress(zip(names, infos, known), map(not_, fast)):
             if data_type is None:  # no constant
                 continue
             size = sizes.get(data_type)
