@@ -250,7 +250,8 @@ def test_loaded_form_says_external_data_was_read(tmp_path):
     assert checked.external_free and checked == CheckedForm.of(loaded)
     assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in loaded.graph.initializer)
     _, unread = load_checked_model(path, load_external_data=False, upgrade_opset=False)
-    assert not unread.external_free and unread == CheckedForm.of(onnx.load(str(path), load_external_data=False))
+    assert not unread.external_free
+    assert unread == CheckedForm.of(onnx.load(str(path), load_external_data=False))
     edit, checked = _edit(model)
     assert checked.external_free
     out = save_model(edit.commit(), tmp_path / "q.onnx", validate=True, evidence=edit.evidence)
