@@ -14,7 +14,8 @@ of quantized sites *and* a range per tensor; every trial is one call of
 3. **ranges**: for the sites measured alone, most harmful first, each activation tensor's other
    candidates are tried with every site in INT8 (a scale group changes as one); the best is kept when
    it raises the output cosine by more than `min_gain`, on at least `MIN_SAMPLE_SHARE` of the
-   evaluation samples taken alone (`better`), and when it also raises the output cosine on the first
+   evaluation samples taken alone (`better`; samples whose reference output is empty,
+   `EMPTY_SHARE`, do not vote), and when it also raises the output cosine on the first
    calibration samples, which no trial was chosen by (`Confirmation`; changes that fail this are
    recorded as ``unconfirmed``). Stops as soon as ``min_cosine`` is reached;
 4. **float sites**: the sites whose harm changed are measured again, then the fewest leading sites in
@@ -68,6 +69,13 @@ MIN_GAIN_FLOOR = 1e-6
 #: taken alone (a sign test against a gain that a few samples make: with 4 samples, 3 of them).
 MIN_SAMPLE_SHARE = 2 / 3
 
+#: A sample is *empty* in an output when its reference energy there (the sum of squares of the float
+#: model's output for that sample) is at most this share of the median over the samples (or zero):
+#: its cosine there is fixed at 1.0 (zero output) or set by the quantization noise alone (an output
+#: whose every element is about 3% of a typical sample's), so it says nothing about a range change.
+#: A sample empty in every output does not vote in the sign test (`sample_cosines`, `better`).
+EMPTY_SHARE = 1e-3
+
 
 #: Calibration samples a range change is confirmed on (`Confirmation`), at most.
 CONFIRM_SAMPLES = 64
@@ -79,34 +87,49 @@ def min_gain(error: OutputError) -> float:
 
 
 def sample_cosines(prepared: Prepared, outputs: Mapping[str, np.ndarray]) -> Optional[np.ndarray]:
-    """The worst output cosine of each evaluation sample alone (None where the outputs cannot be split
-    by sample: a stateful or unbatched dataset, or outputs whose size the sample count does not
-    divide)."""
+    """The worst output cosine of each evaluation sample alone over the outputs it is not empty in
+    (`EMPTY_SHARE`); NaN for a sample empty in every output (it does not vote in `better`). None where
+    the outputs cannot be split by sample: a stateful or unbatched dataset, or outputs whose size the
+    sample count does not divide."""
     data = prepared.evaluation
     samples = getattr(data, "num_samples", 0)
     if not samples or getattr(data, "state", None) or getattr(data, "unbatched", True):
         return None
-    worst = np.ones(samples)
+    worst = np.full(samples, np.inf)
     for name, ref in prepared.reference.items():
         if ref.size % samples:
             return None
         r = ref.reshape(samples, -1)
         c = np.asarray(outputs[name], dtype=np.float64).reshape(samples, -1)
-        norms = np.sqrt(np.einsum("ij,ij->i", r, r) * np.einsum("ij,ij->i", c, c))
-        dots = np.einsum("ij,ij->i", r, c)
-        worst = np.minimum(worst, np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), 1.0))
-    return worst
+        energy, got = np.einsum("ij,ij->i", r, r), np.einsum("ij,ij->i", c, c)
+        norms = np.sqrt(energy * got)
+        cosine = np.einsum("ij,ij->i", r, c) / np.where(norms > 0, norms, 1.0)  # 0 for a zero output
+        worst = np.minimum(worst, np.where(empty_samples(energy), np.inf, cosine))
+    return np.where(np.isfinite(worst), worst, np.nan)
+
+
+def empty_samples(energy: np.ndarray) -> np.ndarray:
+    """Which samples of one output, of reference energies ``energy`` (each sample's sum of squares),
+    are empty (`EMPTY_SHARE`)."""
+    energy = np.asarray(energy, np.float64)
+    return (energy <= EMPTY_SHARE * float(np.median(energy))) | (energy <= 0)
 
 
 def better(trial: OutputError, trial_samples, current: OutputError, current_samples) -> bool:
     """Whether a trial beats the current setting: a cosine gain above `min_gain`, on at least
-    `MIN_SAMPLE_SHARE` of the samples when they can be told apart."""
+    `MIN_SAMPLE_SHARE` of the samples when they can be told apart. Samples whose cosine is NaN in
+    either setting (empty samples, `sample_cosines`) do not vote; with none left, the gain decides."""
     if trial.cosine <= current.cosine + min_gain(current):
         return False
     if trial_samples is None or current_samples is None:
         return True
-    return int(np.count_nonzero(trial_samples > current_samples)) >= \
-        math.ceil(MIN_SAMPLE_SHARE * len(trial_samples) - 1e-9)
+    trial_samples, current_samples = np.asarray(trial_samples), np.asarray(current_samples)
+    voting = ~(np.isnan(trial_samples) | np.isnan(current_samples))
+    voters = int(np.count_nonzero(voting))
+    if not voters:
+        return True
+    return int(np.count_nonzero(trial_samples[voting] > current_samples[voting])) >= \
+        math.ceil(MIN_SAMPLE_SHARE * voters - 1e-9)
 
 
 class Confirmation:
@@ -564,4 +587,4 @@ def per_site(state: RangeSearch, float_sites: Sequence[int]) -> Dict[str, Dict[s
 
 __all__ = ["search_ranges", "tune_table", "choose_table", "START_TABLES", "RangeSearch", "candidates",
            "whole_table", "min_gain", "better", "sample_cosines", "per_site", "WHOLE_TABLES", "CANDIDATES",
-           "SAME_RANGE", "MIN_GAIN_SHARE", "MIN_SAMPLE_SHARE"]
+           "SAME_RANGE", "MIN_GAIN_SHARE", "MIN_SAMPLE_SHARE", "EMPTY_SHARE", "empty_samples"]

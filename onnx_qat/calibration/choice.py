@@ -116,10 +116,17 @@ def judge_samples(nodes: int) -> int:
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
     """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1), as
     `onnx_qat.runtime.compare.output_figures` measures it (the figure
-    `onnx_qat.accuracy.prepared.output_error` reports too)."""
+    `onnx_qat.accuracy.prepared.output_error` reports too), over the values whose reference is finite
+    (where the float model overflowed there is nothing to be close to, as in `sample_errors`)."""
     from ..runtime.compare import output_figures
 
-    return min([1.0] + [output_figures(ref, candidate[name])["cosine"] for name, ref in reference.items()])
+    def finite(ref, got):
+        ref, got = np.asarray(ref).ravel(), np.asarray(got).ravel()
+        usable = np.isfinite(ref)
+        return (ref, got) if usable.all() else (ref[usable], got[usable])
+
+    return min([1.0] + [output_figures(*finite(ref, candidate[name]))["cosine"]
+                        for name, ref in reference.items()])
 
 
 def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt", precision="int8",
@@ -190,10 +197,21 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
 
 
 def output_energy(reference: Mapping[str, np.ndarray]) -> Dict[str, float]:
-    """``{output: its sum of squares}`` of the float outputs ``reference`` (in float64, at least 1e-30):
-    what `sample_errors` divides each output's squared errors by."""
-    return {o: max(float(np.dot(ref.astype(np.float64), ref.astype(np.float64))), 1e-30)
-            for o, ref in reference.items()}
+    """``{output: its energy}``: what `sample_errors` divides each output's squared errors by.
+
+    An output's energy is the sum of squares (float64) of its finite float values (a NaN or infinite
+    reference value, where the float model itself overflowed, says nothing of a table and is left
+    out). An output whose energy is zero (a constant-zero output, or one with no finite value) has no
+    scale of its own: its squared errors count against the largest energy of the other outputs, so a
+    table that makes it non-zero pays for that at the scale of the model's outputs instead of
+    swamping every other output (or of 1.0 when every output has zero energy)."""
+    own = {}
+    for o, ref in reference.items():
+        ref = np.asarray(ref, np.float64).ravel()
+        finite = ref[np.isfinite(ref)]
+        own[o] = float(np.dot(finite, finite))
+    fallback = max(own.values(), default=0.0) or 1.0
+    return {o: e if e > 0.0 else fallback for o, e in own.items()}
 
 
 def sample_errors(reference: Mapping[str, np.ndarray], got: Mapping[str, List[np.ndarray]],
@@ -202,7 +220,10 @@ def sample_errors(reference: Mapping[str, np.ndarray], got: Mapping[str, List[np
     ``reference[output]`` the float values of all batches, flattened and joined. A batch whose
     outputs all lead with the same axis counts one error per row of it (a sample), else one; each
     error is the sum over the outputs of the squared difference divided by that output's energy
-    (``energy[output]``, its reference's sum of squares over all batches)."""
+    (``energy[output]``, `output_energy`: its reference's sum of squares over all batches, or the
+    largest other output's when it is zero). A value whose reference is NaN or infinite adds nothing
+    (the float model has no number there to be close to); a non-finite value where the reference is
+    finite makes the error infinite."""
     offsets = dict.fromkeys(reference, 0)
     errors: List[np.ndarray] = []
     batches = len(next(iter(got.values()))) if got else 0
@@ -215,7 +236,9 @@ def sample_errors(reference: Mapping[str, np.ndarray], got: Mapping[str, List[np
         for o, value in values.items():
             start = offsets[o]
             offsets[o] = start + value.size
-            diff = value.astype(np.float64).ravel() - reference[o][start:start + value.size]
+            ref = np.asarray(reference[o][start:start + value.size], np.float64)
+            usable = np.isfinite(ref)
+            diff = np.where(usable, value.astype(np.float64).ravel(), 0.0) - np.where(usable, ref, 0.0)
             total += np.square(diff).reshape(rows, -1).sum(axis=1) / energy[o]
         errors.append(total)
     return np.concatenate(errors) if errors else np.zeros(0)

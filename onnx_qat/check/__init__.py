@@ -223,8 +223,8 @@ def _check(proto, label: str, rules, nodes) -> CheckReport:
                                    f"{differs}")
         for rule in rules:
             findings.extend(rule(proto, graphs))
-        num_q = sum(node.is_q for g in graphs for node in g.qdq)
-        num_dq = sum(not node.is_q for g in graphs for node in g.qdq)
+        num_q = sum(sum(g.column("is_q")) for g in graphs)
+        num_dq = sum(len(g.qdq) for g in graphs) - num_q
         built = graphs[0]._memo.get("precision_map", {}).get("map") if graphs else None  # by rule C15
         del graphs  # freed by reference counting while the collector is paused
     for finding in findings:

@@ -6,9 +6,9 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, compress
+from itertools import chain, compress, repeat
+from operator import and_, eq, is_, is_not, itemgetter, methodcaller, not_
 from sys import intern
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -16,6 +16,8 @@ from ..graph.constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS
 from ..graph.ops import WEIGHTED_OPS
 
 
+_NOT_STORED = (None, None)  # `_Graph.stored_all` of a name that is no constant
+_UNREAD = (None,)  # a name `_Graph.stored` has not read yet
 _UINT8 = 2  # onnx.TensorProto.UINT8: what a QuantizeLinear without a zero point writes
 #: Ops that move data without changing values; Q/DQ commutes with them ([TRT-PL]).
 _DATA_MOVEMENT = frozenset({
@@ -113,8 +115,6 @@ class _Graph:
     ops: List[str]
     node_inputs: List[List[str]]
     producer: Dict[str, int]
-    #: node indices reading each QuantizeLinear output (one entry per reading input), see `readers`
-    q_readers: Dict[str, List[int]]
     constants: Dict[str, object]          # name -> onnx.TensorProto (converted lazily)
     types: _Types
     outputs: frozenset
@@ -125,14 +125,85 @@ class _Graph:
     _memo: Dict[str, dict] = field(default_factory=dict)
     _stored: Dict[str, Tuple[int, Optional[bytes]]] = field(default_factory=dict)
     _residual_adds: Optional[List[int]] = None
-    _weight_inputs: Dict[int, Optional[int]] = field(default_factory=dict)
+    _weighted: Optional["_Weighted"] = None
     _qdq_readers: Optional[Dict[str, List[int]]] = None
     _dims: Dict[str, Tuple[int, ...]] = field(default_factory=dict)  # constant name -> its dims, when known
+    _scalars: Dict[str, object] = field(default_factory=dict)  # names of constants known to be scalars: their
+    # dims are () (an edit's new initializers absent from `_dims`; only the keys are read)
+    _made_by: Dict[object, frozenset] = field(default_factory=dict)
+    _columns: Dict[str, list] = field(default_factory=dict)
+    _of_constants: Optional[frozenset] = None
+    _indices: Dict[object, List[int]] = field(default_factory=dict)
+    node_outputs: List[List[str]] = field(default_factory=list)  # each node's output names, by position
+    _ssa: Optional[bool] = None
+    _op_codes: Optional[tuple] = None
+
+    def column(self, name: str) -> list:
+        """Field ``name`` of every record of `qdq` (``"pos"``, ``"is_q"``, ``"data"``, ``"scale"``,
+        ``"zp"``, ``"out"``, ``"domain"``, ``"attrs"``), in graph order: one C-level pass, made once, so
+        that rules sift the Q/DQ nodes a column at a time (set and dict lookups mapped over it) and visit
+        one by one only those a lookup leaves undecided."""
+        found = self._columns.get(name)
+        if found is None:
+            found = self._columns[name] = list(map(itemgetter(_QDQ._fields.index(name)), self.qdq))
+        return found
+
+    def made_by(self, ops) -> frozenset:
+        """The tensors whose producer (`producer`) is a node of one of the op types ``ops`` (an op type, or a
+        hashable collection of them), made once per ``ops`` from those nodes' outputs (`indices_of`)."""
+        found = self._made_by.get(ops)
+        if found is None:
+            where = self.indices_of((ops,) if isinstance(ops, str) else ops)
+            outputs = list(map(self.node_outputs.__getitem__, where))
+            if set(map(len, outputs)) == {1}:  # one output each, as usual
+                outputs = list(map(itemgetter(0), outputs))
+            else:
+                where = [i for i, names in zip(where, outputs) for _ in names]
+                outputs = list(chain.from_iterable(outputs))
+            if self._single_writers():
+                found = frozenset(outputs).difference(("",))
+            else:  # an output written again by a later node (no valid graph does that) is that node's
+                found = frozenset(compress(outputs, map(eq, map(self.producer.get, outputs), where)))
+            self._made_by[ops] = found
+        return found
+
+    def _single_writers(self) -> bool:
+        """Whether no tensor is the output of two nodes (`producer` then names every node's outputs)."""
+        if self._ssa is None:
+            outputs = self.node_outputs
+            written = sum(map(len, outputs)) - sum(map(methodcaller("count", ""), outputs))
+            self._ssa = len(self.producer) == written
+        return self._ssa
+
+    def constant_flags(self, tensors: List[str]) -> List[bool]:
+        """Whether each of ``tensors`` is a name of `constants` (an absent input, ``""``, is none), in one
+        C-level pass."""
+        constants = self.constants
+        found = list(map(constants.__contains__, tensors))
+        if "" in constants:  # an initializer without a name (onnx.checker refuses it): no input's value
+            found = list(map(and_, map(bool, tensors), found))
+        return found
+
+    def of_constants(self) -> frozenset:
+        """The outputs of the Q/DQ nodes whose data input is a constant (initializer or Constant output):
+        the quantized weights, the usual "constant source" of `is_constant_source` after a constant."""
+        found = self._of_constants
+        if found is None:
+            keep = self.constant_flags(self.column("data"))
+            outs, positions = list(compress(self.column("out"), keep)), compress(self.column("pos"), keep)
+            if self._single_writers():
+                found = frozenset(outs).difference(("",))
+            else:  # an output written again by a later node is that node's
+                found = frozenset(compress(outs, map(eq, map(self.producer.get, outs), positions)))
+            self._of_constants = found
+        return found
 
     def dims(self, name: str) -> Tuple[int, ...]:
         """The ``dims`` of constant ``name`` (known, or read from its protobuf)."""
         found = self._dims.get(name)
-        return found if found is not None else tuple(self.constants[name].dims[:])
+        if found is None:
+            return () if name in self._scalars else tuple(self.constants[name].dims[:])
+        return found
 
     def data_type(self, name: str) -> int:
         """The element type of constant ``name`` (as read by `stored`, else from its protobuf)."""
@@ -155,41 +226,47 @@ class _Graph:
             cache[tensor] = judge(self.array(tensor))
         return cache[tensor]
 
-    def prejudge(self, key: str, tensors, data_type: int, dtype: str, accept: Callable, verdict) -> frozenset:
-        """Settle `memo` ``(key, tensor)`` as ``verdict`` for every tensor among ``tensors``
-        (constants of element type ``data_type``, NumPy ``dtype``, stored as raw bytes) whose
-        elements all pass ``accept`` (a vectorized test), in one NumPy pass over all of them, and
-        return the names so settled. The others are left to the rule's own per-tensor judgement,
-        which gives ``verdict`` for exactly the tensors accepted here.
+    def prejudge(self, infos, data_type: int, dtype: str, accept: Callable) -> List[bool]:
+        """For each of ``infos`` (``(element type, raw bytes)`` of a Q/DQ node's scale or zero point,
+        `stored_column`), whether it is a constant of element type ``data_type`` stored as raw bytes of
+        NumPy ``dtype`` whose elements all pass ``accept`` (a vectorized test), judged in one NumPy pass
+        over all of them. A rule gives such a node its no-finding verdict at once and leaves the others to
+        its own per-tensor judgement, which gives that verdict for exactly the tensors accepted here.
 
         The raw bytes are judged without reading the tensor's dims (a costly field on many small
         tensors): the per-tensor judgement reads the same bytes as an array of these dims, or
-        finds them unreadable (a length that does not match the dims) and then also gives
-        ``verdict``; so a tensor whose every element passes gets ``verdict`` either way."""
+        finds them unreadable (a length that does not match the dims) and then also gives the
+        no-finding verdict; so a tensor whose every element passes gets it either way."""
         import numpy as np
 
-        cache = self._memo.setdefault(key, {})
         itemsize = np.dtype(dtype).itemsize
-        stored = self._stored
-        names, raws = [], []
-        for tensor in dict.fromkeys(tensors):
-            if tensor in cache:
-                continue
-            info = stored[tensor] if tensor in stored else self.stored(tensor)
-            if info is None or info[0] != data_type:
-                continue
-            raw = info[1]
-            if raw and not len(raw) % itemsize:  # raw bytes, not empty, whole elements
-                names.append(tensor)
-                raws.append(raw)
-        if not names:
-            return frozenset()
-        passed = accept(np.frombuffer(b"".join(raws), dtype=dtype))
-        counts = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws)) // itemsize
-        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        settled = frozenset(compress(names, np.logical_and.reduceat(passed, starts).tolist()))
-        cache.update(dict.fromkeys(settled, verdict))
-        return settled
+        settled = np.zeros(len(infos), dtype=bool)
+        where = np.flatnonzero(np.fromiter(map(eq, map(itemgetter(0), infos), repeat(data_type)), dtype=bool,
+                                           count=len(infos)))
+        raws = list(map(itemgetter(1), map(infos.__getitem__, where.tolist())))
+        given = np.fromiter(map(bool, raws), dtype=bool, count=len(raws))  # raw bytes, not empty
+        raws, where = list(compress(raws, given.tolist())), where[given]
+        lengths = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))
+        whole = lengths % itemsize == 0  # whole elements
+        raws, where, counts = list(compress(raws, whole.tolist())), where[whole], lengths[whole] // itemsize
+        if raws:
+            passed = accept(np.frombuffer(b"".join(raws), dtype=dtype))
+            starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+            settled[where] = np.logical_and.reduceat(passed, starts)
+        return settled.tolist()
+
+    def stored_column(self, name: str) -> list:
+        """`stored_all` of `column` ``name`` (``"scale"``, ``"zp"``, ``"data"``), made once; ``(None, None)``
+        for an absent input."""
+        key = "stored " + name
+        found = self._columns.get(key)
+        if found is None:
+            names = self.column(name)
+            found = self.stored_all(names)
+            if "" in self.constants:  # an initializer without a name (onnx.checker refuses it): no input's
+                found = [info if tensor else _NOT_STORED for tensor, info in zip(names, found)]
+            self._columns[key] = found
+        return found
 
     def stored(self, name: str) -> Optional[Tuple[int, Optional[bytes]]]:
         """``(element type, raw bytes)`` of constant ``name``, read once (a Q and its DQ share their
@@ -208,6 +285,17 @@ class _Graph:
             info = (proto.data_type, raw)
         self._stored[name] = info
         return info
+
+    def stored_all(self, names: List[str]) -> List[Tuple[Optional[int], Optional[bytes]]]:
+        """`stored` of each of ``names``, a column at a time (those not read yet read one by one), with
+        ``(None, None)`` for a name that is no constant."""
+        stored = self._stored
+        infos = list(map(stored.get, names, repeat(_UNREAD)))
+        for k in compress(range(len(infos)), map(is_, infos, repeat(_UNREAD))):
+            infos[k] = self.stored(names[k])
+        for k in compress(range(len(infos)), map(is_, infos, repeat(None))):
+            infos[k] = _NOT_STORED
+        return infos
 
     def value_shape(self, name: str) -> Optional[Tuple[int, ...]]:
         """The shape of constant ``name``'s value, None when it is no constant or cannot be read:
@@ -229,17 +317,28 @@ class _Graph:
         Raw bytes of exactly one element are passed over without reading the dims (a costly field
         on many small tensors): the value then has one element, or cannot be read, whatever the
         dims say, so `value_shape` is a one-element shape or None."""
-        sizes, stored = _itemsizes(), self._stored
-        shapes = {}
-        for name in tensors:
-            info = stored[name] if name in stored else self.stored(name)
-            if info is None:
+        import numpy as np
+
+        sizes, names = _itemsizes(), list(tensors)
+        infos, known = self.stored_all(names), list(map(self._dims.get, names))
+        # Raw bytes of the size their known dims give, more than one element: those dims, told in NumPy.
+        count = len(names)
+        size = np.fromiter(map(sizes.get, map(itemgetter(0), infos), repeat(0)), dtype=np.int64, count=count)
+        length, elements = np.zeros(count, dtype=np.int64), np.zeros(count, dtype=np.int64)  # 0: unknown
+        raws = list(map(itemgetter(1), infos))
+        for values, column, measure in ((length, raws, len), (elements, known, math.prod)):
+            given = list(map(is_not, column, repeat(None)))
+            values[np.flatnonzero(given)] = np.fromiter(map(measure, compress(column, given)), dtype=np.int64)
+        fast = ((size > 0) & (elements > 1) & (length == elements * size)).tolist()
+        shapes = dict(zip(compress(names, fast), compress(known, fast)))
+        for name, (data_type, raw), dims in compress(zip(names, infos, known), map(not_, fast)):
+            if data_type is None:  # no constant
                 continue
-            data_type, raw = info
             size = sizes.get(data_type)
             if size and raw is not None and len(raw) == size:
                 continue
-            dims = self.dims(name)
+            if dims is None:
+                dims = self.dims(name)
             count = math.prod(dims)
             if count <= 1:
                 continue
@@ -258,16 +357,25 @@ class _Graph:
     def readers(self, tensor: str) -> List[int]:
         """Indices of the nodes reading ``tensor``, a Q/DQ output (once per reading input).
 
-        Only the rules about Q/DQ outputs ask who reads a tensor: rule C7 about every Q output
-        (listed by the index), C12 and C14 about the DQ outputs after some Q nodes (after a Pad or
-        a weighted op: none in most models). So the readers of the DQ outputs are listed, in one
-        more pass over the node inputs, only when first asked for."""
-        found = self.q_readers.get(tensor)
-        if found is None:
-            if self._qdq_readers is None:
-                self._qdq_readers = _readers_of({node.out for node in self.qdq if node.out}, self.node_inputs)
-            found = self._qdq_readers.get(tensor, [])
-        return found
+        Only the rules about Q/DQ outputs ask who reads a tensor: rule C7 about the Q outputs a set
+        lookup leaves in doubt (`quantized_reads`), C12 and C14 about the DQ outputs after some Q nodes
+        (after a Pad or a weighted op: none in most models). So the readers of every Q/DQ output are
+        listed, in one pass over the node inputs, only when first asked for."""
+        if self._qdq_readers is None:
+            self._qdq_readers = _readers_of({node.out for node in self.qdq if node.out}, self.node_inputs)
+        return self._qdq_readers.get(tensor, [])
+
+    def quantized_reads(self) -> Tuple[bool, bool]:
+        """``(every QuantizeLinear output is read by a DequantizeLinear's data input, none is read by
+        another op)``, found with set operations (the non-DequantizeLinear nodes' inputs looked up in
+        one C-level pass) instead of listing each output's readers (`readers`)."""
+        quantize = self.column("is_q")
+        outs = set(compress(self.column("out"), quantize))
+        outs.discard("")
+        ops, dequantize = self.ops, _DEQUANTIZE
+        read = not outs.difference(compress(self.column("data"), map(not_, quantize)))
+        others = compress(self.node_inputs, map(dequantize.__ne__, ops))
+        return read, outs.isdisjoint(chain.from_iterable(others))
 
     def producer_op(self, tensor: str) -> Optional[str]:
         idx = self.producer.get(tensor)
@@ -295,16 +403,19 @@ class _Graph:
             tensor, seen = (inputs[0] if inputs else ""), seen + 1
         return False
 
+    def are_constant(self, tensors: List[str]) -> List[bool]:
+        """`is_constant` of each of ``tensors``, a column at a time: only a tensor that is no constant
+        but is written by one of `CONSTANT_PASS_OPS` is followed back one by one."""
+        found = self.constant_flags(tensors)
+        passed = self.made_by(CONSTANT_PASS_OPS)
+        for k in compress(range(len(found)), map(passed.__contains__, tensors)):
+            found[k] = self.is_constant(tensors[k])
+        return found
+
     def is_constant_source(self, tensor: str) -> bool:
         """A constant, or a Q/DQ chain whose data input is a constant (a quantized weight)."""
-        constants = self.constants
-        if tensor and tensor in constants:  # the usual cases first, in short: a constant,
-            return True
-        idx = self.producer.get(tensor)
-        if idx is not None and self.ops[idx] in (_QUANTIZE, _DEQUANTIZE):  # a Q/DQ of a constant
-            inputs = self.node_inputs[idx]
-            if inputs and inputs[0] and inputs[0] in constants:
-                return True
+        if tensor and tensor in self.constants or tensor in self.of_constants():  # the usual cases in short:
+            return True  # a constant, a Q/DQ of a constant
         for _ in range(4):
             if self.is_constant(tensor):
                 return True
@@ -320,6 +431,43 @@ class _Graph:
             return self.data_type(tensor)
         known = self._qdq_output_type(tensor)
         return known if known is not None else self.types.elem_type(tensor)
+
+    def elem_types(self, tensors: List[str]) -> List[Optional[int]]:
+        """`elem_type` of each of ``tensors``, a column at a time: a constant's type read already
+        (`stored`) and the type a QuantizeLinear gives its output (`_quantized_outputs`) looked up at once;
+        the other tensors asked one by one."""
+        stored, constants = self._stored, self.constants
+        found = [info[0] if info else None for info in map(stored.get, tensors)]  # a stored None: no constant
+        known = self._quantized_outputs()
+        for k in compress(range(len(found)), map(is_, found, repeat(None))):
+            name = tensors[k]
+            dtype = None if name in constants else known.get(name)
+            found[k] = dtype if dtype is not None else self.elem_type(name)
+        return found
+
+    def _quantized_outputs(self) -> Dict[str, int]:
+        """QuantizeLinear output -> its element type, as `_qdq_output_type` reads it (its zero point's, from
+        `stored_column`), for the QuantizeLinear nodes of the default domain without ``output_dtype`` whose
+        zero point is a constant; found a column at a time, once."""
+        known = self._memo.get("quantized outputs")
+        if known is None:
+            quantize, column = self.column("is_q"), self.column
+            attrs = list(compress(column("attrs"), quantize))
+            told = {key: not found or not any(a.name == "output_dtype" for a in found)
+                    for key, found in dict(zip(map(id, attrs), attrs)).items()}  # once per attributes' tuple
+            keep = list(map(and_, map(_DEFAULT_DOMAINS.__contains__, compress(column("domain"), quantize)),
+                            map(told.__getitem__, map(id, attrs))))
+            outs = list(compress(compress(column("out"), quantize), keep))
+            types = compress(map(itemgetter(0), compress(self.stored_column("zp"), quantize)), keep)
+            if self._single_writers():
+                known = dict(zip(outs, types))
+            else:  # an output written again by a later node is that node's
+                positions = compress(compress(column("pos"), quantize), keep)
+                known = {out: dtype for out, dtype, pos in zip(outs, types, positions)
+                         if self.producer.get(out) == pos}
+            known.pop("", None)
+            self._memo["quantized outputs"] = known
+        return known
 
     def _qdq_output_type(self, tensor: str) -> Optional[int]:
         """The element type of a QuantizeLinear / DequantizeLinear output, read from the node itself
@@ -342,21 +490,34 @@ class _Graph:
         return self.types.shape(tensor)
 
     def indices_of(self, ops) -> List[int]:
-        """Indices of the nodes whose op type is among ``ops``, in graph order (one C-level pass)."""
-        return list(compress(range(len(self.ops)), map(frozenset(ops).__contains__, self.ops)))
+        """Indices of the nodes whose op type is among ``ops`` (a hashable collection), in graph order: the
+        op types are coded as small integers once (one C-level pass), each such list found with NumPy and
+        kept (the rules ask for a few, some more than once; callers do not change it)."""
+        found = self._indices.get(ops)
+        if found is None:
+            import numpy as np
+
+            if self._op_codes is None:
+                codes = {op: k for k, op in enumerate(set(self.ops))}
+                self._op_codes = (codes, np.fromiter(map(codes.__getitem__, self.ops), dtype=np.int32,
+                                                     count=len(self.ops)))
+            codes, column = self._op_codes
+            wanted = [codes[op] for op in frozenset(ops) if op in codes]
+            found = self._indices[ops] = np.flatnonzero(np.isin(column, wanted)).tolist() if wanted else []
+        return found
 
     def residual_adds(self) -> List[int]:
         """Indices of the residual joins: Add nodes with two non-constant inputs, and Sum nodes whose
         first two inputs are non-constant (TensorRT imports a Sum as a chain of sums whose first link
         adds inputs 0 and 1; rules C10 and C11 both visit them and look at those two inputs)."""
         if self._residual_adds is None:
-            adds = []
-            for i in self.indices_of(("Add", "Sum")):
-                inputs = self.node_inputs[i]
-                if (len(inputs) == 2 or len(inputs) > 2 and self.ops[i] == "Sum") and inputs[0] \
-                        and inputs[1] and not self.is_constant(inputs[0]) and not self.is_constant(inputs[1]):
-                    adds.append(i)
-            self._residual_adds = adds
+            ops, node_inputs = self.ops, self.node_inputs
+            joins = [i for i in self.indices_of(("Add", "Sum")) if len(node_inputs[i]) == 2
+                     or len(node_inputs[i]) > 2 and ops[i] == "Sum"]
+            pairs = list(zip(_inputs_at(self, joins, 0), _inputs_at(self, joins, 1)))
+            constant = self.are_constant(list(chain.from_iterable(pairs)))  # first and second addends in turn
+            self._residual_adds = [i for i, (a, b), c, d in zip(joins, pairs, constant[0::2], constant[1::2])
+                                   if a and b and not c and not d]
         return self._residual_adds
 
 
@@ -398,9 +559,8 @@ def _constant_tensor(node):
 
 
 def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, list]:
-    """One pass over ``graph``'s nodes: op types, inputs, producers, constants, Q/DQ nodes; then
-    the readers of the QuantizeLinear outputs. Also returns ``(node index, attribute)`` of every
-    graph-valued attribute, in node and attribute order, for `_walk`.
+    """One pass over ``graph``'s nodes: op types, inputs, producers, constants, Q/DQ nodes. Also returns
+    ``(node index, attribute)`` of every graph-valued attribute, in node and attribute order, for `_walk`.
 
     Each node's fields are read from the protobuf once (``[:]`` of a repeated string field is the
     cheapest copy). Every node's attributes are looked at, since any node may carry a subgraph;
@@ -408,7 +568,7 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
     constants = dict(outer_constants)
     for init in graph.initializer:
         constants[init.name] = init
-    ops, node_inputs, producer, qdq, subgraphs = [], [], {}, [], []
+    ops, node_inputs, node_outputs, producer, qdq, subgraphs = [], [], [], {}, [], []
     new_record = tuple.__new__  # _QDQ(*fields) without the Python-level __new__ of a named tuple
     for i, proto in enumerate(graph.node):
         op = intern(proto.op_type)  # one string per op type: less to keep, compared by identity
@@ -416,6 +576,7 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
         outputs = proto.output[:]
         ops.append(op)
         node_inputs.append(inputs)
+        node_outputs.append(outputs)
         for out in outputs:
             producer[out] = i
         attrs = proto.attribute
@@ -435,9 +596,9 @@ def _index_graph(graph, infer, outer_constants, opset, prefix) -> Tuple[_Graph, 
                 if kind == _GRAPH or kind == _GRAPHS:
                     subgraphs.append((i, attr))
     producer.pop("", None)  # an absent output is nobody's tensor
-    q_readers = _readers_of({node.out for node in qdq if node.out and node.is_q}, node_inputs)
-    index = _Graph(graph, prefix, ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
-                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq})
+    index = _Graph(graph, prefix, ops, node_inputs, producer, constants, _Types(graph, infer),
+                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq},
+                   node_outputs=node_outputs)
     return index, subgraphs
 
 
@@ -445,15 +606,18 @@ def _readers_of(tensors, node_inputs) -> Dict[str, List[int]]:
     """``tensor -> indices of the nodes reading it`` (once per reading input) for each of ``tensors``.
 
     Every node's inputs are looked up in one C-level pass over all of them in a row; only the inputs
-    found are placed (a binary search of the running input counts gives each one's node)."""
+    found are placed (a NumPy binary search of the running input counts gives each one's node)."""
     readers: Dict[str, List[int]] = {tensor: [] for tensor in tensors}
     if readers:
         flat = list(chain.from_iterable(node_inputs))
         found = list(compress(range(len(flat)), map(readers.__contains__, flat)))
         if found:
-            ends = list(accumulate(map(len, node_inputs)))  # node i's inputs end before ends[i]
-            for k in found:
-                readers[flat[k]].append(bisect_right(ends, k))
+            import numpy as np
+
+            ends = np.cumsum(np.fromiter(map(len, node_inputs), dtype=np.int64, count=len(node_inputs)))
+            nodes = np.searchsorted(ends, found, side="right").tolist()  # node i's inputs end before ends[i]
+            for tensor, node in zip(map(flat.__getitem__, found), nodes):
+                readers[tensor].append(node)
     return readers
 
 
@@ -479,7 +643,10 @@ def _index_written(graph, infer, opset, nodes) -> _Graph:
     constants = dict(zip(nodes.initializers, graph.initializer))
     ops = nodes.ops  # compared by value: the new nodes' op types are one string each already
     node_inputs, outputs, forms = nodes.inputs, nodes.outputs, nodes.forms
-    producer = {out: i for i, outs in enumerate(outputs) for out in outs}
+    if set(map(len, outputs)) == {1}:  # one output each, as usual: paired in C
+        producer = dict(zip(map(itemgetter(0), outputs), range(len(outputs))))
+    else:
+        producer = {out: i for i, outs in enumerate(outputs) for out in outs}
     producer.pop("", None)  # an absent output is nobody's tensor
     samples = {}  # form -> (domain, attributes) of its nodes
     protos = graph.node
@@ -510,12 +677,13 @@ def _index_written(graph, infer, opset, nodes) -> _Graph:
         n, outs = len(inputs), outputs[i]
         qdq.append(new_record(_QDQ, (i, op == _QUANTIZE, inputs[0] if n else "", inputs[1] if n > 1 else "",
                                      inputs[2] if n > 2 else "", outs[0] if outs else "", domain, attrs)))
-    q_readers = _readers_of({node.out for node in qdq if node.out and node.is_q}, node_inputs)
-    index = _Graph(graph, "", ops, node_inputs, producer, q_readers, constants, _Types(graph, infer),
-                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq})
-    index._stored.update(nodes.stored)  # every one of them an initializer of the result (``constants``)
-    index._dims.update(dict.fromkeys(nodes.stored, ()))  # scalars, unless
-    index._dims.update(nodes.dims)
+    index = _Graph(graph, "", ops, node_inputs, producer, constants, _Types(graph, infer),
+                   frozenset(o.name for o in graph.output), opset, qdq, {node.pos: node for node in qdq},
+                   node_outputs=outputs)
+    index._stored = nodes.stored.copy()  # every one of them an initializer of the result (``constants``)
+    index._dims, index._scalars = nodes.dims, nodes.stored  # scalars, unless in dims (both read, not changed)
+    index._ssa = True  # `EditEvidence.nodes_of` gives nodes only where the structural pass found no name
+    # written twice
     return index
 
 
@@ -528,8 +696,9 @@ def same_index(written: _Graph, read: _Graph) -> Optional[str]:
         return "node inputs"
     if written.producer != read.producer:
         return "producers"
-    if written.q_readers != read.q_readers:
-        return "readers of QuantizeLinear outputs"
+    if any(written.readers(node.out) != read.readers(node.out) for node in read.qdq) \
+            or written.quantized_reads() != read.quantized_reads():
+        return "readers of QuantizeLinear/DequantizeLinear outputs"
     if list(written.constants) != list(read.constants) or any(
             written.constants[k] != read.constants[k] for k in read.constants):
         return "constants"
@@ -538,8 +707,8 @@ def same_index(written: _Graph, read: _Graph) -> Optional[str]:
     for name, info in written._stored.items():
         if read.stored(name) != info:
             return f"stored value of {name!r}"
-    for name, dims in written._dims.items():
-        if tuple(read.constants[name].dims) != dims:
+    for name in chain(written._dims, written._scalars):
+        if tuple(read.constants[name].dims) != written.dims(name):
             return f"dims of {name!r}"
     return None
 
@@ -591,6 +760,10 @@ def _qdq_nodes(g: _Graph) -> List[_QDQ]:
 
 def _fed_by_dq(g: _Graph, tensor: str, through_movement: bool = False) -> bool:
     """True when ``tensor`` is a DequantizeLinear output (optionally through data-movement ops)."""
+    if tensor in g.made_by(_DEQUANTIZE):
+        return True
+    if not through_movement:
+        return False
     producer, ops = g.producer, g.ops
     for _ in range(16):
         idx = producer.get(tensor)
@@ -599,26 +772,83 @@ def _fed_by_dq(g: _Graph, tensor: str, through_movement: bool = False) -> bool:
         op = ops[idx]
         if op == _DEQUANTIZE:
             return True
-        if not through_movement or op not in _DATA_MOVEMENT:
+        if op not in _DATA_MOVEMENT:
             return False
         tensor = _input(g.node_inputs[idx], 0)
     return False
 
 
+def _fed_by_dq_all(g: _Graph, tensors: List[str], through_movement: bool = False) -> List[bool]:
+    """`_fed_by_dq` of each of ``tensors``, a column at a time: a DequantizeLinear output is looked up in
+    one C-level pass, and only a tensor a data-movement op writes is followed back one by one."""
+    fed = list(map(g.made_by(_DEQUANTIZE).__contains__, tensors))
+    if through_movement:
+        moved = g.made_by(_DATA_MOVEMENT)
+        for k in compress(range(len(fed)), map(moved.__contains__, tensors)):
+            fed[k] = _fed_by_dq(g, tensors[k], through_movement=True)
+    return fed
+
+
+def _inputs_at(g: _Graph, indices: List[int], k: int) -> List[str]:
+    """Input ``k`` (`_input`) of each node of ``indices``."""
+    lists = list(map(g.node_inputs.__getitem__, indices))
+    if lists and min(map(len, lists)) > k:
+        return list(map(itemgetter(k), lists))
+    return [_input(inputs, k) for inputs in lists]
+
+
+def _constant_sources(g: _Graph, tensors: List[str]) -> List[bool]:
+    """`_Graph.is_constant_source` of each of ``tensors``: a constant or a Q/DQ output of one (a quantized
+    weight) looked up a column at a time, the others followed one by one."""
+    found = g.constant_flags(tensors)
+    rest = list(compress(range(len(found)), map(not_, found)))
+    if rest:  # a Q/DQ output of a constant, in short
+        quantized, names = g.of_constants(), list(map(tensors.__getitem__, rest))
+        for k, name, hit in zip(rest, names, map(quantized.__contains__, names)):
+            found[k] = hit or g.is_constant_source(name)
+    return found
+
+
 def _weight_input(g: _Graph, idx: int) -> Optional[int]:
     """Index of the constant weight input of weighted op ``idx`` (a node index), or None when it has
-    none (computed once per node: rules C9, C10, C11 and C14 ask)."""
-    known = g._weight_inputs
-    if idx in known:
-        return known[idx]
-    op, inputs = g.ops[idx], g.node_inputs[idx]
-    weight = None
-    if op in ("Conv", "ConvTranspose"):
-        weight = 1 if g.is_constant_source(_input(inputs, 1)) else None
-    elif op in ("Gemm", "MatMul"):
-        weight = next((k for k in (1, 0) if g.is_constant_source(_input(inputs, k))), None)
-    known[idx] = weight
-    return weight
+    none, or when node ``idx`` is no Conv, ConvTranspose, Gemm or MatMul (found for all of them at once,
+    `weighted_ops`: rules C9, C10, C11, C14 and C15 ask)."""
+    return weighted_ops(g).weights.get(idx)
+
+
+class _Weighted(NamedTuple):
+    """The weighted ops of a graph (`weighted_ops`)."""
+
+    weights: Dict[int, Optional[int]]  # every Conv/ConvTranspose/Gemm/MatMul -> `_weight_input`
+    with_weight: List[int]             # those with a constant weight, in graph order
+    activations: List[str]             # the activation input of each (input 1 - weight: 0 of a Conv)
+    weight_tensors: List[str]          # the weight input of each
+
+
+def weighted_ops(g: _Graph) -> _Weighted:
+    """`_Weighted` of ``g``, found once: a Conv's or ConvTranspose's weight is input 1 when it is a constant
+    source (`_Graph.is_constant_source`), a Gemm's or MatMul's the first of inputs 1 and 0 that is."""
+    found = g._weighted
+    if found is None:
+        weights: Dict[int, Optional[int]] = {}
+        convs = g.indices_of(("Conv", "ConvTranspose"))
+        found_weights = _constant_sources(g, _inputs_at(g, convs, 1))
+        weights.update(zip(convs, map(_ONE_OR_NONE.__getitem__, found_weights)))
+        gemms = g.indices_of(("Gemm", "MatMul"))
+        second = _constant_sources(g, _inputs_at(g, gemms, 1))
+        rest = list(compress(gemms, map(not_, second)))
+        first = dict(zip(rest, _constant_sources(g, _inputs_at(g, rest, 0))))
+        weights.update((i, 1 if hit else 0 if first[i] else None) for i, hit in zip(gemms, second))
+        weighted = g.indices_of(WEIGHTED_OPS)
+        with_weight = list(compress(weighted, map(is_not, map(weights.get, weighted), repeat(None))))
+        node_inputs = g.node_inputs
+        activations = [_input(node_inputs[i], 1 - weights[i]) for i in with_weight]
+        weight_tensors = [_input(node_inputs[i], weights[i]) for i in with_weight]
+        found = g._weighted = _Weighted(weights, with_weight, activations, weight_tensors)
+    return found
+
+
+_ONE_OR_NONE = (None, 1)
 
 
 def _weighted_producer(g: _Graph, tensor: str) -> Optional[int]:

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, filterfalse
+from operator import attrgetter, itemgetter
 from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 from ..formats.numeric import kept_fp32_reason
@@ -485,7 +486,11 @@ def computes_in_reduced_float(graphs) -> bool:
     to it), read without building the map: a model without any cannot compute in FP16/BF16."""
     reduced = (10, 16)
     for g in graphs:
-        if any(proto.data_type in reduced for proto in g.constants.values()):
+        constants, stored = g.constants, g._stored  # a type stored already (`_Graph.data_type`), in short
+        types = set(map(itemgetter(0), filter(None, stored.values())))
+        types.update(map(attrgetter("data_type"), map(constants.__getitem__,
+                                                      filterfalse(stored.__contains__, constants))))
+        if not types.isdisjoint(reduced):
             return True
         for part in (g.graph.input, g.graph.output):
             if any(vi.type.tensor_type.elem_type in reduced for vi in part

@@ -16,6 +16,8 @@ Sources:
 """
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import eq, is_, itemgetter, or_
 from typing import Dict, Iterator, Optional
 
 from .report import ERROR, MODEL_NODE, WARNING, Finding
@@ -48,12 +50,22 @@ def quantized_types(g) -> Dict[int, Optional[int]]:
     """`quantized_type` of every Q/DQ node of ``g``, by node position (read once per graph)."""
     types = g._memo.get(_TYPES_KEY)
     if types is None:
-        types, stored = {}, g._stored
-        for n in g.qdq:  # a zero point read already (rule C4's batch, an edit's values): its type, in short
-            info = stored.get(n.zp) if n.zp else None
-            types[n.pos] = info[0] if info is not None else _read_quantized_type(g, n)
-        g._memo[_TYPES_KEY] = types
+        types = g._memo[_TYPES_KEY] = dict(zip(g.column("pos"), quantized_type_column(g)))
     return types
+
+
+def quantized_type_column(g) -> list:
+    """`quantized_type` of every Q/DQ node of ``g``, in the order of ``g.qdq`` (read once per graph): a zero
+    point read already (rule C4's batch, an edit's values) gives its type, a column at a time; the other
+    nodes are read one by one."""
+    column = g._memo.get(_COLUMN_KEY)
+    if column is None:
+        column = list(map(itemgetter(0), g.stored_column("zp")))  # None: no zero point, or none stored
+        qdq = g.qdq
+        for k in compress(range(len(column)), map(is_, column, repeat(None))):
+            column[k] = _read_quantized_type(g, qdq[k])
+        g._memo[_COLUMN_KEY] = column
+    return column
 
 
 def block_sizes(g) -> Dict[int, int]:
@@ -61,20 +73,17 @@ def block_sizes(g) -> Dict[int, int]:
     in graph order (read once per graph: rules C6, F2 and F3 ask; most nodes have no attribute at all)."""
     sizes = g._memo.get(_BLOCKS_KEY)
     if sizes is None:
-        sizes, known = {}, {}  # known: by the attributes' tuple (an edit's new nodes of a form share one)
-        for node in g.qdq:
-            attrs = node.attrs
-            if attrs:
-                size = known.get(id(attrs), known)
-                if size is known:
-                    size = known[id(attrs)] = _int_attr(attrs, "block_size")
-                if size:
-                    sizes[node.pos] = size
-        g._memo[_BLOCKS_KEY] = sizes
+        attrs = g.column("attrs")  # judged once per attributes' tuple (an edit's nodes of a form share one)
+        distinct = dict(zip(map(id, attrs), attrs))
+        known = {key: _int_attr(found, "block_size") for key, found in distinct.items()}
+        blocked = {key for key, size in known.items() if size}
+        sizes = g._memo[_BLOCKS_KEY] = {} if not blocked else {
+            pos: known[key] for pos, key in zip(g.column("pos"), map(id, attrs)) if key in blocked}
     return sizes
 
 
-_TYPES_KEY, _BLOCKS_KEY = "quantized_type", "block_size"
+_TYPES_KEY, _COLUMN_KEY, _BLOCKS_KEY = "quantized_type", "quantized_type_column", "block_size"
+_UNKNOWN = (None,)  # a zero point whose type is not stored
 
 
 def _read_quantized_type(g, node) -> Optional[int]:
@@ -110,12 +119,10 @@ def weight_only(g, tensor: str) -> bool:
 
 def _quantizing_to(graphs, types) -> Iterator[tuple]:
     """(graph, Q/DQ node, its quantized type, its name) for every Q/DQ node whose type is in ``types``."""
-    for g in graphs:
-        found = quantized_types(g)
-        for node in g.qdq:
-            dtype = found[node.pos]
-            if dtype in types:
-                yield g, node, dtype, g.name(node.pos)
+    for g in graphs:  # a column at a time: most models have none
+        found = quantized_type_column(g)
+        for node, dtype in compress(zip(g.qdq, found), map(types.__contains__, found)):
+            yield g, node, dtype, g.name(node.pos)
 
 
 # -- the rules ---------------------------------------------------------------------------------------
@@ -155,7 +162,7 @@ def rule_f2_opset_of_form(model, graphs) -> Iterator[Finding]:
         return
     need = {}
     for g in graphs:
-        found = set(quantized_types(g).values())
+        found = set(quantized_type_column(g))
         if not found.isdisjoint(FLOAT8_TYPES):
             need.setdefault(19, "float8 Q/DQ")
         if not found.isdisjoint(FOUR_BIT_TYPES) or block_sizes(g):
@@ -236,13 +243,11 @@ def rule_f5_int4_zero_points(model, graphs) -> Iterator[Finding]:
     Source: [TRT-QS] symmetric INT4 (``x = x_q * s``, no offset).
     """
     for g in graphs:
-        stored = g._stored
-        for node in g.qdq:
+        # a zero point read already: its type, in short (a column at a time); the others asked one by one
+        types = list(map(itemgetter(0), g.stored_column("zp")))
+        for node in compress(g.qdq, map(or_, map(is_, types, repeat(None)), map(eq, types, repeat(INT4)))):
             zp = node.zp
-            if not zp:
-                continue
-            info = stored.get(zp)  # a zero point read already: its type, in short
-            if (info[0] if info is not None else g.elem_type(zp)) != INT4:
+            if not zp or g.elem_type(zp) != INT4:
                 continue
             values = g.array(node.zp) if g.is_constant(node.zp) else None
             if not g.is_constant(node.zp):

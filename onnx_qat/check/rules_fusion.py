@@ -5,13 +5,15 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 `onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
+from itertools import compress
+from operator import and_, not_, or_
 from typing import Iterator, List
 
 from ..placement.residual import fused_addend
 from .report import ERROR, Finding, WARNING
 from .index import (
-    WEIGHTED_OPS, _DEQUANTIZE, _Graph, _QDQ, _QUANTIZE, _fed_by_dq, _input, _qdq_nodes, _weight_input,
-    _weighted_producer,
+    WEIGHTED_OPS, _DEQUANTIZE, _Graph, _QDQ, _QUANTIZE, _fed_by_dq, _fed_by_dq_all, _input, _inputs_at,
+    _qdq_nodes, _weight_input, _weighted_producer,
 )
 
 
@@ -32,10 +34,8 @@ def rule_c10_residual_float_skip(model, graphs) -> Iterator[Finding]:
     Source: [TRT-PL] "Q/DQ placement for residual (element-wise addition) fusion".
     """
     for g in graphs:
-        for i in g.residual_adds():
+        for i in _joins(g, quantized=False):
             inputs = g.node_inputs[i][:2]  # the two addends (of a Sum: the first link of its chain)
-            if _fed_by_dq(g, inputs[0]) or _fed_by_dq(g, inputs[1]):
-                continue
             convs = [_weighted_producer(g, t) for t in inputs]
             convs = [c for c in convs if c is not None and _is_quantized_op(g, c)]
             if len(convs) == 1 and _reads_output_of(g, inputs, convs[0]):
@@ -45,6 +45,16 @@ def rule_c10_residual_float_skip(model, graphs) -> Iterator[Finding]:
                 skip, conv = inputs[1 - fused], _weighted_producer(g, inputs[fused])
                 yield Finding("C10", WARNING, g.name(i), f"both inputs are float; quantize the skip input "
                               f"{skip!r} so TensorRT can fuse the Add into {g.ops[conv]} {g.name(conv)!r}")
+
+
+def _joins(g: _Graph, quantized: bool) -> List[int]:
+    """The residual joins (`_Graph.residual_adds`) whose two addends are both DequantizeLinear outputs
+    (``quantized``), or neither is: the addends looked up a column at a time."""
+    joins = g.residual_adds()
+    first = _fed_by_dq_all(g, _inputs_at(g, joins, 0))
+    second = _fed_by_dq_all(g, _inputs_at(g, joins, 1))
+    both = map(and_, first, second) if quantized else map(not_, map(or_, first, second))
+    return list(compress(joins, both))
 
 
 def _reads_output_of(g, inputs, conv: int, limit: int = 64) -> bool:
@@ -81,10 +91,8 @@ def rule_c11_residual_conv_branch_quantized(model, graphs) -> Iterator[Finding]:
     convolution that feeds the element-wise addition").
     """
     for g in graphs:
-        for i in g.residual_adds():
+        for i in _joins(g, quantized=True):
             inputs = g.node_inputs[i][:2]
-            if not all(_fed_by_dq(g, t) for t in inputs):
-                continue
             for t in inputs:
                 dq = g.producer[t]  # a DequantizeLinear: every input is fed by one
                 q = g.producer.get(_input(g.node_inputs[dq], 0))
@@ -110,8 +118,9 @@ def rule_c12_pad_conv(model, graphs) -> Iterator[Finding]:
     Source: [TRT-PL] commuting layers; DESIGN rule 8.
     """
     for g in graphs:
-        for node in _qdq_nodes(g):
-            if not node.is_q or g.producer_op(node.data) != "Pad" or not node.out:
+        pads = g.made_by("Pad")
+        for node in _quantizing(g, pads):
+            if not node.out:
                 continue
             for dq in _dq_readers(g, node.out):
                 if dq.out and any(g.ops[c] in ("Conv", "ConvTranspose") for c in g.readers(dq.out)):
@@ -119,6 +128,16 @@ def rule_c12_pad_conv(model, graphs) -> Iterator[Finding]:
                                   f"{g.name_of_producer(node.data)!r} feeding a Conv; put the Q/DQ "
                                   "before the Pad")
                     break
+
+
+def _quantizing(g: _Graph, tensors: frozenset) -> List[_QDQ]:
+    """The QuantizeLinear nodes of ``g`` whose data input is one of ``tensors``, in graph order (looked up
+    a column at a time)."""
+    if not tensors:
+        return []
+    quantize = g.column("is_q")
+    return list(compress(compress(_qdq_nodes(g), quantize),
+                         map(tensors.__contains__, compress(g.column("data"), quantize))))
 
 
 _FUSIBLE_AFTER_WEIGHTED = frozenset({
@@ -141,12 +160,8 @@ def rule_c14_qdq_inside_fusion(model, graphs) -> Iterator[Finding]:
     """
     for g in graphs:
         ops = g.ops
-        for node in _qdq_nodes(g):
-            if not node.is_q:
-                continue
-            source = g.producer.get(node.data)
-            if source is None or ops[source] not in _WEIGHTED_OR_BN:
-                continue
+        for node in _quantizing(g, g.made_by(_WEIGHTED_OR_BN)):
+            source = g.producer[node.data]
             if ops[source] != "BatchNormalization" and _weight_input(g, source) is None:
                 continue
             dqs = _dq_readers(g, node.out) if node.out else []

@@ -4,6 +4,8 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 `onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import eq, not_
 from typing import Iterator
 
 from .report import ERROR, Finding, MODEL_NODE, WARNING
@@ -71,13 +73,11 @@ def rule_c3_int32_bias(model, graphs) -> Iterator[Finding]:
     """
     int32 = 6  # onnx.TensorProto.INT32
     for g in graphs:
-        constants, data_type = g.constants, g.data_type
-        for node in _qdq_nodes(g):
-            if node.is_q:
-                continue
-            data = node.data  # a constant (a weight, a bias): its type, in short
-            if (data_type(data) if data in constants else g.elem_type(data)) == int32:
-                yield Finding("C3", ERROR, g.name(node.pos),
+        dequantizes = list(map(not_, g.column("is_q")))
+        dequantize = list(compress(_qdq_nodes(g), dequantizes))
+        types = g.elem_types(list(compress(g.column("data"), dequantizes)))  # a weight's, a bias's: stored
+        for node in compress(dequantize, map(eq, types, repeat(int32))):
+            yield Finding("C3", ERROR, g.name(node.pos),
                               f"dequantizes int32 tensor {node.data!r} (a quantized bias); "
                               "keep biases in float for TensorRT")
 

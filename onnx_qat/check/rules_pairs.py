@@ -5,11 +5,13 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 `onnx_qat.check.RULES`; sources are cited as in its docstring."""
 from __future__ import annotations
 
+from itertools import compress
+from operator import ne, not_
 from typing import Iterator
 
 from . import rules_formats
 from .report import ERROR, Finding, WARNING
-from .index import WEIGHTED_OPS, _DEQUANTIZE, _QUANTIZE, _fed_by_dq, _input, _qdq_nodes, _weight_input
+from .index import _DEQUANTIZE, _QUANTIZE, _fed_by_dq_all, _qdq_nodes, weighted_ops
 
 
 def rule_c7_q_without_dq(model, graphs) -> Iterator[Finding]:
@@ -21,9 +23,14 @@ def rule_c7_q_without_dq(model, graphs) -> Iterator[Finding]:
     """
     for g in graphs:
         ops = g.ops
-        for node in _qdq_nodes(g):
+        quantize = list(compress(_qdq_nodes(g), g.column("is_q")))
+        read, dequantized_only = g.quantized_reads()
+        if read and dequantized_only:  # then only a node without an output or writing a graph output has one
+            outputs = g.outputs
+            quantize = [node for node in quantize if not node.out or node.out in outputs]
+        for node in quantize:
             out = node.out
-            if not node.is_q or not out:
+            if not out:
                 continue
             readers = g.readers(out)
             others = [i for i in readers if ops[i] != _DEQUANTIZE]
@@ -48,15 +55,16 @@ def rule_c8_dq_source(model, graphs) -> Iterator[Finding]:
     required between the weights and the linear operator").
     """
     for g in graphs:
-        for node in _qdq_nodes(g):
-            if node.is_q:
-                continue
+        dequantizes = list(map(not_, g.column("is_q")))
+        datas = list(compress(g.column("data"), dequantizes))
+        # a constant (the usual case: an initializer), a QuantizeLinear output: a column at a time
+        rest = list(map(not_, g.constant_flags(datas)))
+        datas, rest_nodes = list(compress(datas, rest)), compress(compress(_qdq_nodes(g), dequantizes), rest)
+        rest = list(map(not_, map(g.made_by(_QUANTIZE).__contains__, datas)))
+        datas, rest_nodes = list(compress(datas, rest)), compress(rest_nodes, rest)
+        for node in compress(rest_nodes, map(not_, g.are_constant(datas))):
             data = node.data
-            if data and data in g.constants:  # is_constant(data), in short
-                continue
             idx = g.producer.get(data)
-            if (idx is not None and g.ops[idx] == _QUANTIZE) or g.is_constant(data):
-                continue
             origin = f"node {g.name(idx)!r}" if idx is not None else "a graph input"
             yield Finding("C8", WARNING, g.name(node.pos), f"dequantizes {data!r} from {origin}, not from a "
                           "QuantizeLinear or an int8 constant")
@@ -85,19 +93,16 @@ def rule_c9_ort_cpu_weighted_ops(model, graphs) -> Iterator[Finding]:
 
 
 def _c9_findings(graphs, activation_only_ok: bool) -> Iterator[Finding]:
-    for g in graphs:
-        for i in g.indices_of(WEIGHTED_OPS):
-            w = _weight_input(g, i)
-            if w is None:
+    for g in graphs:  # whether each input is quantized, a column of weighted ops at a time
+        found = weighted_ops(g)
+        act_q = _fed_by_dq_all(g, found.activations, through_movement=True)
+        w_q = _fed_by_dq_all(g, found.weight_tensors, through_movement=True)
+        for k in compress(range(len(act_q)), map(ne, act_q, w_q)):
+            i, act, weight = found.with_weight[k], found.activations[k], found.weight_tensors[k]
+            if activation_only_ok and act_q[k]:
                 continue
-            inputs = g.node_inputs[i]
-            act = 1 - w if g.ops[i] in ("Gemm", "MatMul") else 0
-            act_q = _fed_by_dq(g, _input(inputs, act), through_movement=True)
-            w_q = _fed_by_dq(g, _input(inputs, w), through_movement=True)
-            if activation_only_ok and act_q and not w_q:
-                continue
-            if act_q != w_q and not (w_q and rules_formats.weight_only(g, _input(inputs, w))):
-                which, other = ("weight", "activation") if w_q else ("activation", "weight")
-                tensor = _input(inputs, act if w_q else w)
+            if not (w_q[k] and rules_formats.weight_only(g, weight)):
+                which, other = ("weight", "activation") if w_q[k] else ("activation", "weight")
+                tensor = act if w_q[k] else weight
                 yield Finding("C9", ERROR, g.name(i), f"only its {which} is quantized; quantize the "
                               f"{other} {tensor!r} too, or neither")

@@ -7,10 +7,11 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 `onnx_qat.check.precision` ([TRT-ST])."""
 from __future__ import annotations
 
+from itertools import filterfalse
 from typing import Iterator
 
 from ..formats.numeric import FLOAT_DTYPE_KEY, float_dtype_of
-from .index import WEIGHTED_OPS, _input, _weight_input
+from .index import WEIGHTED_OPS, _DEQUANTIZE, _input, weighted_ops
 from .precision import _dq_source, computes_in_reduced_float, precision_map_of
 from .report import MODEL_NODE, NOTE, WARNING, Finding
 
@@ -75,13 +76,18 @@ def rule_c15_fp32_weighted_ops(model, graphs) -> Iterator[Finding]:
 
 def _float_weighted_beside_quantized(graphs) -> bool:
     """Whether some graph holds Q/DQ nodes and a weighted op whose activation input is not dequantized
-    (read from the index, without the precision map)."""
+    (read from the index, without the precision map): a column of activation inputs at a time, those a
+    DequantizeLinear writes looked up at once, the others followed through data-movement ops one by one."""
     if not any(g.qdq for g in graphs):
         return False
     for g in graphs:
-        for i in g.indices_of(tuple(WEIGHTED_OPS)):
-            weight = _weight_input(g, i)
-            acts = [_input(g.node_inputs[i], k) for k in range(2) if k != weight]
-            if any(t and _dq_source(g, t) is None for t in acts):
+        found = weighted_ops(g)
+        dequantized = g.made_by(_DEQUANTIZE)
+        acts = found.activations
+        if any(t and _dq_source(g, t) is None for t in filterfalse(dequantized.__contains__, acts)):
+            return True
+        weightless = (i for i in g.indices_of(tuple(WEIGHTED_OPS)) if found.weights[i] is None)
+        for i in weightless:
+            if any(t and _dq_source(g, t) is None for t in (_input(g.node_inputs[i], k) for k in range(2))):
                 return True
     return False

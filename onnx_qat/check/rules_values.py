@@ -5,11 +5,14 @@ Part of [`onnx_qat.check`][onnx_qat.check.check], which registers the rules in i
 from __future__ import annotations
 
 import math
+from itertools import compress, repeat
+from operator import and_, is_not, itemgetter, not_, or_
 from typing import Iterator, Optional
 
 from . import rules_formats
 from .report import ERROR, Finding, WARNING
-from .index import _Graph, _QDQ, _QUANTIZE, _input, _int_attr, _qdq_nodes, _type_name
+from .index import (_Graph, _QDQ, _QUANTIZE, _constant_sources, _input, _int_attr, _itemsizes, _qdq_nodes,
+                    _type_name)
 
 
 def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
@@ -22,13 +25,11 @@ def rule_c4_zero_points(model, graphs) -> Iterator[Finding]:
     from onnx import TensorProto
     for g in graphs:
         # A constant int8 all-zero zero point is fine whatever else the node is: judged in one batch.
-        zero_points = [node.zp for node in _qdq_nodes(g) if node.zp]
-        good = g.prejudge("C4", zero_points, TensorProto.INT8, "i1", _is_zero, None)
-        types, other = rules_formats.quantized_types(g), rules_formats.OTHER_TYPES
-        for node in _qdq_nodes(g):
+        good = g.prejudge(g.stored_column("zp"), TensorProto.INT8, "i1", _is_zero)
+        types, other = rules_formats.quantized_type_column(g), rules_formats.OTHER_TYPES
+        # FP8 and INT4 Q/DQ (other_format) are left out too: their zero points are rules F1 and F5
+        for node in compress(_qdq_nodes(g), map(not_, map(or_, good, map(other.__contains__, types)))):
             zp = node.zp
-            if zp in good or types[node.pos] in other:
-                continue  # FP8 and INT4 Q/DQ (other_format): their zero points are rules F1 and F5
             name = g.name(node.pos)
             if not node.is_q and g.elem_type(node.data) == TensorProto.INT32:
                 continue  # a quantized bias: rule C3 reports it
@@ -85,13 +86,12 @@ def rule_c4_ort_cpu_zero_points(model, graphs) -> Iterator[Finding]:
     import numpy as np
     from onnx import TensorProto
     for g in graphs:
-        zero_points = [node.zp for node in _qdq_nodes(g) if node.zp]
-        good = g.prejudge("C4-ort-cpu", zero_points, TensorProto.INT8, "i1", _is_zero, False) | \
-            g.prejudge("C4-ort-cpu", zero_points, TensorProto.UINT8, "u1", _any_value, False)
-        for node in _qdq_nodes(g):
+        zero_points = g.stored_column("zp")
+        good = map(or_, g.prejudge(zero_points, TensorProto.INT8, "i1", _is_zero),
+                   g.prejudge(zero_points, TensorProto.UINT8, "u1", _any_value))
+        # a constant of an allowed type and values: no finding, whatever the node
+        for node in compress(_qdq_nodes(g), map(not_, good)):
             zp = node.zp
-            if zp in good:
-                continue  # a constant of an allowed type and values: no finding, whatever the node
             name = g.name(node.pos)
             if (not node.is_q and g.elem_type(node.data) == TensorProto.INT32) or not zp:
                 continue  # C3 reports a quantized bias; no zero point means uint8 zero point 0
@@ -124,12 +124,9 @@ def rule_c5_scales(model, graphs) -> Iterator[Finding]:
     """
     from onnx import TensorProto
     for g in graphs:
-        scales = [node.scale for node in _qdq_nodes(g) if node.scale]
-        good = g.prejudge("C5", scales, TensorProto.FLOAT, "<f4", _finite_positive, "")
-        for node in _qdq_nodes(g):
+        good = g.prejudge(g.stored_column("scale"), TensorProto.FLOAT, "<f4", _finite_positive)
+        for node in compress(_qdq_nodes(g), map(not_, good)):  # not known to be finite and > 0
             scale = node.scale
-            if scale in good:
-                continue  # a constant, finite and > 0
             if not scale or not g.is_constant(scale):
                 yield Finding("C5", ERROR, g.name(node.pos), f"scale {scale!r} is not a constant "
                               "(initializer or Constant node); TensorRT needs build-time scales")
@@ -174,39 +171,66 @@ def rule_c6_per_channel(model, graphs) -> Iterator[Finding]:
     [ONNX-TRT] QuantizeLinear/DequantizeLinear ``axis``.
     """
     for g in graphs:
-        # Per-tensor scales (one element) need no further look: the shapes are judged once per scale.
-        scale_shapes = g.multi_element_shapes({node.scale for node in _qdq_nodes(g)})
+        # Per-tensor scales (one element, as their stored bytes tell) need no further look.
+        sizes = _itemsizes()
+        kept = [raw is None or len(raw) != sizes.get(data_type)
+                for data_type, raw in g.stored_column("scale")]
+        scales = list(compress(g.column("scale"), kept))
+        scale_shapes = g.multi_element_shapes(dict.fromkeys(scales))  # judged once per scale
+        per_channel = list(map(scale_shapes.__contains__, scales))
         blocks = rules_formats.block_sizes(g)
-        axes: dict = {}  # by the attributes' tuple: an edit's new nodes of one form share theirs
-        for node in _qdq_nodes(g):
-            scale_shape = scale_shapes.get(node.scale)
-            if scale_shape is None or node.pos in blocks:  # per tensor, or per block (rule F3)
-                continue
-            scale_size = math.prod(scale_shape)
-            data = node.data
-            shape = g.shape(data) or g.shape(_quantized_source(g, node))
-            attrs = node.attrs
-            axis = axes.get(id(attrs), axes)
-            if axis is axes:
-                axis = axes[id(attrs)] = _int_attr(attrs, "axis", 1)
-            if axis is None:
-                yield Finding("C6", ERROR, g.name(node.pos), "its axis attribute is not an integer")
-                continue
-            zp = node.zp
-            zp_shape = g.shape(zp) if zp else None
-            if zp_shape is not None and tuple(zp_shape) != scale_shape:
-                yield Finding("C6", ERROR, g.name(node.pos), f"zero point shape {list(zp_shape)} differs "
-                              f"from scale shape {list(scale_shape)}")
-            if shape is not None:
-                rank = len(shape)
-                if not -rank <= axis < rank:
-                    yield Finding("C6", ERROR, g.name(node.pos),
-                                  f"axis {axis} is out of range for {data!r} of rank {rank}")
-                    continue
-                channels = shape[axis]
-                if channels is not None and channels != scale_size:
-                    yield Finding("C6", ERROR, g.name(node.pos), f"{scale_size} scales for {channels} "
-                                  f"channels of {data!r} on axis {axis}")
-            if not g.is_constant_source(data):
-                yield Finding("C6", WARNING, g.name(node.pos), f"activation {data!r} is quantized per "
-                              f"channel ({scale_size} scales); TensorRT quantizes activations per tensor")
+        if blocks:  # per block: rule F3
+            per_channel = list(map(and_, per_channel, map(not_, map(blocks.__contains__,
+                                                                    compress(g.column("pos"), kept)))))
+        nodes, scales, datas, zps, attrs = (list(compress(compress(column, kept), per_channel)) for column in
+                                            (_qdq_nodes(g), *map(g.column, ("scale", "data", "zp", "attrs"))))
+        # A node's findings follow from its facts (the key below): one node judges those sharing them.
+        dims = g._dims  # a constant's dims, when known: its shape
+        zp_shapes = list(map(dims.get, zps, repeat(_UNKNOWN)))
+        for k in compress(range(len(zps)), map(not_, zps)):  # no zero point
+            zp_shapes[k] = None
+        keys = list(zip(map(scale_shapes.__getitem__, scales), map(dims.get, datas), zp_shapes,
+                        map(id, attrs), _constant_sources(g, datas)))
+        verdicts = {key: next(_c6_findings(g, node, key[0], key[4]), None) is not None
+                    for key, node in dict(zip(keys, nodes)).items()}
+        judged = list(map(and_, map(bool, map(itemgetter(1), keys)),  # shape and zero point's shape known
+                          map(is_not, zp_shapes, repeat(_UNKNOWN))))
+        if all(judged) and not any(verdicts.values()):
+            continue  # every node judged by one sharing its facts: no findings
+        flagged = map(or_, map(not_, judged), map(verdicts.__getitem__, keys))  # or left to each node
+        for node, key in compress(zip(nodes, keys), flagged):
+            yield from _c6_findings(g, node, key[0], key[4])
+
+
+_UNKNOWN = object()  # a zero point whose shape `_Graph._dims` does not hold
+
+
+def _c6_findings(g: _Graph, node: _QDQ, scale_shape, constant: bool) -> Iterator[Finding]:
+    """Rule C6's findings for one Q/DQ node with per-channel scales of shape ``scale_shape`` (``constant``:
+    whether its data is a constant source, `_Graph.is_constant_source`)."""
+    scale_size = math.prod(scale_shape)
+    data = node.data
+    shape = g.shape(data) or g.shape(_quantized_source(g, node))
+    attrs = node.attrs
+    axis = _int_attr(attrs, "axis", 1)
+    if axis is None:
+        yield Finding("C6", ERROR, g.name(node.pos), "its axis attribute is not an integer")
+        return
+    zp = node.zp
+    zp_shape = g.shape(zp) if zp else None
+    if zp_shape is not None and tuple(zp_shape) != scale_shape:
+        yield Finding("C6", ERROR, g.name(node.pos), f"zero point shape {list(zp_shape)} differs "
+                      f"from scale shape {list(scale_shape)}")
+    if shape is not None:
+        rank = len(shape)
+        if not -rank <= axis < rank:
+            yield Finding("C6", ERROR, g.name(node.pos),
+                          f"axis {axis} is out of range for {data!r} of rank {rank}")
+            return
+        channels = shape[axis]
+        if channels is not None and channels != scale_size:
+            yield Finding("C6", ERROR, g.name(node.pos), f"{scale_size} scales for {channels} "
+                          f"channels of {data!r} on axis {axis}")
+    if not constant:
+        yield Finding("C6", WARNING, g.name(node.pos), f"activation {data!r} is quantized per "
+                      f"channel ({scale_size} scales); TensorRT quantizes activations per tensor")

@@ -8,7 +8,8 @@ and type joins a tensor to a consumer that wants the other type; an FP32 initial
 by low slots is stored in the low type (the file shrinks), one read by both keeps FP32 and gives
 its low readers a small low copy (a Q/DQ scale: TensorRT wants constant scales) or a ``Cast``.
 Tensors whose name must keep FP32 (graph outputs with ``keep_io_types``, names read inside
-If/Loop/Scan bodies) are produced under a new name and cast back to FP32 under their own.
+If/Loop/Scan bodies) are produced under a new name and cast back to FP32 under their own; a body's
+low slots read that low tensor itself (``outer_low``), and the caller drops a copy nothing reads.
 `cast_graph` rewrites one graph; an If/Loop/Scan body is rewritten as the graph of a model of its
 own (``onnx_qat.formats.float_parts``), its inputs and outputs kept, with the names of the enclosing
 graphs ``reserved``.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 import numpy as np
 import onnx
@@ -239,6 +240,12 @@ class CastStats:
     fp32_slots: Tuple[Tuple[str, str, str], ...]  # (node, slot, why) FP32 by the ONNX schema
     low_names: Tuple[str, ...] = ()  # the nodes computing in the low type
     low_tensors: frozenset = frozenset()  # the node outputs of the low type
+    #: (pinned tensor, its low version) that bodies of this graph may read instead of casting it again:
+    #: a tensor produced low (its FP32 copy under its own name is a Cast back) or an initializer's low copy
+    low_aliases: Tuple[Tuple[str, str], ...] = ()
+    cast_backs: Tuple[str, ...] = ()  # pinned tensors produced low, given an FP32 copy by a Cast back
+    #: (FP32 initializer read in bodies, its low copy, whether ``low_copies`` counts it: read here too)
+    alias_copies: Tuple[Tuple[str, str, bool], ...] = ()
 
 
 class _Names:
@@ -259,13 +266,23 @@ class _Names:
 
 
 def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types: Mapping[str, int], *,
-               keep_io_types: bool = True, pinned: Iterable[str] = (), reserved: Iterable[str] = ()
-               ) -> CastStats:
+               keep_io_types: bool = True, pinned: Iterable[str] = (), reserved: Iterable[str] = (),
+               outer_low: Optional[Mapping[str, str]] = None) -> CastStats:
     """Rewrite ``model`` (owned by the caller, edited in place) so that every main-graph node not in
-    ``keep`` computes in ``low`` where its schema allows; ``types`` from `tensor_types`;
-    ``pinned``: tensor names that must stay FP32 under their own name (read inside subgraphs);
-    ``reserved``: names new tensors and nodes must not take (those of enclosing and sibling graphs,
-    when ``model`` holds an If/Loop/Scan body as its graph)."""
+    ``keep`` and holding no If/Loop/Scan body computes in ``low`` where its schema allows (a node with
+    bodies keeps the types of its inputs and outputs: its bodies are converted on their own);
+    ``types`` from `tensor_types`; ``pinned``: tensor names that must stay FP32 under their own name
+    (read inside subgraphs); ``reserved``: names new tensors and nodes must not take (those of enclosing
+    and sibling graphs, when ``model`` holds an If/Loop/Scan body as its graph); ``outer_low``: for
+    tensors of enclosing graphs, the name of their low version there (`CastStats.low_aliases`), which a
+    low slot reads instead of a Cast of its own.
+
+    A pinned tensor produced low keeps its low version under a new name beside its FP32 copy, and a
+    pinned FP32 initializer that no FP32 slot of this graph reads gets a low copy (Q/DQ scales and zero
+    points excepted: their stored values are the Q/DQ's own): both are given as ``low_aliases``, so that
+    a tensor read in low slots of many bodies is rounded once, where it is made. An FP32 copy or an
+    initializer nothing reads once the bodies are converted is dropped by the caller
+    (``cast_backs``, ``alias_copies``)."""
     from ..io.models import default_opset, tensor_array
 
     g = model.graph
@@ -282,8 +299,10 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
     fp32_slots: List[Tuple[str, str, str]] = []
     low_outputs = 0
     low_nodes: Set[int] = set()
+    outer_low = outer_low or {}
+    qdq_params = _qdq_params(g) if any(has_subgraph(n) for n in g.node) else set()
     for k, node in enumerate(g.node):
-        convert = node.name not in keep and _rewrite_attributes(node, low)
+        convert = node.name not in keep and not has_subgraph(node) and _rewrite_attributes(node, low)
         schema = schema_of(node, opset) if convert else None
         for i, t in enumerate(node.input):
             if t and types.get(t) == FLOAT:
@@ -313,6 +332,7 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
         readers.setdefault(g.node[k].input[i], set()).add(want)
     low_inits = copies = 0
     copy_of: Dict[str, str] = {}
+    alias_copies: List[Tuple[str, str, bool]] = []
     for name, tensor in initializers.items():
         if tensor.data_type != FLOAT or name in graph_inputs:
             continue
@@ -324,10 +344,18 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
             low_inits += 1
         else:
             tensor_type[name] = FLOAT
-            if low.onnx_type in want and int(np.prod(tensor.dims, dtype=np.int64)) <= SMALL_COPY:
+            small = int(np.prod(tensor.dims, dtype=np.int64)) <= SMALL_COPY
+            # read in bodies, by no FP32 slot here: a low copy for the bodies' low slots (kept only if read)
+            for_bodies = name in pinned and FLOAT not in want and name not in qdq_params
+            if (low.onnx_type in want and small) or for_bodies:
+                values = tensor_array(tensor)
+                if for_bodies and not small and values.size and float(np.max(np.abs(values))) > low.max:
+                    continue
                 copy_of[name] = names.fresh(f"{name}/{low.name}")
-                g.initializer.append(low.tensor(copy_of[name], tensor_array(tensor)))
-                copies += 1
+                g.initializer.append(low.tensor(copy_of[name], values))
+                copies += low.onnx_type in want
+                if name in pinned:  # the caller drops it, or the FP32 original, when nothing reads it
+                    alias_copies.append((name, copy_of[name], low.onnx_type in want))
     # pinned tensors produced low: produced under a new name, cast back to FP32 under their own
     renamed: Dict[str, str] = {}
     for node in g.node:
@@ -366,6 +394,8 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
                 pass  # the FP32 copy under the tensor's own name
             elif want == low.onnx_type and t in copy_of:
                 node.input[i] = copy_of[t]
+            elif want == low.onnx_type and t not in tensor_type and t in outer_low:
+                node.input[i] = outer_low[t]  # an enclosing graph's tensor, rounded once where it is made
             else:
                 node.input[i] = cast_of(t, want, before)
         new_nodes.extend(before)
@@ -384,8 +414,18 @@ def cast_graph(model: onnx.ModelProto, low: LowType, keep: Iterable[str], types:
     for t in renamed:
         tensor_type[t] = FLOAT
     _retype_infos(g, tensor_type, low, keep_io_types)
+    aliases = {t: r for t, r in renamed.items() if t in pinned and t not in qdq_params}
+    aliases.update((t, c) for t, c in copy_of.items() if t in pinned and t not in qdq_params)
     return CastStats(len(low_nodes), low_outputs, low_inits, copies, cast_count, tuple(fp32_slots),
-                     low_names, frozenset(low_set))
+                     low_names, frozenset(low_set), tuple(aliases.items()), tuple(renamed),
+                     tuple(alias_copies))
+
+
+def _qdq_params(graph: onnx.GraphProto) -> Set[str]:
+    """The scales and zero points the QuantizeLinear/DequantizeLinear nodes of ``graph`` and of its
+    bodies read."""
+    return {t for g in all_graphs(graph) for n in g.node
+            if n.op_type in ("QuantizeLinear", "DequantizeLinear") for t in n.input[1:]}
 
 
 def _rewrite_attributes(node: onnx.NodeProto, low: LowType) -> bool:

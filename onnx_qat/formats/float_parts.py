@@ -62,9 +62,11 @@ Graph inputs and outputs keep their types by default (a Cast at the boundary); w
 
 If/Loop/Scan bodies, nested ones too, are converted by the same rules; each keeps the types of its
 inputs and outputs (Casts inside it), so an If's branches and outputs, and a Loop's carried state in
-and out, keep one type, and a tensor of an enclosing graph a body reads stays FP32 under its own
-name. Nodes inside a body are named ``parent/attribute/node`` (as ``onnx-qat check`` names them) in
-the kept list and in ``exclude_nodes``.
+and out, keep one type; a tensor of an enclosing graph bodies read is rounded once, where it is
+made (their low slots read its low version; its FP32 copy under its own name stays only while an
+FP32 slot reads it). A node holding bodies has no arithmetic of its own: it keeps the types of its
+inputs and outputs and is not listed as kept. Nodes inside a body are named
+``parent/attribute/node`` (as ``onnx-qat check`` names them) in the kept list and in ``exclude_nodes``.
 
 onnxruntime 1.31 runs FP16 models on CPU: ops without an FP16 CPU kernel run in FP32 between Casts
 its session inserts (its ``InsertCastTransformer``), which it drops between consecutive such ops, so
@@ -80,7 +82,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -488,9 +490,8 @@ def _static_keeps_in(graph, prefix, outer, opset, low, types, patterns, kept) ->
             why = ("excluded", "excluded by the caller (exclude_nodes)")
         elif low is BF16 and node.op_type in TENSORRT_NO_BF16:
             why = ("tensorrt", f"TensorRT runs {node.op_type} in FP32/FP16 only (onnx-tensorrt operators.md)")
-        elif has_subgraph(node):
-            why = ("schema", "holds If/Loop/Scan bodies: its inputs and outputs keep their types (its bodies "
-                             "are converted inside, with Casts at their boundary)")
+        elif has_subgraph(node):  # no float arithmetic of its own: never listed (`cast_graph` leaves its
+            continue              # inputs and outputs their types; its bodies are converted inside)
         elif node.domain not in ("", "ai.onnx"):
             why = ("schema", f"op of domain {node.domain!r}: its type constraints are unknown here")
         elif schema_of(node, opset) is None:
@@ -694,7 +695,7 @@ def _boundary_keeps(graph: onnx.GraphProto, kept: Mapping[str, KeptNode], types,
         chain, t = [], node.input[0]
         while t not in fp32_inputs:
             p = producer.get(t)
-            if p is None or (p.name in kept and p.op_type != "Constant"):
+            if p is None or (_stays_fp32(p, kept) and p.op_type != "Constant"):
                 break
             if p.op_type not in BOUNDARY_MOVES or not p.input or len(readers.get(t, [])) != 1:
                 t = None
@@ -705,12 +706,24 @@ def _boundary_keeps(graph: onnx.GraphProto, kept: Mapping[str, KeptNode], types,
                 or not all(n.name for n in [node, *chain]):  # kept by name: an unnamed node cannot be
             continue
         source = f"{'input' if body else 'graph input'} {t!r}" if t in fp32_inputs else \
-            f"{t!r}, the output of {producer[t].name!r} (kept FP32)"
+            f"{t!r}, the output of {producer[t].name!r} ({_fp32_why(producer[t])})"
         why = (f"quantizes {source}, FP32 anyway: its output is quantized in either type, and a Cast to "
                "the low type before it would only round every value once more")
         for n in [node, *chain]:
             found[n.name] = KeptNode(n.name, n.op_type, "boundary", why)
     return found
+
+
+def _stays_fp32(node: onnx.NodeProto, kept: Mapping[str, KeptNode]) -> bool:
+    """Whether ``node`` reads and writes FP32 whatever the conversion: kept, or holding If/Loop/Scan
+    bodies (its inputs and outputs keep their types)."""
+    return node.name in kept or has_subgraph(node)
+
+
+def _fp32_why(node: onnx.NodeProto) -> str:
+    if has_subgraph(node):
+        return f"an {node.op_type}, whose inputs and outputs keep their types"
+    return "kept FP32"
 
 
 def _fusion_keeps(model, kept: Dict[str, KeptNode]) -> onnx.ModelProto:
@@ -722,14 +735,15 @@ def _fusion_keeps(model, kept: Dict[str, KeptNode]) -> onnx.ModelProto:
     used = {n.name for n in g.node} | {t for n in g.node for t in list(n.input) + list(n.output)}
     copies: List[Tuple[onnx.NodeProto, onnx.NodeProto]] = []
     for node in list(g.node):
-        if node.name not in kept or node.op_type in _QDQ:
+        if not _stays_fp32(node, kept) or node.op_type in _QDQ:
             continue
         for i, t in enumerate(node.input):
             dq = producer.get(t)
             if dq is None or dq.op_type != "DequantizeLinear" or dq.name in kept:
                 continue
-            why = f"feeds {node.name!r}, kept FP32: TensorRT fuses a DQ into its consumer only without a Cast"
-            if all(r.name in kept for r in readers.get(t, [])):
+            why = (f"feeds {node.name!r}, {_fp32_why(node)}: TensorRT fuses a DQ into its consumer only "
+                   "without a Cast")
+            if all(_stays_fp32(r, kept) for r in readers.get(t, [])):
                 kept[dq.name] = KeptNode(dq.name, dq.op_type, "fusion", why)
                 continue
             copy = onnx.NodeProto()
@@ -780,7 +794,8 @@ def _convert(proto, low, kept, types, keep_io_types, up: bool = True):
                        pinned=read_in_subgraphs(model.graph))
     _store_low_scales(model, proto, low, scales, activation_scales(proto) if up else set())
     if any(has_subgraph(n) for n in model.graph.node):
-        stats = _convert_bodies(model, low, kept, local_types, stats, up)
+        stats = _low_if_outputs(model, low, _drop_unread(model, _convert_bodies(model, low, kept, local_types,
+                                                                                 stats, up)))
     return model, stats, kept
 
 
@@ -790,15 +805,19 @@ def _convert_bodies(model: onnx.ModelProto, low: LowType, kept: Dict[str, KeptNo
     with the rules of the main graph and ``kept`` (names ``parent/attribute/node``; DQ copies for
     kept nodes added to it). Each body's inputs and outputs keep their types (Casts inside it), so an
     If's two branches and its outputs, and a Loop's carried state in and out, keep one type; a tensor
-    of an enclosing graph a body reads stays FP32 under its own name there (``pinned``) and is cast
-    inside the body where a low reader wants it. Returns ``stats`` with the bodies' counts added (their
-    ``low_names`` qualified)."""
+    of an enclosing graph a body reads stays FP32 under its own name there (``pinned``), and a low
+    reader inside the body reads its low version where the enclosing graph has one (a tensor produced
+    low, an initializer's low copy: ``outer_low``), else a Cast inside the body. Returns ``stats`` with
+    the bodies' counts added (their ``low_names`` qualified); `_drop_unread` then drops the copies
+    nothing reads."""
     from ..graph.subgraphs import model_names
 
     reserved = model_names(model)
     keys = ("low_nodes", "low_outputs", "low_initializers", "low_copies", "casts")
     totals = {key: getattr(stats, key) for key in keys}
     slots, low_names, low_tensors = list(stats.fp32_slots), list(stats.low_names), set(stats.low_tensors)
+    aliases = dict(stats.low_aliases)  # every graph's names are unique in the model: one map serves all
+    cast_backs, alias_copies = list(stats.cast_backs), list(stats.alias_copies)
 
     def walk(graph: onnx.GraphProto, prefix: str) -> None:
         for index, node in enumerate(graph.node):
@@ -818,7 +837,10 @@ def _convert_bodies(model: onnx.ModelProto, low: LowType, kept: Dict[str, KeptNo
                 local_types = _with_copies(types, view.graph)
                 scales = _qdq_scales(original.graph)
                 done = cast_graph(view, low, local, local_types, keep_io_types=True,
-                                  pinned=read_in_subgraphs(view.graph), reserved=reserved)
+                                  pinned=read_in_subgraphs(view.graph), reserved=reserved, outer_low=aliases)
+                aliases.update(done.low_aliases)
+                cast_backs.extend(done.cast_backs)
+                alias_copies.extend(done.alias_copies)
                 _store_low_scales(view, original, low, scales, activation_scales(original) if up else set())
                 for key in totals:
                     totals[key] += getattr(done, key)
@@ -830,7 +852,116 @@ def _convert_bodies(model: onnx.ModelProto, low: LowType, kept: Dict[str, KeptNo
                 walk(body, inner)
 
     walk(model.graph, "")
-    return CastStats(*(totals[key] for key in keys), tuple(slots), tuple(low_names), frozenset(low_tensors))
+    return CastStats(*(totals[key] for key in keys), tuple(slots), tuple(low_names), frozenset(low_tensors),
+                     tuple(aliases.items()), tuple(cast_backs), tuple(alias_copies))
+
+
+def _drop_unread(model: onnx.ModelProto, stats: CastStats) -> CastStats:
+    """Drop what the conversion of ``model``'s bodies left unread (``model`` edited in place): the FP32
+    copy (a Cast back) of a tensor produced low whose every reader in the bodies reads its low version,
+    and of an initializer read in bodies either its low copy (no low slot reads it) or its FP32 original
+    (every reader is low: the initializer is then stored low, once). Returns ``stats`` with its counts
+    of Casts, low initializers and low copies updated."""
+    graphs = all_graphs(model)
+    read = {t for g in graphs for n in g.node for t in n.input} | {o.name for g in graphs for o in g.output}
+    backs = set(stats.cast_backs) - read
+    dropped_casts = 0
+    for g in reversed(graphs):  # innermost first: rebuilding a node list copies the bodies its nodes hold
+        nodes = [n for n in g.node if not (n.op_type == "Cast" and n.output[0] in backs)]
+        if len(nodes) < len(g.node):
+            dropped_casts += len(g.node) - len(nodes)
+            del g.node[:]
+            g.node.extend(nodes)
+    low_inits, copies = stats.low_initializers, stats.low_copies
+    unread = set()
+    for original, copy, counted in stats.alias_copies:
+        if original not in read:
+            unread.add(original)
+            low_inits, copies = low_inits + 1, copies - counted
+        elif copy not in read:
+            unread.add(copy)
+        elif not counted:
+            copies += 1
+    gone = backs | unread
+    if gone:
+        for g in graphs:
+            for field in (g.initializer, g.value_info):
+                kept = [t for t in field if t.name not in gone]
+                if len(kept) < len(field):
+                    del field[:]
+                    field.extend(kept)
+    return replace(stats, casts=stats.casts - dropped_casts, low_initializers=low_inits,
+                               low_copies=copies)
+
+
+def _low_if_outputs(model: onnx.ModelProto, low: LowType, stats: CastStats) -> CastStats:
+    """Give an If output the low type where nothing needs it in FP32 (``model`` edited in place): each
+    branch makes it low and casts it to FP32 only to return it (a Cast read by nothing else), and every
+    reader of the If's output, in its graph or in a body there, is a Cast to the low type (whose output
+    no graph returns). The branches then return their low tensors and the Casts on both sides go: one
+    value, rounded once, as before (a low value cast to FP32 and back is the same value). Returns
+    ``stats`` with the Casts counted again and the If outputs among ``low_tensors``."""
+    graphs = all_graphs(model)  # nodes and graphs are told apart by tensor names (protobuf wrappers are not
+    producer = {t: n for g in graphs for n in g.node for t in n.output}  # stable objects)
+    readers: Dict[str, List[onnx.NodeProto]] = {}
+    for g in graphs:
+        for n in g.node:
+            for t in set(n.input):
+                readers.setdefault(t, []).append(n)
+    returned = {o.name for g in graphs for o in g.output}
+    low_tensors = set(stats.low_tensors)
+    dropped: set = set()  # the outputs of the Cast nodes to drop
+    renames: Dict[str, str] = {}
+
+    def is_cast(node, to) -> bool:
+        return node.op_type == "Cast" and next((a.i for a in node.attribute if a.name == "to"), None) == to
+
+    for g in graphs:
+        for node in g.node:
+            if node.op_type != "If":
+                continue
+            branches = [a.g for a in node.attribute if a.name in ("then_branch", "else_branch")]
+            for k, out in enumerate(node.output):
+                if not out or out in returned:
+                    continue
+                ends = []
+                for b in branches:
+                    name = b.output[k].name
+                    made = producer.get(name)
+                    if made is None or name not in {t for n in b.node for t in n.output} \
+                            or not is_cast(made, TensorProto.FLOAT) or made.input[0] not in low_tensors \
+                            or readers.get(name):
+                        break
+                    ends.append((b, made))
+                users = readers.get(out, [])
+                if len(ends) != len(branches) or not users or not all(
+                        is_cast(r, low.onnx_type) and r.output[0] not in returned for r in users):
+                    continue
+                for b, cast in ends:
+                    dropped.add(cast.output[0])
+                    b.output[k].name = cast.input[0]
+                    b.output[k].type.tensor_type.elem_type = low.onnx_type
+                for r in users:
+                    dropped.add(r.output[0])
+                    renames[r.output[0]] = out
+                low_tensors.add(out)
+                for info in g.value_info:
+                    if info.name == out:
+                        info.type.tensor_type.elem_type = low.onnx_type
+    if not dropped:
+        return stats
+    for g in reversed(graphs):  # innermost first: rebuilding a node list copies the bodies its nodes hold
+        nodes = [n for n in g.node if not (n.op_type == "Cast" and n.output[0] in dropped)]
+        for n in nodes:
+            for i, t in enumerate(n.input):
+                if t in renames:
+                    n.input[i] = renames[t]
+        del g.node[:]
+        g.node.extend(nodes)
+        infos = [i for i in g.value_info if i.name not in renames]
+        del g.value_info[:]
+        g.value_info.extend(infos)
+    return replace(stats, casts=stats.casts - len(dropped), low_tensors=frozenset(low_tensors))
 
 
 def _store_low_scales(model, proto, low: LowType, scales, activations) -> None:
@@ -1250,12 +1381,13 @@ def _jitter_weight_scales(model: onnx.ModelProto, size: float, seed: int) -> int
 
 def _float_producers(model, node, types) -> List[onnx.NodeProto]:
     """The nodes computing ``node``'s FP32 inputs (not Constant nodes, not DequantizeLinear: their
-    values are exact)."""
+    values are exact; not If/Loop/Scan nodes: their outputs keep FP32)."""
     producer = {t: n for n in model.graph.node for t in n.output}
     found = []
     for t in node.input:
         p = producer.get(t)
-        if p is not None and types.get(t) == TensorProto.FLOAT and p.op_type not in ("Constant", *_QDQ):
+        if p is not None and types.get(t) == TensorProto.FLOAT and p.op_type not in ("Constant", *_QDQ) \
+                and not has_subgraph(p):
             found.append(p)
     return found
 
@@ -1266,7 +1398,8 @@ def _has_tensor(model, name) -> bool:
 
 def _worst_node(proto, measure: _Measure, values, kept):
     """The converted compute node adding the most relative error (a node making a finite tensor
-    non-finite first of all), with that error; None when none is left."""
+    non-finite first of all; never one holding If/Loop/Scan bodies), with that error; None when none
+    is left."""
     ref = measure.values32
     err: Dict[str, float] = {}
     for t, v in values.items():
@@ -1281,7 +1414,7 @@ def _worst_node(proto, measure: _Measure, values, kept):
     producer = {t: n for n in proto.graph.node for t in n.output}
     best, best_err = None, 0.0
     for node in proto.graph.node:
-        if node.name in kept or node.op_type in _QDQ or node.op_type == "Cast":
+        if node.name in kept or node.op_type in _QDQ or node.op_type == "Cast" or has_subgraph(node):
             continue
         out = max((err.get(t, 0.0) for t in node.output), default=0.0)
         inputs = []

@@ -106,6 +106,11 @@ class CheckedForm(NamedTuple):
     ir_version: int
     opset_import: Tuple[Tuple[str, int], ...]
 
+    #: Whether no tensor of the model (attribute tensors, sparse initializers and functions included) keeps
+    #: its data in an external file: true of a model `load_checked_model` read with its external data, which
+    #: reads that data in or refuses the model (`LoadedForm`); not part of the header (equality).
+    external_free = False
+
     def admits(self, header: "CheckedForm") -> bool:
         """True when a graph ``onnx.checker`` passed under this header passes under ``header`` too: the
         same opset imports, and the same IR version or both at least 8 (``onnx.checker``'s graph, node,
@@ -118,6 +123,15 @@ class CheckedForm(NamedTuple):
         """The header of ``model`` as it is now."""
         opsets = tuple(sorted((o.domain, int(o.version)) for o in model.opset_import))
         return cls(int(model.ir_version), opsets)
+
+
+class LoadedForm(CheckedForm):
+    """The `CheckedForm` of a model `load_checked_model` read with its external data (``load_external_data``):
+    its external data was read in or the model refused, so `external_free` holds (equal to the
+    `CheckedForm` of the same header)."""
+
+    __slots__ = ()
+    external_free = True
 
 
 def load_model(source: ModelSource, *, upgrade_opset: bool = True, min_opset: int = MIN_OPSET,
@@ -153,8 +167,8 @@ def load_checked_model(source: ModelSource, *, upgrade_opset: bool = True, min_o
                        check: bool = True) -> Tuple[onnx.ModelProto, Optional[CheckedForm]]:
     """`load_model` (the same arguments and errors), and the `CheckedForm` under which ``onnx.checker``
     passed the whole model (None with ``check=False``): the file's or model's header, or the upgraded
-    model's when the opset was upgraded (the converter's result is checked in full too). The IR version
-    `load_model` then sets may differ from it."""
+    model's when the opset was upgraded (the converter's result is checked in full too), a `LoadedForm`
+    with ``load_external_data``. The IR version `load_model` then sets may differ from it."""
     data = None
     if is_graph(source):
         model = from_graph(source)  # a new ModelProto: no copy needed
@@ -188,6 +202,8 @@ def load_checked_model(source: ModelSource, *, upgrade_opset: bool = True, min_o
         if upgraded is not model:
             checked = CheckedForm.of(upgraded)  # _upgrade checks the converter's result in full
             model = upgraded
+    if checked is not None and load_external_data:  # every external tensor read in above, or refused
+        checked = LoadedForm(*checked)
     model.ir_version = target_ir_version(model)
     return model, checked
 
@@ -624,7 +640,9 @@ def save_model(model: onnx.ModelProto, path: PathLike, *, inputs: Iterable = (),
             of the result"), unless the environment variable ``ONNX_QAT_FULL_CHECK`` is ``1`` (then
             ``onnx.checker`` in full) or ``both`` (both, see `FULL_CHECK_ENV`). When it describes
             ``model`` (`EditEvidence.nodes_of`), the new initializers' types and sizes and the new nodes
-            (no tensor attributes) are taken from it rather than read back, with or without ``validate``.
+            (no tensor attributes) are taken from it rather than read back, with or without ``validate``;
+            and when the edited model was loaded with its external data (`LoadedForm`), the tensors
+            outside the initializers (the original nodes' attributes) are not walked for external data.
 
     Raises:
         OutputError: the path is a directory, in a missing or read-only directory, or
@@ -636,7 +654,10 @@ def save_model(model: onnx.ModelProto, path: PathLike, *, inputs: Iterable = (),
     out = check_output_path(path, inputs=inputs, what="output model")
     nodes = evidence.nodes_of(model) if evidence is not None else None  # the edit's values, not read back
     facts = _initializer_facts(model, nodes)
-    if facts.external or _has_external_outside_initializers(model, nodes):
+    # An edit's result of a model loaded with its external data: its other tensors are the loaded model's
+    # (the edit adds none outside the initializers), so they are not walked again.
+    loaded = nodes is not None and getattr(evidence.checked, "external_free", False)
+    if facts.external or not loaded and _has_external_outside_initializers(model, nodes):
         raise ModelError("model still refers to external data that was not loaded; load it with "
                          "load_external_data=True before saving")
     ir = int(ir_version) if ir_version is not None else target_ir_version(model, facts.data_types)

@@ -236,3 +236,23 @@ def test_structure_problem_none_for_optional_inputs_and_outputs():
 def test_structure_problem_output_twice_or_over_an_input(outputs):
     nodes = [onnx.NodeProto(name="k", op_type="Split", input=["x"], output=outputs)]
     assert "single static assignment" in structure_problem(["x"], ["s"], nodes, [])
+
+
+def test_loaded_form_says_external_data_was_read(tmp_path):
+    """A model loaded with its external data gives a `LoadedForm` (save then skips the walk of the original
+    nodes' attribute tensors for external data); one loaded without it, a plain `CheckedForm`. Both equal the
+    header's `CheckedForm`."""
+    model = B.residual_block_model()
+    path = tmp_path / "m.onnx"
+    save_model(model, path, external_data_threshold=0)  # the weights in m.onnx.data
+    assert (tmp_path / "m.onnx.data").exists()
+    loaded, checked = load_checked_model(path)
+    assert checked.external_free and checked == CheckedForm.of(loaded)
+    assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in loaded.graph.initializer)
+    _, unread = load_checked_model(path, load_external_data=False, upgrade_opset=False)
+    assert not unread.external_free
+    assert unread == CheckedForm.of(onnx.load(str(path), load_external_data=False))
+    edit, checked = _edit(model)
+    assert checked.external_free
+    out = save_model(edit.commit(), tmp_path / "q.onnx", validate=True, evidence=edit.evidence)
+    assert onnx.load(str(out)).graph.node  # written, and loadable

@@ -1,7 +1,9 @@
 """FP16 float parts inside If branches and Loop bodies: weights, Constant nodes and tensors there take
-FP16, tensors of the enclosing graph read inside stay FP32 under their own names, each body keeps the
-types of its inputs and outputs (an If's two branches and its outputs, a Loop's carried state in and
-out), and the result runs in onnxruntime and passes ``check`` with no finding."""
+FP16, a tensor of the enclosing graph read inside is rounded once where it is made (its low version read
+by every low slot of every body; an initializer all of whose readers are low stored once in FP16), each
+body keeps the types of its inputs and outputs (an If's two branches and its outputs, a Loop's carried
+state in and out), the If/Loop node itself is never listed as kept FP32 (it has no arithmetic), and the
+result runs in onnxruntime and passes ``check`` with no finding."""
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -115,11 +117,22 @@ def test_if_branches_are_converted_and_run(seed, scale):
     out = result.model
     onnx.checker.check_model(out, full_check=True)
     assert body_floats(out) and set(body_floats(out)) == {TensorProto.FLOAT16}
-    # the outer initializer and tensor the branches read keep FP32 under their own names
-    assert next(t for t in out.graph.initializer if t.name == "bias_outer").data_type == F
-    kept = {k.node: k for k in result.kept}
-    assert set(kept) == {"branch"} and kept["branch"].rule == "schema"
-    assert result.summary["low_initializers"] == 4  # w0 and the three branch weights
+    # the outer initializer both branches read in FP16 is stored once, in FP16; the outer tensor h both
+    # branches' Convs read is Relu's FP16 output itself: no Cast of either inside the branches
+    outer = {t.name: t.data_type for t in out.graph.initializer}
+    assert outer == {"w0": TensorProto.FLOAT16, "bias_outer/fp16": TensorProto.FLOAT16}
+    branches = all_graphs(out)[1:]
+    assert {i for g in branches for n in g.node for i in n.input} >= {"h/fp16", "bias_outer/fp16"}
+    assert not {"h", "bias_outer"} & {i for g in all_graphs(out) for n in g.node for i in n.input}
+    assert result.kept == ()  # the If has no arithmetic of its own
+    assert result.summary["low_initializers"] == 5  # w0, bias_outer and the three branch weights
+    # the If's output is FP16, its branches returning their FP16 sums (no Cast to FP32 and back): the
+    # only Casts are x in and y out
+    casts = [(n.input[0], n.output[0]) for g in all_graphs(out) for n in g.node if n.op_type == "Cast"]
+    assert result.summary["casts"] == len(casts) == 2 and {c[0] for c in casts} == {"x", "y/fp16"}, casts
+    assert [o.type.tensor_type.elem_type for g in branches for o in g.output] == [TensorProto.FLOAT16] * 2
+    sigmoid = next(n for n in out.graph.node if n.name == "out")
+    assert list(sigmoid.input) == ["y_if"]
     rng = np.random.default_rng(10 + seed)
     x = (rng.standard_normal((1, 3, 8, 8)) * scale).astype(np.float32)
     for cond in (True, False):
@@ -141,7 +154,7 @@ def test_if_branches_are_converted_and_run(seed, scale):
 def test_if_branch_nodes_are_kept_by_their_qualified_names():
     result = cast_float_parts(if_model(0), "fp16", exclude_nodes=["branch/else_branch/else_conv"])
     kept = {k.node: k.rule for k in result.kept}
-    assert kept == {"branch": "schema", "branch/else_branch/else_conv": "excluded"}
+    assert kept == {"branch/else_branch/else_conv": "excluded"}
     assert kept_fp32_nodes(result.model).keys() == kept.keys()
     else_branch = next(a.g for n in result.model.graph.node if n.op_type == "If" for a in n.attribute
                        if a.name == "else_branch")
@@ -189,7 +202,7 @@ def test_quantized_model_with_fp16_float_parts_in_its_bodies_passes_check(kind, 
     assert sum(n.op_type == "QuantizeLinear" for g in all_graphs(q.model)[1:] for n in g.node) >= 1
     # the body's QuantizeLinear of the outer input reads it in FP32, with an FP32 scale (rule boundary);
     # every other float constant of the bodies is FP16
-    assert {k.rule for k in q.float_parts.kept} == {"boundary", "schema"}  # schema: the If/Loop node
+    assert {k.rule for k in q.float_parts.kept} == {"boundary"}  # not the If/Loop node
     boundary = {n.input[1] for g in all_graphs(q.model)[1:] for n in g.node
                 if n.op_type == "QuantizeLinear" and kept_fp32_reason(n) is not None}
     assert boundary
@@ -225,3 +238,122 @@ def test_unnamed_body_nodes_get_names_and_the_given_model_is_untouched():
     assert len(kept) == 1 and next(iter(kept)).startswith("branch/else_branch/Conv_")
     report = onnx_qat.check(result.model)
     assert [w.node for w in report.warnings if w.rule != "C13"] == list(kept)
+
+
+def nested_if_model(seed: int) -> onnx.ModelProto:
+    """As silero-vad's LSTM: an outer If whose then branch holds a Constant node ``W`` and computes ``a``;
+    an inner If there whose two branches both read ``W`` and ``a`` (and the main graph's initializer
+    ``b_main``) in a MatMul."""
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((8, 8)) * 0.4).astype(np.float32)
+    w = helper.make_node("Constant", [], ["W"], name="W_const", value=numpy_helper.from_array(weight))
+    inner_then = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "W"], ["p"], name="in_then_mm"),
+         helper.make_node("Add", ["p", "b_main"], ["y_in_then"], name="in_then_add")],
+        "inner_then", [], [helper.make_tensor_value_info("y_in_then", F, [1, 8])])
+    inner_else = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "W"], ["q"], name="in_else_mm"),
+         helper.make_node("Tanh", ["q"], ["y_in_else"], name="in_else_tanh")],
+        "inner_else", [], [helper.make_tensor_value_info("y_in_else", F, [1, 8])])
+    outer_then = helper.make_graph(
+        [w, helper.make_node("MatMul", ["x", "W"], ["m"], name="out_then_mm"),
+         helper.make_node("Relu", ["m"], ["a"], name="out_then_relu"),
+         helper.make_node("If", ["cond2"], ["y_inner"], then_branch=inner_then, else_branch=inner_else,
+                          name="inner")],
+        "outer_then", [], [helper.make_tensor_value_info("y_inner", F, [1, 8])])
+    outer_else = helper.make_graph(
+        [helper.make_node("Mul", ["x", "b_main"], ["y_else"], name="out_else_mul")],
+        "outer_else", [], [helper.make_tensor_value_info("y_else", F, [1, 8])])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond1"], ["y_if"], then_branch=outer_then, else_branch=outer_else,
+                          name="outer"),
+         helper.make_node("Sigmoid", ["y_if"], ["y"], name="out")],
+        "nested_if",
+        [helper.make_tensor_value_info("x", F, [1, 8]),
+         helper.make_tensor_value_info("cond1", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("cond2", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", F, [1, 8])], [_init(rng, "b_main", [1, 8], 0.5)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _recast_in_each_body(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` where every body reads each FP16 tensor of an enclosing graph through a Cast
+    to FP32 and back, made inside that body: what each body read before such tensors were shared
+    (the FP32 copy of the tensor, cast again in every body that reads it)."""
+    from onnx_qat.formats.float_cast import tensor_types
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    types = tensor_types(out)
+    for g in all_graphs(out)[1:]:
+        own = {t for n in g.node for t in n.output} | {t.name for t in g.initializer}
+        outer = sorted({t for n in g.node for t in n.input if t and t not in own
+                        and types.get(t) == TensorProto.FLOAT16})
+        casts = []
+        for t in outer:
+            casts += [helper.make_node("Cast", [t], [f"{t}/again32"], to=F),
+                      helper.make_node("Cast", [f"{t}/again32"], [f"{t}/again16"], to=TensorProto.FLOAT16)]
+        for n in g.node:
+            n.input[:] = [f"{t}/again16" if t in outer else t for t in n.input]
+        nodes = casts + list(g.node)
+        del g.node[:]
+        g.node.extend(nodes)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_constant_read_across_nested_if_bodies_is_stored_once_in_fp16_and_never_cast(seed):
+    model = nested_if_model(seed)
+    result = cast_float_parts(model, "fp16")
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    assert result.kept == ()
+    graphs = all_graphs(out)
+    const = next(n for g in graphs for n in g.node if n.name == "W_const")
+    assert const.attribute[0].t.data_type == TensorProto.FLOAT16
+    w16 = const.output[0]
+    readers = [n for g in graphs for n in g.node if w16 in n.input]
+    assert sorted(n.name for n in readers) == ["in_else_mm", "in_then_mm", "out_then_mm"]
+    casts = [n for g in graphs for n in g.node if n.op_type == "Cast"]
+    # no Cast of W, a or b_main anywhere: each is rounded once where it is made (b_main stored in FP16)
+    assert not [n for n in casts if n.input[0].split("/")[0] in ("W", "a", "b_main")], \
+        [(n.input[0], n.output[0]) for n in casts]
+    assert {t.name: t.data_type for t in out.graph.initializer} == {"b_main/fp16": TensorProto.FLOAT16}
+    # x in each outer branch (2); the outputs of the three branches that compute them, to FP32 (3); the
+    # outer If's output to FP16 and y back to FP32 (2)
+    assert len(casts) == result.summary["casts"] == 7
+    before = _recast_in_each_body(out)
+    assert sum(n.op_type == "Cast" for g in all_graphs(before) for n in g.node) > len(casts)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    rng = np.random.default_rng(100 + seed)
+    for cond1 in (True, False):
+        for cond2 in (True, False):
+            feed = {"x": rng.standard_normal((1, 8)).astype(np.float32) * 3, "cond1": np.array(cond1),
+                    "cond2": np.array(cond2)}
+            got, again, ref = (ort.InferenceSession(m.SerializeToString(), options,
+                                                    providers=["CPUExecutionProvider"]).run(None, feed)[0]
+                               for m in (out, before, model))
+            np.testing.assert_array_equal(got, again)  # the numbers of a Cast in each body, bit for bit
+            np.testing.assert_allclose(got, ref, atol=5e-3, rtol=0)
+    assert_clean(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_if_output_an_fp32_node_reads_keeps_fp32(seed):
+    """The If's reader kept FP32 (excluded): the branches return FP32, each casting its FP16 sum."""
+    model = if_model(seed)
+    result = cast_float_parts(model, "fp16", exclude_nodes=["out"])
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    branches = all_graphs(out)[1:]
+    assert [o.type.tensor_type.elem_type for g in branches for o in g.output] == [F, F]
+    casts = sorted(n.input[0] for g in all_graphs(out) for n in g.node if n.op_type == "Cast")
+    assert casts == ["x", "y_else/fp16", "y_then/fp16"] and result.summary["casts"] == 3
+    rng = np.random.default_rng(20 + seed)
+    for cond in (True, False):
+        feed = {"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32), "cond": np.array(cond)}
+        (ref,), (got,) = run(model, feed), run(out, feed)
+        np.testing.assert_allclose(got, ref, atol=2e-3, rtol=0)

@@ -189,6 +189,86 @@ def test_sample_cosines_are_each_samples_own_figure():
         assert per_sample[i] == pytest.approx(output_error(ref, one).cosine, abs=1e-9)
 
 
+def _gated(model):
+    """``model`` with its output multiplied by a second input ``gate`` [N,1,1,1] (not quantized): a
+    sample whose gate is 0 has an empty output."""
+    from onnx import TensorProto, helper
+
+    out = model.graph.output[0].name
+    producer = next(n for n in model.graph.node if out in n.output)
+    producer.output[list(producer.output).index(out)] = "ungated"
+    model.graph.node.append(helper.make_node("Mul", ["ungated", "gate"], [out], name="gate_mul"))
+    model.graph.input.append(helper.make_tensor_value_info("gate", TensorProto.FLOAT, ["N", 1, 1, 1]))
+    return model
+
+
+def _gates(*values) -> np.ndarray:
+    return np.asarray(values, np.float32).reshape(-1, 1, 1, 1)
+
+
+def test_empty_samples_do_not_vote():
+    from onnx_qat.accuracy.prepared import OutputError
+    from onnx_qat.accuracy.ranges import better, empty_samples
+
+    now, gain = OutputError(0.95, 10.0, 1.0), OutputError(0.96, 11.0, 1.0)
+    nan = float("nan")
+    now_samples = np.array([0.95, 0.95, 0.95, 0.95, 0.95, 0.95])
+    # 3 of the 6 samples gain: short of 2/3 of 6, but 3 of the 4 that vote
+    assert not better(gain, np.array([0.96, 0.96, 0.96, 0.94, 0.94, 0.94]), now, now_samples)
+    assert better(gain, np.array([0.96, 0.96, 0.96, 0.94, nan, nan]), now, now_samples)
+    assert not better(gain, np.array([0.96, 0.96, 0.94, 0.94, nan, nan]), now, now_samples)  # 2 of 4
+    assert better(gain, np.full(6, nan), now, now_samples)  # none votes: the gain decides
+    assert not better(OutputError(0.95001, 10.0, 1.0), np.full(6, nan), now, now_samples)
+    # empty: at most EMPTY_SHARE (1e-3) of the median energy, or zero
+    assert empty_samples(np.array([2.0, 2.0, 3.0, 2.0, 2e-3, 2.02e-3, 0.0])).tolist() == \
+        [False, False, False, False, True, False, True]  # the median is 2.0
+    assert empty_samples(np.zeros(3)).tolist() == [True, True, True]
+
+
+def test_sample_cosines_leave_out_empty_samples():
+    from onnx_qat.accuracy.ranges import sample_cosines
+
+    data = _inputs(32, 1)
+    model = _gated(rare_outlier_model("conv3", data, seed=0))
+    calib = {**data, "gate": _gates(*[1.0] * 32)}
+    gates = _gates(1.0, 0.0, 1.0, 1e-2, 0.1, 1.0, 0.0, 1.0)  # energies 1, 0, 1, 1e-4, 1e-2, ...
+    evaluation = {**_inputs(8, 2), "gate": gates}
+    prepared, _ = prepare(model, calib, eval_data=evaluation, method="auto", range_candidates=True,
+                          progress=False)
+    outputs = prepared.runner.run(range(len(prepared.sites)))
+    per_sample = sample_cosines(prepared, outputs)
+    assert np.isnan(per_sample).tolist() == [False, True, False, True, False, False, True, False]
+    ungated = prepared.reference["output"].reshape(8, -1)
+    for i in (0, 4):  # a sample at 1/10 of the output is not empty: its own cosine
+        r, c = ungated[i], np.asarray(outputs["output"], np.float64).reshape(8, -1)[i]
+        assert per_sample[i] == pytest.approx(r @ c / np.sqrt((r @ r) * (c @ c)), abs=1e-9)
+        assert 0.5 < per_sample[i] < 0.9999
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_empty_samples_would_otherwise_veto_a_range_change(monkeypatch, seed):
+    """Half the evaluation samples empty (their gate 0): the range change the first test makes (conv3's
+    input to a percentile) still raises the cosine of every other sample and is kept; counted as votes,
+    the empty samples (never raised) make 2/3 of the samples out of reach and conv3 goes float."""
+    import onnx_qat.accuracy.ranges as ranges
+
+    calib = _inputs(32, seed + 1)
+    model = _gated(rare_outlier_model("conv3", calib, seed=seed))
+    calib["gate"] = _gates(*[1.0] * 32)
+    evaluation = {"input": np.concatenate([_inputs(16, seed + 2)["input"], _inputs(16, seed + 7)["input"]]),
+                  "gate": _gates(*[1.0] * 16 + [0.0] * 16)}
+    result = onnx_qat.quantize(model, data=calib, eval_data=evaluation, min_cosine=0.99, progress=False)
+    info = result.accuracy
+    assert info["float_sites"] == [] and info["cosine_after"] >= 0.99
+    assert [c["site"] for c in info["ranges"]["changes"]] == ["conv3"]
+    assert info["ranges"]["changes"][0]["to"].startswith("percentile")
+    assert_check_clean(result.model)
+    monkeypatch.setattr(ranges, "empty_samples", lambda energy: np.zeros(len(energy), bool))
+    voting = onnx_qat.quantize(model, data=calib, eval_data=evaluation, min_cosine=0.99,
+                               progress=False).accuracy
+    assert [s["name"] for s in voting["float_sites"]] == ["conv3"] and not voting["ranges"]["changes"]
+
+
 @pytest.mark.parametrize("build", ["if_cnn_model", "loop_cnn_model"])
 def test_models_with_bodies_search_their_main_graph_ranges_and_stay_check_clean(build):
     """If/Loop bodies keep their scale initializers (they may read outer ones): the search changes the

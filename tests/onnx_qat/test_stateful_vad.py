@@ -140,6 +140,33 @@ def _float_bytes(model) -> int:
                for t in tensors if t.data_type in sizes)
 
 
+def _assert_rounded_once(q16, q32):
+    """The LSTM weights (Constant nodes of the If branch, read by the nested If's branches) are FP16
+    where they are made and read as such: no Cast of them anywhere; no If node is listed as kept FP32
+    (it has no arithmetic of its own). 176 Casts were added before (each such tensor cast back to FP32
+    and to FP16 again in every body reading it, each If output cast to FP32 in its branches and back to
+    FP16 by its readers; the If nodes were 25 of the 25 kept); 36 now."""
+    from onnx import TensorProto
+
+    from onnx_qat.formats.float_cast import all_graphs
+
+    graphs = all_graphs(q16.model)
+    weights = [n for g in graphs for n in g.node if n.op_type == "Constant" and "decoder.rnn" in n.output[0]]
+    assert len(weights) == 8  # the LSTM's weight_ih, weight_hh, bias_ih, bias_hh in each If_0 branch
+    assert all(n.attribute[0].t.data_type == TensorProto.FLOAT16 for n in weights)
+    names = {n.output[0] for n in weights}
+    bases = {w.split("/")[0] for w in names}  # each tensor's FP16 version, or an FP32 copy of it
+    casts = [n for g in graphs for n in g.node if n.op_type == "Cast"]
+    assert not [n.input[0] for n in casts if n.input[0].split("/")[0] in bases]
+    readers = [n for g in graphs for n in g.node for t in n.input if t in names]
+    assert len(readers) == 48 and {n.op_type for n in readers} == {"Slice"}  # the gates' weights, in FP16
+    # every Cast counted is in the model: those it adds to the quantized model's own
+    added = sum(n.op_type == "Cast" for g in graphs for n in g.node) - \
+        sum(n.op_type == "Cast" for g in all_graphs(q32.model) for n in g.node)
+    assert q16.float_parts.summary["casts"] == added <= 40, (q16.float_parts.summary, added)
+    assert not [k.node for k in q16.float_parts.kept if k.op_type in ("If", "Loop", "Scan")]
+
+
 def test_silero_vad_with_fp16_float_parts_tracks_the_fp32_float_parts(vad_model, tmp_path):
     """The whole network sits inside an If: its branches are converted, the state fed back step by step."""
     from onnx_qat.formats.float_parts import kept_fp32_nodes
@@ -160,6 +187,7 @@ def test_silero_vad_with_fp16_float_parts_tracks_the_fp32_float_parts(vad_model,
     fp32_compute = report.precision_map.fp32_compute(weighted_only=True)
     assert all(n.node in kept for n in fp32_compute), [n.node for n in fp32_compute]
     assert _float_bytes(q16.model) < 0.6 * _float_bytes(q32.model)
+    _assert_rounded_once(q16, q32)
     signal = speech("evaluation.wav")
     ref = probabilities(vad_model, signal)
     p32, p16 = probabilities(tmp_path / "q32.onnx", signal), probabilities(tmp_path / "q16.onnx", signal)
