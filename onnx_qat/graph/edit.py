@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 from itertools import compress
-from operator import attrgetter
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -42,7 +41,6 @@ _NP_TO_ONNX = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.int8): 
                np.dtype(np.int64): onnx.TensorProto.INT64, np.dtype(np.float64): onnx.TensorProto.DOUBLE,
                np.dtype(np.float16): onnx.TensorProto.FLOAT16}
 _GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-_OP_TYPE = attrgetter("op_type")
 
 
 def make_tensor(name: str, values: np.ndarray) -> onnx.TensorProto:
@@ -430,12 +428,8 @@ class GraphEdit:
         if not readers:
             self._tail.extend(nodes)
             return
-        first = readers[0] if len(readers) == 1 else self._first(readers)
+        first = readers[0] if len(readers) == 1 else min(readers, key=lambda n: self.position[id(n)])
         self._before.setdefault(id(first), []).extend(nodes)
-
-    def _first(self, readers: Sequence[onnx.NodeProto]) -> onnx.NodeProto:
-        """The one of ``readers`` (original nodes) that comes first in the graph."""
-        return self.nodes[min(map(self.position.__getitem__, map(id, readers)))]
 
     def insert_many(self, items: Iterable[tuple], forms: Optional[Dict[tuple, object]] = None) -> None:
         """`insert` of each ``(nodes, readers, outputs)`` of ``items`` in turn (as `insert` takes them,
@@ -453,8 +447,9 @@ class GraphEdit:
                 self._note_forms(news, forms)
         self.producer.update(zip(itertools.chain.from_iterable([item[2] for item in items]),
                                  itertools.chain.from_iterable(news)))
-        before, first = self._before, self._first
-        keys = [id(readers[0]) if len(readers) == 1 else id(first(readers)) for _, readers, _ in items]
+        position, before = self.position, self._before
+        keys = [id(readers[0]) if len(readers) == 1 else id(min(readers, key=lambda n: position[id(n)]))
+                for _, readers, _ in items]
         if before.keys().isdisjoint(keys) and len(set(keys)) == len(keys):  # one batch per reader, none yet
             before.update(zip(keys, map(list, news)))
             return
@@ -474,9 +469,12 @@ class GraphEdit:
         for form, node in forms.items():
             by_op.setdefault(node.op_type, []).append(form)
         one = {op: found[0] for op, found in by_op.items() if len(found) == 1}
-        nodes = list(itertools.chain.from_iterable(news))
-        found = list(map(one.get, map(_OP_TYPE, nodes)))  # in C: no Python step per node
-        self._node_forms.update(compress(zip(map(id, nodes), found), found))
+        node_forms = self._node_forms
+        for nodes in news:
+            for node in nodes:
+                form = one.get(node.op_type)
+                if form is not None:
+                    node_forms[id(node)] = form
 
     def remove(self, node: onnx.NodeProto) -> None:
         """Leave ``node`` out of the result."""
@@ -594,9 +592,13 @@ class GraphEdit:
         counts = dict.fromkeys(wanted, 0)
         if not wanted:
             return counts
-        if columns is not None:  # every node's inputs filtered in C: a Python step only for each read counted
-            for tensor in filter(counts.__contains__, itertools.chain.from_iterable(columns[1])):
-                counts[tensor] += 1
+        if columns is not None:  # the nodes that read none of them passed over in one test each
+            isdisjoint = wanted.isdisjoint
+            for node_inputs in columns[1]:
+                if not isdisjoint(node_inputs):
+                    for tensor in node_inputs:
+                        if tensor in counts:
+                            counts[tensor] += 1
         else:
             for node in live:
                 for tensor in node.input:

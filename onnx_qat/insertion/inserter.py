@@ -262,16 +262,19 @@ def _fp16_grid_batch(stack: np.ndarray, scale: np.ndarray, shape, qrange) -> Opt
 # --------------------------------------------------------------------------- scales
 def group_amax(placement: Placement, scales: ScaleTable) -> Dict[str, float]:
     """Activation tensor -> amax to use: its own, or its scale group's largest (rule 7)."""
-    marks = placement.activations
-    tensors, scale_groups = [m.tensor for m in marks], [m.scale_group for m in marks]
-    given = list(map(scales.activations.get, tensors))
     groups: Dict[str, float] = {}
-    for group, amax in compress(zip(scale_groups, given), scale_groups):  # the marks of a scale group
+    given = scales.activations
+    for mark in placement.activations:
+        if mark.scale_group:
+            amax = given.get(mark.tensor)
+            if amax is not None:
+                groups[mark.scale_group] = max(groups.get(mark.scale_group, 0.0), amax)
+    result = {}
+    for mark in placement.activations:
+        amax = groups.get(mark.scale_group) if mark.scale_group else given.get(mark.tensor)
         if amax is not None:
-            groups[group] = max(groups.get(group, 0.0), amax)
-    if groups:  # a group's members take its largest amax (None: no member has a range)
-        given = [groups.get(group) if group else amax for group, amax in zip(scale_groups, given)]
-    return {tensor: amax for tensor, amax in zip(tensors, given) if amax is not None}
+            result[mark.tensor] = amax
+    return result
 
 
 def missing_activations(placement: Placement, scales: ScaleTable) -> Tuple[str, ...]:
