@@ -352,7 +352,7 @@ def test_output_errors_are_the_residuals_of_the_sampled_rows(seed, monkeypatch):
     """The output errors that decide whether a fitted op is kept are its residuals on the sampled rows:
     on ops whose error is 1e-8 to 1e-4 of the signal they match the float64 residuals to 1e-9, where
     the expanded square of float32 Gram matrices (how they were computed before) is off by more than
-    its own size on a large input mean (negative, or ten times too large), and every keep or undo
+    its own size on a large input mean (negative, or many times too large), and every keep or undo
     decision is the one the residuals give (both kinds occur)."""
     import onnx_qat.accuracy.reconstruct as module
 
