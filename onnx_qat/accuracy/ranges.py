@@ -546,7 +546,7 @@ def choose_table(float_model, data, eval_data, *, config, weights, batch_size: i
     best, (cosine, errors) = "given", confirm.judged((), given)
     cosines, amax_of = {"given": cosine}, {"given": given}
     # auto's minimum (one rule): on fewer errors a lead of EVIDENCE standard errors is often chance
-    note = paired.few_samples_note(len(errors)) if len(errors) < paired.MIN_PAIRED_SAMPLES else ""
+    note = paired.few_samples_note(len(errors))
     for name in START_TABLES:
         amax, _ = whole_table(prepared, name)
         same = next((k for k, a in amax_of.items() if a == amax), None)
