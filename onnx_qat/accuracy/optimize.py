@@ -146,9 +146,10 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
                                            batch_size=batch_size, progress=progress)
             few_note = (f"{evaluation.num_samples} evaluation samples, fewer than {RANGES_MIN_SAMPLES} "
                         "in each half to choose ranges on: ")
+            why = "the calibration samples cannot judge a table (stateful data)" if chosen is None else \
+                records.get("paired_note") or "no whole table beat auto's on the calibration samples"
             attempt("ranges", clock, float_model, chosen is not None and chosen is not table, lambda: chosen,
-                    few_note + ("no whole table beat auto's on the calibration samples" if chosen is not None
-                                else "the calibration samples cannot judge a table (stateful data)"),
+                    few_note + why,
                     mode="whole table", **records)
         else:
             from .ranges import tune_table

@@ -527,11 +527,15 @@ def choose_table(float_model, data, eval_data, *, config, weights, batch_size: i
     ``weights``' activation ranges (the table ``auto`` chose), a table replaces the one kept only when
     its output cosine there is higher **and** its per-sample output errors are lower by more than
     `onnx_qat.calibration.choice.EVIDENCE` standard errors of the paired difference
-    (`onnx_qat.calibration.choice.beats`). No evaluation sample decides the choice (its caller judges
-    the result on them, as every step). Returns ``(ScaleTable, records)``; the table is ``weights``'
-    own when no candidate beats it (``records["start"]`` ``"given"``), or None when the calibration
-    samples cannot judge (`Confirmation.usable`)."""
-    from ..calibration.choice import EVIDENCE, beats
+    (`onnx_qat.calibration.choice.beats`). The paired rule needs as many per-sample errors as
+    ``auto``'s (`onnx_qat.calibration.choice.MIN_PAIRED_SAMPLES`, 8): with fewer calibration samples
+    every table's cosine is still measured and recorded, ``weights`` is kept whatever the cosines, and
+    ``records["paired_note"]`` says why (`onnx_qat.calibration.choice.few_samples_note`). No
+    evaluation sample decides the choice (its caller judges the result on them, as every step).
+    Returns ``(ScaleTable, records)``; the table is ``weights``' own when no candidate beats it
+    (``records["start"]`` ``"given"``), or None when the calibration samples cannot judge
+    (`Confirmation.usable`)."""
+    from ..calibration import choice as paired
     from ..scales import ScaleTable
 
     prepared, _ = prepare_candidates(float_model, data, eval_data, config, batch_size, progress, weights)
@@ -541,6 +545,8 @@ def choose_table(float_model, data, eval_data, *, config, weights, batch_size: i
     given = {t: float(weights.activations.get(t, a)) for t, a in prepared.table.activations.items()}
     best, (cosine, errors) = "given", confirm.judged((), given)
     cosines, amax_of = {"given": cosine}, {"given": given}
+    # auto's minimum (one rule): on fewer errors a lead of EVIDENCE standard errors is often chance
+    note = paired.few_samples_note(len(errors))
     for name in START_TABLES:
         amax, _ = whole_table(prepared, name)
         same = next((k for k, a in amax_of.items() if a == amax), None)
@@ -549,12 +555,14 @@ def choose_table(float_model, data, eval_data, *, config, weights, batch_size: i
             continue
         trial, trial_errors = confirm.judged((), amax)
         cosines[name], amax_of[name] = trial, amax
-        if trial > cosines[best] and beats(trial_errors, errors):
+        if not note and trial > cosines[best] and paired.beats(trial_errors, errors):
             best, errors = name, trial_errors
     records = {"start": best, "calibration_cosines": cosines, "calibration_samples": len(errors),
-               "evidence": EVIDENCE, "runs": confirm.runs}
-    logger.info("ranges: whole tables on the calibration samples %s; %s kept",
-                ", ".join(f"{k} {v:.5f}" for k, v in cosines.items()), best)
+               "evidence": paired.EVIDENCE, "runs": confirm.runs}
+    if note:
+        records["paired_note"] = note
+    logger.info("ranges: whole tables on the calibration samples %s; %s kept%s",
+                ", ".join(f"{k} {v:.5f}" for k, v in cosines.items()), best, f" ({note})" if note else "")
     if best == "given":
         return weights, records
     table = ScaleTable(amax_of[best], dict(prepared.table.weights), producer=prepared.table.producer,

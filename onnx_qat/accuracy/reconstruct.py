@@ -45,7 +45,9 @@ the tensors the pieces before it left (so every op's input is computed after the
 reconstructed, at the cost of one run of the model in all). An op keeps round to nearest (and its
 bias) when its layout is not handled (a ConvTranspose, a Conv that is not 2-D or uses ``auto_pad``,
 a Gemm with ``transA``, a weight not quantized per output channel), when the reconstruction does not
-lower its output error on the calibration rows, or when it has fewer sampled rows than `MIN_ROWS`
+lower its output error on the calibration rows (the residuals on the sampled rows themselves,
+`_Residuals`, not the expanded square of the Gram matrices, which cancels at the small errors that
+decide), or when it has fewer sampled rows than `MIN_ROWS`
 times its reduction size (the fit would then fit the rows). Each op gets a record. A
 Q/DQ graph that is not topologically sorted or holds subgraphs is left alone (one record says why).
 """
@@ -324,9 +326,9 @@ def _write_bias(findex, qindex, name: str, bias: np.ndarray, state) -> None:
 def _fit(op: _Op, weight, bias, xq, xf, ridge: float, record: dict, weights: bool = True,
          rounding: str = "gptq"):
     """The INT8 integers and bias of ``op``, see the module docstring: None to keep round to nearest
-    and the bias; ``(None, bias)`` to keep round to nearest with a corrected bias. Everything is
-    computed from the Gram matrices of the sampled rows (float32 products, float64 sums), so no
-    product with the output channels is formed per row."""
+    and the bias; ``(None, bias)`` to keep round to nearest with a corrected bias. The fit is computed
+    from the Gram matrices of the sampled rows (float32 products), the output errors that decide
+    whether it is kept from the residuals on those rows (`_Residuals`, float64)."""
     g, rows, k = xq.shape
     record["rows"] = int(rows)
     mats = op.matrices(weight).astype(np.float64)  # [g, K, N]
@@ -345,19 +347,14 @@ def _fit(op: _Op, weight, bias, xq, xf, ridge: float, record: dict, weights: boo
     xqt = xq.transpose(0, 2, 1)
     h = np.matmul(xqt, xq).astype(np.float64)  # Σ x̃ᵀx̃  [g, K, K]
     hqf = np.matmul(xqt, xf).astype(np.float64)  # Σ x̃ᵀx
-    hff = np.matmul(xf.transpose(0, 2, 1), xf).astype(np.float64)  # Σ xᵀx
     mean_q = xq.astype(np.float64).mean(axis=1)  # [g, K]
     mean_f = xf.astype(np.float64).mean(axis=1)
     if bias is not None:  # centered rows: the bias takes the mean
         h = h - rows * mean_q[:, :, None] * mean_q[:, None, :]
         hqf = hqf - rows * mean_q[:, :, None] * mean_f[:, None, :]
-        hff = hff - rows * mean_f[:, :, None] * mean_f[:, None, :]
     cross = np.matmul(hqf, mats)  # x̃ᵀ y
-    signal = max(float(np.sum(mats * np.matmul(hff, mats))), 1e-30)
-
-    def error(q):  # Σ ‖x̃ Q − y‖² over the (centered) rows
-        v = q * scale[:, None, :]
-        return signal - 2.0 * float(np.sum(v * cross)) + float(np.sum(v * np.matmul(h, v)))
+    residuals = _Residuals(xq, xf, mats, scale, (mean_q, mean_f) if bias is not None else None)
+    error, signal = residuals.error, residuals.signal
 
     diag = np.einsum("gkk->gk", h)
     lam = ridge * np.maximum(diag.mean(axis=1), 1e-30)[:, None, None]
@@ -368,7 +365,8 @@ def _fit(op: _Op, weight, bias, xq, xf, ridge: float, record: dict, weights: boo
     else:
         ints = np.clip(np.rint(solved / scale[:, None, :]), -QMAX, QMAX)
     nearest = np.clip(np.rint(mats / scale[:, None, :]), -QMAX, QMAX)
-    rtn, new = error(nearest), error(ints)
+    rtn = error(nearest)
+    new = residuals.changed_error(ints, nearest, rtn)
     if bias is not None:  # round to nearest keeps its own bias: its error includes the mean shift
         shift = np.einsum("gk,gkn->gn", mean_q, nearest * scale[:, None, :]) - \
             np.einsum("gk,gkn->gn", mean_f, mats)
@@ -379,6 +377,51 @@ def _fit(op: _Op, weight, bias, xq, xf, ridge: float, record: dict, weights: boo
         return None
     new_bias = None if bias is None else _mean_matched(bias, mats, ints * scale[:, None, :], mean_q, mean_f)
     return op.from_matrices(ints, weight.shape), new_bias
+
+
+class _Residuals:
+    """The output errors of an op's candidate weights on its sampled rows, from the residuals
+    themselves: ``Σ ‖x̃ Q − y‖²`` (``y = x W``, both sides' rows centered when the op has a bias),
+    each residual formed in float64 before it is squared. The expanded square the Gram matrices
+    give, ``‖y‖² − 2 Qᵀx̃ᵀy + Qᵀx̃ᵀx̃Q``, cancels where the error is a small share of the signal:
+    from float32 Gram matrices (and centering a large mean out of them) it went negative, or off by
+    orders of magnitude, at errors of 1e-8 to 1e-5 of the signal on built ops, errors of the size
+    an op whose weights are near their INT8 grid has."""
+
+    def __init__(self, xq, xf, mats, scale, means=None):
+        self.xq = xq.astype(np.float64)  # [g, rows, K]
+        xf = xf.astype(np.float64)
+        if means is not None:  # the bias takes the mean: centered rows
+            self.xq -= means[0][:, None, :]
+            xf -= means[1][:, None, :]
+        self.scale = scale[:, None, :]  # [g, 1, N]
+        self.target = np.matmul(xf, mats)  # y on the rows, [g, rows, N]
+        self.signal = max(float(np.sum(np.square(self.target))), 1e-30)
+        self._columns = None  # each output channel's error under the integers `error` saw last
+
+    def _column_errors(self, q) -> np.ndarray:
+        diff = np.matmul(self.xq, q * self.scale) - self.target
+        return np.einsum("grn,grn->gn", diff, diff)
+
+    def error(self, q) -> float:
+        """``Σ ‖x̃ (q · scale) − y‖²`` over the rows (``q`` the integers ``[g, K, N]``)."""
+        self._columns = self._column_errors(q)
+        return float(np.sum(self._columns))
+
+    def changed_error(self, q, before, total: float) -> float:
+        """`error` of ``q`` given the last `error`, ``total``, of ``before``: only the output channels
+        whose integers differ are computed again (each channel's residual reads its own column)."""
+        differ = np.any(q != before, axis=1)  # [g, N]
+        if not differ.any():
+            return total
+        groups = np.flatnonzero(differ.any(axis=1))
+        cols = np.flatnonzero(differ[groups].any(axis=0))
+        sub = q[np.ix_(groups, np.arange(q.shape[1]), cols)]
+        diff = np.matmul(self.xq[groups], sub * self.scale[np.ix_(groups, [0], cols)]) - \
+            self.target[np.ix_(groups, np.arange(self.target.shape[1]), cols)]
+        columns = self._columns.copy()
+        columns[np.ix_(groups, cols)] = np.einsum("grn,grn->gn", diff, diff)
+        return float(np.sum(columns))
 
 
 #: Rows rounded before their error is spread over all the rows after them at once (GPTQ's lazy

@@ -101,7 +101,11 @@ class TableChoice(NamedTuple):
 
 
 def few_samples_note(samples: int) -> str:
-    """The note `choose` gives when ``samples`` per-sample errors are fewer than `MIN_PAIRED_SAMPLES`."""
+    """Why the paired rule cannot decide on ``samples`` per-sample errors, or "" when it can (at least
+    `MIN_PAIRED_SAMPLES`): the note of `choose` (``auto``) and of
+    `onnx_qat.accuracy.ranges.choose_table` (``--optimize accuracy``'s whole-table step)."""
+    if samples >= MIN_PAIRED_SAMPLES:
+        return ""
     return (f"{samples} sample{'' if samples == 1 else 's'} judged, fewer than the {MIN_PAIRED_SAMPLES} "
             "the paired rule needs")
 
@@ -182,8 +186,8 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
         errors[name] = sample_errors(calibration.reference, got, energy)
     best = next(iter(tables))
     samples = min(len(e) for e in errors.values())
-    if samples < MIN_PAIRED_SAMPLES:  # the paired rule cannot decide: max, whatever the cosines
-        note = few_samples_note(samples)
+    note = few_samples_note(samples)
+    if note:  # the paired rule cannot decide: max, whatever the cosines
         logger.info("auto calibration: %s; keeping %s", note, best)
         return TableChoice(best, cosines, note)
     for name in tables:

@@ -372,3 +372,90 @@ def test_tune_table_keeps_the_given_ranges_unless_the_calibration_samples_confir
     # nothing better than the tuned ranges on the calibration samples: they come back as given
     assert not records["confirmed"] and records["confirm_after"] <= records["confirm_before"]
     assert dict(again.activations) == dict(table.activations)
+
+
+def _whole_table_models():
+    from tests.onnx_qat.test_accuracy_optimize import saturating_model
+
+    return {"residual": residual_block_model(projection=True), "saturating": saturating_model(0)}
+
+
+#: (model, calibration samples, seed, input scale) where the whole-table choice with the paired rule
+#: on any number of samples (before `MIN_PAIRED_SAMPLES` applied to it) changed when the inputs moved
+#: by 0.1% (measured 2026-11-27: 8 of 48 conditions on these two models, 2-4 samples, 4 seeds)
+WHOLE_TABLE_FLIPPED = (("residual", 2, 2, "norm"), ("saturating", 2, 1, "norm"),
+                       ("saturating", 2, 3, "x255"), ("residual", 4, 0, "norm"))
+
+
+@pytest.mark.parametrize("name, samples, seed, scale", WHOLE_TABLE_FLIPPED)
+def test_whole_table_choice_keeps_the_given_table_on_few_calibration_samples(monkeypatch, name, samples,
+                                                                             seed, scale):
+    """`choose_table` follows auto's minimum of per-sample errors: on 2-4 calibration samples the
+    given table (auto's) is kept whatever the cosines, stable under a 0.1% perturbation of the inputs
+    that changed the choice before, every table's cosine still recorded and the reason given."""
+    from onnx_qat.accuracy.ranges import START_TABLES, choose_table
+    from onnx_qat.calibration import choice
+    from onnx_qat.config import QuantizeConfig
+    from tests.onnx_qat.test_calibration_auto import _few
+
+    model = _whole_table_models()[name]
+    evaluation = _few(model, 4, seed + 50, scale, 0.0)
+    before = []
+    for eps in (0.0, 1e-3):
+        data = _few(model, samples, seed, scale, eps)
+        given = onnx_qat.calibrate(model, data, progress=False)
+        table, records = choose_table(model, data, evaluation, config=QuantizeConfig(), weights=given)
+        assert table is given and records["start"] == "given"
+        assert records["calibration_samples"] == samples
+        assert records["paired_note"] == f"{samples} samples judged, fewer than the 8 the paired rule needs"
+        assert set(records["calibration_cosines"]) == {"given", *START_TABLES}
+        with monkeypatch.context() as patched:  # the paired rule on any number of samples
+            patched.setattr(choice, "MIN_PAIRED_SAMPLES", 1)
+            _, records = choose_table(model, data, evaluation, config=QuantizeConfig(), weights=given)
+            assert "paired_note" not in records
+            before.append(records["start"])
+    assert before[0] != before[1], before  # that rule's choice moved with the inputs
+
+
+def test_whole_table_choice_on_enough_calibration_samples_is_unchanged(monkeypatch):
+    """From `MIN_PAIRED_SAMPLES` (8) calibration samples on, `choose_table` decides as the paired rule
+    on any number of samples did: the same table and records, no note (tables other than the given one
+    are chosen here)."""
+    from onnx_qat.accuracy.ranges import choose_table
+    from onnx_qat.calibration import choice
+    from onnx_qat.config import QuantizeConfig
+    from tests.onnx_qat.test_calibration_auto import _few
+
+    models = _whole_table_models()
+    chosen = []
+    for name, samples in (("residual", 8), ("saturating", 16)):
+        model = models[name]
+        for seed in range(3):
+            data, evaluation = _few(model, samples, seed, "x255", 0.0), _few(model, 4, seed + 50, "x255", 0.0)
+            given = onnx_qat.calibrate(model, data, progress=False)
+            table, records = choose_table(model, data, evaluation, config=QuantizeConfig(), weights=given)
+            monkeypatch.setattr(choice, "MIN_PAIRED_SAMPLES", 1)
+            old_table, old = choose_table(model, data, evaluation, config=QuantizeConfig(), weights=given)
+            monkeypatch.undo()
+            assert "paired_note" not in records and records["calibration_samples"] == samples
+            records.pop("runs"), old.pop("runs")
+            assert records == old
+            assert dict(table.activations) == dict(old_table.activations)
+            chosen.append(records["start"])
+    assert chosen == ["given", "percentile(99.99)", "mse"] * 2, chosen
+
+
+def test_optimize_accuracy_names_the_few_calibration_samples_in_its_ranges_step():
+    """``optimize="accuracy"`` on 3 calibration samples: the whole-table choice keeps auto's table and
+    the ranges step says why."""
+    from tests.onnx_qat.test_calibration_auto import _few
+
+    model = residual_block_model(projection=True)
+    data, evaluation = _few(model, 3, 0, "norm", 0.0), _few(model, 4, 50, "norm", 0.0)
+    result = onnx_qat.quantize(model, data=data, eval_data=evaluation, optimize="accuracy", progress=False)
+    assert_check_clean(result.model)
+    step = {s["step"]: s for s in result.accuracy["steps"]}["ranges"]
+    assert step["mode"] == "whole table" and step["start"] == "given" and not step["kept"]
+    assert step["paired_note"] == "3 samples judged, fewer than the 8 the paired rule needs"
+    assert step["note"] == ("4 evaluation samples, fewer than 8 in each half to choose ranges on: 3 samples "
+                            "judged, fewer than the 8 the paired rule needs")

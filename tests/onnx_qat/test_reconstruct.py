@@ -286,3 +286,96 @@ def test_error_compensated_rounding_falls_back_to_nearest_on_a_singular_gram_mat
     hessian = np.array([[[1.0, 0.0], [0.0, 0.0]]])
     ints = _compensated(target, hessian, np.array([[0.5, 0.01]]))
     np.testing.assert_array_equal(ints, [[[1.0, -127.0], [1.0, 49.0]]])
+
+
+def _direct_errors(op, weight, bias, xq, xf, ints, scale):
+    """The relative output errors ``(round to nearest, ints)`` of an op on rows ``xq``/``xf``, computed
+    from the residuals in float64 (rows centered when there is a bias; round to nearest keeps its
+    own bias, so its error includes the mean shift)."""
+    xq, xf = xq.astype(np.float64), xf.astype(np.float64)
+    mats = op.matrices(weight).astype(np.float64)
+    nearest = np.clip(np.rint(mats / scale[:, None, :]), -127, 127) * scale[:, None, :]
+    shift = 0.0
+    if bias is not None:
+        mean_q, mean_f = xq.mean(axis=1), xf.mean(axis=1)
+        shift = xq.shape[1] * float(np.sum(np.square(np.einsum("gk,gkn->gn", mean_q, nearest) -
+                                                     np.einsum("gk,gkn->gn", mean_f, mats))))
+        xq, xf = xq - mean_q[:, None, :], xf - mean_f[:, None, :]
+    y = np.matmul(xf, mats)
+    signal = float(np.sum(y * y))
+    rtn = float(np.sum(np.square(np.matmul(xq, nearest) - y))) + shift
+    new = float(np.sum(np.square(np.matmul(xq, op.matrices(ints) * scale[:, None, :]) - y)))
+    return rtn / signal, new / signal
+
+
+def _expanded_error(op, weight, bias, xq, xf, ints, scale):
+    """``ints``' relative error as the expanded square of float32 Gram matrices gives it (how `_fit`
+    computed it before): ``‖y‖² − 2 vᵀx̃ᵀy + vᵀx̃ᵀx̃v``, centered by subtracting ``rows · mean meanᵀ``."""
+    rows = xq.shape[1]
+    mats = op.matrices(weight).astype(np.float64)
+    h = np.matmul(xq.transpose(0, 2, 1), xq).astype(np.float64)
+    hqf = np.matmul(xq.transpose(0, 2, 1), xf).astype(np.float64)
+    hff = np.matmul(xf.transpose(0, 2, 1), xf).astype(np.float64)
+    if bias is not None:
+        mq, mf = xq.astype(np.float64).mean(axis=1), xf.astype(np.float64).mean(axis=1)
+        h -= rows * mq[:, :, None] * mq[:, None, :]
+        hqf -= rows * mq[:, :, None] * mf[:, None, :]
+        hff -= rows * mf[:, :, None] * mf[:, None, :]
+    v = op.matrices(ints) * scale[:, None, :]
+    signal = float(np.sum(mats * np.matmul(hff, mats)))
+    cross, quadratic = float(np.sum(v * np.matmul(hqf, mats))), float(np.sum(v * np.matmul(h, v)))
+    return (signal - 2.0 * cross + quadratic) / signal
+
+
+def _near_grid_op(seed: int, mean: float, off: float, with_bias: bool, k: int = 64, n: int = 32,
+                  rows: int = 2048):
+    """A MatMul op (``fc2`` of `linear_model`) whose float weights lie within ``off`` grid steps of
+    their INT8 grid, on rows of mean ``mean`` (a Relu output's kind) and its Q/DQ input 1e-4 apart:
+    output errors of 1e-8 to 1e-4 of the signal."""
+    from onnx_qat.accuracy.reconstruct import _Op
+    from onnx_qat.graph.index import GraphIndex
+
+    node = GraphIndex(linear_model(0, dim=k, out=n)).by_name["fc2"]
+    rng = np.random.default_rng(seed)
+    ints = rng.integers(-127, 128, (k, n)).astype(np.float64)
+    ints[0] = 127
+    scale = (rng.uniform(0.5, 1.5, n) / 1270).astype(np.float32)
+    weight = (ints * scale + rng.standard_normal((k, n)) * scale * off).astype(np.float32)
+    xf = (mean + rng.standard_normal((1, rows, k))).astype(np.float32)
+    xq = (xf + rng.standard_normal(xf.shape) * 1e-4).astype(np.float32)
+    op = _Op(node, 0, "w", scale, 1, "x", "b" if with_bias else None)
+    return op, weight, np.zeros(n, np.float32) if with_bias else None, xq, xf, scale
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_output_errors_are_the_residuals_of_the_sampled_rows(seed, monkeypatch):
+    """The output errors that decide whether a fitted op is kept are its residuals on the sampled rows:
+    on ops whose error is 1e-8 to 1e-4 of the signal they match the float64 residuals to 1e-9, where
+    the expanded square of float32 Gram matrices (how they were computed before) is off by more than
+    its own size on a large input mean (negative, or many times too large), and every keep or undo
+    decision is the one the residuals give (both kinds occur)."""
+    import onnx_qat.accuracy.reconstruct as module
+
+    fitted = {}
+    real = module._compensated
+    monkeypatch.setattr(module, "_compensated", lambda *a: fitted.setdefault("ints", real(*a)))
+    decisions, expanded_off = set(), 0
+    for mean in (0.0, 5.0, 30.0):
+        for off, with_bias in ((0.0, False), (0.01, False), (0.3, False), (0.01, True), (0.3, True)):
+            op, weight, bias, xq, xf, scale = _near_grid_op(seed, mean, off, with_bias)
+            record = {}
+            fitted.clear()
+            result = module._fit(op, weight, bias, xq, xf, 1.0, record)
+            ints = op.from_matrices(fitted["ints"], weight.shape)
+            scale2 = scale.astype(np.float64)[None]
+            rtn, new = _direct_errors(op, weight, bias, xq, xf, ints, scale2)
+            assert record["rtn_error"] == pytest.approx(rtn, rel=1e-9, abs=1e-15), (mean, off, with_bias)
+            assert record["error"] == pytest.approx(new, rel=1e-9, abs=1e-15), (mean, off, with_bias)
+            assert 0 < new < 1e-4 and 0 < rtn
+            assert (result is not None) == (new < rtn), (mean, off, with_bias, rtn, new)
+            decisions.add(result is not None)
+            if mean == 30.0 and with_bias:
+                old = _expanded_error(op, weight, bias, xq, xf, ints, scale2)
+                expanded_off += abs(old - new) > new
+    assert decisions == {True, False}
+    assert expanded_off == 2  # the cancellation this test guards against happens on these rows
