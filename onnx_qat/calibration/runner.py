@@ -314,7 +314,8 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         ``scale_grid`` says so): FP16 float parts then hold the same scales as the FP32 model.
 
     Raises:
-        ModelError, DataError, ConfigError, PlacementError, OutputError: one line each.
+        ModelError, DataError, ConfigError, PlacementError, OutputError: one line each (the models
+        `quantize` refuses are refused here too, before any run: `onnx_qat.placement.refusals`).
     """
     from ..config import QuantizeConfig
     from ..io.data import load_data
@@ -332,7 +333,7 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     resolved = QuantizeConfig.from_options(config, **placement_options)
     placement = None
     if tensors is None or method == "auto":  # auto's tables are judged with the placement
-        placement = _placement(proto, config, placement_options)
+        placement = _placement(proto, resolved, _model_words(model))
     names = _tensors_to_observe(placement if tensors is None else None, tensors, config, placement_options)
     if tensors is None:
         names = tuple(dict.fromkeys(names + form_tensors(proto, placement, resolved.target)))
@@ -572,10 +573,24 @@ def form_tensors(model: onnx.ModelProto, placement, target: str) -> Tuple[str, .
     return () if wanted is None else tuple(wanted(GraphIndex(model), placement))
 
 
-def _placement(proto, config, placement_options):
-    from ..placement import place
+def _placement(proto, config, what: str):
+    """Placement of ``proto`` under the resolved ``config``, after the models `quantize` refuses are
+    refused in its words (already quantized; a weight it quantizes holding NaN or infinities:
+    `onnx_qat.placement.refusals`), so that no table is written for a model that cannot be quantized."""
+    from ..graph.index import GraphIndex
+    from ..placement.policy import policy_for
+    from ..placement.refusals import refuse_non_finite_weights, refuse_quantized
 
-    return place(proto, config=config, **placement_options)
+    index = GraphIndex(proto)
+    refuse_quantized(proto, what, index)
+    placement = policy_for(config.target).place(index, config)
+    refuse_non_finite_weights(index, placement, what)
+    return placement
+
+
+def _model_words(model) -> str:
+    """How messages name ``model``, as `quantize`'s do: ``model PATH`` or ``the model``."""
+    return f"model {model}" if isinstance(model, (str, os.PathLike)) else "the model"
 
 
 def _tensors_to_observe(placement, tensors, config, placement_options) -> Tuple[str, ...]:

@@ -6,6 +6,8 @@
 * `handlers` — the numbered TensorRT rules, one documented unit each.
 * `policy` — the op type -> handler table and rule 10 (one Q/DQ per tensor).
 * `format_marks` — which marks each numeric format keeps (INT4: weight marks only).
+* `refusals` — the models placement refuses (already quantized; a quantized weight holding NaN or
+  an infinity), for ``quantize`` and ``calibrate`` alike.
 
 Owns: the placement rules (one home for each, the residual-Add rule included) and their marks.
 May import: io, graph (the graph model: index, ``WEIGHTED_OPS``), formats, config, the targets
