@@ -27,6 +27,13 @@ and its error shows in the outputs that are.
 An output passes when every threshold that is set holds: ``max_abs`` (upper
 bound), ``min_cosine`` (default 0.99), ``min_sqnr_db``, ``min_top1`` (a fraction), ``min_decisions``
 (a fraction, stateful models).
+
+Non-finite values count as `auto` calibration counts them
+(`onnx_qat.calibration.choice.sample_errors`): a position where the reference is NaN or infinite (the
+float model overflowed, or a masking constant) is left out of every figure but top-1 and counted
+(``left_out``; the printed report says how many on a line of its own); a NaN or infinite candidate
+value where the reference is finite is a full error (``nonfinite``): max abs, max rel and mean abs
+``inf``, cosine 0.0 (the limit as the error grows without bound), SQNR ``-inf``, and the output fails.
 """
 from __future__ import annotations
 
@@ -49,7 +56,9 @@ class OutputComparison:
     """The figures for one output; true when it passed.
 
     Attributes beyond the contract fields: ``shape`` of the compared output and the
-    thresholds that were applied (None when not set).
+    thresholds that were applied (None when not set); ``left_out``: the values left out of the
+    figures because the reference is NaN or infinite there; ``nonfinite``: the candidate's NaN or
+    infinite values where the reference is finite (each a full error, see the module docstring).
     """
 
     name: str
@@ -70,6 +79,8 @@ class OutputComparison:
     decisions: Optional[float] = None
     min_decisions: Optional[float] = None
     state: bool = False
+    left_out: int = 0
+    nonfinite: int = 0
 
     def __bool__(self) -> bool:
         return self.passed
@@ -93,7 +104,14 @@ class OutputComparison:
             parts.append(f"decisions {agree} agree")
         if self.steps is not None:
             parts.append(f"{self.steps} steps")
-        return " | ".join(parts)
+        if self.nonfinite:
+            parts.append(f"{self.nonfinite} NaN/Inf where the reference is finite (full errors)")
+        line = " | ".join(parts)
+        if self.left_out:
+            total = math.prod(self.shape) if self.shape else self.left_out
+            line += (f"\n  output {self.name!r}: {self.left_out} of {total} values left out of the figures "
+                     f"(the reference is NaN or infinite there)")
+        return line
 
     def to_dict(self) -> dict:
         """Plain JSON-ready values (``inf`` SQNR stays a float; the CLI writes it as a string)."""
@@ -102,6 +120,7 @@ class OutputComparison:
             "max_abs": self.max_abs, "max_rel": self.max_rel, "mean_abs": self.mean_abs,
             "cosine": self.cosine, "sqnr_db": self.sqnr_db, "top1": self.top1,
             "steps": self.steps, "decisions": self.decisions, "state": self.state,
+            "left_out": self.left_out, "nonfinite": self.nonfinite,
             "thresholds": {"max_abs": self.max_abs_limit, "min_cosine": self.min_cosine,
                            "min_sqnr_db": self.min_sqnr_db, "min_top1": self.min_top1,
                            "min_decisions": self.min_decisions},
@@ -155,12 +174,31 @@ class Comparison:
 
 # --------------------------------------------------------------------------- figures
 def output_figures(reference: np.ndarray, candidate: np.ndarray) -> Dict[str, Optional[float]]:
-    """max_abs, max_rel, mean_abs, cosine, sqnr_db and top1 for two arrays of one shape."""
+    """max_abs, max_rel, mean_abs, cosine, sqnr_db and top1 for two arrays of one shape, with
+    ``left_out`` and ``nonfinite`` (counts).
+
+    The figures but top-1 are measured where the reference is finite: its NaN or infinite values
+    (the float model has no number there to be close to) are left out and counted in ``left_out``,
+    as `onnx_qat.calibration.choice.sample_errors` leaves them out of `auto`'s errors. A NaN or
+    infinite candidate value where the reference is finite is counted in ``nonfinite`` and makes
+    the error unbounded: max_abs, max_rel and mean_abs ``inf``, cosine 0.0, sqnr_db ``-inf``. With
+    no finite reference value at all the figures are those of two empty arrays (no error, cosine 1.0).
+    """
     r = np.asarray(reference, dtype=np.float64).ravel()
     c = np.asarray(candidate, dtype=np.float64).ravel()
+    top1 = top1_agreement(reference, candidate) if r.size else None
+    usable = np.isfinite(r)
+    left_out = int(r.size - np.count_nonzero(usable))
+    if left_out:
+        r, c = r[usable], c[usable]
+    nonfinite = int(c.size - np.count_nonzero(np.isfinite(c)))
+    counts = {"left_out": left_out, "nonfinite": nonfinite}
     if r.size == 0:
         return {"max_abs": 0.0, "max_rel": 0.0, "mean_abs": 0.0, "cosine": 1.0, "sqnr_db": math.inf,
-                "top1": None}
+                "top1": top1, **counts}
+    if nonfinite:
+        return {"max_abs": math.inf, "max_rel": math.inf, "mean_abs": math.inf, "cosine": 0.0,
+                "sqnr_db": -math.inf, "top1": top1, **counts}
     diff = np.abs(r - c)
     ref_abs = np.abs(r)
     floor = max(REL_FLOOR * float(ref_abs.max()), np.finfo(np.float64).tiny)
@@ -178,8 +216,7 @@ def output_figures(reference: np.ndarray, candidate: np.ndarray) -> Dict[str, Op
     else:
         sqnr = 10.0 * math.log10(signal / noise)
     return {"max_abs": float(diff.max()), "max_rel": float(np.max(diff / np.maximum(ref_abs, floor))),
-            "mean_abs": float(diff.mean()), "cosine": cosine, "sqnr_db": sqnr,
-            "top1": top1_agreement(reference, candidate)}
+            "mean_abs": float(diff.mean()), "cosine": cosine, "sqnr_db": sqnr, "top1": top1, **counts}
 
 
 def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> Optional[float]:
@@ -214,9 +251,9 @@ def judge(name: str, reference: np.ndarray, candidate: np.ndarray, *, max_abs=No
         figures["top1"] = None
     agree = decision_agreement(reference, candidate) if decisions else None
     reason = ""
-    if not np.all(np.isfinite(np.asarray(candidate, dtype=np.float64))) and \
-            np.all(np.isfinite(np.asarray(reference, dtype=np.float64))):
-        reason = "candidate output has NaN or Inf values"
+    if figures["nonfinite"]:
+        reason = (f"candidate output has {figures['nonfinite']} NaN or Inf value(s) where the reference "
+                  f"is finite")
     elif max_abs is not None and not figures["max_abs"] <= max_abs:
         reason = f"max abs {figures['max_abs']:.3g} > {max_abs:g}"
     elif min_cosine is not None and not figures["cosine"] >= min_cosine:
