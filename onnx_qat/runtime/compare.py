@@ -47,6 +47,9 @@ from ..errors import ConfigError, ModelError
 
 #: Floor of the relative-error denominator, relative to the largest |reference| value.
 REL_FLOOR = 1e-6
+#: Largest |value| range `output_figures` computes in as is; beyond it (float64 outputs) both arrays
+#: are divided by their peak first, so sums of squares neither overflow nor underflow.
+SAFE_RANGE = (1e-100, 1e100)
 #: A probability output's yes/no decision: above this value (silero-vad's default threshold).
 DECISION_THRESHOLD = 0.5
 
@@ -199,6 +202,10 @@ def output_figures(reference: np.ndarray, candidate: np.ndarray) -> Dict[str, Op
     if nonfinite:
         return {"max_abs": math.inf, "max_rel": math.inf, "mean_abs": math.inf, "cosine": 0.0,
                 "sqnr_db": -math.inf, "top1": top1, **counts}
+    peak = max(float(np.max(np.abs(r))), float(np.max(np.abs(c))))
+    unit = peak if peak > 0.0 and not SAFE_RANGE[0] <= peak <= SAFE_RANGE[1] else 1.0
+    if unit != 1.0:  # float64 values whose squares would overflow (or underflow): scale both alike
+        r, c = r / unit, c / unit
     diff = np.abs(r - c)
     ref_abs = np.abs(r)
     floor = max(REL_FLOOR * float(ref_abs.max()), np.finfo(np.float64).tiny)
@@ -215,8 +222,9 @@ def output_figures(reference: np.ndarray, candidate: np.ndarray) -> Dict[str, Op
         sqnr = -math.inf
     else:
         sqnr = 10.0 * math.log10(signal / noise)
-    return {"max_abs": float(diff.max()), "max_rel": float(np.max(diff / np.maximum(ref_abs, floor))),
-            "mean_abs": float(diff.mean()), "cosine": cosine, "sqnr_db": sqnr, "top1": top1, **counts}
+    return {"max_abs": float(diff.max()) * unit,  # a Python float: inf past float64's range, no warning
+            "max_rel": float(np.max(diff / np.maximum(ref_abs, floor))),
+            "mean_abs": float(diff.mean()) * unit, "cosine": cosine, "sqnr_db": sqnr, "top1": top1, **counts}
 
 
 def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> Optional[float]:

@@ -135,6 +135,18 @@ def test_output_figures_counts_and_no_nan():
     assert "NaN or Inf" in judge("s", ref, np.full_like(ref, np.nan), state=True).reason
 
 
+@pytest.mark.parametrize("magnitude", [1e-200, 1.0, 1e200])
+def test_float64_figures_neither_overflow_nor_underflow(magnitude):
+    ref = np.array([1.0, -2.0, 3.0, 0.5]) * magnitude
+    figures = output_figures(ref, ref * 1.01)
+    assert figures["cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert figures["sqnr_db"] == pytest.approx(40.0, abs=1e-6)
+    assert figures["max_abs"] == pytest.approx(0.03 * magnitude, rel=1e-9)
+    assert figures["mean_abs"] == pytest.approx(0.01 * 6.5 / 4 * magnitude, rel=1e-9)
+    assert figures["max_rel"] == pytest.approx(0.01, rel=1e-9)
+    assert output_figures(np.array([1e308, 2.0]), np.array([-1e308, 2.0]))["max_abs"] == math.inf
+
+
 def test_cli_prints_no_nan_and_the_left_out_line(tmp_path, capsys):
     from onnx_qat.cli import main
 
@@ -153,4 +165,9 @@ def test_cli_prints_no_nan_and_the_left_out_line(tmp_path, capsys):
     data = {o["name"]: o for o in json.loads(capsys.readouterr().out)["outputs"]}
     assert data["y"]["left_out"] == left and data["y"]["nonfinite"] == 0
     assert data["scores"]["left_out"] == x.shape[0]
+    onnx.save(_model(W * np.float32(1.2)), paths[1])
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert not _nan_figure(out) and "NaN/Inf where the reference is finite (full errors)" in out
+    assert "cosine 0.00000 < 0.99" in out and "SQNR -inf dB" in out
     assert all(isinstance(data[n]["cosine"], float) and math.isfinite(data[n]["cosine"]) for n in data)
