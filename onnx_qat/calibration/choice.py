@@ -120,16 +120,12 @@ def judge_samples(nodes: int) -> int:
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
     """The smallest cosine over the outputs (flattened arrays; two all-zero outputs count as 1), as
     `onnx_qat.runtime.compare.output_figures` measures it (the figure
-    `onnx_qat.accuracy.prepared.output_error` reports too), over the values whose reference is finite
-    (where the float model overflowed there is nothing to be close to, as in `sample_errors`)."""
+    `onnx_qat.accuracy.prepared.output_error` reports too): over the values whose reference is finite
+    (where the float model overflowed there is nothing to be close to, as in `sample_errors`), a
+    non-finite value where the reference is finite a full error (cosine 0)."""
     from ..runtime.compare import output_figures
 
-    def finite(ref, got):
-        ref, got = np.asarray(ref).ravel(), np.asarray(got).ravel()
-        usable = np.isfinite(ref)
-        return (ref, got) if usable.all() else (ref[usable], got[usable])
-
-    return min([1.0] + [output_figures(*finite(ref, candidate[name]))["cosine"]
+    return min([1.0] + [output_figures(np.asarray(ref).ravel(), np.asarray(candidate[name]).ravel())["cosine"]
                         for name, ref in reference.items()])
 
 
