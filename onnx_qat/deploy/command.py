@@ -142,7 +142,10 @@ class Latency:
 
 @dataclass(frozen=True)
 class OutputParity:
-    """Engine output vs onnxruntime output on the same inputs."""
+    """Engine output vs onnxruntime output on the same inputs. ``left_out``: values left out of the
+    figures because onnxruntime's output is NaN or infinite there; ``nonfinite``: the engine's NaN or
+    infinite values where onnxruntime's are finite (full errors; the output fails)
+    (`onnx_qat.runtime.compare.output_figures`)."""
 
     name: str
     max_abs: float
@@ -152,6 +155,8 @@ class OutputParity:
     passed: bool
     reason: str = ""
     cosine: Optional[float] = None
+    left_out: int = 0
+    nonfinite: int = 0
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -161,8 +166,9 @@ class OutputParity:
         top1 = f" | top-1 {100 * self.top1:.1f}%" if self.top1 is not None else ""
         cosine = f" | cosine {self.cosine:.5f}" if self.cosine is not None else ""
         tail = f" | {self.reason}" if self.reason else ""
+        left = f" | {self.left_out} value(s) left out (onnxruntime's NaN/Inf)" if self.left_out else ""
         return (f"{'PASSED' if self.passed else 'FAILED'} | output {self.name!r} | "
-                f"max abs {self.max_abs:.3e} | max rel {self.max_rel:.3e}{cosine}{top1}{tail}")
+                f"max abs {self.max_abs:.3e} | max rel {self.max_rel:.3e}{cosine}{top1}{left}{tail}")
 
 
 @dataclass(frozen=True)
@@ -278,8 +284,11 @@ def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str,
             reasons.append(f"top-1 agreement {100 * agree:.1f}% < {100 * min_top1:.1f}%")
         if max_abs is not None and not figures["max_abs"] <= max_abs:
             reasons.append(f"max abs {figures['max_abs']:.3e} > {max_abs:.3e}")
+        if figures["nonfinite"]:
+            reasons.append(f"{figures['nonfinite']} NaN or Inf value(s) where onnxruntime's are finite")
         results.append(OutputParity(name, figures["max_abs"], figures["max_rel"], figures["mean_abs"], agree,
-                                    not reasons, "; ".join(reasons), figures["cosine"]))
+                                    not reasons, "; ".join(reasons), figures["cosine"], figures["left_out"],
+                                    figures["nonfinite"]))
     return tuple(results)
 
 

@@ -386,6 +386,27 @@ def test_compare_outputs_figures_and_thresholds():
     assert not missing.passed
 
 
+def test_compare_outputs_counts_non_finite_values_instead_of_printing_nan():
+    """onnxruntime's NaN/Inf values (a masked score, an overflow) are left out of the figures and
+    counted; the engine's NaN/Inf where onnxruntime's values are finite fail the output by name."""
+    rng = np.random.default_rng(11)
+    ref = rng.standard_normal((4, 6, 30)).astype(np.float32)
+    ref[:, :, 0] = -np.inf  # a masked column
+    got = ref + 1e-3 * rng.standard_normal(ref.shape).astype(np.float32)
+    got[:, :, 0] = -np.inf
+    (masked,) = deploy.compare_outputs({"scores": ref}, {"scores": got})
+    assert masked.passed and masked.left_out == 24 and masked.nonfinite == 0
+    assert masked.cosine > 0.9999 and np.isfinite(masked.max_abs) and "cosine 1.00000" in str(masked)
+    assert "24 value(s) left out" in str(masked)
+    broken = got.copy()
+    broken[1, 2, 3] = np.nan
+    broken[2, 0, 5] = np.inf
+    (failed,) = deploy.compare_outputs({"scores": ref}, {"scores": broken})
+    assert not failed.passed and failed.nonfinite == 2 and failed.cosine == 0.0
+    assert "2 NaN or Inf value(s) where onnxruntime's are finite" in failed.reason
+    assert failed.to_dict()["left_out"] == 24 and failed.to_dict()["nonfinite"] == 2
+
+
 def test_accuracy_and_latency_summary():
     logits = np.eye(4, dtype=np.float32)[[0, 1, 2, 3, 0]]
     assert deploy.accuracy({"y": logits}, np.array([0, 1, 2, 0, 0])) == pytest.approx(0.8)
