@@ -895,12 +895,20 @@ def _drop_unread(model: onnx.ModelProto, stats: CastStats) -> CastStats:
 
 
 def _low_if_outputs(model: onnx.ModelProto, low: LowType, stats: CastStats) -> CastStats:
-    """Give an If output the low type where nothing needs it in FP32 (``model`` edited in place): each
-    branch makes it low and casts it to FP32 only to return it (a Cast read by nothing else), and every
-    reader of the If's output, in its graph or in a body there, is a Cast to the low type (whose output
-    no graph returns). The branches then return their low tensors and the Casts on both sides go: one
-    value, rounded once, as before (a low value cast to FP32 and back is the same value). Returns
-    ``stats`` with the Casts counted again and the If outputs among ``low_tensors``."""
+    """Give If outputs the low type where nothing needs them in FP32 (``model`` edited in place). An If
+    output becomes low when every branch makes it low and every reader takes it low:
+
+    - a branch makes it low when it returns a Cast to FP32 of a low tensor, a Cast read by nothing
+      else and returned once, or the output of an If of its own that becomes low by this same rule;
+    - its readers, in its graph or in a body there, are Casts to the low type (whose output no graph
+      returns), and where its graph returns it, that graph is a branch of an If whose output there
+      becomes low by this same rule (nested Ifs, as silero-vad's around its LSTM, take it together).
+
+    The outputs are found together, as the largest set that meets both conditions (every If output a
+    candidate at first; one that fails is dropped, until none does). The branches then return their low
+    tensors and the Casts on both sides go: one value, rounded once, as before (a low value cast to
+    FP32 and back is the same value). Returns ``stats`` with the Casts counted again and the If outputs
+    among ``low_tensors``."""
     graphs = all_graphs(model)  # nodes and graphs are told apart by tensor names (protobuf wrappers are not
     producer = {t: n for g in graphs for n in g.node for t in n.output}  # stable objects)
     readers: Dict[str, List[onnx.NodeProto]] = {}
@@ -908,48 +916,79 @@ def _low_if_outputs(model: onnx.ModelProto, low: LowType, stats: CastStats) -> C
         for n in g.node:
             for t in set(n.input):
                 readers.setdefault(t, []).append(n)
+    main_outputs = {o.name for o in model.graph.output}
     returned = {o.name for g in graphs for o in g.output}
     low_tensors = set(stats.low_tensors)
-    dropped: set = set()  # the outputs of the Cast nodes to drop
-    renames: Dict[str, str] = {}
 
     def is_cast(node, to) -> bool:
         return node.op_type == "Cast" and next((a.i for a in node.attribute if a.name == "to"), None) == to
 
+    # every If output, with what each branch returns for it and where its own graph returns it
+    ifs: Dict[str, Tuple[onnx.GraphProto, int, List[Tuple[onnx.GraphProto, str]]]] = {}
+    returns: Dict[str, List[Tuple[str, int]]] = {}  # branch output -> (If output, index) it ends
     for g in graphs:
         for node in g.node:
             if node.op_type != "If":
                 continue
             branches = [a.g for a in node.attribute if a.name in ("then_branch", "else_branch")]
             for k, out in enumerate(node.output):
-                if not out or out in returned:
+                if not out or out in main_outputs or len(branches) != 2:
                     continue
-                ends = []
-                for b in branches:
-                    name = b.output[k].name
-                    made = producer.get(name)
-                    if made is None or name not in {t for n in b.node for t in n.output} \
-                            or not is_cast(made, TensorProto.FLOAT) or made.input[0] not in low_tensors \
-                            or readers.get(name):
-                        break
-                    ends.append((b, made))
-                users = readers.get(out, [])
-                if len(ends) != len(branches) or not users or not all(
-                        is_cast(r, low.onnx_type) and r.output[0] not in returned for r in users):
-                    continue
-                for b, cast in ends:
-                    dropped.add(cast.output[0])
-                    b.output[k].name = cast.input[0]
-                    b.output[k].type.tensor_type.elem_type = low.onnx_type
-                for r in users:
-                    dropped.add(r.output[0])
-                    renames[r.output[0]] = out
-                low_tensors.add(out)
-                for info in g.value_info:
-                    if info.name == out:
-                        info.type.tensor_type.elem_type = low.onnx_type
-    if not dropped:
+                ifs[out] = (g, k, [(b, b.output[k].name) for b in branches])
+    for out, (_, k, ends) in ifs.items():
+        for b, name in ends:
+            returns.setdefault(name, []).append((out, k))
+    other_returns = {o.name for g in graphs for n in g.node if n.op_type != "If"  # Loop/Scan bodies' outputs
+                     for _, _, body in subgraphs_of(n) for o in body.output}
+
+    def own_cast(b: onnx.GraphProto, name: str) -> Optional[onnx.NodeProto]:
+        """The Cast to FP32 of a low tensor that branch ``b`` returns as ``name``, read by nothing else."""
+        made = producer.get(name)
+        if made is None or name not in {t for n in b.node for t in n.output} \
+                or not is_cast(made, TensorProto.FLOAT) or made.input[0] not in low_tensors \
+                or readers.get(name) or sum(o.name == name for o in b.output) != 1 or name in other_returns:
+            return None
+        return made
+
+    candidates = set(ifs)
+    changed = True
+    while changed:
+        changed = False
+        for out in sorted(candidates):
+            _, _, ends = ifs[out]
+            made_low = all(own_cast(b, name) is not None or
+                           (name in candidates and name in {t for n in b.node for t in n.output})
+                           for b, name in ends)
+            users = readers.get(out, [])
+            read_low = all(is_cast(r, low.onnx_type) and r.output[0] not in returned for r in users)
+            outer = returns.get(out, [])
+            if out in returned:  # returned: only as branch outputs of Ifs whose outputs become low
+                read_low = read_low and out not in other_returns and bool(outer) and \
+                    all(parent in candidates for parent, _ in outer)
+            elif not users:
+                read_low = False
+            if not (made_low and read_low):
+                candidates.discard(out)
+                changed = True
+    if not candidates:
         return stats
+    dropped: set = set()  # the outputs of the Cast nodes to drop
+    renames: Dict[str, str] = {}
+    for out in candidates:
+        g, k, ends = ifs[out]
+        for b, name in ends:
+            cast = own_cast(b, name) if name not in candidates else None
+            if cast is not None:
+                dropped.add(cast.output[0])
+                b.output[k].name = cast.input[0]
+            b.output[k].type.tensor_type.elem_type = low.onnx_type
+        for r in readers.get(out, []):
+            dropped.add(r.output[0])
+            renames[r.output[0]] = out
+        low_tensors.add(out)
+        for info in g.value_info:
+            if info.name == out:
+                info.type.tensor_type.elem_type = low.onnx_type
     for g in reversed(graphs):  # innermost first: rebuilding a node list copies the bodies its nodes hold
         nodes = [n for n in g.node if not (n.op_type == "Cast" and n.output[0] in dropped)]
         for n in nodes:

@@ -321,9 +321,9 @@ def test_a_constant_read_across_nested_if_bodies_is_stored_once_in_fp16_and_neve
     assert not [n for n in casts if n.input[0].split("/")[0] in ("W", "a", "b_main")], \
         [(n.input[0], n.output[0]) for n in casts]
     assert {t.name: t.data_type for t in out.graph.initializer} == {"b_main/fp16": TensorProto.FLOAT16}
-    # x in each outer branch (2); the outputs of the three branches that compute them, to FP32 (3); the
-    # outer If's output to FP16 and y back to FP32 (2)
-    assert len(casts) == result.summary["casts"] == 7
+    # x in each outer branch (2) and y back to FP32 (1): the inner and the outer If's outputs are FP16
+    # together (7 before: the three computing branches' outputs to FP32, the outer If's output to FP16)
+    assert len(casts) == result.summary["casts"] == 3
     before = _recast_in_each_body(out)
     assert sum(n.op_type == "Cast" for g in all_graphs(before) for n in g.node) > len(casts)
     options = ort.SessionOptions()
@@ -339,6 +339,106 @@ def test_a_constant_read_across_nested_if_bodies_is_stored_once_in_fp16_and_neve
             np.testing.assert_array_equal(got, again)  # the numbers of a Cast in each body, bit for bit
             np.testing.assert_allclose(got, ref, atol=5e-3, rtol=0)
     assert_clean(out)
+
+
+def _fp32_if_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` where every FP16 If output is FP32 again: each branch casts what it returns to
+    FP32 (an inner If's output, FP32 again itself, returned as it is) and a Cast to FP16 after the If
+    feeds its readers, unless its graph returns it (an enclosing If's branch). The form before nested If
+    outputs took FP16 together."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graphs = all_graphs(out)
+    after: dict = {}  # If output -> its FP32 name
+    for g in graphs:
+        returned = {o.name for o in g.output}
+        for node in g.node:
+            if node.op_type != "If":
+                continue
+            branches = [a.g for a in node.attribute if a.name in ("then_branch", "else_branch")]
+            for k, name in enumerate(node.output):
+                if branches[0].output[k].type.tensor_type.elem_type != TensorProto.FLOAT16:
+                    continue
+                for b in branches:
+                    end = b.output[k]
+                    if not any(n.op_type == "If" and end.name in n.output for n in b.node):
+                        b.node.append(helper.make_node("Cast", [end.name], [f"{end.name}/to32"], to=F))
+                        end.name = f"{end.name}/to32"
+                    end.type.tensor_type.elem_type = F
+                if name not in returned:
+                    after[name] = f"{name}/as32"
+                    node.output[k] = after[name]
+    for g in reversed(graphs):  # innermost first: rebuilding a node list copies the bodies its nodes hold
+        nodes = []
+        for n in g.node:
+            nodes.append(n)
+            nodes += [helper.make_node("Cast", [t], [o], to=TensorProto.FLOAT16)
+                      for o, t in after.items() if t in n.output]
+        del g.node[:]
+        g.node.extend(nodes)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nested_if_outputs_take_fp16_together_with_the_numbers_of_fp32_if_outputs(seed):
+    """The inner If's output is what the outer If's then branch returns: both outputs FP16 together, no
+    Cast on either side. As TensorRT stores the numbers (`emulate_in_fp32`) the outputs are bit for bit
+    those of the FP32 If outputs with their Casts. onnxruntime's own FP16 session differs slightly: with
+    the Casts it computes a branch's last ops (Add, Tanh: no FP16 CPU kernel) in FP32 and drops the pair
+    of Casts to FP16 and back (``InsertCastTransformer``), so the FP16 rounding of the branch's result the
+    model asks for is skipped there; without them that rounding is made."""
+    model = nested_if_model(seed)
+    result = cast_float_parts(model, "fp16")
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    graphs = all_graphs(out)
+    assert {o.name: o.type.tensor_type.elem_type for g in graphs[1:] for o in g.output} == {
+        "y_in_then/fp16": TensorProto.FLOAT16, "y_in_else/fp16": TensorProto.FLOAT16,
+        "y_inner": TensorProto.FLOAT16, "y_else/fp16": TensorProto.FLOAT16}
+    sigmoid = next(n for n in graphs[0].node if n.name == "out")
+    assert sigmoid.input[0] == "y_if"  # the outer If's output itself, no Cast
+    casts = sorted(n.input[0] for g in graphs for n in g.node if n.op_type == "Cast")
+    assert casts == ["x", "x", "y/fp16"] and result.summary["casts"] == 3
+    before = _fp32_if_outputs(out)
+    onnx.checker.check_model(before, full_check=True)
+    assert sum(n.op_type == "Cast" for g in all_graphs(before) for n in g.node) == 7
+    forms = (emulate_in_fp32(out, "fp16"), emulate_in_fp32(before, "fp16"), out, before, model)
+    rng = np.random.default_rng(200 + seed)
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = level
+        sessions = [ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+                    for m in forms]
+        for cond1 in (True, False):
+            for cond2 in (True, False):
+                feed = {"x": rng.standard_normal((1, 8)).astype(np.float32) * 3, "cond1": np.array(cond1),
+                        "cond2": np.array(cond2)}
+                got, again, direct, direct_before, ref = (s.run(None, feed)[0] for s in sessions)
+                np.testing.assert_array_equal(got, again)
+                np.testing.assert_allclose(direct, direct_before, atol=1e-4, rtol=0)
+                np.testing.assert_allclose(got, ref, atol=5e-3, rtol=0)
+    assert_clean(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nested_if_outputs_an_fp32_node_reads_keep_fp32_together(seed):
+    """The outer If's reader kept FP32: its output stays FP32, and so does the inner If's output that its
+    then branch returns; each computing branch casts its FP16 result."""
+    result = cast_float_parts(nested_if_model(seed), "fp16", exclude_nodes=["out"])
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    graphs = all_graphs(out)
+    assert [o.type.tensor_type.elem_type for g in graphs[1:] for o in g.output] == [F, F, F, F]
+    casts = sorted(n.input[0] for g in graphs for n in g.node if n.op_type == "Cast")
+    assert casts == ["x", "x", "y_else/fp16", "y_in_else/fp16", "y_in_then/fp16"]
+    assert result.summary["casts"] == 5
+    rng = np.random.default_rng(30 + seed)
+    for cond1 in (True, False):
+        for cond2 in (True, False):
+            feed = {"x": rng.standard_normal((1, 8)).astype(np.float32) * 3, "cond1": np.array(cond1),
+                    "cond2": np.array(cond2)}
+            (ref,), (got,) = run(nested_if_model(seed), feed), run(out, feed)
+            np.testing.assert_allclose(got, ref, atol=5e-3, rtol=0)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

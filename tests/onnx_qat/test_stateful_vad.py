@@ -145,7 +145,9 @@ def _assert_rounded_once(q16, q32):
     where they are made and read as such: no Cast of them anywhere; no If node is listed as kept FP32
     (it has no arithmetic of its own). 176 Casts were added before (each such tensor cast back to FP32
     and to FP16 again in every body reading it, each If output cast to FP32 in its branches and back to
-    FP16 by its readers; the If nodes were 25 of the 25 kept); 36 now."""
+    FP16 by its readers; the If nodes were 25 of the 25 kept), 36 while the nested Ifs around the LSTM
+    kept FP32 outputs; 8 now: the two graph outputs back to FP32, ``input`` and ``state`` in each branch
+    reading them."""
     from onnx import TensorProto
 
     from onnx_qat.formats.float_cast import all_graphs
@@ -163,7 +165,7 @@ def _assert_rounded_once(q16, q32):
     # every Cast counted is in the model: those it adds to the quantized model's own
     added = sum(n.op_type == "Cast" for g in graphs for n in g.node) - \
         sum(n.op_type == "Cast" for g in all_graphs(q32.model) for n in g.node)
-    assert q16.float_parts.summary["casts"] == added <= 40, (q16.float_parts.summary, added)
+    assert q16.float_parts.summary["casts"] == added <= 8, (q16.float_parts.summary, added)
     assert not [k.node for k in q16.float_parts.kept if k.op_type in ("If", "Loop", "Scan")]
 
 
