@@ -932,12 +932,11 @@ def _low_if_outputs(model: onnx.ModelProto, low: LowType, stats: CastStats) -> C
                 continue
             branches = [a.g for a in node.attribute if a.name in ("then_branch", "else_branch")]
             for k, out in enumerate(node.output):
+                for b in branches:  # every If's: one left FP32 ("": unused) keeps what its branches return
+                    returns.setdefault(b.output[k].name, []).append((out, k))
                 if not out or out in main_outputs or len(branches) != 2:
                     continue
                 ifs[out] = (g, k, [(b, b.output[k].name) for b in branches])
-    for out, (_, k, ends) in ifs.items():
-        for b, name in ends:
-            returns.setdefault(name, []).append((out, k))
     other_returns = {o.name for g in graphs for n in g.node if n.op_type != "If"  # Loop/Scan bodies' outputs
                      for _, _, body in subgraphs_of(n) for o in body.output}
 
@@ -950,24 +949,28 @@ def _low_if_outputs(model: onnx.ModelProto, low: LowType, stats: CastStats) -> C
             return None
         return made
 
-    candidates = set(ifs)
+    # what does not depend on the other outputs, once: each branch's Cast (None: an inner If's output,
+    # low only if that output is; False: neither), whether the readers outside are Casts to the low type
+    casts: Dict[str, list] = {}
+    read_low: Dict[str, bool] = {}
+    for out, (_, _, ends) in ifs.items():
+        casts[out] = []
+        for b, name in ends:
+            cast = own_cast(b, name)
+            inner = cast is None and name in ifs and name in {t for n in b.node for t in n.output}
+            casts[out].append(cast if cast is not None else (None if inner else False))
+        users = readers.get(out, [])
+        read_low[out] = all(is_cast(r, low.onnx_type) and r.output[0] not in returned for r in users) and (
+            bool(returns.get(out)) and out not in other_returns if out in returned else bool(users))
+    candidates = {out for out in ifs if read_low[out] and False not in casts[out]}
     changed = True
-    while changed:
+    while changed:  # drop an output whose inner or enclosing If's output is no longer a candidate
         changed = False
         for out in sorted(candidates):
-            _, _, ends = ifs[out]
-            made_low = all(own_cast(b, name) is not None or
-                           (name in candidates and name in {t for n in b.node for t in n.output})
-                           for b, name in ends)
-            users = readers.get(out, [])
-            read_low = all(is_cast(r, low.onnx_type) and r.output[0] not in returned for r in users)
-            outer = returns.get(out, [])
-            if out in returned:  # returned: only as branch outputs of Ifs whose outputs become low
-                read_low = read_low and out not in other_returns and bool(outer) and \
-                    all(parent in candidates for parent, _ in outer)
-            elif not users:
-                read_low = False
-            if not (made_low and read_low):
+            inner_ok = all(cast is not None or name in candidates
+                           for cast, (_, name) in zip(casts[out], ifs[out][2]))
+            if not inner_ok or not all(parent in candidates for parent, _ in returns.get(out, [])
+                                       if out in returned):
                 candidates.discard(out)
                 changed = True
     if not candidates:
@@ -976,8 +979,7 @@ def _low_if_outputs(model: onnx.ModelProto, low: LowType, stats: CastStats) -> C
     renames: Dict[str, str] = {}
     for out in candidates:
         g, k, ends = ifs[out]
-        for b, name in ends:
-            cast = own_cast(b, name) if name not in candidates else None
+        for cast, (b, _) in zip(casts[out], ends):
             if cast is not None:
                 dropped.add(cast.output[0])
                 b.output[k].name = cast.input[0]
