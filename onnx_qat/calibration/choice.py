@@ -26,7 +26,10 @@ first (``max``) is kept.
 Large graphs are judged on fewer samples (`judge_samples`): each judged sample costs one run of the
 whole Q/DQ model per table, so the samples are bounded by `JUDGE_NODE_SAMPLES` (nodes x samples),
 never fewer than `MIN_JUDGE_SAMPLES` (8, the paired rule's minimum); every model up to 625 nodes
-keeps all 64.
+keeps all 64. Above 5,000 nodes they are judged in two rounds: every table on the first
+`first_judge_samples` (at least `FIRST_JUDGE_SAMPLES`, 4), the rest only when a later table leads
+``max``'s output cosine there (else ``max`` is kept with a note: such a graph costs what 4 judged
+samples cost, the judgement being most of ``auto``'s extra cost at 50,000 nodes).
 
 The tables are taken in order -- ``max``, then the per-tensor table -- and a later
 table replaces the one kept only when its worst-output cosine is higher **and** the samples agree
@@ -87,6 +90,10 @@ MIN_PAIRED_SAMPLES = 8
 #: Samples the tables are always judged on (when the calibration data has them): the paired rule's
 #: minimum, so that a large graph calibrated on enough samples is still judged.
 MIN_JUDGE_SAMPLES = MIN_PAIRED_SAMPLES
+#: Samples a graph over 5,000 nodes is judged on first (`first_judge_samples`): only when a later
+#: table leads ``max``'s output cosine there are the tables run on the rest of the `judge_samples`, which
+#: the paired rule needs; where none leads, ``max`` is kept at the cost of the first samples alone.
+FIRST_JUDGE_SAMPLES = 4
 
 
 class TableChoice(NamedTuple):
@@ -115,6 +122,14 @@ def judge_samples(nodes: int) -> int:
     `CHECK_SAMPLES` (64), or ``JUDGE_NODE_SAMPLES // nodes`` when fewer, but at least
     `MIN_JUDGE_SAMPLES` (8 from 5,000 nodes on)."""
     return max(MIN_JUDGE_SAMPLES, min(CHECK_SAMPLES, JUDGE_NODE_SAMPLES // max(int(nodes), 1)))
+
+
+def first_judge_samples(nodes: int) -> int:
+    """How many of those the tables are run on first: `judge_samples` up to 5,000 nodes (one round),
+    ``JUDGE_NODE_SAMPLES // nodes`` but at least `FIRST_JUDGE_SAMPLES` (4) above (at 10,000 nodes and
+    over, 4 of the 8)."""
+    return min(judge_samples(nodes),
+               max(FIRST_JUDGE_SAMPLES, min(CHECK_SAMPLES, JUDGE_NODE_SAMPLES // max(int(nodes), 1))))
 
 
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
@@ -168,19 +183,52 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     outputs = list(calibration.reference)
     session = ChunkedSession(judge, outputs, batch_axis=calibration.batch_axis)
     del judge
-    cosines: Dict[str, float] = {}
-    errors: Dict[str, np.ndarray] = {}
     energy = output_energy(calibration.reference)
-    for name, amax in tables.items():
-        session.bind(_scale_feeds(placement, amax, scale_inputs, precision))  # once per table
-        got: Dict[str, List[np.ndarray]] = {o: [] for o in outputs}
-        for feed in calibration.check_feeds:
-            for o, value in zip(outputs, session.run(outputs, feed)):
-                got[o].append(np.asarray(value))
-        cosines[name] = worst_cosine(calibration.reference, {o: np.concatenate([v.ravel() for v in got[o]])
-                                                             for o in outputs})
-        errors[name] = sample_errors(calibration.reference, got, energy)
+    feeds = tuple(calibration.check_feeds)
+    got: Dict[str, Dict[str, List[np.ndarray]]] = {name: {o: [] for o in outputs} for name in tables}
+
+    def run(name: str, part, until: Optional[int] = None) -> int:
+        """Run table ``name`` on the batches of ``part`` (its scales bound once), or only until they
+        hold ``until`` per-sample errors (each batch counted as `sample_errors` counts it); returns
+        how many batches were run."""
+        session.bind(_scale_feeds(placement, tables[name], scale_inputs, precision))
+        rows = 0
+        for count, feed in enumerate(part):
+            if until is not None and rows >= until:
+                return count
+            values = [np.asarray(v) for v in session.run(outputs, feed)]
+            for o, value in zip(outputs, values):
+                got[name][o].append(value)
+            leading = {v.shape[0] if v.ndim else None for v in values}
+            rows += (leading.pop() or 1) if len(leading) == 1 else 1
+        return len(part)
+
+    def cosine(name: str) -> float:  # over the batches run so far, against the same part of the reference
+        joined = {o: np.concatenate([v.ravel() for v in got[name][o]]) for o in outputs}
+        part = {o: np.asarray(calibration.reference[o]).ravel()[:joined[o].size] for o in outputs}
+        return worst_cosine(part, joined)
+
     best = next(iter(tables))
+    first = run(best, feeds, until=first_judge_samples(len(model.graph.node)))
+    if first < len(feeds):  # a large graph: every table on the first samples, the rest only if one leads
+        for name in tables:
+            if name != best:
+                run(name, feeds[:first])
+        cosines = {name: cosine(name) for name in tables}
+        if not any(cosines[name] > cosines[best] for name in tables):
+            judged = len(sample_errors(calibration.reference, got[best], energy))
+            note = (f"no other table led {best} on the first {judged} judged samples (the paired rule, which "
+                    f"needs {MIN_PAIRED_SAMPLES}, was not run)")
+            logger.info("auto calibration: %s; keeping %s", note, best)
+            return TableChoice(best, cosines, note)
+        for name in tables:
+            run(name, feeds[first:])
+    else:  # one round: every batch (``best`` ran them all already)
+        for name in tables:
+            if name != best:
+                run(name, feeds)
+    cosines = {name: cosine(name) for name in tables}
+    errors = {name: sample_errors(calibration.reference, got[name], energy) for name in tables}
     samples = min(len(e) for e in errors.values())
     note = few_samples_note(samples)
     if note:  # the paired rule cannot decide: max, whatever the cosines

@@ -440,3 +440,42 @@ def test_auto_judges_max_and_the_per_tensor_table_and_searches_entropy_only_when
         for start in range(0, v.size, 1000):
             alone.update_values(v[start:start + 1000], float(np.abs(v[start:start + 1000]).max()))
         assert a.entropy_amax() == pytest.approx(alone.amax(), rel=1e-6)
+
+
+def test_large_graphs_judge_the_rest_only_when_a_table_leads_on_the_first_samples(monkeypatch):
+    """Over 5,000 nodes the tables are run on the first `FIRST_JUDGE_SAMPLES` (4) of the 8 judged
+    samples first: where no table leads ``max`` there, ``max`` is kept with a note and the cosines of
+    those 4 samples (each checked against the written model's own output on them); where one leads,
+    every table runs on all 8 and the result is the one-round judgement's, bit for bit. Forced on a
+    small model by bounding the judged nodes x samples to 1 (so both rounds are taken here)."""
+    from onnx_qat.calibration import choice
+
+    model = builders.residual_block_model(projection=True)
+    assert choice.judge_samples(10_000) == 8 and choice.first_judge_samples(10_000) == 4
+    assert choice.first_judge_samples(50_000) == 4 and choice.judge_samples(50_000) == 8
+    assert choice.first_judge_samples(5_000) == 8 and choice.first_judge_samples(600) == 64
+    monkeypatch.setattr(choice, "JUDGE_NODE_SAMPLES", 1)
+    paths = {"early": 0, "both": 0}
+    for seed in range(4):
+        for scale in ("norm", "x255"):
+            data = _few(model, 16, seed, scale, 0.0)
+            table = calibrate(model, data, progress=False)
+            with monkeypatch.context() as patched:  # one round on the same 8 samples
+                patched.setattr(choice, "FIRST_JUDGE_SAMPLES", 8)
+                assert choice.first_judge_samples(10) == 8
+                whole = calibrate(model, data, progress=False)
+            note = table.metadata.get("auto_note", "")
+            cosines = json.loads(table.metadata["auto_output_cosine"])
+            if note:
+                paths["early"] += 1
+                assert note == ("no other table led max on the first 4 judged samples (the paired rule, "
+                                "which needs 8, was not run)")
+                assert table.metadata["auto_table"] == "max" and cosines["tensor"] <= cosines["max"]
+                assert table.activations == calibrate(model, data, method="max", progress=False).activations
+                first = {name: value[:4] for name, value in data.items()}
+                quantized = onnx_qat.quantize(model, scales=table, progress=False).model
+                assert _output_cosine(model, quantized, first) == pytest.approx(cosines["max"], abs=1e-5)
+            else:
+                paths["both"] += 1
+                assert table.metadata == whole.metadata and table.activations == whole.activations
+    assert paths["early"] and paths["both"], paths
