@@ -28,8 +28,8 @@ whole Q/DQ model per table, so the samples are bounded by `JUDGE_NODE_SAMPLES` (
 never fewer than `MIN_JUDGE_SAMPLES` (8, the paired rule's minimum); every model up to 625 nodes
 keeps all 64. Above 5,000 nodes they are judged in two rounds: every table on the first
 `first_judge_samples` (at least `FIRST_JUDGE_SAMPLES`, 4), the rest only when a later table leads
-``max``'s output cosine there (else ``max`` is kept with a note: such a graph costs what 4 judged
-samples cost, the judgement being most of ``auto``'s extra cost at 50,000 nodes).
+``max``'s output cosine there (else ``max`` is kept with a note, at the cost of 4 judged samples;
+where a table leads, all 8 are run and the paired rule decides as in one round).
 
 The tables are taken in order -- ``max``, then the per-tensor table -- and a later
 table replaces the one kept only when its worst-output cosine is higher **and** the samples agree
