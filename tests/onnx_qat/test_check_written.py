@@ -27,6 +27,19 @@ def _both(result):
     return as_text(written), as_text(read)
 
 
+def _assert_read_back_alike(result, nodes):
+    """What the edit kept of ``result`` (``nodes``) gives the same index, the same initializer facts and
+    the same findings as reading ``result.model`` back."""
+    from onnx_qat.io.models import _initializer_facts
+
+    opset = _default_opset(result.model)
+    assert same_index(_index_written(result.model.graph, None, opset, nodes),
+                      _all_graphs(result.model, opset, None)[0]) is None
+    assert _initializer_facts(result.model, nodes) == _initializer_facts(result.model)
+    first, second = _both(result)
+    assert first == second
+
+
 BUILDS = (B.residual_block_model, B.mobilenet_v2_model, B.transformer_block_model, B.concat_model,
           B.depthwise_model)
 CASES = [(build, precision) for build in BUILDS for precision in ("int8", "fp8")]
@@ -149,7 +162,6 @@ def test_new_initializers_over_the_kept_size_are_read_back(most, monkeypatch):
     the save read it from the result, with the same index, findings and facts (scalars, at most 8 bytes,
     are always kept)."""
     from onnx_qat.graph import edit
-    from onnx_qat.io.models import _initializer_facts
 
     monkeypatch.setenv(FULL_CHECK_ENV, "")
     monkeypatch.setattr(edit, "STORED_MOST", most)
@@ -158,12 +170,7 @@ def test_new_initializers_over_the_kept_size_are_read_back(most, monkeypatch):
     sizes = {t.name: len(t.raw_data) for t in result.model.graph.initializer}
     assert all(sizes[name] <= most for name in nodes.stored)
     assert any(size > most for name, size in sizes.items() if name in nodes.dims)  # made, not kept
-    opset = _default_opset(result.model)
-    assert same_index(_index_written(result.model.graph, None, opset, nodes),
-                      _all_graphs(result.model, opset, None)[0]) is None
-    assert _initializer_facts(result.model, nodes) == _initializer_facts(result.model)
-    first, second = _both(result)
-    assert first == second
+    _assert_read_back_alike(result, nodes)
 
 
 
@@ -175,7 +182,6 @@ def test_the_batched_insertion_gives_its_initializers_facts(build, most, monkeyp
     has its element type and bytes kept, each new one not a scalar its dims, equal to what the result holds;
     a larger one is left to be read back."""
     from onnx_qat.graph import edit
-    from onnx_qat.io.models import _initializer_facts
 
     monkeypatch.setenv(FULL_CHECK_ENV, "")
     monkeypatch.setattr(edit, "STORED_MOST", most)
@@ -193,9 +199,4 @@ def test_the_batched_insertion_gives_its_initializers_facts(build, most, monkeyp
         else:
             assert t.name not in nodes.stored, t.name
         assert nodes.dims.get(t.name, ()) == tuple(t.dims), t.name
-    opset = _default_opset(result.model)
-    assert same_index(_index_written(result.model.graph, None, opset, nodes),
-                      _all_graphs(result.model, opset, None)[0]) is None
-    assert _initializer_facts(result.model, nodes) == _initializer_facts(result.model)
-    first, second = _both(result)
-    assert first == second
+    _assert_read_back_alike(result, nodes)
