@@ -22,7 +22,7 @@ from .io.files import check_output_and_report
 from .graph.index import GraphIndex, subgraphs_of
 from .placement.marks import ActivationMark, Placement
 from .placement.policy import policy_for
-from .placement.refusals import (QUANTIZED_OPS, nested_indexes,  # noqa: F401  (re-exported)
+from .placement.refusals import (QUANTIZED_OPS, model_words, nested_indexes,  # noqa: F401  (re-exported)
                                  refuse_non_finite_weights, refuse_quantized)
 from .scales import CALIBRATION_TARGET_KEY, ScaleTable
 from .insertion.adapters import make_adapter
@@ -433,14 +433,14 @@ def _load_and_place(model, placement: Optional[Placement], target_obj: Target, c
         # unique node names given and the index built in one read of the nodes; built once: placement,
         # placement checks and name checks share it
         index = GraphIndex(float_model, assign_names=True)
-        refuse_quantized(float_model, _describe(model), index)
+        refuse_quantized(float_model, model_words(model), index)
         if placement is None:
             placement = policy_for(target_obj).place(index, config)
         else:
             _check_placement(placement, index)
         if placement.empty:
-            raise PlacementError(nothing_to_quantize(placement, _describe(model), config.precision))
-        refuse_non_finite_weights(index, placement, _describe(model))
+            raise PlacementError(nothing_to_quantize(placement, model_words(model), config.precision))
+        refuse_non_finite_weights(index, placement, model_words(model))
     return float_model, index, placement, checked
 
 
@@ -477,10 +477,6 @@ def _check_placement(placement, index: GraphIndex) -> None:
                                  f"{sub.node!r}, which the model does not have")
     for sub_index, sub_placement in nested_indexes(index, placement):
         _check_placement(replace(sub_placement, subgraphs=()), sub_index)
-
-
-def _describe(model) -> str:
-    return f"model {model}" if isinstance(model, (str, os.PathLike)) else "the model"
 
 
 def nothing_to_quantize(placement: Placement, what: str = "the model", precision: str = "int8") -> str:

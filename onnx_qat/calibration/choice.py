@@ -121,15 +121,26 @@ def judge_samples(nodes: int) -> int:
     """How many of the first calibration samples the tables of a ``nodes``-node model are judged on:
     `CHECK_SAMPLES` (64), or ``JUDGE_NODE_SAMPLES // nodes`` when fewer, but at least
     `MIN_JUDGE_SAMPLES` (8 from 5,000 nodes on)."""
-    return max(MIN_JUDGE_SAMPLES, min(CHECK_SAMPLES, JUDGE_NODE_SAMPLES // max(int(nodes), 1)))
+    return max(MIN_JUDGE_SAMPLES, _bounded_samples(nodes))
 
 
 def first_judge_samples(nodes: int) -> int:
     """How many of those the tables are run on first: `judge_samples` up to 5,000 nodes (one round),
     ``JUDGE_NODE_SAMPLES // nodes`` but at least `FIRST_JUDGE_SAMPLES` (4) above (at 10,000 nodes and
     over, 4 of the 8)."""
-    return min(judge_samples(nodes),
-               max(FIRST_JUDGE_SAMPLES, min(CHECK_SAMPLES, JUDGE_NODE_SAMPLES // max(int(nodes), 1))))
+    return min(judge_samples(nodes), max(FIRST_JUDGE_SAMPLES, _bounded_samples(nodes)))
+
+
+def _bounded_samples(nodes: int) -> int:
+    """`CHECK_SAMPLES`, or fewer so that nodes x samples stays within `JUDGE_NODE_SAMPLES`."""
+    return min(CHECK_SAMPLES, JUDGE_NODE_SAMPLES // max(int(nodes), 1))
+
+
+def _batch_rows(values) -> int:
+    """How many per-sample errors one check batch's outputs ``values`` count as (`sample_errors`): the
+    rows of their leading axis when every output leads with the same one, else 1."""
+    leading = {v.shape[0] if v.ndim else None for v in values}
+    return (leading.pop() or 1) if len(leading) == 1 else 1
 
 
 def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float:
@@ -189,7 +200,7 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
 
     def run(name: str, part, until: Optional[int] = None) -> int:
         """Run table ``name`` on the batches of ``part`` (its scales bound once), or only until they
-        hold ``until`` per-sample errors (each batch counted as `sample_errors` counts it); returns
+        hold ``until`` per-sample errors (each batch counted by `_batch_rows`); returns
         how many batches were run."""
         session.bind(_scale_feeds(placement, tables[name], scale_inputs, precision))
         rows = 0
@@ -199,8 +210,7 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
             values = [np.asarray(v) for v in session.run(outputs, feed)]
             for o, value in zip(outputs, values):
                 got[name][o].append(value)
-            leading = {v.shape[0] if v.ndim else None for v in values}
-            rows += (leading.pop() or 1) if len(leading) == 1 else 1
+            rows += _batch_rows(values)
         return len(part)
 
     def cosine(name: str) -> float:  # over the batches run so far, against the same part of the reference
@@ -277,9 +287,7 @@ def sample_errors(reference: Mapping[str, np.ndarray], got: Mapping[str, List[np
     batches = len(next(iter(got.values()))) if got else 0
     for b in range(batches):
         values = {o: got[o][b] for o in reference}
-        leading = {v.shape[0] if v.ndim else None for v in values.values()}
-        rows = leading.pop() if len(leading) == 1 else None
-        rows = rows if rows else 1
+        rows = _batch_rows(values.values())
         total = np.zeros(rows)
         for o, value in values.items():
             start = offsets[o]

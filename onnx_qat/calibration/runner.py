@@ -331,12 +331,12 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
         check_output_path(output, inputs=_paths(model, data), what="ScaleTable output")
     proto = load_model(model)
     resolved = QuantizeConfig.from_options(config, **placement_options)
-    placement = None
+    index = placement = None
     if tensors is None or method == "auto":  # auto's tables are judged with the placement
-        placement = _placement(proto, resolved, _model_words(model))
+        index, placement = _placement(proto, resolved, model)
     names = _tensors_to_observe(placement if tensors is None else None, tensors, config, placement_options)
     if tensors is None:
-        names = tuple(dict.fromkeys(names + form_tensors(proto, placement, resolved.target)))
+        names = tuple(dict.fromkeys(names + form_tensors(index, placement, resolved.target)))
     dataset = load_data(data, proto, what="calibration data")
     result = collect(proto, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
                      batch_size=batch_size, progress=progress, workers=workers,
@@ -560,37 +560,33 @@ def _samples_in(dataset, feed) -> int:
     return len(next(iter(feed.values())))
 
 
-def form_tensors(model: onnx.ModelProto, placement, target: str) -> Tuple[str, ...]:
+def form_tensors(index, placement, target: str) -> Tuple[str, ...]:
     """The tensors ``target``'s deployment form needs a range for beyond ``placement``'s activations
     (``ort-cpu``: the Conv outputs requantized with their own range, rule CPU1,
     `onnx_qat.insertion.ort_cpu.OrtCpuAdapter.calibration_tensors`); empty for ``tensorrt``. What
-    ``quantize(..., data=...)`` calibrates for that form too."""
-    from ..graph.index import GraphIndex
+    ``quantize(..., data=...)`` calibrates for that form too. ``index``: the `GraphIndex` the
+    placement was decided on."""
     from ..insertion.adapters import make_adapter
 
-    adapter = make_adapter(target)
-    wanted = getattr(adapter, "calibration_tensors", None)
-    return () if wanted is None else tuple(wanted(GraphIndex(model), placement))
+    wanted = getattr(make_adapter(target), "calibration_tensors", None)
+    return () if wanted is None else tuple(wanted(index, placement))
 
 
-def _placement(proto, config, what: str):
-    """Placement of ``proto`` under the resolved ``config``, after the models `quantize` refuses are
-    refused in its words (already quantized; a weight it quantizes holding NaN or infinities:
-    `onnx_qat.placement.refusals`), so that no table is written for a model that cannot be quantized."""
+def _placement(proto, config, model):
+    """``(GraphIndex, placement)`` of ``proto`` under the resolved ``config``, after the models `quantize`
+    refuses are refused in its words (already quantized; a weight it quantizes holding NaN or
+    infinities: `onnx_qat.placement.refusals`), so that no table is written for a model that cannot be
+    quantized. ``model``: what the caller gave (a path names it in the messages)."""
     from ..graph.index import GraphIndex
     from ..placement.policy import policy_for
-    from ..placement.refusals import refuse_non_finite_weights, refuse_quantized
+    from ..placement.refusals import model_words, refuse_non_finite_weights, refuse_quantized
 
+    what = model_words(model)
     index = GraphIndex(proto)
     refuse_quantized(proto, what, index)
     placement = policy_for(config.target).place(index, config)
     refuse_non_finite_weights(index, placement, what)
-    return placement
-
-
-def _model_words(model) -> str:
-    """How messages name ``model``, as `quantize`'s do: ``model PATH`` or ``the model``."""
-    return f"model {model}" if isinstance(model, (str, os.PathLike)) else "the model"
+    return index, placement
 
 
 def _tensors_to_observe(placement, tensors, config, placement_options) -> Tuple[str, ...]:

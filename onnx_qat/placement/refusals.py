@@ -7,6 +7,7 @@ with the same words.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -19,6 +20,12 @@ from .marks import Placement
 #: Op types that mean a model is already quantized.
 QUANTIZED_OPS = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "ConvInteger",
                  "MatMulInteger")
+
+
+def model_words(model) -> str:
+    """How the refusals' (and the rewrite's) messages name ``model``: ``model PATH`` for a path, else
+    ``the model``."""
+    return f"model {model}" if isinstance(model, (str, os.PathLike)) else "the model"
 
 
 def refuse_non_finite_weights(index: GraphIndex, placement: Placement, what: str = "the model") -> None:
@@ -100,4 +107,5 @@ def refuse_quantized(model: onnx.ModelProto, what: str = "the model",
                              "give the float model instead")
 
 
-__all__ = ["QUANTIZED_OPS", "nested_indexes", "refuse_non_finite_weights", "refuse_quantized"]
+__all__ = ["QUANTIZED_OPS", "model_words", "nested_indexes", "refuse_non_finite_weights",
+           "refuse_quantized"]
