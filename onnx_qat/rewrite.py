@@ -270,19 +270,20 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
         table = table.merged(ScaleTable(weights=weight_ranges))
         index = GraphIndex(float_model)
     requantization, storage, finish = (), {}, None
-    calibrated = {}
+    nonnegative = None  # ort-cpu with calibrated ranges: the tensors (graph inputs) never negative
     if adapter is not None and data is not None and hasattr(adapter, "nonnegative_inputs"):  # calibrated here
-        calibrated = {"nonnegative": adapter.nonnegative_inputs(float_model, data, placement), "fine": True,
-                      **({"vnni": True} if width is not None and width["cpu_vnni"] else {})}
+        nonnegative = adapter.nonnegative_inputs(float_model, data, placement)
     elif table_calibrated and hasattr(adapter, "nonnegative_bounds"):  # calibrated for this form, earlier
-        calibrated = {"nonnegative": adapter.nonnegative_bounds(index, placement, table), "fine": True,
-                      **({"vnni": True} if width is not None and width["cpu_vnni"] else {})}
+        nonnegative = adapter.nonnegative_bounds(index, placement, table)
         note = (f"{target_obj.name}: ranges calibrated for this form (ScaleTable {CALIBRATION_TARGET_KEY} "
                 f"{target_obj.name!r}): used as with calibration data, except rule CPU7 (Conv biases "
                 "corrected for the mean weight-rounding error), which needs the data itself (--data); a "
                 "ScaleTable does not carry it")
         logger.info("%s", note)
         placement = replace(placement, notes=placement.notes + (note,))
+    calibrated = {} if nonnegative is None else {
+        "nonnegative": nonnegative, "fine": True,
+        **({"vnni": True} if width is not None and width["cpu_vnni"] else {})}
     means, corrected, pristine = None, {}, None  # ort-cpu with data: rule CPU7's input means, records
     if calibrated and data is not None and fmt.name == "int8":
         means = _conv_input_means(float_model, index, placement if every_site is None else every_site, data,
