@@ -865,13 +865,7 @@ def _drop_unread(model: onnx.ModelProto, stats: CastStats) -> CastStats:
     graphs = all_graphs(model)
     read = {t for g in graphs for n in g.node for t in n.input} | {o.name for g in graphs for o in g.output}
     backs = set(stats.cast_backs) - read
-    dropped_casts = 0
-    for g in reversed(graphs):  # innermost first: rebuilding a node list copies the bodies its nodes hold
-        nodes = [n for n in g.node if not (n.op_type == "Cast" and n.output[0] in backs)]
-        if len(nodes) < len(g.node):
-            dropped_casts += len(g.node) - len(nodes)
-            del g.node[:]
-            g.node.extend(nodes)
+    dropped = _drop_casts(graphs, backs)
     low_inits, copies = stats.low_initializers, stats.low_copies
     unread = set()
     for original, copy, counted in stats.alias_copies:
@@ -885,13 +879,39 @@ def _drop_unread(model: onnx.ModelProto, stats: CastStats) -> CastStats:
     gone = backs | unread
     if gone:
         for g in graphs:
-            for field in (g.initializer, g.value_info):
-                kept = [t for t in field if t.name not in gone]
-                if len(kept) < len(field):
-                    del field[:]
-                    field.extend(kept)
-    return replace(stats, casts=stats.casts - dropped_casts, low_initializers=low_inits,
-                               low_copies=copies)
+            _drop_named(g.initializer, gone)
+            _drop_named(g.value_info, gone)
+    return replace(stats, casts=stats.casts - dropped, low_initializers=low_inits, low_copies=copies)
+
+
+def _drop_casts(graphs: Sequence[onnx.GraphProto], outputs, renames: Mapping[str, str] = MappingProxyType({})
+                ) -> int:
+    """Drop from ``graphs`` (`all_graphs` of one model) every Cast whose output is in ``outputs``, and have
+    every node left read ``renames[t]`` where it read a tensor ``t`` that ``renames`` maps; returns how
+    many Casts went. The graphs are edited innermost first: rebuilding a node list copies the bodies its
+    nodes hold, so a body's edits are made before the graph holding it copies it."""
+    dropped = 0
+    for g in reversed(graphs):
+        if renames:
+            for n in g.node:
+                for i, t in enumerate(n.input):
+                    if t in renames:
+                        n.input[i] = renames[t]
+        nodes = [n for n in g.node if not (n.op_type == "Cast" and n.output[0] in outputs)]
+        if len(nodes) < len(g.node):
+            dropped += len(g.node) - len(nodes)
+            del g.node[:]
+            g.node.extend(nodes)
+    return dropped
+
+
+def _drop_named(field, names) -> None:
+    """Drop from ``field`` (a graph's initializers or value_info, edited in place) the entries named in
+    ``names``."""
+    kept = [t for t in field if t.name not in names]
+    if len(kept) < len(field):
+        del field[:]
+        field.extend(kept)
 
 
 def _low_if_outputs(model: onnx.ModelProto, low: LowType, stats: CastStats) -> CastStats:
@@ -991,18 +1011,10 @@ def _low_if_outputs(model: onnx.ModelProto, low: LowType, stats: CastStats) -> C
         for info in g.value_info:
             if info.name == out:
                 info.type.tensor_type.elem_type = low.onnx_type
-    for g in reversed(graphs):  # innermost first: rebuilding a node list copies the bodies its nodes hold
-        nodes = [n for n in g.node if not (n.op_type == "Cast" and n.output[0] in dropped)]
-        for n in nodes:
-            for i, t in enumerate(n.input):
-                if t in renames:
-                    n.input[i] = renames[t]
-        del g.node[:]
-        g.node.extend(nodes)
-        infos = [i for i in g.value_info if i.name not in renames]
-        del g.value_info[:]
-        g.value_info.extend(infos)
-    return replace(stats, casts=stats.casts - len(dropped), low_tensors=frozenset(low_tensors))
+    for g in graphs:
+        _drop_named(g.value_info, renames)
+    gone = _drop_casts(graphs, dropped, renames)
+    return replace(stats, casts=stats.casts - gone, low_tensors=frozenset(low_tensors))
 
 
 def _store_low_scales(model, proto, low: LowType, scales, activations) -> None:
