@@ -865,7 +865,6 @@ def _drop_unread(model: onnx.ModelProto, stats: CastStats) -> CastStats:
     graphs = all_graphs(model)
     read = {t for g in graphs for n in g.node for t in n.input} | {o.name for g in graphs for o in g.output}
     backs = set(stats.cast_backs) - read
-    dropped = _drop_casts(graphs, backs)
     low_inits, copies = stats.low_initializers, stats.low_copies
     unread = set()
     for original, copy, counted in stats.alias_copies:
@@ -881,6 +880,7 @@ def _drop_unread(model: onnx.ModelProto, stats: CastStats) -> CastStats:
         for g in graphs:
             _drop_named(g.initializer, gone)
             _drop_named(g.value_info, gone)
+    dropped = _drop_casts(graphs, backs)  # last: it copies the bodies ``graphs`` holds
     return replace(stats, casts=stats.casts - dropped, low_initializers=low_inits, low_copies=copies)
 
 
@@ -889,7 +889,9 @@ def _drop_casts(graphs: Sequence[onnx.GraphProto], outputs, renames: Mapping[str
     """Drop from ``graphs`` (`all_graphs` of one model) every Cast whose output is in ``outputs``, and have
     every node left read ``renames[t]`` where it read a tensor ``t`` that ``renames`` maps; returns how
     many Casts went. The graphs are edited innermost first: rebuilding a node list copies the bodies its
-    nodes hold, so a body's edits are made before the graph holding it copies it."""
+    nodes hold, so a body's edits are made before the graph holding it copies it. An edit made through
+    ``graphs`` afterwards to a body of a graph whose Casts went is lost (that body is a copy now): edit
+    the graphs' other fields before."""
     dropped = 0
     for g in reversed(graphs):
         if renames:
