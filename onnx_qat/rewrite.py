@@ -522,11 +522,20 @@ def _ranges(model, index, placement, given, data, method, config, calib_kw,
         return _check_complete(table, placement, "calibrated ScaleTable"), placement
     source, table = given
     with _io().cyclic_gc_paused():  # a table of 10^4-10^5 ranges; the index and placement stay alive
-        names, shapes = list(index.all_tensor_names()), index.constant_shapes()
-        names.extend(removed)
-        for sub_index, _ in nested_indexes(index, placement):  # If branches placement quantizes
-            names.extend(sub_index.all_tensor_names())
-            shapes.update(sub_index.constant_shapes())
+        weights = table.weights  # only their shapes are checked
+        shapes = index.constant_shapes(weights)
+        subs = [sub_index for sub_index, _ in nested_indexes(index, placement)]  # quantized If branches
+        for sub_index in subs:
+            shapes.update(sub_index.constant_shapes(weights))
+        # the table's activations when the main graph makes, holds or lists each (one lookup each), else every
+        # tensor name of the model and its quantized subgraphs
+        has = index.has_tensor
+        names = [t for t in table.activations if has(t)]
+        if len(names) < len(table.activations):
+            names = list(index.all_tensor_names())
+            names.extend(removed)
+            for sub_index in subs:
+                names.extend(sub_index.all_tensor_names())
         if source.startswith("TensorRT"):  # a cache names TensorRT's own tensors too: dropped, one warning
             from .io.tensorrt_cache import names_in_model
             table = table.subset(names_in_model(table.activations, names, source=source))
