@@ -720,8 +720,10 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
     ModelProto (``storage``: the target form's ``zero_points``/``unsigned_weights`` for
     `insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
     `onnx_qat.insertion.ort_cpu.Adapted.finish`; ``index``: a `GraphIndex` of ``model`` as it is now,
-    for `GraphEdit`; ``checked``: the `onnx_qat.io.models.CheckedForm` under which ``onnx.checker`` passed
-    ``model`` as it is now, for `GraphEdit`'s evidence). ``(the new model, the insertion's records, the
+    for `GraphEdit`, which this call owns too: its tables are released before the commit, as are the edit's
+    lookups (`GraphIndex.release`, `GraphEdit.release_lookups`); ``checked``: the
+    `onnx_qat.io.models.CheckedForm` under which ``onnx.checker`` passed ``model`` as it is now, for
+    `GraphEdit`'s evidence). ``(the new model, the insertion's records, the
     edit's `onnx_qat.graph.delta.EditEvidence` or None)``."""
     from .graph.edit import GraphEdit
     from .insertion.inserter import insert_qdq_pairs
@@ -742,6 +744,9 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
         inserted = insert_qdq_pairs(edit, placement, table, target, progress=progress, **dict(storage or {}))
         if finish is not None:
             finish(edit)
+        edit.release_lookups()  # only the commit follows: the result it makes reuses their memory
+        if index is not None:  # given by the caller, which reads it no more (see above)
+            index.release()
         committed = edit.commit()
         if nested:
             inserted = type(inserted)(

@@ -205,6 +205,16 @@ class GraphIndex:
         self._constants = self._constant_names()
         self._sorted: Optional[bool] = None
 
+    def release(self) -> None:
+        """Drop this index's tables (the nodes, producers, initializers, decoded weights...) for an owner done
+        with it while other references to it live on a little longer (`onnx_qat.rewrite` releases the index
+        of the model it rewrote before the edit's commit, whose result then reuses their memory). The index
+        then describes an empty graph: ask it nothing more."""
+        self.nodes = ()
+        self.by_name, self.producer, self.initializers = {}, {}, {}
+        self.declared_dtypes, self._folded, self._arrays = {}, {}, {}
+        self._consumers, self._constants, self._subgraph_nodes = None, frozenset(), frozenset()
+
     def _constant_names(self) -> frozenset:
         """Every tensor name `constant_source` resolves: the initializers, and outputs of
         Constant and Identity nodes that resolve (no other tensor can), so that
