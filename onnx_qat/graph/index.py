@@ -210,10 +210,11 @@ class GraphIndex:
         with it while other references to it live on a little longer (`onnx_qat.rewrite` releases the index
         of the model it rewrote before the edit's commit, whose result then reuses their memory). The index
         then describes an empty graph: ask it nothing more."""
-        self.nodes = ()
+        self.nodes, self.graph_inputs, self.graph_outputs = (), (), frozenset()
         self.by_name, self.producer, self.initializers = {}, {}, {}
         self.declared_dtypes, self._folded, self._arrays = {}, {}, {}
         self._consumers, self._constants, self._subgraph_nodes = None, frozenset(), frozenset()
+        self._sorted = None
 
     def _constant_names(self) -> frozenset:
         """Every tensor name `constant_source` resolves: the initializers, and outputs of

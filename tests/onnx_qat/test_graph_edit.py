@@ -370,6 +370,7 @@ def test_released_lookups_commit_the_same_model(with_index, weight_as_constant_n
                 index.release()
                 assert index.nodes == () and not index.producer and not index.initializers
                 assert not index.is_constant("w2") and index.constant_shapes() == {}
+                assert index.all_tensor_names() == () and not index.has_tensor("x")
             with pytest.raises(RuntimeError, match="release_lookups"):
                 edit.fresh("another")
             with pytest.raises(RuntimeError, match="release_lookups"):
