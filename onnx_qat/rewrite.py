@@ -522,11 +522,20 @@ def _ranges(model, index, placement, given, data, method, config, calib_kw,
         return _check_complete(table, placement, "calibrated ScaleTable"), placement
     source, table = given
     with _io().cyclic_gc_paused():  # a table of 10^4-10^5 ranges; the index and placement stay alive
-        names, shapes = list(index.all_tensor_names()), index.constant_shapes()
-        names.extend(removed)
-        for sub_index, _ in nested_indexes(index, placement):  # If branches placement quantizes
-            names.extend(sub_index.all_tensor_names())
-            shapes.update(sub_index.constant_shapes())
+        weights = table.weights  # only their shapes are checked
+        shapes = index.constant_shapes(weights)
+        subs = [sub_index for sub_index, _ in nested_indexes(index, placement)]  # quantized If branches
+        for sub_index in subs:
+            shapes.update(sub_index.constant_shapes(weights))
+        # the table's activations when the main graph makes, holds or lists each (one lookup each), else every
+        # tensor name of the model and its quantized subgraphs
+        has = index.has_tensor
+        names = [t for t in table.activations if has(t)]
+        if len(names) < len(table.activations):
+            names = list(index.all_tensor_names())
+            names.extend(removed)
+            for sub_index in subs:
+                names.extend(sub_index.all_tensor_names())
         if source.startswith("TensorRT"):  # a cache names TensorRT's own tensors too: dropped, one warning
             from .io.tensorrt_cache import names_in_model
             table = table.subset(names_in_model(table.activations, names, source=source))
@@ -711,8 +720,10 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
     ModelProto (``storage``: the target form's ``zero_points``/``unsigned_weights`` for
     `insert_qdq_pairs`; ``finish``: the form's edits after insertion, e.g.
     `onnx_qat.insertion.ort_cpu.Adapted.finish`; ``index``: a `GraphIndex` of ``model`` as it is now,
-    for `GraphEdit`; ``checked``: the `onnx_qat.io.models.CheckedForm` under which ``onnx.checker`` passed
-    ``model`` as it is now, for `GraphEdit`'s evidence). ``(the new model, the insertion's records, the
+    for `GraphEdit`, which this call owns too: its tables are released before the commit, as are the edit's
+    lookups (`GraphIndex.release`, `GraphEdit.release_lookups`); ``checked``: the
+    `onnx_qat.io.models.CheckedForm` under which ``onnx.checker`` passed ``model`` as it is now, for
+    `GraphEdit`'s evidence). ``(the new model, the insertion's records, the
     edit's `onnx_qat.graph.delta.EditEvidence` or None)``."""
     from .graph.edit import GraphEdit
     from .insertion.inserter import insert_qdq_pairs
@@ -733,6 +744,9 @@ def _rewrite(model, placement, table, target: Target, progress, storage=None, fi
         inserted = insert_qdq_pairs(edit, placement, table, target, progress=progress, **dict(storage or {}))
         if finish is not None:
             finish(edit)
+        edit.release_lookups()  # only the commit follows: the result it makes reuses their memory
+        if index is not None:  # given by the caller, which reads it no more (see above)
+            index.release()
         committed = edit.commit()
         if nested:
             inserted = type(inserted)(

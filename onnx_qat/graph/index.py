@@ -205,6 +205,17 @@ class GraphIndex:
         self._constants = self._constant_names()
         self._sorted: Optional[bool] = None
 
+    def release(self) -> None:
+        """Drop this index's tables (the nodes, producers, initializers, decoded weights...) for an owner done
+        with it while other references to it live on a little longer (`onnx_qat.rewrite` releases the index
+        of the model it rewrote before the edit's commit, whose result then reuses their memory). The index
+        then describes an empty graph: ask it nothing more."""
+        self.nodes, self.graph_inputs, self.graph_outputs = (), (), frozenset()
+        self.by_name, self.producer, self.initializers = {}, {}, {}
+        self.declared_dtypes, self._folded, self._arrays = {}, {}, {}
+        self._consumers, self._constants, self._subgraph_nodes = None, frozenset(), frozenset()
+        self._sorted = None
+
     def _constant_names(self) -> frozenset:
         """Every tensor name `constant_source` resolves: the initializers, and outputs of
         Constant and Identity nodes that resolve (no other tensor can), so that
@@ -258,6 +269,13 @@ class GraphIndex:
         names.update(dict.fromkeys(t for node in self.nodes for t in node.inputs + node.outputs if t))
         names.update(dict.fromkeys(sorted(self.graph_outputs)))
         return tuple(names)
+
+    def has_tensor(self, tensor: str) -> bool:
+        """True when ``tensor`` is a graph input or output, an initializer or a node's output here: a
+        tensor of the graph found by dictionary lookups (a name only node inputs hold, such as an
+        outer-scope name a subgraph reads, is in `all_tensor_names` but not found here)."""
+        return tensor in self.producer or tensor in self.initializers or tensor in self.graph_outputs \
+            or tensor in self.graph_inputs
 
     def production_order(self) -> Dict[str, int]:
         """Tensor name -> the order in which the graph makes it (graph inputs first, then node outputs); the
@@ -413,12 +431,22 @@ class GraphIndex:
         # dims[:] copies the int64 dims as Python ints in one call
         return None if proto is None else tuple(proto.dims[:])
 
-    def constant_shapes(self) -> Dict[str, Tuple[int, ...]]:
-        """Shape of every constant tensor name (initializers, Constant outputs, and what passes them on)."""
-        shapes = {name: tuple(t.dims[:]) for name, t in self.initializers.items()}
+    def constant_shapes(self, only: Optional[Iterable[str]] = None) -> Dict[str, Tuple[int, ...]]:
+        """Shape of every constant tensor name (initializers, Constant outputs, and what passes them on);
+        with ``only``, of those of its names that are constant (the same shapes, the others not read: a
+        ScaleTable's weights are checked against a few shapes, not the 10^4-10^5 of a large graph)."""
+        if only is None:
+            wanted = None
+            shapes = {name: tuple(t.dims[:]) for name, t in self.initializers.items()}
+        else:
+            wanted = frozenset(only)
+            initializers = self.initializers
+            shapes = {name: tuple(initializers[name].dims[:]) for name in wanted if name in initializers}
+            if not wanted.intersection(self._constants).difference(shapes):
+                return shapes  # no Constant output (or what passes one on) asked for
         for node in self.nodes:
             if (node.op_type == "Constant" or node.op_type in CONSTANT_PASS_OPS) and node.outputs \
-                    and node.outputs[0] in self._constants:
+                    and node.outputs[0] in self._constants and (wanted is None or node.outputs[0] in wanted):
                 shape = self.constant_shape(node.outputs[0])
                 if shape is not None:
                     shapes[node.outputs[0]] = shape

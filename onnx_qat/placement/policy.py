@@ -7,6 +7,7 @@ Placement is decided completely before anything is inserted: handlers return mar
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
@@ -168,18 +169,24 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
     quantizes joins its inputs' group. Marks come out in the order their tensor is first
     produced (graph inputs first), so insertion is deterministic.
 
+    A tensor's lone mark with one consumer is its merged mark as it is, and two marks with one consumer each
+    are merged by `_merged_pair` (the same mark, without the general case's sets and sorts): on a residual
+    net nearly every tensor is one of these.
+
     Source: TensorRT Developer Guide, Q/DQ placement (a tensor quantized once can feed
     several INT8 consumers).
     """
     by_tensor: Dict[str, List[ActivationMark]] = {}
     shares: List[Tuple[str, str]] = []
-    grouped = False
+    every: List[ActivationMark] = []
     for result in results:  # one pass: most results have no marks and no shares
         if result.activations:
-            group_by_tensor(result.activations, by_tensor)
-            grouped = grouped or any(mark.scale_group for mark in result.activations)
+            every.extend(result.activations)
         if result.shares:
             shares.extend(result.shares)
+    group_by_tensor(every, by_tensor)  # the marks of each tensor in the order of the results
+    grouped = any(map(_SCALE_GROUP, every))
+    del every
     parent: Dict[str, str] = {}
 
     def find(g: str) -> str:
@@ -221,15 +228,48 @@ def rule10_merge(results: Iterable[NodeResult], index: GraphIndex) -> Tuple[Acti
         marks = by_tensor[tensor]
         group = find(tensor_group[tensor]) if tensor in tensor_group else None
         mark = marks[0]
-        if len(marks) == 1 and type(mark.consumers) is tuple and len(mark.consumers) == 1 \
-                and mark.scale_group == group:
-            merged.append(mark)  # the usual case: a lone mark with one consumer is already its merged form
-            continue
+        if len(marks) == 1:
+            if type(mark.consumers) is tuple and len(mark.consumers) == 1 and mark.scale_group == group:
+                merged.append(mark)  # the usual case: a lone mark with one consumer: as it is
+                continue
+        elif len(marks) == 2:  # the next most usual (a tensor read by a weighted op and a residual join)
+            pair = _merged_pair(tensor, mark, marks[1], group, graph_order)
+            if pair is not None:
+                merged.append(pair)
+                continue
         consumers = sorted({c for m in marks for c in m.consumers}, key=graph_order)
         rules = ",".join(sorted({m.rule for m in marks}))
         reason = "; ".join(dict.fromkeys([m.reason for m in marks]))
         merged.append(ActivationMark(tensor, tuple(consumers), rules, reason, scale_group=group))
     return tuple(merged)
+
+
+_SCALE_GROUP = attrgetter("scale_group")
+
+
+def _merged_pair(tensor: str, first: ActivationMark, second: ActivationMark, group: Optional[str],
+                 graph_order) -> Optional[ActivationMark]:
+    """`rule10_merge`'s mark for ``tensor`` from its two marks ``first`` and ``second`` (in that order), each
+    with one consumer, and its scale group ``group``: the same mark as its general case makes (the
+    consumers in graph order, the rules sorted and joined, the reasons joined once each), without its sets
+    and sorts. None where it does not apply (another number of consumers, or two consumers of the same
+    graph order, whose order the general case takes from a set): the caller then merges as usual."""
+    ones, twos = first.consumers, second.consumers
+    if len(ones) != 1 or len(twos) != 1:
+        return None
+    one, two = ones[0], twos[0]
+    if one == two:
+        consumers = (one,)
+    else:
+        a, b = graph_order(one), graph_order(two)
+        if a == b:
+            return None
+        consumers = (one, two) if a < b else (two, one)
+    rule_a, rule_b = first.rule, second.rule
+    rules = rule_a if rule_a == rule_b else f"{rule_a},{rule_b}" if rule_a < rule_b else f"{rule_b},{rule_a}"
+    reason_a, reason_b = first.reason, second.reason
+    reason = reason_a if reason_a == reason_b else f"{reason_a}; {reason_b}"
+    return ActivationMark(tensor, consumers, rules, reason, scale_group=group)
 
 
 #: Placement policies by the name a `Target` gives in its ``policy`` field.

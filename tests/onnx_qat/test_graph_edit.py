@@ -348,3 +348,33 @@ def test_non_finite_weight_is_named_across_joined_buffers(monkeypatch, join_most
         bad.CopyFrom(numpy_helper.from_array(values, bad.name))
     with pytest.raises(onnx_qat.ModelError, match="weight 'w23' holds 2 NaN or infinite"):
         onnx_qat.quantize(model, scales=table, progress=False)
+
+
+@pytest.mark.parametrize("with_index", [False, True])
+@pytest.mark.parametrize("weight_as_constant_node", [False, True])
+def test_released_lookups_commit_the_same_model(with_index, weight_as_constant_node):
+    """`GraphEdit.release_lookups` (and `GraphIndex.release` of the index it was given) before the commit: the
+    same result, with a weight released and a Constant chain read; the edit then refuses to read or insert,
+    and the released index describes an empty graph."""
+    from onnx_qat.graph.index import GraphIndex
+
+    def edited(release: bool):
+        model = _two_convs(weight_as_constant_node)
+        index = GraphIndex(model) if with_index else None
+        edit = GraphEdit(model, index=index)
+        _replace_weight(edit, "w", "conv")
+        _replace_weight(edit, "w2", "conv2")
+        if release:
+            edit.release_lookups()
+            if index is not None:
+                index.release()
+                assert index.nodes == () and not index.producer and not index.initializers
+                assert not index.is_constant("w2") and index.constant_shapes() == {}
+                assert index.all_tensor_names() == () and not index.has_tensor("x")
+            with pytest.raises(RuntimeError, match="release_lookups"):
+                edit.fresh("another")
+            with pytest.raises(RuntimeError, match="release_lookups"):
+                edit.node("conv")
+        return edit.commit().SerializeToString(deterministic=True)
+
+    assert edited(True) == edited(False)

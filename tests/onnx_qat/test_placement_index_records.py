@@ -306,3 +306,15 @@ def test_decode_initializers_gives_what_tensor_array_gives(monkeypatch, join_mos
         index.decode_initializers(["short"])
     with pytest.raises(KeyError):
         index.decode_initializers(["input"])
+
+
+def test_constant_shapes_of_some_names_and_has_tensor():
+    index = GraphIndex(_awkward_model())
+    names = index.all_tensor_names() + ("", "missing")
+    every = index.constant_shapes()
+    for only in ([], ["w"], ["id_short2", "missing"], list(names), ["id_long8", "c", "y"]):
+        assert index.constant_shapes(only) == {t: s for t, s in every.items() if t in only}, only
+    found = {t for t in names if index.has_tensor(t)}
+    graph = {*index.graph_inputs, *index.graph_outputs, *index.initializers, *index.producer}
+    assert found == graph and found <= set(index.all_tensor_names())
+    assert not index.has_tensor("missing") and not index.has_tensor("")

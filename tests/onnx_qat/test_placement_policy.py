@@ -235,3 +235,45 @@ def test_placement_work_grows_linearly_with_graph_size():
 
     small, large = lines(200), lines(800)
     assert 3 * small < large < 4.5 * small, (small, large)
+
+
+def test_rule10_two_marks_merge_as_the_general_case():
+    """The two-mark shortcut of rule 10 makes the same mark as the general merge (sets, sorts and joins),
+    over consumers in either order, the same consumer twice, equal and different rules and reasons, and
+    consumers the graph does not have (their order then a tie: the general case decides)."""
+    import itertools
+
+    from onnx_qat.placement.marks import ActivationMark
+    from onnx_qat.placement.policy import _merged_pair
+
+    b = GraphBuilder("chain")
+    x = b.input("input", [1, 4, 2, 2])
+    b.output(b.relu(b.relu(x, "r0"), "r1"), [1, 4, 2, 2])
+    index = GraphIndex(b.build())
+    assert [n.name for n in index.nodes] == ["r0", "r1"]
+
+    def graph_order(consumer):
+        node = index.by_name.get(consumer[0])
+        return -1 if node is None else node.position, consumer[1]
+
+    def general(tensor, marks, group):
+        consumers = sorted({c for m in marks for c in m.consumers}, key=graph_order)
+        rules = ",".join(sorted({m.rule for m in marks}))
+        reason = "; ".join(dict.fromkeys([m.reason for m in marks]))
+        return ActivationMark(tensor, tuple(consumers), rules, reason, scale_group=group)
+
+    consumers = [("r0", 0), ("r1", 0), ("r1", 1), ("gone", 0), ("other", 0)]
+    taken = 0
+    for (c1, c2), (r1, r2), (w1, w2), group in itertools.product(
+            itertools.product(consumers, repeat=2), [("R4", "R4"), ("R6", "R4"), ("R4", "R6")],
+            [("a", "a"), ("a", "b"), ("b", "a")], (None, "g")):
+        first, second = ActivationMark("t", (c1,), r1, w1), ActivationMark("t", (c2,), r2, w2)
+        found = _merged_pair("t", first, second, group, graph_order)
+        if found is None:  # only a tie of graph order between different consumers
+            assert c1 != c2 and graph_order(c1) == graph_order(c2)
+            continue
+        taken += 1
+        assert found == general("t", [first, second], group)
+    assert taken > 200
+    two = ActivationMark("t", (("r0", 0), ("r1", 0)), "R4", "a")
+    assert _merged_pair("t", two, ActivationMark("t", (("r1", 0),), "R4", "a"), None, graph_order) is None
