@@ -515,10 +515,11 @@ def test_jittered_runs_at_the_bf16_opset_with_quantize_inputs_in_bodies(kind, tm
     assert abs(ratios.mean()) < size / 4
 
 
-def _with_outputs(model, names):
+def _with_outputs(model, names, dtype=F):
+    """A copy of ``model`` that also outputs the main-graph tensors ``names`` (of type ``dtype``)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    out.graph.output.extend(helper.make_tensor_value_info(t, F, None) for t in names)
+    out.graph.output.extend(helper.make_tensor_value_info(t, dtype, None) for t in names)
     return out
 
 
@@ -540,3 +541,28 @@ def test_bf16_float_parts_measured_against_the_rounding_noise_track_the_fp32_flo
     ref, got32 = _outputs(model, feeds), _outputs(q32, feeds)
     got = _outputs(emulate_in_fp32(result.model), feeds)  # BF16 storage, FP32 arithmetic
     assert abs(_cosine(ref, got32) - _cosine(ref, got)) <= 0.002, (_cosine(ref, got32), _cosine(ref, got))
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16])
+def test_jittered_at_opset_22_keeps_non_finite_values_and_moves_fp16_inputs_through_fp32(dtype):
+    """The hash `jittered` uses from opset 22 takes the log of |x|: zeros stay zero, infinities stay
+    infinite (their factor is 1, not NaN), and an FP16 input is moved in FP32 and cast back."""
+    from onnx_qat.formats.float_parts import jittered
+
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+         helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
+        "qdq", [helper.make_tensor_value_info("x", dtype, [None])],
+        [helper.make_tensor_value_info("y", dtype, [None])],
+        [numpy_helper.from_array(np.array(0.05, np_type), "s"), numpy_helper.from_array(np.int8(0), "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=10)
+    size = 2.0**-9
+    moved = jittered(model, size, seed=4)
+    name = next(n.input[0] for n in moved.graph.node if n.op_type == "QuantizeLinear")
+    x = np.concatenate([[0.0, np.inf, -np.inf], np.random.default_rng(0).uniform(-6, 6, 997)]).astype(np_type)
+    got = run(_with_outputs(moved, [name], dtype), {"x": x})[-1]
+    assert got.dtype == np_type and np.array_equal(got[:3], x[:3])
+    ratio = got[3:].astype(np.float64) / x[3:] - 1
+    step = 2.0**-11 if dtype == TensorProto.FLOAT16 else 2.0**-23  # the product rounded to the type
+    assert np.abs(ratio).max() <= size + step and np.std(ratio) > size / 3
