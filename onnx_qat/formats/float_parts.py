@@ -386,6 +386,15 @@ def _refuse_converted(model: onnx.ModelProto) -> None:
 
 
 def _raise_opset(model: onnx.ModelProto, low: LowType):
+    """``model`` at the opset Q/DQ with FP16/BF16 scales (`QDQ_LOW_OPSET`) and BF16 operators
+    (`BF16_OPSET`) need, with a note; unchanged when already there.
+
+    onnx's version converter writes the value_info its shape inference finds into every graph, bodies
+    included: an upgraded model comes back with them (silero-vad's BF16 float parts, raised from 16 to
+    22, hold over 600, its FP16 ones, left at 16, none). They stay right: `cast_graph` retypes
+    (`_retype_infos`) the value_info of every tensor it converts and `_drop_unread` drops those of
+    tensors no node produces any more (tests/onnx_qat/test_stateful_vad.py checks each against a fresh
+    inference)."""
     from ..io.models import _upgrade, default_opset
 
     has_qdq = any(n.op_type in _QDQ for g in all_graphs(model) for n in g.node)
@@ -1365,9 +1374,17 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
 def jittered(model: onnx.ModelProto, size: float, seed: int = 0, *, weight_scales: bool = False
              ) -> onnx.ModelProto:
     """A copy of ``model`` whose every QuantizeLinear input (in the main graph and in If/Loop/Scan bodies)
-    is multiplied by ``1 + u``, ``u`` uniform in ± ``size`` (onnxruntime's seeded
-    ``RandomUniformLike``, one seed per node): rounding errors of a float type before every
-    quantization, in random directions.
+    is multiplied by ``1 + u``, ``u`` uniform in ± ``size``, one seed per node: rounding errors of a float
+    type before every quantization, in random directions.
+
+    Up to opset 21 ``u`` comes from onnxruntime's seeded ``RandomUniformLike``. ONNX gave its random
+    operators new versions in opset 22 (BF16 types) and onnxruntime 1.31 has no kernel for those
+    (``RandomUniformLike(22)``, in the main graph and in bodies alike), while BF16 float parts need
+    opset 22 (`BF16_OPSET`); from opset 22 on, ``u`` is a seeded hash of the value computed in FP32
+    by operators onnxruntime runs at every opset (`_hashed_factor`): a pseudo-random function of
+    ``log |x|``, uniform in ± ``size`` whatever the value's scale, as the rounding error of a float
+    type is a function of the value. A QuantizeLinear input of another float type is moved in FP32
+    and cast back.
 
     With ``weight_scales`` every weight's DequantizeLinear scale (a DequantizeLinear reading a
     constant: an initializer or a ``Constant`` node's value) is multiplied too, each value by its own
@@ -1377,13 +1394,24 @@ def jittered(model: onnx.ModelProto, size: float, seed: int = 0, *, weight_scale
     everything else FP16 changes (docs/formats.md, "Where the orientation classifier's drop comes
     from")."""
     from ..graph.subgraphs import model_names
+    from ..io.models import default_opset
 
     out = onnx.ModelProto()
     out.CopyFrom(model)
     if weight_scales:
         _jitter_weight_scales(out, size, seed)
     used = model_names(out)
-    one = fresh_name("jitter/one", used)
+    hashed = default_opset(out) > RANDOM_OPSET
+    types = tensor_types(out) if hashed else {}
+    consts: Dict[Tuple[str, float], str] = {}  # main-graph initializers, read from the bodies too
+
+    def const(base: str, value) -> str:
+        key = (base, float(np.float32(value)))
+        if key not in consts:
+            consts[key] = fresh_name(f"jitter/{base}", used)
+        return consts[key]
+
+    one = const("one", 1.0)
     count = 0
     # innermost bodies first: rebuilding a graph's node list copies its nodes, bodies included
     for g in reversed(all_graphs(out)):
@@ -1391,21 +1419,79 @@ def jittered(model: onnx.ModelProto, size: float, seed: int = 0, *, weight_scale
         for node in g.node:
             if node.op_type == "QuantizeLinear" and node.input and node.input[0]:
                 t = node.input[0]
-                noise, factor, moved = (fresh_name(f"{t}/{suffix}", used)
-                                        for suffix in ("jitter", "jitter_factor", "jittered"))
-                nodes += [helper.make_node("RandomUniformLike", [t], [noise], low=-float(size),
-                                           high=float(size), seed=float(seed * 100003 + count)),
-                          helper.make_node("Add", [noise, one], [factor]),
-                          helper.make_node("Mul", [t, factor], [moved])]
+                node_seed = seed * 100003 + count
+                moved = fresh_name(f"{t}/jittered", used)
+                if not hashed:
+                    noise, factor = (fresh_name(f"{t}/{s}", used) for s in ("jitter", "jitter_factor"))
+                    nodes += [helper.make_node("RandomUniformLike", [t], [noise], low=-float(size),
+                                               high=float(size), seed=float(node_seed)),
+                              helper.make_node("Add", [noise, one], [factor]),
+                              helper.make_node("Mul", [t, factor], [moved])]
+                else:
+                    nodes += _hashed_jitter(t, moved, types.get(t, TensorProto.FLOAT), size, node_seed, one,
+                                            const, used)
                 node.input[0] = moved
                 count += 1
             nodes.append(node)
         if len(nodes) > len(g.node):
             del g.node[:]
             g.node.extend(nodes)
-    if count:  # read from the main graph by the bodies too
-        out.graph.initializer.append(onnx.numpy_helper.from_array(np.float32(1.0), one))
+    if count:
+        out.graph.initializer.extend(onnx.numpy_helper.from_array(np.float32(value), name)
+                                     for (_, value), name in consts.items())
     return out
+
+
+#: The last opset whose random operators (``RandomUniformLike``...) onnxruntime 1.31 runs: `jittered`
+#: hashes from the next one on.
+RANDOM_OPSET = 21
+#: `_hashed_factor`'s constants: two rounds of ``fract(sin(v * a + phase) * b)``, the common shader hash
+_HASH_A, _HASH_A2, _HASH_B = 12.9898, 78.233, 43758.5453
+#: The golden ratio's fractional part: each node's phase, ``seed * 0.618...`` (its own seed per node)
+_PHASE_STEP = 0.6180339887
+
+
+def _hashed_jitter(t: str, moved: str, dtype: int, size: float, node_seed: int, one: str, const, used
+                   ) -> List[onnx.NodeProto]:
+    """Nodes computing ``moved = t * (1 + u)`` (`jittered` from opset 22), ``u`` in ± ``size`` a seeded
+    hash of ``log |t|`` (`_hashed_factor`), in FP32: a ``t`` of another float type is cast to FP32 and
+    the product back to ``dtype``."""
+    nodes: List[onnx.NodeProto] = []
+    x = t
+    if dtype != TensorProto.FLOAT:
+        x = fresh_name(f"{t}/jitter_fp32", used)
+        nodes.append(helper.make_node("Cast", [t], [x], to=TensorProto.FLOAT))
+    factor = fresh_name(f"{t}/jitter_factor", used)
+    nodes += _hashed_factor(x, factor, size, node_seed, one, const, used)
+    if dtype == TensorProto.FLOAT:
+        return nodes + [helper.make_node("Mul", [x, factor], [moved])]
+    product = fresh_name(f"{t}/jittered_fp32", used)
+    return nodes + [helper.make_node("Mul", [x, factor], [product]),
+                    helper.make_node("Cast", [product], [moved], to=dtype)]
+
+
+def _hashed_factor(x: str, factor: str, size: float, node_seed: int, one: str, const, used
+                   ) -> List[onnx.NodeProto]:
+    """Nodes computing ``factor = 1 + u`` for the FP32 tensor ``x``: ``l = log max(|x|, tiny)``,
+    ``f = fract(sin(fract(sin(l * a + p) * b) * a2 + p) * b)`` (``p`` the node's phase), ``u = (2f - 1)
+    * size``; where ``x`` is not finite the factor is 1. ``f`` is close to uniform on [0, 1) (the
+    second round decorrelates values within a relative 1e-5 of each other), equal values get equal
+    factors and scaling a tensor by a power of 2 gives different ones."""
+    steps = [("Abs", [x]), ("Max", [None, const("tiny", np.finfo(np.float32).tiny)]), ("Log", [None])]
+    phase = const("phase", (node_seed * _PHASE_STEP) % 1.0 * 2 * np.pi)
+    for a in (_HASH_A, _HASH_A2):
+        steps += [("Mul", [None, const("a", a)]), ("Add", [None, phase]), ("Sin", [None]),
+                  ("Mul", [None, const("b", _HASH_B)])]
+        steps += [("Floor", [None]), ("Sub", ["-2", None])]  # fract: h - floor(h)
+    steps += [("Mul", [None, const("width", 2 * size)]), ("Add", [None, const("low", 1 - size)])]
+    nodes: List[onnx.NodeProto] = []
+    for op, inputs in steps:
+        ins = [nodes[-1].output[0] if i is None else nodes[-2].output[0] if i == "-2" else i for i in inputs]
+        nodes.append(helper.make_node(op, ins, [fresh_name(f"{x}/jitter_hash", used)]))
+    raw = nodes[-1].output[0]
+    nan = fresh_name(f"{x}/jitter_nan", used)
+    return nodes + [helper.make_node("IsNaN", [raw], [nan]),
+                    helper.make_node("Where", [nan, one, raw], [factor])]
 
 
 def _jitter_weight_scales(model: onnx.ModelProto, size: float, seed: int) -> int:

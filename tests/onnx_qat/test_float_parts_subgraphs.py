@@ -457,3 +457,112 @@ def test_an_if_output_an_fp32_node_reads_keeps_fp32(seed):
         feed = {"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32), "cond": np.array(cond)}
         (ref,), (got,) = run(model, feed), run(out, feed)
         np.testing.assert_allclose(got, ref, atol=2e-3, rtol=0)
+
+
+def _quantized_with_data(kind: str, tmp_path):
+    """The float model, its INT8 Q/DQ form (Q/DQ inside the bodies too) and held-out feeds."""
+    model = if_model(0) if kind == "if" else loop_model(0)
+    rng = np.random.default_rng(5)
+    shape = (16, 3, 8, 8) if kind == "if" else (16, 2, 8)
+    data = {"x": rng.standard_normal(shape).astype(np.float32)}
+    if kind == "if":
+        data["cond"] = np.array(True)
+    np.savez(tmp_path / "calib.npz", **data)
+    q32 = onnx_qat.quantize(model, data=str(tmp_path / "calib.npz"), progress=False).model
+    x = rng.standard_normal(shape).astype(np.float32)[:4]  # held out
+    feeds = [{"x": x[i:i + 1] if kind == "if" else x[i], **({"cond": np.array(True)} if kind == "if" else {})}
+             for i in range(4)]
+    return model, q32, feeds
+
+
+def _outputs(model, feeds) -> np.ndarray:
+    return np.concatenate([np.ravel(v) for f in feeds for v in run(model, f)]).astype(np.float64)
+
+
+def _cosine(a, b) -> float:
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("kind", ["if", "loop"])
+def test_jittered_runs_at_the_bf16_opset_with_quantize_inputs_in_bodies(kind, tmp_path):
+    """BF16 float parts raise the opset to 22, where onnxruntime 1.31 has no RandomUniformLike kernel
+    (ONNX versioned its random operators again at 22): the jittered model, QuantizeLinear nodes in the
+    If/Loop bodies included, still loads and runs, each QuantizeLinear input moved by at most half a
+    BF16 step, the same for the same seed and not for another."""
+    from onnx_qat.formats.float_parts import BF16_OPSET, jittered
+
+    _, q32, feeds = _quantized_with_data(kind, tmp_path)
+    q22 = onnx.version_converter.convert_version(q32, BF16_OPSET)
+    assert sum(n.op_type == "QuantizeLinear" for g in all_graphs(q22)[1:] for n in g.node) >= 1
+    size = 2.0**-9  # half of BF16's eps 2^-8
+    moved = jittered(q22, size, seed=1)
+    assert not [n for g in all_graphs(moved) for n in g.node if n.op_type.startswith("Random")]
+    onnx.checker.check_model(moved, full_check=True)
+    exact, first, again = _outputs(q22, feeds), _outputs(moved, feeds), _outputs(moved, feeds)
+    np.testing.assert_array_equal(first, again)
+    other = _outputs(jittered(q22, size, seed=2), feeds)
+    assert not np.array_equal(first, other) and not np.array_equal(first, exact)
+    # a move within half a step crosses a few INT8 rounding boundaries, no more
+    assert 0.999 < _cosine(first, exact) < 1.0 and 0.999 < _cosine(other, exact)
+    # each QuantizeLinear input itself (main graph), exposed: x * (1 + u), |u| <= size, spread over ± size
+    pairs = list(zip(*[[n.input[0] for n in m.graph.node if n.op_type == "QuantizeLinear"]
+                       for m in (q22, moved)]))
+    assert pairs and all(m.endswith("/jittered") for _, m in pairs)
+    before = run(_with_outputs(q22, [t for t, _ in pairs]), feeds[0])[-len(pairs):]
+    after = run(_with_outputs(moved, [m for _, m in pairs]), feeds[0])[-len(pairs):]
+    ratios = np.concatenate([(b.astype(np.float64) / a)[a != 0].ravel() for a, b in zip(before, after)]) - 1
+    assert np.abs(ratios).max() <= size * (1 + 1e-5) and ratios.min() < -size / 2 < size / 2 < ratios.max()
+    assert abs(ratios.mean()) < size / 4
+
+
+def _with_outputs(model, names, dtype=F):
+    """A copy of ``model`` that also outputs the main-graph tensors ``names`` (of type ``dtype``)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.graph.output.extend(helper.make_tensor_value_info(t, dtype, None) for t in names)
+    return out
+
+
+def test_bf16_float_parts_measured_against_the_rounding_noise_track_the_fp32_float_parts(tmp_path):
+    """BF16 float parts of a Q/DQ model with Q/DQ inside If branches, measured on data: its drop (the
+    Loop model's BF16 form shows none, so nothing to set against the noise) is set against the model's
+    own BF16 rounding noise (``max_cosine_drop`` 0), which runs at opset 22;
+    the result's outputs against the float model's stay within 0.002 of the FP32 float parts' cosine
+    (the budget the search keeps by default: BF16 rounds each value by at most 2^-9, relative, and
+    these few layers do not amplify that past it)."""
+    model, q32, feeds = _quantized_with_data("if", tmp_path)
+    result = cast_float_parts(q32, "bf16", data=str(tmp_path / "calib.npz"), reference=model,
+                              max_cosine_drop=0.0)
+    noise = result.measurement["rounding_noise"]
+    assert set(noise) == {o.name for o in model.graph.output}
+    assert all(np.isfinite(v) and 0 <= v < 0.01 for v in noise.values()), noise
+    bodies = all_graphs(result.model)[1:]
+    assert any(t.data_type == TensorProto.BFLOAT16 for g in bodies for t in g.initializer)
+    ref, got32 = _outputs(model, feeds), _outputs(q32, feeds)
+    got = _outputs(emulate_in_fp32(result.model), feeds)  # BF16 storage, FP32 arithmetic
+    assert abs(_cosine(ref, got32) - _cosine(ref, got)) <= 0.002, (_cosine(ref, got32), _cosine(ref, got))
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16])
+def test_jittered_at_opset_22_keeps_non_finite_values_and_moves_fp16_inputs_through_fp32(dtype):
+    """The hash `jittered` uses from opset 22 takes the log of |x|: zeros stay zero, infinities stay
+    infinite (their factor is 1, not NaN), and an FP16 input is moved in FP32 and cast back."""
+    from onnx_qat.formats.float_parts import jittered
+
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+         helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
+        "qdq", [helper.make_tensor_value_info("x", dtype, [None])],
+        [helper.make_tensor_value_info("y", dtype, [None])],
+        [numpy_helper.from_array(np.array(0.05, np_type), "s"), numpy_helper.from_array(np.int8(0), "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=10)
+    size = 2.0**-9
+    moved = jittered(model, size, seed=4)
+    name = next(n.input[0] for n in moved.graph.node if n.op_type == "QuantizeLinear")
+    x = np.concatenate([[0.0, np.inf, -np.inf], np.random.default_rng(0).uniform(-6, 6, 997)]).astype(np_type)
+    got = run(_with_outputs(moved, [name], dtype), {"x": x})[-1]
+    assert got.dtype == np_type and np.array_equal(got[:3], x[:3])
+    ratio = got[3:].astype(np.float64) / x[3:] - 1
+    step = 2.0**-11 if dtype == TensorProto.FLOAT16 else 2.0**-23  # the product rounded to the type
+    assert np.abs(ratio).max() <= size + step and np.std(ratio) > size / 3
