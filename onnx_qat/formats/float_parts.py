@@ -1209,6 +1209,7 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
                                                                         (converted, stats, kept, cos))
     noise: Optional[Dict[str, float]] = None
     rounds = misses = 0
+    exhausted = False  # no node of the main graph left to try (`_worst_node`)
     tried: set = set()
     confirmation: Optional[dict] = None
     best = (max(base[o] - cos[o] for o in measure.outputs), converted, stats, kept, cos)
@@ -1236,6 +1237,7 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
                                  low_tensors=stats.low_tensors)
         culprit = _worst_node(proto, measure, values, set(kept) | tried)
         if culprit is None:
+            exhausted = True
             break
         rounds += 1
         node, err = culprit
@@ -1259,10 +1261,10 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
     if misses:  # the nodes kept since the last improvement did not help: undone
         converted, stats, kept, cos = best[1:]
     short = {o: base[o] - cos[o] for o in measure.outputs if not cos[o] >= base[o] - max_drop}
-    group_trials = 0
+    group_trials, whole = 0, None
     if short and noise is not None and not all(short[o] <= noise[o] for o in short):
-        found, group_trials = _group_search(measure, proto, low, kept, types, keep_io_types, max_drop, base,
-                                            short, up)
+        found, group_trials, whole = _group_search(measure, proto, low, kept, types, keep_io_types, max_drop,
+                                                   base, short, up)
         if found is not None:
             converted, stats, kept, cos = found
             short = {}
@@ -1274,7 +1276,7 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
         why = (f", within the INT8 model's own rounding noise ({sizes}: its output cosine moves that much "
                f"when its inputs and every QuantizeLinear input move by a {low.name.upper()} rounding error)"
                if within
-               else f" after {rounds} rounds")
+               else _search_ran(rounds, exhausted, group_trials, whole, base, low))
         notes = (f"the output cosine stays more than {max_drop:g} below the FP32 float parts' "
                  f"({moved}){why}",)
         logger.warning("%s", notes[0])
@@ -1284,6 +1286,24 @@ def _search(measure: _Measure, proto, low, kept, types, keep_io_types, max_drop,
                    **({} if noise is None else {"rounding_noise": dict(noise)}),
                    **({"confirmation": confirmation} if confirmation else {})}
     return converted, stats, kept, measurement, notes
+
+
+def _search_ran(rounds: int, exhausted: bool, group_trials: int, whole, base, low: LowType) -> str:
+    """What the search ran before giving up, for its note: the single-node rounds (and why there were
+    none, when no node was left to try) and the group trials (with the cosines of the first, every
+    converted compute node kept FP32, when no group met the budget: ``whole``, ``(nodes, cosines)``)."""
+    text = f" after {rounds} single-node round{'s' if rounds != 1 else ''}"
+    if exhausted and rounds == 0:
+        text += " (no node of the main graph to try: the search's single nodes are the main graph's)"
+    if group_trials:
+        text += f" and {group_trials} group trial{'s' if group_trials != 1 else ''}"
+    if whole is not None:
+        size, cos = whole
+        moved = ", ".join(f"{o} {base[o]:.5f} -> {cos[o]:.5f}" for o in cos)
+        text += (f": with all {size} converted compute nodes kept FP32 together (If/Loop/Scan bodies "
+                 f"included; Q/DQ nodes, Constants and Casts stay {low.name.upper()}) "
+                 f"it still measures {moved}")
+    return text
 
 
 def _choose_scale_rounding(measure: _Measure, proto, low, kept, types, keep_io_types, base, rounded_up):
@@ -1296,8 +1316,9 @@ def _choose_scale_rounding(measure: _Measure, proto, low, kept, types, keep_io_t
     drop_up = max(base[o] - cos[o] for o in measure.outputs)
     from ..io.models import tensor_array
 
-    acts = activation_scales(proto)
-    values = [tensor_array(t) for t in proto.graph.initializer if t.name in acts]
+    # every graph's: a model whose network sits in If/Loop/Scan bodies holds its scales there
+    values = [tensor_array(t) for g in all_graphs(proto) for acts in (activation_scales(g),)
+              for t in g.initializer if t.name in acts]
     if not any(not np.array_equal(low.round_up(v), low.round(v)) for v in values):
         return converted, stats, kept, cos, True, {"chosen": "up", "drop_up": drop_up,
                                                    "drop_nearest": drop_up}
@@ -1318,7 +1339,9 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
     that brings every output within ``max_drop`` of the FP32 float parts, found by shrinking the
     group of all of them (delta debugging: convert back halves, then quarters... of the group, in
     graph order, while the budget still holds), at most `MAX_GROUP_TRIALS` measured conversions.
-    Returns ``((converted, stats, kept, cosines) or None, trials)``."""
+    Returns ``((converted, stats, kept, cosines) or None, trials, whole)``: ``whole`` is ``(nodes,
+    cosines)`` of the first trial, every converted compute node kept FP32, when even that misses the
+    budget (else None)."""
     skip = (*_QDQ, "Cast", "Constant")
     group = [(name, n) for n, name in _named_nodes(proto)
              if n.name and name not in kept and n.op_type not in skip and not has_subgraph(n)
@@ -1337,10 +1360,10 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
         return within, (converted, stats, trial, cos)
 
     if not group:
-        return None, trials
+        return None, trials, None
     within, found = attempt(group)
     if not within:
-        return None, trials
+        return None, trials, (len(group), found[3])
     parts = 2
     while trials < MAX_GROUP_TRIALS and len(group) > 1 and parts <= len(group):
         size = -(-len(group) // parts)
@@ -1368,7 +1391,7 @@ def _group_search(measure: _Measure, proto, low, kept, types, keep_io_types, max
     names = {name for name, _ in group}
     trial = {k: KeptNode(v.node, v.op_type, "measured", reason) if k in names else v
              for k, v in trial.items()}
-    return (converted, stats, trial, cos), trials
+    return (converted, stats, trial, cos), trials, None
 
 
 def jittered(model: onnx.ModelProto, size: float, seed: int = 0, *, weight_scales: bool = False

@@ -559,6 +559,24 @@ def test_when_no_single_node_helps_a_group_is_kept_fp32(seed):
     assert not result.notes or "stays more than" not in " ".join(result.notes)
 
 
+def test_the_note_of_a_search_that_misses_the_budget_says_what_ran():
+    """The note names the single-node rounds (and why there were none: no node of the main graph to
+    try, as on a model whose network sits in If branches) and the group trials, with the cosines of the
+    first, every converted compute node FP32, when even that misses the budget (it said "after 0 rounds"
+    alone, though a group trial had run)."""
+    from onnx_qat.formats.float_parts import _search_ran, get_low_type
+
+    bf16 = get_low_type("bf16")
+    base = {"output": 0.99169, "stateN": 0.93475}
+    text = _search_ran(0, True, 1, (242, {"output": 0.98532, "stateN": 0.85612}), base, bf16)
+    assert text.startswith(" after 0 single-node rounds (no node of the main graph to try"), text
+    assert "and 1 group trial: with all 242 converted compute nodes kept FP32 together" in text
+    assert "Constants and Casts stay BF16" in text
+    assert text.endswith("it still measures output 0.99169 -> 0.98532, stateN 0.93475 -> 0.85612")
+    assert _search_ran(3, False, 0, None, base, bf16) == " after 3 single-node rounds"
+    assert _search_ran(1, True, 12, None, base, bf16) == " after 1 single-node round and 12 group trials"
+
+
 @pytest.mark.parametrize("seed", [0, 3])
 def test_jittered_moves_every_quantize_input_by_at_most_its_size_the_same_way_each_time(seed):
     from onnx_qat.formats.float_parts import jittered

@@ -566,3 +566,60 @@ def test_jittered_at_opset_22_keeps_non_finite_values_and_moves_fp16_inputs_thro
     ratio = got[3:].astype(np.float64) / x[3:] - 1
     step = 2.0**-11 if dtype == TensorProto.FLOAT16 else 2.0**-23  # the product rounded to the type
     assert np.abs(ratio).max() <= size + step and np.std(ratio) > size / 3
+
+
+def if_only_model(seed: int) -> onnx.ModelProto:
+    """The whole network inside an If, as silero-vad's: each branch Conv -> Relu -> Conv on the outer
+    input ``x``; the main graph holds the If alone, so every Q/DQ scale quantize writes sits in a branch."""
+    rng = np.random.default_rng(seed)
+
+    def branch(tag: str) -> onnx.GraphProto:
+        return helper.make_graph(
+            [helper.make_node("Conv", ["x", f"w1_{tag}"], [f"c1_{tag}"], pads=[1, 1, 1, 1],
+                              name=f"{tag}_conv1"),
+             helper.make_node("Relu", [f"c1_{tag}"], [f"r1_{tag}"], name=f"{tag}_relu"),
+             helper.make_node("Conv", [f"r1_{tag}", f"w2_{tag}"], [f"y_{tag}"], pads=[1, 1, 1, 1],
+                              name=f"{tag}_conv2")],
+            tag, [], [helper.make_tensor_value_info(f"y_{tag}", F, [1, 4, 8, 8])],
+            [_init(rng, f"w1_{tag}", [16, 3, 3, 3]), _init(rng, f"w2_{tag}", [4, 16, 3, 3])])
+
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond"], ["y"], then_branch=branch("then"), else_branch=branch("else"),
+                          name="branch")],
+        "if_only", [helper.make_tensor_value_info("x", F, [1, 3, 8, 8]),
+                    helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", F, [1, 4, 8, 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_activation_scales_held_only_in_bodies_are_measured_rounded_both_ways(seed, tmp_path):
+    """A model whose Q/DQ scales all sit in If branches (silero-vad's form): with BF16, whose grid the
+    calibrated (FP16-grid) scales are not on, both roundings of the activation scales are measured and
+    the better one is stored in the branches. Until 2026-11-27 only the main graph's scales were looked
+    at: none there, so the second measurement was skipped and ``drop_nearest`` repeated ``drop_up``."""
+    from onnx_qat.formats.float_parts import BF16, activation_scales
+
+    model = if_only_model(seed)
+    rng = np.random.default_rng(5)
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 3, 8, 8)).astype(np.float32),
+             cond=np.array(True))
+    q32 = onnx_qat.quantize(model, data=str(tmp_path / "calib.npz"), progress=False).model
+    assert not activation_scales(q32) and any(activation_scales(g) for g in all_graphs(q32)[1:])
+    result = cast_float_parts(q32, "bf16", data=str(tmp_path / "calib.npz"), reference=model)
+    rounding = result.measurement["scale_rounding"]
+    assert rounding["drop_up"] != rounding["drop_nearest"], rounding  # both measured
+    assert rounding["chosen"] == ("nearest" if rounding["drop_nearest"] < rounding["drop_up"] else "up")
+    stored = {t.name.rsplit("/bf16", 1)[0]: numpy_helper.to_array(t) if t.data_type == F else
+              onnx_qat.io.models.tensor_array(t) for g in all_graphs(result.model) for t in g.initializer}
+    checked = 0
+    for g in all_graphs(q32)[1:]:
+        for t in g.initializer:
+            if t.name in activation_scales(g):
+                s32 = numpy_helper.to_array(t).astype(np.float32)
+                want = BF16.round_up(s32) if rounding["chosen"] == "up" else BF16.round(s32)
+                np.testing.assert_array_equal(np.asarray(stored[t.name], np.float32), want, err_msg=t.name)
+                checked += 1
+    assert checked >= 2
