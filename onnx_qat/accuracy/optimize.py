@@ -11,8 +11,7 @@ The steps, in order, on a private copy of the float model:
    then the ranges calibrated again;
 4. ``ranges`` (with ``method="auto"``, the default): each activation's range chosen among ``auto``'s
    candidates by the output on the first half of the evaluation data
-   (`onnx_qat.accuracy.ranges.tune_table`: the whole table `onnx_qat.accuracy.ranges.start` keeps, then
-   each harmful site's tensors),
+   (`onnx_qat.accuracy.ranges.tune_table`: the best whole table, then each harmful site's tensors),
    kept only when it also raises the cosine on the other half, which no range was chosen by (the
    choice fits the samples it is made on, so its gain there is not evidence). When either half has
    fewer than `RANGES_MIN_SAMPLES` samples, one whole table instead (``auto``'s candidates everywhere,
@@ -164,8 +163,7 @@ def quantize_optimized(model, output, *, data, eval_data, method: str, config, c
             gains = held["held_out_after"] > held["held_out_before"]
             attempt("ranges", clock, float_model, gains, lambda: tuned,
                     "the chosen ranges did not raise the cosine on the held-out evaluation samples",
-                    start=records.get("start"), start_reason=records.get("start_reason"),
-                    changes=list(records.get("changes", [])),
+                    start=records.get("start"), changes=list(records.get("changes", [])),
                     unconfirmed=list(records.get("unconfirmed", [])), confirmed=records.get("confirmed"),
                     runs=records.get("runs"), **held)
 

@@ -7,13 +7,9 @@ of quantized sites *and* a range per tensor; every trial is one call of
 [`Prepared.error`][onnx_qat.accuracy.prepared.Prepared.error]. The search:
 
 1. **whole tables**: every site in INT8 under each whole table (`WHOLE_TABLES`: ``auto``'s per-tensor
-   table, then ``max``, ``entropy``, ``mse`` and ``percentile(99.99)`` everywhere). The per-tensor
-   table is the default start: each tensor's least-error candidate, the table the gated session is
-   built from, chosen from calibration statistics without looking at the evaluation outputs. Another
-   table replaces the one kept only when it is `better` than it and than the default, the rule of
-   step 3 below (a gain above `min_gain` on at least `MIN_SAMPLE_SHARE` of the evaluation samples),
-   so a lead the evaluation data's noise makes keeps the default (`start`; ``records``: ``start``,
-   ``whole_tables``, ``start_trials``, ``start_reason``). Done when the start reaches ``min_cosine``;
+   table, then ``max``, ``entropy``, ``mse`` and ``percentile(99.99)`` everywhere); the one with the
+   highest evaluation cosine is the start (keeping the per-tensor table unless another is `better` was
+   measured worse on real models: docs/changelog.md). Done when it reaches ``min_cosine``;
 2. **harm**: each site's output error with only it quantized (group bisection for more than 16
    sites, as the plain search);
 3. **ranges**: for the sites measured alone, most harmful first, each activation tensor's other
@@ -52,9 +48,8 @@ from .sites import with_partners
 
 logger = logging.getLogger(__name__)
 
-#: The whole tables tried first, in this order: ``tensor`` is ``auto``'s per-tensor table (each tensor's
-#: least-error candidate), the default start; the others, one candidate everywhere, replace the table
-#: kept only when `better` (`start`).
+#: The whole tables tried first, in this order (ties keep the earlier one): ``tensor`` is ``auto``'s
+#: per-tensor table (each tensor's least-error candidate), the others one candidate everywhere.
 WHOLE_TABLES = ("tensor", "max", "entropy", "mse", "percentile(99.99)")
 #: The whole tables `choose_table` judges on the calibration samples, in this order, after the table
 #: ``auto`` chose: ``auto``'s per-tensor table, then each candidate of `CANDIDATES` everywhere.
@@ -127,25 +122,15 @@ def better(trial: OutputError, trial_samples, current: OutputError, current_samp
     either setting (empty samples, `sample_cosines`) do not vote; with none left, the gain decides."""
     if trial.cosine <= current.cosine + min_gain(current):
         return False
-    raised, voters = sample_votes(trial_samples, current_samples)
-    return not voters or raised >= votes_needed(voters)
-
-
-def sample_votes(trial_samples, current_samples) -> Tuple[int, int]:
-    """``(raised, voters)`` of `better`'s sign test: how many samples have a higher cosine in the trial, of
-    how many vote (those whose cosine is a number in both settings); ``(0, 0)`` when either setting's
-    samples cannot be told apart (None)."""
     if trial_samples is None or current_samples is None:
-        return 0, 0
+        return True
     trial_samples, current_samples = np.asarray(trial_samples), np.asarray(current_samples)
     voting = ~(np.isnan(trial_samples) | np.isnan(current_samples))
-    return int(np.count_nonzero(trial_samples[voting] > current_samples[voting])), \
-        int(np.count_nonzero(voting))
-
-
-def votes_needed(voters: int) -> int:
-    """The samples of ``voters`` a trial must raise to be `better` (`MIN_SAMPLE_SHARE` of them)."""
-    return math.ceil(MIN_SAMPLE_SHARE * voters - 1e-9)
+    voters = int(np.count_nonzero(voting))
+    if not voters:
+        return True
+    return int(np.count_nonzero(trial_samples[voting] > current_samples[voting])) >= \
+        math.ceil(MIN_SAMPLE_SHARE * voters - 1e-9)
 
 
 class Confirmation:
@@ -316,66 +301,21 @@ def groups_of(prepared: Prepared) -> Dict[str, Tuple[str, ...]]:
 
 
 def start(state: RangeSearch) -> OutputError:
-    """Step 1: the whole table kept, made current (every site INT8). The default is the first of
-    `WHOLE_TABLES`, ``auto``'s per-tensor table; each other table, in order, replaces the one kept only
-    when it is `better` than that one and than the default (the rule of every range change of step 3:
-    a gain above `min_gain` on at least `MIN_SAMPLE_SHARE` of the samples), so a lead the noise of the
-    evaluation data can make keeps the default. ``state.records``: ``start`` (the table kept),
-    ``whole_tables`` (each one's cosine), ``start_trials`` (each other table against the one kept when it
-    was tried, `table_trial`) and ``start_reason``."""
-    default = WHOLE_TABLES[0]
-    cosines: Dict[str, float] = {}
-    trials: List[Dict[str, object]] = []
-    kept = first = None
+    """Step 1: the best whole table, made current (every site INT8)."""
+    cosines, best, best_error = {}, None, None
     for name in WHOLE_TABLES:
         amax, choice = whole_table(state.prepared, name)
         error, samples = state.evaluate_samples((), amax)
-        cosines[name] = float(error.cosine)
-        table = (name, error, samples, choice, amax)
-        if kept is None:
-            kept = first = table
-            continue
-        trial = table_trial(name, error, samples, kept[0], kept[1], kept[2])
-        over_default = kept is first or better(error, samples, first[1], first[2])
-        trial["taken"] = bool(trial["better"] and over_default)
-        if trial["better"] and not trial["taken"]:
-            trial["why"] += f"; not better than the default {default}"
-        trials.append(trial)
-        if trial["taken"]:
-            kept = table
-    name, error, samples, choice, amax = kept
-    state.samples, state.choice = samples, choice
-    state.accept(amax, (), default=True)
-    taken = [t for t in trials if t["taken"]]
-    reason = f"{name}, {taken[-1]['why']} over {taken[-1]['against']}" if taken else \
-        f"{default}, the default: no other whole table better"
-    state.records.update(start=name, whole_tables=cosines, start_trials=trials, start_reason=reason)
+        cosines[name] = error.cosine
+        if best_error is None or error.cosine > best_error.cosine:
+            best, best_error, best_choice, best_amax = name, error, choice, amax
+            state.samples = samples
+    state.choice = best_choice
+    state.accept(best_amax, (), default=True)
+    state.records.update(start=best, whole_tables=cosines)
     logger.info("range search: whole tables %s; starting from %s",
-                ", ".join(f"{k} {v:.5f}" for k, v in cosines.items()), reason)
-    for trial in trials:
-        logger.debug("range search: whole table %s against %s: %s", trial["table"], trial["against"],
-                     trial["why"])
-    return error
-
-
-def table_trial(name: str, error: OutputError, samples, kept: str, kept_error: OutputError, kept_samples
-                ) -> Dict[str, object]:
-    """How whole table ``name`` (``error``, ``samples``: its figures) fares against the table ``kept``:
-    ``{table, against, cosine, gain, min_gain, samples_raised, samples_voting, samples_needed, better,
-    why}`` (`better`'s two conditions; ``samples_voting`` 0 where the samples cannot be told apart)."""
-    gain, least = float(error.cosine - kept_error.cosine), float(min_gain(kept_error))
-    raised, voters = sample_votes(samples, kept_samples)
-    needed = votes_needed(voters) if voters else 0
-    if error.cosine <= kept_error.cosine + least:
-        why = f"gain {gain:.2e} not above the least gain {least:.2e}"
-    elif voters and raised < needed:
-        why = f"raises {raised} of {voters} samples, fewer than {needed}"
-    else:
-        why = f"gain {gain:.2e} above {least:.2e}" + \
-            (f", {raised} of {voters} samples raised" if voters else "")
-    return {"table": name, "against": kept, "cosine": float(error.cosine), "gain": gain, "min_gain": least,
-            "samples_raised": raised, "samples_voting": voters, "samples_needed": needed,
-            "better": better(error, samples, kept_error, kept_samples), "why": why}
+                ", ".join(f"{k} {v:.5f}" for k, v in cosines.items()), best)
+    return best_error
 
 
 def tune(state: RangeSearch, site_order: Sequence[int], current: OutputError, min_cosine: float,
@@ -544,13 +484,13 @@ def back_to_int8(state: RangeSearch, order: Sequence[int], chosen: List[int], es
 
 def tune_table(float_model, data, eval_data, *, config, weights=None, batch_size: int = 16,
                progress: bool = False):
-    """``optimize="accuracy"``'s ``ranges`` step: every site in INT8, the whole table `start` keeps and
-    then each harmful site's activation ranges chosen among ``auto``'s candidates (steps 1-3 of the
-    search, never stopping early). Returns ``(ScaleTable, records)``: the chosen activation ranges
-    (with the weight ranges of ``weights``, a ScaleTable or None, kept) and what each step did. When
-    ``weights`` has activation ranges and the chosen ones do not raise the output cosine on the first
-    calibration samples over them (`Confirmation`), ``weights``' own activation ranges are returned
-    instead (``records["confirmed"]`` False, with both cosines)."""
+    """``optimize="accuracy"``'s ``ranges`` step: every site in INT8, the best whole table and then each
+    harmful site's activation ranges chosen among ``auto``'s candidates (steps 1-3 of the search, never
+    stopping early). Returns ``(ScaleTable, records)``: the chosen activation ranges (with the weight
+    ranges of ``weights``, a ScaleTable or None, kept) and what each step did. When ``weights`` has
+    activation ranges and the chosen ones do not raise the output cosine on the first calibration
+    samples over them (`Confirmation`), ``weights``' own activation ranges are returned instead
+    (``records["confirmed"]`` False, with both cosines)."""
     from ..scales import ScaleTable
 
     prepared, _ = prepare_candidates(float_model, data, eval_data, config, batch_size, progress, weights)
@@ -656,5 +596,4 @@ def per_site(state: RangeSearch, float_sites: Sequence[int]) -> Dict[str, Dict[s
 
 __all__ = ["search_ranges", "tune_table", "choose_table", "START_TABLES", "RangeSearch", "candidates",
            "whole_table", "min_gain", "better", "sample_cosines", "per_site", "WHOLE_TABLES", "CANDIDATES",
-           "SAME_RANGE", "MIN_GAIN_SHARE", "MIN_SAMPLE_SHARE", "EMPTY_SHARE", "empty_samples", "start",
-           "table_trial", "sample_votes", "votes_needed"]
+           "SAME_RANGE", "MIN_GAIN_SHARE", "MIN_SAMPLE_SHARE", "EMPTY_SHARE", "empty_samples"]
