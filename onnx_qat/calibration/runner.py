@@ -120,14 +120,14 @@ class TensorObserver:
             return
         values = np.concatenate(self._held) if len(self._held) > 1 else self._held[0]
         self._held, self._held_size = [], 0
-        self._reduce(values)
+        self._reduce(values, keep=True)  # the observer's own array: the collector may keep it
 
-    def _reduce(self, values: np.ndarray) -> None:
+    def _reduce(self, values: np.ndarray, keep: bool = False) -> None:
         low, high = float(values.min()), float(values.max())
         peak = max(-low, high)  # NaN when any value is NaN
         if peak < MASK_MAGNITUDE:  # False for NaN and Inf too
             self.low, self.high = min(self.low, low), max(self.high, high)
-            self.collector.update_values(values, peak)
+            self.collector.update_values(values, peak, keep=keep)
             return
         magnitudes = np.abs(values)
         keep = magnitudes < MASK_MAGNITUDE
