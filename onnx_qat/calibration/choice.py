@@ -170,7 +170,20 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
 
     Raises:
         ScalesError: a table lacks a range for an activation the placement quantizes.
+
+    Python's cyclic garbage collector is paused meanwhile (`onnx_qat.io.models.cyclic_gc_paused`): the
+    judge model's edit holds a record of every pair and weight inserted, none of them cyclic garbage.
     """
+    from ..io.models import cyclic_gc_paused
+
+    with cyclic_gc_paused():
+        return _choose(model, placement, calibration, target=target, precision=precision,
+                       block_size=block_size)
+
+
+def _choose(model: onnx.ModelProto, placement, calibration, *, target, precision,
+            block_size: int) -> TableChoice:
+    """`choose`'s work (see there)."""
     from ..runtime.chunked import ChunkedSession
 
     tables = calibration.candidates
@@ -197,12 +210,15 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     energy = output_energy(calibration.reference)
     feeds = tuple(calibration.check_feeds)
     got: Dict[str, Dict[str, List[np.ndarray]]] = {name: {o: [] for o in outputs} for name in tables}
+    scale_feeds: Dict[str, Dict[str, np.ndarray]] = {}  # each table's, computed once for both rounds
 
     def run(name: str, part, until: Optional[int] = None) -> int:
         """Run table ``name`` on the batches of ``part`` (its scales bound once), or only until they
         hold ``until`` per-sample errors (each batch counted by `_batch_rows`); returns
         how many batches were run."""
-        session.bind(_scale_feeds(placement, tables[name], scale_inputs, precision))
+        if name not in scale_feeds:
+            scale_feeds[name] = _scale_feeds(placement, tables[name], scale_inputs, precision)
+        session.bind(scale_feeds[name])
         rows = 0
         for count, feed in enumerate(part):
             if until is not None and rows >= until:
