@@ -8,6 +8,7 @@ one range.
 from __future__ import annotations
 
 import abc
+import threading
 from typing import ClassVar
 
 import numpy as np
@@ -361,7 +362,7 @@ def final_rows(hists, num_bins: int) -> "tuple[np.ndarray, np.ndarray]":
     size together (`_kept_rows`), into these counts only: the histograms keep them unbinned.
     """
     rows, size = len(hists), hists[0].num_bins
-    counts = np.empty((rows, size), dtype=np.int64)
+    counts = _scratch("counts", (rows, size), np.int64)
     tops = np.empty(rows, dtype=np.float64)
     kept = _kept_rows(hists, counts, tops)
     for r, hist in enumerate(hists):
@@ -370,13 +371,40 @@ def final_rows(hists, num_bins: int) -> "tuple[np.ndarray, np.ndarray]":
             counts[r] = hist._counts
             tops[r] = hist._top
     peaks = np.array([hist.max_seen for hist in hists], dtype=np.float64)
-    cumulative = np.zeros((rows, size + 1))
-    np.cumsum(counts, axis=1, dtype=np.float64, out=cumulative[:, 1:])
+    cumulative = _scratch("cumulative", (rows, size + 1), np.float64)
+    cumulative[:, 0] = 0.0
+    # summed as integers, then converted: the same numbers as a float64 sum (every partial sum is a
+    # whole number below 2^53), without NumPy's casting loop
+    cumulative[:, 1:] = np.cumsum(counts, axis=1, out=counts)
     del counts
-    cumulative[:, 1:] += np.array([hist._pending_zeros for hist in hists], dtype=np.float64)[:, None]
+    zeros = [hist._pending_zeros for hist in hists]
+    if any(zeros):
+        cumulative[:, 1:] += np.array(zeros, dtype=np.float64)[:, None]
     steps = tops / size  # the running bins' width: a power of two
     at_edges = _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins)
     return np.diff(at_edges, axis=1), peaks / num_bins
+
+
+_SCRATCH = threading.local()
+#: The largest `_scratch` array kept for reuse, in elements (32 MB of float64).
+SCRATCH_ELEMENTS = 1 << 22
+
+
+def _scratch(name: str, shape: tuple, dtype) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` (contents undefined) that this thread reuses from call to
+    call under ``name``: `final_rows` runs once per group of histograms, and fresh arrays of a few MB
+    each time cost the kernel's page faults (as much again as the arithmetic on them, measured). The
+    largest asked for is kept, a few MB per thread for `onnx_qat.calibration.auto.analyze`'s groups."""
+    size = int(np.prod(shape))
+    if size > SCRATCH_ELEMENTS:  # a call over many more histograms than a group: not kept
+        return np.empty(shape, dtype=dtype)
+    arrays = getattr(_SCRATCH, "arrays", None)
+    if arrays is None:
+        arrays = _SCRATCH.arrays = {}
+    found = arrays.get(name)
+    if found is None or found.dtype != dtype or found.size < size:
+        found = arrays[name] = np.empty(size, dtype=dtype)
+    return found[:size].reshape(shape)
 
 
 def _kept_rows(hists, counts: np.ndarray, tops: np.ndarray) -> set:
@@ -408,11 +436,13 @@ def _kept_rows(hists, counts: np.ndarray, tops: np.ndarray) -> set:
         for block in row_blocks(len(members), max(length, size) // 16):  # a few MB at a time
             part = members[block]
             index = [r for r, _, _ in part]
-            stack = np.concatenate([hists[r]._kept[0] for r in index]).reshape(len(index), length)
+            stack = _scratch("values", (len(index), length), np.float32)
+            np.concatenate([hists[r]._kept[0] for r in index], out=stack.reshape(-1))
             stack *= np.array([factor for _, _, factor in part], dtype=np.float32)[:, None]
             if signed:
                 np.abs(stack, out=stack)
-            position = stack.astype(np.intp)
+            position = _scratch("bins", stack.shape, np.intp)
+            np.copyto(position, stack, casting="unsafe")  # as stack.astype(np.intp)
             np.minimum(position, size - 1, out=position)
             position += (np.arange(len(index), dtype=np.intp) * size)[:, None]
             counts[index] = np.bincount(position.ravel(), minlength=len(index) * size).reshape(-1, size)
