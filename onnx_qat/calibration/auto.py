@@ -49,9 +49,9 @@ class AutoCollector(HistogramCollector):
         self._analysis = None
         super().update(magnitudes)
 
-    def update_values(self, values: np.ndarray, peak: float) -> None:
+    def update_values(self, values: np.ndarray, peak: float, keep: bool = False) -> None:
         self._analysis = None
-        self.hist.update(values, peak=peak, signed=True)
+        self.hist.update(values, peak=peak, signed=True, keep=keep)
 
     def merge(self, other: "AutoCollector") -> None:
         """Merge ``other``'s histogram (exact); the candidates are searched again."""

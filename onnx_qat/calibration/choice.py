@@ -13,7 +13,8 @@ model and placement its caller already holds (the rewrite behind
 * one Q/DQ model: the placement's main-graph marks inserted by the one inserter
   (`onnx_qat.insertion.inserter.insert_qdq_pairs`) into a copy of the model, each activation pair's
   scale a graph input instead of a constant, and each constant int8/uint8 weight's DequantizeLinear
-  computed once into a float32 initializer (the same for every table);
+  computed once into a float32 initializer (the same for every table; the small INT8 weights
+  quantized and dequantized in batches, without a DequantizeLinear made for each, `judge_model`);
 * one set of sessions for it, piece by piece (`onnx_qat.runtime.chunked.ChunkedSession`: their cost
   grows linearly with the graph), graph optimisations off: exact Q/DQ arithmetic, as TensorRT
   computes it;
@@ -170,7 +171,20 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
 
     Raises:
         ScalesError: a table lacks a range for an activation the placement quantizes.
+
+    Python's cyclic garbage collector is paused meanwhile (`onnx_qat.io.models.cyclic_gc_paused`): the
+    judge model's edit holds a record of every pair and weight inserted, none of them cyclic garbage.
     """
+    from ..io.models import cyclic_gc_paused
+
+    with cyclic_gc_paused():
+        return _choose(model, placement, calibration, target=target, precision=precision,
+                       block_size=block_size)
+
+
+def _choose(model: onnx.ModelProto, placement, calibration, *, target, precision,
+            block_size: int) -> TableChoice:
+    """`choose`'s work (see there)."""
     from ..runtime.chunked import ChunkedSession
 
     tables = calibration.candidates
@@ -197,12 +211,15 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     energy = output_energy(calibration.reference)
     feeds = tuple(calibration.check_feeds)
     got: Dict[str, Dict[str, List[np.ndarray]]] = {name: {o: [] for o in outputs} for name in tables}
+    scale_feeds: Dict[str, Dict[str, np.ndarray]] = {}  # each table's, computed once for both rounds
 
     def run(name: str, part, until: Optional[int] = None) -> int:
         """Run table ``name`` on the batches of ``part`` (its scales bound once), or only until they
         hold ``until`` per-sample errors (each batch counted by `_batch_rows`); returns
         how many batches were run."""
-        session.bind(_scale_feeds(placement, tables[name], scale_inputs, precision))
+        if name not in scale_feeds:
+            scale_feeds[name] = _scale_feeds(placement, tables[name], scale_inputs, precision)
+        session.bind(scale_feeds[name])
         rows = 0
         for count, feed in enumerate(part):
             if until is not None and rows >= until:
@@ -314,10 +331,16 @@ def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *
                 precision="int8", block_size: int = 128):
     """A copy of ``model`` with ``placement``'s main-graph marks inserted from ``table``, each
     activation pair's scale a float32 scalar graph input, and each constant int8/uint8 weight's
-    DequantizeLinear computed once into a float32 initializer (`_fold_dequantize_edits`):
-    ``(model, {activation tensor: input name})``.
+    DequantizeLinear computed once into a float32 initializer: ``(model, {activation tensor: input
+    name})``.
 
-    Both are edits of the one insertion, made before its commit: the commit then leaves out the
+    The small INT8 weights whose range comes from their values (all of them on most CNNs) are
+    quantized together and dequantized together (`_dequantized_weights`), their marked inputs then
+    reading the result: what inserting each weight's DequantizeLinear and computing it
+    (`_fold_dequantize_edits`) gives, bit for bit, without a stored weight, scale, zero point and node
+    made for each and then dropped. The other weights are inserted and folded so.
+
+    All are edits of the one insertion, made before its commit: the commit then leaves out the
     integer weights and the activation scales nothing reads any more, with no further pass over the
     model's nodes or initializers."""
     from ..graph.edit import GraphEdit
@@ -327,8 +350,11 @@ def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     edit = GraphEdit(copy)
-    inserted = insert_qdq_pairs(edit, replace(placement, subgraphs=()), ScaleTable(dict(table)), target,
-                                precision=precision, block_size=block_size)
+    judged = _dequantized_weights(edit, placement, target, precision)
+    kept = tuple(m for m in placement.weights if (m.tensor, m.axis) not in judged)
+    inserted = insert_qdq_pairs(edit, replace(placement, subgraphs=(), weights=kept),
+                                ScaleTable(dict(table)), target, precision=precision, block_size=block_size)
+    _use_weights(edit, placement, judged)
     live = edit.live_nodes()
     _fold_dequantize_edits(edit, live)
     pairs = {r["quantize_node"]: r["dequantize_node"] for r in inserted.activations}
@@ -346,6 +372,73 @@ def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *
     judge.graph.input.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [])
                              for n in sorted(set(inputs)))
     return judge, {r["tensor"]: name for r, name in zip(records, inputs)}
+
+
+def _dequantized_weights(edit, placement, target, precision) -> Dict[tuple, tuple]:
+    """``{(tensor, axis): (dequantized float32 array, its marks)}`` of the weight marks of ``placement``
+    (main graph) that the inserter quantizes from their own values in batches
+    (`onnx_qat.insertion.inserter.quantize_small_weights`: INT8, small float32 weights; the
+    target's ``weight_scale_grid`` as the inserter takes it): each weight's codes times its scale in
+    float32, per channel along ``axis`` -- `_dequantized` of the DequantizeLinear the inserter would
+    store (int8 codes, zero point 0, the float32 scales, `onnx_qat.formats.encoding.encode_int8`) --
+    computed for all weights of one shape at once. Empty for other formats."""
+    from ..formats.encoding import INT8_QRANGE
+    from ..formats.numeric import INT8, get_format
+    from ..insertion.inserter import quantize_small_weights
+    from ..insertion.targets import get_target
+    from ..scales import ScaleTable
+
+    if get_format(precision) is not INT8 or not placement.weights:
+        return {}
+    marks: Dict[tuple, list] = {}
+    for mark in placement.weights:
+        marks.setdefault((mark.tensor, mark.axis), []).append(mark)
+    grid = get_target(target).weight_scale_grid == "fp16"
+    ready = quantize_small_weights(edit, list(marks), ScaleTable({}), INT8_QRANGE, grid)
+    shapes: Dict[tuple, list] = {}
+    for key, (q, scale, _) in ready.items():
+        axis = key[1]
+        if axis is None:
+            if scale.size != 1:
+                continue
+            broadcast = ()
+        else:
+            broadcast = [1] * q.ndim
+            broadcast[axis % q.ndim] = -1
+            broadcast = tuple(broadcast)
+        shapes.setdefault((q.shape, q.dtype, broadcast, scale.size), []).append((key, q, scale))
+    judged = {}
+    for (shape, _, broadcast, _), items in shapes.items():
+        codes = np.stack([q for _, q, _ in items]).astype(np.float32)
+        scales = np.stack([np.asarray(s, np.float32).reshape(broadcast) for _, _, s in items])
+        values = np.multiply(codes, scales, dtype=np.float32)
+        for (key, _, _), row in zip(items, values):
+            judged[key] = (row, marks[key])
+    return judged
+
+
+def _use_weights(edit, placement, judged: Mapping[tuple, tuple]) -> None:
+    """Point each marked input of ``judged`` (`_dequantized_weights`) at a new float32 initializer of
+    its dequantized weight, and leave out the float weight (and the Constant/Identity nodes making
+    it) once nothing else reads it, as the inserter does for the weights it quantizes."""
+    if not judged:
+        return
+    keys = list(judged)
+    names = edit.fresh_names([f"{tensor}_judged" for tensor, _ in keys])
+    edit.add_initializers(names, [(np.dtype(np.float32), judged[k][0].tobytes(), judged[k][0].shape)
+                                  for k in keys])
+    by_name = edit.by_name
+    for key, name in zip(keys, names):
+        tensor = key[0]
+        for mark in judged[key][1]:
+            node = by_name[mark.node] if mark.node in by_name else edit.node(mark.node)
+            node.input[mark.input_index] = name
+        _, _, chain = edit.constant(tensor)
+        if chain:
+            edit.release_if_unread(initializers=[t for n in chain for t in n.input
+                                                 if edit.initializer(t) is not None], nodes=chain)
+        else:
+            edit.release_if_unread(initializers=(tensor,))
 
 
 def _share_zero_points(edit, pairs) -> None:

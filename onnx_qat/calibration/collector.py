@@ -8,6 +8,7 @@ one range.
 from __future__ import annotations
 
 import abc
+import threading
 from typing import ClassVar
 
 import numpy as np
@@ -26,11 +27,13 @@ class RangeCollector(abc.ABC):
     def update(self, magnitudes: np.ndarray) -> None:
         """Add a batch of finite, non-negative values (any shape)."""
 
-    def update_values(self, values: np.ndarray, peak: float) -> None:
+    def update_values(self, values: np.ndarray, peak: float, keep: bool = False) -> None:
         """Add a batch of finite values of any sign whose largest magnitude ``peak`` is known.
 
         The runner's path: a collector that needs only the peak (``max``) never builds
-        the array of magnitudes. By default ``update(np.abs(values))``.
+        the array of magnitudes. By default ``update(np.abs(values))``. ``keep``: the caller hands
+        ``values`` over (it is not changed afterwards), so a collector may hold it instead of a
+        summary of it (`AbsHistogram.update`).
         """
         self.update(np.abs(values))
 
@@ -68,50 +71,92 @@ class AbsHistogram:
     two histograms of parts of the data `merge` into exactly the histogram of all of it, and
     batches may be counted in any grouping: small batches are buffered and binned together (one
     pass per ``num_bins`` values instead of one per batch). Zeros count in bin 0.
+
+    A batch given with ``keep=True`` to an empty histogram (`update`) is kept as it is and binned
+    when the counts are first needed: the same counts, binned as that one batch (`final_rows` bins
+    the kept batches of many histograms in one pass and does not store their counts, so a
+    calibration of thousands of tensors never holds a count array for each).
     """
 
-    __slots__ = ("num_bins", "_counts", "top", "max_seen", "_pending_zeros", "_buffer", "_buffered")
+    __slots__ = ("num_bins", "_counts", "_top", "max_seen", "_pending_zeros", "_buffer", "_buffered", "_kept")
 
     def __init__(self, num_bins: int = 2048):
         if num_bins < 2 or num_bins & (num_bins - 1):
             raise ValueError(f"num_bins must be a power of two >= 2, got {num_bins}")
         self.num_bins = int(num_bins)
         self._counts = _no_counts(self.num_bins)  # allocated when the first value is binned (`_grow`)
-        self.top = 0.0
+        self._top = 0.0
+        self._kept = None  # (values, peak, signed): a batch kept by `update`'s ``keep``, not binned yet
         self.max_seen = 0.0
         self._pending_zeros = 0
         self._buffer: list = []  # small batches (their magnitudes or signed values) not binned yet
         self._buffered = 0
 
-    def update(self, magnitudes: np.ndarray, *, peak: "float | None" = None, signed: bool = False) -> None:
+    @property
+    def top(self) -> float:
+        """The upper end of the running bins (0.0 before any positive value was binned)."""
+        self._bin_kept()
+        return self._top
+
+    def update(self, magnitudes: np.ndarray, *, peak: "float | None" = None, signed: bool = False,
+               keep: bool = False) -> None:
         """Add finite, non-negative values (``peak``: their maximum, when already known).
 
         With ``signed=True`` the values may have any sign and their magnitudes are counted
         (``peak`` must then be the largest magnitude): no separate array of |x| is built.
+        With ``keep=True`` the caller hands the array over (it is not changed afterwards): a batch of
+        at least ``num_bins`` values reaching an empty histogram is kept and binned later (see the
+        class), the same counts.
         """
         if signed and peak is None:
             raise ValueError("signed values need their peak magnitude")
+        self._bin_kept()
         values = np.asarray(magnitudes).ravel()
         if values.size == 0:
             return
         batch_max = float(values.max()) if peak is None else float(peak)
         if batch_max <= 0.0:
-            if self.top == 0.0:
+            if self._top == 0.0:
                 self._pending_zeros += values.size
             else:
                 self._counts[0] += values.size
             return
         self.max_seen = max(self.max_seen, batch_max)
+        if keep and values.size >= self.num_bins and self._top == 0.0 and not self._pending_zeros \
+                and not self._buffer:
+            self._kept = (values, batch_max, signed)
+            return
         if values.size < self.num_bins:  # binned later with others: the counts do not depend on it
             # kept as given (signed or not): `_flush` takes the magnitudes of all of them at once
-            self._buffer.append(values.copy())
+            self._buffer.append(values if keep else values.copy())
             self._buffered += values.size
             if self._buffered >= self.num_bins:
-                self._flush()
+                self._full()
             return
         self._count(values, batch_max, signed)
 
+    def _bin_kept(self) -> None:
+        """Bin the batch `update` kept (``keep``), as it would have been binned then."""
+        if self._kept is not None:
+            values, peak, signed = self._kept
+            self._kept = None
+            self._count(values, peak, signed)
+
+    def _full(self) -> None:
+        """The buffer holds ``num_bins`` values or more: binned now, or, while nothing was binned
+        (nor zero) before them, kept as one batch (`_kept`) to be binned when the counts are needed.
+        The same counts: `_flush` would bin their magnitudes with the largest of them, which is
+        ``max_seen`` then, and a magnitude's bin is that of the value's magnitude after scaling (the
+        scale is a power of two)."""
+        if self._top == 0.0 and not self._pending_zeros and self._kept is None:
+            values = np.concatenate(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
+            self._buffer, self._buffered = [], 0
+            self._kept = (values, self.max_seen, True)
+            return
+        self._flush()
+
     def _flush(self) -> None:
+        self._bin_kept()
         if not self._buffer:
             return
         if len(self._buffer) > 1:  # a new array: its magnitudes are taken in place
@@ -123,7 +168,7 @@ class AbsHistogram:
         self._count(values, float(values.max()), False)
 
     def _count(self, values: np.ndarray, batch_max: float, signed: bool) -> None:
-        if batch_max > self.top:
+        if batch_max > self._top:
             self._grow(batch_max)
         self._counts += np.bincount(self._bin_index(values, signed), minlength=self.num_bins)
 
@@ -133,7 +178,7 @@ class AbsHistogram:
         ``num_bins / top`` is a power of two, so each position is computed exactly (float32 or
         float64 alike): a value's bin never depends on the precision used.
         """
-        factor = self.num_bins / self.top
+        factor = self.num_bins / self._top
         if values.dtype == np.float32 and _FLOAT32_SCALE_FLOOR < factor < 1.0 / _FLOAT32_SCALE_FLOOR:
             position = values * np.float32(factor)  # float32 throughout
         else:
@@ -145,17 +190,15 @@ class AbsHistogram:
         return np.minimum(index, self.num_bins - 1, out=index)
 
     def _grow(self, new_max: float) -> None:
-        top = float(2.0 ** np.ceil(np.log2(new_max)))
-        while top < new_max:  # guard against log2 rounding
-            top *= 2.0
-        if self.top == 0.0:
-            self.top = top
+        top = _top_for(new_max)
+        if self._top == 0.0:
+            self._top = top
             self._counts = np.zeros(self.num_bins, dtype=np.int64)
             self._counts[0] += self._pending_zeros
             self._pending_zeros = 0
             return
-        doublings = int(round(np.log2(top / self.top)))
-        self.top = top
+        doublings = int(round(np.log2(top / self._top)))
+        self._top = top
         if doublings >= 62 or 2 ** doublings >= self.num_bins:
             total = int(self._counts.sum())
             self._counts[:] = 0
@@ -171,29 +214,33 @@ class AbsHistogram:
         exactly the histogram of both sets of values, in any order."""
         if other.num_bins != self.num_bins:
             raise ValueError(f"cannot merge histograms of {other.num_bins} and {self.num_bins} bins")
+        self._bin_kept()
+        if other._kept is not None:  # ``other`` is not changed (it may be read-only, from Ray)
+            other = other._copy()
+            other._bin_kept()
         if other._buffer:  # values not binned yet join this histogram's own (``other`` is not changed:
             # it may be read-only, from Ray); the counts do not depend on how values are grouped
             self._buffer.extend(other._buffer)
             self._buffered += other._buffered
-            if other.top == 0.0 and other._pending_zeros == 0:  # nothing counted there yet
+            if other._top == 0.0 and other._pending_zeros == 0:  # nothing counted there yet
                 self.max_seen = max(self.max_seen, other.max_seen)
                 if self._buffered >= self.num_bins:
-                    self._flush()
+                    self._full()
                 return
             other = other._copy()
             other._buffer, other._buffered = [], 0
         self.max_seen = max(self.max_seen, other.max_seen)
-        if other.top == 0.0:
-            if self.top == 0.0:
+        if other._top == 0.0:
+            if self._top == 0.0:
                 self._pending_zeros += other._pending_zeros
             else:
                 self._counts[0] += other._pending_zeros
             return
-        if other.top > self.top:
-            self._grow(other.top)
+        if other._top > self._top:
+            self._grow(other._top)
         counts = other._counts
-        if other.top < self.top:
-            factor = int(round(self.top / other.top))
+        if other._top < self._top:
+            factor = int(round(self._top / other._top))
             counts = np.zeros(self.num_bins, dtype=np.int64) if factor >= self.num_bins else \
                 np.concatenate([counts.reshape(-1, factor).sum(axis=1),
                                 np.zeros(self.num_bins - self.num_bins // factor, np.int64)])
@@ -207,29 +254,32 @@ class AbsHistogram:
         """A compact state for pickling (calibration workers send their histograms back): the counts
         as their non-empty bins (most bins of a part of the data are empty), the values not binned
         yet as one array."""
+        self._bin_kept()
         nonzero = np.flatnonzero(self._counts)
         counts = (nonzero.astype(np.int32), self._counts[nonzero]) if nonzero.size * 3 < self.num_bins \
             else self._counts
         buffer = (np.concatenate(self._buffer) if len(self._buffer) > 1 else self._buffer[0]) \
             if self._buffer else None
-        return (self.num_bins, counts, self.top, self.max_seen, self._pending_zeros, buffer)
+        return (self.num_bins, counts, self._top, self.max_seen, self._pending_zeros, buffer)
 
     def __setstate__(self, state) -> None:
-        self.num_bins, counts, self.top, self.max_seen, self._pending_zeros, buffer = state
+        self.num_bins, counts, self._top, self.max_seen, self._pending_zeros, buffer = state
         if isinstance(counts, tuple):
-            self._counts = np.zeros(self.num_bins, dtype=np.int64) if self.top else _no_counts(self.num_bins)
+            self._counts = np.zeros(self.num_bins, dtype=np.int64) if self._top else _no_counts(self.num_bins)
             if counts[0].size:
                 self._counts[counts[0]] = counts[1]
         else:
             self._counts = np.array(counts, dtype=np.int64)
         self._buffer = [] if buffer is None else [buffer]
         self._buffered = 0 if buffer is None else int(buffer.size)
+        self._kept = None
 
     def _copy(self) -> "AbsHistogram":
         copy = AbsHistogram(self.num_bins)
         copy._counts = np.array(self._counts)
-        copy.top, copy.max_seen, copy._pending_zeros = self.top, self.max_seen, self._pending_zeros
+        copy._top, copy.max_seen, copy._pending_zeros = self._top, self.max_seen, self._pending_zeros
         copy._buffer, copy._buffered = list(self._buffer), self._buffered
+        copy._kept = self._kept
         return copy
 
     @property
@@ -263,8 +313,9 @@ class AbsHistogram:
         return int(nonzero[-1]) + 1 if nonzero.size else 0
 
     def nbytes(self) -> int:
-        """Bytes held: the counts and at most ``num_bins`` buffered values."""
-        return int(self._counts.nbytes) + 8 * self.num_bins + 32
+        """Bytes held: the counts and at most ``num_bins`` buffered values (or the kept batch)."""
+        kept = 0 if self._kept is None else int(self._kept[0].nbytes)
+        return int(self._counts.nbytes) + max(8 * self.num_bins, kept) + 32
 
     def final(self, num_bins: int) -> "tuple[np.ndarray, float]":
         """Counts re-binned onto ``num_bins`` equal bins over ``[0, max_seen]``, and their width.
@@ -275,6 +326,14 @@ class AbsHistogram:
         """
         counts, widths = final_rows([self], num_bins)
         return counts[0], float(widths[0])
+
+
+def _top_for(new_max: float) -> float:
+    """The smallest power of two at or above ``new_max`` (> 0): a histogram's ``top``."""
+    top = float(2.0 ** np.ceil(np.log2(new_max)))
+    while top < new_max:  # guard against log2 rounding
+        top *= 2.0
+    return top
 
 
 _NO_COUNTS: dict = {}
@@ -298,22 +357,98 @@ def final_rows(hists, num_bins: int) -> "tuple[np.ndarray, np.ndarray]":
     The interpolation is ``np.interp``'s arithmetic written out for all rows (the running bins' edges
     are multiples of a power of two, so each position's bin is found exactly by a division): the same
     numbers as ``np.interp`` row by row, without a NumPy call per histogram.
+
+    The batches histograms kept (`AbsHistogram.update`'s ``keep``) are binned here, those of the same
+    size together (`_kept_rows`), into these counts only: the histograms keep them unbinned.
     """
-    for hist in hists:
-        hist._flush()
     rows, size = len(hists), hists[0].num_bins
-    counts = np.empty((rows, size), dtype=np.int64)
+    counts = _scratch("counts", (rows, size), np.int64)
+    tops = np.empty(rows, dtype=np.float64)
+    kept = _kept_rows(hists, counts, tops)
     for r, hist in enumerate(hists):
-        counts[r] = hist._counts
-    tops = np.array([hist.top for hist in hists], dtype=np.float64)
+        if r not in kept:
+            hist._flush()
+            counts[r] = hist._counts
+            tops[r] = hist._top
     peaks = np.array([hist.max_seen for hist in hists], dtype=np.float64)
-    cumulative = np.zeros((rows, size + 1))
-    np.cumsum(counts, axis=1, dtype=np.float64, out=cumulative[:, 1:])
+    cumulative = _scratch("cumulative", (rows, size + 1), np.float64)
+    cumulative[:, 0] = 0.0
+    # summed as integers, then converted: the same numbers as a float64 sum (every partial sum is a
+    # whole number below 2^53), without NumPy's casting loop
+    cumulative[:, 1:] = np.cumsum(counts, axis=1, out=counts)
     del counts
-    cumulative[:, 1:] += np.array([hist._pending_zeros for hist in hists], dtype=np.float64)[:, None]
+    zeros = [hist._pending_zeros for hist in hists]
+    if any(zeros):
+        cumulative[:, 1:] += np.array(zeros, dtype=np.float64)[:, None]
     steps = tops / size  # the running bins' width: a power of two
     at_edges = _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins)
     return np.diff(at_edges, axis=1), peaks / num_bins
+
+
+_SCRATCH = threading.local()
+#: The largest `_scratch` array kept for reuse, in elements (32 MB of float64).
+SCRATCH_ELEMENTS = 1 << 22
+
+
+def _scratch(name: str, shape: tuple, dtype) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` (contents undefined) that this thread reuses from call to
+    call under ``name``: `final_rows` runs once per group of histograms, and fresh arrays of a few MB
+    each time cost the kernel's page faults (as much again as the arithmetic on them, measured). The
+    largest asked for is kept, a few MB per thread for `onnx_qat.calibration.auto.analyze`'s groups."""
+    size = int(np.prod(shape))
+    if size > SCRATCH_ELEMENTS:  # a call over many more histograms than a group: not kept
+        return np.empty(shape, dtype=dtype)
+    arrays = getattr(_SCRATCH, "arrays", None)
+    if arrays is None:
+        arrays = _SCRATCH.arrays = {}
+    found = arrays.get(name)
+    if found is None or found.dtype != dtype or found.size < size:
+        found = arrays[name] = np.empty(size, dtype=dtype)
+    return found[:size].reshape(shape)
+
+
+def _kept_rows(hists, counts: np.ndarray, tops: np.ndarray) -> set:
+    """Bin the kept batches of ``hists`` that `final_rows` may bin together into ``counts[r]`` and
+    ``tops[r]`` (the histogram itself is not changed): ``{r}`` of the rows done.
+
+    A row qualifies when its histogram holds only a kept float32 batch (nothing binned, buffered or
+    zero before it) whose bin scale ``num_bins / top`` fits a float32 (`AbsHistogram._bin_index`'s
+    float32 arithmetic: every position is the product of a value and an exact power of two, one
+    rounding, whether one row or many are multiplied at once). Rows of the same size and sign are
+    binned in blocks: one multiplication, one conversion and one ``np.bincount`` per block instead
+    of one each per histogram."""
+    size = counts.shape[1]
+    groups: dict = {}
+    for r, hist in enumerate(hists):
+        kept = hist._kept
+        if kept is None or hist._buffer or hist._pending_zeros or hist._top != 0.0:
+            continue
+        values, peak, signed = kept
+        if values.dtype != np.float32:
+            continue
+        top = _top_for(peak)
+        factor = size / top
+        if not _FLOAT32_SCALE_FLOOR < factor < 1.0 / _FLOAT32_SCALE_FLOOR:
+            continue
+        groups.setdefault((values.size, signed), []).append((r, top, factor))
+    done = set()
+    for (length, signed), members in groups.items():
+        for block in row_blocks(len(members), max(length, size) // 16):  # a few MB at a time
+            part = members[block]
+            index = [r for r, _, _ in part]
+            stack = _scratch("values", (len(index), length), np.float32)
+            np.concatenate([hists[r]._kept[0] for r in index], out=stack.reshape(-1))
+            stack *= np.array([factor for _, _, factor in part], dtype=np.float32)[:, None]
+            if signed:
+                np.abs(stack, out=stack)
+            position = _scratch("bins", stack.shape, np.intp)
+            np.copyto(position, stack, casting="unsafe")  # as stack.astype(np.intp)
+            np.minimum(position, size - 1, out=position)
+            position += (np.arange(len(index), dtype=np.intp) * size)[:, None]
+            counts[index] = np.bincount(position.ravel(), minlength=len(index) * size).reshape(-1, size)
+            tops[index] = [top for _, top, _ in part]
+            done.update(index)
+    return done
 
 
 def _cumulative_at_edges(cumulative, tops, peaks, steps, num_bins: int) -> np.ndarray:
@@ -360,8 +495,8 @@ class HistogramCollector(RangeCollector):
     def update(self, magnitudes: np.ndarray) -> None:
         self.hist.update(magnitudes)
 
-    def update_values(self, values: np.ndarray, peak: float) -> None:
-        self.hist.update(values, peak=peak, signed=True)
+    def update_values(self, values: np.ndarray, peak: float, keep: bool = False) -> None:
+        self.hist.update(values, peak=peak, signed=True, keep=keep)
 
     def state_nbytes(self) -> int:
         return self.hist.nbytes()

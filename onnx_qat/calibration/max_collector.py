@@ -24,7 +24,7 @@ class MaxCollector(RangeCollector):
         if values.size:
             self._max = max(self._max, float(values.max()))
 
-    def update_values(self, values: np.ndarray, peak: float) -> None:
+    def update_values(self, values: np.ndarray, peak: float, keep: bool = False) -> None:
         self._max = max(self._max, float(peak))
 
     def amax(self) -> float:

@@ -106,21 +106,39 @@ def edge_mse_rows(counts: np.ndarray, edges: np.ndarray, *, prefix=None) -> np.n
     return np.concatenate([_edge_mse_block(n, edges[b], [p[b] for p in prefix]) for b in blocks])
 
 
+_LEVELS = np.arange(128, dtype=np.float64)
+_LOWER = _LEVELS - 0.5  # each level's lower bound, in steps
+
+
 def _edge_mse_block(n: int, edges: np.ndarray, prefix) -> np.ndarray:
+    """`edge_mse_rows` of one block of rows. Written with arrays reused in place (each operation as
+    the expression ``s2 - 2 at s1 + at^2 s0`` orders it: the same numbers as that expression, with a
+    third of its temporary arrays)."""
     rows = edges.shape[0]
     scale = edges / 127.0
-    levels = np.arange(128, dtype=np.float64)
     # bins below level q's lower bound (q - 0.5) s: the first center index at or above it
     bounds = np.empty(edges.shape + (129,), dtype=np.intp)
-    below = np.ceil((levels[None, None, :] - 0.5) * scale[:, :, None] - 0.5)
+    below = np.multiply(_LOWER[None, None, :], scale[:, :, None])
+    below -= 0.5
+    np.ceil(below, out=below)
     np.clip(below, 0, n, out=below)
     bounds[..., :128] = below
-    del below
     bounds[..., 128] = n
     bounds += (np.arange(rows, dtype=np.intp) * (n + 1))[:, None, None]  # flat indices into the prefixes
-    s0, s1, s2 = (np.subtract(g[..., 1:], g[..., :-1]) for g in (p.ravel().take(bounds) for p in prefix))
-    at = levels[None, None, :] * scale[:, :, None]
-    error = (s2 - 2.0 * at * s1 + at * at * s0).sum(axis=2)
+    sums = []
+    for p in prefix:
+        g = p.ravel().take(bounds)
+        sums.append(np.subtract(g[..., 1:], g[..., :-1], out=below))  # one array at a time
+        below = g[..., :-1]  # the next difference goes into this (a gathered array, no longer read)
+    s0, s1, s2 = sums
+    at = np.multiply(_LEVELS[None, None, :], scale[:, :, None])
+    term = np.multiply(2.0, at)
+    term *= s1
+    np.subtract(s2, term, out=term)  # s2 - 2 at s1
+    at *= at
+    at *= s0
+    term += at  # ... + at^2 s0
+    error = term.sum(axis=2)
     return np.maximum(error, 0.0) / np.maximum(prefix[0][:, -1:], 1.0)
 
 

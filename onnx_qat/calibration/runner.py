@@ -120,14 +120,14 @@ class TensorObserver:
             return
         values = np.concatenate(self._held) if len(self._held) > 1 else self._held[0]
         self._held, self._held_size = [], 0
-        self._reduce(values)
+        self._reduce(values, keep=True)  # the observer's own array: the collector may keep it
 
-    def _reduce(self, values: np.ndarray) -> None:
+    def _reduce(self, values: np.ndarray, keep: bool = False) -> None:
         low, high = float(values.min()), float(values.max())
         peak = max(-low, high)  # NaN when any value is NaN
         if peak < MASK_MAGNITUDE:  # False for NaN and Inf too
             self.low, self.high = min(self.low, low), max(self.high, high)
-            self.collector.update_values(values, peak)
+            self.collector.update_values(values, peak, keep=keep)
             return
         magnitudes = np.abs(values)
         keep = magnitudes < MASK_MAGNITUDE
@@ -409,7 +409,24 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
 
     This is all calibration does: choosing among ``auto``'s tables is the caller's (it holds the
     placement the tables are inserted with: `onnx_qat.calibration.choice.choose`).
+
+    Python's cyclic garbage collector is paused meanwhile (`onnx_qat.io.models.cyclic_gc_paused`): the
+    observers of tens of thousands of tensors and their analysis allocate ~10^5 containers, none of
+    them cyclic garbage, and each collection rescanned all of them (1.8 s of ``auto``'s CPU time on the
+    50,000-node benchmark graph).
     """
+    from ..io.models import cyclic_gc_paused
+
+    with cyclic_gc_paused():
+        return _collect(model, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
+                        batch_size=batch_size, progress=progress, workers=workers, fp16_grid=fp16_grid,
+                        entropy=entropy)
+
+
+def _collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: str, percentile: float,
+             num_bins: int, batch_size: int, progress: bool, workers, fp16_grid: bool,
+             entropy: bool) -> Calibration:
+    """`collect`'s work (see there)."""
     from ..runtime.stateful import carry_state, state_outputs
     from ..runtime.workers import worker_spec
     from .parallel import observe_split, split_reason

@@ -132,13 +132,14 @@ class ChunkedSession:
             if k < count and t in produced and produced[t] < k:
                 self.dead[k].append(t)
         self._constants: Dict[str, np.ndarray] = {}
+        self._constant_marks: Dict[str, tuple] = {}  # `FIXED` on every axis of each held input
         self._binds = 0  # `bind` calls so far
 
     def _input_marks(self, feed: Mapping[str, np.ndarray]) -> Dict[str, tuple]:
         """The marks (`BATCH`, `FIXED`) of every axis of the graph inputs in ``feed`` and of the inputs
         held by `bind` (all fixed): each fed input's declared batch axis (`batch_axis`, else the
         first) is `BATCH` unless the model fixes that dimension."""
-        marks = {t: (FIXED,) * np.ndim(v) for t, v in self._constants.items()}
+        marks = dict(self._constant_marks)
         for t, value in feed.items():
             axis, declared = self.batch_axis.get(t, 0), self._declared.get(t)
             fixed = declared is not None and axis < len(declared) and declared[axis] is not None
@@ -189,7 +190,10 @@ class ChunkedSession:
         """Hold ``constants`` (graph input name -> array, e.g. a table's scales) as inputs of every
         following `run`, in place of those held before; a run's feed need not repeat them. Each
         piece's sessions receive them once (onnxruntime's IOBinding), not with every run."""
-        self._constants = {name: np.ascontiguousarray(value) for name, value in constants.items()}
+        # np.require keeps a scalar a scalar (np.ascontiguousarray makes it an array of one value, whose
+        # shape every run would then compare to tell the pieces' sessions apart)
+        self._constants = {name: np.require(value, requirements="C") for name, value in constants.items()}
+        self._constant_marks = {t: (FIXED,) * np.ndim(v) for t, v in self._constants.items()}
         self._binds += 1
         for piece in self.pieces:
             piece.bound = tuple(t for t in piece.inputs if t in self._constants)

@@ -384,3 +384,46 @@ def test_final_rows_are_np_interp_row_by_row(scale):
                 below = cumulative[index - 1] if index else 0.0
                 inside = (target - below) / counts[row][index] if counts[row][index] else 1.0
                 assert rows[row] == (index + inside) * widths[row]
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e30])
+def test_kept_batches_give_the_counts_of_batches_binned_at_once(scale):
+    """A batch handed over with ``keep`` (binned when first needed, `final_rows` many at once without
+    storing them) and a buffer filled by small batches or merges (kept whole) give the counts, tops and
+    final rows of histograms that binned them at once, whatever is read first."""
+    from onnx_qat.calibration.collector import final_rows
+
+    rng = np.random.default_rng(int(np.log10(scale) + 40))
+    batches = [(rng.standard_t(3, 2048) * scale * (1 + i)).astype(np.float32 if i % 4 else np.float64)
+               for i in range(8)]
+    batches[2][:] = 2.0 ** 3  # a power of two at the top: its own bin only when binned alone
+    kept, at_once, small, merged = ([AbsHistogram(2048) for _ in batches] for _ in range(4))
+    for values, k, a, s, m in zip(batches, kept, at_once, small, merged):
+        peak = float(np.abs(values).max())
+        k.update(values, peak=peak, signed=True, keep=True)
+        a.update(values, peak=peak, signed=True)
+        for part in np.array_split(values, 5):
+            s.update(part, peak=float(np.abs(part).max()), signed=True, keep=True)
+            other = AbsHistogram(2048)
+            other.update(np.abs(part))
+            m.merge(other)
+        assert k._kept is not None and s._kept is not None and m._kept is not None
+    got = final_rows(kept, 2048)
+    want = final_rows(at_once, 2048)
+    for rows in (final_rows(small, 2048), final_rows(merged, 2048), got):
+        np.testing.assert_array_equal(rows[0], want[0])
+        np.testing.assert_array_equal(rows[1], want[1])
+    # final_rows binned the float32 batches without storing their counts (float64 ones were binned one
+    # by one, into the histogram)
+    assert [k._kept is not None for k in kept] == [v.dtype == np.float32 for v in batches]
+    for k, s, a in zip(kept, small, at_once):
+        assert k.top == a.top and s.top == a.top and k._kept is None
+        np.testing.assert_array_equal(k.counts, a.counts)
+        np.testing.assert_array_equal(s.counts, a.counts)
+    again = AbsHistogram(2048)
+    again.update(batches[0], peak=float(np.abs(batches[0]).max()), signed=True, keep=True)
+    again.update(np.abs(batches[1]))  # a later batch bins the kept one first: as binned one by one
+    one_by_one = AbsHistogram(2048)
+    one_by_one.update(np.abs(batches[0]))
+    one_by_one.update(np.abs(batches[1]))
+    np.testing.assert_array_equal(again.counts, one_by_one.counts)

@@ -36,8 +36,9 @@ def _judged(monkeypatch, model, data, fold: bool, **options):
         return seen[-1]
 
     monkeypatch.setattr(choice, "choose", recording)
-    if not fold:
+    if not fold:  # every weight's DequantizeLinear left in the judged model
         monkeypatch.setattr(choice, "_fold_dequantize_edits", lambda edit, nodes: None)
+        monkeypatch.setattr(choice, "_dequantized_weights", lambda *args: {})
     onnx_qat.quantize(model, data=data, method="auto", progress=False, **options)
     monkeypatch.undo()
     assert len(seen) == 1

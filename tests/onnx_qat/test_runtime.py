@@ -115,3 +115,30 @@ def test_large_initializers_no_node_reads_or_only_a_subgraph_reads_do_not_break_
     feeds = {"input": -np.abs(random_inputs(model)["input"]) - 1}
     np.testing.assert_allclose(make_session(model).run(None, feeds)[0], run(model, feeds)[0], rtol=1e-4,
                                atol=1e-4)
+
+
+def test_small_weights_stay_serialized_within_the_budget_with_the_same_outputs(monkeypatch):
+    """Weights from IN_MEMORY_WEIGHT_BYTES up to SERIALIZED_WEIGHT_BYTES stay serialized while their bytes
+    fit the budget; past it, and above that size, they reach onnxruntime as arrays; the outputs are the
+    same bit for bit."""
+    from onnx_qat.runtime import sessions
+    from tests.builders import mobilenet_v2_model, random_inputs
+
+    model = mobilenet_v2_model(size=16, batch=1)
+    feeds = random_inputs(model)
+    sized = [len(t.raw_data) for t in model.graph.initializer
+             if len(t.raw_data) >= sessions.IN_MEMORY_WEIGHT_BYTES]
+    small = [size for size in sized if size <= sessions.SERIALIZED_WEIGHT_BYTES]
+    assert len(small) > 1 and len(sized) > len(small)
+    serialized = make_session(model)
+    monkeypatch.setattr(sessions, "SERIALIZED_WEIGHT_BUDGET", small[0])  # the first fits, no other
+    some = make_session(model)
+    monkeypatch.setattr(sessions, "SERIALIZED_WEIGHT_BYTES", 0)
+    arrays = make_session(model)
+    assert len(serialized._onnx_qat_weights) == len(sized) - len(small)
+    assert len(some._onnx_qat_weights) == len(sized) - 1
+    assert len(arrays._onnx_qat_weights) == len(sized)
+    want = serialized.run(None, feeds)
+    for session in (some, arrays):
+        for got, expected in zip(session.run(None, feeds), want):
+            np.testing.assert_array_equal(got, expected)
