@@ -432,30 +432,75 @@ _QUANT_KERNELS = frozenset({"int8", "fp8"})
 
 
 def fused_tensors(model) -> FrozenSet[str]:
-    """The main-graph float tensors of ``model`` TensorRT computes inside a fused INT8/FP8 kernel and
-    never stores in a float type.
+    """The float tensors of ``model`` TensorRT computes inside a fused INT8/FP8 kernel and never stores
+    in a float type, in the main graph and in every If/Loop/Scan body: a main-graph tensor by its name,
+    a body's as ``parent/attribute/tensor`` (the prefix `onnx-qat check` names the body's nodes with;
+    sibling bodies, such as an If's two branches, may use the same tensor names).
 
     A tensor is one when its producer runs quantized (an INT8/FP8 Conv/Gemm/MatMul, an op fused into
     one, a quantizable op fused with its DQ and Q nodes, a data-movement op on quantized data, or a
     DequantizeLinear that is not left standalone by rule U2) and every reader of it is a
-    QuantizeLinear or runs quantized too, and it is no graph output. Such a kernel reads the INT8/FP8
+    QuantizeLinear or runs quantized too, and it leaves its graph by no path: it is no output of its
+    graph (of its body, for a body's tensor) and no body nested in its graph reads it (a body's reads
+    from enclosing graphs are stored for it, as graph inputs are). Such a kernel reads the INT8/FP8
     data, accumulates in INT32/FP32 and, when a QuantizeLinear follows, writes INT8/FP8 directly: the
     DQ outputs, the accumulator, the fused BatchNormalization/activation/residual Add results between
     them never exist as FP16/BF16 tensors ([TRT-EQ], "Q/DQ Layer-Placement Recommendations": when the
     output of a fused convolution is quantized, the trailing Q layer is fused with it and its output
-    is INT8; a quantizable op is fused with its input DQ and output Q nodes).
+    is INT8; a quantizable op is fused with its input DQ and output Q nodes). The same rules hold in
+    each body, whose tensors read from enclosing graphs count as its graph inputs.
     """
     from ..io.models import cyclic_gc_paused, default_opset
     from .index import _all_graphs
 
+    found = set()
     with cyclic_gc_paused():
-        g = _all_graphs(model, default_opset(model), None)[0]
-        builder = _Builder(g, _Types(g, None))
-        for i in range(len(g.ops)):
-            decided = builder.decide(i)
-            if decided is not None:
-                builder.precision[i] = decided
-        standalone = {u.node for u in _unfused(g, builder, True)}
+        graphs = _all_graphs(model, default_opset(model), None)
+        parents = _parents(graphs)
+        escaping = _read_by_bodies(graphs, parents)
+        types: List[_Types] = []
+        for number, g in enumerate(graphs):
+            parent = parents[number]
+            types.append(_Types(g, types[parent] if parent is not None else None))
+            found.update(g.prefix + t for t in _fused_in(g, types[number], number == 0, escaping[number]))
+    return frozenset(found)
+
+
+def _parents(graphs) -> List[Optional[int]]:
+    """The place in ``graphs`` (`_all_graphs`' list: depth first, each body after its enclosing graph)
+    of each graph's enclosing graph (None for the main graph): the nearest one before it whose prefix
+    starts its own, as `build_precision_map` pairs them."""
+    parents: List[Optional[int]] = []
+    open_graphs: List[int] = []  # the graphs enclosing the one at hand, innermost last
+    for number, g in enumerate(graphs):
+        while open_graphs and not (g.prefix.startswith(graphs[open_graphs[-1]].prefix)
+                                   and graphs[open_graphs[-1]].prefix != g.prefix):
+            open_graphs.pop()
+        parents.append(open_graphs[-1] if open_graphs else None)
+        open_graphs.append(number)
+    return parents
+
+
+def _read_by_bodies(graphs, parents) -> List[set]:
+    """For each graph of ``graphs``, the names the bodies nested in it (at any depth) read or return
+    from outside themselves: the tensors of enclosing graphs a body uses."""
+    reads: List[set] = [set() for _ in graphs]
+    for number in range(len(graphs) - 1, 0, -1):  # each body before the graph enclosing it
+        g = graphs[number]
+        used = set(chain.from_iterable(g.node_inputs)) | g.outputs | reads[number]
+        own = set(g.producer) | {vi.name for vi in g.graph.input} | {t.name for t in g.graph.initializer}
+        reads[parents[number]] |= used - own
+    return reads
+
+
+def _fused_in(g, types: _Types, is_main: bool, escaping) -> Iterator[str]:
+    """The tensors of one graph `fused_tensors` lists (unprefixed); ``escaping``: those its bodies read."""
+    builder = _Builder(g, types)
+    for i in range(len(g.ops)):
+        decided = builder.decide(i)
+        if decided is not None:
+            builder.precision[i] = decided
+    standalone = {u.node for u in _unfused(g, builder, is_main)}
     quantized = set()
     for i in range(len(g.ops)):
         record = g.qdq_at.get(i)
@@ -465,15 +510,13 @@ def fused_tensors(model) -> FrozenSet[str]:
                 quantized.add(i)
         elif builder.precision.get(i, ("",))[0] in _QUANT_KERNELS:
             quantized.add(i)
-    found = set()
     for i in quantized:
         for out in g.graph.node[i].output:
             readers = builder.readers(out)
-            if not out or out in g.outputs or not readers:
+            if not out or out in g.outputs or out in escaping or not readers:
                 continue
             if all(r in quantized or getattr(g.qdq_at.get(r), "is_q", False) for r in readers):
-                found.add(out)
-    return frozenset(found)
+                yield out
 
 
 def _kept_reason(node) -> Optional[str]:

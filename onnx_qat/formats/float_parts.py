@@ -1654,20 +1654,33 @@ def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None, fusions: bo
     if low_tensors is None:
         types = tensor_types(model)
         low_tensors = {t for t, ty in types.items() if ty == low.onnx_type}
-    if fusions:
-        low_tensors = set(low_tensors) - fused_tensors(model)
+    fused = fused_tensors(model) if fusions else frozenset()  # body tensors as parent/attribute/tensor
 
     out = onnx.ModelProto()
     out.CopyFrom(model)
     used = model_names(out)
     # innermost bodies first: rebuilding a graph's node list copies its nodes, bodies included
-    for g in reversed(all_graphs(out)):
-        _emulate_graph(g, low, low_tensors, used)
+    for prefix, g in reversed(_graphs_outer_first(out)):
+        _emulate_graph(g, low, low_tensors, used, fused, prefix)
     return out
 
 
-def _emulate_graph(g: onnx.GraphProto, low: LowType, low_tensors, used: set) -> None:
-    """`_emulate` of one graph (its bodies are visited on their own)."""
+def _graphs_outer_first(model: onnx.ModelProto) -> List[Tuple[str, onnx.GraphProto]]:
+    """``(prefix, graph)`` of the main graph (prefix ``""``) and of every body, in `all_graphs`' order;
+    ``prefix``: ``parent/attribute/``, `body_prefix`."""
+    found, queue = [], [("", model.graph)]
+    while queue:
+        prefix, graph = queue.pop(0)
+        found.append((prefix, graph))
+        for i, node in enumerate(graph.node):
+            queue.extend((body_prefix(prefix, node, i, attr), body) for attr, _, body in subgraphs_of(node))
+    return found
+
+
+def _emulate_graph(g: onnx.GraphProto, low: LowType, low_tensors, used: set, fused=frozenset(),
+                   prefix: str = "") -> None:
+    """`_emulate` of one graph (its bodies are visited on their own); ``fused``: the tensors left unrounded,
+    named as `fused_tensors` names them (``prefix``: the graph's, ``""`` for the main graph)."""
     from ..io.models import tensor_array
 
     for t in g.initializer:
@@ -1685,7 +1698,7 @@ def _emulate_graph(g: onnx.GraphProto, low: LowType, low_tensors, used: set) -> 
                 attr.t.CopyFrom(onnx.numpy_helper.from_array(np.asarray(tensor_array(attr.t), np.float32)))
         nodes.append(node)
         for i, t in enumerate(node.output):
-            if t and t in low_tensors:
+            if t and t in low_tensors and prefix + t not in fused:
                 raw = fresh_name(f"{t}/exact", used)
                 node.output[i] = raw
                 mid = fresh_name(f"{t}/rounded", used)
