@@ -1626,7 +1626,8 @@ def emulate_in_fp32(model: onnx.ModelProto, float_dtype=None, *, fusions: bool =
     never stores are not rounded
     (``onnx_qat.check.precision.fused_tensors``: the DequantizeLinear outputs a
     quantized Conv/Gemm/MatMul reads, its accumulator and the fused BatchNormalization, activation
-    and residual Add results up to the QuantizeLinear that requantizes them); ``fusions=False``
+    and residual Add results up to the QuantizeLinear that requantizes them, in the main graph and in
+    every If/Loop/Scan body); ``fusions=False``
     rounds every FP16/BF16 tensor, stricter than TensorRT.
 
     This is what the measurement of [`cast_float_parts`][onnx_qat.formats.float_parts.cast_float_parts] runs,
