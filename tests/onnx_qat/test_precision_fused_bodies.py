@@ -42,18 +42,23 @@ def _weight(nodes, inits, rng, name, shape):
     return f"{name}d"
 
 
+def _conv_relu_qdq(nodes, inits, rng, source: str, prefix: str):
+    """``source`` -> Q/DQ (``prefix``) -> Conv w1 -> ``c`` -> Relu -> ``r`` -> Q/DQ: ``(r's DQ output, a
+    second weight w2's DQ output)`` for the Conv that follows."""
+    sd = _qdq(nodes, inits, source, 0.02, prefix)
+    w1 = _weight(nodes, inits, rng, "w1", [4, 4, 3, 3])
+    nodes += [helper.make_node("Conv", [sd, w1], ["c"], pads=[1, 1, 1, 1], name="conv1"),
+              helper.make_node("Relu", ["c"], ["r"], name="relu1")]
+    return _qdq(nodes, inits, "r", 0.03, "r"), _weight(nodes, inits, rng, "w2", [4, 4, 3, 3])
+
+
 def _branch(rng, stored_relu: bool, outer: str = "m") -> onnx.GraphProto:
     """Relu(md) -> Q/DQ -> Conv w1 -> Relu -> Q/DQ -> Conv w2 -> output; with ``stored_relu`` the inner Relu
     output ``r`` is also read by a Sigmoid (a float op), added to ``outer`` (the main graph's Conv output
     ``m`` by default). Both branches name their tensors alike."""
     nodes, inits = [], []
     nodes.append(helper.make_node("Relu", ["md"], ["h"], name="pre"))
-    hd = _qdq(nodes, inits, "h", 0.02, "h")
-    w1 = _weight(nodes, inits, rng, "w1", [4, 4, 3, 3])
-    nodes += [helper.make_node("Conv", [hd, w1], ["c"], pads=[1, 1, 1, 1], name="conv1"),
-              helper.make_node("Relu", ["c"], ["r"], name="relu1")]
-    rd = _qdq(nodes, inits, "r", 0.03, "r")
-    w2 = _weight(nodes, inits, rng, "w2", [4, 4, 3, 3])
+    rd, w2 = _conv_relu_qdq(nodes, inits, rng, "h", "h")
     if not stored_relu:
         nodes.append(helper.make_node("Conv", [rd, w2], ["y_b"], pads=[1, 1, 1, 1], name="conv2"))
     else:
@@ -107,12 +112,7 @@ def test_fused_tensors_in_a_loop_body_see_its_carried_state_as_stored():
     (the body's output) is not."""
     rng = np.random.default_rng(3)
     nodes, inits = [helper.make_node("Identity", ["go"], ["go_out"], name="keep")], []
-    vd = _qdq(nodes, inits, "v_in", 0.02, "v")
-    w1 = _weight(nodes, inits, rng, "w1", [4, 4, 3, 3])
-    nodes += [helper.make_node("Conv", [vd, w1], ["c"], pads=[1, 1, 1, 1], name="conv1"),
-              helper.make_node("Relu", ["c"], ["r"], name="relu1")]
-    rd = _qdq(nodes, inits, "r", 0.03, "r")
-    w2 = _weight(nodes, inits, rng, "w2", [4, 4, 3, 3])
+    rd, w2 = _conv_relu_qdq(nodes, inits, rng, "v_in", "v")
     nodes.append(helper.make_node("Conv", [rd, w2], ["v_out"], pads=[1, 1, 1, 1], name="conv2"))
     vi = [helper.make_tensor_value_info(n, t, s) for n, t, s in
           (("i", TensorProto.INT64, []), ("go", TensorProto.BOOL, []), ("v_in", F, [1, 4, 8, 8]))]
