@@ -372,7 +372,8 @@ def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *
 
 
 def _dequantized_weights(edit, placement, target, precision) -> Dict[tuple, tuple]:
-    """``{(tensor, axis): (dequantized float32 array, its marks)}`` of the weight marks of ``placement``
+    """``{(tensor, axis): (dequantized float32 array, its marks, the Constant/Identity nodes making the
+    weight)}`` of the weight marks of ``placement``
     (main graph) that the inserter quantizes from their own values in batches
     (`onnx_qat.insertion.inserter.quantize_small_weights`: INT8, small float32 weights; the
     target's ``weight_scale_grid`` as the inserter takes it): each weight's codes times its scale in
@@ -391,9 +392,9 @@ def _dequantized_weights(edit, placement, target, precision) -> Dict[tuple, tupl
     for mark in placement.weights:
         marks.setdefault((mark.tensor, mark.axis), []).append(mark)
     grid = get_target(target).weight_scale_grid == "fp16"
-    ready = quantize_small_weights(edit, list(marks), ScaleTable({}), INT8_QRANGE, grid)
+    ready = quantize_small_weights(edit, list(marks), ScaleTable({}), INT8_QRANGE, grid, constants=True)
     shapes: Dict[tuple, list] = {}
-    for key, (q, scale, _) in ready.items():
+    for key, (q, scale, _, constant) in ready.items():
         axis = key[1]
         if axis is None:
             if scale.size != 1:
@@ -403,14 +404,14 @@ def _dequantized_weights(edit, placement, target, precision) -> Dict[tuple, tupl
             broadcast = [1] * q.ndim
             broadcast[axis % q.ndim] = -1
             broadcast = tuple(broadcast)
-        shapes.setdefault((q.shape, q.dtype, broadcast, scale.size), []).append((key, q, scale))
+        shapes.setdefault((q.shape, q.dtype, broadcast, scale.size), []).append((key, q, scale, constant[2]))
     judged = {}
     for (shape, _, broadcast, _), items in shapes.items():
-        codes = np.stack([q for _, q, _ in items]).astype(np.float32)
-        scales = np.stack([np.asarray(s, np.float32).reshape(broadcast) for _, _, s in items])
+        codes = np.stack([q for _, q, _, _ in items]).astype(np.float32)
+        scales = np.stack([np.asarray(s, np.float32).reshape(broadcast) for _, _, s, _ in items])
         values = np.multiply(codes, scales, dtype=np.float32)
-        for (key, _, _), row in zip(items, values):
-            judged[key] = (row, marks[key])
+        for (key, _, _, chain), row in zip(items, values):
+            judged[key] = (row, marks[key], chain)
     return judged
 
 
@@ -430,7 +431,7 @@ def _use_weights(edit, placement, judged: Mapping[tuple, tuple]) -> None:
         for mark in judged[key][1]:
             node = by_name[mark.node] if mark.node in by_name else edit.node(mark.node)
             node.input[mark.input_index] = name
-        _, _, chain = edit.constant(tensor)
+        chain = judged[key][2]
         if chain:
             edit.release_if_unread(initializers=[t for n in chain for t in n.input
                                                  if edit.initializer(t) is not None], nodes=chain)

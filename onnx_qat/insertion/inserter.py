@@ -120,13 +120,17 @@ _BATCH_VALUES = 1 << 18
 
 
 def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int] = INT8_QRANGE,
-                           fp16_grid: bool = False):
+                           fp16_grid: bool = False, constants: bool = False):
     """``(tensor, axis) -> (q, scale, amax)`` for the small float32 weights among ``keys`` whose range
     comes from their values (no ScaleTable entry), quantized with one NumPy call per batch of equal
     shapes: the same numbers as `quantize_weight` one by one (with its ``fp16_grid``), without its
     per-call cost, which dominates for the 10^4-10^5 tiny weights of a large graph. Other weights are
-    left out."""
+    left out. ``constants``: each value then ends with the weight's `GraphEdit.constant` ``(values,
+    TensorProto, the nodes making it)`` as a fourth item (what a caller replacing the weight releases,
+    without reading the weight again)."""
     ready = _quantize_small(edit, keys, scales, qrange, fp16_grid)
+    if constants:
+        return {key: _arrays(found) + (found[2],) for key, found in ready.items()}
     return {key: _arrays(found) for key, found in ready.items()}
 
 
