@@ -12,9 +12,11 @@ model and placement its caller already holds (the rewrite behind
 
 * one Q/DQ model: the placement's main-graph marks inserted by the one inserter
   (`onnx_qat.insertion.inserter.insert_qdq_pairs`) into a copy of the model, each activation pair's
-  scale a graph input instead of a constant, and each constant int8/uint8 weight's DequantizeLinear
-  computed once into a float32 initializer (the same for every table; the small INT8 weights
-  quantized and dequantized in batches, without a DequantizeLinear made for each, `judge_model`);
+  scale a graph input instead of a constant and its zero point one initializer per value (the pairs
+  made so by the inserter, ``scale_inputs``, all at once from its templates as wire bytes), and each
+  constant int8/uint8 weight's DequantizeLinear computed once into a float32 initializer (the same for
+  every table; the small INT8 weights quantized and dequantized in batches, without a
+  DequantizeLinear made for each, `judge_model`);
 * one set of sessions for it, piece by piece (`onnx_qat.runtime.chunked.ChunkedSession`: their cost
   grows linearly with the graph), graph optimisations off: exact Q/DQ arithmetic, as TensorRT
   computes it;
