@@ -12,9 +12,11 @@ model and placement its caller already holds (the rewrite behind
 
 * one Q/DQ model: the placement's main-graph marks inserted by the one inserter
   (`onnx_qat.insertion.inserter.insert_qdq_pairs`) into a copy of the model, each activation pair's
-  scale a graph input instead of a constant, and each constant int8/uint8 weight's DequantizeLinear
-  computed once into a float32 initializer (the same for every table; the small INT8 weights
-  quantized and dequantized in batches, without a DequantizeLinear made for each, `judge_model`);
+  scale a graph input instead of a constant and its zero point one initializer per value (the pairs
+  made so by the inserter, ``scale_inputs``, all at once from its templates as wire bytes), and each
+  constant int8/uint8 weight's DequantizeLinear computed once into a float32 initializer (the same for
+  every table; the small INT8 weights quantized and dequantized in batches, without a
+  DequantizeLinear made for each, `judge_model`);
 * one set of sessions for it, piece by piece (`onnx_qat.runtime.chunked.ChunkedSession`: their cost
   grows linearly with the graph), graph optimisations off: exact Q/DQ arithmetic, as TensorRT
   computes it;
@@ -334,6 +336,12 @@ def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *
     DequantizeLinear computed once into a float32 initializer: ``(model, {activation tensor: input
     name})``.
 
+    The activation pairs are made in that form by the one inserter (``scale_inputs``: each pair reads
+    its scale from ``<tensor>_scale_input`` and one zero-point initializer per value), all at once from
+    its per-form templates into an edit holding new nodes as bytes (``GraphEdit(..., encoded=True)``),
+    instead of each pair made with its own scale and zero point and then pointed at an input and a
+    shared zero point.
+
     The small INT8 weights whose range comes from their values (all of them on most CNNs) are
     quantized together and dequantized together (`_dequantized_weights`), their marked inputs then
     reading the result: what inserting each weight's DequantizeLinear and computing it
@@ -341,41 +349,43 @@ def judge_model(model: onnx.ModelProto, placement, table: Mapping[str, float], *
     made for each and then dropped. The other weights are inserted and folded so.
 
     All are edits of the one insertion, made before its commit: the commit then leaves out the
-    integer weights and the activation scales nothing reads any more, with no further pass over the
-    model's nodes or initializers."""
+    integer weights nothing reads any more, with no further pass over the model's nodes or
+    initializers."""
     from ..graph.edit import GraphEdit
     from ..insertion.inserter import insert_qdq_pairs
     from ..scales import ScaleTable
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    edit = GraphEdit(copy)
+    edit = GraphEdit(copy, encoded=True)
     judged = _dequantized_weights(edit, placement, target, precision)
     kept = tuple(m for m in placement.weights if (m.tensor, m.axis) not in judged)
     inserted = insert_qdq_pairs(edit, replace(placement, subgraphs=(), weights=kept),
-                                ScaleTable(dict(table)), target, precision=precision, block_size=block_size)
+                                ScaleTable(dict(table)), target, precision=precision, block_size=block_size,
+                                scale_inputs=True)
     _use_weights(edit, placement, judged)
-    live = edit.live_nodes()
-    _fold_dequantize_edits(edit, live)
-    pairs = {r["quantize_node"]: r["dequantize_node"] for r in inserted.activations}
-    wanted = set(pairs) | set(pairs.values())
-    by_name = {n.name: n for n in live if n.name in wanted}
-    records = inserted.activations
-    scales = [by_name[r["quantize_node"]].input[1] for r in records]
-    inputs = edit.fresh_names([f"{name}_input" for name in scales])
-    for record, scale, name in zip(records, scales, inputs):  # the pair reads its scale from an input
-        by_name[record["quantize_node"]].input[1] = name
-        by_name[record["dequantize_node"]].input[1] = name
-    edit.release_if_unread(initializers=scales)
-    _share_zero_points(edit, [(by_name[r["quantize_node"]], by_name[r["dequantize_node"]]) for r in records])
+    if inserted.weights or any(n.op_type == "DequantizeLinear" for n in edit.nodes):
+        _fold_dequantize_edits(edit, edit.live_nodes())
     judge = edit.commit()
-    judge.graph.input.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [])
-                             for n in sorted(set(inputs)))
-    return judge, {r["tensor"]: name for r, name in zip(records, inputs)}
+    records = inserted.activations
+    _add_scalar_inputs(judge.graph, sorted({r["scale_input"] for r in records}))
+    return judge, {r["tensor"]: r["scale_input"] for r in records}
+
+
+def _add_scalar_inputs(graph: onnx.GraphProto, names) -> None:
+    """Append a float32 scalar graph input named each of ``names`` to ``graph``: the ValueInfoProtos of
+    ``onnx.helper.make_tensor_value_info(name, FLOAT, [])``, parsed in at once from their bytes (its type's
+    bytes and each name's) instead of made one message each."""
+    from ..graph.wire import field, framed, string
+
+    kind = field(b"\x12", onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, []).type
+                 .SerializeToString())
+    graph.MergeFromString(framed(b"\x5a", [string(b"\x0a", name) + kind for name in names]))  # field 11
 
 
 def _dequantized_weights(edit, placement, target, precision) -> Dict[tuple, tuple]:
-    """``{(tensor, axis): (dequantized float32 array, its marks)}`` of the weight marks of ``placement``
+    """``{(tensor, axis): (dequantized float32 array, its marks, the Constant/Identity nodes making the
+    weight)}`` of the weight marks of ``placement``
     (main graph) that the inserter quantizes from their own values in batches
     (`onnx_qat.insertion.inserter.quantize_small_weights`: INT8, small float32 weights; the
     target's ``weight_scale_grid`` as the inserter takes it): each weight's codes times its scale in
@@ -394,9 +404,9 @@ def _dequantized_weights(edit, placement, target, precision) -> Dict[tuple, tupl
     for mark in placement.weights:
         marks.setdefault((mark.tensor, mark.axis), []).append(mark)
     grid = get_target(target).weight_scale_grid == "fp16"
-    ready = quantize_small_weights(edit, list(marks), ScaleTable({}), INT8_QRANGE, grid)
+    ready = quantize_small_weights(edit, list(marks), ScaleTable({}), INT8_QRANGE, grid, constants=True)
     shapes: Dict[tuple, list] = {}
-    for key, (q, scale, _) in ready.items():
+    for key, (q, scale, _, constant) in ready.items():
         axis = key[1]
         if axis is None:
             if scale.size != 1:
@@ -406,14 +416,14 @@ def _dequantized_weights(edit, placement, target, precision) -> Dict[tuple, tupl
             broadcast = [1] * q.ndim
             broadcast[axis % q.ndim] = -1
             broadcast = tuple(broadcast)
-        shapes.setdefault((q.shape, q.dtype, broadcast, scale.size), []).append((key, q, scale))
+        shapes.setdefault((q.shape, q.dtype, broadcast, scale.size), []).append((key, q, scale, constant[2]))
     judged = {}
     for (shape, _, broadcast, _), items in shapes.items():
-        codes = np.stack([q for _, q, _ in items]).astype(np.float32)
-        scales = np.stack([np.asarray(s, np.float32).reshape(broadcast) for _, _, s in items])
+        codes = np.stack([q for _, q, _, _ in items]).astype(np.float32)
+        scales = np.stack([np.asarray(s, np.float32).reshape(broadcast) for _, _, s, _ in items])
         values = np.multiply(codes, scales, dtype=np.float32)
-        for (key, _, _), row in zip(items, values):
-            judged[key] = (row, marks[key])
+        for (key, _, _, chain), row in zip(items, values):
+            judged[key] = (row, marks[key], chain)
     return judged
 
 
@@ -433,34 +443,12 @@ def _use_weights(edit, placement, judged: Mapping[tuple, tuple]) -> None:
         for mark in judged[key][1]:
             node = by_name[mark.node] if mark.node in by_name else edit.node(mark.node)
             node.input[mark.input_index] = name
-        _, _, chain = edit.constant(tensor)
+        chain = judged[key][2]
         if chain:
             edit.release_if_unread(initializers=[t for n in chain for t in n.input
                                                  if edit.initializer(t) is not None], nodes=chain)
         else:
             edit.release_if_unread(initializers=(tensor,))
-
-
-def _share_zero_points(edit, pairs) -> None:
-    """Point every activation pair of ``pairs`` (``(QuantizeLinear, DequantizeLinear)`` nodes of ``edit``)
-    whose zero point is a scalar initializer at one initializer per distinct value (the inserter makes
-    one per pair, all alike): the same values, and a tenth less time for onnxruntime to build each
-    piece's session (a thousand fewer initializers per piece of the residual nets). The others are
-    left out at the commit."""
-    first: Dict[tuple, str] = {}
-    shared = []
-    for q, dq in pairs:
-        name = q.input[2] if len(q.input) > 2 else ""
-        tensor = edit.initializer(name) if name else None
-        if tensor is None or tensor.dims:
-            continue
-        kept = first.setdefault((tensor.data_type, tensor.raw_data, tuple(tensor.int32_data)), name)
-        if kept != name:
-            for node in (q, dq):
-                if len(node.input) > 2 and node.input[2] == name:
-                    node.input[2] = kept
-            shared.append(name)
-    edit.release_if_unread(initializers=shared)
 
 
 #: Integer element types whose DequantizeLinear `_fold_dequantize_edits` computes (int8, uint8).
@@ -474,29 +462,31 @@ def _fold_dequantize_edits(edit, nodes) -> None:
     node's output name, the same for every table judged, so computed once instead of in every run,
     and a fifth fewer nodes for the pieces' sessions to build (on the benchmark's residual nets).
     ``(x - zero_point) * scale`` in float32 is the operator's definition, one rounding as onnxruntime
-    computes it; blocked (``block_size``) and other element types stay as they are. The node then
-    writes a tensor nothing reads, and the commit leaves it out, with the integer weight, scale and
-    zero point once nothing else reads them."""
+    computes it; blocked (``block_size``) and other element types stay as they are. The node is left
+    out (`GraphEdit.remove`: an original node, or a new one the inserter queued, held as bytes or not),
+    and the commit leaves out the integer weight, scale and zero point once nothing else reads them."""
+    from ..graph.wire import EncodedNode
+
     folded = []
     for node in nodes:
-        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or \
+                edit.initializer(node.input[0]) is None:  # an activation pair's: its input is computed
             continue
         tensors = [edit.initializer(name) if name else None for name in node.input]
         if any(name and tensor is None for name, tensor in zip(node.input, tensors)):
             continue
+        proto = node.proto() if type(node) is EncodedNode else node  # its attributes
         if tensors[0].data_type not in _FOLDED_TYPES or tensors[1].data_type != onnx.TensorProto.FLOAT or \
-                any(a.name == "block_size" and a.i for a in node.attribute):
+                any(a.name == "block_size" and a.i for a in proto.attribute):
             continue
-        folded.append((node, _dequantized(node, *tensors[:3], *([None] * (3 - len(tensors))))))
+        folded.append((node, _dequantized(proto, *tensors[:3], *([None] * (3 - len(tensors))))))
     if not folded:
         return
-    unread = edit.fresh_names([f"{node.output[0]}_unread" for node, _ in folded])
+    for node, _ in folded:
+        edit.remove(node)
     edit.add_initializers([node.output[0] for node, _ in folded],
                           [(np.dtype(np.float32), result.tobytes(), result.shape) for _, result in folded])
-    for (node, _), name in zip(folded, unread):
-        node.output[0] = name
-    edit.release_if_unread(initializers=[t for node, _ in folded for t in node.input if t],
-                           nodes=[node for node, _ in folded])
+    edit.release_if_unread(initializers=[t for node, _ in folded for t in node.input if t])
 
 
 def _dequantized(node: onnx.NodeProto, values: onnx.TensorProto, scale: onnx.TensorProto,

@@ -129,6 +129,7 @@ class GraphEdit:
         self._before: Dict[int, List[onnx.NodeProto]] = {}
         self._tail: List[onnx.NodeProto] = []
         self._removed: Set[int] = set()
+        self._removed_new = False  # whether `remove` was given a queued new node
         self._new_initializers: Dict[str, onnx.TensorProto] = {}
         self._maybe_unread: List[str] = []
         self._maybe_dead: List[onnx.NodeProto] = []
@@ -278,7 +279,8 @@ class GraphEdit:
         return found
 
     def live_nodes(self) -> List[onnx.NodeProto]:
-        """The nodes of the result, in order (queued new nodes before their first reader), as a new list."""
+        """The nodes of the result, in order (queued new nodes before their first reader), as a new list
+        (less the nodes `remove` left out, original or queued)."""
         before, removed = self._before, self._removed
         live: List[onnx.NodeProto] = []
         for node in self.nodes:
@@ -288,6 +290,8 @@ class GraphEdit:
             if key not in removed:
                 live.append(node)
         live.extend(self._tail)
+        if self._removed_new:  # a queued node removed too: left out (one pass)
+            live = [node for node in live if id(node) not in removed]
         return live
 
     # -- editing -------------------------------------------------------------------
@@ -494,8 +498,10 @@ class GraphEdit:
                     node_forms[id(node)] = form
 
     def remove(self, node: onnx.NodeProto) -> None:
-        """Leave ``node`` out of the result."""
+        """Leave ``node`` out of the result (an original node or a queued new one, `EncodedNode` too)."""
         self._removed.add(id(node))
+        if id(node) not in self.position:
+            self._removed_new = True
         for out in node.output:
             if self.producer.get(out) is node:
                 del self.producer[out]

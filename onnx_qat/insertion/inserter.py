@@ -120,13 +120,17 @@ _BATCH_VALUES = 1 << 18
 
 
 def quantize_small_weights(edit: GraphEdit, keys, scales: ScaleTable, qrange: Tuple[int, int] = INT8_QRANGE,
-                           fp16_grid: bool = False):
+                           fp16_grid: bool = False, constants: bool = False):
     """``(tensor, axis) -> (q, scale, amax)`` for the small float32 weights among ``keys`` whose range
     comes from their values (no ScaleTable entry), quantized with one NumPy call per batch of equal
     shapes: the same numbers as `quantize_weight` one by one (with its ``fp16_grid``), without its
     per-call cost, which dominates for the 10^4-10^5 tiny weights of a large graph. Other weights are
-    left out."""
+    left out. ``constants``: each value then ends with the weight's `GraphEdit.constant` ``(values,
+    TensorProto, the nodes making it)`` as a fourth item (what a caller replacing the weight releases,
+    without reading the weight again)."""
     ready = _quantize_small(edit, keys, scales, qrange, fp16_grid)
+    if constants:
+        return {key: _arrays(found) + (found[2],) for key, found in ready.items()}
     return {key: _arrays(found) for key, found in ready.items()}
 
 
@@ -317,7 +321,8 @@ def without_unreached_branches(placement: Placement, table: ScaleTable, in_body:
 def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, target="tensorrt", *,
                      progress: bool = False, zero_points: Optional[Dict[str, int]] = None,
                      unsigned_weights=(), precision="int8", block_size: int = 128,
-                     full_range=(), narrow_weights=(), range_scales=None) -> InsertionResult:
+                     full_range=(), narrow_weights=(), range_scales=None,
+                     scale_inputs: bool = False) -> InsertionResult:
     """Insert every Q/DQ the placement asks for, as edits of ``edit`` (apply them with
     `commit`).
 
@@ -344,6 +349,12 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
             ``ort-cpu`` form's tensors of unknown sign with calibrated extremes,
             `onnx_qat.insertion.ort_cpu.asymmetric_range`); their zero points come from
             ``zero_points``. Overrides the scale rule (and ``full_range``) for those tensors.
+        scale_inputs: each activation pair reads its scale from a tensor of its own, named in its record
+            (``scale_input``: ``<tensor>_scale_input``, fresh) and stored nowhere, instead of a scale
+            initializer, and the pairs of one zero point (element type and bytes) share one initializer
+            (the first such pair's): the form `onnx_qat.calibration.choice.judge_model` binds each table's
+            scales to. The caller declares those tensors as graph inputs (float32 scalars) after `commit`.
+            The records still carry each pair's ``scale`` under ``scales``.
 
     Raises:
         ScalesError: a quantized activation has no range in ``scales``, or a weight range
@@ -355,8 +366,8 @@ def insert_qdq_pairs(edit: GraphEdit, placement: Placement, scales: ScaleTable, 
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
         raise ScalesError(f"ScaleTable has no range for {len(missing)} quantized tensor(s): {shown}")
     return _Inserter(edit, get_target(target), zero_points, unsigned_weights, get_format(precision),
-                     block_size, full_range, narrow_weights, range_scales).run(placement, scales, amaxes,
-                                                                               progress)
+                     block_size, full_range, narrow_weights, range_scales,
+                     scale_inputs).run(placement, scales, amaxes, progress)
 
 
 class _Inserter:
@@ -364,8 +375,10 @@ class _Inserter:
 
     def __init__(self, edit: GraphEdit, target: Target, zero_points: Optional[Dict[str, int]] = None,
                  unsigned_weights=(), fmt: Format = INT8, block_size: int = 128, full_range=(),
-                 narrow_weights=(), range_scales=None):
+                 narrow_weights=(), range_scales=None, scale_inputs: bool = False):
         self.edit = edit
+        self.scale_inputs = scale_inputs
+        self._shared: Dict[tuple, str] = {}  # scale_inputs: (element type, raw bytes) -> its zero point
         self.range_scales = dict(range_scales or {})
         self.full_range = frozenset(full_range)
         self.narrow_weights = frozenset(narrow_weights)
@@ -395,12 +408,14 @@ class _Inserter:
                                   np.float32)
         raw = _le_bytes(act_scales)
         names = self.edit.fresh_names([f"{m.tensor}{suffix}" for m in marks for suffix in _PAIR_SUFFIXES])
-        if self.edit.encoded and _template_names(names):
-            records_a = self._activations(marks, amaxes, act_scales, raw, names, bar)
+        inputs = self.edit.fresh_names([f"{name}_input" for name in names[0::6]]) \
+            if self.scale_inputs else None
+        if self.edit.encoded and _template_names(names) and _template_names(inputs or ()):
+            records_a = self._activations(marks, amaxes, act_scales, raw, names, bar, inputs)
         else:
             for i, (mark, scale) in enumerate(zip(marks, act_scales.tolist())):
                 records_a.append(self.activation(mark, amaxes[mark.tensor], scale, raw[4 * i:4 * i + 4],
-                                                 names[6 * i:6 * i + 6]))
+                                                 names[6 * i:6 * i + 6], inputs[i] if inputs else None))
                 if i & 255 == 255:
                     bar.update(256)
         bar.update(len(marks) & 255)
@@ -426,13 +441,15 @@ class _Inserter:
 
     # -- many marks at once, from per-form templates (an edit holding new nodes as bytes)
     def _activations(self, marks, amaxes: Dict[str, float], act_scales: np.ndarray, raw: bytes,
-                     names: Sequence[str], bar) -> List[dict]:
+                     names: Sequence[str], bar, inputs: Optional[Sequence[str]] = None) -> List[dict]:
         """`activation` of every one of ``marks``, for an edit holding new nodes as bytes (``edit.encoded``)
         and names that `_template_names` passes: the same initializers, nodes, queues and records, made a
         column at a time (each pair's two scalar initializers and two nodes formatted from the template of
         its form, `_SCALE_TEMPLATE`, `_scalar_template` of its zero point, `_Q_TEMPLATE` and `_DQ_TEMPLATE`,
         by C-level maps over the columns of names) and handed to the edit in one call each
-        (`GraphEdit.add_encoded_initializers`, `GraphEdit.insert_many`)."""
+        (`GraphEdit.add_encoded_initializers`, `GraphEdit.insert_many`). ``inputs``: with ``scale_inputs``,
+        each pair's scale input (the pairs then read it, and one zero point per value, `_shared_zero_points`:
+        no scale initializer, one zero-point initializer per value)."""
         if not marks:
             return []
         edit, target, fmt = self.edit, self.target, self.format
@@ -451,24 +468,14 @@ class _Inserter:
             data_type = onnx_type(zp[0])
             zp_forms[value] = (data_type, _scalar_template(data_type, zp[1]), zp[1])
             edit.measure(data_type, len(zp[1]))
-        edit.measure(_ONNX_FLOAT, 4)  # every scale: 4 bytes of act_scales' float32 buffer
         # the initializers: scale then zero point of each pair, in mark order
-        scale_bytes, zp_bytes = list(map(str.encode, scale_names)), list(map(str.encode, zp_names))
-        scale_raws = [raw[k:k + 4] for k in range(0, 4 * count, 4)]
-        scale_data = map(_SCALE_TEMPLATE.__mod__, zip(map(len, scale_bytes), scale_bytes, scale_raws))
-        if len(zp_forms) == 1:
-            zp_type, zp_template, _ = zp_forms[values[0]]
-            zp_types = [zp_type] * count
-            zp_data = map(zp_template.__mod__, zip(map(len, zp_bytes), zp_bytes))
+        if inputs is not None:  # scale_inputs: the scales read from inputs, one zero point per value
+            pair_names, pair_tensors, pair_raws, zp_names = self._shared_zero_points(values, zp_forms,
+                                                                                     zp_names)
+            scale_names = inputs
         else:
-            zp_types = [zp_forms[v][0] for v in values]
-            zp_data = map(bytes.__mod__, [zp_forms[v][1] for v in values], zip(map(len, zp_bytes), zp_bytes))
-        pair_tensors: List[object] = [None] * (2 * count)
-        encoded = repeat(EncodedTensor)
-        pair_tensors[0::2] = map(new, encoded, zip(scale_names, repeat(_ONNX_FLOAT), scale_data))
-        pair_tensors[1::2] = map(new, encoded, zip(zp_names, zp_types, zp_data))
-        pair_names: List[object] = [None] * (2 * count)
-        pair_names[0::2], pair_names[1::2] = scale_names, zp_names
+            pair_names, pair_tensors, pair_raws = self._pair_initializers(values, zp_forms, scale_names,
+                                                                          zp_names, raw)
         # the nodes
         scale_lengths, zp_lengths = list(map(len, scale_names)), list(map(len, zp_names))
         q_data = map(str.encode, map(_Q_TEMPLATE.__mod__, zip(
@@ -489,10 +496,6 @@ class _Inserter:
         rewired = [reader for group in readers for reader in group]
         for _ in map(setitem, map(_INPUT, rewired), [k for k, _ in edges], [out for _, out in edges]):
             pass
-        pair_raws: List[bytes] = [b""] * (2 * count)  # the facts of each: scalars, no dims
-        pair_raws[0::2] = scale_raws
-        pair_raws[1::2] = [zp_forms[v][2] for v in values] if len(zp_forms) > 1 else \
-            [zp_forms[values[0]][2]] * count
         edit.add_encoded_initializers(dict(zip(pair_names, pair_tensors)), pair_raws)
         edit.insert_many(zip(zip(qs, dqs), readers, zip(q_outs, dq_outs)),
                          dict(zip(_PAIR_FORMS, (qs[0], dqs[0]))))
@@ -505,8 +508,63 @@ class _Inserter:
         if self.zero_points is not None:
             columns.append(list(map(int, values)))
             keys += ("zero_point",)
+        if inputs is not None:
+            columns.append(inputs)
+            keys += ("scale_input",)
         bar.update(count - (count & 255))  # the caller adds the rest
         return list(map(dict, map(zip, repeat(keys), zip(*columns))))
+
+    def _pair_initializers(self, values: Sequence[int], zp_forms: Dict[int, tuple],
+                           scale_names: Sequence[str], zp_names: Sequence[str], raw: bytes):
+        """`_activations`' initializers, scale then zero point of each pair in mark order: ``(names,
+        EncodedTensors, raw bytes)`` (``values``: each pair's zero point, of ``zp_forms``; ``raw``: the
+        scales' float32 bytes)."""
+        count, new = len(values), tuple.__new__
+        self.edit.measure(_ONNX_FLOAT, 4)  # every scale: 4 bytes of act_scales' float32 buffer
+        scale_bytes, zp_bytes = list(map(str.encode, scale_names)), list(map(str.encode, zp_names))
+        scale_raws = [raw[k:k + 4] for k in range(0, 4 * count, 4)]
+        scale_data = map(_SCALE_TEMPLATE.__mod__, zip(map(len, scale_bytes), scale_bytes, scale_raws))
+        if len(zp_forms) == 1:
+            zp_type, zp_template, _ = zp_forms[values[0]]
+            zp_types = [zp_type] * count
+            zp_data = map(zp_template.__mod__, zip(map(len, zp_bytes), zp_bytes))
+        else:
+            zp_types = [zp_forms[v][0] for v in values]
+            zp_data = map(bytes.__mod__, [zp_forms[v][1] for v in values], zip(map(len, zp_bytes), zp_bytes))
+        pair_tensors: List[object] = [None] * (2 * count)
+        encoded = repeat(EncodedTensor)
+        pair_tensors[0::2] = map(new, encoded, zip(scale_names, repeat(_ONNX_FLOAT), scale_data))
+        pair_tensors[1::2] = map(new, encoded, zip(zp_names, zp_types, zp_data))
+        pair_names: List[object] = [None] * (2 * count)
+        pair_names[0::2], pair_names[1::2] = scale_names, zp_names
+        pair_raws: List[bytes] = [b""] * (2 * count)  # the facts of each: scalars, no dims
+        pair_raws[0::2] = scale_raws
+        pair_raws[1::2] = [zp_forms[v][2] for v in values] if len(zp_forms) > 1 else \
+            [zp_forms[values[0]][2]] * count
+        return pair_names, pair_tensors, pair_raws
+
+    def _shared_zero_points(self, values: Sequence[int], zp_forms: Dict[int, tuple], zp_names: Sequence[str]):
+        """For ``scale_inputs`` (`_activations`, its pairs' zero points ``values`` with their ``zp_forms``
+        and own names ``zp_names``): ``(names, EncodedTensors, raw bytes)`` of the zero-point initializers
+        to add -- one per element type and bytes, named as the first pair of this run that has it -- and
+        the zero point's name each pair reads."""
+        shared, new = self._shared, tuple.__new__
+        names: List[str] = []
+        tensors: List[object] = []
+        raws: List[bytes] = []
+        name_of: Dict[int, str] = {}
+        for value in dict.fromkeys(values):  # the distinct values, in the order first met
+            data_type, template, raw = zp_forms[value]
+            name = shared.get((data_type, raw))
+            if name is None:
+                name = shared[(data_type, raw)] = zp_names[values.index(value)]
+                data = name.encode()
+                names.append(name)
+                tensors.append(new(EncodedTensor, (name, data_type, template % (len(data), data))))
+                raws.append(raw)
+            name_of[value] = name
+        used = [name_of[values[0]]] * len(values) if len(name_of) == 1 else [name_of[v] for v in values]
+        return names, tensors, raws, used
 
     def _weights(self, groups, names: Sequence[str], scales: ScaleTable, ready: dict, bar) -> List[dict]:
         """`weight` of each group of ``groups`` in turn, for an edit holding new nodes as bytes and names that
@@ -629,11 +687,13 @@ class _Inserter:
 
     # -- the two kinds of insertion
     def activation(self, mark: ActivationMark, amax: float, scale: float, scale_raw: bytes,
-                   names: Sequence[str]) -> dict:
+                   names: Sequence[str], scale_input: Optional[str] = None) -> dict:
         """One QuantizeLinear -> DequantizeLinear pair on ``mark.tensor`` for its listed consumers
         (``scale``: its float32 scale from `activation_scales` as a float, ``scale_raw``: as
         4 little-endian bytes; ``names``: the fresh names of the tensor plus each of `_PAIR_SUFFIXES`, in
-        that order: scale, zero point, the two outputs, the two nodes)."""
+        that order: scale, zero point, the two outputs, the two nodes; ``scale_input``: with
+        ``scale_inputs``, the tensor the pair reads its scale from, its zero point then shared by the pairs
+        of its value, `_shared_zero_points`)."""
         edit, target, tensor = self.edit, self.target, mark.tensor
         by_name = edit.by_name
         consumers = [(by_name[n] if n in by_name else edit.node(n), i) for n, i in mark.consumers]
@@ -642,8 +702,17 @@ class _Inserter:
         scale_name, zp_name, q_out, dq_out, q_name, dq_name = names
         zp = self._zero_point((), zero_point, target.activation_dtype) if self.format is INT8 else \
             encoding.zero_point(self.format, ())
-        edit.add_scalar_initializers((scale_name, zp_name), (_ONNX_FLOAT, onnx_type(zp[0])),
-                                     (scale_raw, zp[1]))
+        if scale_input is None:
+            edit.add_scalar_initializers((scale_name, zp_name), (_ONNX_FLOAT, onnx_type(zp[0])),
+                                         (scale_raw, zp[1]))
+        else:  # the scale read from an input, the zero point the first pair's of its type and bytes
+            key = (onnx_type(zp[0]), zp[1])
+            shared = self._shared.get(key)
+            if shared is None:
+                shared = self._shared[key] = zp_name
+                edit.add_scalar_initializers((zp_name,), (key[0],), (zp[1],))
+            scale_name, zp_name = scale_input, shared
+            names = (scale_name, zp_name, q_out, dq_out, q_name, dq_name)
         if edit.encoded:
             q, dq = _encoded_pair(tensor, names)
         else:
@@ -660,6 +729,8 @@ class _Inserter:
                   "rule": mark.rule, "reason": mark.reason}
         if self.zero_points is not None:
             record["zero_point"] = int(zero_point)
+        if scale_input is not None:
+            record["scale_input"] = scale_input
         return record
 
     def weight(self, tensor: str, names: Sequence[str], axis: Optional[int], marks: List[WeightMark],

@@ -235,3 +235,54 @@ def test_bound_scales_give_the_fed_outputs(monkeypatch, name, build, options, se
             for a, b in zip(got, want):
                 np.testing.assert_array_equal(a, b)
     assert any(piece.bindings for piece in bound.pieces) and not any(piece.bindings for piece in fed.pieces)
+
+
+@pytest.mark.parametrize("name,build,options,seed,scale", [CASES[0], CASES[3], CASES[6]],
+                         ids=["residual", "mobilenet-cpu", "conv-fp8"])
+def test_judge_model_from_pairs_made_one_by_one_is_the_same_model(monkeypatch, name, build, options, seed,
+                                                                   scale):
+    """The inserter's ``scale_inputs`` pairs made one at a time (names its templates cannot write) give
+    the judge model made from its templates at once, byte for byte, with the same scale inputs; each
+    pair reads its own input and every QuantizeLinear one zero point per value."""
+    from onnx_qat.insertion import inserter
+
+    model = build()
+    data = {k: v * scale for k, v in builders.random_inputs(model, num=12, seed=seed).items()}
+    (proto, placement, calibration), kwargs = _captured(monkeypatch, model, data, **options)
+    kw = {k: v for k, v in kwargs.items() if k in ("target", "precision", "block_size")}
+    batched, batched_inputs = choice.judge_model(proto, placement, calibration.candidates["max"], **kw)
+    monkeypatch.setattr(inserter, "_template_names", lambda names: False)
+    one, one_inputs = choice.judge_model(proto, placement, calibration.candidates["max"], **kw)
+    assert one_inputs == batched_inputs and len(set(one_inputs.values())) == len(one_inputs) >= 1
+    assert one.SerializeToString() == batched.SerializeToString()
+    quantize = [n for n in one.graph.node if n.op_type == "QuantizeLinear"]
+    assert {n.input[1] for n in quantize} == set(one_inputs.values())
+    assert len({n.input[2] for n in quantize}) == 1
+
+
+@pytest.mark.parametrize("name,build,options,seed,scale", [CASES[0], CASES[2], CASES[4]],
+                         ids=["residual", "mobilenet", "mlp"])
+def test_judge_model_folds_the_weights_the_inserter_queued(monkeypatch, name, build, options, seed, scale):
+    """Weights inserted by the inserter (as bytes, per channel) rather than dequantized in batches are
+    folded from their queued DequantizeLinear: the judge model then holds no integer weight and no
+    weight DequantizeLinear, and runs as the model committed then folded, bit for bit."""
+    model = build()
+    data = {k: v * scale for k, v in builders.random_inputs(model, num=12, seed=seed).items()}
+    (proto, placement, calibration), kwargs = _captured(monkeypatch, model, data, **options)
+    monkeypatch.setattr(choice, "_dequantized_weights", lambda *args: {})
+    table = calibration.candidates["max"]
+    now, now_inputs = choice.judge_model(proto, placement, table)
+    before, before_inputs = _judge_before(proto, placement, table)
+    assert placement.weights and sorted(now_inputs) == sorted(before_inputs)
+    assert [n.op_type for n in now.graph.node] == [n.op_type for n in before.graph.node]
+    assert sum(n.op_type == "DequantizeLinear" for n in now.graph.node) == len(placement.activations)
+    assert not any(t.data_type == onnx.TensorProto.INT8 and len(t.dims) > 1 for t in now.graph.initializer)
+    outputs = list(calibration.reference)
+    sessions = ChunkedSession(now, outputs), ChunkedSession(before, outputs)
+    for table in calibration.candidates.values():
+        feeds = (choice._scale_feeds(placement, table, now_inputs, "int8"),
+                 choice._scale_feeds(placement, table, before_inputs, "int8"))
+        for feed in calibration.check_feeds:
+            got, want = (s.run(outputs, {**feed, **scales}) for s, scales in zip(sessions, feeds))
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b)

@@ -316,6 +316,33 @@ def test_insert_many_queues_as_insert_does():
     assert [n.name for n in committed.graph.node][:4] == ["a", "b", "c", "conv"]
 
 
+@pytest.mark.parametrize("encoded", [False, True])
+def test_a_removed_queued_node_is_left_out(encoded):
+    """`GraphEdit.remove` of a queued new node (a NodeProto, or an `EncodedNode` of an edit holding new
+    nodes as bytes) leaves it out of `live_nodes` and of the result, its queue's other nodes kept in order;
+    removing an original node as well changes nothing else."""
+    from onnx_qat.graph.wire import encode_node
+
+    model = _two_convs()
+    edit = GraphEdit(model, encoded=encoded)
+    conv, relu = edit.node("conv"), edit.node("relu")
+    make = encode_node if encoded else make_node
+    kept, dropped, last = (make("Identity", n, [i], [o]) for n, i, o in
+                           (("a", "x", "xa"), ("b", "xa", "xb"), ("c", "r", "rc")))
+    edit.insert([kept, dropped], [conv], ("xa", "xb"))
+    edit.insert([last], [])
+    conv.input[0] = "xa"
+    assert [n.name for n in edit.live_nodes()] == ["a", "b", "conv", "relu", "conv2", "c"]
+    edit.remove(dropped)
+    edit.remove(last)
+    assert [n.name for n in edit.live_nodes()] == ["a", "conv", "relu", "conv2"]
+    edit.remove(relu)
+    edit.node("conv2").input[0] = "c"
+    out = edit.commit()
+    assert [n.name for n in out.graph.node] == ["a", "conv", "conv2"]
+    assert "xb" not in edit.producer and "rc" not in edit.producer
+
+
 def test_raw_initializer_of_an_encoded_edit_is_written():
     """`GraphEdit.add_raw_initializer` on an edit holding new initializers as bytes: the initializer is in the
     result as the bytes give it (it once fell through to a name not set on that path)."""
