@@ -248,10 +248,12 @@ def _quant_name(g, types: _Types, dq) -> Optional[str]:
 
 
 class _Builder:
-    """Decides each node's precision in one graph (see the module docstring)."""
+    """Decides each node's precision in one graph (see the module docstring). ``escaping``: the tensors
+    of the graph that a body nested in it reads (`_read_by_bodies`), stored for that body as a graph
+    output is: a fusion that would keep one inside a kernel does not happen."""
 
-    def __init__(self, g, types: _Types):
-        self.g, self.types = g, types
+    def __init__(self, g, types: _Types, escaping: FrozenSet[str] = frozenset()):
+        self.g, self.types, self.escaping = g, types, escaping
         self.precision: Dict[int, Tuple[str, str]] = {}
         self.counts = Counter(chain.from_iterable(g.node_inputs))  # readers per tensor (C-level count)
         self._readers: Optional[Dict[str, List[int]]] = None
@@ -338,7 +340,7 @@ class _Builder:
         if src is None or src not in self.precision or alone and self.counts[tensor] > 1:
             return None
         precision, reason = self.precision[src]
-        if precision not in QUANTIZED or tensor in g.outputs:
+        if precision not in QUANTIZED or tensor in g.outputs or tensor in self.escaping:
             return None
         if g.ops[src] in WEIGHTED_OPS:
             return precision, repr(g.name(src))
@@ -349,7 +351,7 @@ class _Builder:
     def _read_only_by_q(self, i: int) -> bool:
         g = self.g
         outputs = [o for o in g.graph.node[i].output if o]
-        if not outputs or any(o in g.outputs for o in outputs):
+        if not outputs or any(o in g.outputs or o in self.escaping for o in outputs):
             return False
         for out in outputs:
             for r in self.readers(out):
@@ -382,6 +384,8 @@ def _float_reader(g, builder: _Builder, tensor: str, depth: int = 0) -> str:
     quantized), following data-movement ops."""
     if tensor in g.outputs:
         return f"output {tensor!r} is a graph output (dequantized for it)"
+    if tensor in builder.escaping:
+        return f"output {tensor!r} is read by a nested If/Loop/Scan body (dequantized for it)"
     for r in (g.readers(tensor) if depth == 0 else builder.readers(tensor)):
         decided = builder.precision.get(r)
         if g.ops[r] in _DATA_MOVEMENT and depth < 16:
@@ -406,12 +410,25 @@ def build_precision_map(model, graphs) -> PrecisionMap:
     index ``graphs``."""
     nodes: List[NodePrecision] = []
     unfused: List[UnfusedQDQ] = []
-    by_prefix: Dict[str, _Types] = {}
+    for number, g, builder in _decided(graphs):
+        nodes.extend(NodePrecision(g.name(i), g.ops[i], precision, reason)
+                     for i, (precision, reason) in builder.precision.items())
+        unfused.extend(_unfused(g, builder, number == 0))
+    return PrecisionMap(tuple(nodes), tuple(unfused))
+
+
+def _decided(graphs) -> Iterator[Tuple[int, object, _Builder]]:
+    """``(number, graph, builder)`` for each graph of ``graphs`` (`_all_graphs`' list), its builder
+    holding every node's decided precision in node order: the one pass `build_precision_map` and
+    `fused_tensors` share. A body's types continue its enclosing graph's; a tensor a nested body reads
+    (at any depth) is stored for it, as a graph output is (`_read_by_bodies`)."""
+    parents = _parents(graphs)
+    escaping = _read_by_bodies(graphs, parents)
+    types: List[_Types] = []
     for number, g in enumerate(graphs):
-        outer = [p for p in by_prefix if g.prefix.startswith(p) and p != g.prefix]
-        parent = max(outer, key=len, default=None)
-        types = by_prefix[g.prefix] = _Types(g, by_prefix.get(parent) if parent is not None else None)
-        builder = _Builder(g, types)
+        parent = parents[number]
+        types.append(_Types(g, types[parent] if parent is not None else None))
+        builder = _Builder(g, types[number], frozenset(escaping[number]))
         for i in range(len(g.ops)):
             decided = builder.decide(i)
             if decided is None:
@@ -421,9 +438,7 @@ def build_precision_map(model, graphs) -> PrecisionMap:
             if kept:
                 reason = f"kept FP32 by the conversion: {kept}"
             builder.precision[i] = (precision, reason)
-            nodes.append(NodePrecision(g.name(i), g.ops[i], precision, reason))
-        unfused.extend(_unfused(g, builder, number == 0))
-    return PrecisionMap(tuple(nodes), tuple(unfused))
+        yield number, g, builder
 
 
 #: Precisions whose kernels take quantized inputs and accumulate in INT32/FP32, requantizing their
@@ -455,21 +470,15 @@ def fused_tensors(model) -> FrozenSet[str]:
 
     found = set()
     with cyclic_gc_paused():
-        graphs = _all_graphs(model, default_opset(model), None)
-        parents = _parents(graphs)
-        escaping = _read_by_bodies(graphs, parents)
-        types: List[_Types] = []
-        for number, g in enumerate(graphs):
-            parent = parents[number]
-            types.append(_Types(g, types[parent] if parent is not None else None))
-            found.update(g.prefix + t for t in _fused_in(g, types[number], number == 0, escaping[number]))
+        for number, g, builder in _decided(_all_graphs(model, default_opset(model), None)):
+            found.update(g.prefix + t for t in _fused_in(g, builder, number == 0))
     return frozenset(found)
 
 
 def _parents(graphs) -> List[Optional[int]]:
     """The place in ``graphs`` (`_all_graphs`' list: depth first, each body after its enclosing graph)
     of each graph's enclosing graph (None for the main graph): the nearest one before it whose prefix
-    starts its own, as `build_precision_map` pairs them."""
+    starts its own."""
     parents: List[Optional[int]] = []
     open_graphs: List[int] = []  # the graphs enclosing the one at hand, innermost last
     for number, g in enumerate(graphs):
@@ -493,13 +502,9 @@ def _read_by_bodies(graphs, parents) -> List[set]:
     return reads
 
 
-def _fused_in(g, types: _Types, is_main: bool, escaping) -> Iterator[str]:
-    """The tensors of one graph `fused_tensors` lists (unprefixed); ``escaping``: those its bodies read."""
-    builder = _Builder(g, types)
-    for i in range(len(g.ops)):
-        decided = builder.decide(i)
-        if decided is not None:
-            builder.precision[i] = decided
+def _fused_in(g, builder: _Builder, is_main: bool) -> Iterator[str]:
+    """The tensors of one graph `fused_tensors` lists (unprefixed), from its decided ``builder``."""
+    escaping = builder.escaping
     standalone = {u.node for u in _unfused(g, builder, is_main)}
     quantized = set()
     for i in range(len(g.ops)):

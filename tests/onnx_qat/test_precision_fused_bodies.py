@@ -2,7 +2,8 @@
 found there, named ``parent/attribute/tensor`` (an If's two branches may use the same names), with the
 rules of the main graph applied inside each body (a body tensor a float op reads, or the body returns, is
 stored; a tensor of an enclosing graph a body reads is stored for it), and `emulate_in_fp32` leaves them
-unrounded."""
+unrounded. The precision map applies the same rule: a Relu is not fused into a Conv whose output a branch
+reads, and a DequantizeLinear a branch reads is left standalone (U2)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx_qat.check import check
 from onnx_qat.check.precision import fused_tensors
 from onnx_qat.formats.float_cast import all_graphs
 from onnx_qat.formats.float_parts import cast_float_parts, emulate_in_fp32
@@ -169,3 +171,80 @@ def test_emulation_leaves_the_fused_tensors_of_each_branch_unrounded(seed):
             ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
             for m in (if_qdq_model(seed), loose, strict))
         assert np.abs(got_loose - ref).max() <= np.abs(got_strict - ref).max() < 0.05 * np.abs(ref).max()
+
+
+
+def _read_in_branch(tensors, moved: bool = False) -> onnx.ModelProto:
+    """x -> Q/DQ -> Conv w0 (int8) -> c -> Relu -> r -> Q/DQ -> Conv w1 -> y, a second Q/DQ of x -> vd that
+    no main-graph node but (with ``moved``) a Flatten -> vf reads, and an If whose then branch returns
+    the total of Sigmoid of the sum of the main-graph ``tensors`` (the else branch returns a constant)."""
+    rng = np.random.default_rng(5)
+    nodes, inits = [], []
+    xd = _qdq(nodes, inits, "x", 0.02, "x")
+    w0 = _weight(nodes, inits, rng, "w0", [4, 3, 3, 3])
+    nodes += [helper.make_node("Conv", [xd, w0], ["c"], pads=[1, 1, 1, 1], name="conv0"),
+              helper.make_node("Relu", ["c"], ["r"], name="relu0")]
+    rd = _qdq(nodes, inits, "r", 0.03, "r")
+    w1 = _weight(nodes, inits, rng, "w1", [4, 4, 3, 3])
+    nodes.append(helper.make_node("Conv", [rd, w1], ["y"], pads=[1, 1, 1, 1], name="conv1"))
+    _qdq(nodes, inits, "x", 0.05, "v")
+    if moved:
+        nodes.append(helper.make_node("Flatten", ["vd"], ["vf"], name="move"))
+    inits.append(numpy_helper.from_array(np.float32(0), "b0"))
+    then_nodes = [helper.make_node("Sum", list(tensors), ["t"], name="sum"),
+                  helper.make_node("Sigmoid", ["t"], ["g"], name="gate"),
+                  helper.make_node("ReduceSum", ["g"], ["b"], keepdims=0, name="total")]
+    out = [helper.make_tensor_value_info("b", F, [])]
+    then_branch = helper.make_graph(then_nodes, "then", [], out)
+    else_branch = helper.make_graph([helper.make_node("Identity", ["b0"], ["b"], name="keep")], "else", [],
+                                    out)
+    nodes.append(helper.make_node("If", ["cond"], ["z"], name="branch", then_branch=then_branch,
+                                  else_branch=else_branch))
+    graph = helper.make_graph(nodes, "read_in_branch",
+                              [helper.make_tensor_value_info("x", F, [1, 3, 8, 8]),
+                               helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", F, [1, 4, 8, 8]),
+                               helper.make_tensor_value_info("z", F, [])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _map(model):
+    return {e.node: (e.precision, e.reason) for e in check(model).precision_map.nodes}
+
+
+def test_a_relu_is_not_fused_into_a_conv_whose_output_a_branch_reads():
+    """The Conv output ``c`` a branch reads is stored for it, as a graph output is: the Relu reading it runs
+    in FP32 in the map and ``c`` is in no fused kernel; when the branch reads the Relu output ``r``
+    instead, the Relu stays fused (the kernel writes ``r``) and ``c`` is fused again, ``r`` still not."""
+    read_c, read_r = _read_in_branch(["c"]), _read_in_branch(["r"])
+    assert _map(read_c)["relu0"] == ("fp32", "float inputs")
+    assert _map(read_r)["relu0"] == ("int8", "fused into 'conv0'")
+    for model in (read_c, read_r):
+        assert _map(model)["conv0"][0] == _map(model)["conv1"][0] == "int8"
+        assert _map(model)["branch/then_branch/gate"][0] == "fp32"
+    assert fused_tensors(read_c) == {"xd", "w0d", "rd", "w1d"}
+    assert fused_tensors(read_r) == {"xd", "w0d", "rd", "w1d", "c"}
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_dequantize_read_only_by_a_branch_is_left_standalone_by_u2(moved):
+    """``vd`` is read only by the branch (directly, or through a Flatten that runs on the quantized data):
+    its DequantizeLinear runs as its own layer for it, rule U2, and ``vd`` is in no fused kernel; the
+    DequantizeLinear the INT8 Convs read are not reported (the two QuantizeLinear of the graph input are,
+    by U1); the check finds nothing."""
+    model = _read_in_branch(["vf" if moved else "vd"], moved)
+    report = check(model)
+    u1, u2 = [u for u in report.precision_map.unfused if u.rule == "U1"], \
+        [u for u in report.precision_map.unfused if u.rule != "U1"]
+    assert [u.node for u in u1] == ["x_q", "v_q"]  # quantizing the graph input x
+    (u2,) = u2
+    assert (u2.node, u2.op_type, u2.rule) == ("v_dq", "DequantizeLinear", "U2")
+    assert u2.reason == f"output {'vf' if moved else 'vd'!r} is read by a nested If/Loop/Scan body " \
+                        "(dequantized for it)"
+    assert "Q/DQ left unfused: 2 by U1, 1 by U2" in report.precision_map.summary()
+    assert "vd" not in fused_tensors(model) and {"xd", "rd", "c"} <= fused_tensors(model)
+    if moved:
+        assert _map(model)["move"][0] == "int8"
+    assert len(report.errors) == len(report.warnings) == 0, report.summary()
