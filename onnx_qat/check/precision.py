@@ -24,7 +24,11 @@ Q/DQ nodes that stay standalone layers (reported with their rule):
 * ``U1`` a QuantizeLinear of a graph input: there is no producer layer to fuse it into, so it runs
   as its own quantize layer (the engine inspector lists it alone);
 * ``U2`` a DequantizeLinear of activation data read by a node that does not run quantized (or by a
-  graph output): the DQ runs as its own dequantize layer in front of it [TRT-EQ].
+  graph output, or by a nested If/Loop/Scan body): the DQ runs as its own dequantize layer in front
+  of it [TRT-EQ].
+
+The same rules hold in each If/Loop/Scan body. A tensor a body nested in its graph reads (at any
+depth) is stored for that body, as a graph output is: no fusion keeps it inside a kernel.
 
 Sources:
 
