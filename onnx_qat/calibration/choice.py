@@ -70,7 +70,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional
 import numpy as np
 import onnx
 
-from ..io.models import tensor_array
+from ..io.models import cyclic_gc_paused, tensor_array
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ def worst_cosine(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np
                         for name, ref in reference.items()])
 
 
+@cyclic_gc_paused()
 def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt", precision="int8",
            block_size: int = 128) -> TableChoice:
     """The candidate table to keep: a `TableChoice` ``(best, cosines, note)``, ``best`` the name
@@ -177,16 +178,6 @@ def choose(model: onnx.ModelProto, placement, calibration, *, target="tensorrt",
     Python's cyclic garbage collector is paused meanwhile (`onnx_qat.io.models.cyclic_gc_paused`): the
     judge model's edit holds a record of every pair and weight inserted, none of them cyclic garbage.
     """
-    from ..io.models import cyclic_gc_paused
-
-    with cyclic_gc_paused():
-        return _choose(model, placement, calibration, target=target, precision=precision,
-                       block_size=block_size)
-
-
-def _choose(model: onnx.ModelProto, placement, calibration, *, target, precision,
-            block_size: int) -> TableChoice:
-    """`choose`'s work (see there)."""
     from ..runtime.chunked import ChunkedSession
 
     tables = calibration.candidates

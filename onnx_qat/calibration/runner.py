@@ -20,6 +20,7 @@ import onnx
 
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
 from ..formats.scale_grid import fp16_grid_values
+from ..io.models import cyclic_gc_paused
 from ..scales import CALIBRATION_TARGET_KEY, ScaleTable
 from .branches import make_runner
 from .choice import CHECK_SAMPLES, judge_samples
@@ -386,6 +387,7 @@ def auto_table(result: Calibration, best: str, cosines: Mapping[str, float], not
     return result.table(best, **meta)
 
 
+@cyclic_gc_paused()
 def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: str = DEFAULT_METHOD,
             percentile: float = 99.99, num_bins: int = 2048, batch_size: int = 16,
             progress: bool = True, workers=1, fp16_grid: bool = True, entropy: bool = True) -> Calibration:
@@ -415,18 +417,6 @@ def collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: st
     them cyclic garbage, and each collection rescanned all of them (1.8 s of ``auto``'s CPU time on the
     50,000-node benchmark graph).
     """
-    from ..io.models import cyclic_gc_paused
-
-    with cyclic_gc_paused():
-        return _collect(model, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
-                        batch_size=batch_size, progress=progress, workers=workers, fp16_grid=fp16_grid,
-                        entropy=entropy)
-
-
-def _collect(model: onnx.ModelProto, dataset, names: Sequence[str], *, method: str, percentile: float,
-             num_bins: int, batch_size: int, progress: bool, workers, fp16_grid: bool,
-             entropy: bool) -> Calibration:
-    """`collect`'s work (see there)."""
     from ..runtime.stateful import carry_state, state_outputs
     from ..runtime.workers import worker_spec
     from .parallel import observe_split, split_reason
