@@ -175,12 +175,18 @@ def tensor_types(model: onnx.ModelProto) -> Dict[str, int]:
 def all_graphs(model) -> List[onnx.GraphProto]:
     """The main graph of ``model`` (a ModelProto or a GraphProto) and every If/Loop/Scan body in it
     (nested ones too), outer first."""
-    found, stack = [], [model.graph if isinstance(model, onnx.ModelProto) else model]
-    while stack:
-        graph = stack.pop(0)
-        found.append(graph)
-        for node in graph.node:
-            stack.extend(body for _, _, body in subgraphs_of(node))
+    return [graph for _, graph in prefixed_graphs(model)]
+
+
+def prefixed_graphs(model) -> List[Tuple[str, onnx.GraphProto]]:
+    """`all_graphs` with each graph's prefix: ``(prefix, graph)``, ``""`` for the main graph and
+    `body_prefix`'s ``parent/attribute/`` for a body (as ``onnx-qat check`` names its nodes)."""
+    found, queue = [], [("", model.graph if isinstance(model, onnx.ModelProto) else model)]
+    while queue:
+        prefix, graph = queue.pop(0)
+        found.append((prefix, graph))
+        for i, node in enumerate(graph.node):
+            queue.extend((body_prefix(prefix, node, i, attr), body) for attr, _, body in subgraphs_of(node))
     return found
 
 
@@ -482,5 +488,6 @@ def has_subgraph(node: onnx.NodeProto) -> bool:
 
 
 __all__ = ["LowType", "FP16", "BF16", "cast_graph", "tensor_types", "schema_of", "slot_admits",
-           "CastStats", "read_in_subgraphs", "has_subgraph", "all_graphs", "body_prefix"]
+           "CastStats", "read_in_subgraphs", "has_subgraph", "all_graphs", "prefixed_graphs",
+           "body_prefix"]
 

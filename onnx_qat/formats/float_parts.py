@@ -96,7 +96,7 @@ from ..graph.edit import fresh_name
 from ..graph.index import subgraphs_of
 from .numeric import FLOAT_DTYPE_KEY, KEEP_FP32_KEY, float_dtype_of, kept_fp32_reason
 from .float_cast import BF16, FP16, CastStats, LowType, all_graphs, body_prefix, cast_graph, has_subgraph, \
-    read_in_subgraphs, schema_of, slot_admits, tensor_types
+    prefixed_graphs, read_in_subgraphs, schema_of, slot_admits, tensor_types
 
 logger = logging.getLogger(__name__)
 
@@ -1661,21 +1661,9 @@ def _emulate(model: onnx.ModelProto, low: LowType, low_tensors=None, fusions: bo
     out.CopyFrom(model)
     used = model_names(out)
     # innermost bodies first: rebuilding a graph's node list copies its nodes, bodies included
-    for prefix, g in reversed(_graphs_outer_first(out)):
+    for prefix, g in reversed(prefixed_graphs(out)):
         _emulate_graph(g, low, low_tensors, used, fused, prefix)
     return out
-
-
-def _graphs_outer_first(model: onnx.ModelProto) -> List[Tuple[str, onnx.GraphProto]]:
-    """``(prefix, graph)`` of the main graph (prefix ``""``) and of every body, in `all_graphs`' order;
-    ``prefix``: ``parent/attribute/``, `body_prefix`."""
-    found, queue = [], [("", model.graph)]
-    while queue:
-        prefix, graph = queue.pop(0)
-        found.append((prefix, graph))
-        for i, node in enumerate(graph.node):
-            queue.extend((body_prefix(prefix, node, i, attr), body) for attr, _, body in subgraphs_of(node))
-    return found
 
 
 def _emulate_graph(g: onnx.GraphProto, low: LowType, low_tensors, used: set, fused=frozenset(),
