@@ -16,12 +16,14 @@ from .errors import ConfigError
 from .formats.numeric import get_format
 from .io.layout import with_layout
 from .placement.marks import Placement
+from .runtime.ray_workers import shared_cluster
 from .rewrite import (QUANTIZED_OPS, REPORT_FORMAT, REPORT_VERSION, QuantizeResult,  # noqa: F401
                       check_sources, nested_indexes, nothing_to_quantize, rewrite_model,
                       refuse_non_finite_weights, refuse_quantized, softmax_ranges,
                       without_unreached_branches)
 
 
+@shared_cluster()
 def quantize(model, output=None, *, scales=None, data=None, method: Optional[str] = None,
              config: Optional[QuantizeConfig] = None, target: Optional[str] = None, exclude_nodes=None,
              exclude_op_types=None, min_channels: Optional[int] = None,

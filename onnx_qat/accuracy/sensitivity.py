@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 from ..errors import ConfigError
 from .prepared import METRICS, OutputError, prepare, weight_statistics
 from .sites import Site
+from ..runtime.ray_workers import shared_cluster
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,7 @@ def _fmt_db(value: float) -> str:
     return "inf" if value == math.inf else f"{value:.1f}"
 
 
+@shared_cluster()
 def sensitivity(model, data, *, scales=None, method: str = "max", eval_data=None, metric: str = "cosine",
                 config=None, batch_size: int = 16, progress: bool = True, exhaustive: bool = False,
                 calibration_options=None, state=None, batch_axis=None, workers: Optional[int] = None,

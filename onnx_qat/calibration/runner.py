@@ -21,6 +21,7 @@ import onnx
 from ..errors import ConfigError, DataError, ModelError, PlacementError, QatError, brief
 from ..formats.scale_grid import fp16_grid_values
 from ..io.models import cyclic_gc_paused
+from ..runtime.ray_workers import shared_cluster
 from ..scales import CALIBRATION_TARGET_KEY, ScaleTable
 from .branches import make_runner
 from .choice import CHECK_SAMPLES, judge_samples
@@ -253,6 +254,7 @@ class Calibration:
 
 
 
+@shared_cluster()
 def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 99.99, num_bins: int = 2048,
               batch_size: int = 16, config=None, tensors: Optional[Iterable[str]] = None,
               progress: bool = True, output=None, state: Optional[Mapping[str, str]] = None,

@@ -8,7 +8,8 @@ as a one-line `WorkerError`. Each actor is started with ``num_cpus=threads`` (on
 unpickles the job and calls its ``start(threads)`` once, then answers units.
 
 `connect` joins a cluster: ``ray=True`` (``--ray`` without an address) is ``ray.init()``: the
-cluster ``RAY_ADDRESS`` names, else a new local one (which the pool shuts down when it closes); an
+cluster ``RAY_ADDRESS`` names, else a new local one (which the pool shuts down when it closes, or,
+inside `shared_cluster`, the outermost scope when it ends: one call's pools share one cluster); an
 address (``"auto"``, ``"HOST:6379"``, ``"ray://HOST:10001"``) is ``ray.init(address=...)``. Either way
 the job's runtime environment uploads the ``onnx_qat`` package (``py_modules``), so the cluster's
 nodes need NumPy, onnx and onnxruntime but not onnx_qat. When Ray is already initialized in this
@@ -17,16 +18,18 @@ workers must then import onnx_qat themselves (installed there, or the user's own
 environment). Ray is an optional dependency (``pip install onnx-qat[ray]``), imported only here.
 
 The main process waits on ``ray.wait`` in short slices, so SIGINT/SIGTERM unwind it at once; the
-actors are killed on the way out (`RayPool.close`). `connect` keeps the caller's SIGINT and SIGTERM
-handlers (``ray.init`` replaces them), a handler's exception comes out of Ray's calls as itself
-(`_unwinding`), and a local cluster an interrupted run started is shut down within
-`INTERRUPTED_SHUTDOWN` seconds. Whatever of that cluster still runs then (or after a normal
-shutdown) is killed: every process below the ones ``ray.init`` started, read from ``/proc`` before
-the shutdown (`_ClusterProcesses`): the raylet's agents (``DashboardAgent``, ``RuntimeEnvAgent``)
-outlive a killed raylet by seconds on a loaded machine.
+actors are killed on the way out (`RayPool.close`). `connect` holds SIGINT and SIGTERM while
+``ray.init`` runs and keeps Ray's own handlers out (`_signals_held`), then sets the caller's handlers
+again and gives them a signal that came meanwhile; a handler's exception comes out of Ray's calls as
+itself (`_unwinding`). A local cluster an interrupted run started is killed: every process below the
+ones ``ray.init`` started, read from ``/proc`` (`_ClusterProcesses`; the raylet's agents,
+``DashboardAgent`` and ``RuntimeEnvAgent``, outlive a killed raylet by seconds on a loaded machine),
+then ``ray.shutdown`` gets `INTERRUPTED_SHUTDOWN` seconds on a daemon thread. A normal end shuts the
+cluster down with ``ray.shutdown`` first and kills what of it is left.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -57,8 +60,9 @@ def ray_module():
 def connect(address) -> Optional["_ClusterProcesses"]:
     """Join (or start) the Ray cluster ``address`` names (see the module docstring). When this call
     started Ray in this process, the record of the processes it started (`_ClusterProcesses`: the caller
-    shuts the cluster down with `_stop_started`); None when Ray was initialized already. The SIGINT and
-    SIGTERM handlers set before are set again after ``ray.init`` (`_restore_signal_handlers`)."""
+    shuts the cluster down with `_stop_started`); None when Ray was initialized already. SIGINT and
+    SIGTERM wait while ``ray.init`` runs and go to the handlers set before it afterwards
+    (`_signals_held`)."""
     ray = ray_module()
     local = address in (True, "", None)
     if not local:
@@ -67,30 +71,65 @@ def connect(address) -> Optional["_ClusterProcesses"]:
         return None
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # onnx_qat, for the actors
     handlers = _signal_handlers()
-    terminated = False
     before = _ClusterProcesses.children()
     started = None
     try:
-        try:
-            ray.init(**({} if local else {"address": address}), include_dashboard=False,
-                     log_to_driver=False, logging_level=logging.ERROR, runtime_env={"py_modules": [package]})
-        except SystemExit as exc:  # SIGTERM during ray.init: Ray's own handler, set there, exits with 15
-            if exc.code != _SIGTERM or _SIGTERM not in handlers:
-                raise
-            terminated = True
-        except Exception as exc:  # noqa: BLE001 - Ray's own errors, one line
-            where = "start a local Ray cluster" if local else f"connect to the Ray cluster at {address}"
-            raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
-        finally:
-            _restore_signal_handlers(handlers)
-            started = _ClusterProcesses(before)
-        if terminated:  # the caller's handler gets the signal Ray's took (the CLI: exit 143, nothing written)
-            os.kill(os.getpid(), _SIGTERM)
+        with _signals_held(ray, handlers) as held:
+            try:
+                ray.init(**({} if local else {"address": address}), include_dashboard=False,
+                         log_to_driver=False, logging_level=logging.ERROR,
+                         runtime_env={"py_modules": [package]})
+            except SystemExit as exc:  # Ray's own SIGTERM handler, where it could not be kept out
+                if exc.code not in (_SIGTERM, 1) or _SIGTERM not in handlers:
+                    raise
+                held.append(_SIGTERM)
+            except Exception as exc:  # noqa: BLE001 - Ray's own errors, one line
+                where = "start a local Ray cluster" if local else f"connect to the Ray cluster at {address}"
+                raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
+            finally:
+                started = _ClusterProcesses(before)
+        if held:  # the caller's handler gets the signal now (the CLI: exit 130 or 143, nothing written)
+            os.kill(os.getpid(), held[0])
     except BaseException:
-        if _interrupted():  # a signal during or right after ray.init: no pool owns the cluster yet, so
-            _stop_started(ray, started, interrupted=True)  # stop what this call started (its agents too)
+        if _interrupted():  # a signal right after ray.init: no pool owns the cluster yet, so stop what
+            _stop_started(ray, started, interrupted=True)  # this call started (its agents too)
         raise
     return started
+
+
+@contextlib.contextmanager
+def _signals_held(ray, handlers: dict):
+    """While ``ray.init`` runs: SIGINT and SIGTERM (those of ``handlers``, the caller's) are only
+    recorded, in the list this yields, and Ray is kept from setting its own Python SIGTERM handlers
+    (``ray._private.utils.set_sigterm_handler`` does nothing meanwhile); afterwards the caller's
+    handlers are set again (`_restore_signal_handlers`). Starting a local cluster takes 1-2 s;
+    acting on a signal part-way through left processes of the cluster running, and Ray's handlers,
+    raising ``SystemExit`` where Python ignores exceptions (its fork hooks), once let a SIGTERM pass
+    unseen and the run finish (exit 0; measured with Ray 2.60). So a signal then waits for the
+    start to finish, and the caller acts on it with the whole cluster known."""
+    held: List[int] = []
+
+    def hold(number, frame):
+        held.append(number)
+
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    ray_setter = getattr(utils, "set_sigterm_handler", None)
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    dump = getattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    try:
+        if ray_setter is not None:
+            utils.set_sigterm_handler = lambda handler: None
+        if dump is not None:
+            constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+        for number in handlers:
+            signal.signal(number, hold)
+        yield held
+    finally:
+        if ray_setter is not None:
+            utils.set_sigterm_handler = ray_setter
+        if dump is not None:
+            constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = dump
+        _restore_signal_handlers(handlers)
 
 
 #: The signals whose handlers `connect` keeps as the caller set them.
@@ -184,7 +223,7 @@ class RayPool(PoolBase):
         self.threads = threads or 1
         self.units_done = 0
         self._closed = False
-        self._started = connect(address)
+        self._started = _SCOPE.keep(connect(address))
         try:
             ray = ray_module()
             count = workers or max(1, cluster_cpus() // self.threads)
@@ -253,8 +292,57 @@ class RayPool(PoolBase):
             self._started = None
 
 
-#: Seconds an interrupted run waits for ``ray.shutdown`` of the local cluster it started.
-INTERRUPTED_SHUTDOWN = 1.0
+class _Scope:
+    """The open `shared_cluster` scopes of this process: how deep they nest, and the local cluster
+    the first pool inside them started (`_ClusterProcesses`), which the outermost one shuts down."""
+
+    def __init__(self):
+        self.depth = 0
+        self.started: Optional[_ClusterProcesses] = None
+
+    def keep(self, started: Optional["_ClusterProcesses"]) -> Optional["_ClusterProcesses"]:
+        """What a pool that `connect` answered ``started`` shuts down itself: nothing inside a scope
+        (the scope keeps the cluster for the pools after it), else ``started``."""
+        if self.depth and started is not None:
+            self.started = started
+            return None
+        return started
+
+    def leave(self, *, interrupted: bool) -> None:
+        self.depth -= 1
+        if self.depth or self.started is None:
+            return
+        started, self.started = self.started, None
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            _stop_started(ray, started, interrupted=interrupted)
+
+
+_SCOPE = _Scope()
+
+
+@contextlib.contextmanager
+def shared_cluster():
+    """Within this scope the Ray pools of this process share one cluster: a local cluster the first
+    of them starts (`connect`) is kept when that pool closes, used by the pools after it, and shut
+    down when the outermost scope ends (within `INTERRUPTED_SHUTDOWN` seconds when a signal unwinds
+    it). Without it each pool starts and shuts down its own. One call that runs several pools (the
+    calibration, then the settings of `sensitivity`) thus starts Ray once, and a signal never finds
+    the process between two clusters, where ``ray.shutdown`` and ``ray.init`` replace the caller's
+    handlers for a while. Does not import Ray; a scope in which no pool started a cluster does
+    nothing."""
+    _SCOPE.depth += 1
+    try:
+        yield
+    except BaseException:
+        _SCOPE.leave(interrupted=_interrupted())
+        raise
+    _SCOPE.leave(interrupted=False)
+
+
+#: Seconds an interrupted run waits for ``ray.shutdown`` of the local cluster it started, once it has
+#: killed the cluster's processes (`_stop_started`).
+INTERRUPTED_SHUTDOWN = 0.2
 
 
 def _interrupted() -> bool:
@@ -265,14 +353,17 @@ def _interrupted() -> bool:
 
 
 def _stop_started(ray, started: Optional["_ClusterProcesses"], *, interrupted: bool) -> None:
-    """Shut down the cluster `connect` started, whose processes ``started`` records (within
-    `INTERRUPTED_SHUTDOWN` seconds when ``interrupted``), then kill what of it still runs."""
+    """Shut down the cluster `connect` started, whose processes ``started`` records: ``ray.shutdown``,
+    then kill what of it still runs; when ``interrupted``, kill its processes first, then give
+    ``ray.shutdown`` `INTERRUPTED_SHUTDOWN` seconds (waiting for it to stop them one by one took 1 s
+    and more of a signal's 2 s)."""
     tree = started.tree() if started is not None else {}
+    if interrupted:
+        _ClusterProcesses.kill(tree)
+        _shutdown_within(ray, INTERRUPTED_SHUTDOWN)
+        return
     try:
-        if interrupted:
-            _shutdown_within(ray, INTERRUPTED_SHUTDOWN)
-        else:
-            _shutdown_keeping_handlers(ray)
+        _shutdown_keeping_handlers(ray)
     finally:
         _ClusterProcesses.kill(tree)
 
@@ -404,4 +495,4 @@ def _error(name: str, actor: int, workers: int, index: int, answer) -> QatError:
     return WorkerError(f"{name}: Ray actor {actor + 1} of {workers} failed (unit {index + 1}): {text}")
 
 
-__all__ = ["RayPool", "connect", "ray_module", "cluster_cpus", "SLICE"]
+__all__ = ["RayPool", "connect", "shared_cluster", "ray_module", "cluster_cpus", "SLICE"]
