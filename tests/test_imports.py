@@ -137,7 +137,7 @@ ALLOWED = {
     "rewrite": _LOW | {"placement", "insertion", "passes", "runtime", "calibration"},
     "calibration": _LOW | {"runtime", "placement", "insertion"},
     "accuracy": _LOW | {"runtime", "placement", "insertion", "passes", "calibration", "rewrite"},
-    "quantize": _LOW | {"placement", "calibration", "accuracy", "rewrite", "passes"},
+    "quantize": _LOW | {"placement", "calibration", "accuracy", "rewrite", "passes", "runtime"},
     "argtypes": set(),
     "deploy": _LOW | {"argtypes", "runtime", "check", "passes"},
 }
