@@ -18,10 +18,10 @@ workers must then import onnx_qat themselves (installed there, or the user's own
 environment). Ray is an optional dependency (``pip install onnx-qat[ray]``), imported only here.
 
 The main process waits on ``ray.wait`` in short slices, so SIGINT/SIGTERM unwind it at once; the
-actors are killed on the way out (`RayPool.close`). `connect` holds SIGINT and SIGTERM while
-``ray.init`` runs and keeps Ray's own handlers out (`_signals_held`), then sets the caller's handlers
-again and gives them a signal that came meanwhile; a handler's exception comes out of Ray's calls as
-itself (`_unwinding`). A local cluster an interrupted run started is killed: every process below the
+actors are killed on the way out (`RayPool.close`). `connect` runs ``ray.init`` on a thread of its
+own (`_Starter`) while the caller's thread waits in slices with its SIGINT and SIGTERM handlers in
+place, and keeps Ray's own handlers out; a handler's exception comes out of Ray's calls as itself
+(`_unwinding`). A local cluster an interrupted run started is killed: every process below the
 ones ``ray.init`` started, read from ``/proc`` (`_ClusterProcesses`; the raylet's agents,
 ``DashboardAgent`` and ``RuntimeEnvAgent``, outlive a killed raylet by seconds on a loaded machine),
 then ``ray.shutdown`` gets `INTERRUPTED_SHUTDOWN` seconds on a daemon thread. A normal end shuts the
@@ -60,9 +60,9 @@ def ray_module():
 def connect(address) -> Optional["_ClusterProcesses"]:
     """Join (or start) the Ray cluster ``address`` names (see the module docstring). When this call
     started Ray in this process, the record of the processes it started (`_ClusterProcesses`: the caller
-    shuts the cluster down with `_stop_started`); None when Ray was initialized already. SIGINT and
-    SIGTERM wait while ``ray.init`` runs and go to the handlers set before it afterwards
-    (`_signals_held`)."""
+    shuts the cluster down with `_stop_started`); None when Ray was initialized already. ``ray.init``
+    runs on a thread of its own (`_Starter`) while this one waits with the caller's SIGINT and SIGTERM
+    handlers in place, so a signal during the start unwinds the caller at once."""
     ray = ray_module()
     local = address in (True, "", None)
     if not local:
@@ -71,70 +71,76 @@ def connect(address) -> Optional["_ClusterProcesses"]:
         return None
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # onnx_qat, for the actors
     handlers = _signal_handlers()
-    before = _ClusterProcesses.children()
-    started = None
+    started = _ClusterProcesses(_ClusterProcesses.children())
+    starter = _Starter(ray, dict(**({} if local else {"address": address}), include_dashboard=False,
+                                 log_to_driver=False, logging_level=logging.ERROR,
+                                 runtime_env={"py_modules": [package]}))
+    started.starter = starter
     try:
-        with _signals_held(ray, handlers) as held:
-            try:
-                ray.init(**({} if local else {"address": address}), include_dashboard=False,
-                         log_to_driver=False, logging_level=logging.ERROR,
-                         runtime_env={"py_modules": [package]})
-            except SystemExit as exc:  # Ray's own SIGTERM handler, where it could not be kept out
-                if exc.code not in (_SIGTERM, 1) or _SIGTERM not in handlers:
-                    raise
-                held.append(_SIGTERM)
-            except Exception as exc:  # noqa: BLE001 - Ray's own errors, one line
-                where = "start a local Ray cluster" if local else f"connect to the Ray cluster at {address}"
-                raise WorkerError(f"cannot {where}: {brief(exc, 200)}") from None
-            finally:
-                started = _ClusterProcesses(before)
-        if held:  # the caller's handler gets the signal now (the CLI: exit 130 or 143, nothing written)
-            os.kill(os.getpid(), held[0])
+        starter.wait()
+        started.record()
+        error = starter.error
     except BaseException:
-        if _interrupted():  # a signal right after ray.init: no pool owns the cluster yet, so stop what
-            _stop_started(ray, started, interrupted=True)  # this call started (its agents too)
+        started.record()
+        if _interrupted():  # a signal during the start: stop what it started so far (its agents too)
+            _stop_started(ray, started, interrupted=True)
+        else:
+            starter.release.set()
         raise
+    finally:
+        _restore_signal_handlers(handlers)
+    if error is not None:
+        starter.release.set()
+        where = "start a local Ray cluster" if local else f"connect to the Ray cluster at {address}"
+        raise WorkerError(f"cannot {where}: {brief(error, 200)}") from None
     return started
 
 
-@contextlib.contextmanager
-def _signals_held(ray, handlers: dict):
-    """While ``ray.init`` runs: SIGINT and SIGTERM (those of ``handlers``, the caller's) are only
-    recorded, in the list this yields, and Ray is kept from setting its own Python SIGTERM handlers
-    (``ray._private.utils.set_sigterm_handler`` does nothing meanwhile); afterwards the caller's
-    handlers are set again (`_restore_signal_handlers`). Starting a local cluster takes 1-2 s;
-    acting on a signal part-way through left processes of the cluster running, and Ray's handlers,
-    raising ``SystemExit`` where Python ignores exceptions (its fork hooks), once let a SIGTERM pass
-    unseen and the run finish (exit 0; measured with Ray 2.60). So a signal then waits for the
-    start to finish, and the caller acts on it with the whole cluster known."""
-    held: List[int] = []
+class _Starter:
+    """``ray.init(**options)`` on a thread of its own, which then stays until `release` is set (by
+    `_stop_started`). Ray starts the local cluster's processes tied to the thread that started them
+    (``PR_SET_PDEATHSIG`` on Linux fires when that thread ends), so the thread outlives the work; and
+    ``ray.init`` on the caller's thread blocked the caller's signal handlers for the 2-3 s of the start.
+    While it runs, Ray's ``set_sigterm_handler`` does nothing (off the main thread ``signal.signal``
+    would fail, and Ray's handlers are the ones `connect` keeps out) and Ray's native failure signal
+    handler, which printed a stack dump on SIGTERM, is not installed in this process
+    (``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``, for that call)."""
 
-    def hold(number, frame):
-        held.append(number)
+    def __init__(self, ray, options: dict):
+        self.error: Optional[BaseException] = None
+        self.ready, self.release = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ray, options), name="ray-start", daemon=True)
+        self._thread.start()
 
-    utils = getattr(getattr(ray, "_private", None), "utils", None)
-    ray_setter = getattr(utils, "set_sigterm_handler", None)
-    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
-    dump = getattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
-    try:
-        if ray_setter is not None:
-            utils.set_sigterm_handler = lambda handler: None
-        if dump is not None:
-            constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
-        for number in handlers:
-            signal.signal(number, hold)
-        yield held
-    finally:
-        if ray_setter is not None:
-            utils.set_sigterm_handler = ray_setter
-        if dump is not None:
-            constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = dump
-        _restore_signal_handlers(handlers)
+    def _run(self, ray, options: dict) -> None:
+        private = getattr(ray, "_private", None)
+        utils, constants = getattr(private, "utils", None), getattr(private, "ray_constants", None)
+        ray_setter = getattr(utils, "set_sigterm_handler", None)
+        dump = getattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+        try:
+            if ray_setter is not None:
+                utils.set_sigterm_handler = lambda handler: None
+            if dump is not None:
+                constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+            ray.init(**options)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            self.error = exc
+        finally:
+            if ray_setter is not None:
+                utils.set_sigterm_handler = ray_setter
+            if dump is not None:
+                constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = dump
+            self.ready.set()
+        self.release.wait()
+
+    def wait(self) -> None:
+        """Until ``ray.init`` has returned, in slices of `SLICE` seconds (a signal unwinds the caller)."""
+        while not self.ready.wait(SLICE):
+            pass
 
 
 #: The signals whose handlers `connect` keeps as the caller set them.
 _SIGNALS = ("SIGINT", "SIGTERM")
-_SIGTERM = int(signal.SIGTERM)
 
 
 def _signal_handlers() -> dict:
@@ -356,16 +362,20 @@ def _stop_started(ray, started: Optional["_ClusterProcesses"], *, interrupted: b
     """Shut down the cluster `connect` started, whose processes ``started`` records: ``ray.shutdown``,
     then kill what of it still runs; when ``interrupted``, kill its processes first, then give
     ``ray.shutdown`` `INTERRUPTED_SHUTDOWN` seconds (waiting for it to stop them one by one took 1 s
-    and more of a signal's 2 s)."""
+    and more of a signal's 2 s). Then the thread that started it may end (`_Starter`)."""
     tree = started.tree() if started is not None else {}
-    if interrupted:
-        _ClusterProcesses.kill(tree)
-        _shutdown_within(ray, INTERRUPTED_SHUTDOWN)
-        return
     try:
-        _shutdown_keeping_handlers(ray)
+        if interrupted:
+            _ClusterProcesses.kill(tree)
+            _shutdown_within(ray, INTERRUPTED_SHUTDOWN)
+            return
+        try:
+            _shutdown_keeping_handlers(ray)
+        finally:
+            _ClusterProcesses.kill(tree)
     finally:
-        _ClusterProcesses.kill(tree)
+        if started is not None and started.starter is not None:
+            started.starter.release.set()
 
 
 class _ClusterProcesses:
@@ -374,7 +384,14 @@ class _ClusterProcesses:
     system without it nothing is found and nothing killed (Ray's own shutdown stands alone)."""
 
     def __init__(self, before: Dict[int, str]):
-        self.roots = {pid: start for pid, start in self.children().items() if before.get(pid) != start}
+        self.before = before
+        self.roots: Dict[int, str] = {}
+        self.starter: Optional[_Starter] = None
+        self.record()
+
+    def record(self) -> None:
+        """Note the children this process did not have before (again: the start goes on meanwhile)."""
+        self.roots = {pid: start for pid, start in self.children().items() if self.before.get(pid) != start}
 
     @staticmethod
     def _table() -> Dict[int, Tuple[int, str]]:

@@ -76,17 +76,13 @@ def test_one_call_starts_one_local_cluster_for_all_its_pools(tmp_path):
     assert (tmp_path / "out.json").is_file()
 
 
-#: Seconds from a signal sent while the local cluster starts to the exit: the start (about 2.5 s on
-#: this 2-core machine) finishes first (docs/performance.md, "Interrupts on Ray").
-START_BOUND = 6.0
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_while_the_local_cluster_starts_ends_the_run_once_it_has_started(tmp_path, sig):
-    """A signal as soon as the cluster's first process (its GCS server) runs: ``ray.init`` finishes,
-    then the run ends with 130 / 143 and one line, writes nothing and leaves no process of the
-    cluster. Acting on it part-way through used to leave the raylet's agents running, and a SIGTERM
-    that Ray's own handler took inside a fork hook once went unseen (the run finished, exit 0)."""
+def test_a_signal_while_the_local_cluster_starts_stops_everything_within_the_bound(tmp_path, sig):
+    """A signal as soon as the cluster's first process (its GCS server) runs, in the middle of
+    ``ray.init``: the run ends with 130 / 143 within `BOUND` seconds and one line, writes nothing, prints
+    no stack dump and leaves no process of the cluster. With ``ray.init`` on the main thread a signal
+    there was acted on only part-way (the raylet's agents left running), or at the end of the start
+    (3.6 s later), or, taken by Ray's own handler inside a fork hook, not at all (the run finished)."""
     proc, reader = _sensitivity_run(tmp_path)
     before = support.snapshot(tmp_path)
     seen, watching = set(), threading.Event()
@@ -118,7 +114,7 @@ def test_a_signal_while_the_local_cluster_starts_ends_the_run_once_it_has_starte
     support.kill_all(left)
     print(f"{signal.Signals(sig).name} during the start: exit {proc.returncode} {elapsed:.2f} s after")
     assert proc.returncode == (130 if sig == signal.SIGINT else 143), stderr
-    assert elapsed < START_BOUND, f"exit {elapsed:.1f} s after the signal"
+    assert elapsed < BOUND, f"exit {elapsed:.1f} s after the signal"
     assert "Traceback" not in stderr and "SIGTERM received" not in stderr, stderr
     assert len(support.error_lines(stderr)) == 1, stderr
     assert not left, "left running: " + "; ".join(left_lines)
