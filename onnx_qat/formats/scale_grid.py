@@ -169,8 +169,34 @@ def fp16_weight_scales(values: np.ndarray, scale: np.ndarray, shape, dequantized
         errors = []
         for candidate in (down, up):
             broadcast = np.where(np.isfinite(candidate), candidate, np.float32(1.0)).reshape(shape)
-            diff = dequantized(values, broadcast) - values
-            errors.append(np.sum(np.square(diff, dtype=np.float64), axis=axes).reshape(scale.shape))
+            errors.append(_squared_errors(values, broadcast, dequantized, axes).reshape(scale.shape))
         chosen = np.where(moved & (errors[0] < errors[1]), down, up).astype(np.float32)
     keep = np.broadcast_to(fits.reshape((-1,) + (1,) * (scale.ndim - 1)) if batched else fits[0], scale.shape)
     return np.where(keep, chosen, scale).astype(np.float32)
+
+
+#: Values of a weight `fp16_weight_scales` quantizes and dequantizes at once (2^22: 16 MiB of float32);
+#: a larger weight is judged a slice of its first axis at a time, so the temporaries (the quotient, the
+#: reconstruction, the difference and its float64 square, about 24 bytes per value) stay near 100 MB
+#: instead of growing with it: 2.8 GB for one 117-million-value weight of a model over 2 GB.
+ERROR_CHUNK = 1 << 22
+
+
+def _squared_errors(values: np.ndarray, broadcast: np.ndarray, dequantized, axes: tuple) -> np.ndarray:
+    """``sum((dequantized(values, broadcast) - values) ** 2)`` over ``axes`` in float64 (the reduced axes
+    kept as 1), over slices of ``values``' first axis of at most `ERROR_CHUNK` values each; a weight
+    of at most `ERROR_CHUNK` values is one slice, summed as before."""
+    rows = values.shape[0] if values.ndim else 1
+    step = rows if values.size <= ERROR_CHUNK else max(1, ERROR_CHUNK // max(1, values.size // rows))
+    if step >= rows:
+        diff = dequantized(values, broadcast) - values
+        return np.sum(np.square(diff, dtype=np.float64), axis=axes, keepdims=True)
+    sliced = broadcast.ndim > 0 and broadcast.shape[0] != 1  # one scale per row: slice them too
+    parts = []
+    for start in range(0, rows, step):
+        part = values[start:start + step]
+        diff = dequantized(part, broadcast[start:start + step] if sliced else broadcast) - part
+        parts.append(np.sum(np.square(diff, dtype=np.float64), axis=axes, keepdims=True))
+    if 0 in axes:  # the first axis is summed over: add the slices' sums
+        return np.sum(np.concatenate(parts, axis=0), axis=0, keepdims=True)
+    return np.concatenate(parts, axis=0)

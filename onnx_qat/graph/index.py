@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 from math import prod
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import onnx
@@ -369,18 +369,25 @@ class GraphIndex:
         """The value of initializer ``name`` as a read-only array (`onnx_qat.io.models.tensor_array`),
         decoded once: the refusal of non-finite weights and the inserter (through `GraphEdit`, which
         takes this index from given scales) read the same 10^4-10^5 weights (the refusal decodes them at
-        once, `decode_initializers`). KeyError when ``name`` is no initializer of this graph."""
+        once, `decode_initializers`). A weight of `JOIN_MOST` bytes or more is decoded again each time
+        instead of kept: kept, every large weight of a model was held twice (its protobuf bytes and its
+        array), 2.35 GB more for a model of 2.35 GB of weights. KeyError when ``name`` is no initializer
+        of this graph."""
         found = self._arrays.get(name)
         if found is None:
             from ..io.models import tensor_array
 
-            found = self._arrays[name] = tensor_array(self.initializers[name])
+            found = tensor_array(self.initializers[name])
+            if found.nbytes < JOIN_MOST:  # a large weight is decoded each time it is asked for
+                self._arrays[name] = found
         return found
 
-    def decode_initializers(self, names: Iterable[str]) -> List[np.ndarray]:
+    def decode_initializers(self, names: Iterable[str]) -> Iterator[np.ndarray]:
         """Decode the initializers ``names`` of this graph (KeyError for another name) for `initializer_array`
-        in one go, and return flat read-only arrays that together hold every value of ``names``, each value
-        once (a name given twice counts once).
+        in one go, and yield flat read-only arrays that together hold every value of ``names``, each value
+        once (a name given twice counts once). A generator: a tensor of `JOIN_MOST` bytes or more is decoded
+        when its array is asked for and not kept (`initializer_array`), so a caller that checks the arrays
+        one by one holds one large weight's copy at a time.
 
         The raw little-endian bytes of float tensors (float32, float16, float64 held in ``raw_data``) are
         joined per element type into buffers of at most `JOIN_MOST` bytes, each read as one array, of which
@@ -390,7 +397,6 @@ class GraphIndex:
         decoded before (its array is returned whole), of another type or form, or whose raw bytes do not
         fit its dims, is decoded as `initializer_array` decodes it."""
         arrays, initializers = self._arrays, self.initializers
-        found: List[np.ndarray] = []
         queued: Dict[np.dtype, list] = {}  # NumPy type -> [(name, raw bytes, shape, count)]
         sizes: Dict[np.dtype, int] = {}
         default = onnx.TensorProto.DEFAULT
@@ -403,20 +409,22 @@ class GraphIndex:
                     raw, shape = tensor.raw_data, tuple(tensor.dims[:])
                     count = prod(shape)
                     if len(raw) == count * dtype.itemsize:
-                        if len(raw) >= JOIN_MOST:  # alone: no joined copy of a large tensor
-                            found.append(_join(dtype, [(name, raw, shape, count)], arrays))
+                        if len(raw) >= JOIN_MOST:  # alone, not kept: no joined copy of a large tensor
+                            yield _join(dtype, [(name, raw, shape, count)], {})
+                            raw = None  # not held while the next one is read
                             continue
                         items = queued.setdefault(dtype, [])
                         items.append((name, raw, shape, count))
                         sizes[dtype] = sizes.get(dtype, 0) + len(raw)
                         if sizes[dtype] >= JOIN_MOST:
-                            found.append(_join(dtype, items, arrays))
+                            yield _join(dtype, items, arrays)
                             queued[dtype], sizes[dtype] = [], 0
                         continue
                 known = self.initializer_array(name)
-            found.append(known.reshape(-1))
-        found.extend(_join(dtype, items, arrays) for dtype, items in queued.items() if items)
-        return found
+            yield known.reshape(-1)
+        for dtype, items in queued.items():
+            if items:
+                yield _join(dtype, items, arrays)
 
     def _stored_proto(self, source: str) -> Optional[onnx.TensorProto]:
         if source in self.initializers:

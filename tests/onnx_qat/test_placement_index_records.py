@@ -293,7 +293,7 @@ def test_decode_initializers_gives_what_tensor_array_gives(monkeypatch, join_mos
     names = [n for n in protos if n != "short"]
     index = GraphIndex(model)
     index.initializer_array("t5")  # decoded before: returned whole
-    flat = index.decode_initializers(names + ["t0"])
+    flat = list(index.decode_initializers(names + ["t0"]))
     assert sum(a.size for a in flat) == sum(tensor_array(protos[n]).size for n in names)
     values = sorted(float(v) for a in flat for v in a.reshape(-1).astype(np.float64))
     expected = sorted(float(v) for n in names for v in tensor_array(protos[n]).reshape(-1).astype(np.float64))
@@ -303,9 +303,29 @@ def test_decode_initializers_gives_what_tensor_array_gives(monkeypatch, join_mos
         assert got.dtype == want.dtype and got.shape == want.shape and not got.flags.writeable
         assert np.array_equal(got, want)
     with pytest.raises(ValueError):  # raw bytes that do not fit: as tensor_array has it
-        index.decode_initializers(["short"])
+        list(index.decode_initializers(["short"]))
     with pytest.raises(KeyError):
-        index.decode_initializers(["input"])
+        list(index.decode_initializers(["input"]))
+
+
+def test_a_large_weight_is_decoded_each_time_and_not_kept(monkeypatch):
+    """A weight of `JOIN_MOST` bytes or more is not kept by the index (kept, every large weight of a
+    model over 2 GB was held twice, its protobuf bytes and its array): each `initializer_array` call
+    decodes it anew, equal values, while a smaller one is decoded once; `decode_initializers` decodes a
+    large one when its array is asked for (a generator)."""
+    from onnx_qat.graph import index as index_module
+
+    monkeypatch.setattr(index_module, "JOIN_MOST", 40)  # t0 (48 bytes) and t4 (48) large, t3 (10) small
+    model = _decoding_model()
+    index = GraphIndex(model)
+    arrays = index.decode_initializers(["t0", "t3", "t4"])
+    first = next(arrays)
+    assert first.size == 12
+    rest = list(arrays)
+    assert sum(a.size for a in rest) == 5 + 6
+    assert index.initializer_array("t0") is not index.initializer_array("t0")
+    assert np.array_equal(index.initializer_array("t0"), index.initializer_array("t0"))
+    assert index.initializer_array("t3") is index.initializer_array("t3")
 
 
 def test_constant_shapes_of_some_names_and_has_tensor():

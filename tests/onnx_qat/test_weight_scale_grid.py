@@ -327,3 +327,39 @@ def test_a_per_tensor_scale_and_a_batch_of_weights_take_the_same_grid_as_one_wei
     q, one = quantize_weight(stack[0], None, fp16_grid=True)  # per tensor: one scale, on the grid
     assert one.shape == (1,) and _is_fp16(one)
     assert np.array_equal(q, to_grid(stack[0], one.reshape(()), INT8_QRANGE))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("case", ["conv_axis0", "matmul_axis1", "per_tensor", "batched"])
+def test_a_weight_judged_in_slices_gets_the_scales_of_one_pass(monkeypatch, seed, case):
+    """A weight above `ERROR_CHUNK` values is judged a slice of its first axis at a time (bounded
+    temporaries for weights of hundreds of MB): the errors of both neighbours match one pass over the
+    whole weight to float64 rounding and the scales chosen are the same, whether the first axis is the
+    channel axis, the summed one, per tensor or a batch of weights; slices of one row to several."""
+    from onnx_qat.formats import scale_grid
+
+    rng = np.random.default_rng(seed)
+    values, shape, batched = {
+        "conv_axis0": (rng.standard_normal((24, 8, 3, 3)), (-1, 1, 1, 1), False),
+        "matmul_axis1": (rng.standard_normal((96, 40)) * 30, (1, -1), False),
+        "per_tensor": (rng.standard_normal((50, 7)), (), False),
+        "batched": (rng.standard_normal((12, 16, 5)), (12, -1, 1), True),
+    }[case]
+    values = values.astype(np.float32)
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and values.shape[i] != 1) if shape else \
+        tuple(range(values.ndim))
+    if case == "batched":
+        axes = (2,)
+    amax = np.max(np.abs(values), axis=axes) if shape else np.max(np.abs(values))
+    scale = (np.asarray(amax, np.float64) / 127).astype(np.float32)
+    whole = fp16_weight_scales(values, scale, shape, int8_dequantized(), batched=batched)
+    down, up = scale_grid.fp16_scale_candidates(scale)
+    broadcast = np.where(np.isfinite(down), down, np.float32(1.0)).reshape(shape)
+    one_pass = scale_grid._squared_errors(values, broadcast, int8_dequantized(), axes)
+    for chunk in (values[0].size, 3 * values[0].size + 1, values.size - 1):
+        monkeypatch.setattr(scale_grid, "ERROR_CHUNK", chunk)
+        sliced = scale_grid._squared_errors(values, broadcast, int8_dequantized(), axes)
+        assert sliced.shape == one_pass.shape
+        np.testing.assert_allclose(sliced, one_pass, rtol=1e-12, atol=0)
+        np.testing.assert_array_equal(fp16_weight_scales(values, scale, shape, int8_dequantized(),
+                                                         batched=batched), whole)
