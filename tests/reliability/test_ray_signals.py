@@ -37,6 +37,18 @@ def _gcs_servers(pid: int) -> list:
     return [p for p in support.descendants(pid) if "/gcs_server" in support.cmdline(p).split(" ")[0]]
 
 
+def _left_after_exit(pids) -> list:
+    """``"PID command"`` of each of ``pids`` still running `ORPHAN_GRACE` seconds after the CLI's exit
+    (the cluster's processes end with the process that started them), killed once listed."""
+    end = time.monotonic() + ORPHAN_GRACE
+    while any(support.alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    left = [p for p in pids if support.alive(p)]
+    lines = [f"{p} {support.cmdline(p)[:80]}" for p in left]
+    support.kill_all(left)
+    return lines
+
+
 def _sensitivity_run(tmp_path, samples: int = 256):
     """``sensitivity --ray --workers 2`` of a small slow model on ``samples`` random images, started
     in ``tmp_path`` (its calibration and its settings each run on Ray actors): the process and the
@@ -106,18 +118,13 @@ def test_a_signal_while_the_local_cluster_starts_stops_everything_within_the_bou
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    end = time.monotonic() + ORPHAN_GRACE
-    while any(support.alive(p) for p in seen) and time.monotonic() < end:
-        time.sleep(0.1)
-    left = [p for p in seen if support.alive(p)]
-    left_lines = [f"{p} {support.cmdline(p)[:80]}" for p in left]
-    support.kill_all(left)
+    left = _left_after_exit(seen)
     print(f"{signal.Signals(sig).name} during the start: exit {proc.returncode} {elapsed:.2f} s after")
     assert proc.returncode == (130 if sig == signal.SIGINT else 143), stderr
     assert elapsed < BOUND, f"exit {elapsed:.1f} s after the signal"
     assert "Traceback" not in stderr and "SIGTERM received" not in stderr, stderr
     assert len(support.error_lines(stderr)) == 1, stderr
-    assert not left, "left running: " + "; ".join(left_lines)
+    assert not left, "left running: " + "; ".join(left)
     assert support.snapshot(tmp_path) == before and not support.partial_files(tmp_path)
 
 
@@ -151,15 +158,10 @@ def test_a_signal_during_ray_work_stops_everything_within_the_bound(tmp_path, si
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    end = time.monotonic() + ORPHAN_GRACE  # the cluster's processes end with the process that started them
-    while any(support.alive(p) for p in started) and time.monotonic() < end:
-        time.sleep(0.1)
-    left = [p for p in started if support.alive(p)]
-    left_lines = [f"{p} {support.cmdline(p)[:80]}" for p in left]
-    support.kill_all(left)
+    left = _left_after_exit(started)
     print(f"{command}, {signal.Signals(sig).name}: exit {proc.returncode} {elapsed:.2f} s after the signal")
     assert proc.returncode == (130 if sig == signal.SIGINT else 143), stderr
     assert elapsed < BOUND, f"exit {elapsed:.1f} s after the signal"
     assert "Traceback" not in stderr and len(support.error_lines(stderr)) == 1, stderr
-    assert not left, "left running: " + "; ".join(left_lines)
+    assert not left, "left running: " + "; ".join(left)
     assert support.snapshot(tmp_path) == before and not support.partial_files(tmp_path)
