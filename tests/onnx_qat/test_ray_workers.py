@@ -138,3 +138,36 @@ def test_the_processes_a_started_cluster_leaves_are_found_below_its_roots_and_ki
     finally:
         bystander.kill()
         bystander.wait()
+
+
+API_CALL = r"""
+import json, sys, numpy as np, onnx_qat, ray
+from onnx_qat.runtime.ray_workers import _ClusterProcesses
+model, data = sys.argv[1], {"input": np.load(sys.argv[2])["input"]}
+before = set(_ClusterProcesses.children())
+result = onnx_qat.sensitivity(model, data, ray=True, workers=2, batch_size=8, progress=False)
+local = onnx_qat.sensitivity(model, data, workers=1, batch_size=8, progress=False)
+left = set(_ClusterProcesses.children()) - before
+print(json.dumps({"initialized": ray.is_initialized(), "children": len(left),
+                  "same": [s.site.name for s in result.sites] == [s.site.name for s in local.sites]
+                  and [s.only for s in result.sites] == [s.only for s in local.sites]}))
+"""
+
+
+def test_an_api_call_starts_its_local_cluster_and_leaves_nothing_behind(tmp_path):
+    """``sensitivity(..., ray=True)`` in a process without Ray started: the call's calibration and
+    settings run on the local cluster it starts (on a thread of its own, `ray_workers._Starter`), and
+    when it returns Ray is shut down and none of the cluster's processes is a child of the caller any
+    more; the results are those of one process."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -c constraints.txt '.[ray]')")
+    import json
+
+    support.save(residual_block_model(), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", input=_images(32, 3))
+    env = support.cli_env()
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", API_CALL, "m.onnx", "d.npz"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answer == {"initialized": False, "children": 0, "same": True}, answer
