@@ -320,7 +320,7 @@ class _Scope:
             return
         started, self.started = self.started, None
         ray = sys.modules.get("ray")
-        if ray is not None and ray.is_initialized():
+        if ray is not None:  # (Ray shut down meanwhile: its processes and its starting thread still end)
             _stop_started(ray, started, interrupted=interrupted)
 
 
