@@ -49,6 +49,19 @@ def _left_after_exit(pids) -> list:
     return lines
 
 
+def _assert_stopped(proc, sig, elapsed: float, stderr: str, pids, directory, before) -> None:
+    """The run ``sig`` stopped: exit 130 / 143 within `BOUND` seconds, one line on stderr (no traceback,
+    no stack dump), none of ``pids`` (the processes seen below it) running `ORPHAN_GRACE` seconds after
+    the exit, and ``directory`` as it was (``before``, `support.snapshot`), no partial file."""
+    left = _left_after_exit(pids)
+    assert proc.returncode == (130 if sig == signal.SIGINT else 143), stderr
+    assert elapsed < BOUND, f"exit {elapsed:.1f} s after the signal"
+    assert "Traceback" not in stderr and "SIGTERM received" not in stderr, stderr
+    assert len(support.error_lines(stderr)) == 1, stderr
+    assert not left, "left running: " + "; ".join(left)
+    assert support.snapshot(directory) == before and not support.partial_files(directory)
+
+
 def _sensitivity_run(tmp_path, samples: int = 256):
     """``sensitivity --ray --workers 2`` of a small slow model on ``samples`` random images, started
     in ``tmp_path`` (its calibration and its settings each run on Ray actors): the process and the
@@ -118,14 +131,8 @@ def test_a_signal_while_the_local_cluster_starts_stops_everything_within_the_bou
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    left = _left_after_exit(seen)
     print(f"{signal.Signals(sig).name} during the start: exit {proc.returncode} {elapsed:.2f} s after")
-    assert proc.returncode == (130 if sig == signal.SIGINT else 143), stderr
-    assert elapsed < BOUND, f"exit {elapsed:.1f} s after the signal"
-    assert "Traceback" not in stderr and "SIGTERM received" not in stderr, stderr
-    assert len(support.error_lines(stderr)) == 1, stderr
-    assert not left, "left running: " + "; ".join(left)
-    assert support.snapshot(tmp_path) == before and not support.partial_files(tmp_path)
+    _assert_stopped(proc, sig, elapsed, stderr, seen, tmp_path, before)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -158,10 +165,5 @@ def test_a_signal_during_ray_work_stops_everything_within_the_bound(tmp_path, si
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    left = _left_after_exit(started)
     print(f"{command}, {signal.Signals(sig).name}: exit {proc.returncode} {elapsed:.2f} s after the signal")
-    assert proc.returncode == (130 if sig == signal.SIGINT else 143), stderr
-    assert elapsed < BOUND, f"exit {elapsed:.1f} s after the signal"
-    assert "Traceback" not in stderr and len(support.error_lines(stderr)) == 1, stderr
-    assert not left, "left running: " + "; ".join(left)
-    assert support.snapshot(tmp_path) == before and not support.partial_files(tmp_path)
+    _assert_stopped(proc, sig, elapsed, stderr, started, tmp_path, before)
