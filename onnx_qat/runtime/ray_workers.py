@@ -157,11 +157,13 @@ def _signal_handlers() -> dict:
 
 
 def _restore_signal_handlers(handlers: dict) -> None:
-    """Set the handlers `_signal_handlers` read before ``ray.init`` again. ``ray.init`` replaces the
-    Python SIGTERM handler with ``sys.exit`` and Ray's core worker installs a native handler that
-    aborts the process on SIGTERM (exit by SIGABRT, no clean-up, measured with Ray 2.60); setting the
-    Python handlers again puts back the native handler that runs them, so a signal unwinds the caller
-    as before (the CLI: exit 130 or 143, nothing written, the pool closed on the way out)."""
+    """Set the handlers `_signal_handlers` read before ``ray.init`` (or ``ray.shutdown``) again. On the
+    main thread ``ray.init`` replaced the Python SIGTERM handler with ``sys.exit``, and Ray's core worker
+    installs a native handler that aborts the process on SIGTERM (exit by SIGABRT, no clean-up, measured
+    with Ray 2.60); `_Starter` keeps both out where its Ray has the hooks it uses, and this covers a Ray
+    without them and ``ray.shutdown``, which sets SIGTERM's native handler back to the default. Setting
+    the Python handlers again puts back the native handler that runs them, so a signal unwinds the
+    caller as before (the CLI: exit 130 or 143, nothing written, the pool closed on the way out)."""
     for number, handler in handlers.items():
         try:
             signal.signal(number, handler)
