@@ -969,18 +969,20 @@ def split_bias_adds(edit, splits) -> Tuple[str, ...]:
         if split.as_gemm:
             matmul.op_type = "Gemm"
         else:
-            proto = edit.initializer(split.bias)
-            if proto is None or split.bias not in add.input:
-                logger.warning("ort-cpu: bias %r of %r is not an initializer; MatMulAddFusion may fuse it",
+            try:  # an initializer, or a Constant node's output (as paddle2onnx writes biases)
+                values, _, chain = edit.constant(split.bias) if split.bias in add.input else (None, None, ())
+            except ValueError:
+                values = None
+            if values is None:
+                logger.warning("ort-cpu: bias %r of %r is not a constant; MatMulAddFusion may fuse it",
                                split.bias, split.add)
                 continue
-            from ..io.models import tensor_array
-
-            values = np.asarray(tensor_array(proto)).reshape(1, -1)
-            name = edit.add_initializer(f"{split.bias}_row", values)
+            name = edit.add_initializer(f"{split.bias}_row", np.asarray(values).reshape(1, -1))
             position = list(add.input).index(split.bias)
             add.input[position] = name
-            edit.release_if_unread(initializers=[split.bias])
+            # the rank-1 bias (and the Constant/Identity nodes making it) go once nothing else reads it
+            edit.release_if_unread(initializers=[t for t in (split.bias, *(i for n in chain for i in n.input))
+                                                 if edit.initializer(t) is not None], nodes=chain)
         done.append(split.node)
     return tuple(done)
 

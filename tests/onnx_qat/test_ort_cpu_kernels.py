@@ -3,7 +3,10 @@
 kernels that cannot saturate in 16 bits) when the ranges are calibrated."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+import onnx
 import pytest
 
 import onnx_qat
@@ -32,6 +35,53 @@ def test_matmuls_with_a_bias_run_as_integer_kernels(block, tmp_path):
     split = [r for r in result.requantization if r["rule"] == "CPU4"]
     assert {r["node"] for r in split} == {"q", "k", "v", "out_proj", "ffn1", "ffn2"}
     assert all(r["status"] == "kept apart" and "[1, N]" in r["reason"] for r in split)
+    B.assert_check_clean(result.model, target="ort-cpu")
+
+
+def _biases_as_constants(model):
+    """``model`` with each bias Add's initializer written as a Constant node instead (as paddle2onnx
+    writes them)."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    adds = {t for n in graph.node if n.op_type == "Add" for t in n.input}
+    biases = [t for t in graph.initializer if t.name in adds and len(t.dims) == 1]
+    kept = [t for t in graph.initializer if t not in biases]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    constants = [onnx.helper.make_node("Constant", [], [t.name], name=f"{t.name}_const", value=t) for t in biases]
+    nodes = constants + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model, [t.name for t in biases]
+
+
+def test_constant_node_biases_are_kept_apart_too(block, tmp_path, caplog):
+    """A bias written by a Constant node (PP-OCRv4's recognizer has nine such MatMuls) is read as
+    [1, N] like an initializer's: before, the Add kept the Constant's rank-1 output (the report said
+    otherwise) and every such MatMul logged a warning."""
+    model, _ = block
+    model, biases = _biases_as_constants(model)
+    assert len(biases) >= 6
+    with caplog.at_level(logging.WARNING, logger="onnx_qat"):
+        result = onnx_qat.quantize(model, data=_block_data(1), method="max", target="ort-cpu",
+                                   progress=False, cpu_vnni=False)
+    assert not [r for r in caplog.records if "MatMulAddFusion" in r.getMessage()]
+    split = {r["node"] for r in result.requantization if r["rule"] == "CPU4"}
+    assert split == {"q", "k", "v", "out_proj", "ffn1", "ffn2"}
+    graph = result.model.graph
+    inits = {t.name: list(t.dims) for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    for name in split:
+        (add,) = [n for n in graph.node if n.op_type == "Add" and producer.get(n.input[0]) is not None
+                  and producer[n.input[0]].name == name]
+        bias = add.input[1]
+        assert bias in inits and len(inits[bias]) == 2 and inits[bias][0] == 1, (name, bias)
+    left = {n.output[0] for n in graph.node if n.op_type == "Constant"}
+    assert not left & set(biases), left & set(biases)  # the rank-1 Constants nothing reads any more
+    ops = B.optimized_ops(result.model, tmp_path)
+    assert ops.count("MatMulIntegerToFloat") == 6 and "Gemm" not in ops, ops
+    feeds = {"input": _block_data(2, num=1)["input"]}
+    assert B.cosine(B.run(model, feeds)[0], B.run_optimized(result.model, feeds)) > 0.99
     B.assert_check_clean(result.model, target="ort-cpu")
 
 
