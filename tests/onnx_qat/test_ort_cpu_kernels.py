@@ -48,7 +48,8 @@ def _biases_as_constants(model):
     kept = [t for t in graph.initializer if t not in biases]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    constants = [onnx.helper.make_node("Constant", [], [t.name], name=f"{t.name}_const", value=t) for t in biases]
+    constants = [onnx.helper.make_node("Constant", [], [t.name], name=f"{t.name}_const", value=t)
+                 for t in biases]
     nodes = constants + list(graph.node)
     del graph.node[:]
     graph.node.extend(nodes)
