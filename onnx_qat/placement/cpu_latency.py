@@ -564,8 +564,16 @@ def decide(model, index: GraphIndex, placement: Placement, *, profile=None, thre
                      f"(this one: {_describe(here)})")
     shapes = input_shapes(model, batch, samples)
     sites = sites_of(index, placement, shapes)
-    unmeasurable = sorted({w.node for w in placement.weights} - {s.node for s in sites}
-                          & {n.name for n in index.nodes if n.op_type in SITE_OPS})
+    unmeasurable = _unmeasurable(index, placement, sites)
+    if unmeasurable:  # shape inference stopped short of them (e.g. behind a Reshape to a computed shape)
+        unknown = sorted({n.inputs[0] for n in index.nodes if n.name in set(unmeasurable) and n.inputs})
+        observed = observed_shapes(model, batch, samples, unknown, threads)
+        if observed:
+            shapes = {**shapes, **observed}
+            sites = sites_of(index, placement, shapes)
+            before, unmeasurable = len(unmeasurable), _unmeasurable(index, placement, sites)
+            logger.info("latency placement: %d site(s) timed at the input shapes one run of the float model "
+                        "gave (shape inference left them unknown)", before - len(unmeasurable))
     measured, fresh = 0, {}
     for site in sites:
         if site.kind not in loaded.sites:
@@ -801,6 +809,39 @@ def place_by_latency(model, index: GraphIndex, placement: Placement, policy, con
     return replace(placed, decisions=decisions, notes=placed.notes + decision.notes + (note,)), decision
 
 
+def _unmeasurable(index: GraphIndex, placement: Placement, sites: Sequence[Site]) -> List[str]:
+    """The placement's quantized Conv/Gemm/MatMul nodes that are not among ``sites`` (no known input
+    shape, or a weight that is not a float32 constant), sorted."""
+    return sorted({w.node for w in placement.weights} - {s.node for s in sites}
+                  & {n.name for n in index.nodes if n.op_type in SITE_OPS})
+
+
+def observed_shapes(model, batch: int, samples: Optional[Mapping[str, Sequence[int]]],
+                    tensors: Sequence[str], threads: int = 0) -> Dict[str, Tuple[int, ...]]:
+    """The shapes ``tensors`` take in one run of the float ``model`` on `timing_feeds` (random values at
+    the shapes the sites are timed at: ``batch``, ``samples``): for the sites onnx shape inference
+    leaves without a static input shape (a Reshape to a shape computed from a Shape node, as exporters
+    write attention and sequence models). Empty when the model cannot be fed that way or onnxruntime
+    refuses it (those sites then stay untimed, as the note says)."""
+    import onnx
+
+    feeds = timing_feeds(model, batch, samples)
+    if isinstance(feeds, str) or not tensors:
+        return {}
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    present = {o.name for o in probe.graph.output}
+    wanted = [t for t in tensors if t not in present]
+    probe.graph.output.extend(onnx.ValueInfoProto(name=t) for t in wanted)
+    try:
+        values = _session(probe, threads).run(list(tensors), feeds)
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's own errors: the sites stay untimed
+        logger.info("latency placement: the float model did not run on timing inputs (%s)", exc)
+        return {}
+    return {t: tuple(int(d) for d in np.shape(v)) for t, v in zip(tensors, values)
+            if isinstance(v, np.ndarray) and v.size > 0}
+
+
 def sample_shapes(data, model) -> Dict[str, Tuple[int, ...]]:
     """One feed's shape per graph input (batch 1) from calibration ``data`` (any form
     `onnx_qat.io.data.load_data` takes), for `input_shapes`; empty when the data is a stream of feeds
@@ -916,6 +957,6 @@ __all__ = ["LatencyProfile", "LatencyDecision", "LatencyOptions", "Site", "decid
            "whole_model_timing", "machine_key", "default_profile_path",
            "sites_of", "input_shapes", "measure_kind", "time_models", "kept_float_decisions", "RULE",
            "KERNEL_FLAGS", "WIDE_DOT_FLAGS", "fallback_sites", "fallback_timing", "wide_dot_products",
-           "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "sample_shapes", "timing_key",
+           "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "sample_shapes", "observed_shapes", "timing_key",
            "MAX_WHOLE_MODEL_TIMINGS",
            "cpuid_flags", "CPUID_BITS"]

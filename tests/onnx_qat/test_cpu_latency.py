@@ -128,6 +128,75 @@ def test_quantize_times_a_symbolic_model_at_its_data_size(tmp_path):
     assert onnx_qat.check(result.model, target="ort-cpu").passed
 
 
+def _computed_reshape_net() -> onnx.ModelProto:
+    """input [N, 16, H, W] -> ``c1`` -> ``r1`` -> Reshape to [N, 32, H*W] -> Transpose -> ``fc`` (MatMul +
+    bias): the sequence length H*W is computed from the Shape through a float product, as exporters of
+    sequence models write such arithmetic; onnx shape inference does not follow it, so ``fc``'s input
+    shape is unknown to it."""
+    b = B.GraphBuilder("computed_reshape", 0)
+    x = b.input("input", ["N", 16, "H", "W"])
+    y = b.relu(b.conv(x, 16, 32, "c1"), "r1")
+    shape = b.node("Shape", [y], name="shape")
+    hw = b.node("Slice", [shape, b.const("two", np.array([2], np.int64)),
+                          b.const("four", np.array([4], np.int64))], name="hw")
+    product = b.node("ReduceProd", [b.node("Cast", [hw], name="hw_float", to=onnx.TensorProto.FLOAT)],
+                     name="seq_float", keepdims=1)
+    seq = b.node("Cast", [product], name="seq", to=onnx.TensorProto.INT64)
+    n = b.node("Slice", [shape, b.const("zero", np.array([0], np.int64)),
+                         b.const("one", np.array([1], np.int64))], name="n")
+    target = b.node("Concat", [n, b.const("c32", np.array([32], np.int64)), seq], name="target", axis=0)
+    tokens = b.node("Transpose", [b.node("Reshape", [y, target], name="flat")], name="tokens", perm=[0, 2, 1])
+    b.linear(tokens, 32, 24, "fc")
+    b.nodes[-1].output[0] = "output"
+    b.output("output")
+    return b.build()
+
+
+def test_sites_shape_inference_leaves_unknown_are_timed_at_the_shapes_of_one_run(tmp_path):
+    """A quantized MatMul behind a Reshape to a computed shape (PP-OCRv4's recognizer has 12 such sites)
+    was quantized untimed, with a warning; its input shape is now taken from one run of the float model
+    on the timing inputs, so it is timed (here: looked up in a profile holding exactly its kind at
+    [1, 60, 32], the data's 6 x 10 image flattened) like the others."""
+    model = _computed_reshape_net()
+    data = {"input": np.random.default_rng(3).uniform(0, 4, (4, 16, 6, 10)).astype(np.float32)}
+    samples = L.sample_shapes(data, model)
+    shapes = L.input_shapes(model, 1, samples)
+    assert "tokens_out" not in shapes  # the premise: onnx shape inference stops at the Reshape
+    observed = L.observed_shapes(model, 1, samples, ["tokens_out"])
+    assert observed == {"tokens_out": (1, 60, 32)}
+    placement = onnx_qat.place(model, target="ort-cpu")
+    sites = L.sites_of(GraphIndex(model), placement, {**shapes, **observed})
+    assert [s.node for s in sites] == ["c1", "fc"]
+    assert next(s for s in sites if s.node == "fc").spec["x"] == [1, 60, 32]
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"format": L.PROFILE_FORMAT, "version": L.PROFILE_VERSION,
+                                   "machine": L.machine_key(0),
+                                   "sites": {s.kind: {"float_us": 100.0, "int_us": 50.0} for s in sites}}))
+    result = onnx_qat.quantize(model, data=data, method="max", target="ort-cpu", progress=False,
+                               latency=L.LatencyOptions(profile=str(profile), rounds=1))
+    assert result.latency["kinds_measured"] == 0  # fc at [1, 60, 32] found in the profile: nothing measured
+    assert {r["node"] for r in result.latency["sites"]} == {"c1", "fc"}
+    assert not [n for n in result.placement.notes if "untimed" in n]
+    B.assert_check_clean(result.model, target="ort-cpu")
+    feeds = {"input": data["input"][:1]}
+    assert B.cosine(B.run(model, feeds)[0], B.run_optimized(result.model, feeds)) > 0.99
+
+
+def test_a_model_that_does_not_run_on_timing_inputs_leaves_its_sites_untimed():
+    """`observed_shapes` gives nothing (the sites then stay untimed, with the note) where the timing
+    inputs cannot be made or the model does not run on them."""
+    model = _computed_reshape_net()
+    assert L.observed_shapes(model, 1, {"input": (1, 16, 6, 10)}, []) == {}
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    next(n for n in broken.graph.node if n.name == "target").input[1] = "two"  # [N, 2, H*W]: no reshape
+    assert L.observed_shapes(broken, 1, {"input": (1, 16, 6, 10)}, ["tokens_out"]) == {}
+    ints = onnx.ModelProto()
+    ints.CopyFrom(model)
+    ints.graph.input[0].type.tensor_type.elem_type = onnx.TensorProto.INT64
+    assert L.observed_shapes(ints, 1, {"input": (1, 16, 6, 10)}, ["tokens_out"]) == {}
+
+
 def test_a_site_slower_in_integer_stays_float_with_both_times_in_the_report(tmp_path):
     model = _net()
     profile = tmp_path / "profile.json"
