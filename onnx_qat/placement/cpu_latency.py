@@ -957,6 +957,7 @@ __all__ = ["LatencyProfile", "LatencyDecision", "LatencyOptions", "Site", "decid
            "whole_model_timing", "machine_key", "default_profile_path",
            "sites_of", "input_shapes", "measure_kind", "time_models", "kept_float_decisions", "RULE",
            "KERNEL_FLAGS", "WIDE_DOT_FLAGS", "fallback_sites", "fallback_timing", "wide_dot_products",
-           "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "sample_shapes", "observed_shapes", "timing_key",
+           "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "sample_shapes", "observed_shapes",
+           "timing_key",
            "MAX_WHOLE_MODEL_TIMINGS",
            "cpuid_flags", "CPUID_BITS"]
