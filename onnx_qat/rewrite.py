@@ -215,12 +215,14 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
                                  threads=0 if latency is None else latency.threads)
     latency_decision, every_site = None, None
     if latency is not None:  # ort-cpu: keep float the sites whose integer kernel is not faster here
-        from .placement.cpu_latency import place_by_latency, sample_shapes
+        from .placement.cpu_latency import place_by_latency, sample_feed
 
         every_site = placement
-        samples = sample_shapes(data, float_model)  # the sizes symbolic dims are timed at (image size)
+        feed = sample_feed(data, float_model)  # its shapes: the sizes symbolic dims are timed at (image size)
+        samples = {name: array.shape for name, array in feed.items()}
         placement, latency_decision = place_by_latency(float_model, index, placement, policy_for(target_obj),
-                                                       config, latency, cpu_vnni=width, samples=samples)
+                                                       config, latency, cpu_vnni=width, samples=samples,
+                                                       values=feed)
         if not latency_decision.kept_float:
             every_site = None
         if placement.empty or len(latency_decision.kept_float) == len(latency_decision.records):
@@ -229,7 +231,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
         from .placement.cpu_latency import timing_feeds
 
         timing_model = float_model.SerializeToString()  # the rewrite edits float_model's nodes
-        timing_inputs = timing_feeds(float_model, latency.batch, samples)
+        timing_inputs = timing_feeds(float_model, latency.batch, samples, feed)
     awq_records: tuple = ()
     gptq_records: tuple = ()
     if fmt.weight_only:  # no activation ranges; data serves the activation-aware weight scales

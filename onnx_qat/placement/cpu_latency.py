@@ -538,7 +538,8 @@ class LatencyDecision:
 
 def decide(model, index: GraphIndex, placement: Placement, *, profile=None, threads: int = 0,
            batch: int = 1, save: bool = True, cpu_vnni: Optional[Mapping] = None,
-           samples: Optional[Mapping[str, Sequence[int]]] = None) -> LatencyDecision:
+           samples: Optional[Mapping[str, Sequence[int]]] = None,
+           values: Optional[Mapping[str, np.ndarray]] = None) -> LatencyDecision:
     """Time each site of ``placement`` (or read it from the profile) and decide float or integer.
 
     Args:
@@ -550,6 +551,8 @@ def decide(model, index: GraphIndex, placement: Placement, *, profile=None, thre
         save: write the extended profile back.
         samples: one feed's shape per graph input (`sample_shapes`): the sizes other symbolic
             dimensions are timed at (`input_shapes`).
+        values: one feed of the data (`sample_feed`): the inputs of types other than float32 when a
+            site's input shape needs one run of the model (`observed_shapes`).
         cpu_vnni: the weight-width choice (`resolve_cpu_vnni`); one made ``"auto"`` on this machine
             is recorded in the profile (``"cpu_vnni"``) when the profile is this machine's.
     """
@@ -567,7 +570,7 @@ def decide(model, index: GraphIndex, placement: Placement, *, profile=None, thre
     unmeasurable = _unmeasurable(index, placement, sites)
     if unmeasurable:  # shape inference stopped short of them (e.g. behind a Reshape to a computed shape)
         unknown = sorted({n.inputs[0] for n in index.nodes if n.name in set(unmeasurable) and n.inputs})
-        observed = observed_shapes(model, batch, samples, unknown, threads)
+        observed = observed_shapes(model, batch, samples, unknown, threads, values)
         if observed:
             shapes = {**shapes, **observed}
             sites = sites_of(index, placement, shapes)
@@ -784,17 +787,19 @@ class LatencyOptions:
 
 def place_by_latency(model, index: GraphIndex, placement: Placement, policy, config,
                      options: LatencyOptions, cpu_vnni: Optional[Mapping] = None,
-                     samples: Optional[Mapping[str, Sequence[int]]] = None
+                     samples: Optional[Mapping[str, Sequence[int]]] = None,
+                     values: Optional[Mapping[str, np.ndarray]] = None
                      ) -> Tuple[Placement, LatencyDecision]:
     """Decide (`decide`) and, when some sites stay float, place again with them excluded; the
     placement decisions of those sites say rule CPU3 with both measured times. ``cpu_vnni``: the
     weight-width choice, recorded in the profile (see `decide`); ``samples``: one feed's shape per
-    graph input (`sample_shapes`), the sizes symbolic dimensions other than the batch are timed at."""
+    graph input (`sample_shapes`), the sizes symbolic dimensions other than the batch are timed at;
+    ``values``: one feed (`sample_feed`), see `decide`."""
     import re
     from dataclasses import replace
 
     decision = decide(model, index, placement, profile=options.profile, threads=options.threads,
-                      batch=options.batch, cpu_vnni=cpu_vnni, samples=samples)
+                      batch=options.batch, cpu_vnni=cpu_vnni, samples=samples, values=values)
     for note in decision.notes:
         logger.warning("%s", note)
     if not decision.kept_float:
@@ -817,15 +822,16 @@ def _unmeasurable(index: GraphIndex, placement: Placement, sites: Sequence[Site]
 
 
 def observed_shapes(model, batch: int, samples: Optional[Mapping[str, Sequence[int]]],
-                    tensors: Sequence[str], threads: int = 0) -> Dict[str, Tuple[int, ...]]:
-    """The shapes ``tensors`` take in one run of the float ``model`` on `timing_feeds` (random values at
-    the shapes the sites are timed at: ``batch``, ``samples``): for the sites onnx shape inference
-    leaves without a static input shape (a Reshape to a shape computed from a Shape node, as exporters
-    write attention and sequence models). Empty when the model cannot be fed that way or onnxruntime
-    refuses it (those sites then stay untimed, as the note says)."""
+                    tensors: Sequence[str], threads: int = 0,
+                    values: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, Tuple[int, ...]]:
+    """The shapes ``tensors`` take in one run of the float ``model`` on `timing_feeds` (at the shapes the
+    sites are timed at: ``batch``, ``samples``; ``values`` for inputs other than float32): for the sites
+    onnx shape inference leaves without a static input shape (a Reshape to a shape computed from a Shape
+    node, as exporters write attention and sequence models). Empty when the model cannot be fed that way
+    or onnxruntime refuses it (those sites then stay untimed, as the note says)."""
     import onnx
 
-    feeds = timing_feeds(model, batch, samples)
+    feeds = timing_feeds(model, batch, samples, values)
     if isinstance(feeds, str) or not tensors:
         return {}
     probe = onnx.ModelProto()
@@ -834,18 +840,20 @@ def observed_shapes(model, batch: int, samples: Optional[Mapping[str, Sequence[i
     wanted = [t for t in tensors if t not in present]
     probe.graph.output.extend(onnx.ValueInfoProto(name=t) for t in wanted)
     try:
-        values = _session(probe, threads).run(list(tensors), feeds)
+        outputs = _session(probe, threads).run(list(tensors), feeds)
     except Exception as exc:  # noqa: BLE001 - onnxruntime's own errors: the sites stay untimed
         logger.info("latency placement: the float model did not run on timing inputs (%s)", exc)
         return {}
-    return {t: tuple(int(d) for d in np.shape(v)) for t, v in zip(tensors, values)
+    return {t: tuple(int(d) for d in np.shape(v)) for t, v in zip(tensors, outputs)
             if isinstance(v, np.ndarray) and v.size > 0}
 
 
-def sample_shapes(data, model) -> Dict[str, Tuple[int, ...]]:
-    """One feed's shape per graph input (batch 1) from calibration ``data`` (any form
-    `onnx_qat.io.data.load_data` takes), for `input_shapes`; empty when the data is a stream of feeds
-    (read once: it is not read ahead here) or gives no feed. Raises what `load_data` raises on bad data."""
+def sample_feed(data, model) -> Dict[str, np.ndarray]:
+    """One feed of calibration ``data`` (any form `onnx_qat.io.data.load_data` takes) at batch 1, graph
+    input name -> array: its shapes are the sizes symbolic dimensions are timed at (`sample_shapes`), its
+    values the timing inputs of inputs that are not float32 (`timing_feeds`: token ids, bytes). Empty
+    when the data is a stream of feeds (read once: it is not read ahead here) or gives no feed. Raises
+    what `load_data` raises on bad data."""
     from ..io.data import Dataset, load_data
     from ..io.feeds import is_feed_source
     from ..io.layout import split_layout
@@ -856,28 +864,52 @@ def sample_shapes(data, model) -> Dict[str, Tuple[int, ...]]:
     if not isinstance(dataset, Dataset):
         return {}
     first = next(iter(dataset.batches(1)), {})
-    return {name: tuple(int(d) for d in np.shape(array)) for name, array in first.items()}
+    return {name: np.array(array) for name, array in first.items()}
 
 
-def timing_feeds(float_model, batch: int, samples: Optional[Mapping[str, Sequence[int]]] = None):
+def sample_shapes(data, model) -> Dict[str, Tuple[int, ...]]:
+    """One feed's shape per graph input (batch 1) from calibration ``data``, for `input_shapes`: the
+    shapes of `sample_feed`."""
+    return {name: tuple(int(d) for d in np.shape(array)) for name, array in sample_feed(data, model).items()}
+
+
+def timing_feeds(float_model, batch: int, samples: Optional[Mapping[str, Sequence[int]]] = None,
+                 values: Optional[Mapping[str, np.ndarray]] = None):
     """The inputs the whole model is timed on: for each graph input of ``float_model`` (a ModelProto or
     its serialized bytes), standard normal float32 values (seed 0) at its shape with symbolic batch
     dimensions set to ``batch`` and other symbolic dimensions to one sample's (``samples``, see
-    `input_shapes`); or, when an input is not a float32 tensor of known shape, a sentence saying so
-    (the model is then not timed)."""
+    `input_shapes`). An input of another type (token ids, a model reading bytes) takes one sample's values
+    (``values``, `sample_feed`), repeated ``batch`` times along a symbolic batch dimension: random values
+    would say nothing of the indices a Gather may take. A sentence saying why instead (the model is then
+    not timed) when an input is of unknown shape, or of another type with no sample given (or one of
+    another type or shape)."""
     import onnx
 
     if isinstance(float_model, bytes):
         float_model = onnx.load_from_string(float_model)
     shapes = input_shapes(float_model, batch, samples)
     inits = {i.name for i in float_model.graph.initializer}
+    values = values or {}
     feeds, rng = {}, np.random.default_rng(0)
     for value in float_model.graph.input:
         if value.name in inits:
             continue
-        if value.type.tensor_type.elem_type != onnx.TensorProto.FLOAT or value.name not in shapes:
-            return f"input {value.name!r} is not a float32 tensor of known shape"
-        feeds[value.name] = rng.standard_normal(shapes[value.name]).astype(np.float32)
+        tensor_type = value.type.tensor_type
+        if value.name not in shapes:
+            return f"input {value.name!r} is not a tensor of known shape"
+        if tensor_type.elem_type == onnx.TensorProto.FLOAT:
+            feeds[value.name] = rng.standard_normal(shapes[value.name]).astype(np.float32)
+            continue
+        given = values.get(value.name)
+        dims = tensor_type.shape.dim
+        if given is not None and given.ndim and dims and not dims[0].HasField("dim_value") \
+                and given.shape[0] == 1:
+            given = np.repeat(given, shapes[value.name][0], axis=0)  # the symbolic batch
+        wanted = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+        if given is None or given.dtype != wanted or tuple(given.shape) != shapes[value.name]:
+            return (f"input {value.name!r} is not float32 and the calibration data gives no sample of it "
+                    "at its type and shape")
+        feeds[value.name] = given
     return feeds
 
 
@@ -957,7 +989,6 @@ __all__ = ["LatencyProfile", "LatencyDecision", "LatencyOptions", "Site", "decid
            "whole_model_timing", "machine_key", "default_profile_path",
            "sites_of", "input_shapes", "measure_kind", "time_models", "kept_float_decisions", "RULE",
            "KERNEL_FLAGS", "WIDE_DOT_FLAGS", "fallback_sites", "fallback_timing", "wide_dot_products",
-           "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "sample_shapes", "observed_shapes",
-           "timing_key",
-           "MAX_WHOLE_MODEL_TIMINGS",
+           "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "sample_shapes", "sample_feed",
+           "observed_shapes", "timing_key", "MAX_WHOLE_MODEL_TIMINGS",
            "cpuid_flags", "CPUID_BITS"]

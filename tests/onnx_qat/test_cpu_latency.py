@@ -197,6 +197,48 @@ def test_a_model_that_does_not_run_on_timing_inputs_leaves_its_sites_untimed():
     assert L.observed_shapes(ints, 1, {"input": (1, 16, 6, 10)}, ["tokens_out"]) == {}
 
 
+def _token_net() -> onnx.ModelProto:
+    """input_ids int64 [N, 8] -> Gather of a [50, 32] embedding -> ``fc1`` (MatMul + bias) -> Relu ->
+    ``fc2`` -> output: a model whose input is not float32 (token ids; Magika reads bytes as int32)."""
+    b = B.GraphBuilder("tokens", 0)
+    ids = b.input("input_ids", ["N", 8], dtype=onnx.TensorProto.INT64)
+    x = b.node("Gather", [b.weight("embedding", [50, 32], std=1.0), ids], name="embed", axis=0)
+    y = b.relu(b.linear(x, 32, 16, "fc1"), "r1")
+    b.linear(y, 16, 4, "fc2")
+    b.nodes[-1].output[0] = "output"
+    b.output("output")
+    return b.build()
+
+
+def test_inputs_other_than_float32_are_timed_on_a_sample_of_the_data(tmp_path):
+    """The whole model was not timed when an input was not float32 ('input ... is not a float32 tensor
+    of known shape': Magika, any model reading token ids), so the guard that the written model is faster
+    than FP32 never ran there. Such an input now takes one sample's values from the data, repeated along
+    its batch dimension (random ids would say nothing of what a Gather reads)."""
+    model = _token_net()
+    ids = np.random.default_rng(4).integers(0, 50, (6, 8)).astype(np.int64)
+    feed = L.sample_feed({"input_ids": ids}, model)
+    assert list(feed) == ["input_ids"] and np.array_equal(feed["input_ids"], ids[:1])
+    feeds = L.timing_feeds(model, 3, {"input_ids": (1, 8)}, feed)
+    assert feeds["input_ids"].shape == (3, 8) and (feeds["input_ids"] == ids[0]).all()
+    assert "no sample" in L.timing_feeds(model, 3, {"input_ids": (1, 8)})
+    assert "no sample" in L.timing_feeds(model, 3, {"input_ids": (1, 8)},
+                                          {"input_ids": ids[:1].astype(np.int32)})  # another type
+    profile = tmp_path / "profile.json"
+    sites = L.sites_of(GraphIndex(model), onnx_qat.place(model, target="ort-cpu"), L.input_shapes(model, 1))
+    assert [s.node for s in sites] == ["fc1", "fc2"]
+    profile.write_text(json.dumps({"format": L.PROFILE_FORMAT, "version": L.PROFILE_VERSION,
+                                   "machine": L.machine_key(0),
+                                   "sites": {s.kind: {"float_us": 100.0, "int_us": 50.0} for s in sites}}))
+    result = onnx_qat.quantize(model, data={"input_ids": ids}, method="max", target="ort-cpu", progress=False,
+                               latency=L.LatencyOptions(profile=str(profile), rounds=1))
+    whole = result.latency["whole_model"]
+    assert whole["timed"] is True and whole["fp32_ms"] > 0, whole
+    B.assert_check_clean(result.model, target="ort-cpu")
+    feeds = {"input_ids": ids[:2]}
+    assert B.cosine(B.run(model, feeds)[0], B.run_optimized(result.model, feeds)) > 0.99
+
+
 def test_a_site_slower_in_integer_stays_float_with_both_times_in_the_report(tmp_path):
     model = _net()
     profile = tmp_path / "profile.json"
