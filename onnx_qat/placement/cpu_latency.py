@@ -401,9 +401,10 @@ def input_shapes(model, batch: int, samples: Optional[Mapping[str, Sequence[int]
         return {}
     shapes = {}
     for value in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
-        dims = value.type.tensor_type.shape.dim
-        if dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
-            shapes[value.name] = tuple(int(d.dim_value) for d in dims)
+        tensor_type = value.type.tensor_type
+        dims = tensor_type.shape.dim
+        if tensor_type.HasField("shape") and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+            shapes[value.name] = tuple(int(d.dim_value) for d in dims)  # () for a declared scalar
     return shapes
 
 
@@ -850,19 +851,24 @@ def observed_shapes(model, batch: int, samples: Optional[Mapping[str, Sequence[i
 def sample_feed(data, model) -> Dict[str, np.ndarray]:
     """One feed of calibration ``data`` (any form `onnx_qat.io.data.load_data` takes) at batch 1, graph
     input name -> array: its shapes are the sizes symbolic dimensions are timed at (`sample_shapes`), its
-    values the timing inputs of inputs that are not float32 (`timing_feeds`: token ids, bytes). Empty
-    when the data is a stream of feeds (read once: it is not read ahead here) or gives no feed. Raises
+    values the timing inputs of inputs that are not float32 (`timing_feeds`: token ids, bytes). From a
+    directory or list of feeds, the first feed (a stateful model's initial state included). Empty when
+    the data is an iterator or reader of feeds (read once: it is not read ahead here) or gives no feed.
+    Raises
     what `load_data` raises on bad data."""
     from ..io.data import Dataset, load_data
     from ..io.feeds import is_feed_source
     from ..io.layout import split_layout
 
-    if data is None or is_feed_source(split_layout(data)[0]):  # a stream: reading it here would use it up
+    if data is None:
         return {}
+    source = split_layout(data)[0]
+    if is_feed_source(source) and not isinstance(source, (str, os.PathLike, list, tuple)):
+        return {}  # an iterator or a get_next() reader: read once, by calibration, not ahead here
     dataset = data if isinstance(data, Dataset) else load_data(data, model, what="calibration data")
-    if not isinstance(dataset, Dataset):
+    if not hasattr(dataset, "batches"):
         return {}
-    first = next(iter(dataset.batches(1)), {})
+    first = next(iter(dataset.batches(1)), {})  # a directory or list of feeds: its first feed, complete
     return {name: np.array(array) for name, array in first.items()}
 
 

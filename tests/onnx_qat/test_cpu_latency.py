@@ -239,6 +239,52 @@ def test_inputs_other_than_float32_are_timed_on_a_sample_of_the_data(tmp_path):
     assert B.cosine(B.run(model, feeds)[0], B.run_optimized(result.model, feeds)) > 0.99
 
 
+def _scalar_input_net() -> onnx.ModelProto:
+    """input float [N, 16] -> ``fc1`` -> Relu -> ``fc2``, scaled by a 0-d int64 input ``sr`` / 16000 (as
+    silero-vad takes its sample rate) -> output."""
+    b = B.GraphBuilder("scalar_input", 0)
+    x = b.input("input", ["N", 16])
+    sr = b.input("sr", [], dtype=onnx.TensorProto.INT64)
+    y = b.linear(b.relu(b.linear(x, 16, 32, "fc1"), "r1"), 32, 8, "fc2")
+    rate = b.node("Div", [b.node("Cast", [sr], name="sr_float", to=onnx.TensorProto.FLOAT),
+                          b.const("rate", np.array(16000.0, np.float32))], name="rate_div")
+    b.node("Mul", [y, rate], outputs="output", name="scaled")
+    b.output("output")
+    return b.build()
+
+
+def test_a_scalar_input_and_a_directory_of_feeds_are_timed(tmp_path):
+    """A 0-d input (silero-vad's sample rate) had no known shape for the timing (`input_shapes` kept only
+    tensors of rank >= 1), and data given as a directory of feeds gave no sample at all: the whole model
+    was not timed. A declared scalar now has the shape (), and the first feed of a directory or list of
+    feeds (which can be read again) is the sample; an iterator is still not read ahead."""
+    model = _scalar_input_net()
+    assert L.input_shapes(model, 1)["sr"] == ()
+    rng = np.random.default_rng(5)
+    folder = tmp_path / "feeds"
+    folder.mkdir()
+    chunks = [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(4)]
+    for i, chunk in enumerate(chunks):
+        np.savez(folder / f"{i:02d}.npz", input=chunk, sr=np.array(16000, np.int64))
+    feed = L.sample_feed(str(folder), model)
+    assert np.array_equal(feed["input"], chunks[0]) and feed["sr"].shape == () and int(feed["sr"]) == 16000
+    listed = L.sample_feed([{"input": c, "sr": np.array(8000, np.int64)} for c in chunks], model)
+    assert int(listed["sr"]) == 8000
+    feeds = L.timing_feeds(model, 2, {k: v.shape for k, v in feed.items()}, feed)
+    assert feeds["input"].shape == (2, 16) and feeds["sr"].shape == () and int(feeds["sr"]) == 16000
+    profile = tmp_path / "profile.json"
+    sites = L.sites_of(GraphIndex(model), onnx_qat.place(model, target="ort-cpu"), L.input_shapes(model, 1))
+    assert [s.node for s in sites] == ["fc1", "fc2"]
+    profile.write_text(json.dumps({"format": L.PROFILE_FORMAT, "version": L.PROFILE_VERSION,
+                                   "machine": L.machine_key(0),
+                                   "sites": {s.kind: {"float_us": 100.0, "int_us": 50.0} for s in sites}}))
+    result = onnx_qat.quantize(model, data=str(folder), method="max", target="ort-cpu", progress=False,
+                               latency=L.LatencyOptions(profile=str(profile), rounds=1))
+    whole = result.latency["whole_model"]
+    assert whole["timed"] is True, whole
+    B.assert_check_clean(result.model, target="ort-cpu")
+
+
 def test_a_site_slower_in_integer_stays_float_with_both_times_in_the_report(tmp_path):
     model = _net()
     profile = tmp_path / "profile.json"
