@@ -116,6 +116,15 @@ def _no_axis(text: str):
     raise argparse.ArgumentTypeError(f"expected INPUT=AXIS with a whole-number axis, got {text!r}")
 
 
+def _shape_pair(text: str):
+    """``INPUT=DIMS`` (``--latency-shape``, dims joined by ``x``) as ``(name, dims)``."""
+    name, sep, dims = text.rpartition("=")
+    if not sep or not name or not re.fullmatch(r"[1-9]\d*(x[1-9]\d*)*", dims):
+        raise argparse.ArgumentTypeError(f"expected INPUT=DIMS with whole-number dims >= 1 joined by 'x' "
+                                         f"(e.g. x=1x3x640x640), got {text!r}")
+    return name, tuple(int(d) for d in dims.split("x"))
+
+
 #: What ``--data`` takes (and ``--eval-data``).
 DATA_HELP = ("an .npz file (keys are graph input names, first axis is samples), or a directory or list of "
              ".npz files, one feed (one run) each, in natural name order / the order given")
@@ -281,7 +290,7 @@ def _add_quantize(sub) -> None:
 
 def _latency_options(parser: argparse.ArgumentParser) -> None:
     """The ``latency`` keyword of onnx_qat.quantize (ort-cpu): --latency, --latency-profile,
-    --latency-threads, --latency-batch."""
+    --latency-threads, --latency-batch, --latency-shape, --latency-retime."""
     group = parser.add_argument_group("latency-aware placement, --target ort-cpu "
                                       "(onnx_qat.quantize latency=)")
     group.add_argument("--latency", action="store_true",
@@ -295,6 +304,12 @@ def _latency_options(parser: argparse.ArgumentParser) -> None:
                        help="onnxruntime intra-op threads the model will run with (default 0: its default)")
     group.add_argument("--latency-batch", metavar="N", type=whole_number(1), default=None,
                        help="batch size the model will run at, for symbolic batch dimensions (default 1)")
+    group.add_argument("--latency-shape", metavar="INPUT=DIMS", nargs="+", action="extend", type=_shape_pair,
+                       default=None,
+                       help="one sample's shape of an input with symbolic dimensions other than the batch, "
+                            "dims joined by 'x' (e.g. x=1x3x640x640): the size its sites and the whole model "
+                            "are timed at (default: one sample of --data, else the shapes a ScaleTable from "
+                            "'calibrate --target ort-cpu' recorded, else 1, with a warning)")
     group.add_argument("--latency-retime", action="store_true",
                        help="time the whole model against FP32 again even when the latency profile holds a "
                             "timing of the very same models (kept there by an earlier run)")
@@ -727,10 +742,11 @@ def _quantize_and_check(args, data, calib: dict, mixed: dict, layout: dict, late
 
 
 def _latency_keyword(args) -> dict:
-    """``{"latency": LatencyOptions}`` from --latency/--latency-profile/--latency-threads/--latency-batch,
-    or ``{}`` when none is given."""
+    """``{"latency": LatencyOptions}`` from --latency/--latency-profile/--latency-threads/--latency-batch/
+    --latency-shape/--latency-retime, or ``{}`` when none is given."""
     tuning = [o for o, v in (("--latency-threads", args.latency_threads),
                              ("--latency-batch", args.latency_batch),
+                             ("--latency-shape", args.latency_shape),
                              ("--latency-retime", args.latency_retime or None)) if v is not None]
     if not args.latency and args.latency_profile is None:
         if tuning:
@@ -739,8 +755,12 @@ def _latency_keyword(args) -> dict:
         return {}
     from .placement.cpu_latency import LatencyOptions
 
+    shapes = dict(args.latency_shape or ())
+    if len(shapes) != len(args.latency_shape or ()):
+        raise UsageError("--latency-shape names an input twice")
     return {"latency": LatencyOptions(profile=args.latency_profile, threads=args.latency_threads or 0,
-                                      batch=args.latency_batch or 1, retime=args.latency_retime)}
+                                      batch=args.latency_batch or 1, retime=args.latency_retime,
+                                      shapes=shapes or None)}
 
 
 def _latency_summary(latency) -> str:
@@ -778,8 +798,11 @@ def _latency_summary(latency) -> str:
                              f"({guarded} site(s) float by the guard)")
         origin = (f" (timing from the latency profile, measured {whole.get('timed_at') or 'earlier'}; "
                   "--latency-retime times it again)" if whole.get("source") == "latency profile" else "")
+        shapes = whole.get("input_shapes") or {}
+        fed = ("; inputs " + ", ".join(f"{k}={'x'.join(map(str, v)) or 'scalar'}" for k, v in shapes.items())
+               if shapes else "")
         lines.append(f"whole model, batch {whole['batch']}: {whole['quantized_ms']:.2f} ms against FP32 "
-                     f"{whole['fp32_ms']:.2f} ms ({whole['speedup']:.2f}x): {whole['verdict']}{origin}")
+                     f"{whole['fp32_ms']:.2f} ms ({whole['speedup']:.2f}x): {whole['verdict']}{origin}{fed}")
     else:
         lines.append(f"whole model not timed: {whole.get('reason', 'unknown')}")
     return "\n".join(lines)

@@ -215,11 +215,12 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
                                  threads=0 if latency is None else latency.threads)
     latency_decision, every_site = None, None
     if latency is not None:  # ort-cpu: keep float the sites whose integer kernel is not faster here
-        from .placement.cpu_latency import place_by_latency, sample_feed
+        from .placement.cpu_latency import place_by_latency, recorded_shapes, sample_feed, timing_sizes
 
         every_site = placement
         feed = sample_feed(data, float_model)  # its shapes: the sizes symbolic dims are timed at (image size)
-        samples = {name: array.shape for name, array in feed.items()}
+        samples = timing_sizes(float_model, latency.shapes, {name: a.shape for name, a in feed.items()},
+                               recorded_shapes(given[1] if given is not None else None))
         placement, latency_decision = place_by_latency(float_model, index, placement, policy_for(target_obj),
                                                        config, latency, cpu_vnni=width, samples=samples,
                                                        values=feed)

@@ -341,11 +341,18 @@ def calibrate(model, data, *, method: str = DEFAULT_METHOD, percentile: float = 
     if tensors is None:
         names = tuple(dict.fromkeys(names + form_tensors(index, placement, resolved.target)))
     dataset = load_data(data, proto, what="calibration data")
+    from ..placement.cpu_latency import INPUT_SHAPES_KEY, sample_shapes
+
+    # the form's latency placement times symbolic image sizes at one sample's (read before an iterator of
+    # feeds is used up: not at all, see sample_feed)
+    sizes = sample_shapes(dataset, proto) if resolved.target != "tensorrt" else {}
     result = collect(proto, dataset, names, method=method, percentile=percentile, num_bins=num_bins,
                      batch_size=batch_size, progress=progress, workers=workers,
                      fp16_grid=resolved.target == "tensorrt", entropy=False)
     if resolved.target != "tensorrt":  # the tensorrt table stays as it was, byte for byte
-        result = replace(result, metadata={**result.metadata, CALIBRATION_TARGET_KEY: resolved.target})
+        result = replace(result, metadata={**result.metadata, CALIBRATION_TARGET_KEY: resolved.target,
+                                           **({INPUT_SHAPES_KEY: json.dumps(
+                                               {k: list(v) for k, v in sizes.items()})} if sizes else {})})
     if result.unobserved:
         logger.warning("%d tensor(s) sit in If branches no calibration batch took or in Loop/Scan bodies "
                        "that cannot be observed per iteration (e.g. %r); they get no range",

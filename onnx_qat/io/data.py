@@ -186,6 +186,11 @@ class Dataset:
         return any(isinstance(c, _FileColumn) for c in self._columns.values())
 
     @property
+    def rereadable(self) -> bool:
+        """True: `batches` can be run again (as a directory or list of feeds can, unlike an iterator)."""
+        return True
+
+    @property
     def unbatched(self) -> bool:
         """True when the model has no sample axis: each feed holds one sample without it."""
         return bool(self._unbatched)

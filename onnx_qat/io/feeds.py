@@ -178,6 +178,12 @@ class FeedStream:
         return True
 
     @property
+    def rereadable(self) -> bool:
+        """Whether `batches` can be run again (a directory or list of feeds), or reads its source once (an
+        iterator or ``get_next()`` reader)."""
+        return self._once is None
+
+    @property
     def unbatched(self) -> bool:
         """False: each feed is a complete input, batch axis included where the model has one."""
         return False

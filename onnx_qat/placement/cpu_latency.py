@@ -566,6 +566,12 @@ def decide(model, index: GraphIndex, placement: Placement, *, profile=None, thre
         notes.append(f"latency profile {path} was measured on another machine or setup "
                      f"({_describe(loaded.machine)}); its times are used as they are "
                      f"(this one: {_describe(here)})")
+    unsized = unsized_dimensions(model, samples or {})
+    if unsized:
+        notes.append(f"input {'; '.join(unsized)}: symbolic dimensions other than the batch whose size "
+                     "neither --latency-shape, the calibration data nor the ScaleTable gives are timed at 1, "
+                     "which says little of the model's speed at the sizes it runs at (give --latency-shape "
+                     "INPUT=DIMS, in Python latency=LatencyOptions(shapes=...))")
     shapes = input_shapes(model, batch, samples)
     sites = sites_of(index, placement, shapes)
     unmeasurable = _unmeasurable(index, placement, sites)
@@ -753,6 +759,10 @@ class LatencyOptions:
             `MAX_ROUNDS_FACTOR` x ``rounds``), and the report gives the rounds run.
         retime: time the whole model again even when the profile holds a timing of the very same
             models (`timed_or_cached`); the new timing replaces the kept one.
+        shapes: ``{graph input: shape}``, the shape of one sample of each input named (e.g.
+            ``{"x": (1, 3, 640, 640)}``): the sizes its symbolic dimensions other than the batch are
+            timed at (a detector's image size), before those of the calibration data and those a
+            ScaleTable from ``calibrate(..., target="ort-cpu")`` recorded (`timing_sizes`).
     """
 
     profile: Optional[str] = None
@@ -760,6 +770,7 @@ class LatencyOptions:
     batch: int = 1
     rounds: int = 3
     retime: bool = False
+    shapes: Optional[Mapping[str, Sequence[int]]] = None
 
     @classmethod
     def resolve(cls, value) -> Optional["LatencyOptions"]:
@@ -779,6 +790,12 @@ class LatencyOptions:
                 raise ConfigError("latency options: threads must be a whole number >= 0 and batch >= 1")
             if not isinstance(value.retime, bool):
                 raise ConfigError(f"latency options: retime must be True or False, not {value.retime!r}")
+            for name, shape in dict(value.shapes or {}).items():
+                whole = isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)) and all(
+                    isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in shape)
+                if not whole:
+                    raise ConfigError(f"latency options: the shape of {name!r} must be whole numbers >= 1, "
+                                      f"not {shape!r}")
             return value
         if isinstance(value, (str, os.PathLike)):
             return cls(profile=os.fspath(value))
@@ -862,14 +879,83 @@ def sample_feed(data, model) -> Dict[str, np.ndarray]:
 
     if data is None:
         return {}
-    source = split_layout(data)[0]
-    if is_feed_source(source) and not isinstance(source, (str, os.PathLike, list, tuple)):
-        return {}  # an iterator or a get_next() reader: read once, by calibration, not ahead here
-    dataset = data if isinstance(data, Dataset) else load_data(data, model, what="calibration data")
-    if not hasattr(dataset, "batches"):
+    if not isinstance(data, Dataset) and not hasattr(data, "batches"):  # not loaded yet
+        source = split_layout(data)[0]
+        if is_feed_source(source) and not isinstance(source, (str, os.PathLike, list, tuple)):
+            return {}  # an iterator or a get_next() reader: read once, by calibration, not ahead here
+        data = load_data(data, model, what="calibration data")
+    if not getattr(data, "rereadable", True):
         return {}
-    first = next(iter(dataset.batches(1)), {})  # a directory or list of feeds: its first feed, complete
+    first = next(iter(data.batches(1)), {})  # a directory or list of feeds: its first feed, complete
     return {name: np.array(array) for name, array in first.items()}
+
+
+#: ScaleTable metadata key: one calibration sample's shape per graph input (JSON), recorded by
+#: ``calibrate(..., target="ort-cpu")`` for a later ``quantize --scales ... --latency``.
+INPUT_SHAPES_KEY = "input_shapes"
+
+
+def recorded_shapes(table) -> Dict[str, Tuple[int, ...]]:
+    """The input shapes a ScaleTable recorded (`INPUT_SHAPES_KEY`); empty when it recorded none, or
+    something that is not ``{name: [whole numbers >= 1]}`` (a warning then)."""
+    text = (getattr(table, "metadata", None) or {}).get(INPUT_SHAPES_KEY)
+    if not text:
+        return {}
+    try:
+        found = json.loads(text)
+        shapes = {str(k): tuple(int(d) for d in v) for k, v in found.items()
+                  if isinstance(v, list) and all(isinstance(d, int) and d >= 1 for d in v)}
+        if len(shapes) != len(found):
+            raise ValueError("not lists of whole numbers >= 1")
+    except (ValueError, TypeError, AttributeError) as exc:
+        logger.warning("ScaleTable metadata %r is not {input: [dims]} (%s); not used", INPUT_SHAPES_KEY, exc)
+        return {}
+    return shapes
+
+
+def timing_sizes(model, given: Optional[Mapping[str, Sequence[int]]] = None,
+                 data: Optional[Mapping[str, Sequence[int]]] = None,
+                 recorded: Optional[Mapping[str, Sequence[int]]] = None) -> Dict[str, Tuple[int, ...]]:
+    """One sample's shape per graph input of ``model``, for `input_shapes`: ``given``
+    (`LatencyOptions.shapes`) before ``data`` (`sample_shapes` of the calibration data) before
+    ``recorded`` (`recorded_shapes` of the ScaleTable), input by input.
+
+    Raises:
+        ConfigError: a name in ``given`` that is not a graph input, or a shape that does not fit the
+            input's declared rank and fixed dimensions."""
+    inits = {i.name for i in model.graph.initializer}
+    declared = {v.name: v.type.tensor_type.shape.dim for v in model.graph.input if v.name not in inits}
+    for name, shape in (given or {}).items():
+        if name not in declared:
+            raise ConfigError(f"latency shape for {name!r}: the model has no such input "
+                              f"(inputs: {', '.join(declared) or 'none'})")
+        dims = declared[name]
+        if len(shape) != len(dims) or any(d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != s
+                                          for i, (d, s) in enumerate(zip(dims, shape)) if i > 0):
+            wanted = ", ".join(str(d.dim_value) if d.HasField("dim_value") and d.dim_value > 0 else
+                               (d.dim_param or "?") for d in dims)
+            raise ConfigError(f"latency shape for {name!r}: {'x'.join(map(str, shape))} does not fit the "
+                              f"input's shape [{wanted}]")
+    merged: Dict[str, Tuple[int, ...]] = {}
+    for source in (recorded, data, given):
+        merged.update({k: tuple(int(d) for d in v) for k, v in (source or {}).items() if k in declared})
+    return merged
+
+
+def unsized_dimensions(model, sizes: Mapping[str, Sequence[int]]) -> List[str]:
+    """``input (dims)`` for each graph input of ``model`` with symbolic dimensions other than the first
+    that ``sizes`` does not give (`input_shapes` times them at 1: a detector's image as 1 x 1 pixels)."""
+    inits = {i.name for i in model.graph.initializer}
+    found = []
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name in inits or len(tuple(sizes.get(value.name, ()))) == len(dims):
+            continue
+        open_dims = [d.dim_param or "?" for i, d in enumerate(dims)
+                     if i > 0 and not (d.HasField("dim_value") and d.dim_value > 0)]
+        if open_dims:
+            found.append(f"{value.name} ({', '.join(open_dims)})")
+    return found
 
 
 def sample_shapes(data, model) -> Dict[str, Tuple[int, ...]]:
@@ -927,8 +1013,8 @@ def whole_model_timing(float_model, qdq_model, options: LatencyOptions,
     ``"every site integer"``) and is the one the figures describe. The timing is `timed_or_cached`'s:
     ``source`` says whether it was measured now or comes from the latency profile (``timed_at``,
     ``profile``); ``quartiles_ms`` gives the spread of the FP32 and quantized runs, ``seconds`` what
-    this call took. ``feeds``: `timing_feeds` of the float model, when the caller has them (then
-    ``float_model``'s bytes are not parsed here)."""
+    this call took, ``input_shapes`` the shapes the models were fed at. ``feeds``: `timing_feeds` of the
+    float model, when the caller has them (then ``float_model``'s bytes are not parsed here)."""
     start = time.perf_counter()
     if feeds is None:
         feeds = timing_feeds(float_model, options.batch)
@@ -953,6 +1039,7 @@ def whole_model_timing(float_model, qdq_model, options: LatencyOptions,
             "fp32_ms": round(medians["fp32"], 3), "quantized_ms": round(medians["quantized"], 3),
             "speedup": round(speedup, 3), "verdict": verdict, "chosen": chosen, **extra,
             "quartiles_ms": {k: v for k, v in spread.items() if v is not None}, **origin,
+            "input_shapes": {k: [int(d) for d in np.shape(v)] for k, v in feeds.items()},
             "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -995,5 +1082,6 @@ __all__ = ["LatencyProfile", "LatencyDecision", "LatencyOptions", "Site", "decid
            "sites_of", "input_shapes", "measure_kind", "time_models", "kept_float_decisions", "RULE",
            "KERNEL_FLAGS", "WIDE_DOT_FLAGS", "fallback_sites", "fallback_timing", "wide_dot_products",
            "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "sample_shapes", "sample_feed",
-           "observed_shapes", "timing_key", "MAX_WHOLE_MODEL_TIMINGS",
+           "observed_shapes", "timing_key", "MAX_WHOLE_MODEL_TIMINGS", "INPUT_SHAPES_KEY", "recorded_shapes",
+           "timing_sizes", "unsized_dimensions",
            "cpuid_flags", "CPUID_BITS"]

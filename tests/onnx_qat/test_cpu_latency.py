@@ -285,6 +285,89 @@ def test_a_scalar_input_and_a_directory_of_feeds_are_timed(tmp_path):
     B.assert_check_clean(result.model, target="ort-cpu")
 
 
+def _profile_at(model, path, shapes) -> None:
+    """A profile holding exactly the site kinds of ``model`` at the input ``shapes`` (every site faster in
+    integer), so that a run timing them at other sizes would have to measure."""
+    placement = onnx_qat.place(model, target="ort-cpu")
+    sites = L.sites_of(GraphIndex(model), placement, L.input_shapes(model, 1, shapes))
+    path.write_text(json.dumps({"format": L.PROFILE_FORMAT, "version": L.PROFILE_VERSION,
+                                "machine": L.machine_key(0),
+                                "sites": {s.kind: {"float_us": 100.0, "int_us": 50.0} for s in sites}}))
+
+
+def test_timing_sizes_come_from_the_options_the_data_or_the_table():
+    model = _symbolic_net()
+    given, data, recorded = {"input": (1, 16, 40, 56)}, {"input": (1, 16, 20, 28)}, {"input": (1, 16, 8, 8)}
+    assert L.timing_sizes(model, given, data, recorded) == given
+    assert L.timing_sizes(model, None, data, recorded) == data
+    assert L.timing_sizes(model, None, {}, recorded) == recorded
+    assert L.unsized_dimensions(model, {}) == ["input (H, W)"] and L.unsized_dimensions(model, data) == []
+    for shapes, match in (({"image": (1, 16, 8, 8)}, "no such input"),
+                          ({"input": (1, 16, 8)}, "does not fit"),
+                          ({"input": (1, 3, 8, 8)}, r"does not fit the input's shape \[N, 16, H, W\]")):
+        with pytest.raises(ConfigError, match=match):
+            L.timing_sizes(model, shapes)
+    with pytest.raises(ConfigError, match="whole numbers >= 1"):
+        L.LatencyOptions.resolve(L.LatencyOptions(shapes={"input": (1, 16, 0, 8)}))
+
+
+def test_a_table_calibrated_for_ort_cpu_records_the_size_quantize_times_at(tmp_path):
+    """``calibrate --target ort-cpu`` then ``quantize --scales ... --latency`` (the flow calibrate's own
+    summary suggests) timed a detector-like model whose image size is symbolic on 1 x 1 images (PP-OCRv4's
+    detector: a "2.96x FP32" that was 1.08x at 320 x 320): the table now records one sample's input shapes
+    and the rewrite from it times the sites there (a profile holding exactly those kinds: nothing measured).
+    Without recorded sizes a note says the dimensions were timed at 1."""
+    model = _symbolic_net()
+    data = {"input": np.random.default_rng(6).uniform(0, 4, (4, 16, 20, 28)).astype(np.float32)}
+    table = onnx_qat.calibrate(model, data, method="max", target="ort-cpu", progress=False)
+    assert json.loads(table.metadata[L.INPUT_SHAPES_KEY]) == {"input": [1, 16, 20, 28]}
+    assert L.INPUT_SHAPES_KEY not in onnx_qat.calibrate(model, data, method="max", progress=False).metadata
+    profile = tmp_path / "profile.json"
+    _profile_at(model, profile, {"input": (1, 16, 20, 28)})
+    result = onnx_qat.quantize(model, scales=table, target="ort-cpu", progress=False,
+                               latency=L.LatencyOptions(profile=str(profile), rounds=1))
+    assert result.latency["kinds_measured"] == 0
+    assert result.latency["whole_model"]["input_shapes"] == {"input": [1, 16, 20, 28]}
+    assert not [n for n in result.placement.notes if "timed at 1" in n]
+    bare = onnx_qat.ScaleTable(dict(table.activations), bounds=dict(table.bounds),
+                               metadata={k: v for k, v in table.metadata.items() if k != L.INPUT_SHAPES_KEY})
+    result = onnx_qat.quantize(model, scales=bare, target="ort-cpu", progress=False,
+                               latency=L.LatencyOptions(profile=str(profile), rounds=1))
+    assert [n for n in result.placement.notes if "input input (H, W)" in n and "timed at 1" in n]
+    assert result.latency["whole_model"]["input_shapes"] == {"input": [1, 16, 1, 1]}
+    result = onnx_qat.quantize(model, scales=bare, target="ort-cpu", progress=False,
+                               latency=L.LatencyOptions(profile=str(profile), rounds=1,
+                                                        shapes={"input": (1, 16, 20, 28)}))
+    assert result.latency["whole_model"]["input_shapes"] == {"input": [1, 16, 20, 28]}
+
+
+def test_cli_latency_shape(tmp_path, capsys):
+    model = _symbolic_net()
+    src, table = tmp_path / "m.onnx", tmp_path / "s.json"
+    onnx.save(model, str(src))
+    data = {"input": np.random.default_rng(7).uniform(0, 4, (4, 16, 20, 28)).astype(np.float32)}
+    onnx_qat.calibrate(model, data, method="max", progress=False).save(str(table))  # no sizes recorded
+    profile = tmp_path / "p.json"
+    _profile_at(model, profile, {"input": (1, 16, 24, 32)})
+    out = tmp_path / "q.onnx"
+    code = main(["quantize", str(src), "--scales", str(table), "-o", str(out), "--target", "ort-cpu",
+                 "--latency-profile", str(profile), "--latency-shape", "input=1x16x24x32"])
+    shown = capsys.readouterr().out
+    assert code == 0 and out.exists() and "0 kind(s) measured" in shown, shown
+    assert "inputs input=1x16x24x32" in shown
+    for bad, message in (("input=1x16x0x32", "expected INPUT=DIMS"), ("input", "expected INPUT=DIMS"),
+                         ("image=1x16x24x32", "no such input"), ("input=1x3x24x32", "does not fit")):
+        bad_out = tmp_path / "bad.onnx"
+        assert main(["quantize", str(src), "--scales", str(table), "-o", str(bad_out), "--target", "ort-cpu",
+                     "--latency-profile", str(profile), "--latency-shape", bad]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert not bad_out.exists()
+    assert main(["quantize", str(src), "--scales", str(table), "-o", str(tmp_path / "x.onnx"), "--target",
+                 "ort-cpu", "--latency-shape", "input=1x16x24x32"]) == 2  # without --latency
+    assert "only with --latency" in capsys.readouterr().err
+
+
 def test_a_site_slower_in_integer_stays_float_with_both_times_in_the_report(tmp_path):
     model = _net()
     profile = tmp_path / "profile.json"
