@@ -871,8 +871,7 @@ def sample_feed(data, model) -> Dict[str, np.ndarray]:
     values the timing inputs of inputs that are not float32 (`timing_feeds`: token ids, bytes). From a
     directory or list of feeds, the first feed (a stateful model's initial state included). Empty when
     the data is an iterator or reader of feeds (read once: it is not read ahead here) or gives no feed.
-    Raises
-    what `load_data` raises on bad data."""
+    Raises what `load_data` raises on bad data."""
     from ..io.data import Dataset, load_data
     from ..io.feeds import is_feed_source
     from ..io.layout import split_layout
