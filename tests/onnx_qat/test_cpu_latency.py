@@ -128,6 +128,17 @@ def test_quantize_times_a_symbolic_model_at_its_data_size(tmp_path):
     assert onnx_qat.check(result.model, target="ort-cpu").passed
 
 
+def _profile_at(model, path, shapes) -> list:
+    """A profile holding exactly the site kinds of ``model`` at the input ``shapes`` (every site faster in
+    integer), so that a run timing them at other sizes would have to measure; the sites' nodes."""
+    placement = onnx_qat.place(model, target="ort-cpu")
+    sites = L.sites_of(GraphIndex(model), placement, L.input_shapes(model, 1, shapes))
+    path.write_text(json.dumps({"format": L.PROFILE_FORMAT, "version": L.PROFILE_VERSION,
+                                "machine": L.machine_key(0),
+                                "sites": {s.kind: {"float_us": 100.0, "int_us": 50.0} for s in sites}}))
+    return [s.node for s in sites]
+
+
 def _computed_reshape_net() -> onnx.ModelProto:
     """input [N, 16, H, W] -> ``c1`` -> ``r1`` -> Reshape to [N, 32, H*W] -> Transpose -> ``fc`` (MatMul +
     bias): the sequence length H*W is computed from the Shape through a float product, as exporters of
@@ -225,11 +236,7 @@ def test_inputs_other_than_float32_are_timed_on_a_sample_of_the_data(tmp_path):
     assert "no sample" in L.timing_feeds(model, 3, {"input_ids": (1, 8)},
                                           {"input_ids": ids[:1].astype(np.int32)})  # another type
     profile = tmp_path / "profile.json"
-    sites = L.sites_of(GraphIndex(model), onnx_qat.place(model, target="ort-cpu"), L.input_shapes(model, 1))
-    assert [s.node for s in sites] == ["fc1", "fc2"]
-    profile.write_text(json.dumps({"format": L.PROFILE_FORMAT, "version": L.PROFILE_VERSION,
-                                   "machine": L.machine_key(0),
-                                   "sites": {s.kind: {"float_us": 100.0, "int_us": 50.0} for s in sites}}))
+    assert _profile_at(model, profile, {}) == ["fc1", "fc2"]
     result = onnx_qat.quantize(model, data={"input_ids": ids}, method="max", target="ort-cpu", progress=False,
                                latency=L.LatencyOptions(profile=str(profile), rounds=1))
     whole = result.latency["whole_model"]
@@ -273,26 +280,12 @@ def test_a_scalar_input_and_a_directory_of_feeds_are_timed(tmp_path):
     feeds = L.timing_feeds(model, 2, {k: v.shape for k, v in feed.items()}, feed)
     assert feeds["input"].shape == (2, 16) and feeds["sr"].shape == () and int(feeds["sr"]) == 16000
     profile = tmp_path / "profile.json"
-    sites = L.sites_of(GraphIndex(model), onnx_qat.place(model, target="ort-cpu"), L.input_shapes(model, 1))
-    assert [s.node for s in sites] == ["fc1", "fc2"]
-    profile.write_text(json.dumps({"format": L.PROFILE_FORMAT, "version": L.PROFILE_VERSION,
-                                   "machine": L.machine_key(0),
-                                   "sites": {s.kind: {"float_us": 100.0, "int_us": 50.0} for s in sites}}))
+    assert _profile_at(model, profile, {}) == ["fc1", "fc2"]
     result = onnx_qat.quantize(model, data=str(folder), method="max", target="ort-cpu", progress=False,
                                latency=L.LatencyOptions(profile=str(profile), rounds=1))
     whole = result.latency["whole_model"]
     assert whole["timed"] is True, whole
     B.assert_check_clean(result.model, target="ort-cpu")
-
-
-def _profile_at(model, path, shapes) -> None:
-    """A profile holding exactly the site kinds of ``model`` at the input ``shapes`` (every site faster in
-    integer), so that a run timing them at other sizes would have to measure."""
-    placement = onnx_qat.place(model, target="ort-cpu")
-    sites = L.sites_of(GraphIndex(model), placement, L.input_shapes(model, 1, shapes))
-    path.write_text(json.dumps({"format": L.PROFILE_FORMAT, "version": L.PROFILE_VERSION,
-                                "machine": L.machine_key(0),
-                                "sites": {s.kind: {"float_us": 100.0, "int_us": 50.0} for s in sites}}))
 
 
 def test_timing_sizes_come_from_the_options_the_data_or_the_table():
