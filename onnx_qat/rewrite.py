@@ -345,6 +345,10 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
         if whole.get("chosen") == "every site integer":
             qdq_model, inserted, placement, requantization = alternative
             summary = _summary(placement, inserted)
+            # the placement before the latency decision: its notes (sizes timed at 1, a profile of another
+            # machine) still describe how this model was timed
+            placement = replace(placement, notes=placement.notes + tuple(
+                n for n in latency_decision.notes if n not in placement.notes))
         latency_report = {**latency_decision.to_dict(), "whole_model": whole}
         if whole.get("chosen") == "every site integer":  # the per-site decision lost as a whole
             latency_report.update(kept_float=[], kept_float_per_site=list(latency_decision.kept_float))
@@ -965,7 +969,9 @@ def _guard_candidate(float_bytes: bytes, placement_now, float_now, drop, decisio
         _correct_biases(model, index, adapted, means, {} if corrected is None else corrected)
         note = (f"ort-cpu whole-model guard: the quantized model timed slower than FP32, so {len(drop)} "
                 f"least-gaining site(s) were kept float too (e.g. {drop[0]!r}) and the model timed again")
-        placed = replace(adapted.placement, notes=adapted.placement.notes + (note,))
+        kept = adapted.placement.notes  # placed again: the latency decision's notes added back
+        placed = replace(adapted.placement,
+                         notes=kept + tuple(n for n in decision.notes if n not in kept) + (note,))
         storage = {**_adapted_storage(adapted), "precision": fmt.name, "block_size": config.block_size}
         qdq, inserted, _ = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
     except ScalesError as exc:

@@ -430,6 +430,35 @@ def test_profile_of_another_machine_is_used_with_a_note(tmp_path):
     assert any("another machine" in n and "avx512_vnni" in n for n in decision.notes)
 
 
+@pytest.mark.parametrize("written", ["every site integer", "guard fallback"])
+def test_the_decision_notes_stay_with_whichever_model_is_written(tmp_path, monkeypatch, written):
+    """The latency decision's notes (here: a profile of another machine) were lost from the result when the
+    whole-model timing wrote the every-site-integer model or a guard round's model instead of the latency
+    placement's: both are placed anew. (Found by a note that a clean clone's timings dropped.)"""
+    model, profile = _net(), tmp_path / "profile.json"
+    other = {"cpu": "Some Server CPU", "flags": ["avx2"], "onnxruntime": "9.9", "threads": 16}
+    if written == "every site integer":
+        _profile(model, profile, slow={"dw"}, machine=other)
+        timing = {"timed": True, "batch": 1, "threads": 0, "rounds": 3, "fp32_ms": 1.5, "quantized_ms": 1.0,
+                  "speedup": 1.5, "verdict": "faster than FP32", "chosen": "every site integer",
+                  "latency_placement_ms": 1.2, "every_site_integer_ms": 1.0}
+        monkeypatch.setattr(L, "whole_model_timing", lambda *args, **kwargs: dict(timing))
+    else:
+        _guarded_profile(model, profile, monkeypatch)
+        raw = json.loads(profile.read_text())
+        profile.write_text(json.dumps({**raw, "machine": other}))
+        given = {"rounds": 3, "fp32_ms": 1.2, "before_ms": 1.33, "fallback_ms": 1.0, "speedup": 1.2,
+                 "chosen": "fallback"}
+        monkeypatch.setattr(L, "fallback_timing", lambda *args, **kwargs: dict(given))
+    result = onnx_qat.quantize(model, data=_data(), method="max", target="ort-cpu", progress=False,
+                               latency=str(profile))
+    if written == "every site integer":
+        assert {w.node for w in result.placement.weights} == {"c1", "dw", "c2", "fc"}
+    else:
+        assert result.latency["fallback"]["chosen"] == "fallback"
+    assert sum("another machine" in n for n in result.placement.notes) == 1, result.placement.notes
+
+
 def test_measuring_fills_the_profile_once(tmp_path, monkeypatch):
     """Real measurement on this machine: the profile gets one entry per kind (4 here) with positive
     times and this machine's key; a second run measures nothing. No time is asserted."""
