@@ -506,6 +506,12 @@ def nothing_to_quantize(placement: Placement, what: str = "the model", precision
                 + (" for its Conv layers" if {"Conv", "ConvTranspose"} & set(ops) else ""))
     skipped = [d for d in placement.all_decisions() if d.action == "skip"]
     why = "; ".join(f"{d.node}: {d.reason}" for d in skipped[:5]) + (" ..." if len(skipped) > 5 else "")
+    typed = [d for d in skipped if "not float32" in d.reason]
+    if typed and len(typed) * 2 >= len(skipped):  # most skipped for their type: the model is not FP32
+        return (f"nothing to quantize in {what}: its weighted ops compute in another float type than "
+                f"float32 ({len(typed)} of {len(skipped)} skipped for it, e.g. {typed[0].node}: "
+                f"{typed[0].reason}); quantize the model's FP32 form (onnx-qat writes the float parts in "
+                "FP16 itself: --float-dtype fp16, QuantizeConfig field float_dtype)")
     return (f"nothing to quantize in {what}: found {found}; "
             f"{len(skipped)} node{'' if len(skipped) == 1 else 's'} skipped"
             + (f" ({why})" if why else "") + "; see each node's decision with 'onnx-qat inspect' and "

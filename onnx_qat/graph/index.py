@@ -6,8 +6,9 @@ The index never copies weight data and never mutates the model.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, compress
 from math import prod
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -16,6 +17,8 @@ import onnx
 from onnx import helper
 
 from .constants import CONSTANT_PASS_OPS, MAX_CONSTANT_HOPS
+
+logger = logging.getLogger(__name__)
 
 #: Domains that mean the standard ONNX operator set.
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -144,6 +147,63 @@ def _join(dtype: np.dtype, items: list, arrays: Dict[str, np.ndarray]) -> np.nda
     return joined
 
 
+#: Float element types other than float32: a model holding them may compute in them.
+_OTHER_FLOATS = frozenset({onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
+_FLOAT_TYPES = _OTHER_FLOATS | {onnx.TensorProto.FLOAT}
+
+
+def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose float initializers of more than 64 values keep their type and dims but
+    not their data: shape and type inference need only those (and the values of small integer constants
+    such as Reshape shapes), and copying ResNet50's 100 MB of weights would cost more than the inference."""
+    probe = onnx.ModelProto()
+    probe.ir_version = model.ir_version
+    probe.opset_import.extend(model.opset_import)
+    probe.functions.extend(model.functions)
+    graph = probe.graph
+    source = model.graph
+    graph.node.extend(source.node)
+    graph.input.extend(source.input)
+    graph.output.extend(source.output)
+    graph.value_info.extend(source.value_info)
+    for init in source.initializer:
+        size = int(np.prod(init.dims)) if init.dims else 1
+        if init.data_type in _FLOAT_TYPES and size > 64:
+            stub = graph.initializer.add()
+            stub.name, stub.data_type = init.name, init.data_type
+            stub.dims.extend(init.dims)
+        else:
+            graph.initializer.append(init)
+    return probe
+
+
+#: Ops that can make a float tensor of a type no input of theirs has (from an attribute, or CastLike from its
+#: second input's type).
+_TYPE_SOURCES = frozenset({"Cast", "CastLike", "Constant", "ConstantOfShape", "EyeLike", "RandomNormal",
+                           "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli"})
+
+
+def _holds_other_floats(graph: onnx.GraphProto, op_types: List[str], protos: list) -> bool:
+    """Whether the main graph ``graph`` may compute in a float type other than float32 (FP16, BF16,
+    double). An activation of such a type starts at a graph input of that type or at a node that makes
+    a type its inputs do not have (`_TYPE_SOURCES`: a Cast to it, a Constant of it...): every other op
+    computes in its inputs' type, and a float32 activation cannot meet another float type without a
+    Cast. Weights alone are not looked at (rule 9 asks for their own types)."""
+    if not _OTHER_FLOATS.isdisjoint(v.type.tensor_type.elem_type for v in graph.input):
+        return True
+    found = _TYPE_SOURCES.intersection(op_types)  # one C-level pass: most graphs end here
+    if not found:
+        return False
+    if "CastLike" in found:
+        return True
+    for i in compress(range(len(op_types)), map(found.__contains__, op_types)):
+        for a in protos[i].attribute:
+            if a.name in ("to", "dtype") and a.i in _OTHER_FLOATS \
+                    or a.name == "value" and a.t.data_type in _OTHER_FLOATS:
+                return True
+    return False
+
+
 class GraphIndex:
     """Producer/consumer maps, constants and dtypes of a model's main graph (or of one subgraph).
 
@@ -200,10 +260,29 @@ class GraphIndex:
         for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
             if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
                 self.declared_dtypes[vi.name] = vi.type.tensor_type.elem_type
+        if outer is None and isinstance(model, onnx.ModelProto) \
+                and _holds_other_floats(graph, op_types, protos):
+            self._infer_dtypes(model)
         self._folded: Dict[str, onnx.TensorProto] = {}
         self._arrays: Dict[str, np.ndarray] = {}  # see initializer_array
         self._constants = self._constant_names()
         self._sorted: Optional[bool] = None
+
+    def _infer_dtypes(self, model: onnx.ModelProto) -> None:
+        """Add the element types onnx type inference gives to the tensors no declaration types: in a model
+        that may compute in FP16, BF16 or double, an undeclared tensor is not float32 by default (rule 9
+        and every ``is_float_or_unknown`` ask: a Q/DQ pair on an FP16 tensor at opset 13 is an invalid
+        model). Float32 models, nearly all, skip this."""
+        try:
+            inferred = onnx.shape_inference.infer_shapes(weightless_copy(model))
+        except Exception as exc:  # noqa: BLE001 - inference failing leaves the declared types only
+            logger.info("type inference of a model holding FP16/BF16/double values failed (%s); "
+                        "undeclared tensors are taken as float32", exc)
+            return
+        for vi in chain(inferred.graph.value_info, inferred.graph.output):
+            elem = vi.type.tensor_type.elem_type if vi.type.HasField("tensor_type") else 0
+            if elem and vi.name not in self.declared_dtypes:
+                self.declared_dtypes[vi.name] = elem
 
     def release(self) -> None:
         """Drop this index's tables (the nodes, producers, initializers, decoded weights...) for an owner done

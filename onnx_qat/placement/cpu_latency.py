@@ -61,7 +61,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import ConfigError
-from ..graph.index import GraphIndex
+from ..graph.index import GraphIndex, weightless_copy
 from .marks import Placement
 
 logger = logging.getLogger(__name__)
@@ -377,7 +377,7 @@ def input_shapes(model, batch: int, samples: Optional[Mapping[str, Sequence[int]
     images, which says nothing of its speed at the sizes it runs at."""
     import onnx
 
-    probe = _without_weight_data(model)
+    probe = weightless_copy(model)
     inits = {i.name for i in probe.graph.initializer}
     samples = samples or {}
     for value in probe.graph.input:
@@ -406,32 +406,6 @@ def input_shapes(model, batch: int, samples: Optional[Mapping[str, Sequence[int]
         if tensor_type.HasField("shape") and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
             shapes[value.name] = tuple(int(d.dim_value) for d in dims)  # () for a declared scalar
     return shapes
-
-
-def _without_weight_data(model):
-    """A copy of ``model`` whose float initializers of more than 64 values keep their type and dims but
-    not their data: shape inference needs only those (and the values of small integer constants such as
-    Reshape shapes), and copying ResNet50's 100 MB of weights would cost more than the inference."""
-    import onnx
-
-    probe = onnx.ModelProto()
-    probe.ir_version = model.ir_version
-    probe.opset_import.extend(model.opset_import)
-    graph = probe.graph
-    source = model.graph
-    graph.node.extend(source.node)
-    graph.input.extend(source.input)
-    graph.output.extend(source.output)
-    graph.value_info.extend(source.value_info)
-    for init in source.initializer:
-        size = int(np.prod(init.dims)) if init.dims else 1
-        if init.data_type == onnx.TensorProto.FLOAT and size > 64:
-            stub = graph.initializer.add()
-            stub.name, stub.data_type = init.name, init.data_type
-            stub.dims.extend(init.dims)
-        else:
-            graph.initializer.append(init)
-    return probe
 
 
 # --------------------------------------------------------------------------- one-op models
