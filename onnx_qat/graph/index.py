@@ -541,7 +541,9 @@ class GraphIndex:
 
     def dtype(self, tensor: str) -> Optional[int]:
         """The ONNX element type of ``tensor`` when the model declares it, else None: an initializer's
-        own type, else the type the graph declares for it, else a Constant's value type."""
+        own type, else the type the graph declares for it (in a model that may compute in FP16, BF16 or
+        double: or the type onnx type inference gives it, `_infer_dtypes`), else a Constant's value
+        type."""
         init = self.initializers.get(tensor)
         if init is not None:
             return init.data_type
@@ -560,6 +562,7 @@ class GraphIndex:
         return known
 
     def is_float_or_unknown(self, tensor: str) -> bool:
-        """True unless the model declares ``tensor`` with a type other than float32."""
+        """True unless the model declares ``tensor`` with a type other than float32 (or, in a model that
+        may compute in another float type, type inference gives it one)."""
         dtype = self.dtype(tensor) if tensor in self._constants else self._declared(tensor)
         return dtype is None or dtype == onnx.TensorProto.FLOAT
