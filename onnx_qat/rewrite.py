@@ -510,8 +510,8 @@ def nothing_to_quantize(placement: Placement, what: str = "the model", precision
     if typed and len(typed) * 2 >= len(skipped):  # most skipped for their type: the model is not FP32
         return (f"nothing to quantize in {what}: its weighted ops compute in another float type than "
                 f"float32 ({len(typed)} of {len(skipped)} skipped for it, e.g. {typed[0].node}: "
-                f"{typed[0].reason}); quantize the model's FP32 form (onnx-qat writes the float parts in "
-                "FP16 itself: --float-dtype fp16, QuantizeConfig field float_dtype)")
+                f"{typed[0].reason}); onnx-qat quantizes float32 models: give the model's FP32 form (for "
+                "FP16 float parts, --float-dtype fp16 writes them so, QuantizeConfig field float_dtype)")
     return (f"nothing to quantize in {what}: found {found}; "
             f"{len(skipped)} node{'' if len(skipped) == 1 else 's'} skipped"
             + (f" ({why})" if why else "") + "; see each node's decision with 'onnx-qat inspect' and "

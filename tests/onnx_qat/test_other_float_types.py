@@ -102,7 +102,8 @@ def test_a_mixed_model_quantizes_its_fp32_part_only(tmp_path, scale):
 
 def test_a_model_all_in_fp16_is_refused_in_one_line(tmp_path, capsys):
     model = _in_fp16(_cnn())
-    with pytest.raises(PlacementError, match="another float type than float32.*FP32 form"):
+    with pytest.raises(PlacementError, match="another float type than float32.*quantizes float32 models: "
+                                             "give the model's FP32 form"):
         onnx_qat.quantize(model, data=_data(4, np.float16), method="max", progress=False)
     src, data, out = tmp_path / "m.onnx", tmp_path / "d.npz", tmp_path / "q.onnx"
     onnx.save(model, str(src))
