@@ -175,6 +175,7 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
 
     from .describe import iter_quantizer_layers
     from .finite import check_finite
+    from .wrap import float32_compute
     from .wrap import float_model as float_twin
 
     from .fake_quant import numerics
@@ -205,19 +206,24 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     step("map quantizers")
     with step.part("float ONNX model in onnxruntime"):
         float_values = run_with_tensors(float_model, feeds)
-    mapping = map_quantizers(q_model, float_model)
-    _refuse_without_qdq(mapping)
-    table = mapping.scales if generated else _with_target_ranges(mapping, target, feeds)
-    step("insert Q/DQ")
-    result, reproducible = _quantize(quantize, float_model, mapping, target, table, precision)
-    step("parity in onnxruntime")
-    with numerics(precision), step.part("Keras QAT model in TensorFlow"):
-        keras_out = q_model(inputs if len(inputs) > 1 else inputs[0], training=False)
-    keras_tf = [np.asarray(v) for v in _outputs(keras_out)]
-    reference = result if result.target == "tensorrt" else _quantize(quantize, float_model, mapping,
-                                                                      "tensorrt", mapping.scales)[0]
-    parity = _parity(q_model, mapping, reference, float_model, float_values, feeds, inputs, keras_tf, opset,
-                     generated, part=step.part)
+    # a mixed-precision model computes in float32 from here to the parity's end, as its twin does
+    with float32_compute(q_model) as float32_layers:
+        if float32_layers:
+            logger.info("export_onnx: %d layer(s) of a mixed-precision policy exported and checked as their "
+                        "float32 computation", len(float32_layers))
+        mapping = map_quantizers(q_model, float_model)
+        _refuse_without_qdq(mapping)
+        table = mapping.scales if generated else _with_target_ranges(mapping, target, feeds)
+        step("insert Q/DQ")
+        result, reproducible = _quantize(quantize, float_model, mapping, target, table, precision)
+        step("parity in onnxruntime")
+        with numerics(precision), step.part("Keras QAT model in TensorFlow"):
+            keras_out = q_model(inputs if len(inputs) > 1 else inputs[0], training=False)
+        keras_tf = [np.asarray(v) for v in _outputs(keras_out)]
+        reference = result if result.target == "tensorrt" else _quantize(quantize, float_model, mapping,
+                                                                          "tensorrt", mapping.scales)[0]
+        parity = _parity(q_model, mapping, reference, float_model, float_values, feeds, inputs, keras_tf,
+                         opset, generated, part=step.part)
     if reference is not result:
         names = [o.name for o in float_model.graph.output]
         parity = replace(parity, deployed=deployed_parity(
@@ -244,7 +250,7 @@ def export_onnx(q_model, path, *, opset: int = 17, target: str = "tensorrt", sam
     report = ExportReport(out, scales_path, float_path, int(opset), result.target, mapping.entries, parity,
                           verdict, MappingProxyType(dict(result.summary)),
                           reproducible and not mapping.baked, mapping.baked, tuple(result.requantization),
-                          tuple(step.timings), parts)
+                          tuple(step.timings), parts, tuple(float32_layers))
     logger.info("%s", report)
     return report
 

@@ -36,6 +36,10 @@ class ExportReport:
         float_parts: with ``float_dtype`` ``fp16``/``bf16``: the
             [`FloatPartsResult`][onnx_qat.formats.float_parts.FloatPartsResult] (nodes kept FP32 with their
             reasons, output cosines measured); None with FP32 float parts.
+        float32_layers: the layers of a Keras mixed-precision policy (``mixed_float16``,
+            ``mixed_bfloat16``) that the export computed in float32: the float twin converted to ONNX
+            and the Keras QAT model the parity ran, so that both compute the same float32 function of
+            the same (float32) variables; empty for a float32 model.
     """
 
     path: Path
@@ -52,6 +56,7 @@ class ExportReport:
     requantization: Tuple[dict, ...] = field(default=(), repr=False)
     timings: Tuple[Tuple[str, float], ...] = field(default=(), repr=False)
     float_parts: Optional[object] = field(default=None, repr=False)
+    float32_layers: Tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -94,6 +99,10 @@ class ExportReport:
             lines.append(f"  float model: {self.float_path}")
         if self.baked:
             lines.append(f"  baked weights (input not quantized): {', '.join(self.baked)}")
+        if self.float32_layers:
+            lines.append(f"  mixed precision: {len(self.float32_layers)} layer(s) computing in "
+                         "float16/bfloat16 in Keras were exported and checked as their float32 computation "
+                         f"(e.g. {self.float32_layers[0]})")
         return "\n".join(lines)
 
     def _requantization_summary(self) -> str:
@@ -115,4 +124,5 @@ class ExportReport:
                 "check": None if self.check is None else self.check.to_dict(), "summary": dict(self.summary),
                 "cli_reproducible": self.cli_reproducible, "baked": list(self.baked),
                 "requantization": [dict(r) for r in self.requantization],
-                "timings": [[w, round(t, 3)] for w, t in self.timings]}
+                "timings": [[w, round(t, 3)] for w, t in self.timings],
+                "float32_layers": list(self.float32_layers)}

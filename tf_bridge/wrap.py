@@ -15,6 +15,7 @@ are refused with [`onnx_qat.errors.ModelError`][].
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Dict, List, Optional, Sequence
 
@@ -47,10 +48,15 @@ def _check_model(model, where: str = "model") -> None:
                          "(e.g. keras.Model(inputs, outputs)) and quantize that")
 
 
-def copy_layer(layer):
-    """A new layer of the same class and config with the same weights (original untouched)."""
+def copy_layer(layer, float32: bool = False):
+    """A new layer of the same class and config with the same weights (original untouched); with
+    ``float32``, a layer of a mixed-precision policy (``mixed_float16``, ``mixed_bfloat16``: float32
+    variables, computing in the low type) computes in float32 too."""
     try:
-        new = layer.__class__.from_config(layer.get_config())
+        config = layer.get_config()
+        if float32 and _computes_low(layer):
+            config["dtype"] = "float32"
+        new = layer.__class__.from_config(config)
         if layer.built and not new.built:
             build_config = layer.get_build_config()
             if build_config:
@@ -61,6 +67,32 @@ def copy_layer(layer):
         raise ModelError(f"layer '{layer.name}' ({type(layer).__name__}) cannot be copied from its "
                          f"config: {exc}") from exc
     return new
+
+
+def _computes_low(layer) -> bool:
+    """Whether ``layer`` computes in a float type other than float32 while its variables are float32 (a
+    Keras mixed-precision policy)."""
+    policy = getattr(layer, "dtype_policy", None)
+    compute = getattr(policy, "compute_dtype", "float32")
+    return compute in ("float16", "bfloat16") and getattr(policy, "variable_dtype", "float32") == "float32"
+
+
+@contextlib.contextmanager
+def float32_compute(model):
+    """Within the block, every layer of ``model`` (nested models and wrapped layers included) that
+    computes in float16 or bfloat16 under a Keras mixed-precision policy computes in float32; each
+    policy is restored when the block ends, however it ends. Its variables are float32 already, so the
+    model then computes exactly what its float32 ONNX export computes. Yields the names of the layers
+    changed, models themselves left out of the list (none for a float32 model, which is left as it is)."""
+    layers = model._flatten_layers(include_self=True, recursive=True)
+    changed = [(layer, layer.dtype_policy) for layer in layers if _computes_low(layer)]
+    try:
+        for layer, _ in changed:
+            layer.dtype_policy = "float32"
+        yield [layer.name for layer, _ in changed if not isinstance(layer, keras.Model)]
+    finally:
+        for layer, policy in changed:
+            layer.dtype_policy = policy
 
 
 class _Cloner:
@@ -272,8 +304,8 @@ class _Stripper:
         if isinstance(layer, ActivationQuantizer) or not isinstance(layer, keras.layers.Layer):
             return layer  # quantizers are skipped by _call; operations are stateless
         if isinstance(layer, QuantizeWrapper):
-            return copy_layer(layer.layer)
-        return copy_layer(layer)
+            return copy_layer(layer.layer, float32=True)
+        return copy_layer(layer, float32=True)
 
     @staticmethod
     def _call(layer, *args, **kwargs):

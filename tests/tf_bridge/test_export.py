@@ -712,3 +712,38 @@ def test_rounding_sensitivity_nudges_a_reductions_terms():
     assert base.ravel().tolist() == [2.0, 4.0]
     for draws in (1, 2, 3):
         assert rounding_sensitivity(model, {"x": x}, ["y"], [base], draws=draws) == (1.0,)
+
+
+@pytest.mark.parametrize("scale", [1.0, 255.0])
+def test_a_mixed_precision_model_exports_as_its_float32_computation(tmp_path, scale):
+    """A model built under ``mixed_float16`` (float32 variables, float16 compute) failed to export:
+    its float twin converted to float16 ONNX weights, so no quantizer could be mapped ("no ONNX weight
+    holds these values"); and the parity would have compared a float16 computation with a float32 one.
+    Now the twin and the parity run compute in float32, the model exports with exact parity against
+    that computation, and the model's own policies (and outputs) are as they were."""
+    keras.utils.set_random_seed(11)
+    before = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = blobs(32, (16, 16, 3))
+        x = x * scale
+        inp = keras.Input((16, 16, 3))
+        h = L.Conv2D(8, 3, padding="same", name="first_conv")(inp)
+        h = L.ReLU()(L.BatchNormalization()(h))
+        h = L.Add()([L.Conv2D(8, 3, padding="same", activation="relu")(h), h])
+        h = L.GlobalAveragePooling2D()(h)
+        model = keras.Model(inp, L.Dense(4, dtype="float32")(h))
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y % 4, epochs=1, verbose=0)  # trained: batch norm not settled
+        q = _qat(model, x)
+        q_out = np.asarray(q(x[:8], training=False))
+        report = tf_bridge.export_onnx(q, tmp_path / "mp.onnx", sample_data=x[:8])
+    finally:
+        keras.mixed_precision.set_global_policy(before)
+    _assert_parity(report)
+    assert report.float32_layers and "mixed precision" in str(report)
+    assert all(out.max_abs_qdq == 0.0 for out in report.parity.outputs), str(report)
+    written = onnx.load(str(tmp_path / "mp.onnx"))
+    assert onnx.TensorProto.FLOAT16 not in {t.data_type for t in written.graph.initializer}
+    assert q.get_layer("first_conv").dtype_policy.name == "mixed_float16"  # restored
+    assert np.array_equal(np.asarray(q(x[:8], training=False)), q_out)
