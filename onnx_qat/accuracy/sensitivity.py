@@ -195,7 +195,7 @@ class SensitivityResult:
             group = "" if s.only_group == 1 else ">"  # a group's figure: the site alone costs less
             only, sqnr = f"{group}{s.only.cosine:.5f}", group + _fmt_db(s.only.sqnr_db)
             all_but = ("" if s.all_but_group == 1 else "<") + f"{s.all_but.cosine:.5f}"
-            lines.append(f"{s.rank:>4}  {s.name[:width]:<{width}}  {s.site.op_type[:10]:<10} "
+            lines.append(f"{s.rank:>4}  {_tail(s.name, width):<{width}}  {s.site.op_type[:10]:<10} "
                          f"{s.site.kind:<9} {only:>10} {sqnr:>7} "
                          f"{all_but:>12} {_fmt_db(worst) + ' dB':>13}")
         if top is not None and len(self.sites) > top:
@@ -219,6 +219,12 @@ class SensitivityResult:
 GROUP_NOTE = ("---- measured in groups from here on (a joint effect too small to split: under "
               "{share:.0%} of the all-{fmt} cosine loss or {floor:g}): '>c' / '<c' are the group's "
               "figures; the site alone costs about that much or less")
+
+
+def _tail(name: str, width: int) -> str:
+    """``name`` in at most ``width`` characters: its end, where exporters' long hierarchical names
+    (``model/block_3/conv/Conv``) differ, after an ellipsis."""
+    return name if len(name) <= width else "\u2026" + name[len(name) - width + 1:]
 
 
 def _fmt_db(value: float) -> str:

@@ -159,6 +159,22 @@ def test_report_json_text_and_chart(tmp_path):
     assert width > 600 and height > 200
 
 
+def test_the_table_shows_where_long_names_differ():
+    """Exporters' hierarchical names share long prefixes (Magika's three sites all began
+    'jax2tf_get_logits_/pjit_get_logits_/Magi', the 40 characters the table showed): the table keeps
+    the end of a long name, after an ellipsis, so every row is told apart."""
+    model = outlier_channel_model("conv2")
+    prefix = "exported_model/pjit_forward/encoder_stack/"
+    renamed = {n.name: prefix + n.name + "/Conv2D" for n in model.graph.node if n.op_type == "Conv"}
+    for node in model.graph.node:
+        node.name = renamed.get(node.name, node.name)
+    result = onnx_qat.sensitivity(model, _inputs(16, 0, "normal"), progress=False)
+    rows = [line.split()[1] for line in result.table().splitlines()[4:] if line[:4].strip().isdigit()]
+    assert len(rows) == len(result.sites) and len(set(rows)) == len(rows), rows
+    assert rows[0] == "\u2026" + (prefix + "conv2/Conv2D")[-39:]
+    assert all(len(r) <= 40 for r in rows)
+
+
 def test_cli_sensitivity_writes_report_and_chart(tmp_path, capsys):
     model = outlier_channel_model("conv3", seed=5)
     onnx.save(model, tmp_path / "m.onnx")
