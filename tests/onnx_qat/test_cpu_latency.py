@@ -373,12 +373,17 @@ def test_a_site_slower_in_integer_stays_float_with_both_times_in_the_report(tmp_
     assert by_node["dw"]["decision"] == "float" and by_node["dw"]["gain"] == 0.5
     assert {n for n, r in by_node.items() if r["decision"] == "integer"} == {"c1", "c2", "fc"}
     whole = latency["whole_model"]
-    assert whole["timed"] and whole["chosen"] in ("latency placement", "every site integer")
+    # real timings: on a loaded machine both quantized forms can time slower than FP32, and the guard
+    # then writes a model with more sites float ("fallback")
+    assert whole["timed"] and whole["chosen"] in ("latency placement", "every site integer", "fallback")
     assert whole["fp32_ms"] > 0 and whole["quantized_ms"] > 0
     # at least the options' 3 rounds; a model this small gets more within WHOLE_MODEL_SECONDS, up to 5x
     assert 3 < whole["rounds"] <= 3 * L.MAX_ROUNDS_FACTOR
     weights = {r["nodes"][0].split(":")[0] for r in result.inserted if r["kind"] == "weight"}
-    if whole["chosen"] == "latency placement":
+    if whole["chosen"] == "fallback":
+        assert latency["fallback"]["chosen"] == "fallback" and "dw" not in weights
+        assert set(latency["kept_float"]) == {"c1", "dw", "c2", "fc"} - weights
+    elif whole["chosen"] == "latency placement":
         assert latency["kept_float"] == ["dw"] and weights == {"c1", "c2", "fc"}
         skip = next(d for d in result.placement.decisions if d.node == "dw")
         assert skip.rule == "CPU3" and "integer 200 us vs float 100 us" in skip.reason
