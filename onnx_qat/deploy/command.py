@@ -688,6 +688,12 @@ def _run_after_gate(opts: DeployOptions, state: _Progress, model, specs, pmap) -
         state.update(float_parts=converted.to_dict())
     state.update(precision=_precision_dict(pmap))
     print(pmap.summary())
+    fp32 = pmap.counts().get("fp32", 0)
+    if fp32 and not opts.fp16:  # the principal cost of a Q/DQ model under TensorRT 11: say the remedy
+        print(f"note: {fp32} compute node(s) run in FP32 under a strongly typed build (TensorRT 11 builds no "
+              "other kind); --fp16 runs those FP16 can serve in FP16 (TensorRT >= 11: the float parts "
+              "converted before the build; 8.6-10: the FP16 builder flag), as quantizing with --float-dtype "
+              "fp16 does")
     if opts.data is not None:  # the data's arrays fix the dimensions --shapes does not give
         dataset, labels, source = load_inputs(opts, model, specs, ())
         profiles, batch_size = resolve_profiles(specs, opts.shapes, opts.batch, sample_shapes(dataset))

@@ -1031,6 +1031,7 @@ def test_standin_tensorrt_11_builds_strongly_typed_and_puts_the_map_beside_the_e
     assert rows["relu"]["layer"] == "input_dq + weight_dq + conv + relu" and rows["relu"]["engine"] == "INT8"
     assert "precision map vs engine: 4 of 4 compute nodes agree, 0 differ" in out
     assert "precision (strongly typed build): 2 INT8, 2 FP32" in out
+    assert "note: 2 compute node(s) run in FP32 under a strongly typed build" in out and "--fp16" in out
 
 
 def test_standin_tensorrt_11_fp16_converts_the_float_parts(good_model, tmp_path, capsys, standin):
@@ -1043,6 +1044,7 @@ def test_standin_tensorrt_11_fp16_converts_the_float_parts(good_model, tmp_path,
                                "--iterations", "2", "--no-progress"], capsys)
     assert code == 0, err
     assert trt.calls["builder_flags"] == [] and "float parts: converted to FP16" in out
+    assert "run in FP32 under a strongly typed build" not in out  # --fp16 given: no note
     built = onnx.load_from_string(engine.read_bytes())  # the stand-in's "engine" is the model it was given
     assert TensorProto.FLOAT16 in {i.data_type for i in built.graph.initializer}
     data = json.loads(report.read_text())
