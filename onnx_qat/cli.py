@@ -653,7 +653,30 @@ def cmd_calibrate(args) -> int:
         "correction, rule CPU7, needs --data and is not in the table)")
     _say(args, f"wrote {args.output}: {_count(len(table.activations), 'activation range')}, "
                f"{_count(len(table.weights), 'weight range')} | {method}{for_form}")
+    _say_low_cosine(args, table, "calibrate")
     return EXIT_OK
+
+
+#: Below this output cosine on the calibration data (that of the table ``auto`` kept), ``quantize`` and
+#: ``calibrate`` add a note on what recovers accuracy (the ``--min-cosine`` default target).
+LOW_COSINE = 0.99
+
+
+def _say_low_cosine(args, table, command: str) -> None:
+    """A ``note:`` line when the ranges ``auto`` kept leave the output below `LOW_COSINE` of the float
+    model's on the calibration data (`onnx_qat.scales.kept_output_cosine`), naming what can recover it;
+    nothing for other methods, whose ranges were not judged."""
+    from .scales import kept_output_cosine
+
+    cosine = kept_output_cosine(getattr(table, "metadata", None) or {})
+    if cosine is None or cosine >= LOW_COSINE:
+        return
+    where = ("--optimize accuracy (smoothing, range search, reconstruction) or --min-cosine 0.99 (the "
+             "fewest layers left in float)" if command == "quantize" else
+             "onnx-qat quantize --optimize accuracy or --min-cosine 0.99")
+    _say(args, f"note: the output keeps cosine {cosine:.5f} of the float model's on the calibration data, "
+               f"below {LOW_COSINE:g}: {where} may recover it; onnx-qat sensitivity shows which layers cost "
+               "it (docs/sensitivity.md)")
 
 
 def cmd_quantize(args) -> int:
@@ -713,6 +736,8 @@ def _quantize_and_check(args, data, calib: dict, mixed: dict, layout: dict, late
                       **_placement_keywords(args), **mixed, **layout, **latency, workers=args.workers,
                       ray=args.ray)
     _say(args, _quantize_summary(args, result))
+    if result.accuracy is None:
+        _say_low_cosine(args, getattr(result, "scales", None), "quantize")
     if result.accuracy is not None:
         _say(args, _optimize_summary(result.accuracy) if "steps" in result.accuracy
              else _mixed_summary(result.accuracy))

@@ -443,6 +443,18 @@ def describe_method(metadata: Mapping[str, str]) -> str:
     return text
 
 
+def kept_output_cosine(metadata: Mapping[str, str]) -> Optional[float]:
+    """The output cosine, on the calibration data, of the table ``auto`` kept (its metadata
+    ``auto_table`` and ``auto_output_cosine``); None for another method, or a table that does not say."""
+    if metadata.get("calibration_method") != "auto":
+        return None
+    value = _json(metadata.get("auto_output_cosine")).get(metadata.get("auto_table", ""))
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def _json(text) -> dict:
     try:
         value = json.loads(text) if text else {}
@@ -452,4 +464,4 @@ def _json(text) -> dict:
 
 
 __all__ = ["ScaleTable", "WeightRange", "FORMAT", "VERSION", "VERSIONS", "block_ranges", "describe_method",
-           "AUTO_TABLES", "CALIBRATION_TARGET_KEY"]
+           "kept_output_cosine", "AUTO_TABLES", "CALIBRATION_TARGET_KEY"]
