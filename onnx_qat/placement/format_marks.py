@@ -20,7 +20,7 @@ import logging
 from typing import List, Optional, Tuple
 
 from ..config import QuantizeConfig
-from ..formats.numeric import get_format
+from ..formats.numeric import TENSORRT_BLOCK_SIZES, get_format
 from ..graph.index import GraphIndex
 from .marks import Decision, Placement, WeightMark
 
@@ -56,8 +56,10 @@ def weight_only_marks(placement: Placement, index: GraphIndex, config: QuantizeC
         if axis is None:
             kept[mark.node] = (None, f"weight shape {list(shape)} is not 2-D: left float")
         elif shape[axis] % config.block_size:
+            fits = [b for b in TENSORRT_BLOCK_SIZES if b != config.block_size and shape[axis] % b == 0]
+            hint = f" (--block-size {fits[0]} divides it)" if fits else ""
             kept[mark.node] = (None, f"reduction dimension {shape[axis]} is not a multiple of block_size "
-                                     f"{config.block_size}: left float")
+                                     f"{config.block_size}: left float{hint}")
         else:
             why = (f"int4 weight-only: blocks of {config.block_size} along axis {axis} "
                    f"(reduction dimension {shape[axis]})")

@@ -91,16 +91,19 @@ def test_int4_placement_is_weight_only_on_matmul_and_gemm_along_the_reduction_ax
     f = b.node("Flatten", [b.node("GlobalAveragePool", [c], name="gap")], name="flat")
     g = b.node("Gemm", [f, b.const("gemm.w", np.ones((256, 64), np.float32) * 0.1)], name="gemm", transB=1)
     m = b.node("MatMul", [g, b.const("mm.w", np.ones((256, 128), np.float32) * 0.1)], name="mm")
-    b.node("MatMul", [m, b.const("odd.w", np.ones((128, 96), np.float32) * 0.1)], "y", name="odd")
+    o = b.node("MatMul", [m, b.const("odd.w", np.ones((128, 96), np.float32) * 0.1)], name="odd")
+    b.node("MatMul", [o, b.const("k96.w", np.ones((96, 32), np.float32) * 0.1)], "y", name="k96")
     b.output("y")
     model = b.build()
     placement = onnx_qat.place(model, precision="int4", block_size=128)
     assert placement.activations == ()
     axes = {w.node: w.axis for w in placement.weights}
-    # Gemm transB=1: B [N, K] -> axis 1 holds K=64, which 128 does not divide: float
+    # Gemm transB=1: B [N, K] -> axis 1 holds K=64, which 128 does not divide: float, and the reason says
+    # which documented block size would divide it; K=96 is divided by neither
     assert axes == {"mm": 0, "odd": 0}
     assert placement.decision_for("conv").action != "quantize"
-    assert "block_size" in placement.decision_for("gemm").reason
+    assert placement.decision_for("gemm").reason.endswith("left float (--block-size 64 divides it)")
+    assert placement.decision_for("k96").reason.endswith("is not a multiple of block_size 128: left float")
     assert {w.node: w.axis for w in onnx_qat.place(model, precision="int4", block_size=64).weights} == \
         {"gemm": 1, "mm": 0, "odd": 0}
 
