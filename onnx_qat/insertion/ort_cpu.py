@@ -969,10 +969,12 @@ def split_bias_adds(edit, splits) -> Tuple[str, ...]:
         if split.as_gemm:
             matmul.op_type = "Gemm"
         else:
-            try:  # an initializer, or a Constant node's output (as paddle2onnx writes biases)
-                values, _, chain = edit.constant(split.bias) if split.bias in add.input else (None, None, ())
-            except ValueError:
-                values = None
+            values, chain = None, ()
+            if split.bias in add.input:
+                try:  # an initializer, or a Constant node's output (as paddle2onnx writes biases)
+                    values, _, chain = edit.constant(split.bias)
+                except ValueError:
+                    pass
             if values is None:
                 logger.warning("ort-cpu: bias %r of %r is not a constant; MatMulAddFusion may fuse it",
                                split.bias, split.add)

@@ -550,8 +550,8 @@ def decide(model, index: GraphIndex, placement: Placement, *, profile=None, thre
     sites = sites_of(index, placement, shapes)
     unmeasurable = _unmeasurable(index, placement, sites)
     if unmeasurable:  # shape inference stopped short of them (e.g. behind a Reshape to a computed shape)
-        unknown = sorted({n.inputs[0] for n in index.nodes if n.name in set(unmeasurable) and n.inputs})
-        observed = observed_shapes(model, batch, samples, unknown, threads, values)
+        unknown = sorted({index.by_name[n].inputs[0] for n in unmeasurable if index.by_name[n].inputs})
+        observed = observed_shapes(model, batch, samples, unknown, threads, values, shapes)
         if observed:
             shapes = {**shapes, **observed}
             sites = sites_of(index, placement, shapes)
@@ -815,15 +815,17 @@ def _unmeasurable(index: GraphIndex, placement: Placement, sites: Sequence[Site]
 
 def observed_shapes(model, batch: int, samples: Optional[Mapping[str, Sequence[int]]],
                     tensors: Sequence[str], threads: int = 0,
-                    values: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, Tuple[int, ...]]:
+                    values: Optional[Mapping[str, np.ndarray]] = None,
+                    shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> Dict[str, Tuple[int, ...]]:
     """The shapes ``tensors`` take in one run of the float ``model`` on `timing_feeds` (at the shapes the
     sites are timed at: ``batch``, ``samples``; ``values`` for inputs other than float32): for the sites
     onnx shape inference leaves without a static input shape (a Reshape to a shape computed from a Shape
     node, as exporters write attention and sequence models). Empty when the model cannot be fed that way
-    or onnxruntime refuses it (those sites then stay untimed, as the note says)."""
+    or onnxruntime refuses it (those sites then stay untimed, as the note says). ``shapes``: `input_shapes`
+    of the same ``model``, ``batch`` and ``samples`` when the caller has them (not inferred again)."""
     from ..graph.wire import field, framed, string
 
-    feeds = timing_feeds(model, batch, samples, values)
+    feeds = timing_feeds(model, batch, samples, values, shapes)
     if isinstance(feeds, str) or not tensors:
         return {}
     present = {o.name for o in model.graph.output}
@@ -846,13 +848,13 @@ def sample_feed(data, model) -> Dict[str, np.ndarray]:
     directory or list of feeds, the first feed (a stateful model's initial state included). Empty when
     the data is an iterator or reader of feeds (read once: it is not read ahead here) or gives no feed.
     Raises what `load_data` raises on bad data."""
-    from ..io.data import Dataset, load_data
+    from ..io.data import load_data
     from ..io.feeds import is_feed_source
     from ..io.layout import split_layout
 
     if data is None:
         return {}
-    if not isinstance(data, Dataset) and not hasattr(data, "batches"):  # not loaded yet
+    if not hasattr(data, "batches"):  # not loaded yet (a Dataset or a FeedStream has batches)
         source = split_layout(data)[0]
         if is_feed_source(source) and not isinstance(source, (str, os.PathLike, list, tuple)):
             return {}  # an iterator or a get_next() reader: read once, by calibration, not ahead here
@@ -938,7 +940,8 @@ def sample_shapes(data, model) -> Dict[str, Tuple[int, ...]]:
 
 
 def timing_feeds(float_model, batch: int, samples: Optional[Mapping[str, Sequence[int]]] = None,
-                 values: Optional[Mapping[str, np.ndarray]] = None):
+                 values: Optional[Mapping[str, np.ndarray]] = None,
+                 shapes: Optional[Mapping[str, Tuple[int, ...]]] = None):
     """The inputs the whole model is timed on: for each graph input of ``float_model`` (a ModelProto or
     its serialized bytes), standard normal float32 values (seed 0) at its shape with symbolic batch
     dimensions set to ``batch`` and other symbolic dimensions to one sample's (``samples``, see
@@ -946,12 +949,14 @@ def timing_feeds(float_model, batch: int, samples: Optional[Mapping[str, Sequenc
     (``values``, `sample_feed`), repeated ``batch`` times along a symbolic batch dimension: random values
     would say nothing of the indices a Gather may take. A sentence saying why instead (the model is then
     not timed) when an input is of unknown shape, or of another type with no sample given (or one of
-    another type or shape)."""
+    another type or shape). ``shapes``: `input_shapes` of the same model, ``batch`` and ``samples``, when
+    the caller has them (shape inference is not run again)."""
     import onnx
 
     if isinstance(float_model, bytes):
         float_model = onnx.load_from_string(float_model)
-    shapes = input_shapes(float_model, batch, samples)
+    if shapes is None:
+        shapes = input_shapes(float_model, batch, samples)
     inits = {i.name for i in float_model.graph.initializer}
     values = values or {}
     feeds, rng = {}, np.random.default_rng(0)
