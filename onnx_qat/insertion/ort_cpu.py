@@ -82,6 +82,11 @@ So this form differs from ``tensorrt`` in these ways, and only these:
 8. *bias correction* (rule CPU7, `onnx_qat.insertion.ort_cpu_bias`, with calibration data only; a
    ScaleTable does not carry it): each quantized Conv's bias absorbs the mean error of its rounded
    weight on the calibration data.
+9. *round trips* (rule CPU8, `_round_trips`, with calibrated ranges): a Q/DQ pair that no integer kernel
+   reads or writes (a pooling input before a squeeze-excitation Conv kept float for speed, a
+   ConvTranspose's input: that op has no integer kernel there, so its weight stays float too) would run as
+   a float QuantizeLinear and DequantizeLinear; it is left out. With ranges learned in QAT every pair is
+   kept: the model trained through those roundings.
 
 Every learned scale is kept unchanged; each requantization point and each fold is listed in
 `onnx_qat.quantize.QuantizeResult.to_report` under ``requantization`` (folds with rule
@@ -90,14 +95,14 @@ Every learned scale is kept unchanged; each requantization point and each fold i
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..graph.index import GraphIndex
 from ..graph.scale_folds import channel_vector, single_consumer, usable_factors
-from ..placement.marks import ActivationMark, Placement
+from ..placement.marks import ActivationMark, Decision, Placement
 from ..scales import ScaleTable
 
 logger = logging.getLogger(__name__)
@@ -327,7 +332,9 @@ class OrtCpuAdapter:
         use the whole uint8 grid (scale ``amax / 255``, `Adapted.full_range`), and the weights of
         GEMM-kernel ops (all but depthwise Convs) are stored in 7 bits (`Adapted.narrow_weights`,
         `_narrow_weights`), or with ``vnni`` (CPUs whose int8 dot products sum in 32 bits) as plain
-        8-bit int8."""
+        8-bit int8; and the Q/DQ pairs no integer kernel of onnxruntime reads or writes are left out
+        (rule CPU8, `_round_trips`: with learned ranges every rounding the QAT model trained through is
+        kept)."""
         from .inserter import group_amax
 
         amaxes = group_amax(placement, table)
@@ -339,6 +346,11 @@ class OrtCpuAdapter:
         records = tuple(self._apply(point, index, marks, amaxes, table, added, notes) for point in points)
         records += tuple(_quantize_gates(index, marks, added, table))
         records += tuple(_float_joins(index, marks))
+        if fine:  # calibrated ranges; a QAT model learned its weights through every rounding: all kept
+            conv_points = {p.node: p.tensor for p in points}
+            found, weights, decisions = _round_trips(index, marks, placement, conv_points)
+            records += tuple(found)
+            placement = replace(placement, weights=weights, decisions=decisions)
         order = index.production_order()
         activations = tuple(sorted(marks.values(), key=lambda m: (order.get(m.tensor, len(order)), m.tensor)))
         zero_points, note = _zero_points(index, activations, points, records, nonnegative, fine)
@@ -422,7 +434,7 @@ def _quantize_gates(index: GraphIndex, marks: Dict[str, ActivationMark], added: 
         found = _gates_once(index, marks, added, table)
         if not found:
             return records
-        records += found
+        records += tuple(found)
 
 
 def _gates_once(index: GraphIndex, marks: Dict[str, ActivationMark], added: Dict[str, float],
@@ -501,6 +513,147 @@ def _float_joins(index: GraphIndex, marks: Dict[str, ActivationMark]) -> List[di
     return records
 
 
+#: Ops onnxruntime's CPU provider runs on integers, by the QDQ node unit each forms (source: onnxruntime
+#: ``onnxruntime/core/optimizer/qdq_transformer/selectors_actions/qdq_selector_action_transformer.cc``):
+#: ops that only move data, their DequantizeLinear/QuantizeLinear dropped ("drop" rules; Split has its own);
+_MOVE_OPS = ("Expand", "Flatten", "Gather", "GatherElements", "Reshape", "Slice", "Squeeze", "Tile",
+             "Transpose", "Unsqueeze", "MaxPool", "ReduceMax", "ReduceMin", "Resize", "Split")
+#: one input, a QLinear* kernel ("1DQ"); two inputs ("2DQ", CPU only); any number of inputs ("*DQ").
+_UNARY_OPS = ("AveragePool", "LeakyRelu", "GlobalAveragePool", "Sigmoid", "Softmax")
+_BINARY_OPS = ("Add", "Mul")
+#: The weighted ops with an integer kernel there (QLinearConv, MatMulIntegerToFloat/QLinearMatMul, QGemm):
+#: ``WEIGHTED_OPS`` less ConvTranspose, which that provider runs in float on dequantized values.
+INTEGER_WEIGHTED_OPS = ("Conv", "MatMul", "Gemm")
+#: Rule name of a Q/DQ pair no integer kernel of onnxruntime's CPU provider reads (see `_round_trips`).
+ROUND_TRIP_RULE = "CPU8"
+
+
+def _integer_unit(node, index: GraphIndex, marks: Dict[str, ActivationMark], weighted, points) -> bool:
+    """True when onnxruntime's CPU provider runs ``node`` as an integer kernel with the Q/DQ pairs of
+    ``marks`` (and the quantized weights ``weighted``, ``(node, input index)`` pairs): every input its
+    QDQ node unit needs comes from a DequantizeLinear and, for the ops that need it, every reader of its
+    output reads a QuantizeLinear (a graph output, or a float reader beside the QuantizeLinear, leaves it
+    in float). ``points``: the tensor each Conv with a requantization point writes (after a scale fold,
+    rule CPU2, the fold's output). Ops that only move data count as integer whenever input and output are
+    quantized (their selector also asks for equal scales: counting them is the safe side here, a pair is
+    then kept)."""
+    if not node.standard or not node.outputs:
+        return False
+
+    def reads(position: int) -> bool:
+        if (node.name, position) in weighted:
+            return True
+        tensor = node.inputs[position] if position < len(node.inputs) else ""
+        mark = marks.get(tensor) if tensor else None
+        return mark is not None and (node.name, position) in mark.consumers
+
+    def written(outputs=node.outputs) -> bool:
+        for tensor in outputs:
+            if not tensor:
+                continue
+            mark = marks.get(tensor)
+            if mark is None or tensor in index.graph_outputs or \
+                    set(mark.consumers) != {(n.name, i) for n, i in index.consumers(tensor)}:
+                return False
+        return True
+
+    op = node.op_type
+    if op in ("MatMul", "Gemm"):
+        return reads(0) and reads(1)
+    if op == "Conv":
+        return reads(0) and reads(1) and node.name in points and written((points[node.name],))
+    if op in _MOVE_OPS or op in _UNARY_OPS:
+        return reads(0) and written()
+    if op == "ArgMax":
+        return reads(0)
+    if op in _BINARY_OPS:
+        return len(node.inputs) == 2 and reads(0) and reads(1) and written()
+    if op == "Concat":
+        return all(reads(i) for i in range(len(node.inputs))) and written()
+    if op == "Where":
+        return len(node.inputs) == 3 and reads(1) and reads(2) and written()
+    return False
+
+
+def _round_trips(index: GraphIndex, marks: Dict[str, ActivationMark], placement: Placement,
+                 points: Dict[str, str]) -> Tuple[List[dict], Tuple, Tuple]:
+    """Rule CPU8: the Q/DQ pairs that no integer kernel of onnxruntime's CPU provider reads are left out
+    (in ``marks``; ``points``: the tensor each Conv's requantization point quantizes, by Conv name);
+    returns one report record per tensor or site left float, and the placement's weights
+    and decisions without the sites left float.
+
+    The TensorRT placement quantizes tensors for TensorRT's fusions: the input of a pooling, of a
+    ConvTranspose, of an op whose neighbours a latency placement (rule CPU3) keeps float. onnxruntime
+    runs an op on integers only as a QDQ node unit (`_integer_unit`); a QuantizeLinear that neither
+    closes such a unit (its producer's) nor opens one (a reader's) stays a float QuantizeLinear followed
+    by a float DequantizeLinear: two passes over the tensor and its rounding, for nothing (measured on
+    the PP-OCRv4 detector with 59 of its 62 Convs kept float: 10 such pairs before its squeeze-excitation
+    poolings cost 5% of its time at batch 8). So:
+
+    * a ConvTranspose (no integer kernel on that provider) is left float, weight and input;
+    * a quantized tensor is left float when its producer is no integer unit closed by its
+      QuantizeLinear and none of its quantized readers is an integer unit. A requantization point
+      (rule CPU1) is kept (a Relu after it whose output is left out then runs in float on its
+      dequantized output, as it did beside such a pair), and so is the input of a quantized weighted op
+      (check rule C9: a weight is never quantized alone; a Conv without a requantization point, e.g.
+      one writing a graph output, runs in float there with both pairs, as before)."""
+    records: List[dict] = []
+    float_sites = tuple(dict.fromkeys(
+        w.node for w in placement.weights
+        if index.by_name.get(w.node) is not None
+        and index.by_name[w.node].op_type not in INTEGER_WEIGHTED_OPS))
+    for name in float_sites:
+        node = index.by_name[name]
+        for tensor, mark in list(marks.items()):
+            readers = tuple(c for c in mark.consumers if c[0] != name)
+            if len(readers) == len(mark.consumers):
+                continue
+            if readers:
+                marks[tensor] = ActivationMark(tensor, readers, mark.rule, mark.reason, mark.scale_group)
+            else:
+                del marks[tensor]
+        why = (f"{node.op_type} {name!r} has no integer kernel in onnxruntime's CPU provider (it would run "
+               "in float on dequantized values): its weight and input are left float")
+        records.append({"tensor": node.inputs[0] if node.inputs else "", "node": name,
+                        "op_type": node.op_type, "rule": ROUND_TRIP_RULE, "status": "left float",
+                        "reason": why})
+    weights = tuple(w for w in placement.weights if w.node not in float_sites)
+    decisions = tuple(Decision(d.node, d.op_type, "skip", ROUND_TRIP_RULE, next(
+        r["reason"] for r in records if r["node"] == d.node)) if d.node in float_sites else d
+        for d in placement.decisions)
+    weighted = {(w.node, w.input_index) for w in weights}
+    written = set(points.values())
+    sited = {w.node for w in weights}
+    drop = []
+    for tensor, mark in marks.items():
+        if tensor in written or _closed_by(tensor, index, marks, weighted, points):
+            continue
+        if any(n in sited for n, _ in mark.consumers):  # a quantized weight is never read alone (rule C9)
+            continue
+        if any(_integer_unit(index.by_name[n], index, marks, weighted, points) for n, _ in mark.consumers
+               if n in index.by_name):
+            continue
+        drop.append(tensor)
+    for tensor in drop:  # each left out is read by float ops only and written by one: no unit changes
+        mark = marks.pop(tensor)
+        readers = ", ".join(sorted({n for n, _ in mark.consumers}))
+        why = (f"no integer kernel of onnxruntime's CPU provider reads or writes {tensor!r} (read by "
+               f"{readers}): its Q/DQ pair (placement rule {mark.rule}, for TensorRT) would run as a float "
+               "QuantizeLinear and DequantizeLinear, so it is left out")
+        producer = index.producer.get(tensor)
+        records.append({"tensor": tensor, "node": producer.name if producer is not None else tensor,
+                        "op_type": producer.op_type if producer is not None else "input",
+                        "rule": ROUND_TRIP_RULE, "status": "left float", "reason": why})
+    return records, weights, decisions
+
+
+def _closed_by(tensor: str, index: GraphIndex, marks: Dict[str, ActivationMark], weighted, points) -> bool:
+    """True when the QuantizeLinear on ``tensor`` closes an integer unit: its producer's (an op that only
+    moves data counts when its input is quantized too, see `_integer_unit`)."""
+    node = index.producer.get(tensor)
+    return node is not None and _integer_unit(node, index, marks, weighted, points)
+
+
 def _zero_points(index: GraphIndex, activations, points, records, nonnegative: Tuple[str, ...] = (),
                  fine: bool = False) -> Tuple[Dict[str, int], str]:
     """Zero point per quantized tensor, and a report note.
@@ -516,8 +669,12 @@ def _zero_points(index: GraphIndex, activations, points, records, nonnegative: T
     count = sum(1 for zp in zero_points.values() if zp == 0)
     joined = 0
     for point, record in zip(points, records):
-        if record["status"] == "added" and point.scale_from is not None \
-                and zero_points.get(point.scale_from) == 0:
+        source = point.scale_from
+        if source is not None and source not in zero_points:  # its pair left out (rule CPU8)
+            source_zero_point = 0 if source in known or _nonnegative(source, index) else 128
+        else:
+            source_zero_point = zero_points.get(source) if source is not None else None
+        if record["status"] == "added" and source is not None and source_zero_point == 0:
             zero_points[point.tensor] = 0
             joined += 1
     note = ""

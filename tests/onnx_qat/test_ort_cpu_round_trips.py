@@ -1,0 +1,128 @@
+"""Rule CPU8: the ``ort-cpu`` form leaves out the Q/DQ pairs no integer kernel of onnxruntime's CPU
+provider reads or writes (a pooling input before a squeeze-excitation Conv kept float, a ConvTranspose's
+input and weight). Checked in the graph onnxruntime actually runs: no QuantizeLinear there feeds only
+DequantizeLinears, and every integer kernel of the form without the rule is still there."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+
+import onnx_qat
+from onnx_qat.insertion import ort_cpu
+from onnx_qat.insertion.ort_cpu import ROUND_TRIP_RULE
+from tests import builders as B
+
+_INTEGER = ("QLinearConv", "QLinearGlobalAveragePool", "QLinearSigmoid", "QLinearMul", "QLinearAdd",
+            "QLinearConcat", "MatMulIntegerToFloat", "QLinearMatMul", "QGemm")
+
+
+def _optimized(model: onnx.ModelProto, tmp_path) -> onnx.ModelProto:
+    B.optimized_ops(model, tmp_path)
+    return onnx.load(str(tmp_path / "optimized.onnx"))
+
+
+def round_trips(model: onnx.ModelProto, tmp_path) -> list:
+    """QuantizeLinear nodes of the graph onnxruntime runs whose every reader is a DequantizeLinear: a
+    tensor quantized and dequantized in float, for no integer kernel."""
+    graph = _optimized(model, tmp_path).graph
+    readers: dict = {}
+    for node in graph.node:
+        for tensor in node.input:
+            readers.setdefault(tensor, []).append(node.op_type)
+    return [n.name for n in graph.node if n.op_type == "QuantizeLinear"
+            and readers.get(n.output[0]) and set(readers[n.output[0]]) == {"DequantizeLinear"}]
+
+
+def integer_kernels(model: onnx.ModelProto, tmp_path) -> Counter:
+    return Counter(n.op_type for n in _optimized(model, tmp_path).graph.node if n.op_type in _INTEGER)
+
+
+def se_net(seed: int = 0, channels: int = 16, size: int = 16) -> onnx.ModelProto:
+    """stem Conv -> Relu -> squeeze-excitation (GlobalAveragePool -> conv_r -> Relu -> conv_e -> Sigmoid ->
+    Mul) -> conv2 -> Relu -> residual Add with the stem -> ConvTranspose (stride 2) -> Relu -> head Conv."""
+    b = B.GraphBuilder("se_net", seed)
+    x = b.input("input", ["N", 3, size, size])
+    stem = b.relu(b.conv(x, 3, channels, "stem"), "stem_relu")
+    s = b.node("GlobalAveragePool", [stem], name="gap")
+    s = b.conv(b.relu(b.conv(s, channels, 4, "conv_r", k=1), "relu_r"), 4, channels, "conv_e", k=1)
+    y = b.node("Mul", [stem, b.node("Sigmoid", [s], name="gate")], name="excite")
+    y = b.relu(b.conv(y, channels, channels, "conv2"), "relu2")
+    y = b.node("Add", [y, stem], name="join")
+    w = b.weight("up.weight", [channels, channels, 2, 2])
+    y = b.relu(b.node("ConvTranspose", [y, w], name="up", kernel_shape=[2, 2], strides=[2, 2]), "up_relu")
+    y = b.conv(y, channels, 4, "head")
+    b.node("Identity", [y], "output", name="out")
+    b.output("output")
+    return b.build()
+
+
+def _quantize(model, data, **kw):
+    return onnx_qat.quantize(model, data={"input": data}, method="max", target="ort-cpu", progress=False,
+                             **kw)
+
+
+def _without_rule(monkeypatch, model, data, **kw):
+    """The form as it was before rule CPU8 (the rule's function returns nothing left out)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(ort_cpu, "_round_trips", lambda index, marks, placement, points: (
+            [], placement.weights, placement.decisions))
+        return _quantize(model, data, **kw)
+
+
+@pytest.mark.parametrize("seed,scale", [(0, 1.0), (1, 255.0)])
+@pytest.mark.parametrize("kept_float", [(), ("conv_r", "conv_e"), ("conv_r", "conv_e", "conv2")])
+def test_no_round_trip_is_left_and_no_integer_kernel_is_lost(monkeypatch, tmp_path, seed, scale, kept_float):
+    """Sites kept float as a latency placement keeps them (``exclude_nodes``), images normalized or
+    0..255: the form runs the same integer kernels as without the rule, with no float Q -> DQ left."""
+    model = se_net(seed)
+    rng = np.random.default_rng(seed)
+    calib = (rng.uniform(0, 1, (8, 3, 16, 16)) * scale).astype(np.float32)
+    test = (rng.uniform(0, 1, (8, 3, 16, 16)) * scale).astype(np.float32)
+    kw = {"exclude_nodes": tuple(re.escape(n) for n in kept_float)}
+    result = _quantize(model, calib, **kw)
+    before = _without_rule(monkeypatch, model, calib, **kw)
+    assert round_trips(result.model, tmp_path) == []
+    assert round_trips(before.model, tmp_path)  # the TensorRT placement's pairs made some
+    assert integer_kernels(result.model, tmp_path) == integer_kernels(before.model, tmp_path)
+    assert integer_kernels(result.model, tmp_path)["QLinearConv"] == 3 - ("conv2" in kept_float) + (
+        0 if kept_float else 2)
+    B.assert_check_clean(result.model, target="ort-cpu")
+    left = [r for r in result.requantization if r["rule"] == ROUND_TRIP_RULE]
+    assert ("up", "ConvTranspose") in {(r["node"], r["op_type"]) for r in left}
+    assert all(r["status"] == "left float" and r["reason"] for r in left)
+    # ConvTranspose has no integer kernel there: its weight is not quantized, its decision says why
+    assert not any(r["kind"] == "weight" and "up:1" in r["nodes"] for r in result.inserted)
+    assert "up.weight_quantized" not in {i.name for i in result.model.graph.initializer}
+    decision = result.placement.decision_for("up")
+    assert decision.action == "skip" and decision.rule == ROUND_TRIP_RULE
+    # fewer roundings: the output error is not larger than the form's without the rule
+    ref = B.run(model, {"input": test})[0]
+    err = np.abs(B.run_optimized(result.model, {"input": test}) - ref).mean()
+    err_before = np.abs(B.run_optimized(before.model, {"input": test}) - ref).mean()
+    assert err <= err_before * 1.0001 + 1e-7
+
+
+def test_the_pooling_pair_before_a_float_squeeze_excitation_is_left_out(tmp_path):
+    """With the squeeze-excitation Convs float, nothing reads the pooling's input on integers: its pair
+    (placement rule for pooling inputs, a TensorRT fusion) is left out and recorded."""
+    model = se_net()
+    calib = np.random.default_rng(0).uniform(0, 1, (8, 3, 16, 16)).astype(np.float32)
+    result = _quantize(model, calib, exclude_nodes=("conv_r", "conv_e"))
+    ops = B.optimized_ops(result.model, tmp_path)
+    assert "QLinearGlobalAveragePool" not in ops and "GlobalAveragePool" in ops
+    plain = _quantize(model, calib)  # every site integer: the pooling runs on integers and keeps its pair
+    assert "QLinearGlobalAveragePool" in B.optimized_ops(plain.model, tmp_path)
+    assert "stem_relu_out" in B.qdq_pairs(plain.model)
+
+
+def test_the_tensorrt_form_keeps_its_pairs():
+    """The rule is the CPU form's: the tensorrt form of the same model keeps the ConvTranspose quantized."""
+    model = se_net()
+    calib = np.random.default_rng(0).uniform(0, 1, (8, 3, 16, 16)).astype(np.float32)
+    result = onnx_qat.quantize(model, data={"input": calib}, method="max", progress=False)
+    assert any(r["kind"] == "weight" and "up:1" in r["nodes"] for r in result.inserted)
+    assert not [r for r in result.requantization if r.get("rule") == ROUND_TRIP_RULE]
