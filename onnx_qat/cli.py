@@ -290,7 +290,7 @@ def _add_quantize(sub) -> None:
 
 def _latency_options(parser: argparse.ArgumentParser) -> None:
     """The ``latency`` keyword of onnx_qat.quantize (ort-cpu): --latency, --latency-profile,
-    --latency-threads, --latency-batch, --latency-shape, --latency-retime."""
+    --latency-threads, --latency-batch, --latency-shape, --latency-retime, --latency-allow-slower."""
     group = parser.add_argument_group("latency-aware placement, --target ort-cpu "
                                       "(onnx_qat.quantize latency=)")
     group.add_argument("--latency", action="store_true",
@@ -313,6 +313,10 @@ def _latency_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--latency-retime", action="store_true",
                        help="time the whole model against FP32 again even when the latency profile holds a "
                             "timing of the very same models (kept there by an earlier run)")
+    group.add_argument("--latency-allow-slower", action="store_true",
+                       help="write the fastest quantized model even when it still runs slower than FP32 "
+                            "after the whole-model guard (by default nothing is written then: the FP32 "
+                            "model is the fast form on this CPU)")
     group.add_argument("--cpu-vnni", dest="cpu_vnni", action="store_const", const="on", default="auto",
                        help="--target ort-cpu with --data (or --scales from 'calibrate --target ort-cpu'): "
                             "keep 8-bit Conv/Gemm/MatMul weights: the model runs on CPUs whose int8 dot "
@@ -768,11 +772,12 @@ def _quantize_and_check(args, data, calib: dict, mixed: dict, layout: dict, late
 
 def _latency_keyword(args) -> dict:
     """``{"latency": LatencyOptions}`` from --latency/--latency-profile/--latency-threads/--latency-batch/
-    --latency-shape/--latency-retime, or ``{}`` when none is given."""
+    --latency-shape/--latency-retime/--latency-allow-slower, or ``{}`` when none is given."""
     tuning = [o for o, v in (("--latency-threads", args.latency_threads),
                              ("--latency-batch", args.latency_batch),
                              ("--latency-shape", args.latency_shape),
-                             ("--latency-retime", args.latency_retime or None)) if v is not None]
+                             ("--latency-retime", args.latency_retime or None),
+                             ("--latency-allow-slower", args.latency_allow_slower or None)) if v is not None]
     if not args.latency and args.latency_profile is None:
         if tuning:
             raise UsageError(f"{', '.join(tuning)} appl{'ies' if len(tuning) == 1 else 'y'} only with "
@@ -785,7 +790,7 @@ def _latency_keyword(args) -> dict:
         raise UsageError("--latency-shape names an input twice")
     return {"latency": LatencyOptions(profile=args.latency_profile, threads=args.latency_threads or 0,
                                       batch=args.latency_batch or 1, retime=args.latency_retime,
-                                      shapes=shapes or None)}
+                                      shapes=shapes or None, allow_slower=args.latency_allow_slower)}
 
 
 def _latency_summary(latency) -> str:

@@ -335,7 +335,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
     summary = _summary(placement, inserted)
     latency_report = None
     if latency_decision is not None:
-        from .placement.cpu_latency import whole_model_timing
+        from .placement.cpu_latency import clearly_slower, whole_model_timing
 
         alternative = None
         if every_site is not None:  # the per-site times miss what a float site costs its neighbours
@@ -373,6 +373,17 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
                 latency_report["whole_model"] = whole
                 if chosen:
                     latency_report["kept_float"] = list(latency_report["kept_float"]) + fallback["kept_float"]
+        if clearly_slower(whole) and not latency.allow_slower:
+            tried = latency_report.get("fallback", {})
+            kept = len(tried.get("kept_float", ()))
+            guard = f" after the whole-model guard kept {kept} more site(s) float" \
+                if tried.get("chosen") == "fallback" else ""
+            raise PlacementError(
+                f"no quantized form ran faster than FP32 on this CPU: the fastest{guard} took "
+                f"{whole['quantized_ms']} ms against FP32's {whole['fp32_ms']} ms (batch {whole['batch']}, "
+                f"{whole['threads'] or 'default'} threads), slower than 3 in 4 FP32 runs; the FP32 model is "
+                "the fast form here and nothing was written (--latency-allow-slower writes it anyway; "
+                "without --latency every site is quantized)")
         if whole.get("timed") and whole["speedup"] <= 1.0:
             note = (f"ort-cpu: the quantized model is NOT faster than FP32 on this CPU "
                     f"({whole['quantized_ms']} ms against {whole['fp32_ms']} ms, batch {whole['batch']}): "

@@ -648,15 +648,20 @@ def time_models(models: Mapping[str, object], feeds: Mapping[str, np.ndarray], t
 
 
 def _interleaved(models, feeds, threads: int, rounds: int, seconds: float):
-    """`time_models`' medians, the number of rounds run and each model's quartiles (seconds)."""
+    """`time_models`' medians, the number of rounds run and each model's quartiles (seconds). Each round
+    runs every model once, the order rotated from round to round (A B C, B C A, ...): on a many-core
+    server the run after another session's differs by a few percent, which a fixed order gives one model."""
     sessions = {k: _session(m, threads) for k, m in models.items()}
     for session in sessions.values():
         session.run(None, dict(feeds))
     times: Dict[str, List[float]] = {k: [] for k in sessions}
+    names = list(sessions)
     start = time.perf_counter()
     done = 0
     while done < rounds or (done < MAX_ROUNDS_FACTOR * rounds and time.perf_counter() - start < seconds):
-        for key, session in sessions.items():
+        shift = done % len(names)
+        for key in names[shift:] + names[:shift]:
+            session = sessions[key]
             t0 = time.perf_counter()
             session.run(None, dict(feeds))
             times[key].append(time.perf_counter() - t0)
@@ -737,6 +742,10 @@ class LatencyOptions:
             ``{"x": (1, 3, 640, 640)}``): the sizes its symbolic dimensions other than the batch are
             timed at (a detector's image size), before those of the calibration data and those a
             ScaleTable from ``calibrate(..., target="ort-cpu")`` recorded (`timing_sizes`).
+        allow_slower: write the fastest quantized model even when, after the whole-model guard, it
+            still runs slower than FP32 (its median above FP32's upper quartile, `clearly_slower`); by
+            default nothing is written then and `PlacementError` says so, as when every site is
+            faster in float: the FP32 model is the fast form on this CPU.
     """
 
     profile: Optional[str] = None
@@ -745,6 +754,7 @@ class LatencyOptions:
     rounds: int = 3
     retime: bool = False
     shapes: Optional[Mapping[str, Sequence[int]]] = None
+    allow_slower: bool = False
 
     @classmethod
     def resolve(cls, value) -> Optional["LatencyOptions"]:
@@ -762,8 +772,10 @@ class LatencyOptions:
             if isinstance(value.threads, bool) or not isinstance(value.threads, int) or value.threads < 0 \
                     or isinstance(value.batch, bool) or not isinstance(value.batch, int) or value.batch < 1:
                 raise ConfigError("latency options: threads must be a whole number >= 0 and batch >= 1")
-            if not isinstance(value.retime, bool):
-                raise ConfigError(f"latency options: retime must be True or False, not {value.retime!r}")
+            for name in ("retime", "allow_slower"):
+                if not isinstance(getattr(value, name), bool):
+                    raise ConfigError(f"latency options: {name} must be True or False, "
+                                      f"not {getattr(value, name)!r}")
             for name, shape in dict(value.shapes or {}).items():
                 whole = isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)) and all(
                     isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in shape)
@@ -1021,6 +1033,16 @@ def whole_model_timing(float_model, qdq_model, options: LatencyOptions,
             "seconds": round(time.perf_counter() - start, 3)}
 
 
+def clearly_slower(whole: Mapping) -> bool:
+    """True when a whole-model timing (`whole_model_timing`'s record, or the guard's figures that replace
+    it) puts the quantized model's median above FP32's upper quartile: slower than 3 in 4 FP32 runs,
+    not a tie within the runs' spread (without quartiles, above FP32's median)."""
+    if not whole.get("timed"):
+        return False
+    fp32 = (whole.get("quartiles_ms") or {}).get("fp32")
+    return float(whole["quantized_ms"]) > float(fp32[1] if fp32 else whole["fp32_ms"])
+
+
 def _ms(pair):
     return None if not pair else [round(q, 3) for q in pair]
 
@@ -1061,5 +1083,5 @@ __all__ = ["LatencyProfile", "LatencyDecision", "LatencyOptions", "Site", "decid
            "KERNEL_FLAGS", "WIDE_DOT_FLAGS", "fallback_sites", "fallback_timing", "wide_dot_products",
            "resolve_cpu_vnni", "timed_or_cached", "timing_feeds", "sample_shapes", "sample_feed",
            "observed_shapes", "timing_key", "MAX_WHOLE_MODEL_TIMINGS", "INPUT_SHAPES_KEY", "recorded_shapes",
-           "timing_sizes", "unsized_dimensions",
+           "timing_sizes", "unsized_dimensions", "clearly_slower",
            "cpuid_flags", "CPUID_BITS"]

@@ -232,12 +232,20 @@ def measure_model(label: str, path: Path, name: str, calib: np.ndarray, test: np
     ``cpu_probe``: a dict that receives the three forms' files and their CPU time per run at batch 1
     (`cpu_times`; ours written to ``workdir``), for `run_isa`'s comparison with the native kernels."""
     import onnx_qat
+    from onnx_qat.errors import PlacementError
     from onnx_qat.placement.cpu_latency import LatencyOptions
 
     profile = workdir / "latency_profile.json"
     options = LatencyOptions(profile=str(profile), threads=THREADS) if latency else None
-    ours = onnx_qat.quantize(str(path), data={name: calib}, method="max", target="ort-cpu", progress=False,
-                             latency=options)  # cpu_vnni "auto": the width this CPU gives
+    try:
+        ours = onnx_qat.quantize(str(path), data={name: calib}, method="max", target="ort-cpu",
+                                 progress=False, latency=options)  # cpu_vnni "auto": the width this CPU gives
+    except PlacementError as exc:  # no quantized form faster than FP32 here: the FP32 model is the CPU form
+        if options is None:
+            raise
+        return [Row(bench, f"{label}: ort-cpu speed-up over FP32, batch {batch}", 1.0,
+                    speed_goal or Goal(">=", 1.0), f"nothing written, the FP32 model kept: {exc}{where}")
+                for batch in batches]
     vnni = bool(ours.ort_cpu["cpu_vnni"])
     # the other weight width, every site integer: 7 bits where auto gave 8, 8 bits (--cpu-vnni) where it
     # gave 7 (there: the error of a form whose pair sums this CPU's kernels may saturate)
