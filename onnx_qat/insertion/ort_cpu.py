@@ -434,7 +434,7 @@ def _quantize_gates(index: GraphIndex, marks: Dict[str, ActivationMark], added: 
         found = _gates_once(index, marks, added, table)
         if not found:
             return records
-        records += tuple(found)
+        records += found
 
 
 def _gates_once(index: GraphIndex, marks: Dict[str, ActivationMark], added: Dict[str, float],
@@ -604,7 +604,8 @@ def _round_trips(index: GraphIndex, marks: Dict[str, ActivationMark], placement:
         and index.by_name[w.node].op_type not in INTEGER_WEIGHTED_OPS))
     for name in float_sites:
         node = index.by_name[name]
-        for tensor, mark in list(marks.items()):
+        for tensor in dict.fromkeys(t for t in node.inputs if t in marks):
+            mark = marks[tensor]
             readers = tuple(c for c in mark.consumers if c[0] != name)
             if len(readers) == len(mark.consumers):
                 continue
