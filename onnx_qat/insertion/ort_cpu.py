@@ -521,6 +521,9 @@ _MOVE_OPS = ("Expand", "Flatten", "Gather", "GatherElements", "Reshape", "Slice"
 #: one input, a QLinear* kernel ("1DQ"); two inputs ("2DQ", CPU only); any number of inputs ("*DQ").
 _UNARY_OPS = ("AveragePool", "LeakyRelu", "GlobalAveragePool", "Sigmoid", "Softmax")
 _BINARY_OPS = ("Add", "Mul")
+#: Readers of a tensor's shape alone: onnxruntime folds them where the shape is static, so they do not keep
+#: a node unit from forming (counting them as absent is the safe side: a pair is then kept).
+_SHAPE_READERS = ("Shape", "Size")
 #: The weighted ops with an integer kernel there (QLinearConv, MatMulIntegerToFloat/QLinearMatMul, QGemm):
 #: ``WEIGHTED_OPS`` less ConvTranspose, which that provider runs in float on dequantized values.
 INTEGER_WEIGHTED_OPS = ("Conv", "MatMul", "Gemm")
@@ -533,10 +536,12 @@ def _integer_unit(node, index: GraphIndex, marks: Dict[str, ActivationMark], wei
     ``marks`` (and the quantized weights ``weighted``, ``(node, input index)`` pairs): every input its
     QDQ node unit needs comes from a DequantizeLinear and, for the ops that need it, every reader of its
     output reads a QuantizeLinear (a graph output, or a float reader beside the QuantizeLinear, leaves it
-    in float). ``points``: the tensor each Conv with a requantization point writes (after a scale fold,
-    rule CPU2, the fold's output). Ops that only move data count as integer whenever input and output are
-    quantized (their selector also asks for equal scales: counting them is the safe side here, a pair is
-    then kept)."""
+    in float; a Shape or Size reader does not count). onnxruntime also moves a QuantizeLinear up and a
+    DequantizeLinear down through ops that only move data (its QDQ propagation), so a quantized tensor
+    one such op away counts too. ``points``: the tensor each Conv with a requantization point writes
+    (after a scale fold, rule CPU2, the fold's output). Ops that only move data count as integer whenever
+    input and output are quantized (their selector also asks for equal scales). Each approximation
+    errs on the side of an integer unit: a pair is then kept."""
     if not node.standard or not node.outputs:
         return False
 
@@ -545,15 +550,25 @@ def _integer_unit(node, index: GraphIndex, marks: Dict[str, ActivationMark], wei
             return True
         tensor = node.inputs[position] if position < len(node.inputs) else ""
         mark = marks.get(tensor) if tensor else None
-        return mark is not None and (node.name, position) in mark.consumers
+        if mark is not None and (node.name, position) in mark.consumers:
+            return True
+        mover = index.producer.get(tensor) if tensor else None
+        return mover is not None and mover.op_type in _MOVE_OPS and bool(mover.inputs) \
+            and mover.inputs[0] in marks
 
     def written(outputs=node.outputs) -> bool:
         for tensor in outputs:
             if not tensor:
                 continue
             mark = marks.get(tensor)
-            if mark is None or tensor in index.graph_outputs or \
-                    set(mark.consumers) != {(n.name, i) for n, i in index.consumers(tensor)}:
+            held = set(mark.consumers) if mark is not None else set()
+            if tensor in index.graph_outputs:
+                return False
+            for reader, position in index.consumers(tensor):
+                if reader.op_type in _SHAPE_READERS or (reader.name, position) in held:
+                    continue
+                if reader.op_type in _MOVE_OPS and reader.outputs and reader.outputs[0] in marks:
+                    continue
                 return False
         return True
 

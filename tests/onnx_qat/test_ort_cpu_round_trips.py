@@ -126,3 +126,32 @@ def test_the_tensorrt_form_keeps_its_pairs():
     result = onnx_qat.quantize(model, data={"input": calib}, method="max", progress=False)
     assert any(r["kind"] == "weight" and "up:1" in r["nodes"] for r in result.inserted)
     assert not [r for r in result.requantization if r.get("rule") == ROUND_TRIP_RULE]
+
+
+def test_a_pooling_read_through_a_computed_reshape_stays_on_integers(monkeypatch, tmp_path):
+    """As paddle2onnx writes a classifier head (the PP-OCR angle classifier): MaxPool -> GlobalAveragePool,
+    whose output a Shape reads (for a Reshape's computed shape) beside the Reshape into the Gemm.
+    onnxruntime folds the Shape of a static shape and moves the Gemm input's QuantizeLinear up through the
+    Reshape, so the pooling runs as QLinearGlobalAveragePool: the rule leaves its input's pair in place
+    (a first version took it out)."""
+    b = B.GraphBuilder("head", 0)
+    x = b.input("input", [1, 3, 16, 16])  # a static shape: onnxruntime folds the Shape
+    y = b.relu(b.conv(x, 3, 16, "stem"), "stem_relu")
+    y = b.node("MaxPool", [y], name="pool", kernel_shape=[2, 2], strides=[2, 2])
+    g = b.node("GlobalAveragePool", [y], name="gap")
+    batch = b.node("Slice", [b.node("Shape", [g], name="shape"), b.const("zero", np.array([0], np.int64)),
+                             b.const("one", np.array([1], np.int64))], name="batch")
+    shape = b.node("Concat", [batch, b.const("rest", np.array([-1], np.int64))], name="shape_cat", axis=0)
+    flat = b.node("Reshape", [g, shape], name="flat")
+    w = b.weight("fc.weight", [4, 16])
+    b.node("Gemm", [flat, w, b.const("fc.bias", np.zeros(4, np.float32))], "output", name="fc", transB=1)
+    b.output("output")
+    model = b.build()
+    calib = np.random.default_rng(0).uniform(0, 1, (8, 3, 16, 16)).astype(np.float32)
+    result = _quantize(model, calib)
+    before = _without_rule(monkeypatch, model, calib)
+    kernels = integer_kernels(result.model, tmp_path)
+    assert kernels["QLinearGlobalAveragePool"] == 1 and kernels == integer_kernels(before.model, tmp_path)
+    assert not [r for r in result.requantization if r["rule"] == ROUND_TRIP_RULE]
+    assert round_trips(result.model, tmp_path) == []
+    B.assert_check_clean(result.model, target="ort-cpu")
