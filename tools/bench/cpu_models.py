@@ -12,7 +12,9 @@ Per model, three forms, all calibrated on the same 16 samples: FP32; ours
 (``onnx_qat.quantize(target="ort-cpu", method="max", latency=...)``: latency-aware placement with a
 profile kept in the work directory, so the whole-model check of `onnx_qat.placement.cpu_latency` runs;
 the default ``cpu_vnni="auto"``: 8-bit weights on a CPU with VNNI or AMX, `wide_dot_products`, where
-the error of the 7-bit-weight form, ``cpu_vnni=False``, follows in a row of its own); onnxruntime's
+the error of the 7-bit-weight form, ``cpu_vnni=False``, follows in a row of its own; when it writes
+nothing, no quantized form being faster than FP32 here, the speed rows read 1.0: the FP32 model is what
+the user keeps); onnxruntime's
 ``quantize_static`` in its fast x86 form (QDQ, uint8 activations, int8 weights, MinMax). Each is timed
 at batch 1 and 8, 2 intra-op threads, sessions without thread spinning, the three run in rounds with the
 order rotated (A B C, B C A, ...), `MIN_ROUNDS` and more until the goal ratios settle; each ratio is the
