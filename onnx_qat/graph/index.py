@@ -257,9 +257,15 @@ class GraphIndex:
         #: Element types declared by graph inputs, outputs and value_info (an initializer's own
         #: type, read when asked, comes first: see `dtype`).
         self.declared_dtypes: Dict[str, int] = {}
+        #: Ranks declared by graph inputs, outputs and value_info (a shape given, its dims known or not).
+        self.declared_ranks: Dict[str, int] = {}
         for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
-            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                self.declared_dtypes[vi.name] = vi.type.tensor_type.elem_type
+            if vi.type.HasField("tensor_type"):
+                tensor_type = vi.type.tensor_type
+                if tensor_type.elem_type:
+                    self.declared_dtypes[vi.name] = tensor_type.elem_type
+                if tensor_type.HasField("shape"):
+                    self.declared_ranks[vi.name] = len(tensor_type.shape.dim)
         if outer is None and isinstance(model, onnx.ModelProto) \
                 and _holds_other_floats(graph, op_types, protos):
             self._infer_dtypes(model)
@@ -291,7 +297,7 @@ class GraphIndex:
         then describes an empty graph: ask it nothing more."""
         self.nodes, self.graph_inputs, self.graph_outputs = (), (), frozenset()
         self.by_name, self.producer, self.initializers = {}, {}, {}
-        self.declared_dtypes, self._folded, self._arrays = {}, {}, {}
+        self.declared_dtypes, self.declared_ranks, self._folded, self._arrays = {}, {}, {}, {}
         self._consumers, self._constants, self._subgraph_nodes = None, frozenset(), frozenset()
         self._sorted = None
 

@@ -179,7 +179,8 @@ class BiasSplit:
     run: the integer kernel is never used and the model runs slower than FP32 (measured on a
     ViT-B/16-size encoder block: the weight DequantizeLinear took as long as the Gemm). Kept apart:
 
-    * a MatMul whose input is known to be 2-D (a Flatten or Gemm output, or a Reshape to 2-D) becomes a
+    * a MatMul whose input is known to be 2-D (a Flatten or Gemm output, a Reshape to 2-D, or declared
+      2-D in the graph's value_info) becomes a
       ``Gemm`` without bias (the same product): onnxruntime runs it as ``QGemm``, then the float Add;
     * otherwise the Add reads the bias reshaped to ``[1, N]`` (the same broadcast on inputs of rank >= 3):
       the fusion takes only a rank-1 bias there, so the MatMul becomes ``MatMulIntegerToFloat``.
@@ -1114,9 +1115,13 @@ def bias_splits(index: GraphIndex, placement: Placement) -> Tuple[BiasSplit, ...
 
 
 def _rank(tensor: str, index: GraphIndex) -> Optional[int]:
-    """The rank of ``tensor`` when its producer says it (Flatten, Gemm: 2; Reshape to a constant shape),
-    through ops that keep the rank; else None."""
+    """The rank of ``tensor`` when the graph declares it (a value_info shape, as paddle2onnx writes them)
+    or its producer says it (Flatten, Gemm: 2; Reshape to a constant shape), through ops that keep the
+    rank; else None."""
     for _ in range(_MAX_LOOKAHEAD):
+        declared = index.declared_ranks.get(tensor)
+        if declared is not None:
+            return declared
         node = index.producer.get(tensor)
         if node is None or not node.standard or not node.inputs:
             return None

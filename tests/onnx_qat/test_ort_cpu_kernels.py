@@ -115,6 +115,37 @@ def test_two_d_matmul_becomes_qgemm(tmp_path):
     assert B.cosine(ref, got) > 0.999
 
 
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_declared_2d_input_makes_the_matmul_a_qgemm(tmp_path, declared):
+    """A classifier head as paddle2onnx writes it (the document-orientation classifier): a MatMul with a
+    bias Add, whose input comes from an op the rule cannot see the rank through (an Add of two
+    activations). With the input's 2-D shape declared in value_info the MatMul becomes a Gemm without
+    bias (QGemm); without it the form is unchanged and onnxruntime fuses MatMul and Add into a float
+    Gemm (its input's pair then runs in float)."""
+    b = B.GraphBuilder("head", 0)
+    x = b.input("input", ["N", 32])
+    h = b.node("Add", [b.relu(x, "relu_a"), b.node("Sigmoid", [x], name="gate")], name="mix")
+    y = b.linear(h, 32, 8, "fc")
+    b.node("Identity", [y], "output", name="out")
+    b.output("output")
+    model = b.build()
+    if declared:
+        declared_2d = onnx.helper.make_tensor_value_info(h, onnx.TensorProto.FLOAT, ["N", 32])
+        model.graph.value_info.append(declared_2d)
+    data = {"input": np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32)}
+    result = onnx_qat.quantize(model, data=data, method="max", target="ort-cpu", progress=False)
+    split = [r for r in result.requantization if r["rule"] == "CPU4"]
+    ops = B.optimized_ops(result.model, tmp_path)
+    if declared:
+        assert len(split) == 1 and "Gemm without bias" in split[0]["reason"]
+        assert "QGemm" in ops and "Gemm" not in ops, ops
+    else:
+        assert not split or "[1, N]" in split[0]["reason"]
+        assert "QGemm" not in ops and "MatMulIntegerToFloat" not in ops, ops
+    feeds = {"input": data["input"][:4]}
+    assert B.cosine(B.run(model, feeds)[0], B.run_optimized(result.model, feeds)) > 0.999
+
+
 def test_gemm_weights_behind_signed_inputs_use_7_bits_when_calibrated(block):
     _, result = block
     acts = {r["tensor"]: r for r in result.inserted if r["kind"] == "activation"}
