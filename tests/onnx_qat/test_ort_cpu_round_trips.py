@@ -181,3 +181,22 @@ def test_the_real_pp_ocr_detector(monkeypatch, tmp_path, kept_float):
     left = [r for r in result.requantization if r["rule"] == ROUND_TRIP_RULE]
     assert sum(r["op_type"] == "ConvTranspose" for r in left) == 2
     B.assert_check_clean(result.model, target="ort-cpu")
+
+
+def test_a_table_calibrated_for_the_cpu_form_leaves_out_the_same_pairs(tmp_path):
+    """``calibrate(..., target="ort-cpu")`` then ``quantize(scales=...)`` (ranges calibrated for the form,
+    used as with data): the same pairs are left out and the same integer kernels run as with the data
+    given to ``quantize``; a table of the tensorrt form (ranges as learned in QAT) keeps them all."""
+    model = se_net()
+    calib = np.random.default_rng(0).uniform(0, 1, (8, 3, 16, 16)).astype(np.float32)
+    kw = {"exclude_nodes": ("conv_r", "conv_e")}
+    direct = _quantize(model, calib, **kw)
+    table = onnx_qat.calibrate(model, {"input": calib}, method="max", target="ort-cpu", progress=False)
+    given = onnx_qat.quantize(model, scales=table, target="ort-cpu", progress=False, **kw)
+    left = sorted(r["tensor"] for r in direct.requantization if r["rule"] == ROUND_TRIP_RULE)
+    assert left and left == sorted(r["tensor"] for r in given.requantization if r["rule"] == ROUND_TRIP_RULE)
+    assert integer_kernels(given.model, tmp_path) == integer_kernels(direct.model, tmp_path)
+    assert round_trips(given.model, tmp_path) == []
+    learned = onnx_qat.calibrate(model, {"input": calib}, method="max", target="tensorrt", progress=False)
+    kept = onnx_qat.quantize(model, scales=learned, target="ort-cpu", progress=False, **kw)
+    assert not [r for r in kept.requantization if r["rule"] == ROUND_TRIP_RULE]
