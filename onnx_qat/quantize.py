@@ -126,7 +126,8 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
             ``LatencyOptions(retime=True)`` times it again); when it is not faster, the
             least-gaining half of its integer sites is kept float too and the models are timed once
             more, the faster written (``latency["fallback"]``); a note says so plainly when the
-            written model is still not faster.
+            written model is still not faster, within FP32's spread; clearly slower (above FP32's upper
+            quartile), nothing is written (`PlacementError`) unless ``LatencyOptions(allow_slower=True)``.
         cpu_vnni: ``target="ort-cpu"`` with ``data`` (or ``scales`` from ``calibrate(..., target="ort-cpu")``,
             whose ranges count as calibrated): the width of Conv/Gemm/MatMul weights behind zero-point-128
             inputs. ``"auto"`` (default): 8 bits when the machine quantizing the model sums int8 dot products
@@ -165,7 +166,9 @@ def quantize(model, output=None, *, scales=None, data=None, method: Optional[str
 
     Raises:
         PlacementError: the model is already quantized, or nothing in it can be quantized,
-            or a given ``placement`` names tensors or nodes the model does not have.
+            or a given ``placement`` names tensors or nodes the model does not have; with ``latency``,
+            when every site is faster in float or the fastest quantized model is still slower than
+            FP32 (nothing is written).
         ScalesError: the ScaleTable names unknown tensors or lacks a quantized activation.
         ModelError, DataError, OutputError, ConfigError: bad model, data, paths or options
             (ModelError also when ``onnx.checker`` refuses the model to write: nothing is written).
