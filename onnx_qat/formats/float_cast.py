@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..graph.index import subgraphs_of
+from ..graph.index import subgraphs_of, weightless_copy
 from .scale_grid import fp16_round_up
 
 logger = logging.getLogger(__name__)
@@ -148,14 +148,7 @@ def slot_admits(schema, outputs: bool, index: int, type_str: str) -> bool:
 def tensor_types(model: onnx.ModelProto) -> Dict[str, int]:
     """Element type of every tensor of the main graph and of its If/Loop/Scan bodies onnx's shape
     inference can tell (0 is unknown)."""
-    from ..io.models import copy_except_initializers
-
-    light = copy_except_initializers(model)
-    for tensor in model.graph.initializer:  # large weights as types and shapes only: no data copied
-        if tensor.data_type != FLOAT or int(np.prod(tensor.dims, dtype=np.int64)) <= SMALL_COPY:
-            light.graph.initializer.append(tensor)  # shapes, axes...: shape inference reads their values
-        else:
-            light.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+    light = weightless_copy(model)  # float weights as types and shapes only: no data copied
     try:
         inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False).graph
     except Exception:  # noqa: BLE001 - a model shape inference cannot read: what the file says

@@ -156,24 +156,15 @@ def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` whose float initializers of more than 64 values keep their type and dims but
     not their data: shape and type inference need only those (and the values of small integer constants
     such as Reshape shapes), and copying ResNet50's 100 MB of weights would cost more than the inference."""
-    probe = onnx.ModelProto()
-    probe.ir_version = model.ir_version
-    probe.opset_import.extend(model.opset_import)
-    probe.functions.extend(model.functions)
-    graph = probe.graph
-    source = model.graph
-    graph.node.extend(source.node)
-    graph.input.extend(source.input)
-    graph.output.extend(source.output)
-    graph.value_info.extend(source.value_info)
-    for init in source.initializer:
+    from ..io.models import copy_except_initializers
+
+    probe = copy_except_initializers(model)
+    for init in model.graph.initializer:
         size = int(np.prod(init.dims)) if init.dims else 1
         if init.data_type in _FLOAT_TYPES and size > 64:
-            stub = graph.initializer.add()
-            stub.name, stub.data_type = init.name, init.data_type
-            stub.dims.extend(init.dims)
+            probe.graph.initializer.add(name=init.name, data_type=init.data_type, dims=init.dims)
         else:
-            graph.initializer.append(init)
+            probe.graph.initializer.append(init)
     return probe
 
 
