@@ -347,8 +347,7 @@ def _rewrite_model(model, output=None, *, scales, data, method: str, config: Qua
             summary = _summary(placement, inserted)
             # the placement before the latency decision: its notes (sizes timed at 1, a profile of another
             # machine) still describe how this model was timed
-            placement = replace(placement, notes=placement.notes + tuple(
-                n for n in latency_decision.notes if n not in placement.notes))
+            placement = _with_notes(placement, latency_decision.notes)
         latency_report = {**latency_decision.to_dict(), "whole_model": whole}
         if whole.get("chosen") == "every site integer":  # the per-site decision lost as a whole
             latency_report.update(kept_float=[], kept_float_per_site=list(latency_decision.kept_float))
@@ -986,15 +985,18 @@ def _guard_candidate(float_bytes: bytes, placement_now, float_now, drop, decisio
         _correct_biases(model, index, adapted, means, {} if corrected is None else corrected)
         note = (f"ort-cpu whole-model guard: the quantized model timed slower than FP32, so {len(drop)} "
                 f"least-gaining site(s) were kept float too (e.g. {drop[0]!r}) and the model timed again")
-        kept = adapted.placement.notes  # placed again: the latency decision's notes added back
-        placed = replace(adapted.placement,
-                         notes=kept + tuple(n for n in decision.notes if n not in kept) + (note,))
+        placed = _with_notes(adapted.placement, decision.notes + (note,))  # placed again: notes added back
         storage = {**_adapted_storage(adapted), "precision": fmt.name, "block_size": config.block_size}
         qdq, inserted, _ = _rewrite(model, placed, adapted.table, target_obj, False, storage, adapted.finish)
     except ScalesError as exc:
         logger.info("ort-cpu whole-model guard: no fallback model (%s)", exc)
         return None
     return qdq, inserted, placed, tuple(adapted.requantization)
+
+
+def _with_notes(placement: Placement, notes) -> Placement:
+    """``placement`` with those of ``notes`` it does not hold yet added after its own, in order."""
+    return replace(placement, notes=placement.notes + tuple(n for n in notes if n not in placement.notes))
 
 
 def _summary(placement: Placement, inserted) -> dict:
