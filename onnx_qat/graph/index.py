@@ -248,15 +248,11 @@ class GraphIndex:
         #: Element types declared by graph inputs, outputs and value_info (an initializer's own
         #: type, read when asked, comes first: see `dtype`).
         self.declared_dtypes: Dict[str, int] = {}
-        #: Ranks declared by graph inputs, outputs and value_info (a shape given, its dims known or not).
-        self.declared_ranks: Dict[str, int] = {}
         for vi in list(graph.input) + list(graph.output) + list(graph.value_info):
-            if vi.type.HasField("tensor_type"):
-                tensor_type = vi.type.tensor_type
-                if tensor_type.elem_type:
-                    self.declared_dtypes[vi.name] = tensor_type.elem_type
-                if tensor_type.HasField("shape"):
-                    self.declared_ranks[vi.name] = len(tensor_type.shape.dim)
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                self.declared_dtypes[vi.name] = vi.type.tensor_type.elem_type
+        self._declarations = (graph.input, graph.output, graph.value_info)  # ranks read when first asked
+        self._ranks: Optional[Dict[str, int]] = None
         if outer is None and isinstance(model, onnx.ModelProto) \
                 and _holds_other_floats(graph, op_types, protos):
             self._infer_dtypes(model)
@@ -288,7 +284,8 @@ class GraphIndex:
         then describes an empty graph: ask it nothing more."""
         self.nodes, self.graph_inputs, self.graph_outputs = (), (), frozenset()
         self.by_name, self.producer, self.initializers = {}, {}, {}
-        self.declared_dtypes, self.declared_ranks, self._folded, self._arrays = {}, {}, {}, {}
+        self.declared_dtypes, self._folded, self._arrays = {}, {}, {}
+        self._declarations, self._ranks = (), None
         self._consumers, self._constants, self._subgraph_nodes = None, frozenset(), frozenset()
         self._sorted = None
 
@@ -557,6 +554,15 @@ class GraphIndex:
         if known is None and self.outer is not None and tensor not in self.producer:
             return self.outer._declared(tensor)
         return known
+
+    def declared_rank(self, tensor: str) -> Optional[int]:
+        """The rank the graph declares for ``tensor`` (a graph input, output or value_info with a shape,
+        its dimensions known or not), else None. Read from the declarations when first asked: most
+        rewrites never ask."""
+        if self._ranks is None:
+            self._ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in chain(*self._declarations)
+                           if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
+        return self._ranks.get(tensor)
 
     def is_float_or_unknown(self, tensor: str) -> bool:
         """True unless the model declares ``tensor`` with a type other than float32 (or, in a model that

@@ -1119,7 +1119,7 @@ def _rank(tensor: str, index: GraphIndex) -> Optional[int]:
     or its producer says it (Flatten, Gemm: 2; Reshape to a constant shape), through ops that keep the
     rank; else None."""
     for _ in range(_MAX_LOOKAHEAD):
-        declared = index.declared_ranks.get(tensor)
+        declared = index.declared_rank(tensor)
         if declared is not None:
             return declared
         node = index.producer.get(tensor)
